@@ -4,12 +4,12 @@
 #
 #   toolchain/build-kubernetes.sh [component ...]   (default: the control plane and kubectl)
 #
-# Env: PROXY_CACHE_DIR (default ~/.cache/kube-proxy-ng) holds bin/<version>/.
+# Env: PROXY_CACHE_DIR (default ~/.cache/kpx) holds bin/<version>/.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 mod="$here/kubernetes"
 version=$(awk '$1=="k8s.io/kubernetes" {print $2; exit}' "$mod/go.mod")
-cache=${PROXY_CACHE_DIR:-$HOME/.cache/kube-proxy-ng}
+cache=${PROXY_CACHE_DIR:-$HOME/.cache/kpx}
 out="$cache/bin/$version"
 components=("$@")
 [ ${#components[@]} -gt 0 ] || components=(kube-apiserver kube-controller-manager kube-scheduler kubectl)

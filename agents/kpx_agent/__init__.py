@@ -1,0 +1,1 @@
+"""kpx node agent: watches the cluster, computes the node-local state, programs the kernel."""

@@ -1,0 +1,27 @@
+"""The contract every backend implements (nftables, iptables, ipvs, external plugins)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Protocol
+
+from ..localnet import NodeLocalState, ServicePortKey
+
+
+class BackendError(RuntimeError):
+    """Programming the kernel failed; the last good rules are still in place."""
+
+
+class Backend(Protocol):
+    mode: str
+
+    def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
+        """Make the kernel match `state`.
+
+        `changed` lists the service ports that may differ from the last successful sync; None
+        asks for a full sync (first sync, after a failure, after node or settings changes).
+        Must be atomic: on error nothing of this sync is applied and BackendError is raised.
+        """
+
+    def cleanup(self) -> None:
+        """Remove everything this backend ever programmed on this node."""

@@ -1,0 +1,142 @@
+"""The nftables backend: one table per IP family, changed by element deltas.
+
+A full sync swaps each table atomically (used at start, which takes over a previous agent's
+rules without a gap, after a failure, and when the node or settings change). Every other sync
+sends only the elements that changed, computed against the backend's own record, so it never
+reads the kernel's ruleset back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection
+
+from ...localnet import NodeInfo, NodeLocalState, ProxySettings, ServicePortKey
+from ..base import BackendError
+from . import kernel
+from . import names as n
+from .element_book import ElementBook, Plan
+from .ruleset import base_table, endpoint_chain, endpoint_chain_counts, port_elements
+from .transaction import Transaction
+
+log = logging.getLogger(__name__)
+FAMILIES = (4, 6)
+
+
+class NftablesBackend:
+    mode = "nftables"
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        run_script: Callable[[str], None] = kernel.run_script,
+        our_tables: Callable[[], set[str]] = kernel.our_tables,
+    ) -> None:
+        self.settings = settings
+        self._run = run_script
+        self._our_tables = our_tables
+        self._books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
+        self._chains: dict[int, set[tuple[str, int]]] = {f: set() for f in FAMILIES}
+        self._node: NodeInfo | None = None
+        self.last_script = ""
+
+    def programmed(self) -> bool:
+        """True while the kernel still has our tables (someone may flush the ruleset)."""
+        return self._node is not None and len(self._our_tables()) == len(FAMILIES)
+
+    def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
+        if changed is None or self._node is None or state.node != self._node:
+            self._full_sync(state)
+        else:
+            self._partial_sync(state, changed)
+
+    def _full_sync(self, state: NodeLocalState) -> None:
+        books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
+        plans: dict[int, Plan[ServicePortKey]] = {}
+        chains: dict[int, set[tuple[str, int]]] = {}
+        script = []
+        for fam in FAMILIES:
+            updates = {k: port_elements(sp) for k, sp in state.services.items() if k.family == fam}
+            plans[fam] = books[fam].plan(updates)
+            txn = Transaction(fam)
+            txn.replace_table(base_table(fam, self.settings, state.node))
+            chains[fam] = set()
+            for elems in updates.values():
+                chains[fam] |= endpoint_chain_counts(elems)
+            self._render(txn, fam, chains[fam], plans[fam])
+            script.append(txn.render())
+        self._apply("".join(script))
+        for fam in FAMILIES:
+            books[fam].commit(plans[fam])
+            self._log_conflicts(plans[fam])
+        self._books, self._chains, self._node = books, chains, state.node
+
+    def _partial_sync(self, state: NodeLocalState, changed: Collection[ServicePortKey]) -> None:
+        plans: dict[int, Plan[ServicePortKey]] = {}
+        new_chains: dict[int, set[tuple[str, int]]] = {}
+        script = []
+        for fam in FAMILIES:
+            updates = {}
+            for key in changed:
+                if key.family != fam:
+                    continue
+                sp = state.services.get(key)
+                updates[key] = port_elements(sp) if sp is not None else None
+            if not updates:
+                continue
+            plan = self._books[fam].plan(updates)
+            if not plan:
+                continue
+            added = [(s, k, v) for s, pairs in plan.add.items() for k, v in pairs]
+            new_chains[fam] = endpoint_chain_counts(added) - self._chains[fam]
+            txn = Transaction(fam)
+            self._render(txn, fam, new_chains[fam], plan)
+            plans[fam] = plan
+            script.append(txn.render())
+        if not script:
+            return
+        self._apply("".join(script))
+        for fam, plan in plans.items():
+            self._books[fam].commit(plan)
+            self._chains[fam] |= new_chains[fam]
+            self._log_conflicts(plan)
+
+    @staticmethod
+    def _render(
+        txn: Transaction, fam: int, chains: set[tuple[str, int]], plan: Plan[ServicePortKey]
+    ) -> None:
+        for dispatch_map, count in sorted(chains):
+            txn.add_chain(*endpoint_chain(fam, dispatch_map, count))
+        for set_name, keys in sorted(plan.delete.items()):
+            txn.delete_elements(set_name, keys)
+        for set_name, pairs in sorted(plan.add.items()):
+            txn.add_elements(set_name, pairs)
+
+    def _apply(self, script: str) -> None:
+        self.last_script = script
+        try:
+            self._run(script)
+        except BackendError:
+            # The kernel kept the last good rules; our record still equals them, but force a
+            # full swap next time in case the kernel state drifted (it is the safe recovery).
+            self._node = None
+            raise
+
+    @staticmethod
+    def _log_conflicts(plan: Plan[ServicePortKey]) -> None:
+        for (set_name, key), owner in plan.conflicts:
+            log.warning("%s: %s %s is already claimed by another Service", owner, set_name, key)
+
+    def element_count(self) -> int:
+        return sum(len(b) for b in self._books.values())
+
+    def cleanup(self) -> None:
+        cleanup()
+
+
+def cleanup() -> None:
+    """Remove every table this backend owns."""
+    kernel.delete_tables(kernel.our_tables())
+
+
+__all__ = ["FAMILIES", "BackendError", "NftablesBackend", "cleanup", "n"]

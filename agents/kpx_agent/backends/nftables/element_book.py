@@ -1,0 +1,102 @@
+"""The backend's own record of the set and map elements it programmed.
+
+Each element belongs to one or more owners (service ports). A shared element (a hairpin pair
+used by two Services) stays while any owner wants it; a key claimed by two owners with different
+values (two Services on one external IP and port) keeps the first claim. Updates are planned
+against the record without changing it, and committed only once the kernel accepted them, so a
+failed transaction leaves the record equal to what the kernel still has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+Owner = TypeVar("Owner")
+ElementKey = tuple[str, str]  # (set name, element key text)
+Element = tuple[str, str, str | None]  # (set name, key text, value text or None for sets)
+
+
+@dataclass
+class Plan(Generic[Owner]):
+    """Element changes one sync makes: deletions before additions, per set."""
+
+    delete: dict[str, list[str]] = field(default_factory=dict)
+    add: dict[str, list[tuple[str, str | None]]] = field(default_factory=dict)
+    conflicts: list[tuple[ElementKey, Owner]] = field(default_factory=list)
+    _owners: dict[ElementKey, list[tuple[Owner, str | None]]] = field(default_factory=dict)
+    _contrib: dict[Owner, tuple[Element, ...] | None] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.delete or self.add)
+
+
+class ElementBook(Generic[Owner]):
+    def __init__(self) -> None:
+        self._owners: dict[ElementKey, list[tuple[Owner, str | None]]] = {}
+        self._contrib: dict[Owner, tuple[Element, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def elements(self) -> Iterator[Element]:
+        """The effective elements (first owner's value wins), for a full sync."""
+        for (set_name, key), owners in self._owners.items():
+            yield set_name, key, owners[0][1]
+
+    def contribution(self, owner: Owner) -> tuple[Element, ...]:
+        return self._contrib.get(owner, ())
+
+    def owners(self) -> Iterable[Owner]:
+        return self._contrib.keys()
+
+    def plan(self, updates: Mapping[Owner, Iterable[Element] | None]) -> Plan[Owner]:
+        """What changes in the kernel if each owner's elements become `updates[owner]`."""
+        plan: Plan[Owner] = Plan()
+        staged = plan._owners
+        for owner, new_elems in updates.items():
+            old = self._contrib.get(owner, ())
+            new = tuple(new_elems) if new_elems is not None else ()
+            plan._contrib[owner] = new if new_elems is not None else None
+            old_set, new_set = set(old), set(new)
+            for set_name, key, value in old:
+                if (set_name, key, value) in new_set:
+                    continue
+                ek = (set_name, key)
+                lst = staged.setdefault(ek, list(self._owners.get(ek, ())))
+                lst[:] = [(o, v) for o, v in lst if o != owner]
+            for set_name, key, value in new:
+                if (set_name, key, value) in old_set:
+                    continue
+                ek = (set_name, key)
+                lst = staged.setdefault(ek, list(self._owners.get(ek, ())))
+                if lst and lst[0][1] != value and lst[0][0] != owner:
+                    plan.conflicts.append((ek, owner))
+                lst.append((owner, value))
+        for ek, lst in staged.items():
+            before = self._owners.get(ek)
+            old_value = before[0][1] if before else None
+            set_name, key = ek
+            if before and (not lst or lst[0][1] != old_value):
+                plan.delete.setdefault(set_name, []).append(key)
+            if lst and (not before or lst[0][1] != old_value):
+                plan.add.setdefault(set_name, []).append((key, lst[0][1]))
+        return plan
+
+    def commit(self, plan: Plan[Owner]) -> None:
+        """Record a plan the kernel accepted."""
+        for ek, lst in plan._owners.items():
+            if lst:
+                self._owners[ek] = lst
+            else:
+                self._owners.pop(ek, None)
+        for owner, contrib in plan._contrib.items():
+            if contrib:
+                self._contrib[owner] = contrib
+            else:
+                self._contrib.pop(owner, None)
+
+    def clear(self) -> None:
+        self._owners.clear()
+        self._contrib.clear()

@@ -1,0 +1,44 @@
+"""Every kernel object the nftables backend owns is named here, and nowhere else."""
+
+from __future__ import annotations
+
+TABLE = "kpx"
+FAMILIES = {4: "ip", 6: "ip6"}
+ADDR_TYPE = {4: "ipv4_addr", 6: "ipv6_addr"}
+DADDR = {4: "ip daddr", 6: "ip6 daddr"}
+SADDR = {4: "ip saddr", 6: "ip6 saddr"}
+
+# Base chains (hooked) and the regular chains they jump to.
+NAT_PREROUTING = "nat-prerouting"
+NAT_OUTPUT = "nat-output"
+NAT_POSTROUTING = "nat-postrouting"
+FILTER_INPUT = "filter-input"
+FILTER_FORWARD = "filter-forward"
+FILTER_OUTPUT = "filter-output"
+SERVICES = "services"
+NO_ENDPOINTS = "no-endpoints"
+
+# Sets and maps (their elements are what a sync changes).
+SERVICE_IPS = "service-ips"  # vip . proto . port : goto endpoints-<n>
+ENDPOINTS = "endpoints"  # vip . proto . port . bucket : endpoint-ip . port
+SERVICE_NODEPORTS = "service-nodeports"  # proto . port : goto nodeport-endpoints-<n>
+NODEPORT_ENDPOINTS = "nodeport-endpoints"  # proto . port . bucket : endpoint-ip . port
+CLUSTER_IPS = "cluster-ips"  # vip . proto . port: masquerade when from off-cluster
+EXTERNAL_IPS = "external-ips"  # vip . proto . port: masquerade (externalTrafficPolicy Cluster)
+EXTERNAL_NODEPORTS = "external-nodeports"  # proto . port: masquerade (Cluster policy)
+REJECT_IPS = "reject-ips"  # vip . proto . port with no endpoints
+REJECT_NODEPORTS = "reject-nodeports"  # proto . port with no endpoints
+DROP_IPS = "drop-ips"  # vip . proto . port with no local endpoints (Local traffic policy)
+DROP_NODEPORTS = "drop-nodeports"  # proto . port with no local endpoints
+HAIRPIN = "hairpin"  # endpoint . endpoint: a pod reaching itself through a VIP
+NODEPORT_ADDRESSES = "nodeport-addresses"  # local addresses NodePorts answer on
+CLUSTER_CIDRS = "cluster-cidrs"  # the pod networks (detect-local)
+
+
+def endpoints_chain(count: int) -> str:
+    """The chain that picks one of `count` endpoints of a VIP at random."""
+    return f"endpoints-{count}"
+
+
+def nodeport_endpoints_chain(count: int) -> str:
+    return f"nodeport-endpoints-{count}"

@@ -1,0 +1,211 @@
+"""Pure rendering of the nftables ruleset: the fixed table skeleton and each port's elements.
+
+The ruleset's size does not grow with Services in chains or rules: every Service port is a
+handful of map elements. A VIP is dispatched by a verdict map to `endpoints-<n>` (one chain per
+distinct endpoint count), whose single rule DNATs through one shared map keyed by
+`vip . protocol . port . (numgen random mod n)`. Loading 10,000 Services means loading map
+elements, which the kernel does fast; changing one endpoint changes a few elements.
+
+All text here is formatted from parsed values (ipaddress objects, enums, ints): nothing from
+the cluster is pasted in as it came.
+"""
+
+from __future__ import annotations
+
+from ...localnet import Endpoint, IPAddress, NodeInfo, ProxySettings, ServicePort
+from . import names as n
+from .element_book import Element
+
+PRIORITY_DSTNAT = -100  # nft 1.0.6 rejects the name `dstnat` on an output hook
+PRIORITY_SRCNAT = 100
+PRIORITY_FILTER = -1  # just before the default filter priority
+
+
+def _vip_key(ip: IPAddress, sp: ServicePort) -> str:
+    return f"{ip} . {sp.protocol.value} . {sp.port}"
+
+
+def _endpoint_value(ep: Endpoint) -> str:
+    return f"{ep.ip} . {ep.port}"
+
+
+def _dispatch(
+    vip_key: str,
+    endpoints: tuple[Endpoint, ...],
+    drop: bool,
+    dispatch_map: str,
+    endpoint_map: str,
+    chain: str,
+    reject_set: str,
+    drop_set: str,
+) -> list[Element]:
+    if not endpoints:
+        return [(drop_set if drop else reject_set, vip_key, None)]
+    elems: list[Element] = [(dispatch_map, vip_key, f"goto {chain}")]
+    elems.extend(
+        (endpoint_map, f"{vip_key} . {i}", _endpoint_value(ep)) for i, ep in enumerate(endpoints)
+    )
+    return elems
+
+
+def port_elements(sp: ServicePort) -> list[Element]:
+    """The elements one service port contributes to its family's table."""
+    elems: list[Element] = []
+    cluster, external = sp.cluster_endpoints, sp.external_endpoints
+    for ip in sp.cluster_ips:
+        key = _vip_key(ip, sp)
+        elems.append((n.CLUSTER_IPS, key, None))
+        elems += _dispatch(
+            key,
+            cluster,
+            sp.drop_when_no_cluster_endpoints,
+            n.SERVICE_IPS,
+            n.ENDPOINTS,
+            n.endpoints_chain(len(cluster)),
+            n.REJECT_IPS,
+            n.DROP_IPS,
+        )
+    for ip in (*sp.external_ips, *sp.load_balancer_ips):
+        key = _vip_key(ip, sp)
+        if sp.external_masquerade:
+            elems.append((n.EXTERNAL_IPS, key, None))
+        elems += _dispatch(
+            key,
+            external,
+            sp.drop_when_no_external_endpoints,
+            n.SERVICE_IPS,
+            n.ENDPOINTS,
+            n.endpoints_chain(len(external)),
+            n.REJECT_IPS,
+            n.DROP_IPS,
+        )
+    if sp.node_port:
+        key = f"{sp.protocol.value} . {sp.node_port}"
+        if sp.external_masquerade:
+            elems.append((n.EXTERNAL_NODEPORTS, key, None))
+        elems += _dispatch(
+            key,
+            external,
+            sp.drop_when_no_external_endpoints,
+            n.SERVICE_NODEPORTS,
+            n.NODEPORT_ENDPOINTS,
+            n.nodeport_endpoints_chain(len(external)),
+            n.REJECT_NODEPORTS,
+            n.DROP_NODEPORTS,
+        )
+    for ep in sorted({e for e in (*cluster, *external) if e.local}):
+        elems.append((n.HAIRPIN, f"{ep.ip} . {ep.ip}", None))
+    return elems
+
+
+def endpoint_chain_counts(elements: list[Element]) -> set[tuple[str, int]]:
+    """The (dispatch map, endpoint count) pairs whose chains these elements jump to."""
+    out: set[tuple[str, int]] = set()
+    for set_name, _key, value in elements:
+        if value is not None and value.startswith("goto "):
+            out.add((set_name, int(value.rsplit("-", 1)[1])))
+    return out
+
+
+def endpoint_chain(family: int, dispatch_map: str, count: int) -> tuple[str, str]:
+    """Name and rule of the chain that picks one of `count` endpoints at random."""
+    daddr, fam = n.DADDR[family], n.FAMILIES[family]
+    if dispatch_map == n.SERVICE_NODEPORTS:
+        return (
+            n.nodeport_endpoints_chain(count),
+            f"dnat {fam} to meta l4proto . th dport . numgen random mod {count} "
+            f"map @{n.NODEPORT_ENDPOINTS}",
+        )
+    return (
+        n.endpoints_chain(count),
+        f"dnat {fam} to {daddr} . meta l4proto . th dport . numgen random mod {count} "
+        f"map @{n.ENDPOINTS}",
+    )
+
+
+def nodeport_addresses(family: int, settings: ProxySettings, node: NodeInfo) -> list[str]:
+    """Where NodePorts answer: configured networks, else the node's addresses, else anywhere."""
+    nets = [str(net) for net in settings.node_port_networks if net.version == family]
+    if settings.node_port_networks:
+        return nets
+    addrs = [str(a) for a in node.addresses if a.version == family]
+    return addrs or (["0.0.0.0/0"] if family == 4 else ["::/0"])
+
+
+def _elements_clause(elements: list[str]) -> str:
+    return f" elements = {{ {', '.join(elements)} }};" if elements else ""
+
+
+def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
+    """The table with its sets, maps and fixed chains, without any Service's elements."""
+    fam, addr, daddr, saddr = n.FAMILIES[family], n.ADDR_TYPE[family], n.DADDR[family], n.SADDR[family]
+    mark = f"0x{settings.masquerade_mark:08x}"
+    set_mark = f"meta mark set meta mark | {mark}"
+    vpp = f"{addr} . inet_proto . inet_service"
+    pp = "inet_proto . inet_service"
+    # The value's typeof says `tcp dport` only to name its type (inet_service): with `th dport`,
+    # nft 1.0.6 cannot add a rule using the map once the map is in the kernel ("conflicting
+    # protocols specified: ip vs. th"). Rules still match `th dport`, for TCP, UDP and SCTP.
+    value = f"{daddr} . tcp dport"
+    match_vpp = f"{daddr} . meta l4proto . th dport"
+    local_np = f"fib daddr type local {daddr} @{n.NODEPORT_ADDRESSES} meta l4proto . th dport"
+    cidrs = [str(c) for c in settings.cluster_cidrs if c.version == family]
+    masq_cluster = ""
+    if settings.masquerade_all:
+        masq_cluster = f"    {match_vpp} @{n.CLUSTER_IPS} {set_mark}\n"
+    elif cidrs:
+        masq_cluster = f"    {match_vpp} @{n.CLUSTER_IPS} {saddr} != @{n.CLUSTER_CIDRS} {set_mark}\n"
+    lines = [
+        f"table {fam} {n.TABLE} {{",
+        f"  set {n.CLUSTER_IPS} {{ type {vpp}; }}",
+        f"  set {n.EXTERNAL_IPS} {{ type {vpp}; }}",
+        f"  set {n.REJECT_IPS} {{ type {vpp}; }}",
+        f"  set {n.DROP_IPS} {{ type {vpp}; }}",
+        f"  set {n.EXTERNAL_NODEPORTS} {{ type {pp}; }}",
+        f"  set {n.REJECT_NODEPORTS} {{ type {pp}; }}",
+        f"  set {n.DROP_NODEPORTS} {{ type {pp}; }}",
+        f"  set {n.HAIRPIN} {{ type {addr} . {addr}; }}",
+        f"  set {n.NODEPORT_ADDRESSES} {{ type {addr}; flags interval; auto-merge;"
+        f"{_elements_clause(nodeport_addresses(family, settings, node))} }}",
+        f"  set {n.CLUSTER_CIDRS} {{ type {addr}; flags interval; auto-merge;"
+        f"{_elements_clause(cidrs)} }}",
+        f"  map {n.SERVICE_IPS} {{ type {vpp} : verdict; }}",
+        f"  map {n.ENDPOINTS} {{ typeof {match_vpp} . numgen random mod 2 : {value}; }}",
+        f"  map {n.SERVICE_NODEPORTS} {{ type {pp} : verdict; }}",
+        f"  map {n.NODEPORT_ENDPOINTS} {{ typeof meta l4proto . th dport . numgen random mod 2 :"
+        f" {value}; }}",
+        f"  chain {n.SERVICES} {{",
+        masq_cluster.rstrip("\n"),
+        f"    {match_vpp} @{n.EXTERNAL_IPS} {set_mark}",
+        f"    {match_vpp} vmap @{n.SERVICE_IPS}",
+        f"    {local_np} @{n.EXTERNAL_NODEPORTS} {set_mark}",
+        f"    {local_np} vmap @{n.SERVICE_NODEPORTS}",
+        "  }",
+        f"  chain {n.NO_ENDPOINTS} {{",
+        f"    {match_vpp} @{n.REJECT_IPS} reject",
+        f"    {match_vpp} @{n.DROP_IPS} drop",
+        f"    {local_np} @{n.REJECT_NODEPORTS} reject",
+        f"    {local_np} @{n.DROP_NODEPORTS} drop",
+        "  }",
+        f"  chain {n.NAT_PREROUTING} {{ type nat hook prerouting priority {PRIORITY_DSTNAT};"
+        f" policy accept; jump {n.SERVICES}; }}",
+        f"  chain {n.NAT_OUTPUT} {{ type nat hook output priority {PRIORITY_DSTNAT};"
+        f" policy accept; jump {n.SERVICES}; }}",
+        f"  chain {n.NAT_POSTROUTING} {{",
+        f"    type nat hook postrouting priority {PRIORITY_SRCNAT}; policy accept;",
+        f"    meta mark & {mark} == {mark} meta mark set meta mark ^ {mark}"
+        " masquerade fully-random",
+        f"    ct status dnat {saddr} . {daddr} @{n.HAIRPIN} masquerade fully-random",
+        "  }",
+    ]
+    for chain, hook in (
+        (n.FILTER_INPUT, "input"),
+        (n.FILTER_FORWARD, "forward"),
+        (n.FILTER_OUTPUT, "output"),
+    ):
+        lines.append(
+            f"  chain {chain} {{ type filter hook {hook} priority {PRIORITY_FILTER};"
+            f" policy accept; ct state new jump {n.NO_ENDPOINTS}; }}"
+        )
+    lines.append("}")
+    return "\n".join(line for line in lines if line) + "\n"

@@ -1,0 +1,160 @@
+"""What the agent knows of the cluster, and which Services changed since the last sync.
+
+Watch handlers only record here (like kube-proxy's change trackers); the sync loop takes the
+changes out and computes. Plain data structures: unit tests drive them directly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .node_local import SERVICE_NAME_LABEL
+
+Obj = Mapping[str, Any]
+Key = tuple[str, str]  # (namespace, name)
+
+SERVICES, SLICES, NAMESPACES, NODES = "services", "endpointslices", "namespaces", "nodes"
+TRIGGER_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
+
+
+def _key(obj: Obj) -> Key:
+    meta = obj.get("metadata") or {}
+    return (str(meta.get("namespace", "")), str(meta.get("name", "")))
+
+
+def _owner(slice_obj: Obj) -> Key | None:
+    meta = slice_obj.get("metadata") or {}
+    svc = (meta.get("labels") or {}).get(SERVICE_NAME_LABEL)
+    return (str(meta.get("namespace", "")), str(svc)) if svc else None
+
+
+def _trigger_time(slice_obj: Obj) -> float | None:
+    value = ((slice_obj.get("metadata") or {}).get("annotations") or {}).get(TRIGGER_ANNOTATION)
+    if not value:
+        return None
+    try:
+        return datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+@dataclass
+class Changes:
+    """What to recompute: these Services (or all of them), with their change trigger times."""
+
+    services: set[Key] = field(default_factory=set)
+    everything: bool = False
+    trigger_times: dict[Key, float] = field(default_factory=dict)
+    queued_at: float = 0.0
+
+    def __bool__(self) -> bool:
+        return self.everything or bool(self.services)
+
+
+class ClusterState:
+    """Services, EndpointSlices, Namespaces and this node, as last seen, plus pending changes."""
+
+    def __init__(self) -> None:
+        self.services: dict[Key, Obj] = {}
+        self.slices: dict[Key, Obj] = {}
+        self.slices_by_service: dict[Key, set[Key]] = defaultdict(set)
+        self.namespaces: dict[str, Mapping[str, str]] = {}
+        self.node: Obj | None = None
+        self.synced: set[str] = set()
+        self._changes = Changes()
+
+    # -- recording -----------------------------------------------------------------------------
+    def _touch(self, svc: Key) -> None:
+        if not self._changes:
+            self._changes.queued_at = time.time()
+        self._changes.services.add(svc)
+
+    def touch_all(self) -> None:
+        if not self._changes:
+            self._changes.queued_at = time.time()
+        self._changes.everything = True
+
+    def upsert(self, kind: str, obj: Obj) -> None:
+        if kind == SERVICES:
+            key = _key(obj)
+            if self.services.get(key) != obj:
+                self.services[key] = obj
+                self._touch(key)
+        elif kind == SLICES:
+            self._upsert_slice(obj)
+        elif kind == NAMESPACES:
+            self.namespaces[_key(obj)[1]] = dict((obj.get("metadata") or {}).get("labels") or {})
+        elif kind == NODES:
+            self.node = obj
+            self.touch_all()
+
+    def _upsert_slice(self, obj: Obj) -> None:
+        key = _key(obj)
+        old = self.slices.get(key)
+        if old == obj:
+            return
+        if old is not None and (old_owner := _owner(old)) is not None:
+            self.slices_by_service[old_owner].discard(key)
+            self._touch(old_owner)
+        self.slices[key] = obj
+        owner = _owner(obj)
+        if owner is not None:
+            self.slices_by_service[owner].add(key)
+            self._touch(owner)
+            trigger = _trigger_time(obj)
+            if trigger is not None:
+                prev = self._changes.trigger_times.get(owner)
+                self._changes.trigger_times[owner] = min(prev, trigger) if prev else trigger
+
+    def delete(self, kind: str, obj: Obj) -> None:
+        key = _key(obj)
+        if kind == SERVICES:
+            if self.services.pop(key, None) is not None:
+                self._touch(key)
+        elif kind == SLICES:
+            old = self.slices.pop(key, None)
+            if old is not None and (owner := _owner(old)) is not None:
+                self.slices_by_service[owner].discard(key)
+                if not self.slices_by_service[owner]:
+                    del self.slices_by_service[owner]
+                self._touch(owner)
+        elif kind == NAMESPACES:
+            self.namespaces.pop(key[1], None)
+        elif kind == NODES:
+            self.node = None
+            self.touch_all()
+
+    def replace(self, kind: str, objs: Iterable[Obj]) -> None:
+        """A full list arrived: make the store equal to it, recording only real differences."""
+        objs = list(objs)
+        if kind == NODES:
+            self.node = objs[0] if objs else None
+            self.touch_all()
+        elif kind == NAMESPACES:
+            self.namespaces = {
+                _key(o)[1]: dict((o.get("metadata") or {}).get("labels") or {}) for o in objs
+            }
+        else:
+            new = {_key(o): o for o in objs}
+            current = self.services if kind == SERVICES else self.slices
+            for key in [k for k in current if k not in new]:
+                self.delete(kind, current[key])
+            for obj in new.values():
+                self.upsert(kind, obj)
+        self.synced.add(kind)
+
+    # -- reading -------------------------------------------------------------------------------
+    def slices_of(self, svc: Key) -> list[Obj]:
+        return [self.slices[k] for k in self.slices_by_service.get(svc, ()) if k in self.slices]
+
+    def take_changes(self) -> Changes:
+        changes, self._changes = self._changes, Changes()
+        return changes
+
+    def has_changes(self) -> bool:
+        return bool(self._changes)

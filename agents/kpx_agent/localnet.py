@@ -1,0 +1,116 @@
+"""The node-local state: what every backend receives (in the spirit of KPNG's localnetv1).
+
+Plain, frozen, validated data. Backends never see Kubernetes objects: every Service behaviour
+(readiness, terminating fallback, traffic policies, topology) is already decided here, and every
+address and port has been parsed, so a backend can render it into a ruleset without re-checking.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+
+IPAddress = IPv4Address | IPv6Address
+IPNetwork = IPv4Network | IPv6Network
+
+
+class Protocol(enum.StrEnum):
+    TCP = "tcp"
+    UDP = "udp"
+    SCTP = "sctp"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class ServicePortKey:
+    """Identifies one port of one Service in one IP family."""
+
+    namespace: str
+    name: str
+    port_name: str
+    protocol: Protocol
+    family: int  # 4 or 6
+
+    def __str__(self) -> str:
+        port = f":{self.port_name}" if self.port_name else ""
+        return f"{self.namespace}/{self.name}{port}/{self.protocol.value}/v{self.family}"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Endpoint:
+    """A usable endpoint (already filtered for readiness/terminating/topology)."""
+
+    ip: IPAddress
+    port: int
+    local: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ServicePort:
+    """One Service port, one family, with the endpoints this node must use for it.
+
+    `cluster_endpoints` serve traffic to the cluster IPs (internalTrafficPolicy applied);
+    `external_endpoints` serve NodePort, externalIPs and load-balancer IPs
+    (externalTrafficPolicy applied). An empty list means: reject (or drop, see the flags).
+    """
+
+    key: ServicePortKey
+    port: int
+    cluster_ips: tuple[IPAddress, ...] = ()
+    external_ips: tuple[IPAddress, ...] = ()
+    load_balancer_ips: tuple[IPAddress, ...] = ()
+    node_port: int = 0
+    cluster_endpoints: tuple[Endpoint, ...] = ()
+    external_endpoints: tuple[Endpoint, ...] = ()
+    # externalTrafficPolicy: Cluster -> masquerade external traffic; Local -> keep the source.
+    external_masquerade: bool = True
+    # internalTrafficPolicy: Local with no local endpoint -> drop, not reject.
+    drop_when_no_cluster_endpoints: bool = False
+    # externalTrafficPolicy: Local with no local endpoint -> drop external traffic.
+    drop_when_no_external_endpoints: bool = False
+    affinity_timeout: int = 0  # seconds; 0 = no session affinity
+    load_balancer_source_ranges: tuple[IPNetwork, ...] = ()
+    health_check_node_port: int = 0
+
+    @property
+    def family(self) -> int:
+        return self.key.family
+
+    @property
+    def protocol(self) -> Protocol:
+        return self.key.protocol
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What the backends need to know about their own node."""
+
+    name: str
+    addresses: tuple[IPAddress, ...] = ()
+    zone: str = ""
+    pod_cidrs: tuple[IPNetwork, ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ProxySettings:
+    """The part of the agent configuration the backends act on, already parsed."""
+
+    masquerade_bit: int = 14
+    masquerade_all: bool = False
+    cluster_cidrs: tuple[IPNetwork, ...] = ()
+    # Empty: the node's own addresses ("primary"); otherwise NodePorts answer on local
+    # addresses inside these networks.
+    node_port_networks: tuple[IPNetwork, ...] = ()
+
+    @property
+    def masquerade_mark(self) -> int:
+        return 1 << self.masquerade_bit
+
+
+@dataclass
+class NodeLocalState:
+    """The complete node-local view: every Service port this node proxies, by key."""
+
+    node: NodeInfo
+    services: dict[ServicePortKey, ServicePort] = field(default_factory=dict)

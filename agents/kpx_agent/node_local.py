@@ -1,0 +1,265 @@
+"""The node-local model: a pure function of (Service, EndpointSlices, Node) to ServicePorts.
+
+Every Service behaviour is decided here, once, for all backends: which service ports exist per
+IP family, which endpoints are usable for cluster and for external traffic on this node
+(readiness, serving-and-terminating fallback, topology hints and trafficDistribution, traffic
+policies), session affinity, and the addresses a port answers on. Values from the cluster are
+parsed here (addresses, ports, protocols); whatever does not parse is left out and reported.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .localnet import (
+    Endpoint,
+    IPAddress,
+    IPNetwork,
+    NodeInfo,
+    Protocol,
+    ServicePort,
+    ServicePortKey,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
+HEADLESS_LABEL = "service.kubernetes.io/headless"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+ZONE_LABEL = "topology.kubernetes.io/zone"
+TOPOLOGY_MODE_ANNOTATIONS = (
+    "service.kubernetes.io/topology-mode",
+    "service.kubernetes.io/topology-aware-hints",
+)
+DEFAULT_AFFINITY_TIMEOUT = 10800
+_PROTOCOLS = {"TCP": Protocol.TCP, "UDP": Protocol.UDP, "SCTP": Protocol.SCTP}
+_FAMILY_OF_SLICE = {"IPv4": 4, "IPv6": 6}
+
+Obj = Mapping[str, Any]
+
+
+def _ip(value: object) -> IPAddress | None:
+    try:
+        return ipaddress.ip_address(str(value))
+    except ValueError:
+        log.warning("ignoring invalid IP address %r", value)
+        return None
+
+
+def _net(value: object) -> IPNetwork | None:
+    try:
+        return ipaddress.ip_network(str(value).strip(), strict=False)
+    except ValueError:
+        log.warning("ignoring invalid CIDR %r", value)
+        return None
+
+
+def _port(value: object) -> int:
+    """A valid port number, or 0 when absent or invalid."""
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535:
+        return value
+    return 0
+
+
+def node_info(node: Obj | None, node_name: str) -> NodeInfo:
+    """What the model needs of this node: its addresses (InternalIP first), zone, pod CIDRs."""
+    if node is None:
+        return NodeInfo(name=node_name)
+    status = node.get("status") or {}
+    addrs: list[IPAddress] = []
+    for wanted in ("InternalIP", "ExternalIP"):
+        for a in status.get("addresses") or []:
+            if a.get("type") == wanted and (ip := _ip(a.get("address"))) and ip not in addrs:
+                addrs.append(ip)
+    labels = dict((node.get("metadata") or {}).get("labels") or {})
+    spec = node.get("spec") or {}
+    cidrs = [n for c in spec.get("podCIDRs") or [] if (n := _net(c)) is not None]
+    return NodeInfo(
+        name=node_name,
+        addresses=tuple(addrs),
+        zone=str(labels.get(ZONE_LABEL, "")),
+        pod_cidrs=tuple(cidrs),
+        labels=tuple(sorted((str(k), str(v)) for k, v in labels.items())),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Candidate:
+    """An endpoint address from a slice, with its conditions and hints, before filtering."""
+
+    ip: IPAddress
+    port: int
+    ready: bool
+    serving: bool
+    terminating: bool
+    local: bool
+    zone_hints: frozenset[str] | None
+    node_hints: frozenset[str] | None
+
+    def endpoint(self) -> Endpoint:
+        return Endpoint(self.ip, self.port, self.local)
+
+
+def _candidates(
+    slices: Iterable[Obj], family: int, port_name: str, protocol: Protocol, node_name: str
+) -> list[_Candidate]:
+    """All endpoints of the slices for one service port and family, de-duplicated by address."""
+    seen: dict[IPAddress, _Candidate] = {}
+    for sl in slices:
+        if _FAMILY_OF_SLICE.get(str(sl.get("addressType"))) != family:
+            continue
+        port = 0
+        for p in sl.get("ports") or []:
+            if (p.get("name") or "") == port_name and _PROTOCOLS.get(
+                str(p.get("protocol") or "TCP")
+            ) == protocol:
+                port = _port(p.get("port"))
+                break
+        if not port:
+            continue
+        for ep in sl.get("endpoints") or []:
+            cond = ep.get("conditions") or {}
+            ready = cond.get("ready") is not False  # nil means ready
+            serving = ready if cond.get("serving") is None else bool(cond.get("serving"))
+            terminating = bool(cond.get("terminating"))
+            hints = ep.get("hints")
+            zones = nodes = None
+            if hints:
+                if hints.get("forZones") is not None:
+                    zones = frozenset(str(z.get("name")) for z in hints["forZones"])
+                if hints.get("forNodes") is not None:
+                    nodes = frozenset(str(n.get("name")) for n in hints["forNodes"])
+            local = bool(node_name) and ep.get("nodeName") == node_name
+            for addr in (ep.get("addresses") or [])[:1]:  # the first address is the one to use
+                ip = _ip(addr)
+                if ip is None or ip.version != family or ip in seen:
+                    continue
+                seen[ip] = _Candidate(ip, port, ready, serving, terminating, local, zones, nodes)
+    return sorted(seen.values(), key=lambda c: (c.ip, c.port))
+
+
+def _usable(cands: list[_Candidate]) -> list[_Candidate]:
+    """Ready endpoints; when none is ready, the serving-and-terminating ones (KEP-1669)."""
+    ready = [c for c in cands if c.ready]
+    if ready:
+        return ready
+    return [c for c in cands if c.serving and c.terminating]
+
+
+def _topology_filter(
+    service: Obj, cands: list[_Candidate], node: NodeInfo
+) -> list[_Candidate]:
+    """Apply EndpointSlice hints (topology-aware routing, trafficDistribution) as upstream does.
+
+    Hints are used only when the Service asks for them and every usable endpoint carries them;
+    otherwise (and when the hints leave nothing for this node) all endpoints are used.
+    """
+    spec = service.get("spec") or {}
+    annotations = (service.get("metadata") or {}).get("annotations") or {}
+    wants = bool(spec.get("trafficDistribution")) or any(
+        str(annotations.get(a, "")).lower() in ("auto", "true") for a in TOPOLOGY_MODE_ANNOTATIONS
+    )
+    if not wants or not cands:
+        return cands
+    if all(c.node_hints is not None for c in cands):
+        same_node = [c for c in cands if c.node_hints and node.name in c.node_hints]
+        if same_node:
+            return same_node
+    if not node.zone or not all(c.zone_hints is not None for c in cands):
+        return cands
+    same_zone = [c for c in cands if c.zone_hints and node.zone in c.zone_hints]
+    return same_zone or cands
+
+
+def _affinity_timeout(spec: Obj) -> int:
+    if spec.get("sessionAffinity") != "ClientIP":
+        return 0
+    cfg = ((spec.get("sessionAffinityConfig") or {}).get("clientIP") or {}).get("timeoutSeconds")
+    if isinstance(cfg, int) and 0 < cfg <= 86400:
+        return cfg
+    return DEFAULT_AFFINITY_TIMEOUT
+
+
+def is_proxied(service: Obj) -> bool:
+    """False for Services this agent must ignore (another proxy's, ExternalName, headless)."""
+    labels = (service.get("metadata") or {}).get("labels") or {}
+    if SERVICE_PROXY_NAME_LABEL in labels:
+        return False
+    spec = service.get("spec") or {}
+    if spec.get("type") == "ExternalName":
+        return False
+    ips = spec.get("clusterIPs") or [spec.get("clusterIP")]
+    return bool(ips) and ips[0] not in (None, "", "None")
+
+
+def service_ports(
+    service: Obj, slices: Iterable[Obj], node: NodeInfo
+) -> list[ServicePort]:
+    """The node-local ServicePorts of one Service: one per (port, IP family)."""
+    if not is_proxied(service):
+        return []
+    meta = service.get("metadata") or {}
+    spec = service.get("spec") or {}
+    status = service.get("status") or {}
+    namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
+    svc_type = spec.get("type") or "ClusterIP"
+    external_capable = svc_type in ("NodePort", "LoadBalancer")
+
+    cluster_ips = [ip for v in spec.get("clusterIPs") or [spec.get("clusterIP")] if (ip := _ip(v))]
+    external_ips = [ip for v in spec.get("externalIPs") or [] if (ip := _ip(v))]
+    lb_ips: list[IPAddress] = []
+    if svc_type == "LoadBalancer":
+        for ing in (status.get("loadBalancer") or {}).get("ingress") or []:
+            # ipMode Proxy: the load balancer proxies; traffic never carries the LB IP here.
+            if ing.get("ip") and ing.get("ipMode") != "Proxy" and (ip := _ip(ing["ip"])):
+                lb_ips.append(ip)
+    source_ranges = [
+        n for r in spec.get("loadBalancerSourceRanges") or [] if (n := _net(r)) is not None
+    ]
+    etp_local = external_capable and spec.get("externalTrafficPolicy") == "Local"
+    itp_local = spec.get("internalTrafficPolicy") == "Local"
+    affinity = _affinity_timeout(spec)
+    hc_port = _port(spec.get("healthCheckNodePort")) if etp_local else 0
+    slices = list(slices)
+
+    result: list[ServicePort] = []
+    for family in sorted({ip.version for ip in cluster_ips}):
+        fam_cluster = tuple(ip for ip in cluster_ips if ip.version == family)
+        for p in spec.get("ports") or []:
+            protocol = _PROTOCOLS.get(str(p.get("protocol") or "TCP"))
+            port = _port(p.get("port"))
+            if protocol is None or not port:
+                log.warning("%s/%s: ignoring invalid port %r", namespace, name, p)
+                continue
+            port_name = str(p.get("name") or "")
+            cands = _candidates(slices, family, port_name, protocol, node.name)
+            usable_all = _topology_filter(service, _usable(cands), node)
+            local = _usable([c for c in cands if c.local])
+            cluster_eps = local if itp_local else usable_all
+            external_eps = local if etp_local else usable_all
+            key = ServicePortKey(namespace, name, port_name, protocol, family)
+            result.append(
+                ServicePort(
+                    key=key,
+                    port=port,
+                    cluster_ips=fam_cluster,
+                    external_ips=tuple(ip for ip in external_ips if ip.version == family),
+                    load_balancer_ips=tuple(ip for ip in lb_ips if ip.version == family),
+                    node_port=_port(p.get("nodePort")) if external_capable else 0,
+                    cluster_endpoints=tuple(c.endpoint() for c in cluster_eps),
+                    external_endpoints=tuple(c.endpoint() for c in external_eps),
+                    external_masquerade=not etp_local,
+                    drop_when_no_cluster_endpoints=itp_local,
+                    drop_when_no_external_endpoints=etp_local,
+                    affinity_timeout=affinity,
+                    load_balancer_source_ranges=tuple(
+                        n for n in source_ranges if n.version == family
+                    ),
+                    health_check_node_port=hc_port,
+                )
+            )
+    return result
