@@ -150,9 +150,7 @@ def _usable(cands: list[_Candidate]) -> list[_Candidate]:
     return [c for c in cands if c.serving and c.terminating]
 
 
-def _topology_filter(
-    service: Obj, cands: list[_Candidate], node: NodeInfo
-) -> list[_Candidate]:
+def _topology_filter(service: Obj, cands: list[_Candidate], node: NodeInfo) -> list[_Candidate]:
     """Apply EndpointSlice hints (topology-aware routing, trafficDistribution) as upstream does.
 
     Hints are used only when the Service asks for them and every usable endpoint carries them;
@@ -196,9 +194,7 @@ def is_proxied(service: Obj) -> bool:
     return bool(ips) and ips[0] not in (None, "", "None")
 
 
-def service_ports(
-    service: Obj, slices: Iterable[Obj], node: NodeInfo
-) -> list[ServicePort]:
+def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[ServicePort]:
     """The node-local ServicePorts of one Service: one per (port, IP family)."""
     if not is_proxied(service):
         return []

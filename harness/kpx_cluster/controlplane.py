@@ -101,7 +101,9 @@ class Cluster:
 
     def status(self) -> dict[str, bool]:
         """Each component's name -> whether its process runs and answers its health check."""
-        return {c.name: _pid_alive(c.pid, c.binary) and self._healthy(c) for c in self._components()}
+        return {
+            c.name: _pid_alive(c.pid, c.binary) and self._healthy(c) for c in self._components()
+        }
 
     def is_running(self) -> bool:
         comps = self._components()

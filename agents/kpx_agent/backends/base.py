@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Protocol
 
-from ..localnet import NodeLocalState, ServicePortKey
+from ..localnet import NodeLocalState, ProxySettings, ServicePortKey
 
 
 class BackendError(RuntimeError):
@@ -14,6 +14,7 @@ class BackendError(RuntimeError):
 
 class Backend(Protocol):
     mode: str
+    settings: ProxySettings  # replaced on a live configuration change (then a full sync)
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
         """Make the kernel match `state`.

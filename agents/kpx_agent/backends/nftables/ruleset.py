@@ -138,7 +138,12 @@ def _elements_clause(elements: list[str]) -> str:
 
 def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
     """The table with its sets, maps and fixed chains, without any Service's elements."""
-    fam, addr, daddr, saddr = n.FAMILIES[family], n.ADDR_TYPE[family], n.DADDR[family], n.SADDR[family]
+    fam, addr, daddr, saddr = (
+        n.FAMILIES[family],
+        n.ADDR_TYPE[family],
+        n.DADDR[family],
+        n.SADDR[family],
+    )
     mark = f"0x{settings.masquerade_mark:08x}"
     set_mark = f"meta mark set meta mark | {mark}"
     vpp = f"{addr} . inet_proto . inet_service"
@@ -154,7 +159,9 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
     if settings.masquerade_all:
         masq_cluster = f"    {match_vpp} @{n.CLUSTER_IPS} {set_mark}\n"
     elif cidrs:
-        masq_cluster = f"    {match_vpp} @{n.CLUSTER_IPS} {saddr} != @{n.CLUSTER_CIDRS} {set_mark}\n"
+        masq_cluster = (
+            f"    {match_vpp} @{n.CLUSTER_IPS} {saddr} != @{n.CLUSTER_CIDRS} {set_mark}\n"
+        )
     lines = [
         f"table {fam} {n.TABLE} {{",
         f"  set {n.CLUSTER_IPS} {{ type {vpp}; }}",

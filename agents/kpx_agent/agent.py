@@ -1,0 +1,214 @@
+"""The running agent: watches, the sync loop, config reloads, health and metrics servers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+from kpx_api.errors import ConfigError
+
+from . import settings as settings_mod
+from .backends.base import Backend
+from .cluster_state import ClusterState
+from .http_endpoints import Health, health_app, metrics_app, serve
+from .kube_api import KubeClient
+from .metrics import AgentMetrics
+from .optout import exclusion_field_selector
+from .proxier import Proxier
+from .settings import AgentSettings
+from .watch import (
+    NAMESPACES_RESOURCE,
+    NODES_RESOURCE,
+    SERVICES_RESOURCE,
+    SLICES_RESOURCE,
+    Reflector,
+    Resource,
+)
+
+log = logging.getLogger(__name__)
+CONFIG_POLL_SECONDS = 2.0
+
+
+class Agent:
+    def __init__(
+        self,
+        settings: AgentSettings,
+        node_name: str,
+        client: KubeClient,
+        backend: Backend,
+        config_path: Path | None = None,
+        overrides: dict[str, object] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.node_name = node_name
+        self.client = client
+        self.backend = backend
+        self.config_path = config_path
+        self.overrides = overrides or {}
+        self.metrics = AgentMetrics()
+        self.state = ClusterState()
+        self.proxier = Proxier(self.state, backend, node_name, settings.optout, self.metrics)
+        self._wake = asyncio.Event()
+        self._config_stamp = self._stamp()
+        self.health = Health(
+            last_success=lambda: self.proxier.last_success,
+            timeout=lambda: max(2 * self.settings.sync_period, 60.0),
+            started=time.time(),
+        )
+
+    # -- wiring --------------------------------------------------------------------------------
+    def _reflector(self, resource: Resource, field_selector: str = "") -> Reflector:
+        selector = field_selector
+        return Reflector(
+            self.client,
+            resource,
+            self.state,
+            field_selector=(lambda: selector),
+            on_event=self._wake.set,
+        )
+
+    def _excluding_reflector(self, resource: Resource) -> Reflector:
+        """Services and EndpointSlices: the apiserver leaves out opted-out namespaces."""
+        return Reflector(
+            self.client,
+            resource,
+            self.state,
+            field_selector=lambda: exclusion_field_selector(self.proxier.excluded),
+            on_event=self._wake.set,
+        )
+
+    def _publish_watch_metrics(self) -> None:
+        for resource, count in self.client.bytes_received.items():
+            self.metrics.watch_bytes.labels(resource).set(count)
+        for resource, count in self.client.objects_received.items():
+            self.metrics.watch_objects.labels(resource).set(count)
+        element_count = getattr(self.backend, "element_count", None)
+        if element_count is not None:
+            self.metrics.kernel_elements.set(element_count())
+
+    async def run(self) -> None:
+        runners = [
+            await serve(health_app(self.health), *self.settings.healthz),
+            await serve(
+                metrics_app(self.metrics.registry, self._publish_watch_metrics),
+                *self.settings.metrics,
+            ),
+        ]
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            namespaces = self._reflector(NAMESPACES_RESOURCE)
+            node = self._reflector(NODES_RESOURCE, f"metadata.name={self.node_name}")
+            tasks += [asyncio.create_task(r.run()) for r in (namespaces, node)]
+            await asyncio.gather(namespaces.synced.wait(), node.synced.wait())
+            # Know the opted-out namespaces before the first list, so it already leaves them out.
+            self.proxier.update_excluded()
+            services = self._excluding_reflector(SERVICES_RESOURCE)
+            slices = self._excluding_reflector(SLICES_RESOURCE)
+            tasks += [asyncio.create_task(r.run()) for r in (services, slices)]
+            await asyncio.gather(services.synced.wait(), slices.synced.wait())
+            log.info(
+                "initial lists done: %d services, %d endpointslices, %d namespaces opted out",
+                len(self.state.services),
+                len(self.state.slices),
+                len(self.proxier.excluded),
+            )
+            if self.config_path is not None:
+                tasks.append(asyncio.create_task(self._watch_config()))
+            await self._sync_loop((services, slices))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for runner in runners:
+                await runner.cleanup()
+            await self.client.close()
+
+    # -- the sync loop -------------------------------------------------------------------------
+    async def _sync_loop(self, excluding: tuple[Reflector, ...]) -> None:
+        last_start = 0.0
+        next_resync = time.monotonic() + self.settings.sync_period
+        retry_delay = 0.0
+        while True:
+            timeout = max(0.0, next_resync - time.monotonic())
+            if retry_delay:
+                timeout = min(timeout, retry_delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            self._wake.clear()
+            now = time.monotonic()
+            if now >= next_resync:
+                self.proxier.periodic_check()
+                self.state.touch_all()
+                next_resync = now + self.settings.sync_period
+            # Coalesce bursts: at most one sync per minSyncPeriod.
+            wait = last_start + self.settings.min_sync_period - now
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if self.proxier.update_excluded():
+                log.info("opted-out namespaces now: %s", sorted(self.proxier.excluded))
+                for reflector in excluding:
+                    reflector.restart()
+            if not self.state.has_changes() and not retry_delay:
+                continue
+            last_start = time.monotonic()
+            outcome = self.proxier.sync()
+            if outcome.ok:
+                retry_delay = 0.0
+                log.debug(
+                    "synced %d ports (%s) in %.3fs",
+                    outcome.changed_ports,
+                    "full" if outcome.full else "partial",
+                    outcome.duration,
+                )
+            else:
+                retry_delay = min(max(retry_delay * 2, 1.0), 30.0)
+                self.state.touch_all()
+
+    # -- live configuration --------------------------------------------------------------------
+    def _stamp(self) -> bytes:
+        if self.config_path is None:
+            return b""
+        try:
+            return self.config_path.read_bytes()
+        except OSError:
+            return b""
+
+    async def _watch_config(self) -> None:
+        while True:
+            await asyncio.sleep(CONFIG_POLL_SECONDS)
+            stamp = self._stamp()
+            if stamp == self._config_stamp:
+                continue
+            self._config_stamp = stamp
+            self.reload_config()
+
+    def reload_config(self) -> bool:
+        """Apply a changed configuration file; a bad one is refused and the old one stays."""
+        try:
+            config = settings_mod.load(self.settings.mode, self.config_path, self.overrides)
+            new = settings_mod.resolve(config)
+        except ConfigError as exc:
+            self.metrics.config_reload_failures.inc()
+            log.error("configuration change refused, keeping the previous one: %s", exc)
+            return False
+        if new.mode != self.settings.mode:
+            self.metrics.config_reload_failures.inc()
+            log.error(
+                "mode changed to %s: that needs a new agent; keeping %s",
+                new.mode,
+                self.settings.mode,
+            )
+            return False
+        if (new.healthz, new.metrics) != (self.settings.healthz, self.settings.metrics):
+            log.warning("bind address changes take effect when the agent restarts")
+        if new.proxy != self.settings.proxy:
+            self.backend.settings = new.proxy
+            self.proxier.request_full_sync()
+        self.proxier.optout = new.optout
+        self.settings = new
+        log.info("configuration reloaded")
+        self._wake.set()
+        return True

@@ -1,0 +1,131 @@
+"""`proxy-agent`: run the node agent, or `proxy-agent cleanup` to remove its rules."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from kpx_api.errors import ConfigError
+
+from . import backends
+from . import settings as settings_mod
+from .agent import Agent
+from .kube_api import KubeClient, from_kubeconfig, in_cluster
+
+log = logging.getLogger("kpx_agent")
+MODES = ("nftables", "iptables", "ipvs")
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="proxy-agent",
+        description="kpx node agent: proxies Kubernetes Services on this node. "
+        "`proxy-agent cleanup --mode MODE` removes the rules of MODE and exits.",
+    )
+    p.add_argument("--mode", choices=MODES, help="dataplane (default: the config file's mode)")
+    p.add_argument("--config", type=Path, help="AgentConfiguration file (default: mode defaults)")
+    p.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME") or socket.gethostname(),
+        help="this node's name (default: $NODE_NAME, else the hostname)",
+    )
+    p.add_argument("--kubeconfig", type=Path, help="default: in-cluster service account")
+    p.add_argument("--cluster-cidr", action="append", help="pod CIDR (repeat for dual-stack)")
+    p.add_argument("--healthz-bind-address", help="IP:port of /healthz and /livez")
+    p.add_argument("--metrics-bind-address", help="IP:port of /metrics")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def _cleanup_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="proxy-agent cleanup", description="Remove every rule and table of MODE, then exit."
+    )
+    p.add_argument("--mode", choices=MODES, required=True)
+    return p
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if args.cluster_cidr:
+        out["clusterCIDRs"] = [c for arg in args.cluster_cidr for c in arg.split(",") if c]
+    if args.healthz_bind_address:
+        out["healthzBindAddress"] = args.healthz_bind_address
+    if args.metrics_bind_address:
+        out["metricsBindAddress"] = args.metrics_bind_address
+    return out
+
+
+def cleanup(argv: list[str]) -> int:
+    args = _cleanup_parser().parse_args(argv)
+    module: Any = backends.load(args.mode)
+    module.cleanup()
+    print(f"removed the {args.mode} rules of kpx")
+    return 0
+
+
+async def _run_until_signal(agent: Agent) -> None:
+    loop = asyncio.get_running_loop()
+    task = asyncio.create_task(agent.run())
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        log.info("stopping; the rules stay in place for the next agent")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if argv[:1] == ["cleanup"]:
+        return cleanup(argv[1:])
+    args = _run_parser().parse_args(argv)
+    if args.verbose:
+        logging.getLogger().setLevel(logging.DEBUG)
+    if args.config is None and args.mode is None:
+        print("proxy-agent: give --mode, --config, or both", file=sys.stderr)
+        return 2
+    try:
+        config = settings_mod.load(args.mode or "nftables", args.config, _overrides(args))
+        if args.mode and str(config.mode) != args.mode:
+            raise ValueError(f"--mode {args.mode} but {args.config} says mode {config.mode}")
+        settings = settings_mod.resolve(config)
+    except (ConfigError, ValueError) as exc:
+        print(f"proxy-agent: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    if settings.mode == "ipvs":
+        log.warning(
+            "mode ipvs is deprecated upstream (KEP-5495): it keeps working here, but plan the "
+            "move to mode nftables, the recommended dataplane"
+        )
+    try:
+        module: Any = backends.load(settings.mode)
+    except KeyError as exc:
+        print(f"proxy-agent: {exc.args[0]}", file=sys.stderr)
+        return 2
+    creds = from_kubeconfig(args.kubeconfig) if args.kubeconfig else in_cluster()
+    agent = Agent(
+        settings,
+        args.node_name,
+        KubeClient(creds),
+        module.create(settings.proxy),
+        config_path=args.config,
+        overrides=_overrides(args),
+    )
+    log.info("starting in mode %s on node %s", settings.mode, args.node_name)
+    asyncio.run(_run_until_signal(agent))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""One sync: take recorded changes, recompute the affected node-local state, program it.
+
+Keeps the node-local state between syncs and recomputes only the Services that changed, so a
+single EndpointSlice change costs the same at 10 or 10,000 Services.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from kpx_api.proxysettings import NamespaceOptOut
+
+from .backends.base import Backend, BackendError
+from .cluster_state import ClusterState, Key
+from .localnet import NodeLocalState, ServicePortKey
+from .metrics import AgentMetrics
+from .node_local import node_info, service_ports
+from .optout import excluded_namespaces
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SyncOutcome:
+    ok: bool
+    full: bool
+    changed_ports: int
+    duration: float
+    error: str = ""
+
+
+@dataclass
+class Proxier:
+    state: ClusterState
+    backend: Backend
+    node_name: str
+    optout: NamespaceOptOut
+    metrics: AgentMetrics
+    local: NodeLocalState = field(init=False)
+    excluded: frozenset[str] = field(default=frozenset(), init=False)
+    _ports_of: dict[Key, list[ServicePortKey]] = field(default_factory=dict, init=False)
+    _needs_full: bool = field(default=True, init=False)
+    last_success: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        self.local = NodeLocalState(node=node_info(None, self.node_name))
+
+    def request_full_sync(self) -> None:
+        self._needs_full = True
+        self.state.touch_all()
+
+    def update_excluded(self) -> bool:
+        """Recompute opted-out namespaces; True (and everything marked) when the set changed."""
+        excluded = excluded_namespaces(self.optout, self.state.namespaces)
+        if excluded == self.excluded:
+            return False
+        self.excluded = excluded
+        self.metrics.excluded_namespaces.set(len(excluded))
+        self.state.touch_all()
+        return True
+
+    def _recompute(self, services: set[Key] | None) -> set[ServicePortKey]:
+        """Refresh the node-local state for these Services (None: all); the ports that changed."""
+        st, local = self.state, self.local
+        node = node_info(st.node, self.node_name)
+        node_changed = node != local.node
+        local.node = node
+        keys = set(st.services) | set(self._ports_of) if services is None else services
+        changed: set[ServicePortKey] = set()
+        for svc in keys:
+            old = self._ports_of.pop(svc, [])
+            obj = st.services.get(svc)
+            ports = []
+            if obj is not None and svc[0] not in self.excluded:
+                ports = service_ports(obj, st.slices_of(svc), node)
+            new_keys = [p.key for p in ports]
+            for key in old:
+                if key not in new_keys:
+                    local.services.pop(key, None)
+                    changed.add(key)
+            for port in ports:
+                if local.services.get(port.key) != port:
+                    local.services[port.key] = port
+                    changed.add(port.key)
+            if new_keys:
+                self._ports_of[svc] = new_keys
+        if node_changed:
+            self._needs_full = True
+        return changed
+
+    def sync(self) -> SyncOutcome:
+        start = time.monotonic()
+        changes = self.state.take_changes()
+        self.update_excluded()
+        extra = self.state.take_changes()  # opt-out changes mark everything
+        everything = changes.everything or extra.everything or self._needs_full
+        changed = self._recompute(None if everything else changes.services | extra.services)
+        full = self._needs_full
+        self.metrics.service_changes.inc(len(changed))
+        try:
+            self.backend.sync(self.local, None if full else changed)
+        except BackendError as exc:
+            self._needs_full = True
+            self.metrics.sync_failures.inc()
+            self.metrics.kpx_sync_failures.labels(self.backend.mode).inc()
+            log.error("sync failed, keeping the previous rules and retrying: %s", exc)
+            # Changes are not lost: the next sync is a full one.
+            return SyncOutcome(False, full, len(changed), time.monotonic() - start, str(exc))
+        self._needs_full = False
+        now = time.time()
+        self.last_success = now
+        duration = time.monotonic() - start
+        self.metrics.sync_duration.observe(duration)
+        (self.metrics.full_sync_duration if full else self.metrics.partial_sync_duration).observe(
+            duration
+        )
+        self.metrics.last_sync.set(now)
+        self.metrics.services.set(len(self.local.services))
+        for trigger in changes.trigger_times.values():
+            self.metrics.network_programming.observe(max(0.0, now - trigger))
+        return SyncOutcome(True, full, len(changed), duration)
+
+    def periodic_check(self) -> None:
+        """At each syncPeriod: if the kernel lost our rules (a flushed ruleset), rebuild them."""
+        programmed = getattr(self.backend, "programmed", None)
+        if programmed is not None and not programmed():
+            log.warning("our rules are gone from the kernel; reprogramming everything")
+            self.request_full_sync()

@@ -1,0 +1,63 @@
+"""From the validated configuration file (kpx_api models) to what the agent runs with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kpx_api.agentconfig import AgentConfiguration, load_agent_config, parse_agent_config
+from kpx_api.durations import parse_duration
+from kpx_api.networks import parse_bind_address, parse_cidr
+from kpx_api.proxysettings import NamespaceOptOut
+
+from .localnet import ProxySettings
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    mode: str
+    sync_period: float
+    min_sync_period: float
+    proxy: ProxySettings
+    optout: NamespaceOptOut
+    healthz: tuple[str, int]
+    metrics: tuple[str, int]
+
+
+def resolve(config: AgentConfiguration) -> AgentSettings:
+    block = config.mode_settings()
+    nodeport = tuple(parse_cidr(a) for a in config.node_port_addresses if a != "primary")
+    return AgentSettings(
+        mode=str(config.mode),
+        sync_period=parse_duration(block.sync_period),
+        min_sync_period=parse_duration(block.min_sync_period),
+        proxy=ProxySettings(
+            masquerade_bit=getattr(block, "masquerade_bit", 14),
+            masquerade_all=getattr(block, "masquerade_all", False),
+            cluster_cidrs=tuple(parse_cidr(c) for c in config.cluster_cidrs),
+            node_port_networks=nodeport,
+        ),
+        optout=config.namespace_opt_out,
+        healthz=parse_bind_address(config.healthz_bind_address),
+        metrics=parse_bind_address(config.metrics_bind_address),
+    )
+
+
+def load(
+    mode: str,
+    path: Path | None,
+    overrides: dict[str, Any] | None = None,
+) -> AgentConfiguration:
+    """The configuration from `path` (or `mode`'s defaults), with command-line `overrides`
+    (camelCase field names) applied and validated by the same models.
+
+    Raises kpx_api.errors.ConfigError naming each bad field.
+    """
+    if path is not None:
+        config = load_agent_config(path)
+    else:
+        config = AgentConfiguration.defaults_for(mode, acknowledge_deprecation=True)
+    if overrides:
+        config = parse_agent_config({**config.to_dict(), **overrides}, source="command-line flags")
+    return config

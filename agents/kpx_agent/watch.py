@@ -1,0 +1,165 @@
+"""List+watch of one resource, in the manner of client-go's reflector.
+
+A full list (paginated) replaces the store's view; a watch from the list's resourceVersion then
+streams changes, with bookmarks so a reconnect resumes where it stopped. 410 Gone means the
+resourceVersion is too old: list again. Any other error: reconnect with capped, jittered backoff.
+The store sees nothing of a list until the whole list has arrived.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from .kube_api import ApiError, KubeClient
+
+log = logging.getLogger(__name__)
+
+Obj = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Resource:
+    kind: str  # the store's name for it: services, endpointslices, namespaces, nodes
+    path: str  # e.g. /api/v1/services
+    label_selector: str = ""
+
+
+SERVICES_RESOURCE = Resource(
+    "services", "/api/v1/services", "!service.kubernetes.io/service-proxy-name"
+)
+SLICES_RESOURCE = Resource(
+    "endpointslices",
+    "/apis/discovery.k8s.io/v1/endpointslices",
+    "!service.kubernetes.io/headless",
+)
+NAMESPACES_RESOURCE = Resource("namespaces", "/api/v1/namespaces")
+NODES_RESOURCE = Resource("nodes", "/api/v1/nodes")
+
+
+class Sink:
+    """Where a reflector delivers: a full list, then single events."""
+
+    def replace(self, kind: str, objs: list[Obj]) -> None: ...
+    def upsert(self, kind: str, obj: Obj) -> None: ...
+    def delete(self, kind: str, obj: Obj) -> None: ...
+
+
+class _Relist(Exception):
+    """The watch cannot resume (410 Gone, or a new field selector): list again."""
+
+
+class Reflector:
+    def __init__(
+        self,
+        client: KubeClient,
+        resource: Resource,
+        sink: Sink,
+        field_selector: Callable[[], str] = lambda: "",
+        on_event: Callable[[], None] = lambda: None,
+        page_size: int = 1000,
+    ) -> None:
+        self.client = client
+        self.resource = resource
+        self.sink = sink
+        self.field_selector = field_selector
+        self.on_event = on_event
+        self.page_size = page_size
+        self.synced = asyncio.Event()
+        self.lists = 0
+        self._restart = asyncio.Event()
+        self._selector_in_use = ""
+
+    def restart(self) -> None:
+        """List again (e.g. because the field selector changed)."""
+        self._restart.set()
+
+    def _params(self) -> dict[str, str]:
+        params: dict[str, str] = {}
+        if self.resource.label_selector:
+            params["labelSelector"] = self.resource.label_selector
+        if self._selector_in_use:
+            params["fieldSelector"] = self._selector_in_use
+        return params
+
+    async def _list(self) -> str:
+        self._restart.clear()
+        self._selector_in_use = self.field_selector()
+        items: list[Obj] = []
+        params = {**self._params(), "limit": str(self.page_size)}
+        while True:
+            data = await self.client.list(self.resource.kind, self.resource.path, params)
+            items.extend(data.get("items") or [])
+            meta = data.get("metadata") or {}
+            if not meta.get("continue"):
+                break
+            params["continue"] = str(meta["continue"])
+        self.sink.replace(self.resource.kind, items)
+        self.lists += 1
+        self.synced.set()
+        self.on_event()
+        return str(meta.get("resourceVersion", ""))
+
+    async def _watch(self, rv: str) -> str:
+        params = {
+            **self._params(),
+            "resourceVersion": rv,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(random.randint(300, 600)),  # noqa: S311 - jitter only
+        }
+        async for event in self.client.watch(self.resource.kind, self.resource.path, params):
+            etype, obj = event.get("type"), event.get("object") or {}
+            if etype == "ERROR":
+                code = int(obj.get("code", 0))
+                if code == 410:
+                    raise _Relist()
+                raise ApiError(code, str(obj.get("message")))
+            rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
+            if etype in ("ADDED", "MODIFIED"):
+                self.sink.upsert(self.resource.kind, obj)
+            elif etype == "DELETED":
+                self.sink.delete(self.resource.kind, obj)
+            else:
+                continue  # BOOKMARK: only the resourceVersion moves on
+            self.on_event()
+        return rv
+
+    async def run(self) -> None:
+        backoff = 0.5
+        rv = ""
+        while True:
+            try:
+                if not rv or self._restart.is_set():
+                    rv = await self._list()
+                rv = await self._watch_until_restart(rv)
+                backoff = 0.5
+            except _Relist:
+                rv = ""
+            except asyncio.CancelledError:
+                raise
+            except (ApiError, aiohttp.ClientError, OSError, ValueError, TimeoutError) as exc:
+                if isinstance(exc, ApiError) and exc.status == 410:
+                    rv = ""
+                log.warning("%s: %s; retrying in %.1fs", self.resource.kind, exc, backoff)
+                await asyncio.sleep(backoff * (0.5 + random.random()))  # noqa: S311
+                backoff = min(backoff * 2, 30.0)
+
+    async def _watch_until_restart(self, rv: str) -> str:
+        """Watch; a restart request while the stream is idle ends it too."""
+        watch = asyncio.create_task(self._watch(rv))
+        restart = asyncio.create_task(self._restart.wait())
+        try:
+            done, _ = await asyncio.wait({watch, restart}, return_when=asyncio.FIRST_COMPLETED)
+            if watch in done:
+                return watch.result()
+            raise _Relist()
+        finally:
+            for task in (watch, restart):
+                task.cancel()
+            await asyncio.gather(watch, restart, return_exceptions=True)

@@ -1,0 +1,1 @@
+"""kpx_cluster: local control plane, netns topology toolkit and test helpers for kpx."""

@@ -1,0 +1,675 @@
+"""Network-namespace topology builder: simulated nodes and pods for kpx datapath tests.
+
+A `Topology` builds, entirely inside network namespaces it creates (never in the host netns):
+
+* a "fabric" netns holding one bridge, the shared L2 segment between nodes;
+* one netns per node, attached to the fabric with 10.242.0.<i>/24 and fd00:242::<i>/64, holding a
+  bridge ``cbr0`` with the gateway of its pod CIDRs 10.244.<i>.0/24 and fd00:244:<i>::/64, routes
+  to every other node's pod CIDRs and a route covering the Service CIDRs;
+* one netns per pod, with ``eth0`` (a veth whose other end is a hairpin port of its node's cbr0).
+
+Every netns, link, temporary path and process it creates carries a per-run prefix
+(``kpx<6 hex>``), so `leftovers` can find anything that escaped cleanup. Cleanup runs on
+``__exit__``, on `Topology.cleanup`, at interpreter exit and on SIGTERM/SIGINT.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ipaddress
+import logging
+import os
+import re
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import IO, Any
+
+log = logging.getLogger(__name__)
+
+HARNESS_DIR = Path(__file__).resolve().parent.parent
+"""The folder holding the kpx_cluster package; put on PYTHONPATH of every process we start."""
+
+ENV_MARK = "KPX_TOPOLOGY"
+"""Environment variable set to the topology prefix in every process started by run/exec."""
+
+PREFIX_RE = re.compile(r"kpx[0-9a-f]{6}")
+NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?")
+DEFAULT_SERVICE_CIDRS: tuple[str, ...] = ("10.96.0.0/16", "fd00:96::/112")
+IFNAMSIZ = 15
+
+# Sysctls for every node / pod netns. Ratelimits are off so that tests counting ICMP errors
+# (port unreachable, reject) see one per probe; DAD is off so addresses are usable at once.
+_COMMON_SYSCTLS = (
+    "net.ipv6.conf.all.accept_dad=0",
+    "net.ipv6.conf.default.accept_dad=0",
+    "net.ipv4.icmp_ratelimit=0",
+    "net.ipv6.icmp.ratelimit=0",
+)
+_NODE_SYSCTLS = (
+    "net.ipv4.ip_forward=1",
+    "net.ipv6.conf.all.forwarding=1",
+    "net.ipv4.conf.all.rp_filter=0",
+    "net.ipv4.conf.default.rp_filter=0",
+    "net.ipv4.conf.all.send_redirects=0",
+    "net.ipv4.conf.default.send_redirects=0",
+)
+_BRIDGE_NF_SYSCTLS = ("net.bridge.bridge-nf-call-iptables", "net.bridge.bridge-nf-call-ip6tables")
+
+
+class TopologyError(RuntimeError):
+    """A command building or running the topology failed."""
+
+
+@dataclass(frozen=True)
+class Node:
+    """A simulated node: a netns on the fabric with a pod bridge ``cbr0``."""
+
+    name: str
+    index: int
+    netns: str
+    ipv4: str
+    ipv6: str
+    pod_cidr_v4: str
+    pod_cidr_v6: str
+    gateway_v4: str
+    gateway_v6: str
+    fabric_if: str
+    bridge: str = "cbr0"
+
+
+@dataclass(frozen=True)
+class Pod:
+    """A simulated pod: a netns whose ``eth0`` is plugged into its node's ``cbr0``."""
+
+    name: str
+    node: Node
+    netns: str
+    ipv4: str
+    ipv6: str
+    host_if: str
+    interface: str = "eth0"
+
+
+Target = str | Node | Pod
+"""Where to run something: a netns name, a Node or a Pod."""
+
+
+def netns_of(target: Target) -> str:
+    """The netns name of a Node, a Pod, or a netns name given as is."""
+    if isinstance(target, Node | Pod):
+        return target.netns
+    return target
+
+
+def _run_ip(args: Sequence[str], netns: str | None = None, check: bool = True) -> str:
+    argv = ["ip", *(["-n", netns] if netns else []), *args]
+    res = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if check and res.returncode != 0:
+        raise TopologyError(f"{' '.join(argv)}: {res.stderr.strip() or res.returncode}")
+    return res.stdout
+
+
+def _netns_list() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False)
+    return [line.split()[0] for line in out.stdout.splitlines() if line.strip()]
+
+
+def _netns_pids(netns: str) -> list[int]:
+    out = subprocess.run(
+        ["ip", "netns", "pids", netns], capture_output=True, text=True, check=False
+    )
+    return [int(tok) for tok in out.stdout.split() if tok.isdigit()]
+
+
+def _marked_pids(prefix: str | None) -> dict[int, str]:
+    """Processes (other than us) whose environment carries ENV_MARK for `prefix` (any if None)."""
+    found: dict[int, str] = {}
+    me = os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            environ = Path(entry.path, "environ").read_bytes().split(b"\0")
+            cmdline = Path(entry.path, "cmdline").read_bytes()
+        except OSError:
+            continue
+        for var in environ:
+            if not var.startswith(ENV_MARK.encode() + b"="):
+                continue
+            value = var.split(b"=", 1)[1].decode(errors="replace")
+            if (prefix is None and PREFIX_RE.fullmatch(value)) or value == prefix:
+                found[int(entry.name)] = cmdline.replace(b"\0", b" ").decode(errors="replace")
+    return found
+
+
+def _kill_pids(pids: Iterable[int], grace: float) -> None:
+    """SIGTERM `pids`, wait up to `grace` seconds, then SIGKILL whatever is left."""
+    alive = set(pids)
+    for pid in list(alive):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            alive.discard(pid)
+    deadline = time.monotonic() + grace
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = {pid for pid in alive if Path(f"/proc/{pid}").exists() and not _is_zombie(pid)}
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def _matches(name: str, prefix: str | None) -> bool:
+    if prefix is None:
+        return PREFIX_RE.match(name) is not None
+    return name.startswith(prefix)
+
+
+def leftovers(prefix: str | None = None) -> list[str]:
+    """Everything a Topology with `prefix` (any kpx topology if None) left behind.
+
+    Lists kpx network namespaces, host-side links, processes inside kpx namespaces (from
+    ``ip netns pids``), processes started by a Topology (marked through their environment) and
+    temporary directories. An empty list means a clean machine.
+    """
+    found: list[str] = []
+    for ns in _netns_list():
+        if _matches(ns, prefix):
+            found.append(f"netns {ns}")
+            found.extend(f"process {pid} in netns {ns}" for pid in _netns_pids(ns))
+    for line in _run_ip(["-o", "link", "show"], check=False).splitlines():
+        parts = line.split(":", 2)
+        if len(parts) >= 2:
+            name = parts[1].strip().split("@", 1)[0]
+            if _matches(name, prefix):
+                found.append(f"host link {name}")
+    for pid, cmd in sorted(_marked_pids(prefix).items()):
+        if not _is_zombie(pid):
+            found.append(f"process {pid} started by a topology: {cmd}")
+    tmp = Path("/tmp")
+    found.extend(f"path {path}" for path in sorted(tmp.glob("kpx*")) if _matches(path.name, prefix))
+    return found
+
+
+def python_env(base: Mapping[str, str] | None = None, prefix: str | None = None) -> dict[str, str]:
+    """A copy of `base` (default os.environ) with the harness on PYTHONPATH and the kpx mark."""
+    env = dict(os.environ if base is None else base)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(HARNESS_DIR) not in paths:
+        paths.insert(0, str(HARNESS_DIR))
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    if prefix is not None:
+        env[ENV_MARK] = prefix
+    return env
+
+
+def wait_for_line(proc: subprocess.Popen[bytes], expected: str, timeout: float) -> None:
+    """Read `proc`'s stdout until a line equal to `expected`; then drain it in the background.
+
+    Raises TopologyError if the process exits or `timeout` seconds pass first.
+    """
+    if proc.stdout is None:
+        raise TopologyError("wait_for_line needs stdout=PIPE")
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    buf = b""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TopologyError(f"{proc.args!r}: no {expected!r} line within {timeout}s")
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if not ready:
+            continue
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            code = proc.wait(timeout=5)
+            raise TopologyError(f"{proc.args!r} exited ({code}) before printing {expected!r}")
+        buf += chunk
+        lines = buf.split(b"\n")
+        if any(line.strip() == expected.encode() for line in lines[:-1]):
+            break
+    threading.Thread(target=_drain, args=(proc.stdout,), daemon=True).start()
+
+
+def _drain(stream: IO[bytes]) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        while stream.read(65536):
+            pass
+        stream.close()
+
+
+# ---- process-wide registry: atexit and signal cleanup ------------------------------------------
+
+_LIVE: set[Topology] = set()
+_REGISTRY_LOCK = threading.RLock()
+_PREVIOUS_HANDLERS: dict[int, Any] = {}
+_ATEXIT_REGISTERED = False
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def cleanup_all() -> None:
+    """Clean up every Topology still alive in this process."""
+    with _REGISTRY_LOCK:
+        live = list(_LIVE)
+    for topo in live:
+        try:
+            topo.cleanup()
+        except Exception:
+            log.exception("cleanup of topology %s failed", topo.prefix)
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    cleanup_all()
+    previous = _PREVIOUS_HANDLERS.get(signum, signal.SIG_DFL)
+    _restore_handlers()
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _register(topo: Topology) -> None:
+    global _ATEXIT_REGISTERED
+    with _REGISTRY_LOCK:
+        _LIVE.add(topo)
+        if not _ATEXIT_REGISTERED:
+            atexit.register(cleanup_all)
+            _ATEXIT_REGISTERED = True
+        if _PREVIOUS_HANDLERS or threading.current_thread() is not threading.main_thread():
+            return
+        for sig in _SIGNALS:
+            _PREVIOUS_HANDLERS[sig] = signal.getsignal(sig)
+            signal.signal(sig, _on_signal)
+
+
+def _unregister(topo: Topology) -> None:
+    with _REGISTRY_LOCK:
+        _LIVE.discard(topo)
+        if not _LIVE:
+            _restore_handlers()
+
+
+def _restore_handlers() -> None:
+    with _REGISTRY_LOCK:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, handler in _PREVIOUS_HANDLERS.items():
+            if signal.getsignal(sig) is _on_signal:
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        _PREVIOUS_HANDLERS.clear()
+
+
+# ---- the topology ------------------------------------------------------------------------------
+
+
+class Topology:
+    """Nodes and pods in network namespaces on one shared L2 fabric; see the module docstring."""
+
+    def __init__(
+        self,
+        service_cidrs: Sequence[str] = DEFAULT_SERVICE_CIDRS,
+        prefix: str | None = None,
+    ) -> None:
+        self.prefix = prefix or f"kpx{secrets.token_hex(3)}"
+        if not PREFIX_RE.fullmatch(self.prefix):
+            raise ValueError(f"prefix must look like kpx<6 hex>, got {self.prefix!r}")
+        self.service_cidrs = [str(ipaddress.ip_network(c)) for c in service_cidrs]
+        self.fabric_netns = f"{self.prefix}-fabric"
+        self.fabric_bridge = f"{self.prefix}br"
+        self.tmpdir = Path("/tmp") / self.prefix
+        self.nodes: dict[str, Node] = {}
+        self.pods: dict[str, Pod] = {}
+        self._netns: list[str] = []
+        self._procs: list[subprocess.Popen[Any]] = []
+        self._pod_ips: dict[str, int] = {}
+        self._pod_counter = 0
+        self._host_relays: dict[int, Path] = {}
+        self._exposed: dict[int, Path] = {}  # node-side port -> unix socket of the host relay
+        self._lock = threading.RLock()
+        self._closed = False
+        _register(self)
+
+    # -- context manager
+
+    def __enter__(self) -> Topology:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cleanup()
+
+    # -- building
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TopologyError(f"topology {self.prefix} was cleaned up")
+
+    def _add_netns(self, name: str, sysctls: Sequence[str]) -> None:
+        self._netns.append(name)  # recorded first: a half-made netns still gets deleted
+        _run_ip(["netns", "add", name])
+        _run_ip(["link", "set", "lo", "up"], netns=name)
+        if sysctls:
+            self._sysctl(name, sysctls)
+
+    def _sysctl(self, netns: str, settings: Sequence[str], check: bool = True) -> bool:
+        res = subprocess.run(
+            ["ip", "netns", "exec", netns, "sysctl", "-q", "-w", *settings],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if check and res.returncode != 0:
+            raise TopologyError(f"sysctl in {netns}: {res.stderr.strip()}")
+        return res.returncode == 0
+
+    def _ensure_fabric(self) -> None:
+        if self.fabric_netns in self._netns:
+            return
+        self.tmpdir.mkdir(mode=0o700)
+        self._add_netns(self.fabric_netns, ())
+        # The fabric only bridges; it never needs to see bridged frames in netfilter.
+        self._sysctl(self.fabric_netns, [f"{k}=0" for k in _BRIDGE_NF_SYSCTLS], check=False)
+        ns = self.fabric_netns
+        _run_ip(["link", "add", self.fabric_bridge, "type", "bridge", "mcast_snooping", "0"], ns)
+        _run_ip(["link", "set", self.fabric_bridge, "up"], ns)
+
+    def _enable_bridge_nf(self, netns: str) -> None:
+        settings = [f"{k}=1" for k in _BRIDGE_NF_SYSCTLS]
+        if self._sysctl(netns, settings, check=False):
+            return
+        subprocess.run(["modprobe", "br_netfilter"], capture_output=True, check=False)
+        if not self._sysctl(netns, settings, check=False):
+            log.warning("bridge-nf-call-iptables is not available in %s", netns)
+
+    def add_node(self, name: str) -> Node:
+        """Create node `name`: its netns, fabric link, cbr0 and routes (in all nodes)."""
+        with self._lock:
+            self._check_open()
+            if not NAME_RE.fullmatch(name) or name in self.nodes:
+                raise ValueError(f"bad or duplicate node name {name!r}")
+            self._ensure_fabric()
+            i = len(self.nodes) + 1
+            if i > 250:
+                raise TopologyError("at most 250 nodes")
+            node = Node(
+                name=name,
+                index=i,
+                netns=f"{self.prefix}-n-{name}",
+                ipv4=f"10.242.0.{i}",
+                ipv6=f"fd00:242::{i:x}",
+                pod_cidr_v4=f"10.244.{i}.0/24",
+                pod_cidr_v6=f"fd00:244:{i:x}::/64",
+                gateway_v4=f"10.244.{i}.1",
+                gateway_v6=f"fd00:244:{i:x}::1",
+                fabric_if=f"{self.prefix}f{i}",
+            )
+            ns = node.netns
+            self._add_netns(ns, (*_COMMON_SYSCTLS, *_NODE_SYSCTLS))
+            fabric_port = f"{self.prefix}n{i}"
+            veth = ["link", "add", fabric_port, "type", "veth"]
+            _run_ip([*veth, "peer", "name", node.fabric_if, "netns", ns], self.fabric_netns)
+            _run_ip(["link", "set", fabric_port, "master", self.fabric_bridge], self.fabric_netns)
+            _run_ip(["link", "set", fabric_port, "up"], self.fabric_netns)
+            _run_ip(["addr", "add", f"{node.ipv4}/24", "dev", node.fabric_if], ns)
+            _run_ip(["addr", "add", f"{node.ipv6}/64", "dev", node.fabric_if, "nodad"], ns)
+            _run_ip(["link", "set", node.fabric_if, "up"], ns)
+            _run_ip(["link", "add", "cbr0", "type", "bridge", "mcast_snooping", "0"], ns)
+            _run_ip(["addr", "add", f"{node.gateway_v4}/24", "dev", "cbr0"], ns)
+            _run_ip(["addr", "add", f"{node.gateway_v6}/64", "dev", "cbr0", "nodad"], ns)
+            _run_ip(["link", "set", "cbr0", "up"], ns)
+            self._enable_bridge_nf(ns)
+            for cidr in self.service_cidrs:
+                _run_ip(["route", "replace", cidr, "dev", node.fabric_if], ns)
+            for other in self.nodes.values():
+                self._route_pods(node, other)
+                self._route_pods(other, node)
+            self.nodes[name] = node
+            self._pod_ips[name] = 1
+            for node_port, sock in self._exposed.items():
+                self._start_node_relay(node, node_port, sock)
+            return node
+
+    @staticmethod
+    def _route_pods(on: Node, to: Node) -> None:
+        _run_ip(["route", "replace", to.pod_cidr_v4, "via", to.ipv4], on.netns)
+        _run_ip(["-6", "route", "replace", to.pod_cidr_v6, "via", to.ipv6], on.netns)
+
+    def add_pod(self, node: Node | str, name: str) -> Pod:
+        """Create pod `name` on `node` with the next free IPv4/IPv6 of the node's pod CIDRs."""
+        with self._lock:
+            self._check_open()
+            node = self.nodes[node] if isinstance(node, str) else node
+            if not NAME_RE.fullmatch(name) or name in self.pods:
+                raise ValueError(f"bad or duplicate pod name {name!r}")
+            n = self._pod_ips[node.name] + 1
+            if n > 254:
+                raise TopologyError(f"node {node.name} has no free pod address")
+            self._pod_ips[node.name] = n
+            self._pod_counter += 1
+            v4net = ipaddress.ip_network(node.pod_cidr_v4)
+            v6net = ipaddress.ip_network(node.pod_cidr_v6)
+            pod = Pod(
+                name=name,
+                node=node,
+                netns=f"{self.prefix}-p-{name}",
+                ipv4=str(v4net.network_address + n),
+                ipv6=str(v6net.network_address + n),
+                host_if=f"{self.prefix}p{self._pod_counter}",
+            )
+            if len(pod.host_if) > IFNAMSIZ:
+                raise TopologyError(f"interface name {pod.host_if} is too long")
+            ns = pod.netns
+            self._add_netns(ns, _COMMON_SYSCTLS)
+            _run_ip(
+                ["link", "add", pod.host_if, "type", "veth", "peer", "name", "eth0", "netns", ns],
+                node.netns,
+            )
+            _run_ip(["link", "set", pod.host_if, "master", "cbr0"], node.netns)
+            hairpin = ["type", "bridge_slave", "hairpin", "on"]
+            _run_ip(["link", "set", pod.host_if, *hairpin], node.netns)
+            _run_ip(["link", "set", pod.host_if, "up"], node.netns)
+            _run_ip(["addr", "add", f"{pod.ipv4}/{v4net.prefixlen}", "dev", "eth0"], ns)
+            _run_ip(["addr", "add", f"{pod.ipv6}/{v6net.prefixlen}", "dev", "eth0", "nodad"], ns)
+            _run_ip(["link", "set", "eth0", "up"], ns)
+            _run_ip(["route", "add", "default", "via", node.gateway_v4], ns)
+            _run_ip(["-6", "route", "add", "default", "via", node.gateway_v6], ns)
+            self.pods[name] = pod
+            return pod
+
+    # -- processes
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The environment for processes we start: PYTHONPATH with the harness, plus the mark."""
+        return python_env(base, self.prefix)
+
+    def _netns_argv(self, target: Target, argv: Sequence[str]) -> list[str]:
+        ns = netns_of(target)
+        if ns not in self._netns:
+            raise TopologyError(f"{ns!r} is not a netns of topology {self.prefix}")
+        return ["ip", "netns", "exec", ns, *argv]
+
+    def _spawn(self, argv: list[str], popen_kwargs: dict[str, Any]) -> subprocess.Popen[Any]:
+        with self._lock:
+            self._check_open()
+            popen_kwargs["env"] = self.env(popen_kwargs.get("env"))
+            popen_kwargs["start_new_session"] = True  # so cleanup can kill the whole group
+            proc: subprocess.Popen[Any] = subprocess.Popen(argv, **popen_kwargs)
+            self._procs.append(proc)
+            return proc
+
+    def run(
+        self, target: Target, argv: Sequence[str], **popen_kwargs: Any
+    ) -> subprocess.Popen[Any]:
+        """Start `argv` inside the netns of `target`; killed (whole process group) on cleanup."""
+        return self._spawn(self._netns_argv(target, argv), popen_kwargs)
+
+    def run_host(self, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
+        """Start `argv` in the host netns, tracked and killed on cleanup like `run`."""
+        return self._spawn(list(argv), popen_kwargs)
+
+    def run_ready(
+        self,
+        target: Target | None,
+        argv: Sequence[str],
+        ready: str = "ready",
+        timeout: float = 15.0,
+        **popen_kwargs: Any,
+    ) -> subprocess.Popen[bytes]:
+        """`run` (or `run_host` if target is None), then wait for a `ready` line on stdout."""
+        popen_kwargs["stdout"] = subprocess.PIPE
+        if target is None:
+            proc = self.run_host(argv, **popen_kwargs)
+        else:
+            proc = self.run(target, argv, **popen_kwargs)
+        try:
+            wait_for_line(proc, ready, timeout)
+        except TopologyError:
+            self._stop(proc)
+            if proc.stdout is not None:
+                proc.stdout.close()
+            raise
+        return proc
+
+    def python_argv(self, module: str, *args: str) -> list[str]:
+        """argv running ``python -m module args...`` with this interpreter."""
+        return [sys.executable, "-m", module, *args]
+
+    def exec(
+        self,
+        target: Target,
+        argv: Sequence[str],
+        timeout: float = 30.0,
+        check: bool = False,
+        input: str | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run `argv` inside the netns of `target` to completion; text stdout/stderr captured."""
+        full = self._netns_argv(target, argv)
+        proc = self._spawn(
+            full,
+            {
+                "stdin": subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                "stdout": subprocess.PIPE,
+                "stderr": subprocess.PIPE,
+                "text": True,
+            },
+        )
+        try:
+            out, err = proc.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._stop(proc, grace=0)
+            proc.communicate()
+            raise
+        finally:
+            with self._lock, contextlib.suppress(ValueError):
+                self._procs.remove(proc)
+        result = subprocess.CompletedProcess(full, proc.returncode, out, err)
+        if check and result.returncode != 0:
+            raise TopologyError(f"{full!r} exited {result.returncode}: {err.strip()}")
+        return result
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen[Any], grace: float = 3.0) -> None:
+        """SIGTERM the process group of `proc`, SIGKILL it after `grace` seconds."""
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            # The leader may be gone while its group lives on; its pid stays reserved until then.
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+    # -- host port exposure
+
+    def expose_host_port(self, host_port: int, node_port: int | None = None) -> None:
+        """Make host 127.0.0.1:`host_port` reachable at 127.0.0.1:`node_port` in every node.
+
+        A relay in the host netns listens on a unix socket under the topology's private
+        (0700) temporary directory and connects to the host port; a relay in each node netns
+        (current and future) listens on its loopback and connects to that unix socket. The
+        relays copy bytes, so TLS passes through untouched.
+        """
+        node_port = host_port if node_port is None else node_port
+        with self._lock:
+            self._check_open()
+            if node_port in self._exposed:
+                if self._exposed[node_port] != self._host_relays.get(host_port):
+                    raise TopologyError(f"node port {node_port} already exposes another port")
+                return
+            self._ensure_fabric()
+            sock = self._host_relays.get(host_port)
+            if sock is None:
+                sock = self.tmpdir / f"host-{host_port}.sock"
+                argv = self.python_argv("kpx_cluster.relay", "unix-to-tcp")
+                argv += ["--unix", str(sock), "--to", f"127.0.0.1:{host_port}"]
+                self.run_ready(None, argv)
+                self._host_relays[host_port] = sock
+            self._exposed[node_port] = sock
+            for node in self.nodes.values():
+                self._start_node_relay(node, node_port, sock)
+
+    def _start_node_relay(self, node: Node, node_port: int, sock: Path) -> None:
+        argv = self.python_argv("kpx_cluster.relay", "tcp-to-unix")
+        argv += ["--listen", f"127.0.0.1:{node_port}", "--unix", str(sock)]
+        self.run_ready(node, argv)
+
+    # -- cleanup
+
+    def cleanup(self) -> None:
+        """Kill every process we started, delete every netns and temporary path. Idempotent."""
+        with self._lock:
+            self._closed = True
+            procs, self._procs = self._procs, []
+            for proc in procs:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    if proc.poll() is None:
+                        os.killpg(proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 3.0
+            for proc in procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            for proc in procs:
+                self._stop(proc, grace=0)
+            # Anything that escaped its process group: marked processes and netns residents.
+            stray = set(_marked_pids(self.prefix))
+            existing = set(_netns_list())
+            for ns in self._netns:
+                if ns in existing:
+                    stray.update(_netns_pids(ns))
+            stray.discard(os.getpid())
+            _kill_pids(stray, grace=2.0)
+            for ns in reversed(self._netns):
+                if ns in existing:
+                    _run_ip(["netns", "del", ns], check=False)
+            self._netns.clear()
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            _unregister(self)
+
+    def __repr__(self) -> str:
+        return f"Topology(prefix={self.prefix!r}, nodes={list(self.nodes)}, pods={list(self.pods)})"
