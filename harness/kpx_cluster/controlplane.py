@@ -30,6 +30,13 @@ KUBERNETES_SERVICE_IP = "10.96.0.1"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
 
 
+class KubectlError(subprocess.CalledProcessError):
+    """kubectl failed; the message carries its stderr."""
+
+    def __str__(self) -> str:
+        return f"{' '.join(map(str, self.cmd))} exited {self.returncode}: {self.stderr.strip()}"
+
+
 class AlreadyRunning(RuntimeError):
     """`up` was asked for a cluster whose processes are still running."""
 
@@ -350,6 +357,15 @@ class Cluster:
         subprocess.run(["rm", "-rf", "--one-file-system", str(self.state_dir)], check=False)
 
     # -- convenience ---------------------------------------------------------------------------
+    def create_namespace(self, name: str, timeout: float = 30) -> None:
+        """Create a namespace and wait for its default ServiceAccount (Pods need it)."""
+        self.kubectl("create", "namespace", name)
+        deadline = time.monotonic() + timeout
+        while self.kubectl("-n", name, "get", "sa", "default", check=False).returncode != 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no default ServiceAccount in {name} after {timeout}s")
+            time.sleep(0.2)
+
     def kubectl(
         self,
         *args: str,
@@ -364,7 +380,5 @@ class Cluster:
             [*argv, *args], input=input, capture_output=True, text=True, timeout=timeout
         )
         if check and result.returncode != 0:
-            raise subprocess.CalledProcessError(
-                result.returncode, ["kubectl", *args], result.stdout, result.stderr
-            )
+            raise KubectlError(result.returncode, ["kubectl", *args], result.stdout, result.stderr)
         return result

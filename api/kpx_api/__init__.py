@@ -1,0 +1,98 @@
+"""kpx_api: the ProxyConfiguration API (group proxy.kpx.dev, version v1alpha1).
+
+Pydantic models are the single source of truth: the CRD (``python -m kpx_api.crdgen``), the
+operator's validation and the agent's configuration file all come from them. No Kubernetes
+client, no I/O besides reading and writing files.
+"""
+
+from kpx_api.agentconfig import (
+    AgentConfiguration,
+    agent_config_from_spec,
+    dump_agent_config,
+    load_agent_config,
+    parse_agent_config,
+)
+from kpx_api.constants import API_VERSION, CRD_NAME, GROUP, KIND, PLURAL, VERSION
+from kpx_api.durations import Duration, format_duration, parse_duration
+from kpx_api.errors import ConfigError, FieldError
+from kpx_api.modes import (
+    IPTablesSettings,
+    IPVSScheduler,
+    IPVSSettings,
+    Mode,
+    ModeSettings,
+    NFTablesSettings,
+)
+from kpx_api.networks import ip_family, parse_bind_address, parse_cidr
+from kpx_api.proxyconfiguration import (
+    Condition,
+    ConditionStatus,
+    ConditionType,
+    ProxyConfiguration,
+    ProxyConfigurationSpec,
+    ProxyConfigurationStatus,
+    parse_spec,
+)
+from kpx_api.proxysettings import (
+    Conntrack,
+    DetectLocal,
+    DetectLocalMode,
+    NamespaceOptOut,
+    ProxySettings,
+)
+from kpx_api.scheduling import (
+    ResourceRequirements,
+    TaintEffect,
+    Toleration,
+    TolerationOperator,
+    parse_quantity,
+)
+from kpx_api.selectors import LabelSelector, LabelSelectorRequirement, SelectorOperator
+
+__all__ = [
+    "API_VERSION",
+    "CRD_NAME",
+    "GROUP",
+    "KIND",
+    "PLURAL",
+    "VERSION",
+    "AgentConfiguration",
+    "Condition",
+    "ConditionStatus",
+    "ConditionType",
+    "ConfigError",
+    "Conntrack",
+    "DetectLocal",
+    "DetectLocalMode",
+    "Duration",
+    "FieldError",
+    "IPTablesSettings",
+    "IPVSScheduler",
+    "IPVSSettings",
+    "LabelSelector",
+    "LabelSelectorRequirement",
+    "Mode",
+    "ModeSettings",
+    "NFTablesSettings",
+    "NamespaceOptOut",
+    "ProxyConfiguration",
+    "ProxyConfigurationSpec",
+    "ProxyConfigurationStatus",
+    "ProxySettings",
+    "ResourceRequirements",
+    "SelectorOperator",
+    "TaintEffect",
+    "Toleration",
+    "TolerationOperator",
+    "agent_config_from_spec",
+    "dump_agent_config",
+    "format_duration",
+    "ip_family",
+    "load_agent_config",
+    "parse_agent_config",
+    "parse_bind_address",
+    "parse_cidr",
+    "parse_duration",
+    "parse_quantity",
+    "parse_spec",
+]

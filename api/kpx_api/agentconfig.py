@@ -1,0 +1,99 @@
+"""The agent's configuration file: the proxy settings of one ProxyConfiguration, as YAML.
+
+The operator renders it (`agent_config_from_spec`, `dump_agent_config`) into the ConfigMap the
+agents mount; the agent reads it with `load_agent_config`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import Field, ValidationError
+
+from kpx_api.constants import AGENT_CONFIG_KIND, API_VERSION
+from kpx_api.errors import ConfigError, FieldError
+from kpx_api.modes import ACKNOWLEDGE_IPVS_MESSAGE, SETTINGS_CLASS, IPVSSettings, Mode
+from kpx_api.proxyconfiguration import ProxyConfigurationSpec
+from kpx_api.proxysettings import ProxySettings
+
+
+class AgentConfiguration(ProxySettings):
+    """Configuration of one node agent: the mode, the selected mode's settings and the shared
+    settings (conntrack, clusterCIDRs, nodePortAddresses, detectLocal, bind addresses,
+    namespaceOptOut)."""
+
+    api_version: Literal["proxy.kpx.dev/v1alpha1"] = Field(
+        default=API_VERSION, description="Always proxy.kpx.dev/v1alpha1."
+    )
+    kind: Literal["AgentConfiguration"] = Field(
+        default=AGENT_CONFIG_KIND, description="Always AgentConfiguration."
+    )
+
+    @classmethod
+    def defaults_for(cls, mode: Mode | str, *, acknowledge_deprecation: bool = False) -> Self:
+        """The default configuration of `mode`, with that mode's block filled in.
+
+        Mode ipvs is deprecated upstream: it needs ``acknowledge_deprecation=True``, otherwise
+        `ConfigError` is raised, as for a file without ``ipvs.acknowledgeDeprecation: true``.
+        """
+        selected = Mode(mode)
+        block = SETTINGS_CLASS[selected]()
+        if isinstance(block, IPVSSettings):
+            if not acknowledge_deprecation:
+                raise ConfigError(
+                    "defaults",
+                    [FieldError("ipvs.acknowledgeDeprecation", ACKNOWLEDGE_IPVS_MESSAGE)],
+                )
+            block = IPVSSettings(acknowledge_deprecation=True)
+        return cls.model_validate({"mode": selected, str(selected): block})
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict, apiVersion and kind first."""
+        data = super().to_dict()
+        return {"apiVersion": data.pop("apiVersion"), "kind": data.pop("kind"), **data}
+
+
+def agent_config_from_spec(spec: ProxyConfigurationSpec) -> AgentConfiguration:
+    """The agents' configuration for a ProxyConfiguration spec.
+
+    Copies the shared settings and the selected mode's block, filled with its defaults when
+    the spec leaves it out, so the file states every value the agent uses.
+    """
+    values: dict[str, Any] = {name: getattr(spec, name) for name in ProxySettings.model_fields}
+    values[str(spec.mode)] = spec.mode_settings()
+    return AgentConfiguration.model_validate(values)
+
+
+def dump_agent_config(config: AgentConfiguration) -> str:
+    """The configuration as YAML (the ConfigMap's content)."""
+    return yaml.safe_dump(config.to_dict(), sort_keys=False, allow_unicode=True)
+
+
+def parse_agent_config(data: Any, source: str = "agent configuration") -> AgentConfiguration:
+    """Validate already-parsed YAML; `ConfigError` names every bad field."""
+    if not isinstance(data, dict):
+        raise ConfigError(source, [FieldError("", "must be a mapping (apiVersion, kind, mode...)")])
+    try:
+        return AgentConfiguration.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError.from_validation_error(exc, source) from None
+
+
+def load_agent_config(path: str | os.PathLike[str]) -> AgentConfiguration:
+    """Read and validate the agent's configuration file.
+
+    Raises `ConfigError` (one line per problem, each naming the file and the field) when the
+    file cannot be read, is not YAML, or does not validate.
+    """
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except OSError as exc:
+        raise ConfigError(source, [FieldError("", f"cannot read: {exc.strerror}")]) from None
+    except yaml.YAMLError as exc:
+        detail = " ".join(str(exc).split())
+        raise ConfigError(source, [FieldError("", f"not valid YAML: {detail}")]) from None
+    return parse_agent_config(data, source)

@@ -1,0 +1,21 @@
+"""Names of the ProxyConfiguration API: group, version, kinds and the CRD's names."""
+
+from typing import Final
+
+GROUP: Final = "proxy.kpx.dev"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = "proxy.kpx.dev/v1alpha1"  # f"{GROUP}/{VERSION}", spelled out for typing
+
+KIND: Final = "ProxyConfiguration"
+LIST_KIND: Final = "ProxyConfigurationList"
+PLURAL: Final = "proxyconfigurations"
+SINGULAR: Final = "proxyconfiguration"
+SHORT_NAMES: Final = ("pxc",)
+CATEGORIES: Final = ("kpx",)
+CRD_NAME: Final = f"{PLURAL}.{GROUP}"
+
+AGENT_CONFIG_KIND: Final = "AgentConfiguration"
+
+#: Namespaces carrying this label (with value "disabled") are opted out by the default selector.
+OPT_OUT_LABEL: Final = "networking.k8s.io/kube-proxy"
+OPT_OUT_VALUE: Final = "disabled"

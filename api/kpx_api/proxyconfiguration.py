@@ -1,0 +1,191 @@
+"""The ProxyConfiguration resource: spec (proxy settings + agent placement) and status."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import AfterValidator, Field, PlainSerializer, ValidationError
+
+from kpx_api.constants import API_VERSION, KIND
+from kpx_api.errors import ConfigError
+from kpx_api.modes import Mode
+from kpx_api.names import DNSSubdomain
+from kpx_api.proxysettings import ProxySettings
+from kpx_api.scheduling import IntOrPercent, ResourceRequirements, Toleration
+from kpx_api.selectors import LabelMap
+from kpx_api.validation import KpxModel, Text
+
+DEFAULT_IMAGE: Final = "ghcr.io/kpx/kpx-agent:0.1.0"
+DEFAULT_PRIORITY_CLASS: Final = "system-node-critical"
+
+IMAGE_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$"
+Image = Annotated[
+    str,
+    Text(
+        max_length=512,
+        min_length=1,
+        pattern=IMAGE_PATTERN,
+        message="must be a container image reference such as ghcr.io/kpx/kpx-agent:0.1.0",
+    ),
+]
+
+
+class ProxyConfigurationSpec(ProxySettings):
+    """Desired state: the proxy mode and its settings, and where the agents run."""
+
+    node_selector: LabelMap = Field(
+        default_factory=dict,
+        description="Run agents only on nodes with all these labels (empty: every node).",
+    )
+    tolerations: Annotated[list[Toleration], Field(max_length=32)] = Field(
+        default_factory=list,
+        description="Taints the agent pods tolerate, e.g. [{operator: Exists}] for every node.",
+    )
+    priority_class_name: DNSSubdomain = Field(
+        default=DEFAULT_PRIORITY_CLASS,
+        description="PriorityClass of the agent pods.",
+    )
+    resources: ResourceRequirements = Field(
+        default_factory=ResourceRequirements,
+        description="Compute resources (requests and limits) of the agent container.",
+    )
+    image: Image = Field(default=DEFAULT_IMAGE, description="Container image of the agents.")
+    max_unavailable: IntOrPercent = Field(
+        default=1,
+        description="Agents that may be down at once during a rollout: a number of nodes (>= 1) "
+        'or a percentage of them ("1%" to "100%").',
+    )
+
+
+class ConditionType(StrEnum):
+    """Condition types the operator reports (others may be added)."""
+
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    DEPRECATED = "Deprecated"
+
+
+class ConditionStatus(StrEnum):
+    """Whether a condition holds."""
+
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+def _utc(value: datetime) -> datetime:
+    if value.tzinfo is None:
+        raise ValueError("must carry a time zone (e.g. 2024-01-01T00:00:00Z)")
+    return value.astimezone(UTC)
+
+
+#: An RFC 3339 time, serialized like Kubernetes' metav1.Time (second precision, "Z").
+Timestamp = Annotated[
+    datetime,
+    AfterValidator(_utc),
+    PlainSerializer(lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ"), return_type=str, when_used="json"),
+]
+
+CONDITION_TYPE_PATTERN: Final = (
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+    r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])$"
+)
+REASON_PATTERN: Final = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+
+
+class Condition(KpxModel):
+    """One aspect of the state (the Kubernetes metav1.Condition shape)."""
+
+    type: Annotated[
+        str,
+        Text(
+            max_length=316,
+            pattern=CONDITION_TYPE_PATTERN,
+            message="must be a CamelCase condition type such as Ready",
+        ),
+    ] = Field(description="Condition type: Ready, Progressing, Degraded or Deprecated.")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: Annotated[
+        str,
+        Text(
+            max_length=1024,
+            min_length=1,
+            pattern=REASON_PATTERN,
+            message="must be a CamelCase reason such as RolloutComplete",
+        ),
+    ] = Field(description="CamelCase reason of the last transition, for machines.")
+    message: Annotated[str, Text(max_length=32768, message="")] = Field(
+        default="", description="Details of the last transition, for humans."
+    )
+    last_transition_time: Timestamp = Field(description="When the status last changed (RFC 3339).")
+    observed_generation: int | None = Field(
+        default=None,
+        ge=0,
+        strict=True,
+        description="metadata.generation of the spec the condition was computed from.",
+    )
+
+
+class ProxyConfigurationStatus(KpxModel):
+    """Observed state, written by the operator."""
+
+    observed_generation: int | None = Field(
+        default=None, ge=0, strict=True, description="Last metadata.generation acted upon."
+    )
+    conditions: Annotated[list[Condition], Field(max_length=16)] = Field(
+        default_factory=list,
+        description="Ready, Progressing, Degraded and Deprecated conditions, one per type.",
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["type"],
+        },
+    )
+    mode: Mode | None = Field(default=None, description="Mode the running agents use.")
+    desired_nodes: int | None = Field(
+        default=None, ge=0, strict=True, description="Nodes that should run an agent."
+    )
+    ready_nodes: int | None = Field(
+        default=None,
+        ge=0,
+        strict=True,
+        description="Nodes whose agent runs the current configuration and is ready.",
+    )
+    deprecated: bool | None = Field(
+        default=None,
+        strict=True,
+        description="True when the configuration uses a mode deprecated upstream (ipvs).",
+    )
+    kopf: dict[str, Any] | None = Field(
+        default=None,
+        description="Progress storage of the operator framework (kopf); not for users.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+
+    def condition(self, type_: str) -> Condition | None:
+        """The condition of this type, if any."""
+        return next((c for c in self.conditions if c.type == type_), None)
+
+
+class ProxyConfiguration(KpxModel):
+    """How Services are proxied on the nodes that spec.nodeSelector selects: one agent per
+    node, programming the dataplane of spec.mode. Cluster-scoped."""
+
+    api_version: Literal["proxy.kpx.dev/v1alpha1"] = Field(
+        default=API_VERSION, description="proxy.kpx.dev/v1alpha1"
+    )
+    kind: Literal["ProxyConfiguration"] = Field(default=KIND, description="ProxyConfiguration")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")
+    spec: ProxyConfigurationSpec = Field(description="Desired state.")
+    status: ProxyConfigurationStatus | None = Field(default=None, description="Observed state.")
+
+
+def parse_spec(data: Mapping[str, Any], source: str = "spec") -> ProxyConfigurationSpec:
+    """Validate a spec (e.g. kopf's ``spec`` argument); `ConfigError` names each bad field."""
+    try:
+        return ProxyConfigurationSpec.model_validate(dict(data))
+    except ValidationError as exc:
+        raise ConfigError.from_validation_error(exc, source) from None
