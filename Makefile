@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
-APT_PACKAGES := nftables iptables conntrack etcd-server iproute2 socat procps
+APT_PACKAGES := nftables iptables conntrack etcd-server iproute2 socat procps curl kmod
 N ?=
 
 .PHONY: setup setup-apt setup-python setup-kubernetes test test-unit test-e2e lint crds demo demo-down bench clean-cache

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -43,10 +43,10 @@ NAMESPACES_RESOURCE = Resource("namespaces", "/api/v1/namespaces")
 NODES_RESOURCE = Resource("nodes", "/api/v1/nodes")
 
 
-class Sink:
+class Sink(Protocol):
     """Where a reflector delivers: a full list, then single events."""
 
-    def replace(self, kind: str, objs: list[Obj]) -> None: ...
+    def replace(self, kind: str, objs: Iterable[Obj]) -> None: ...
     def upsert(self, kind: str, obj: Obj) -> None: ...
     def delete(self, kind: str, obj: Obj) -> None: ...
 
