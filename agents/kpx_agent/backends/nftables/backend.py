@@ -16,7 +16,13 @@ from ..base import BackendError
 from . import kernel
 from . import names as n
 from .element_book import ElementBook, Plan
-from .ruleset import base_table, endpoint_chain, endpoint_chain_counts, port_elements
+from .ruleset import (
+    base_table,
+    endpoint_chain,
+    endpoint_chain_counts,
+    port_elements,
+    precreated_chains,
+)
 from .transaction import Transaction
 
 log = logging.getLogger(__name__)
@@ -60,7 +66,7 @@ class NftablesBackend:
             plans[fam] = books[fam].plan(updates)
             txn = Transaction(fam)
             txn.replace_table(base_table(fam, self.settings, state.node))
-            chains[fam] = set()
+            chains[fam] = precreated_chains()
             for elems in updates.values():
                 chains[fam] |= endpoint_chain_counts(elems)
             self._render(txn, fam, chains[fam], plans[fam])
@@ -73,7 +79,6 @@ class NftablesBackend:
 
     def _partial_sync(self, state: NodeLocalState, changed: Collection[ServicePortKey]) -> None:
         plans: dict[int, Plan[ServicePortKey]] = {}
-        new_chains: dict[int, set[tuple[str, int]]] = {}
         script = []
         for fam in FAMILIES:
             updates = {}
@@ -88,9 +93,12 @@ class NftablesBackend:
             if not plan:
                 continue
             added = [(s, k, v) for s, pairs in plan.add.items() for k, v in pairs]
-            new_chains[fam] = endpoint_chain_counts(added) - self._chains[fam]
+            if endpoint_chain_counts(added) - self._chains[fam]:
+                # A new, large endpoint count: its chain can only come with a full sync.
+                self._full_sync(state)
+                return
             txn = Transaction(fam)
-            self._render(txn, fam, new_chains[fam], plan)
+            self._render(txn, fam, set(), plan)
             plans[fam] = plan
             script.append(txn.render())
         if not script:
@@ -98,7 +106,6 @@ class NftablesBackend:
         self._apply("".join(script))
         for fam, plan in plans.items():
             self._books[fam].commit(plan)
-            self._chains[fam] |= new_chains[fam]
             self._log_conflicts(plan)
 
     @staticmethod

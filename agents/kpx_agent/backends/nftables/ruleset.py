@@ -107,6 +107,21 @@ def endpoint_chain_counts(elements: list[Element]) -> set[tuple[str, int]]:
     return out
 
 
+# nft 1.0.6 cannot add a rule that uses a `typeof ... th dport` map once that map is in the
+# kernel ("conflicting protocols specified: ip vs. th"); it can in the transaction that defines
+# the map. So the endpoint chains are created by full syncs only: every count up to this one,
+# plus any larger count present. A partial sync that meets a new larger count does a full sync.
+PRECREATED_ENDPOINT_COUNTS = 128
+
+
+def precreated_chains() -> set[tuple[str, int]]:
+    return {
+        (dispatch, count)
+        for dispatch in (n.SERVICE_IPS, n.SERVICE_NODEPORTS)
+        for count in range(1, PRECREATED_ENDPOINT_COUNTS + 1)
+    }
+
+
 def endpoint_chain(family: int, dispatch_map: str, count: int) -> tuple[str, str]:
     """Name and rule of the chain that picks one of `count` endpoints at random."""
     daddr, fam = n.DADDR[family], n.FAMILIES[family]
@@ -148,10 +163,7 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
     set_mark = f"meta mark set meta mark | {mark}"
     vpp = f"{addr} . inet_proto . inet_service"
     pp = "inet_proto . inet_service"
-    # The value's typeof says `tcp dport` only to name its type (inet_service): with `th dport`,
-    # nft 1.0.6 cannot add a rule using the map once the map is in the kernel ("conflicting
-    # protocols specified: ip vs. th"). Rules still match `th dport`, for TCP, UDP and SCTP.
-    value = f"{daddr} . tcp dport"
+    value = f"{daddr} . th dport"
     match_vpp = f"{daddr} . meta l4proto . th dport"
     local_np = f"fib daddr type local {daddr} @{n.NODEPORT_ADDRESSES} meta l4proto . th dport"
     cidrs = [str(c) for c in settings.cluster_cidrs if c.version == family]
