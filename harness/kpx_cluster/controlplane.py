@@ -231,9 +231,9 @@ class Cluster:
                 f"--service-cluster-ip-range={','.join(SERVICE_CIDRS)}",
                 "--leader-elect=false",
                 "--profiling=false",
-                # There is no cloud and no kubelet: the node lifecycle controller would taint
-                # every simulated node whose lease it does not see renewed quickly.
-                "--node-monitor-grace-period=10m",
+                # No kubelet renews node leases here: the node lifecycle controller would taint
+                # every simulated node and evict its pods.
+                "--controllers=*,-node-lifecycle-controller",
             ],
             f"https://127.0.0.1:{kcm_port}/healthz",
         )
