@@ -9,14 +9,17 @@ import os
 import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from kpx_api.errors import ConfigError
+from kpx_api.networks import parse_bind_address
 
 from . import backends
 from . import settings as settings_mod
 from .agent import Agent
+from .http_endpoints import Health, health_app, serve
 from .kube_api import KubeClient, from_kubeconfig, in_cluster
 
 log = logging.getLogger("kpx_agent")
@@ -49,6 +52,12 @@ def _cleanup_parser() -> argparse.ArgumentParser:
         prog="proxy-agent cleanup", description="Remove every rule and table of MODE, then exit."
     )
     p.add_argument("--mode", choices=MODES, required=True)
+    p.add_argument(
+        "--then-serve-healthz",
+        metavar="IP:PORT",
+        help="after cleaning, answer 200 on /healthz there until stopped (so a cleanup "
+        "DaemonSet's pod turns Ready once its node is clean)",
+    )
     return p
 
 
@@ -67,8 +76,22 @@ def cleanup(argv: list[str]) -> int:
     args = _cleanup_parser().parse_args(argv)
     module: Any = backends.load(args.mode)
     module.cleanup()
-    print(f"removed the {args.mode} rules of kpx")
+    print(f"removed the {args.mode} rules of kpx", flush=True)
+    if args.then_serve_healthz:
+        host, port = parse_bind_address(args.then_serve_healthz)
+        asyncio.run(_serve_done(host, port))
     return 0
+
+
+async def _serve_done(host: str, port: int) -> None:
+    health = Health(last_success=time.time, timeout=lambda: 1e9, started=time.time())
+    runner = await serve(health_app(health), host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
 
 
 async def _run_until_signal(agent: Agent) -> None:
