@@ -72,3 +72,44 @@ b.sync(NodeLocalState(NodeInfo("n1", (ip("{n1.ipv4}"),)), {{p.key: p for p in po
     assert dns.backends == {"b1", "b2"}, (udp_target, dns)
     refused = probe(topology, client, "10.96.0.10", 81, "tcp", count=3, timeout=2)
     assert refused.refused == 3 and refused.timeout == 0, refused
+
+
+def test_affinity_and_load_balancer_source_ranges(topology: Topology) -> None:
+    n1, n2 = topology.add_node("n1"), topology.add_node("n2")
+    b1, b2 = topology.add_pod(n1, "b1"), topology.add_pod(n2, "b2")
+    client = topology.add_pod(n1, "client")
+    for pod in (b1, b2):
+        topology.run_ready(
+            pod,
+            topology.python_argv("kpx_cluster.echo_server", "--name", pod.name, "--port", "8080"),
+        )
+    program = f"""
+import dataclasses
+from ipaddress import ip_address as ip, ip_network as net
+from kpx_agent.localnet import *
+from kpx_agent.backends.nftables.backend import NftablesBackend
+eps = (Endpoint(ip("{b1.ipv4}"), 8080, True), Endpoint(ip("{b2.ipv4}"), 8080))
+def port(name, vip, **kw):
+    return ServicePort(ServicePortKey("d", name, "", Protocol.TCP, 4), 80, cluster_ips=(ip(vip),),
+                       cluster_endpoints=eps, external_endpoints=eps, **kw)
+ports = [
+    port("sticky", "10.96.0.20", affinity_timeout=300),
+    port("lb-open", "10.96.0.21", load_balancer_ips=(ip("192.0.2.21"),),
+         load_balancer_source_ranges=(net("{client.ipv4}/32"),)),
+    port("lb-closed", "10.96.0.22", load_balancer_ips=(ip("192.0.2.22"),),
+         load_balancer_source_ranges=(net("198.51.100.0/24"),)),
+]
+state = NodeLocalState(NodeInfo("n1", (ip("{n1.ipv4}"),)), {{p.key: p for p in ports}})
+b = NftablesBackend(ProxySettings(cluster_cidrs=(net("10.244.0.0/16"),)))
+b.sync(state, None)
+"""
+    topology.exec(n1, [sys.executable, "-c", program], check=True)
+    sticky = probe(topology, client, "10.96.0.20", 80, "tcp", count=20, timeout=1)
+    assert sticky.failed == 0 and len(sticky.backends) == 1, sticky
+    open_lb = probe(topology, client, "192.0.2.21", 80, "tcp", count=10, timeout=1)
+    assert open_lb.failed == 0 and open_lb.backends, open_lb
+    closed_lb = probe(topology, client, "192.0.2.22", 80, "tcp", count=2, timeout=1)
+    assert closed_lb.timeout == 2 and not closed_lb.backends, closed_lb
+    # The same backends through the cluster IP of the firewalled service: not filtered.
+    inside = probe(topology, client, "10.96.0.22", 80, "tcp", count=4, timeout=1)
+    assert inside.failed == 0, inside

@@ -150,3 +150,47 @@ def test_a_new_large_endpoint_count_comes_with_a_full_sync() -> None:
     state.services[web.key] = dataclasses.replace(web, cluster_endpoints=many[1:] + many[:1])
     backend.sync(state, [web.key])
     assert scripts[-1].startswith(("delete element", "add element"))
+
+
+def test_affinity_gets_a_chain_of_its_own_and_changes_touch_only_it() -> None:
+    backend, scripts = record()
+    state = sample_state()
+    web = state.services[key("web")]
+    state.services[web.key] = dataclasses.replace(web, affinity_timeout=60)
+    backend.sync(state, None)
+    full = scripts[-1]
+    assert full.count("flags dynamic,timeout; timeout 60s;") == 2  # one set per endpoint
+    assert "10.96.0.10 . tcp . 80 : goto aff-" in full
+    assert "numgen random mod 2 == 0 update @aff-" in full
+    # Dropping an endpoint rewrites the chain and deletes that endpoint's set, nothing else.
+    sticky = state.services[web.key]
+    state.services[web.key] = dataclasses.replace(
+        sticky, cluster_endpoints=sticky.cluster_endpoints[:1]
+    )
+    backend.sync(state, [web.key])
+    partial = scripts[-1]
+    assert "add table" not in partial
+    assert partial.count("delete set ip kpx aff-") == 2  # old chain's sets (chain renamed)
+    assert "delete chain ip kpx aff-" in partial
+    assert partial.index("add chain ip kpx aff-") < partial.index("add element ip kpx service-ips")
+    assert partial.index("delete element ip kpx service-ips") < partial.index("delete chain")
+
+
+def test_load_balancer_source_ranges_are_merged_into_the_firewall_set() -> None:
+    backend, scripts = record()
+    state = sample_state()
+    np = state.services[key("np")]
+    state.services[np.key] = dataclasses.replace(
+        np,
+        load_balancer_source_ranges=(
+            ip_network("198.51.100.0/24"),
+            ip_network("198.51.100.128/25"),
+            ip_network("203.0.113.7/32"),
+        ),
+    )
+    backend.sync(state, None)
+    assert "add element ip kpx firewall-ips { 192.0.2.20 . tcp . 80 }" in scripts[-1]
+    assert (
+        "add element ip kpx firewall-allow { 192.0.2.20 . tcp . 80 . 198.51.100.0/24, "
+        "192.0.2.20 . tcp . 80 . 203.0.113.7/32 }"
+    ) in scripts[-1]

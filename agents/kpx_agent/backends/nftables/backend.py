@@ -17,11 +17,13 @@ from . import kernel
 from . import names as n
 from .element_book import ElementBook, Plan
 from .ruleset import (
+    ChainDef,
+    PortRender,
     base_table,
     endpoint_chain,
     endpoint_chain_counts,
-    port_elements,
     precreated_chains,
+    render_port,
 )
 from .transaction import Transaction
 
@@ -43,6 +45,9 @@ class NftablesBackend:
         self._our_tables = our_tables
         self._books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
         self._chains: dict[int, set[tuple[str, int]]] = {f: set() for f in FAMILIES}
+        self._port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
+            f: {} for f in FAMILIES
+        }
         self._node: NodeInfo | None = None
         self.last_script = ""
 
@@ -60,15 +65,20 @@ class NftablesBackend:
         books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
         plans: dict[int, Plan[ServicePortKey]] = {}
         chains: dict[int, set[tuple[str, int]]] = {}
+        port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {}
         script = []
         for fam in FAMILIES:
-            updates = {k: port_elements(sp) for k, sp in state.services.items() if k.family == fam}
-            plans[fam] = books[fam].plan(updates)
+            renders = {k: render_port(sp) for k, sp in state.services.items() if k.family == fam}
+            plans[fam] = books[fam].plan({k: r.elements for k, r in renders.items()})
+            port_chains[fam] = {k: r.chains for k, r in renders.items() if r.chains}
             txn = Transaction(fam)
             txn.replace_table(base_table(fam, self.settings, state.node))
             chains[fam] = precreated_chains()
-            for elems in updates.values():
-                chains[fam] |= endpoint_chain_counts(elems)
+            for render in renders.values():
+                chains[fam] |= endpoint_chain_counts(render.elements)
+            for owned in port_chains[fam].values():
+                for name, chain in owned.items():
+                    txn.add_port_chain(name, chain.sets, chain.rules)
             self._render(txn, fam, chains[fam], plans[fam])
             script.append(txn.render())
         self._apply("".join(script))
@@ -76,37 +86,74 @@ class NftablesBackend:
             books[fam].commit(plans[fam])
             self._log_conflicts(plans[fam])
         self._books, self._chains, self._node = books, chains, state.node
+        self._port_chains = port_chains
 
     def _partial_sync(self, state: NodeLocalState, changed: Collection[ServicePortKey]) -> None:
         plans: dict[int, Plan[ServicePortKey]] = {}
+        chain_updates: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {}
         script = []
         for fam in FAMILIES:
-            updates = {}
+            renders: dict[ServicePortKey, PortRender | None] = {}
             for key in changed:
-                if key.family != fam:
-                    continue
-                sp = state.services.get(key)
-                updates[key] = port_elements(sp) if sp is not None else None
-            if not updates:
+                if key.family == fam:
+                    sp = state.services.get(key)
+                    renders[key] = render_port(sp) if sp is not None else None
+            if not renders:
                 continue
-            plan = self._books[fam].plan(updates)
-            if not plan:
-                continue
+            plan = self._books[fam].plan(
+                {k: (r.elements if r is not None else None) for k, r in renders.items()}
+            )
             added = [(s, k, v) for s, pairs in plan.add.items() for k, v in pairs]
             if endpoint_chain_counts(added) - self._chains[fam]:
                 # A new, large endpoint count: its chain can only come with a full sync.
                 self._full_sync(state)
                 return
-            txn = Transaction(fam)
-            self._render(txn, fam, set(), plan)
+            pre, post = Transaction(fam), Transaction(fam)
+            owned = self._port_chains[fam]
+            chain_updates[fam] = {}
+            for key, render in renders.items():
+                new = render.chains if render is not None else {}
+                old = owned.get(key, {})
+                if new != old:
+                    self._diff_port_chains(pre, post, old, new)
+                    chain_updates[fam][key] = new
+            if not plan and not pre and not post:
+                continue
+            self._render(pre, fam, set(), plan)
             plans[fam] = plan
-            script.append(txn.render())
+            script.append(pre.render() + post.render())
         if not script:
             return
         self._apply("".join(script))
         for fam, plan in plans.items():
             self._books[fam].commit(plan)
             self._log_conflicts(plan)
+            for key, new in chain_updates.get(fam, {}).items():
+                if new:
+                    self._port_chains[fam][key] = new
+                else:
+                    self._port_chains[fam].pop(key, None)
+
+    @staticmethod
+    def _diff_port_chains(
+        pre: Transaction,
+        post: Transaction,
+        old: dict[str, ChainDef],
+        new: dict[str, ChainDef],
+    ) -> None:
+        """Create or rewrite chains before the elements that jump to them change; delete
+        chains (and sets) no longer used after."""
+        for name, chain in new.items():
+            if old.get(name) != chain:
+                have = {s for s, _ in old[name].sets} if name in old else set()
+                pre.add_port_chain(name, [x for x in chain.sets if x[0] not in have], chain.rules)
+        for name, chain in old.items():
+            keep = {s for s, _ in new[name].sets} if name in new else set()
+            if name not in new:
+                post.delete_chain(name)
+            for set_name, _ in chain.sets:
+                if set_name not in keep:
+                    post.delete_set(set_name)
 
     @staticmethod
     def _render(

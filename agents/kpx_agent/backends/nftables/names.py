@@ -31,6 +31,9 @@ REJECT_NODEPORTS = "reject-nodeports"  # proto . port with no endpoints
 DROP_IPS = "drop-ips"  # vip . proto . port with no local endpoints (Local traffic policy)
 DROP_NODEPORTS = "drop-nodeports"  # proto . port with no local endpoints
 HAIRPIN = "hairpin"  # endpoint . endpoint: a pod reaching itself through a VIP
+FIREWALL_IPS = "firewall-ips"  # vip . proto . port of load balancers with source ranges
+FIREWALL_ALLOW = "firewall-allow"  # vip . proto . port . source-range allowed to reach them
+FIREWALL = "firewall"  # drops traffic to those load balancers from anywhere else
 NODEPORT_ADDRESSES = "nodeport-addresses"  # local addresses NodePorts answer on
 CLUSTER_CIDRS = "cluster-cidrs"  # the pod networks (detect-local)
 

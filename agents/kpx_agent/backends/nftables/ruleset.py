@@ -12,13 +12,19 @@ the cluster is pasted in as it came.
 
 from __future__ import annotations
 
-from ...localnet import Endpoint, IPAddress, NodeInfo, ProxySettings, ServicePort
+import base64
+import hashlib
+from dataclasses import dataclass, field
+from ipaddress import IPv4Network, IPv6Network, collapse_addresses
+
+from ...localnet import Endpoint, IPAddress, IPNetwork, NodeInfo, ProxySettings, ServicePort
 from . import names as n
 from .element_book import Element
 
 PRIORITY_DSTNAT = -100  # nft 1.0.6 rejects the name `dstnat` on an output hook
 PRIORITY_SRCNAT = 100
 PRIORITY_FILTER = -1  # just before the default filter priority
+PRIORITY_FIREWALL = -110  # before DNAT, while the destination is still the load balancer IP
 
 
 def _vip_key(ip: IPAddress, sp: ServicePort) -> str:
@@ -29,81 +35,136 @@ def _endpoint_value(ep: Endpoint) -> str:
     return f"{ep.ip} . {ep.port}"
 
 
+@dataclass(frozen=True)
+class ChainDef:
+    """A chain one service port owns (session affinity), with the sets its rules use."""
+
+    sets: tuple[tuple[str, str], ...]  # (name, definition body)
+    rules: tuple[str, ...]
+
+
+@dataclass
+class PortRender:
+    """What one service port contributes: set/map elements, and chains of its own."""
+
+    elements: list[Element] = field(default_factory=list)
+    chains: dict[str, ChainDef] = field(default_factory=dict)
+
+
+def _short_hash(*parts: object) -> str:
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return base64.b32encode(digest).decode().lower()[:12]
+
+
+def _affinity_chain(
+    sp: ServicePort, endpoints: tuple[Endpoint, ...], family: int
+) -> tuple[str, ChainDef]:
+    """Upstream's affinity scheme: a timed set of recent clients per endpoint.
+
+    A client found in an endpoint's set goes back to it; otherwise one endpoint is picked at
+    random (a cascade of `numgen random mod k`), and the client is recorded in its set.
+    Sets are named after the endpoint, so a removed endpoint takes its clients' affinity along.
+    """
+    name = f"aff-{_short_hash(sp.key, sp.affinity_timeout, [str(e) for e in endpoints])}"
+    saddr, fam, proto = n.SADDR[family], n.FAMILIES[family], sp.protocol.value
+    sets, sticky, pick = [], [], []
+    for i, ep in enumerate(endpoints):
+        set_name = f"{name}-{_short_hash(ep.ip, ep.port)}"
+        sets.append(
+            (
+                set_name,
+                f"type {n.ADDR_TYPE[family]}; flags dynamic,timeout; "
+                f"timeout {sp.affinity_timeout}s;",
+            )
+        )
+        target = f"[{ep.ip}]:{ep.port}" if family == 6 else f"{ep.ip}:{ep.port}"
+        dnat = f"meta l4proto {proto} dnat {fam} to {target}"
+        sticky.append(f"{saddr} @{set_name} {dnat}")
+        left = len(endpoints) - i
+        chance = f"numgen random mod {left} == 0 " if left > 1 else ""
+        pick.append(f"{chance}update @{set_name} {{ {saddr} }} {dnat}")
+    return name, ChainDef(tuple(sets), tuple(sticky + pick))
+
+
 def _dispatch(
+    out: PortRender,
+    sp: ServicePort,
     vip_key: str,
     endpoints: tuple[Endpoint, ...],
     drop: bool,
-    dispatch_map: str,
-    endpoint_map: str,
-    chain: str,
-    reject_set: str,
-    drop_set: str,
-) -> list[Element]:
+    nodeport: bool,
+) -> None:
     if not endpoints:
-        return [(drop_set if drop else reject_set, vip_key, None)]
-    elems: list[Element] = [(dispatch_map, vip_key, f"goto {chain}")]
-    elems.extend(
+        if nodeport:
+            out.elements.append((n.DROP_NODEPORTS if drop else n.REJECT_NODEPORTS, vip_key, None))
+        else:
+            out.elements.append((n.DROP_IPS if drop else n.REJECT_IPS, vip_key, None))
+        return
+    dispatch_map = n.SERVICE_NODEPORTS if nodeport else n.SERVICE_IPS
+    if sp.affinity_timeout:
+        chain, definition = _affinity_chain(sp, endpoints, sp.family)
+        out.chains[chain] = definition
+        out.elements.append((dispatch_map, vip_key, f"goto {chain}"))
+        return
+    if nodeport:
+        endpoint_map, chain = n.NODEPORT_ENDPOINTS, n.nodeport_endpoints_chain(len(endpoints))
+    else:
+        endpoint_map, chain = n.ENDPOINTS, n.endpoints_chain(len(endpoints))
+    out.elements.append((dispatch_map, vip_key, f"goto {chain}"))
+    out.elements.extend(
         (endpoint_map, f"{vip_key} . {i}", _endpoint_value(ep)) for i, ep in enumerate(endpoints)
     )
-    return elems
 
 
-def port_elements(sp: ServicePort) -> list[Element]:
-    """The elements one service port contributes to its family's table."""
-    elems: list[Element] = []
+def _merged(nets: tuple[IPNetwork, ...]) -> list[IPNetwork]:
+    """The same addresses with overlaps merged (one family per service port)."""
+    v4 = [x for x in nets if isinstance(x, IPv4Network)]
+    v6 = [x for x in nets if isinstance(x, IPv6Network)]
+    return [*collapse_addresses(v4), *collapse_addresses(v6)]
+
+
+def render_port(sp: ServicePort) -> PortRender:
+    """The elements (and affinity chains) one service port contributes to its family's table."""
+    out = PortRender()
     cluster, external = sp.cluster_endpoints, sp.external_endpoints
     for ip in sp.cluster_ips:
         key = _vip_key(ip, sp)
-        elems.append((n.CLUSTER_IPS, key, None))
-        elems += _dispatch(
-            key,
-            cluster,
-            sp.drop_when_no_cluster_endpoints,
-            n.SERVICE_IPS,
-            n.ENDPOINTS,
-            n.endpoints_chain(len(cluster)),
-            n.REJECT_IPS,
-            n.DROP_IPS,
-        )
+        out.elements.append((n.CLUSTER_IPS, key, None))
+        _dispatch(out, sp, key, cluster, sp.drop_when_no_cluster_endpoints, nodeport=False)
     for ip in (*sp.external_ips, *sp.load_balancer_ips):
         key = _vip_key(ip, sp)
         if sp.external_masquerade:
-            elems.append((n.EXTERNAL_IPS, key, None))
-        elems += _dispatch(
-            key,
-            external,
-            sp.drop_when_no_external_endpoints,
-            n.SERVICE_IPS,
-            n.ENDPOINTS,
-            n.endpoints_chain(len(external)),
-            n.REJECT_IPS,
-            n.DROP_IPS,
-        )
+            out.elements.append((n.EXTERNAL_IPS, key, None))
+        _dispatch(out, sp, key, external, sp.drop_when_no_external_endpoints, nodeport=False)
+    for ip in sp.load_balancer_ips:
+        if sp.load_balancer_source_ranges:
+            key = _vip_key(ip, sp)
+            out.elements.append((n.FIREWALL_IPS, key, None))
+            # Overlapping ranges would conflict in an interval set: merge them first.
+            for net in _merged(sp.load_balancer_source_ranges):
+                out.elements.append((n.FIREWALL_ALLOW, f"{key} . {net}", None))
     if sp.node_port:
         key = f"{sp.protocol.value} . {sp.node_port}"
         if sp.external_masquerade:
-            elems.append((n.EXTERNAL_NODEPORTS, key, None))
-        elems += _dispatch(
-            key,
-            external,
-            sp.drop_when_no_external_endpoints,
-            n.SERVICE_NODEPORTS,
-            n.NODEPORT_ENDPOINTS,
-            n.nodeport_endpoints_chain(len(external)),
-            n.REJECT_NODEPORTS,
-            n.DROP_NODEPORTS,
-        )
+            out.elements.append((n.EXTERNAL_NODEPORTS, key, None))
+        _dispatch(out, sp, key, external, sp.drop_when_no_external_endpoints, nodeport=True)
     for ep in sorted({e for e in (*cluster, *external) if e.local}):
-        elems.append((n.HAIRPIN, f"{ep.ip} . {ep.ip}", None))
-    return elems
+        out.elements.append((n.HAIRPIN, f"{ep.ip} . {ep.ip}", None))
+    return out
+
+
+def port_elements(sp: ServicePort) -> list[Element]:
+    return render_port(sp).elements
 
 
 def endpoint_chain_counts(elements: list[Element]) -> set[tuple[str, int]]:
-    """The (dispatch map, endpoint count) pairs whose chains these elements jump to."""
+    """The (dispatch map, endpoint count) pairs whose shared chains these elements jump to."""
     out: set[tuple[str, int]] = set()
+    prefixes = {n.SERVICE_IPS: "goto endpoints-", n.SERVICE_NODEPORTS: "goto nodeport-endpoints-"}
     for set_name, _key, value in elements:
-        if value is not None and value.startswith("goto "):
-            out.add((set_name, int(value.rsplit("-", 1)[1])))
+        prefix = prefixes.get(set_name)
+        if prefix and value is not None and value.startswith(prefix):
+            out.add((set_name, int(value.removeprefix(prefix))))
     return out
 
 
@@ -184,6 +245,8 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
         f"  set {n.REJECT_NODEPORTS} {{ type {pp}; }}",
         f"  set {n.DROP_NODEPORTS} {{ type {pp}; }}",
         f"  set {n.HAIRPIN} {{ type {addr} . {addr}; }}",
+        f"  set {n.FIREWALL_IPS} {{ type {vpp}; }}",
+        f"  set {n.FIREWALL_ALLOW} {{ type {vpp} . {addr}; flags interval; }}",
         f"  set {n.NODEPORT_ADDRESSES} {{ type {addr}; flags interval; auto-merge;"
         f"{_elements_clause(nodeport_addresses(family, settings, node))} }}",
         f"  set {n.CLUSTER_CIDRS} {{ type {addr}; flags interval; auto-merge;"
@@ -206,6 +269,9 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
         f"    {local_np} @{n.REJECT_NODEPORTS} reject",
         f"    {local_np} @{n.DROP_NODEPORTS} drop",
         "  }",
+        f"  chain {n.FIREWALL} {{ type filter hook prerouting priority {PRIORITY_FIREWALL};"
+        f" policy accept; {match_vpp} @{n.FIREWALL_IPS} {match_vpp} . {saddr}"
+        f" != @{n.FIREWALL_ALLOW} drop; }}",
         f"  chain {n.NAT_PREROUTING} {{ type nat hook prerouting priority {PRIORITY_DSTNAT};"
         f" policy accept; jump {n.SERVICES}; }}",
         f"  chain {n.NAT_OUTPUT} {{ type nat hook output priority {PRIORITY_DSTNAT};"

@@ -31,6 +31,24 @@ class Transaction:
         self._lines.append(f"flush chain {self.prefix} {chain}")
         self._lines.append(f"add rule {self.prefix} {chain} {rule}")
 
+    def add_port_chain(
+        self, name: str, sets: Iterable[tuple[str, str]], rules: Iterable[str]
+    ) -> None:
+        """Create (or rewrite) a chain owned by one service port, with the sets it uses."""
+        for set_name, body in sets:
+            self._lines.append(f"add set {self.prefix} {set_name} {{ {body} }}")
+        self._lines.append(f"add chain {self.prefix} {name}")
+        self._lines.append(f"flush chain {self.prefix} {name}")
+        for rule in rules:
+            self._lines.append(f"add rule {self.prefix} {name} {rule}")
+
+    def delete_chain(self, name: str) -> None:
+        self._lines.append(f"flush chain {self.prefix} {name}")
+        self._lines.append(f"delete chain {self.prefix} {name}")
+
+    def delete_set(self, name: str) -> None:
+        self._lines.append(f"delete set {self.prefix} {name}")
+
     def delete_elements(self, set_name: str, keys: Iterable[str]) -> None:
         body = ", ".join(keys)
         if body:

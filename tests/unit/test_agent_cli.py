@@ -1,0 +1,42 @@
+"""proxy-agent refuses bad configuration with the field named, and exits non-zero."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kpx_agent.cli import main
+
+
+def test_bad_config_file_is_refused_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "config.yaml"
+    bad.write_text(
+        "apiVersion: proxy.kpx.dev/v1alpha1\nkind: AgentConfiguration\nmode: nftables\n"
+        "nftables:\n  masqueradeBit: 40\n  syncPeriod: soon\n"
+    )
+    assert main(["--config", str(bad), "--node-name", "n1"]) == 2
+    err = capsys.readouterr().err
+    assert "nftables.masqueradeBit" in err and "31" in err
+    assert "nftables.syncPeriod" in err
+
+
+def test_mode_flag_must_agree_with_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("apiVersion: proxy.kpx.dev/v1alpha1\nkind: AgentConfiguration\nmode: nftables\n")
+    assert main(["--mode", "iptables", "--config", str(cfg), "--node-name", "n1"]) == 2
+    assert "--mode iptables" in capsys.readouterr().err
+
+
+def test_flag_values_are_validated_by_the_same_models(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--mode", "nftables", "--cluster-cidr", "10.0.0.1/8", "--node-name", "n1"]) == 2
+    assert "clusterCIDRs" in capsys.readouterr().err
+
+
+def test_neither_mode_nor_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--node-name", "n1"]) == 2
+    assert "--mode" in capsys.readouterr().err
