@@ -18,6 +18,7 @@ from .kube_api import KubeClient
 from .metrics import AgentMetrics
 from .optout import exclusion_field_selector
 from .proxier import Proxier
+from .service_health import HealthCheckServers, health_targets
 from .settings import AgentSettings
 from .watch import (
     NAMESPACES_RESOURCE,
@@ -51,6 +52,7 @@ class Agent:
         self.metrics = AgentMetrics()
         self.state = ClusterState()
         self.proxier = Proxier(self.state, backend, node_name, settings.optout, self.metrics)
+        self.health_check_servers = HealthCheckServers()
         self._wake = asyncio.Event()
         self._config_stamp = self._stamp()
         self.health = Health(
@@ -124,6 +126,7 @@ class Agent:
             await asyncio.gather(*tasks, return_exceptions=True)
             for runner in runners:
                 await runner.cleanup()
+            await self.health_check_servers.close()
             await self.client.close()
 
     # -- the sync loop -------------------------------------------------------------------------
@@ -157,6 +160,7 @@ class Agent:
             outcome = self.proxier.sync()
             if outcome.ok:
                 retry_delay = 0.0
+                await self.health_check_servers.update(health_targets(self.proxier.local))
                 log.debug(
                     "synced %d ports (%s) in %.3fs",
                     outcome.changed_ports,

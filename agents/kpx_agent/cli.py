@@ -94,6 +94,19 @@ async def _serve_done(host: str, port: int) -> None:
     await runner.cleanup()
 
 
+def remove_other_modes(mode: str) -> None:
+    """Remove what agents of the other modes left on this node (a mode switch must not leave
+    stale rules behind, the upstream pain)."""
+    for other in backends.REGISTRY:
+        if other == mode:
+            continue
+        try:
+            module: Any = backends.load(other)
+            module.cleanup()
+        except Exception as exc:
+            log.warning("could not check for %s leftovers: %s", other, exc)
+
+
 async def _run_until_signal(agent: Agent) -> None:
     loop = asyncio.get_running_loop()
     task = asyncio.create_task(agent.run())
@@ -136,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyError as exc:
         print(f"proxy-agent: {exc.args[0]}", file=sys.stderr)
         return 2
+    remove_other_modes(settings.mode)
     creds = from_kubeconfig(args.kubeconfig) if args.kubeconfig else in_cluster()
     agent = Agent(
         settings,

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from kpx_api.proxysettings import NamespaceOptOut
 
+from . import conntrack
 from .backends.base import Backend, BackendError
 from .cluster_state import ClusterState, Key
-from .localnet import NodeLocalState, ServicePortKey
+from .conntrack import FlowFilter, stale_flows
+from .localnet import NodeLocalState, Protocol, ServicePort, ServicePortKey
 from .metrics import AgentMetrics
 from .node_local import node_info, service_ports
 from .optout import excluded_namespaces
@@ -42,6 +45,9 @@ class Proxier:
     excluded: frozenset[str] = field(default=frozenset(), init=False)
     _ports_of: dict[Key, list[ServicePortKey]] = field(default_factory=dict, init=False)
     _needs_full: bool = field(default=True, init=False)
+    # UDP ports changed since the last successful sync: their state before, for conntrack.
+    _udp_before: dict[ServicePortKey, ServicePort | None] = field(default_factory=dict, init=False)
+    delete_flows: Callable[[Iterable[FlowFilter]], int] = field(default=conntrack.delete_flows)
     last_success: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
@@ -78,10 +84,12 @@ class Proxier:
             new_keys = [p.key for p in ports]
             for key in old:
                 if key not in new_keys:
+                    self._remember_udp(key)
                     local.services.pop(key, None)
                     changed.add(key)
             for port in ports:
                 if local.services.get(port.key) != port:
+                    self._remember_udp(port.key)
                     local.services[port.key] = port
                     changed.add(port.key)
             if new_keys:
@@ -89,6 +97,20 @@ class Proxier:
         if node_changed:
             self._needs_full = True
         return changed
+
+    def _remember_udp(self, key: ServicePortKey) -> None:
+        if key.protocol is Protocol.UDP and key not in self._udp_before:
+            self._udp_before[key] = self.local.services.get(key)
+
+    def _clean_conntrack(self) -> None:
+        flows = [
+            f
+            for key, before in self._udp_before.items()
+            for f in stale_flows(before, self.local.services.get(key))
+        ]
+        self._udp_before.clear()
+        if flows:
+            self.delete_flows(flows)
 
     def sync(self) -> SyncOutcome:
         start = time.monotonic()
@@ -109,6 +131,7 @@ class Proxier:
             # Changes are not lost: the next sync is a full one.
             return SyncOutcome(False, full, len(changed), time.monotonic() - start, str(exc))
         self._needs_full = False
+        self._clean_conntrack()
         now = time.time()
         self.last_success = now
         duration = time.monotonic() - start

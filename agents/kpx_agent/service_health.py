@@ -1,0 +1,87 @@
+"""healthCheckNodePort servers for externalTrafficPolicy: Local Services, as kube-proxy serves
+them: 200 with the local endpoint count while this node has local endpoints, 503 otherwise, so
+load balancers send traffic only to nodes that can serve it locally. Shared by every mode."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from .localnet import NodeLocalState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HealthTarget:
+    namespace: str
+    name: str
+    local_endpoints: int
+
+
+def health_targets(state: NodeLocalState) -> dict[int, HealthTarget]:
+    """healthCheckNodePort -> the Service it reports on, with its local endpoint count."""
+    local: dict[int, tuple[str, str, set[object]]] = {}
+    for sp in state.services.values():
+        if not sp.health_check_node_port:
+            continue
+        entry = local.setdefault(sp.health_check_node_port, (sp.key.namespace, sp.key.name, set()))
+        entry[2].update(e.ip for e in sp.external_endpoints if e.local)
+    return {port: HealthTarget(ns, name, len(eps)) for port, (ns, name, eps) in local.items()}
+
+
+def response(target: HealthTarget) -> tuple[int, dict[str, str], str]:
+    body = json.dumps(
+        {
+            "service": {"namespace": target.namespace, "name": target.name},
+            "localEndpoints": target.local_endpoints,
+            "serviceProxyHealthy": True,
+        }
+    )
+    headers = {
+        "Content-Type": "application/json",
+        "X-Content-Type-Options": "nosniff",
+        "X-Load-Balancing-Endpoint-Weight": str(target.local_endpoints),
+    }
+    return (200 if target.local_endpoints > 0 else 503), headers, body
+
+
+class HealthCheckServers:
+    """One HTTP server per healthCheckNodePort, opened and closed as Services come and go."""
+
+    def __init__(self) -> None:
+        self.targets: dict[int, HealthTarget] = {}
+        self._runners: dict[int, web.AppRunner] = {}
+
+    async def update(self, targets: Mapping[int, HealthTarget]) -> None:
+        self.targets = dict(targets)
+        for port in [p for p in self._runners if p not in targets]:
+            await self._runners.pop(port).cleanup()
+        for port in targets:
+            if port not in self._runners:
+                try:
+                    self._runners[port] = await self._serve(port)
+                except OSError as exc:
+                    log.error("cannot serve healthCheckNodePort %d: %s", port, exc)
+
+    async def _serve(self, port: int) -> web.AppRunner:
+        async def handle(_: web.Request) -> web.Response:
+            target = self.targets.get(port)
+            if target is None:
+                return web.Response(status=404)
+            status, headers, body = response(target)
+            return web.Response(status=status, headers=headers, text=body)
+
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", handle)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, None, port).start()
+        return runner
+
+    async def close(self) -> None:
+        await self.update({})

@@ -1,0 +1,71 @@
+"""Stale UDP conntrack deletions, and healthCheckNodePort answers (pure parts)."""
+
+from __future__ import annotations
+
+import json
+from ipaddress import ip_address
+
+from kpx_agent.conntrack import FlowFilter, stale_flows
+from kpx_agent.localnet import (
+    Endpoint,
+    NodeInfo,
+    NodeLocalState,
+    Protocol,
+    ServicePort,
+    ServicePortKey,
+)
+from kpx_agent.service_health import HealthTarget, health_targets, response
+
+VIP, EP1, EP2 = ip_address("10.96.0.53"), ip_address("10.244.1.2"), ip_address("10.244.2.2")
+
+
+def dns(*eps: Endpoint, node_port: int = 0, proto: Protocol = Protocol.UDP) -> ServicePort:
+    return ServicePort(
+        ServicePortKey("kube-system", "dns", "dns", proto, 4),
+        53,
+        cluster_ips=(VIP,),
+        node_port=node_port,
+        cluster_endpoints=eps,
+        external_endpoints=eps,
+    )
+
+
+def test_removed_endpoint_deletes_flows_dnated_to_it() -> None:
+    old = dns(Endpoint(EP1, 5353), Endpoint(EP2, 5353), node_port=30053)
+    new = dns(Endpoint(EP2, 5353), node_port=30053)
+    assert stale_flows(old, new) == [
+        FlowFilter(4, 53, VIP, EP1),
+        FlowFilter(4, 30053, None, EP1),
+    ]
+    assert FlowFilter(4, 53, VIP, EP1).argv() == [
+        "conntrack", "-D", "-f", "ipv4", "-p", "udp",
+        "--orig-dst", "10.96.0.53", "--orig-port-dst", "53", "--dst-nat", "10.244.1.2",
+    ]  # fmt: skip
+
+
+def test_zero_to_some_endpoints_deletes_flows_to_the_vip() -> None:
+    assert stale_flows(dns(), dns(Endpoint(EP1, 5353))) == [FlowFilter(4, 53, VIP)]
+    assert stale_flows(None, dns(Endpoint(EP1, 5353))) == [FlowFilter(4, 53, VIP)]
+
+
+def test_deleted_service_and_unchanged_and_tcp() -> None:
+    assert stale_flows(dns(Endpoint(EP1, 5353)), None) == [FlowFilter(4, 53, VIP, EP1)]
+    assert stale_flows(dns(Endpoint(EP1, 5353)), dns(Endpoint(EP1, 5353))) == []
+    tcp = dns(Endpoint(EP1, 5353), proto=Protocol.TCP)
+    assert stale_flows(tcp, None) == []
+
+
+def test_health_targets_count_local_external_endpoints() -> None:
+    key = ServicePortKey("shop", "web", "http", Protocol.TCP, 4)
+    local = Endpoint(EP1, 8080, local=True)
+    sp = ServicePort(key, 80, node_port=30080, external_endpoints=(local,),
+                     health_check_node_port=32000, external_masquerade=False)  # fmt: skip
+    key6 = ServicePortKey("shop", "web", "http", Protocol.TCP, 6)
+    local6 = Endpoint(ip_address("fd00::2"), 8080, True)
+    sp6 = ServicePort(key6, 80, health_check_node_port=32000, external_endpoints=(local6,))
+    state = NodeLocalState(NodeInfo("n1"), {key: sp, key6: sp6})
+    assert health_targets(state) == {32000: HealthTarget("shop", "web", 2)}
+    status, headers, body = response(HealthTarget("shop", "web", 2))
+    assert status == 200 and headers["X-Load-Balancing-Endpoint-Weight"] == "2"
+    assert json.loads(body)["localEndpoints"] == 2
+    assert response(HealthTarget("shop", "web", 0))[0] == 503
