@@ -1,0 +1,483 @@
+"""Issue "Node agent core and the nftables backend, proven with real packets".
+
+One Topology and one agent on n1 (`agent_env`, module scope) against the session's real
+apiserver; each test works in its own namespace (`agent_ns`). Services have no selector: the
+tests write the EndpointSlices (there is no kubelet). Every assertion is about packets sent by
+the probe from the client pod on n1 (or from n2), answered (or not) by the echo servers b1 (on
+n1) and b2 (on n2).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from agent_harness import (
+    BACKEND_PORT,
+    OPT_OUT_LABEL,
+    OPT_OUT_VALUE,
+    SECOND_PORT,
+    SERVICE_PROXY_NAME_LABEL,
+    AgentEnv,
+    TrafficWatch,
+    endpoint_slice,
+    first_seen,
+    gone_for,
+    kpx_tables,
+    metric,
+    nft_ruleset,
+    run_cleanup,
+    service,
+    service_port,
+    wait_until,
+)
+
+from kpx_cluster.probe import ProbeResult, format_target
+
+AGENT_MODE = "nftables"
+pytestmark = [pytest.mark.e2e, pytest.mark.netns]
+
+BOTH = {"b1", "b2"}
+TCP_UDP = [
+    service_port("tcp", 80, BACKEND_PORT, "TCP"),
+    service_port("udp", 80, BACKEND_PORT, "UDP"),
+]
+EXTERNAL_IP = "10.250.0.10"
+LB_IP = "10.251.0.20"
+OPTED_OUT_EXTRA = 40  # Services created in an opted-out namespace to show they are not received
+LATENCY_LIMIT = 1.5  # seconds from an EndpointSlice write to traffic following it
+
+
+@dataclass
+class Svc:
+    obj: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return str(self.obj["metadata"]["name"])
+
+    def ip(self, family: int = 4) -> str:
+        ips = [str(ip) for ip in self.obj["spec"].get("clusterIPs") or []]
+        matching = [ip for ip in ips if (":" in ip) == (family == 6)]
+        assert matching, f"{self.name} has no IPv{family} cluster IP: {ips}"
+        return matching[0]
+
+    def node_port(self, port_name: str) -> int:
+        for p in self.obj["spec"]["ports"]:
+            if p["name"] == port_name:
+                return int(p["nodePort"])
+        raise AssertionError(f"{self.name} has no port {port_name}")
+
+
+def slice_ports(ports: Sequence[dict[str, Any]]) -> list[tuple[str, int, str]]:
+    return [(str(p["name"]), int(p["targetPort"]), str(p["protocol"])) for p in ports]
+
+
+def make_service(
+    env: AgentEnv,
+    ns: str,
+    name: str,
+    ports: Sequence[dict[str, Any]] = TCP_UDP,
+    backends: Sequence[str] | None = ("b1", "b2"),
+    families: Sequence[int] = (4,),
+    **kwargs: Any,
+) -> Svc:
+    """A selector-less Service and, unless `backends` is None, one EndpointSlice per family."""
+    objs = [service(name, ns, ports, **kwargs)]
+    if backends is not None:
+        for fam in families:
+            objs.append(
+                endpoint_slice(
+                    f"{name}-v{fam}",
+                    ns,
+                    name,
+                    env.backend_endpoints(fam, backends),
+                    slice_ports(ports),
+                    address_type=f"IPv{fam}",
+                )
+            )
+    env.kube.apply(*objs)
+    return Svc(env.kube.get("service", name, ns))
+
+
+def diagnostics(env: AgentEnv) -> str:
+    agent = env.agent
+    tail = agent.log_tail(15) if agent is not None else "(no agent)"
+    return f"agent log tail:\n{tail}"
+
+
+def assert_reaches(
+    env: AgentEnv,
+    host: str,
+    port: int,
+    proto: str,
+    expected: set[str],
+    source: Any = None,
+    timeout: float = 5.0,
+) -> ProbeResult:
+    """Wait until the rules are in place, then: 30 tries, all answered, by exactly the
+    `expected` backends."""
+    target = f"{proto} {format_target(host, port)}"
+    last: list[ProbeResult] = []
+
+    def ok() -> bool:
+        r = env.probe(host, port, proto, count=8, timeout=0.5, source=source)
+        last[:] = [r]
+        return r.backends == expected and r.failed == 0
+
+    wait_until(
+        ok,
+        timeout,
+        interval=0.1,
+        message=lambda: (
+            f"{target} not answered by {sorted(expected)}: {last[-1]}\n{diagnostics(env)}"
+        ),
+    )
+    result = env.probe(host, port, proto, count=30, timeout=1.0, source=source)
+    assert result.failed == 0, f"{target}: {result}"
+    assert result.backends == expected, f"{target}: {result}"
+    return result
+
+
+def assert_unanswered(
+    env: AgentEnv, host: str, port: int, proto: str = "tcp", timeout: float = 8.0
+) -> None:
+    """Wait until no backend answers; then check a few more tries get no answer either."""
+    target = f"{proto} {format_target(host, port)}"
+
+    def silent() -> bool:
+        return env.probe(host, port, proto, count=3, timeout=0.3).answered == 0
+
+    wait_until(silent, timeout, interval=0.1, message=lambda: f"{target} still answered")
+    result = env.probe(host, port, proto, count=5, timeout=0.3)
+    assert result.answered == 0, f"{target} answered: {result}"
+
+
+def programmed(env: AgentEnv, ip: str) -> bool:
+    return ip in nft_ruleset(env.topology, env.n1)
+
+
+# ---- 1-5: the ways into a Service ----------------------------------------------------------------
+
+
+PROTOS = pytest.mark.parametrize("proto", ["tcp", "udp"])
+
+
+@PROTOS
+def test_cluster_ip_reaches_backends_on_both_nodes(
+    agent_env: AgentEnv, agent_ns: str, proto: str
+) -> None:
+    svc = make_service(agent_env, agent_ns, "web")
+    assert_reaches(agent_env, svc.ip(), 80, proto, BOTH)
+
+
+def test_multi_port_service_maps_each_port_to_its_target_port(
+    agent_env: AgentEnv, agent_ns: str
+) -> None:
+    ports = [
+        service_port("http", 80, BACKEND_PORT),
+        service_port("metrics", 90, SECOND_PORT),
+    ]
+    objs = [
+        service("multi", agent_ns, ports),
+        # Slice ports in the other order: they are matched by name, not by position.
+        endpoint_slice(
+            "multi-v4",
+            agent_ns,
+            "multi",
+            agent_env.backend_endpoints(),
+            [("metrics", SECOND_PORT, "TCP"), ("http", BACKEND_PORT, "TCP")],
+        ),
+    ]
+    agent_env.kube.apply(*objs)
+    vip = Svc(agent_env.kube.get("service", "multi", agent_ns)).ip()
+    assert_reaches(agent_env, vip, 80, "tcp", BOTH)
+    assert_reaches(agent_env, vip, 90, "tcp", {f"b1-{SECOND_PORT}", f"b2-{SECOND_PORT}"})
+
+
+@PROTOS
+def test_node_port_on_node_address_from_pod_and_from_other_node(
+    agent_env: AgentEnv, agent_ns: str, proto: str
+) -> None:
+    svc = make_service(agent_env, agent_ns, "np", type="NodePort")
+    n1, port = agent_env.n1.ipv4, svc.node_port(proto)
+    assert_reaches(agent_env, n1, port, proto, BOTH)
+    assert_reaches(agent_env, n1, port, proto, BOTH, source=agent_env.n2)
+
+
+@PROTOS
+def test_external_ip_reaches_backends(agent_env: AgentEnv, agent_ns: str, proto: str) -> None:
+    make_service(agent_env, agent_ns, "ext", external_ips=[EXTERNAL_IP])
+    assert_reaches(agent_env, EXTERNAL_IP, 80, proto, BOTH)
+
+
+@PROTOS
+def test_load_balancer_ingress_ip_reaches_backends(
+    agent_env: AgentEnv, agent_ns: str, proto: str
+) -> None:
+    make_service(agent_env, agent_ns, "lb", type="LoadBalancer")
+    agent_env.kube.patch_status(
+        "service", "lb", {"status": {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}}, agent_ns
+    )
+    assert_reaches(agent_env, LB_IP, 80, proto, BOTH)
+
+
+@PROTOS
+def test_ipv6_cluster_ip_of_dual_stack_service(
+    agent_env: AgentEnv, agent_ns: str, proto: str
+) -> None:
+    svc = make_service(
+        agent_env, agent_ns, "dual", families=(4, 6), ip_family_policy="PreferDualStack"
+    )
+    assert len(svc.obj["spec"]["clusterIPs"]) == 2, svc.obj["spec"]
+    assert_reaches(agent_env, svc.ip(6), 80, proto, BOTH)
+    assert_reaches(agent_env, svc.ip(4), 80, proto, BOTH)
+
+
+# ---- 6-7: endpoints ------------------------------------------------------------------------------
+
+
+def test_endpoint_changes_reach_traffic_within_a_second(agent_env: AgentEnv, agent_ns: str) -> None:
+    ports = [service_port("http", 80, BACKEND_PORT)]
+    svc = make_service(agent_env, agent_ns, "churn", ports, backends=["b1"])
+    vip = svc.ip()
+    assert_reaches(agent_env, vip, 80, "tcp", {"b1"})
+
+    def write(backends: list[str]) -> float:
+        sl = endpoint_slice(
+            "churn-v4",
+            agent_ns,
+            "churn",
+            agent_env.backend_endpoints(4, backends),
+            slice_ports(ports),
+        )
+        t0 = time.time()
+        agent_env.kube.apply_now(sl)
+        return t0
+
+    watch = TrafficWatch.start(agent_env.topology, agent_env.client, vip, 80)
+    try:
+        t_add = write(["b1", "b2"])
+        seen = watch.wait_for(first_seen("b2", t_add), 5.0)
+        assert seen is not None, f"b2 never answered after it was added: {diagnostics(agent_env)}"
+        added = seen - t_add
+        time.sleep(0.2)  # let the agent's minSyncPeriod pass, as any later change would
+        t_remove = write(["b2"])
+        gone = watch.wait_for(gone_for("b1", t_remove), 5.0)
+        assert gone is not None, f"b1 kept answering after removal: {diagnostics(agent_env)}"
+        removed = gone - t_remove
+    finally:
+        watch.stop()
+    print(f"\nendpoint added -> in traffic: {added * 1000:.0f} ms")
+    print(f"endpoint removed -> out of traffic: {removed * 1000:.0f} ms")
+    failures = [e for e in watch.since(t_add) if e[1] not in BOTH]
+    assert not failures, f"tries failed while endpoints changed: {failures[:10]}"
+    assert added < LATENCY_LIMIT, f"adding an endpoint took {added:.3f}s"
+    assert removed < LATENCY_LIMIT, f"removing an endpoint took {removed:.3f}s"
+
+
+def test_service_without_endpoints_refuses_at_once(agent_env: AgentEnv, agent_ns: str) -> None:
+    svc = make_service(agent_env, agent_ns, "empty", backends=None)
+    vip = svc.ip()
+    for proto in ("tcp", "udp"):
+
+        def refused(proto: str = proto) -> bool:
+            return agent_env.probe(vip, 80, proto, count=1, timeout=0.5).refused == 1
+
+        wait_until(refused, 8.0, interval=0.1, message=f"{proto} {vip}:80 never refused")
+        start = time.monotonic()
+        result = agent_env.probe(vip, 80, proto, count=5, timeout=2.0)
+        elapsed = time.monotonic() - start
+        print(f"\n5 {proto} tries, no endpoints: {elapsed:.2f}s (probe start-up included)")
+        assert result.refused == 5 and result.timeout == 0 and not result.answers, result
+        assert elapsed < 1.0, f"5 refused {proto} tries took {elapsed:.2f}s"
+
+
+# ---- 8-9: Services this agent must leave alone ---------------------------------------------------
+
+
+def services_received(env: AgentEnv) -> float:
+    assert env.agent is not None
+    return env.agent.metric("kpx_watch_received_objects", resource="services") or 0.0
+
+
+def test_opted_out_namespace_is_not_proxied_until_the_label_goes(
+    agent_env: AgentEnv, agent_ns: str
+) -> None:
+    kube, agent = agent_env.kube, agent_env.agent
+    assert agent is not None
+    excluded_before = agent.metric("kpx_opted_out_namespaces") or 0.0
+    optout = kube.create_namespace({OPT_OUT_LABEL: OPT_OUT_VALUE}, prefix="optout")
+    try:
+        wait_until(
+            lambda: agent.metric("kpx_opted_out_namespaces") == excluded_before + 1,
+            8.0,
+            message="kpx_opted_out_namespaces never counted the labelled namespace",
+        )
+        # The relist that leaves the namespace out follows at once; let the count settle.
+        last = [services_received(agent_env)]
+
+        def settled() -> bool:
+            now = services_received(agent_env)
+            same = now == last[0]
+            last[0] = now
+            return same
+
+        wait_until(settled, 5.0, interval=0.3, message="watch counters never settled")
+        received_before = last[0]
+        hidden = make_service(agent_env, optout, "hidden", ports=TCP_UDP[:1])
+        many = [service(f"extra{i}", optout, TCP_UDP[:1]) for i in range(OPTED_OUT_EXTRA)]
+        kube.apply(*many)
+        # A control Service in an ordinary namespace, created afterwards, shows the agent has
+        # processed everything up to here.
+        control = make_service(agent_env, agent_ns, "control", ports=TCP_UDP[:1])
+        assert_reaches(agent_env, control.ip(), 80, "tcp", BOTH)
+        assert_unanswered(agent_env, hidden.ip(), 80)
+        assert not programmed(agent_env, hidden.ip()), "opted-out Service has rules"
+        received = services_received(agent_env) - received_before
+        print(
+            f"\nService objects received while {OPTED_OUT_EXTRA + 1} were created opted out: "
+            f"{received:.0f}"
+        )
+        # Expected: the control Service, plus deletions from earlier tests' namespaces (at most
+        # ~15); a broken exclusion would add all of the opted-out ones.
+        assert received < OPTED_OUT_EXTRA / 2, (
+            f"the agent received {received:.0f} Service objects for 1 control Service "
+            f"while {OPTED_OUT_EXTRA + 1} were created in the opted-out namespace"
+        )
+
+        kube.label("namespace", optout, {OPT_OUT_LABEL: None})
+        assert_reaches(agent_env, hidden.ip(), 80, "tcp", BOTH)
+        assert agent.metric("kpx_opted_out_namespaces") == excluded_before
+
+        kube.label("namespace", optout, {OPT_OUT_LABEL: OPT_OUT_VALUE})
+        assert_unanswered(agent_env, hidden.ip(), 80)
+        wait_until(
+            lambda: not programmed(agent_env, hidden.ip()),
+            5.0,
+            message="rules of the re-opted-out Service stayed",
+        )
+        assert agent.alive(), "the agent restarted or died"
+    finally:
+        kube.delete("namespace", optout)
+
+
+def test_service_of_another_proxy_is_ignored_until_the_label_goes(
+    agent_env: AgentEnv, agent_ns: str
+) -> None:
+    other = make_service(
+        agent_env,
+        agent_ns,
+        "other",
+        ports=TCP_UDP[:1],
+        labels={SERVICE_PROXY_NAME_LABEL: "other"},
+    )
+    control = make_service(agent_env, agent_ns, "control", ports=TCP_UDP[:1])
+    assert_reaches(agent_env, control.ip(), 80, "tcp", BOTH)
+    assert_unanswered(agent_env, other.ip(), 80)
+    assert not programmed(agent_env, other.ip()), "the other proxy's Service has rules"
+    agent_env.kube.label("service", "other", {SERVICE_PROXY_NAME_LABEL: None}, agent_ns)
+    assert_reaches(agent_env, other.ip(), 80, "tcp", BOTH)
+
+
+# ---- 13: health and metrics ----------------------------------------------------------------------
+
+
+def test_healthz_and_sync_metrics(agent_env: AgentEnv, agent_ns: str) -> None:
+    agent = agent_env.agent
+    assert agent is not None
+    status, body = agent.http_get(agent.healthz, "/healthz")
+    assert status == 200, body
+    assert '"lastUpdated": "2' in body, body
+    text = agent.metrics()
+    syncs = metric(text, "kubeproxy_sync_proxy_rules_duration_seconds_count")
+    assert syncs is not None and syncs >= 1, "no sync duration observed"
+    programmed_before = metric(text, "kubeproxy_network_programming_duration_seconds_count")
+    assert programmed_before is not None, "no network programming histogram"
+
+    ports = TCP_UDP[:1]
+    now = datetime.datetime.now(datetime.UTC)
+    agent_env.kube.apply(
+        service("timed", agent_ns, ports),
+        endpoint_slice(
+            "timed-v4",
+            agent_ns,
+            "timed",
+            agent_env.backend_endpoints(),
+            slice_ports(ports),
+            trigger_time=now,
+        ),
+    )
+    vip = Svc(agent_env.kube.get("service", "timed", agent_ns)).ip()
+    assert_reaches(agent_env, vip, 80, "tcp", BOTH)
+    wait_until(
+        lambda: (
+            (agent.metric("kubeproxy_network_programming_duration_seconds_count") or 0)
+            > programmed_before
+        ),
+        5.0,
+        message="kubeproxy_network_programming_duration_seconds did not count the change",
+    )
+
+
+# ---- 10-11: the agent's life cycle ---------------------------------------------------------------
+
+
+def test_sigkill_keeps_rules_and_new_agent_applies_missed_changes(
+    agent_env: AgentEnv, agent_ns: str
+) -> None:
+    ports = TCP_UDP[:1]
+    svc = make_service(agent_env, agent_ns, "survivor", ports)
+    vip = svc.ip()
+    assert_reaches(agent_env, vip, 80, "tcp", BOTH)
+    old = agent_env.agent
+    assert old is not None
+    old.kill()
+    assert not old.alive()
+
+    # While no agent runs, the rules stay in the kernel.
+    result = agent_env.probe(vip, 80, "tcp", count=20, timeout=1.0)
+    assert result.failed == 0 and result.backends == BOTH, result
+    agent_env.kube.apply(
+        endpoint_slice(
+            "survivor-v4",
+            agent_ns,
+            "survivor",
+            agent_env.backend_endpoints(4, ["b2"]),
+            slice_ports(ports),
+        )
+    )
+
+    watch = TrafficWatch.start(agent_env.topology, agent_env.client, vip, 80)
+    try:
+        t_start = time.time()
+        agent_env.start_agent("n1")
+        # The change made while no agent ran is applied.
+        gone = watch.wait_for(gone_for("b1", t_start), 10.0)
+        assert gone is not None, f"the removed endpoint still answers: {diagnostics(agent_env)}"
+    finally:
+        watch.stop()
+    failures = [e for e in watch.since(t_start) if e[1] not in BOTH]
+    assert not failures, f"tries failed while the new agent took over: {failures[:10]}"
+    assert_reaches(agent_env, vip, 80, "tcp", {"b2"})
+
+
+def test_cleanup_removes_every_kpx_table(agent_env: AgentEnv, agent_ns: str) -> None:
+    topo, n2 = agent_env.topology, agent_env.n2
+    assert kpx_tables(topo, n2) == set()
+    agent = agent_env.start_agent("n2")
+    assert kpx_tables(topo, n2) == {"ip kpx", "ip6 kpx"}
+    assert agent.stop() == 0, agent.log_tail()
+    assert kpx_tables(topo, n2) == {"ip kpx", "ip6 kpx"}, "SIGTERM must leave the rules"
+
+    for _ in range(2):  # idempotent: the second run finds nothing to remove
+        res = run_cleanup(topo, n2)
+        assert res.returncode == 0, res.stderr
+        ruleset = nft_ruleset(topo, n2)
+        assert "table ip kpx" not in ruleset and "table ip6 kpx" not in ruleset, ruleset
+    # The agent on n1 is not disturbed.
+    assert kpx_tables(topo, agent_env.n1) == {"ip kpx", "ip6 kpx"}
