@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 # mode -> module exposing `create(settings) -> Backend` and `cleanup() -> None`
 REGISTRY: dict[str, str] = {
     "nftables": "kpx_agent.backends.nftables",
+    "iptables": "kpx_agent.backends.iptables",
 }
 
 

@@ -1,0 +1,186 @@
+"""The iptables backend: KPX- chains in the nat and filter tables, changed chain by chain.
+
+A full sync (start, after a failure, node or settings change) reads which KPX- chains and jump
+rules exist (`iptables-save -t nat|filter`), then rewrites every chain of ours, deletes the
+KPX- chains it no longer wants and leaves exactly one jump rule in each built-in chain. Every
+other sync rewrites only the chains whose content changed, computed against the backend's own
+record (`chain_book.py`), so it never reads the kernel back. Other software's chains and rules
+are never named in a script, so `--noflush` leaves them alone.
+
+Each (family, table) is its own `*-restore` run, atomic on its own. If a later run of a
+partial sync fails, the runs before it are reverted from the record; the next sync is a full
+one in any case.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection
+
+from ...localnet import NodeInfo, NodeLocalState, ProxySettings, ServicePortKey
+from ..base import BackendError
+from . import kernel
+from . import names as n
+from .chain_book import ChainBook, ChainPlan
+from .rules import fixed_chains, port_rules, shared_frames
+from .script import SavedTable, cleanup_script, jump_edits, parse_save, table_script
+
+log = logging.getLogger(__name__)
+FAMILIES = (4, 6)
+
+Restore = Callable[[int, str], None]  # (family, script)
+Save = Callable[[int, str], str]  # (family, table) -> iptables-save output
+ChainExists = Callable[[int, str, str], bool]  # (family, table, chain)
+
+
+class IptablesBackend:
+    mode = "iptables"
+
+    def __init__(
+        self,
+        settings: ProxySettings,
+        restore: Restore = kernel.restore,
+        save: Save = kernel.save,
+        chain_exists: ChainExists = kernel.chain_exists,
+    ) -> None:
+        self.settings = settings
+        self._restore = restore
+        self._save = save
+        self._chain_exists = chain_exists
+        # None: what the kernel holds is not known (never synced, or a sync failed).
+        self._books: dict[int, ChainBook] | None = None
+        self._node: NodeInfo | None = None
+        self._synced_settings: ProxySettings | None = None
+        self.last_scripts: list[tuple[int, str]] = []  # (family, script) of the last sync
+
+    # -- the Backend protocol
+
+    def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
+        if (
+            changed is None
+            or self._books is None
+            or state.node != self._node
+            or self.settings != self._synced_settings
+        ):
+            self._full_sync(state)
+        else:
+            self._partial_sync(state, self._books, changed)
+
+    def cleanup(self) -> None:
+        cleanup(self._restore, self._save)
+        self._books = None
+
+    # -- optional hooks the agent uses
+
+    def programmed(self) -> bool:
+        """True while the kernel still has our chains (someone may flush the tables)."""
+        if self._books is None:
+            return False
+        try:
+            return all(self._chain_exists(fam, n.NAT, n.MARK_MASQ) for fam in FAMILIES)
+        except BackendError:
+            return False
+
+    def element_count(self) -> int:
+        """Rules in our chains (the agent reports it as programmed elements)."""
+        return sum(b.rule_count() for b in (self._books or {}).values())
+
+    def chain_count(self) -> int:
+        return sum(len(b) for b in (self._books or {}).values())
+
+    # -- syncs
+
+    def _full_sync(self, state: NodeLocalState) -> None:
+        settings, node = self.settings, state.node
+        books: dict[int, ChainBook] = {}
+        units: list[tuple[int, str]] = []
+        for fam in FAMILIES:
+            book = ChainBook(fixed_chains(fam, settings, node), shared_frames(fam, settings, node))
+            updates = {
+                key: port_rules(sp, settings)
+                for key, sp in state.services.items()
+                if key.family == fam
+            }
+            book.commit(book.plan(updates))
+            books[fam] = book
+            for table in n.TABLES:
+                saved = parse_save(self._save(fam, table)).get(table, SavedTable())
+                wanted = book.table_chains(table)
+                units.append(
+                    (
+                        fam,
+                        table_script(
+                            table,
+                            dict(wanted),
+                            jump_edits(table, saved),
+                            extra_deletes=saved.ours - wanted.keys(),
+                        ),
+                    )
+                )
+        self._books = None  # until every table is in
+        self.last_scripts = units
+        for fam, script in units:
+            self._restore(fam, script)
+        self._books, self._node, self._synced_settings = books, node, settings
+
+    def _partial_sync(
+        self,
+        state: NodeLocalState,
+        books: dict[int, ChainBook],
+        changed: Collection[ServicePortKey],
+    ) -> None:
+        plans: dict[int, ChainPlan] = {}
+        units: list[tuple[int, str, str]] = []  # (family, table, script)
+        for fam in FAMILIES:
+            updates = {}
+            for key in changed:
+                if key.family == fam:
+                    sp = state.services.get(key)
+                    updates[key] = port_rules(sp, self.settings) if sp is not None else None
+            if not updates:
+                continue
+            plan = books[fam].plan(updates)
+            plans[fam] = plan
+            for table in plan.tables():
+                units.append((fam, table, table_script(table, plan.table_changes(table))))
+        self.last_scripts = [(fam, script) for fam, _, script in units]
+        done: list[tuple[int, str]] = []
+        for fam, table, script in units:
+            try:
+                self._restore(fam, script)
+            except BackendError:
+                self._revert(books, plans, done)
+                raise
+            done.append((fam, table))
+        for fam, plan in plans.items():
+            books[fam].commit(plan)
+
+    def _revert(
+        self,
+        books: dict[int, ChainBook],
+        plans: dict[int, ChainPlan],
+        done: list[tuple[int, str]],
+    ) -> None:
+        """Undo the tables a failed partial sync already changed; the next sync is full."""
+        self._books = None
+        for fam, table in reversed(done):
+            undo = books[fam].revert(plans[fam], table)
+            try:
+                self._restore(fam, table_script(table, undo))
+            except BackendError as exc:
+                log.error("could not revert %s table of IPv%d: %s", table, fam, exc)
+
+
+def cleanup(restore: Restore = kernel.restore, save: Save = kernel.save) -> None:
+    """Remove our jump rules and every KPX- chain, in both families and both tables."""
+    for fam in FAMILIES:
+        if restore is kernel.restore and not kernel.available(fam):
+            continue  # no iptables tools for this family: nothing of ours can be there
+        for table in n.TABLES:
+            saved = parse_save(save(fam, table)).get(table)
+            script = cleanup_script(table, saved) if saved is not None else ""
+            if script:
+                restore(fam, script)
+
+
+__all__ = ["FAMILIES", "BackendError", "IptablesBackend", "cleanup"]

@@ -1,0 +1,59 @@
+"""The iptables backend's only I/O: the iptables tools, run with argument lists.
+
+`restore` feeds a script on stdin to `iptables-restore --noflush` (IPv4) or
+`ip6tables-restore --noflush` (IPv6); each table in it is committed atomically. `-w 5` waits
+for the xtables lock where there is one (the legacy flavour; the nf_tables flavour accepts and
+ignores it).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+from ..base import BackendError
+from . import names as n
+
+WAIT = ("-w", "5")
+TIMEOUT = 300.0  # seconds; a restore of a very large ruleset takes a while
+
+
+def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(
+            argv, input=stdin, capture_output=True, text=True, check=False, timeout=TIMEOUT
+        )
+    except FileNotFoundError as exc:
+        raise BackendError(f"{argv[0]} is not installed") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise BackendError(f"{argv[0]} did not finish within {TIMEOUT:.0f}s") from exc
+
+
+def restore(family: int, script: str) -> None:
+    """Apply `script` with (ip6)iptables-restore --noflush; raise BackendError on failure."""
+    proc = _run([n.RESTORE[family], *WAIT, "--noflush"], script)
+    if proc.returncode != 0:
+        raise BackendError(
+            f"{n.RESTORE[family]} failed ({proc.returncode}): {proc.stderr.strip()[:2000]}"
+        )
+
+
+def save(family: int, table: str) -> str:
+    """The output of (ip6)iptables-save for one table."""
+    proc = _run([n.SAVE[family], "-t", table])
+    if proc.returncode != 0:
+        raise BackendError(
+            f"{n.SAVE[family]} -t {table} failed ({proc.returncode}): {proc.stderr.strip()[:2000]}"
+        )
+    return proc.stdout
+
+
+def chain_exists(family: int, table: str, chain: str) -> bool:
+    """Whether `chain` is in `table` (lists that one chain only)."""
+    proc = _run([n.LIST[family], *WAIT, "-t", table, "-n", "-L", chain])
+    return proc.returncode == 0
+
+
+def available(family: int) -> bool:
+    """Whether this node has the tools for `family` at all."""
+    return shutil.which(n.RESTORE[family]) is not None and shutil.which(n.SAVE[family]) is not None

@@ -1,0 +1,89 @@
+"""Every kernel object the iptables backend owns is named here, and nowhere else."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from typing import Final
+
+from ...localnet import Endpoint, ServicePortKey
+
+PREFIX: Final = "KPX-"
+COMMENT: Final = "kpx"  # the comment on our jump rules in the built-in chains
+MAX_CHAIN_NAME: Final = 28  # XT_EXTENSION_MAXNAMELEN - 1
+
+NAT: Final = "nat"
+FILTER: Final = "filter"
+TABLES: Final = (NAT, FILTER)
+
+RESTORE: Final = {4: "iptables-restore", 6: "ip6tables-restore"}
+SAVE: Final = {4: "iptables-save", 6: "ip6tables-save"}
+LIST: Final = {4: "iptables", 6: "ip6tables"}
+
+# nat table
+SERVICES: Final = "KPX-SERVICES"  # every VIP (cluster, external, load-balancer IP) of every port
+NODEPORTS: Final = "KPX-NODEPORTS"  # every NodePort; reached from the end of KPX-SERVICES
+POSTROUTING: Final = "KPX-POSTROUTING"  # masquerade what KPX-MARK-MASQ marked, and hairpins
+HAIRPIN: Final = "KPX-HAIRPIN"  # mark a local endpoint that reached itself through a VIP
+MARK_MASQ: Final = "KPX-MARK-MASQ"  # set the masquerade mark bit
+OFF_CLUSTER: Final = "KPX-OFF-CLUSTER"  # mark sources outside every cluster CIDR (2+ CIDRs)
+
+# filter table (new connections only)
+FILTER_CHAIN: Final = "KPX-FILTER"  # the one chain INPUT, FORWARD and OUTPUT jump to
+FIREWALL: Final = "KPX-FIREWALL"  # loadBalancerSourceRanges: drop what the nat FW chain refused
+REJECT: Final = "KPX-REJECT"  # VIP ports without endpoints: REJECT (or DROP)
+NODEPORTS_REJECT: Final = "KPX-NODEPORTS-REJECT"  # NodePorts without endpoints: REJECT (or DROP)
+
+# Per service port chains (nat): <prefix><16 chars of base32(sha256(...))>.
+SVC_PREFIX: Final = "KPX-SVC-"  # pick one cluster endpoint
+EXT_PREFIX: Final = "KPX-EXT-"  # external traffic: masquerade mark, then pick an endpoint
+FW_PREFIX: Final = "KPX-FW-"  # load-balancer IP source-range check
+# Not a chain: the `recent` list of one endpoint of a service port with session affinity.
+AFFINITY_PREFIX: Final = "KPX-AFF-"
+
+# The jump from each built-in chain to ours: (table, built-in chain, matches, our chain).
+# The matches are written as iptables-save prints them, so a full sync recognises its rule.
+JUMPS: Final[tuple[tuple[str, str, str, str], ...]] = (
+    (NAT, "PREROUTING", "", SERVICES),
+    (NAT, "OUTPUT", "", SERVICES),
+    (NAT, "POSTROUTING", "", POSTROUTING),
+    (FILTER, "INPUT", "-m conntrack --ctstate NEW ", FILTER_CHAIN),
+    (FILTER, "FORWARD", "-m conntrack --ctstate NEW ", FILTER_CHAIN),
+    (FILTER, "OUTPUT", "-m conntrack --ctstate NEW ", FILTER_CHAIN),
+)
+
+
+def jump_rule(matches: str, chain: str) -> str:
+    """The body (after `-A BUILTIN `) of a jump rule, as iptables-save prints it."""
+    return f"{matches}-m comment --comment {COMMENT} -j {chain}"
+
+
+def _hash(text: str) -> str:
+    digest = hashlib.sha256(text.encode()).digest()
+    return base64.b32encode(digest).decode()[:16]
+
+
+def port_hash(key: ServicePortKey) -> str:
+    """Stable for a service port (namespace, name, port name, protocol, family)."""
+    return _hash(str(key))
+
+
+def svc_chain(key: ServicePortKey) -> str:
+    return SVC_PREFIX + port_hash(key)
+
+
+def ext_chain(key: ServicePortKey) -> str:
+    return EXT_PREFIX + port_hash(key)
+
+
+def fw_chain(key: ServicePortKey) -> str:
+    return FW_PREFIX + port_hash(key)
+
+
+def affinity_list(key: ServicePortKey, ep: Endpoint) -> str:
+    """The `recent` list remembering the clients sent to one endpoint of one service port."""
+    return AFFINITY_PREFIX + _hash(f"{key}|{ep.ip}|{ep.port}")
+
+
+def is_ours(chain: str) -> bool:
+    return chain.startswith(PREFIX)

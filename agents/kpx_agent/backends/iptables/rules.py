@@ -1,0 +1,287 @@
+"""Pure rendering of the iptables rules: the fixed chains and what each service port adds.
+
+A service port owns whole chains (KPX-SVC-, KPX-EXT-, KPX-FW-<hash>) and contributes rules to
+the shared chains (KPX-SERVICES, KPX-NODEPORTS, KPX-HAIRPIN in nat; KPX-FIREWALL, KPX-REJECT,
+KPX-NODEPORTS-REJECT in filter). Rules are rule bodies, the text after
+`-A CHAIN `; nothing here does I/O.
+
+All text is formatted from parsed values (ipaddress objects, enums, ints) and the names in
+`names.py`; nothing from the cluster is pasted in as it came. The only cluster strings that
+reach a rule are the service port's own name in a comment, and only when it is made of
+characters that need no quoting (otherwise the comment is left out).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from ...localnet import (
+    Endpoint,
+    IPAddress,
+    IPNetwork,
+    NodeInfo,
+    ProxySettings,
+    ServicePort,
+    ServicePortKey,
+)
+from . import names as n
+
+log = logging.getLogger(__name__)
+
+ChainId = tuple[str, str]  # (table, chain)
+Rules = tuple[str, ...]  # rule bodies, in order
+
+# Chains every service port may add rules to; each is rendered as head + owners' rules + tail.
+SHARED_CHAINS: tuple[ChainId, ...] = (
+    (n.NAT, n.SERVICES),
+    (n.NAT, n.NODEPORTS),
+    (n.NAT, n.HAIRPIN),
+    (n.FILTER, n.FIREWALL),
+    (n.FILTER, n.REJECT),
+    (n.FILTER, n.NODEPORTS_REJECT),
+)
+
+_SAFE_COMMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,200}")
+
+
+@dataclass(frozen=True, slots=True)
+class PortRules:
+    """Everything one service port puts into one family's tables."""
+
+    own: Mapping[ChainId, Rules] = field(default_factory=dict)  # whole chains it owns
+    shared: Mapping[ChainId, Rules] = field(default_factory=dict)  # its rules in shared chains
+
+
+def _host(ip: IPAddress) -> str:
+    return f"{ip}/{ip.max_prefixlen}"
+
+
+def _net(net: IPNetwork) -> str:
+    return str(net)
+
+
+def _valid_port(port: int) -> bool:
+    return isinstance(port, int) and 0 < port < 65536
+
+
+def _destination(ep: Endpoint) -> str:
+    return f"[{ep.ip}]:{ep.port}" if ep.ip.version == 6 else f"{ep.ip}:{ep.port}"
+
+
+def _comment(key: ServicePortKey) -> str:
+    text = str(key)
+    return f'-m comment --comment "{text}" ' if _SAFE_COMMENT.fullmatch(text) else ""
+
+
+def probability(i: int, count: int) -> str:
+    """Upstream's cascade: rule i of `count` matches 1/(count-i) of what reaches it."""
+    return f"{1.0 / (count - i):0.10f}"
+
+
+def _masquerade_off_cluster(family: int, settings: ProxySettings) -> str | None:
+    """The SVC chain's first rule: mark what must be masqueraded (None: nothing)."""
+    if settings.masquerade_all:
+        return f"-j {n.MARK_MASQ}"
+    cidrs = [c for c in settings.cluster_cidrs if c.version == family]
+    if len(cidrs) == 1:
+        return f"! -s {_net(cidrs[0])} -j {n.MARK_MASQ}"
+    if cidrs:
+        return f"-j {n.OFF_CLUSTER}"
+    return None
+
+
+def _pick(sp: ServicePort, eps: tuple[Endpoint, ...]) -> list[str]:
+    """Affinity checks (if any), then the random cascade; each rule DNATs to its endpoint.
+
+    There is no chain per endpoint (upstream's KUBE-SEP-): iptables-nft loads chains slowly
+    (see README.md), so each endpoint is a rule. A local endpoint's hairpin masquerade is in
+    KPX-HAIRPIN instead, and an affinity hit refreshes its entry (`--update`) as upstream's
+    `--set` in KUBE-SEP does.
+    """
+    proto, affinity = sp.protocol.value, sp.affinity_timeout
+    rules = []
+    if affinity > 0:
+        for ep in eps:
+            name = n.affinity_list(sp.key, ep)
+            rules.append(
+                f"-p {proto} -m recent --name {name} --update --seconds {affinity} --reap"
+                f" -j DNAT --to-destination {_destination(ep)}"
+            )
+    count = len(eps)
+    for i, ep in enumerate(eps):
+        chance = (
+            f"-m statistic --mode random --probability {probability(i, count)} "
+            if i < count - 1
+            else ""
+        )
+        remember = f"-m recent --name {n.affinity_list(sp.key, ep)} --set " if affinity > 0 else ""
+        rules.append(f"{chance}-p {proto} {remember}-j DNAT --to-destination {_destination(ep)}")
+    return rules
+
+
+def _usable(sp: ServicePort, eps: Iterable[Endpoint]) -> tuple[Endpoint, ...]:
+    good = []
+    for ep in eps:
+        if ep.ip.version == sp.family and _valid_port(ep.port):
+            good.append(ep)
+        else:
+            log.warning("%s: skipping unusable endpoint %s port %r", sp.key, ep.ip, ep.port)
+    return tuple(good)
+
+
+def port_rules(sp: ServicePort, settings: ProxySettings) -> PortRules:
+    """The chains and shared-chain rules of one service port (in its own family)."""
+    key, fam, proto = sp.key, sp.family, sp.protocol.value
+    if not _valid_port(sp.port):
+        log.warning("%s: invalid port %r, not programmed", key, sp.port)
+        return PortRules()
+    node_port = sp.node_port if _valid_port(sp.node_port) else 0
+    cluster_ips = [ip for ip in sp.cluster_ips if ip.version == fam]
+    external_ips = [ip for ip in sp.external_ips if ip.version == fam]
+    lb_ips = [ip for ip in sp.load_balancer_ips if ip.version == fam]
+    cluster_eps = _usable(sp, sp.cluster_endpoints)
+    external_eps = _usable(sp, sp.external_endpoints)
+    has_external = bool(external_ips or lb_ips or node_port)
+    use_svc = bool(cluster_ips and cluster_eps)
+    use_ext = has_external and bool(external_eps)
+    # External traffic that is masqueraded anyway and goes to the same endpoints shares the
+    # cluster chain (as upstream does); otherwise EXT picks among its own endpoints, so that
+    # externalTrafficPolicy Local never meets the SVC chain's off-cluster masquerade.
+    ext_via_svc = use_ext and sp.external_masquerade and external_eps == cluster_eps
+    use_svc = use_svc or ext_via_svc
+    fw_ranges = [r for r in sp.load_balancer_source_ranges if r.version == fam]
+    use_fw = use_ext and bool(lb_ips) and bool(sp.load_balancer_source_ranges)
+
+    svc, ext, fw = n.svc_chain(key), n.ext_chain(key), n.fw_chain(key)
+    own: dict[ChainId, Rules] = {}
+    used: list[Endpoint] = []
+    if use_svc:
+        rules = []
+        masq = _masquerade_off_cluster(fam, settings)
+        if masq:
+            rules.append(masq)
+        rules += _pick(sp, cluster_eps)
+        own[(n.NAT, svc)] = tuple(rules)
+        used += cluster_eps
+    if use_ext:
+        rules = [f"-j {n.MARK_MASQ}"] if sp.external_masquerade else []
+        if ext_via_svc:
+            rules.append(f"-j {svc}")
+        else:
+            rules += _pick(sp, external_eps)
+            used += external_eps
+        own[(n.NAT, ext)] = tuple(rules)
+    if use_fw:
+        own[(n.NAT, fw)] = tuple(f"-s {_net(r)} -j {ext}" for r in fw_ranges)
+    # Hairpin: a local endpoint that reached itself through a VIP is marked for masquerade (in
+    # POSTROUTING, after the DNAT), so that its reply comes back through the node. One rule per
+    # address, however many ports use it.
+    hairpin = tuple(
+        dict.fromkeys(
+            f"-s {_host(ep.ip)} -d {_host(ep.ip)} -j {n.MARK_MASQ}" for ep in used if ep.local
+        )
+    )
+
+    comment = _comment(key)
+    match = f"-p {proto} -m {proto} --dport {sp.port}"
+    no_cluster = "DROP" if sp.drop_when_no_cluster_endpoints else "REJECT"
+    no_external = "DROP" if sp.drop_when_no_external_endpoints else "REJECT"
+    services: list[str] = []
+    reject: list[str] = []
+    for ip in cluster_ips:
+        if cluster_eps:
+            services.append(f"{comment}-d {_host(ip)} {match} -j {svc}")
+        else:
+            reject.append(f"{comment}-d {_host(ip)} {match} -j {no_cluster}")
+    for ip in external_ips:
+        if use_ext:
+            services.append(f"{comment}-d {_host(ip)} {match} -j {ext}")
+        else:
+            reject.append(f"{comment}-d {_host(ip)} {match} -j {no_external}")
+    firewall: list[str] = []
+    for ip in lb_ips:
+        if use_ext:
+            services.append(f"{comment}-d {_host(ip)} {match} -j {fw if use_fw else ext}")
+        else:
+            reject.append(f"{comment}-d {_host(ip)} {match} -j {no_external}")
+        if sp.load_balancer_source_ranges:
+            # Allowed sources were DNATed by KPX-FW (or meet KPX-REJECT when there are no
+            # endpoints); whatever still has the load-balancer IP as destination is dropped.
+            firewall += [
+                f"{comment}-s {_net(r)} -d {_host(ip)} {match} -j RETURN" for r in fw_ranges
+            ]
+            firewall.append(f"{comment}-d {_host(ip)} {match} -j DROP")
+    shared: dict[ChainId, Rules] = {}
+    if hairpin:
+        shared[(n.NAT, n.HAIRPIN)] = hairpin
+    if services:
+        shared[(n.NAT, n.SERVICES)] = tuple(services)
+    if reject:
+        shared[(n.FILTER, n.REJECT)] = tuple(reject)
+    if firewall:
+        shared[(n.FILTER, n.FIREWALL)] = tuple(firewall)
+    if node_port:
+        np_match = f"-p {proto} -m {proto} --dport {node_port}"
+        if use_ext:
+            shared[(n.NAT, n.NODEPORTS)] = (f"{comment}{np_match} -j {ext}",)
+        else:
+            shared[(n.FILTER, n.NODEPORTS_REJECT)] = (f"{comment}{np_match} -j {no_external}",)
+    return PortRules(own=own, shared=shared)
+
+
+def nodeport_matches(family: int, settings: ProxySettings, node: NodeInfo) -> list[str]:
+    """Destination matches for NodePorts: the configured networks (local addresses in them),
+    else the node's addresses, else any local address. Never localhost: NodePorts on
+    127.0.0.1 would need route_localnet and are left out on purpose."""
+    if settings.node_port_networks:
+        return [
+            f"-d {_net(net)} -m addrtype --dst-type LOCAL "
+            for net in settings.node_port_networks
+            if net.version == family
+        ]
+    addrs = [f"-d {_host(a)} " for a in node.addresses if a.version == family]
+    if addrs:
+        return addrs
+    loopback = "127.0.0.0/8" if family == 4 else "::1/128"
+    return [f"! -d {loopback} -m addrtype --dst-type LOCAL "]
+
+
+def fixed_chains(family: int, settings: ProxySettings, node: NodeInfo) -> dict[ChainId, Rules]:
+    """The chains that do not depend on any service port (only on the settings and node)."""
+    mark = f"{settings.masquerade_mark:#x}"
+    chains: dict[ChainId, Rules] = {
+        (n.NAT, n.MARK_MASQ): (f"-j MARK --or-mark {mark}",),
+        (n.NAT, n.POSTROUTING): (
+            f"-m conntrack --ctstate DNAT -j {n.HAIRPIN}",
+            f"-m mark ! --mark {mark}/{mark} -j RETURN",
+            f"-j MARK --xor-mark {mark}",
+            "-j MASQUERADE --random-fully",
+        ),
+        (n.FILTER, n.FILTER_CHAIN): (
+            f"-j {n.FIREWALL}",
+            f"-j {n.REJECT}",
+            *(f"{m}-j {n.NODEPORTS_REJECT}" for m in nodeport_matches(family, settings, node)),
+        ),
+    }
+    cidrs = [c for c in settings.cluster_cidrs if c.version == family]
+    if not settings.masquerade_all and len(cidrs) > 1:
+        chains[(n.NAT, n.OFF_CLUSTER)] = (
+            *(f"-s {_net(c)} -j RETURN" for c in cidrs),
+            f"-j {n.MARK_MASQ}",
+        )
+    return chains
+
+
+def shared_frames(
+    family: int, settings: ProxySettings, node: NodeInfo
+) -> dict[ChainId, tuple[Rules, Rules]]:
+    """(head, tail) of each shared chain; the service ports' rules go in between."""
+    frames: dict[ChainId, tuple[Rules, Rules]] = {cid: ((), ()) for cid in SHARED_CHAINS}
+    frames[(n.NAT, n.SERVICES)] = (
+        (),
+        tuple(f"{m}-j {n.NODEPORTS}" for m in nodeport_matches(family, settings, node)),
+    )
+    return frames

@@ -1,0 +1,103 @@
+"""`iptables-restore --noflush` scripts, and reading `iptables-save` output (both pure).
+
+A script holds one table. Declaring `:CHAIN - [0:0]` creates the chain or flushes it, so a
+script first declares every chain it touches, then edits the jump rules in the built-in
+chains, appends the rules of the chains it writes, and finally deletes (`-X`) the chains it
+removes, when nothing jumps to them any more. Chains it does not name are left alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from . import names as n
+from .rules import Rules
+
+
+def table_script(
+    table: str,
+    changes: Mapping[str, Rules | None],
+    jump_edits: Sequence[str] = (),
+    extra_deletes: Iterable[str] = (),
+) -> str:
+    """Write each chain of `changes` (None: delete it), plus the given jump rule edits."""
+    deletes = {chain for chain, rules in changes.items() if rules is None} | set(extra_deletes)
+    writes = {chain: rules for chain, rules in changes.items() if rules is not None}
+    lines = [f"*{table}"]
+    lines += [f":{chain} - [0:0]" for chain in sorted(writes.keys() | deletes)]
+    lines += jump_edits
+    for chain in sorted(writes):
+        lines += [f"-A {chain} {rule}" for rule in writes[chain]]
+    lines += [f"-X {chain}" for chain in sorted(deletes)]
+    lines.append("COMMIT")
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class SavedTable:
+    """What a full sync or cleanup needs from `iptables-save -t TABLE`."""
+
+    builtin: set[str] = field(default_factory=set)  # built-in chains (they have a policy)
+    ours: set[str] = field(default_factory=set)  # KPX- chains
+    jumps: list[tuple[str, str]] = field(default_factory=list)  # (built-in chain, rule body)
+
+
+def _has_our_comment(body: str) -> bool:
+    try:
+        words = shlex.split(body)
+    except ValueError:
+        words = body.split()
+    return any(w == "--comment" and nxt == n.COMMENT for w, nxt in itertools.pairwise(words))
+
+
+def parse_save(text: str) -> dict[str, SavedTable]:
+    """Per table: the built-in chains, our chains, and our (`kpx`-commented) rules in the
+    built-in chains. Everything else in the output is ignored."""
+    tables: dict[str, SavedTable] = {}
+    current: SavedTable | None = None
+    for line in text.splitlines():
+        if line.startswith("*"):
+            current = tables.setdefault(line[1:].strip(), SavedTable())
+        elif current is None:
+            continue
+        elif line.startswith(":"):
+            parts = line[1:].split()
+            if len(parts) >= 2:
+                if parts[1] != "-":
+                    current.builtin.add(parts[0])
+                elif n.is_ours(parts[0]):
+                    current.ours.add(parts[0])
+        elif line.startswith("-A "):
+            parts = line.split(" ", 2)
+            if len(parts) == 3 and parts[1] in current.builtin and _has_our_comment(parts[2]):
+                current.jumps.append((parts[1], parts[2]))
+    return tables
+
+
+def jump_edits(table: str, saved: SavedTable) -> list[str]:
+    """Edits that leave exactly one jump rule of ours in each built-in chain that needs one:
+    keep an existing identical rule, insert it first when missing, delete every other rule
+    carrying our comment (duplicates, older versions, chains we no longer hook)."""
+    wanted = {chain: n.jump_rule(m, target) for t, chain, m, target in n.JUMPS if t == table}
+    edits: list[str] = []
+    kept: set[str] = set()
+    for chain, body in saved.jumps:
+        if wanted.get(chain) == body and chain not in kept:
+            kept.add(chain)
+        else:
+            edits.append(f"-D {chain} {body}")
+    for chain, body in wanted.items():
+        if chain not in kept:
+            edits.append(f"-I {chain} 1 {body}")
+    return edits
+
+
+def cleanup_script(table: str, saved: SavedTable) -> str:
+    """Remove our jump rules and every KPX- chain of `table` ('' when there is none)."""
+    if not saved.ours and not saved.jumps:
+        return ""
+    edits = [f"-D {chain} {body}" for chain, body in saved.jumps]
+    return table_script(table, dict.fromkeys(saved.ours), edits)

@@ -1,0 +1,175 @@
+"""The iptables backend in a real kernel (fresh network namespaces): the golden restore scripts
+load, and the backend, driven in-process inside a node's netns, carries real packets: TCP and
+UDP to a ClusterIP, rejects, NodePorts, IPv6, affinity, source ranges, hairpin. A restarted
+agent takes over without duplicates, and cleanup removes exactly what the backend created."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from kpx_cluster.netns import Node, Topology
+from kpx_cluster.probe import probe
+
+pytestmark = pytest.mark.netns
+GOLDEN = Path(__file__).resolve().parents[1] / "unit" / "golden" / "iptables"
+
+TOOLS = {4: ("iptables", "iptables-save", "iptables-restore"),
+         6: ("ip6tables", "ip6tables-save", "ip6tables-restore")}  # fmt: skip
+JUMPS = {
+    "PREROUTING": "-m comment --comment kpx -j KPX-SERVICES",
+    "OUTPUT": "-m comment --comment kpx -j KPX-SERVICES",
+    "POSTROUTING": "-m comment --comment kpx -j KPX-POSTROUTING",
+    "INPUT": "-m conntrack --ctstate NEW -m comment --comment kpx -j KPX-FILTER",
+    "FORWARD": "-m conntrack --ctstate NEW -m comment --comment kpx -j KPX-FILTER",
+}
+
+# Runs inside n1's netns: argv = step, b1 v4, b2 v4, b1 v6, b2 v6, n1 v4, n1 v6, client v4.
+PROGRAM = """
+import sys
+from ipaddress import ip_address as ip, ip_network as net
+from kpx_agent.localnet import *
+from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup
+
+step, b1, b2, b1v6, b2v6, n1, n1v6, client = sys.argv[1:9]
+eps = (Endpoint(ip(b1), 8080, True), Endpoint(ip(b2), 8080))
+eps6 = (Endpoint(ip(b1v6), 8080, True), Endpoint(ip(b2v6), 8080))
+
+def port(name, proto, family, number, vip, endpoints, **kw):
+    key = ServicePortKey("d", name, "", proto, family)
+    return ServicePort(key, number, cluster_ips=(ip(vip),), cluster_endpoints=endpoints,
+                       external_endpoints=endpoints, **kw)
+
+ports = [
+    port("web", Protocol.TCP, 4, 80, "10.96.0.10", eps, node_port=30080),
+    port("dns", Protocol.UDP, 4, 53, "10.96.0.10", eps),
+    port("none", Protocol.TCP, 4, 81, "10.96.0.10", ()),
+    port("none-udp", Protocol.UDP, 4, 82, "10.96.0.10", ()),
+    port("web6", Protocol.TCP, 6, 80, "fd00:96::10", eps6),
+    port("sticky", Protocol.TCP, 4, 80, "10.96.0.14", eps, affinity_timeout=600),
+    port("fw", Protocol.TCP, 4, 80, "10.96.0.15", eps, load_balancer_ips=(ip("192.0.2.30"),),
+         load_balancer_source_ranges=(net(client + "/32"),)),
+]
+late = port("late", Protocol.TCP, 4, 80, "10.96.0.16", eps[1:])
+settings = ProxySettings(cluster_cidrs=(net("10.244.0.0/16"), net("fd00:244::/48")))
+backend = IptablesBackend(settings)
+if step == "cleanup":
+    cleanup()
+else:
+    state = NodeLocalState(NodeInfo("n1", (ip(n1), ip(n1v6))), {p.key: p for p in ports})
+    backend.sync(state, None)
+    state.services[late.key] = late
+    backend.sync(state, [late.key])  # a partial sync: the IPv4 nat table only
+    assert [f for f, _ in backend.last_scripts] == [4], backend.last_scripts
+    print("synced", backend.chain_count())
+"""
+
+
+def tool(topo: Topology, node: Node, argv: list[str], script: str | None = None) -> str:
+    return topo.exec(node, argv, input=script, check=True).stdout
+
+
+def saved(topo: Topology, node: Node, family: int) -> str:
+    return tool(topo, node, [TOOLS[family][1]])
+
+
+def test_golden_scripts_load_and_apply_in_order(topology: Topology) -> None:
+    n1 = topology.add_node("n1")
+    for fam in (4, 6):
+        script = (GOLDEN / f"full_sync.v{fam}.rules").read_text()
+        tool(topology, n1, [TOOLS[fam][2], "--noflush"], script)
+    tool(
+        topology,
+        n1,
+        ["iptables-restore", "--noflush"],
+        (GOLDEN / "partial_sync.v4.rules").read_text(),
+    )
+    v4, v6 = saved(topology, n1, 4), saved(topology, n1, 6)
+    svc = "KPX-SVC-ACOEX7XUX4UP242V"
+    web = re.findall(rf"^-A {svc} .*$", v4, re.M)  # web is down to one endpoint
+    assert web == [
+        f"-A {svc} ! -s 10.244.0.0/16 -j KPX-MARK-MASQ",
+        f"-A {svc} -p tcp -j DNAT --to-destination 10.244.1.2:8080",
+    ], web
+    assert "-A KPX-HAIRPIN -s 10.244.1.2/32 -d 10.244.1.2/32 -j KPX-MARK-MASQ" in v4
+    assert "--set --name KPX-AFF-S7KJTK4ATEAKBOQF" in v4
+    assert "-A KPX-SERVICES -d 10.96.0.12/32 -p tcp -m comment" in v4  # the rest is untouched
+    assert "--dport 80 -j KPX-SVC-5GNUIPRP2FT2LFST" in v6
+    assert "--to-destination [fd00:244:1::2]:8080" in v6
+
+
+def test_backend_programs_real_traffic(topology: Topology) -> None:
+    n1, n2 = topology.add_node("n1"), topology.add_node("n2")
+    b1, b2 = topology.add_pod(n1, "b1"), topology.add_pod(n2, "b2")
+    client = topology.add_pod(n1, "client")
+    for pod in (b1, b2):
+        topology.run_ready(
+            pod,
+            topology.python_argv("kpx_cluster.echo_server", "--name", pod.name, "--port", "8080"),
+        )
+    # Someone else's chains and rules, there before the agent: they must survive everything.
+    for fam in (4, 6):
+        ipt = TOOLS[fam][0]
+        for table, builtin in (("nat", "PREROUTING"), ("filter", "INPUT")):
+            tool(topology, n1, [ipt, "-t", table, "-N", "FOREIGN"])
+            tool(topology, n1, [ipt, "-t", table, "-A", "FOREIGN", "-j", "RETURN"])
+            tool(topology, n1, [ipt, "-t", table, "-A", builtin, "-j", "FOREIGN"])
+    # Load-balancer IP: routed to n1 from n2; on n1 it leads nowhere unless DNATed.
+    tool(topology, n2, ["ip", "route", "add", "192.0.2.0/24", "via", n1.ipv4])
+    tool(topology, n1, ["ip", "route", "add", "192.0.2.0/24", "dev", n1.fabric_if])
+
+    args = [b1.ipv4, b2.ipv4, b1.ipv6, b2.ipv6, n1.ipv4, n1.ipv6, client.ipv4]
+
+    def run(step: str) -> None:
+        tool(topology, n1, [sys.executable, "-c", PROGRAM, step, *args])
+
+    run("sync")
+    tcp = probe(topology, client, "10.96.0.10", 80, "tcp", count=30, timeout=1)
+    assert tcp.backends == {"b1", "b2"} and tcp.failed == 0, tcp
+    udp = probe(topology, client, "10.96.0.10", 53, "udp", count=30, timeout=1)
+    assert udp.backends == {"b1", "b2"} and udp.failed == 0, udp
+    for number, proto in ((81, "tcp"), (82, "udp")):
+        refused = probe(topology, client, "10.96.0.10", number, proto, count=3, timeout=2)
+        assert refused.refused == 3 and refused.timeout == 0, (proto, refused)
+    nodeport = probe(topology, n2, n1.ipv4, 30080, "tcp", count=30, timeout=1)
+    assert nodeport.backends == {"b1", "b2"} and nodeport.failed == 0, nodeport
+    seen = {src for sources in nodeport.sources.values() for src in sources}
+    assert n2.ipv4 not in seen, f"external traffic must be masqueraded: {nodeport.sources}"
+    v6 = probe(topology, client, "fd00:96::10", 80, "tcp", count=30, timeout=1)
+    assert v6.backends == {"b1", "b2"} and v6.failed == 0, v6
+    sticky = probe(topology, client, "10.96.0.14", 80, "tcp", count=15, timeout=1)
+    assert len(sticky.backends) == 1 and sticky.answered == 15, sticky
+    hairpin = probe(topology, b1, "10.96.0.10", 80, "tcp", count=30, timeout=1)
+    assert "b1" in hairpin.backends and hairpin.failed == 0, hairpin
+    assert b1.ipv4 not in hairpin.sources["b1"], "hairpin traffic must be masqueraded"
+    late = probe(topology, client, "10.96.0.16", 80, "tcp", count=5, timeout=1)
+    assert late.backends == {"b2"} and late.failed == 0, late  # added by the partial sync
+    allowed = probe(topology, client, "192.0.2.30", 80, "tcp", count=5, timeout=1)
+    assert allowed.answered == 5, allowed
+    denied = probe(topology, n2, "192.0.2.30", 80, "tcp", count=2, timeout=1)
+    assert denied.answered == 0 and denied.timeout == 2, denied
+
+    # A restarted agent: its first sync is a full one; it removes KPX- chains it does not
+    # want and keeps exactly one jump rule per built-in chain.
+    tool(topology, n1, ["iptables", "-t", "nat", "-N", "KPX-SVC-STALE"])
+    run("sync")
+    for fam in (4, 6):
+        text = saved(topology, n1, fam)
+        for chain, rule in JUMPS.items():
+            assert len(re.findall(rf"^-A {chain} {re.escape(rule)}$", text, re.M)) == 1, text
+        assert text.count("-A OUTPUT -m conntrack --ctstate NEW -m comment --comment kpx") == 1
+        assert "KPX-SVC-STALE" not in text
+        assert text.count(":FOREIGN - [0:0]") == 2 and "-A PREROUTING -j FOREIGN" in text
+    again = probe(topology, client, "10.96.0.10", 80, "tcp", count=10, timeout=1)
+    assert again.backends == {"b1", "b2"} and again.failed == 0, again
+
+    run("cleanup")
+    for fam in (4, 6):
+        text = saved(topology, n1, fam)
+        assert "KPX" not in text and "--comment kpx" not in text, text
+        assert "-A PREROUTING -j FOREIGN" in text and "-A INPUT -j FOREIGN" in text, text
+        assert text.count("-A FOREIGN -j RETURN") == 2, text
+    run("cleanup")  # nothing left: a second cleanup is a no-op

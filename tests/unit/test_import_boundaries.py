@@ -1,0 +1,58 @@
+"""Per-mode code never imports another mode's code; the operator and the agent never import
+each other; the shared API models do no I/O."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from kpx_agent.backends import REGISTRY
+
+ROOT = Path(__file__).resolve().parents[2]
+BACKENDS = ROOT / "agents" / "kpx_agent" / "backends"
+
+
+def imported_modules(path: Path, package: str) -> set[str]:
+    """Absolute names of everything `path` imports (relative imports resolved)."""
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base]) if base else ".".join(parts)
+            out.add(base)
+            out.update(f"{base}.{alias.name}" for alias in node.names)
+    return out
+
+
+@pytest.mark.parametrize("mode", sorted(REGISTRY))
+def test_mode_packages_do_not_import_each_other(mode: str) -> None:
+    others = {f"kpx_agent.backends.{m}" for m in REGISTRY if m != mode}
+    for path in (BACKENDS / mode).rglob("*.py"):
+        package = f"kpx_agent.backends.{mode}"
+        for name in imported_modules(path, package):
+            assert not any(name == o or name.startswith(o + ".") for o in others), (
+                f"{path.relative_to(ROOT)} imports {name}"
+            )
+
+
+@pytest.mark.parametrize(
+    ("folder", "forbidden"),
+    [
+        ("agents/kpx_agent", ("kpx_operator", "kpx_cluster")),
+        ("operator/kpx_operator", ("kpx_agent", "kpx_cluster")),
+        ("api/kpx_api", ("kpx_agent", "kpx_operator", "kpx_cluster", "aiohttp", "subprocess",
+                         "kopf", "socket")),
+    ],
+)  # fmt: skip
+def test_layers(folder: str, forbidden: tuple[str, ...]) -> None:
+    for path in (ROOT / folder).rglob("*.py"):
+        package = ".".join(path.relative_to(ROOT / folder.split("/")[0]).parent.parts)
+        for name in imported_modules(path, package):
+            assert not name.startswith(forbidden), f"{path.relative_to(ROOT)} imports {name}"

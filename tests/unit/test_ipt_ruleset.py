@@ -1,0 +1,413 @@
+"""iptables rendering: golden restore scripts, chain-level deltas, full-sync takeover, cleanup,
+and no text from unparsed data."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from ipaddress import ip_address, ip_network
+from pathlib import Path
+
+import pytest
+
+from kpx_agent.backends.base import BackendError
+from kpx_agent.backends.iptables import create
+from kpx_agent.backends.iptables import names as n
+from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup
+from kpx_agent.backends.iptables.rules import port_rules, probability
+from kpx_agent.localnet import (
+    Endpoint,
+    NodeInfo,
+    NodeLocalState,
+    Protocol,
+    ProxySettings,
+    ServicePort,
+    ServicePortKey,
+)
+
+GOLDEN = Path(__file__).parent / "golden" / "iptables"
+SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"), ip_network("fd00:244::/48")))
+NODE = NodeInfo("n1", addresses=(ip_address("10.242.0.1"), ip_address("fd00:242::1")))
+
+
+def key(name: str, family: int = 4, proto: Protocol = Protocol.TCP) -> ServicePortKey:
+    return ServicePortKey("default", name, "http", proto, family)
+
+
+def endpoints(*ips: str, local: str = "") -> tuple[Endpoint, ...]:
+    return tuple(Endpoint(ip_address(i), 8080, i == local) for i in ips)
+
+
+def sample_state() -> NodeLocalState:
+    eps = endpoints("10.244.1.2", "10.244.2.2", local="10.244.1.2")
+    services = [
+        ServicePort(key("web"), 80, cluster_ips=(ip_address("10.96.0.10"),),
+                    cluster_endpoints=eps, external_endpoints=eps),
+        ServicePort(key("dns", proto=Protocol.UDP), 53, cluster_ips=(ip_address("10.96.0.53"),),
+                    cluster_endpoints=eps[:1], external_endpoints=eps[:1]),
+        ServicePort(key("empty"), 80, cluster_ips=(ip_address("10.96.0.11"),)),
+        ServicePort(key("np"), 80, cluster_ips=(ip_address("10.96.0.12"),), node_port=30080,
+                    external_ips=(ip_address("192.0.2.10"),),
+                    load_balancer_ips=(ip_address("192.0.2.20"),),
+                    cluster_endpoints=eps, external_endpoints=eps),
+        ServicePort(key("local"), 80, cluster_ips=(ip_address("10.96.0.13"),), node_port=30081,
+                    load_balancer_ips=(ip_address("192.0.2.21"),),
+                    cluster_endpoints=eps, external_endpoints=(),
+                    external_masquerade=False, drop_when_no_external_endpoints=True),
+        ServicePort(key("web6", family=6), 80, cluster_ips=(ip_address("fd00:96::10"),),
+                    cluster_endpoints=endpoints("fd00:244:1::2"),
+                    external_endpoints=endpoints("fd00:244:1::2")),
+        ServicePort(key("sticky"), 80, cluster_ips=(ip_address("10.96.0.14"),),
+                    cluster_endpoints=eps, external_endpoints=eps, affinity_timeout=10800),
+        ServicePort(key("fw"), 443, cluster_ips=(ip_address("10.96.0.15"),),
+                    load_balancer_ips=(ip_address("192.0.2.30"),),
+                    load_balancer_source_ranges=(ip_network("198.51.100.0/24"),),
+                    cluster_endpoints=eps, external_endpoints=eps[1:]),
+    ]  # fmt: skip
+    return NodeLocalState(node=NODE, services={s.key: s for s in services})
+
+
+class Kernel:
+    """A recording stand-in for the iptables tools: saved output per (family, table)."""
+
+    def __init__(self, saved: dict[tuple[int, str], str] | None = None) -> None:
+        self.saved = saved or {}
+        self.scripts: list[tuple[int, str]] = []
+        self.fail_on: set[int] = set()  # 1-based restore calls that fail
+
+    def restore(self, family: int, script: str) -> None:
+        self.scripts.append((family, script))
+        if len(self.scripts) in self.fail_on:
+            raise BackendError("iptables-restore: line 3 failed")
+
+    def save(self, family: int, table: str) -> str:
+        return self.saved.get((family, table), "")
+
+    def backend(self, settings: ProxySettings = SETTINGS) -> IptablesBackend:
+        return IptablesBackend(settings, restore=self.restore, save=self.save)
+
+
+def synced(settings: ProxySettings = SETTINGS) -> tuple[IptablesBackend, Kernel, NodeLocalState]:
+    kernel = Kernel()
+    backend = kernel.backend(settings)
+    state = sample_state()
+    backend.sync(state, None)
+    return backend, kernel, state
+
+
+def family_script(scripts: list[tuple[int, str]], family: int) -> str:
+    return "".join(s for f, s in scripts if f == family)
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("KPX_UPDATE_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"{name} changed; review and set KPX_UPDATE_GOLDEN=1"
+
+
+def declared(script: str) -> set[str]:
+    return set(re.findall(r"^:(\S+) - \[0:0\]$", script, re.M))
+
+
+def test_full_sync_golden() -> None:
+    _, kernel, _ = synced()
+    assert [(f, s.split("\n", 1)[0]) for f, s in kernel.scripts] == [
+        (4, "*nat"), (4, "*filter"), (6, "*nat"), (6, "*filter")
+    ]  # fmt: skip
+    check_golden("full_sync.v4.rules", family_script(kernel.scripts, 4))
+    check_golden("full_sync.v6.rules", family_script(kernel.scripts, 6))
+
+
+def test_partial_sync_sends_only_the_changed_chains() -> None:
+    backend, kernel, state = synced()
+    web = state.services[key("web")]
+    state.services[web.key] = dataclasses.replace(web, cluster_endpoints=web.cluster_endpoints[:1])
+    kernel.scripts.clear()
+    backend.sync(state, [web.key])
+    assert [f for f, _ in kernel.scripts] == [4]  # IPv4 nat only
+    script = kernel.scripts[0][1]
+    check_golden("partial_sync.v4.rules", script)
+    assert declared(script) == {n.svc_chain(web.key)}, "KPX-SERVICES did not change"
+    assert "10.244.2.2" not in script and "-I " not in script and "-D " not in script
+
+
+def test_a_new_service_rewrites_the_dispatch_chain_and_adds_its_own() -> None:
+    backend, kernel, state = synced()
+    eps = endpoints("10.244.2.7")
+    late = ServicePort(key("late"), 8080, cluster_ips=(ip_address("10.96.0.99"),),
+                       cluster_endpoints=eps, external_endpoints=eps)  # fmt: skip
+    state.services[late.key] = late
+    kernel.scripts.clear()
+    backend.sync(state, [late.key])
+    ((fam, script),) = kernel.scripts
+    assert fam == 4
+    assert declared(script) == {n.SERVICES, n.svc_chain(late.key)}
+    # The whole dispatch chain is rewritten: every other service's entry is still in it.
+    assert script.count(f"-A {n.SERVICES} ") == 11
+    assert "-d 10.96.0.99/32 -p tcp -m tcp --dport 8080" in script
+
+
+def test_removed_service_deletes_its_chains_and_nothing_else() -> None:
+    backend, kernel, state = synced()
+    dns = key("dns", proto=Protocol.UDP)
+    owned = {c for t, c in port_rules(state.services[dns], SETTINGS).own}
+    chains_before = backend.chain_count()
+    del state.services[dns]
+    kernel.scripts.clear()
+    backend.sync(state, [dns])
+    ((_, script),) = kernel.scripts
+    assert declared(script) == owned | {n.SERVICES}
+    assert {line[3:] for line in script.splitlines() if line.startswith("-X ")} == owned
+    assert "10.96.0.53" not in script and "10.96.0.10" in script
+    assert backend.chain_count() == chains_before - len(owned) == chains_before - 1
+
+
+def test_no_change_sends_nothing() -> None:
+    backend, kernel, state = synced()
+    backend.sync(state, list(state.services))
+    assert len(kernel.scripts) == 4
+
+
+def test_failed_restore_reverts_and_forces_a_full_sync() -> None:
+    backend, kernel, state = synced()
+    nat4_before = backend._books[4].table_chains("nat") if backend._books else {}
+    web, web6 = state.services[key("web")], state.services[key("web6", family=6)]
+    state.services[web.key] = dataclasses.replace(web, cluster_endpoints=web.cluster_endpoints[1:])
+    del state.services[web6.key]
+    kernel.fail_on = {6}  # the IPv6 nat restore of the partial sync (after IPv4 nat)
+    with pytest.raises(BackendError):
+        backend.sync(state, [web.key, web6.key])
+    # The IPv4 table it had changed is put back as it was: same chains, old content.
+    undo = kernel.scripts[-1]
+    assert undo[0] == 4
+    svc = n.svc_chain(web.key)
+    assert f"-A {svc} -m statistic --mode random --probability 0.5000000000" in undo[1]
+    assert all(f"-A {chain} " in undo[1] for chain in declared(undo[1]) if chain in nat4_before)
+    assert not backend.programmed()
+    kernel.fail_on = set()
+    kernel.scripts.clear()
+    backend.sync(state, [])  # the next sync must be a full one
+    assert len(kernel.scripts) == 4
+    assert ":KPX-MARK-MASQ - [0:0]" in kernel.scripts[0][1]
+    assert "fd00:96::10" not in kernel.scripts[2][1]
+
+
+def test_failed_full_sync_keeps_forcing_full_syncs() -> None:
+    kernel = Kernel()
+    kernel.fail_on = {2}
+    backend = kernel.backend()
+    state = sample_state()
+    with pytest.raises(BackendError):
+        backend.sync(state, None)
+    kernel.scripts.clear()
+    kernel.fail_on = set()
+    backend.sync(state, [key("web")])
+    assert len(kernel.scripts) == 4
+
+
+def test_settings_shape_the_masquerade_rules() -> None:
+    _, kernel, _ = synced(ProxySettings(masquerade_bit=3, masquerade_all=True))
+    script = family_script(kernel.scripts, 4)
+    svc = n.svc_chain(key("web"))
+    assert f"-A {n.MARK_MASQ} -j MARK --or-mark 0x8\n" in script
+    assert f"-A {n.POSTROUTING} -m mark ! --mark 0x8/0x8 -j RETURN\n" in script
+    assert f"-A {svc} -j {n.MARK_MASQ}\n" in script and "! -s" not in script
+
+    _, kernel, _ = synced(ProxySettings())  # no cluster CIDRs: only hairpin and external
+    script = family_script(kernel.scripts, 4)
+    assert f"-A {svc} -m statistic" in script and "! -s" not in script
+
+    two = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"), ip_network("10.245.0.0/16")))
+    _, kernel, _ = synced(two)
+    script = family_script(kernel.scripts, 4)
+    assert f"-A {svc} -j {n.OFF_CLUSTER}\n" in script
+    assert (
+        f"-A {n.OFF_CLUSTER} -s 10.245.0.0/16 -j RETURN\n-A {n.OFF_CLUSTER} -j {n.MARK_MASQ}\n"
+        in script
+    )
+    assert n.OFF_CLUSTER not in family_script(kernel.scripts, 6)
+
+
+def test_settings_or_node_change_forces_a_full_sync() -> None:
+    backend, kernel, state = synced()
+    kernel.scripts.clear()
+    backend.settings = dataclasses.replace(SETTINGS, masquerade_bit=5)
+    backend.sync(state, [])
+    assert len(kernel.scripts) == 4 and "--or-mark 0x20" in kernel.scripts[0][1]
+    kernel.scripts.clear()
+    state.node = NodeInfo("n1", addresses=(ip_address("10.242.0.9"),))
+    backend.sync(state, [])
+    assert len(kernel.scripts) == 4
+    assert f"-A {n.SERVICES} -d 10.242.0.9/32 -j {n.NODEPORTS}" in kernel.scripts[0][1]
+    # No IPv6 address: NodePorts answer on any local address but localhost.
+    assert f"! -d ::1/128 -m addrtype --dst-type LOCAL -j {n.NODEPORTS}" in kernel.scripts[2][1]
+
+
+def test_nodeport_networks_restrict_nodeports_to_local_addresses_in_them() -> None:
+    settings = dataclasses.replace(SETTINGS, node_port_networks=(ip_network("10.242.0.0/24"),))
+    _, kernel, _ = synced(settings)
+    nat4, filter4, nat6, _ = (s for _, s in kernel.scripts)
+    match = "-d 10.242.0.0/24 -m addrtype --dst-type LOCAL"
+    assert f"{match} -j {n.NODEPORTS}\n" in nat4
+    assert f"{match} -j {n.NODEPORTS_REJECT}\n" in filter4
+    assert f"-j {n.NODEPORTS}\n" not in nat6  # no network of that family: no NodePorts
+
+
+def test_affinity_uses_recent_lists_per_endpoint() -> None:
+    sticky = sample_state().services[key("sticky")]
+    svc = port_rules(sticky, SETTINGS).own[("nat", n.svc_chain(sticky.key))]
+    lists = [n.affinity_list(sticky.key, ep) for ep in sticky.cluster_endpoints]
+    dnat = "-j DNAT --to-destination 10.244"
+    assert svc[1:] == (
+        f"-p tcp -m recent --name {lists[0]} --update --seconds 10800 --reap {dnat}.1.2:8080",
+        f"-p tcp -m recent --name {lists[1]} --update --seconds 10800 --reap {dnat}.2.2:8080",
+        "-m statistic --mode random --probability 0.5000000000 "
+        f"-p tcp -m recent --name {lists[0]} --set {dnat}.1.2:8080",
+        f"-p tcp -m recent --name {lists[1]} --set {dnat}.2.2:8080",
+    )
+
+
+def test_hairpin_masquerades_local_endpoints_reaching_themselves() -> None:
+    _, kernel, _ = synced()
+    script = kernel.scripts[0][1]
+    assert f"-A {n.POSTROUTING} -m conntrack --ctstate DNAT -j {n.HAIRPIN}\n" in script
+    rule = f"-A {n.HAIRPIN} -s 10.244.1.2/32 -d 10.244.1.2/32 -j {n.MARK_MASQ}\n"
+    assert script.count(rule) == 1  # wanted by six service ports, written once
+    assert f"-A {n.HAIRPIN} -s 10.244.2.2/32" not in script  # not a local endpoint
+
+
+def test_probability_cascade_is_uniform() -> None:
+    assert [probability(i, 4) for i in range(3)] == ["0.2500000000", "0.3333333333", "0.5000000000"]
+
+
+def test_local_external_policy_never_meets_the_off_cluster_masquerade() -> None:
+    eps = endpoints("10.244.1.2", local="10.244.1.2")
+    sp = ServicePort(key("etpl"), 80, cluster_ips=(ip_address("10.96.0.16"),), node_port=30082,
+                     cluster_endpoints=eps, external_endpoints=eps,
+                     external_masquerade=False)  # fmt: skip
+    rules = port_rules(sp, SETTINGS)
+    ext = rules.own[("nat", n.ext_chain(sp.key))]
+    assert ext == ("-p tcp -j DNAT --to-destination 10.244.1.2:8080",)
+    cluster_masq = dataclasses.replace(sp, external_masquerade=True)
+    ext = port_rules(cluster_masq, SETTINGS).own[("nat", n.ext_chain(sp.key))]
+    assert ext == (f"-j {n.MARK_MASQ}", f"-j {n.svc_chain(sp.key)}")
+
+
+def test_load_balancer_source_ranges() -> None:
+    fw = sample_state().services[key("fw")]
+    rules = port_rules(fw, SETTINGS)
+    chain, ext = n.fw_chain(fw.key), n.ext_chain(fw.key)
+    assert rules.own[("nat", chain)] == (f"-s 198.51.100.0/24 -j {ext}",)
+    assert (
+        f"-d 192.0.2.30/32 -p tcp -m tcp --dport 443 -j {chain}"
+        in rules.shared[("nat", n.SERVICES)][1]
+    )
+    assert [r.split(" -d ")[1] for r in rules.shared[("filter", n.FIREWALL)]] == [
+        "192.0.2.30/32 -p tcp -m tcp --dport 443 -j RETURN",
+        "192.0.2.30/32 -p tcp -m tcp --dport 443 -j DROP",
+    ]
+
+
+def test_full_sync_takes_over_existing_rules_without_duplicates() -> None:
+    nat = "\n".join([
+        "*nat",
+        ":PREROUTING ACCEPT [0:0]",
+        ":INPUT ACCEPT [0:0]",
+        ":OUTPUT ACCEPT [0:0]",
+        ":POSTROUTING ACCEPT [0:0]",
+        ":FOREIGN - [0:0]",
+        ":KPX-SERVICES - [0:0]",
+        ":KPX-SVC-STALESTALESTALE - [0:0]",
+        "-A PREROUTING -m comment --comment kpx -j KPX-SERVICES",
+        "-A PREROUTING -m comment --comment kpx -j KPX-SERVICES",
+        '-A PREROUTING -m comment --comment "kpx older" -j FOREIGN',
+        "-A OUTPUT -j FOREIGN",
+        "-A OUTPUT -m comment --comment kpx -j KPX-SVC-STALESTALESTALE",
+        "-A FOREIGN -m comment --comment kpx -j RETURN",
+        "COMMIT",
+        "",
+    ])  # fmt: skip
+    kernel = Kernel({(4, "nat"): nat})
+    kernel.backend().sync(sample_state(), None)
+    script = kernel.scripts[0][1]
+    assert script.count("-D PREROUTING -m comment --comment kpx -j KPX-SERVICES\n") == 1
+    assert "-I PREROUTING" not in script  # one was there already
+    assert "-D OUTPUT -m comment --comment kpx -j KPX-SVC-STALESTALESTALE\n" in script
+    assert "-I OUTPUT 1 -m comment --comment kpx -j KPX-SERVICES\n" in script
+    assert "-I POSTROUTING 1 -m comment --comment kpx -j KPX-POSTROUTING\n" in script
+    assert script.rstrip().endswith("-X KPX-SVC-STALESTALESTALE\nCOMMIT")
+    assert "FOREIGN" not in script and "older" not in script
+    # Lines run in order: flush (declare), jump edits, rules, then deletions.
+    lines = script.splitlines()
+    first_rule = next(i for i, line in enumerate(lines) if line.startswith("-A "))
+    assert max(i for i, line in enumerate(lines) if line.startswith(":")) < first_rule
+    assert max(i for i, line in enumerate(lines) if line.startswith(("-D", "-I"))) < first_rule
+
+
+def test_cleanup_removes_exactly_ours() -> None:
+    filt = "\n".join([
+        "# Generated by iptables-save",
+        "*filter",
+        ":INPUT ACCEPT [0:0]",
+        ":FORWARD DROP [0:0]",
+        ":OUTPUT ACCEPT [0:0]",
+        ":KPX-FILTER - [0:0]",
+        ":KPX-REJECT - [0:0]",
+        ":DOCKER - [0:0]",
+        "-A INPUT -m conntrack --ctstate NEW -m comment --comment kpx -j KPX-FILTER",
+        "-A FORWARD -j DOCKER",
+        "-A KPX-FILTER -j KPX-REJECT",
+        "COMMIT",
+    ])  # fmt: skip
+    kernel = Kernel({(6, "filter"): filt})
+    cleanup(kernel.restore, kernel.save)
+    assert kernel.scripts == [
+        (
+            6,
+            "*filter\n:KPX-FILTER - [0:0]\n:KPX-REJECT - [0:0]\n"
+            "-D INPUT -m conntrack --ctstate NEW -m comment --comment kpx -j KPX-FILTER\n"
+            "-X KPX-FILTER\n-X KPX-REJECT\nCOMMIT\n",
+        )
+    ]
+    kernel.scripts.clear()
+    backend = kernel.backend()
+    backend.cleanup()  # the backend's own cleanup is the same, and forgets its record
+    assert len(kernel.scripts) == 1 and not backend.programmed()
+
+
+def test_names_are_stable_and_fit() -> None:
+    k = key("a-very-long-service-name-that-goes-on-and-on-and-on", family=6)
+    ep = Endpoint(ip_address("fd00:244:1::2"), 8080)
+    for name in (n.svc_chain(k), n.ext_chain(k), n.fw_chain(k), n.affinity_list(k, ep)):
+        assert len(name) <= n.MAX_CHAIN_NAME and re.fullmatch(r"KPX-[A-Z]+-[A-Z2-7]{16}", name)
+    assert n.svc_chain(k) == n.svc_chain(dataclasses.replace(k))
+    assert n.svc_chain(k) != n.svc_chain(dataclasses.replace(k, family=4))
+    assert max(len(c) for _, _, _, c in n.JUMPS) <= n.MAX_CHAIN_NAME
+
+
+def test_unsafe_names_are_not_pasted() -> None:
+    bad = ServicePortKey('x" -j ACCEPT\n-A INPUT', "svc", "p", Protocol.TCP, 4)
+    eps = endpoints("10.244.1.2")
+    sp = ServicePort(bad, 80, cluster_ips=(ip_address("10.96.0.20"),),
+                     cluster_endpoints=eps, external_endpoints=eps)  # fmt: skip
+    rules = port_rules(sp, SETTINGS)
+    text = "\n".join(r for chain in (*rules.own.values(), *rules.shared.values()) for r in chain)
+    assert "ACCEPT" not in text and "INPUT" not in text and "comment" not in text
+    # Values of the wrong family or out of range are left out, not rendered.
+    odd = dataclasses.replace(
+        sp,
+        cluster_ips=(ip_address("10.96.0.20"), ip_address("fd00::1")),
+        cluster_endpoints=(*eps, Endpoint(ip_address("10.244.1.3"), 70000)),
+    )
+    text = "\n".join(r for c in port_rules(odd, SETTINGS).own.values() for r in c)
+    assert "fd00" not in text and "70000" not in text
+    assert port_rules(dataclasses.replace(sp, port=0), SETTINGS).own == {}
+
+
+def test_create_gives_an_iptables_backend() -> None:
+    backend = create(SETTINGS)
+    assert backend.mode == "iptables" and backend.settings is SETTINGS
+    assert backend.element_count() == 0
