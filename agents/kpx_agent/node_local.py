@@ -21,6 +21,7 @@ from .localnet import (
     IPNetwork,
     NodeInfo,
     Protocol,
+    ProxySettings,
     ServicePort,
     ServicePortKey,
 )
@@ -63,6 +64,19 @@ def _port(value: object) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535:
         return value
     return 0
+
+
+def nodeport_networks(
+    settings: ProxySettings, node: NodeInfo, family: int
+) -> tuple[IPNetwork, ...] | None:
+    """Where NodePorts answer, in one family (backends add "and the address is local"):
+    the configured nodePortAddresses networks; else the node's own addresses ("primary");
+    else None, meaning every local address except loopback (NodePorts on 127.0.0.1 would need
+    route_localnet: left out on purpose)."""
+    if settings.node_port_networks:
+        return tuple(net for net in settings.node_port_networks if net.version == family)
+    own = tuple(ipaddress.ip_network(a) for a in node.addresses if a.version == family)
+    return own or None
 
 
 def node_info(node: Obj | None, node_name: str) -> NodeInfo:

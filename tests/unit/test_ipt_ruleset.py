@@ -241,7 +241,10 @@ def test_settings_or_node_change_forces_a_full_sync() -> None:
     state.node = NodeInfo("n1", addresses=(ip_address("10.242.0.9"),))
     backend.sync(state, [])
     assert len(kernel.scripts) == 4
-    assert f"-A {n.SERVICES} -d 10.242.0.9/32 -j {n.NODEPORTS}" in kernel.scripts[0][1]
+    assert (
+        f"-A {n.SERVICES} -d 10.242.0.9/32 -m addrtype --dst-type LOCAL -j {n.NODEPORTS}"
+        in kernel.scripts[0][1]
+    )
     # No IPv6 address: NodePorts answer on any local address but localhost.
     assert f"! -d ::1/128 -m addrtype --dst-type LOCAL -j {n.NODEPORTS}" in kernel.scripts[2][1]
 

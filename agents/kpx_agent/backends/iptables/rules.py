@@ -27,6 +27,7 @@ from ...localnet import (
     ServicePort,
     ServicePortKey,
 )
+from ...node_local import nodeport_networks
 from . import names as n
 
 log = logging.getLogger(__name__)
@@ -233,20 +234,12 @@ def port_rules(sp: ServicePort, settings: ProxySettings) -> PortRules:
 
 
 def nodeport_matches(family: int, settings: ProxySettings, node: NodeInfo) -> list[str]:
-    """Destination matches for NodePorts: the configured networks (local addresses in them),
-    else the node's addresses, else any local address. Never localhost: NodePorts on
-    127.0.0.1 would need route_localnet and are left out on purpose."""
-    if settings.node_port_networks:
-        return [
-            f"-d {_net(net)} -m addrtype --dst-type LOCAL "
-            for net in settings.node_port_networks
-            if net.version == family
-        ]
-    addrs = [f"-d {_host(a)} " for a in node.addresses if a.version == family]
-    if addrs:
-        return addrs
-    loopback = "127.0.0.0/8" if family == 4 else "::1/128"
-    return [f"! -d {loopback} -m addrtype --dst-type LOCAL "]
+    """Destination matches for NodePorts (see node_local.nodeport_networks)."""
+    nets = nodeport_networks(settings, node, family)
+    if nets is None:
+        loopback = "127.0.0.0/8" if family == 4 else "::1/128"
+        return [f"! -d {loopback} -m addrtype --dst-type LOCAL "]
+    return [f"-d {_net(net)} -m addrtype --dst-type LOCAL " for net in nets]
 
 
 def fixed_chains(family: int, settings: ProxySettings, node: NodeInfo) -> dict[ChainId, Rules]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network, collapse_addresses
 
 from ...localnet import Endpoint, IPAddress, IPNetwork, NodeInfo, ProxySettings, ServicePort
+from ...node_local import nodeport_networks
 from . import names as n
 from .element_book import Element
 
@@ -199,13 +200,16 @@ def endpoint_chain(family: int, dispatch_map: str, count: int) -> tuple[str, str
     )
 
 
+_ANY_BUT_LOOPBACK = {
+    4: tuple(IPv4Network("0.0.0.0/0").address_exclude(IPv4Network("127.0.0.0/8"))),
+    6: (IPv6Network("::/0"),),  # ::1 cannot be DNATed off the node anyway
+}
+
+
 def nodeport_addresses(family: int, settings: ProxySettings, node: NodeInfo) -> list[str]:
-    """Where NodePorts answer: configured networks, else the node's addresses, else anywhere."""
-    nets = [str(net) for net in settings.node_port_networks if net.version == family]
-    if settings.node_port_networks:
-        return nets
-    addrs = [str(a) for a in node.addresses if a.version == family]
-    return addrs or (["0.0.0.0/0"] if family == 4 else ["::/0"])
+    """The `nodeport-addresses` elements (see node_local.nodeport_networks)."""
+    nets = nodeport_networks(settings, node, family)
+    return sorted(str(net) for net in (_ANY_BUT_LOOPBACK[family] if nets is None else nets))
 
 
 def _elements_clause(elements: list[str]) -> str:
