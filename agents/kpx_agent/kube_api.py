@@ -7,7 +7,6 @@ shows). Every byte and object received is counted, per resource, for the metrics
 from __future__ import annotations
 
 import base64
-import json
 import os
 import ssl
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import yaml
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -125,7 +125,7 @@ class KubeClient:
             self.bytes_received[resource] += len(body)
             if resp.status != 200:
                 raise ApiError(resp.status, body[:500].decode(errors="replace"))
-            data: dict[str, Any] = json.loads(body)
+            data: dict[str, Any] = orjson.loads(body)
             self.objects_received[resource] += len(data.get("items") or [])
             return data
 
@@ -151,7 +151,7 @@ class KubeClient:
                 for line in lines:
                     if not line.strip():
                         continue
-                    event: dict[str, Any] = json.loads(line)
+                    event: dict[str, Any] = orjson.loads(line)
                     if event.get("type") != "BOOKMARK":
                         self.objects_received[resource] += 1
                     yield event

@@ -8,11 +8,56 @@ address and port has been parsed, so a backend can render it into a ruleset with
 from __future__ import annotations
 
 import enum
+import socket
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network
+from ipaddress import IPv4Network, IPv6Network
+from typing import NamedTuple
 
-IPAddress = IPv4Address | IPv6Address
 IPNetwork = IPv4Network | IPv6Network
+
+
+class IP(str):
+    """A validated IP address in canonical text form.
+
+    A str, so backends format it into rules with no conversion cost; built only by `parse`,
+    which accepts nothing but a plain IPv4 or IPv6 address (no zone, no prefix, no spaces).
+    At 100,000 endpoints this is several times cheaper than ipaddress objects.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def parse(cls, text: object) -> IP | None:
+        value = str(text)
+        try:
+            if ":" in value:
+                return cls(
+                    socket.inet_ntop(socket.AF_INET6, socket.inet_pton(socket.AF_INET6, value))
+                )
+            # inet_pton takes only canonical dotted quads (no leading zeros, no short forms).
+            socket.inet_pton(socket.AF_INET, value)
+            return cls(value)
+        except (OSError, ValueError):
+            return None
+
+    @classmethod
+    def of(cls, text: str) -> IP:
+        """`parse`, raising ValueError for anything that is not an IP address."""
+        ip = cls.parse(text)
+        if ip is None:
+            raise ValueError(f"not an IP address: {text!r}")
+        return ip
+
+    @property
+    def version(self) -> int:
+        return 6 if ":" in self else 4
+
+    @property
+    def max_prefixlen(self) -> int:
+        return 128 if ":" in self else 32
+
+
+IPAddress = IP
 
 
 class Protocol(enum.StrEnum):
@@ -36,8 +81,7 @@ class ServicePortKey:
         return f"{self.namespace}/{self.name}{port}/{self.protocol.value}/v{self.family}"
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class Endpoint:
+class Endpoint(NamedTuple):
     """A usable endpoint (already filtered for readiness/terminating/topology)."""
 
     ip: IPAddress

@@ -12,10 +12,10 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from .localnet import (
+    IP,
     Endpoint,
     IPAddress,
     IPNetwork,
@@ -44,11 +44,10 @@ Obj = Mapping[str, Any]
 
 
 def _ip(value: object) -> IPAddress | None:
-    try:
-        return ipaddress.ip_address(str(value))
-    except ValueError:
+    ip = IP.parse(value)
+    if ip is None:
         log.warning("ignoring invalid IP address %r", value)
-        return None
+    return ip
 
 
 def _net(value: object) -> IPNetwork | None:
@@ -101,21 +100,19 @@ def node_info(node: Obj | None, node_name: str) -> NodeInfo:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Candidate:
+class _Candidate(NamedTuple):
     """An endpoint address from a slice, with its conditions and hints, before filtering."""
 
-    ip: IPAddress
-    port: int
+    endpoint: Endpoint
     ready: bool
     serving: bool
     terminating: bool
-    local: bool
     zone_hints: frozenset[str] | None
     node_hints: frozenset[str] | None
 
-    def endpoint(self) -> Endpoint:
-        return Endpoint(self.ip, self.port, self.local)
+    @property
+    def local(self) -> bool:
+        return self.endpoint.local
 
 
 def _candidates(
@@ -152,8 +149,10 @@ def _candidates(
                 ip = _ip(addr)
                 if ip is None or ip.version != family or ip in seen:
                     continue
-                seen[ip] = _Candidate(ip, port, ready, serving, terminating, local, zones, nodes)
-    return sorted(seen.values(), key=lambda c: (c.ip, c.port))
+                seen[ip] = _Candidate(
+                    Endpoint(ip, port, local), ready, serving, terminating, zones, nodes
+                )
+    return sorted(seen.values())
 
 
 def _usable(cands: list[_Candidate]) -> list[_Candidate]:
@@ -260,8 +259,8 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
                     external_ips=tuple(ip for ip in external_ips if ip.version == family),
                     load_balancer_ips=tuple(ip for ip in lb_ips if ip.version == family),
                     node_port=_port(p.get("nodePort")) if external_capable else 0,
-                    cluster_endpoints=tuple(c.endpoint() for c in cluster_eps),
-                    external_endpoints=tuple(c.endpoint() for c in external_eps),
+                    cluster_endpoints=tuple(c.endpoint for c in cluster_eps),
+                    external_endpoints=tuple(c.endpoint for c in external_eps),
                     external_masquerade=not etp_local,
                     drop_when_no_cluster_endpoints=itp_local,
                     drop_when_no_external_endpoints=etp_local,

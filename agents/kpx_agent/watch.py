@@ -51,6 +51,21 @@ class Sink(Protocol):
     def delete(self, kind: str, obj: Obj) -> None: ...
 
 
+LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
+
+
+def slim(obj: dict[str, Any]) -> dict[str, Any]:
+    """Drop what the agent never reads and what costs memory at scale (managedFields, the
+    last-applied annotation) before the object is stored."""
+    meta = obj.get("metadata")
+    if meta:
+        meta.pop("managedFields", None)
+        annotations = meta.get("annotations")
+        if annotations:
+            annotations.pop(LAST_APPLIED, None)
+    return obj
+
+
 class _Relist(Exception):
     """The watch cannot resume (410 Gone, or a new field selector): list again."""
 
@@ -95,7 +110,7 @@ class Reflector:
         params = {**self._params(), "limit": str(self.page_size)}
         while True:
             data = await self.client.list(self.resource.kind, self.resource.path, params)
-            items.extend(data.get("items") or [])
+            items.extend(slim(item) for item in data.get("items") or [])
             meta = data.get("metadata") or {}
             if not meta.get("continue"):
                 break
@@ -114,7 +129,7 @@ class Reflector:
             "timeoutSeconds": str(random.randint(300, 600)),  # noqa: S311 - jitter only
         }
         async for event in self.client.watch(self.resource.kind, self.resource.path, params):
-            etype, obj = event.get("type"), event.get("object") or {}
+            etype, obj = event.get("type"), slim(event.get("object") or {})
             if etype == "ERROR":
                 code = int(obj.get("code", 0))
                 if code == 410:

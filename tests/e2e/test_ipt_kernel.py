@@ -30,7 +30,9 @@ JUMPS = {
 # Runs inside n1's netns: argv = step, b1 v4, b2 v4, b1 v6, b2 v6, n1 v4, n1 v6, client v4.
 PROGRAM = """
 import sys
-from ipaddress import ip_address as ip, ip_network as net
+from ipaddress import ip_network as net
+from kpx_agent.localnet import IP
+ip = IP.of
 from kpx_agent.localnet import *
 from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup
 

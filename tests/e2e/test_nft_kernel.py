@@ -49,7 +49,9 @@ def test_backend_programs_real_traffic(topology: Topology) -> None:
         )
     program = f"""
 import sys
-from ipaddress import ip_address as ip, ip_network
+from ipaddress import ip_network
+from kpx_agent.localnet import IP
+ip = IP.of
 from kpx_agent.localnet import *
 from kpx_agent.backends.nftables.backend import NftablesBackend
 eps = (Endpoint(ip("{b1.ipv4}"), 8080, True), Endpoint(ip("{b2.ipv4}"), 8080))
@@ -85,7 +87,9 @@ def test_affinity_and_load_balancer_source_ranges(topology: Topology) -> None:
         )
     program = f"""
 import dataclasses
-from ipaddress import ip_address as ip, ip_network as net
+from ipaddress import ip_network as net
+from kpx_agent.localnet import IP
+ip = IP.of
 from kpx_agent.localnet import *
 from kpx_agent.backends.nftables.backend import NftablesBackend
 eps = (Endpoint(ip("{b1.ipv4}"), 8080, True), Endpoint(ip("{b2.ipv4}"), 8080))

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from ipaddress import ip_address
 
 from kpx_agent.conntrack import FlowFilter, stale_flows
 from kpx_agent.localnet import (
+    IP,
     Endpoint,
     NodeInfo,
     NodeLocalState,
@@ -16,7 +16,7 @@ from kpx_agent.localnet import (
 )
 from kpx_agent.service_health import HealthTarget, health_targets, response
 
-VIP, EP1, EP2 = ip_address("10.96.0.53"), ip_address("10.244.1.2"), ip_address("10.244.2.2")
+VIP, EP1, EP2 = IP.of("10.96.0.53"), IP.of("10.244.1.2"), IP.of("10.244.2.2")
 
 
 def dns(*eps: Endpoint, node_port: int = 0, proto: Protocol = Protocol.UDP) -> ServicePort:
@@ -61,7 +61,7 @@ def test_health_targets_count_local_external_endpoints() -> None:
     sp = ServicePort(key, 80, node_port=30080, external_endpoints=(local,),
                      health_check_node_port=32000, external_masquerade=False)  # fmt: skip
     key6 = ServicePortKey("shop", "web", "http", Protocol.TCP, 6)
-    local6 = Endpoint(ip_address("fd00::2"), 8080, True)
+    local6 = Endpoint(IP.of("fd00::2"), 8080, True)
     sp6 = ServicePort(key6, 80, health_check_node_port=32000, external_endpoints=(local6,))
     state = NodeLocalState(NodeInfo("n1"), {key: sp, key6: sp6})
     assert health_targets(state) == {32000: HealthTarget("shop", "web", 2)}

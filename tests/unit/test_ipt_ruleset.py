@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from ipaddress import ip_address, ip_network
+from ipaddress import ip_network
 from pathlib import Path
 
 import pytest
@@ -17,6 +17,7 @@ from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup
 from kpx_agent.backends.iptables.rules import port_rules, probability
 from kpx_agent.localnet import (
+    IP,
     Endpoint,
     NodeInfo,
     NodeLocalState,
@@ -28,7 +29,7 @@ from kpx_agent.localnet import (
 
 GOLDEN = Path(__file__).parent / "golden" / "iptables"
 SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"), ip_network("fd00:244::/48")))
-NODE = NodeInfo("n1", addresses=(ip_address("10.242.0.1"), ip_address("fd00:242::1")))
+NODE = NodeInfo("n1", addresses=(IP.of("10.242.0.1"), IP.of("fd00:242::1")))
 
 
 def key(name: str, family: int = 4, proto: Protocol = Protocol.TCP) -> ServicePortKey:
@@ -36,32 +37,32 @@ def key(name: str, family: int = 4, proto: Protocol = Protocol.TCP) -> ServicePo
 
 
 def endpoints(*ips: str, local: str = "") -> tuple[Endpoint, ...]:
-    return tuple(Endpoint(ip_address(i), 8080, i == local) for i in ips)
+    return tuple(Endpoint(IP.of(i), 8080, i == local) for i in ips)
 
 
 def sample_state() -> NodeLocalState:
     eps = endpoints("10.244.1.2", "10.244.2.2", local="10.244.1.2")
     services = [
-        ServicePort(key("web"), 80, cluster_ips=(ip_address("10.96.0.10"),),
+        ServicePort(key("web"), 80, cluster_ips=(IP.of("10.96.0.10"),),
                     cluster_endpoints=eps, external_endpoints=eps),
-        ServicePort(key("dns", proto=Protocol.UDP), 53, cluster_ips=(ip_address("10.96.0.53"),),
+        ServicePort(key("dns", proto=Protocol.UDP), 53, cluster_ips=(IP.of("10.96.0.53"),),
                     cluster_endpoints=eps[:1], external_endpoints=eps[:1]),
-        ServicePort(key("empty"), 80, cluster_ips=(ip_address("10.96.0.11"),)),
-        ServicePort(key("np"), 80, cluster_ips=(ip_address("10.96.0.12"),), node_port=30080,
-                    external_ips=(ip_address("192.0.2.10"),),
-                    load_balancer_ips=(ip_address("192.0.2.20"),),
+        ServicePort(key("empty"), 80, cluster_ips=(IP.of("10.96.0.11"),)),
+        ServicePort(key("np"), 80, cluster_ips=(IP.of("10.96.0.12"),), node_port=30080,
+                    external_ips=(IP.of("192.0.2.10"),),
+                    load_balancer_ips=(IP.of("192.0.2.20"),),
                     cluster_endpoints=eps, external_endpoints=eps),
-        ServicePort(key("local"), 80, cluster_ips=(ip_address("10.96.0.13"),), node_port=30081,
-                    load_balancer_ips=(ip_address("192.0.2.21"),),
+        ServicePort(key("local"), 80, cluster_ips=(IP.of("10.96.0.13"),), node_port=30081,
+                    load_balancer_ips=(IP.of("192.0.2.21"),),
                     cluster_endpoints=eps, external_endpoints=(),
                     external_masquerade=False, drop_when_no_external_endpoints=True),
-        ServicePort(key("web6", family=6), 80, cluster_ips=(ip_address("fd00:96::10"),),
+        ServicePort(key("web6", family=6), 80, cluster_ips=(IP.of("fd00:96::10"),),
                     cluster_endpoints=endpoints("fd00:244:1::2"),
                     external_endpoints=endpoints("fd00:244:1::2")),
-        ServicePort(key("sticky"), 80, cluster_ips=(ip_address("10.96.0.14"),),
+        ServicePort(key("sticky"), 80, cluster_ips=(IP.of("10.96.0.14"),),
                     cluster_endpoints=eps, external_endpoints=eps, affinity_timeout=10800),
-        ServicePort(key("fw"), 443, cluster_ips=(ip_address("10.96.0.15"),),
-                    load_balancer_ips=(ip_address("192.0.2.30"),),
+        ServicePort(key("fw"), 443, cluster_ips=(IP.of("10.96.0.15"),),
+                    load_balancer_ips=(IP.of("192.0.2.30"),),
                     load_balancer_source_ranges=(ip_network("198.51.100.0/24"),),
                     cluster_endpoints=eps, external_endpoints=eps[1:]),
     ]  # fmt: skip
@@ -137,7 +138,7 @@ def test_partial_sync_sends_only_the_changed_chains() -> None:
 def test_a_new_service_rewrites_the_dispatch_chain_and_adds_its_own() -> None:
     backend, kernel, state = synced()
     eps = endpoints("10.244.2.7")
-    late = ServicePort(key("late"), 8080, cluster_ips=(ip_address("10.96.0.99"),),
+    late = ServicePort(key("late"), 8080, cluster_ips=(IP.of("10.96.0.99"),),
                        cluster_endpoints=eps, external_endpoints=eps)  # fmt: skip
     state.services[late.key] = late
     kernel.scripts.clear()
@@ -238,7 +239,7 @@ def test_settings_or_node_change_forces_a_full_sync() -> None:
     backend.sync(state, [])
     assert len(kernel.scripts) == 4 and "--or-mark 0x20" in kernel.scripts[0][1]
     kernel.scripts.clear()
-    state.node = NodeInfo("n1", addresses=(ip_address("10.242.0.9"),))
+    state.node = NodeInfo("n1", addresses=(IP.of("10.242.0.9"),))
     backend.sync(state, [])
     assert len(kernel.scripts) == 4
     assert (
@@ -288,7 +289,7 @@ def test_probability_cascade_is_uniform() -> None:
 
 def test_local_external_policy_never_meets_the_off_cluster_masquerade() -> None:
     eps = endpoints("10.244.1.2", local="10.244.1.2")
-    sp = ServicePort(key("etpl"), 80, cluster_ips=(ip_address("10.96.0.16"),), node_port=30082,
+    sp = ServicePort(key("etpl"), 80, cluster_ips=(IP.of("10.96.0.16"),), node_port=30082,
                      cluster_endpoints=eps, external_endpoints=eps,
                      external_masquerade=False)  # fmt: skip
     rules = port_rules(sp, SETTINGS)
@@ -383,7 +384,7 @@ def test_cleanup_removes_exactly_ours() -> None:
 
 def test_names_are_stable_and_fit() -> None:
     k = key("a-very-long-service-name-that-goes-on-and-on-and-on", family=6)
-    ep = Endpoint(ip_address("fd00:244:1::2"), 8080)
+    ep = Endpoint(IP.of("fd00:244:1::2"), 8080)
     for name in (n.svc_chain(k), n.ext_chain(k), n.fw_chain(k), n.affinity_list(k, ep)):
         assert len(name) <= n.MAX_CHAIN_NAME and re.fullmatch(r"KPX-[A-Z]+-[A-Z2-7]{16}", name)
     assert n.svc_chain(k) == n.svc_chain(dataclasses.replace(k))
@@ -394,7 +395,7 @@ def test_names_are_stable_and_fit() -> None:
 def test_unsafe_names_are_not_pasted() -> None:
     bad = ServicePortKey('x" -j ACCEPT\n-A INPUT', "svc", "p", Protocol.TCP, 4)
     eps = endpoints("10.244.1.2")
-    sp = ServicePort(bad, 80, cluster_ips=(ip_address("10.96.0.20"),),
+    sp = ServicePort(bad, 80, cluster_ips=(IP.of("10.96.0.20"),),
                      cluster_endpoints=eps, external_endpoints=eps)  # fmt: skip
     rules = port_rules(sp, SETTINGS)
     text = "\n".join(r for chain in (*rules.own.values(), *rules.shared.values()) for r in chain)
@@ -402,8 +403,8 @@ def test_unsafe_names_are_not_pasted() -> None:
     # Values of the wrong family or out of range are left out, not rendered.
     odd = dataclasses.replace(
         sp,
-        cluster_ips=(ip_address("10.96.0.20"), ip_address("fd00::1")),
-        cluster_endpoints=(*eps, Endpoint(ip_address("10.244.1.3"), 70000)),
+        cluster_ips=(IP.of("10.96.0.20"), IP.of("fd00::1")),
+        cluster_endpoints=(*eps, Endpoint(IP.of("10.244.1.3"), 70000)),
     )
     text = "\n".join(r for c in port_rules(odd, SETTINGS).own.values() for r in c)
     assert "fd00" not in text and "70000" not in text

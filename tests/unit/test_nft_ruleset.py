@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from ipaddress import ip_address, ip_network
+from ipaddress import ip_network
 from pathlib import Path
 
 import pytest
@@ -12,6 +12,7 @@ import pytest
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.localnet import (
+    IP,
     Endpoint,
     NodeInfo,
     NodeLocalState,
@@ -23,7 +24,7 @@ from kpx_agent.localnet import (
 
 GOLDEN = Path(__file__).parent / "golden"
 SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"), ip_network("fd00:244::/48")))
-NODE = NodeInfo("n1", addresses=(ip_address("10.242.0.1"), ip_address("fd00:242::1")))
+NODE = NodeInfo("n1", addresses=(IP.of("10.242.0.1"), IP.of("fd00:242::1")))
 
 
 def key(name: str, family: int = 4, proto: Protocol = Protocol.TCP) -> ServicePortKey:
@@ -31,25 +32,25 @@ def key(name: str, family: int = 4, proto: Protocol = Protocol.TCP) -> ServicePo
 
 
 def endpoints(*ips: str, local: str = "") -> tuple[Endpoint, ...]:
-    return tuple(Endpoint(ip_address(i), 8080, i == local) for i in ips)
+    return tuple(Endpoint(IP.of(i), 8080, i == local) for i in ips)
 
 
 def sample_state() -> NodeLocalState:
     eps = endpoints("10.244.1.2", "10.244.2.2", local="10.244.1.2")
     services = [
-        ServicePort(key("web"), 80, cluster_ips=(ip_address("10.96.0.10"),),
+        ServicePort(key("web"), 80, cluster_ips=(IP.of("10.96.0.10"),),
                     cluster_endpoints=eps, external_endpoints=eps),
-        ServicePort(key("dns", proto=Protocol.UDP), 53, cluster_ips=(ip_address("10.96.0.53"),),
+        ServicePort(key("dns", proto=Protocol.UDP), 53, cluster_ips=(IP.of("10.96.0.53"),),
                     cluster_endpoints=eps[:1], external_endpoints=eps[:1]),
-        ServicePort(key("empty"), 80, cluster_ips=(ip_address("10.96.0.11"),)),
-        ServicePort(key("np"), 80, cluster_ips=(ip_address("10.96.0.12"),), node_port=30080,
-                    external_ips=(ip_address("192.0.2.10"),),
-                    load_balancer_ips=(ip_address("192.0.2.20"),),
+        ServicePort(key("empty"), 80, cluster_ips=(IP.of("10.96.0.11"),)),
+        ServicePort(key("np"), 80, cluster_ips=(IP.of("10.96.0.12"),), node_port=30080,
+                    external_ips=(IP.of("192.0.2.10"),),
+                    load_balancer_ips=(IP.of("192.0.2.20"),),
                     cluster_endpoints=eps, external_endpoints=eps),
-        ServicePort(key("local"), 80, cluster_ips=(ip_address("10.96.0.13"),), node_port=30081,
+        ServicePort(key("local"), 80, cluster_ips=(IP.of("10.96.0.13"),), node_port=30081,
                     cluster_endpoints=eps, external_endpoints=(),
                     external_masquerade=False, drop_when_no_external_endpoints=True),
-        ServicePort(key("web6", family=6), 80, cluster_ips=(ip_address("fd00:96::10"),),
+        ServicePort(key("web6", family=6), 80, cluster_ips=(IP.of("fd00:96::10"),),
                     cluster_endpoints=endpoints("fd00:244:1::2"),
                     external_endpoints=endpoints("fd00:244:1::2")),
     ]  # fmt: skip
@@ -141,7 +142,7 @@ def test_a_new_large_endpoint_count_comes_with_a_full_sync() -> None:
     state = sample_state()
     backend.sync(state, None)
     web = state.services[key("web")]
-    many = tuple(Endpoint(ip_address(f"10.244.{i // 250}.{i % 250 + 1}"), 8080) for i in range(200))
+    many = tuple(Endpoint(IP.of(f"10.244.{i // 250}.{i % 250 + 1}"), 8080) for i in range(200))
     state.services[web.key] = dataclasses.replace(web, cluster_endpoints=many)
     backend.sync(state, [web.key])
     assert scripts[-1].startswith("add table ip kpx\ndelete table ip kpx\n")

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from ipaddress import ip_address, ip_network
+from ipaddress import ip_network
 from typing import Any
 
 import pytest
 
-from kpx_agent.localnet import NodeInfo, Protocol, ServicePort
+from kpx_agent.localnet import IP, NodeInfo, Protocol, ServicePort
 from kpx_agent.node_local import is_proxied, node_info, service_ports
 
 NODE = NodeInfo(name="n1", zone="zone-a")
@@ -364,7 +364,7 @@ def test_node_info_reads_addresses_zone_and_pod_cidrs() -> None:
         },
     }
     info = node_info(node, "n1")
-    assert info.addresses == (ip_address("10.242.0.1"), ip_address("192.0.2.1"))
+    assert info.addresses == (IP.of("10.242.0.1"), IP.of("192.0.2.1"))
     assert info.zone == "zone-a"
     assert [str(c) for c in info.pod_cidrs] == ["10.244.1.0/24", "fd00:244:1::/64"]
     assert node_info(None, "n1") == NodeInfo(name="n1")

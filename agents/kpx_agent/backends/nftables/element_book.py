@@ -53,6 +53,8 @@ class ElementBook(Generic[Owner]):
 
     def plan(self, updates: Mapping[Owner, Iterable[Element] | None]) -> Plan[Owner]:
         """What changes in the kernel if each owner's elements become `updates[owner]`."""
+        if not self._owners:
+            return self._plan_fresh(updates)
         plan: Plan[Owner] = Plan()
         staged = plan._owners
         for owner, new_elems in updates.items():
@@ -82,6 +84,26 @@ class ElementBook(Generic[Owner]):
                 plan.delete.setdefault(set_name, []).append(key)
             if lst and (not before or lst[0][1] != old_value):
                 plan.add.setdefault(set_name, []).append((key, lst[0][1]))
+        return plan
+
+    @staticmethod
+    def _plan_fresh(updates: Mapping[Owner, Iterable[Element] | None]) -> Plan[Owner]:
+        """The same plan for an empty record (a full sync), without the diffing."""
+        plan: Plan[Owner] = Plan()
+        staged = plan._owners
+        for owner, new_elems in updates.items():
+            new = tuple(new_elems) if new_elems is not None else ()
+            plan._contrib[owner] = new if new_elems is not None else None
+            for set_name, key, value in new:
+                lst = staged.get((set_name, key))
+                if lst is None:
+                    staged[(set_name, key)] = [(owner, value)]
+                    continue
+                if lst[0][1] != value:
+                    plan.conflicts.append(((set_name, key), owner))
+                lst.append((owner, value))
+        for (set_name, key), lst in staged.items():
+            plan.add.setdefault(set_name, []).append((key, lst[0][1]))
         return plan
 
     def commit(self, plan: Plan[Owner]) -> None:

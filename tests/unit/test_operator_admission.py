@@ -1,0 +1,97 @@
+"""Admission: the ipvs policy and conflicts between node selectors, one row per case."""
+
+from __future__ import annotations
+
+import pytest
+
+from kpx_operator.admission import (
+    IPVSPolicy,
+    PxcInfo,
+    admit,
+    conflict_message,
+    node_list,
+)
+
+NODES = {
+    "a1": {"pool": "a"},
+    "a2": {"pool": "a", "gpu": "yes"},
+    "b1": {"pool": "b"},
+}
+
+
+def pxc(name: str, created: str, mode: str = "nftables", **selector: str) -> PxcInfo:
+    return PxcInfo(name, f"uid-{name}", created, mode, tuple(sorted(selector.items())))
+
+
+OLD_ALL = pxc("everything", "2026-01-01T00:00:00Z")
+POOL_A = pxc("pool-a", "2026-01-02T00:00:00Z", pool="a")
+POOL_B = pxc("pool-b", "2026-01-02T00:00:00Z", pool="b")
+GPU = pxc("gpu", "2026-01-03T00:00:00Z", gpu="yes")
+IPVS_A = pxc("ipvs-a", "2025-12-01T00:00:00Z", "ipvs", pool="a")
+
+
+@pytest.mark.parametrize(
+    ("me", "others", "policy", "deploy", "overlaps"),
+    [
+        # Disjoint pools: no conflict.
+        (POOL_A, [POOL_A, POOL_B], IPVSPolicy.WARN, True, []),
+        # The newer one deploys nothing; both see the conflict with the node names.
+        (POOL_A, [OLD_ALL, POOL_A], IPVSPolicy.WARN, False, [("everything", ("a1", "a2"), True)]),
+        (OLD_ALL, [OLD_ALL, POOL_A], IPVSPolicy.WARN, True, [("pool-a", ("a1", "a2"), False)]),
+        # Pairwise: gpu overlaps pool-a (older) on a2 only, and is blocked even though pool-a
+        # is itself blocked by everything.
+        (GPU, [OLD_ALL, POOL_A, GPU], IPVSPolicy.WARN, False,
+         [("everything", ("a2",), True), ("pool-a", ("a2",), True)]),
+        # Same creation time: the name decides (pool-a < pool-b); here they are disjoint anyway.
+        (POOL_B, [POOL_A, POOL_B], IPVSPolicy.WARN, True, []),
+        # A denied ipvs configuration deploys nothing, so it conflicts with nobody.
+        (POOL_A, [IPVS_A, POOL_A], IPVSPolicy.DENY, True, []),
+        (POOL_A, [IPVS_A, POOL_A], IPVSPolicy.ALLOW, False, [("ipvs-a", ("a1", "a2"), True)]),
+        # A selector that selects no existing node conflicts with nobody.
+        (pxc("none", "2026-02-01T00:00:00Z", pool="z"), [OLD_ALL], IPVSPolicy.WARN, True, []),
+    ],
+)  # fmt: skip
+def test_admission(
+    me: PxcInfo,
+    others: list[PxcInfo],
+    policy: IPVSPolicy,
+    deploy: bool,
+    overlaps: list[tuple[str, tuple[str, ...], bool]],
+) -> None:
+    adm = admit(me, others, NODES, policy)
+    assert adm.deploy is deploy
+    assert [(o.other, o.nodes, o.other_is_older) for o in adm.overlaps] == overlaps
+
+
+@pytest.mark.parametrize(
+    ("policy", "deploy", "denied"),
+    [
+        (IPVSPolicy.ALLOW, True, False),
+        (IPVSPolicy.WARN, True, False),
+        (IPVSPolicy.DENY, False, True),
+    ],
+)
+def test_ipvs_policy(policy: IPVSPolicy, deploy: bool, denied: bool) -> None:
+    adm = admit(IPVS_A, [IPVS_A], NODES, policy)
+    assert (adm.deploy, adm.ipvs_denied, adm.deprecated) == (deploy, denied, True)
+
+
+def test_info_from_a_body() -> None:
+    body = {
+        "metadata": {"name": "x", "uid": "u", "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "spec": {"mode": "iptables", "nodeSelector": {"b": "2", "a": "1"}},
+    }
+    info = PxcInfo.from_body(body)
+    assert info == PxcInfo("x", "u", "2026-01-01T00:00:00Z", "iptables", (("a", "1"), ("b", "2")))
+    assert info.selects({"a": "1", "b": "2", "c": "3"})
+    assert not info.selects({"a": "1"})
+    assert PxcInfo.from_body({"metadata": {"name": "y"}, "spec": {}}).selects({})
+
+
+def test_messages_name_the_nodes_and_who_runs() -> None:
+    adm = admit(POOL_A, [OLD_ALL, POOL_A], NODES, IPVSPolicy.WARN)
+    message = conflict_message(adm)
+    assert "nodes a1, a2 are also selected by ProxyConfiguration everything" in message
+    assert "older, keeps its agents" in message
+    assert message.endswith("this one deploys nothing until the node selectors are disjoint")
+    assert node_list([f"n{i}" for i in range(12)]).endswith("n9 and 2 more")

@@ -1,0 +1,381 @@
+"""The operator's pure builders: golden output per mode, live changes vs rollouts, least
+privilege (the agents' ClusterRole and the operator's own manifests)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kpx_api import ProxyConfigurationSpec, agent_config_from_spec, parse_agent_config, parse_spec
+from kpx_cluster.demo import AGENT_RULES as DEMO_AGENT_RULES
+from kpx_operator import builders
+from kpx_operator.builders import BuildOptions, Owner
+from kpx_operator.names import (
+    MAX_NAME,
+    RESTART_HASH_ANNOTATION,
+    bounded,
+    child_names,
+    instance,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden" / "operator"
+MANIFESTS = REPO / "operator" / "manifests"
+EXAMPLES = {
+    "nftables": REPO / "examples" / "proxyconfig.yaml",
+    "iptables": REPO / "examples" / "proxyconfig-iptables.yaml",
+    "ipvs": REPO / "examples" / "proxyconfig-ipvs.yaml",
+}
+UID = "00000000-0000-4000-8000-000000000001"
+OPTS = BuildOptions()
+
+Obj = dict[str, Any]
+
+
+def example(mode: str) -> tuple[Owner, ProxyConfigurationSpec]:
+    doc = yaml.safe_load(EXAMPLES[mode].read_text())
+    return Owner(doc["metadata"]["name"], UID), parse_spec(doc["spec"])
+
+
+def spec_with(spec: ProxyConfigurationSpec, **changes: Any) -> ProxyConfigurationSpec:
+    return parse_spec({**spec.to_dict(), **changes})
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the ConfigMap's file) as literal blocks, readable in review."""
+
+
+def _str(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def all_children(
+    owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions = OPTS
+) -> list[Obj]:
+    return [
+        *builders.agent_children(owner, spec, opts),
+        builders.cleanup_daemonset(owner, spec, opts),
+    ]
+
+
+def render(owner: Owner, spec: ProxyConfigurationSpec) -> str:
+    return yaml.dump_all(all_children(owner, spec), Dumper=_Dumper, sort_keys=False, width=100)
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("KPX_UPDATE_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"{path} is missing; run with KPX_UPDATE_GOLDEN=1 and review it"
+    assert text == path.read_text(), f"{name} changed; review and set KPX_UPDATE_GOLDEN=1"
+
+
+def by_kind(objs: Iterable[Obj]) -> dict[str, Obj]:
+    return {o["kind"]: o for o in objs}
+
+
+def pod_spec(ds: Obj) -> Obj:
+    return ds["spec"]["template"]["spec"]
+
+
+# -- golden files -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", sorted(EXAMPLES))
+def test_children_match_golden_file(mode: str) -> None:
+    owner, spec = example(mode)
+    assert str(spec.mode) == mode
+    check_golden(f"{mode}.yaml", render(owner, spec))
+
+
+@pytest.mark.parametrize("mode", sorted(EXAMPLES))
+def test_configmap_holds_the_agent_config_the_agent_validates(mode: str) -> None:
+    owner, spec = example(mode)
+    cm = builders.config_map(owner, spec, OPTS)
+    parsed = parse_agent_config(yaml.safe_load(cm["data"]["config.yaml"]))
+    assert parsed == agent_config_from_spec(spec)
+
+
+# -- the DaemonSets ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", sorted(EXAMPLES))
+def test_agent_daemonset_runs_the_agent_with_least_privilege(mode: str) -> None:
+    owner, spec = example(mode)
+    ds = builders.agent_daemonset(owner, spec, OPTS)
+    pod = pod_spec(ds)
+    (container,) = pod["containers"]
+    assert container["command"] == [
+        "proxy-agent", "--mode", mode, "--config", "/etc/kpx/config.yaml",
+    ]  # fmt: skip
+    assert pod["hostNetwork"] is True
+    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert pod["priorityClassName"] == spec.priority_class_name
+    assert pod["serviceAccountName"] == child_names(owner.name).agent
+    sc = container["securityContext"]
+    assert sc["privileged"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    expected_caps = ["NET_ADMIN"] if mode == "nftables" else ["NET_ADMIN", "NET_RAW"]
+    assert sc["capabilities"]["add"] == expected_caps
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": 10256}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": 10256}
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == spec.max_unavailable
+    assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
+    assert pod.get("nodeSelector", {}) == spec.node_selector
+    assert pod.get("tolerations", []) == [t.to_dict() for t in spec.tolerations]
+    assert container["image"] == spec.image
+    # The pods carry the selector's labels.
+    selector = ds["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_every_child_is_owned_and_labelled() -> None:
+    owner, spec = example("nftables")
+    for obj in all_children(owner, spec):
+        meta = obj["metadata"]
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": "proxy.kpx.dev/v1alpha1",
+                "kind": "ProxyConfiguration",
+                "name": "default",
+                "uid": UID,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        assert meta["labels"]["app.kubernetes.io/instance"] == "default"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "kpx-operator"
+        assert meta["labels"]["app.kubernetes.io/name"] in ("kpx-agent", "kpx-cleanup")
+        namespaced = obj["kind"] not in ("ClusterRole", "ClusterRoleBinding")
+        assert ("namespace" in meta) is namespaced
+
+
+def test_cleanup_daemonset_cleans_the_same_nodes_and_reports_readiness() -> None:
+    owner, spec = example("ipvs")
+    agents = pod_spec(builders.agent_daemonset(owner, spec, OPTS))
+    cleanup_ds = builders.cleanup_daemonset(owner, spec, OPTS)
+    cleanup = pod_spec(cleanup_ds)
+    (container,) = cleanup["containers"]
+    assert container["command"] == [
+        "proxy-agent", "cleanup", "--mode", "ipvs", "--then-serve-healthz", "0.0.0.0:10256",
+    ]  # fmt: skip
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": 10256}
+    for key in ("nodeSelector", "tolerations", "hostNetwork", "priorityClassName"):
+        assert cleanup[key] == agents[key]
+    assert cleanup["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in cleanup
+    # Its pods never match the agents' selector (two DaemonSets must not share pods).
+    agent_sel = builders.agent_daemonset(owner, spec, OPTS)["spec"]["selector"]["matchLabels"]
+    cleanup_labels = cleanup_ds["spec"]["template"]["metadata"]["labels"]
+    assert not agent_sel.items() <= cleanup_labels.items()
+
+
+def test_probes_call_a_specific_healthz_address() -> None:
+    owner, spec = example("nftables")
+    spec = spec_with(spec, healthzBindAddress="127.0.0.1:10300")
+    (container,) = pod_spec(builders.agent_daemonset(owner, spec, OPTS))["containers"]
+    assert container["readinessProbe"]["httpGet"] == {
+        "path": "/healthz", "port": 10300, "host": "127.0.0.1",
+    }  # fmt: skip
+    assert container["ports"] == [{"name": "healthz", "containerPort": 10300, "protocol": "TCP"}]
+
+
+def test_apiserver_endpoint_reaches_the_agents() -> None:
+    owner, spec = example("nftables")
+    opts = BuildOptions(apiserver_endpoint="[2001:db8::1]:6443")
+    (container,) = pod_spec(builders.agent_daemonset(owner, spec, opts))["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["KUBERNETES_SERVICE_HOST"] == "2001:db8::1"
+    assert env["KUBERNETES_SERVICE_PORT"] == "6443"
+
+
+def test_xtables_lock_only_for_modes_running_iptables() -> None:
+    for mode in EXAMPLES:
+        owner, spec = example(mode)
+        pod = pod_spec(builders.agent_daemonset(owner, spec, OPTS))
+        volumes = {v["name"] for v in pod["volumes"]}
+        assert ("xtables-lock" in volumes) is (mode != "nftables")
+
+
+# -- live changes vs rollouts -----------------------------------------------------------------
+
+
+def _children(spec: ProxyConfigurationSpec) -> dict[str, Obj]:
+    return by_kind(builders.agent_children(Owner("default", UID), spec, OPTS))
+
+
+LIVE_CHANGES: dict[str, Obj] = {
+    "namespace opt-out": {"namespaceOptOut": {"namespaces": ["legacy-proxy", "other"]}},
+    "mode tuning": {"nftables": {"syncPeriod": "1m", "minSyncPeriod": "2s", "masqueradeAll": True}},
+    "cluster CIDRs": {"clusterCIDRs": ["10.32.0.0/12"]},
+}
+ROLLOUT_CHANGES: dict[str, Obj] = {
+    "mode": {"mode": "iptables", "nftables": None},
+    "image": {"image": "ghcr.io/kpx/kpx-agent:0.2.0"},
+    "resources": {"resources": {"requests": {"cpu": "100m"}}},
+    "node selector": {"nodeSelector": {"kpx.dev/pool": "a"}},
+    "tolerations": {"tolerations": []},
+    "priority class": {"priorityClassName": "system-cluster-critical"},
+    "healthz address": {"healthzBindAddress": "0.0.0.0:10300"},
+    "metrics address": {"metricsBindAddress": "127.0.0.1:10300"},
+    "conntrack": {"conntrack": {"maxPerCore": 0}},
+}
+
+
+@pytest.mark.parametrize("change", sorted(LIVE_CHANGES))
+def test_live_change_updates_only_the_configmap(change: str) -> None:
+    _, spec = example("nftables")
+    before, after = _children(spec), _children(spec_with(spec, **LIVE_CHANGES[change]))
+    assert before["ConfigMap"] != after["ConfigMap"]
+    for kind in ("DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"):
+        assert before[kind] == after[kind], kind
+
+
+@pytest.mark.parametrize("change", sorted(ROLLOUT_CHANGES))
+def test_change_needing_new_pods_changes_the_pod_template(change: str) -> None:
+    _, spec = example("nftables")
+    changes = {k: v for k, v in ROLLOUT_CHANGES[change].items()}
+    data = {k: v for k, v in {**spec.to_dict(), **changes}.items() if v is not None}
+    before, after = _children(spec), _children(parse_spec(data))
+    template = before["DaemonSet"]["spec"]["template"]
+    assert template != after["DaemonSet"]["spec"]["template"]
+
+
+@pytest.mark.parametrize("change", ["mode", "metrics address", "conntrack"])
+def test_start_only_config_changes_the_template_hash(change: str) -> None:
+    _, spec = example("nftables")
+    data = {k: v for k, v in {**spec.to_dict(), **ROLLOUT_CHANGES[change]}.items() if v is not None}
+
+    def annotation(s: ProxyConfigurationSpec) -> str:
+        meta = _children(s)["DaemonSet"]["spec"]["template"]["metadata"]
+        return str(meta["annotations"][RESTART_HASH_ANNOTATION])
+
+    assert annotation(spec) != annotation(parse_spec(data))
+
+
+# -- least privilege --------------------------------------------------------------------------
+
+
+def _rules(objs: Iterable[Obj]) -> Iterator[tuple[Obj, Obj]]:
+    for obj in objs:
+        for rule in obj.get("rules") or []:
+            yield obj, rule
+
+
+def _manifests() -> list[Obj]:
+    return [
+        d
+        for path in sorted(MANIFESTS.glob("*.yaml"))
+        for d in yaml.safe_load_all(path.read_text())
+        if d and d.get("kind") != "Kustomization"
+    ]
+
+
+def test_agent_role_is_read_only_and_matches_the_demo() -> None:
+    role = builders.cluster_role(Owner("default", UID))
+    assert role["rules"] == DEMO_AGENT_RULES
+    for _, rule in _rules([role]):
+        assert set(rule["verbs"]) <= {"get", "list", "watch"}
+        assert "secrets" not in rule["resources"]
+        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
+
+
+def test_agent_binding_names_the_agent_service_account() -> None:
+    owner = Owner("default", UID)
+    binding = builders.cluster_role_binding(owner, OPTS)
+    sa = builders.service_account(owner, OPTS)
+    assert binding["roleRef"]["name"] == builders.cluster_role(owner)["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "kpx-system"}
+    ]
+
+
+def test_operator_manifests_grant_no_wildcard_and_no_secrets() -> None:
+    for obj, rule in _rules(_manifests()):
+        assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], obj["kind"]
+        assert "secrets" not in rule["resources"]
+        assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
+        if rule["apiGroups"] == [""] and {"services", "nodes", "namespaces"} & set(
+            rule["resources"]
+        ):
+            assert set(rule["verbs"]) <= {"get", "list", "watch"}
+
+
+def _grants(rules: Iterable[Obj]) -> set[tuple[str, str, str]]:
+    return {
+        (group, resource, verb)
+        for rule in rules
+        if not rule.get("resourceNames")
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_operator_holds_what_it_grants_the_agents() -> None:
+    # RBAC escalation prevention: a ClusterRole can only grant permissions its creator holds.
+    cluster_roles = [o for o in _manifests() if o["kind"] == "ClusterRole"]
+    held = _grants(r for _, r in _rules(cluster_roles))
+    assert _grants(builders.AGENT_RULES) <= held
+
+
+def test_operator_may_write_exactly_what_it_applies() -> None:
+    owner, spec = example("nftables")
+    objs = all_children(owner, spec)
+    manifests = _manifests()
+    cluster = _grants(r for o, r in _rules(manifests) if o["kind"] == "ClusterRole")
+    ns = _grants(r for o, r in _rules(manifests) if o["kind"] == "Role")
+    plural = {"ServiceAccount": "serviceaccounts", "ConfigMap": "configmaps",
+              "DaemonSet": "daemonsets", "ClusterRole": "clusterroles",
+              "ClusterRoleBinding": "clusterrolebindings"}  # fmt: skip
+    for obj in objs:
+        group = obj["apiVersion"].rpartition("/")[0]
+        held = ns if "namespace" in obj["metadata"] else cluster
+        for verb in ("get", "create", "patch", "delete"):
+            assert (group, plural[obj["kind"]], verb) in held, (obj["kind"], verb)
+
+
+def test_operator_deployment_runs_two_replicas_of_proxy_operator() -> None:
+    (deployment,) = [o for o in _manifests() if o["kind"] == "Deployment"]
+    assert deployment["spec"]["replicas"] == 2
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["proxy-operator", "--namespace", "kpx-system"]
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "kpx-operator"
+
+
+# -- names ------------------------------------------------------------------------------------
+
+
+def test_long_names_stay_within_63_characters_and_distinct() -> None:
+    a, b = "x" * 200 + "a", "x" * 200 + "b"
+    for name in (a, b):
+        names = child_names(name)
+        assert len(names.agent) <= MAX_NAME and len(names.cleanup) <= MAX_NAME
+        assert len(instance(name)) <= MAX_NAME
+    assert child_names(a).agent != child_names(b).agent
+    assert bounded("kpx-agent-", "default") == "kpx-agent-default"
+    # Cut right after a dot: the dot goes, the name still ends with a letter or digit.
+    cut_at_a_dot = bounded("kpx-agent-", "a" * 43 + "." + "b" * 30)
+    assert re.fullmatch(r"kpx-agent-a{43}-[0-9a-f]{8}", cut_at_a_dot)
+
+
+def test_builders_do_not_share_state_between_calls() -> None:
+    owner, _ = example("nftables")
+    first = builders.cluster_role(owner)
+    first["rules"][0]["verbs"].append("delete")
+    assert builders.cluster_role(owner) != first
+    assert copy.deepcopy(builders.AGENT_RULES) == builders.AGENT_RULES

@@ -1,0 +1,260 @@
+"""The reconcile pass and the deletion flow against an in-memory apiserver."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kpx_operator.admission import IPVSPolicy, PxcInfo
+from kpx_operator.apiserver import ApiError, Applied
+from kpx_operator.reconciler import NotYet, OperatorConfig, Reconciler
+
+REPO = Path(__file__).resolve().parents[2]
+NS = "kpx-system"
+Key = tuple[str, str | None, str]
+
+
+class FakeApi:
+    """Objects by (kind, namespace, name); DaemonSets get the status in `ds_status`."""
+
+    def __init__(self) -> None:
+        self.objs: dict[Key, dict[str, Any]] = {}
+        self.ds_status: dict[str, dict[str, Any]] = {}
+        self.stuck: set[str] = set()  # DaemonSets whose foreground deletion does not finish
+        self.statuses: list[dict[str, Any]] = []
+        self.deletes: list[tuple[str, str, str]] = []
+        self.refuse: ApiError | None = None
+        self.version = 0
+
+    def _status(self, obj: dict[str, Any]) -> dict[str, Any]:
+        out = copy.deepcopy(obj)
+        if out["kind"] == "DaemonSet" and out["metadata"]["name"] in self.ds_status:
+            out["status"] = {
+                "observedGeneration": out["metadata"]["generation"],
+                **self.ds_status[out["metadata"]["name"]],
+            }
+        return out
+
+    async def apply(self, obj: Mapping[str, Any]) -> Applied:
+        if self.refuse is not None:
+            raise self.refuse
+        meta = obj["metadata"]
+        key = (str(obj["kind"]), meta.get("namespace"), str(meta["name"]))
+        before = self.objs.get(key)
+        new = copy.deepcopy(dict(obj))
+        new.setdefault("metadata", {})
+        unchanged = before is not None and {**before, "metadata": {}} == {**new, "metadata": {}}
+        if before is not None and unchanged:
+            return Applied(self._status(before), created=False)
+        self.version += 1
+        new["metadata"]["resourceVersion"] = str(self.version)
+        new["metadata"]["generation"] = (before["metadata"]["generation"] + 1) if before else 1
+        self.objs[key] = new
+        return Applied(self._status(new), created=before is None)
+
+    async def get(self, kind: str, name: str, namespace: str | None = None) -> Any:
+        obj = self.objs.get((kind, namespace, name))
+        return self._status(obj) if obj else None
+
+    async def delete(
+        self, kind: str, name: str, namespace: str | None = None, *, propagation: str = "Background"
+    ) -> bool:
+        key = (kind, namespace, name)
+        if key not in self.objs:
+            return False
+        self.deletes.append((kind, name, propagation))
+        if name in self.stuck:
+            self.objs[key]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+        else:
+            del self.objs[key]
+        return True
+
+    async def patch_status(self, kind: str, name: str, status: Mapping[str, Any]) -> Any:
+        self.statuses.append(dict(status))
+        return {}
+
+    def hand_edit(self, kind: str, name: str) -> None:
+        obj = self.objs[(kind, NS, name)]
+        obj["metadata"]["generation"] += 1
+        obj["metadata"]["resourceVersion"] = "edited"
+
+
+class Events(list[tuple[str, str, str]]):
+    def __call__(self, type_: str, reason: str, message: str) -> None:
+        self.append((type_, reason, message))
+
+    def reasons(self) -> list[str]:
+        return [r for _, r, _ in self]
+
+
+def body(example: str = "proxyconfig.yaml", generation: int = 1, **spec: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((REPO / "examples" / example).read_text())
+    doc["metadata"].update(
+        uid=f"uid-{doc['metadata']['name']}",
+        generation=generation,
+        creationTimestamp="2026-01-01T00:00:00Z",
+    )
+    doc["spec"].update(spec)
+    return doc
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def clock() -> datetime:
+    return datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def reconciler(api: FakeApi, **config: Any) -> Reconciler:
+    return Reconciler(api, OperatorConfig(**config), clock=clock)
+
+
+def kinds(api: FakeApi) -> set[tuple[str, str]]:
+    return {(k, n) for k, _, n in api.objs}
+
+
+AGENT_KINDS = {
+    ("ServiceAccount", "kpx-agent-default"),
+    ("ClusterRole", "kpx-agent-default"),
+    ("ClusterRoleBinding", "kpx-agent-default"),
+    ("ConfigMap", "kpx-agent-default"),
+    ("DaemonSet", "kpx-agent-default"),
+}
+
+
+def test_first_pass_creates_the_children_and_writes_the_status_once() -> None:
+    api, events = FakeApi(), Events()
+    api.ds_status["kpx-agent-default"] = {"desiredNumberScheduled": 0}
+    r, pxc = reconciler(api), body()
+    status = run(r.reconcile(pxc, [], {}, events))
+    assert kinds(api) == AGENT_KINDS
+    assert events.reasons() == ["Created"] * 5
+    assert len(api.statuses) == 1 and status is not None
+    assert status.condition("Ready").reason == "NoMatchingNodes"
+    # Same spec, stored status now current: nothing is written, nothing is said.
+    pxc["status"] = api.statuses[-1]
+    run(r.reconcile(pxc, [], {}, events))
+    assert len(api.statuses) == 1 and len(events) == 5
+
+
+def test_drift_is_repaired_and_reported() -> None:
+    api, events = FakeApi(), Events()
+    r, pxc = reconciler(api), body()
+    run(r.reconcile(pxc, [], {}, events))
+    api.hand_edit("DaemonSet", "kpx-agent-default")
+    run(r.reconcile(pxc, [], {}, events))
+    assert events[-1][:2] == ("Normal", "DriftRepaired")
+    del api.objs[("DaemonSet", NS, "kpx-agent-default")]
+    run(r.reconcile(pxc, [], {}, events))
+    assert ("DaemonSet", "kpx-agent-default") in kinds(api)
+    assert "Re-created DaemonSet kpx-system/kpx-agent-default" in events[-1][2]
+
+
+def test_a_spec_change_is_an_update_not_drift() -> None:
+    api, events = FakeApi(), Events()
+    r = reconciler(api)
+    run(r.reconcile(body(), [], {}, events))
+    changed = body(generation=2, namespaceOptOut={"namespaces": ["x"]})
+    run(r.reconcile(changed, [], {}, events))
+    assert events[-1][:2] == ("Normal", "Updated")
+    assert "ConfigMap" in events[-1][2] and "without restarting" in events[-1][2]
+
+
+def test_denied_ipvs_removes_children_and_warns_once_per_generation() -> None:
+    api, events = FakeApi(), Events()
+    r = reconciler(api, ipvs_policy=IPVSPolicy.DENY)
+    api.objs[("DaemonSet", NS, "kpx-agent-ipvs-pool")] = {
+        "kind": "DaemonSet", "metadata": {"name": "kpx-agent-ipvs-pool", "generation": 1}
+    }  # fmt: skip
+    pxc = body("proxyconfig-ipvs.yaml")
+    status = run(r.reconcile(pxc, [], {}, events))
+    run(r.reconcile(pxc, [], {}, events))
+    assert api.objs == {}
+    assert events.reasons() == ["Deleted", "IPVSDenied"]
+    assert status.condition("Degraded").reason == "IPVSDenied"
+    run(r.reconcile(body("proxyconfig-ipvs.yaml", generation=2), [], {}, events))
+    assert events.reasons()[-1] == "IPVSDenied"
+
+
+def test_warn_policy_deploys_ipvs_with_a_warning() -> None:
+    api, events = FakeApi(), Events()
+    status = run(reconciler(api).reconcile(body("proxyconfig-ipvs.yaml"), [], {}, events))
+    assert ("DaemonSet", "kpx-agent-ipvs-pool") in kinds(api)
+    assert ("Warning", "DeprecatedMode") in [e[:2] for e in events]
+    assert status.deprecated is True
+
+
+def test_refused_apply_is_reported_in_the_status() -> None:
+    api, events = FakeApi(), Events()
+    api.refuse = ApiError(403, "Forbidden", "daemonsets.apps is forbidden")
+    status = run(reconciler(api).reconcile(body(), [], {}, events))
+    degraded = status.condition("Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "ReconcileFailed")
+    assert "forbidden" in degraded.message
+
+
+def test_conflict_loser_deploys_nothing() -> None:
+    api, events = FakeApi(), Events()
+    older = PxcInfo("aaa", "uid-aaa", "2025-01-01T00:00:00Z", "nftables")
+    status = run(reconciler(api).reconcile(body(), [older], {"n1": {}}, events))
+    assert api.objs == {}
+    assert status.condition("Degraded").reason == "NodeConflict"
+    assert "node n1" in status.condition("Degraded").message
+    assert ("Warning", "NodeConflict") in [e[:2] for e in events]
+
+
+def test_deletion_stops_agents_then_cleans_then_removes_everything() -> None:
+    api, events = FakeApi(), Events()
+    r, pxc = reconciler(api), body()
+    run(r.reconcile(pxc, [], {}, events))
+    api.stuck.add("kpx-agent-default")
+    with pytest.raises(NotYet, match="agents to stop"):
+        run(r.finalize(pxc, [], {}, 0, events))
+    assert api.deletes == [("DaemonSet", "kpx-agent-default", "Foreground")]
+    with pytest.raises(NotYet):  # still terminating: not deleted twice
+        run(r.finalize(pxc, [], {}, 5, events))
+    assert len(api.deletes) == 1
+    api.stuck.clear()
+    del api.objs[("DaemonSet", NS, "kpx-agent-default")]
+    api.ds_status["kpx-cleanup-default"] = {
+        "desiredNumberScheduled": 2, "updatedNumberScheduled": 2, "numberReady": 1,
+    }  # fmt: skip
+    with pytest.raises(NotYet, match="1 of 2 nodes clean"):
+        run(r.finalize(pxc, [], {}, 10, events))
+    cleanup = api.objs[("DaemonSet", NS, "kpx-cleanup-default")]
+    command = cleanup["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:4] == ["proxy-agent", "cleanup", "--mode", "nftables"]
+    api.ds_status["kpx-cleanup-default"]["numberReady"] = 2
+    run(r.finalize(pxc, [], {}, 15, events))
+    assert api.objs == {}
+    assert "CleanupDone" in events.reasons()
+    # The timer may still fire once: it must not bring the agents back.
+    run(r.reconcile(pxc, [], {}, events))
+    assert api.objs == {}
+
+
+def test_deletion_gives_up_after_the_timeout() -> None:
+    api, events = FakeApi(), Events()
+    r, pxc = reconciler(api, cleanup_timeout=60), body()
+    api.ds_status["kpx-cleanup-default"] = {"desiredNumberScheduled": 3, "numberReady": 1}
+    with pytest.raises(NotYet):
+        run(r.finalize(pxc, [], {}, 59, events))
+    run(r.finalize(pxc, [], {}, 61, events))
+    assert api.objs == {}
+    (warning,) = [e for e in events if e[0] == "Warning"]
+    assert warning[1] == "CleanupTimedOut" and "1 of 3" in warning[2]
+
+
+def test_blocked_configuration_is_deleted_without_cleanup() -> None:
+    api, events = FakeApi(), Events()
+    older = PxcInfo("aaa", "uid-aaa", "2025-01-01T00:00:00Z", "nftables")
+    run(reconciler(api).finalize(body(), [older], {"n1": {}}, 0, events))
+    assert api.objs == {} and "CleanupStarted" not in events.reasons()
