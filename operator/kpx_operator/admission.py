@@ -1,0 +1,137 @@
+"""Pure: may a ProxyConfiguration deploy its agents? (ipvs policy, node conflicts)
+
+Two ProxyConfigurations whose node selectors select the same node would run two agents on it,
+programming the same kernel. That is a conflict: both report it (Degraded, naming the nodes),
+and of each conflicting pair the older one (creationTimestamp, then name) keeps its agents
+while the newer one deploys nothing. The rule is pairwise, so the outcome never depends on
+which other objects happen to be blocked: a configuration runs iff it shares no node with an
+older one. Configurations that the ipvs policy denies deploy nothing and so conflict with
+nobody.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final
+
+from kpx_api import Mode
+
+#: Node lists in messages are cut after this many names.
+MAX_LISTED_NODES: Final = 10
+
+
+class IPVSPolicy(StrEnum):
+    """What the operator does with mode ipvs (deprecated upstream)."""
+
+    ALLOW = "allow"  # deploy; the Deprecated condition still says so
+    WARN = "warn"  # deploy, and post a Warning event pointing to nftables
+    DENY = "deny"  # deploy nothing; Degraded (IPVSDenied)
+
+
+@dataclass(frozen=True)
+class PxcInfo:
+    """What admission needs to know of one ProxyConfiguration."""
+
+    name: str
+    uid: str
+    created: str  # metadata.creationTimestamp, RFC 3339 (sorts as text)
+    mode: str
+    node_selector: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def from_body(cls, body: Mapping[str, Any]) -> PxcInfo:
+        meta = body.get("metadata") or {}
+        spec = body.get("spec") or {}
+        selector = spec.get("nodeSelector") or {}
+        return cls(
+            name=str(meta.get("name", "")),
+            uid=str(meta.get("uid", "")),
+            created=str(meta.get("creationTimestamp", "")),
+            mode=str(spec.get("mode", "")),
+            node_selector=tuple(sorted((str(k), str(v)) for k, v in selector.items())),
+        )
+
+    @property
+    def age_key(self) -> tuple[str, str]:
+        """Sorts older first: creationTimestamp, then name."""
+        return (self.created, self.name)
+
+    def selects(self, labels: Mapping[str, str]) -> bool:
+        return all(labels.get(k) == v for k, v in self.node_selector)
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """Nodes selected by this configuration and by `other` as well."""
+
+    other: str
+    nodes: tuple[str, ...]
+    other_is_older: bool
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The verdict for one ProxyConfiguration."""
+
+    deploy: bool
+    deprecated: bool = False  # mode ipvs
+    ipvs_denied: bool = False
+    overlaps: tuple[Overlap, ...] = ()
+
+    @property
+    def blocked_by(self) -> tuple[Overlap, ...]:
+        """The overlaps with older configurations: any of them blocks this one."""
+        return tuple(o for o in self.overlaps if o.other_is_older)
+
+
+def denied(mode: str, policy: IPVSPolicy) -> bool:
+    return mode == Mode.IPVS and policy is IPVSPolicy.DENY
+
+
+def admit(
+    me: PxcInfo,
+    others: Iterable[PxcInfo],
+    nodes: Mapping[str, Mapping[str, str]],
+    policy: IPVSPolicy,
+) -> Admission:
+    """Whether `me` may deploy, given every ProxyConfiguration (`others` may include `me`),
+    the nodes (name -> labels) and the ipvs policy."""
+    deprecated = me.mode == Mode.IPVS
+    if denied(me.mode, policy):
+        return Admission(deploy=False, deprecated=deprecated, ipvs_denied=True)
+    mine = {name for name, node_labels in nodes.items() if me.selects(node_labels)}
+    overlaps = []
+    for other in sorted(others, key=lambda o: o.age_key):
+        if other.uid == me.uid or other.name == me.name or denied(other.mode, policy):
+            continue
+        shared = sorted(n for n in mine if other.selects(nodes[n]))
+        if shared:
+            overlaps.append(Overlap(other.name, tuple(shared), other.age_key < me.age_key))
+    blocked = any(o.other_is_older for o in overlaps)
+    return Admission(deploy=not blocked, deprecated=deprecated, overlaps=tuple(overlaps))
+
+
+def node_list(nodes: Iterable[str]) -> str:
+    """``a, b, c`` or ``a, b, ... and 5 more``."""
+    names = list(nodes)
+    if len(names) <= MAX_LISTED_NODES:
+        return ", ".join(names)
+    rest = len(names) - MAX_LISTED_NODES
+    return ", ".join(names[:MAX_LISTED_NODES]) + f" and {rest} more"
+
+
+def conflict_message(admission: Admission) -> str:
+    """For the Degraded condition and the events: who overlaps on which nodes, who runs."""
+    parts = []
+    for o in admission.overlaps:
+        who = "older, keeps its agents" if o.other_is_older else "newer, deploys nothing"
+        nodes = f"node {o.nodes[0]} is" if len(o.nodes) == 1 else f"nodes {node_list(o.nodes)} are"
+        parts.append(f"{nodes} also selected by ProxyConfiguration {o.other} ({who})")
+    verdict = (
+        "this one deploys nothing until the node selectors are disjoint"
+        if admission.blocked_by
+        else "this one keeps its agents"
+    )
+    return "; ".join(parts) + f": {verdict}"

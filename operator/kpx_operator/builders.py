@@ -1,0 +1,378 @@
+"""Pure builders: from a ProxyConfiguration spec to the objects the operator applies.
+
+Every function returns plain dicts (JSON-ready, as server-side apply sends them) and does no
+I/O. The golden files in tests/unit/golden/operator/ show the full output for each mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kpx_api import (
+    Mode,
+    ProxyConfigurationSpec,
+    agent_config_from_spec,
+    dump_agent_config,
+    parse_bind_address,
+)
+from kpx_api.agentconfig import AgentConfiguration
+from kpx_api.constants import API_VERSION, KIND
+
+from .names import (
+    AGENT_APP,
+    CLEANUP_APP,
+    CONFIG_DIR,
+    CONFIG_FILE,
+    CONFIG_KEY,
+    DEFAULT_NAMESPACE,
+    RESTART_HASH_ANNOTATION,
+    child_names,
+    labels,
+    selector_labels,
+)
+
+Obj = dict[str, Any]
+
+#: What the agent reads, and nothing more: Services, EndpointSlices, Namespaces (opt-out) and
+#: Nodes (its own node's addresses and labels). No write verb: the agent emits no events.
+AGENT_RULES: Final[tuple[Obj, ...]] = (
+    {"apiGroups": [""], "resources": ["services", "namespaces", "nodes"],
+     "verbs": ["get", "list", "watch"]},
+    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+     "verbs": ["get", "list", "watch"]},
+)  # fmt: skip
+
+#: Fields of the agent's configuration file that the agent reloads while running (its
+#: reload_config): the selected mode's tuning block, the namespace opt-out, and the networks
+#: that feed its rules (a change triggers a full resync). Any other field (mode, bind
+#: addresses, conntrack, detectLocal, and fields added later) is read at start only, so a
+#: change to it changes the pod template and rolls the agents.
+LIVE_FIELDS: Final = frozenset(
+    {"nftables", "iptables", "ipvs", "namespaceOptOut", "clusterCIDRs", "nodePortAddresses"}
+)
+
+#: Capabilities instead of `privileged`: nftables needs NET_ADMIN; iptables-restore and
+#: ipvs (which uses iptables and ipset too) need NET_RAW as well.
+CAPABILITIES: Final[dict[Mode, tuple[str, ...]]] = {
+    Mode.NFTABLES: ("NET_ADMIN",),
+    Mode.IPTABLES: ("NET_ADMIN", "NET_RAW"),
+    Mode.IPVS: ("NET_ADMIN", "NET_RAW"),
+}
+#: Modes that run iptables and so share the node's xtables lock file.
+XTABLES_MODES: Final = frozenset({Mode.IPTABLES, Mode.IPVS})
+XTABLES_LOCK: Final = "/run/xtables.lock"
+
+AGENT_CONTAINER: Final = "agent"
+CLEANUP_CONTAINER: Final = "cleanup"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The ProxyConfiguration the children belong to."""
+
+    name: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Operator-wide settings that shape the children."""
+
+    namespace: str = DEFAULT_NAMESPACE
+    #: host:port of the apiserver for the agents. Without a proxy on the node the Service IP
+    #: in KUBERNETES_SERVICE_HOST does not answer yet, so a cluster without kube-proxy needs
+    #: the real address. None: the kubelet's default (the kubernetes Service).
+    apiserver_endpoint: str | None = None
+
+
+def owner_reference(owner: Owner) -> Obj:
+    """A controller reference to the ProxyConfiguration (cluster-scoped owners may own
+    namespaced children); blocks the owner's foreground deletion until the child is gone."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _meta(owner: Owner, name: str, app: str, namespace: str | None = None) -> Obj:
+    meta: Obj = {"name": name}
+    if namespace is not None:
+        meta["namespace"] = namespace
+    meta["labels"] = labels(owner.name, app)
+    meta["ownerReferences"] = [owner_reference(owner)]
+    return meta
+
+
+# -- RBAC and identity ---------------------------------------------------------------------------
+
+
+def service_account(owner: Owner, opts: BuildOptions) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _meta(owner, child_names(owner.name).agent, AGENT_APP, opts.namespace),
+    }
+
+
+def cluster_role(owner: Owner) -> Obj:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": _meta(owner, child_names(owner.name).agent, AGENT_APP),
+        "rules": [json.loads(json.dumps(rule)) for rule in AGENT_RULES],
+    }
+
+
+def cluster_role_binding(owner: Owner, opts: BuildOptions) -> Obj:
+    name = child_names(owner.name).agent
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": _meta(owner, name, AGENT_APP),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": opts.namespace}],
+    }
+
+
+# -- configuration -------------------------------------------------------------------------------
+
+
+def agent_config(spec: ProxyConfigurationSpec) -> AgentConfiguration:
+    """The agents' configuration file, validated by the models the agent uses."""
+    return agent_config_from_spec(spec)
+
+
+def restart_hash(config: AgentConfiguration) -> str:
+    """Hash of the part of the configuration the agent reads only at start (not LIVE_FIELDS)."""
+    frozen = {k: v for k, v in config.to_dict().items() if k not in LIVE_FIELDS}
+    text = json.dumps(frozen, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def config_map(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(owner, child_names(owner.name).agent, AGENT_APP, opts.namespace),
+        "data": {CONFIG_KEY: dump_agent_config(agent_config(spec))},
+    }
+
+
+# -- DaemonSets ----------------------------------------------------------------------------------
+
+
+def _http_probe(path: str, bind_address: str, **timing: int) -> Obj:
+    host, port = parse_bind_address(bind_address)
+    get: Obj = {"path": path, "port": port}
+    if host not in ("0.0.0.0", "::"):  # noqa: S104 - comparing, not binding
+        # A specific address (e.g. 127.0.0.1): the kubelet, in the host network like the
+        # pod, must call that address rather than the pod IP (= the node IP).
+        get["host"] = host
+    return {"httpGet": get, **timing}
+
+
+def _security_context(mode: Mode) -> Obj:
+    return {
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"], "add": list(CAPABILITIES[mode])},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def _resources(spec: ProxyConfigurationSpec) -> Obj:
+    return {k: dict(v) for k, v in spec.resources.to_dict().items() if v}
+
+
+def _placement(spec: ProxyConfigurationSpec) -> Obj:
+    """Where the pods run: host network, priority, node selector and tolerations."""
+    pod: Obj = {
+        "hostNetwork": True,
+        "dnsPolicy": "ClusterFirstWithHostNet",
+        "priorityClassName": spec.priority_class_name,
+    }
+    if spec.node_selector:
+        pod["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod["tolerations"] = [t.to_dict() for t in spec.tolerations]
+    return pod
+
+
+def _xtables(mode: Mode) -> tuple[list[Obj], list[Obj]]:
+    """(volumes, mounts) for the node's xtables lock in the modes that run iptables."""
+    if mode not in XTABLES_MODES:
+        return [], []
+    volume = {"name": "xtables-lock", "hostPath": {"path": XTABLES_LOCK, "type": "FileOrCreate"}}
+    return [volume], [{"name": "xtables-lock", "mountPath": XTABLES_LOCK}]
+
+
+def _apiserver_env(opts: BuildOptions) -> list[Obj]:
+    if opts.apiserver_endpoint is None:
+        return []
+    host, _, port = opts.apiserver_endpoint.rpartition(":")
+    return [
+        {"name": "KUBERNETES_SERVICE_HOST", "value": host.strip("[]")},
+        {"name": "KUBERNETES_SERVICE_PORT", "value": port},
+    ]
+
+
+def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> Obj:
+    """The agents: one per selected node, `proxy-agent --mode M --config FILE`."""
+    name = child_names(owner.name).agent
+    xt_volumes, xt_mounts = _xtables(spec.mode)
+    _, healthz_port = parse_bind_address(spec.healthz_bind_address)
+    container: Obj = {
+        "name": AGENT_CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["proxy-agent", "--mode", str(spec.mode), "--config", CONFIG_FILE],
+        "env": [
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            *_apiserver_env(opts),
+        ],
+        "ports": [{"name": "healthz", "containerPort": healthz_port, "protocol": "TCP"}],
+        "readinessProbe": _http_probe(
+            "/healthz",
+            spec.healthz_bind_address,
+            periodSeconds=5,
+            failureThreshold=2,
+            timeoutSeconds=2,
+        ),
+        "livenessProbe": _http_probe(
+            "/livez",
+            spec.healthz_bind_address,
+            initialDelaySeconds=15,
+            periodSeconds=10,
+            failureThreshold=3,
+            timeoutSeconds=5,
+        ),
+        "securityContext": _security_context(spec.mode),
+        "volumeMounts": [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            *xt_mounts,
+        ],
+    }
+    if resources := _resources(spec):
+        container["resources"] = resources
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": _meta(owner, name, AGENT_APP, opts.namespace),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner.name, AGENT_APP)},
+            "updateStrategy": {
+                "type": "RollingUpdate",
+                # No surge: two agents of one node would share the host network and ports.
+                "rollingUpdate": {"maxUnavailable": spec.max_unavailable, "maxSurge": 0},
+            },
+            "template": {
+                "metadata": {
+                    "labels": labels(owner.name, AGENT_APP),
+                    "annotations": {RESTART_HASH_ANNOTATION: restart_hash(agent_config(spec))},
+                },
+                "spec": {
+                    "serviceAccountName": name,
+                    **_placement(spec),
+                    "terminationGracePeriodSeconds": 30,
+                    "containers": [container],
+                    "volumes": [
+                        {"name": "config", "configMap": {"name": name}},
+                        *xt_volumes,
+                    ],
+                },
+            },
+        },
+    }
+
+
+def cleanup_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> Obj:
+    """The short-lived cleanup: on each node the agents ran on, remove the mode's rules, then
+    turn Ready (answer /healthz) so the operator knows that node is clean."""
+    xt_volumes, xt_mounts = _xtables(spec.mode)
+    container: Obj = {
+        "name": CLEANUP_CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": [
+            "proxy-agent",
+            "cleanup",
+            "--mode",
+            str(spec.mode),
+            "--then-serve-healthz",
+            spec.healthz_bind_address,
+        ],
+        "readinessProbe": _http_probe(
+            "/healthz", spec.healthz_bind_address, periodSeconds=2, timeoutSeconds=2
+        ),
+        "securityContext": _security_context(spec.mode),
+    }
+    if xt_mounts:
+        container["volumeMounts"] = xt_mounts
+    if resources := _resources(spec):
+        container["resources"] = resources
+    pod_spec: Obj = {
+        # The cleanup does not talk to the apiserver: no token in the pod.
+        "automountServiceAccountToken": False,
+        **_placement(spec),
+        "terminationGracePeriodSeconds": 5,
+        "containers": [container],
+    }
+    if xt_volumes:
+        pod_spec["volumes"] = xt_volumes
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": _meta(owner, child_names(owner.name).cleanup, CLEANUP_APP, opts.namespace),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner.name, CLEANUP_APP)},
+            "updateStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": "100%"},
+            },
+            "template": {
+                "metadata": {"labels": labels(owner.name, CLEANUP_APP)},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def agent_children(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> list[Obj]:
+    """Everything the agents need, in apply order (identity and permissions before the pods)."""
+    return [
+        service_account(owner, opts),
+        cluster_role(owner),
+        cluster_role_binding(owner, opts),
+        config_map(owner, spec, opts),
+        agent_daemonset(owner, spec, opts),
+    ]
+
+
+@dataclass(frozen=True)
+class ChildRef:
+    """Enough to find (and delete) a child."""
+
+    kind: str
+    name: str
+    namespace: str | None
+
+
+def child_refs(pxc_name: str, opts: BuildOptions) -> list[ChildRef]:
+    """Every child of a ProxyConfiguration, in deletion order (pods first)."""
+    names = child_names(pxc_name)
+    ns = opts.namespace
+    return [
+        ChildRef("DaemonSet", names.agent, ns),
+        ChildRef("DaemonSet", names.cleanup, ns),
+        ChildRef("ConfigMap", names.agent, ns),
+        ChildRef("ClusterRoleBinding", names.agent, None),
+        ChildRef("ClusterRole", names.agent, None),
+        ChildRef("ServiceAccount", names.agent, ns),
+    ]

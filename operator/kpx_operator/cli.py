@@ -1,0 +1,237 @@
+"""`proxy-operator`: run the kpx operator (kopf, cluster-wide, behind a Lease)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import kopf
+from aiohttp import web
+
+from kpx_api import parse_bind_address
+from kpx_api.constants import GROUP, PLURAL, VERSION
+
+from .admission import IPVSPolicy
+from .apiserver import ApiError, ApiServer, Credentials, from_kubeconfig, in_cluster
+from .builders import BuildOptions
+from .handlers import register
+from .leader import LeaderElector, default_identity
+from .names import DEFAULT_NAMESPACE, FIELD_MANAGER, FINALIZER, LEASE_NAME
+from .reconciler import OperatorConfig, Reconciler
+
+log = logging.getLogger("kpx_operator")
+
+
+def _endpoint(text: str) -> str:
+    """HOST:PORT (IPv6 in brackets; a DNS name is fine too)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
+def _bind(text: str) -> str:
+    if text:
+        try:
+            parse_bind_address(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="proxy-operator",
+        description="kpx operator: runs the node agents that each ProxyConfiguration asks for.",
+    )
+    p.add_argument(
+        "--namespace",
+        default=os.environ.get("POD_NAMESPACE") or DEFAULT_NAMESPACE,
+        help="namespace of the agents, their ConfigMaps and the leader Lease "
+        f"(default: $POD_NAMESPACE, else {DEFAULT_NAMESPACE})",
+    )
+    p.add_argument(
+        "--ipvs-policy",
+        choices=[p.value for p in IPVSPolicy],
+        default=IPVSPolicy.WARN.value,
+        help="mode ipvs (deprecated upstream): allow it, warn (a Warning event; default), or "
+        "deny it (nothing deployed, status Degraded)",
+    )
+    p.add_argument(
+        "--kubeconfig",
+        type=Path,
+        default=Path(os.environ["KUBECONFIG"]) if os.environ.get("KUBECONFIG") else None,
+        help="default: $KUBECONFIG, else the in-cluster service account",
+    )
+    p.add_argument(
+        "--apiserver-endpoint",
+        type=_endpoint,
+        metavar="HOST:PORT",
+        help="apiserver address for the agents (KUBERNETES_SERVICE_HOST/PORT in their pods); "
+        "needed when nothing proxies the kubernetes Service yet, e.g. without kube-proxy",
+    )
+    p.add_argument(
+        "--resync-interval",
+        type=float,
+        default=10.0,
+        help="seconds between re-applies of every ProxyConfiguration's children (drift "
+        "repair) and status refreshes (default 10)",
+    )
+    p.add_argument(
+        "--cleanup-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a deletion waits for every node to report clean (default 300)",
+    )
+    p.add_argument(
+        "--leader-elect",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"take the Lease {LEASE_NAME} before acting, so replicas never act at once "
+        "(default on)",
+    )
+    p.add_argument(
+        "--health-address",
+        type=_bind,
+        default="0.0.0.0:8080",
+        help="IP:port of /healthz (liveness, every replica); empty: none (default 0.0.0.0:8080)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return p
+
+
+def operator_settings() -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    settings.persistence.finalizer = FINALIZER
+    # kopf's own bookkeeping lives in status.kopf, which the CRD keeps (preserve-unknown-
+    # fields); the objects carry no kopf annotations.
+    settings.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf.progress")
+    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(
+        field="status.kopf.last-handled-configuration"
+    )
+    # Events: the ones the reconciler posts, and kopf's warnings/errors; not a Normal event
+    # per timer tick.
+    settings.posting.level = logging.WARNING
+    settings.posting.reporting_component = FIELD_MANAGER
+    settings.posting.event_name_prefix = f"{FIELD_MANAGER}-"
+    # One active replica is ensured by the Lease; no kopf peering objects needed.
+    settings.peering.standalone = True
+    # Serve the resources that exist at start (`wait_for_crd`), without watching every CRD
+    # and Namespace of the cluster: that would need cluster-wide read access to both.
+    settings.scanning.disabled = True
+    return settings
+
+
+async def _serve_health(address: str, elector: LeaderElector | None) -> web.AppRunner | None:
+    if not address:
+        return None
+
+    async def healthz(_: web.Request) -> web.Response:
+        leader = elector.is_leader if elector is not None else True
+        return web.json_response({"ok": True, "leader": leader})
+
+    app = web.Application()
+    app.router.add_get("/healthz", healthz)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    host, port = parse_bind_address(address)
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+async def wait_for_crd(api: ApiServer, interval: float = 5.0) -> None:
+    """Wait until the apiserver serves ProxyConfigurations (the CRD may come later)."""
+    path = f"/apis/{GROUP}/{VERSION}"
+    while True:
+        try:
+            _, found = await api.request("GET", path)
+            if any(r.get("name") == PLURAL for r in found.get("resources") or []):
+                return
+        except ApiError as exc:
+            if exc.status not in (0, 404, 503):
+                raise
+        log.warning("%s/%s is not served (is the CRD installed?); waiting", GROUP, VERSION)
+        await asyncio.sleep(interval)
+
+
+async def run(args: argparse.Namespace) -> int:
+    creds: Credentials = from_kubeconfig(args.kubeconfig) if args.kubeconfig else in_cluster()
+    api = ApiServer(creds)
+    config = OperatorConfig(
+        build=BuildOptions(namespace=args.namespace, apiserver_endpoint=args.apiserver_endpoint),
+        ipvs_policy=IPVSPolicy(args.ipvs_policy),
+        cleanup_timeout=args.cleanup_timeout,
+    )
+    registry = kopf.OperatorRegistry()
+    register(
+        registry,
+        Reconciler(api, config),
+        creds,
+        namespace=args.namespace,
+        resync_interval=args.resync_interval,
+    )
+    elector = (
+        LeaderElector(api, args.namespace, LEASE_NAME, default_identity())
+        if args.leader_elect
+        else None
+    )
+    health = await _serve_health(args.health_address, elector)
+    try:
+        await wait_for_crd(api)
+        if elector is not None:
+            await elector.acquire()
+        stop = asyncio.Event()
+        operator = asyncio.create_task(
+            kopf.operator(
+                registry=registry,
+                settings=operator_settings(),
+                clusterwide=True,
+                standalone=True,
+                stop_flag=stop,
+            )
+        )
+        lost = asyncio.create_task(elector.hold()) if elector is not None else None
+        await asyncio.wait({t for t in (operator, lost) if t}, return_when="FIRST_COMPLETED")
+        if lost is not None and lost.done():
+            log.error("not the leader any more: stopping")
+            stop.set()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(operator, timeout=20)
+            return 1
+        if lost is not None:
+            lost.cancel()
+        operator.result()
+        return 0
+    finally:
+        if elector is not None:
+            await elector.release()
+        await api.close()
+        if health is not None:
+            await health.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not args.verbose:
+        # kopf logs every handler run at INFO (a timer tick every few seconds per object).
+        logging.getLogger("kopf").setLevel(logging.WARNING)
+    try:
+        return asyncio.run(run(args))
+    except ValueError as exc:  # bad kubeconfig / not in a cluster
+        print(f"proxy-operator: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

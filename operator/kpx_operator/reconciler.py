@@ -1,0 +1,302 @@
+"""One reconcile pass, and the deletion flow, built from the pure parts and the apply edge.
+
+`Reconciler.reconcile` runs on every spec change and on a timer (so a deleted or hand-edited
+child comes back): decide (admission), apply or remove the children, observe the DaemonSet,
+compute the status and write it when it changed. `Reconciler.finalize` runs when a
+ProxyConfiguration is deleted: stop the agents, clean their rules off every node with a
+short-lived DaemonSet, remove everything. Both are idempotent, so an operator killed half-way
+simply does the rest on its next pass. Passes for one object never overlap (a lock per uid).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from kpx_api import ConfigError, ProxyConfigurationSpec, ProxyConfigurationStatus, parse_spec
+
+from .admission import Admission, IPVSPolicy, PxcInfo, admit, conflict_message
+from .apiserver import ApiError, Applied
+from .builders import (
+    BuildOptions,
+    ChildRef,
+    Owner,
+    agent_children,
+    child_refs,
+    cleanup_daemonset,
+)
+from .names import child_names
+from .status import (
+    IPVS_DENIED_MESSAGE,
+    NFTABLES_ADVICE,
+    Observed,
+    Rollout,
+    compute_status,
+    is_current,
+    parse_status,
+    status_patch,
+)
+
+log = logging.getLogger("kpx_operator")
+
+Obj = dict[str, Any]
+#: Posts an event on the ProxyConfiguration: (type Normal|Warning, reason, message).
+EventFn = Callable[[str, str, str], None]
+
+
+class Api(Protocol):
+    """What the reconciler needs of the apply edge (`apiserver.ApiServer`)."""
+
+    async def apply(self, obj: Mapping[str, Any]) -> Applied: ...
+    async def get(self, kind: str, name: str, namespace: str | None = None) -> Obj | None: ...
+    async def delete(
+        self, kind: str, name: str, namespace: str | None = None, *, propagation: str = ...
+    ) -> bool: ...
+    async def patch_status(self, kind: str, name: str, status: Mapping[str, Any]) -> Obj: ...
+
+
+class NotYet(Exception):
+    """The deletion waits for something; try again after `delay` seconds."""
+
+    def __init__(self, message: str, delay: float) -> None:
+        super().__init__(message)
+        self.delay = delay
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    build: BuildOptions = field(default_factory=BuildOptions)
+    ipvs_policy: IPVSPolicy = IPVSPolicy.WARN
+    #: Seconds a deletion waits for the nodes to report clean before it gives up (and
+    #: leaves the rules of the unreachable nodes in place).
+    cleanup_timeout: float = 300.0
+
+
+def _ref(kind: str, name: str, namespace: str | None) -> str:
+    return f"{kind} {namespace}/{name}" if namespace else f"{kind} {name}"
+
+
+def _digest(obj: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _now() -> datetime:
+    return datetime.now(UTC).replace(microsecond=0)
+
+
+class Reconciler:
+    def __init__(
+        self, api: Api, config: OperatorConfig, clock: Callable[[], datetime] = _now
+    ) -> None:
+        self.api = api
+        self.config = config
+        self.clock = clock
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._deleting: set[str] = set()
+        #: child -> (digest of what we applied, generation or resourceVersion we got back)
+        self._seen: dict[tuple[str, str | None, str], tuple[str, str]] = {}
+        self._status: dict[str, ProxyConfigurationStatus] = {}  # uid -> last written
+        self._told: dict[tuple[str, str], str] = {}  # (uid, topic) -> what we last said
+        self._cleared: set[str] = set()  # uids whose children were removed (not deployed)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _lock(self, uid: str) -> asyncio.Lock:
+        return self._locks.setdefault(uid, asyncio.Lock())
+
+    def _once(self, uid: str, topic: str, key: str) -> bool:
+        """True the first time `key` is said about `topic` (then False until it changes)."""
+        if self._told.get((uid, topic)) == key:
+            return False
+        self._told[(uid, topic)] = key
+        return True
+
+    def _forget(self, uid: str, pxc_name: str) -> None:
+        self._status.pop(uid, None)
+        self._cleared.discard(uid)
+        self._locks.pop(uid, None)
+        self._told = {k: v for k, v in self._told.items() if k[0] != uid}
+        names = child_names(pxc_name)
+        self._seen = {k: v for k, v in self._seen.items()
+                      if k[2] not in (names.agent, names.cleanup)}  # fmt: skip
+
+    def _decide(
+        self, body: Mapping[str, Any], pxcs: Iterable[PxcInfo], nodes: Mapping[str, Any]
+    ) -> tuple[ProxyConfigurationSpec | None, str | None, Admission]:
+        me = PxcInfo.from_body(body)
+        try:
+            spec = parse_spec(body.get("spec") or {})
+        except ConfigError as exc:
+            return None, str(exc), Admission(deploy=False, deprecated=me.mode == "ipvs")
+        return spec, None, admit(me, pxcs, nodes, self.config.ipvs_policy)
+
+    def _note(self, obj: Mapping[str, Any], applied: Applied, emit: EventFn) -> None:
+        """Events for what an apply changed: created, updated, or a hand edit undone."""
+        meta = obj["metadata"]
+        kind, name, ns = str(obj["kind"]), str(meta["name"]), meta.get("namespace")
+        out = applied.obj.get("metadata") or {}
+        marker = str(out.get("generation") if kind == "DaemonSet" else out.get("resourceVersion"))
+        digest = _digest(obj)
+        key = (kind, ns, name)
+        before = self._seen.get(key)
+        self._seen[key] = (digest, marker)
+        ref = _ref(kind, name, ns)
+        if applied.created:
+            if before is None:
+                emit("Normal", "Created", f"Created {ref}")
+            else:
+                emit("Normal", "DriftRepaired", f"Re-created {ref}, which had been deleted")
+        elif before is not None and before[1] != marker:
+            if before[0] != digest:
+                how = {
+                    "ConfigMap": " (the agents reload it without restarting)",
+                    "DaemonSet": " (rolling the agents)",
+                }.get(kind, "")
+                emit("Normal", "Updated", f"Updated {ref}{how}")
+            else:
+                emit("Normal", "DriftRepaired", f"Restored {ref}, changed outside the operator")
+
+    async def _delete(self, refs: Iterable[ChildRef], emit: EventFn, why: str) -> None:
+        for ref in refs:
+            if await self.api.delete(ref.kind, ref.name, ref.namespace):
+                what = _ref(ref.kind, ref.name, ref.namespace)
+                emit("Normal", "Deleted", f"Deleted {what}: {why}")
+            self._seen.pop((ref.kind, ref.namespace, ref.name), None)
+
+    # -- reconcile -------------------------------------------------------------------------------
+    async def reconcile(
+        self,
+        body: Mapping[str, Any],
+        pxcs: Iterable[PxcInfo],
+        nodes: Mapping[str, Mapping[str, str]],
+        emit: EventFn,
+    ) -> ProxyConfigurationStatus | None:
+        """Apply or remove the children, then write the status; returns the status (None when
+        the object is being deleted)."""
+        meta = body.get("metadata") or {}
+        uid, name = str(meta.get("uid")), str(meta.get("name"))
+        async with self._lock(uid):
+            if uid in self._deleting or meta.get("deletionTimestamp"):
+                return None
+            generation = int(meta.get("generation") or 0)
+            spec, invalid, admission = self._decide(body, pxcs, nodes)
+            owner = Owner(name, uid)
+            opts = self.config.build
+            error: str | None = None
+            ds: Obj | None = None
+            try:
+                if spec is not None and admission.deploy:
+                    self._cleared.discard(uid)
+                    for obj in agent_children(owner, spec, opts):
+                        applied = await self.api.apply(obj)
+                        self._note(obj, applied, emit)
+                    ds = applied.obj  # the DaemonSet comes last
+                else:
+                    why = (
+                        "the spec is invalid" if invalid
+                        else "mode ipvs is denied" if admission.ipvs_denied
+                        else "its nodes are taken by an older ProxyConfiguration"
+                    )  # fmt: skip
+                    if uid not in self._cleared:  # once, not on every timer tick
+                        await self._delete(child_refs(name, opts), emit, why)
+                        self._cleared.add(uid)
+            except ApiError as exc:
+                error = str(exc)
+                log.warning("%s: %s", name, error)
+                if spec is not None and admission.deploy:
+                    try:
+                        ds = await self.api.get("DaemonSet", child_names(name).agent,
+                                                opts.namespace)  # fmt: skip
+                    except ApiError:
+                        ds = None
+            self._announce(uid, generation, admission, emit)
+            mode = str((body.get("spec") or {}).get("mode", ""))
+            observed = Observed(generation, mode, admission, ds, error=error, invalid=invalid)
+            previous = self._status.get(uid) or parse_status(body.get("status"))
+            status = compute_status(observed, previous, self.clock())
+            if not is_current(body.get("status"), status):
+                try:
+                    await self.api.patch_status("ProxyConfiguration", name, status_patch(status))
+                except ApiError as exc:
+                    log.warning("%s: cannot write the status: %s", name, exc)
+                    return status
+            self._status[uid] = status
+            return status
+
+    def _announce(self, uid: str, generation: int, adm: Admission, emit: EventFn) -> None:
+        """Warning events, once per spec generation (or per change of the conflict)."""
+        if adm.ipvs_denied:
+            if self._once(uid, "ipvs", f"denied/{generation}"):
+                emit("Warning", "IPVSDenied", IPVS_DENIED_MESSAGE)
+        elif (
+            adm.deprecated
+            and self.config.ipvs_policy is IPVSPolicy.WARN
+            and self._once(uid, "ipvs", f"warned/{generation}")
+        ):
+            emit("Warning", "DeprecatedMode", NFTABLES_ADVICE)
+        conflict = conflict_message(adm) if adm.overlaps else ""
+        if self._once(uid, "conflict", conflict) and conflict:
+            emit("Warning", "NodeConflict", conflict)
+
+    # -- deletion --------------------------------------------------------------------------------
+    async def finalize(
+        self,
+        body: Mapping[str, Any],
+        pxcs: Iterable[PxcInfo],
+        nodes: Mapping[str, Mapping[str, str]],
+        runtime: float,
+        emit: EventFn,
+    ) -> None:
+        """Stop the agents, clean every node, remove the children. Raises NotYet while it
+        waits; after `cleanup_timeout` seconds (`runtime`: since the deletion began) it stops
+        waiting, says how many nodes reported clean, and finishes."""
+        meta = body.get("metadata") or {}
+        uid, name = str(meta.get("uid")), str(meta.get("name"))
+        self._deleting.add(uid)
+        opts = self.config.build
+        names = child_names(name)
+        async with self._lock(uid):
+            spec, _, admission = self._decide(body, pxcs, nodes)
+            if spec is None or not admission.deploy:
+                # Nothing of ours runs on the nodes (and on contested nodes the rules belong to
+                # the older configuration's agents): no cleanup.
+                await self._delete(child_refs(name, opts), emit, "its ProxyConfiguration is gone")
+                self._forget(uid, name)
+                return
+            timed_out = runtime >= self.config.cleanup_timeout
+            agents = await self.api.get("DaemonSet", names.agent, opts.namespace)
+            if agents is not None:
+                if not (agents.get("metadata") or {}).get("deletionTimestamp"):
+                    # Foreground: the DaemonSet goes only once its pods are gone, so no agent
+                    # rewrites rules after the cleanup removed them.
+                    await self.api.delete("DaemonSet", names.agent, opts.namespace,
+                                          propagation="Foreground")  # fmt: skip
+                    emit("Normal", "StoppingAgents",
+                         f"Deleting DaemonSet {opts.namespace}/{names.agent}, then cleaning "
+                         "the nodes")  # fmt: skip
+                if not timed_out:
+                    raise NotYet("waiting for the agents to stop", delay=2)
+            owner = Owner(name, uid)
+            applied = await self.api.apply(cleanup_daemonset(owner, spec, opts))
+            if applied.created:
+                emit("Normal", "CleanupStarted",
+                     f"Removing the {spec.mode} rules from every node (DaemonSet "
+                     f"{opts.namespace}/{names.cleanup})")  # fmt: skip
+            r = Rollout.from_daemonset(applied.obj)
+            if r.complete:
+                emit("Normal", "CleanupDone", f"Removed the {spec.mode} rules from "
+                     f"{r.desired} node(s)")  # fmt: skip
+            elif not timed_out:
+                raise NotYet(f"cleanup: {r.ready} of {r.desired} nodes clean", delay=2)
+            else:
+                emit("Warning", "CleanupTimedOut",
+                     f"After {self.config.cleanup_timeout:.0f}s only {r.ready} of {r.desired} "
+                     f"node(s) report clean; the {spec.mode} rules stay on the others "
+                     f"(run `proxy-agent cleanup --mode {spec.mode}` there)")  # fmt: skip
+            await self._delete(child_refs(name, opts), emit, "its ProxyConfiguration is gone")
+            self._forget(uid, name)

@@ -1,0 +1,222 @@
+"""Pure: a ProxyConfiguration's status from what was decided and observed.
+
+Conditions follow the Kubernetes conventions (metav1.Condition): one per type, always all four
+(Ready, Progressing, Degraded, Deprecated), each with the generation it was computed from, and
+a lastTransitionTime that moves only when its status flips.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Final
+
+from kpx_api import (
+    Condition,
+    ConditionStatus,
+    ConditionType,
+    Mode,
+    ProxyConfigurationStatus,
+)
+
+from .admission import Admission, conflict_message
+
+TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
+
+NFTABLES_ADVICE: Final = (
+    "mode ipvs is deprecated upstream: migrate to mode nftables (recommended), the "
+    "dataplane kpx is built around"
+)
+IPVS_DENIED_MESSAGE: Final = (
+    "mode ipvs is denied by the operator (--ipvs-policy=deny), so nothing is deployed; "
+    "mode ipvs is deprecated upstream: use mode nftables (recommended)"
+)
+
+CondTuple = tuple[ConditionType, ConditionStatus, str, str]
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """The agent DaemonSet's rollout, as its status reports it."""
+
+    current: bool  # the DaemonSet controller has seen the latest template
+    desired: int
+    updated: int
+    ready: int
+
+    @classmethod
+    def from_daemonset(cls, ds: Mapping[str, Any]) -> Rollout:
+        meta, status = ds.get("metadata") or {}, ds.get("status") or {}
+        generation = int(meta.get("generation") or 0)
+        observed = status.get("observedGeneration")
+        return cls(
+            current=observed is not None and int(observed) >= generation,
+            desired=int(status.get("desiredNumberScheduled") or 0),
+            updated=int(status.get("updatedNumberScheduled") or 0),
+            ready=int(status.get("numberReady") or 0),
+        )
+
+    @property
+    def ready_current(self) -> int:
+        """Nodes whose agent runs the current template and is ready (a lower bound while
+        old and new pods are mixed: every not-updated pod might be one of the ready ones)."""
+        if not self.current:
+            return 0
+        return min(self.updated, max(0, self.ready - (self.desired - self.updated)))
+
+    @property
+    def complete(self) -> bool:
+        return self.current and self.updated == self.desired and self.ready == self.desired
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything the status is computed from."""
+
+    generation: int
+    mode: str
+    admission: Admission
+    daemonset: Mapping[str, Any] | None = None  # the agent DaemonSet as read; None: absent
+    error: str | None = None  # why the last reconcile failed (e.g. an apply was refused)
+    invalid: str | None = None  # why the spec does not validate (the apiserver should refuse)
+
+
+def _cond(type_: ConditionType, status: ConditionStatus, reason: str, message: str) -> CondTuple:
+    return (type_, status, reason, message)
+
+
+def conditions_for(obs: Observed) -> list[CondTuple]:
+    """(type, status, reason, message) of each condition: Ready, Progressing, Degraded,
+    Deprecated."""
+    ready, progressing = ConditionType.READY, ConditionType.PROGRESSING
+    degraded, deprecated = ConditionType.DEGRADED, ConditionType.DEPRECATED
+    adm = obs.admission
+    out: list[CondTuple] = []
+    if obs.mode == Mode.IPVS:
+        out.append(_cond(deprecated, TRUE, "IPVSDeprecated", NFTABLES_ADVICE))
+    else:
+        out.append(_cond(deprecated, FALSE, "ModeSupported", f"mode {obs.mode} is supported"))
+
+    if obs.invalid is not None:
+        message = f"the spec does not validate, nothing is deployed: {obs.invalid}"
+        return [
+            _cond(ready, FALSE, "InvalidSpec", message),
+            _cond(progressing, FALSE, "InvalidSpec", message),
+            _cond(degraded, TRUE, "InvalidSpec", message),
+            *out,
+        ]
+    if adm.ipvs_denied:
+        message = IPVS_DENIED_MESSAGE
+        return [
+            _cond(ready, FALSE, "IPVSDenied", message),
+            _cond(progressing, FALSE, "IPVSDenied", message),
+            _cond(degraded, TRUE, "IPVSDenied", message),
+            *out,
+        ]
+    if not adm.deploy:
+        message = conflict_message(adm)
+        return [
+            _cond(ready, FALSE, "NodeConflict", message),
+            _cond(progressing, FALSE, "NodeConflict", message),
+            _cond(degraded, TRUE, "NodeConflict", message),
+            *out,
+        ]
+
+    if obs.error is not None:
+        out.insert(0, _cond(degraded, TRUE, "ReconcileFailed", obs.error))
+    elif adm.overlaps:
+        out.insert(0, _cond(degraded, TRUE, "NodeConflict", conflict_message(adm)))
+    else:
+        out.insert(0, _cond(degraded, FALSE, "AsExpected", "no known problem"))
+
+    if obs.daemonset is None:
+        waiting = "the agent DaemonSet does not exist yet"
+        return [
+            _cond(ready, FALSE, "AgentsNotDeployed", waiting),
+            _cond(progressing, TRUE, "RollingOut", waiting),
+            *out,
+        ]
+    r = Rollout.from_daemonset(obs.daemonset)
+    if not r.current:
+        waiting = "the DaemonSet controller has not seen the latest agent template yet"
+        return [
+            _cond(ready, FALSE, "RollingOut", waiting),
+            _cond(progressing, TRUE, "RollingOut", waiting),
+            *out,
+        ]
+    if r.desired == 0:
+        message = "no node matches spec.nodeSelector and spec.tolerations: no agent runs"
+        return [
+            _cond(ready, FALSE, "NoMatchingNodes", message),
+            _cond(progressing, FALSE, "NoMatchingNodes", message),
+            *out,
+        ]
+    counts = f"{r.updated} of {r.desired} nodes run the current agent, {r.ready} agents ready"
+    if r.complete:
+        return [
+            _cond(ready, TRUE, "AllAgentsReady", counts),
+            _cond(progressing, FALSE, "RolloutComplete", counts),
+            *out,
+        ]
+    return [
+        _cond(ready, FALSE, "AgentsNotReady", counts),
+        _cond(progressing, TRUE, "RollingOut", counts),
+        *out,
+    ]
+
+
+def compute_status(
+    obs: Observed, previous: ProxyConfigurationStatus | None, now: datetime
+) -> ProxyConfigurationStatus:
+    """The status to write. `previous` keeps lastTransitionTime of conditions whose status
+    did not change; `now` stamps the others."""
+    conditions = []
+    for type_, status, reason, message in conditions_for(obs):
+        before = previous.condition(type_) if previous is not None else None
+        since = before.last_transition_time if before and before.status == status else now
+        conditions.append(
+            Condition(
+                type=type_,
+                status=status,
+                reason=reason,
+                message=message,
+                last_transition_time=since,
+                observed_generation=obs.generation,
+            )
+        )
+    deployed = obs.invalid is None and obs.admission.deploy
+    rollout = (
+        Rollout.from_daemonset(obs.daemonset) if deployed and obs.daemonset is not None else None
+    )
+    return ProxyConfigurationStatus(
+        observed_generation=obs.generation,
+        conditions=conditions,
+        mode=Mode(obs.mode) if deployed and obs.mode in set(Mode) else None,
+        desired_nodes=rollout.desired if rollout and rollout.current else 0,
+        ready_nodes=rollout.ready_current if rollout else 0,
+        deprecated=obs.mode == Mode.IPVS,
+    )
+
+
+def status_patch(status: ProxyConfigurationStatus) -> dict[str, Any]:
+    """A JSON merge patch for .status: absent fields are sent as null (removed); kopf's own
+    storage (status.kopf) is left alone."""
+    return status.model_dump(mode="json", by_alias=True, exclude={"kopf"})
+
+
+def parse_status(data: Mapping[str, Any] | None) -> ProxyConfigurationStatus | None:
+    """The status as stored (None when absent or unreadable: then every condition is new)."""
+    if not data:
+        return None
+    try:
+        return ProxyConfigurationStatus.model_validate(dict(data))
+    except ValueError:
+        return None
+
+
+def is_current(stored: Mapping[str, Any] | None, status: ProxyConfigurationStatus) -> bool:
+    """Whether the stored status already says what `status` says (then no write is needed)."""
+    mine = {k: v for k, v in status_patch(status).items() if v is not None}
+    theirs = {k: v for k, v in (stored or {}).items() if k != "kopf" and v is not None}
+    return mine == theirs
