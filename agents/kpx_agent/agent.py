@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from pathlib import Path
@@ -111,6 +112,9 @@ class Agent:
             slices = self._excluding_reflector(SLICES_RESOURCE)
             tasks += [asyncio.create_task(r.run()) for r in (services, slices)]
             await asyncio.gather(services.synced.wait(), slices.synced.wait())
+            # The initial objects live as long as the agent: keep the collector off them.
+            gc.collect()
+            gc.freeze()
             log.info(
                 "initial lists done: %d services, %d endpointslices, %d namespaces opted out",
                 len(self.state.services),
@@ -143,8 +147,9 @@ class Agent:
             self._wake.clear()
             now = time.monotonic()
             if now >= next_resync:
+                # The node-local state only changes through recorded changes, so there is
+                # nothing to recompute; what can change behind our back is the kernel.
                 self.proxier.periodic_check()
-                self.state.touch_all()
                 next_resync = now + self.settings.sync_period
             # Coalesce bursts: at most one sync per minSyncPeriod.
             wait = last_start + self.settings.min_sync_period - now

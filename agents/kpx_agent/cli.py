@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -159,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         config_path=args.config,
         overrides=_overrides(args),
     )
+    # Tens of thousands of long-lived objects arrive at start: with the default thresholds the
+    # cyclic collector rescans them over and over (measured: decode 0.87 s -> 0.12 s at 10k).
+    gc.set_threshold(100_000, 50, 100)
     log.info("starting in mode %s on node %s", settings.mode, args.node_name)
     asyncio.run(_run_until_signal(agent))
     return 0

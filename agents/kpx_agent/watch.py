@@ -78,7 +78,7 @@ class Reflector:
         sink: Sink,
         field_selector: Callable[[], str] = lambda: "",
         on_event: Callable[[], None] = lambda: None,
-        page_size: int = 1000,
+        page_size: int = 5000,
     ) -> None:
         self.client = client
         self.resource = resource

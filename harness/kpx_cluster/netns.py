@@ -278,8 +278,10 @@ def cleanup_all() -> None:
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
-    cleanup_all()
+    # Read the previous handler first: cleanup unregisters the topologies, which restores
+    # (and forgets) the previous handlers.
     previous = _PREVIOUS_HANDLERS.get(signum, signal.SIG_DFL)
+    cleanup_all()
     _restore_handlers()
     if callable(previous):
         previous(signum, frame)

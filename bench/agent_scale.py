@@ -1,0 +1,846 @@
+"""How the nftables agent scales with the number of Services, observed in the kernel.
+
+For each size N (default 1,000 and 10,000), against a fresh local control plane:
+
+1. create N ClusterIP Services (one TCP port) and N EndpointSlices of 10 ready endpoints
+   (made-up pod IPs in 10.244.0.0/16, nodeName spread over 4 nodes), in bulk over HTTPS;
+2. start `proxy-agent --mode nftables` in a node network namespace and time, from the process
+   start, until the kernel's `service-ips` map holds all N VIPs (its elements counted over
+   netlink every few milliseconds, then confirmed with `nft list map`);
+3. change one endpoint address of one EndpointSlice at a time (20 times by default, spaced
+   beyond the agent's minSyncPeriod) and time until the kernel's `endpoints` map holds the new
+   address instead of the old one in that VIP's buckets (netlink lookups of those 10
+   elements, as `nft get element` does but without its cache load of every element, 1 s at
+   100,000; each result is then cross-checked with `nft get element`);
+4. read the agent's peak RSS (VmHWM) and CPU seconds from /proc;
+5. dump the agent's ruleset and time `nft -f` loading it into a fresh, empty netns: the floor
+   any nftables agent pays for the same ruleset.
+
+Usage: python3 bench/agent_scale.py [--services N] [--changes 20]
+Writes bench/results/agent_scale-<N>.json and its section of bench/results/latest.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchlib import (
+    ApiClient,
+    bench_cluster,
+    component_pid,
+    endpoint_slice,
+    endpoints,
+    exit_on_sigterm,
+    log,
+    machine_info,
+    machine_line,
+    markdown_table,
+    median,
+    namespace,
+    percentile,
+    pids_with_env,
+    proc_cpu_seconds,
+    proc_memory_kb,
+    service,
+    services_path,
+    slices_path,
+    update_latest,
+    write_json,
+)
+from kpx_cluster.controlplane import Cluster
+from kpx_cluster.netns import ENV_MARK, Node, Topology
+
+NAMESPACE = "bench"
+NODE_NAMES = tuple(f"bench-node-{i}" for i in range(4))
+AGENT_NODE = NODE_NAMES[0]
+ENDPOINTS_PER_SERVICE = 10
+SERVICE_PORT = 80
+TARGET_PORT = 8080
+CLUSTER_CIDR = "10.244.0.0/16"
+METRICS_ADDRESS = "127.0.0.1:10249"
+CREATE_CHUNK = 1000
+WORKERS = 8  # concurrent requests while creating
+COLD_START_TIMEOUT = 900.0
+CHANGE_TIMEOUT = 60.0
+COLD_POLL_INTERVAL = 0.005
+CHANGE_POLL_INTERVAL = 0.0005
+LOOKUP_HELPER = Path(__file__).resolve().parent / "nft_lookup.py"
+SETTLE_SECONDS = 3.0
+# The controller-manager updates a new Node once, about 5 s after its creation; the agent reacts
+# to every Node event, so let that happen before the agent starts.
+NODE_SETTLE_SECONDS = 8.0
+DEFAULT_SIZES = (1000, 10000)
+
+GOALS = {"cold_start_s": 3.0, "cold_start_at": 10000, "change_median_ms": 50.0}
+# Upstream kube-proxy v1.36.2, mode nftables, measured on this machine in kind.
+UPSTREAM = {
+    1000: {"start_s": "0.9", "change_ms": "288", "rss_mb": "88-115"},
+    10000: {"start_s": "12.7", "change_ms": "3,900", "rss_mb": "296-429"},
+}
+_VIP_RE = re.compile(rf"(\d+\.\d+\.\d+\.\d+) \. tcp \. {SERVICE_PORT} : goto")
+_LOG_TIME_RE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+
+
+# ---- the workload ------------------------------------------------------------------------------
+
+
+def svc_name(i: int) -> str:
+    return f"svc-{i:05d}"
+
+
+def endpoint_addresses(svc: int) -> list[tuple[str, str]]:
+    """10 (address, nodeName) pairs; endpoint j's third octet is in [20j, 20j+19]."""
+    return [
+        (
+            f"10.244.{j * 20 + (svc // 250) % 20}.{svc % 250 + 1}",
+            NODE_NAMES[(svc + j) % len(NODE_NAMES)],
+        )
+        for j in range(ENDPOINTS_PER_SERVICE)
+    ]
+
+
+def changed_address(k: int) -> str:
+    """The new address of change k (no original endpoint has it)."""
+    return f"10.244.{200 + k // 250}.{k % 250 + 1}"
+
+
+@dataclass(frozen=True)
+class Options:
+    changes: int = 20
+    gap: float = 1.2
+    cold_starts: int = 3  # agent starts into an empty kernel; the last one goes on to changes
+    agent_args: tuple[str, ...] = ()  # extra agent flags, e.g. -v
+    keep_log: Path | None = None  # copy the agent's log here
+    write: bool = True  # write bench/results
+
+
+@dataclass
+class Creation:
+    services_s: float = 0.0
+    slices_s: float = 0.0
+    node_created: float = 0.0  # monotonic clock
+    service_chunks_s: list[float] = field(default_factory=list)  # per CREATE_CHUNK Services
+    control_plane_cpu_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return self.services_s + self.slices_s
+
+
+def _chunks(n: int) -> Iterator[range]:
+    for start in range(0, n, CREATE_CHUNK):
+        yield range(start, min(n, start + CREATE_CHUNK))
+
+
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager")
+
+
+def control_plane_cpu(cluster: Cluster) -> dict[str, float]:
+    pids = {name: component_pid(cluster, name) for name in CONTROL_PLANE}
+    return {name: proc_cpu_seconds(pid)[0] for name, pid in pids.items() if pid}
+
+
+def create_workload(cluster: Cluster, api: ApiClient, n: int) -> tuple[list[str], Creation]:
+    """Create the namespace, the agent's Node, N Services and N EndpointSlices; the VIPs."""
+    cpu0 = control_plane_cpu(cluster)
+    api.create("/api/v1/namespaces", namespace(NAMESPACE))
+    api.create(
+        "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": AGENT_NODE}}
+    )
+    creation = Creation(node_created=time.monotonic())
+    vips: list[str] = []
+    started = time.monotonic()
+    for chunk in _chunks(n):
+        t0 = time.monotonic()
+        created = api.many(
+            "POST", [(services_path(NAMESPACE), service(NAMESPACE, svc_name(i))) for i in chunk]
+        )
+        creation.service_chunks_s.append(round(time.monotonic() - t0, 2))
+        vips += [str(obj["spec"]["clusterIP"]) for obj in created]
+        log(f"  services: {len(vips)}/{n}")
+    creation.services_s = time.monotonic() - started
+    started = time.monotonic()
+    for chunk in _chunks(n):
+        api.many(
+            "POST",
+            [
+                (
+                    slices_path(NAMESPACE),
+                    endpoint_slice(NAMESPACE, svc_name(i), endpoint_addresses(i), TARGET_PORT),
+                )
+                for i in chunk
+            ],
+        )
+        log(f"  endpointslices: {chunk.stop}/{n}")
+    creation.slices_s = time.monotonic() - started
+    cpu1 = control_plane_cpu(cluster)
+    creation.control_plane_cpu_s = {k: round(cpu1[k] - cpu0.get(k, 0.0), 2) for k in cpu1}
+    return vips, creation
+
+
+# ---- the kernel, seen from the node netns ------------------------------------------------------
+
+
+class NodeNft:
+    """`nft` run inside the node's network namespace."""
+
+    def __init__(self, netns: str) -> None:
+        self.netns = netns
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["ip", "netns", "exec", self.netns, "nft", *args],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    def element(self, set_name: str, key: str) -> str:
+        """The `nft get element` answer for one key ('' when absent)."""
+        proc = self.run("get", "element", "ip", "kpx", set_name, f"{{ {key} }}")
+        return proc.stdout if proc.returncode == 0 else ""
+
+    def service_vips(self) -> set[str]:
+        """The VIPs (port 80/tcp) in the service-ips map."""
+        proc = self.run("list", "map", "ip", "kpx", "service-ips")
+        return set(_VIP_RE.findall(proc.stdout)) if proc.returncode == 0 else set()
+
+    def ruleset(self) -> str:
+        proc = self.run("list", "ruleset")
+        if proc.returncode != 0:
+            raise RuntimeError(f"nft list ruleset: {proc.stderr.strip()}")
+        return proc.stdout
+
+
+class KernelProbe:
+    """bench/nft_lookup.py in the node netns: netlink lookups of one element, or a count."""
+
+    def __init__(self, topo: Topology, node: Node) -> None:
+        argv = [sys.executable, str(LOOKUP_HELPER)]
+        self.proc = topo.run(node, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._in, self._out = self.proc.stdin, self.proc.stdout
+        if self._out.readline().strip() != b"ready":
+            raise RuntimeError("bench/nft_lookup.py did not start")
+
+    def ask(self, request: str) -> str:
+        self._in.write(request.encode() + b"\n")
+        self._in.flush()
+        line = self._out.readline().decode().strip()
+        if not line or line.startswith("error"):
+            raise RuntimeError(f"nft_lookup {request!r}: {line or 'exited'}")
+        return line
+
+    def close(self) -> None:
+        self._in.close()  # the helper exits at end of input
+        self.proc.wait(5)
+        self._out.close()
+
+    def endpoints(self, vip: str) -> list[str]:
+        """'IP:PORT' (or '-') of endpoints[vip . tcp . 80 . b] for each bucket b."""
+        return self.ask(f"endpoints {vip} {SERVICE_PORT} {ENDPOINTS_PER_SERVICE}").split()
+
+    def count(self) -> int:
+        """service-ips elements for tcp/80."""
+        return int(self.ask(f"count {SERVICE_PORT}"))
+
+
+# ---- the agent ---------------------------------------------------------------------------------
+
+
+@dataclass
+class AgentRun:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    started_mono: float
+    started_wall: float
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def check_alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(
+                f"the agent exited with {self.proc.returncode}; log tail:\n{self.log_tail()}"
+            )
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM (the agent leaves its rules in place), SIGKILL after `timeout` seconds."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def log_tail(self, lines: int = 30) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def log_time(self, needle: str) -> float | None:
+        """Seconds from the agent's start to its first log line containing `needle`."""
+        with contextlib.suppress(OSError):
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if needle in line and (m := _LOG_TIME_RE.match(line)):
+                    stamp = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f")
+                    return stamp.timestamp() - self.started_wall
+        return None
+
+
+def start_agent(
+    topo: Topology, node: Node, cluster: Cluster, extra: Sequence[str] = ()
+) -> AgentRun:
+    log_path = topo.tmpdir / "agent.log"
+    argv = [
+        sys.executable,
+        "-m",
+        "kpx_agent.cli",
+        "--mode",
+        "nftables",
+        "--node-name",
+        AGENT_NODE,
+        "--kubeconfig",
+        str(cluster.kubeconfig),
+        "--cluster-cidr",
+        CLUSTER_CIDR,
+        "--metrics-bind-address",
+        METRICS_ADDRESS,
+        *extra,
+    ]
+    with log_path.open("wb") as out:
+        started_wall, started_mono = time.time(), time.monotonic()
+        proc = topo.run(node, argv, stdout=out, stderr=subprocess.STDOUT)
+    return AgentRun(proc, log_path, started_mono, started_wall)
+
+
+def agent_metrics(topo: Topology, node: Node) -> dict[str, float]:
+    """A few of the agent's own metrics (informative only: the figures come from the kernel)."""
+    proc = topo.exec(node, ["curl", "-s", "--max-time", "5", f"http://{METRICS_ADDRESS}/metrics"])
+    wanted = (
+        "kubeproxy_sync_full_proxy_rules_duration_seconds",
+        "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+        "kpx_watch_received_bytes",
+        "kpx_programmed_elements",
+    )
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(proc.stdout):
+        if family.name not in wanted:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") or sample.name.endswith("_created"):
+                continue
+            label = ",".join(f"{v}" for v in sample.labels.values())
+            out[f"{sample.name}{'{' + label + '}' if label else ''}"] = sample.value
+    return out
+
+
+# ---- measurements ------------------------------------------------------------------------------
+
+
+@dataclass
+class ColdStart:
+    seconds: float = 0.0  # agent start -> the poll that saw all N VIPs ended
+    confirmed_s: float = 0.0  # ... -> the full listing that confirmed N VIPs ended
+    polls: int = 0
+    lists_done_s: float | None = None  # from the agent's log, informative
+    agent_cpu_s: float = 0.0
+    agent_children_cpu_s: float = 0.0
+    apiserver_cpu_s: float = 0.0
+    relay_cpu_s: float = 0.0
+
+
+def wait_cold_start(
+    probe: KernelProbe, nft: NodeNft, agent: AgentRun, vips: Sequence[str]
+) -> ColdStart:
+    """Count service-ips elements (tcp/80) over netlink until there are N; confirm with
+    `nft list map` that they are exactly our VIPs (if not, poll on)."""
+    want = set(vips)
+    result = ColdStart()
+    while True:
+        agent.check_alive()
+        if time.monotonic() - agent.started_mono > COLD_START_TIMEOUT:
+            raise TimeoutError(f"not all VIPs in the kernel; agent log:\n{agent.log_tail()}")
+        result.polls += 1
+        if probe.count() < len(want):
+            time.sleep(COLD_POLL_INTERVAL)
+            continue
+        seen = time.monotonic()
+        present = len(nft.service_vips() & want)
+        listed = time.monotonic()
+        if present == len(want):
+            result.seconds = seen - agent.started_mono
+            result.confirmed_s = listed - agent.started_mono
+            return result
+        log(f"  only {present}/{len(want)} of our VIPs listed; polling again")
+
+
+@dataclass
+class Change:
+    service: int
+    latency_ms: float
+    ack_ms: float
+    polls: int
+    bucket: int  # where the new address landed
+
+
+@dataclass
+class Changes:
+    samples: list[Change] = field(default_factory=list)
+    gap_s: float = 0.0
+    poll_ms: float = 0.0  # mean duration of one netlink lookup (the resolution)
+    nft_get_s: float = 0.0  # mean duration of one `nft get element` (the cross-check)
+
+    def latencies(self) -> list[float]:
+        return [c.latency_ms for c in self.samples]
+
+
+def measure_change(
+    api: ApiClient, probe: KernelProbe, vips: Sequence[str], svc: int, k: int
+) -> Change:
+    """Change the last endpoint of one slice; time until the kernel's buckets for that VIP
+    hold the new address and no longer the old one (whatever order the agent gives them)."""
+    addrs = endpoint_addresses(svc)
+    old = f"{addrs[-1][0]}:{TARGET_PORT}"
+    new = f"{changed_address(k)}:{TARGET_PORT}"
+    addrs[-1] = (changed_address(k), addrs[-1][1])
+    path = slices_path(NAMESPACE, f"{svc_name(svc)}-1")
+    t0 = time.monotonic()
+    api.merge_patch(path, {"endpoints": endpoints(addrs)})
+    acked = time.monotonic()
+    polls = 0
+    while True:
+        buckets = probe.endpoints(vips[svc])
+        polls += 1
+        seen = time.monotonic()
+        if new in buckets and old not in buckets:
+            return Change(svc, (seen - t0) * 1000, (acked - t0) * 1000, polls, buckets.index(new))
+        if seen - t0 > CHANGE_TIMEOUT:
+            raise TimeoutError(f"{vips[svc]}: buckets {buckets}, never with {new} for {old}")
+        time.sleep(CHANGE_POLL_INTERVAL)
+
+
+def cross_check(nft: NodeNft, vips: Sequence[str], change: Change, k: int) -> float:
+    """`nft get element` must agree with the netlink lookup; its duration."""
+    key = f"{vips[change.service]} . tcp . {SERVICE_PORT} . {change.bucket}"
+    t0 = time.monotonic()
+    answer = nft.element("endpoints", key)
+    elapsed = time.monotonic() - t0
+    if f": {changed_address(k)} . {TARGET_PORT} " not in answer:
+        raise RuntimeError(f"nft get element {key} disagrees with netlink: {answer!r}")
+    return elapsed
+
+
+def measure_changes(
+    api: ApiClient,
+    probe: KernelProbe,
+    nft: NodeNft,
+    agent: AgentRun,
+    vips: Sequence[str],
+    count: int,
+    gap: float,
+) -> Changes:
+    rng = random.Random(len(vips))
+    result = Changes(gap_s=gap)
+    nft_times = []
+    for k, svc in enumerate(rng.sample(range(len(vips)), min(count, len(vips)))):
+        agent.check_alive()
+        change = measure_change(api, probe, vips, svc, k)
+        result.samples.append(change)
+        started = time.monotonic()
+        nft_times.append(cross_check(nft, vips, change, k))
+        time.sleep(max(0.0, gap - (time.monotonic() - started)))
+    result.nft_get_s = sum(nft_times) / len(nft_times)
+    t0 = time.monotonic()
+    for _ in range(100):
+        probe.endpoints(vips[0])
+    result.poll_ms = (time.monotonic() - t0) / 100 * 1000
+    return result
+
+
+@dataclass
+class Floor:
+    ruleset_bytes: int = 0
+    ruleset_lines: int = 0
+    runs_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def median_s(self) -> float:
+        return median(self.runs_s)
+
+
+def measure_floor(ruleset: Path, repeats: int = 3) -> Floor:
+    """Time `nft -f ruleset` into a fresh, empty netns, `repeats` times (one netns each)."""
+    text = ruleset.read_text()
+    floor = Floor(len(text.encode()), text.count("\n"))
+    for i in range(repeats):
+        ns = f"bench-floor-{os.getpid()}-{i}"
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+        try:
+            t0 = time.monotonic()
+            proc = subprocess.run(
+                ["ip", "netns", "exec", ns, "nft", "-f", str(ruleset)],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            elapsed = time.monotonic() - t0
+        finally:
+            subprocess.run(["ip", "netns", "del", ns], check=False)
+        if proc.returncode != 0:
+            floor.error = proc.stderr.strip()[:500]
+            break
+        floor.runs_s.append(elapsed)
+    return floor
+
+
+# ---- one size ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    services: int
+    endpoints_per_service: int
+    creation: Creation
+    cold: ColdStart  # the last cold start (the agent measured afterwards)
+    cold_runs_s: list[float]
+    changes: Changes
+    floor: Floor
+    peak_rss_mb: float = 0.0
+    rss_end_mb: float = 0.0
+    agent_cpu_s: float = 0.0
+    agent_children_cpu_s: float = 0.0
+    agent_metrics: dict[str, float] = field(default_factory=dict)
+    run_seconds: float = 0.0
+    load_average: tuple[float, float, float] = (0.0, 0.0, 0.0)  # when the size started
+
+    @property
+    def cold_start_s(self) -> float:
+        return median(self.cold_runs_s)
+
+
+def _relay_cpu(topo: Topology) -> float:
+    return sum(
+        proc_cpu_seconds(pid)[0]
+        for pid in pids_with_env(ENV_MARK, topo.prefix, "kpx_cluster.relay")
+    )
+
+
+def cold_start(
+    topo: Topology, node: Node, cluster: Cluster, vips: Sequence[str], opts: Options
+) -> tuple[AgentRun, ColdStart]:
+    """Start the agent into a kernel without kpx tables; measure until all VIPs are in."""
+    nft, probe = NodeNft(node.netns), KernelProbe(topo, node)
+    try:
+        if probe.count():
+            raise RuntimeError("kpx tables left from a previous agent")
+        api_pid = component_pid(cluster, "kube-apiserver")
+        api_cpu0 = proc_cpu_seconds(api_pid)[0] if api_pid else 0.0
+        relay_cpu0 = _relay_cpu(topo)
+        agent = start_agent(topo, node, cluster, opts.agent_args)
+        log(f"agent started (pid {agent.pid}); waiting for {len(vips)} VIPs in the kernel")
+        cold = wait_cold_start(probe, nft, agent, vips)
+    finally:
+        probe.close()
+    cold.agent_cpu_s, cold.agent_children_cpu_s = proc_cpu_seconds(agent.pid)
+    cold.apiserver_cpu_s = (proc_cpu_seconds(api_pid)[0] - api_cpu0) if api_pid else 0.0
+    cold.relay_cpu_s = _relay_cpu(topo) - relay_cpu0
+    cold.lists_done_s = agent.log_time("initial lists done")
+    log(f"cold start: {cold.seconds:.2f}s (confirmed at {cold.confirmed_s:.2f}s)")
+    return agent, cold
+
+
+def remove_rules(topo: Topology, node: Node) -> None:
+    """`proxy-agent cleanup`: the node's kernel is back to no kpx tables."""
+    argv = [sys.executable, "-m", "kpx_agent.cli", "cleanup", "--mode", "nftables"]
+    topo.exec(node, argv, check=True)
+
+
+def measure_running(
+    topo: Topology, node: Node, api: ApiClient, agent: AgentRun, vips: Sequence[str], opts: Options
+) -> tuple[Changes, dict[str, Any], Path]:
+    """Changes, then the agent's memory, CPU and metrics, and its ruleset dumped to a file."""
+    time.sleep(SETTLE_SECONDS)
+    agent.check_alive()
+    nft, probe = NodeNft(node.netns), KernelProbe(topo, node)
+    log(f"changing {opts.changes} EndpointSlices, one every {opts.gap:.1f}s")
+    try:
+        changed = measure_changes(api, probe, nft, agent, vips, opts.changes, opts.gap)
+    finally:
+        probe.close()
+    lat = changed.latencies()
+    log(f"change: median {median(lat):.1f} ms, p90 {percentile(lat, 90):.1f} ms")
+    stats: dict[str, Any] = {"memory_kb": proc_memory_kb(agent.pid)}
+    stats["cpu"] = proc_cpu_seconds(agent.pid)
+    stats["metrics"] = agent_metrics(topo, node)
+    ruleset = topo.tmpdir / "ruleset.nft"
+    ruleset.write_text(nft.ruleset())
+    return changed, stats, ruleset
+
+
+def run_agent(
+    cluster: Cluster, api: ApiClient, vips: Sequence[str], opts: Options
+) -> tuple[list[ColdStart], Changes, Floor, dict[str, Any]]:
+    """Start the agent in a node netns, take every measurement, stop it, remove the netns."""
+    with Topology() as topo:
+        exit_on_sigterm()  # unwind through this `with` and the control plane's `finally`
+        node = topo.add_node(AGENT_NODE)
+        topo.expose_host_port(cluster.apiserver_port)
+        colds = []
+        for i in range(max(1, opts.cold_starts)):
+            agent, cold = cold_start(topo, node, cluster, vips, opts)
+            colds.append(cold)
+            if i < opts.cold_starts - 1:
+                agent.stop()
+                remove_rules(topo, node)
+        try:
+            changed, stats, ruleset = measure_running(topo, node, api, agent, vips, opts)
+        except Exception:
+            log(f"agent log tail:\n{agent.log_tail()}")
+            raise
+        finally:
+            agent.stop()  # the floor runs without the agent competing for the CPUs
+            if opts.keep_log is not None:
+                shutil.copyfile(agent.log_path, opts.keep_log)
+        floor = measure_floor(ruleset)
+        log(f"nft -f floor: {floor.median_s:.2f}s {floor.error}")
+    return colds, changed, floor, stats
+
+
+def run_size(n: int, opts: Options) -> Result:
+    started, load = time.monotonic(), os.getloadavg()
+    log(f"=== {n} Services x {ENDPOINTS_PER_SERVICE} endpoints")
+    with bench_cluster("bench") as cluster:
+        api = ApiClient(cluster, WORKERS)
+        try:
+            vips, creation = create_workload(cluster, api, n)
+            log(f"created in {creation.total_s:.1f}s ({2 * n / creation.total_s:.0f} objects/s)")
+            time.sleep(max(0.0, creation.node_created + NODE_SETTLE_SECONDS - time.monotonic()))
+            colds, changed, floor, stats = run_agent(cluster, api, vips, opts)
+        finally:
+            api.close()
+    cpu, children = stats["cpu"]
+    return Result(
+        services=n,
+        endpoints_per_service=ENDPOINTS_PER_SERVICE,
+        creation=creation,
+        cold=colds[-1],
+        cold_runs_s=[c.seconds for c in colds],
+        changes=changed,
+        floor=floor,
+        peak_rss_mb=stats["memory_kb"].get("VmHWM", 0) / 1024,
+        rss_end_mb=stats["memory_kb"].get("VmRSS", 0) / 1024,
+        agent_cpu_s=cpu,
+        agent_children_cpu_s=children,
+        agent_metrics=stats["metrics"],
+        run_seconds=time.monotonic() - started,
+        load_average=load,
+    )
+
+
+# ---- reporting ---------------------------------------------------------------------------------
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def report(r: Result, info: Mapping[str, str]) -> str:
+    n, lat = r.services, r.changes.latencies()
+    known = UPSTREAM.get(n)
+    up = (
+        {
+            "start_s": f"{known['start_s']} s",
+            "change_ms": f"{known['change_ms']} ms",
+            "rss_mb": f"{known['rss_mb']} MB",
+        }
+        if known
+        else {"start_s": "n/a", "change_ms": "n/a", "rss_mb": "n/a"}
+    )
+    med, p90 = median(lat), percentile(lat, 90)
+    start_goal = f"< {GOALS['cold_start_s']:.0f} s (at {GOALS['cold_start_at']:,})"
+    if n == GOALS["cold_start_at"]:
+        start_goal += f": {_verdict(r.cold_start_s < GOALS['cold_start_s'])}"
+    change_goal = f"< {GOALS['change_median_ms']:.0f} ms: {_verdict(med < 50)}"
+    rows = [
+        (
+            f"cold start (agent start -> N VIPs in kernel), median of {len(r.cold_runs_s)}",
+            f"{r.cold_start_s:.2f} s",
+            start_goal,
+            up["start_s"],
+        ),
+        (
+            f"single change, median ({len(lat)} changes)",
+            f"{med:.1f} ms",
+            change_goal,
+            up["change_ms"],
+        ),
+        ("single change, p90", f"{p90:.1f} ms", "", ""),
+        ("agent peak RSS (VmHWM)", f"{r.peak_rss_mb:.0f} MB", "", up["rss_mb"]),
+        (
+            "agent CPU: last cold start / whole run",
+            f"{r.cold.agent_cpu_s:.2f} s / {r.agent_cpu_s:.2f} s",
+            "",
+            "",
+        ),
+        (
+            "`nft` children CPU: last cold start / whole run",
+            f"{r.cold.agent_children_cpu_s:.2f} s / {r.agent_children_cpu_s:.2f} s",
+            "",
+            "",
+        ),
+        ("floor: `nft -f` of the same ruleset, empty netns", _floor_cell(r.floor), "", ""),
+        (
+            "creating N Services + N EndpointSlices",
+            f"{r.creation.total_s:.1f} s ({r.creation.services_s:.1f} + {r.creation.slices_s:.1f})",
+            "",
+            "",
+        ),
+    ]
+    details = _details(r)
+    return (
+        f"## nftables agent at {n:,} Services x {r.endpoints_per_service} endpoints\n\n"
+        f"Machine: {machine_line(info)}.\n\n"
+        + markdown_table(
+            ("metric", "kpx agent", "goal", "kube-proxy v1.36.2 nftables (kind, this machine)"),
+            rows,
+        )
+        + "\n"
+        + "\n".join(f"- {line}" for line in details)
+        + "\n"
+    )
+
+
+def _floor_cell(floor: Floor) -> str:
+    if floor.error:
+        return f"failed: {floor.error[:80]}"
+    size = f"{floor.ruleset_bytes / 1e6:.1f} MB, {floor.ruleset_lines:,} lines"
+    return f"{floor.median_s:.2f} s ({size})"
+
+
+def _details(r: Result) -> list[str]:
+    lat = r.changes.latencies()
+    m = r.agent_metrics
+    full = m.get("kubeproxy_sync_full_proxy_rules_duration_seconds_sum", 0.0)
+    full_n = m.get("kubeproxy_sync_full_proxy_rules_duration_seconds_count", 0.0)
+    part = m.get("kubeproxy_sync_partial_proxy_rules_duration_seconds_sum", 0.0)
+    part_n = m.get("kubeproxy_sync_partial_proxy_rules_duration_seconds_count", 0.0)
+    runs = ", ".join(f"{x:.2f}" for x in r.cold_runs_s)
+    lines = [
+        f"Cold starts: {runs} s, each into a kernel without kpx tables (`proxy-agent cleanup` "
+        "between runs). Last run: the first netlink count of `service-ips` that found all N VIPs "
+        f"({r.cold.polls} polls, one every few ms); the `nft list map` that confirmed they are "
+        f"exactly our VIPs ended at {r.cold.confirmed_s:.2f} s. Agent log: initial lists done at "
+        + (f"{r.cold.lists_done_s:.2f} s." if r.cold.lists_done_s is not None else "n/a."),
+        f"During cold start: apiserver CPU {r.cold.apiserver_cpu_s:.2f} s, apiserver relays "
+        f"(host <-> node netns) CPU {r.cold.relay_cpu_s:.2f} s.",
+        f"Changes: min {min(lat):.1f} / median {median(lat):.1f} / p90 "
+        f"{percentile(lat, 90):.1f} / max {max(lat):.1f} ms, measured from sending the PATCH "
+        f"to the end of the netlink lookup of the VIP's 10 buckets that showed the new address "
+        f"and not the old (PATCH acknowledged after "
+        f"{median([c.ack_ms for c in r.changes.samples]):.1f} ms median; one lookup of 10 "
+        f"buckets takes {r.changes.poll_ms:.2f} ms); one change every {r.changes.gap_s:.1f} s "
+        "(beyond minSyncPeriod 1 s). Every new address was cross-checked with "
+        f"`nft get element`, which takes {r.changes.nft_get_s:.2f} s at this size.",
+    ]
+    if full_n:
+        lines.append(
+            f"Agent's own sync metrics: {full_n:.0f} full sync(s), {full / full_n:.2f} s mean; "
+            + (
+                f"{part_n:.0f} partial syncs, {part / part_n * 1000:.1f} ms mean."
+                if part_n
+                else "no partial syncs."
+            )
+        )
+    c = r.creation
+    cpu = ", ".join(f"{k} {v:.1f} s" for k, v in c.control_plane_cpu_s.items())
+    chunks = ", ".join(f"{x:.1f}" for x in c.service_chunks_s)
+    lines.append(
+        f"Creation: {WORKERS} concurrent POSTs over kept-alive HTTPS; Services at "
+        f"{r.services / c.services_s:.0f}/s (seconds per {CREATE_CHUNK:,}: {chunks}), "
+        f"EndpointSlices at {r.services / c.slices_s:.0f}/s; control-plane CPU meanwhile: {cpu}."
+    )
+    if r.floor.runs_s:
+        runs = ", ".join(f"{s:.2f}" for s in r.floor.runs_s)
+        lines.append(f"`nft -f` floor runs: {runs} s.")
+    load = " / ".join(f"{x:.2f}" for x in r.load_average)
+    lines.append(
+        f"Run took {r.run_seconds:.0f} s in all (control plane, creation, measurements); "
+        f"load average when it started (1/5/15 min): {load}."
+    )
+    return lines
+
+
+def to_json(r: Result, info: Mapping[str, str]) -> dict[str, Any]:
+    lat = r.changes.latencies()
+    data = asdict(r)
+    data["benchmark"] = "agent_scale"
+    data["machine"] = dict(info)
+    data["creation"]["total_s"] = r.creation.total_s
+    data["summary"] = {
+        "cold_start_s": round(r.cold_start_s, 3),
+        "change_median_ms": round(median(lat), 1),
+        "change_p90_ms": round(percentile(lat, 90), 1),
+        "peak_rss_mb": round(r.peak_rss_mb, 1),
+        "agent_cpu_s": r.agent_cpu_s,
+        "nft_floor_s": round(r.floor.median_s, 3) if r.floor.runs_s else None,
+    }
+    data["goals"] = GOALS
+    data["upstream_kube_proxy_v1_36_2_kind"] = UPSTREAM.get(r.services)
+    return data
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--services", type=int, help="run only this size (default: 1000, 10000)")
+    parser.add_argument("--changes", type=int, default=20, help="single changes to time")
+    parser.add_argument("--gap", type=float, default=1.2, help="seconds between changes")
+    parser.add_argument("--cold-starts", type=int, default=3, help="cold starts to time")
+    parser.add_argument("--agent-verbose", action="store_true", help="run the agent with -v")
+    parser.add_argument("--keep-agent-log", type=Path, help="copy the agent's log to this file")
+    parser.add_argument(
+        "--no-write", action="store_true", help="print only; leave bench/results alone"
+    )
+    args = parser.parse_args()
+    opts = Options(
+        changes=args.changes,
+        gap=args.gap,
+        cold_starts=args.cold_starts,
+        agent_args=("-v",) if args.agent_verbose else (),
+        keep_log=args.keep_agent_log,
+        write=not args.no_write,
+    )
+    exit_on_sigterm()
+    info = machine_info()
+    for n in [args.services] if args.services else DEFAULT_SIZES:
+        result = run_size(n, opts)
+        markdown = report(result, info)
+        print("\n" + markdown)
+        if not opts.write:
+            continue
+        log(f"wrote {write_json(f'agent_scale-{n}.json', to_json(result, info))}")
+        log(f"updated {update_latest(f'agent_scale-{n}', markdown)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

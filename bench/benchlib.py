@@ -1,0 +1,384 @@
+"""Shared pieces of the kpx benchmarks: a throwaway control plane, a fast admin API client,
+object builders, process statistics and the results files.
+
+Every benchmark brings up its own control plane, named ``bench-<pid>`` under the default root,
+so it never touches the ``kpx`` cluster a developer may have running, and tears it down on
+exit, on an exception and on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import platform
+import re
+import signal
+import ssl
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kpx_cluster.binaries import KUBERNETES_VERSION
+from kpx_cluster.controlplane import Cluster
+
+BENCH_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCH_DIR / "results"
+LATEST_MD = RESULTS_DIR / "latest.md"
+
+OPT_OUT_LABEL = "networking.k8s.io/kube-proxy"
+OPT_OUT_VALUE = "disabled"
+SERVICE_NAME_LABEL = "kubernetes.io/service-name"
+
+Obj = dict[str, Any]
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+
+
+# ---- interruption and the control plane --------------------------------------------------------
+
+
+def _raise_system_exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM unwind the stack like SIGINT does, so every `finally` cleans up.
+
+    Call it again after creating a kpx_cluster Topology: the Topology installs its own
+    handlers, which (as of this writing) end the process with the default action after
+    cleaning up the topology, so the control plane's `finally` would never run.
+    """
+    signal.signal(signal.SIGTERM, _raise_system_exit)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@contextlib.contextmanager
+def bench_cluster(tag: str = "bench") -> Iterator[Cluster]:
+    """A fresh local control plane (etcd, apiserver, controller-manager, scheduler), always
+    stopped and removed afterwards."""
+    cluster = Cluster(name=f"{tag}-{os.getpid()}")
+    started = time.monotonic()
+    try:
+        cluster.up()
+        log(f"control plane {cluster.name} up in {time.monotonic() - started:.1f}s")
+        yield cluster
+    finally:
+        cluster.down()
+        log(f"control plane {cluster.name} removed")
+
+
+def component_pid(cluster: Cluster, name: str) -> int | None:
+    """The pid of one control-plane component (from the cluster's state file)."""
+    try:
+        state = json.loads((cluster.state_dir / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for comp in state.get("components", []):
+        if comp.get("name") == name:
+            return int(comp["pid"])
+    return None
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ---- the admin API client ---------------------------------------------------------------------
+
+
+class ApiError(RuntimeError):
+    def __init__(self, status: int, method: str, path: str, body: bytes) -> None:
+        super().__init__(f"{method} {path}: HTTP {status}: {body[:300].decode(errors='replace')}")
+        self.status = status
+
+
+class ApiClient:
+    """Synchronous HTTPS client with the cluster's admin certificate.
+
+    One persistent connection per thread (no TLS handshake per request), so `request` can be
+    timed, and `many` sends a batch from a few threads at once.
+    """
+
+    def __init__(self, cluster: Cluster, workers: int = 8) -> None:
+        self.port = cluster.apiserver_port
+        self.workers = workers
+        ctx = ssl.create_default_context(cafile=str(cluster.ca_file))
+        ctx.load_cert_chain(cluster.pki_dir / "admin.crt", cluster.pki_dir / "admin.key")
+        self._ctx = ctx
+        self._local = threading.local()
+        self._all: list[http.client.HTTPSConnection] = []
+        self._lock = threading.Lock()
+
+    def _connection(self, fresh: bool = False) -> http.client.HTTPSConnection:
+        conn: http.client.HTTPSConnection | None = getattr(self._local, "conn", None)
+        if conn is None or fresh:
+            if conn is not None:
+                conn.close()
+            conn = http.client.HTTPSConnection("127.0.0.1", self.port, context=self._ctx)
+            self._local.conn = conn
+            with self._lock:
+                self._all.append(conn)
+        return conn
+
+    def close(self) -> None:
+        with self._lock:
+            for conn in self._all:
+                conn.close()
+            self._all.clear()
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        content_type: str = "application/json",
+        attempts: int = 6,
+    ) -> Obj:
+        payload = json.dumps(body).encode() if body is not None else None
+        headers = {"Accept": "application/json", "User-Agent": "kpx-bench"}
+        if payload is not None:
+            headers["Content-Type"] = content_type
+        for attempt in range(attempts):
+            conn = self._connection(fresh=attempt > 0)
+            try:
+                conn.request(method, path, body=payload, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+            except (OSError, http.client.HTTPException):
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(0.1 * 2**attempt)
+                continue
+            if resp.status < 300:
+                return dict(json.loads(data)) if data else {}
+            if resp.status not in RETRY_STATUSES or attempt == attempts - 1:
+                raise ApiError(resp.status, method, path, data)
+            time.sleep(0.1 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def create(self, path: str, obj: Mapping[str, Any]) -> Obj:
+        return self.request("POST", path, obj)
+
+    def merge_patch(self, path: str, patch: Mapping[str, Any]) -> Obj:
+        return self.request("PATCH", path, patch, "application/merge-patch+json")
+
+    def many(self, method: str, items: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Obj]:
+        """Send every (path, body) with `method` from `workers` threads; results in order."""
+        content_type = "application/merge-patch+json" if method == "PATCH" else "application/json"
+
+        def one(item: tuple[str, Mapping[str, Any]]) -> Obj:
+            return self.request(method, item[0], item[1], content_type)
+
+        with ThreadPoolExecutor(self.workers) as pool:
+            return list(pool.map(one, items))
+
+
+# ---- object builders ---------------------------------------------------------------------------
+
+
+def namespace(name: str, labels: Mapping[str, str] | None = None) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {"name": name, "labels": dict(labels or {})},
+    }
+
+
+def service(ns: str, name: str, port: int = 80, target_port: int = 8080) -> Obj:
+    """A ClusterIP Service without selector (its EndpointSlice is ours to write)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "type": "ClusterIP",
+            "ports": [{"name": "http", "port": port, "targetPort": target_port, "protocol": "TCP"}],
+        },
+    }
+
+
+def endpoints(addresses: Sequence[tuple[str, str]]) -> list[Obj]:
+    """Ready endpoints from (address, nodeName) pairs."""
+    return [
+        {"addresses": [ip], "nodeName": node, "conditions": {"ready": True}}
+        for ip, node in addresses
+    ]
+
+
+def endpoint_slice(
+    ns: str, svc: str, addresses: Sequence[tuple[str, str]], port: int = 8080
+) -> Obj:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": f"{svc}-1",
+            "namespace": ns,
+            "labels": {SERVICE_NAME_LABEL: svc},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+        "endpoints": endpoints(addresses),
+    }
+
+
+def services_path(ns: str) -> str:
+    return f"/api/v1/namespaces/{ns}/services"
+
+
+def slices_path(ns: str, name: str = "") -> str:
+    base = f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"
+    return f"{base}/{name}" if name else base
+
+
+# ---- processes ---------------------------------------------------------------------------------
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def proc_memory_kb(pid: int) -> dict[str, int]:
+    """VmHWM (peak RSS) and VmRSS of a process, in kB."""
+    out: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS"):
+            out[key] = int(value.split()[0])
+    return out
+
+
+def proc_cpu_seconds(pid: int) -> tuple[float, float]:
+    """(own user+system CPU seconds, CPU seconds of its waited-for children such as `nft`)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    # Fields after the command: state is [0]; utime, stime, cutime, cstime are [11:15].
+    utime, stime, cutime, cstime = (int(f) for f in fields[11:15])
+    return (utime + stime) / CLOCK_TICKS, (cutime + cstime) / CLOCK_TICKS
+
+
+def pids_with_env(var: str, value: str, cmd_part: str = "") -> list[int]:
+    """Processes whose environment has var=value (and whose command line has `cmd_part`)."""
+    want = f"{var}={value}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = Path(entry.path, "environ").read_bytes().split(b"\0")
+            cmdline = Path(entry.path, "cmdline").read_bytes()
+        except OSError:
+            continue
+        if want in environ and cmd_part.encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+# ---- statistics and reporting ------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation between closest ranks."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    pos = (len(ordered) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def machine_info() -> dict[str, str]:
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    nft = subprocess.run(["nft", "--version"], capture_output=True, text=True, check=False)
+    mem_kb = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
+    return {
+        "agent_commit": agent_commit(),
+        "cores": str(os.cpu_count()),
+        "cpu": cpu,
+        "memory_gb": f"{mem_kb / 1024 / 1024:.0f}",
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "nft": nft.stdout.strip(),
+        "kubernetes": KUBERNETES_VERSION,
+    }
+
+
+def agent_commit() -> str:
+    """The commit the agent ran from, with `+dirty` when agents/ has uncommitted changes."""
+    repo = BENCH_DIR.parent
+    head = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(repo), "status", "--porcelain", "--", "agents", "api"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return f"{head or 'unknown'}{'+dirty' if dirty else ''}"
+
+
+def machine_line(info: Mapping[str, str]) -> str:
+    return (
+        f"{info['cores']} cores ({info['cpu'] or 'unknown CPU'}), {info['memory_gb']} GB, "
+        f"kernel {info['kernel']}, Python {info['python']}, {info['nft']}, "
+        f"control plane {info['kubernetes']}; agent at commit {info['agent_commit']}"
+    )
+
+
+def write_json(name: str, data: Mapping[str, Any]) -> Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / name
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+_SECTION_RE = re.compile(r"<!-- section:(?P<id>[\w.-]+) -->\n.*?<!-- /section:(?P=id) -->\n", re.S)
+LATEST_HEADER = (
+    "# Latest benchmark results\n\n"
+    "Written by `bench/agent_scale.py` and `bench/optout_watch.py` (each run replaces its own "
+    "section). See docs/benchmarks.md for what is measured and how.\n\n"
+)
+
+
+def update_latest(section_id: str, markdown: str) -> Path:
+    """Put `markdown` into bench/results/latest.md as section `section_id`, replacing the
+    section of a previous run and keeping the others, ordered by id."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    text = LATEST_MD.read_text() if LATEST_MD.exists() else ""
+    sections = {m["id"]: m.group(0) for m in _SECTION_RE.finditer(text)}
+    sections[section_id] = (
+        f"<!-- section:{section_id} -->\n{markdown.rstrip()}\n<!-- /section:{section_id} -->\n"
+    )
+    body = "\n".join(sections[k] for k in sorted(sections, key=_section_order))
+    LATEST_MD.write_text(LATEST_HEADER + body)
+    return LATEST_MD
+
+
+def _section_order(section_id: str) -> tuple[str, int]:
+    name, _, size = section_id.rpartition("-")
+    return (name, int(size)) if size.isdigit() else (section_id, 0)
