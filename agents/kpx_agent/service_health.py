@@ -24,14 +24,27 @@ class HealthTarget:
 
 
 def health_targets(state: NodeLocalState) -> dict[int, HealthTarget]:
-    """healthCheckNodePort -> the Service it reports on, with its local endpoint count."""
-    local: dict[int, tuple[str, str, set[object]]] = {}
+    """healthCheckNodePort -> the Service it reports on, with its local endpoint count.
+
+    A dual-stack pod has an address per family: count per family and report the larger count
+    (as upstream does), so one pod counts once.
+    """
+    names: dict[int, tuple[str, str]] = {}
+    local: dict[tuple[int, int], set[str]] = {}
     for sp in state.services.values():
-        if not sp.health_check_node_port:
+        port = sp.health_check_node_port
+        if not port:
             continue
-        entry = local.setdefault(sp.health_check_node_port, (sp.key.namespace, sp.key.name, set()))
-        entry[2].update(e.ip for e in sp.external_endpoints if e.local)
-    return {port: HealthTarget(ns, name, len(eps)) for port, (ns, name, eps) in local.items()}
+        names.setdefault(port, (sp.key.namespace, sp.key.name))
+        local.setdefault((port, sp.family), set()).update(
+            e.ip for e in sp.external_endpoints if e.local
+        )
+    return {
+        port: HealthTarget(
+            ns, name, max(len(local.get((port, 4), ())), len(local.get((port, 6), ())))
+        )
+        for port, (ns, name) in names.items()
+    }
 
 
 def response(target: HealthTarget) -> tuple[int, dict[str, str], str]:

@@ -759,3 +759,82 @@ def build_agent_env(
             topo.cleanup()
     left = leftovers(topo.prefix)
     assert not left, f"topology {topo.prefix} leaked: {left}"
+
+
+# ---- appended for the shared Service-semantics matrix (test_service_semantics.py) ---------------
+
+
+def kernel_rules(topology: Topology, target: Target) -> str:
+    """Everything a proxy mode may have programmed in `target`'s netns, as text: the nftables
+    ruleset plus `iptables-save` and `ip6tables-save` (whichever flavour is installed)."""
+    parts = [topology.exec(target, ["nft", "list", "ruleset"], check=True).stdout]
+    for tool in ("iptables-save", "ip6tables-save"):
+        parts.append(topology.exec(target, [tool], check=False).stdout)
+    return "\n".join(parts)
+
+
+def iptables_chains(topology: Topology, target: Target, prefix: str = "KPX-") -> set[str]:
+    """Names of the iptables/ip6tables chains starting with `prefix` in `target`'s netns, as
+    '<family> <table> <chain>' strings (e.g. '4 nat KPX-SERVICES')."""
+    found: set[str] = set()
+    for family, tool in ((4, "iptables-save"), (6, "ip6tables-save")):
+        table = ""
+        for line in topology.exec(target, [tool], check=False).stdout.splitlines():
+            if line.startswith("*"):
+                table = line[1:].strip()
+            elif line.startswith(":") and line[1:].startswith(prefix):
+                found.add(f"{family} {table} {line[1:].split()[0]}")
+    return found
+
+
+_UDP_SOCKET_WATCH_CODE = """
+import socket, sys, time
+host, port = sys.argv[1], int(sys.argv[2])
+interval, timeout = float(sys.argv[3]), float(sys.argv[4])
+sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+sock.connect((host, port))
+print("ready", flush=True)
+while True:
+    sock.setblocking(False)
+    while True:  # late replies and queued ICMP errors of earlier tries
+        try:
+            sock.recv(4096)
+        except BlockingIOError:
+            break
+        except OSError:
+            continue
+    sock.settimeout(timeout)
+    t = time.time()
+    try:
+        sock.send(b"kpx-probe\\n")
+        words = sock.recv(4096).decode(errors="replace").split()
+        what = words[0] if words else "error"
+    except ConnectionRefusedError:
+        what = "refused"
+    except TimeoutError:
+        what = "timeout"
+    except OSError:
+        what = "error"
+    print(f"{t:.6f} {what}", flush=True)
+    time.sleep(interval)
+"""
+
+
+def start_udp_socket_watch(
+    topology: Topology,
+    target: Target,
+    host: str,
+    port: int,
+    interval: float = 0.05,
+    timeout: float = 0.25,
+) -> TrafficWatch:
+    """Like `TrafficWatch.start` for UDP, but every try is a datagram on ONE connected socket
+    (one source port, so one conntrack entry for the whole run): what a long-lived UDP client
+    such as a DNS resolver or a metrics agent does. Events as in `TrafficWatch`."""
+    argv = [sys.executable, "-c", _UDP_SOCKET_WATCH_CODE, host, str(port)]
+    argv += [str(interval), str(timeout)]
+    proc = topology.run(target, argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    watch = TrafficWatch(proc)
+    watch._read_until(lambda: b"ready\n" in watch._buf, 15.0, parse=False)
+    watch._buf = watch._buf.split(b"ready\n", 1)[1]
+    return watch

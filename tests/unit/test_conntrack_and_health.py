@@ -64,7 +64,8 @@ def test_health_targets_count_local_external_endpoints() -> None:
     local6 = Endpoint(IP.of("fd00::2"), 8080, True)
     sp6 = ServicePort(key6, 80, health_check_node_port=32000, external_endpoints=(local6,))
     state = NodeLocalState(NodeInfo("n1"), {key: sp, key6: sp6})
-    assert health_targets(state) == {32000: HealthTarget("shop", "web", 2)}
+    # One dual-stack pod: an address per family, one endpoint.
+    assert health_targets(state) == {32000: HealthTarget("shop", "web", 1)}
     status, headers, body = response(HealthTarget("shop", "web", 2))
     assert status == 200 and headers["X-Load-Balancing-Endpoint-Weight"] == "2"
     assert json.loads(body)["localEndpoints"] == 2

@@ -34,6 +34,8 @@ HAIRPIN = "hairpin"  # endpoint . endpoint: a pod reaching itself through a VIP
 FIREWALL_IPS = "firewall-ips"  # vip . proto . port of load balancers with source ranges
 FIREWALL_ALLOW = "firewall-allow"  # vip . proto . port . source-range allowed to reach them
 FIREWALL = "firewall"  # drops traffic to those load balancers from anywhere else
+FIREWALL_PREROUTING = "firewall-prerouting"
+FIREWALL_OUTPUT = "firewall-output"
 NODEPORT_ADDRESSES = "nodeport-addresses"  # local addresses NodePorts answer on
 CLUSTER_CIDRS = "cluster-cidrs"  # the pod networks (detect-local)
 

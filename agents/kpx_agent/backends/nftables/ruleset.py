@@ -273,9 +273,14 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
         f"    {local_np} @{n.REJECT_NODEPORTS} reject",
         f"    {local_np} @{n.DROP_NODEPORTS} drop",
         "  }",
-        f"  chain {n.FIREWALL} {{ type filter hook prerouting priority {PRIORITY_FIREWALL};"
-        f" policy accept; {match_vpp} @{n.FIREWALL_IPS} {match_vpp} . {saddr}"
-        f" != @{n.FIREWALL_ALLOW} drop; }}",
+        f"  chain {n.FIREWALL} {{",
+        f"    {match_vpp} @{n.FIREWALL_IPS} {match_vpp} . {saddr} != @{n.FIREWALL_ALLOW} drop",
+        "  }",
+        # Before DNAT, on both paths: traffic from pods and from the node itself.
+        f"  chain {n.FIREWALL_PREROUTING} {{ type filter hook prerouting priority"
+        f" {PRIORITY_FIREWALL}; policy accept; jump {n.FIREWALL}; }}",
+        f"  chain {n.FIREWALL_OUTPUT} {{ type filter hook output priority"
+        f" {PRIORITY_FIREWALL}; policy accept; jump {n.FIREWALL}; }}",
         f"  chain {n.NAT_PREROUTING} {{ type nat hook prerouting priority {PRIORITY_DSTNAT};"
         f" policy accept; jump {n.SERVICES}; }}",
         f"  chain {n.NAT_OUTPUT} {{ type nat hook output priority {PRIORITY_DSTNAT};"
