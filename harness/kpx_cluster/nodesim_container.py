@@ -1,0 +1,336 @@
+"""One container of a simulated pod: its process, restarts, probes and reported status."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import signal
+import subprocess
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .netns import Target, Topology
+from .nodesim_api import Obj, now_rfc3339
+from .nodesim_env import ConfigError, EnvBuilder
+from .nodesim_probe import Prober, ProbeTiming, cancel_all, http_check, tcp_check
+from .nodesim_process import ExitInfo, Process, spawn
+
+log = logging.getLogger(__name__)
+
+BACKOFF_START, BACKOFF_MAX, STABLE_RUN = 1.0, 10.0, 10.0
+CONFIG_RETRY = 2.0
+
+
+@dataclass
+class ContainerContext:
+    """What a container needs from its pod (set up once the pod's sandbox exists)."""
+
+    topology: Topology
+    target: Target
+    netns: str
+    probe_host: str
+    log_dir: Path
+    cwd: Path
+    env: EnvBuilder
+    base_env: dict[str, str]
+    grace: float
+    changed: Callable[[], None]
+    note_refusal: Callable[[BaseException], None]
+
+
+class Container:
+    """Runs one container spec; `run` returns when it should stay terminated."""
+
+    def __init__(self, ctx: ContainerContext, spec: Obj, init: bool = False) -> None:
+        self.ctx = ctx
+        self.spec = spec
+        self.name = str(spec["name"])
+        self.init = init
+        self.process: Process | None = None
+        self.restart_count = 0
+        self.ready = False
+        self.started = False
+        self.last_state: Obj = {}
+        self.terminated: Obj | None = None
+        self.waiting: tuple[str, str] = ("ContainerCreating", "")
+        self.container_id = ""
+        self.env: dict[str, str] = {}
+        self._stopping = False
+        self._probes: list[asyncio.Task[Any]] = []
+        self._spawning: asyncio.Future[subprocess.Popen[Any]] | None = None
+
+    @property
+    def log_file(self) -> Path:
+        return self.ctx.log_dir / f"{self.name}.log"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self, restart_policy: str) -> ExitInfo | None:
+        """Start the container and restart it as `restart_policy` says, with back-off."""
+        backoff = BACKOFF_START
+        try:
+            while True:
+                try:
+                    info = await self._run_once()
+                except ConfigError as err:
+                    self.ctx.note_refusal(err)
+                    self._set_waiting("CreateContainerConfigError", str(err))
+                    await asyncio.sleep(CONFIG_RETRY)
+                    continue
+                if self._stopping:
+                    return info
+                restart = restart_policy == "Always" or (
+                    restart_policy == "OnFailure" and info.exit_code != 0
+                )
+                if not restart:
+                    self.terminated = self._terminated_state(info)
+                    self.ctx.changed()
+                    return info
+                self.last_state = {"terminated": self._terminated_state(info)}
+                if info.runtime >= STABLE_RUN:
+                    backoff = BACKOFF_START
+                self._set_waiting(
+                    "CrashLoopBackOff",
+                    f"back-off {backoff:.0f}s restarting failed container={self.name}",
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX)
+                self.restart_count += 1
+        except asyncio.CancelledError:
+            await self._abort()
+            raise
+
+    async def _run_once(self) -> ExitInfo:
+        self.env = await self.ctx.env.env(self.spec, self.ctx.base_env)
+        argv = self.ctx.env.argv(self.spec, self.env)
+        if shutil.which(argv[0], path=self.env.get("PATH")) is None:
+            self.log_file.parent.mkdir(parents=True, exist_ok=True)
+            with self.log_file.open("a") as log_out:
+                log_out.write(f"nodesim: executable {argv[0]!r} not found\n")
+            now = now_rfc3339()
+            return ExitInfo(128, None, now, now, 0.0, "StartError")  # retried like a crash
+        cwd = self.ctx.env.workdir(self.spec, self.ctx.cwd)
+        self._spawning = asyncio.ensure_future(
+            asyncio.to_thread(
+                spawn, self.ctx.topology, self.ctx.target, argv, self.env, cwd, self.log_file
+            )
+        )
+        try:
+            popen = await asyncio.shield(self._spawning)  # if cancelled, _abort() reaps it
+        except Exception as err:  # e.g. the topology was cleaned up under us
+            self._spawning = None
+            log.warning("container %s did not start: %s", self.name, err)
+            now = now_rfc3339()
+            return ExitInfo(128, None, now, now, 0.0, "StartError")
+        self._spawning = None
+        self.process = Process(popen)
+        self.container_id = f"sim://{popen.pid}"
+        self.waiting = ("", "")
+        self.terminated = None
+        log.info("started %s pid %d: %s", self.name, popen.pid, argv)
+        self._start_probes()
+        self.ctx.changed()
+        info = await self.process.wait()
+        await cancel_all(self._probes)
+        self.ready = self.started = False
+        self.ctx.changed()
+        return info
+
+    async def _abort(self) -> None:
+        """On cancellation: make sure no process of ours survives."""
+        await cancel_all(self._probes)
+        if self._spawning is not None:
+            with contextlib.suppress(Exception):
+                popen = await self._spawning
+                self.process = Process(popen)
+            self._spawning = None
+        if self.process is not None and self.process.running:
+            await self.process.stop(self.ctx.grace)
+
+    async def stop(self, task: asyncio.Task[Any] | None, grace: float) -> None:
+        """Stop for good: SIGTERM, `grace` seconds, SIGKILL; then end `task` (our `run`)."""
+        self._stopping = True
+        await cancel_all(self._probes)
+        if self.process is not None and self.process.running:
+            info = await self.process.stop(grace)
+            self.terminated = self._terminated_state(info)
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.process is not None and self.terminated is None:
+            info_after = self.process.exit_info
+            if info_after is not None:
+                self.terminated = self._terminated_state(info_after)
+        if self.terminated is None and "terminated" in self.last_state:
+            self.terminated = self.last_state["terminated"]  # stopped during a back-off
+        self.ready = self.started = False
+
+    def kill_now(self) -> None:
+        if self.process is not None:
+            self.process.kill_now()
+
+    # -- probes ------------------------------------------------------------------------------
+
+    def _start_probes(self) -> None:
+        startup = self.spec.get("startupProbe")
+        self.started = startup is None
+        self.ready = False
+        if startup is not None:
+            self._add_probe("startup", startup, False, self._on_startup)
+        else:
+            self._after_started()
+
+    def _after_started(self) -> None:
+        readiness, liveness = self.spec.get("readinessProbe"), self.spec.get("livenessProbe")
+        if readiness is not None:
+            self._add_probe("readiness", readiness, False, self._on_readiness)
+        else:
+            self.ready = True
+        if liveness is not None:
+            self._add_probe("liveness", liveness, True, self._on_liveness)
+
+    def _add_probe(
+        self, kind: str, spec: Obj, initial: bool, on_change: Callable[[bool], None]
+    ) -> None:
+        prober = Prober(kind, ProbeTiming.of(spec), self._checker(spec), initial, on_change)
+        self._probes.append(asyncio.create_task(prober.run(), name=f"{kind}-{self.name}"))
+
+    def _on_startup(self, ok: bool) -> None:
+        if ok:
+            self.started = True
+            self._after_started()
+            self.ctx.changed()
+        else:
+            self._kill_for_probe("startup")
+
+    def _on_readiness(self, ok: bool) -> None:
+        self.ready = ok
+        self.ctx.changed()
+
+    def _on_liveness(self, ok: bool) -> None:
+        if not ok:
+            self._kill_for_probe("liveness")
+
+    def _kill_for_probe(self, kind: str) -> None:
+        process = self.process
+        if process is not None and process.running:
+            log.info("%s probe of %s failed: restarting pid %d", kind, self.name, process.pid)
+            task = asyncio.create_task(process.stop(self.ctx.grace))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    def _port(self, port: object) -> int:
+        if isinstance(port, int) or str(port).isdigit():
+            return int(str(port))
+        for declared in self.spec.get("ports") or []:
+            if declared.get("name") == port:
+                return int(declared["containerPort"])
+        raise ValueError(f"container {self.name} has no port named {port!r}")
+
+    def _checker(self, spec: Obj) -> Callable[[], Awaitable[bool]]:
+        timeout = float(spec.get("timeoutSeconds", 1))
+        netns = self.ctx.netns
+        if "httpGet" in spec:
+            get = spec["httpGet"]
+            host = get.get("host") or self.ctx.probe_host
+            headers = {h["name"]: h["value"] for h in get.get("httpHeaders") or []}
+            https = str(get.get("scheme", "HTTP")).upper() == "HTTPS"
+
+            async def http() -> bool:
+                port = self._port(get["port"])
+                path = str(get.get("path") or "/")
+                return await http_check(netns, host, port, path, timeout, headers, https)
+
+            return http
+        if "tcpSocket" in spec:
+            sock = spec["tcpSocket"]
+            host = sock.get("host") or self.ctx.probe_host
+
+            async def tcp() -> bool:
+                return await tcp_check(netns, host, self._port(sock["port"]), timeout)
+
+            return tcp
+        if "exec" in spec:
+            command = [str(w) for w in spec["exec"].get("command") or []]
+
+            async def exec_probe() -> bool:
+                return await self._exec(command, timeout)
+
+            return exec_probe
+
+        async def unsupported() -> bool:
+            return True
+
+        log.warning("probe %s of %s not simulated: always succeeds", sorted(spec), self.name)
+        return unsupported
+
+    async def _exec(self, command: list[str], timeout: float) -> bool:
+        if not command:
+            return False
+        argv = [self.ctx.env.paths.rewrite(w) for w in command]
+        popen = await asyncio.to_thread(
+            spawn, self.ctx.topology, self.ctx.target, argv, self.env, self.ctx.cwd, None
+        )
+        proc = Process(popen)
+        try:
+            async with asyncio.timeout(timeout):
+                return (await proc.wait()).exit_code == 0
+        except TimeoutError:
+            await proc.stop(0)
+            return False
+        finally:
+            if proc.running:
+                await proc.stop(0)
+
+    # -- status ------------------------------------------------------------------------------
+
+    def _set_waiting(self, reason: str, message: str) -> None:
+        self.waiting = (reason, message)
+        self.ctx.changed()
+
+    def _terminated_state(self, info: ExitInfo) -> Obj:
+        state: Obj = {
+            "exitCode": info.exit_code,
+            "reason": info.reason,
+            "startedAt": info.started_at,
+            "finishedAt": info.finished_at,
+        }
+        if info.signal is not None:
+            state["signal"] = info.signal
+            state["message"] = f"killed by {signal.Signals(info.signal).name}"
+        if self.container_id:
+            state["containerID"] = self.container_id
+        return state
+
+    def status(self) -> Obj:
+        """This container's entry of status.containerStatuses."""
+        status: Obj = {
+            "name": self.name,
+            "image": self.spec.get("image", ""),
+            "imageID": "",
+            "ready": self.ready,
+            "started": self.started,
+            "restartCount": self.restart_count,
+            "lastState": self.last_state,
+        }
+        if self.container_id:
+            status["containerID"] = self.container_id
+        if self.process is not None and self.process.running:
+            status["state"] = {"running": {"startedAt": self.process.started_at}}
+        elif self.terminated is not None:
+            status["state"] = {"terminated": self.terminated}
+        else:
+            reason, message = self.waiting
+            waiting = {"reason": reason or "ContainerCreating"}
+            if message:
+                waiting["message"] = message
+            status["state"] = {"waiting": waiting}
+        return status
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None and self.process.running else None

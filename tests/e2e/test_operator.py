@@ -1,0 +1,450 @@
+"""proxy-operator against a real apiserver, with exactly the RBAC it ships.
+
+The operator runs as a subprocess with a token of its own ServiceAccount (operator/manifests),
+so a permission it lacks fails here. There is no kubelet: the agent pods never run, so the
+status can only say "rolling out"; the node simulator test covers running agents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from kpx_api import agent_config_from_spec, parse_agent_config, parse_spec
+from kpx_cluster.controlplane import Cluster, free_port
+from kpx_cluster.kubeconfig import write_kubeconfig
+from kpx_operator.builders import AGENT_RULES
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_FILE = REPO / "crds" / "proxyconfigurations.proxy.kpx.dev.yaml"
+MANIFESTS = REPO / "operator" / "manifests"
+EXAMPLES = REPO / "examples"
+NS = "kpx-system"
+NODE = "op-e2e-node"  # labelled kpx.dev/pool=b: selected by "default" and by "e2e-pool-b"
+OUR_PXCS = ("default", "ipvs-pool", "e2e-pool-b", "e2e-empty")
+
+T = TypeVar("T")
+Obj = dict[str, Any]
+
+
+def wait_until(check: Callable[[], T | None], timeout: float = 30, what: str = "condition") -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout}s (last: {value!r})")
+        time.sleep(0.25)
+
+
+@dataclass
+class Operator:
+    """One proxy-operator process."""
+
+    proc: subprocess.Popen[bytes]
+    health_port: int
+    log: Path
+
+    def health(self) -> Obj | None:
+        url = f"http://127.0.0.1:{self.health_port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return dict(json.loads(resp.read()))
+        except OSError:
+            return None
+
+    def is_leader(self) -> bool:
+        return bool((self.health() or {}).get("leader"))
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass
+class Env:
+    cluster: Cluster
+    kubeconfig: Path
+    workdir: Path
+    operators: list[Operator] = field(default_factory=list)
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> Any:
+        return self.cluster.kubectl(*args, input=input, check=check)
+
+    def get(self, kind: str, name: str, ns: str | None = None) -> Obj | None:
+        args = ["get", kind, name, "-o", "json", "--show-managed-fields"]
+        if ns:
+            args[1:1] = ["-n", ns]
+        result = self.kubectl(*args, check=False)
+        return dict(json.loads(result.stdout)) if result.returncode == 0 else None
+
+    def apply(self, obj: Obj) -> None:
+        self.kubectl("apply", "--server-side", "--field-manager=kpx-e2e", "-f", "-",
+                     input=json.dumps(obj))  # fmt: skip
+
+    def start_operator(self, *flags: str) -> Operator:
+        port = free_port()
+        log = self.workdir / f"operator-{len(self.operators)}.log"
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO / d) for d in ("operator", "api")] + [os.environ.get("PYTHONPATH", "")]
+            ),
+        }
+        env.pop("KUBECONFIG", None)
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kpx_operator", "--namespace", NS,
+                 "--kubeconfig", str(self.kubeconfig), "--health-address", f"127.0.0.1:{port}",
+                 "--resync-interval", "2", *flags],
+                stdout=out, stderr=subprocess.STDOUT, env=env,
+            )  # fmt: skip
+        op = Operator(proc, port, log)
+        self.operators.append(op)
+        wait_until(op.health, 20, f"operator health endpoint (log: {log})")
+        return op
+
+    def events(self, pxc: str) -> list[Obj]:
+        out = self.kubectl("-n", NS, "get", "events", "-o", "json",
+                           f"--field-selector=involvedObject.name={pxc}").stdout  # fmt: skip
+        return list(json.loads(out)["items"])
+
+    def reasons(self, pxc: str) -> set[tuple[str, str]]:
+        return {(e["type"], e["reason"]) for e in self.events(pxc)}
+
+    def condition(self, pxc: str, type_: str) -> Obj | None:
+        obj = self.get("proxyconfiguration", pxc) or {}
+        conds = (obj.get("status") or {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == type_), None)
+
+
+def _manifest(name: str) -> str:
+    return str(MANIFESTS / name)
+
+
+@pytest.fixture(scope="module")
+def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    workdir = tmp_path_factory.mktemp("operator")
+    cluster.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
+
+    def established() -> bool:
+        out = cluster.kubectl("get", "crd", "proxyconfigurations.proxy.kpx.dev", "-o", "json")
+        conds = (json.loads(out.stdout).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
+
+    wait_until(established, 60, "CRD established")
+    # Everything the operator ships except its Deployment (no kubelet here to run it).
+    for name in ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml"):
+        cluster.kubectl("apply", "-f", _manifest(name))
+    token = cluster.kubectl("-n", NS, "create", "token", "kpx-operator", "--duration=2h")
+    token_file = workdir / "operator.token"
+    token_file.write_text(token.stdout.strip())
+    kubeconfig = write_kubeconfig(
+        workdir / "operator.kubeconfig",
+        server=cluster.server,
+        ca=cluster.ca_file,
+        user="system:serviceaccount:kpx-system:kpx-operator",
+        token_file=token_file,
+    )
+    node = {"apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": NODE, "labels": {"kpx.dev/pool": "b"}}}  # fmt: skip
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(node))
+    e = Env(cluster, kubeconfig, workdir)
+    try:
+        yield e
+    finally:
+        for op in e.operators:
+            op.stop()
+        for name in OUR_PXCS:  # no operator left to release the finalizers
+            cluster.kubectl("patch", "proxyconfiguration", name, "--type=merge",
+                            "-p", '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
+            cluster.kubectl("delete", "proxyconfiguration", name, "--ignore-not-found",
+                            "--wait=false", check=False)  # fmt: skip
+        cluster.kubectl("delete", "node", NODE, "--ignore-not-found", "--wait=false", check=False)
+        cluster.kubectl("delete", "clusterroles,clusterrolebindings", "-l",
+                        "app.kubernetes.io/managed-by=kpx-operator", "--wait=false",
+                        check=False)  # fmt: skip
+        cluster.kubectl("delete", "-f", _manifest("rbac.yaml"), "--ignore-not-found",
+                        "--wait=false", check=False)  # fmt: skip
+        cluster.kubectl("delete", "namespace", NS, "--ignore-not-found", "--wait=false",
+                        check=False)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def leader(env: Env) -> Operator:
+    """The first replica, with --ipvs-policy=deny; it takes the Lease."""
+    op = env.start_operator("--ipvs-policy=deny")
+    wait_until(op.is_leader, 20, "first operator leads")
+    return op
+
+
+def example(name: str) -> Obj:
+    return dict(yaml.safe_load((EXAMPLES / name).read_text()))
+
+
+def pxc_body(name: str, **spec: Any) -> Obj:
+    return {"apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyConfiguration",
+            "metadata": {"name": name}, "spec": spec}  # fmt: skip
+
+
+CHILDREN = (
+    ("serviceaccount", "kpx-agent-default", NS),
+    ("clusterrole", "kpx-agent-default", None),
+    ("clusterrolebinding", "kpx-agent-default", None),
+    ("configmap", "kpx-agent-default", NS),
+    ("daemonset", "kpx-agent-default", NS),
+)
+
+
+def test_children_appear_owned_and_server_side_applied(env: Env, leader: Operator) -> None:
+    env.apply(example("proxyconfig.yaml"))
+    wait_until(lambda: env.get("daemonset", "kpx-agent-default", NS), 30, "agent DaemonSet")
+    pxc = env.get("proxyconfiguration", "default")
+    assert pxc is not None
+    assert "proxy.kpx.dev/cleanup" in pxc["metadata"]["finalizers"]
+    for kind, name, ns in CHILDREN:
+        obj = env.get(kind, name, ns)
+        assert obj is not None, (kind, name)
+        (owner,) = obj["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"]) == (
+            "ProxyConfiguration", "default", pxc["metadata"]["uid"],
+        )  # fmt: skip
+        assert owner["controller"] is True
+        managers = {(m["manager"], m["operation"]) for m in obj["metadata"]["managedFields"]}
+        assert ("kpx-operator", "Apply") in managers, (kind, managers)
+    cm = env.get("configmap", "kpx-agent-default", NS)
+    assert cm is not None
+    config = parse_agent_config(yaml.safe_load(cm["data"]["config.yaml"]))
+    assert config == agent_config_from_spec(parse_spec(pxc["spec"]))
+    role = env.get("clusterrole", "kpx-agent-default")
+    assert role is not None and role["rules"] == list(AGENT_RULES)
+    ds = env.get("daemonset", "kpx-agent-default", NS)
+    assert ds is not None
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    assert container["command"][:3] == ["proxy-agent", "--mode", "nftables"]
+
+
+def test_status_has_generation_and_conditions(env: Env, leader: Operator) -> None:
+    def status() -> Obj | None:
+        pxc = env.get("proxyconfiguration", "default") or {}
+        st = pxc.get("status") or {}
+        gen = pxc.get("metadata", {}).get("generation")
+        ok = st.get("observedGeneration") == gen and st.get("desiredNodes", 0) >= 1
+        return {**st, "generation": gen} if ok else None
+
+    st = wait_until(status, 30, "status with observedGeneration and a desired node")
+    conds = {c["type"]: c for c in st["conditions"]}
+    assert set(conds) == {"Ready", "Progressing", "Degraded", "Deprecated"}
+    assert all(c["observedGeneration"] == st["generation"] for c in conds.values())
+    # No kubelet: the agent pod never runs.
+    assert (conds["Ready"]["status"], conds["Progressing"]["status"]) == ("False", "True")
+    assert conds["Progressing"]["reason"] == "RollingOut"
+    assert conds["Deprecated"]["status"] == "False"
+    assert (st["mode"], st["deprecated"], st["readyNodes"]) == ("nftables", False, 0)
+    assert "kopf" in st  # kopf's bookkeeping is kept in status.kopf, not in annotations
+    annotations = (env.get("proxyconfiguration", "default") or {})["metadata"].get("annotations")
+    assert not any("kopf" in k for k in annotations or {})
+
+
+def test_deleted_daemonset_comes_back(env: Env, leader: Operator) -> None:
+    before = env.get("daemonset", "kpx-agent-default", NS)
+    assert before is not None
+    env.kubectl("-n", NS, "delete", "daemonset", "kpx-agent-default", "--wait=false")
+
+    def recreated() -> bool:
+        ds = env.get("daemonset", "kpx-agent-default", NS)
+        return ds is not None and ds["metadata"]["uid"] != before["metadata"]["uid"]
+
+    wait_until(recreated, 30, "DaemonSet re-created")
+    wait_until(lambda: ("Normal", "DriftRepaired") in env.reasons("default"), 10, "event")
+
+
+def test_hand_edited_daemonset_is_restored(env: Env, leader: Operator) -> None:
+    env.kubectl("-n", NS, "set", "image", "daemonset/kpx-agent-default", "agent=evil:1")
+
+    def image() -> str:
+        ds = env.get("daemonset", "kpx-agent-default", NS) or {}
+        return str(ds["spec"]["template"]["spec"]["containers"][0]["image"])
+
+    wait_until(lambda: image() == "ghcr.io/kpx/kpx-agent:0.1.0", 30, "image restored")
+
+
+def test_live_change_updates_the_configmap_and_not_the_pods(env: Env, leader: Operator) -> None:
+    ds = env.get("daemonset", "kpx-agent-default", NS)
+    assert ds is not None
+    patch = {"spec": {"namespaceOptOut": {"namespaces": ["legacy-proxy", "e2e-opted-out"]}}}
+    env.kubectl("patch", "proxyconfiguration", "default", "--type=merge",
+                "-p", json.dumps(patch))  # fmt: skip
+
+    def config_has_it() -> bool:
+        cm = env.get("configmap", "kpx-agent-default", NS) or {}
+        return "e2e-opted-out" in cm.get("data", {}).get("config.yaml", "")
+
+    wait_until(config_has_it, 30, "ConfigMap updated")
+    after = env.get("daemonset", "kpx-agent-default", NS)
+    assert after is not None
+    assert after["metadata"]["generation"] == ds["metadata"]["generation"]
+    assert after["spec"]["template"] == ds["spec"]["template"]
+
+    # A new image needs new pods: the template changes and the DaemonSet rolls.
+    env.kubectl("patch", "proxyconfiguration", "default", "--type=merge",
+                "-p", json.dumps({"spec": {"image": "ghcr.io/kpx/kpx-agent:0.1.1"}}))  # fmt: skip
+
+    def rolled() -> bool:
+        new = env.get("daemonset", "kpx-agent-default", NS) or {"metadata": {"generation": 0}}
+        return bool(new["metadata"]["generation"] > ds["metadata"]["generation"])
+
+    wait_until(rolled, 30, "DaemonSet template changed")
+
+
+def test_denied_ipvs_deploys_nothing(env: Env, leader: Operator) -> None:
+    env.apply(example("proxyconfig-ipvs.yaml"))
+    degraded = wait_until(lambda: env.condition("ipvs-pool", "Degraded"), 30, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "IPVSDenied")
+    assert "nftables" in degraded["message"] and "deny" in degraded["message"]
+    deprecated = env.condition("ipvs-pool", "Deprecated")
+    assert deprecated is not None and deprecated["status"] == "True"
+    pxc = env.get("proxyconfiguration", "ipvs-pool") or {}
+    assert pxc["status"]["deprecated"] is True
+    for kind, ns in (("daemonset", NS), ("configmap", NS), ("serviceaccount", NS),
+                     ("clusterrole", None)):  # fmt: skip
+        assert env.get(kind, "kpx-agent-ipvs-pool", ns) is None, kind
+    wait_until(lambda: ("Warning", "IPVSDenied") in env.reasons("ipvs-pool"), 10, "event")
+
+
+def test_overlapping_node_selectors_are_a_conflict(env: Env, leader: Operator) -> None:
+    env.apply(pxc_body("e2e-pool-b", mode="nftables", nodeSelector={"kpx.dev/pool": "b"}))
+
+    def conflict(name: str) -> Obj | None:
+        cond = env.condition(name, "Degraded")
+        ok = cond and cond["reason"] == "NodeConflict" and NODE in cond["message"]
+        return cond if ok else None
+
+    newer = wait_until(lambda: conflict("e2e-pool-b"), 30, "newer Degraded")
+    older = wait_until(lambda: conflict("default"), 30, "older Degraded")
+    assert "deploys nothing" in newer["message"] and "keeps its agents" in older["message"]
+    assert env.get("daemonset", "kpx-agent-default", NS) is not None  # the older one runs
+    assert env.get("daemonset", "kpx-agent-e2e-pool-b", NS) is None
+    # Deleting the newer one needs no cleanup (nothing of it ran) and clears the conflict.
+    env.kubectl("delete", "proxyconfiguration", "e2e-pool-b", "--timeout=30s")
+    wait_until(lambda: (env.condition("default", "Degraded") or {}).get("status") == "False",
+               30, "conflict cleared")  # fmt: skip
+
+
+def test_deletion_cleans_up_and_releases_the_finalizer(env: Env, leader: Operator) -> None:
+    env.apply(pxc_body("e2e-empty", mode="iptables", nodeSelector={"kpx.dev/pool": "nowhere"}))
+    wait_until(lambda: env.get("daemonset", "kpx-agent-e2e-empty", NS), 30, "agent DaemonSet")
+    started = time.monotonic()
+    # No node matches: the cleanup DaemonSet wants 0 pods and is done at once.
+    env.kubectl("delete", "proxyconfiguration", "e2e-empty", "--timeout=60s")
+    assert time.monotonic() - started < 60
+    for kind, name, ns in (
+        ("daemonset", "kpx-agent-e2e-empty", NS),
+        ("daemonset", "kpx-cleanup-e2e-empty", NS),
+        ("configmap", "kpx-agent-e2e-empty", NS),
+        ("serviceaccount", "kpx-agent-e2e-empty", NS),
+        ("clusterrole", "kpx-agent-e2e-empty", None),
+        ("clusterrolebinding", "kpx-agent-e2e-empty", None),
+    ):
+        assert env.get(kind, name, ns) is None, (kind, name)
+    reasons = env.reasons("e2e-empty")
+    assert {("Normal", "CleanupStarted"), ("Normal", "CleanupDone")} <= reasons
+
+
+def test_second_replica_takes_over(env: Env, leader: Operator) -> None:
+    standby = env.start_operator("--ipvs-policy=warn")
+    time.sleep(3)
+    assert leader.is_leader() and not standby.is_leader()
+    before = (env.get("lease", "kpx-operator", NS) or {})["spec"]
+    leader.stop()  # a clean exit releases the Lease
+    wait_until(standby.is_leader, 20, "standby leads")
+    after = (env.get("lease", "kpx-operator", NS) or {})["spec"]
+    assert after["holderIdentity"] != before["holderIdentity"]
+    assert after["leaseTransitions"] == before["leaseTransitions"] + 1
+    # The new leader repairs drift...
+    env.kubectl("-n", NS, "delete", "daemonset", "kpx-agent-default", "--wait=false")
+    wait_until(lambda: env.get("daemonset", "kpx-agent-default", NS), 30, "DaemonSet back")
+    # ...and with --ipvs-policy=warn deploys the ipvs configuration, with a warning.
+    wait_until(lambda: env.get("daemonset", "kpx-agent-ipvs-pool", NS), 30, "ipvs agents")
+
+    def healthy() -> Obj | None:
+        cond = env.condition("ipvs-pool", "Degraded")
+        return cond if cond and cond["status"] == "False" else None
+
+    assert wait_until(healthy, 30, "ipvs-pool no longer Degraded")["reason"] == "AsExpected"
+    deprecated = env.condition("ipvs-pool", "Deprecated") or {}
+    assert (deprecated["status"], deprecated["reason"]) == ("True", "IPVSDeprecated")
+    wait_until(lambda: ("Warning", "DeprecatedMode") in env.reasons("ipvs-pool"), 10, "event")
+
+
+def kpx_tables(topology: Any, node: Any) -> set[str]:
+    out = topology.exec(node, ["nft", "list", "tables"], check=True).stdout
+    return {line.strip() for line in out.splitlines() if line.strip().endswith(" kpx")}
+
+
+@pytest.mark.netns
+def test_agents_run_on_simulated_nodes_and_deletion_cleans_them(env: Env) -> None:
+    """Real agents (node simulator: pods are processes in node netns), then the deletion flow:
+    agents stopped, a cleanup pod per node removes the rules, the finalizer goes."""
+    from kpx_cluster.netns import Topology
+    from kpx_cluster.nodesim import NodeSimulator
+
+    if not any(op.proc.poll() is None and op.is_leader() for op in env.operators):
+        wait_until(env.start_operator().is_leader, 30, "operator leads")  # test run alone
+    env.apply(example("proxyconfig.yaml"))
+    run = secrets.token_hex(3)
+    label = {"kpx.dev/e2e-sim": run}
+    with Topology() as topo:
+        sim = NodeSimulator(env.cluster, topo)
+        try:
+            nodes = [sim.add_node(f"opsim-{run}-{i}", labels=label) for i in (1, 2)]
+            # Move "default" onto the simulated nodes only (a new pod template: a rollout).
+            env.kubectl("patch", "proxyconfiguration", "default", "--type=merge",
+                        "-p", json.dumps({"spec": {"nodeSelector": label}}))  # fmt: skip
+
+            def ready() -> Obj | None:
+                pxc = env.get("proxyconfiguration", "default") or {}
+                st = pxc.get("status") or {}
+                cond = env.condition("default", "Ready") or {}
+                current = st.get("observedGeneration") == pxc["metadata"]["generation"]
+                done = cond.get("status") == "True" and st.get("readyNodes") == 2
+                return st if done and current else None
+
+            status = wait_until(ready, 90, "both agents ready")
+            assert status["desiredNodes"] == 2
+            progressing = env.condition("default", "Progressing") or {}
+            assert (progressing["status"], progressing["reason"]) == ("False", "RolloutComplete")
+            for node in nodes:  # Ready means synced: the rules are in place
+                assert kpx_tables(topo, node), f"no kpx table on {node.name}"
+
+            # Deletion: agents stop, the cleanup DaemonSet cleans both nodes, finalizer goes.
+            env.kubectl("delete", "proxyconfiguration", "default", "--timeout=120s")
+            for node in nodes:
+                assert kpx_tables(topo, node) == set(), node.name
+            reasons = env.reasons("default")
+            assert {("Normal", "CleanupStarted"), ("Normal", "CleanupDone")} <= reasons
+            assert env.get("daemonset", "kpx-cleanup-default", NS) is None
+            assert sim.refused == []
+        finally:
+            sim.stop(delete_nodes=True)
