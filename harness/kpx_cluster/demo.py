@@ -16,172 +16,119 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from kpx_api.agentconfig import agent_config_from_spec, dump_agent_config
-from kpx_api.proxyconfiguration import parse_spec
-
 from .binaries import kubernetes_bin_dir
 from .controlplane import DEFAULT_ROOT, Cluster
-from .kubeconfig import write_kubeconfig
-from .netns import Node, Topology
+from .netns import Topology
+from .nodesim import NodeSimulator
 
 REPO = Path(__file__).resolve().parents[2]
 STATE = DEFAULT_ROOT / "demo"
 READY, FAILED, PIDFILE, LOG = (STATE / f for f in ("ready.json", "failed", "pid", "demo.log"))
 NODES = ("node-1", "node-2", "node-3")
 ZONES = {"node-1": "zone-a", "node-2": "zone-a", "node-3": "zone-b"}
-AGENT_NAMESPACE = "kpx-system"
 
-# What the agent needs, and nothing more: read Services, EndpointSlices, Namespaces, Nodes.
-AGENT_RULES = [
-    {"apiGroups": [""], "resources": ["services", "namespaces", "nodes"],
-     "verbs": ["get", "list", "watch"]},
-    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-     "verbs": ["get", "list", "watch"]},
+DEMO_APP = [
+    {"apiVersion": "apps/v1", "kind": "Deployment",
+     "metadata": {"name": "web", "namespace": "demo"},
+     "spec": {
+         "replicas": 3,
+         "selector": {"matchLabels": {"app": "web"}},
+         "template": {
+             "metadata": {"labels": {"app": "web"}},
+             "spec": {
+                 "automountServiceAccountToken": False,
+                 "topologySpreadConstraints": [{
+                     "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                     "whenUnsatisfiable": "DoNotSchedule",
+                     "labelSelector": {"matchLabels": {"app": "web"}}}],
+                 "containers": [{
+                     "name": "web", "image": "kpx-demo/http-backend",
+                     "command": ["python3", "-m", "kpx_cluster.http_backend",
+                                 "--name", "$(POD_NAME)", "--port", "8080"],
+                     "env": [{"name": "POD_NAME",
+                              "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                     "ports": [{"containerPort": 8080}],
+                     "readinessProbe": {"httpGet": {"path": "/", "port": 8080},
+                                        "periodSeconds": 2}}]}}}},
+    {"apiVersion": "v1", "kind": "Service",
+     "metadata": {"name": "web", "namespace": "demo"},
+     "spec": {"type": "NodePort", "selector": {"app": "web"},
+              "ipFamilyPolicy": "PreferDualStack",
+              "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}},
 ]  # fmt: skip
 
 
-def _apply(cluster: Cluster, *objs: dict[str, Any]) -> None:
-    cluster.kubectl(
-        "apply",
-        "-f",
-        "-",
-        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(objs)}),
-    )
+def _wait(what: str, check: Callable[[], bool], timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"demo: {what} not reached after {timeout:.0f}s")
+        time.sleep(1)
+    print(f"demo: {what}", flush=True)
 
 
-def _agent_credentials(cluster: Cluster, directory: Path) -> Path:
-    """A least-privilege ServiceAccount for the agents, and a token file for it."""
-    _apply(
-        cluster,
-        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": AGENT_NAMESPACE}},
-        {"apiVersion": "v1", "kind": "ServiceAccount",
-         "metadata": {"name": "kpx-agent", "namespace": AGENT_NAMESPACE}},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-         "metadata": {"name": "kpx-agent"}, "rules": AGENT_RULES},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-         "metadata": {"name": "kpx-agent"},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                     "name": "kpx-agent"},
-         "subjects": [{"kind": "ServiceAccount", "name": "kpx-agent",
-                       "namespace": AGENT_NAMESPACE}]},
-    )  # fmt: skip
-    token = cluster.kubectl(
-        "-n", AGENT_NAMESPACE, "create", "token", "kpx-agent", "--duration=48h"
-    ).stdout.strip()
-    token_file = directory / "agent.token"
-    token_file.write_text(token)
-    token_file.chmod(0o600)
-    return token_file
-
-
-def _register_node(cluster: Cluster, node: Node) -> None:
-    _apply(
-        cluster,
-        {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {
-                "name": node.name,
-                "labels": {"topology.kubernetes.io/zone": ZONES[node.name],
-                           "kubernetes.io/hostname": node.name},
-            },
-            "spec": {"podCIDRs": [node.pod_cidr_v4, node.pod_cidr_v6],
-                     "podCIDR": node.pod_cidr_v4},
-        },
-    )  # fmt: skip
-    status = {
-        "status": {
-            "addresses": [
-                {"type": "InternalIP", "address": node.ipv4},
-                {"type": "InternalIP", "address": node.ipv6},
-                {"type": "Hostname", "address": node.name},
-            ],
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KpxDemo"}],
-        }
-    }
-    cluster.kubectl("patch", "node", node.name, "--subresource=status", "--type=merge",
-                    "-p", json.dumps(status))  # fmt: skip
-
-
-def _start_pod(cluster: Cluster, topo: Topology, node: Node, name: str, ns: str) -> str:
-    """A demo backend: a process in a pod netns, and the Pod object a kubelet would report."""
-    pod = topo.add_pod(node, name)
-    topo.run_ready(pod, topo.python_argv("kpx_cluster.http_backend", "--name", name))
-    _apply(cluster, {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": ns, "labels": {"app": "web"}},
-        "spec": {"nodeName": node.name, "automountServiceAccountToken": False,
-                 "containers": [{"name": "web", "image": "kpx-demo/http-backend",
-                                 "ports": [{"containerPort": 8080}]}]},
-    })  # fmt: skip
-    status = {"status": {
-        "phase": "Running", "podIP": pod.ipv4,
-        "podIPs": [{"ip": pod.ipv4}, {"ip": pod.ipv6}],
-        "conditions": [{"type": "Ready", "status": "True"},
-                       {"type": "ContainersReady", "status": "True"}],
-    }}  # fmt: skip
-    cluster.kubectl("-n", ns, "patch", "pod", name, "--subresource=status", "--type=merge",
-                    "-p", json.dumps(status))  # fmt: skip
-    return pod.netns
+def _json(cluster: Cluster, *args: str) -> dict[str, Any]:
+    out = cluster.kubectl(*args, "-o", "json", check=False)
+    return dict(json.loads(out.stdout)) if out.returncode == 0 else {}
 
 
 def serve() -> None:
-    """Build everything, report ready, then hold it until SIGTERM."""
+    """Build everything, report ready, then hold it until SIGTERM.
+
+    Everything below is what a user does on a real cluster (install the CRD and the operator's
+    manifests, apply a ProxyConfiguration and an app); the node simulator stands in for the
+    kubelets, so the operator's Deployment, the agents' DaemonSet and the app's Deployment all
+    run as real processes on the simulated nodes.
+    """
     cluster = Cluster("kpx")
     if not cluster.is_running():
         cluster.up()
-    spec_doc = yaml.safe_load((REPO / "examples" / "proxyconfig.yaml").read_text())
-    config = dump_agent_config(agent_config_from_spec(parse_spec(spec_doc["spec"])))
     with Topology() as topo:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        nodes = [topo.add_node(n) for n in NODES]
-        topo.expose_host_port(cluster.apiserver_port)
-        token = _agent_credentials(cluster, topo.tmpdir)
-        (topo.tmpdir / "agent.yaml").write_text(config)
-        kubeconfig = write_kubeconfig(
-            topo.tmpdir / "agent.kubeconfig",
-            server=f"https://127.0.0.1:{cluster.apiserver_port}",
-            ca=cluster.ca_file,
-            user="kpx-agent",
-            token_file=token,
-        )
-        for node in nodes:
-            _register_node(cluster, node)
-            topo.run(
-                node,
-                [sys.executable, "-m", "kpx_agent.cli", "--mode", "nftables",
-                 "--node-name", node.name, "--config", str(topo.tmpdir / "agent.yaml"),
-                 "--kubeconfig", str(kubeconfig)],
-                stdout=(STATE / f"agent-{node.name}.log").open("ab"),
-                stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        cluster.create_namespace("demo")
-        backends = [_start_pod(cluster, topo, node, f"web-{i + 1}", "demo")
-                    for i, node in enumerate(nodes)]  # fmt: skip
-        _apply(cluster, {
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": "web", "namespace": "demo"},
-            "spec": {"type": "NodePort", "selector": {"app": "web"},
-                     "ipFamilyPolicy": "PreferDualStack",
-                     "ports": [{"name": "http", "port": 80, "targetPort": 8080}]},
-        })  # fmt: skip
-        client = topo.add_pod(nodes[0], "client")
-        svc = json.loads(cluster.kubectl("-n", "demo", "get", "svc", "web", "-o", "json").stdout)
-        READY.write_text(json.dumps({
-            "clusterIPs": svc["spec"]["clusterIPs"],
-            "nodePort": svc["spec"]["ports"][0]["nodePort"],
-            "client": client.netns,
-            "nodes": {n.name: {"netns": n.netns, "ip": n.ipv4} for n in nodes},
-            "backends": backends,
-            "agentLogs": str(STATE),
-        }, indent=2))  # fmt: skip
-        while True:
-            time.sleep(3600)
+        sim = NodeSimulator(cluster, topo, pod_apiserver_access=True)
+        try:
+            nodes = [sim.add_node(n, zone=ZONES[n]) for n in NODES]
+            print("demo: 3 nodes ready", flush=True)
+            cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+            cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                            "crd/proxyconfigurations.proxy.kpx.dev")  # fmt: skip
+            cluster.kubectl("apply", "-k", str(REPO / "operator" / "manifests"))
+            _wait("operator running", lambda: _json(
+                cluster, "-n", "kpx-system", "get", "deploy", "kpx-operator"
+            ).get("status", {}).get("readyReplicas", 0) >= 1)  # fmt: skip
+            cluster.kubectl("apply", "--server-side", "-f",
+                            str(REPO / "examples" / "proxyconfig.yaml"))  # fmt: skip
+
+            def pxc_ready() -> bool:
+                conds = (
+                    _json(cluster, "get", "pxc", "default").get("status", {}).get("conditions", [])
+                )
+                return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
+
+            _wait("ProxyConfiguration default Ready (agents running on every node)", pxc_ready)
+            cluster.create_namespace("demo")
+            cluster.kubectl("apply", "-f", "-",
+                            input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                              "items": DEMO_APP}))  # fmt: skip
+            _wait("demo app ready", lambda: _json(
+                cluster, "-n", "demo", "get", "deploy", "web"
+            ).get("status", {}).get("readyReplicas", 0) == 3)  # fmt: skip
+            client = topo.add_pod(nodes[0], "client")
+            svc = _json(cluster, "-n", "demo", "get", "svc", "web")
+            READY.write_text(json.dumps({
+                "clusterIPs": svc["spec"]["clusterIPs"],
+                "nodePort": svc["spec"]["ports"][0]["nodePort"],
+                "client": client.netns,
+                "nodes": {n.name: {"netns": n.netns, "ip": n.ipv4} for n in nodes},
+            }, indent=2))  # fmt: skip
+            while True:
+                time.sleep(3600)
+        finally:
+            sim.stop()
 
 
 def _curl(netns: str, url: str) -> str:
@@ -231,7 +178,11 @@ def _show() -> int:
     info = json.loads(READY.read_text())
     cluster = Cluster("kpx")
     vip = info["clusterIPs"][0]
-    print("\n$ kubectl -n demo get pods,svc,endpointslices -o wide")
+    print("\n$ kubectl get proxyconfigurations")
+    print(cluster.kubectl("get", "proxyconfigurations").stdout)
+    print("$ kubectl -n kpx-system get daemonsets,pods -o wide")
+    print(cluster.kubectl("-n", "kpx-system", "get", "daemonsets,pods", "-o", "wide").stdout)
+    print("$ kubectl -n demo get pods,svc,endpointslices -o wide")
     print(cluster.kubectl("-n", "demo", "get", "pods,svc,endpointslices", "-o", "wide").stdout)
     print(f"$ ip netns exec {info['client']} curl -s http://{vip}/    (6 times)")
     for _ in range(6):
@@ -250,7 +201,8 @@ def _show() -> int:
     print(f"  ip netns exec {info['client']} curl -s http://{vip}/")
     print(f"  ip netns exec {info['nodes']['node-1']['netns']} nft list table ip kpx")
     print("  kubectl label namespace demo networking.k8s.io/kube-proxy=disabled  # opt out")
-    print(f"  agent logs: {info['agentLogs']}/agent-node-*.log")
+    print("  kubectl get pxc default -o yaml      # status conditions written by the operator")
+    print(f"  demo log: {LOG}")
     print("Stop everything with: make demo-down")
     return 0
 

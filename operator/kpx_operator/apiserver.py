@@ -145,8 +145,11 @@ def in_cluster() -> Credentials:
     port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
     if ":" in host:
         host = f"[{host}]"
+    # KPX_SERVICEACCOUNT_DIR: where the token is mounted when not at the standard path
+    # (the agent honours the same variable).
+    sa_dir = Path(os.environ.get("KPX_SERVICEACCOUNT_DIR", SA_DIR))
     return Credentials(
-        f"https://{host}:{port}", ca_file=SA_DIR / "ca.crt", token_file=SA_DIR / "token"
+        f"https://{host}:{port}", ca_file=sa_dir / "ca.crt", token_file=sa_dir / "token"
     )
 
 
