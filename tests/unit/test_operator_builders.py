@@ -14,7 +14,6 @@ import pytest
 import yaml
 
 from kpx_api import ProxyConfigurationSpec, agent_config_from_spec, parse_agent_config, parse_spec
-from kpx_cluster.demo import AGENT_RULES as DEMO_AGENT_RULES
 from kpx_operator import builders
 from kpx_operator.builders import BuildOptions, Owner
 from kpx_operator.names import (
@@ -285,9 +284,25 @@ def _manifests() -> list[Obj]:
     ]
 
 
-def test_agent_role_is_read_only_and_matches_the_demo() -> None:
+def test_agent_role_is_exactly_what_the_agent_reads() -> None:
     role = builders.cluster_role(Owner("default", UID))
-    assert role["rules"] == DEMO_AGENT_RULES
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    assert granted == {
+        (group, resource, verb)
+        for group, resource in (
+            ("", "services"),
+            ("", "namespaces"),
+            ("", "nodes"),
+            ("discovery.k8s.io", "endpointslices"),
+        )
+        for verb in ("get", "list", "watch")
+    }
     for _, rule in _rules([role]):
         assert set(rule["verbs"]) <= {"get", "list", "watch"}
         assert "secrets" not in rule["resources"]
