@@ -1,0 +1,240 @@
+"""The whole product on a 3-node simulated cluster, installed as a user would.
+
+The CRD and the operator's shipped manifests are applied (the operator runs as its Deployment
+on the simulated nodes, with its shipped RBAC), then examples/proxyconfig.yaml. The agents'
+DaemonSet runs real agents in the node network namespaces; a Deployment of backends and a
+Service give real traffic from a client pod.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from kpx_cluster.controlplane import Cluster
+from kpx_cluster.kubeconfig import write_kubeconfig
+from kpx_cluster.netns import Node, Pod, Topology
+from kpx_cluster.nodesim import NodeSimulator
+from kpx_cluster.probe import ProbeResult, probe
+
+pytestmark = [pytest.mark.e2e, pytest.mark.netns]
+REPO = Path(__file__).resolve().parents[2]
+NS = "kpx-system"
+APP_NS = "e2e-cluster-app"
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout}s (last: {value!r})")
+        time.sleep(0.5)
+
+
+@dataclass
+class Env:
+    cluster: Cluster
+    topo: Topology
+    sim: NodeSimulator
+    nodes: list[Node]
+    client: Pod
+    label: dict[str, str]
+
+    def json(self, *args: str) -> dict[str, Any]:
+        out = self.cluster.kubectl(*args, "-o", "json", check=False)
+        return dict(json.loads(out.stdout)) if out.returncode == 0 else {}
+
+    def pxc(self) -> dict[str, Any]:
+        return self.json("get", "pxc", "default")
+
+    def condition(self, kind: str) -> dict[str, Any]:
+        for cond in self.pxc().get("status", {}).get("conditions", []):
+            if cond["type"] == kind:
+                return dict(cond)
+        return {}
+
+    def agents(self) -> dict[str, tuple[str, int]]:
+        """node -> (pod uid, restart count) of the agent pods."""
+        pods = self.json("-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=kpx-agent")
+        return {
+            p["spec"]["nodeName"]: (
+                p["metadata"]["uid"],
+                sum(c.get("restartCount", 0) for c in p["status"].get("containerStatuses", [])),
+            )
+            for p in pods.get("items", [])
+            if not p["metadata"].get("deletionTimestamp")
+        }
+
+    def vip(self) -> str:
+        return str(self.json("-n", APP_NS, "get", "svc", "web")["spec"]["clusterIP"])
+
+    def probe(self, count: int = 12) -> ProbeResult:
+        return probe(self.topo, self.client, self.vip(), 80, "tcp", count=count, timeout=1)
+
+    def patch_pxc(self, patch: dict[str, Any]) -> None:
+        self.cluster.kubectl("patch", "pxc", "default", "--type=merge", "-p", json.dumps(patch))
+
+    def ready(self, mode: str) -> dict[str, Any] | None:
+        pxc = self.pxc()
+        st = pxc.get("status", {})
+        ok = (
+            self.condition("Ready").get("status") == "True"
+            and st.get("observedGeneration") == pxc["metadata"]["generation"]
+            and st.get("mode") == mode
+            and st.get("readyNodes") == 3
+        )
+        return st if ok else None
+
+
+def _apply(cluster: Cluster, obj: dict[str, Any]) -> None:
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(obj))
+
+
+@pytest.fixture(scope="module")
+def env(cluster: Cluster) -> Iterator[Env]:
+    run = secrets.token_hex(3)
+    label = {"kpx.dev/e2e-cluster": run}
+    with Topology() as topo:
+        sim = NodeSimulator(cluster, topo, pod_apiserver_access=True)
+        try:
+            nodes = [sim.add_node(f"c{run}-{i}", labels=label) for i in (1, 2, 3)]
+            cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+            cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
+                            "crd/proxyconfigurations.proxy.kpx.dev")  # fmt: skip
+            cluster.kubectl("apply", "-k", str(REPO / "operator" / "manifests"))
+            # Keep the operator's replicas on this test's nodes (other tests add Node objects).
+            cluster.kubectl("-n", NS, "patch", "deploy", "kpx-operator", "--type=merge", "-p",
+                            json.dumps({"spec": {"template": {"spec": {
+                                "nodeSelector": label}}}}))  # fmt: skip
+            example = yaml.safe_load((REPO / "examples" / "proxyconfig.yaml").read_text())
+            example["spec"]["nodeSelector"] = label
+            _apply(cluster, example)
+            _start_app(cluster, label)
+            client = topo.add_pod(nodes[0], "client")
+            yield Env(cluster, topo, sim, nodes, client, label)
+        finally:
+            for args in (
+                ("delete", "pxc", "default", "--ignore-not-found", "--timeout=120s"),
+                ("delete", "namespace", APP_NS, "--ignore-not-found", "--wait=false"),
+                ("-n", NS, "delete", "deploy", "kpx-operator", "--ignore-not-found"),
+            ):
+                cluster.kubectl(*args, check=False, timeout=150)
+            sim.stop(delete_nodes=True)
+
+
+def _start_app(cluster: Cluster, label: dict[str, str]) -> None:
+    cluster.create_namespace(APP_NS)
+    _apply(cluster, {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "web", "namespace": APP_NS},
+        "spec": {
+            "replicas": 3,
+            "selector": {"matchLabels": {"app": "web"}},
+            "template": {
+                "metadata": {"labels": {"app": "web"}},
+                "spec": {
+                    "nodeSelector": label,
+                    "automountServiceAccountToken": False,
+                    "containers": [{
+                        "name": "web", "image": "echo",
+                        "command": ["python3", "-m", "kpx_cluster.echo_server",
+                                    "--name", "$(POD_NAME)", "--port", "8080", "--tcp"],
+                        "env": [{"name": "POD_NAME",
+                                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+                        "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
+                    }],
+                },
+            },
+        },
+    })  # fmt: skip
+    _apply(cluster, {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "web", "namespace": APP_NS},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]},
+    })  # fmt: skip
+
+
+def kpx_rules(env: Env, node: Node) -> dict[str, bool]:
+    tables = env.topo.exec(node, ["nft", "list", "tables"], check=True).stdout
+    chains = env.topo.exec(node, ["iptables-save", "-t", "nat"], check=True).stdout
+    return {"nftables": " kpx" in tables, "iptables": ":KPX-" in chains}
+
+
+def test_ready_and_traffic_flows(env: Env) -> None:
+    status = wait_until(lambda: env.ready("nftables"), 120, "default Ready on 3 nodes")
+    assert status["desiredNodes"] == 3
+    wait_until(lambda: env.json("-n", APP_NS, "get", "deploy", "web").get("status", {})
+               .get("readyReplicas") == 3, 90, "app ready")  # fmt: skip
+    result = wait_until(lambda: (r := env.probe()).failed == 0 and len(r.backends) >= 2 and r,
+                        30, "traffic through the ClusterIP")  # fmt: skip
+    assert all(name.startswith("web-") for name in result.backends)
+    for node in env.nodes:
+        assert kpx_rules(env, node) == {"nftables": True, "iptables": False}
+
+
+def test_opt_out_change_is_live_without_agent_restarts(env: Env) -> None:
+    wait_until(lambda: env.ready("nftables"), 120, "default Ready")
+    before = env.agents()
+    env.patch_pxc({"spec": {"namespaceOptOut": {"namespaces": ["legacy-proxy", APP_NS]}}})
+    wait_until(lambda: not env.probe(4).backends, 40, "the opted-out Service stops working")
+    env.patch_pxc({"spec": {"namespaceOptOut": {"namespaces": ["legacy-proxy"]}}})
+    wait_until(lambda: env.probe(4).failed == 0, 40, "the Service works again")
+    assert env.agents() == before, "agents were restarted for a live setting"
+
+
+def test_agent_token_is_least_privilege(env: Env, tmp_path: Path) -> None:
+    token = env.cluster.kubectl("-n", NS, "create", "token", "kpx-agent-default").stdout.strip()
+    (tmp_path / "token").write_text(token)
+    kubeconfig = write_kubeconfig(
+        tmp_path / "agent.kubeconfig", server=env.cluster.server, ca=env.cluster.ca_file,
+        user="kpx-agent", token_file=tmp_path / "token",
+    )  # fmt: skip
+
+    def kubectl(*args: str) -> tuple[int, str]:
+        out = env.cluster.kubectl(*args, kubeconfig=kubeconfig, check=False)
+        return out.returncode, out.stderr
+
+    assert kubectl("get", "services", "-A")[0] == 0
+    assert kubectl("get", "endpointslices", "-A")[0] == 0
+    code, err = kubectl("get", "secrets", "-A")
+    assert code != 0 and "forbidden" in err.lower()
+    code, err = kubectl("-n", APP_NS, "create", "service", "clusterip", "evil", "--tcp=1:1")
+    assert code != 0 and "forbidden" in err.lower()
+    code, err = kubectl("-n", APP_NS, "delete", "service", "web")
+    assert code != 0 and "forbidden" in err.lower()
+
+
+def test_mode_switch_moves_the_rules(env: Env) -> None:
+    wait_until(lambda: env.ready("nftables"), 120, "default Ready")
+    env.patch_pxc({"spec": {"mode": "iptables", "nftables": None}})
+    wait_until(lambda: env.ready("iptables"), 180, "iptables agents Ready on 3 nodes")
+    for node in env.nodes:
+        rules = wait_until(lambda n=node: (r := kpx_rules(env, n))["iptables"] and r, 30, "rules")
+        assert rules == {"nftables": False, "iptables": True}, node.name
+    wait_until(lambda: env.probe().failed == 0, 30, "traffic in iptables mode")
+
+
+def test_deleted_daemonset_returns(env: Env) -> None:
+    mode = str(env.pxc()["spec"]["mode"])
+    env.cluster.kubectl("-n", NS, "delete", "daemonset", "kpx-agent-default")
+    wait_until(lambda: env.json("-n", NS, "get", "ds", "kpx-agent-default"), 60, "DaemonSet back")
+    wait_until(lambda: env.ready(mode), 120, "agents Ready again")
+
+
+def test_delete_leaves_no_rules_on_any_node(env: Env) -> None:
+    env.cluster.kubectl("delete", "pxc", "default", "--timeout=150s", timeout=180)
+    for node in env.nodes:
+        assert kpx_rules(env, node) == {"nftables": False, "iptables": False}, node.name
+    assert env.sim.refused == []
