@@ -838,3 +838,26 @@ def start_udp_socket_watch(
     watch._read_until(lambda: b"ready\n" in watch._buf, 15.0, parse=False)
     watch._buf = watch._buf.split(b"ready\n", 1)[1]
     return watch
+
+
+@dataclass
+class Svc:
+    """A Service as the apiserver returned it: its name, cluster IPs and node ports."""
+
+    obj: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return str(self.obj["metadata"]["name"])
+
+    def ip(self, family: int = 4) -> str:
+        ips = [str(ip) for ip in self.obj["spec"].get("clusterIPs") or []]
+        matching = [ip for ip in ips if (":" in ip) == (family == 6)]
+        assert matching, f"{self.name} has no IPv{family} cluster IP: {ips}"
+        return matching[0]
+
+    def node_port(self, port_name: str) -> int:
+        for p in self.obj["spec"]["ports"]:
+            if p["name"] == port_name:
+                return int(p["nodePort"])
+        raise AssertionError(f"{self.name} has no port {port_name}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -23,6 +22,7 @@ from agent_harness import (
     SECOND_PORT,
     SERVICE_PROXY_NAME_LABEL,
     AgentEnv,
+    Svc,
     TrafficWatch,
     endpoint_slice,
     first_seen,
@@ -50,27 +50,6 @@ EXTERNAL_IP = "10.250.0.10"
 LB_IP = "10.251.0.20"
 OPTED_OUT_EXTRA = 40  # Services created in an opted-out namespace to show they are not received
 LATENCY_LIMIT = 1.5  # seconds from an EndpointSlice write to traffic following it
-
-
-@dataclass
-class Svc:
-    obj: dict[str, Any]
-
-    @property
-    def name(self) -> str:
-        return str(self.obj["metadata"]["name"])
-
-    def ip(self, family: int = 4) -> str:
-        ips = [str(ip) for ip in self.obj["spec"].get("clusterIPs") or []]
-        matching = [ip for ip in ips if (":" in ip) == (family == 6)]
-        assert matching, f"{self.name} has no IPv{family} cluster IP: {ips}"
-        return matching[0]
-
-    def node_port(self, port_name: str) -> int:
-        for p in self.obj["spec"]["ports"]:
-            if p["name"] == port_name:
-                return int(p["nodePort"])
-        raise AssertionError(f"{self.name} has no port {port_name}")
 
 
 def slice_ports(ports: Sequence[dict[str, Any]]) -> list[tuple[str, int, str]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
+from agent_harness import wait_until as harness_wait_until
 
 from kpx_cluster.controlplane import Cluster
 from kpx_cluster.kubeconfig import write_kubeconfig
@@ -33,14 +33,7 @@ T = TypeVar("T")
 
 
 def wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s (last: {value!r})")
-        time.sleep(0.5)
+    return harness_wait_until(check, timeout, interval=0.5, message=what)  # type: ignore[arg-type]
 
 
 @dataclass

@@ -23,7 +23,6 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -32,6 +31,7 @@ from agent_harness import (
     AgentEnv,
     AgentProcess,
     Obj,
+    Svc,
     build_agent_env,
     endpoint,
     endpoint_slice,
@@ -134,27 +134,6 @@ def static_cluster_ips() -> dict[int, str]:
 
 
 # ---- Services and EndpointSlices -----------------------------------------------------------------
-
-
-@dataclass
-class Svc:
-    obj: dict[str, Any]
-
-    @property
-    def name(self) -> str:
-        return str(self.obj["metadata"]["name"])
-
-    def ip(self, family: int = 4) -> str:
-        ips = [str(ip) for ip in self.obj["spec"].get("clusterIPs") or []]
-        matching = [ip for ip in ips if (":" in ip) == (family == 6)]
-        assert matching, f"{self.name} has no IPv{family} cluster IP: {ips}"
-        return matching[0]
-
-    def node_port(self, port_name: str) -> int:
-        for p in self.obj["spec"]["ports"]:
-            if p["name"] == port_name:
-                return int(p["nodePort"])
-        raise AssertionError(f"{self.name} has no port {port_name}")
 
 
 Endpoints = Callable[[int], list[Obj]]  # family -> endpoints of that family's slice

@@ -4,12 +4,11 @@ and no text from unparsed data."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from ipaddress import ip_network
-from pathlib import Path
 
 import pytest
+from backend_samples import GOLDEN, SETTINGS, check_golden, endpoints, key, sample_state
 
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.iptables import create
@@ -27,46 +26,7 @@ from kpx_agent.localnet import (
     ServicePortKey,
 )
 
-GOLDEN = Path(__file__).parent / "golden" / "iptables"
-SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"), ip_network("fd00:244::/48")))
-NODE = NodeInfo("n1", addresses=(IP.of("10.242.0.1"), IP.of("fd00:242::1")))
-
-
-def key(name: str, family: int = 4, proto: Protocol = Protocol.TCP) -> ServicePortKey:
-    return ServicePortKey("default", name, "http", proto, family)
-
-
-def endpoints(*ips: str, local: str = "") -> tuple[Endpoint, ...]:
-    return tuple(Endpoint(IP.of(i), 8080, i == local) for i in ips)
-
-
-def sample_state() -> NodeLocalState:
-    eps = endpoints("10.244.1.2", "10.244.2.2", local="10.244.1.2")
-    services = [
-        ServicePort(key("web"), 80, cluster_ips=(IP.of("10.96.0.10"),),
-                    cluster_endpoints=eps, external_endpoints=eps),
-        ServicePort(key("dns", proto=Protocol.UDP), 53, cluster_ips=(IP.of("10.96.0.53"),),
-                    cluster_endpoints=eps[:1], external_endpoints=eps[:1]),
-        ServicePort(key("empty"), 80, cluster_ips=(IP.of("10.96.0.11"),)),
-        ServicePort(key("np"), 80, cluster_ips=(IP.of("10.96.0.12"),), node_port=30080,
-                    external_ips=(IP.of("192.0.2.10"),),
-                    load_balancer_ips=(IP.of("192.0.2.20"),),
-                    cluster_endpoints=eps, external_endpoints=eps),
-        ServicePort(key("local"), 80, cluster_ips=(IP.of("10.96.0.13"),), node_port=30081,
-                    load_balancer_ips=(IP.of("192.0.2.21"),),
-                    cluster_endpoints=eps, external_endpoints=(),
-                    external_masquerade=False, drop_when_no_external_endpoints=True),
-        ServicePort(key("web6", family=6), 80, cluster_ips=(IP.of("fd00:96::10"),),
-                    cluster_endpoints=endpoints("fd00:244:1::2"),
-                    external_endpoints=endpoints("fd00:244:1::2")),
-        ServicePort(key("sticky"), 80, cluster_ips=(IP.of("10.96.0.14"),),
-                    cluster_endpoints=eps, external_endpoints=eps, affinity_timeout=10800),
-        ServicePort(key("fw"), 443, cluster_ips=(IP.of("10.96.0.15"),),
-                    load_balancer_ips=(IP.of("192.0.2.30"),),
-                    load_balancer_source_ranges=(ip_network("198.51.100.0/24"),),
-                    cluster_endpoints=eps, external_endpoints=eps[1:]),
-    ]  # fmt: skip
-    return NodeLocalState(node=NODE, services={s.key: s for s in services})
+GOLDEN_DIR = GOLDEN / "iptables"
 
 
 class Kernel:
@@ -101,14 +61,6 @@ def family_script(scripts: list[tuple[int, str]], family: int) -> str:
     return "".join(s for f, s in scripts if f == family)
 
 
-def check_golden(name: str, text: str) -> None:
-    path = GOLDEN / name
-    if os.environ.get("KPX_UPDATE_GOLDEN"):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    assert text == path.read_text(), f"{name} changed; review and set KPX_UPDATE_GOLDEN=1"
-
-
 def declared(script: str) -> set[str]:
     return set(re.findall(r"^:(\S+) - \[0:0\]$", script, re.M))
 
@@ -118,8 +70,8 @@ def test_full_sync_golden() -> None:
     assert [(f, s.split("\n", 1)[0]) for f, s in kernel.scripts] == [
         (4, "*nat"), (4, "*filter"), (6, "*nat"), (6, "*filter")
     ]  # fmt: skip
-    check_golden("full_sync.v4.rules", family_script(kernel.scripts, 4))
-    check_golden("full_sync.v6.rules", family_script(kernel.scripts, 6))
+    check_golden(GOLDEN_DIR / "full_sync.v4.rules", family_script(kernel.scripts, 4))
+    check_golden(GOLDEN_DIR / "full_sync.v6.rules", family_script(kernel.scripts, 6))
 
 
 def test_partial_sync_sends_only_the_changed_chains() -> None:
@@ -130,7 +82,7 @@ def test_partial_sync_sends_only_the_changed_chains() -> None:
     backend.sync(state, [web.key])
     assert [f for f, _ in kernel.scripts] == [4]  # IPv4 nat only
     script = kernel.scripts[0][1]
-    check_golden("partial_sync.v4.rules", script)
+    check_golden(GOLDEN_DIR / "partial_sync.v4.rules", script)
     assert declared(script) == {n.svc_chain(web.key)}, "KPX-SERVICES did not change"
     assert "10.244.2.2" not in script and "-I " not in script and "-D " not in script
 
