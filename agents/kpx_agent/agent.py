@@ -162,7 +162,10 @@ class Agent:
             if not self.state.has_changes() and not retry_delay:
                 continue
             last_start = time.monotonic()
-            outcome = self.proxier.sync()
+            pending = self.proxier.prepare()
+            # The kernel edge blocks for up to seconds at scale: keep the event loop (health,
+            # metrics, watches) responsive while it runs.
+            outcome = await asyncio.to_thread(self.proxier.program, pending)
             if outcome.ok:
                 retry_delay = 0.0
                 await self.health_check_servers.update(health_targets(self.proxier.local))

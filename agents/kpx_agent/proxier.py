@@ -35,6 +35,14 @@ class SyncOutcome:
 
 
 @dataclass
+class PendingSync:
+    start: float
+    full: bool
+    changed: set[ServicePortKey]
+    trigger_times: list[float]
+
+
+@dataclass
 class Proxier:
     state: ClusterState
     backend: Backend
@@ -112,15 +120,22 @@ class Proxier:
         if flows:
             self.delete_flows(flows)
 
-    def sync(self) -> SyncOutcome:
+    def prepare(self) -> PendingSync:
+        """Take the recorded changes and bring the node-local state up to date (event loop)."""
         start = time.monotonic()
         changes = self.state.take_changes()
         self.update_excluded()
         extra = self.state.take_changes()  # opt-out changes mark everything
         everything = changes.everything or extra.everything or self._needs_full
         changed = self._recompute(None if everything else changes.services | extra.services)
-        full = self._needs_full
+        full, self._needs_full = self._needs_full, False
         self.metrics.service_changes.inc(len(changed))
+        return PendingSync(start, full, changed, list(changes.trigger_times.values()))
+
+    def program(self, pending: PendingSync) -> SyncOutcome:
+        """Program the kernel (may run in a worker thread: nothing here touches the cluster
+        state, and the next `prepare` waits for this to finish)."""
+        full, changed = pending.full, pending.changed
         try:
             self.backend.sync(self.local, None if full else changed)
         except BackendError as exc:
@@ -129,21 +144,25 @@ class Proxier:
             self.metrics.kpx_sync_failures.labels(self.backend.mode).inc()
             log.error("sync failed, keeping the previous rules and retrying: %s", exc)
             # Changes are not lost: the next sync is a full one.
-            return SyncOutcome(False, full, len(changed), time.monotonic() - start, str(exc))
-        self._needs_full = False
+            return SyncOutcome(
+                False, full, len(changed), time.monotonic() - pending.start, str(exc)
+            )
         self._clean_conntrack()
         now = time.time()
         self.last_success = now
-        duration = time.monotonic() - start
+        duration = time.monotonic() - pending.start
         self.metrics.sync_duration.observe(duration)
         (self.metrics.full_sync_duration if full else self.metrics.partial_sync_duration).observe(
             duration
         )
         self.metrics.last_sync.set(now)
         self.metrics.services.set(len(self.local.services))
-        for trigger in changes.trigger_times.values():
+        for trigger in pending.trigger_times:
             self.metrics.network_programming.observe(max(0.0, now - trigger))
         return SyncOutcome(True, full, len(changed), duration)
+
+    def sync(self) -> SyncOutcome:
+        return self.program(self.prepare())
 
     def periodic_check(self) -> None:
         """At each syncPeriod: if the kernel lost our rules (a flushed ruleset), rebuild them."""
