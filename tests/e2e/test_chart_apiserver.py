@@ -1,0 +1,219 @@
+"""The Helm chart against a real kube-apiserver: what `helm template` renders is accepted as it
+is (server-side dry-run, so the apiserver's own validation of the ProxyConfiguration runs, CEL
+rules included), and `helm install`/`uninstall` work, keeping the ProxyConfiguration.
+
+(Named test_chart_apiserver.py: pytest needs test file names unique across tests/unit and
+tests/e2e, and tests/unit/test_chart.py exists.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kpx_api import Mode, ProxyConfigurationSpec
+from kpx_cluster.controlplane import Cluster
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "kpx"
+CRD = "proxyconfigurations.proxy.kpx.dev"
+RUN = secrets.token_hex(3)
+LABEL = "pod-security.kubernetes.io/enforce"
+#: A setting per mode that differs from its default (only the selected mode's is rendered).
+MODE_SETTINGS: dict[str, dict[str, Any]] = {
+    "nftables": {"masqueradeBit": 12, "syncPeriod": "1m", "minSyncPeriod": "2s"},
+    "iptables": {"masqueradeAll": True, "localhostNodePorts": False},
+    "ipvs": {"acknowledgeDeprecation": True, "scheduler": "wrr", "strictARP": True},
+}
+
+OBJECT_KINDS = {
+    "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment",
+    "ProxyConfiguration",
+}  # fmt: skip
+
+Obj = dict[str, Any]
+
+
+def helm_binary() -> Path:
+    """The pinned helm (toolchain/helm/go.mod), built by `make setup`; missing: a failure."""
+    go_mod = (REPO / "toolchain" / "helm" / "go.mod").read_text()
+    pinned = re.search(r"^\s*(?:require\s+)?helm\.sh/helm/v3 (v\S+)$", go_mod, re.M)
+    assert pinned is not None, "toolchain/helm/go.mod does not require helm.sh/helm/v3"
+    cache = Path(os.environ.get("PROXY_CACHE_DIR", Path.home() / ".cache" / "kpx"))
+    path = cache / "bin" / pinned.group(1) / "helm"
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"helm is not built ({path} missing): run `make setup`", pytrace=False)
+    return path
+
+
+class Helm:
+    """The pinned helm against the session's cluster, with its own scratch config and cache."""
+
+    def __init__(self, cluster: Cluster, home: Path) -> None:
+        self.cluster = cluster
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("HELM_")}
+        for name in ("CONFIG", "CACHE", "DATA"):
+            self.env[f"HELM_{name}_HOME"] = str(home / name.lower())
+        self.env["KUBECONFIG"] = str(cluster.kubeconfig)
+
+    def run(self, *args: str, values: Obj | None = None) -> subprocess.CompletedProcess[str]:
+        extra = ["--values", "-"] if values is not None else []
+        return subprocess.run(
+            [str(helm_binary()), *args, *extra],
+            input=json.dumps(values) if values is not None else None,
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=120,
+        )
+
+    def template(self, namespace: str, values: Obj) -> str:
+        out = self.run("template", "kpx", str(CHART), "--namespace", namespace, values=values)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+
+@pytest.fixture(scope="module")
+def helm(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Helm]:
+    """The cluster with the chart's CRD installed and served."""
+    cluster.kubectl("apply", "--server-side", "-f", str(CHART / "crds"))
+    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD}")
+    yield Helm(cluster, tmp_path_factory.mktemp("helm-home"))
+
+
+@pytest.fixture
+def namespace(cluster: Cluster) -> Iterator[str]:
+    """A fresh release namespace that allows privileged pods, as docs/helm.md says."""
+    name = f"kpx-chart-{secrets.token_hex(3)}"
+    cluster.create_namespace(name)
+    cluster.kubectl("label", "namespace", name, "pod-security.kubernetes.io/enforce=privileged")
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def dry_run(cluster: Cluster, manifest: str) -> subprocess.CompletedProcess[str]:
+    """`kubectl apply --server-side --dry-run=server`: admission and validation, no write."""
+    return cluster.kubectl(
+        "apply", "--server-side", "--dry-run=server", "--force-conflicts",
+        "--field-manager=kpx-chart-e2e", "-f", "-",
+        input=manifest, check=False,
+    )  # fmt: skip
+
+
+def values_for(mode: str, name: str, **common: Any) -> Obj:
+    agents: Obj = {"mode": mode, **MODE_SETTINGS}
+    if common:
+        agents["common"] = common
+    return {"proxyConfiguration": {"name": name}, "agents": agents}
+
+
+@pytest.mark.parametrize("mode", [m.value for m in Mode])
+def test_rendered_chart_is_accepted(
+    helm: Helm, cluster: Cluster, namespace: str, mode: str
+) -> None:
+    values = values_for(
+        mode,
+        f"chart-{RUN}-{mode}",
+        clusterCIDRs=["10.244.0.0/16", "fd00:10:244::/56"],
+        namespaceOptOut={"namespaces": ["legacy-proxy"]},
+        maxUnavailable="10%",
+    )
+    values["operator"] = {"apiserverEndpoint": "192.0.2.10:6443", "ipvsPolicy": "deny"}
+    manifest = helm.template(namespace, values)
+    objects = [d for d in yaml.safe_load_all(manifest) if d]
+    assert {o["kind"] for o in objects} == OBJECT_KINDS
+    out = dry_run(cluster, manifest)
+    assert out.returncode == 0, out.stderr
+    applied = [
+        ln for ln in out.stdout.splitlines() if ln.endswith("serverside-applied (server dry run)")
+    ]
+    assert len(applied) == len(objects), out.stdout
+
+
+@pytest.mark.parametrize(
+    ("common", "message"),
+    [
+        # Patterns pass (the values schema has them); the CRD's CEL rules do not.
+        (
+            {"clusterCIDRs": ["10.244.0.1/16"]},
+            'spec.clusterCIDRs[0]: Invalid value: "10.244.0.1/16"',
+        ),
+        (
+            {"resources": {"requests": {"memory": "1Gi"}, "limits": {"memory": "1Mi"}}},
+            "spec.resources.requests: Invalid value: every request must be less than",
+        ),
+    ],
+)
+def test_cel_rules_still_apply(
+    helm: Helm, cluster: Cluster, namespace: str, common: Obj, message: str
+) -> None:
+    """The dry-run is not vacuous: the apiserver refuses what only the CRD's CEL rules catch."""
+    manifest = helm.template(namespace, values_for("nftables", f"chart-{RUN}-bad", **common))
+    out = dry_run(cluster, manifest)
+    assert out.returncode != 0
+    assert "ProxyConfiguration" in out.stderr and message in out.stderr, out.stderr
+
+
+def test_install_and_uninstall(helm: Helm, cluster: Cluster, namespace: str) -> None:
+    """A real release: the objects exist, the stored spec is what the models make of it, NOTES
+    say how to check it, and uninstall removes the operator but keeps the ProxyConfiguration."""
+    name = f"chart-{RUN}-install"
+    release = f"kpx-{RUN}"
+    values = values_for("nftables", name, clusterCIDRs=["10.244.0.0/16"])
+    out = helm.run("install", release, str(CHART), "--namespace", namespace, values=values)
+    try:
+        assert out.returncode == 0, out.stderr
+        assert f"kubectl get pxc {name}" in out.stdout, out.stdout
+        assert "WARNING" not in out.stdout, out.stdout  # the namespace allows privileged pods
+        for kind in ("deployment", "serviceaccount", "role", "rolebinding"):
+            cluster.kubectl("-n", namespace, "get", kind, "kpx-operator")
+        for kind in ("clusterrole", "clusterrolebinding"):
+            cluster.kubectl("get", kind, "kpx-operator")
+        stored = json.loads(cluster.kubectl("get", "pxc", name, "-o", "json").stdout)
+        assert stored["metadata"]["labels"]["app.kubernetes.io/instance"] == release
+        spec = ProxyConfigurationSpec.model_validate(stored["spec"])
+        assert stored["spec"] == spec.to_dict()  # the CRD's defaults are the models'
+        assert spec.nftables is not None and spec.nftables.masquerade_bit == 12
+
+        out = helm.run("uninstall", release, "--namespace", namespace)
+        assert out.returncode == 0, out.stderr
+        assert "kept due to the resource policy" in out.stdout + out.stderr, out
+        gone = cluster.kubectl("-n", namespace, "get", "deployment", "kpx-operator", check=False)
+        assert gone.returncode != 0 and "NotFound" in gone.stderr
+        cluster.kubectl("get", "pxc", name)  # kept (helm.sh/resource-policy: keep)
+    finally:
+        helm.run("uninstall", release, "--namespace", namespace, "--ignore-not-found")
+        cluster.kubectl("delete", "pxc", name, "--ignore-not-found", check=False)
+
+
+@pytest.mark.parametrize("level", [None, "baseline"])
+def test_notes_warn_about_pod_security(helm: Helm, cluster: Cluster, level: str | None) -> None:
+    """The agents need privileged pods: NOTES say so when the namespace does not allow them."""
+    name = f"kpx-chart-{secrets.token_hex(3)}"
+    cluster.create_namespace(name)
+    if level is not None:
+        cluster.kubectl("label", "namespace", name, f"pod-security.kubernetes.io/enforce={level}")
+    try:
+        out = helm.run(
+            "install", f"kpx-{RUN}", str(CHART), "--namespace", name, "--dry-run=server",
+            "--take-ownership",
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        said = "is not labelled" if level is None else f"is labelled {LABEL}={level}"
+        assert f"WARNING: namespace {name} {said}" in out.stdout, out.stdout
+        assert f"kubectl label namespace {name} {LABEL}=privileged --overwrite" in out.stdout
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
