@@ -360,8 +360,8 @@ def write_json(name: str, data: Mapping[str, Any]) -> Path:
 _SECTION_RE = re.compile(r"<!-- section:(?P<id>[\w.-]+) -->\n.*?<!-- /section:(?P=id) -->\n", re.S)
 LATEST_HEADER = (
     "# Latest benchmark results\n\n"
-    "Written by `bench/agent_scale.py` and `bench/optout_watch.py` (each run replaces its own "
-    "section). See docs/benchmarks.md for what is measured and how.\n\n"
+    "Written by `bench/agent_scale.py`, `bench/compare.py` and `bench/optout_watch.py` (each run "
+    "replaces its own section). See docs/benchmarks.md for what is measured and how.\n\n"
 )
 
 
