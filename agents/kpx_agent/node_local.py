@@ -69,13 +69,15 @@ def nodeport_networks(
     settings: ProxySettings, node: NodeInfo, family: int
 ) -> tuple[IPNetwork, ...] | None:
     """Where NodePorts answer, in one family (backends add "and the address is local"):
-    the configured nodePortAddresses networks; else the node's own addresses ("primary");
-    else None, meaning every local address except loopback (NodePorts on 127.0.0.1 would need
-    route_localnet: left out on purpose)."""
+    the configured nodePortAddresses networks; else the node's own addresses of that family
+    ("primary", as upstream: none of that family means no NodePorts in it); else, while the
+    Node's addresses are not known at all, None: every local address except loopback
+    (NodePorts on 127.0.0.1 would need route_localnet: left out on purpose)."""
     if settings.node_port_networks:
         return tuple(net for net in settings.node_port_networks if net.version == family)
-    own = tuple(ipaddress.ip_network(a) for a in node.addresses if a.version == family)
-    return own or None
+    if not node.addresses:
+        return None
+    return tuple(ipaddress.ip_network(a) for a in node.addresses if a.version == family)
 
 
 def node_info(node: Obj | None, node_name: str) -> NodeInfo:

@@ -198,7 +198,12 @@ def test_settings_or_node_change_forces_a_full_sync() -> None:
         f"-A {n.SERVICES} -d 10.242.0.9/32 -m addrtype --dst-type LOCAL -j {n.NODEPORTS}"
         in kernel.scripts[0][1]
     )
-    # No IPv6 address: NodePorts answer on any local address but localhost.
+    # No IPv6 address on the node: no IPv6 NodePorts (upstream's "primary" addresses).
+    assert f"-j {n.NODEPORTS}" not in kernel.scripts[2][1]
+    # No address known at all (Node not seen yet): any local address but localhost.
+    kernel.scripts.clear()
+    state.node = NodeInfo("n1")
+    backend.sync(state, [])
     assert f"! -d ::1/128 -m addrtype --dst-type LOCAL -j {n.NODEPORTS}" in kernel.scripts[2][1]
 
 

@@ -236,9 +236,9 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
     if settings.masquerade_all:
         masq_cluster = f"    {match_vpp} @{n.CLUSTER_IPS} {set_mark}\n"
     elif cidrs:
-        masq_cluster = (
-            f"    {match_vpp} @{n.CLUSTER_IPS} {saddr} != @{n.CLUSTER_CIDRS} {set_mark}\n"
-        )
+        # One pod network per family is the usual case: match it inline, no set lookup.
+        off_cluster = f"!= {cidrs[0]}" if len(cidrs) == 1 else f"!= @{n.CLUSTER_CIDRS}"
+        masq_cluster = f"    {match_vpp} @{n.CLUSTER_IPS} {saddr} {off_cluster} {set_mark}\n"
     lines = [
         f"table {fam} {n.TABLE} {{",
         f"  set {n.CLUSTER_IPS} {{ type {vpp}; }}",
@@ -254,7 +254,7 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
         f"  set {n.NODEPORT_ADDRESSES} {{ type {addr}; flags interval; auto-merge;"
         f"{_elements_clause(nodeport_addresses(family, settings, node))} }}",
         f"  set {n.CLUSTER_CIDRS} {{ type {addr}; flags interval; auto-merge;"
-        f"{_elements_clause(cidrs)} }}",
+        f"{_elements_clause(cidrs if len(cidrs) > 1 else [])} }}",
         f"  map {n.SERVICE_IPS} {{ type {vpp} : verdict; }}",
         f"  map {n.ENDPOINTS} {{ typeof {match_vpp} . numgen random mod 2 : {value}; }}",
         f"  map {n.SERVICE_NODEPORTS} {{ type {pp} : verdict; }}",
