@@ -235,13 +235,22 @@ class Kubelet:
         if self.admin is None:
             return
         path = f"/api/v1/nodes/{self.name}"
-        node = await self.admin.request("GET", path)
-        taints = node["spec"].get("taints") or []
-        kept = [t for t in taints if t.get("key") != NOT_READY_TAINT]
-        if len(kept) != len(taints):
+        for attempt in range(10):
+            node = await self.admin.request("GET", path)
+            taints = node["spec"].get("taints") or []
+            kept = [t for t in taints if t.get("key") != NOT_READY_TAINT]
+            if len(kept) == len(taints):
+                return
             patch = {"metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
                      "spec": {"taints": kept or None}}  # fmt: skip
-            await self.admin.request("PATCH", path, body=patch, patch="merge")
+            try:
+                await self.admin.request("PATCH", path, body=patch, patch="merge")
+                return
+            except ApiError as err:
+                # Another writer (the controller-manager) updated the Node meanwhile.
+                if err.status != 409 or attempt == 9:
+                    raise
+                await asyncio.sleep(0.1)
 
     async def _renew_lease(self) -> None:
         path = f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{self.name}"

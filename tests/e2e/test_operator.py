@@ -36,7 +36,7 @@ MANIFESTS = REPO / "operator" / "manifests"
 EXAMPLES = REPO / "examples"
 NS = "kpx-system"
 NODE = "op-e2e-node"  # labelled kpx.dev/pool=b: selected by "default" and by "e2e-pool-b"
-OUR_PXCS = ("default", "ipvs-pool", "e2e-pool-b", "e2e-empty")
+OUR_PXCS = ("default", "ipvs-pool", "e2e-pool-b", "e2e-empty", "e2e-killed")
 
 T = TypeVar("T")
 Obj = dict[str, Any]
@@ -396,6 +396,38 @@ def test_second_replica_takes_over(env: Env, leader: Operator) -> None:
     deprecated = env.condition("ipvs-pool", "Deprecated") or {}
     assert (deprecated["status"], deprecated["reason"]) == ("True", "IPVSDeprecated")
     wait_until(lambda: ("Warning", "DeprecatedMode") in env.reasons("ipvs-pool"), 10, "event")
+
+
+def test_killed_in_the_middle_of_a_reconcile_converges(env: Env) -> None:
+    """SIGKILL the leader right after a new configuration arrives: no clean Lease release,
+    children maybe half-applied. A fresh replica takes over once the Lease expires and
+    finishes the job (everything is idempotent server-side apply)."""
+    leaders = [op for op in env.operators if op.proc.poll() is None and op.is_leader()]
+    leader = leaders[0] if leaders else env.start_operator("--ipvs-policy=warn")
+    wait_until(leader.is_leader, 30, "a leader")
+    env.apply(pxc_body("e2e-killed", mode="nftables", nodeSelector={"kpx.dev/pool": "none"}))
+    time.sleep(0.3)  # the reconcile is under way
+    leader.proc.kill()
+    leader.proc.wait()
+    for op in env.operators:
+        op.stop()  # no standby: the new replica must wait out the Lease of the dead one
+    fresh = env.start_operator("--ipvs-policy=warn")
+    wait_until(fresh.is_leader, 40, "the new replica leads after the Lease expired")
+    for kind, name, ns in (
+        ("configmap", "kpx-agent-e2e-killed", NS),
+        ("daemonset", "kpx-agent-e2e-killed", NS),
+        ("clusterrole", "kpx-agent-e2e-killed", None),
+    ):
+        wait_until(lambda k=kind, n=name, s=ns: env.get(k, n, s), 30, f"{kind} {name}")
+
+    def current() -> Obj | None:
+        pxc = env.get("proxyconfiguration", "e2e-killed") or {}
+        st = pxc.get("status") or {}
+        gen = (pxc.get("metadata") or {}).get("generation")
+        return st if gen is not None and st.get("observedGeneration") == gen else None
+
+    wait_until(current, 30, "status of the current generation")
+    env.kubectl("delete", "proxyconfiguration", "e2e-killed", "--timeout=60s")
 
 
 def kpx_tables(topology: Any, node: Any) -> set[str]:
