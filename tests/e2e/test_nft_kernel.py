@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kpx_cluster.netns import Topology
+from kpx_cluster.netns import Node, Pod, Topology
 from kpx_cluster.probe import probe
 
 pytestmark = pytest.mark.netns
@@ -36,9 +36,8 @@ def test_golden_transactions_load_and_swap(topology: Topology) -> None:
     ]  # fmt: skip
 
 
-def test_backend_programs_real_traffic(topology: Topology) -> None:
-    """The backend, driven in-process inside a node netns, sends a pod's packets to both
-    backends, rejects a port without endpoints, and serves UDP through the same maps."""
+def two_nodes_with_backends(topology: Topology) -> tuple[Node, Pod, Pod, Pod]:
+    """Nodes n1 and n2, an echo backend on each (b1, b2, port 8080), a client pod on n1."""
     n1, n2 = topology.add_node("n1"), topology.add_node("n2")
     b1, b2 = topology.add_pod(n1, "b1"), topology.add_pod(n2, "b2")
     client = topology.add_pod(n1, "client")
@@ -47,6 +46,13 @@ def test_backend_programs_real_traffic(topology: Topology) -> None:
             pod,
             topology.python_argv("kpx_cluster.echo_server", "--name", pod.name, "--port", "8080"),
         )
+    return n1, b1, b2, client
+
+
+def test_backend_programs_real_traffic(topology: Topology) -> None:
+    """The backend, driven in-process inside a node netns, sends a pod's packets to both
+    backends, rejects a port without endpoints, and serves UDP through the same maps."""
+    n1, b1, b2, client = two_nodes_with_backends(topology)
     program = f"""
 import sys
 from ipaddress import ip_network
@@ -77,14 +83,7 @@ b.sync(NodeLocalState(NodeInfo("n1", (ip("{n1.ipv4}"),)), {{p.key: p for p in po
 
 
 def test_affinity_and_load_balancer_source_ranges(topology: Topology) -> None:
-    n1, n2 = topology.add_node("n1"), topology.add_node("n2")
-    b1, b2 = topology.add_pod(n1, "b1"), topology.add_pod(n2, "b2")
-    client = topology.add_pod(n1, "client")
-    for pod in (b1, b2):
-        topology.run_ready(
-            pod,
-            topology.python_argv("kpx_cluster.echo_server", "--name", pod.name, "--port", "8080"),
-        )
+    n1, b1, b2, client = two_nodes_with_backends(topology)
     program = f"""
 import dataclasses
 from ipaddress import ip_network as net
