@@ -1,0 +1,119 @@
+"""The floor under each mode's cold start: the tool alone loading the agent's own ruleset.
+
+For N Services x 10 endpoints (the node-local state built in-process, no control plane), the
+agent's backends render their full-sync transactions exactly as they would at start; then, in
+a fresh network namespace each, the timed load is `nft -f` of the nftables transaction, and
+`iptables-restore --noflush` / `ip6tables-restore --noflush` of the iptables scripts, in the
+order the backend applies them. Compare with the agents' cold starts from `make bench`
+(bench/results/compare-<N>.md): the difference is what the agent adds on top of the kernel.
+
+Usage: python3 bench/floors.py [--services N ...]    (default: 1000 10000)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+import uuid
+from ipaddress import IPv4Address, ip_network
+from pathlib import Path
+
+from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.localnet import (
+    IP,
+    Endpoint,
+    NodeInfo,
+    NodeLocalState,
+    Protocol,
+    ProxySettings,
+    ServicePort,
+    ServicePortKey,
+)
+
+RESULTS = Path(__file__).parent / "results"
+SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))
+RESTORE = {4: "iptables-restore", 6: "ip6tables-restore"}
+
+
+def state(n: int) -> NodeLocalState:
+    services = {}
+    vip0, ep0 = int(IPv4Address("10.96.0.1")), int(IPv4Address("10.100.0.0"))
+    for i in range(n):
+        key = ServicePortKey("bench", f"svc-{i}", "http", Protocol.TCP, 4)
+        eps = tuple(Endpoint(IP.of(str(IPv4Address(ep0 + i * 10 + j))), 8080) for j in range(10))
+        services[key] = ServicePort(
+            key, 80, cluster_ips=(IP.of(str(IPv4Address(vip0 + i))),),
+            cluster_endpoints=eps, external_endpoints=eps,
+        )  # fmt: skip
+    return NodeLocalState(NodeInfo("n1", (IP.of("10.242.0.1"),)), services)
+
+
+def nft_script(st: NodeLocalState) -> str:
+    scripts: list[str] = []
+    NftablesBackend(SETTINGS, run_script=scripts.append, our_tables=set).sync(st, None)
+    return scripts[-1]
+
+
+def iptables_scripts(st: NodeLocalState) -> list[tuple[int, str]]:
+    scripts: list[tuple[int, str]] = []
+    backend = IptablesBackend(
+        SETTINGS,
+        restore=lambda fam, script: scripts.append((fam, script)),
+        save=lambda fam, table: "",
+        chain_exists=lambda fam, table, chain: False,
+    )
+    backend.sync(st, None)
+    return scripts
+
+
+def timed_in_fresh_netns(loads: list[tuple[list[str], str]]) -> float:
+    """Seconds to run each (argv, stdin) in order inside a new, empty network namespace."""
+    ns = f"kpxfloor{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        start = time.monotonic()
+        for argv, stdin in loads:
+            subprocess.run(["ip", "netns", "exec", ns, *argv], input=stdin, text=True,
+                           check=True, capture_output=True)  # fmt: skip
+        return time.monotonic() - start
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+def measure(n: int, runs: int = 3) -> dict[str, object]:
+    st = state(n)
+    nft = nft_script(st)
+    ipt = iptables_scripts(st)
+    nft_s = sorted(timed_in_fresh_netns([(["nft", "-f", "-"], nft)]) for _ in range(runs))
+    ipt_loads = [([RESTORE[fam], "--noflush"], script) for fam, script in ipt]
+    ipt_s = sorted(timed_in_fresh_netns(ipt_loads) for _ in range(runs))
+    return {
+        "services": n,
+        "nft_f_seconds": nft_s,
+        "nft_script_bytes": len(nft.encode()),
+        "iptables_restore_seconds": ipt_s,
+        "iptables_script_bytes": sum(len(s.encode()) for _, s in ipt),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--services", type=int, nargs="*", default=[1000, 10000])
+    args = parser.parse_args()
+    print("| Services | nft -f (kpx nftables ruleset), median | iptables-restore (kpx iptables"
+          " ruleset), median |\n|---|---|---|")  # fmt: skip
+    for n in args.services:
+        result = measure(n)
+        nft_s, ipt_s = result["nft_f_seconds"], result["iptables_restore_seconds"]
+        assert isinstance(nft_s, list) and isinstance(ipt_s, list)
+        print(f"| {n:,} | {nft_s[1]:.2f} s ({result['nft_script_bytes'] / 1e6:.1f} MB) | "
+              f"{ipt_s[1]:.2f} s ({result['iptables_script_bytes'] / 1e6:.1f} MB) |")  # fmt: skip
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / f"floors-{n}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
