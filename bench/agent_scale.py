@@ -42,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchlib import (
     ApiClient,
+    LineHelper,
     bench_cluster,
     component_pid,
     endpoint_slice,
@@ -228,29 +229,11 @@ class NodeNft:
         return proc.stdout
 
 
-class KernelProbe:
+class KernelProbe(LineHelper):
     """bench/nft_lookup.py in the node netns: netlink lookups of one element, or a count."""
 
     def __init__(self, topo: Topology, node: Node) -> None:
-        argv = [sys.executable, str(LOOKUP_HELPER)]
-        self.proc = topo.run(node, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self._in, self._out = self.proc.stdin, self.proc.stdout
-        if self._out.readline().strip() != b"ready":
-            raise RuntimeError("bench/nft_lookup.py did not start")
-
-    def ask(self, request: str) -> str:
-        self._in.write(request.encode() + b"\n")
-        self._in.flush()
-        line = self._out.readline().decode().strip()
-        if not line or line.startswith("error"):
-            raise RuntimeError(f"nft_lookup {request!r}: {line or 'exited'}")
-        return line
-
-    def close(self) -> None:
-        self._in.close()  # the helper exits at end of input
-        self.proc.wait(5)
-        self._out.close()
+        super().__init__(topo, node, LOOKUP_HELPER)
 
     def endpoints(self, vip: str) -> list[str]:
         """'IP:PORT' (or '-') of endpoints[vip . tcp . 80 . b] for each bucket b."""

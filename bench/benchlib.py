@@ -382,3 +382,35 @@ def update_latest(section_id: str, markdown: str) -> Path:
 def _section_order(section_id: str) -> tuple[str, int]:
     name, _, size = section_id.rpartition("-")
     return (name, int(size)) if size.isdigit() else (section_id, 0)
+
+
+class LineHelper:
+    """A helper script run inside a node netns that answers one line per request line
+    (bench/nft_lookup.py, bench/kernel_probe.py); it prints "ready" once started."""
+
+    def __init__(self, topo: Any, node: Any, script: Path) -> None:
+        import sys
+
+        self.name = script.name
+        self.proc = topo.run(
+            node, [sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._in, self._out = self.proc.stdin, self.proc.stdout
+        if self._out.readline().strip() != b"ready":
+            raise RuntimeError(f"bench/{self.name} did not start")
+
+    def ask(self, request: str) -> str:
+        self._in.write(request.encode() + b"\n")
+        self._in.flush()
+        line = self._out.readline().decode().strip()
+        if not line or line.startswith("error"):
+            raise RuntimeError(f"{self.name} {request!r}: {line or 'exited'}")
+        return line
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._in.close()  # the helper exits at end of input
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)
+        self._out.close()

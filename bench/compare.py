@@ -60,6 +60,7 @@ from agent_scale import (
 from benchlib import (
     RESULTS_DIR,
     ApiClient,
+    LineHelper,
     bench_cluster,
     component_pid,
     endpoint_slice,
@@ -321,34 +322,14 @@ class Dataplane:
         return totals
 
 
-class Probe:
+class Probe(LineHelper):
     """bench/kernel_probe.py inside the node netns."""
 
     def __init__(self, topo: Topology, node: Node) -> None:
-        argv = [sys.executable, str(PROBE_HELPER)]
-        self.proc = topo.run(node, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self._in, self._out = self.proc.stdin, self.proc.stdout
-        if self._out.readline().strip() != b"ready":
-            raise RuntimeError("bench/kernel_probe.py did not start")
-
-    def ask(self, request: str) -> str:
-        self._in.write(request.encode() + b"\n")
-        self._in.flush()
-        line = self._out.readline().decode().strip()
-        if not line or line.startswith("error"):
-            raise RuntimeError(f"kernel_probe {request!r}: {line or 'exited'}")
-        return line
+        super().__init__(topo, node, PROBE_HELPER)
 
     def endpoints(self, request: str) -> set[str]:
         return {w for w in self.ask(request).split() if w != "-"}
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._in.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
-        self._out.close()
 
 
 def _poll_sleep(took: float, floor: float = MIN_POLL_SLEEP) -> None:
