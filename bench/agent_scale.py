@@ -236,7 +236,7 @@ class KernelProbe(LineHelper):
         super().__init__(topo, node, LOOKUP_HELPER)
 
     def endpoints(self, vip: str) -> list[str]:
-        """'IP:PORT' (or '-') of endpoints[vip . tcp . 80 . b] for each bucket b."""
+        """'IP:PORT' (or '-') of endpoints-10[vip . tcp . 80 . b] for each bucket b."""
         return self.ask(f"endpoints {vip} {SERVICE_PORT} {ENDPOINTS_PER_SERVICE}").split()
 
     def count(self) -> int:
@@ -425,7 +425,7 @@ def cross_check(nft: NodeNft, vips: Sequence[str], change: Change, k: int) -> fl
     """`nft get element` must agree with the netlink lookup; its duration."""
     key = f"{vips[change.service]} . tcp . {SERVICE_PORT} . {change.bucket}"
     t0 = time.monotonic()
-    answer = nft.element("endpoints", key)
+    answer = nft.element(f"endpoints-{ENDPOINTS_PER_SERVICE}", key)
     elapsed = time.monotonic() - t0
     if f": {changed_address(k)} . {TARGET_PORT} " not in answer:
         raise RuntimeError(f"nft get element {key} disagrees with netlink: {answer!r}")

@@ -271,7 +271,8 @@ class Dataplane:
 
     def endpoints_request(self, key: Key, chain: str) -> str:
         if self.mode == "nftables" and self.system == KPX:
-            return f"buckets kpx endpoints {key[0]} {key[2]} {ENDPOINTS_PER_SERVICE}"
+            n = ENDPOINTS_PER_SERVICE
+            return f"buckets kpx endpoints-{n} {key[0]} {key[2]} {n}"
         table = self.nft_table if self.mode == "nftables" else "nat"
         return f"dnat ip {table} {chain}"
 

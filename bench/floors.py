@@ -53,7 +53,9 @@ def state(n: int) -> NodeLocalState:
 
 def nft_script(st: NodeLocalState) -> str:
     scripts: list[str] = []
-    NftablesBackend(SETTINGS, run_script=scripts.append, our_tables=set).sync(st, None)
+    NftablesBackend(
+        SETTINGS, run_script=lambda parts: scripts.append("".join(parts)), our_tables=set
+    ).sync(st, None)
     return scripts[-1]
 
 

@@ -15,8 +15,9 @@ It answers one line per request line on stdin, and only reads (it never changes 
                                             gotos, anonymous verdict maps and anonymous
                                             `numgen ... map { ... }` DNAT maps: sorted
                                             "IP:PORT" words, "-" when there are none
-    buckets TABLE SET VIP PORT COUNT     -> kpx's `endpoints` map (ip family) for VIP . tcp .
-                                            PORT . b, b in 0..COUNT-1: "IP:PORT" or "-" each
+    buckets TABLE SET VIP PORT COUNT     -> kpx's map SET (`endpoints-COUNT`, ip family) for
+                                            VIP . tcp . PORT . b, b in 0..COUNT-1: "IP:PORT"
+                                            or "-" each
 
 FAMILY is `ip` or `ip6`. iptables-nft keeps its tables (`nat`, `filter`) in nftables, so the
 same requests read iptables chains (`dnat ip nat KUBE-SVC-...`); an xt `DNAT` target is

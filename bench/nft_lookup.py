@@ -10,10 +10,11 @@ that is only counted. It runs inside the node's network namespace (its socket be
 
 and answers one line per request line on stdin:
 
-    endpoint VIP PORT BUCKET   ->  "IP PORT" of `endpoints` key VIP . tcp . PORT . BUCKET,
-                                   or "absent"
-    endpoints VIP PORT COUNT   ->  buckets 0..COUNT-1 of VIP . tcp . PORT, space-separated,
-                                   each "IP:PORT" or "-"
+    endpoint VIP PORT BUCKET COUNT -> "IP PORT" of key VIP . tcp . PORT . BUCKET in the map
+                                   `endpoints-COUNT` (a Service with COUNT endpoints), or
+                                   "absent"
+    endpoints VIP PORT COUNT   ->  buckets 0..COUNT-1 of VIP . tcp . PORT in `endpoints-COUNT`,
+                                   space-separated, each "IP:PORT" or "-"
     count PORT                 ->  how many `service-ips` elements are VIP . tcp . PORT
                                    (0 when the table does not exist yet)
 
@@ -125,14 +126,14 @@ class Netlink:
                     )
                     yield key, data
 
-    def endpoint(self, vip: str, port: int, bucket: int) -> str:
+    def endpoint(self, vip: str, port: int, bucket: int, count: int) -> str:
         key = vip_key(vip, port) + struct.pack("=I", bucket)  # numgen: host byte order
         elem = _attr(NFTA_SET_ELEM_KEY, _attr(NFTA_DATA_VALUE, key), nested=True)
         extra = _attr(
             NFTA_SET_ELEM_LIST_ELEMENTS, _attr(NFTA_LIST_ELEM, elem, nested=True), nested=True
         )
         try:
-            found = list(self.elements(self.request(NLM_F_ACK, "endpoints", extra)))
+            found = list(self.elements(self.request(NLM_F_ACK, f"endpoints-{count}", extra)))
         except OSError as exc:
             if exc.errno == errno.ENOENT:
                 return "absent"
@@ -159,11 +160,11 @@ class Netlink:
 def answer(nl: Netlink, line: str) -> str:
     words = line.split()
     try:
-        if words[:1] == ["endpoint"] and len(words) == 4:
-            return nl.endpoint(words[1], int(words[2]), int(words[3]))
+        if words[:1] == ["endpoint"] and len(words) == 5:
+            return nl.endpoint(words[1], int(words[2]), int(words[3]), int(words[4]))
         if words[:1] == ["endpoints"] and len(words) == 4:
-            vip, port = words[1], int(words[2])
-            found = [nl.endpoint(vip, port, b) for b in range(int(words[3]))]
+            vip, port, count = words[1], int(words[2]), int(words[3])
+            found = [nl.endpoint(vip, port, b, count) for b in range(count)]
             return " ".join("-" if f == "absent" else f.replace(" ", ":") for f in found)
         if words[:1] == ["count"] and len(words) == 2:
             return str(nl.count(int(words[1])))

@@ -32,7 +32,7 @@ import pstats
 import subprocess
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,7 +167,10 @@ class NftRunner:
     seconds: list[float] = field(default_factory=list)
     script_bytes: list[int] = field(default_factory=list)
 
-    def __call__(self, script: str) -> None:
+    def __call__(self, parts: Iterable[str]) -> None:
+        # Rendered in full before nft starts (the agent streams the parts into nft instead),
+        # so the render and the load are timed apart.
+        script = "".join(parts)
         if self.save_dir is not None:
             (self.save_dir / f"sync-{len(self.seconds) + 1}.nft").write_text(script)
         t0 = time.perf_counter()

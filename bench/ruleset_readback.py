@@ -9,7 +9,7 @@ bench/compare.py dumps the kernel's ruleset of each system (`nft -j list ruleset
 by following what a packet to the Service IP would meet: the `service-ips` verdict map (both
 kpx's `ip kpx` table and upstream kube-proxy's `ip kube-proxy` table have one), then jumps,
 gotos, verdict maps and DNAT statements (a literal address, an anonymous
-`numgen ... map { ... }`, or kpx's named `endpoints` map keyed by the Service's own key and a
+`numgen ... map { ... }`, or kpx's named `endpoints-<n>` maps keyed by the Service's own key and a
 bucket); or, for iptables, the `-d VIP -p P --dport N -j CHAIN` rules of the services chain
 (`KUBE-SERVICES`, `KPX-SERVICES`) and every `-j DNAT --to-destination` reachable from CHAIN
 (through KUBE-SVC-/KUBE-SEP- chains, or kpx's KPX-SVC- chains). Two systems whose mappings

@@ -67,7 +67,11 @@ def slim(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Relist(Exception):
-    """The watch cannot resume (410 Gone, or a new field selector): list again."""
+    """The watch must start over (a new field selector): list again."""
+
+
+class _Gone(_Relist):
+    """The watch cannot resume from its resourceVersion (410 Gone): list again, consistently."""
 
 
 class Reflector:
@@ -103,11 +107,16 @@ class Reflector:
             params["fieldSelector"] = self._selector_in_use
         return params
 
-    async def _list(self) -> str:
+    async def _list(self, consistent: bool = False) -> str:
+        """List everything. By default from the apiserver's watch cache (resourceVersion=0,
+        as client-go's reflectors do): no etcd read, and what the cache lacks the watch that
+        follows brings. After 410 Gone, a consistent list, so the view never goes back."""
         self._restart.clear()
         self._selector_in_use = self.field_selector()
         items: list[Obj] = []
         params = {**self._params(), "limit": str(self.page_size)}
+        if not consistent:
+            params["resourceVersion"] = "0"
         while True:
             data = await self.client.list(self.resource.kind, self.resource.path, params)
             items.extend(slim(item) for item in data.get("items") or [])
@@ -133,7 +142,7 @@ class Reflector:
             if etype == "ERROR":
                 code = int(obj.get("code", 0))
                 if code == 410:
-                    raise _Relist()
+                    raise _Gone()
                 raise ApiError(code, str(obj.get("message")))
             rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
             if etype in ("ADDED", "MODIFIED"):
@@ -148,19 +157,23 @@ class Reflector:
     async def run(self) -> None:
         backoff = 0.5
         rv = ""
+        gone = False  # the last watch ended with 410 Gone: the next list must be consistent
         while True:
             try:
                 if not rv or self._restart.is_set():
-                    rv = await self._list()
+                    rv = await self._list(consistent=gone)
+                    gone = False
                 rv = await self._watch_until_restart(rv)
                 backoff = 0.5
+            except _Gone:
+                rv, gone = "", True
             except _Relist:
                 rv = ""
             except asyncio.CancelledError:
                 raise
             except (ApiError, aiohttp.ClientError, OSError, ValueError, TimeoutError) as exc:
                 if isinstance(exc, ApiError) and exc.status == 410:
-                    rv = ""
+                    rv, gone = "", True
                 log.warning("%s: %s; retrying in %.1fs", self.resource.kind, exc, backoff)
                 await asyncio.sleep(backoff * (0.5 + random.random()))  # noqa: S311
                 backoff = min(backoff * 2, 30.0)

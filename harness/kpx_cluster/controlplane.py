@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .binaries import etcd_binary, kubernetes_binary
 from .kubeconfig import write_kubeconfig
@@ -49,6 +50,14 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _etcd_call(url: str, method: str, body: dict[str, object]) -> dict[str, Any]:
+    # Our own etcd on loopback (an http:// URL this module built), never a URL from outside.
+    endpoint = f"{url}/v3/{method}"
+    request = urllib.request.Request(endpoint, data=json.dumps(body).encode(), method="POST")  # noqa: S310
+    with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+        return dict(json.loads(response.read()))
 
 
 def _pid_alive(pid: int, binary: str) -> bool:
@@ -99,6 +108,18 @@ class Cluster:
         return str(self._load_state()["server"])
 
     @property
+    def etcd_url(self) -> str:
+        """etcd's client URL (plain HTTP on loopback; tests use its JSON gateway)."""
+        return str(self._load_state()["etcdURL"])
+
+    def compact_etcd(self) -> int:
+        """Compact etcd's history up to now (what the apiserver does every 5 minutes): a watch
+        from an older resourceVersion then gets 410 Gone. Returns the revision."""
+        revision = int(_etcd_call(self.etcd_url, "kv/range", {"key": "AA=="})["header"]["revision"])
+        _etcd_call(self.etcd_url, "kv/compaction", {"revision": revision, "physical": True})
+        return revision
+
+    @property
     def apiserver_port(self) -> int:
         return int(str(self._load_state()["apiserverPort"]))
 
@@ -140,7 +161,14 @@ class Cluster:
         api_port, etcd_port, etcd_peer = free_port(), free_port(), free_port()
         kcm_port, sched_port = free_port(), free_port()
         server = f"https://127.0.0.1:{api_port}"
-        self._save({"server": server, "apiserverPort": api_port, "components": []})
+        self._save(
+            {
+                "server": server,
+                "apiserverPort": api_port,
+                "etcdURL": f"http://127.0.0.1:{etcd_port}",
+                "components": [],
+            }
+        )
 
         serving = ca.issue(
             "apiserver",
@@ -165,7 +193,7 @@ class Cluster:
         sched_kc = self._component_kubeconfig(ca, server, "system:kube-scheduler")
 
         etcd_data = self.state_dir / "etcd"
-        etcd_url = f"http://127.0.0.1:{etcd_port}"
+        etcd_url = self.etcd_url
         peer_url = f"http://127.0.0.1:{etcd_peer}"
         self._spawn(
             started,

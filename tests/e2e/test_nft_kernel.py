@@ -116,3 +116,68 @@ b.sync(state, None)
     # The same backends through the cluster IP of the firewalled service: not filtered.
     inside = probe(topology, client, "10.96.0.22", 80, "tcp", count=4, timeout=1)
     assert inside.failed == 0, inside
+
+
+def test_streamed_transaction_is_all_or_nothing(topology: Topology) -> None:
+    """The runner streams a transaction into nft: a producer that fails half way, and a
+    transaction nft rejects at its very end, both leave the kernel as it was."""
+    n1 = topology.add_node("n1")
+    program = """
+from kpx_agent.backends.base import BackendError
+from kpx_agent.backends.nftables.kernel import run_script
+run_script(["table ip kpx {\\n", "  set keep { type ipv4_addr; elements = { 10.0.0.1 } }\\n}\\n"])
+def broken():
+    yield "add set ip kpx partial { type ipv4_addr; }\\n"
+    yield "add element ip kpx keep { 10.0.0.2 }\\n" * 20000  # more than a pipe buffer
+    raise ValueError("renderer bug")
+try:
+    run_script(broken())
+except ValueError:
+    pass
+else:
+    raise SystemExit("the producer's error was swallowed")
+try:
+    run_script(["add element ip kpx keep { 10.0.0.3 }\\n", "add element ip kpx nope { 1 }\\n"])
+except BackendError as exc:
+    assert "nope" in str(exc), exc
+else:
+    raise SystemExit("a rejected transaction did not raise")
+"""
+    topology.exec(n1, [sys.executable, "-c", program], check=True)
+    listed = nft(topology, "n1", "list", "table", "ip", "kpx")
+    assert "10.0.0.1" in listed and "10.0.0.2" not in listed and "10.0.0.3" not in listed, listed
+    assert "partial" not in listed, listed
+
+
+def test_a_partial_sync_adds_a_new_endpoint_count(topology: Topology) -> None:
+    """A Service first with one endpoint, then with two: the second sync is partial and
+    creates the `endpoints-2` map and chain next to the ones in the kernel; traffic then
+    reaches both backends (TCP and UDP through the same new map)."""
+    n1, b1, b2, client = two_nodes_with_backends(topology)
+    program = f"""
+from kpx_agent.localnet import *
+from kpx_agent.localnet import IP
+from kpx_agent.backends.nftables.backend import NftablesBackend
+ip = IP.of
+b = NftablesBackend(ProxySettings())
+state = NodeLocalState(NodeInfo("n1", (ip("{n1.ipv4}"),)), {{}})
+def web(proto, port, eps):
+    key = ServicePortKey("d", "web-" + proto.value, "", proto, 4)
+    state.services[key] = ServicePort(key, port, cluster_ips=(ip("10.96.0.30"),),
+                                      cluster_endpoints=eps, external_endpoints=eps)
+    return key
+one = (Endpoint(ip("{b1.ipv4}"), 8080),)
+two = one + (Endpoint(ip("{b2.ipv4}"), 8080),)
+web(Protocol.TCP, 80, one), web(Protocol.UDP, 53, one)
+b.sync(state, None)
+assert "endpoints-2" not in b.last_script
+changed = [web(Protocol.TCP, 80, two), web(Protocol.UDP, 53, two)]
+b.sync(state, changed)
+assert "add map ip kpx endpoints-2" in b.last_script, b.last_script
+assert "delete table" not in b.last_script, b.last_script
+"""
+    topology.exec(n1, [sys.executable, "-c", program], check=True)
+    tcp = probe(topology, client, "10.96.0.30", 80, "tcp", count=30, timeout=1)
+    assert tcp.backends == {"b1", "b2"} and tcp.failed == 0, tcp
+    udp = probe(topology, client, "10.96.0.30", 53, "udp", count=20, timeout=1)
+    assert udp.backends == {"b1", "b2"}, udp

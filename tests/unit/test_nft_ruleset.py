@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from ipaddress import ip_network
 
 import pytest
@@ -22,7 +23,10 @@ GOLDEN_DIR = GOLDEN
 
 def record() -> tuple[NftablesBackend, list[str]]:
     scripts: list[str] = []
-    return NftablesBackend(SETTINGS, run_script=scripts.append, our_tables=set), scripts
+    backend = NftablesBackend(
+        SETTINGS, run_script=lambda parts: scripts.append("".join(parts)), our_tables=set
+    )
+    return backend, scripts
 
 
 def test_full_sync_golden() -> None:
@@ -66,8 +70,8 @@ def test_no_change_sends_nothing() -> None:
 def test_failed_transaction_keeps_record_and_forces_full_sync() -> None:
     calls: list[str] = []
 
-    def run(script: str) -> None:
-        calls.append(script)
+    def run(parts: Iterable[str]) -> None:
+        calls.append("".join(parts))
         if len(calls) == 2:
             raise BackendError("kernel said no")
 
@@ -84,7 +88,7 @@ def test_failed_transaction_keeps_record_and_forces_full_sync() -> None:
 
 def test_settings_shape_the_masquerade_rules() -> None:
     backend = NftablesBackend(
-        ProxySettings(masquerade_bit=3, masquerade_all=True), run_script=lambda s: None
+        ProxySettings(masquerade_bit=3, masquerade_all=True), run_script=lambda parts: [*parts]
     )
     state = sample_state()
     backend.sync(state, None)
@@ -93,20 +97,32 @@ def test_settings_shape_the_masquerade_rules() -> None:
     assert "@cluster-ips meta mark set" in script and "!= @cluster-cidrs" not in script
 
 
-def test_a_new_large_endpoint_count_comes_with_a_full_sync() -> None:
+def test_a_new_endpoint_count_brings_its_chain_and_map_in_a_partial_sync() -> None:
     backend, scripts = record()
     state = sample_state()
     backend.sync(state, None)
+    assert "endpoints-200" not in scripts[-1]  # only the counts in use exist
     web = state.services[key("web")]
     many = tuple(Endpoint(IP.of(f"10.244.{i // 250}.{i % 250 + 1}"), 8080) for i in range(200))
     state.services[web.key] = dataclasses.replace(web, cluster_endpoints=many)
     backend.sync(state, [web.key])
-    assert scripts[-1].startswith("add table ip kpx\ndelete table ip kpx\n")
-    assert "add chain ip kpx endpoints-200" in scripts[-1]
-    # ...after which the chain exists and a change within that count is partial again.
+    lines = scripts[-1].splitlines()
+    assert "table" not in scripts[-1].replace("ip kpx", "")  # no table swap
+    created = [ln for ln in lines if "endpoints-200" in ln and not ln.startswith("add element")]
+    assert created == [
+        "add map ip kpx endpoints-200 { typeof ip daddr . meta l4proto . th dport"
+        " . numgen random mod 2 : ip daddr . th dport; }",
+        "add chain ip kpx endpoints-200",
+        "add rule ip kpx endpoints-200 dnat ip to ip daddr . meta l4proto . th dport"
+        " . numgen random mod 200 map @endpoints-200",
+    ]
+    # The map and chain come before the elements that use them.
+    first_element = next(i for i, ln in enumerate(lines) if ln.startswith("add element"))
+    assert lines.index("add chain ip kpx endpoints-200") < first_element
+    # ...after which they exist: a change within that count only changes elements.
     state.services[web.key] = dataclasses.replace(web, cluster_endpoints=many[1:] + many[:1])
     backend.sync(state, [web.key])
-    assert scripts[-1].startswith(("delete element", "add element"))
+    assert all(ln.startswith(("delete element", "add element")) for ln in scripts[-1].splitlines())
 
 
 def test_affinity_gets_a_chain_of_its_own_and_changes_touch_only_it() -> None:

@@ -9,26 +9,28 @@ reads the kernel's ruleset back.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Iterator
 
-from ...localnet import NodeInfo, NodeLocalState, ProxySettings, ServicePortKey
+from ...localnet import NodeInfo, NodeLocalState, ProxySettings, ServicePort, ServicePortKey
 from ..base import BackendError
 from . import kernel
 from . import names as n
-from .element_book import ElementBook, Plan
+from .element_book import Element, ElementBook, Plan
 from .ruleset import (
     ChainDef,
     PortRender,
     base_table,
     endpoint_chain,
     endpoint_chain_counts,
-    precreated_chains,
     render_port,
 )
 from .transaction import Transaction
 
 log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
+# Service ports rendered per part of a streamed full sync: small enough that nft starts
+# parsing early, large enough that a part is one `add element` per set.
+STREAM_CHUNK = 1000
 
 
 class NftablesBackend:
@@ -37,7 +39,7 @@ class NftablesBackend:
     def __init__(
         self,
         settings: ProxySettings,
-        run_script: Callable[[str], None] = kernel.run_script,
+        run_script: Callable[[Iterable[str]], None] = kernel.run_script,
         our_tables: Callable[[], set[str]] = kernel.our_tables,
     ) -> None:
         self.settings = settings
@@ -49,7 +51,7 @@ class NftablesBackend:
             f: {} for f in FAMILIES
         }
         self._node: NodeInfo | None = None
-        self.last_script = ""
+        self._last_parts: list[str] = []
 
     def programmed(self) -> bool:
         """True while the kernel still has our tables (someone may flush the ruleset)."""
@@ -62,35 +64,61 @@ class NftablesBackend:
             self._partial_sync(state, changed)
 
     def _full_sync(self, state: NodeLocalState) -> None:
+        plans: dict[int, Plan[ServicePortKey]] = {f: Plan() for f in FAMILIES}
+        chains: dict[int, set[tuple[str, int]]] = {f: set() for f in FAMILIES}
+        port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
+            f: {} for f in FAMILIES
+        }
+        self._apply(self._full_script(state, plans, chains, port_chains))
         books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
-        plans: dict[int, Plan[ServicePortKey]] = {}
-        chains: dict[int, set[tuple[str, int]]] = {}
-        port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {}
-        script = []
-        for fam in FAMILIES:
-            renders = {k: render_port(sp) for k, sp in state.services.items() if k.family == fam}
-            plans[fam] = books[fam].plan({k: r.elements for k, r in renders.items()})
-            port_chains[fam] = {k: r.chains for k, r in renders.items() if r.chains}
-            txn = Transaction(fam)
-            txn.replace_table(base_table(fam, self.settings, state.node))
-            chains[fam] = precreated_chains()
-            for render in renders.values():
-                chains[fam] |= endpoint_chain_counts(render.elements)
-            for owned in port_chains[fam].values():
-                for name, chain in owned.items():
-                    txn.add_port_chain(name, chain.sets, chain.rules)
-            self._render(txn, fam, chains[fam], plans[fam])
-            script.append(txn.render())
-        self._apply("".join(script))
         for fam in FAMILIES:
             books[fam].commit(plans[fam])
             self._log_conflicts(plans[fam])
         self._books, self._chains, self._node = books, chains, state.node
         self._port_chains = port_chains
 
+    def _full_script(
+        self,
+        state: NodeLocalState,
+        plans: dict[int, Plan[ServicePortKey]],
+        chains: dict[int, set[tuple[str, int]]],
+        port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]],
+    ) -> Iterator[str]:
+        """The full sync's transaction, one part per chunk of service ports, rendered as nft
+        reads it (and filling in the plans and chains it programs)."""
+        by_family: dict[int, list[ServicePort]] = {f: [] for f in FAMILIES}
+        for key, sp in state.services.items():
+            by_family[key.family].append(sp)
+        for fam in FAMILIES:
+            txn = Transaction(fam)
+            txn.replace_table(base_table(fam, self.settings, state.node))
+            yield txn.render()
+            ports = by_family[fam]
+            for start in range(0, len(ports), STREAM_CHUNK):
+                txn = Transaction(fam)
+                claimed: list[Element] = []
+                for sp in ports[start : start + STREAM_CHUNK]:
+                    render = render_port(sp)
+                    if render.chains:
+                        port_chains[fam][sp.key] = render.chains
+                        for name, chain in render.chains.items():
+                            txn.add_port_chain(name, chain.sets, chain.rules)
+                    claimed += plans[fam].claim_fresh(sp.key, render.elements)
+                new_chains = endpoint_chain_counts(claimed) - chains[fam]
+                chains[fam] |= new_chains
+                for dispatch_map, count in sorted(new_chains):
+                    txn.add_endpoint_chain(*endpoint_chain(fam, dispatch_map, count))
+                by_set: dict[str, list[tuple[str, str | None]]] = {}
+                for set_name, element_key, value in claimed:
+                    by_set.setdefault(set_name, []).append((element_key, value))
+                for set_name, pairs in sorted(by_set.items()):
+                    txn.add_elements(set_name, pairs)
+                yield txn.render()
+
     def _partial_sync(self, state: NodeLocalState, changed: Collection[ServicePortKey]) -> None:
         plans: dict[int, Plan[ServicePortKey]] = {}
         chain_updates: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {}
+        new_chains: dict[int, set[tuple[str, int]]] = {}
         script = []
         for fam in FAMILIES:
             renders: dict[ServicePortKey, PortRender | None] = {}
@@ -104,10 +132,7 @@ class NftablesBackend:
                 {k: (r.elements if r is not None else None) for k, r in renders.items()}
             )
             added = [(s, k, v) for s, pairs in plan.add.items() for k, v in pairs]
-            if endpoint_chain_counts(added) - self._chains[fam]:
-                # A new, large endpoint count: its chain can only come with a full sync.
-                self._full_sync(state)
-                return
+            new_chains[fam] = endpoint_chain_counts(added) - self._chains[fam]
             pre, post = Transaction(fam), Transaction(fam)
             owned = self._port_chains[fam]
             chain_updates[fam] = {}
@@ -119,14 +144,15 @@ class NftablesBackend:
                     chain_updates[fam][key] = new
             if not plan and not pre and not post:
                 continue
-            self._render(pre, fam, set(), plan)
+            self._render(pre, fam, new_chains[fam], plan)
             plans[fam] = plan
             script.append(pre.render() + post.render())
         if not script:
             return
-        self._apply("".join(script))
+        self._apply(script)
         for fam, plan in plans.items():
             self._books[fam].commit(plan)
+            self._chains[fam] |= new_chains[fam]
             self._log_conflicts(plan)
             for key, new in chain_updates.get(fam, {}).items():
                 if new:
@@ -160,21 +186,33 @@ class NftablesBackend:
         txn: Transaction, fam: int, chains: set[tuple[str, int]], plan: Plan[ServicePortKey]
     ) -> None:
         for dispatch_map, count in sorted(chains):
-            txn.add_chain(*endpoint_chain(fam, dispatch_map, count))
+            txn.add_endpoint_chain(*endpoint_chain(fam, dispatch_map, count))
         for set_name, keys in sorted(plan.delete.items()):
             txn.delete_elements(set_name, keys)
         for set_name, pairs in sorted(plan.add.items()):
             txn.add_elements(set_name, pairs)
 
-    def _apply(self, script: str) -> None:
-        self.last_script = script
+    def _apply(self, parts: Iterable[str]) -> None:
+        sent: list[str] = []
+
+        def recorded() -> Iterator[str]:
+            for part in parts:
+                sent.append(part)
+                yield part
+
+        self._last_parts = sent
         try:
-            self._run(script)
+            self._run(recorded())
         except BackendError:
             # The kernel kept the last good rules; our record still equals them, but force a
             # full swap next time in case the kernel state drifted (it is the safe recovery).
             self._node = None
             raise
+
+    @property
+    def last_script(self) -> str:
+        """The text of the last transaction sent (for logs and tests)."""
+        return "".join(self._last_parts)
 
     @staticmethod
     def _log_conflicts(plan: Plan[ServicePortKey]) -> None:

@@ -31,6 +31,27 @@ class Plan(Generic[Owner]):
     def __bool__(self) -> bool:
         return bool(self.delete or self.add)
 
+    def claim_fresh(self, owner: Owner, elements: Iterable[Element] | None) -> list[Element]:
+        """For a plan against an empty record, one owner at a time (so a full sync can stream
+        its elements): take the owner's elements and return those whose key nobody claimed
+        before. A key claimed again stays with its first claim (a different value is a
+        conflict)."""
+        new = tuple(elements) if elements is not None else ()
+        self._contrib[owner] = new if elements is not None else None
+        staged = self._owners
+        first: list[Element] = []
+        for element in new:
+            set_name, key, value = element
+            lst = staged.get((set_name, key))
+            if lst is None:
+                staged[(set_name, key)] = [(owner, value)]
+                first.append(element)
+                continue
+            if lst[0][1] != value:
+                self.conflicts.append(((set_name, key), owner))
+            lst.append((owner, value))
+        return first
+
 
 class ElementBook(Generic[Owner]):
     def __init__(self) -> None:
@@ -90,20 +111,9 @@ class ElementBook(Generic[Owner]):
     def _plan_fresh(updates: Mapping[Owner, Iterable[Element] | None]) -> Plan[Owner]:
         """The same plan for an empty record (a full sync), without the diffing."""
         plan: Plan[Owner] = Plan()
-        staged = plan._owners
         for owner, new_elems in updates.items():
-            new = tuple(new_elems) if new_elems is not None else ()
-            plan._contrib[owner] = new if new_elems is not None else None
-            for set_name, key, value in new:
-                lst = staged.get((set_name, key))
-                if lst is None:
-                    staged[(set_name, key)] = [(owner, value)]
-                    continue
-                if lst[0][1] != value:
-                    plan.conflicts.append(((set_name, key), owner))
-                lst.append((owner, value))
-        for (set_name, key), lst in staged.items():
-            plan.add.setdefault(set_name, []).append((key, lst[0][1]))
+            for set_name, key, value in plan.claim_fresh(owner, new_elems):
+                plan.add.setdefault(set_name, []).append((key, value))
         return plan
 
     def commit(self, plan: Plan[Owner]) -> None:

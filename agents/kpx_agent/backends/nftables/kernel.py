@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
+import tempfile
+from collections.abc import Iterable
+from typing import IO
 
 from ..base import BackendError
 from . import names as n
@@ -10,13 +14,43 @@ from . import names as n
 NFT = "nft"
 
 
-def run_script(script: str) -> None:
-    """Apply `script` as one atomic transaction (`nft -f -`); raise BackendError on failure."""
-    proc = subprocess.run(
-        [NFT, "-f", "-"], input=script, capture_output=True, text=True, check=False
-    )
-    if proc.returncode != 0:
-        raise BackendError(f"nft rejected the transaction: {proc.stderr.strip()[:2000]}")
+def run_script(parts: Iterable[str]) -> None:
+    """Apply the concatenated `parts` as one atomic transaction (`nft -f -`).
+
+    The parts are written to nft's stdin as they are produced, so nft parses the start of a
+    large transaction while the caller still renders the rest (two cores instead of one).
+    nft commits only after reading end-of-file: if producing a part fails, nft is killed
+    first, and nothing of the transaction reaches the kernel. Raises BackendError when nft
+    rejects the transaction.
+    """
+    # nft writes its errors only after reading all input, but a file (not a pipe) for them
+    # rules out any deadlock between our writes and its output.
+    with tempfile.TemporaryFile() as errors:
+        proc = subprocess.Popen(
+            [NFT, "-f", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errors
+        )
+        assert proc.stdin is not None
+        try:
+            for part in parts:
+                proc.stdin.write(part.encode())
+        except BrokenPipeError:
+            pass  # nft exited early; its status and message say why
+        except BaseException:
+            proc.kill()  # before stdin closes: an unfinished transaction must never commit
+            proc.wait()
+            _close(proc.stdin)
+            raise
+        _close(proc.stdin)
+        status = proc.wait()
+        if status != 0:
+            errors.seek(0)
+            message = errors.read().decode(errors="replace").strip()[:2000]
+            raise BackendError(f"nft rejected the transaction (exit {status}): {message}")
+
+
+def _close(stream: IO[bytes]) -> None:
+    with contextlib.suppress(BrokenPipeError):
+        stream.close()
 
 
 def our_tables() -> set[str]:
@@ -31,4 +65,4 @@ def our_tables() -> set[str]:
 
 def delete_tables(tables: set[str]) -> None:
     if tables:
-        run_script("".join(f"delete table {t}\n" for t in sorted(tables)))
+        run_script([f"delete table {t}\n" for t in sorted(tables)])

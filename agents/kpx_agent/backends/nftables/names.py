@@ -20,9 +20,10 @@ NO_ENDPOINTS = "no-endpoints"
 
 # Sets and maps (their elements are what a sync changes).
 SERVICE_IPS = "service-ips"  # vip . proto . port : goto endpoints-<n>
-ENDPOINTS = "endpoints"  # vip . proto . port . bucket : endpoint-ip . port
 SERVICE_NODEPORTS = "service-nodeports"  # proto . port : goto nodeport-endpoints-<n>
-NODEPORT_ENDPOINTS = "nodeport-endpoints"  # proto . port . bucket : endpoint-ip . port
+# Per endpoint count n, a chain and a map of the same name (see endpoints_chain below):
+#   endpoints-<n>           vip . proto . port . bucket : endpoint-ip . port
+#   nodeport-endpoints-<n>  proto . port . bucket : endpoint-ip . port
 CLUSTER_IPS = "cluster-ips"  # vip . proto . port: masquerade when from off-cluster
 EXTERNAL_IPS = "external-ips"  # vip . proto . port: masquerade (externalTrafficPolicy Cluster)
 EXTERNAL_NODEPORTS = "external-nodeports"  # proto . port: masquerade (Cluster policy)
@@ -41,7 +42,7 @@ CLUSTER_CIDRS = "cluster-cidrs"  # the pod networks (detect-local)
 
 
 def endpoints_chain(count: int) -> str:
-    """The chain that picks one of `count` endpoints of a VIP at random."""
+    """The chain that picks one of `count` endpoints of a VIP at random, and its map."""
     return f"endpoints-{count}"
 
 

@@ -108,9 +108,9 @@ def _dispatch(
         out.elements.append((dispatch_map, vip_key, f"goto {chain}"))
         return
     if nodeport:
-        endpoint_map, chain = n.NODEPORT_ENDPOINTS, n.nodeport_endpoints_chain(len(endpoints))
+        chain = endpoint_map = n.nodeport_endpoints_chain(len(endpoints))
     else:
-        endpoint_map, chain = n.ENDPOINTS, n.endpoints_chain(len(endpoints))
+        chain = endpoint_map = n.endpoints_chain(len(endpoints))
     out.elements.append((dispatch_map, vip_key, f"goto {chain}"))
     out.elements.extend(
         (endpoint_map, f"{vip_key} . {i}", _endpoint_value(ep)) for i, ep in enumerate(endpoints)
@@ -169,34 +169,30 @@ def endpoint_chain_counts(elements: list[Element]) -> set[tuple[str, int]]:
     return out
 
 
-# nft 1.0.6 cannot add a rule that uses a `typeof ... th dport` map once that map is in the
-# kernel ("conflicting protocols specified: ip vs. th"); it can in the transaction that defines
-# the map. So the endpoint chains are created by full syncs only: every count up to this one,
-# plus any larger count present. A partial sync that meets a new larger count does a full sync.
-PRECREATED_ENDPOINT_COUNTS = 128
+# Each endpoint count `n` has its own chain and map, both named `endpoints-<n>` (or
+# `nodeport-endpoints-<n>`), created the first time a sync needs them. One map per count keeps
+# each map referenced by one rule: the kernel checks every element of a map against every rule
+# that uses it, so one map shared by many chains costs elements x chains at load. And nft 1.0.6
+# cannot add a rule that uses a `typeof ... th dport` map once that map is in the kernel
+# ("conflicting protocols specified: ip vs. th"); it can in the transaction that creates the
+# map, which is what a new count does.
 
 
-def precreated_chains() -> set[tuple[str, int]]:
-    return {
-        (dispatch, count)
-        for dispatch in (n.SERVICE_IPS, n.SERVICE_NODEPORTS)
-        for count in range(1, PRECREATED_ENDPOINT_COUNTS + 1)
-    }
-
-
-def endpoint_chain(family: int, dispatch_map: str, count: int) -> tuple[str, str]:
-    """Name and rule of the chain that picks one of `count` endpoints at random."""
+def endpoint_chain(family: int, dispatch_map: str, count: int) -> tuple[str, str, str]:
+    """Name, map definition and rule of the chain that picks one of `count` endpoints at
+    random (the chain and its map share the name)."""
     daddr, fam = n.DADDR[family], n.FAMILIES[family]
+    value = f"{daddr} . th dport"
     if dispatch_map == n.SERVICE_NODEPORTS:
-        return (
-            n.nodeport_endpoints_chain(count),
-            f"dnat {fam} to meta l4proto . th dport . numgen random mod {count} "
-            f"map @{n.NODEPORT_ENDPOINTS}",
-        )
+        name = n.nodeport_endpoints_chain(count)
+        key = "meta l4proto . th dport"
+    else:
+        name = n.endpoints_chain(count)
+        key = f"{daddr} . meta l4proto . th dport"
     return (
-        n.endpoints_chain(count),
-        f"dnat {fam} to {daddr} . meta l4proto . th dport . numgen random mod {count} "
-        f"map @{n.ENDPOINTS}",
+        name,
+        f"typeof {key} . numgen random mod 2 : {value};",
+        f"dnat {fam} to {key} . numgen random mod {count} map @{name}",
     )
 
 
@@ -228,7 +224,6 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
     set_mark = f"meta mark set meta mark | {mark}"
     vpp = f"{addr} . inet_proto . inet_service"
     pp = "inet_proto . inet_service"
-    value = f"{daddr} . th dport"
     match_vpp = f"{daddr} . meta l4proto . th dport"
     local_np = f"fib daddr type local {daddr} @{n.NODEPORT_ADDRESSES} meta l4proto . th dport"
     cidrs = [str(c) for c in settings.cluster_cidrs if c.version == family]
@@ -256,10 +251,7 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
         f"  set {n.CLUSTER_CIDRS} {{ type {addr}; flags interval; auto-merge;"
         f"{_elements_clause(cidrs if len(cidrs) > 1 else [])} }}",
         f"  map {n.SERVICE_IPS} {{ type {vpp} : verdict; }}",
-        f"  map {n.ENDPOINTS} {{ typeof {match_vpp} . numgen random mod 2 : {value}; }}",
         f"  map {n.SERVICE_NODEPORTS} {{ type {pp} : verdict; }}",
-        f"  map {n.NODEPORT_ENDPOINTS} {{ typeof meta l4proto . th dport . numgen random mod 2 :"
-        f" {value}; }}",
         f"  chain {n.SERVICES} {{",
         masq_cluster.rstrip("\n"),
         f"    {match_vpp} @{n.EXTERNAL_IPS} {set_mark}",

@@ -26,10 +26,11 @@ class Transaction:
         self._lines.append(f"delete table {self.prefix}")
         self.raw(definition)
 
-    def add_chain(self, chain: str, rule: str) -> None:
-        self._lines.append(f"add chain {self.prefix} {chain}")
-        self._lines.append(f"flush chain {self.prefix} {chain}")
-        self._lines.append(f"add rule {self.prefix} {chain} {rule}")
+    def add_endpoint_chain(self, name: str, map_definition: str, rule: str) -> None:
+        """Create a new chain with its own map, used by its one rule (never rewritten)."""
+        self._lines.append(f"add map {self.prefix} {name} {{ {map_definition} }}")
+        self._lines.append(f"add chain {self.prefix} {name}")
+        self._lines.append(f"add rule {self.prefix} {name} {rule}")
 
     def add_port_chain(
         self, name: str, sets: Iterable[tuple[str, str]], rules: Iterable[str]
