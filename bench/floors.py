@@ -54,7 +54,9 @@ def state(n: int) -> NodeLocalState:
 def nft_script(st: NodeLocalState) -> str:
     scripts: list[str] = []
     NftablesBackend(
-        SETTINGS, run_script=lambda parts: scripts.append("".join(parts)), our_tables=set
+        SETTINGS,
+        run_script=lambda parts: scripts.append("".join(parts)),
+        tables_present=lambda: True,
     ).sync(st, None)
     return scripts[-1]
 

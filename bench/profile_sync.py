@@ -223,9 +223,7 @@ class Pipeline:
 
     def first(self) -> None:
         settings = ProxySettings(cluster_cidrs=(ipaddress.ip_network("10.244.0.0/16"),))
-        backend = NftablesBackend(
-            settings, run_script=self.runner, our_tables=lambda: {"ip kpx", "ip6 kpx"}
-        )
+        backend = NftablesBackend(settings, run_script=self.runner, tables_present=lambda: True)
         self.proxier = Proxier(
             self.state, backend, "bench-node-0", NamespaceOptOut(), AgentMetrics()
         )

@@ -34,6 +34,7 @@ from agent_harness import (
     service,
     service_port,
     wait_until,
+    write_agent_config,
 )
 
 from kpx_cluster.probe import ProbeResult, format_target
@@ -443,6 +444,35 @@ def test_sigkill_keeps_rules_and_new_agent_applies_missed_changes(
     failures = [e for e in watch.since(t_start) if e[1] not in BOTH]
     assert not failures, f"tries failed while the new agent took over: {failures[:10]}"
     assert_reaches(agent_env, vip, 80, "tcp", {"b2"})
+
+
+def test_flushed_ruleset_is_rebuilt_at_the_next_sync_period(
+    agent_env: AgentEnv, agent_ns: str
+) -> None:
+    """Someone flushes the node's whole ruleset: at its next syncPeriod the agent finds its
+    tables gone (a check-mode probe, cheap at any size) and programs everything again."""
+    topo, n2 = agent_env.topology, agent_env.n2
+    svc = make_service(agent_env, agent_ns, "reflushed", TCP_UDP[:1])
+    config = write_agent_config(topo.tmpdir / "sync-1s.yaml", sync_period="1s")
+    agent = agent_env.start_agent("n2", config=config)
+    try:
+        assert f"{svc.ip()} . tcp . 80" in nft_ruleset(topo, n2)
+        topo.exec(n2, ["nft", "flush", "ruleset"], check=True)
+        assert kpx_tables(topo, n2) == set()
+        wait_until(
+            lambda: kpx_tables(topo, n2) == {"ip kpx", "ip6 kpx"},
+            5.0,
+            message=lambda: f"tables not rebuilt:\n{agent.log_tail(15)}",
+        )
+        wait_until(
+            lambda: f"{svc.ip()} . tcp . 80" in nft_ruleset(topo, n2),
+            5.0,
+            message=lambda: f"service not reprogrammed:\n{agent.log_tail(15)}",
+        )
+        assert "rules are gone from the kernel" in agent.log_tail(50)
+    finally:
+        assert agent.stop() == 0, agent.log_tail()
+        assert run_cleanup(topo, n2).returncode == 0
 
 
 def test_cleanup_removes_every_kpx_table(agent_env: AgentEnv, agent_ns: str) -> None:

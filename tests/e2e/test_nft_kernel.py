@@ -181,3 +181,21 @@ assert "delete table" not in b.last_script, b.last_script
     assert tcp.backends == {"b1", "b2"} and tcp.failed == 0, tcp
     udp = probe(topology, client, "10.96.0.30", 53, "udp", count=20, timeout=1)
     assert udp.backends == {"b1", "b2"}, udp
+
+
+def test_tables_present_asks_without_loading_or_changing_anything(topology: Topology) -> None:
+    """The periodic "are our rules still there" check: false without our tables, true with
+    both, false once one is gone; its check-mode flush leaves the rules as they were."""
+    n1 = topology.add_node("n1")
+    check = [
+        sys.executable,
+        "-c",
+        "from kpx_agent.backends.nftables.kernel import tables_present; print(tables_present())",
+    ]
+    assert topology.exec(n1, check, check=True).stdout.split() == ["False"]
+    nft(topology, "n1", script=(GOLDEN / "full_sync.nft").read_text())
+    before = nft(topology, "n1", "list", "ruleset")
+    assert topology.exec(n1, check, check=True).stdout.split() == ["True"]
+    assert nft(topology, "n1", "list", "ruleset") == before
+    nft(topology, "n1", "delete", "table", "ip6", "kpx")
+    assert topology.exec(n1, check, check=True).stdout.split() == ["False"]

@@ -24,7 +24,9 @@ GOLDEN_DIR = GOLDEN
 def record() -> tuple[NftablesBackend, list[str]]:
     scripts: list[str] = []
     backend = NftablesBackend(
-        SETTINGS, run_script=lambda parts: scripts.append("".join(parts)), our_tables=set
+        SETTINGS,
+        run_script=lambda parts: scripts.append("".join(parts)),
+        tables_present=lambda: True,
     )
     return backend, scripts
 
@@ -75,7 +77,7 @@ def test_failed_transaction_keeps_record_and_forces_full_sync() -> None:
         if len(calls) == 2:
             raise BackendError("kernel said no")
 
-    backend = NftablesBackend(SETTINGS, run_script=run, our_tables=set)
+    backend = NftablesBackend(SETTINGS, run_script=run, tables_present=lambda: True)
     state = sample_state()
     backend.sync(state, None)
     del state.services[key("web")]

@@ -40,11 +40,11 @@ class NftablesBackend:
         self,
         settings: ProxySettings,
         run_script: Callable[[Iterable[str]], None] = kernel.run_script,
-        our_tables: Callable[[], set[str]] = kernel.our_tables,
+        tables_present: Callable[[], bool] = kernel.tables_present,
     ) -> None:
         self.settings = settings
         self._run = run_script
-        self._our_tables = our_tables
+        self._tables_present = tables_present
         self._books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
         self._chains: dict[int, set[tuple[str, int]]] = {f: set() for f in FAMILIES}
         self._port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
@@ -55,7 +55,7 @@ class NftablesBackend:
 
     def programmed(self) -> bool:
         """True while the kernel still has our tables (someone may flush the ruleset)."""
-        return self._node is not None and len(self._our_tables()) == len(FAMILIES)
+        return self._node is not None and self._tables_present()
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
         if changed is None or self._node is None or state.node != self._node:

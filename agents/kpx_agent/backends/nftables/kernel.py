@@ -53,8 +53,21 @@ def _close(stream: IO[bytes]) -> None:
         stream.close()
 
 
+def tables_present() -> bool:
+    """Whether both of our tables are in the kernel, asked in nft's check mode (the kernel
+    validates the batch and applies nothing). Any `nft list` command, even `list tables`,
+    first loads every set element into nft's cache: 2 s of CPU at 10,000 Services; this is
+    about 10 ms at any size."""
+    script = "".join(f"flush chain {fam} {n.TABLE} {n.NAT_OUTPUT}\n" for fam in n.FAMILIES.values())
+    proc = subprocess.run(
+        [NFT, "--check", "-f", "-"], input=script, capture_output=True, text=True, check=False
+    )
+    return proc.returncode == 0
+
+
 def our_tables() -> set[str]:
-    """Which of our tables exist, as 'family name' strings."""
+    """Which of our tables exist, as 'family name' strings (lists them: slow at scale, for
+    cleanup only)."""
     proc = subprocess.run([NFT, "list", "tables"], capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise BackendError(f"nft list tables failed: {proc.stderr.strip()}")
