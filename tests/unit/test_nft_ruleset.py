@@ -170,3 +170,41 @@ def test_load_balancer_source_ranges_are_merged_into_the_firewall_set() -> None:
     assert "192.0.2.20 . tcp . 80 . 198.51.100.0/24" in allow
     assert "192.0.2.20 . tcp . 80 . 203.0.113.7/32" in allow
     assert "198.51.100.128/25" not in allow  # merged into the /24
+
+
+def test_a_vip_claimed_twice_still_gets_every_map_its_elements_use() -> None:
+    """Two Services on one load-balancer IP and port with different endpoint counts: the
+    first claim dispatches; the second's endpoint elements still go into their count's map,
+    which must exist before them, in a full sync and in a partial one."""
+    backend, scripts = record()
+    state = sample_state()
+    lb = IP.of("192.0.2.50")
+    eps3 = tuple(Endpoint(IP.of(f"10.244.3.{i}"), 8080) for i in range(1, 4))
+    eps5 = tuple(Endpoint(IP.of(f"10.244.5.{i}"), 8080) for i in range(1, 6))
+    first = dataclasses.replace(
+        state.services[key("web")], load_balancer_ips=(lb,), cluster_ips=(IP.of("10.96.0.60"),),
+        cluster_endpoints=eps3, external_endpoints=eps3, key=key("lb-a"),
+    )  # fmt: skip
+    second = dataclasses.replace(
+        first, key=key("lb-b"), cluster_ips=(IP.of("10.96.0.61"),),
+        cluster_endpoints=eps5[:4], external_endpoints=eps5,
+    )  # fmt: skip
+    state.services[first.key], state.services[second.key] = first, second
+    backend.sync(state, None)
+
+    def maps_before_elements(script: str, existing: set[str]) -> None:
+        lines = script.splitlines()
+        for i, line in enumerate(lines):
+            if line.startswith("add element ip kpx endpoints-"):
+                name = line.split()[4]
+                created = f"add map ip kpx {name} {{"
+                assert any(ln.startswith(created) for ln in lines[:i]) or name in existing, line
+
+    maps_before_elements(scripts[-1], set())
+    assert "add element ip kpx endpoints-5 {" in scripts[-1]  # the second claim's, unused
+    existing = {"endpoints-1", "endpoints-2", "endpoints-3", "endpoints-4", "endpoints-5"}
+    third = dataclasses.replace(second, external_endpoints=eps5 + eps3)  # 8: a new count
+    state.services[third.key] = third
+    backend.sync(state, [third.key])
+    assert "add map ip kpx endpoints-8 {" in scripts[-1]
+    maps_before_elements(scripts[-1], existing)
