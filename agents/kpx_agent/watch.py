@@ -124,6 +124,7 @@ class Reflector:
             if not meta.get("continue"):
                 break
             params["continue"] = str(meta["continue"])
+            params.pop("resourceVersion", None)  # the token carries it; both are refused
         self.sink.replace(self.resource.kind, items)
         self.lists += 1
         self.synced.set()

@@ -100,3 +100,40 @@ def test_watch_gone_relists_consistently_and_keeps_up(cluster: Cluster, kube: Ku
     assert "resourceVersion" not in lists[1], lists  # after 410 Gone: a consistent list
     # The relist brought what the lost watch missed, and the new watch what came after.
     assert {"before", "between", "between-2", "after"} <= sink.names, sink.names
+
+
+def test_paginated_list_follows_continue_tokens(cluster: Cluster, kube: Kube) -> None:
+    """A list in pages of one: every page after the first carries only the continue token
+    (the apiserver refuses a resourceVersion next to it), and every object arrives."""
+    ns = kube.create_namespace(prefix="pages")
+    kube.apply(*(event(ns, f"e{i}") for i in range(3)))
+
+    async def scenario() -> tuple[list[dict[str, str]], Names]:
+        client = KubeClient(from_kubeconfig(cluster.kubeconfig))
+        pages: list[dict[str, str]] = []
+        real_list = client.list
+
+        async def recording_list(
+            resource: str, path: str, params: Mapping[str, str]
+        ) -> dict[str, Any]:
+            pages.append(dict(params))
+            return await real_list(resource, path, params)
+
+        client.list = recording_list  # type: ignore[method-assign]
+        sink = Names()
+        reflector = Reflector(
+            client, EVENTS, sink, field_selector=lambda: f"metadata.namespace={ns}", page_size=1
+        )
+        task = asyncio.create_task(reflector.run())
+        try:
+            await asyncio.wait_for(reflector.synced.wait(), 10)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await client.close()
+        return pages, sink
+
+    pages, sink = asyncio.run(scenario())
+    assert sink.names == {"e0", "e1", "e2"}, sink.names
+    assert len(pages) >= 3, pages
+    assert all("continue" in p and "resourceVersion" not in p for p in pages[1:]), pages
