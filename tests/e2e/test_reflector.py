@@ -4,7 +4,7 @@ cannot resume (a real 410 Gone) is followed by a consistent list, and nothing is
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from agent_harness import Kube
@@ -46,60 +46,86 @@ def event(ns: str, name: str) -> dict[str, Any]:
     }
 
 
-def test_watch_gone_relists_consistently_and_keeps_up(cluster: Cluster, kube: Kube) -> None:
-    ns = kube.create_namespace(prefix="reflector")
-    kube.apply(event(ns, "before"))
+class WatchedEvents:
+    """A Reflector on the Events of one namespace, with each list request's parameters
+    recorded; `after_list(n)` runs after the n-th list response (blocking calls are fine)."""
 
-    async def scenario() -> tuple[list[dict[str, str]], Names]:
-        client = KubeClient(from_kubeconfig(cluster.kubeconfig))
-        lists: list[dict[str, str]] = []
-        real_list = client.list
+    def __init__(
+        self,
+        cluster: Cluster,
+        ns: str,
+        page_size: int = 5000,
+        after_list: Callable[[int], object] = lambda n: None,
+    ) -> None:
+        self.client = KubeClient(from_kubeconfig(cluster.kubeconfig))
+        self.lists: list[dict[str, str]] = []
+        self.sink = Names()
+        real_list = self.client.list
 
         async def recording_list(
             resource: str, path: str, params: Mapping[str, str]
         ) -> dict[str, Any]:
-            lists.append(dict(params))
+            self.lists.append(dict(params))
             data = await real_list(resource, path, params)
-            if len(lists) == 1:
-                # The list's resourceVersion, then more writes, then etcd compacts its history
-                # (as the apiserver has it do every 5 minutes): a watch from that
-                # resourceVersion can no longer resume.
-                # (Two writes: etcd keeps the compaction revision itself, and a watch from the
-                # list's resourceVersion starts at the revision after it.)
-                kube.apply(event(ns, "between"), event(ns, "between-2"))
-                cluster.compact_etcd()
+            after_list(len(self.lists))
             return data
 
-        client.list = recording_list  # type: ignore[method-assign]
-        sink = Names()
-        reflector = Reflector(
-            client, EVENTS, sink, field_selector=lambda: f"metadata.namespace={ns}"
+        self.client.list = recording_list  # type: ignore[method-assign]
+        self.reflector = Reflector(
+            self.client,
+            EVENTS,
+            self.sink,
+            field_selector=lambda: f"metadata.namespace={ns}",
+            page_size=page_size,
         )
-        task = asyncio.create_task(reflector.run())
-        try:
-            await asyncio.wait_for(reflector.synced.wait(), 10)
-            for _ in range(200):
-                if len(lists) >= 2:
-                    break
-                await asyncio.sleep(0.05)
+
+    async def __aenter__(self) -> WatchedEvents:
+        self.task = asyncio.create_task(self.reflector.run())
+        await asyncio.wait_for(self.reflector.synced.wait(), 10)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        await self.client.close()
+
+    @staticmethod
+    async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
+        for _ in range(int(timeout / 0.05)):
+            if check():
+                return
+            await asyncio.sleep(0.05)
+
+
+def test_watch_gone_relists_consistently_and_keeps_up(cluster: Cluster, kube: Kube) -> None:
+    ns = kube.create_namespace(prefix="reflector")
+    kube.apply(event(ns, "before"))
+
+    def expire(n: int) -> None:
+        if n == 1:
+            # The list's resourceVersion, then more writes, then etcd compacts its history
+            # (as the apiserver has it do every 5 minutes): a watch from that
+            # resourceVersion can no longer resume. (Two writes: etcd keeps the compaction
+            # revision itself, and a watch from the list's resourceVersion starts after it.)
+            kube.apply(event(ns, "between"), event(ns, "between-2"))
+            cluster.compact_etcd()
+
+    async def scenario() -> WatchedEvents:
+        async with WatchedEvents(cluster, ns, after_list=expire) as watched:
+            await watched.until(lambda: len(watched.lists) >= 2)
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, kube.apply, event(ns, "after"))
-            for _ in range(200):
-                if "after" in sink.names:
-                    break
-                await asyncio.sleep(0.05)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await client.close()
-        return lists, sink
+            await watched.until(lambda: "after" in watched.sink.names)
+        return watched
 
-    lists, sink = asyncio.run(scenario())
+    watched = asyncio.run(scenario())
+    lists = watched.lists
     assert len(lists) == 2, lists
     assert lists[0].get("resourceVersion") == "0", lists  # the first list: from the cache
     assert "resourceVersion" not in lists[1], lists  # after 410 Gone: a consistent list
     # The relist brought what the lost watch missed, and the new watch what came after.
-    assert {"before", "between", "between-2", "after"} <= sink.names, sink.names
+    names = watched.sink.names
+    assert {"before", "between", "between-2", "after"} <= names, names
 
 
 def test_paginated_list_follows_continue_tokens(cluster: Cluster, kube: Kube) -> None:
@@ -108,32 +134,12 @@ def test_paginated_list_follows_continue_tokens(cluster: Cluster, kube: Kube) ->
     ns = kube.create_namespace(prefix="pages")
     kube.apply(*(event(ns, f"e{i}") for i in range(3)))
 
-    async def scenario() -> tuple[list[dict[str, str]], Names]:
-        client = KubeClient(from_kubeconfig(cluster.kubeconfig))
-        pages: list[dict[str, str]] = []
-        real_list = client.list
+    async def scenario() -> WatchedEvents:
+        async with WatchedEvents(cluster, ns, page_size=1) as watched:
+            return watched
 
-        async def recording_list(
-            resource: str, path: str, params: Mapping[str, str]
-        ) -> dict[str, Any]:
-            pages.append(dict(params))
-            return await real_list(resource, path, params)
-
-        client.list = recording_list  # type: ignore[method-assign]
-        sink = Names()
-        reflector = Reflector(
-            client, EVENTS, sink, field_selector=lambda: f"metadata.namespace={ns}", page_size=1
-        )
-        task = asyncio.create_task(reflector.run())
-        try:
-            await asyncio.wait_for(reflector.synced.wait(), 10)
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await client.close()
-        return pages, sink
-
-    pages, sink = asyncio.run(scenario())
-    assert sink.names == {"e0", "e1", "e2"}, sink.names
+    watched = asyncio.run(scenario())
+    pages = watched.lists
+    assert watched.sink.names == {"e0", "e1", "e2"}, watched.sink.names
     assert len(pages) >= 3, pages
     assert all("continue" in p and "resourceVersion" not in p for p in pages[1:]), pages
