@@ -103,16 +103,16 @@ def env(cluster: Cluster) -> Iterator[Env]:
         sim = NodeSimulator(cluster, topo, pod_apiserver_access=True)
         try:
             nodes = [sim.add_node(f"c{run}-{i}", labels=label) for i in (1, 2, 3)]
+
             # An earlier module may have deleted the operator's namespace: nothing can be
             # created in it until it is gone.
-            wait_until(
-                lambda: (
-                    cluster.kubectl("get", "namespace", NS, check=False).returncode != 0
-                    or "Terminating" not in cluster.kubectl("get", "namespace", NS).stdout
-                ),
-                180,
-                f"namespace {NS} not terminating",
-            )
+            def namespace_settled() -> bool:
+                # One read: absent, or present and not terminating (two reads raced with the
+                # namespace's removal between them).
+                got = cluster.kubectl("get", "namespace", NS, check=False)
+                return got.returncode != 0 or "Terminating" not in got.stdout
+
+            wait_until(namespace_settled, 180, f"namespace {NS} not terminating")
             cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
             cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                             "crd/proxyconfigurations.proxy.kpx.dev")  # fmt: skip
