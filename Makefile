@@ -49,6 +49,6 @@ demo: setup
 demo-down:
 	$(PYTHON) -m kpx_cluster.demo down
 
-## bench: kpx against upstream kube-proxy, side by side (N=1000 for one size)
-bench:
+## bench: kpx against upstream kube-proxy, side by side (N=1000 for one size); sets up the machine first
+bench: setup
 	$(PYTHON) bench/compare.py $(if $(N),--services $(N),)
