@@ -48,3 +48,16 @@ def endpoints_chain(count: int) -> str:
 
 def nodeport_endpoints_chain(count: int) -> str:
     return f"nodeport-endpoints-{count}"
+
+
+def endpoint_count_of(name: str) -> tuple[str, int] | None:
+    """For an `endpoints-<n>` / `nodeport-endpoints-<n>` chain or map name: the dispatch map
+    that jumps to it and `n`; None for any other name."""
+    for dispatch, prefix in (
+        (SERVICE_NODEPORTS, "nodeport-endpoints-"),
+        (SERVICE_IPS, "endpoints-"),
+    ):
+        count = name.removeprefix(prefix)
+        if count != name and count.isdigit():
+            return dispatch, int(count)
+    return None

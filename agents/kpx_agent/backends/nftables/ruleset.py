@@ -163,15 +163,11 @@ def endpoint_chain_counts(elements: list[Element]) -> set[tuple[str, int]]:
     the chains the dispatch elements jump to, and the maps endpoint elements go into (a
     Service whose VIP another Service claimed first still writes its endpoints, unused)."""
     out: set[tuple[str, int]] = set()
-    prefixes = {n.SERVICE_IPS: "goto endpoints-", n.SERVICE_NODEPORTS: "goto nodeport-endpoints-"}
     for set_name, _key, value in elements:
-        prefix = prefixes.get(set_name)
-        if prefix and value is not None and value.startswith(prefix):
-            out.add((set_name, int(value.removeprefix(prefix))))
-        elif set_name.startswith("nodeport-endpoints-"):
-            out.add((n.SERVICE_NODEPORTS, int(set_name.removeprefix("nodeport-endpoints-"))))
-        elif set_name.startswith("endpoints-"):
-            out.add((n.SERVICE_IPS, int(set_name.removeprefix("endpoints-"))))
+        for name in (set_name, value.removeprefix("goto ") if value else ""):
+            found = n.endpoint_count_of(name)
+            if found is not None:
+                out.add(found)
     return out
 
 
