@@ -34,6 +34,7 @@ import contextlib
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -711,6 +712,11 @@ def run_system(
                 probe.close()
                 if run is not None:
                     run.stop()
+                    if opts.keep_dumps is not None:  # the process's log, next to its dumps
+                        logs = opts.keep_dumps / str(n)
+                        logs.mkdir(parents=True, exist_ok=True)
+                        with contextlib.suppress(OSError):
+                            shutil.copyfile(run.log_path, logs / run.log_path.name)
     return result, reads
 
 
@@ -1152,7 +1158,9 @@ def main() -> int:
     )
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument(
-        "--keep-dumps", type=Path, help="save each system's final ruleset under DIR/<N>/"
+        "--keep-dumps",
+        type=Path,
+        help="save each system's final ruleset, and each run's log, under DIR/<N>/",
     )
     args = parser.parse_args()
     opts = Options(

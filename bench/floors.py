@@ -56,7 +56,7 @@ def nft_script(st: NodeLocalState) -> str:
     NftablesBackend(
         SETTINGS,
         run_script=lambda parts: scripts.append("".join(parts)),
-        tables_present=lambda: True,
+        present_families=lambda: {4, 6},
     ).sync(st, None)
     return scripts[-1]
 

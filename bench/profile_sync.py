@@ -223,7 +223,7 @@ class Pipeline:
 
     def first(self) -> None:
         settings = ProxySettings(cluster_cidrs=(ipaddress.ip_network("10.244.0.0/16"),))
-        backend = NftablesBackend(settings, run_script=self.runner, tables_present=lambda: True)
+        backend = NftablesBackend(settings, run_script=self.runner, present_families=lambda: {4, 6})
         self.proxier = Proxier(
             self.state, backend, "bench-node-0", NamespaceOptOut(), AgentMetrics()
         )

@@ -40,6 +40,7 @@ class PendingSync:
     full: bool
     changed: set[ServicePortKey]
     trigger_times: list[float]
+    prepared: float  # monotonic: when the node-local state was up to date
 
 
 @dataclass
@@ -130,7 +131,9 @@ class Proxier:
         changed = self._recompute(None if everything else changes.services | extra.services)
         full, self._needs_full = self._needs_full, False
         self.metrics.service_changes.inc(len(changed))
-        return PendingSync(start, full, changed, list(changes.trigger_times.values()))
+        return PendingSync(
+            start, full, changed, list(changes.trigger_times.values()), time.monotonic()
+        )
 
     def program(self, pending: PendingSync) -> SyncOutcome:
         """Program the kernel (may run in a worker thread: nothing here touches the cluster
@@ -148,6 +151,14 @@ class Proxier:
                 False, full, len(changed), time.monotonic() - pending.start, str(exc)
             )
         self._clean_conntrack()
+        if full:
+            log.info(
+                "full sync of %d service ports: %.3f s (model %.3f s, kernel %.3f s)",
+                len(self.local.services),
+                time.monotonic() - pending.start,
+                pending.prepared - pending.start,
+                time.monotonic() - pending.prepared,
+            )
         now = time.time()
         self.last_success = now
         duration = time.monotonic() - pending.start

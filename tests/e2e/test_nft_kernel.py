@@ -183,19 +183,83 @@ assert "delete table" not in b.last_script, b.last_script
     assert udp.backends == {"b1", "b2"}, udp
 
 
-def test_tables_present_asks_without_loading_or_changing_anything(topology: Topology) -> None:
-    """The periodic "are our rules still there" check: false without our tables, true with
-    both, false once one is gone; its check-mode flush leaves the rules as they were."""
+def test_present_families_asks_without_loading_or_changing_anything(topology: Topology) -> None:
+    """The periodic "are our rules still there" check: no family without our tables, both
+    with them, one once the other is gone; its check-mode flush leaves the rules as they were."""
     n1 = topology.add_node("n1")
     check = [
         sys.executable,
         "-c",
-        "from kpx_agent.backends.nftables.kernel import tables_present; print(tables_present())",
+        "from kpx_agent.backends.nftables.kernel import present_families as p; print(sorted(p()))",
     ]
-    assert topology.exec(n1, check, check=True).stdout.split() == ["False"]
+    assert topology.exec(n1, check, check=True).stdout.strip() == "[]"
     nft(topology, "n1", script=(GOLDEN / "full_sync.nft").read_text())
     before = nft(topology, "n1", "list", "ruleset")
-    assert topology.exec(n1, check, check=True).stdout.split() == ["True"]
+    assert topology.exec(n1, check, check=True).stdout.strip() == "[4, 6]"
     assert nft(topology, "n1", "list", "ruleset") == before
     nft(topology, "n1", "delete", "table", "ip6", "kpx")
-    assert topology.exec(n1, check, check=True).stdout.split() == ["False"]
+    assert topology.exec(n1, check, check=True).stdout.strip() == "[4]"
+
+
+def normalized_ruleset(topo: Topology, node: str) -> list[object]:
+    """`nft -j list ruleset` without handles, with each set's elements sorted (a hash set
+    lists in an order seeded per table)."""
+    import json
+
+    out = []
+    for item in json.loads(nft(topo, node, "-j", "list", "ruleset"))["nftables"]:
+        for body in item.values():
+            if isinstance(body, dict):
+                body.pop("handle", None)
+                if "elem" in body:
+                    body["elem"] = sorted(body["elem"], key=json.dumps)
+        out.append(item)
+    return out
+
+
+def test_cold_start_by_netlink_equals_the_nft_transaction(topology: Topology) -> None:
+    """The cold start's netlink batch leaves the kernel exactly as the all-nft transaction
+    does (every set type, both families, verdicts, numgen buckets), read back by nft."""
+    n1, _ = topology.add_node("n1"), topology.add_node("n2")
+    unit = Path(__file__).resolve().parents[1] / "unit"
+    program = f"""
+import sys
+sys.path.insert(0, {str(unit)!r})
+from backend_samples import SETTINGS, sample_state
+from kpx_agent.backends.nftables.backend import NftablesBackend
+b = NftablesBackend(SETTINGS)
+b.sync(sample_state(), None)
+assert sorted(b.last_loaded) == [4, 6], b.last_loaded  # no table was there: netlink
+assert "add element ip kpx service-ips" not in b.last_script
+"""
+    topology.exec(n1, [sys.executable, "-c", program], check=True)
+    nft(topology, "n2", script=(GOLDEN / "full_sync.nft").read_text())
+    assert normalized_ruleset(topology, "n1") == normalized_ruleset(topology, "n2")
+    listed = nft(topology, "n1", "list", "map", "ip", "kpx", "endpoints-2")
+    assert "10.96.0.10 . tcp . 80 . 1 : 10.244.2.2 . 8080" in listed
+
+
+def test_a_refused_element_batch_applies_nothing(topology: Topology) -> None:
+    """One batch is one transaction: a message the kernel refuses (a set that is not there)
+    leaves every other set of the batch untouched, and the error names the set."""
+    n1 = topology.add_node("n1")
+    nft(
+        topology,
+        "n1",
+        script="table ip kpx {\n set cluster-ips { type ipv4_addr . inet_proto . inet_service; }\n}\n",
+    )
+    program = """
+from kpx_agent.backends.base import BackendError
+from kpx_agent.backends.nftables.kernel import load_elements
+try:
+    load_elements({4: {"cluster-ips": [("10.96.0.1 . tcp . 80", None)],
+                       "hairpin": [("10.244.0.1 . 10.244.0.1", None)]}})
+except BackendError as err:
+    print("refused:", err)
+"""
+    out = topology.exec(n1, [sys.executable, "-c", program], check=True).stdout
+    assert "refused:" in out and "ip kpx hairpin" in out, out
+    assert "10.96.0.1" not in nft(topology, "n1", "list", "set", "ip", "kpx", "cluster-ips")
+    ok = program.replace('"hairpin": [("10.244.0.1 . 10.244.0.1", None)]', "")
+    assert topology.exec(n1, [sys.executable, "-c", ok], check=True).stdout == ""
+    assert "10.96.0.1 . tcp . 80" in nft(topology, "n1", "list", "set", "ip", "kpx", "cluster-ips")

@@ -26,7 +26,7 @@ def record() -> tuple[NftablesBackend, list[str]]:
     backend = NftablesBackend(
         SETTINGS,
         run_script=lambda parts: scripts.append("".join(parts)),
-        tables_present=lambda: True,
+        present_families=lambda: {4, 6},
     )
     return backend, scripts
 
@@ -77,7 +77,7 @@ def test_failed_transaction_keeps_record_and_forces_full_sync() -> None:
         if len(calls) == 2:
             raise BackendError("kernel said no")
 
-    backend = NftablesBackend(SETTINGS, run_script=run, tables_present=lambda: True)
+    backend = NftablesBackend(SETTINGS, run_script=run, present_families=lambda: {4, 6})
     state = sample_state()
     backend.sync(state, None)
     del state.services[key("web")]
@@ -90,7 +90,9 @@ def test_failed_transaction_keeps_record_and_forces_full_sync() -> None:
 
 def test_settings_shape_the_masquerade_rules() -> None:
     backend = NftablesBackend(
-        ProxySettings(masquerade_bit=3, masquerade_all=True), run_script=lambda parts: [*parts]
+        ProxySettings(masquerade_bit=3, masquerade_all=True),
+        run_script=lambda parts: [*parts],
+        present_families=lambda: {4, 6},
     )
     state = sample_state()
     backend.sync(state, None)
@@ -208,3 +210,100 @@ def test_a_vip_claimed_twice_still_gets_every_map_its_elements_use() -> None:
     backend.sync(state, [third.key])
     assert "add map ip kpx endpoints-8 {" in scripts[-1]
     maps_before_elements(scripts[-1], existing)
+
+
+def record_cold(
+    present: set[int],
+) -> tuple[NftablesBackend, list[str], list[dict[int, dict[str, list[tuple[str, str | None]]]]]]:
+    """A backend that finds only the `present` families' tables in the kernel."""
+    scripts: list[str] = []
+    batches: list[dict[int, dict[str, list[tuple[str, str | None]]]]] = []
+    backend = NftablesBackend(
+        SETTINGS,
+        run_script=lambda parts: scripts.append("".join(parts)),
+        present_families=lambda: set(present),
+        load_elements=lambda elements: batches.append({f: dict(s) for f, s in elements.items()}),
+    )
+    return backend, scripts, batches
+
+
+def batch_text(batch: dict[int, dict[str, list[tuple[str, str | None]]]]) -> str:
+    out = []
+    for fam, sets in sorted(batch.items()):
+        for set_name, pairs in sorted(sets.items()):
+            body = ", ".join(k if v is None else f"{k} : {v}" for k, v in pairs)
+            out.append(
+                f"netlink add element {'ip' if fam == 4 else 'ip6'} kpx {set_name} {{ {body} }}"
+            )
+    return "\n".join(out) + "\n"
+
+
+def test_cold_full_sync_golden() -> None:
+    """No table in the kernel: nft creates the tables, their chains and maps (and the interval
+    sets' elements); every other element goes in the one netlink batch that follows."""
+    backend, scripts, batches = record_cold(set())
+    backend.sync(sample_state(), None)
+    check_golden(
+        GOLDEN_DIR / "full_sync_cold.txt", scripts[-1] + "# then\n" + batch_text(batches[-1])
+    )
+    assert len(scripts) == len(batches) == 1
+    assert "firewall-allow {" in scripts[-1]  # an interval set: nft encodes its ranges
+    assert "add element ip kpx service-ips" not in scripts[-1]
+    assert "add map ip kpx endpoints-2" in scripts[-1]  # the map exists before its elements
+
+
+def test_cold_and_warm_full_syncs_program_the_same_elements() -> None:
+    warm, warm_scripts = record()
+    warm.sync(sample_state(), None)
+    cold, cold_scripts, batches = record_cold(set())
+    cold.sync(sample_state(), None)
+
+    def elements(script: str) -> set[tuple[str, str]]:
+        out = set()
+        for line in script.splitlines():
+            if line.startswith(("add element", "netlink add element")):
+                head, _, body = line.partition(" { ")
+                set_ref = " ".join(head.split()[-3:])
+                out |= {(set_ref, e) for e in body.removesuffix(" }").split(", ")}
+        return out
+
+    cold_all = elements(cold_scripts[-1]) | elements(batch_text(batches[-1]))
+    assert cold_all == elements(warm_scripts[-1])
+    assert cold.element_count() == warm.element_count()
+
+
+def test_only_the_family_without_a_table_is_loaded_by_netlink() -> None:
+    """A table still in the kernel is swapped in one nft transaction, elements included, so
+    its old rules serve until the new ones are complete."""
+    backend, scripts, batches = record_cold({4})
+    backend.sync(sample_state(), None)
+    assert list(batches[-1]) == [6]
+    assert "add element ip kpx service-ips" in scripts[-1]
+    assert "add element ip6 kpx service-ips" not in scripts[-1]
+
+
+def test_failed_element_batch_forces_another_full_sync() -> None:
+    calls: list[str] = []
+    loads: list[object] = []
+    present: set[int] = set()
+
+    def refuse_once(elements: object) -> None:
+        loads.append(elements)
+        if len(loads) == 1:
+            present.update({4, 6})  # nft created the tables, empty
+            raise BackendError("kernel said no")
+
+    backend = NftablesBackend(
+        SETTINGS,
+        run_script=lambda parts: calls.append("".join(parts)),
+        present_families=lambda: set(present),
+        load_elements=refuse_once,
+    )
+    state = sample_state()
+    with pytest.raises(BackendError):
+        backend.sync(state, None)
+    assert backend.element_count() == 0 and not backend.programmed()
+    backend.sync(state, [key("web")])  # a partial sync is not enough: a full swap, in nft
+    assert calls[-1].startswith("add table ip kpx\ndelete table ip kpx\n")
+    assert "add element ip kpx service-ips" in calls[-1]
+    assert backend.programmed() and backend.element_count() > 0

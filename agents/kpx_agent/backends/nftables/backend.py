@@ -4,16 +4,23 @@ A full sync swaps each table atomically (used at start, which takes over a previ
 rules without a gap, after a failure, and when the node or settings change). Every other sync
 sends only the elements that changed, computed against the backend's own record, so it never
 reads the kernel's ruleset back.
+
+When a family's table is not in the kernel (a node's first start, a flushed ruleset), its full
+sync takes two steps: nft creates the table with empty sets and maps (matching nothing, so it
+changes no traffic), then one netlink batch adds every element atomically, with about a tenth
+of nft's CPU. Where the table exists, the swap stays one nft transaction, elements included,
+so the old rules serve until the new ones are complete.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 
 from ...localnet import NodeInfo, NodeLocalState, ProxySettings, ServicePort, ServicePortKey
 from ..base import BackendError
-from . import kernel
+from . import kernel, netlink_batch
 from . import names as n
 from .element_book import Element, ElementBook, Plan
 from .ruleset import (
@@ -40,11 +47,13 @@ class NftablesBackend:
         self,
         settings: ProxySettings,
         run_script: Callable[[Iterable[str]], None] = kernel.run_script,
-        tables_present: Callable[[], bool] = kernel.tables_present,
+        present_families: Callable[[], set[int]] = kernel.present_families,
+        load_elements: Callable[[netlink_batch.Elements], None] = kernel.load_elements,
     ) -> None:
         self.settings = settings
         self._run = run_script
-        self._tables_present = tables_present
+        self._present_families = present_families
+        self._load_elements = load_elements
         self._books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
         self._chains: dict[int, set[tuple[str, int]]] = {f: set() for f in FAMILIES}
         self._port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
@@ -52,10 +61,11 @@ class NftablesBackend:
         }
         self._node: NodeInfo | None = None
         self._last_parts: list[str] = []
+        self.last_loaded: dict[int, dict[str, list[tuple[str, str | None]]]] = {}
 
     def programmed(self) -> bool:
         """True while the kernel still has our tables (someone may flush the ruleset)."""
-        return self._node is not None and self._tables_present()
+        return self._node is not None and self._present_families() == set(FAMILIES)
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
         if changed is None or self._node is None or state.node != self._node:
@@ -69,7 +79,26 @@ class NftablesBackend:
         port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
             f: {} for f in FAMILIES
         }
-        self._apply(self._full_script(state, plans, chains, port_chains))
+        # Families without a table in the kernel get their bulk elements in a netlink batch.
+        present = self._present_families()
+        loaded: dict[int, dict[str, list[tuple[str, str | None]]]] = {
+            f: {} for f in FAMILIES if f not in present
+        }
+        self.last_loaded = loaded
+        self._apply(self._full_script(state, plans, chains, port_chains, loaded))
+        started = time.monotonic()
+        try:
+            self._load_elements(loaded)
+        except BackendError:
+            self._node = None  # the tables exist now, empty: the next full sync swaps them
+            raise
+        if loaded:
+            log.info(
+                "%s: no table in the kernel: %d elements loaded in one netlink batch (%.3f s)",
+                ", ".join(f"{n.FAMILIES[f]} {n.TABLE}" for f in loaded),
+                sum(len(pairs) for sets in loaded.values() for pairs in sets.values()),
+                time.monotonic() - started,
+            )
         books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
         for fam in FAMILIES:
             books[fam].commit(plans[fam])
@@ -83,9 +112,12 @@ class NftablesBackend:
         plans: dict[int, Plan[ServicePortKey]],
         chains: dict[int, set[tuple[str, int]]],
         port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]],
+        loaded: dict[int, dict[str, list[tuple[str, str | None]]]],
     ) -> Iterator[str]:
         """The full sync's transaction, one part per chunk of service ports, rendered as nft
-        reads it (and filling in the plans and chains it programs)."""
+        reads it (and filling in the plans and chains it programs, and for the families in
+        `loaded`, the elements left out of it for the netlink batch)."""
+        loadable: dict[str, bool] = {}
         by_family: dict[int, list[ServicePort]] = {f: [] for f in FAMILIES}
         for key, sp in state.services.items():
             by_family[key.family].append(sp)
@@ -109,8 +141,15 @@ class NftablesBackend:
                 for dispatch_map, count in sorted(new_chains):
                     txn.add_endpoint_chain(*endpoint_chain(fam, dispatch_map, count))
                 by_set: dict[str, list[tuple[str, str | None]]] = {}
+                bulk = loaded.get(fam)
                 for set_name, element_key, value in claimed:
-                    by_set.setdefault(set_name, []).append((element_key, value))
+                    into = by_set
+                    if bulk is not None:
+                        if set_name not in loadable:
+                            loadable[set_name] = netlink_batch.loadable(set_name)
+                        if loadable[set_name]:
+                            into = bulk
+                    into.setdefault(set_name, []).append((element_key, value))
                 for set_name, pairs in sorted(by_set.items()):
                     txn.add_elements(set_name, pairs)
                 yield txn.render()

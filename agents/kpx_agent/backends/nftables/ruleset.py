@@ -162,13 +162,12 @@ def endpoint_chain_counts(elements: list[Element]) -> set[tuple[str, int]]:
     """The (dispatch map, endpoint count) pairs whose chains and maps these elements need:
     the chains the dispatch elements jump to, and the maps endpoint elements go into (a
     Service whose VIP another Service claimed first still writes its endpoints, unused)."""
-    out: set[tuple[str, int]] = set()
-    for set_name, _key, value in elements:
-        for name in (set_name, value.removeprefix("goto ") if value else ""):
-            found = n.endpoint_count_of(name)
-            if found is not None:
-                out.add(found)
-    return out
+    names = set()
+    for set_name, _key, value in elements:  # few distinct names: parse each once
+        names.add(set_name)
+        if value is not None and value.startswith("goto "):
+            names.add(value[5:])
+    return {found for name in names if (found := n.endpoint_count_of(name)) is not None}
 
 
 # Each endpoint count `n` has its own chain and map, both named `endpoints-<n>` (or

@@ -1,0 +1,121 @@
+"""The netlink encoding of set and map elements (the cold start's bulk load): wire bytes,
+message splitting, and refusal of anything that is not a well-formed element of its set."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from kpx_agent.backends.nftables import netlink_batch as nb
+
+
+def split_messages(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    """(type, flags, seq, payload after nfgenmsg) of each netlink message in a batch."""
+    out, offset = [], 0
+    while offset < len(data):
+        length, kind, flags, seq, _pid = struct.unpack_from("=IHHII", data, offset)
+        out.append((kind, flags, seq, data[offset + 20 : offset + length]))
+        offset += (length + 3) & ~3
+    return out
+
+
+def test_one_endpoint_element_on_the_wire() -> None:
+    batch = nb.encode_batch(
+        {4: {"endpoints-2": [("10.96.0.10 . tcp . 80 . 1", "10.244.1.2 . 8080")]}}
+    )
+    (begin, *middle, end) = split_messages(batch.data)
+    assert begin[0] == nb.NFNL_MSG_BATCH_BEGIN and end[0] == nb.NFNL_MSG_BATCH_END
+    assert [(kind, seq) for kind, _, seq, _ in middle] == [((10 << 8) | 12, 1)]
+    assert batch.messages == {1: (4, "endpoints-2")}
+    payload = middle[0][3]
+    table = struct.pack("=HH", 8, 1) + b"kpx\0"
+    set_name = struct.pack("=HH", 16, 2) + b"endpoints-2\0"
+    key = bytes.fromhex("0a60000a0600000000500000") + struct.pack("=I", 1)  # bucket: host order
+    value = bytes.fromhex("0af401021f900000")
+    element = (
+        struct.pack("=HH", 44, 0x8001)
+        + struct.pack("=HH", 24, 0x8001) + struct.pack("=HH", 20, 1) + key
+        + struct.pack("=HH", 16, 0x8002) + struct.pack("=HH", 12, 1) + value
+    )  # fmt: skip
+    assert payload == table + set_name + struct.pack("=HH", 4 + len(element), 0x8003) + element
+
+
+def test_verdicts_and_ipv6_keys() -> None:
+    batch = nb.encode_batch({6: {"service-ips": [("fd00:96::10 . udp . 53", "goto endpoints-1")]}})
+    payload = split_messages(batch.data)[1][3]
+    assert bytes.fromhex("fd000096" + "00" * 10 + "00101100000000350000") in payload
+    verdict = struct.pack(">i", -4)  # NFT_GOTO
+    assert verdict + struct.pack("=HH", 16, 2) + b"endpoints-1\0" in payload
+    family = struct.unpack_from("=B", batch.data, 20 + 16)[0]  # nfgenmsg of the first message
+    assert family == 10  # NFPROTO_IPV6
+
+
+def test_large_sets_are_split_into_messages_below_the_attribute_limit() -> None:
+    pairs = [(f"10.96.{i // 256}.{i % 256} . tcp . 80", None) for i in range(20_000)]
+    batch = nb.encode_batch({4: {"cluster-ips": pairs}})
+    middle = split_messages(batch.data)[1:-1]
+    assert len(middle) > 1 and len(batch.messages) == len(middle)
+    assert [seq for _, _, seq, _ in middle] == list(range(1, len(middle) + 1))
+    total = 0
+    for _, flags, _, payload in middle:
+        assert flags & nb.NLM_F_ACK and len(payload) < 65_535
+        total += payload.count(struct.pack("=HH", 24, 0x8001))  # one list element each
+    assert total == 20_000
+
+
+@pytest.mark.parametrize(
+    ("set_name", "key", "value", "reason"),
+    [
+        ("cluster-ips", "10.96.0.300 . tcp . 80", None, "10.96.0.300 . tcp . 80"),
+        ("cluster-ips", "10.96.0.1 . icmp . 80", None, "'icmp'"),
+        ("cluster-ips", "10.96.0.1 . tcp . 70000", None, "0..65535"),
+        ("cluster-ips", "10.96.0.1 . tcp . 80; flush ruleset", None, "0..65535"),
+        ("cluster-ips", "10.96.0.1 . tcp", None, "expected 3 fields"),
+        ("cluster-ips", "10.96.0.1 . tcp . 80", "goto x", "has no value"),
+        ("service-ips", "10.96.0.1 . tcp . 80", None, "needs a value"),
+        ("service-ips", "10.96.0.1 . tcp . 80", "jump x", "goto <chain>"),
+        ("service-ips", "10.96.0.1 . tcp . 80", "goto x; flush ruleset", "goto <chain>"),
+        ("endpoints-2", "10.96.0.1 . tcp . 80 . -1", "10.244.0.1 . 80", "'-1'"),
+        ("firewall-allow", "10.96.0.1 . tcp . 80 . 10.0.0.0/8", None, "cannot be loaded"),
+        ("no-such-set", "10.96.0.1", None, "cannot be loaded"),
+    ],
+)
+def test_malformed_elements_are_refused_naming_set_and_element(
+    set_name: str, key: str, value: str | None, reason: str
+) -> None:
+    with pytest.raises(ValueError, match=set_name) as err:
+        nb.encode_batch({4: {set_name: [(key, value)]}})
+    assert reason in str(err.value)
+
+
+def test_only_exact_match_sets_are_loadable() -> None:
+    assert nb.loadable("service-ips") and nb.loadable("endpoints-7")
+    assert nb.loadable("nodeport-endpoints-128") and nb.loadable("hairpin")
+    assert not nb.loadable("firewall-allow") and not nb.loadable("nodeport-addresses")
+    assert not nb.loadable("aff-abc") and not nb.loadable("endpoints-x")
+
+
+def test_acks_are_read_by_sequence_number() -> None:
+    def error(seq: int, code: int) -> bytes:
+        return (
+            struct.pack("=IHHII", 36, nb.NLMSG_ERROR, 0, seq, 0)
+            + struct.pack("=i", code)
+            + bytes(16)
+        )
+
+    noise = struct.pack("=IHHII", 20, 0x1000, 0, 9, 0) + bytes(4)
+    assert nb.parse_acks(error(1, 0) + noise + error(2, -2)) == [(1, 0), (2, -2)]
+
+
+def test_batch_problem_names_the_refused_set_or_missing_acks() -> None:
+    batch = nb.encode_batch(
+        {
+            4: {"cluster-ips": [("10.96.0.1 . tcp . 80", None)]},
+            6: {"hairpin": [("::1 . ::1", None)]},
+        }
+    )
+    assert nb.batch_problem(batch, {1: 0, 2: 0}) is None
+    refused = nb.batch_problem(batch, {1: 0, 2: -2})
+    assert refused is not None and "ip6 kpx hairpin" in refused and "ENOENT" in refused
+    assert nb.batch_problem(batch, {1: 0}) == "the kernel acknowledged 1 of 2 element messages"
