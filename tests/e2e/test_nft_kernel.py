@@ -243,11 +243,8 @@ def test_a_refused_element_batch_applies_nothing(topology: Topology) -> None:
     """One batch is one transaction: a message the kernel refuses (a set that is not there)
     leaves every other set of the batch untouched, and the error names the set."""
     n1 = topology.add_node("n1")
-    nft(
-        topology,
-        "n1",
-        script="table ip kpx {\n set cluster-ips { type ipv4_addr . inet_proto . inet_service; }\n}\n",
-    )
+    vpp = "ipv4_addr . inet_proto . inet_service"
+    nft(topology, "n1", script=f"table ip kpx {{\n set cluster-ips {{ type {vpp}; }}\n}}\n")
     program = """
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.nftables.kernel import load_elements
