@@ -49,6 +49,7 @@ class Agent:
         self.client = client
         self.backend = backend
         self.config_path = config_path
+        self._synced_once = False  # until the first sync was attempted
         self.overrides = overrides or {}
         self.metrics = AgentMetrics()
         self.state = ClusterState()
@@ -162,10 +163,21 @@ class Agent:
             if not self.state.has_changes() and not retry_delay:
                 continue
             last_start = time.monotonic()
-            pending = self.proxier.prepare()
-            # The kernel edge blocks for up to seconds at scale: keep the event loop (health,
-            # metrics, watches) responsive while it runs.
-            outcome = await asyncio.to_thread(self.proxier.program, pending)
+            first = not self._synced_once
+            if first:
+                # The first sync allocates about a million objects that all live on (the
+                # node-local state, the backend's record): collecting there is pure cost.
+                gc.disable()
+            try:
+                pending = self.proxier.prepare()
+                # The kernel edge blocks for up to seconds at scale: keep the event loop
+                # (health, metrics, watches) responsive while it runs.
+                outcome = await asyncio.to_thread(self.proxier.program, pending)
+            finally:
+                if first:
+                    gc.freeze()
+                    gc.enable()
+            self._synced_once = True
             if outcome.ok:
                 retry_delay = 0.0
                 await self.health_check_servers.update(health_targets(self.proxier.local))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -47,6 +48,25 @@ def _ip(value: object) -> IPAddress | None:
     ip = IP.parse(value)
     if ip is None:
         log.warning("ignoring invalid IP address %r", value)
+    return ip
+
+
+_AF = {4: socket.AF_INET, 6: socket.AF_INET6}
+
+
+def _ip_of_family(value: object, af: int) -> IPAddress | None:
+    """An endpoint address of the slice's family: validated as IP.parse does (a plain IPv4
+    address is kept as written, IPv6 in canonical form); None, logged, otherwise."""
+    if type(value) is str and af == socket.AF_INET:
+        try:
+            socket.inet_pton(af, value)
+        except OSError:
+            pass
+        else:
+            return IP(value)
+    ip = _ip(value)
+    if ip is not None and _AF[ip.version] != af:
+        return None
     return ip
 
 
@@ -134,7 +154,17 @@ def _candidates(
                 break
         if not port:
             continue
+        af = _AF[family]
         for ep in sl.get("endpoints") or []:
+            addresses = ep.get("addresses")
+            if not addresses:
+                continue
+            addr = addresses[0]  # the first address is the one to use
+            if addr in seen:
+                continue
+            ip = _ip_of_family(addr, af)
+            if ip is None or ip in seen:
+                continue
             cond = ep.get("conditions") or {}
             ready = cond.get("ready") is not False  # nil means ready
             serving = ready if cond.get("serving") is None else bool(cond.get("serving"))
@@ -147,13 +177,9 @@ def _candidates(
                 if hints.get("forNodes") is not None:
                     nodes = frozenset(str(n.get("name")) for n in hints["forNodes"])
             local = bool(node_name) and ep.get("nodeName") == node_name
-            for addr in (ep.get("addresses") or [])[:1]:  # the first address is the one to use
-                ip = _ip(addr)
-                if ip is None or ip.version != family or ip in seen:
-                    continue
-                seen[ip] = _Candidate(
-                    Endpoint(ip, port, local), ready, serving, terminating, zones, nodes
-                )
+            seen[ip] = _Candidate(
+                Endpoint(ip, port, local), ready, serving, terminating, zones, nodes
+            )
     return sorted(seen.values())
 
 
@@ -249,9 +275,15 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
             port_name = str(p.get("name") or "")
             cands = _candidates(slices, family, port_name, protocol, node.name)
             usable_all = _topology_filter(service, _usable(cands), node)
-            local = _usable([c for c in cands if c.local])
-            cluster_eps = local if itp_local else usable_all
-            external_eps = local if etp_local else usable_all
+            local = (
+                _usable([c for c in cands if c.endpoint.local]) if itp_local or etp_local else []
+            )
+            cluster_eps = tuple([c.endpoint for c in (local if itp_local else usable_all)])
+            external_eps = (
+                cluster_eps
+                if itp_local == etp_local
+                else tuple([c.endpoint for c in (local if etp_local else usable_all)])
+            )
             key = ServicePortKey(namespace, name, port_name, protocol, family)
             result.append(
                 ServicePort(
@@ -261,8 +293,8 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
                     external_ips=tuple(ip for ip in external_ips if ip.version == family),
                     load_balancer_ips=tuple(ip for ip in lb_ips if ip.version == family),
                     node_port=_port(p.get("nodePort")) if external_capable else 0,
-                    cluster_endpoints=tuple(c.endpoint for c in cluster_eps),
-                    external_endpoints=tuple(c.endpoint for c in external_eps),
+                    cluster_endpoints=cluster_eps,
+                    external_endpoints=external_eps,
                     external_masquerade=not etp_local,
                     drop_when_no_cluster_endpoints=itp_local,
                     drop_when_no_external_endpoints=etp_local,

@@ -41,14 +41,15 @@ class Plan(Generic[Owner]):
         staged = self._owners
         first: list[Element] = []
         for element in new:
-            set_name, key, value = element
-            lst = staged.get((set_name, key))
+            ek = element[:2]
+            lst = staged.get(ek)
+            value = element[2]
             if lst is None:
-                staged[(set_name, key)] = [(owner, value)]
+                staged[ek] = [(owner, value)]
                 first.append(element)
                 continue
             if lst[0][1] != value:
-                self.conflicts.append(((set_name, key), owner))
+                self.conflicts.append((ek, owner))
             lst.append((owner, value))
         return first
 

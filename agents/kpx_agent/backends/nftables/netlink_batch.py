@@ -281,16 +281,12 @@ def encode_batch(elements: Elements, table: str = n.TABLE) -> Batch:
 
 def _chunks(encoded: Iterable[bytes]) -> Iterator[bytes]:
     """Encoded elements joined into runs of at most MAX_ELEMENTS_BYTES."""
-    run: list[bytes] = []
-    size = 0
-    for element in encoded:
-        if run and size + len(element) > MAX_ELEMENTS_BYTES:
-            yield b"".join(run)
-            run, size = [], 0
-        run.append(element)
-        size += len(element)
-    if run:
-        yield b"".join(run)
+    elements = list(encoded)
+    if not elements:
+        return
+    per_run = max(1, MAX_ELEMENTS_BYTES // max(map(len, elements)))
+    for start in range(0, len(elements), per_run):
+        yield b"".join(elements[start : start + per_run])
 
 
 def parse_acks(data: bytes) -> list[tuple[int, int]]:

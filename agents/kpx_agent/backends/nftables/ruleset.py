@@ -32,10 +32,6 @@ def _vip_key(ip: IPAddress, sp: ServicePort) -> str:
     return f"{ip} . {sp.protocol.value} . {sp.port}"
 
 
-def _endpoint_value(ep: Endpoint) -> str:
-    return f"{ep.ip} . {ep.port}"
-
-
 @dataclass(frozen=True)
 class ChainDef:
     """A chain one service port owns (session affinity), with the sets its rules use."""
@@ -112,9 +108,10 @@ def _dispatch(
     else:
         chain = endpoint_map = n.endpoints_chain(len(endpoints))
     out.elements.append((dispatch_map, vip_key, f"goto {chain}"))
-    out.elements.extend(
-        (endpoint_map, f"{vip_key} . {i}", _endpoint_value(ep)) for i, ep in enumerate(endpoints)
-    )
+    out.elements += [
+        (endpoint_map, f"{vip_key} . {i}", f"{ip} . {port}")
+        for i, (ip, port, _local) in enumerate(endpoints)
+    ]
 
 
 def _merged(nets: tuple[IPNetwork, ...]) -> list[IPNetwork]:
