@@ -97,23 +97,22 @@ def load_elements(elements: Elements) -> None:
 
 def _send(data: bytes, expected: int) -> dict[int, int]:
     """Send one batch; the error code the kernel acknowledged each message with, by seq."""
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER) as sock:
-        sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
-        sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, len(data) + (1 << 16))
-        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 1 << 22)
-        sock.bind((0, 0))
-        acks: dict[int, int] = {}
-        try:
+    acks: dict[int, int] = {}
+    try:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER) as sock:
+            sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
+            sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, len(data) + (1 << 16))
+            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 1 << 22)
+            sock.bind((0, 0))
             # The kernel runs the whole batch inside this call; its acks are queued by return.
             sock.sendto(data, (0, 0))
             sock.setblocking(False)
-            while len(acks) < expected:
-                acks.update(parse_acks(sock.recv(1 << 20)))
-        except BlockingIOError:
-            pass  # all there was; batch_problem reports what is missing
-        except OSError as exc:
-            raise BackendError(f"netlink element batch: {exc.strerror}") from None
-        return acks
+            with contextlib.suppress(BlockingIOError):  # all there was: batch_problem says
+                while len(acks) < expected:
+                    acks.update(parse_acks(sock.recv(1 << 20)))
+    except OSError as exc:
+        raise BackendError(f"netlink element batch: {exc.strerror or exc}") from None
+    return acks
 
 
 def our_tables() -> set[str]:
