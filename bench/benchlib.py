@@ -242,6 +242,28 @@ def slices_path(ns: str, name: str = "") -> str:
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
+def _cpu_busy_idle() -> tuple[int, int]:
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, idle
+
+
+def wait_until_quiet(busy_below: float = 0.2, window: float = 0.5, limit: float = 15.0) -> float:
+    """Wait until the machine's CPUs were less than `busy_below` busy over a `window` (the
+    kernel tears a deleted network namespace down after `ip netns del` returns, and a stopped
+    process's memory is freed meanwhile: a cold start right after the previous one would race
+    with both). Returns the seconds waited (at most about `limit`)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        busy0, idle0 = _cpu_busy_idle()
+        time.sleep(window)
+        busy1, idle1 = _cpu_busy_idle()
+        total = (busy1 - busy0) + (idle1 - idle0)
+        if total and (busy1 - busy0) / total < busy_below:
+            break
+    return time.monotonic() - t0
+
+
 def proc_memory_kb(pid: int) -> dict[str, int]:
     """VmHWM (peak RSS) and VmRSS of a process, in kB."""
     out: dict[str, int] = {}

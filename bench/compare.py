@@ -80,6 +80,7 @@ from benchlib import (
     services_path,
     slices_path,
     update_latest,
+    wait_until_quiet,
     write_json,
 )
 from kpx_cluster.binaries import KUBERNETES_VERSION, kubernetes_binary
@@ -678,6 +679,9 @@ def run_system(
             try:
                 if int(probe.ask(dp.count_request())):
                     raise RuntimeError("a fresh netns already holds rules")
+                waited = wait_until_quiet()  # the same for both systems
+                if waited > 1.0:
+                    log(f"{dp.label}: waited {waited:.1f} s for the machine to settle")
                 api_pid = component_pid(cluster, "kube-apiserver")
                 api_cpu0 = proc_cpu_seconds(api_pid)[0] if api_pid else 0.0
                 run = start(dp, topo, node, cluster, f"{dp.system}-{dp.mode}-{i}")
