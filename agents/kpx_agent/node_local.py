@@ -55,8 +55,9 @@ _AF = {4: socket.AF_INET, 6: socket.AF_INET6}
 
 
 def _ip_of_family(value: object, af: int) -> IPAddress | None:
-    """An endpoint address of the slice's family: validated as IP.parse does (a plain IPv4
-    address is kept as written, IPv6 in canonical form); None, logged, otherwise."""
+    """An endpoint address of the slice's family, validated as IP.parse does (a plain IPv4
+    address is kept as written, IPv6 in canonical form); None for an invalid address (logged)
+    or one of the other family."""
     if type(value) is str and af == socket.AF_INET:
         try:
             socket.inet_pton(af, value)
@@ -160,7 +161,7 @@ def _candidates(
             if not addresses:
                 continue
             addr = addresses[0]  # the first address is the one to use
-            if addr in seen:
+            if type(addr) is str and addr in seen:
                 continue
             ip = _ip_of_family(addr, af)
             if ip is None or ip in seen:

@@ -115,6 +115,18 @@ ROWS = [
         cluster=["10.244.1.2"],
     ),
     Row(
+        "addresses that are not strings, or of the other family, are skipped",
+        svc(),
+        [eps(ep({"ip": "x"}), ep(7), ep("fd00::1"), ep("010.244.1.3"), ep("10.244.1.2"))],  # type: ignore[arg-type]
+        cluster=["10.244.1.2"],
+    ),
+    Row(
+        "an IPv6 address written two ways is one endpoint",
+        svc(clusterIP="fd00:96::1", clusterIPs=["fd00:96::1"]),
+        [eps(ep("fd00:244::0001"), ep("fd00:244::1"), family="IPv6")],
+        check=lambda p: [e.ip for e in p.cluster_endpoints] == ["fd00:244::1"],
+    ),
+    Row(
         "target port comes from the slice",
         svc(),
         [eps(ep("10.244.1.2"), port=9999)],
