@@ -111,12 +111,12 @@ class _FieldEncoder:
     several sets and in each of its endpoint keys, is cached whole (see `cache`)."""
 
     def __init__(self, family: int) -> None:
-        self._af = self.family = NFPROTO[family]
+        self.family = NFPROTO[family]  # the address family inet_pton takes
         self.small: dict[str, dict[str, bytes]] = {PROTO: {}, PORT: {}, BUCKET: {}}
         self._caches: dict[tuple[str, ...], dict[str, bytes]] = {}
 
     def width(self, kinds: tuple[str, ...]) -> int:
-        return sum(16 if k == ADDR and self._af == socket.AF_INET6 else 4 for k in kinds)
+        return sum(16 if k == ADDR and self.family == socket.AF_INET6 else 4 for k in kinds)
 
     def cache(self, kinds: tuple[str, ...]) -> dict[str, bytes]:
         """Whole texts of this layout already converted (filled by the caller)."""
@@ -131,7 +131,7 @@ class _FieldEncoder:
 
     def field(self, kind: str, text: str) -> bytes:
         if kind == ADDR:
-            return socket.inet_pton(self._af, text)
+            return socket.inet_pton(self.family, text)
         small = self.small[kind]
         got = small.get(text)
         if got is None:
