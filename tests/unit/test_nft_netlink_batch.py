@@ -67,7 +67,7 @@ def test_large_sets_are_split_into_messages_below_the_attribute_limit() -> None:
 @pytest.mark.parametrize(
     ("set_name", "key", "value", "reason"),
     [
-        ("cluster-ips", "10.96.0.300 . tcp . 80", None, "10.96.0.300 . tcp . 80"),
+        ("cluster-ips", "10.96.0.300 . tcp . 80", None, "illegal IP address"),
         ("cluster-ips", "10.96.0.1 . icmp . 80", None, "'icmp'"),
         ("cluster-ips", "10.96.0.1 . tcp . 70000", None, "0..65535"),
         ("cluster-ips", "10.96.0.1 . tcp . 80; flush ruleset", None, "0..65535"),

@@ -247,7 +247,9 @@ def test_cold_full_sync_golden() -> None:
         GOLDEN_DIR / "full_sync_cold.txt", scripts[-1] + "# then\n" + batch_text(batches[-1])
     )
     assert len(scripts) == len(batches) == 1
-    assert "firewall-allow {" in scripts[-1]  # an interval set: nft encodes its ranges
+    # An interval set: its elements (ranges) stay in the nft transaction.
+    assert "add element ip kpx firewall-allow {" in scripts[-1]
+    assert "firewall-allow" not in batches[-1][4]
     assert "add element ip kpx service-ips" not in scripts[-1]
     assert "add map ip kpx endpoints-2" in scripts[-1]  # the map exists before its elements
 

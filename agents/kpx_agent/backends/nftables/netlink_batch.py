@@ -256,7 +256,7 @@ class Batch:
 Elements = Mapping[int, Mapping[str, Iterable[tuple[str, str | None]]]]
 
 
-def encode_batch(elements: Elements, table: str = n.TABLE) -> Batch:
+def encode_batch(elements: Elements) -> Batch:
     """`add element` of every (key, value) into `elements[family][set name]`, as one batch."""
     out: list[bytes] = [
         _message(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 0, 0, b"", NFNL_SUBSYS_NFTABLES)
@@ -267,7 +267,7 @@ def encode_batch(elements: Elements, table: str = n.TABLE) -> Batch:
     for family, sets in elements.items():
         fields = _FieldEncoder(family)
         for set_name, pairs in sets.items():
-            head = _attr(NFTA_SET_ELEM_LIST_TABLE, table.encode() + b"\0")
+            head = _attr(NFTA_SET_ELEM_LIST_TABLE, n.TABLE.encode() + b"\0")
             head += _attr(NFTA_SET_ELEM_LIST_SET, set_name.encode() + b"\0")
             encoded = itertools.starmap(_element_encoder(fields, set_name), pairs)
             for chunk in _chunks(encoded):
