@@ -7,9 +7,11 @@ shows). Every byte and object received is counted, per resource, for the metrics
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import ssl
 import tempfile
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ import aiohttp
 import orjson
 import yaml
 
+log = logging.getLogger(__name__)
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
@@ -118,6 +121,7 @@ class KubeClient:
     async def list(self, resource: str, path: str, params: Mapping[str, str]) -> dict[str, Any]:
         url = self.creds.server + path
         timeout = aiohttp.ClientTimeout(total=120)
+        started = time.monotonic()
         async with self.session.get(
             url, params=dict(params), headers=self._headers(), timeout=timeout
         ) as resp:
@@ -125,7 +129,16 @@ class KubeClient:
             self.bytes_received[resource] += len(body)
             if resp.status != 200:
                 raise ApiError(resp.status, body[:500].decode(errors="replace"))
+            received = time.monotonic()
             data: dict[str, Any] = orjson.loads(body)
+            log.debug(
+                "%s: %d bytes (%s) received in %.3f s, decoded in %.3f s",
+                resource,
+                len(body),
+                resp.headers.get("Content-Encoding", "identity"),
+                received - started,
+                time.monotonic() - received,
+            )
             self.objects_received[resource] += len(data.get("items") or [])
             return data
 

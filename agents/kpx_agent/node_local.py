@@ -138,11 +138,21 @@ class _Candidate(NamedTuple):
         return self.endpoint.local
 
 
+_new = tuple.__new__  # builds a NamedTuple without its Python-level __new__ (hot path)
+_NO_CONDITIONS: Obj = {}
+
+
 def _candidates(
     slices: Iterable[Obj], family: int, port_name: str, protocol: Protocol, node_name: str
 ) -> list[_Candidate]:
-    """All endpoints of the slices for one service port and family, de-duplicated by address."""
+    """All endpoints of the slices for one service port and family, de-duplicated by address.
+
+    The hot loop of a full sync (once per endpoint): no function call per endpoint for the
+    usual plain IPv4 address with plain conditions."""
     seen: dict[IPAddress, _Candidate] = {}
+    af = _AF[family]
+    plain_v4 = af == socket.AF_INET
+    pton = socket.inet_pton
     for sl in slices:
         if _FAMILY_OF_SLICE.get(str(sl.get("addressType"))) != family:
             continue
@@ -155,20 +165,29 @@ def _candidates(
                 break
         if not port:
             continue
-        af = _AF[family]
         for ep in sl.get("endpoints") or []:
             addresses = ep.get("addresses")
             if not addresses:
                 continue
             addr = addresses[0]  # the first address is the one to use
-            if type(addr) is str and addr in seen:
-                continue
-            ip = _ip_of_family(addr, af)
-            if ip is None or ip in seen:
-                continue
-            cond = ep.get("conditions") or {}
+            ip: IPAddress | None = None
+            if type(addr) is str:
+                if addr in seen:
+                    continue
+                if plain_v4:
+                    try:
+                        pton(af, addr)
+                        ip = IP(addr)
+                    except OSError:
+                        pass
+            if ip is None:
+                ip = _ip_of_family(addr, af)
+                if ip is None or ip in seen:
+                    continue
+            cond = ep.get("conditions") or _NO_CONDITIONS
             ready = cond.get("ready") is not False  # nil means ready
-            serving = ready if cond.get("serving") is None else bool(cond.get("serving"))
+            serving = cond.get("serving")
+            serving = ready if serving is None else bool(serving)
             terminating = bool(cond.get("terminating"))
             hints = ep.get("hints")
             zones = nodes = None
@@ -178,8 +197,9 @@ def _candidates(
                 if hints.get("forNodes") is not None:
                     nodes = frozenset(str(n.get("name")) for n in hints["forNodes"])
             local = bool(node_name) and ep.get("nodeName") == node_name
-            seen[ip] = _Candidate(
-                Endpoint(ip, port, local), ready, serving, terminating, zones, nodes
+            seen[ip] = _new(
+                _Candidate,
+                (_new(Endpoint, (ip, port, local)), ready, serving, terminating, zones, nodes),
             )
     return sorted(seen.values())
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -114,6 +115,7 @@ class Reflector:
         self._restart.clear()
         self._selector_in_use = self.field_selector()
         items: list[Obj] = []
+        started = time.monotonic()
         params = {**self._params(), "limit": str(self.page_size)}
         if not consistent:
             params["resourceVersion"] = "0"
@@ -125,8 +127,16 @@ class Reflector:
                 break
             params["continue"] = str(meta["continue"])
             params.pop("resourceVersion", None)  # the token carries it; both are refused
+        received = time.monotonic()
         self.sink.replace(self.resource.kind, items)
         self.lists += 1
+        log.debug(
+            "listed %d %s in %.3f s (+ %.3f s to store them)",
+            len(items),
+            self.resource.kind,
+            received - started,
+            time.monotonic() - received,
+        )
         self.synced.set()
         self.on_event()
         return str(meta.get("resourceVersion", ""))

@@ -85,7 +85,9 @@ class NftablesBackend:
             f: {} for f in FAMILIES if f not in present
         }
         self.last_loaded = loaded
+        t0 = time.monotonic()
         self._apply(self._full_script(state, plans, chains, port_chains, loaded))
+        log.debug("full sync: rendered and applied the nft part in %.3f s", time.monotonic() - t0)
         started = time.monotonic()
         try:
             self._load_elements(loaded)
@@ -94,15 +96,17 @@ class NftablesBackend:
             raise
         if loaded:
             log.info(
-                "%s: no table in the kernel: %d elements loaded in one netlink batch (%.3f s)",
+                "%s: no table in the kernel: %d elements loaded by netlink (%.3f s)",
                 ", ".join(f"{n.FAMILIES[f]} {n.TABLE}" for f in loaded),
                 sum(len(pairs) for sets in loaded.values() for pairs in sets.values()),
                 time.monotonic() - started,
             )
+        t0 = time.monotonic()
         books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
         for fam in FAMILIES:
             books[fam].commit(plans[fam])
             self._log_conflicts(plans[fam])
+        log.debug("full sync: record committed in %.3f s", time.monotonic() - t0)
         self._books, self._chains, self._node = books, chains, state.node
         self._port_chains = port_chains
 

@@ -4,15 +4,24 @@ and element batches sent on an nf_tables netlink socket."""
 from __future__ import annotations
 
 import contextlib
+import queue
 import socket
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterable
 from typing import IO
 
 from ..base import BackendError
 from . import names as n
-from .netlink_batch import NETLINK_NETFILTER, Elements, batch_problem, encode_batch, parse_acks
+from .netlink_batch import (
+    NETLINK_NETFILTER,
+    Batch,
+    Elements,
+    batch_problem,
+    encode_batches,
+    parse_acks,
+)
 
 NFT = "nft"
 
@@ -82,36 +91,88 @@ SO_RCVBUFFORCE = 33
 
 
 def load_elements(elements: Elements) -> None:
-    """Add the elements to existing sets and maps in one kernel transaction (one netlink
-    batch): all of them, or none (BackendError naming the first set the kernel refused)."""
+    """Add the elements to existing sets and maps: in batches (kernel transactions, see
+    `encode_batches`), each sent by a second thread while this one encodes the next (the
+    kernel's work and Python's overlap on two cores). A refused batch applies nothing of
+    itself and stops the load: BackendError names the first set the kernel refused, and the
+    batches before it stay applied (this fills tables a full sync just created, so the next
+    full sync, which finds them, replaces them whole)."""
     if not any(pairs for sets in elements.values() for pairs in sets.values()):
         return
     try:
-        batch = encode_batch(elements)
+        with _Sender() as sender:
+            for batch in encode_batches(elements):
+                if not sender.send(batch):
+                    break
     except ValueError as exc:
         raise BackendError(f"cannot encode the element batch: {exc}") from None
-    problem = batch_problem(batch, _send(batch.data, len(batch.messages)))
-    if problem:
-        raise BackendError(problem)
 
 
-def _send(data: bytes, expected: int) -> dict[int, int]:
+class _Sender:
+    """A thread sending batches on one nf_tables socket, in order; the first problem (a
+    refused message, a socket error) stops it and is raised when the sender closes."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[Batch | None] = queue.Queue(maxsize=4)
+        self._problem: str | None = None
+        self._thread = threading.Thread(target=self._run, name="nft-netlink", daemon=True)
+
+    def __enter__(self) -> _Sender:
+        self._thread.start()
+        return self
+
+    def send(self, batch: Batch) -> bool:
+        """Queue a batch; False once the sender stopped on a problem."""
+        if self._problem is None:
+            self._queue.put(batch)
+        return self._problem is None
+
+    def __exit__(self, *exc: object) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self._problem is not None and exc[0] is None:
+            raise BackendError(self._problem)
+
+    def _run(self) -> None:
+        sock: socket.socket | None = None
+        while (batch := self._queue.get()) is not None:
+            if self._problem is not None:
+                continue  # drained, not sent, until the producer stops
+            try:
+                sock = sock or _socket()
+                acks = _exchange(sock, batch.data, len(batch.messages))
+                self._problem = batch_problem(batch, acks)
+            except OSError as exc:
+                self._problem = f"netlink element batch: {exc.strerror or exc}"
+        if sock is not None:
+            sock.close()
+
+
+def _socket() -> socket.socket:
+    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+    try:
+        sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 1 << 22)
+        sock.bind((0, 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _exchange(sock: socket.socket, data: bytes, expected: int) -> dict[int, int]:
     """Send one batch; the error code the kernel acknowledged each message with, by seq."""
     acks: dict[int, int] = {}
+    sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, len(data) + (1 << 16))
+    # The kernel runs the whole batch inside this call; its acks are queued by return.
+    sock.sendto(data, (0, 0))
+    sock.setblocking(False)
     try:
-        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER) as sock:
-            sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
-            sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, len(data) + (1 << 16))
-            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 1 << 22)
-            sock.bind((0, 0))
-            # The kernel runs the whole batch inside this call; its acks are queued by return.
-            sock.sendto(data, (0, 0))
-            sock.setblocking(False)
-            with contextlib.suppress(BlockingIOError):  # all there was: batch_problem says
-                while len(acks) < expected:
-                    acks.update(parse_acks(sock.recv(1 << 20)))
-    except OSError as exc:
-        raise BackendError(f"netlink element batch: {exc.strerror or exc}") from None
+        with contextlib.suppress(BlockingIOError):  # all there was: batch_problem says
+            while len(acks) < expected:
+                acks.update(parse_acks(sock.recv(1 << 20)))
+    finally:
+        sock.setblocking(True)
     return acks
 
 

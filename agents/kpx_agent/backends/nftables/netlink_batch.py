@@ -1,9 +1,10 @@
-"""Set and map elements encoded as one nf_tables netlink batch (pure: bytes in, bytes out).
+"""Set and map elements encoded as nf_tables netlink batches (pure: bytes in, bytes out).
 
 A cold start loads 100,000+ elements. Through `nft -f`, nft spends about 1.5 s of CPU parsing
 and evaluating their text; encoded here they cost about a tenth of that, and the kernel's work
 is the same. Only elements go this way, into sets and maps an nft transaction created (so nft
-still owns every definition, rule and type); one batch is one kernel transaction.
+still owns every definition, rule and type); one batch is one kernel transaction, and a
+large load is cut into several, so the kernel commits one while the next is encoded.
 
 Each element's text (as rendered for nft) is parsed by the layout of its set: addresses by
 `inet_pton`, protocols from a fixed table, ports and indexes as integers; anything else raises
@@ -258,25 +259,67 @@ Elements = Mapping[int, Mapping[str, Iterable[tuple[str, str | None]]]]
 
 def encode_batch(elements: Elements) -> Batch:
     """`add element` of every (key, value) into `elements[family][set name]`, as one batch."""
-    out: list[bytes] = [
-        _message(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 0, 0, b"", NFNL_SUBSYS_NFTABLES)
-    ]
-    messages: dict[int, tuple[int, str]] = {}
-    kind = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM
-    flags = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_ACK
-    for family, sets in elements.items():
-        fields = _FieldEncoder(family)
-        for set_name, pairs in sets.items():
-            head = _attr(NFTA_SET_ELEM_LIST_TABLE, n.TABLE.encode() + b"\0")
-            head += _attr(NFTA_SET_ELEM_LIST_SET, set_name.encode() + b"\0")
-            encoded = itertools.starmap(_element_encoder(fields, set_name), pairs)
-            for chunk in _chunks(encoded):
-                seq = len(messages) + 1
-                messages[seq] = (family, set_name)
-                listed = _nested(NFTA_SET_ELEM_LIST_ELEMENTS, chunk)
-                out.append(_message(kind, flags, seq, NFPROTO[family], head + listed, 0))
-    out.append(_message(NFNL_MSG_BATCH_END, NLM_F_REQUEST, 0, 0, b"", NFNL_SUBSYS_NFTABLES))
-    return Batch(b"".join(out), messages)
+    (batch,) = encode_batches(elements, per_batch=0)
+    return batch
+
+
+VERDICT_MAPS = frozenset(name for name, (_, value) in _LAYOUTS.items() if value == VERDICT)
+BATCH_ELEMENTS = 5000
+
+
+def encode_batches(elements: Elements, per_batch: int = BATCH_ELEMENTS) -> Iterator[Batch]:
+    """The same elements in batches (kernel transactions) of about `per_batch` elements
+    (0: one batch), encoded one at a time, so the kernel can commit one while the next is
+    encoded. The dispatch (verdict) maps come last, in one batch of their own: a batch that
+    adds verdicts makes the kernel validate the table's rules again, once per batch; and a
+    Service is dispatched only once everything it dispatches to is in place."""
+    encoders = {family: _FieldEncoder(family) for family in elements}
+    batch = _BatchWriter()
+    for verdicts in (False, True):
+        for family, sets in elements.items():
+            for set_name, pairs in sets.items():
+                if (set_name in VERDICT_MAPS) != verdicts:
+                    continue
+                encode = _element_encoder(encoders[family], set_name)
+                pairs = list(pairs)
+                step = per_batch if per_batch and not verdicts else max(1, len(pairs))
+                for start in range(0, len(pairs), step):
+                    part = itertools.starmap(encode, pairs[start : start + step])
+                    for chunk in _chunks(part):
+                        batch.add(family, set_name, chunk)
+                    batch.elements += len(pairs[start : start + step])
+                    if per_batch and not verdicts and batch.elements >= per_batch:
+                        yield batch.close()
+                        batch = _BatchWriter()
+        if per_batch and batch.messages:
+            yield batch.close()
+            batch = _BatchWriter()
+    if not per_batch or batch.messages:
+        yield batch.close()
+
+
+class _BatchWriter:
+    """Messages of one batch as they are added."""
+
+    KIND = (NFNL_SUBSYS_NFTABLES << 8) | NFT_MSG_NEWSETELEM
+    FLAGS = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_ACK
+
+    def __init__(self) -> None:
+        self.out = [_message(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 0, 0, b"", NFNL_SUBSYS_NFTABLES)]
+        self.messages: dict[int, tuple[int, str]] = {}
+        self.elements = 0
+
+    def add(self, family: int, set_name: str, encoded: bytes) -> None:
+        seq = len(self.messages) + 1
+        self.messages[seq] = (family, set_name)
+        head = _attr(NFTA_SET_ELEM_LIST_TABLE, n.TABLE.encode() + b"\0")
+        head += _attr(NFTA_SET_ELEM_LIST_SET, set_name.encode() + b"\0")
+        listed = _nested(NFTA_SET_ELEM_LIST_ELEMENTS, encoded)
+        self.out.append(_message(self.KIND, self.FLAGS, seq, NFPROTO[family], head + listed, 0))
+
+    def close(self) -> Batch:
+        end = _message(NFNL_MSG_BATCH_END, NLM_F_REQUEST, 0, 0, b"", NFNL_SUBSYS_NFTABLES)
+        return Batch(b"".join([*self.out, end]), self.messages)
 
 
 def _chunks(encoded: Iterable[bytes]) -> Iterator[bytes]:
