@@ -7,13 +7,15 @@ shows). Every byte and object received is counted, per resource, for the metrics
 from __future__ import annotations
 
 import base64
+import contextlib
+import gc
 import logging
 import os
 import ssl
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,6 +92,20 @@ def in_cluster() -> Credentials:
     return Credentials(f"https://{host}:{port}", ctx, token_file=sa / "token")
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """A large list decodes into a million acyclic containers: the cyclic collector's passes
+    over them while they are built are pure cost (about 0.1 s at 10,000 Services)."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 class KubeClient:
     """list and watch on the apiserver; counts bytes and objects received per resource."""
 
@@ -130,7 +146,8 @@ class KubeClient:
             if resp.status != 200:
                 raise ApiError(resp.status, body[:500].decode(errors="replace"))
             received = time.monotonic()
-            data: dict[str, Any] = orjson.loads(body)
+            with _collector_paused():
+                data: dict[str, Any] = orjson.loads(body)
             log.debug(
                 "%s: %d bytes (%s) received in %.3f s, decoded in %.3f s",
                 resource,

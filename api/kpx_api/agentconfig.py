@@ -7,7 +7,7 @@ agents mount; the agent reads it with `load_agent_config`.
 from __future__ import annotations
 
 import os
-from typing import Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import yaml
 from pydantic import Field, ValidationError
@@ -15,8 +15,10 @@ from pydantic import Field, ValidationError
 from kpx_api.constants import AGENT_CONFIG_KIND, API_VERSION
 from kpx_api.errors import ConfigError, FieldError
 from kpx_api.modes import ACKNOWLEDGE_IPVS_MESSAGE, SETTINGS_CLASS, IPVSSettings, Mode
-from kpx_api.proxyconfiguration import ProxyConfigurationSpec
 from kpx_api.proxysettings import ProxySettings
+
+if TYPE_CHECKING:  # the operator's side: the agent never builds the CRD's models
+    from kpx_api.proxyconfiguration import ProxyConfigurationSpec
 
 
 class AgentConfiguration(ProxySettings):

@@ -840,3 +840,19 @@ def test_defaults_for_ipvs_needs_acknowledgement() -> None:
         AgentConfiguration.defaults_for("ipvs")
     config = AgentConfiguration.defaults_for("ipvs", acknowledge_deprecation=True)
     assert isinstance(config.ipvs, IPVSSettings) and config.ipvs.acknowledge_deprecation
+
+
+def test_the_package_exports_load_lazily_and_all_resolve() -> None:
+    """`import kpx_api.errors` (the agent) must not build the CRD models; every name in
+    `__all__` still resolves from the package."""
+    import subprocess
+    import sys
+
+    import kpx_api
+
+    assert sorted(kpx_api.__all__) == sorted(kpx_api._EXPORTS)
+    for name in kpx_api.__all__:
+        assert getattr(kpx_api, name) is not None
+    probe = "import sys, kpx_api.agentconfig; print('kpx_api.proxyconfiguration' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
