@@ -4,9 +4,13 @@ cannot resume (a real 410 Gone) is followed by a consistent list, and nothing is
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
+import pytest
+import yaml
 from agent_harness import Kube
 
 from kpx_agent.kube_api import KubeClient, from_kubeconfig
@@ -143,3 +147,38 @@ def test_paginated_list_follows_continue_tokens(cluster: Cluster, kube: Kube) ->
     assert watched.sink.names == {"e0", "e1", "e2"}, watched.sink.names
     assert len(pages) >= 3, pages
     assert all("continue" in p and "resourceVersion" not in p for p in pages[1:]), pages
+
+
+def test_compression_follows_the_kubeconfig(
+    cluster: Cluster, kube: Kube, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As client-go: big lists come gzip-compressed, unless the kubeconfig's cluster says
+    `disable-compression: true` (a fast network: both sides save the CPU)."""
+    ns = kube.create_namespace()
+    kube.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "big", "namespace": ns},
+            "data": {f"k{i}": "x" * 1000 for i in range(300)},  # well above the 128 KiB floor
+        }
+    )
+    config = yaml.safe_load(cluster.kubeconfig.read_text())
+    for entry in config["clusters"]:
+        entry["cluster"]["disable-compression"] = True
+    plain = tmp_path / "plain.kubeconfig"
+    plain.write_text(yaml.safe_dump(config))
+
+    async def list_once(kubeconfig: Path) -> None:
+        client = KubeClient(from_kubeconfig(kubeconfig))
+        try:
+            data = await client.list("configmaps", f"/api/v1/namespaces/{ns}/configmaps", {})
+            assert [item["metadata"]["name"] for item in data["items"]] == ["big"]
+        finally:
+            await client.close()
+
+    caplog.set_level(logging.DEBUG, logger="kpx_agent.kube_api")
+    asyncio.run(list_once(cluster.kubeconfig))
+    asyncio.run(list_once(plain))
+    encodings = [r.getMessage().split("(")[1].split(")")[0] for r in caplog.records]
+    assert encodings == ["gzip", "identity"], encodings

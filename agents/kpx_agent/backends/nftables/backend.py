@@ -121,7 +121,6 @@ class NftablesBackend:
         """The full sync's transaction, one part per chunk of service ports, rendered as nft
         reads it (and filling in the plans and chains it programs, and for the families in
         `loaded`, the elements left out of it for the netlink batch)."""
-        loadable: dict[str, bool] = {}
         by_family: dict[int, list[ServicePort]] = {f: [] for f in FAMILIES}
         for key, sp in state.services.items():
             by_family[key.family].append(sp)
@@ -145,17 +144,17 @@ class NftablesBackend:
                 for dispatch_map, count in sorted(new_chains):
                     txn.add_endpoint_chain(*endpoint_chain(fam, dispatch_map, count))
                 by_set: dict[str, list[tuple[str, str | None]]] = {}
-                bulk = loaded.get(fam)
                 for set_name, element_key, value in claimed:
-                    into = by_set
-                    if bulk is not None:
-                        if set_name not in loadable:
-                            loadable[set_name] = netlink_batch.loadable(set_name)
-                        if loadable[set_name]:
-                            into = bulk
-                    into.setdefault(set_name, []).append((element_key, value))
+                    pairs = by_set.get(set_name)
+                    if pairs is None:
+                        pairs = by_set[set_name] = []
+                    pairs.append((element_key, value))
+                bulk = loaded.get(fam)
                 for set_name, pairs in sorted(by_set.items()):
-                    txn.add_elements(set_name, pairs)
+                    if bulk is not None and netlink_batch.loadable(set_name):
+                        bulk.setdefault(set_name, []).extend(pairs)
+                    else:
+                        txn.add_elements(set_name, pairs)
                 yield txn.render()
 
     def _partial_sync(self, state: NodeLocalState, changed: Collection[ServicePortKey]) -> None:

@@ -14,7 +14,6 @@ ValueError naming the set and element. Chain names in verdicts must be plain nam
 from __future__ import annotations
 
 import errno
-import itertools
 import os
 import re
 import socket
@@ -166,10 +165,15 @@ def _header(kind: int, payload_length: int) -> bytes:
     return struct.pack("=HH", 4 + payload_length, kind)
 
 
-def _element_encoder(enc: _FieldEncoder, set_name: str) -> Callable[[str, str | None], bytes]:
-    """Encodes one element of `set_name` as an NFTA_LIST_ELEM attribute. Every field is a
+Pairs = Iterable[tuple[str, str | None]]
+
+
+def _element_encoder(enc: _FieldEncoder, set_name: str) -> Callable[[Pairs], list[bytes]]:
+    """Encodes elements of `set_name`, each as an NFTA_LIST_ELEM attribute. Every field is a
     multiple of 4 bytes wide, so each layout's attribute headers are constants: an element
-    is those headers around a few cached or directly converted fields."""
+    is those headers around a few cached or directly converted fields. One loop per list of
+    elements (a cold start encodes 100,000+ of them): no function call per element when its
+    fields are cached."""
     found = layout(set_name)
     if found is None:
         raise ValueError(f"set {set_name}: its elements cannot be loaded over netlink")
@@ -186,64 +190,88 @@ def _element_encoder(enc: _FieldEncoder, set_name: str) -> Callable[[str, str | 
         return _header(NFTA_LIST_ELEM | NLA_F_NESTED, body) + key_attr
 
     def lead_bytes(text: str) -> bytes:
-        got = leads.get(text)
-        if got is None:
-            got = leads[text] = enc.fields(lead, text)
+        got = leads[text] = enc.fields(lead, text)
         return got
+
+    def fail(key: str, value: str | None, err: Exception) -> ValueError:
+        shown = key if value is None else f"{key} : {value}"
+        return ValueError(f"set {set_name}: element {shown!r}: {err}")
 
     if value_kinds is None:
         set_head = head(0)
 
-        def element(key: str, value: str | None) -> bytes:
-            if value is not None:
-                raise ValueError("a set element has no value")
-            return set_head + lead_bytes(key)
+        def encode_set(pairs: Pairs) -> list[bytes]:
+            out = []
+            key, value = "", None
+            try:
+                for key, value in pairs:
+                    if value is not None:
+                        raise ValueError("a set element has no value")
+                    out.append(set_head + (leads.get(key) or lead_bytes(key)))
+            except (ValueError, OSError) as err:
+                raise fail(key, value, err) from None
+            return out
 
-    elif value_kinds == VERDICT:
+        return encode_set
+
+    if value_kinds == VERDICT:
         verdicts: dict[str, tuple[bytes, bytes]] = {}
 
-        def element(key: str, value: str | None) -> bytes:
-            got = verdicts.get(value) if value is not None else None
-            if got is None:
-                if value is None:
-                    raise ValueError("a map element needs a value")
-                data = _verdict(value)
-                data = _header(NFTA_SET_ELEM_DATA | NLA_F_NESTED, len(data)) + data
-                got = verdicts[value] = (head(len(data)), data)
-            return got[0] + lead_bytes(key) + got[1]
-
-    else:
-        assert bucketed and value_kinds == (ADDR, PORT), (key_kinds, value_kinds)
-        value_width = enc.width(value_kinds)
-        value_attr = _header(NFTA_SET_ELEM_DATA | NLA_F_NESTED, 4 + value_width)
-        value_attr += _header(NFTA_DATA_VALUE, value_width)
-        endpoint_head = head(len(value_attr) + value_width)
-        pton, af = socket.inet_pton, enc.family
-
-        def element(key: str, value: str | None) -> bytes:
+        def verdict(value: str | None) -> tuple[bytes, bytes]:
             if value is None:
                 raise ValueError("a map element needs a value")
-            front, _, bucket = key.rpartition(" . ")
-            addr, _, port = value.partition(" . ")
-            return b"".join(
-                (
-                    endpoint_head,
-                    lead_bytes(front),
-                    buckets.get(bucket) or enc.field(BUCKET, bucket),
-                    value_attr,
-                    pton(af, addr),
-                    ports.get(port) or enc.field(PORT, port),
-                )
-            )
+            data = _verdict(value)
+            data = _header(NFTA_SET_ELEM_DATA | NLA_F_NESTED, len(data)) + data
+            got = verdicts[value] = (head(len(data)), data)
+            return got
 
-    def encode(key: str, value: str | None) -> bytes:
+        def encode_verdicts(pairs: Pairs) -> list[bytes]:
+            out = []
+            key, value = "", None
+            try:
+                for key, value in pairs:
+                    vhead, data = verdicts.get(value or "") or verdict(value)
+                    out.append(vhead + (leads.get(key) or lead_bytes(key)) + data)
+            except (ValueError, OSError) as err:
+                raise fail(key, value, err) from None
+            return out
+
+        return encode_verdicts
+
+    assert bucketed and value_kinds == (ADDR, PORT), (key_kinds, value_kinds)
+    value_width = enc.width(value_kinds)
+    value_attr = _header(NFTA_SET_ELEM_DATA | NLA_F_NESTED, 4 + value_width)
+    value_attr += _header(NFTA_DATA_VALUE, value_width)
+    endpoint_head = head(len(value_attr) + value_width)
+    pton, af, field = socket.inet_pton, enc.family, enc.field
+
+    def encode_endpoints(pairs: Pairs) -> list[bytes]:
+        out = []
+        key, value = "", None
+        join = b"".join
         try:
-            return element(key, value)
+            for key, value in pairs:
+                if value is None:
+                    raise ValueError("a map element needs a value")
+                front, _, bucket = key.rpartition(" . ")
+                addr, _, port = value.partition(" . ")
+                out.append(
+                    join(
+                        (
+                            endpoint_head,
+                            leads.get(front) or lead_bytes(front),
+                            buckets.get(bucket) or field(BUCKET, bucket),
+                            value_attr,
+                            pton(af, addr),
+                            ports.get(port) or field(PORT, port),
+                        )
+                    )
+                )
         except (ValueError, OSError) as err:
-            shown = key if value is None else f"{key} : {value}"
-            raise ValueError(f"set {set_name}: element {shown!r}: {err}") from None
+            raise fail(key, value, err) from None
+        return out
 
-    return encode
+    return encode_endpoints
 
 
 @dataclass(frozen=True)
@@ -284,8 +312,7 @@ def encode_batches(elements: Elements, per_batch: int = BATCH_ELEMENTS) -> Itera
                 pairs = list(pairs)
                 step = per_batch if per_batch and not verdicts else max(1, len(pairs))
                 for start in range(0, len(pairs), step):
-                    part = itertools.starmap(encode, pairs[start : start + step])
-                    for chunk in _chunks(part):
+                    for chunk in _chunks(encode(pairs[start : start + step])):
                         batch.add(family, set_name, chunk)
                     batch.elements += len(pairs[start : start + step])
                     if per_batch and not verdicts and batch.elements >= per_batch:
@@ -322,9 +349,8 @@ class _BatchWriter:
         return Batch(b"".join([*self.out, end]), self.messages)
 
 
-def _chunks(encoded: Iterable[bytes]) -> Iterator[bytes]:
+def _chunks(elements: list[bytes]) -> Iterator[bytes]:
     """Encoded elements joined into runs of at most MAX_ELEMENTS_BYTES."""
-    elements = list(encoded)
     if not elements:
         return
     per_run = max(1, MAX_ELEMENTS_BYTES // max(map(len, elements)))

@@ -159,12 +159,12 @@ def endpoint_chain_counts(elements: list[Element]) -> set[tuple[str, int]]:
     """The (dispatch map, endpoint count) pairs whose chains and maps these elements need:
     the chains the dispatch elements jump to, and the maps endpoint elements go into (a
     Service whose VIP another Service claimed first still writes its endpoints, unused)."""
-    names = set()
-    for set_name, _key, value in elements:  # few distinct names: parse each once
-        names.add(set_name)
-        if value is not None and value.startswith("goto "):
-            names.add(value[5:])
+    names = {set_name for set_name, _, _ in elements}  # few distinct names: parse each once
+    names |= {value[5:] for set_name, _, value in elements if value and set_name in _DISPATCH_MAPS}
     return {found for name in names if (found := n.endpoint_count_of(name)) is not None}
+
+
+_DISPATCH_MAPS = frozenset((n.SERVICE_IPS, n.SERVICE_NODEPORTS))  # values: `goto <chain>`
 
 
 # Each endpoint count `n` has its own chain and map, both named `endpoints-<n>` (or
