@@ -218,7 +218,7 @@ def normalized_ruleset(topo: Topology, node: str) -> list[object]:
 
 
 def test_cold_start_by_netlink_equals_the_nft_transaction(topology: Topology) -> None:
-    """The cold start's netlink batch leaves the kernel exactly as the all-nft transaction
+    """The cold start's netlink load leaves the kernel exactly as the all-nft transaction
     does (every set type, both families, verdicts, numgen buckets), read back by nft."""
     n1, _ = topology.add_node("n1"), topology.add_node("n2")
     unit = Path(__file__).resolve().parents[1] / "unit"
@@ -260,3 +260,29 @@ except BackendError as err:
     ok = program.replace('"hairpin": [("10.244.0.1 . 10.244.0.1", None)]', "")
     assert topology.exec(n1, [sys.executable, "-c", ok], check=True).stdout == ""
     assert "10.96.0.1 . tcp . 80" in nft(topology, "n1", "list", "set", "ip", "kpx", "cluster-ips")
+
+
+def test_a_refused_batch_stops_the_load_and_keeps_the_batches_before_it(
+    topology: Topology,
+) -> None:
+    """A large load goes in several batches: when the kernel refuses one, the error names the
+    set, the batches before it stay (they filled a table a full sync had just created; the
+    next full sync replaces it whole) and nothing after it is sent."""
+    n1 = topology.add_node("n1")
+    vpp = "ipv4_addr . inet_proto . inet_service"
+    nft(topology, "n1", script=f"table ip kpx {{\n set cluster-ips {{ type {vpp}; }}\n}}\n")
+    program = """
+from kpx_agent.backends.base import BackendError
+from kpx_agent.backends.nftables import netlink_batch
+from kpx_agent.backends.nftables.kernel import load_elements
+ips = [(f"10.96.{i // 256}.{i % 256} . tcp . 80", None) for i in range(7000)]
+assert netlink_batch.BATCH_ELEMENTS == 5000
+try:
+    load_elements({4: {"cluster-ips": ips, "hairpin": [("10.244.0.1 . 10.244.0.1", None)]}})
+except BackendError as err:
+    print("refused:", err)
+"""
+    out = topology.exec(n1, [sys.executable, "-c", program], check=True).stdout
+    assert "refused:" in out and "ip kpx hairpin" in out, out
+    listed = nft(topology, "n1", "list", "set", "ip", "kpx", "cluster-ips")
+    assert listed.count(" . tcp . 80") == 5000, "the first batch only"

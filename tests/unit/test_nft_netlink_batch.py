@@ -119,3 +119,30 @@ def test_batch_problem_names_the_refused_set_or_missing_acks() -> None:
     refused = nb.batch_problem(batch, {1: 0, 2: -2})
     assert refused is not None and "ip6 kpx hairpin" in refused and "ENOENT" in refused
     assert nb.batch_problem(batch, {1: 0}) == "the kernel acknowledged 1 of 2 element messages"
+
+
+def test_a_large_load_is_cut_into_batches_with_the_dispatch_maps_last() -> None:
+    """Batches of about `per_batch` elements, each a whole transaction (its own begin, end and
+    sequence numbers); the verdict maps' elements come last, together, in one batch."""
+    cluster_ips = [(f"10.96.{i // 256}.{i % 256} . tcp . 80", None) for i in range(12_000)]
+    dispatch = [(f"10.96.0.{i} . tcp . 80", "goto endpoints-1") for i in range(3)]
+    elements = {
+        4: {"service-ips": dispatch, "cluster-ips": cluster_ips},
+        6: {"service-ips": [("fd00:96::1 . tcp . 80", "goto endpoints-1")]},
+    }
+    batches = list(nb.encode_batches(elements, per_batch=5000))
+    sets_per_batch = [sorted({s for _, s in b.messages.values()}) for b in batches]
+    assert sets_per_batch[:-1] == [["cluster-ips"]] * 3
+    assert sets_per_batch[-1] == ["service-ips"]
+    assert sorted(set(batches[-1].messages.values())) == [(4, "service-ips"), (6, "service-ips")]
+    counted = []
+    for batch in batches:
+        (begin, *middle, end) = split_messages(batch.data)
+        assert begin[0] == nb.NFNL_MSG_BATCH_BEGIN and end[0] == nb.NFNL_MSG_BATCH_END
+        assert [seq for _, _, seq, _ in middle] == list(range(1, len(middle) + 1))
+        counted.append(sum(p.count(struct.pack("=HH", 24, 0x8001)) for *_, p in middle))
+    assert counted[:3] == [5000, 5000, 2000]
+    # One batch when asked: the same elements, the dispatch maps still last.
+    (whole,) = nb.encode_batches(elements, per_batch=0)
+    assert list(whole.messages.values())[-2:] == [(4, "service-ips"), (6, "service-ips")]
+    assert nb.encode_batch(elements).data == whole.data

@@ -240,7 +240,7 @@ def batch_text(batch: dict[int, dict[str, list[tuple[str, str | None]]]]) -> str
 
 def test_cold_full_sync_golden() -> None:
     """No table in the kernel: nft creates the tables, their chains and maps (and the interval
-    sets' elements); every other element goes in the one netlink batch that follows."""
+    sets' elements); every other element goes by netlink after it."""
     backend, scripts, batches = record_cold(set())
     backend.sync(sample_state(), None)
     check_golden(

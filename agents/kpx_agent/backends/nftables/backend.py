@@ -7,9 +7,10 @@ reads the kernel's ruleset back.
 
 When a family's table is not in the kernel (a node's first start, a flushed ruleset), its full
 sync takes two steps: nft creates the table with empty sets and maps (matching nothing, so it
-changes no traffic), then one netlink batch adds every element atomically, with about a tenth
-of nft's CPU. Where the table exists, the swap stays one nft transaction, elements included,
-so the old rules serve until the new ones are complete.
+changes no traffic), then netlink batches add the elements, with about a tenth of nft's CPU,
+the dispatch maps last (a Service starts to be served once all it dispatches to is there).
+Where the table exists, the swap stays one nft transaction, elements included, so the old
+rules serve until the new ones are complete.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class NftablesBackend:
         port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
             f: {} for f in FAMILIES
         }
-        # Families without a table in the kernel get their bulk elements in a netlink batch.
+        # Families without a table in the kernel get their bulk elements by netlink.
         present = self._present_families()
         loaded: dict[int, dict[str, list[tuple[str, str | None]]]] = {
             f: {} for f in FAMILIES if f not in present
@@ -120,7 +121,7 @@ class NftablesBackend:
     ) -> Iterator[str]:
         """The full sync's transaction, one part per chunk of service ports, rendered as nft
         reads it (and filling in the plans and chains it programs, and for the families in
-        `loaded`, the elements left out of it for the netlink batch)."""
+        `loaded`, the elements left out of it for the netlink load)."""
         by_family: dict[int, list[ServicePort]] = {f: [] for f in FAMILIES}
         for key, sp in state.services.items():
             by_family[key.family].append(sp)
