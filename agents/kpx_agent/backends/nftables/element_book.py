@@ -119,6 +119,10 @@ class ElementBook(Generic[Owner]):
 
     def commit(self, plan: Plan[Owner]) -> None:
         """Record a plan the kernel accepted."""
+        if not self._owners and not self._contrib:  # a full sync's: built in one pass
+            self._owners = {ek: lst for ek, lst in plan._owners.items() if lst}
+            self._contrib = {owner: c for owner, c in plan._contrib.items() if c}
+            return
         for ek, lst in plan._owners.items():
             if lst:
                 self._owners[ek] = lst
