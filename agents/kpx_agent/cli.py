@@ -40,7 +40,11 @@ def _run_parser() -> argparse.ArgumentParser:
         default=os.environ.get("NODE_NAME") or socket.gethostname(),
         help="this node's name (default: $NODE_NAME, else the hostname)",
     )
-    p.add_argument("--kubeconfig", type=Path, help="default: in-cluster service account")
+    p.add_argument(
+        "--kubeconfig",
+        type=Path,
+        help="default: in-cluster service account (a cluster's disable-compression is honoured)",
+    )
     p.add_argument("--cluster-cidr", action="append", help="pod CIDR (repeat for dual-stack)")
     p.add_argument("--healthz-bind-address", help="IP:port of /healthz and /livez")
     p.add_argument("--metrics-bind-address", help="IP:port of /metrics")

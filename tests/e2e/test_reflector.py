@@ -172,7 +172,8 @@ def test_compression_follows_the_kubeconfig(
     async def list_once(kubeconfig: Path) -> None:
         client = KubeClient(from_kubeconfig(kubeconfig))
         try:
-            data = await client.list("configmaps", f"/api/v1/namespaces/{ns}/configmaps", {})
+            path = f"/api/v1/namespaces/{ns}/configmaps"
+            data = await client.list("configmaps", path, {"fieldSelector": "metadata.name=big"})
             assert [item["metadata"]["name"] for item in data["items"]] == ["big"]
         finally:
             await client.close()
