@@ -300,7 +300,10 @@ def _register(topo: Topology) -> None:
         if _PREVIOUS_HANDLERS or threading.current_thread() is not threading.main_thread():
             return
         for sig in _SIGNALS:
-            _PREVIOUS_HANDLERS[sig] = signal.getsignal(sig)
+            previous = signal.getsignal(sig)
+            if previous == signal.SIG_IGN:
+                continue  # ignored (e.g. SIGINT in a background job): it stays ignored
+            _PREVIOUS_HANDLERS[sig] = previous
             signal.signal(sig, _on_signal)
 
 

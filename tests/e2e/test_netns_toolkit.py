@@ -330,7 +330,10 @@ def _session_leaders_marked(prefix: str) -> list[int]:
 
 
 SIGNALLED = """
-import sys, time
+import signal, sys, time
+# As an interactive Python has it, even when the tests run as a background job (whose
+# children start with SIGINT ignored).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from kpx_cluster.netns import Topology
 topo = Topology()
 node = topo.add_node("n1")
@@ -368,4 +371,24 @@ def test_signal_cleans_up(signum: int) -> None:
     assert code != 0
     if signum == signal.SIGTERM:
         assert code == -signal.SIGTERM  # the default action still happens after cleanup
+    assert leftovers(prefix) == []
+
+
+def test_an_ignored_sigint_stays_ignored() -> None:
+    """A process that ignores SIGINT (a background job's children do) keeps running and keeps
+    its topology on SIGINT; SIGTERM still cleans up."""
+    script = SIGNALLED.replace("signal.default_int_handler)", "signal.SIG_IGN)")
+    argv = [sys.executable, "-c", script]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, env=python_env()) as proc:
+        try:
+            prefix = _read_line(proc, 30)
+            proc.send_signal(signal.SIGINT)
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(timeout=1)
+            assert leftovers(prefix)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == -signal.SIGTERM
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     assert leftovers(prefix) == []
