@@ -119,9 +119,12 @@ class ElementBook(Generic[Owner]):
 
     def commit(self, plan: Plan[Owner]) -> None:
         """Record a plan the kernel accepted."""
-        if not self._owners and not self._contrib:  # a full sync's: built in one pass
-            self._owners = {ek: lst for ek, lst in plan._owners.items() if lst}
+        if not self._owners and not self._contrib and all(plan._owners.values()):
+            # Into an empty record (a full sync's plan, 100,000+ keys): take the plan's tables
+            # over instead of copying them; a plan is spent once committed.
+            self._owners = plan._owners
             self._contrib = {owner: c for owner, c in plan._contrib.items() if c}
+            plan._owners, plan._contrib = {}, {}
             return
         for ek, lst in plan._owners.items():
             if lst:
