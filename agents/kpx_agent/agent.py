@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kpx_api.errors import ConfigError
 
+from . import collector
 from . import settings as settings_mod
 from .backends.base import Backend
 from .cluster_state import ClusterState
@@ -164,19 +165,17 @@ class Agent:
                 continue
             last_start = time.monotonic()
             first = not self._synced_once
-            if first:
-                # The first sync allocates about a million objects that all live on (the
-                # node-local state, the backend's record): collecting there is pure cost.
-                gc.disable()
+            # The first sync allocates about a million objects that all live on (the
+            # node-local state, the backend's record): collecting there is pure cost.
             try:
-                pending = self.proxier.prepare()
-                # The kernel edge blocks for up to seconds at scale: keep the event loop
-                # (health, metrics, watches) responsive while it runs.
-                outcome = await asyncio.to_thread(self.proxier.program, pending)
+                with collector.paused() if first else contextlib.nullcontext():
+                    pending = self.proxier.prepare()
+                    # The kernel edge blocks for up to seconds at scale: keep the event loop
+                    # (health, metrics, watches) responsive while it runs.
+                    outcome = await asyncio.to_thread(self.proxier.program, pending)
             finally:
                 if first:
                     gc.freeze()
-                    gc.enable()
             self._synced_once = True
             if outcome.ok:
                 retry_delay = 0.0

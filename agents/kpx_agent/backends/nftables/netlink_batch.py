@@ -285,12 +285,6 @@ class Batch:
 Elements = Mapping[int, Mapping[str, Iterable[tuple[str, str | None]]]]
 
 
-def encode_batch(elements: Elements) -> Batch:
-    """`add element` of every (key, value) into `elements[family][set name]`, as one batch."""
-    (batch,) = encode_batches(elements, per_batch=0)
-    return batch
-
-
 VERDICT_MAPS = frozenset(name for name, (_, value) in _LAYOUTS.items() if value == VERDICT)
 BATCH_ELEMENTS = 5000
 

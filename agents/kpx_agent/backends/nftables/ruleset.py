@@ -155,6 +155,9 @@ def port_elements(sp: ServicePort) -> list[Element]:
     return render_port(sp).elements
 
 
+_DISPATCH_MAPS = frozenset((n.SERVICE_IPS, n.SERVICE_NODEPORTS))  # values: `goto <chain>`
+
+
 def endpoint_chain_counts(elements: list[Element]) -> set[tuple[str, int]]:
     """The (dispatch map, endpoint count) pairs whose chains and maps these elements need:
     the chains the dispatch elements jump to, and the maps endpoint elements go into (a
@@ -162,9 +165,6 @@ def endpoint_chain_counts(elements: list[Element]) -> set[tuple[str, int]]:
     names = {set_name for set_name, _, _ in elements}  # few distinct names: parse each once
     names |= {value[5:] for set_name, _, value in elements if value and set_name in _DISPATCH_MAPS}
     return {found for name in names if (found := n.endpoint_count_of(name)) is not None}
-
-
-_DISPATCH_MAPS = frozenset((n.SERVICE_IPS, n.SERVICE_NODEPORTS))  # values: `goto <chain>`
 
 
 # Each endpoint count `n` has its own chain and map, both named `endpoints-<n>` (or
