@@ -16,15 +16,23 @@ from typing import Any
 
 from kpx_api.errors import ConfigError
 from kpx_api.networks import parse_bind_address
+from kpx_kube import KubeconfigError
 
 from . import backends
 from . import settings as settings_mod
 from .agent import Agent
 from .http_endpoints import Health, health_app, serve
-from .kube_api import KubeClient, from_kubeconfig, in_cluster
+from .kube_api import DEFAULT_WATCH_IDLE_TIMEOUT, KubeClient, from_kubeconfig, in_cluster
 
 log = logging.getLogger("kpx_agent")
 MODES = ("nftables", "iptables", "ipvs")
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: a number of seconds above 0 is needed")
+    return value
 
 
 def _run_parser() -> argparse.ArgumentParser:
@@ -44,6 +52,15 @@ def _run_parser() -> argparse.ArgumentParser:
         "--kubeconfig",
         type=Path,
         help="default: in-cluster service account (a cluster's disable-compression is honoured)",
+    )
+    p.add_argument(
+        "--watch-idle-timeout",
+        type=_positive_seconds,
+        default=DEFAULT_WATCH_IDLE_TIMEOUT,
+        metavar="SECONDS",
+        help="drop a watch that receives no byte for this long (a half-open connection) and "
+        f"resume it on a new connection (default {DEFAULT_WATCH_IDLE_TIMEOUT:g}: above the "
+        "apiserver's 60 s bookmark period)",
     )
     p.add_argument("--cluster-cidr", action="append", help="pod CIDR (repeat for dual-stack)")
     p.add_argument("--healthz-bind-address", help="IP:port of /healthz and /livez")
@@ -155,11 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"proxy-agent: {exc.args[0]}", file=sys.stderr)
         return 2
     remove_other_modes(settings.mode)
-    creds = from_kubeconfig(args.kubeconfig) if args.kubeconfig else in_cluster()
+    try:
+        creds = from_kubeconfig(args.kubeconfig) if args.kubeconfig else in_cluster()
+    except KubeconfigError as exc:
+        print(f"proxy-agent: credentials: {exc}", file=sys.stderr)
+        return 2
     agent = Agent(
         settings,
         args.node_name,
-        KubeClient(creds),
+        KubeClient(creds, watch_idle_timeout=args.watch_idle_timeout),
         module.create(settings.proxy),
         config_path=args.config,
         overrides=_overrides(args),

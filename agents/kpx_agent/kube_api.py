@@ -1,31 +1,29 @@
 """The agent's Kubernetes I/O edge: a small async REST client (list, watch) over aiohttp.
 
 JSON stays plain dicts (no generated model classes: at tens of thousands of objects their cost
-shows). Every byte and object received is counted, per resource, for the metrics.
+shows). Every byte and object received is counted, per resource, for the metrics. Credentials
+(kubeconfig, exec plugins, in-cluster) and the connections' TCP keepalive come from kpx_kube.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
-import os
-import ssl
-import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-import yaml
+
+from kpx_kube import Auth, Credentials, from_kubeconfig, in_cluster
+from kpx_kube.tcp import socket_factory
 
 from . import collector
 
+__all__ = ["ApiError", "Credentials", "KubeClient", "WatchIdle", "from_kubeconfig", "in_cluster"]
+
 log = logging.getLogger(__name__)
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 class ApiError(RuntimeError):
@@ -34,95 +32,50 @@ class ApiError(RuntimeError):
         self.status = status
 
 
-@dataclass
-class Credentials:
-    server: str
-    ssl_context: ssl.SSLContext
-    token: str | None = None
-    token_file: Path | None = None
-    # The kubeconfig's `disable-compression` (as client-go): ask for uncompressed responses,
-    # which on a fast network saves the apiserver's and the agent's CPU on big lists.
-    compression: bool = True
-
-    def bearer(self) -> str | None:
-        if self.token_file is not None:
-            # Projected tokens rotate: read the file each time (it is small and cached by the OS).
-            return self.token_file.read_text().strip()
-        return self.token
+class WatchIdle(TimeoutError):
+    """No byte arrived on a watch for its idle timeout: the connection may be half-open."""
 
 
-def _material(entry: Mapping[str, Any], key: str, base_dir: Path) -> Path | None:
-    """A file holding `key` (path) or `key-data` (base64) of a kubeconfig entry."""
-    if entry.get(f"{key}-data"):
-        fd, name = tempfile.mkstemp(prefix="kpx-kubeconfig-")
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(base64.b64decode(entry[f"{key}-data"]))
-        return Path(name)
-    if entry.get(key):
-        path = Path(str(entry[key]))
-        return path if path.is_absolute() else base_dir / path
-    return None
-
-
-def from_kubeconfig(path: Path) -> Credentials:
-    config = yaml.safe_load(path.read_text())
-    context_name = config.get("current-context")
-    contexts = {c["name"]: c["context"] for c in config.get("contexts") or []}
-    context = contexts.get(context_name) or next(iter(contexts.values()))
-    cluster = {c["name"]: c["cluster"] for c in config["clusters"]}[context["cluster"]]
-    user = {u["name"]: u["user"] for u in config.get("users") or []}.get(context.get("user"), {})
-    base = path.parent
-    ca = _material(cluster, "certificate-authority", base)
-    ctx = ssl.create_default_context(cafile=str(ca) if ca else None)
-    if cluster.get("insecure-skip-tls-verify"):
-        ctx.check_hostname = False
-        ctx.verify_mode = ssl.CERT_NONE
-    cert, key = _material(user, "client-certificate", base), _material(user, "client-key", base)
-    if cert and key:
-        ctx.load_cert_chain(cert, key)
-    token_file = Path(user["tokenFile"]) if user.get("tokenFile") else None
-    return Credentials(
-        str(cluster["server"]).rstrip("/"),
-        ctx,
-        user.get("token"),
-        token_file,
-        compression=not cluster.get("disable-compression", False),
-    )
-
-
-def in_cluster() -> Credentials:
-    """The pod's service-account credentials (KPX_SERVICEACCOUNT_DIR overrides the path)."""
-    sa = Path(os.environ.get("KPX_SERVICEACCOUNT_DIR", SA_DIR))
-    host = os.environ["KUBERNETES_SERVICE_HOST"]
-    port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-    if ":" in host:
-        host = f"[{host}]"
-    ctx = ssl.create_default_context(cafile=str(sa / "ca.crt"))
-    return Credentials(f"https://{host}:{port}", ctx, token_file=sa / "token")
+# A healthy watch on a resource that changes hears a bookmark about every 60 s
+# (kube-apiserver's cacher, defaultBookmarkFrequency); one on a resource with no write at all
+# hears nothing until the server ends it. 90 s: one missed bookmark plus margin.
+DEFAULT_WATCH_IDLE_TIMEOUT = 90.0
 
 
 class KubeClient:
-    """list and watch on the apiserver; counts bytes and objects received per resource."""
+    """list and watch on the apiserver; counts bytes and objects received per resource.
 
-    def __init__(self, creds: Credentials) -> None:
+    `watch_idle_timeout`: a watch that receives no byte for that many seconds is dropped
+    (`WatchIdle`), so a half-open connection cannot freeze the agent's view."""
+
+    def __init__(
+        self, creds: Credentials, watch_idle_timeout: float = DEFAULT_WATCH_IDLE_TIMEOUT
+    ) -> None:
         self.creds = creds
+        self.watch_idle_timeout = watch_idle_timeout
         self.bytes_received: Counter[str] = Counter()
         self.objects_received: Counter[str] = Counter()
+        self.watch_idle_timeouts: Counter[str] = Counter()
         self._session: aiohttp.ClientSession | None = None
 
-    def _headers(self) -> dict[str, str]:
-        headers = {"Accept": "application/json", "User-Agent": "kpx-agent"}
+    def _headers(self, auth: Auth) -> dict[str, str]:
+        headers = {"Accept": "application/json", "User-Agent": "kpx-agent", **auth.headers()}
         if not self.creds.compression:
             headers["Accept-Encoding"] = "identity"
-        if (token := self.creds.bearer()) is not None:
-            headers["Authorization"] = f"Bearer {token}"
         return headers
+
+    def _refused(self, status: int, body: bytes, auth: Auth) -> ApiError:
+        if status == 401:  # an exec plugin's credential is run again for the next request
+            self.creds.invalidate(auth)
+        return ApiError(status, body[:500].decode(errors="replace"))
 
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=self.creds.ssl_context, limit=16),
+                connector=aiohttp.TCPConnector(
+                    ssl=self.creds.ssl_context, limit=16, socket_factory=socket_factory
+                ),
                 timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
             )
         return self._session
@@ -135,13 +88,18 @@ class KubeClient:
         url = self.creds.server + path
         timeout = aiohttp.ClientTimeout(total=120)
         started = time.monotonic()
+        auth = await self.creds.auth()
         async with self.session.get(
-            url, params=dict(params), headers=self._headers(), timeout=timeout
+            url,
+            params=dict(params),
+            headers=self._headers(auth),
+            timeout=timeout,
+            ssl=auth.ssl,
         ) as resp:
             body = await resp.read()
             self.bytes_received[resource] += len(body)
             if resp.status != 200:
-                raise ApiError(resp.status, body[:500].decode(errors="replace"))
+                raise self._refused(resp.status, body, auth)
             received = time.monotonic()
             with collector.paused():  # about a million acyclic containers at 10,000
                 data: dict[str, Any] = orjson.loads(body)
@@ -157,21 +115,38 @@ class KubeClient:
             return data
 
     async def watch(
-        self, resource: str, path: str, params: Mapping[str, str]
+        self,
+        resource: str,
+        path: str,
+        params: Mapping[str, str],
     ) -> AsyncIterator[dict[str, Any]]:
-        """Yield watch events ({type, object}) until the server ends the watch."""
+        """Yield watch events ({type, object}) until the server ends the watch; raise
+        WatchIdle when no byte arrives for `watch_idle_timeout` seconds."""
         url = self.creds.server + path
-        timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=None)
+        idle = self.watch_idle_timeout
+        timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=idle)
+        auth = await self.creds.auth()
         async with self.session.get(
-            url, params={**params, "watch": "1"}, headers=self._headers(), timeout=timeout
+            url,
+            params={**params, "watch": "1"},
+            headers=self._headers(auth),
+            timeout=timeout,
+            ssl=auth.ssl,
         ) as resp:
             if resp.status != 200:
-                body = await resp.read()
-                raise ApiError(resp.status, body[:500].decode(errors="replace"))
+                raise self._refused(resp.status, await resp.read(), auth)
             # One JSON document per line; lines can be large (a big EndpointSlice), so split
             # the stream ourselves rather than use the reader's bounded readline().
             pending = b""
-            async for chunk in resp.content.iter_any():
+            chunks = resp.content.iter_any()
+            while True:
+                try:
+                    chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:  # aiohttp's sock_read: no byte for `idle` seconds
+                    self.watch_idle_timeouts[resource] += 1
+                    raise WatchIdle(f"no byte for {idle:g} s") from None
                 self.bytes_received[resource] += len(chunk)
                 pending += chunk
                 *lines, pending = pending.split(b"\n")

@@ -2,7 +2,10 @@
 
 A full list (paginated) replaces the store's view; a watch from the list's resourceVersion then
 streams changes, with bookmarks so a reconnect resumes where it stopped. 410 Gone means the
-resourceVersion is too old: list again. Any other error: reconnect with capped, jittered backoff.
+resourceVersion is too old: list again. A watch silent for the client's idle timeout (a
+half-open connection: the apiserver's host lost, a NAT entry dropped) is dropped and resumed at
+once from the last resourceVersion on a new connection. Any other error: reconnect with capped,
+jittered backoff.
 The store sees nothing of a list until the whole list has arrived.
 """
 
@@ -18,7 +21,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from .kube_api import ApiError, KubeClient
+from .kube_api import ApiError, KubeClient, WatchIdle
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +98,7 @@ class Reflector:
         self.lists = 0
         self._restart = asyncio.Event()
         self._selector_in_use = ""
+        self._rv = ""  # the last resourceVersion seen (a list's, an event's or a bookmark's)
 
     def restart(self) -> None:
         """List again (e.g. because the field selector changed)."""
@@ -142,6 +146,7 @@ class Reflector:
         return str(meta.get("resourceVersion", ""))
 
     async def _watch(self, rv: str) -> str:
+        self._rv = rv
         params = {
             **self._params(),
             "resourceVersion": rv,
@@ -155,7 +160,7 @@ class Reflector:
                 if code == 410:
                     raise _Gone()
                 raise ApiError(code, str(obj.get("message")))
-            rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
+            rv = self._rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
             if etype in ("ADDED", "MODIFIED"):
                 self.sink.upsert(self.resource.kind, obj)
             elif etype == "DELETED":
@@ -176,6 +181,10 @@ class Reflector:
                     gone = False
                 rv = await self._watch_until_restart(rv)
                 backoff = 0.5
+            except WatchIdle as idle:
+                rv = self._rv  # where the silent watch stopped: resume there, no relist
+                log.debug("%s: watch %s; resuming from resourceVersion %s",
+                          self.resource.kind, idle, rv)  # fmt: skip
             except _Gone:
                 rv, gone = "", True
             except _Relist:
@@ -183,6 +192,8 @@ class Reflector:
             except asyncio.CancelledError:
                 raise
             except (ApiError, aiohttp.ClientError, OSError, ValueError, TimeoutError) as exc:
+                if rv and self._rv:
+                    rv = self._rv  # a broken watch resumes after the last event it delivered
                 if isinstance(exc, ApiError) and exc.status == 410:
                     rv, gone = "", True
                 log.warning("%s: %s; retrying in %.1fs", self.resource.kind, exc, backoff)

@@ -3,31 +3,29 @@
 Everything the operator writes goes through `ApiServer.apply`: server-side apply (PATCH
 application/apply-patch+yaml, fieldManager kpx-operator, force), which creates missing objects,
 repairs hand edits of the fields the operator owns and leaves other fields alone. Reads,
-deletes, the status write and the Lease calls of the leader election are here too, and the
-credentials (kubeconfig or in-cluster) that kopf's login uses as well.
+deletes, the status write and the Lease calls of the leader election are here too.
+Credentials (kubeconfig with exec plugins, or in-cluster) come from kpx_kube; kopf's login
+handler uses the same `Credentials` object.
 """
 
 from __future__ import annotations
 
-import base64
 import json
-import os
-import ssl
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
-import yaml
 
 from kpx_api.constants import GROUP, PLURAL, VERSION
+from kpx_kube import Credentials, from_kubeconfig, in_cluster
+from kpx_kube.tcp import socket_factory
 
 from .names import FIELD_MANAGER
 
+__all__ = ["ApiError", "ApiServer", "Applied", "Credentials", "from_kubeconfig", "in_cluster"]
+
 Obj = dict[str, Any]
-SA_DIR: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 @dataclass(frozen=True)
@@ -70,89 +68,6 @@ class ApiError(RuntimeError):
         self.message = message
 
 
-# -- credentials ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """How to reach and authenticate to the apiserver; paths only (data is put in files)."""
-
-    server: str
-    ca_file: Path | None = None
-    insecure: bool = False
-    cert_file: Path | None = None
-    key_file: Path | None = None
-    token: str | None = None
-    token_file: Path | None = None  # read on every request: projected tokens rotate
-
-    def bearer(self) -> str | None:
-        if self.token_file is not None:
-            return self.token_file.read_text().strip()
-        return self.token
-
-    def ssl_context(self) -> ssl.SSLContext:
-        ctx = ssl.create_default_context(cafile=str(self.ca_file) if self.ca_file else None)
-        if self.insecure:
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        if self.cert_file and self.key_file:
-            ctx.load_cert_chain(self.cert_file, self.key_file)
-        return ctx
-
-
-def _material(entry: Mapping[str, Any], key: str, base_dir: Path) -> Path | None:
-    """A file holding `key` (a path) or `key-data` (base64) of a kubeconfig entry."""
-    if entry.get(f"{key}-data"):
-        fd, name = tempfile.mkstemp(prefix="kpx-operator-")
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(base64.b64decode(entry[f"{key}-data"]))
-        return Path(name)
-    if entry.get(key):
-        path = Path(str(entry[key])).expanduser()
-        return path if path.is_absolute() else base_dir / path
-    return None
-
-
-def from_kubeconfig(path: Path) -> Credentials:
-    """The current context of a kubeconfig: client certificate, token or token file."""
-    config = yaml.safe_load(path.read_text()) or {}
-    contexts = {c["name"]: c.get("context") or {} for c in config.get("contexts") or []}
-    if not contexts:
-        raise ValueError(f"{path}: no context")
-    context = contexts.get(config.get("current-context")) or next(iter(contexts.values()))
-    clusters = {c["name"]: c.get("cluster") or {} for c in config.get("clusters") or []}
-    users = {u["name"]: u.get("user") or {} for u in config.get("users") or []}
-    cluster = clusters[context["cluster"]]
-    user = users.get(context.get("user"), {})
-    base = path.parent
-    token_file = user.get("tokenFile")
-    return Credentials(
-        server=str(cluster["server"]).rstrip("/"),
-        ca_file=_material(cluster, "certificate-authority", base),
-        insecure=bool(cluster.get("insecure-skip-tls-verify")),
-        cert_file=_material(user, "client-certificate", base),
-        key_file=_material(user, "client-key", base),
-        token=user.get("token"),
-        token_file=(base / token_file) if token_file else None,
-    )
-
-
-def in_cluster() -> Credentials:
-    """The pod's service account (KUBERNETES_SERVICE_HOST/PORT, the mounted token and CA)."""
-    host = os.environ.get("KUBERNETES_SERVICE_HOST")
-    if not host:
-        raise ValueError("not in a cluster (no KUBERNETES_SERVICE_HOST): give --kubeconfig")
-    port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-    if ":" in host:
-        host = f"[{host}]"
-    # KPX_SERVICEACCOUNT_DIR: where the token is mounted when not at the standard path
-    # (the agent honours the same variable).
-    sa_dir = Path(os.environ.get("KPX_SERVICEACCOUNT_DIR", SA_DIR))
-    return Credentials(
-        f"https://{host}:{port}", ca_file=sa_dir / "ca.crt", token_file=sa_dir / "token"
-    )
-
-
 # -- the client ----------------------------------------------------------------------------------
 
 
@@ -176,7 +91,9 @@ class ApiServer:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=self.creds.ssl_context(), limit=8),
+                connector=aiohttp.TCPConnector(
+                    ssl=self.creds.ssl_context, limit=8, socket_factory=socket_factory
+                ),
                 timeout=aiohttp.ClientTimeout(total=self.timeout),
             )
         return self._session
@@ -195,16 +112,23 @@ class ApiServer:
         content_type: str = "application/json",
     ) -> tuple[int, Obj]:
         """One request; returns (status, JSON body); raises ApiError unless 2xx."""
-        headers = {"Accept": "application/json", "User-Agent": FIELD_MANAGER}
-        if (token := self.creds.bearer()) is not None:
-            headers["Authorization"] = f"Bearer {token}"
+        try:
+            auth = await self.creds.auth()
+        except (OSError, RuntimeError, ValueError) as exc:  # token file, exec plugin
+            raise ApiError(0, "Unauthenticated", f"{method} {path}: credentials: {exc}") from exc
+        headers = {"Accept": "application/json", "User-Agent": FIELD_MANAGER, **auth.headers()}
         data = None
         if body is not None:
             headers["Content-Type"] = content_type
             data = json.dumps(body).encode()
         try:
             async with self.session.request(
-                method, self.creds.server + path, params=params, data=data, headers=headers
+                method,
+                self.creds.server + path,
+                params=params,
+                data=data,
+                headers=headers,
+                ssl=auth.ssl,
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
@@ -214,6 +138,8 @@ class ApiServer:
             payload: Obj = json.loads(raw) if raw else {}
         except ValueError:
             payload = {"message": raw[:300].decode(errors="replace")}
+        if status == 401:  # an exec plugin's credential is run again for the next request
+            self.creds.invalidate(auth)
         if not 200 <= status < 300:
             raise ApiError(status, str(payload.get("reason") or "Error"),
                            str(payload.get("message") or payload))  # fmt: skip

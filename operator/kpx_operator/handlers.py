@@ -3,17 +3,22 @@
 - indices of the Nodes (name -> labels) and of the ProxyConfigurations (for conflicts);
 - on a spec change, and on a timer (drift repair, status refresh): `Reconciler.reconcile`;
 - on deletion (kopf holds the finalizer meanwhile): `Reconciler.finalize`;
-- login: the operator's own credentials (kubeconfig or in-cluster), shared with the apply edge.
+- login: the operator's own credentials (kubeconfig with exec plugins, or in-cluster), shared
+  with the apply edge, handed to kopf as an aiohttp session whose SSL context was built in
+  memory (kopf's ConnectionInfo would write `*-data` keys to temporary files to load them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import aiohttp
 import kopf
 
 from kpx_api.constants import GROUP, PLURAL, VERSION
+from kpx_kube import Auth
+from kpx_kube.tcp import socket_factory
 
 from .admission import PxcInfo
 from .apiserver import Credentials
@@ -39,6 +44,34 @@ def _pxcs(index: kopf.Index[str, PxcInfo]) -> list[PxcInfo]:
     return [info for store in index.values() for info in store]
 
 
+def login_handler(
+    credentials: Credentials, namespace: str
+) -> Callable[..., Awaitable[kopf.AiohttpSession]]:
+    """kopf's login: an aiohttp session with the SSL context built in memory and the token."""
+    handed: list[Auth] = []  # what kopf was last given
+
+    async def login(**_: Any) -> kopf.AiohttpSession:
+        # kopf logs in at start, when `expiration` has passed, and when the apiserver refused
+        # what it had (401): an exec plugin is then run again, a token file re-read.
+        if handed:
+            credentials.invalidate(handed.pop())
+        auth = await credentials.auth()
+        handed.append(auth)
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, ssl=auth.ssl, socket_factory=socket_factory),
+            headers=auth.headers(),
+        )
+        return kopf.AiohttpSession(
+            server=credentials.server,
+            aiohttp_session=session,
+            expiration=auth.expires,
+            # Events about cluster-scoped ProxyConfigurations go to the operator's namespace.
+            default_namespace=namespace,
+        )
+
+    return login
+
+
 def register(
     registry: kopf.OperatorRegistry,
     reconciler: Reconciler,
@@ -47,19 +80,7 @@ def register(
     namespace: str,
     resync_interval: float = 10.0,
 ) -> None:
-    @kopf.on.login(registry=registry)
-    def login(**_: Any) -> kopf.ConnectionInfo:
-        # Called again when the apiserver answers 401: a rotated token file is re-read.
-        return kopf.ConnectionInfo(
-            server=credentials.server,
-            ca_path=str(credentials.ca_file) if credentials.ca_file else None,
-            insecure=credentials.insecure or None,
-            certificate_path=str(credentials.cert_file) if credentials.cert_file else None,
-            private_key_path=str(credentials.key_file) if credentials.key_file else None,
-            token=credentials.bearer(),
-            # Events about cluster-scoped ProxyConfigurations go to the operator's namespace.
-            default_namespace=namespace,
-        )
+    kopf.on.login(registry=registry)(login_handler(credentials, namespace))
 
     @kopf.index("nodes", id=NODE_INDEX, registry=registry)
     def kpx_nodes(name: str, labels: Mapping[str, str], **_: Any) -> dict[str, dict[str, str]]:

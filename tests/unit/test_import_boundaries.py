@@ -1,5 +1,6 @@
 """Per-mode code never imports another mode's code; the operator and the agent never import
-each other; the shared API models do no I/O."""
+each other; the shared API models do no I/O; the Kubernetes client layer (kpx_kube) sits below
+the agent and the operator (both may import it) and imports neither, nor kopf."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ def test_mode_packages_do_not_import_each_other(mode: str) -> None:
 @pytest.mark.parametrize(
     ("folder", "forbidden"),
     [
-        ("agents/kpx_agent", ("kpx_operator", "kpx_cluster")),
+        ("agents/kpx_agent", ("kpx_operator", "kpx_cluster", "kopf")),
+        ("agents/kpx_kube", ("kpx_agent", "kpx_operator", "kpx_cluster", "kopf")),
         ("operator/kpx_operator", ("kpx_agent", "kpx_cluster")),
         ("api/kpx_api", ("kpx_agent", "kpx_operator", "kpx_cluster", "aiohttp", "subprocess",
                          "kopf", "socket")),

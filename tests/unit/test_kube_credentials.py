@@ -1,0 +1,315 @@
+"""kpx_kube: kubeconfig parsing (contexts, `~`, relative paths, errors naming the field), the
+ExecCredential exchange, the exec credential cache, and key material kept off the disk."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kpx_cluster.pki import CertificateAuthority
+from kpx_kube import KubeconfigError, from_kubeconfig
+from kpx_kube.credentials import Credentials
+from kpx_kube.exec_plugin import ExecPluginError, exec_info, parse_credential
+from kpx_kube.kubeconfig import Cluster, ExecConfig, parse
+
+V1 = "client.authentication.k8s.io/v1"
+V1BETA1 = "client.authentication.k8s.io/v1beta1"
+
+
+def doc(**overrides: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "a",
+        "contexts": [
+            {"name": "a", "context": {"cluster": "one", "user": "alice"}},
+            {"name": "b", "context": {"cluster": "two", "user": "bob"}},
+        ],
+        "clusters": [
+            {"name": "one", "cluster": {"server": "https://one:6443/",
+                                        "certificate-authority": "ca.crt"}},
+            {"name": "two", "cluster": {"server": "https://two:6443",
+                                        "certificate-authority": "~/certs/ca.crt",
+                                        "disable-compression": True}},
+        ],
+        "users": [
+            {"name": "alice", "user": {"token": "alice-token"}},
+            {"name": "bob", "user": {"client-certificate": "/abs/bob.crt",
+                                     "client-key": "keys/bob.key", "tokenFile": "~/tok"}},
+        ],
+    }  # fmt: skip
+    base.update(overrides)
+    return base
+
+
+def test_current_context_and_relative_paths_against_the_kubeconfig_folder() -> None:
+    ctx = parse(doc(), Path("/etc/kube"))
+    assert ctx.name == "a"
+    assert ctx.cluster.server == "https://one:6443"  # trailing slash dropped
+    assert ctx.cluster.certificate_authority is not None
+    assert ctx.cluster.certificate_authority.path == Path("/etc/kube/ca.crt")
+    assert ctx.user.token == "alice-token"
+    assert not ctx.cluster.disable_compression
+
+
+def test_explicit_context_home_expansion_and_absolute_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HOME", "/home/me")
+    ctx = parse(doc(), Path("/etc/kube"), context="b")
+    assert ctx.name == "b"
+    assert ctx.cluster.certificate_authority is not None
+    assert ctx.cluster.certificate_authority.path == Path("/home/me/certs/ca.crt")
+    assert ctx.cluster.disable_compression
+    assert ctx.user.client_certificate is not None and ctx.user.client_key is not None
+    assert ctx.user.client_certificate.path == Path("/abs/bob.crt")
+    assert ctx.user.client_key.path == Path("/etc/kube/keys/bob.key")
+    assert ctx.user.token_file == Path("/home/me/tok")
+
+
+@pytest.mark.parametrize(
+    ("change", "context", "message"),
+    [
+        ({}, "nope", "context: no context named 'nope'"),
+        ({"current-context": None}, None, "current-context: not set"),
+        ({"current-context": "zzz"}, None, "current-context: no context named 'zzz'"),
+        ({"contexts": [{"name": "a", "context": {"cluster": "x"}}]}, None,
+         "contexts[a].context.cluster: no cluster named 'x'"),
+        ({"contexts": [{"name": "a", "context": {"cluster": "one", "user": "carol"}}]}, None,
+         "contexts[a].context.user: no user named 'carol'"),
+        ({"clusters": [{"name": "one", "cluster": {"server": "one:6443"}}]}, None,
+         "clusters[one].cluster.server: an http(s) URL is needed"),
+        ({"clusters": [{"name": "one", "cluster": {"server": "https://one",
+                                                   "certificate-authority-data": "%%"}}]},
+         None, "clusters[one].cluster.certificate-authority-data: not base64"),
+        ({"clusters": [{"name": "one", "cluster": {"server": "https://one",
+                                                   "proxy-url": "http://proxy"}}]},
+         None, "clusters[one].cluster.proxy-url: not supported"),
+        ({"users": [{"name": "alice", "user": {"client-key-data": "a2V5"}}]}, None,
+         "users[alice].user.client-certificate: needed with the other half"),
+        ({"users": [{"name": "alice", "user": {"client-key": "k", "client-key-data": "a2V5",
+                                               "client-certificate": "c"}}]}, None,
+         "users[alice].user: client-key and client-key-data are both set"),
+        ({"users": [{"name": "alice", "user": {"auth-provider": {"name": "gcp"}}}]}, None,
+         "users[alice].user.auth-provider: not supported"),
+        ({"users": [{"name": "alice", "user": {"exec": {"apiVersion": V1}}}]}, None,
+         "users[alice].user.exec.command: missing"),
+        ({"users": [{"name": "alice", "user": {"exec": {"command": "x", "apiVersion": "v9"}}}]},
+         None, "users[alice].user.exec.apiVersion: 'v9' is not one of"),
+        ({"users": [{"name": "alice", "user": {"exec": {"command": "x", "apiVersion": V1}}}]},
+         None, "users[alice].user.exec.interactiveMode: required by " + V1),
+        ({"users": [{"name": "alice", "user": {"token": "t", "exec": {
+            "command": "x", "apiVersion": V1BETA1}}}]}, None,
+         "users[alice].user: exec and token/tokenFile are both set"),
+    ],
+)  # fmt: skip
+def test_errors_name_the_field(change: dict[str, Any], context: str | None, message: str) -> None:
+    with pytest.raises(KubeconfigError) as err:
+        parse(doc(**change), Path("/k"), context=context)
+    assert message in str(err.value)
+
+
+def test_exec_config_command_resolution_env_and_defaults() -> None:
+    exec_raw = {"apiVersion": V1BETA1, "command": "./bin/get-token", "args": ["--x", "y z"],
+                "env": [{"name": "A", "value": "1"}], "installHint": "install it",
+                "provideClusterInfo": True}  # fmt: skip
+    users = [{"name": "alice", "user": {"exec": exec_raw}}]
+    ctx = parse(doc(users=users), Path("/etc/kube"))
+    ex = ctx.user.exec
+    assert ex is not None
+    assert ex.command == "/etc/kube/bin/get-token"  # a path: against the kubeconfig's folder
+    assert ex.args == ("--x", "y z")
+    assert ex.env == (("A", "1"),)
+    assert ex.interactive_mode == "IfAvailable"  # v1beta1's default
+    assert ex.provide_cluster_info
+    bare = parse(
+        doc(
+            users=[
+                {
+                    "name": "alice",
+                    "user": {
+                        "exec": {"apiVersion": V1, "command": "aws", "interactiveMode": "Never"}
+                    },
+                }
+            ]
+        ),
+        Path("/etc/kube"),
+    )
+    assert bare.user.exec is not None and bare.user.exec.command == "aws"  # looked up in PATH
+
+
+def test_exec_info_carries_the_cluster_only_when_asked() -> None:
+    cluster = Cluster(server="https://one:6443", insecure_skip_tls_verify=True,
+                      disable_compression=True, exec_config={"audience": "x"})  # fmt: skip
+    plain = exec_info(ExecConfig(command="x", api_version=V1), cluster, b"CA")
+    assert plain == {"apiVersion": V1, "kind": "ExecCredential", "spec": {"interactive": False}}
+    full = exec_info(ExecConfig(command="x", api_version=V1, provide_cluster_info=True),
+                     cluster, b"CA")  # fmt: skip
+    assert full["spec"]["cluster"] == {
+        "server": "https://one:6443",
+        "insecure-skip-tls-verify": True,
+        "certificate-authority-data": base64.b64encode(b"CA").decode(),
+        "disable-compression": True,
+        "config": {"audience": "x"},
+    }
+
+
+def credential(status: Any, api_version: str = V1) -> bytes:
+    return json.dumps({"apiVersion": api_version, "kind": "ExecCredential",
+                       "status": status}).encode()  # fmt: skip
+
+
+def test_parse_credential() -> None:
+    cfg = ExecConfig(command="plug", api_version=V1)
+    cred = parse_credential(
+        credential({"token": "t", "expirationTimestamp": "2030-01-02T03:04:05Z"}), cfg
+    )
+    assert cred.token == "t"
+    assert cred.expires == datetime.datetime(2030, 1, 2, 3, 4, 5, tzinfo=datetime.UTC)
+    pair = parse_credential(credential({"clientCertificateData": "C", "clientKeyData": "K"}), cfg)
+    assert (pair.token, pair.cert, pair.key, pair.expires) == (None, b"C", b"K", None)
+    for raw, message in [
+        (b"not json", "stdout is not JSON"),
+        (credential({"token": "t"}, V1BETA1), "answered apiVersion"),
+        (credential(None), "has no status"),
+        (credential({}), "no token"),
+        (credential({"clientKeyData": "K"}), "only one of"),
+        (credential({"token": "t", "expirationTimestamp": "soon"}), "not an RFC 3339 time"),
+    ]:
+        with pytest.raises(ExecPluginError, match=message):
+            parse_credential(raw, cfg)
+
+
+# -- the exec credential cache, with a real plugin process ----------------------------------------
+
+PLUGIN = """#!{python}
+import json, os, sys
+count = os.environ["COUNT_FILE"]
+n = int(open(count).read()) + 1 if os.path.exists(count) else 1
+open(count, "w").write(str(n))
+info = json.loads(os.environ["KUBERNETES_EXEC_INFO"])
+if sys.stdin.read(1):
+    sys.exit("stdin should be empty")
+print(json.dumps({{"apiVersion": info["apiVersion"], "kind": "ExecCredential",
+                  "status": {{"token": f"token-{{n}}-" + sys.argv[1],
+                             "expirationTimestamp": "2030-01-01T00:00:00Z"}}}}))
+"""
+
+
+def plugin_kubeconfig(tmp_path: Path) -> Path:
+    script = tmp_path / "bin" / "plugin"
+    script.parent.mkdir()
+    script.write_text(PLUGIN.format(python=sys.executable))
+    script.chmod(0o755)
+    count = {"name": "COUNT_FILE", "value": str(tmp_path / "count")}
+    exec_raw = {"apiVersion": V1, "command": "bin/plugin", "args": ["arg"],
+                "interactiveMode": "Never", "env": [count]}  # fmt: skip
+    config = doc(
+        clusters=[{"name": "one", "cluster": {"server": "https://one:6443"}}],
+        users=[{"name": "alice", "user": {"exec": exec_raw}}],
+    )
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_exec_credential_is_cached_until_expiry_and_rerun_after_it_and_after_401(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    now = [datetime.datetime(2029, 12, 31, 23, 0, tzinfo=datetime.UTC)]
+    creds = from_kubeconfig(plugin_kubeconfig(tmp_path))
+    monkeypatch.setattr(creds, "_clock", lambda: now[0])
+
+    async def scenario() -> list[str | None]:
+        tokens = []
+        first = await creds.auth()
+        tokens.append(first.token)
+        tokens.append((await creds.auth()).token)  # cached
+        now[0] = datetime.datetime(2030, 1, 1, 0, 0, 1, tzinfo=datetime.UTC)  # past expiry
+        second = await creds.auth()
+        tokens.append(second.token)
+        now[0] = datetime.datetime(2029, 12, 31, 23, 30, tzinfo=datetime.UTC)  # a fake clock
+        creds.invalidate(first)  # a stale 401: the credential was already replaced
+        tokens.append((await creds.auth()).token)
+        creds.invalidate(second)  # 401 to the current credential: run again
+        tokens.append((await creds.auth()).token)
+        return tokens
+
+    tokens = asyncio.run(scenario())
+    assert tokens == ["token-1-arg", "token-1-arg", "token-2-arg", "token-2-arg", "token-3-arg"]
+    assert creds.exec_runs == 3
+    assert first_auth_header(creds) == {"Authorization": "Bearer token-3-arg"}
+
+
+def first_auth_header(creds: Credentials) -> dict[str, str]:
+    return asyncio.run(creds.auth()).headers()
+
+
+def test_exec_plugin_missing_gives_the_install_hint(tmp_path: Path) -> None:
+    config = doc(users=[{"name": "alice", "user": {"exec": {
+        "apiVersion": V1, "command": "/nonexistent/kpx-plugin", "interactiveMode": "Never",
+        "installHint": "get it from example.org"}}}],
+        clusters=[{"name": "one", "cluster": {"server": "https://one"}}])  # fmt: skip
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    creds = from_kubeconfig(path)
+    with pytest.raises(ExecPluginError, match=r"exec\.command: cannot run .*get it from example"):
+        asyncio.run(creds.auth())
+
+
+# -- key material ----------------------------------------------------------------------------------
+
+
+def _files_holding(needle: bytes, roots: list[Path]) -> list[Path]:
+    found = []
+    for root in roots:
+        for folder, _, names in os.walk(root):
+            for name in names:
+                path = Path(folder) / name
+                try:
+                    if path.is_file() and needle in path.read_bytes():
+                        found.append(path)
+                except OSError:
+                    continue
+    return found
+
+
+def config(user: dict[str, Any], cluster: dict[str, Any]) -> dict[str, Any]:
+    users = [{"name": "alice", "user": user}]
+    return doc(users=users, clusters=[{"name": "one", "cluster": cluster}])
+
+
+def test_key_data_is_loaded_without_a_file(tmp_path: Path) -> None:
+    """client-key-data reaches the SSL context; no file with the key exists afterwards, and
+    the process holds no descriptor to one (the memfd is closed once loaded)."""
+    ca = CertificateAuthority(tmp_path / "pki")
+    pair = ca.issue("client", "alice")
+    key = pair.key.read_bytes()
+    user = {"client-certificate-data": base64.b64encode(pair.cert.read_bytes()).decode(),
+            "client-key-data": base64.b64encode(key).decode()}  # fmt: skip
+    ca_data = base64.b64encode(ca.pair.cert.read_bytes()).decode()
+    cluster = {"server": "https://one", "certificate-authority-data": ca_data}
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config(user, cluster)))
+    pair.key.unlink()  # the only file holding the key is gone: the kubeconfig has it in base64
+    fds_before = set(os.listdir("/proc/self/fd"))
+    creds = from_kubeconfig(path)
+    assert creds.ssl_context.cert_store_stats()["x509_ca"] == 1
+    assert set(os.listdir("/proc/self/fd")) <= fds_before
+    assert _files_holding(key, [tmp_path, Path(tempfile.gettempdir())]) == []
+    # The pair really was loaded: a wrong key for the certificate is refused, naming the context.
+    other = ca.issue("other", "bob").key.read_bytes()
+    user["client-key-data"] = base64.b64encode(other).decode()
+    path.write_text(yaml.safe_dump(config(user, cluster)))
+    with pytest.raises(KubeconfigError, match=r"context a: .*client key pair is unusable"):
+        from_kubeconfig(path)
