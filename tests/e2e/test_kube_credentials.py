@@ -1,0 +1,296 @@
+"""Credentials against a real apiserver: the agent's client, the operator's ApiServer and the
+operator's kopf login authenticate through an exec credential plugin (re-run after its
+credential expires and after a 401), and a kubeconfig with client-key-data leaves no file with
+the key behind.
+
+The plugin is a small script that prints an ExecCredential holding a ServiceAccount token from
+the apiserver's TokenRequest API (`kubectl create token`), and counts its runs in a file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kpx_agent.kube_api import ApiError, KubeClient
+from kpx_cluster.controlplane import Cluster
+from kpx_kube import from_kubeconfig
+from kpx_operator.apiserver import ApiError as OperatorApiError
+from kpx_operator.apiserver import ApiServer
+from kpx_operator.handlers import login_handler
+
+pytestmark = pytest.mark.e2e
+
+SA = "kpx-exec-plugin-test"
+NS = "default"
+SERVICES = "/api/v1/namespaces/default/services"
+
+PLUGIN = """#!{python}
+import datetime, json, os, sys
+runs = os.environ["RUNS_FILE"]
+n = int(open(runs).read()) + 1 if os.path.exists(runs) else 1
+open(runs, "w").write(str(n))
+info = json.loads(os.environ["KUBERNETES_EXEC_INFO"])
+open(os.environ["INFO_FILE"], "w").write(json.dumps(info))
+token = open(os.environ["TOKEN_FILE"]).read().strip()
+if n == 1 and os.environ.get("FIRST_TOKEN_BAD"):
+    token = "not-a-token"
+expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(
+    seconds=float(os.environ["LIFETIME"]))
+print(json.dumps({{"apiVersion": info["apiVersion"], "kind": "ExecCredential", "status": {{
+    "token": token, "expirationTimestamp": expires.strftime("%Y-%m-%dT%H:%M:%SZ")}}}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def sa_token(cluster: Cluster) -> Iterator[str]:
+    """A token of a ServiceAccount that may read Services (TokenRequest API)."""
+    cluster.kubectl("-n", NS, "create", "serviceaccount", SA)
+    cluster.kubectl("create", "clusterrole", SA, "--verb=get,list,watch",
+                    "--resource=services,configmaps")  # fmt: skip
+    cluster.kubectl("create", "clusterrolebinding", SA, f"--clusterrole={SA}",
+                    f"--serviceaccount={NS}:{SA}")  # fmt: skip
+    try:
+        yield cluster.kubectl("-n", NS, "create", "token", SA, "--duration=20m").stdout.strip()
+    finally:
+        cluster.kubectl("delete", "clusterrolebinding,clusterrole", SA, "--ignore-not-found",
+                        check=False)  # fmt: skip
+        cluster.kubectl("-n", NS, "delete", "serviceaccount", SA, "--ignore-not-found",
+                        check=False)  # fmt: skip
+
+
+@dataclass
+class Plugin:
+    kubeconfig: Path
+    runs_file: Path
+    info_file: Path
+
+    @property
+    def runs(self) -> int:
+        return int(self.runs_file.read_text()) if self.runs_file.exists() else 0
+
+    @property
+    def info(self) -> dict[str, object]:
+        return dict(json.loads(self.info_file.read_text()))
+
+
+def plugin_kubeconfig(
+    cluster: Cluster, tmp_path: Path, token: str, lifetime: float, first_token_bad: bool = False
+) -> Plugin:
+    """A kubeconfig whose user is the exec plugin (v1, relative command, provideClusterInfo)."""
+    script = tmp_path / "plugins" / "sa-token"
+    script.parent.mkdir()
+    script.write_text(PLUGIN.format(python=sys.executable))
+    script.chmod(0o755)
+    (tmp_path / "token").write_text(token)
+    env = {"RUNS_FILE": tmp_path / "runs", "INFO_FILE": tmp_path / "info",
+           "TOKEN_FILE": tmp_path / "token", "LIFETIME": lifetime}  # fmt: skip
+    if first_token_bad:
+        env["FIRST_TOKEN_BAD"] = "1"
+    exec_ = {
+        "apiVersion": "client.authentication.k8s.io/v1",
+        "command": "./plugins/sa-token",
+        "env": [{"name": k, "value": str(v)} for k, v in env.items()],
+        "interactiveMode": "Never",
+        "provideClusterInfo": True,
+    }
+    cluster_entry = {"server": cluster.server, "certificate-authority": str(cluster.ca_file)}
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "c", "cluster": cluster_entry}],
+        "users": [{"name": "u", "user": {"exec": exec_}}],
+        "contexts": [{"name": "x", "context": {"cluster": "c", "user": "u"}}],
+        "current-context": "x",
+    }
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return Plugin(path, tmp_path / "runs", tmp_path / "info")
+
+
+def test_agent_client_authenticates_through_the_exec_plugin_and_reruns_it_after_expiry(
+    cluster: Cluster, tmp_path: Path, sa_token: str
+) -> None:
+    plugin = plugin_kubeconfig(cluster, tmp_path, sa_token, lifetime=3)
+
+    async def scenario() -> None:
+        client = KubeClient(from_kubeconfig(plugin.kubeconfig))
+        try:
+            first = await client.list("services", SERVICES, {})
+            assert any(s["metadata"]["name"] == "kubernetes" for s in first["items"])
+            await client.list("services", SERVICES, {})
+            assert plugin.runs == 1  # cached until its expirationTimestamp
+            spec = plugin.info["spec"]
+            assert isinstance(spec, dict)
+            assert spec["interactive"] is False
+            assert spec["cluster"]["server"] == cluster.server  # provideClusterInfo
+            await asyncio.sleep(4)  # past the credential's expiry (whole seconds, RFC 3339)
+            async for event in client.watch("services", SERVICES, {"timeoutSeconds": "1"}):
+                assert event["type"] == "ADDED"
+            assert plugin.runs == 2
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_401_makes_the_agent_client_run_the_plugin_again(
+    cluster: Cluster, tmp_path: Path, sa_token: str
+) -> None:
+    plugin = plugin_kubeconfig(cluster, tmp_path, sa_token, lifetime=600, first_token_bad=True)
+
+    async def scenario() -> None:
+        client = KubeClient(from_kubeconfig(plugin.kubeconfig))
+        try:
+            with pytest.raises(ApiError) as refused:
+                await client.list("services", SERVICES, {})
+            assert refused.value.status == 401
+            await client.list("services", SERVICES, {})  # the reflector's retry
+            assert plugin.runs == 2
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_operator_apiserver_authenticates_through_the_exec_plugin(
+    cluster: Cluster, tmp_path: Path, sa_token: str
+) -> None:
+    plugin = plugin_kubeconfig(cluster, tmp_path, sa_token, lifetime=3, first_token_bad=True)
+
+    async def scenario() -> None:
+        api = ApiServer(from_kubeconfig(plugin.kubeconfig))
+        try:
+            with pytest.raises(OperatorApiError) as refused:
+                await api.get("ConfigMap", "kube-root-ca.crt", NS)
+            assert refused.value.status == 401
+            found = await api.get("ConfigMap", "kube-root-ca.crt", NS)
+            assert found is not None and plugin.runs == 2
+            await api.get("ConfigMap", "kube-root-ca.crt", NS)
+            assert plugin.runs == 2
+            await asyncio.sleep(4)
+            assert await api.get("ConfigMap", "kube-root-ca.crt", NS) is not None
+            assert plugin.runs == 3
+        finally:
+            await api.close()
+
+    asyncio.run(scenario())
+
+
+def test_kopf_login_gets_the_exec_token_with_its_expiry(
+    cluster: Cluster, tmp_path: Path, sa_token: str
+) -> None:
+    """What kopf receives: a session that authenticates as the plugin's ServiceAccount and the
+    credential's expiry (kopf logs in again after it); a second login (kopf's reaction to a
+    401) runs the plugin again."""
+    plugin = plugin_kubeconfig(cluster, tmp_path, sa_token, lifetime=600)
+    login = login_handler(from_kubeconfig(plugin.kubeconfig), "kpx-system")
+
+    async def scenario() -> None:
+        info = await login()
+        assert info.server == cluster.server and info.default_namespace == "kpx-system"
+        assert info.expiration is not None
+        left = info.expiration - datetime.datetime.now(datetime.UTC)
+        assert datetime.timedelta(seconds=500) < left < datetime.timedelta(seconds=601)
+        try:
+            async with info.aiohttp_session.get(f"{cluster.server}/api/v1/services") as resp:
+                assert resp.status == 200, await resp.text()
+            async with info.aiohttp_session.get(f"{cluster.server}/api/v1/secrets") as resp:
+                assert resp.status == 403  # really the ServiceAccount (its role has no secrets)
+                assert f"system:serviceaccount:{NS}:{SA}" in await resp.text()
+        finally:
+            await info.aiohttp_session.close()
+        again = await login()
+        await again.aiohttp_session.close()
+        assert plugin.runs == 2
+
+    asyncio.run(scenario())
+
+
+# -- client-key-data: no key file --------------------------------------------------------------
+
+
+def _files_holding(needle: bytes, root: Path) -> list[str]:
+    found = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            try:
+                if os.path.isfile(path) and os.path.getsize(path) < 1 << 20:
+                    with open(path, "rb") as handle:
+                        if needle in handle.read():
+                            found.append(path)
+            except OSError:
+                continue
+    return found
+
+
+def _open_files_holding(needle: bytes) -> list[str]:
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        link = f"/proc/self/fd/{fd}"
+        try:
+            target = os.readlink(link)
+            if "memfd:" in target:
+                found.append(target)  # an anonymous file left open
+                continue
+            if os.path.isfile(link):
+                with open(link, "rb") as handle:
+                    if needle in handle.read(1 << 20):
+                        found.append(target)
+        except OSError:
+            continue
+    return found
+
+
+def test_client_key_data_leaves_no_key_file(cluster: Cluster, tmp_path: Path) -> None:
+    """The admin's key, given inline, authenticates the agent client, the operator's ApiServer
+    and the kopf login; afterwards no file in /tmp (nor this test's folder) holds it, and the
+    process holds no descriptor to a file with it."""
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    user = admin["users"][0]["user"]
+    key = Path(user["client-key"]).read_bytes()
+    cert = Path(user["client-certificate"]).read_bytes()
+    inline = {
+        "client-certificate-data": base64.b64encode(cert).decode(),
+        "client-key-data": base64.b64encode(key).decode(),
+    }
+    admin["users"][0]["user"] = inline
+    ca = admin["clusters"][0]["cluster"].pop("certificate-authority")
+    ca_data = base64.b64encode(Path(ca).read_bytes()).decode()
+    admin["clusters"][0]["cluster"]["certificate-authority-data"] = ca_data
+    path = tmp_path / "inline.kubeconfig"
+    path.write_text(yaml.safe_dump(admin))
+    started = time.time()
+
+    async def scenario() -> None:
+        creds = from_kubeconfig(path)
+        client, api = KubeClient(creds), ApiServer(creds)
+        info = await login_handler(creds, "kpx-system")()
+        try:
+            assert (await client.list("nodes", "/api/v1/nodes", {}))["kind"] == "NodeList"
+            assert await api.get("ConfigMap", "kube-root-ca.crt", NS) is not None
+            async with info.aiohttp_session.get(f"{cluster.server}/api/v1/secrets") as resp:
+                assert resp.status == 200  # the admin's certificate was presented
+            assert _open_files_holding(key) == []
+        finally:
+            await client.close()
+            await api.close()
+            await info.aiohttp_session.close()
+
+    asyncio.run(scenario())
+    assert _files_holding(key, Path(tempfile.gettempdir())) == []
+    assert _files_holding(key, tmp_path) == []
+    assert started  # the scan covers everything written since
