@@ -90,6 +90,8 @@ class Agent:
             self.metrics.watch_bytes.labels(resource).set(count)
         for resource, count in self.client.objects_received.items():
             self.metrics.watch_objects.labels(resource).set(count)
+        for resource, count in self.client.watch_idle_timeouts.items():
+            self.metrics.watch_idle_timeouts.labels(resource).set(count)
         element_count = getattr(self.backend, "element_count", None)
         if element_count is not None:
             self.metrics.kernel_elements.set(element_count())

@@ -84,6 +84,12 @@ class AgentMetrics:
             ["resource"],
             registry=r,
         )
+        self.watch_idle_timeouts = Gauge(
+            "kpx_watch_idle_timeouts",
+            "Watches dropped after receiving nothing for the idle timeout (then resumed)",
+            ["resource"],
+            registry=r,
+        )
         self.excluded_namespaces = Gauge(
             "kpx_opted_out_namespaces", "Namespaces not proxied (opt-out)", registry=r
         )
