@@ -119,6 +119,9 @@ def _read(material: Material | None) -> bytes | None:
 
 def from_kubeconfig(path: Path, context: str | None = None) -> Credentials:
     """The credentials of `context` (default: the current context) of a kubeconfig file."""
+    if os.pathsep in str(path):  # $KUBECONFIG may list files, which client-go merges
+        raise KubeconfigError(f"{path}: several kubeconfig files; merging them is not "
+                              "supported: give one")  # fmt: skip
     path = Path(path).expanduser()
     try:
         doc = yaml.safe_load(path.read_text())

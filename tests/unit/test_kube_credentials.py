@@ -119,6 +119,18 @@ def test_errors_name_the_field(change: dict[str, Any], context: str | None, mess
     assert message in str(err.value)
 
 
+def test_unreadable_and_merged_kubeconfigs_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(KubeconfigError, match="several kubeconfig files"):
+        from_kubeconfig(Path(f"{tmp_path}/a:{tmp_path}/b"))
+    with pytest.raises(KubeconfigError, match="No such file"):
+        from_kubeconfig(tmp_path / "missing")
+    (tmp_path / "ca.yaml").write_text(yaml.safe_dump(doc()))
+    with pytest.raises(
+        KubeconfigError, match=r"clusters\[one\]\.cluster\.certificate-authority: cannot read"
+    ):
+        from_kubeconfig(tmp_path / "ca.yaml")
+
+
 def test_exec_config_command_resolution_env_and_defaults() -> None:
     exec_raw = {"apiVersion": V1BETA1, "command": "./bin/get-token", "args": ["--x", "y z"],
                 "env": [{"name": "A", "value": "1"}], "installHint": "install it",
