@@ -17,10 +17,11 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import kopf
 import pytest
 import yaml
 
@@ -29,6 +30,7 @@ from kpx_cluster.controlplane import Cluster
 from kpx_kube import from_kubeconfig
 from kpx_operator.apiserver import ApiError as OperatorApiError
 from kpx_operator.apiserver import ApiServer
+from kpx_operator.cli import operator_settings
 from kpx_operator.handlers import login_handler
 
 pytestmark = pytest.mark.e2e
@@ -294,3 +296,56 @@ def test_client_key_data_leaves_no_key_file(cluster: Cluster, tmp_path: Path) ->
     assert _files_holding(key, Path(tempfile.gettempdir())) == []
     assert _files_holding(key, tmp_path) == []
     assert started  # the scan covers everything written since
+
+
+def test_kopf_runs_on_the_exec_token_and_logs_in_again_when_it_expires(
+    cluster: Cluster, tmp_path: Path, sa_token: str
+) -> None:
+    """kopf itself (the operator's settings, the operator's login handler) watches ConfigMaps
+    with the plugin's token; once the credential's expirationTimestamp has passed, kopf's next
+    request (here: its watch, renewed every 2 s) logs in again (the plugin runs again), and
+    events keep coming."""
+    plugin = plugin_kubeconfig(cluster, tmp_path, sa_token, lifetime=3)
+    registry = kopf.OperatorRegistry()
+    kopf.on.login(registry=registry)(login_handler(from_kubeconfig(plugin.kubeconfig), NS))
+    seen: set[str] = set()
+
+    @kopf.on.event("configmaps", registry=registry)
+    def record(name: str, **_: object) -> None:
+        seen.add(name)
+
+    def configmap(name: str) -> None:
+        cluster.kubectl("-n", NS, "create", "configmap", name, "--from-literal=k=v")
+
+    async def scenario() -> None:
+        stop = asyncio.Event()
+        settings = operator_settings()
+        settings.posting.enabled = False
+        settings.watching.server_timeout = 2
+        task = asyncio.create_task(kopf.operator(registry=registry, settings=settings,
+                                                 clusterwide=True, stop_flag=stop))  # fmt: skip
+        try:
+            await wait_for(lambda: "kube-root-ca.crt" in seen, 20, "kopf's first events")
+            await asyncio.to_thread(configmap, "kpx-exec-kopf-1")
+            await wait_for(lambda: "kpx-exec-kopf-1" in seen, 10, "a new ConfigMap")
+            await wait_for(lambda: plugin.runs >= 2, 15, "a login after the expiry")
+            await asyncio.to_thread(configmap, "kpx-exec-kopf-2")
+            await wait_for(lambda: "kpx-exec-kopf-2" in seen, 10, "a ConfigMap after it")
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 20)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for name in ("kpx-exec-kopf-1", "kpx-exec-kopf-2"):
+            cluster.kubectl("-n", NS, "delete", "configmap", name, "--ignore-not-found",
+                            check=False)  # fmt: skip
+
+
+async def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        await asyncio.sleep(0.1)
