@@ -183,3 +183,42 @@ def test_compression_follows_the_kubeconfig(
     asyncio.run(list_once(plain))
     encodings = [r.getMessage().split("(")[1].split(")")[0] for r in caplog.records]
     assert encodings == ["gzip", "identity"], encodings
+
+
+def test_a_silent_watch_is_resumed_without_a_relist(cluster: Cluster, kube: Kube) -> None:
+    """A watch on a resource nobody writes hears nothing (no bookmark either: the apiserver
+    sends one only once the resourceVersion moved past the watch's); each idle timeout drops
+    it and it resumes from its last resourceVersion: no list again, and a later change arrives."""
+    ns = kube.create_namespace(prefix="idle")
+    names = Names()
+
+    async def scenario() -> tuple[int, int]:
+        client = KubeClient(from_kubeconfig(cluster.kubeconfig), watch_idle_timeout=1.0)
+        resource = Resource("configmaps", f"/api/v1/namespaces/{ns}/configmaps")
+        reflector = Reflector(client, resource, names)
+        task = asyncio.create_task(reflector.run())
+        try:
+            await asyncio.wait_for(reflector.synced.wait(), 10)
+            await asyncio.sleep(3.5)  # three idle timeouts
+            await asyncio.to_thread(
+                kube.apply,
+                {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "late",
+                                                                       "namespace": ns}},
+            )  # fmt: skip
+            for _ in range(50):
+                if "late" in names.names:
+                    break
+                await asyncio.sleep(0.1)
+            return reflector.lists, client.watch_idle_timeouts["configmaps"]
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await client.close()
+
+    try:
+        lists, idle = asyncio.run(scenario())
+    finally:
+        kube.delete("namespace", ns)
+    assert "late" in names.names
+    assert idle >= 3
+    assert lists == 1

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from kpx_cluster.pki import CertificateAuthority
-from kpx_kube import KubeconfigError, from_kubeconfig
+from kpx_kube import KubeconfigError, from_kubeconfig, in_cluster
 from kpx_kube.credentials import Credentials
 from kpx_kube.exec_plugin import ExecPluginError, exec_info, parse_credential
 from kpx_kube.kubeconfig import Cluster, ExecConfig, parse
@@ -200,6 +200,36 @@ def test_parse_credential() -> None:
     ]:
         with pytest.raises(ExecPluginError, match=message):
             parse_credential(raw, cfg)
+
+
+def test_token_file_is_read_again_for_each_request(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("one\n")
+    users = [{"name": "alice", "user": {"tokenFile": "token"}}]  # relative to the kubeconfig
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(doc(users=users, clusters=[
+        {"name": "one", "cluster": {"server": "https://one"}}])))  # fmt: skip
+    creds = from_kubeconfig(path)
+    assert asyncio.run(creds.auth()).headers() == {"Authorization": "Bearer one"}
+    token.write_text("two")
+    assert asyncio.run(creds.auth()).token == "two"
+
+
+def test_in_cluster_reads_the_projected_token_again(tmp_path: Path) -> None:
+    ca = CertificateAuthority(tmp_path / "pki")
+    (tmp_path / "sa").mkdir()
+    (tmp_path / "sa" / "ca.crt").write_bytes(ca.pair.cert.read_bytes())
+    (tmp_path / "sa" / "token").write_text("first")
+    env = {"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "6443",
+           "KPX_SERVICEACCOUNT_DIR": str(tmp_path / "sa")}  # fmt: skip
+    creds = in_cluster(env)
+    assert creds.server == "https://[fd00::1]:6443"
+    assert creds.ssl_context.cert_store_stats()["x509_ca"] == 1
+    assert asyncio.run(creds.auth()).token == "first"
+    (tmp_path / "sa" / "token").write_text("rotated")
+    assert asyncio.run(creds.auth()).token == "rotated"
+    with pytest.raises(KubeconfigError, match="not in a cluster"):
+        in_cluster({})
 
 
 # -- the exec credential cache, with a real plugin process ----------------------------------------
