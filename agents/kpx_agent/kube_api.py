@@ -16,7 +16,8 @@ from typing import Any
 import aiohttp
 import orjson
 
-from kpx_kube import Auth, Credentials, from_kubeconfig, in_cluster
+from kpx_kube import Auth, Credentials, KubeconfigError, from_kubeconfig, in_cluster
+from kpx_kube.exec_plugin import ExecPluginError
 from kpx_kube.tcp import socket_factory
 
 from . import collector
@@ -64,6 +65,12 @@ class KubeClient:
             headers["Accept-Encoding"] = "identity"
         return headers
 
+    async def _auth(self) -> Auth:
+        try:
+            return await self.creds.auth()
+        except (OSError, ExecPluginError, KubeconfigError) as exc:  # token file, exec plugin
+            raise ApiError(0, f"credentials: {exc}") from exc
+
     def _refused(self, status: int, body: bytes, auth: Auth) -> ApiError:
         if status == 401:  # an exec plugin's credential is run again for the next request
             self.creds.invalidate(auth)
@@ -88,7 +95,7 @@ class KubeClient:
         url = self.creds.server + path
         timeout = aiohttp.ClientTimeout(total=120)
         started = time.monotonic()
-        auth = await self.creds.auth()
+        auth = await self._auth()
         async with self.session.get(
             url,
             params=dict(params),
@@ -125,7 +132,7 @@ class KubeClient:
         url = self.creds.server + path
         idle = self.watch_idle_timeout
         timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=idle)
-        auth = await self.creds.auth()
+        auth = await self._auth()
         async with self.session.get(
             url,
             params={**params, "watch": "1"},

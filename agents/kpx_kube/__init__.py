@@ -9,6 +9,8 @@ It imports neither the agent nor the operator nor kopf.
 """
 
 from .credentials import Auth, Credentials, from_kubeconfig, in_cluster
+from .exec_plugin import ExecPluginError
 from .kubeconfig import KubeconfigError
 
-__all__ = ["Auth", "Credentials", "KubeconfigError", "from_kubeconfig", "in_cluster"]
+__all__ = ["Auth", "Credentials", "ExecPluginError", "KubeconfigError", "from_kubeconfig",
+           "in_cluster"]  # fmt: skip

@@ -18,7 +18,7 @@ from typing import Any, Final
 import aiohttp
 
 from kpx_api.constants import GROUP, PLURAL, VERSION
-from kpx_kube import Credentials, from_kubeconfig, in_cluster
+from kpx_kube import Credentials, ExecPluginError, KubeconfigError, from_kubeconfig, in_cluster
 from kpx_kube.tcp import socket_factory
 
 from .names import FIELD_MANAGER
@@ -114,7 +114,7 @@ class ApiServer:
         """One request; returns (status, JSON body); raises ApiError unless 2xx."""
         try:
             auth = await self.creds.auth()
-        except (OSError, RuntimeError, ValueError) as exc:  # token file, exec plugin
+        except (OSError, ExecPluginError, KubeconfigError) as exc:  # token file, exec plugin
             raise ApiError(0, "Unauthenticated", f"{method} {path}: credentials: {exc}") from exc
         headers = {"Accept": "application/json", "User-Agent": FIELD_MANAGER, **auth.headers()}
         data = None

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kpx_agent.kube_api import ApiError, KubeClient
 from kpx_cluster.pki import CertificateAuthority
 from kpx_kube import KubeconfigError, from_kubeconfig, in_cluster
 from kpx_kube.credentials import Credentials
@@ -307,6 +308,17 @@ def test_exec_plugin_missing_gives_the_install_hint(tmp_path: Path) -> None:
     creds = from_kubeconfig(path)
     with pytest.raises(ExecPluginError, match=r"exec\.command: cannot run .*get it from example"):
         asyncio.run(creds.auth())
+
+    async def agent_list() -> None:  # the agent's reflector retries an ApiError with backoff
+        client = KubeClient(creds)
+        try:
+            await client.list("services", "/api/v1/services", {})
+        finally:
+            await client.close()
+
+    with pytest.raises(ApiError, match=r"credentials: .*cannot run") as err:
+        asyncio.run(agent_list())
+    assert err.value.status == 0
 
 
 # -- key material ----------------------------------------------------------------------------------
