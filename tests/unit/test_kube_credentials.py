@@ -367,3 +367,19 @@ def test_key_data_is_loaded_without_a_file(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(config(user, cluster)))
     with pytest.raises(KubeconfigError, match=r"context a: .*client key pair is unusable"):
         from_kubeconfig(path)
+
+
+def test_apiserver_sockets_carry_bounded_keepalive() -> None:
+    import socket
+
+    from kpx_kube import tcp
+
+    sock = tcp.socket_factory((socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ()))
+    try:
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 30
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == 10
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 3
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 60_000
+    finally:
+        sock.close()
