@@ -324,6 +324,13 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
                         n for n in source_ranges if n.version == family
                     ),
                     health_check_node_port=hc_port,
+                    short_circuit_endpoints=(
+                        ()
+                        if not etp_local
+                        else cluster_eps
+                        if not itp_local
+                        else tuple([c.endpoint for c in usable_all])
+                    ),
                 )
             )
     return result
