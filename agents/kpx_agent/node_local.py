@@ -318,7 +318,9 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
                     external_endpoints=external_eps,
                     external_masquerade=not etp_local,
                     drop_when_no_cluster_endpoints=itp_local,
-                    drop_when_no_external_endpoints=etp_local,
+                    # Drop, not reject, only while the Service has endpoints elsewhere
+                    # (upstream: with none at all, external traffic is rejected too).
+                    drop_when_no_external_endpoints=etp_local and bool(usable_all),
                     affinity_timeout=affinity,
                     load_balancer_source_ranges=tuple(
                         n for n in source_ranges if n.version == family

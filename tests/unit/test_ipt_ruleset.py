@@ -381,3 +381,28 @@ def test_create_gives_an_iptables_backend() -> None:
     backend = create(SETTINGS)
     assert backend.mode == "iptables" and backend.settings is SETTINGS
     assert backend.element_count() == 0
+
+
+def test_short_circuit_with_both_policies_local_has_a_chain_of_its_own() -> None:
+    """internalTrafficPolicy and externalTrafficPolicy Local, no local endpoint: cluster IPs
+    drop, external traffic drops, and local pods and the node itself are sent to every
+    cluster endpoint by a KPX-SHORT chain (the SVC chain would hold local endpoints only)."""
+    remote = endpoints("10.244.2.2")
+    sp = ServicePort(key("both"), 80, cluster_ips=(IP.of("10.96.0.40"),), node_port=30090,
+                     load_balancer_ips=(IP.of("192.0.2.40"),), short_circuit_endpoints=remote,
+                     external_masquerade=False, drop_when_no_cluster_endpoints=True,
+                     drop_when_no_external_endpoints=True)  # fmt: skip
+    rules = port_rules(sp, SETTINGS, LOCAL)
+    short, ext = n.short_chain(sp.key), n.ext_chain(sp.key)
+    assert set(rules.own) == {("nat", short), ("nat", ext)}
+    assert rules.own[("nat", short)] == ("-p tcp -j DNAT --to-destination 10.244.2.2:8080",)
+    assert rules.own[("nat", ext)] == (
+        f"-s 10.244.0.0/16 -j {short}",
+        f"-m addrtype --src-type LOCAL -j {n.MARK_MASQ}",
+        f"-m addrtype --src-type LOCAL -j {short}",
+    )
+    assert len(short) <= n.MAX_CHAIN_NAME
+    reject = rules.shared[("filter", n.REJECT)]
+    assert [r.rsplit(" -j ", 1)[1] for r in reject] == ["DROP", "DROP"]  # cluster IP, LB IP
+    assert rules.shared[("filter", n.NODEPORTS_REJECT)][0].endswith("--dport 30090 -j DROP")
+    assert rules.shared[("nat", n.NODEPORTS)][0].endswith(f"--dport 30090 -j {ext}")
