@@ -93,7 +93,8 @@ def nodeport_networks(
     the configured nodePortAddresses networks; else the node's own addresses of that family
     ("primary", as upstream: none of that family means no NodePorts in it); else, while the
     Node's addresses are not known at all, None: every local address except loopback
-    (NodePorts on 127.0.0.1 would need route_localnet: left out on purpose)."""
+    (NodePorts on 127.0.0.1 need route_localnet: only the iptables backend adds them, with
+    localhostNodePorts, as upstream)."""
     if settings.node_port_networks:
         return tuple(net for net in settings.node_port_networks if net.version == family)
     if not node.addresses:
