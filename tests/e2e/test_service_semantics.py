@@ -368,9 +368,10 @@ def etp_service(ns: str, policy: str, extra: dict[str, Any] | None = None) -> Ob
 
 
 def outside_host(env: AgentEnv) -> Node:
-    """A host on the fabric that is neither a node of the cluster nor a pod (node netns n3,
-    no agent, no pods), routing the load-balancer ranges via n1: external traffic."""
-    host = env.topology.nodes.get("n3") or env.topology.add_node("n3")
+    """A host on the fabric that is neither a node of the cluster nor a pod (a node netns
+    `outside`, no Node object, no agent, no pods), routing the load-balancer ranges via n1:
+    external traffic."""
+    host = env.topology.nodes.get("outside") or env.topology.add_node("outside")
     for net, via in ((LB_V4_NET, env.n1.ipv4), (LB_V6_NET, env.n1.ipv6)):
         env.topology.exec(host, ["ip", "route", "replace", net, "via", via], check=True)
     return host
