@@ -422,6 +422,52 @@ def test_external_traffic_policy_local_drops_external_and_short_circuits_local_t
         assert_sources(result, {n1}, f"ETP Cluster {proto} from outside via n1's NodePort")
 
 
+def test_detect_local_from_the_configuration_file_decides_masquerade_and_short_circuit(
+    env: AgentEnv, agent_ns: str
+) -> None:
+    """detectLocal, changed live in the agents' configuration file, reaches the rules: with
+    InterfaceNamePrefix naming no interface here, the pod on n1's cbr0 is not local any more:
+    its traffic to a cluster IP is masqueraded (b2 sees n1) and its traffic to an
+    externalTrafficPolicy Local load-balancer IP without a local endpoint is dropped (no short
+    circuit); with BridgeInterface cbr0 it is local again."""
+    lb = lb_ips()
+    svc = make_service(env, agent_ns, "dl", on(env, "b2"), families=(4,))
+    env.kube.apply(etp_service(agent_ns, "Local"), *slices(agent_ns, "etp", on(env, "b2")))
+    set_lb_ingress(env, agent_ns, "etp", [lb[4], lb[6]])
+    client, n1, vip = env.client.ipv4, env.n1.ipv4, svc.ip(4)
+
+    def seen(host: str) -> set[str]:
+        result = send(env, host, 80, "tcp", count=3, timeout=0.5)
+        return {src for srcs in result.sources.values() for src in srcs}
+
+    def becomes(host: str, sources: set[str], what: str) -> None:
+        wait_until(
+            lambda: seen(host) == sources,
+            10.0,
+            interval=0.2,
+            message=lambda: f"{what}: b2 saw {seen(host)}, not {sources}\n{diagnostics(env)}",
+        )
+
+    becomes(vip, {client}, "ClusterCIDR: the pod is local")
+    becomes(lb[4], {client}, "ClusterCIDR: the pod is short-circuited")
+    original = env.config.read_text()
+    try:
+        for detect, local in (
+            ({"mode": "InterfaceNamePrefix", "interfaceNamePrefix": "nosuchif"}, False),
+            ({"mode": "BridgeInterface", "bridgeInterface": "cbr0"}, True),
+        ):
+            write_agent_config(env.config, env.mode, extra={"detectLocal": detect})
+            what = f"detectLocal {detect}"
+            becomes(vip, {client} if local else {n1}, what)
+            if local:
+                becomes(lb[4], {client}, what)
+            else:
+                assert_dropped(env, lb[4], 80, "tcp")
+    finally:
+        env.config.write_text(original)
+    becomes(vip, {client}, "ClusterCIDR again")
+
+
 def test_health_check_node_port_reports_local_endpoints(env: AgentEnv, agent_ns: str) -> None:
     """The healthCheckNodePort of a LoadBalancer Service with externalTrafficPolicy Local,
     asked from inside each node: 200 and the local endpoint count where there is one (a
