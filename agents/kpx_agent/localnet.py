@@ -8,6 +8,7 @@ address and port has been parsed, so a backend can render it into a ruleset with
 from __future__ import annotations
 
 import enum
+import re
 import socket
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network
@@ -115,6 +116,11 @@ class ServicePort:
     affinity_timeout: int = 0  # seconds; 0 = no session affinity
     load_balancer_source_ranges: tuple[IPNetwork, ...] = ()
     health_check_node_port: int = 0
+    # externalTrafficPolicy Local only: the endpoints for traffic to the external addresses
+    # (NodePort, external IPs, load-balancer IPs) that comes from a local pod (detectLocal) or
+    # from the node itself: every usable endpoint of the cluster, topology applied but not the
+    # traffic policies (upstream's "short circuit"). Empty with the Cluster policy.
+    short_circuit_endpoints: tuple[Endpoint, ...] = ()
 
     @property
     def family(self) -> int:
@@ -136,6 +142,39 @@ class NodeInfo:
     labels: tuple[tuple[str, str], ...] = ()
 
 
+class DetectLocalMode(enum.StrEnum):
+    """How traffic from this node's pods is told from other traffic (upstream's names)."""
+
+    CLUSTER_CIDR = "ClusterCIDR"  # source in clusterCIDRs
+    NODE_CIDR = "NodeCIDR"  # source in the Node's spec.podCIDRs
+    BRIDGE_INTERFACE = "BridgeInterface"  # arriving on one bridge
+    INTERFACE_NAME_PREFIX = "InterfaceNamePrefix"  # arriving on an interface with a prefix
+
+
+_INTERFACE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,15}")
+
+
+@dataclass(frozen=True, slots=True)
+class DetectLocal:
+    """The detectLocal setting, parsed: the mode and, for the interface modes, the interface
+    name or prefix (checked again here: it is rendered into rules). The networks of the
+    CIDR modes are not here: ClusterCIDR uses ProxySettings.cluster_cidrs, NodeCIDR the
+    Node's pod CIDRs (NodeInfo.pod_cidrs); `kpx_agent.detect_local` combines them."""
+
+    mode: DetectLocalMode = DetectLocalMode.CLUSTER_CIDR
+    interface: str = ""  # bridge name (BridgeInterface) or name prefix (InterfaceNamePrefix)
+
+    def __post_init__(self) -> None:
+        wants_interface = self.mode in (
+            DetectLocalMode.BRIDGE_INTERFACE,
+            DetectLocalMode.INTERFACE_NAME_PREFIX,
+        )
+        if wants_interface != bool(self.interface):
+            raise ValueError(f"detectLocal {self.mode}: interface {self.interface!r}")
+        if self.interface and not _INTERFACE_NAME.fullmatch(self.interface):
+            raise ValueError(f"not an interface name: {self.interface!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class ProxySettings:
     """The part of the agent configuration the backends act on, already parsed."""
@@ -146,6 +185,13 @@ class ProxySettings:
     # Empty: the node's own addresses ("primary"); otherwise NodePorts answer on local
     # addresses inside these networks.
     node_port_networks: tuple[IPNetwork, ...] = ()
+    detect_local: DetectLocal = DetectLocal()
+    # iptables mode: NodePorts also answer on 127.0.0.0/8 (IPv4; needs route_localnet=1).
+    # True only where iptables.localhostNodePorts is true and nodePortAddresses is empty or
+    # holds a network containing 127.0.0.1 (as upstream); always False in other modes.
+    localhost_node_ports: bool = False
+    # conntrack.tcpBeLiberal: then forwarded conntrack-INVALID packets are not dropped.
+    conntrack_tcp_be_liberal: bool = False
 
     @property
     def masquerade_mark(self) -> int:

@@ -93,7 +93,8 @@ def nodeport_networks(
     the configured nodePortAddresses networks; else the node's own addresses of that family
     ("primary", as upstream: none of that family means no NodePorts in it); else, while the
     Node's addresses are not known at all, None: every local address except loopback
-    (NodePorts on 127.0.0.1 would need route_localnet: left out on purpose)."""
+    (NodePorts on 127.0.0.1 need route_localnet: only the iptables backend adds them, with
+    localhostNodePorts, as upstream)."""
     if settings.node_port_networks:
         return tuple(net for net in settings.node_port_networks if net.version == family)
     if not node.addresses:
@@ -318,12 +319,21 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
                     external_endpoints=external_eps,
                     external_masquerade=not etp_local,
                     drop_when_no_cluster_endpoints=itp_local,
-                    drop_when_no_external_endpoints=etp_local,
+                    # Drop, not reject, only while the Service has endpoints elsewhere
+                    # (upstream: with none at all, external traffic is rejected too).
+                    drop_when_no_external_endpoints=etp_local and bool(usable_all),
                     affinity_timeout=affinity,
                     load_balancer_source_ranges=tuple(
                         n for n in source_ranges if n.version == family
                     ),
                     health_check_node_port=hc_port,
+                    short_circuit_endpoints=(
+                        ()
+                        if not etp_local
+                        else cluster_eps
+                        if not itp_local
+                        else tuple([c.endpoint for c in usable_all])
+                    ),
                 )
             )
     return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,7 @@ from kpx_api.durations import parse_duration
 from kpx_api.networks import parse_bind_address, parse_cidr
 from kpx_api.proxysettings import NamespaceOptOut
 
-from .localnet import ProxySettings
+from .localnet import DetectLocal, DetectLocalMode, ProxySettings
 
 
 @dataclass(frozen=True)
@@ -25,9 +26,24 @@ class AgentSettings:
     metrics: tuple[str, int]
 
 
+_LOOPBACK = ipaddress.IPv4Address("127.0.0.1")
+
+
+def _detect_local(config: AgentConfiguration) -> DetectLocal:
+    spec = config.detect_local
+    mode = DetectLocalMode(str(spec.mode))
+    interface = spec.bridge_interface or spec.interface_name_prefix or ""
+    return DetectLocal(mode, interface)
+
+
 def resolve(config: AgentConfiguration) -> AgentSettings:
     block = config.mode_settings()
     nodeport = tuple(parse_cidr(a) for a in config.node_port_addresses if a != "primary")
+    # As upstream: localhost NodePorts only where the NodePort addresses can include
+    # 127.0.0.1 (every local address, or a configured network holding it).
+    localhost_node_ports = bool(getattr(block, "localhost_node_ports", False)) and (
+        not config.node_port_addresses or any(_LOOPBACK in net for net in nodeport)
+    )
     return AgentSettings(
         mode=str(config.mode),
         sync_period=parse_duration(block.sync_period),
@@ -37,6 +53,9 @@ def resolve(config: AgentConfiguration) -> AgentSettings:
             masquerade_all=getattr(block, "masquerade_all", False),
             cluster_cidrs=tuple(parse_cidr(c) for c in config.cluster_cidrs),
             node_port_networks=nodeport,
+            detect_local=_detect_local(config),
+            localhost_node_ports=localhost_node_ports,
+            conntrack_tcp_be_liberal=config.conntrack.tcp_be_liberal,
         ),
         optout=config.namespace_opt_out,
         healthz=parse_bind_address(config.healthz_bind_address),

@@ -463,8 +463,12 @@ class Topology:
         _run_ip(["route", "replace", to.pod_cidr_v4, "via", to.ipv4], on.netns)
         _run_ip(["-6", "route", "replace", to.pod_cidr_v6, "via", to.ipv6], on.netns)
 
-    def add_pod(self, node: Node | str, name: str) -> Pod:
-        """Create pod `name` on `node` with the next free IPv4/IPv6 of the node's pod CIDRs."""
+    def add_pod(self, node: Node | str, name: str, routed: bool = False) -> Pod:
+        """Create pod `name` on `node` with the next free IPv4/IPv6 of the node's pod CIDRs.
+
+        `routed`: instead of a cbr0 port, the pod's veth is routed by the node (as CNIs
+        without a bridge do): the node side is named `<prefix>r<n>` and holds the pod's
+        gateways 169.254.1.1 and fe80::1, the node routes the pod's /32 and /128 to it."""
         with self._lock:
             self._check_open()
             node = self.nodes[node] if isinstance(node, str) else node
@@ -483,7 +487,7 @@ class Topology:
                 netns=f"{self.prefix}-p-{name}",
                 ipv4=str(v4net.network_address + n),
                 ipv6=str(v6net.network_address + n),
-                host_if=f"{self.prefix}p{self._pod_counter}",
+                host_if=f"{self.prefix}{'r' if routed else 'p'}{self._pod_counter}",
             )
             if len(pod.host_if) > IFNAMSIZ:
                 raise TopologyError(f"interface name {pod.host_if} is too long")
@@ -493,6 +497,10 @@ class Topology:
                 ["link", "add", pod.host_if, "type", "veth", "peer", "name", "eth0", "netns", ns],
                 node.netns,
             )
+            if routed:
+                self._route_pod(pod)
+                self.pods[name] = pod
+                return pod
             _run_ip(["link", "set", pod.host_if, "master", "cbr0"], node.netns)
             hairpin = ["type", "bridge_slave", "hairpin", "on"]
             _run_ip(["link", "set", pod.host_if, *hairpin], node.netns)
@@ -504,6 +512,28 @@ class Topology:
             _run_ip(["-6", "route", "add", "default", "via", node.gateway_v6], ns)
             self.pods[name] = pod
             return pod
+
+    @staticmethod
+    def _route_pod(pod: Pod) -> None:
+        """Plumb a routed pod (see add_pod): no bridge, a host route per address."""
+        node, ns, host_if = pod.node.netns, pod.netns, pod.host_if
+        _run_ip(["addr", "add", "169.254.1.1/32", "dev", host_if], node)
+        _run_ip(["addr", "add", "fe80::1/64", "dev", host_if, "nodad"], node)
+        _run_ip(["link", "set", host_if, "up"], node)
+        _run_ip(["route", "add", f"{pod.ipv4}/32", "dev", host_if], node)
+        _run_ip(["-6", "route", "add", f"{pod.ipv6}/128", "dev", host_if], node)
+        # Bridged pods see the whole pod CIDR on their link: the node answers for this one.
+        subprocess.run(
+            ["ip", "netns", "exec", node, "sysctl", "-q", "-w", "net.ipv4.conf.cbr0.proxy_arp=1",
+             "net.ipv6.conf.all.proxy_ndp=1"],
+            capture_output=True, check=True,
+        )  # fmt: skip
+        _run_ip(["-6", "neigh", "add", "proxy", pod.ipv6, "dev", "cbr0"], node)
+        _run_ip(["addr", "add", f"{pod.ipv4}/32", "dev", "eth0"], ns)
+        _run_ip(["addr", "add", f"{pod.ipv6}/128", "dev", "eth0", "nodad"], ns)
+        _run_ip(["link", "set", "eth0", "up"], ns)
+        _run_ip(["route", "add", "default", "via", "169.254.1.1", "dev", "eth0", "onlink"], ns)
+        _run_ip(["-6", "route", "add", "default", "via", "fe80::1", "dev", "eth0"], ns)
 
     # -- processes
 

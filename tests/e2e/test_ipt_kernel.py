@@ -24,7 +24,7 @@ JUMPS = {
     "OUTPUT": "-m comment --comment kpx -j KPX-SERVICES",
     "POSTROUTING": "-m comment --comment kpx -j KPX-POSTROUTING",
     "INPUT": "-m conntrack --ctstate NEW -m comment --comment kpx -j KPX-FILTER",
-    "FORWARD": "-m conntrack --ctstate NEW -m comment --comment kpx -j KPX-FILTER",
+    "FORWARD": "-m comment --comment kpx -j KPX-FORWARD",
 }
 
 # Runs inside n1's netns: argv = step, b1 v4, b2 v4, b1 v6, b2 v6, n1 v4, n1 v6, client v4.

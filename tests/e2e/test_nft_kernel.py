@@ -237,6 +237,8 @@ assert "add element ip kpx service-ips" not in b.last_script
     assert normalized_ruleset(topology, "n1") == normalized_ruleset(topology, "n2")
     listed = nft(topology, "n1", "list", "map", "ip", "kpx", "endpoints-2")
     assert "10.96.0.10 . tcp . 80 . 1 : 10.244.2.2 . 8080" in listed
+    listed = nft(topology, "n1", "list", "map", "ip", "kpx", "short-circuit-nodeports")
+    assert "tcp . 30081 : goto short-circuit-nodeport-endpoints-2" in listed
 
 
 def test_a_refused_element_batch_applies_nothing(topology: Topology) -> None:

@@ -367,25 +367,49 @@ def etp_service(ns: str, policy: str, extra: dict[str, Any] | None = None) -> Ob
     )
 
 
+def outside_host(env: AgentEnv) -> Node:
+    """A host on the fabric that is neither a node of the cluster nor a pod (a node netns
+    `outside`, no Node object, no agent, no pods), routing the load-balancer ranges via n1:
+    external traffic."""
+    host = env.topology.nodes.get("outside") or env.topology.add_node("outside")
+    for net, via in ((LB_V4_NET, env.n1.ipv4), (LB_V6_NET, env.n1.ipv6)):
+        env.topology.exec(host, ["ip", "route", "replace", net, "via", via], check=True)
+    return host
+
+
 @family_param
-def test_external_traffic_policy_local_keeps_source_and_drops_without_local_endpoint(
+def test_external_traffic_policy_local_drops_external_and_short_circuits_local_traffic(
     env: AgentEnv, agent_ns: str, family: int
 ) -> None:
+    """externalTrafficPolicy Local as upstream: external traffic keeps its source and is
+    dropped on a node without a local endpoint; traffic from a pod of that node (detectLocal:
+    ClusterCIDR here) or from the node itself goes to every cluster endpoint instead (the
+    "short circuit": in-cluster clients of a load-balancer IP keep working), the pod keeping
+    its source, the node masqueraded."""
     lb = lb_ips()
     env.kube.apply(etp_service(agent_ns, "Local"), *slices(agent_ns, "etp", on(env, "b2")))
     svc = Svc(env.kube.get("service", "etp", agent_ns))
     set_lb_ingress(env, agent_ns, "etp", [lb[4], lb[6]])
+    outside = outside_host(env)
     client, n1, n2 = ip_of(env.client, family), ip_of(env.n1, family), ip_of(env.n2, family)
+    external = ip_of(outside, family)
     for proto in PROTOS:
         node_port = svc.node_port(proto)
-        # n2 has the only endpoint: it serves, and b2 sees the client itself.
-        result = assert_reaches(env, n2, node_port, proto, {"b2"})
-        assert_sources(result, {client}, f"ETP Local {proto} via n2's NodePort")
-        # n1 has none: dropped there (a reject, or a forward to b2, would both be wrong).
-        assert_dropped(env, n1, node_port, proto)
-        # The load-balancer IP, sent to n1: dropped too (were it not, n1 would forward it to
-        # n2 by the route the fixture set, and n2 would answer).
-        assert_dropped(env, lb[family], 80, proto)
+        # n2 has the only endpoint: it serves, and b2 sees the external client itself.
+        result = assert_reaches(env, n2, node_port, proto, {"b2"}, source=outside)
+        assert_sources(result, {external}, f"ETP Local {proto} via n2's NodePort")
+        # n1 has none: external traffic is dropped there (a reject, or a forward to b2,
+        # would both be wrong), at its NodePort and at the load-balancer IP (were it not
+        # dropped, n1 would forward it to n2 by the route the fixture set, and n2 answer).
+        assert_dropped(env, n1, node_port, proto, source=outside)
+        assert_dropped(env, lb[family], 80, proto, source=outside)
+        # A pod on n1 is short-circuited to the cluster endpoints, keeping its source ...
+        for host, port in ((n1, node_port), (lb[family], 80)):
+            result = assert_reaches(env, host, port, proto, {"b2"})
+            assert_sources(result, {client}, f"ETP Local {proto} {host} from a pod of n1")
+        # ... and so is n1 itself, masqueraded (its source is a node address).
+        result = assert_reaches(env, lb[family], 80, proto, {"b2"}, source=env.n1)
+        assert_sources(result, {n1}, f"ETP Local {proto} {lb[family]} from n1")
 
     # externalTrafficPolicy: Cluster - n1 forwards to b2 and masquerades (b2 sees n1).
     env.kube.apply(etp_service(agent_ns, "Cluster"))
@@ -394,6 +418,54 @@ def test_external_traffic_policy_local_keeps_source_and_drops_without_local_endp
         assert_sources(result, {n1}, f"ETP Cluster {proto} via n1's NodePort")
         result = assert_reaches(env, lb[family], 80, proto, {"b2"})
         assert_sources(result, {n1}, f"ETP Cluster {proto} via the load-balancer IP")
+        result = assert_reaches(env, n1, svc.node_port(proto), proto, {"b2"}, source=outside)
+        assert_sources(result, {n1}, f"ETP Cluster {proto} from outside via n1's NodePort")
+
+
+def test_detect_local_from_the_configuration_file_decides_masquerade_and_short_circuit(
+    env: AgentEnv, agent_ns: str
+) -> None:
+    """detectLocal, changed live in the agents' configuration file, reaches the rules: with
+    InterfaceNamePrefix naming no interface here, the pod on n1's cbr0 is not local any more:
+    its traffic to a cluster IP is masqueraded (b2 sees n1) and its traffic to an
+    externalTrafficPolicy Local load-balancer IP without a local endpoint is dropped (no short
+    circuit); with BridgeInterface cbr0 it is local again."""
+    lb = lb_ips()
+    svc = make_service(env, agent_ns, "dl", on(env, "b2"), families=(4,))
+    env.kube.apply(etp_service(agent_ns, "Local"), *slices(agent_ns, "etp", on(env, "b2")))
+    set_lb_ingress(env, agent_ns, "etp", [lb[4], lb[6]])
+    client, n1, vip = env.client.ipv4, env.n1.ipv4, svc.ip(4)
+
+    def seen(host: str) -> set[str]:
+        result = send(env, host, 80, "tcp", count=3, timeout=0.5)
+        return {src for srcs in result.sources.values() for src in srcs}
+
+    def becomes(host: str, sources: set[str], what: str) -> None:
+        wait_until(
+            lambda: seen(host) == sources,
+            10.0,
+            interval=0.2,
+            message=lambda: f"{what}: b2 saw {seen(host)}, not {sources}\n{diagnostics(env)}",
+        )
+
+    becomes(vip, {client}, "ClusterCIDR: the pod is local")
+    becomes(lb[4], {client}, "ClusterCIDR: the pod is short-circuited")
+    original = env.config.read_text()
+    try:
+        for detect, local in (
+            ({"mode": "InterfaceNamePrefix", "interfaceNamePrefix": "nosuchif"}, False),
+            ({"mode": "BridgeInterface", "bridgeInterface": "cbr0"}, True),
+        ):
+            write_agent_config(env.config, env.mode, extra={"detectLocal": detect})
+            what = f"detectLocal {detect}"
+            becomes(vip, {client} if local else {n1}, what)
+            if local:
+                becomes(lb[4], {client}, what)
+            else:
+                assert_dropped(env, lb[4], 80, "tcp")
+    finally:
+        env.config.write_text(original)
+    becomes(vip, {client}, "ClusterCIDR again")
 
 
 def test_health_check_node_port_reports_local_endpoints(env: AgentEnv, agent_ns: str) -> None:

@@ -8,13 +8,14 @@ import re
 from ipaddress import ip_network
 
 import pytest
-from backend_samples import GOLDEN, SETTINGS, check_golden, endpoints, key, sample_state
+from backend_samples import GOLDEN, NODE, SETTINGS, check_golden, endpoints, key, sample_state
 
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.iptables import create
 from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup
 from kpx_agent.backends.iptables.rules import port_rules, probability
+from kpx_agent.detect_local import local_pods
 from kpx_agent.localnet import (
     IP,
     Endpoint,
@@ -27,6 +28,7 @@ from kpx_agent.localnet import (
 )
 
 GOLDEN_DIR = GOLDEN / "iptables"
+LOCAL = local_pods(SETTINGS, NODE, 4)  # the sample's IPv4 detectLocal match (ClusterCIDR)
 
 
 class Kernel:
@@ -36,6 +38,7 @@ class Kernel:
         self.saved = saved or {}
         self.scripts: list[tuple[int, str]] = []
         self.fail_on: set[int] = set()  # 1-based restore calls that fail
+        self.sysctls: list[tuple[str, int]] = []  # (path, value) the backend ensured
 
     def restore(self, family: int, script: str) -> None:
         self.scripts.append((family, script))
@@ -46,7 +49,12 @@ class Kernel:
         return self.saved.get((family, table), "")
 
     def backend(self, settings: ProxySettings = SETTINGS) -> IptablesBackend:
-        return IptablesBackend(settings, restore=self.restore, save=self.save)
+        return IptablesBackend(
+            settings,
+            restore=self.restore,
+            save=self.save,
+            ensure_sysctl=lambda path, value: self.sysctls.append((path, value)),
+        )
 
 
 def synced(settings: ProxySettings = SETTINGS) -> tuple[IptablesBackend, Kernel, NodeLocalState]:
@@ -99,14 +107,14 @@ def test_a_new_service_rewrites_the_dispatch_chain_and_adds_its_own() -> None:
     assert fam == 4
     assert declared(script) == {n.SERVICES, n.svc_chain(late.key)}
     # The whole dispatch chain is rewritten: every other service's entry is still in it.
-    assert script.count(f"-A {n.SERVICES} ") == 11
+    assert script.count(f"-A {n.SERVICES} ") == 12
     assert "-d 10.96.0.99/32 -p tcp -m tcp --dport 8080" in script
 
 
 def test_removed_service_deletes_its_chains_and_nothing_else() -> None:
     backend, kernel, state = synced()
     dns = key("dns", proto=Protocol.UDP)
-    owned = {c for t, c in port_rules(state.services[dns], SETTINGS).own}
+    owned = {c for t, c in port_rules(state.services[dns], SETTINGS, LOCAL).own}
     chains_before = backend.chain_count()
     del state.services[dns]
     kernel.scripts.clear()
@@ -167,7 +175,8 @@ def test_settings_shape_the_masquerade_rules() -> None:
     svc = n.svc_chain(key("web"))
     assert f"-A {n.MARK_MASQ} -j MARK --or-mark 0x8\n" in script
     assert f"-A {n.POSTROUTING} -m mark ! --mark 0x8/0x8 -j RETURN\n" in script
-    assert f"-A {svc} -j {n.MARK_MASQ}\n" in script and "! -s" not in script
+    # masqueradeAll: traffic to the cluster IP (not what the short circuit sends here).
+    assert f"-A {svc} -d 10.96.0.10/32 -j {n.MARK_MASQ}\n" in script and "! -s" not in script
 
     _, kernel, _ = synced(ProxySettings())  # no cluster CIDRs: only hairpin and external
     script = family_script(kernel.scripts, 4)
@@ -219,7 +228,7 @@ def test_nodeport_networks_restrict_nodeports_to_local_addresses_in_them() -> No
 
 def test_affinity_uses_recent_lists_per_endpoint() -> None:
     sticky = sample_state().services[key("sticky")]
-    svc = port_rules(sticky, SETTINGS).own[("nat", n.svc_chain(sticky.key))]
+    svc = port_rules(sticky, SETTINGS, LOCAL).own[("nat", n.svc_chain(sticky.key))]
     lists = [n.affinity_list(sticky.key, ep) for ep in sticky.cluster_endpoints]
     dnat = "-j DNAT --to-destination 10.244"
     assert svc[1:] == (
@@ -249,17 +258,17 @@ def test_local_external_policy_never_meets_the_off_cluster_masquerade() -> None:
     sp = ServicePort(key("etpl"), 80, cluster_ips=(IP.of("10.96.0.16"),), node_port=30082,
                      cluster_endpoints=eps, external_endpoints=eps,
                      external_masquerade=False)  # fmt: skip
-    rules = port_rules(sp, SETTINGS)
+    rules = port_rules(sp, SETTINGS, LOCAL)
     ext = rules.own[("nat", n.ext_chain(sp.key))]
     assert ext == ("-p tcp -j DNAT --to-destination 10.244.1.2:8080",)
     cluster_masq = dataclasses.replace(sp, external_masquerade=True)
-    ext = port_rules(cluster_masq, SETTINGS).own[("nat", n.ext_chain(sp.key))]
+    ext = port_rules(cluster_masq, SETTINGS, LOCAL).own[("nat", n.ext_chain(sp.key))]
     assert ext == (f"-j {n.MARK_MASQ}", f"-j {n.svc_chain(sp.key)}")
 
 
 def test_load_balancer_source_ranges() -> None:
     fw = sample_state().services[key("fw")]
-    rules = port_rules(fw, SETTINGS)
+    rules = port_rules(fw, SETTINGS, LOCAL)
     chain, ext = n.fw_chain(fw.key), n.ext_chain(fw.key)
     assert rules.own[("nat", chain)] == (f"-s 198.51.100.0/24 -j {ext}",)
     assert (
@@ -354,7 +363,7 @@ def test_unsafe_names_are_not_pasted() -> None:
     eps = endpoints("10.244.1.2")
     sp = ServicePort(bad, 80, cluster_ips=(IP.of("10.96.0.20"),),
                      cluster_endpoints=eps, external_endpoints=eps)  # fmt: skip
-    rules = port_rules(sp, SETTINGS)
+    rules = port_rules(sp, SETTINGS, LOCAL)
     text = "\n".join(r for chain in (*rules.own.values(), *rules.shared.values()) for r in chain)
     assert "ACCEPT" not in text and "INPUT" not in text and "comment" not in text
     # Values of the wrong family or out of range are left out, not rendered.
@@ -363,12 +372,37 @@ def test_unsafe_names_are_not_pasted() -> None:
         cluster_ips=(IP.of("10.96.0.20"), IP.of("fd00::1")),
         cluster_endpoints=(*eps, Endpoint(IP.of("10.244.1.3"), 70000)),
     )
-    text = "\n".join(r for c in port_rules(odd, SETTINGS).own.values() for r in c)
+    text = "\n".join(r for c in port_rules(odd, SETTINGS, LOCAL).own.values() for r in c)
     assert "fd00" not in text and "70000" not in text
-    assert port_rules(dataclasses.replace(sp, port=0), SETTINGS).own == {}
+    assert port_rules(dataclasses.replace(sp, port=0), SETTINGS, LOCAL).own == {}
 
 
 def test_create_gives_an_iptables_backend() -> None:
     backend = create(SETTINGS)
     assert backend.mode == "iptables" and backend.settings is SETTINGS
     assert backend.element_count() == 0
+
+
+def test_short_circuit_with_both_policies_local_has_a_chain_of_its_own() -> None:
+    """internalTrafficPolicy and externalTrafficPolicy Local, no local endpoint: cluster IPs
+    drop, external traffic drops, and local pods and the node itself are sent to every
+    cluster endpoint by a KPX-SHORT chain (the SVC chain would hold local endpoints only)."""
+    remote = endpoints("10.244.2.2")
+    sp = ServicePort(key("both"), 80, cluster_ips=(IP.of("10.96.0.40"),), node_port=30090,
+                     load_balancer_ips=(IP.of("192.0.2.40"),), short_circuit_endpoints=remote,
+                     external_masquerade=False, drop_when_no_cluster_endpoints=True,
+                     drop_when_no_external_endpoints=True)  # fmt: skip
+    rules = port_rules(sp, SETTINGS, LOCAL)
+    short, ext = n.short_chain(sp.key), n.ext_chain(sp.key)
+    assert set(rules.own) == {("nat", short), ("nat", ext)}
+    assert rules.own[("nat", short)] == ("-p tcp -j DNAT --to-destination 10.244.2.2:8080",)
+    assert rules.own[("nat", ext)] == (
+        f"-s 10.244.0.0/16 -j {short}",
+        f"-m addrtype --src-type LOCAL -j {n.MARK_MASQ}",
+        f"-m addrtype --src-type LOCAL -j {short}",
+    )
+    assert len(short) <= n.MAX_CHAIN_NAME
+    reject = rules.shared[("filter", n.REJECT)]
+    assert [r.rsplit(" -j ", 1)[1] for r in reject] == ["DROP", "DROP"]  # cluster IP, LB IP
+    assert rules.shared[("filter", n.NODEPORTS_REJECT)][0].endswith("--dport 30090 -j DROP")
+    assert rules.shared[("nat", n.NODEPORTS)][0].endswith(f"--dport 30090 -j {ext}")

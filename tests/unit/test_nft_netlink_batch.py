@@ -96,6 +96,14 @@ def test_malformed_elements_are_refused_naming_set_and_element(
 def test_only_exact_match_sets_are_loadable() -> None:
     assert nb.loadable("service-ips") and nb.loadable("endpoints-7")
     assert nb.loadable("nodeport-endpoints-128") and nb.loadable("hairpin")
+    assert nb.loadable("short-circuit-ips") and nb.loadable("short-circuit-nodeports")
+    assert nb.loadable("short-circuit-endpoints-3")
+    assert nb.loadable("short-circuit-nodeport-endpoints-2")
+    assert nb.layout("short-circuit-nodeports") == nb.layout("service-nodeports")
+    assert nb.layout("short-circuit-endpoints-3") == nb.layout("endpoints-3")
+    assert {
+        "service-ips", "service-nodeports", "short-circuit-ips", "short-circuit-nodeports"
+    } == nb.VERDICT_MAPS  # fmt: skip
     assert not nb.loadable("firewall-allow") and not nb.loadable("nodeport-addresses")
     assert not nb.loadable("aff-abc") and not nb.loadable("endpoints-x")
 

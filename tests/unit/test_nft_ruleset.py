@@ -98,7 +98,7 @@ def test_settings_shape_the_masquerade_rules() -> None:
     backend.sync(state, None)
     script = backend.last_script
     assert "meta mark set meta mark | 0x00000008" in script
-    assert "@cluster-ips meta mark set" in script and "!= @cluster-cidrs" not in script
+    assert "@cluster-ips meta mark set" in script and "!= @local-pod-cidrs" not in script
 
 
 def test_a_new_endpoint_count_brings_its_chain_and_map_in_a_partial_sync() -> None:

@@ -186,14 +186,44 @@ ROWS = [
             not p.external_masquerade
             and p.drop_when_no_external_endpoints
             and p.health_check_node_port == 32000
+            # the short circuit (local pods, the node itself): every cluster endpoint
+            and [e.ip for e in p.short_circuit_endpoints] == ["10.244.1.2", "10.244.2.2"]
         ),
+    ),
+    Row(
+        "externalTrafficPolicy Local with both policies Local: the short circuit ignores ITP",
+        svc(
+            type="NodePort",
+            externalTrafficPolicy="Local",
+            internalTrafficPolicy="Local",
+            ports=[{"name": "http", "port": 80, "nodePort": 30080}],
+        ),
+        [eps(ep("10.244.2.2", node="n2"))],
+        cluster=[],
+        external=[],
+        check=lambda p: (
+            p.drop_when_no_external_endpoints
+            and [e.ip for e in p.short_circuit_endpoints] == ["10.244.2.2"]
+        ),
+    ),
+    Row(
+        "externalTrafficPolicy Local without any endpoint: rejected, not dropped (as upstream)",
+        svc(
+            type="NodePort",
+            externalTrafficPolicy="Local",
+            ports=[{"name": "http", "port": 80, "nodePort": 30080}],
+        ),
+        [eps(ep("10.244.2.2", node="n2", ready=False))],
+        cluster=[],
+        external=[],
+        check=lambda p: not p.drop_when_no_external_endpoints and not p.short_circuit_endpoints,
     ),
     Row(
         "externalTrafficPolicy Local is ignored for ClusterIP services",
         svc(externalTrafficPolicy="Local", externalIPs=["192.0.2.10"]),
         [eps(ep("10.244.2.2", node="n2"))],
         external=["10.244.2.2"],
-        check=lambda p: p.external_masquerade,
+        check=lambda p: p.external_masquerade and not p.short_circuit_endpoints,
     ),
     Row(
         "internalTrafficPolicy Local: only local endpoints, drop when none",

@@ -17,18 +17,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
+from ...detect_local import local_pods
 from ...localnet import NodeInfo, NodeLocalState, ProxySettings, ServicePortKey
 from ..base import BackendError
 from . import kernel
 from . import names as n
 from .chain_book import ChainBook, ChainPlan
-from .rules import fixed_chains, port_rules, shared_frames
+from .rules import fixed_chains, localhost_node_ports, port_rules, shared_frames
 from .script import SavedTable, cleanup_script, jump_edits, parse_save, table_script
 
 log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
 
+ROUTE_LOCALNET = "net/ipv4/conf/all/route_localnet"
 Restore = Callable[[int, str], None]  # (family, script)
+EnsureSysctl = Callable[[str, int], None]  # (path under /proc/sys, value)
 Save = Callable[[int, str], str]  # (family, table) -> iptables-save output
 ChainExists = Callable[[int, str, str], bool]  # (family, table, chain)
 
@@ -42,8 +45,10 @@ class IptablesBackend:
         restore: Restore = kernel.restore,
         save: Save = kernel.save,
         chain_exists: ChainExists = kernel.chain_exists,
+        ensure_sysctl: EnsureSysctl = kernel.ensure_sysctl,
     ) -> None:
         self.settings = settings
+        self._ensure_sysctl = ensure_sysctl
         self._restore = restore
         self._save = save
         self._chain_exists = chain_exists
@@ -92,12 +97,15 @@ class IptablesBackend:
 
     def _full_sync(self, state: NodeLocalState) -> None:
         settings, node = self.settings, state.node
+        if settings.localhost_node_ports:
+            self._allow_localhost_node_ports()
         books: dict[int, ChainBook] = {}
         units: list[tuple[int, str]] = []
         for fam in FAMILIES:
             book = ChainBook(fixed_chains(fam, settings, node), shared_frames(fam, settings, node))
+            local = local_pods(settings, node, fam)
             updates = {
-                key: port_rules(sp, settings)
+                key: port_rules(sp, settings, local)
                 for key, sp in state.services.items()
                 if key.family == fam
             }
@@ -112,7 +120,7 @@ class IptablesBackend:
                         table_script(
                             table,
                             dict(wanted),
-                            jump_edits(table, saved),
+                            jump_edits(table, saved, n.jumps(localhost_node_ports(fam, settings))),
                             extra_deletes=saved.ours - wanted.keys(),
                         ),
                     )
@@ -133,10 +141,11 @@ class IptablesBackend:
         units: list[tuple[int, str, str]] = []  # (family, table, script)
         for fam in FAMILIES:
             updates = {}
+            local = local_pods(self.settings, state.node, fam)
             for key in changed:
                 if key.family == fam:
                     sp = state.services.get(key)
-                    updates[key] = port_rules(sp, self.settings) if sp is not None else None
+                    updates[key] = port_rules(sp, self.settings, local) if sp is not None else None
             if not updates:
                 continue
             plan = books[fam].plan(updates)
@@ -154,6 +163,21 @@ class IptablesBackend:
             done.append((fam, table))
         for fam, plan in plans.items():
             books[fam].commit(plan)
+
+    def _allow_localhost_node_ports(self) -> None:
+        """route_localnet=1 in this network namespace, so that NodePorts DNATed from
+        127.0.0.0/8 may leave the node (upstream sets it likewise; KPX-LOCALNET drops the
+        martians it would let in). Without it, localhost NodePorts do not answer: logged,
+        and the rest of the rules are still programmed."""
+        try:
+            self._ensure_sysctl(ROUTE_LOCALNET, 1)
+        except OSError as exc:
+            log.error(
+                "localhostNodePorts: cannot set %s to 1 (%s): NodePorts on 127.0.0.1 will not"
+                " answer; set it on the node, or set iptables.localhostNodePorts: false",
+                ROUTE_LOCALNET.replace("/", "."),
+                exc,
+            )
 
     def _revert(
         self,

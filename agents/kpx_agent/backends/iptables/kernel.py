@@ -8,13 +8,17 @@ ignores it).
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
+from pathlib import Path
 
 from ..base import BackendError
 from . import names as n
 
+log = logging.getLogger(__name__)
 WAIT = ("-w", "5")
+PROC_SYS = Path("/proc/sys")
 TIMEOUT = 300.0  # seconds; a restore of a very large ruleset takes a while
 
 
@@ -57,3 +61,13 @@ def chain_exists(family: int, table: str, chain: str) -> bool:
 def available(family: int) -> bool:
     """Whether this node has the tools for `family` at all."""
     return shutil.which(n.RESTORE[family]) is not None and shutil.which(n.SAVE[family]) is not None
+
+
+def ensure_sysctl(path: str, value: int) -> None:
+    """Set /proc/sys/`path` (of this network namespace) to `value` if it differs, logging the
+    change; OSError when it cannot be read or written."""
+    target = PROC_SYS / path
+    current = target.read_text().strip()
+    if current != str(value):
+        target.write_text(f"{value}\n")
+        log.info("set %s to %d (was %s)", path.replace("/", "."), value, current)

@@ -28,8 +28,10 @@ HAIRPIN: Final = "KPX-HAIRPIN"  # mark a local endpoint that reached itself thro
 MARK_MASQ: Final = "KPX-MARK-MASQ"  # set the masquerade mark bit
 OFF_CLUSTER: Final = "KPX-OFF-CLUSTER"  # mark sources outside every cluster CIDR (2+ CIDRs)
 
-# filter table (new connections only)
-FILTER_CHAIN: Final = "KPX-FILTER"  # the one chain INPUT, FORWARD and OUTPUT jump to
+# filter table
+FILTER_CHAIN: Final = "KPX-FILTER"  # new connections (INPUT, OUTPUT, and from KPX-FORWARD)
+FORWARD: Final = "KPX-FORWARD"  # FORWARD: KPX-FILTER, then accept what we forward (KUBE-FORWARD)
+LOCALNET: Final = "KPX-LOCALNET"  # localhost NodePorts: drop martians to 127.0.0.0/8 (IPv4)
 FIREWALL: Final = "KPX-FIREWALL"  # loadBalancerSourceRanges: drop what the nat FW chain refused
 REJECT: Final = "KPX-REJECT"  # VIP ports without endpoints: REJECT (or DROP)
 NODEPORTS_REJECT: Final = "KPX-NODEPORTS-REJECT"  # NodePorts without endpoints: REJECT (or DROP)
@@ -38,19 +40,34 @@ NODEPORTS_REJECT: Final = "KPX-NODEPORTS-REJECT"  # NodePorts without endpoints:
 SVC_PREFIX: Final = "KPX-SVC-"  # pick one cluster endpoint
 EXT_PREFIX: Final = "KPX-EXT-"  # external traffic: masquerade mark, then pick an endpoint
 FW_PREFIX: Final = "KPX-FW-"  # load-balancer IP source-range check
+# externalTrafficPolicy Local, when both policies are Local: every cluster endpoint, for
+# traffic from local pods and the node itself (the "short circuit"; otherwise KPX-SVC- is it).
+SHORT_PREFIX: Final = "KPX-SHORT-"
 # Not a chain: the `recent` list of one endpoint of a service port with session affinity.
 AFFINITY_PREFIX: Final = "KPX-AFF-"
 
-# The jump from each built-in chain to ours: (table, built-in chain, matches, our chain).
-# The matches are written as iptables-save prints them, so a full sync recognises its rule.
-JUMPS: Final[tuple[tuple[str, str, str, str], ...]] = (
+Jump = tuple[str, str, str, str]
+# The jumps from built-in chains to ours: (table, built-in chain, matches, our chain), in
+# order within a built-in chain. The matches are written as iptables-save prints them, so a
+# full sync recognises its rules.
+JUMPS: Final[tuple[Jump, ...]] = (
     (NAT, "PREROUTING", "", SERVICES),
     (NAT, "OUTPUT", "", SERVICES),
     (NAT, "POSTROUTING", "", POSTROUTING),
     (FILTER, "INPUT", "-m conntrack --ctstate NEW ", FILTER_CHAIN),
-    (FILTER, "FORWARD", "-m conntrack --ctstate NEW ", FILTER_CHAIN),
+    (FILTER, "FORWARD", "", FORWARD),
     (FILTER, "OUTPUT", "-m conntrack --ctstate NEW ", FILTER_CHAIN),
 )
+# With localhost NodePorts (IPv4 only): every packet to the node, and every packet it sends.
+LOCALNET_JUMPS: Final[tuple[Jump, ...]] = (
+    (FILTER, "INPUT", "", LOCALNET),
+    (FILTER, "OUTPUT", "", LOCALNET),
+)
+
+
+def jumps(localnet_guard: bool) -> tuple[Jump, ...]:
+    """The jump rules a family's tables need."""
+    return JUMPS + LOCALNET_JUMPS if localnet_guard else JUMPS
 
 
 def jump_rule(matches: str, chain: str) -> str:
@@ -78,6 +95,10 @@ def ext_chain(key: ServicePortKey) -> str:
 
 def fw_chain(key: ServicePortKey) -> str:
     return FW_PREFIX + port_hash(key)
+
+
+def short_chain(key: ServicePortKey) -> str:
+    return SHORT_PREFIX + port_hash(key)
 
 
 def affinity_list(key: ServicePortKey, ep: Endpoint) -> str:

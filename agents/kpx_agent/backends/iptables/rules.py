@@ -17,7 +17,9 @@ import logging
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from ipaddress import ip_network
 
+from ...detect_local import LocalPods, local_pods
 from ...localnet import (
     Endpoint,
     IPAddress,
@@ -82,16 +84,37 @@ def probability(i: int, count: int) -> str:
     return f"{1.0 / (count - i):0.10f}"
 
 
-def _masquerade_off_cluster(family: int, settings: ProxySettings) -> str | None:
-    """The SVC chain's first rule: mark what must be masqueraded (None: nothing)."""
+def _interface(local: LocalPods) -> str:
+    """The validated interface name, or the prefix as iptables writes one (`veth+`)."""
+    return local.interface or f"{local.interface_prefix}+"
+
+
+def if_local(local: LocalPods) -> list[str]:
+    """Matches (rule prefixes) of traffic from this node's pods: one rule per match; none
+    when the detectLocal mode has nothing to match (then nothing counts as local)."""
+    if local.networks:
+        return [f"-s {_net(net)} " for net in local.networks]
+    if local.implemented:
+        return [f"-i {_interface(local)} "]
+    return []
+
+
+def _masquerade_off_cluster(
+    sp: ServicePort, settings: ProxySettings, local: LocalPods
+) -> list[str]:
+    """The SVC chain's first rules: mark what must be masqueraded. With masqueradeAll, only
+    traffic to the cluster IPs (not what the short circuit sends here, as upstream)."""
     if settings.masquerade_all:
-        return f"-j {n.MARK_MASQ}"
-    cidrs = [c for c in settings.cluster_cidrs if c.version == family]
-    if len(cidrs) == 1:
-        return f"! -s {_net(cidrs[0])} -j {n.MARK_MASQ}"
-    if cidrs:
-        return f"-j {n.OFF_CLUSTER}"
-    return None
+        return [
+            f"-d {_host(ip)} -j {n.MARK_MASQ}" for ip in sp.cluster_ips if ip.version == sp.family
+        ]
+    if len(local.networks) > 1:
+        return [f"-j {n.OFF_CLUSTER}"]
+    if local.networks:
+        return [f"! -s {_net(local.networks[0])} -j {n.MARK_MASQ}"]
+    if local.implemented:
+        return [f"! -i {_interface(local)} -j {n.MARK_MASQ}"]
+    return []
 
 
 def _pick(sp: ServicePort, eps: tuple[Endpoint, ...]) -> list[str]:
@@ -133,8 +156,9 @@ def _usable(sp: ServicePort, eps: Iterable[Endpoint]) -> tuple[Endpoint, ...]:
     return tuple(good)
 
 
-def port_rules(sp: ServicePort, settings: ProxySettings) -> PortRules:
-    """The chains and shared-chain rules of one service port (in its own family)."""
+def port_rules(sp: ServicePort, settings: ProxySettings, local: LocalPods) -> PortRules:
+    """The chains and shared-chain rules of one service port (in its own family); `local`
+    is the family's detectLocal match."""
     key, fam, proto = sp.key, sp.family, sp.protocol.value
     if not _valid_port(sp.port):
         log.warning("%s: invalid port %r, not programmed", key, sp.port)
@@ -145,33 +169,50 @@ def port_rules(sp: ServicePort, settings: ProxySettings) -> PortRules:
     lb_ips = [ip for ip in sp.load_balancer_ips if ip.version == fam]
     cluster_eps = _usable(sp, sp.cluster_endpoints)
     external_eps = _usable(sp, sp.external_endpoints)
+    short_eps = _usable(sp, sp.short_circuit_endpoints)
     has_external = bool(external_ips or lb_ips or node_port)
     use_svc = bool(cluster_ips and cluster_eps)
-    use_ext = has_external and bool(external_eps)
+    # The EXT chain exists when external traffic has somewhere to go: its endpoints, or (with
+    # externalTrafficPolicy Local) the short circuit for local pods and the node itself.
+    use_ext = has_external and bool(external_eps or short_eps)
     # External traffic that is masqueraded anyway and goes to the same endpoints shares the
     # cluster chain (as upstream does); otherwise EXT picks among its own endpoints, so that
     # externalTrafficPolicy Local never meets the SVC chain's off-cluster masquerade.
     ext_via_svc = use_ext and sp.external_masquerade and external_eps == cluster_eps
     use_svc = use_svc or ext_via_svc
+    # The short circuit goes to the SVC chain when it has the same endpoints (policy Cluster
+    # for internal traffic), else to a KPX-SHORT chain of its own.
+    short_via_svc = use_svc and short_eps == cluster_eps
+    use_short = use_ext and bool(short_eps) and not short_via_svc
     fw_ranges = [r for r in sp.load_balancer_source_ranges if r.version == fam]
     use_fw = use_ext and bool(lb_ips) and bool(sp.load_balancer_source_ranges)
 
     svc, ext, fw = n.svc_chain(key), n.ext_chain(key), n.fw_chain(key)
+    short = n.short_chain(key)
     own: dict[ChainId, Rules] = {}
     used: list[Endpoint] = []
     if use_svc:
-        rules = []
-        masq = _masquerade_off_cluster(fam, settings)
-        if masq:
-            rules.append(masq)
+        rules = _masquerade_off_cluster(sp, settings, local)
         rules += _pick(sp, cluster_eps)
         own[(n.NAT, svc)] = tuple(rules)
         used += cluster_eps
+    if use_short:
+        own[(n.NAT, short)] = tuple(_pick(sp, short_eps))
+        used += short_eps
     if use_ext:
-        rules = [f"-j {n.MARK_MASQ}"] if sp.external_masquerade else []
+        rules = []
+        if sp.external_masquerade:
+            rules.append(f"-j {n.MARK_MASQ}")
+        elif short_eps:
+            # Upstream's short circuit: traffic from a local pod, or from the node itself
+            # (masqueraded: its source is a node address), goes to every cluster endpoint.
+            target = svc if short_via_svc else short
+            rules += [f"{m}-j {target}" for m in if_local(local)]
+            rules.append(f"-m addrtype --src-type LOCAL -j {n.MARK_MASQ}")
+            rules.append(f"-m addrtype --src-type LOCAL -j {target}")
         if ext_via_svc:
             rules.append(f"-j {svc}")
-        else:
+        elif external_eps:
             rules += _pick(sp, external_eps)
             used += external_eps
         own[(n.NAT, ext)] = tuple(rules)
@@ -197,16 +238,18 @@ def port_rules(sp: ServicePort, settings: ProxySettings) -> PortRules:
             services.append(f"{comment}-d {_host(ip)} {match} -j {svc}")
         else:
             reject.append(f"{comment}-d {_host(ip)} {match} -j {no_cluster}")
+    # Without external endpoints, what EXT did not short-circuit (DNAT) meets the reject or
+    # drop in the filter table, still addressed to the external IP.
     for ip in external_ips:
         if use_ext:
             services.append(f"{comment}-d {_host(ip)} {match} -j {ext}")
-        else:
+        if not external_eps:
             reject.append(f"{comment}-d {_host(ip)} {match} -j {no_external}")
     firewall: list[str] = []
     for ip in lb_ips:
         if use_ext:
             services.append(f"{comment}-d {_host(ip)} {match} -j {fw if use_fw else ext}")
-        else:
+        if not external_eps:
             reject.append(f"{comment}-d {_host(ip)} {match} -j {no_external}")
         if sp.load_balancer_source_ranges:
             # Allowed sources were DNATed by KPX-FW (or meet KPX-REJECT when there are no
@@ -228,23 +271,51 @@ def port_rules(sp: ServicePort, settings: ProxySettings) -> PortRules:
         np_match = f"-p {proto} -m {proto} --dport {node_port}"
         if use_ext:
             shared[(n.NAT, n.NODEPORTS)] = (f"{comment}{np_match} -j {ext}",)
-        else:
+        if not external_eps:
             shared[(n.FILTER, n.NODEPORTS_REJECT)] = (f"{comment}{np_match} -j {no_external}",)
     return PortRules(own=own, shared=shared)
 
 
+_LOOPBACK = {4: ip_network("127.0.0.0/8"), 6: ip_network("::1/128")}
+
+
+def localhost_node_ports(family: int, settings: ProxySettings) -> bool:
+    """Whether NodePorts answer on 127.0.0.0/8 in `family` (IPv4 only, as upstream)."""
+    return family == 4 and settings.localhost_node_ports
+
+
 def nodeport_matches(family: int, settings: ProxySettings, node: NodeInfo) -> list[str]:
-    """Destination matches for NodePorts (see node_local.nodeport_networks)."""
+    """Destination matches for NodePorts (see node_local.nodeport_networks), loopback
+    included only with localhost NodePorts (see `nodeport_guard` for configured networks)."""
     nets = nodeport_networks(settings, node, family)
+    localhost = localhost_node_ports(family, settings)
     if nets is None:
-        loopback = "127.0.0.0/8" if family == 4 else "::1/128"
-        return [f"! -d {loopback} -m addrtype --dst-type LOCAL "]
-    return [f"-d {_net(net)} -m addrtype --dst-type LOCAL " for net in nets]
+        if localhost:
+            return ["-m addrtype --dst-type LOCAL "]
+        return [f"! -d {_net(_LOOPBACK[family])} -m addrtype --dst-type LOCAL "]
+    matches = [f"-d {_net(net)} -m addrtype --dst-type LOCAL " for net in nets]
+    if localhost and not settings.node_port_networks:
+        # nodePortAddresses empty: the node's addresses, and localhost.
+        matches.append(f"-d {_net(_LOOPBACK[4])} -m addrtype --dst-type LOCAL ")
+    return matches
+
+
+def nodeport_guard(family: int, settings: ProxySettings, node: NodeInfo) -> list[str]:
+    """Rules before the NodePort matches keeping loopback out of them where a configured
+    network holds it but localhost NodePorts are off (IPv6 never has them)."""
+    nets = nodeport_networks(settings, node, family) or ()
+    loopback = _LOOPBACK[family]
+    if localhost_node_ports(family, settings) or not any(net.overlaps(loopback) for net in nets):
+        return []
+    return [f"-d {_net(loopback)} -j RETURN"]
 
 
 def fixed_chains(family: int, settings: ProxySettings, node: NodeInfo) -> dict[ChainId, Rules]:
     """The chains that do not depend on any service port (only on the settings and node)."""
     mark = f"{settings.masquerade_mark:#x}"
+    invalid = (
+        () if settings.conntrack_tcp_be_liberal else ("-m conntrack --ctstate INVALID -j DROP",)
+    )
     chains: dict[ChainId, Rules] = {
         (n.NAT, n.MARK_MASQ): (f"-j MARK --or-mark {mark}",),
         (n.NAT, n.POSTROUTING): (
@@ -256,13 +327,32 @@ def fixed_chains(family: int, settings: ProxySettings, node: NodeInfo) -> dict[C
         (n.FILTER, n.FILTER_CHAIN): (
             f"-j {n.FIREWALL}",
             f"-j {n.REJECT}",
+            *nodeport_guard(family, settings, node),
             *(f"{m}-j {n.NODEPORTS_REJECT}" for m in nodeport_matches(family, settings, node)),
         ),
+        # Upstream's KUBE-FORWARD: new connections meet KPX-FILTER first; then what we marked
+        # for masquerade, and the rest of its connections, are accepted, so a FORWARD policy
+        # of DROP does not stop NodePort traffic to other nodes' endpoints. Conntrack-INVALID
+        # packets are dropped (unless conntrack.tcpBeLiberal), as upstream does.
+        (n.FILTER, n.FORWARD): (
+            f"-m conntrack --ctstate NEW -j {n.FILTER_CHAIN}",
+            *invalid,
+            f"-m mark --mark {mark}/{mark} -j ACCEPT",
+            "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+        ),
     }
-    cidrs = [c for c in settings.cluster_cidrs if c.version == family]
-    if not settings.masquerade_all and len(cidrs) > 1:
+    if localhost_node_ports(family, settings):
+        # route_localnet=1 lets packets from anywhere reach 127.0.0.0/8: drop those that did
+        # not come from loopback and are not replies or DNATed NodePort traffic (upstream's
+        # rule, https://issue.k8s.io/90259).
+        chains[(n.FILTER, n.LOCALNET)] = (
+            "-d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT"
+            " -j DROP",
+        )
+    local = local_pods(settings, node, family)
+    if not settings.masquerade_all and len(local.networks) > 1:
         chains[(n.NAT, n.OFF_CLUSTER)] = (
-            *(f"-s {_net(c)} -j RETURN" for c in cidrs),
+            *(f"-s {_net(c)} -j RETURN" for c in local.networks),
             f"-j {n.MARK_MASQ}",
         )
     return chains
@@ -275,6 +365,9 @@ def shared_frames(
     frames: dict[ChainId, tuple[Rules, Rules]] = {cid: ((), ()) for cid in SHARED_CHAINS}
     frames[(n.NAT, n.SERVICES)] = (
         (),
-        tuple(f"{m}-j {n.NODEPORTS}" for m in nodeport_matches(family, settings, node)),
+        (
+            *nodeport_guard(family, settings, node),
+            *(f"{m}-j {n.NODEPORTS}" for m in nodeport_matches(family, settings, node)),
+        ),
     )
     return frames

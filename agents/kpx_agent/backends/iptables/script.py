@@ -77,21 +77,35 @@ def parse_save(text: str) -> dict[str, SavedTable]:
     return tables
 
 
-def jump_edits(table: str, saved: SavedTable) -> list[str]:
-    """Edits that leave exactly one jump rule of ours in each built-in chain that needs one:
-    keep an existing identical rule, insert it first when missing, delete every other rule
-    carrying our comment (duplicates, older versions, chains we no longer hook)."""
-    wanted = {chain: n.jump_rule(m, target) for t, chain, m, target in n.JUMPS if t == table}
-    edits: list[str] = []
-    kept: set[str] = set()
+def jump_edits(
+    table: str, saved: SavedTable, wanted_jumps: Sequence[n.Jump] = n.JUMPS
+) -> list[str]:
+    """Edits that leave exactly our jump rules, in order, in each built-in chain: the wanted
+    rules already there in order are kept and every other `kpx` rule (duplicates, older
+    versions, chains we no longer hook) is deleted; where some are missing, the chain's `kpx`
+    rules are all deleted and the wanted ones inserted first, in order."""
+    wanted: dict[str, list[str]] = {}
+    for t, chain, matches, target in wanted_jumps:
+        if t == table:
+            wanted.setdefault(chain, []).append(n.jump_rule(matches, target))
+    have: dict[str, list[str]] = {}
     for chain, body in saved.jumps:
-        if wanted.get(chain) == body and chain not in kept:
-            kept.add(chain)
-        else:
-            edits.append(f"-D {chain} {body}")
-    for chain, body in wanted.items():
-        if chain not in kept:
-            edits.append(f"-I {chain} 1 {body}")
+        have.setdefault(chain, []).append(body)
+    edits: list[str] = []
+    for chain in sorted(have.keys() | wanted.keys()):
+        want, found = wanted.get(chain, []), have.get(chain, [])
+        kept: list[str] = []  # the wanted rules found in order; anything else goes
+        extra: list[str] = []
+        for body in found:
+            if len(kept) < len(want) and body == want[len(kept)]:
+                kept.append(body)
+            else:
+                extra.append(body)
+        if kept != want:  # some are missing: write them all again, in order
+            extra = found
+        edits += [f"-D {chain} {body}" for body in extra]
+        if kept != want:
+            edits += [f"-I {chain} {i} {body}" for i, body in enumerate(want, 1)]
     return edits
 
 

@@ -21,9 +21,15 @@ NO_ENDPOINTS = "no-endpoints"
 # Sets and maps (their elements are what a sync changes).
 SERVICE_IPS = "service-ips"  # vip . proto . port : goto endpoints-<n>
 SERVICE_NODEPORTS = "service-nodeports"  # proto . port : goto nodeport-endpoints-<n>
+# externalTrafficPolicy Local: traffic from a local pod or the node itself to the external
+# addresses goes to every cluster endpoint instead ("short circuit", consulted first).
+SHORT_CIRCUIT_IPS = "short-circuit-ips"  # vip . proto . port : goto short-circuit-endpoints-<n>
+SHORT_CIRCUIT_NODEPORTS = "short-circuit-nodeports"  # : goto short-circuit-nodeport-endpoints-<n>
 # Per endpoint count n, a chain and a map of the same name (see endpoints_chain below):
 #   endpoints-<n>           vip . proto . port . bucket : endpoint-ip . port
 #   nodeport-endpoints-<n>  proto . port . bucket : endpoint-ip . port
+#   short-circuit-endpoints-<n>, short-circuit-nodeport-endpoints-<n>: the same, for the
+#   short-circuit dispatch (the same VIP key as in endpoints-<n>, other endpoints)
 CLUSTER_IPS = "cluster-ips"  # vip . proto . port: masquerade when from off-cluster
 EXTERNAL_IPS = "external-ips"  # vip . proto . port: masquerade (externalTrafficPolicy Cluster)
 EXTERNAL_NODEPORTS = "external-nodeports"  # proto . port: masquerade (Cluster policy)
@@ -38,25 +44,37 @@ FIREWALL = "firewall"  # drops traffic to those load balancers from anywhere els
 FIREWALL_PREROUTING = "firewall-prerouting"
 FIREWALL_OUTPUT = "firewall-output"
 NODEPORT_ADDRESSES = "nodeport-addresses"  # local addresses NodePorts answer on
-CLUSTER_CIDRS = "cluster-cidrs"  # the pod networks (detect-local)
+LOCAL_POD_CIDRS = "local-pod-cidrs"  # detectLocal networks, when a family has several
+
+
+# Each dispatch map's endpoint chains (and their maps) are named <prefix><count>.
+ENDPOINT_CHAIN_PREFIX = {
+    SERVICE_IPS: "endpoints-",
+    SERVICE_NODEPORTS: "nodeport-endpoints-",
+    SHORT_CIRCUIT_IPS: "short-circuit-endpoints-",
+    SHORT_CIRCUIT_NODEPORTS: "short-circuit-nodeport-endpoints-",
+}
+NODEPORT_DISPATCH = frozenset((SERVICE_NODEPORTS, SHORT_CIRCUIT_NODEPORTS))
+
+
+def endpoint_chain_of(dispatch_map: str, count: int) -> str:
+    """The chain (and map) that picks one of `count` endpoints for `dispatch_map`'s keys."""
+    return f"{ENDPOINT_CHAIN_PREFIX[dispatch_map]}{count}"
 
 
 def endpoints_chain(count: int) -> str:
     """The chain that picks one of `count` endpoints of a VIP at random, and its map."""
-    return f"endpoints-{count}"
+    return endpoint_chain_of(SERVICE_IPS, count)
 
 
 def nodeport_endpoints_chain(count: int) -> str:
-    return f"nodeport-endpoints-{count}"
+    return endpoint_chain_of(SERVICE_NODEPORTS, count)
 
 
 def endpoint_count_of(name: str) -> tuple[str, int] | None:
-    """For an `endpoints-<n>` / `nodeport-endpoints-<n>` chain or map name: the dispatch map
-    that jumps to it and `n`; None for any other name."""
-    for dispatch, prefix in (
-        (SERVICE_NODEPORTS, "nodeport-endpoints-"),
-        (SERVICE_IPS, "endpoints-"),
-    ):
+    """For an endpoint chain or map name (`endpoints-<n>`, `nodeport-endpoints-<n>`, ...): the
+    dispatch map that jumps to it and `n`; None for any other name."""
+    for dispatch, prefix in ENDPOINT_CHAIN_PREFIX.items():
         count = name.removeprefix(prefix)
         if count != name and count.isdigit():
             return dispatch, int(count)

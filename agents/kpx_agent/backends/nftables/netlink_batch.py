@@ -70,10 +70,14 @@ _LAYOUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...] | str | None]] = {
     n.HAIRPIN: ((ADDR, ADDR), None),
     n.SERVICE_IPS: (_VPP, VERDICT),
     n.SERVICE_NODEPORTS: (_PP, VERDICT),
+    n.SHORT_CIRCUIT_IPS: (_VPP, VERDICT),
+    n.SHORT_CIRCUIT_NODEPORTS: (_PP, VERDICT),
 }
 _ENDPOINT_LAYOUTS = {
     n.SERVICE_IPS: ((*_VPP, BUCKET), (ADDR, PORT)),
     n.SERVICE_NODEPORTS: ((*_PP, BUCKET), (ADDR, PORT)),
+    n.SHORT_CIRCUIT_IPS: ((*_VPP, BUCKET), (ADDR, PORT)),
+    n.SHORT_CIRCUIT_NODEPORTS: ((*_PP, BUCKET), (ADDR, PORT)),
 }
 
 

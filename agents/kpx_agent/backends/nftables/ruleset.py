@@ -17,6 +17,7 @@ import hashlib
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network, collapse_addresses
 
+from ...detect_local import LocalPods, local_pods
 from ...localnet import Endpoint, IPAddress, IPNetwork, NodeInfo, ProxySettings, ServicePort
 from ...node_local import nodeport_networks
 from . import names as n
@@ -97,16 +98,23 @@ def _dispatch(
         else:
             out.elements.append((n.DROP_IPS if drop else n.REJECT_IPS, vip_key, None))
         return
-    dispatch_map = n.SERVICE_NODEPORTS if nodeport else n.SERVICE_IPS
+    _dispatch_to(out, sp, vip_key, endpoints, n.SERVICE_NODEPORTS if nodeport else n.SERVICE_IPS)
+
+
+def _dispatch_to(
+    out: PortRender,
+    sp: ServicePort,
+    vip_key: str,
+    endpoints: tuple[Endpoint, ...],
+    dispatch_map: str,
+) -> None:
+    """`vip_key` in `dispatch_map` jumps to a chain picking one of `endpoints`."""
     if sp.affinity_timeout:
         chain, definition = _affinity_chain(sp, endpoints, sp.family)
         out.chains[chain] = definition
         out.elements.append((dispatch_map, vip_key, f"goto {chain}"))
         return
-    if nodeport:
-        chain = endpoint_map = n.nodeport_endpoints_chain(len(endpoints))
-    else:
-        chain = endpoint_map = n.endpoints_chain(len(endpoints))
+    chain = endpoint_map = n.endpoint_chain_of(dispatch_map, len(endpoints))
     out.elements.append((dispatch_map, vip_key, f"goto {chain}"))
     out.elements += [
         (endpoint_map, f"{vip_key} . {i}", f"{ip} . {port}")
@@ -129,11 +137,14 @@ def render_port(sp: ServicePort) -> PortRender:
         key = _vip_key(ip, sp)
         out.elements.append((n.CLUSTER_IPS, key, None))
         _dispatch(out, sp, key, cluster, sp.drop_when_no_cluster_endpoints, nodeport=False)
+    short_circuit = sp.short_circuit_endpoints
     for ip in (*sp.external_ips, *sp.load_balancer_ips):
         key = _vip_key(ip, sp)
         if sp.external_masquerade:
             out.elements.append((n.EXTERNAL_IPS, key, None))
         _dispatch(out, sp, key, external, sp.drop_when_no_external_endpoints, nodeport=False)
+        if short_circuit:
+            _dispatch_to(out, sp, key, short_circuit, n.SHORT_CIRCUIT_IPS)
     for ip in sp.load_balancer_ips:
         if sp.load_balancer_source_ranges:
             key = _vip_key(ip, sp)
@@ -146,7 +157,9 @@ def render_port(sp: ServicePort) -> PortRender:
         if sp.external_masquerade:
             out.elements.append((n.EXTERNAL_NODEPORTS, key, None))
         _dispatch(out, sp, key, external, sp.drop_when_no_external_endpoints, nodeport=True)
-    for ep in sorted({e for e in (*cluster, *external) if e.local}):
+        if short_circuit:
+            _dispatch_to(out, sp, key, short_circuit, n.SHORT_CIRCUIT_NODEPORTS)
+    for ep in sorted({e for e in (*cluster, *external, *short_circuit) if e.local}):
         out.elements.append((n.HAIRPIN, f"{ep.ip} . {ep.ip}", None))
     return out
 
@@ -155,7 +168,7 @@ def port_elements(sp: ServicePort) -> list[Element]:
     return render_port(sp).elements
 
 
-_DISPATCH_MAPS = frozenset((n.SERVICE_IPS, n.SERVICE_NODEPORTS))  # values: `goto <chain>`
+_DISPATCH_MAPS = frozenset(n.ENDPOINT_CHAIN_PREFIX)  # values: `goto <chain>`
 
 
 def endpoint_chain_counts(elements: list[Element]) -> set[tuple[str, int]]:
@@ -181,11 +194,10 @@ def endpoint_chain(family: int, dispatch_map: str, count: int) -> tuple[str, str
     random (the chain and its map share the name)."""
     daddr, fam = n.DADDR[family], n.FAMILIES[family]
     value = f"{daddr} . th dport"
-    if dispatch_map == n.SERVICE_NODEPORTS:
-        name = n.nodeport_endpoints_chain(count)
+    name = n.endpoint_chain_of(dispatch_map, count)
+    if dispatch_map in n.NODEPORT_DISPATCH:
         key = "meta l4proto . th dport"
     else:
-        name = n.endpoints_chain(count)
         key = f"{daddr} . meta l4proto . th dport"
     return (
         name,
@@ -206,6 +218,22 @@ def nodeport_addresses(family: int, settings: ProxySettings, node: NodeInfo) -> 
     return sorted(str(net) for net in (_ANY_BUT_LOOPBACK[family] if nets is None else nets))
 
 
+def local_pod_match(family: int, local: LocalPods, negate: bool = False) -> str:
+    """The nft match of traffic from this node's pods (or, `negate`d, of all other traffic),
+    '' when the detectLocal mode has nothing to match (then nothing counts as local). Only
+    parsed networks and the validated interface name reach the text."""
+    if not local.implemented:
+        return ""
+    op = "!= " if negate else ""
+    if local.networks:
+        nets = local.networks
+        target = str(nets[0]) if len(nets) == 1 else f"@{n.LOCAL_POD_CIDRS}"
+        return f"{n.SADDR[family]} {op}{target}"
+    # iifname, a name match: valid before the interface exists, and it takes a prefix (`*`).
+    name = local.interface or f"{local.interface_prefix}*"
+    return f'iifname {op}"{name}"'
+
+
 def _elements_clause(elements: list[str]) -> str:
     return f" elements = {{ {', '.join(elements)} }};" if elements else ""
 
@@ -224,14 +252,28 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
     pp = "inet_proto . inet_service"
     match_vpp = f"{daddr} . meta l4proto . th dport"
     local_np = f"fib daddr type local {daddr} @{n.NODEPORT_ADDRESSES} meta l4proto . th dport"
-    cidrs = [str(c) for c in settings.cluster_cidrs if c.version == family]
+    local = local_pods(settings, node, family)
+    is_local = local_pod_match(family, local)
     masq_cluster = ""
     if settings.masquerade_all:
-        masq_cluster = f"    {match_vpp} @{n.CLUSTER_IPS} {set_mark}\n"
-    elif cidrs:
-        # One pod network per family is the usual case: match it inline, no set lookup.
-        off_cluster = f"!= {cidrs[0]}" if len(cidrs) == 1 else f"!= @{n.CLUSTER_CIDRS}"
-        masq_cluster = f"    {match_vpp} @{n.CLUSTER_IPS} {saddr} {off_cluster} {set_mark}\n"
+        masq_cluster = f"{match_vpp} @{n.CLUSTER_IPS} {set_mark}"
+    elif local.implemented:
+        not_local = local_pod_match(family, local, negate=True)
+        masq_cluster = f"{match_vpp} @{n.CLUSTER_IPS} {not_local} {set_mark}"
+    pod_cidrs = [str(c) for c in local.networks] if len(local.networks) > 1 else []
+    # externalTrafficPolicy Local: traffic from a local pod, or from the node itself (which is
+    # masqueraded: its source is a node address), goes to every cluster endpoint.
+    node_origin = "fib saddr type local"
+    short_circuit = [
+        *([f"{is_local} {match_vpp} vmap @{n.SHORT_CIRCUIT_IPS}"] if is_local else []),
+        f"{node_origin} {match_vpp} @{n.SHORT_CIRCUIT_IPS} {set_mark}",
+        f"{node_origin} {match_vpp} vmap @{n.SHORT_CIRCUIT_IPS}",
+    ]
+    short_circuit_np = [
+        *([f"{is_local} {local_np} vmap @{n.SHORT_CIRCUIT_NODEPORTS}"] if is_local else []),
+        f"{node_origin} {local_np} @{n.SHORT_CIRCUIT_NODEPORTS} {set_mark}",
+        f"{node_origin} {local_np} vmap @{n.SHORT_CIRCUIT_NODEPORTS}",
+    ]
     lines = [
         f"table {fam} {n.TABLE} {{",
         f"  set {n.CLUSTER_IPS} {{ type {vpp}; }}",
@@ -246,15 +288,19 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
         f"  set {n.FIREWALL_ALLOW} {{ type {vpp} . {addr}; flags interval; }}",
         f"  set {n.NODEPORT_ADDRESSES} {{ type {addr}; flags interval; auto-merge;"
         f"{_elements_clause(nodeport_addresses(family, settings, node))} }}",
-        f"  set {n.CLUSTER_CIDRS} {{ type {addr}; flags interval; auto-merge;"
-        f"{_elements_clause(cidrs if len(cidrs) > 1 else [])} }}",
+        f"  set {n.LOCAL_POD_CIDRS} {{ type {addr}; flags interval; auto-merge;"
+        f"{_elements_clause(pod_cidrs)} }}",
         f"  map {n.SERVICE_IPS} {{ type {vpp} : verdict; }}",
         f"  map {n.SERVICE_NODEPORTS} {{ type {pp} : verdict; }}",
+        f"  map {n.SHORT_CIRCUIT_IPS} {{ type {vpp} : verdict; }}",
+        f"  map {n.SHORT_CIRCUIT_NODEPORTS} {{ type {pp} : verdict; }}",
         f"  chain {n.SERVICES} {{",
-        masq_cluster.rstrip("\n"),
+        *(f"    {rule}" for rule in (masq_cluster,) if rule),
         f"    {match_vpp} @{n.EXTERNAL_IPS} {set_mark}",
+        *(f"    {rule}" for rule in short_circuit),
         f"    {match_vpp} vmap @{n.SERVICE_IPS}",
         f"    {local_np} @{n.EXTERNAL_NODEPORTS} {set_mark}",
+        *(f"    {rule}" for rule in short_circuit_np),
         f"    {local_np} vmap @{n.SERVICE_NODEPORTS}",
         "  }",
         f"  chain {n.NO_ENDPOINTS} {{",

@@ -1,0 +1,236 @@
+"""Where traffic comes from, in a real kernel, for both backends (driven in-process inside node
+n1's netns): detectLocal in every mode (which sources are masqueraded on their way to a
+cluster IP), the externalTrafficPolicy Local short circuit (local pods and the node itself
+reach every cluster endpoint; external traffic is dropped), a FORWARD policy of DROP, and
+localhost NodePorts (iptables only).
+
+The topology: n1 (the proxy), n2, and n3 (an external host: a node netns with no pods and no
+proxy). Pods: b1 (echo, on n1's cbr0), b2 (echo, on n2), client (on n1's cbr0), rclient (on n1,
+a routed veth named `<prefix>r<n>`, as bridgeless CNIs plumb pods), far (on n2). n2 and n3 route
+the Service CIDR and the load-balancer range via n1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from kpx_cluster.netns import Node, Pod, Topology
+from kpx_cluster.probe import ProbeResult, probe
+
+pytestmark = pytest.mark.netns
+MODES = ("nftables", "iptables")
+VIP, LB_IP, NODE_PORT, ETP_NODE_PORT = "10.96.0.10", "192.0.2.21", 30080, 30081
+
+# Runs inside n1's netns: argv[1] is a JSON spec (mode, settings, node, endpoints).
+PROGRAM = """
+import json, sys
+from ipaddress import ip_network as net
+from kpx_agent.localnet import *
+from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup as ipt_cleanup
+from kpx_agent.backends.nftables.backend import NftablesBackend, cleanup as nft_cleanup
+
+spec = json.loads(sys.argv[1])
+ip = IP.of
+if spec["step"] == "cleanup":
+    (ipt_cleanup if spec["mode"] == "iptables" else nft_cleanup)()
+    sys.exit(0)
+b1 = (Endpoint(ip(spec["b1"]), 8080, True),)
+b2 = (Endpoint(ip(spec["b2"]), 8080),)
+tcp = Protocol.TCP
+ports = [
+    # A cluster IP served by b1 (on n1), with a NodePort (externalTrafficPolicy Cluster)
+    # served by b2 (on n2).
+    ServicePort(ServicePortKey("d", "web", "", tcp, 4), 80, cluster_ips=(ip("10.96.0.10"),),
+                cluster_endpoints=b1, external_endpoints=b2, node_port=30080),
+    # externalTrafficPolicy Local with its only endpoint on n2: none local to n1.
+    ServicePort(ServicePortKey("d", "etp", "", tcp, 4), 80, cluster_ips=(ip("10.96.0.11"),),
+                load_balancer_ips=(ip("192.0.2.21"),), node_port=30081,
+                cluster_endpoints=b2, external_endpoints=(), short_circuit_endpoints=b2,
+                external_masquerade=False, drop_when_no_external_endpoints=True),
+]
+mode, interface = spec["detect"]
+settings = ProxySettings(
+    cluster_cidrs=tuple(net(c) for c in spec["cluster_cidrs"]),
+    detect_local=DetectLocal(DetectLocalMode(mode), interface),
+    localhost_node_ports=spec["localhost"],
+)
+node = NodeInfo("n1", (ip(spec["n1"]),), pod_cidrs=tuple(net(c) for c in spec["pod_cidrs"]))
+backend = (IptablesBackend if spec["mode"] == "iptables" else NftablesBackend)(settings)
+backend.sync(NodeLocalState(node, {p.key: p for p in ports}), None)
+print("synced")
+"""
+
+
+@dataclass
+class Net:
+    topo: Topology
+    n1: Node
+    n2: Node
+    n3: Node
+    pods: dict[str, Pod]
+
+    def sync(self, mode: str, detect: tuple[str, str] = ("ClusterCIDR", ""), **kw: Any) -> None:
+        spec = {
+            "step": "sync",
+            "mode": mode,
+            "detect": list(detect),
+            "cluster_cidrs": kw.get("cluster_cidrs", ["10.244.0.0/16"]),
+            "pod_cidrs": kw.get("pod_cidrs", [self.n1.pod_cidr_v4]),
+            "localhost": kw.get("localhost", False),
+            "n1": self.n1.ipv4,
+            "b1": self.pods["b1"].ipv4,
+            "b2": self.pods["b2"].ipv4,
+        }
+        run = self.topo.exec(self.n1, [sys.executable, "-c", PROGRAM, json.dumps(spec)])
+        assert run.returncode == 0 and "synced" in run.stdout, run.stderr
+
+    def cleanup(self, mode: str) -> None:
+        spec = json.dumps({"step": "cleanup", "mode": mode})
+        self.topo.exec(self.n1, [sys.executable, "-c", PROGRAM, spec], check=True)
+
+    def sh(self, where: Node, *argv: str) -> str:
+        return self.topo.exec(where, list(argv), check=True).stdout
+
+
+@pytest.fixture
+def net(topology: Topology) -> Iterator[Net]:
+    n1, n2, n3 = (topology.add_node(name) for name in ("n1", "n2", "n3"))
+    pods = {
+        "b1": topology.add_pod(n1, "b1"),
+        "b2": topology.add_pod(n2, "b2"),
+        "client": topology.add_pod(n1, "client"),
+        "rclient": topology.add_pod(n1, "rclient", routed=True),
+        "far": topology.add_pod(n2, "far"),
+    }
+    for name in ("b1", "b2"):
+        argv = topology.python_argv("kpx_cluster.echo_server", "--name", name, "--port", "8080")
+        topology.run_ready(pods[name], argv)
+    for node in (n2, n3):  # the Service CIDR and the load-balancer range lead to n1
+        for cidr in ("10.96.0.0/16", "192.0.2.0/24"):
+            topology.exec(node, ["ip", "route", "replace", cidr, "via", n1.ipv4], check=True)
+    # n1 itself: the load-balancer range is somewhere out on the fabric (a route is needed
+    # for its own packets to reach the nat OUTPUT hook at all).
+    topology.exec(n1, ["ip", "route", "replace", "192.0.2.0/24", "dev", n1.fabric_if], check=True)
+    yield Net(topology, n1, n2, n3, pods)
+
+
+def seen_by(result: ProbeResult, backend: str) -> set[str]:
+    assert result.backends == {backend} and result.failed == 0, result
+    return set(result.sources[backend])
+
+
+# ---- detectLocal ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_detect_local_every_mode_decides_what_is_masqueraded(net: Net, mode: str) -> None:
+    """Traffic to a cluster IP (served by b1 on n1) keeps its source when it comes from a
+    local pod as the mode defines it, and is masqueraded (b1 sees n1's cbr0 address) when
+    not; with nothing to match (NodeCIDR before the Node has a pod CIDR) nothing counts as
+    local, so nothing is masqueraded as off-cluster (upstream's no-op detector)."""
+    masq = net.n1.gateway_v4
+    sources = {name: net.pods[name] for name in ("client", "rclient", "far")}
+    prefix = net.pods["rclient"].host_if.rstrip("0123456789")
+    own = {name: pod.ipv4 for name, pod in sources.items()} | {"n3": net.n3.ipv4}
+    cases: list[tuple[tuple[str, str], dict[str, Any], set[str]]] = [
+        # (detectLocal, settings, the senders whose source is kept)
+        (("ClusterCIDR", ""), {}, {"client", "rclient", "far"}),
+        (("NodeCIDR", ""), {}, {"client", "rclient"}),
+        (("BridgeInterface", "cbr0"), {}, {"client"}),
+        (("InterfaceNamePrefix", prefix), {}, {"rclient"}),
+        (("NodeCIDR", ""), {"pod_cidrs": []}, {"client", "rclient", "far", "n3"}),
+        (("ClusterCIDR", ""), {"cluster_cidrs": []}, {"client", "rclient", "far", "n3"}),
+    ]
+    for detect, settings, kept in cases:
+        net.sync(mode, detect, **settings)
+        for sender, target in (*sources.items(), ("n3", net.n3)):
+            result = probe(net.topo, target, VIP, 80, "tcp", count=3, timeout=1)
+            expected = own[sender] if sender in kept else masq
+            assert seen_by(result, "b1") == {expected}, (mode, detect, settings, sender, result)
+
+
+# ---- externalTrafficPolicy: Local short circuit --------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_etp_local_short_circuits_local_pods_and_the_node_and_drops_external(
+    net: Net, mode: str
+) -> None:
+    """n1 has no local endpoint of the Local-policy Service: a pod on n1 and n1 itself still
+    reach b2 through the load-balancer IP and the NodePort (the pod keeps its source, the
+    node is masqueraded), while an external host's packets are dropped."""
+    net.sync(mode)
+    client, n1 = net.pods["client"], net.n1
+    for host, port in ((LB_IP, 80), (n1.ipv4, ETP_NODE_PORT)):
+        from_pod = probe(net.topo, client, host, port, "tcp", count=5, timeout=1)
+        assert seen_by(from_pod, "b2") == {client.ipv4}, (mode, host, from_pod)
+        from_node = probe(net.topo, n1, host, port, "tcp", count=5, timeout=1)
+        assert seen_by(from_node, "b2") == {n1.ipv4}, (mode, host, from_node)
+        external = probe(net.topo, net.n3, host, port, "tcp", count=2, timeout=0.5)
+        assert external.timeout == 2 and external.answered == 0, (mode, host, external)
+    # With detectLocal matching nothing, a pod's packets are not short-circuited: dropped.
+    net.sync(mode, ("NodeCIDR", ""), pod_cidrs=[])
+    dropped = probe(net.topo, client, LB_IP, 80, "tcp", count=2, timeout=0.5)
+    assert dropped.timeout == 2 and dropped.answered == 0, (mode, dropped)
+    from_node = probe(net.topo, n1, LB_IP, 80, "tcp", count=3, timeout=1)
+    assert seen_by(from_node, "b2") == {n1.ipv4}, (mode, from_node)  # the node still is
+
+
+# ---- FORWARD policy DROP -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forward_policy_drop(net: Net, mode: str) -> None:
+    """n1's iptables FORWARD policy is DROP (as Docker sets it). In iptables mode KPX-FORWARD
+    accepts what the proxy marked for masquerade and its connections, so an external host
+    reaches b2 (on n2) through n1's NodePort. In nftables mode, as upstream's, nothing can
+    override another table's drop: the same traffic is dropped (documented in docs/api.md)."""
+    net.sh(net.n1, "iptables", "-P", "FORWARD", "DROP")
+    net.sync(mode)
+    result = probe(net.topo, net.n3, net.n1.ipv4, NODE_PORT, "tcp", count=5, timeout=1)
+    if mode == "iptables":
+        assert seen_by(result, "b2") == {net.n1.ipv4}, result
+    else:
+        assert result.answered == 0, result
+
+
+# ---- localhost NodePorts -------------------------------------------------------------------------
+
+
+def route_localnet(net: Net) -> str:
+    return net.sh(net.n1, "sysctl", "-n", "net.ipv4.conf.all.route_localnet").strip()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_localhost_node_ports(net: Net, mode: str) -> None:
+    """iptables with localhostNodePorts: 127.0.0.1:<nodePort> on n1 reaches the endpoint
+    (masqueraded), the agent set route_localnet=1 in n1's netns, and the martian guard is
+    hooked in INPUT and OUTPUT. Turned off, or in nftables mode: no 127.0.0.1 NodePorts, and
+    route_localnet is left as it was."""
+    assert route_localnet(net) == "0"
+    net.sync(mode, localhost=mode == "iptables")
+    result = probe(net.topo, net.n1, "127.0.0.1", NODE_PORT, "tcp", count=3, timeout=1)
+    if mode == "nftables":
+        assert result.refused == 3, result  # nothing listens there, nothing DNATs it
+        assert route_localnet(net) == "0"
+        return
+    assert seen_by(result, "b2") == {net.n1.ipv4}, result
+    assert route_localnet(net) == "1"
+    saved = net.sh(net.n1, "iptables-save", "-t", "filter")
+    for chain in ("INPUT", "OUTPUT"):
+        assert f"-A {chain} -m comment --comment kpx -j KPX-LOCALNET" in saved, saved
+    guard = "! -s 127.0.0.0/8 -d 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT"
+    assert f"-A KPX-LOCALNET {guard} -j DROP" in saved, saved
+
+    net.sh(net.n1, "sysctl", "-q", "-w", "net.ipv4.conf.all.route_localnet=0")
+    net.sync(mode, localhost=False)
+    result = probe(net.topo, net.n1, "127.0.0.1", NODE_PORT, "tcp", count=3, timeout=1)
+    assert result.refused == 3, result
+    assert route_localnet(net) == "0"  # not touched
+    assert "KPX-LOCALNET" not in net.sh(net.n1, "iptables-save", "-t", "filter")
