@@ -318,9 +318,9 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
                     cluster_endpoints=cluster_eps,
                     external_endpoints=external_eps,
                     external_masquerade=not etp_local,
-                    drop_when_no_cluster_endpoints=itp_local,
                     # Drop, not reject, only while the Service has endpoints elsewhere
-                    # (upstream: with none at all, external traffic is rejected too).
+                    # (upstream: with none at all, both kinds of traffic are rejected).
+                    drop_when_no_cluster_endpoints=itp_local and bool(usable_all),
                     drop_when_no_external_endpoints=etp_local and bool(usable_all),
                     affinity_timeout=affinity,
                     load_balancer_source_ranges=tuple(

@@ -234,6 +234,14 @@ ROWS = [
         check=lambda p: p.drop_when_no_cluster_endpoints,
     ),
     Row(
+        "internalTrafficPolicy Local without any endpoint: rejected, not dropped (as upstream)",
+        svc(internalTrafficPolicy="Local"),
+        [eps(ep("10.244.2.2", node="n2", ready=False))],
+        cluster=[],
+        external=[],
+        check=lambda p: not p.drop_when_no_cluster_endpoints,
+    ),
+    Row(
         "sessionAffinity ClientIP defaults to 10800 s",
         svc(sessionAffinity="ClientIP"),
         check=lambda p: p.affinity_timeout == 10800,
