@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kpx_api.errors import ConfigError
+from kpx_api.modes import has_backend, no_backend_message
 from kpx_api.networks import parse_bind_address
 
 from . import backends
@@ -79,6 +80,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def cleanup(argv: list[str]) -> int:
     args = _cleanup_parser().parse_args(argv)
+    if not has_backend(args.mode):
+        print(f"proxy-agent: {no_backend_message(args.mode)}", file=sys.stderr)
+        return 2
     module: Any = backends.load(args.mode)
     module.cleanup()
     print(f"removed the {args.mode} rules of kpx", flush=True)
@@ -144,11 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"proxy-agent: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    if not has_backend(settings.mode):
+        # The API accepts the mode (and the operator deploys nothing for it): say why this
+        # agent cannot run it rather than fail on a missing module.
+        print(f"proxy-agent: {no_backend_message(settings.mode)}", file=sys.stderr)
+        return 2
     if settings.mode == "ipvs":
-        log.warning(
-            "mode ipvs is deprecated upstream (KEP-5495): it keeps working here, but plan the "
-            "move to mode nftables, the recommended dataplane"
-        )
+        log.warning("mode ipvs is deprecated upstream (KEP-5495): plan the move to nftables")
     try:
         module: Any = backends.load(settings.mode)
     except KeyError as exc:

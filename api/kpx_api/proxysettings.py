@@ -213,8 +213,9 @@ class ProxySettings(KpxModel):
 
     mode: Mode = Field(
         description="Dataplane the agents program: nftables (recommended), iptables, or ipvs "
-        "(deprecated upstream: needs ipvs.acknowledgeDeprecation: true). Required: there is "
-        "no default."
+        "(deprecated upstream: needs ipvs.acknowledgeDeprecation: true; the agent has no ipvs "
+        "backend yet, so the operator deploys no agents for it and reports Degraded, reason "
+        "ModeNotImplemented). Required: there is no default."
     )
     nftables: NFTablesSettings | None = Field(
         default=None, description="Settings of mode nftables." + _NOT_SELECTED
@@ -225,7 +226,8 @@ class ProxySettings(KpxModel):
     ipvs: IPVSSettings | None = Field(
         default=None,
         description="Settings of mode ipvs; acknowledgeDeprecation: true is required to use "
-        "mode ipvs." + _NOT_SELECTED,
+        "mode ipvs. The agent has no ipvs backend yet: nothing is deployed for mode ipvs, so "
+        "these settings have no effect on any node." + _NOT_SELECTED,
     )
     conntrack: Conntrack = Field(
         default_factory=Conntrack, description="Conntrack table size and timeouts."

@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from kpx_api import ConfigError, ProxyConfigurationSpec, ProxyConfigurationStatus, parse_spec
+from kpx_api import (
+    MODES_WITH_BACKEND,
+    ConfigError,
+    ProxyConfigurationSpec,
+    ProxyConfigurationStatus,
+    no_backend_message,
+    parse_spec,
+)
 
 from .admission import Admission, IPVSPolicy, PxcInfo, admit, conflict_message
 from .apiserver import ApiError, Applied
@@ -73,6 +80,8 @@ class NotYet(Exception):
 class OperatorConfig:
     build: BuildOptions = field(default_factory=BuildOptions)
     ipvs_policy: IPVSPolicy = IPVSPolicy.WARN
+    #: The modes the agent has a backend for (deploy nothing for the others).
+    backends: frozenset[str] = MODES_WITH_BACKEND
     #: Seconds a deletion waits for the nodes to report clean before it gives up (and
     #: leaves the rules of the unreachable nodes in place).
     cleanup_timeout: float = 300.0
@@ -133,7 +142,7 @@ class Reconciler:
             spec = parse_spec(body.get("spec") or {})
         except ConfigError as exc:
             return None, str(exc), Admission(deploy=False, deprecated=me.mode == "ipvs")
-        return spec, None, admit(me, pxcs, nodes, self.config.ipvs_policy)
+        return spec, None, admit(me, pxcs, nodes, self.config.ipvs_policy, self.config.backends)
 
     def _note(self, obj: Mapping[str, Any], applied: Applied, emit: EventFn) -> None:
         """Events for what an apply changed: created, updated, or a hand edit undone."""
@@ -200,6 +209,7 @@ class Reconciler:
                     why = (
                         "the spec is invalid" if invalid
                         else "mode ipvs is denied" if admission.ipvs_denied
+                        else "its mode has no backend in the agent" if admission.no_backend
                         else "its nodes are taken by an older ProxyConfiguration"
                     )  # fmt: skip
                     if uid not in self._cleared:  # once, not on every timer tick
@@ -214,8 +224,8 @@ class Reconciler:
                                                 opts.namespace)  # fmt: skip
                     except ApiError:
                         ds = None
-            self._announce(uid, generation, admission, emit)
             mode = str((body.get("spec") or {}).get("mode", ""))
+            self._announce(uid, generation, mode, admission, emit)
             observed = Observed(generation, mode, admission, ds, error=error, invalid=invalid)
             previous = self._status.get(uid) or parse_status(body.get("status"))
             status = compute_status(observed, previous, self.clock())
@@ -228,11 +238,17 @@ class Reconciler:
             self._status[uid] = status
             return status
 
-    def _announce(self, uid: str, generation: int, adm: Admission, emit: EventFn) -> None:
+    def _announce(
+        self, uid: str, generation: int, mode: str, adm: Admission, emit: EventFn
+    ) -> None:
         """Warning events, once per spec generation (or per change of the conflict)."""
         if adm.ipvs_denied:
             if self._once(uid, "ipvs", f"denied/{generation}"):
                 emit("Warning", "IPVSDenied", IPVS_DENIED_MESSAGE)
+        elif adm.no_backend:
+            if self._once(uid, "mode", f"no-backend/{generation}"):
+                message = f"nothing is deployed: {no_backend_message(mode)}"
+                emit("Warning", "ModeNotImplemented", message)
         elif (
             adm.deprecated
             and self.config.ipvs_policy is IPVSPolicy.WARN

@@ -18,6 +18,7 @@ from kpx_api import (
     ConditionType,
     Mode,
     ProxyConfigurationStatus,
+    no_backend_message,
 )
 
 from .admission import Admission, conflict_message
@@ -112,6 +113,14 @@ def conditions_for(obs: Observed) -> list[CondTuple]:
             _cond(ready, FALSE, "IPVSDenied", message),
             _cond(progressing, FALSE, "IPVSDenied", message),
             _cond(degraded, TRUE, "IPVSDenied", message),
+            *out,
+        ]
+    if adm.no_backend:
+        message = f"nothing is deployed: {no_backend_message(obs.mode)}"
+        return [
+            _cond(ready, FALSE, "ModeNotImplemented", message),
+            _cond(progressing, FALSE, "ModeNotImplemented", message),
+            _cond(degraded, TRUE, "ModeNotImplemented", message),
             *out,
         ]
     if not adm.deploy:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from kpx_api import agent_config_from_spec, parse_agent_config, parse_spec
+from kpx_api import MODES_WITH_BACKEND, agent_config_from_spec, parse_agent_config, parse_spec
 from kpx_cluster.controlplane import Cluster, free_port
 from kpx_cluster.kubeconfig import write_kubeconfig
 from kpx_operator.builders import AGENT_RULES
@@ -385,17 +385,38 @@ def test_second_replica_takes_over(env: Env, leader: Operator) -> None:
     # The new leader repairs drift...
     env.kubectl("-n", NS, "delete", "daemonset", "kpx-agent-default", "--wait=false")
     wait_until(lambda: env.get("daemonset", "kpx-agent-default", NS), 30, "DaemonSet back")
-    # ...and with --ipvs-policy=warn deploys the ipvs configuration, with a warning.
-    wait_until(lambda: env.get("daemonset", "kpx-agent-ipvs-pool", NS), 30, "ipvs agents")
+    # The ipvs configuration stays undeployed under --ipvs-policy=warn (next test).
 
-    def healthy() -> Obj | None:
+
+def test_mode_without_a_backend_deploys_nothing(env: Env) -> None:
+    """An accepted mode the agent has no backend for (ipvs today), under a policy that allows
+    it (the standby of the previous test leads with --ipvs-policy=warn): no DaemonSet, no
+    ConfigMap, so no crash-looping agents; Degraded/ModeNotImplemented and a Warning event."""
+    assert "ipvs" not in MODES_WITH_BACKEND  # turn this into a deploy test with the backend
+    if not any(op.proc.poll() is None and op.is_leader() for op in env.operators):
+        wait_until(env.start_operator("--ipvs-policy=allow").is_leader, 30, "operator leads")
+    env.apply(example("proxyconfig-ipvs.yaml"))
+
+    def not_implemented() -> Obj | None:
         cond = env.condition("ipvs-pool", "Degraded")
-        return cond if cond and cond["status"] == "False" else None
+        return cond if cond and cond["reason"] == "ModeNotImplemented" else None
 
-    assert wait_until(healthy, 30, "ipvs-pool no longer Degraded")["reason"] == "AsExpected"
+    degraded = wait_until(not_implemented, 30, "Degraded/ModeNotImplemented")
+    assert degraded["status"] == "True"
+    assert "mode ipvs has no backend" in degraded["message"] and "nftables" in degraded["message"]
+    ready = env.condition("ipvs-pool", "Ready") or {}
+    assert (ready["status"], ready["reason"]) == ("False", "ModeNotImplemented")
     deprecated = env.condition("ipvs-pool", "Deprecated") or {}
     assert (deprecated["status"], deprecated["reason"]) == ("True", "IPVSDeprecated")
-    wait_until(lambda: ("Warning", "DeprecatedMode") in env.reasons("ipvs-pool"), 10, "event")
+    wait_until(lambda: ("Warning", "ModeNotImplemented") in env.reasons("ipvs-pool"), 10,
+               "ModeNotImplemented event")  # fmt: skip
+    (event,) = [e for e in env.events("ipvs-pool") if e["reason"] == "ModeNotImplemented"]
+    assert "mode ipvs has no backend" in event["message"]
+    time.sleep(3)  # a resync later, still nothing
+    for kind in ("daemonset", "configmap"):
+        assert env.get(kind, "kpx-agent-ipvs-pool", NS) is None, kind
+    pxc = env.get("proxyconfiguration", "ipvs-pool") or {}
+    assert pxc["status"].get("mode") is None and pxc["status"]["desiredNodes"] == 0
 
 
 def test_killed_in_the_middle_of_a_reconcile_converges(env: Env) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kpx_api import MODES_WITH_BACKEND, Mode
 from kpx_operator.admission import IPVSPolicy, PxcInfo
 from kpx_operator.apiserver import ApiError, Applied
 from kpx_operator.reconciler import NotYet, OperatorConfig, Reconciler
@@ -184,12 +185,36 @@ def test_denied_ipvs_removes_children_and_warns_once_per_generation() -> None:
     assert events.reasons()[-1] == "IPVSDenied"
 
 
-def test_warn_policy_deploys_ipvs_with_a_warning() -> None:
+def test_warn_policy_deploys_ipvs_with_a_warning_once_it_has_a_backend() -> None:
     api, events = FakeApi(), Events()
-    status = run(reconciler(api).reconcile(body("proxyconfig-ipvs.yaml"), [], {}, events))
+    r = reconciler(api, backends=frozenset(Mode))  # as when the agent has an ipvs backend
+    status = run(r.reconcile(body("proxyconfig-ipvs.yaml"), [], {}, events))
     assert ("DaemonSet", "kpx-agent-ipvs-pool") in kinds(api)
     assert ("Warning", "DeprecatedMode") in [e[:2] for e in events]
     assert status.deprecated is True
+
+
+@pytest.mark.parametrize("policy", [IPVSPolicy.ALLOW, IPVSPolicy.WARN])
+def test_mode_without_a_backend_deploys_nothing_and_says_so(policy: IPVSPolicy) -> None:
+    assert Mode.IPVS not in MODES_WITH_BACKEND  # flip this test when the backend lands
+    api, events = FakeApi(), Events()
+    r = reconciler(api, ipvs_policy=policy)
+    api.objs[("DaemonSet", NS, "kpx-agent-ipvs-pool")] = {
+        "kind": "DaemonSet", "metadata": {"name": "kpx-agent-ipvs-pool", "generation": 1}
+    }  # fmt: skip
+    pxc = body("proxyconfig-ipvs.yaml")
+    status = run(r.reconcile(pxc, [], {}, events))
+    run(r.reconcile(pxc, [], {}, events))
+    assert api.objs == {}  # no DaemonSet (a stale one is removed), no ConfigMap, nothing
+    assert events.reasons() == ["Deleted", "ModeNotImplemented"]
+    (warning,) = [e for e in events if e[1] == "ModeNotImplemented"]
+    assert warning[0] == "Warning" and "mode ipvs has no backend" in warning[2]
+    degraded = status.condition("Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "ModeNotImplemented")
+    assert status.condition("Ready").status == "False"
+    assert status.mode is None and status.deprecated is True
+    run(r.reconcile(body("proxyconfig-ipvs.yaml", generation=2), [], {}, events))
+    assert events.reasons()[-1] == "ModeNotImplemented"  # again for the new generation
 
 
 def test_refused_apply_is_reported_in_the_status() -> None:

@@ -18,6 +18,7 @@ GEN = 3
 
 DEPLOY = Admission(deploy=True)
 DENIED = Admission(deploy=False, deprecated=True, ipvs_denied=True)
+NO_BACKEND = Admission(deploy=False, deprecated=True, no_backend=True)
 BLOCKED = Admission(deploy=False, overlaps=(Overlap("older", ("node-1", "node-2"), True),))
 WINNER = Admission(deploy=True, overlaps=(Overlap("newer", ("node-1",), False),))
 
@@ -109,6 +110,14 @@ ROWS = {
          "Degraded": ("True", "IPVSDenied"), "Deprecated": ("True", "IPVSDeprecated")},
         desired=0, ready=0, mode=None,
         in_message={"Degraded": "nftables", "Ready": "--ipvs-policy=deny"},
+    ),
+    "mode without a backend in the agent": Row(
+        obs(NO_BACKEND, None, mode="ipvs"),
+        {"Ready": ("False", "ModeNotImplemented"),
+         "Progressing": ("False", "ModeNotImplemented"),
+         "Degraded": ("True", "ModeNotImplemented"), "Deprecated": ("True", "IPVSDeprecated")},
+        desired=0, ready=0, mode=None,
+        in_message={"Degraded": "mode ipvs has no backend", "Ready": "nothing is deployed"},
     ),
     "blocked by an older configuration": Row(
         obs(BLOCKED, None),
