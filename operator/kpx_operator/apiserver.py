@@ -39,12 +39,11 @@ class Kind:
     namespaced: bool
 
 
+#: Every kind the operator reads or writes (no RBAC kinds: the agents' ServiceAccount, role and
+#: binding are installed with the operator, which may not touch any role or binding).
 KINDS: Final[dict[str, Kind]] = {
-    "ServiceAccount": Kind("/api/v1", "serviceaccounts", True),
     "ConfigMap": Kind("/api/v1", "configmaps", True),
     "DaemonSet": Kind("/apis/apps/v1", "daemonsets", True),
-    "ClusterRole": Kind("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
-    "ClusterRoleBinding": Kind("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
     "Lease": Kind("/apis/coordination.k8s.io/v1", "leases", True),
     "ProxyConfiguration": Kind(f"/apis/{GROUP}/{VERSION}", PLURAL, False),
 }

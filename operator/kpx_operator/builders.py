@@ -23,6 +23,7 @@ from kpx_api.constants import API_VERSION, KIND
 
 from .names import (
     AGENT_APP,
+    AGENT_SERVICE_ACCOUNT,
     CLEANUP_APP,
     CONFIG_DIR,
     CONFIG_FILE,
@@ -37,7 +38,9 @@ from .names import (
 Obj = dict[str, Any]
 
 #: What the agent reads, and nothing more: Services, EndpointSlices, Namespaces (opt-out) and
-#: Nodes (its own node's addresses and labels). No write verb: the agent emits no events.
+#: Nodes (its own node's addresses and labels). The rules of the ClusterRole `kpx-agent`
+#: installed with the operator (operator/manifests/agent-rbac.yaml, the chart): a unit test
+#: checks both against this; the operator itself creates no role and no binding.
 AGENT_RULES: Final[tuple[Obj, ...]] = (
     {"apiGroups": [""], "resources": ["services", "namespaces", "nodes"],
      "verbs": ["get", "list", "watch"]},
@@ -108,37 +111,6 @@ def _meta(owner: Owner, name: str, app: str, namespace: str | None = None) -> Ob
     meta["labels"] = labels(owner.name, app)
     meta["ownerReferences"] = [owner_reference(owner)]
     return meta
-
-
-# -- RBAC and identity ---------------------------------------------------------------------------
-
-
-def service_account(owner: Owner, opts: BuildOptions) -> Obj:
-    return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": _meta(owner, child_names(owner.name).agent, AGENT_APP, opts.namespace),
-    }
-
-
-def cluster_role(owner: Owner) -> Obj:
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRole",
-        "metadata": _meta(owner, child_names(owner.name).agent, AGENT_APP),
-        "rules": [json.loads(json.dumps(rule)) for rule in AGENT_RULES],
-    }
-
-
-def cluster_role_binding(owner: Owner, opts: BuildOptions) -> Obj:
-    name = child_names(owner.name).agent
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRoleBinding",
-        "metadata": _meta(owner, name, AGENT_APP),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": opts.namespace}],
-    }
 
 
 # -- configuration -------------------------------------------------------------------------------
@@ -278,7 +250,8 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
                     "annotations": {RESTART_HASH_ANNOTATION: restart_hash(agent_config(spec))},
                 },
                 "spec": {
-                    "serviceAccountName": name,
+                    # Installed with the operator (names.AGENT_SERVICE_ACCOUNT), not created by it.
+                    "serviceAccountName": AGENT_SERVICE_ACCOUNT,
                     **_placement(spec),
                     "terminationGracePeriodSeconds": 30,
                     "containers": [container],
@@ -345,11 +318,9 @@ def cleanup_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOpt
 
 
 def agent_children(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> list[Obj]:
-    """Everything the agents need, in apply order (identity and permissions before the pods)."""
+    """Everything the agents need, in apply order (the configuration before the pods). Their
+    ServiceAccount and RBAC are installed with the operator."""
     return [
-        service_account(owner, opts),
-        cluster_role(owner),
-        cluster_role_binding(owner, opts),
         config_map(owner, spec, opts),
         agent_daemonset(owner, spec, opts),
     ]
@@ -372,7 +343,4 @@ def child_refs(pxc_name: str, opts: BuildOptions) -> list[ChildRef]:
         ChildRef("DaemonSet", names.agent, ns),
         ChildRef("DaemonSet", names.cleanup, ns),
         ChildRef("ConfigMap", names.agent, ns),
-        ChildRef("ClusterRoleBinding", names.agent, None),
-        ChildRef("ClusterRole", names.agent, None),
-        ChildRef("ServiceAccount", names.agent, ns),
     ]

@@ -122,10 +122,7 @@ def kinds(api: FakeApi) -> set[tuple[str, str]]:
     return {(k, n) for k, _, n in api.objs}
 
 
-AGENT_KINDS = {
-    ("ServiceAccount", "kpx-agent-default"),
-    ("ClusterRole", "kpx-agent-default"),
-    ("ClusterRoleBinding", "kpx-agent-default"),
+AGENT_KINDS = {  # the agents' ServiceAccount and RBAC are installed with the operator
     ("ConfigMap", "kpx-agent-default"),
     ("DaemonSet", "kpx-agent-default"),
 }
@@ -137,13 +134,13 @@ def test_first_pass_creates_the_children_and_writes_the_status_once() -> None:
     r, pxc = reconciler(api), body()
     status = run(r.reconcile(pxc, [], {}, events))
     assert kinds(api) == AGENT_KINDS
-    assert events.reasons() == ["Created"] * 5
+    assert events.reasons() == ["Created"] * 2
     assert len(api.statuses) == 1 and status is not None
     assert status.condition("Ready").reason == "NoMatchingNodes"
     # Same spec, stored status now current: nothing is written, nothing is said.
     pxc["status"] = api.statuses[-1]
     run(r.reconcile(pxc, [], {}, events))
-    assert len(api.statuses) == 1 and len(events) == 5
+    assert len(api.statuses) == 1 and len(events) == 2
 
 
 def test_drift_is_repaired_and_reported() -> None:
