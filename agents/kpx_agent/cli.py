@@ -18,7 +18,7 @@ from kpx_api.errors import ConfigError
 from kpx_api.modes import has_backend, no_backend_message
 from kpx_api.networks import parse_bind_address
 
-from . import backends
+from . import backends, conntrack_sysctl
 from . import settings as settings_mod
 from .agent import Agent
 from .http_endpoints import Health, health_app, serve
@@ -49,6 +49,20 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-cidr", action="append", help="pod CIDR (repeat for dual-stack)")
     p.add_argument("--healthz-bind-address", help="IP:port of /healthz and /livez")
     p.add_argument("--metrics-bind-address", help="IP:port of /metrics")
+    p.add_argument(
+        "--conntrack-sysctl-dir",
+        type=Path,
+        default=conntrack_sysctl.DEFAULT_SYSCTL_DIR,
+        help="the node's net/netfilter sysctls, where spec.conntrack is applied (default: "
+        "%(default)s; a pod mounts the node's directory elsewhere, since its own /proc/sys "
+        "is read-only)",
+    )
+    p.add_argument(
+        "--conntrack-hashsize-file",
+        type=Path,
+        default=conntrack_sysctl.DEFAULT_HASHSIZE_FILE,
+        help="the nf_conntrack module's hashsize parameter (default: %(default)s)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -169,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         module.create(settings.proxy),
         config_path=args.config,
         overrides=_overrides(args),
+        conntrack_paths=conntrack_sysctl.ConntrackPaths(
+            args.conntrack_sysctl_dir, args.conntrack_hashsize_file
+        ),
     )
     # Tens of thousands of long-lived objects arrive at start: with the default thresholds the
     # cyclic collector rescans them over and over (measured: decode 0.87 s -> 0.12 s at 10k).
