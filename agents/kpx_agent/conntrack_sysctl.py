@@ -86,8 +86,9 @@ def wanted(conntrack: Conntrack, cpus: int) -> dict[str, int]:
 
 def manages_node(conntrack: Conntrack) -> bool:
     """Whether the configuration asks the agent to change anything on the node (False: every
-    setting is at its leave-alone value, and the agent needs no access to the node's values)."""
-    return bool(wanted(conntrack, cpus=1))
+    setting is at its leave-alone value, and the agent needs no access to the node's values).
+    The operator decides the pod's access by the same rule (Conntrack.leaves_node_alone)."""
+    return not conntrack.leaves_node_alone()
 
 
 def manages_hashsize(conntrack: Conntrack) -> bool:

@@ -8,7 +8,7 @@ from typing import Annotated, Final
 from pydantic import Field
 
 from kpx_api.constants import OPT_OUT_LABEL, OPT_OUT_VALUE
-from kpx_api.durations import Duration
+from kpx_api.durations import Duration, parse_duration
 from kpx_api.modes import (
     ACKNOWLEDGE_IPVS_MESSAGE,
     SETTINGS_CLASS,
@@ -66,6 +66,21 @@ class Conntrack(KpxModel):
         description="Timeout of UDP streams (flows with replies); 0s leaves the kernel's value "
         "unchanged.",
     )
+
+    def leaves_node_alone(self) -> bool:
+        """Every setting at its leave-alone value (maxPerCore 0, timeouts 0s, tcpBeLiberal
+        false): the agent then changes nothing on the node and needs no access to it."""
+        timeouts = (
+            self.tcp_established_timeout,
+            self.tcp_close_wait_timeout,
+            self.udp_timeout,
+            self.udp_stream_timeout,
+        )
+        return (
+            self.max_per_core == 0
+            and not self.tcp_be_liberal
+            and all(parse_duration(t) == 0 for t in timeouts)
+        )
 
 
 class DetectLocalMode(StrEnum):

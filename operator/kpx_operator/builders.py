@@ -68,6 +68,16 @@ CAPABILITIES: Final[dict[Mode, tuple[str, ...]]] = {
 XTABLES_MODES: Final = frozenset({Mode.IPTABLES, Mode.IPVS})
 XTABLES_LOCK: Final = "/run/xtables.lock"
 
+#: spec.conntrack, when it changes anything (Conntrack.leaves_node_alone() false): the pod's own
+#: /proc/sys is read-only (as with any unprivileged container), so the node's netfilter sysctls,
+#: and with maxPerCore > 0 the nf_conntrack module's parameters (hashsize), are mounted
+#: writable at other paths the agent is told about. Nothing else of /proc or /sys: no
+#: `privileged` (upstream kube-proxy runs privileged for this).
+CONNTRACK_SYSCTLS: Final = ("conntrack-sysctls", "/proc/sys/net/netfilter",
+                            "/host/proc/sys/net/netfilter")  # fmt: skip
+CONNTRACK_MODULE: Final = ("conntrack-module", "/sys/module/nf_conntrack/parameters",
+                           "/host/sys/module/nf_conntrack/parameters")  # fmt: skip
+
 AGENT_CONTAINER: Final = "agent"
 CLEANUP_CONTAINER: Final = "cleanup"
 
@@ -185,6 +195,33 @@ def _xtables(mode: Mode) -> tuple[list[Obj], list[Obj]]:
     return [volume], [{"name": "xtables-lock", "mountPath": XTABLES_LOCK}]
 
 
+def _conntrack_access(spec: ProxyConfigurationSpec) -> tuple[list[Obj], list[Obj], list[str]]:
+    """(volumes, mounts, agent flags) that give the agent the node's conntrack settings, only
+    those it may have to write (none when spec.conntrack leaves the node alone)."""
+    if spec.conntrack.leaves_node_alone():
+        return [], [], []
+    needed = [CONNTRACK_SYSCTLS]
+    flags = ["--conntrack-sysctl-dir", CONNTRACK_SYSCTLS[2]]
+    if spec.conntrack.max_per_core > 0:  # nf_conntrack_max may need a bigger hashsize
+        needed.append(CONNTRACK_MODULE)
+        flags += ["--conntrack-hashsize-file", f"{CONNTRACK_MODULE[2]}/hashsize"]
+    volumes = [{"name": n, "hostPath": {"path": p, "type": "Directory"}} for n, p, _ in needed]
+    mounts = [{"name": n, "mountPath": m} for n, _, m in needed]
+    return volumes, mounts, flags
+
+
+def _pod_env() -> list[Obj]:
+    """The pod's identity (the agent records Events about its own Pod)."""
+    return [
+        {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+        for name, path in (
+            ("POD_NAME", "metadata.name"),
+            ("POD_NAMESPACE", "metadata.namespace"),
+            ("POD_UID", "metadata.uid"),
+        )
+    ]
+
+
 def _apiserver_env(opts: BuildOptions) -> list[Obj]:
     if opts.apiserver_endpoint is None:
         return []
@@ -199,14 +236,16 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
     """The agents: one per selected node, `proxy-agent --mode M --config FILE`."""
     name = child_names(owner.name).agent
     xt_volumes, xt_mounts = _xtables(spec.mode)
+    ct_volumes, ct_mounts, ct_flags = _conntrack_access(spec)
     _, healthz_port = parse_bind_address(spec.healthz_bind_address)
     container: Obj = {
         "name": AGENT_CONTAINER,
         "image": spec.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["proxy-agent", "--mode", str(spec.mode), "--config", CONFIG_FILE],
+        "command": ["proxy-agent", "--mode", str(spec.mode), "--config", CONFIG_FILE, *ct_flags],
         "env": [
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            *_pod_env(),
             *_apiserver_env(opts),
         ],
         "ports": [{"name": "healthz", "containerPort": healthz_port, "protocol": "TCP"}],
@@ -229,6 +268,7 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             *xt_mounts,
+            *ct_mounts,
         ],
     }
     if resources := _resources(spec):
@@ -258,6 +298,7 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
                     "volumes": [
                         {"name": "config", "configMap": {"name": name}},
                         *xt_volumes,
+                        *ct_volumes,
                     ],
                 },
             },

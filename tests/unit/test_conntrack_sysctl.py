@@ -44,6 +44,20 @@ def test_defaults_are_upstreams() -> None:
     assert cs.manages_node(Conntrack()) and cs.manages_hashsize(Conntrack())
 
 
+@pytest.mark.parametrize(
+    "conntrack",
+    [Conntrack(), LEAVE_ALONE, ct(maxPerCore=0, tcpEstablishedTimeout="0s"),
+     ct(maxPerCore=0, tcpEstablishedTimeout="0s", tcpCloseWaitTimeout="0s", udpTimeout="1s"),
+     ct(maxPerCore=1, tcpEstablishedTimeout="0s", tcpCloseWaitTimeout="0s"),
+     ct(maxPerCore=0, tcpEstablishedTimeout="0s", tcpCloseWaitTimeout="0s", tcpBeLiberal=True)],
+)  # fmt: skip
+def test_the_operators_rule_agrees_with_the_planner(conntrack: Conntrack) -> None:
+    """The operator gives the pod access to the node's values by Conntrack.leaves_node_alone;
+    the agent writes what `wanted` says: they must agree."""
+    for cpus in (1, 2, 64):
+        assert conntrack.leaves_node_alone() is (cs.wanted(conntrack, cpus) == {})
+
+
 def test_leave_alone_values_ask_for_nothing() -> None:
     assert cs.wanted(LEAVE_ALONE, cpus=64) == {}
     assert not cs.manages_node(LEAVE_ALONE) and not cs.manages_hashsize(LEAVE_ALONE)

@@ -119,9 +119,12 @@ def test_agent_daemonset_runs_the_agent_with_least_privilege(mode: str) -> None:
     ds = builders.agent_daemonset(owner, spec, OPTS)
     pod = pod_spec(ds)
     (container,) = pod["containers"]
-    assert container["command"] == [
+    assert container["command"][:5] == [
         "proxy-agent", "--mode", mode, "--config", "/etc/kpx/config.yaml",
     ]  # fmt: skip
+    # The examples keep the conntrack defaults (a table size): the agent is told where the
+    # node's values are mounted (test_conntrack_access_only_when_settings_change_the_node).
+    assert container["command"][5::2] == ["--conntrack-sysctl-dir", "--conntrack-hashsize-file"]
     assert pod["hostNetwork"] is True
     assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert pod["priorityClassName"] == spec.priority_class_name
@@ -423,3 +426,64 @@ def test_builders_do_not_share_state_between_calls() -> None:
     first["metadata"]["labels"]["x"] = "y"
     assert builders.agent_daemonset(owner, spec, OPTS) != first
     assert copy.deepcopy(builders.AGENT_RULES) == builders.AGENT_RULES
+
+
+# -- spec.conntrack: access to the node's values only when it changes them ---------------------
+
+LEAVE_ALONE = {"maxPerCore": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"}
+
+
+def _agent_pod(conntrack: Obj) -> Obj:
+    owner, spec = example("nftables")
+    return pod_spec(builders.agent_daemonset(owner, spec_with(spec, conntrack=conntrack), OPTS))
+
+
+def _host_paths(pod: Obj) -> dict[str, str]:
+    """hostPath -> where the agent container sees it."""
+    (container,) = pod["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    return {v["hostPath"]["path"]: mounts[v["name"]] for v in pod["volumes"] if "hostPath" in v}
+
+
+@pytest.mark.parametrize(
+    ("conntrack", "paths", "flags"),
+    [
+        # Every setting left alone: no access to the node's /proc/sys or /sys at all.
+        (LEAVE_ALONE, {}, []),
+        # Timeouts only: the netfilter sysctls, not the module parameters.
+        ({**LEAVE_ALONE, "udpTimeout": "30s"},
+         {"/proc/sys/net/netfilter": "/host/proc/sys/net/netfilter"},
+         ["--conntrack-sysctl-dir", "/host/proc/sys/net/netfilter"]),
+        ({**LEAVE_ALONE, "tcpBeLiberal": True},
+         {"/proc/sys/net/netfilter": "/host/proc/sys/net/netfilter"},
+         ["--conntrack-sysctl-dir", "/host/proc/sys/net/netfilter"]),
+        # The table size (the defaults): the hashsize parameter too.
+        ({}, {"/proc/sys/net/netfilter": "/host/proc/sys/net/netfilter",
+              "/sys/module/nf_conntrack/parameters": "/host/sys/module/nf_conntrack/parameters"},
+         ["--conntrack-sysctl-dir", "/host/proc/sys/net/netfilter", "--conntrack-hashsize-file",
+          "/host/sys/module/nf_conntrack/parameters/hashsize"]),
+    ],
+)  # fmt: skip
+def test_conntrack_access_only_when_settings_change_the_node(
+    conntrack: Obj, paths: dict[str, str], flags: list[str]
+) -> None:
+    pod = _agent_pod(conntrack)
+    (container,) = pod["containers"]
+    assert _host_paths(pod) == paths
+    assert container["command"][5:] == flags
+    for volume in pod["volumes"]:
+        if "hostPath" in volume and volume["hostPath"]["path"] != "/run/xtables.lock":
+            assert volume["hostPath"]["type"] == "Directory"  # never created by the kubelet
+    # Never more than the mounts: the same unprivileged container either way.
+    assert (
+        container["securityContext"] == _agent_pod(LEAVE_ALONE)["containers"][0]["securityContext"]
+    )
+    assert container["securityContext"]["privileged"] is False
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN"]}
+
+
+def test_agents_know_their_pod() -> None:
+    (container,) = _agent_pod({})["containers"]
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env == {"NODE_NAME": "spec.nodeName", "POD_NAME": "metadata.name",
+                   "POD_NAMESPACE": "metadata.namespace", "POD_UID": "metadata.uid"}  # fmt: skip
