@@ -20,14 +20,15 @@ from typing import Any, Final
 
 import aiohttp
 
+from kpx_api.constants import AGENT_EVENT_SOURCE, CONNTRACK_APPLIED, CONNTRACK_NOT_APPLIED
+
 from .kube_api import KubeClient
 
 log = logging.getLogger(__name__)
 
 #: events' source.component and reportingComponent (the operator selects on source).
-COMPONENT: Final = "kpx-agent"
-CONNTRACK_NOT_APPLIED: Final = "ConntrackNotApplied"
-CONNTRACK_APPLIED: Final = "ConntrackApplied"
+COMPONENT: Final = AGENT_EVENT_SOURCE
+__all__ = ["CONNTRACK_APPLIED", "CONNTRACK_NOT_APPLIED", "PodRef", "event_body", "post_event"]
 
 
 @dataclass(frozen=True)

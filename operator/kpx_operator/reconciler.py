@@ -27,8 +27,10 @@ from kpx_api import (
     no_backend_message,
     parse_spec,
 )
+from kpx_api.constants import AGENT_EVENT_SOURCE
 
 from .admission import Admission, IPVSPolicy, PxcInfo, admit, conflict_message
+from .agent_reports import NodeProblem, conntrack_problems
 from .apiserver import ApiError, Applied
 from .builders import (
     BuildOptions,
@@ -38,7 +40,7 @@ from .builders import (
     child_refs,
     cleanup_daemonset,
 )
-from .names import child_names
+from .names import AGENT_APP, child_names, selector_labels
 from .status import (
     IPVS_DENIED_MESSAGE,
     NFTABLES_ADVICE,
@@ -62,6 +64,10 @@ class Api(Protocol):
 
     async def apply(self, obj: Mapping[str, Any]) -> Applied: ...
     async def get(self, kind: str, name: str, namespace: str | None = None) -> Obj | None: ...
+    async def list(
+        self, kind: str, namespace: str | None = None, *, label_selector: str = "",
+        field_selector: str = "",
+    ) -> list[Obj]: ...  # fmt: skip
     async def delete(
         self, kind: str, name: str, namespace: str | None = None, *, propagation: str = ...
     ) -> bool: ...
@@ -198,6 +204,7 @@ class Reconciler:
             opts = self.config.build
             error: str | None = None
             ds: Obj | None = None
+            problems: tuple[NodeProblem, ...] = ()
             try:
                 if spec is not None and admission.deploy:
                     self._cleared.discard(uid)
@@ -205,6 +212,8 @@ class Reconciler:
                         applied = await self.api.apply(obj)
                         self._note(obj, applied, emit)
                     ds = applied.obj  # the DaemonSet comes last
+                    if not spec.conntrack.leaves_node_alone():
+                        problems = await self._conntrack_problems(name)
                 else:
                     why = (
                         "the spec is invalid" if invalid
@@ -226,7 +235,8 @@ class Reconciler:
                         ds = None
             mode = str((body.get("spec") or {}).get("mode", ""))
             self._announce(uid, generation, mode, admission, emit)
-            observed = Observed(generation, mode, admission, ds, error=error, invalid=invalid)
+            observed = Observed(generation, mode, admission, ds, error=error, invalid=invalid,
+                                conntrack_problems=problems)  # fmt: skip
             previous = self._status.get(uid) or parse_status(body.get("status"))
             status = compute_status(observed, previous, self.clock())
             if not is_current(body.get("status"), status):
@@ -237,6 +247,20 @@ class Reconciler:
                     return status
             self._status[uid] = status
             return status
+
+    async def _conntrack_problems(self, name: str) -> tuple[NodeProblem, ...]:
+        """What the agents of `name` report about spec.conntrack (their Pods' Events)."""
+        ns = self.config.build.namespace
+        selector = ",".join(f"{k}={v}" for k, v in selector_labels(name, AGENT_APP).items())
+        try:
+            pods = await self.api.list("Pod", ns, label_selector=selector)
+            events = await self.api.list(
+                "Event", ns, field_selector=f"involvedObject.kind=Pod,source={AGENT_EVENT_SOURCE}"
+            )
+        except ApiError as exc:
+            log.warning("%s: cannot read the agents' reports: %s", name, exc)
+            return ()
+        return conntrack_problems(pods, events)
 
     def _announce(
         self, uid: str, generation: int, mode: str, adm: Admission, emit: EventFn

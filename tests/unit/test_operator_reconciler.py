@@ -32,6 +32,7 @@ class FakeApi:
         self.statuses: list[dict[str, Any]] = []
         self.deletes: list[tuple[str, str, str]] = []
         self.refuse: ApiError | None = None
+        self.lists: list[tuple[str, str, str]] = []
         self.version = 0
 
     def _status(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -59,6 +60,18 @@ class FakeApi:
         new["metadata"]["generation"] = (before["metadata"]["generation"] + 1) if before else 1
         self.objs[key] = new
         return Applied(self._status(new), created=before is None)
+
+    async def list(
+        self, kind: str, namespace: str | None = None, *, label_selector: str = "",
+        field_selector: str = "",
+    ) -> list[dict[str, Any]]:  # fmt: skip
+        self.lists.append((kind, label_selector, field_selector))
+        wanted = dict(kv.split("=", 1) for kv in label_selector.split(",") if kv)
+        return [
+            copy.deepcopy(obj) for (k, ns, _), obj in self.objs.items()
+            if k == kind and ns == namespace
+            and wanted.items() <= (obj["metadata"].get("labels") or {}).items()
+        ]  # fmt: skip
 
     async def get(self, kind: str, name: str, namespace: str | None = None) -> Any:
         obj = self.objs.get((kind, namespace, name))
@@ -280,3 +293,49 @@ def test_blocked_configuration_is_deleted_without_cleanup() -> None:
     older = PxcInfo("aaa", "uid-aaa", "2025-01-01T00:00:00Z", "nftables")
     run(reconciler(api).finalize(body(), [older], {"n1": {}}, 0, events))
     assert api.objs == {} and "CleanupStarted" not in events.reasons()
+
+
+def agent_pod(uid: str, node: str) -> dict[str, Any]:
+    return {"kind": "Pod", "metadata": {"name": f"kpx-agent-default-{uid}", "uid": uid,
+            "namespace": NS, "labels": {"app.kubernetes.io/name": "kpx-agent",
+                                        "app.kubernetes.io/instance": "default"}},
+            "spec": {"nodeName": node}}  # fmt: skip
+
+
+def agent_event(pod_uid: str, reason: str, at: str, message: str = "") -> dict[str, Any]:
+    return {"kind": "Event", "metadata": {"name": f"e-{pod_uid}-{at}", "namespace": NS},
+            "involvedObject": {"kind": "Pod", "uid": pod_uid}, "reason": reason,
+            "message": message, "lastTimestamp": at,
+            "source": {"component": "kpx-agent"}}  # fmt: skip
+
+
+def test_conntrack_not_applied_on_a_node_is_degraded_until_its_agent_applies_it() -> None:
+    api, events = FakeApi(), Events()
+    api.ds_status["kpx-agent-default"] = {"desiredNumberScheduled": 2, "numberReady": 2,
+                                          "updatedNumberScheduled": 2}  # fmt: skip
+    for uid, node in (("u1", "n1"), ("u2", "n2")):
+        api.objs[("Pod", NS, uid)] = agent_pod(uid, node)
+    failed = "conntrack settings not applied: nf_conntrack_max: cannot set 262144"
+    api.objs[("Event", NS, "a")] = agent_event("u1", "ConntrackNotApplied", "2026-01-01T00:00:01Z",
+                                               failed)  # fmt: skip
+    api.objs[("Event", NS, "gone")] = agent_event("u-old", "ConntrackNotApplied",
+                                                  "2026-01-01T00:00:02Z", "an old pod")  # fmt: skip
+    r = reconciler(api)
+    status = run(r.reconcile(body(), [], {}, events))
+    degraded = status.condition("Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "ConntrackNotApplied")
+    assert degraded.message == f"spec.conntrack is not applied on node n1: {failed}"
+    assert status.condition("Ready").status == "True"  # the agents proxy all the same
+    assert ("Event", "", "involvedObject.kind=Pod,source=kpx-agent") in api.lists
+    # The agent on n1 succeeds later: the condition clears.
+    api.objs[("Event", NS, "b")] = agent_event("u1", "ConntrackApplied", "2026-01-01T00:01:00Z")
+    status = run(r.reconcile(body(), [], {}, events))
+    assert (status.condition("Degraded").status, status.condition("Degraded").reason) == (
+        "False", "AsExpected")  # fmt: skip
+
+
+def test_conntrack_left_alone_reads_no_agent_reports() -> None:
+    api, events = FakeApi(), Events()
+    leave_alone = {"maxPerCore": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"}
+    run(reconciler(api).reconcile(body(conntrack=leave_alone), [], {}, events))
+    assert api.lists == []
