@@ -12,7 +12,10 @@
 I/O edge: it reads the current values under `ConntrackPaths`, writes what the plan says, logs
 each change and returns what failed instead of raising. The timeouts are per network
 namespace; nf_conntrack_max and hashsize are global to the host and only writable from its
-network namespace (the kernel refuses them elsewhere).
+network namespace: elsewhere the kernel shows nf_conntrack_max read-only (mode 0444) and
+refuses hashsize. The agent takes that mode as the kernel's word: where nf_conntrack_max is
+read-only (an agent in a test's node namespace, not a hostNetwork pod) it writes neither,
+and reports a raise they would need as not applied.
 
 Unlike the UDP flow cleanup in `conntrack.py`, this runs at start and on a configuration
 reload, not on every sync.
@@ -174,15 +177,43 @@ def _read(path: Path) -> int | None:
         return None
 
 
-def apply(conntrack: Conntrack, paths: ConntrackPaths, cpus: int | None = None) -> Outcome:
+#: Global to the host (not per network namespace).
+GLOBAL: Final = frozenset({MAX, HASHSIZE})
+
+
+def globals_writable(paths: ConntrackPaths) -> bool:
+    """Whether the kernel lets this process set the host-global values: nf_conntrack_max is
+    writable (0644) only in the host's network namespace, read-only (0444) in any other.
+    True when it cannot be told (a missing file fails on its own)."""
+    try:
+        return bool(paths.of(MAX).stat().st_mode & 0o222)
+    except OSError:
+        return True
+
+
+def apply(
+    conntrack: Conntrack,
+    paths: ConntrackPaths,
+    cpus: int | None = None,
+    host_netns: bool | None = None,
+) -> Outcome:
     """Read the node's values, write what differs, log each change; never raises."""
     want = wanted(conntrack, node_cpus() if cpus is None else cpus)
     if not want:
         return Outcome()
     current = {setting: _read(paths.of(setting)) for setting in want}
+    host = globals_writable(paths) if host_netns is None else host_netns
     changed, failures = [], []
     for write in plan(want, current):
         path = paths.of(write.setting)
+        if write.setting in GLOBAL and not host:
+            failures.append(
+                f"{write.setting}: wants {write.value} (now {write.current}), but it is global "
+                "to the host and read-only here: this agent is not in the host's network "
+                "namespace"
+            )
+            log.error("conntrack: %s", failures[-1])
+            continue
         try:
             path.write_text(f"{write.value}\n")
         except OSError as exc:

@@ -132,7 +132,7 @@ def test_apply_writes_what_differs_and_nothing_else(tmp_path: Path) -> None:
                       nf_conntrack_tcp_be_liberal=0, nf_conntrack_udp_timeout=30)  # fmt: skip
     before = {p.name: p.stat().st_mtime_ns for p in paths.sysctl_dir.iterdir()}
     conntrack = ct(maxPerCore=32768, min=131072, tcpBeLiberal=True, udpTimeout="30s")
-    outcome = cs.apply(conntrack, paths, cpus=2)
+    outcome = cs.apply(conntrack, paths, cpus=2, host_netns=True)
     assert outcome.ok
     assert [(w.setting, w.value, w.current) for w in outcome.changed] == [
         (cs.HASHSIZE, 32768, 1024),
@@ -148,7 +148,19 @@ def test_apply_writes_what_differs_and_nothing_else(tmp_path: Path) -> None:
     for name in ("nf_conntrack_max", "nf_conntrack_tcp_timeout_close_wait",
                  "nf_conntrack_udp_timeout"):  # fmt: skip
         assert paths.sysctl_dir.joinpath(name).stat().st_mtime_ns == before[name], name
-    assert cs.apply(conntrack, paths, cpus=2).changed == ()  # idempotent
+    assert cs.apply(conntrack, paths, cpus=2, host_netns=True).changed == ()  # idempotent
+
+
+def test_outside_the_host_netns_global_values_are_reported_not_written(tmp_path: Path) -> None:
+    paths = fake_node(tmp_path, nf_conntrack_max=1000, hashsize=100,
+                      nf_conntrack_tcp_timeout_established=1)  # fmt: skip
+    conntrack = ct(maxPerCore=0, min=0, tcpCloseWaitTimeout="0s")
+    conntrack = conntrack.model_copy(update={"max_per_core": 4096})  # 8192 on 2 CPUs
+    outcome = cs.apply(conntrack, paths, cpus=2, host_netns=False)
+    assert [w.setting for w in outcome.changed] == [cs.TCP_ESTABLISHED]  # per namespace: set
+    assert [f.partition(":")[0] for f in outcome.failures] == [cs.MAX, cs.HASHSIZE]
+    assert "not in the host's network namespace" in outcome.failures[0]
+    assert paths.of(cs.MAX).read_text() == "1000\n" and paths.of(cs.HASHSIZE).read_text() == "100\n"
 
 
 def test_apply_with_leave_alone_values_reads_nothing(tmp_path: Path) -> None:
@@ -165,3 +177,15 @@ def test_failures_are_reported_per_setting_and_the_rest_applied(tmp_path: Path) 
     (failure,) = outcome.failures
     assert failure.startswith(f"{cs.TCP_CLOSE_WAIT}: cannot set 3600 (now unreadable)")
     assert not outcome.ok
+
+
+def test_a_read_only_nf_conntrack_max_means_not_the_host_namespace(tmp_path: Path) -> None:
+    """The kernel shows nf_conntrack_max 0444 outside the host's network namespace."""
+    paths = fake_node(tmp_path, nf_conntrack_max=1000, hashsize=100)
+    assert cs.globals_writable(paths)
+    paths.of(cs.MAX).chmod(0o444)
+    assert not cs.globals_writable(paths)
+    outcome = cs.apply(ct(maxPerCore=4096, tcpEstablishedTimeout="0s",
+                          tcpCloseWaitTimeout="0s"), paths, cpus=2)  # fmt: skip
+    assert outcome.changed == () and len(outcome.failures) == 2
+    assert paths.of(cs.HASHSIZE).read_text() == "100\n"  # root could write it: it did not
