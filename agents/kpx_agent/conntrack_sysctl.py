@@ -170,6 +170,16 @@ def node_cpus(online: Path = CPU_ONLINE_FILE) -> int:
         return os.cpu_count() or 1
 
 
+def _write(path: Path, value: int) -> None:
+    """Write an existing sysctl or parameter file; never create one (a missing file means
+    the nf_conntrack module is not loaded, or the node's directory is not what was mounted)."""
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+    try:
+        os.write(fd, f"{value}\n".encode())
+    finally:
+        os.close(fd)
+
+
 def _read(path: Path) -> int | None:
     try:
         return int(path.read_text().split()[0])
@@ -215,7 +225,7 @@ def apply(
             log.error("conntrack: %s", failures[-1])
             continue
         try:
-            path.write_text(f"{write.value}\n")
+            _write(path, write.value)
         except OSError as exc:
             before = "unreadable" if write.current is None else str(write.current)
             failures.append(

@@ -566,6 +566,25 @@ def test_agents_run_on_simulated_nodes_and_deletion_cleans_them(env: Env) -> Non
             for node in nodes:  # Ready means synced: the rules are in place
                 assert kpx_tables(topo, node), f"no kpx table on {node.name}"
 
+            # spec.conntrack (the defaults) is applied through the node's directories, which
+            # the simulator's hostPath stand-ins (empty per-node directories) do not hold:
+            # each agent records ConntrackNotApplied on its own Pod (ServiceAccount kpx-agent,
+            # create events only) and the operator turns that into Degraded, naming the nodes.
+            def conntrack_reported() -> Obj | None:
+                cond = env.condition("default", "Degraded") or {}
+                named = all(n.name in cond.get("message", "") for n in nodes)
+                return cond if cond.get("reason") == "ConntrackNotApplied" and named else None
+
+            degraded = wait_until(conntrack_reported, 60, "Degraded/ConntrackNotApplied")
+            assert degraded["status"] == "True"
+            assert "No such file or directory" in degraded["message"]
+            assert (env.condition("default", "Ready") or {}).get("status") == "True"
+            out = env.kubectl("-n", NS, "get", "events", "-o", "json",
+                              "--field-selector=reason=ConntrackNotApplied").stdout  # fmt: skip
+            reported = json.loads(out)["items"]
+            assert {e["involvedObject"]["kind"] for e in reported} == {"Pod"}
+            assert {e["source"]["host"] for e in reported} >= {n.name for n in nodes}
+
             # Deletion: agents stop, the cleanup DaemonSet cleans both nodes, finalizer goes.
             env.kubectl("delete", "proxyconfiguration", "default", "--timeout=120s")
             for node in nodes:

@@ -189,3 +189,18 @@ def test_a_read_only_nf_conntrack_max_means_not_the_host_namespace(tmp_path: Pat
                           tcpCloseWaitTimeout="0s"), paths, cpus=2)  # fmt: skip
     assert outcome.changed == () and len(outcome.failures) == 2
     assert paths.of(cs.HASHSIZE).read_text() == "100\n"  # root could write it: it did not
+
+
+def test_missing_sysctls_are_reported_never_created(tmp_path: Path) -> None:
+    """No nf_conntrack module (or a wrong mount): nothing is created in its place."""
+    paths = fake_node(tmp_path)  # an empty directory, no hashsize file
+    outcome = cs.apply(Conntrack(), paths, cpus=2)
+    assert outcome.changed == ()
+    assert [f.partition(":")[0] for f in outcome.failures] == [
+        cs.MAX,
+        cs.HASHSIZE,
+        cs.TCP_ESTABLISHED,
+        cs.TCP_CLOSE_WAIT,
+    ]
+    assert "No such file or directory" in outcome.failures[0]
+    assert list(paths.sysctl_dir.iterdir()) == [] and not paths.hashsize_file.exists()
