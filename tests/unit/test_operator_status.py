@@ -207,3 +207,17 @@ def test_patch_removes_the_mode_when_nothing_runs() -> None:
     assert patch["mode"] is None  # JSON merge patch: null removes the field
     assert "kopf" not in patch
     assert patch["conditions"][0]["lastTransitionTime"] == "2026-01-01T12:00:00Z"
+
+
+def test_agents_reporting_conntrack_not_applied_make_it_degraded_not_unready() -> None:
+    from kpx_operator.agent_reports import NodeProblem
+
+    problems = (NodeProblem("n1", "nf_conntrack_max: cannot set"), NodeProblem("n2", "x"))
+    status = compute_status(obs(daemonset=ds(2, 2, 2), conntrack_problems=problems), None, T0)
+    degraded = status.condition("Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "ConntrackNotApplied")
+    assert degraded.message.startswith("spec.conntrack is not applied on nodes n1, n2:")
+    assert status.condition("Ready").status == "True"
+    # A refused apply says more about the configuration: it wins.
+    failed = obs(daemonset=ds(2, 2, 2), conntrack_problems=problems, error="Forbidden (403)")
+    assert compute_status(failed, None, T0).condition("Degraded").reason == "ReconcileFailed"
