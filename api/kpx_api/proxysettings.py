@@ -33,15 +33,17 @@ class Conntrack(KpxModel):
         ge=0,
         le=2**31 - 1,
         strict=True,
-        description="Conntrack entries to allow per CPU core (nf_conntrack_max = max(min, "
-        "maxPerCore * cores)); 0 leaves the limit unchanged.",
+        description="Conntrack entries to allow per CPU core: nf_conntrack_max = max(min, "
+        "maxPerCore * the node's CPUs, capped at 1048576), only ever raised, and the "
+        "nf_conntrack hashsize raised to a quarter of it; 0 leaves both unchanged.",
     )
     min: int = Field(
         default=131072,
         ge=0,
         le=2**31 - 1,
         strict=True,
-        description="Lower bound of nf_conntrack_max, whatever maxPerCore gives.",
+        description="Lower bound of nf_conntrack_max, whatever maxPerCore gives (no effect "
+        "with maxPerCore 0).",
     )
     tcp_established_timeout: Duration = Field(
         default="24h",
@@ -54,8 +56,8 @@ class Conntrack(KpxModel):
     tcp_be_liberal: bool = Field(
         default=False,
         strict=True,
-        description="Set nf_conntrack_tcp_be_liberal: do not mark out-of-window TCP packets "
-        "INVALID.",
+        description="Set nf_conntrack_tcp_be_liberal to 1: do not mark out-of-window TCP "
+        "packets INVALID. false leaves the kernel's value unchanged.",
     )
     udp_timeout: Duration = Field(
         default="0s",
