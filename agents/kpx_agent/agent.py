@@ -57,6 +57,7 @@ class Agent:
         self.conntrack_paths = conntrack_paths or conntrack_sysctl.ConntrackPaths()
         self.pod = pod_events.PodRef.from_env()
         self._conntrack_failed = False
+        self._conntrack_task: asyncio.Task[None] | None = None  # a reload's apply
         self.metrics = AgentMetrics()
         self.state = ClusterState()
         self.proxier = Proxier(self.state, backend, node_name, settings.optout, self.metrics)
@@ -234,7 +235,7 @@ class Agent:
         if (new.healthz, new.metrics) != (self.settings.healthz, self.settings.metrics):
             log.warning("bind address changes take effect when the agent restarts")
         if new.conntrack != self.settings.conntrack:
-            asyncio.get_running_loop().create_task(self.apply_conntrack(new))
+            self._conntrack_task = asyncio.get_running_loop().create_task(self.apply_conntrack(new))
         if new.proxy != self.settings.proxy:
             self.backend.settings = new.proxy
             self.proxier.request_full_sync()
