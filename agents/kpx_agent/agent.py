@@ -7,11 +7,12 @@ import contextlib
 import gc
 import logging
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 from kpx_api.errors import ConfigError
 
-from . import collector
+from . import collector, conntrack_sysctl, pod_events
 from . import settings as settings_mod
 from .backends.base import Backend
 from .cluster_state import ClusterState
@@ -44,6 +45,7 @@ class Agent:
         backend: Backend,
         config_path: Path | None = None,
         overrides: dict[str, object] | None = None,
+        conntrack_paths: conntrack_sysctl.ConntrackPaths | None = None,
     ) -> None:
         self.settings = settings
         self.node_name = node_name
@@ -52,6 +54,10 @@ class Agent:
         self.config_path = config_path
         self._synced_once = False  # until the first sync was attempted
         self.overrides = overrides or {}
+        self.conntrack_paths = conntrack_paths or conntrack_sysctl.ConntrackPaths()
+        self.pod = pod_events.PodRef.from_env()
+        self._conntrack_failed = False
+        self._conntrack_task: asyncio.Task[None] | None = None  # a reload's apply
         self.metrics = AgentMetrics()
         self.state = ClusterState()
         self.proxier = Proxier(self.state, backend, node_name, settings.optout, self.metrics)
@@ -106,6 +112,7 @@ class Agent:
         ]
         tasks: list[asyncio.Task[None]] = []
         try:
+            await self.apply_conntrack()
             namespaces = self._reflector(NAMESPACES_RESOURCE)
             node = self._reflector(NODES_RESOURCE, f"metadata.name={self.node_name}")
             tasks += [asyncio.create_task(r.run()) for r in (namespaces, node)]
@@ -229,6 +236,8 @@ class Agent:
             return False
         if (new.healthz, new.metrics) != (self.settings.healthz, self.settings.metrics):
             log.warning("bind address changes take effect when the agent restarts")
+        if new.conntrack != self.settings.conntrack:
+            self._conntrack_task = asyncio.get_running_loop().create_task(self.apply_conntrack(new))
         if new.proxy != self.settings.proxy:
             self.backend.settings = new.proxy
             self.proxier.request_full_sync()
@@ -237,3 +246,31 @@ class Agent:
         log.info("configuration reloaded")
         self._wake.set()
         return True
+
+    # -- the node's conntrack settings ---------------------------------------------------------
+    async def apply_conntrack(self, settings: AgentSettings | None = None) -> None:
+        """Set the node's conntrack sysctls (spec.conntrack); report what could not be set in
+        the log, the metrics and an Event on this agent's Pod (the operator's status shows it)."""
+        conntrack = (settings or self.settings).conntrack
+        outcome = await asyncio.to_thread(conntrack_sysctl.apply, conntrack, self.conntrack_paths)
+        self.metrics.conntrack_not_applied.set(len(outcome.failures))
+        for failure in outcome.failures:
+            self.metrics.conntrack_apply_failures.labels(failure.partition(":")[0]).inc()
+        if outcome.failures:
+            message = "conntrack settings not applied: " + "; ".join(outcome.failures)
+            await self._report("Warning", pod_events.CONNTRACK_NOT_APPLIED, message)
+        elif outcome.changed or self._conntrack_failed:
+            changes = ", ".join(f"{w.setting}={w.value}" for w in outcome.changed)
+            await self._report(
+                "Normal", pod_events.CONNTRACK_APPLIED,
+                f"conntrack settings applied ({changes or 'already as configured'})",
+            )  # fmt: skip
+        self._conntrack_failed = bool(outcome.failures)
+
+    async def _report(self, type_: str, reason: str, message: str) -> None:
+        if self.pod is None:
+            return
+        body = pod_events.event_body(
+            self.pod, self.node_name, type_, reason, message, datetime.now(UTC)
+        )
+        await pod_events.post_event(self.client, body)

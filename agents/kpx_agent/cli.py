@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from kpx_api.errors import ConfigError
+from kpx_api.modes import has_backend, no_backend_message
 from kpx_api.networks import parse_bind_address
 from kpx_kube import KubeconfigError
 
-from . import backends
+from . import backends, conntrack_sysctl
 from . import settings as settings_mod
 from .agent import Agent
 from .http_endpoints import Health, health_app, serve
@@ -65,6 +66,20 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-cidr", action="append", help="pod CIDR (repeat for dual-stack)")
     p.add_argument("--healthz-bind-address", help="IP:port of /healthz and /livez")
     p.add_argument("--metrics-bind-address", help="IP:port of /metrics")
+    p.add_argument(
+        "--conntrack-sysctl-dir",
+        type=Path,
+        default=conntrack_sysctl.DEFAULT_SYSCTL_DIR,
+        help="the node's net/netfilter sysctls, where spec.conntrack is applied (default: "
+        "%(default)s; a pod mounts the node's directory elsewhere, since its own /proc/sys "
+        "is read-only)",
+    )
+    p.add_argument(
+        "--conntrack-hashsize-file",
+        type=Path,
+        default=conntrack_sysctl.DEFAULT_HASHSIZE_FILE,
+        help="the nf_conntrack module's hashsize parameter (default: %(default)s)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -96,6 +111,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def cleanup(argv: list[str]) -> int:
     args = _cleanup_parser().parse_args(argv)
+    if not has_backend(args.mode):
+        print(f"proxy-agent: {no_backend_message(args.mode)}", file=sys.stderr)
+        return 2
     module: Any = backends.load(args.mode)
     module.cleanup()
     print(f"removed the {args.mode} rules of kpx", flush=True)
@@ -161,11 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"proxy-agent: invalid configuration: {exc}", file=sys.stderr)
         return 2
+    if not has_backend(settings.mode):
+        # The API accepts the mode (and the operator deploys nothing for it): say why this
+        # agent cannot run it rather than fail on a missing module.
+        print(f"proxy-agent: {no_backend_message(settings.mode)}", file=sys.stderr)
+        return 2
     if settings.mode == "ipvs":
-        log.warning(
-            "mode ipvs is deprecated upstream (KEP-5495): it keeps working here, but plan the "
-            "move to mode nftables, the recommended dataplane"
-        )
+        log.warning("mode ipvs is deprecated upstream (KEP-5495): plan the move to nftables")
     try:
         module: Any = backends.load(settings.mode)
     except KeyError as exc:
@@ -184,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         module.create(settings.proxy),
         config_path=args.config,
         overrides=_overrides(args),
+        conntrack_paths=conntrack_sysctl.ConntrackPaths(
+            args.conntrack_sysctl_dir, args.conntrack_hashsize_file
+        ),
     )
     # Tens of thousands of long-lived objects arrive at start: with the default thresholds the
     # cyclic collector rescans them over and over (measured: decode 0.87 s -> 0.12 s at 10k).

@@ -91,6 +91,22 @@ class KubeClient:
         if self._session is not None:
             await self._session.close()
 
+    async def create(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """POST `body` to `path` (an object the agent records, such as an Event)."""
+        auth = await self._auth()
+        async with self.session.post(
+            self.creds.server + path,
+            json=dict(body),
+            headers=self._headers(auth),
+            timeout=aiohttp.ClientTimeout(total=10),
+            ssl=auth.ssl,
+        ) as resp:
+            data = await resp.read()
+            if resp.status >= 300:
+                raise self._refused(resp.status, data, auth)
+            created: dict[str, Any] = orjson.loads(data)
+            return created
+
     async def list(self, resource: str, path: str, params: Mapping[str, str]) -> dict[str, Any]:
         url = self.creds.server + path
         timeout = aiohttp.ClientTimeout(total=120)

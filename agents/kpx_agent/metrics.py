@@ -93,6 +93,17 @@ class AgentMetrics:
         self.excluded_namespaces = Gauge(
             "kpx_opted_out_namespaces", "Namespaces not proxied (opt-out)", registry=r
         )
+        self.conntrack_apply_failures = Counter(
+            "kpx_conntrack_apply_failures_total",
+            "Conntrack settings (spec.conntrack) the agent could not write to the node",
+            ["setting"],
+            registry=r,
+        )
+        self.conntrack_not_applied = Gauge(
+            "kpx_conntrack_settings_not_applied",
+            "Conntrack settings that the last attempt left unapplied (0: all as configured)",
+            registry=r,
+        )
         self.config_reload_failures = Counter(
             "kpx_config_reload_failures_total",
             "Configuration file changes rejected; the previous configuration stays",

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kpx_api.agentconfig import AgentConfiguration, load_agent_config, parse_agent_config
 from kpx_api.durations import parse_duration
 from kpx_api.networks import parse_bind_address, parse_cidr
-from kpx_api.proxysettings import NamespaceOptOut
+from kpx_api.proxysettings import Conntrack, NamespaceOptOut
 
 from .localnet import DetectLocal, DetectLocalMode, ProxySettings
 
@@ -24,6 +24,8 @@ class AgentSettings:
     optout: NamespaceOptOut
     healthz: tuple[str, int]
     metrics: tuple[str, int]
+    #: The node's conntrack sysctls (conntrack_sysctl.py).
+    conntrack: Conntrack = field(default_factory=Conntrack)
 
 
 _LOOPBACK = ipaddress.IPv4Address("127.0.0.1")
@@ -60,6 +62,7 @@ def resolve(config: AgentConfiguration) -> AgentSettings:
         optout=config.namespace_opt_out,
         healthz=parse_bind_address(config.healthz_bind_address),
         metrics=parse_bind_address(config.metrics_bind_address),
+        conntrack=config.conntrack,
     )
 
 

@@ -25,12 +25,15 @@ if TYPE_CHECKING:
     from kpx_api.durations import Duration, format_duration, parse_duration
     from kpx_api.errors import ConfigError, FieldError
     from kpx_api.modes import (
+        MODES_WITH_BACKEND,
         IPTablesSettings,
         IPVSScheduler,
         IPVSSettings,
         Mode,
         ModeSettings,
         NFTablesSettings,
+        has_backend,
+        no_backend_message,
     )
     from kpx_api.networks import ip_family, parse_bind_address, parse_cidr
     from kpx_api.proxyconfiguration import (
@@ -78,6 +81,7 @@ _EXPORTS = {
     "KIND": "constants",
     "LabelSelector": "selectors",
     "LabelSelectorRequirement": "selectors",
+    "MODES_WITH_BACKEND": "modes",
     "Mode": "modes",
     "ModeSettings": "modes",
     "NFTablesSettings": "modes",
@@ -96,6 +100,8 @@ _EXPORTS = {
     "agent_config_from_spec": "agentconfig",
     "dump_agent_config": "agentconfig",
     "format_duration": "durations",
+    "has_backend": "modes",
+    "no_backend_message": "modes",
     "ip_family": "networks",
     "load_agent_config": "agentconfig",
     "parse_agent_config": "agentconfig",
@@ -110,6 +116,7 @@ __all__ = [
     "CRD_NAME",
     "GROUP",
     "KIND",
+    "MODES_WITH_BACKEND",
     "PLURAL",
     "VERSION",
     "AgentConfiguration",
@@ -143,8 +150,10 @@ __all__ = [
     "agent_config_from_spec",
     "dump_agent_config",
     "format_duration",
+    "has_backend",
     "ip_family",
     "load_agent_config",
+    "no_backend_message",
     "parse_agent_config",
     "parse_bind_address",
     "parse_cidr",

@@ -19,3 +19,9 @@ AGENT_CONFIG_KIND: Final = "AgentConfiguration"
 #: Namespaces carrying this label (with value "disabled") are opted out by the default selector.
 OPT_OUT_LABEL: Final = "networking.k8s.io/kube-proxy"
 OPT_OUT_VALUE: Final = "disabled"
+
+#: Events the node agents record about their own Pod (source.component AGENT_EVENT_SOURCE),
+#: which the operator reads into the ProxyConfiguration's status.
+AGENT_EVENT_SOURCE: Final = "kpx-agent"
+CONNTRACK_NOT_APPLIED: Final = "ConntrackNotApplied"
+CONNTRACK_APPLIED: Final = "ConntrackApplied"

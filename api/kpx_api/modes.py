@@ -20,6 +20,28 @@ class Mode(StrEnum):
     IPVS = "ipvs"
 
 
+#: The modes the node agent has a backend for: the one gate. The API accepts every Mode; the
+#: operator deploys agents only for these (another mode reports Degraded, reason
+#: ModeNotImplemented, and deploys nothing) and the agent refuses the others at start.
+#: kpx_agent.backends.REGISTRY lists exactly these (a unit test checks), so a new backend is
+#: its registry entry plus its mode here.
+MODES_WITH_BACKEND: Final[frozenset[Mode]] = frozenset({Mode.NFTABLES, Mode.IPTABLES})
+
+
+def has_backend(mode: str) -> bool:
+    """Whether the node agent can run `mode` (see MODES_WITH_BACKEND)."""
+    return mode in MODES_WITH_BACKEND
+
+
+def no_backend_message(mode: str) -> str:
+    """Why a mode without a backend runs nothing (the operator's condition, the agent's exit)."""
+    have = " and ".join(sorted(MODES_WITH_BACKEND))
+    return (
+        f"mode {mode} has no backend in the kpx agent yet, so no agent can run it: use mode "
+        f"nftables (recommended) or another mode with a backend ({have})"
+    )
+
+
 class IPVSScheduler(StrEnum):
     """IPVS scheduling algorithm (ipvsadm's names)."""
 

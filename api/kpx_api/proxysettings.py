@@ -8,7 +8,7 @@ from typing import Annotated, Final
 from pydantic import Field
 
 from kpx_api.constants import OPT_OUT_LABEL, OPT_OUT_VALUE
-from kpx_api.durations import Duration
+from kpx_api.durations import Duration, parse_duration
 from kpx_api.modes import (
     ACKNOWLEDGE_IPVS_MESSAGE,
     SETTINGS_CLASS,
@@ -33,15 +33,17 @@ class Conntrack(KpxModel):
         ge=0,
         le=2**31 - 1,
         strict=True,
-        description="Conntrack entries to allow per CPU core (nf_conntrack_max = max(min, "
-        "maxPerCore * cores)); 0 leaves the limit unchanged.",
+        description="Conntrack entries to allow per CPU core: nf_conntrack_max = max(min, "
+        "maxPerCore * the node's CPUs, capped at 1048576), only ever raised, and the "
+        "nf_conntrack hashsize raised to a quarter of it; 0 leaves both unchanged.",
     )
     min: int = Field(
         default=131072,
         ge=0,
         le=2**31 - 1,
         strict=True,
-        description="Lower bound of nf_conntrack_max, whatever maxPerCore gives.",
+        description="Lower bound of nf_conntrack_max, whatever maxPerCore gives (no effect "
+        "with maxPerCore 0).",
     )
     tcp_established_timeout: Duration = Field(
         default="24h",
@@ -54,8 +56,8 @@ class Conntrack(KpxModel):
     tcp_be_liberal: bool = Field(
         default=False,
         strict=True,
-        description="Set nf_conntrack_tcp_be_liberal: do not mark out-of-window TCP packets "
-        "INVALID.",
+        description="Set nf_conntrack_tcp_be_liberal to 1: do not mark out-of-window TCP "
+        "packets INVALID. false leaves the kernel's value unchanged.",
     )
     udp_timeout: Duration = Field(
         default="0s",
@@ -66,6 +68,21 @@ class Conntrack(KpxModel):
         description="Timeout of UDP streams (flows with replies); 0s leaves the kernel's value "
         "unchanged.",
     )
+
+    def leaves_node_alone(self) -> bool:
+        """Every setting at its leave-alone value (maxPerCore 0, timeouts 0s, tcpBeLiberal
+        false): the agent then changes nothing on the node and needs no access to it."""
+        timeouts = (
+            self.tcp_established_timeout,
+            self.tcp_close_wait_timeout,
+            self.udp_timeout,
+            self.udp_stream_timeout,
+        )
+        return (
+            self.max_per_core == 0
+            and not self.tcp_be_liberal
+            and all(parse_duration(t) == 0 for t in timeouts)
+        )
 
 
 class DetectLocalMode(StrEnum):
@@ -213,8 +230,9 @@ class ProxySettings(KpxModel):
 
     mode: Mode = Field(
         description="Dataplane the agents program: nftables (recommended), iptables, or ipvs "
-        "(deprecated upstream: needs ipvs.acknowledgeDeprecation: true). Required: there is "
-        "no default."
+        "(deprecated upstream: needs ipvs.acknowledgeDeprecation: true; the agent has no ipvs "
+        "backend yet, so the operator deploys no agents for it and reports Degraded, reason "
+        "ModeNotImplemented). Required: there is no default."
     )
     nftables: NFTablesSettings | None = Field(
         default=None, description="Settings of mode nftables." + _NOT_SELECTED
@@ -225,7 +243,8 @@ class ProxySettings(KpxModel):
     ipvs: IPVSSettings | None = Field(
         default=None,
         description="Settings of mode ipvs; acknowledgeDeprecation: true is required to use "
-        "mode ipvs." + _NOT_SELECTED,
+        "mode ipvs. The agent has no ipvs backend yet: nothing is deployed for mode ipvs, so "
+        "these settings have no effect on any node." + _NOT_SELECTED,
     )
     conntrack: Conntrack = Field(
         default_factory=Conntrack, description="Conntrack table size and timeouts."

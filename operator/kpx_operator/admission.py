@@ -1,22 +1,26 @@
-"""Pure: may a ProxyConfiguration deploy its agents? (ipvs policy, node conflicts)
+"""Pure: may a ProxyConfiguration deploy its agents? (a backend for its mode, ipvs policy,
+node conflicts)
+
+A configuration whose mode has no backend in the agent (kpx_api.MODES_WITH_BACKEND) deploys
+nothing: its agents would only exit at start, over and over.
 
 Two ProxyConfigurations whose node selectors select the same node would run two agents on it,
 programming the same kernel. That is a conflict: both report it (Degraded, naming the nodes),
 and of each conflicting pair the older one (creationTimestamp, then name) keeps its agents
 while the newer one deploys nothing. The rule is pairwise, so the outcome never depends on
 which other objects happen to be blocked: a configuration runs iff it shares no node with an
-older one. Configurations that the ipvs policy denies deploy nothing and so conflict with
-nobody.
+older one. Configurations that the ipvs policy denies, or whose mode has no backend, deploy
+nothing and so conflict with nobody.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
-from kpx_api import Mode
+from kpx_api import MODES_WITH_BACKEND, Mode
 
 #: Node lists in messages are cut after this many names.
 MAX_LISTED_NODES: Final = 10
@@ -78,6 +82,7 @@ class Admission:
     deploy: bool
     deprecated: bool = False  # mode ipvs
     ipvs_denied: bool = False
+    no_backend: bool = False  # the agent has no backend for the mode (ModeNotImplemented)
     overlaps: tuple[Overlap, ...] = ()
 
     @property
@@ -95,16 +100,21 @@ def admit(
     others: Iterable[PxcInfo],
     nodes: Mapping[str, Mapping[str, str]],
     policy: IPVSPolicy,
+    backends: Collection[str] = MODES_WITH_BACKEND,
 ) -> Admission:
     """Whether `me` may deploy, given every ProxyConfiguration (`others` may include `me`),
-    the nodes (name -> labels) and the ipvs policy."""
+    the nodes (name -> labels), the ipvs policy and the modes the agent has a backend for."""
     deprecated = me.mode == Mode.IPVS
     if denied(me.mode, policy):
         return Admission(deploy=False, deprecated=deprecated, ipvs_denied=True)
+    if me.mode not in backends:
+        return Admission(deploy=False, deprecated=deprecated, no_backend=True)
     mine = {name for name, node_labels in nodes.items() if me.selects(node_labels)}
     overlaps = []
     for other in sorted(others, key=lambda o: o.age_key):
         if other.uid == me.uid or other.name == me.name or denied(other.mode, policy):
+            continue
+        if other.mode not in backends:
             continue
         shared = sorted(n for n in mine if other.selects(nodes[n]))
         if shared:

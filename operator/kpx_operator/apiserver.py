@@ -37,12 +37,13 @@ class Kind:
     namespaced: bool
 
 
+#: Every kind the operator reads or writes (no RBAC kinds: the agents' ServiceAccount, role and
+#: binding are installed with the operator, which may not touch any role or binding).
 KINDS: Final[dict[str, Kind]] = {
-    "ServiceAccount": Kind("/api/v1", "serviceaccounts", True),
     "ConfigMap": Kind("/api/v1", "configmaps", True),
+    "Pod": Kind("/api/v1", "pods", True),
+    "Event": Kind("/api/v1", "events", True),
     "DaemonSet": Kind("/apis/apps/v1", "daemonsets", True),
-    "ClusterRole": Kind("/apis/rbac.authorization.k8s.io/v1", "clusterroles", False),
-    "ClusterRoleBinding": Kind("/apis/rbac.authorization.k8s.io/v1", "clusterrolebindings", False),
     "Lease": Kind("/apis/coordination.k8s.io/v1", "leases", True),
     "ProxyConfiguration": Kind(f"/apis/{GROUP}/{VERSION}", PLURAL, False),
 }
@@ -166,6 +167,20 @@ class ApiServer:
             if exc.status == 404:
                 return None
             raise
+
+    async def list(
+        self,
+        kind: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str = "",
+        field_selector: str = "",
+    ) -> list[Obj]:
+        """The items of a list (one page: the operator lists only its own namespace's few)."""
+        params = {k: v for k, v in (("labelSelector", label_selector),
+                                    ("fieldSelector", field_selector)) if v}  # fmt: skip
+        _, out = await self.request("GET", object_path(kind, None, namespace), params=params)
+        return list(out.get("items") or [])
 
     async def delete(
         self,

@@ -23,6 +23,7 @@ from kpx_api.constants import API_VERSION, KIND
 
 from .names import (
     AGENT_APP,
+    AGENT_SERVICE_ACCOUNT,
     CLEANUP_APP,
     CONFIG_DIR,
     CONFIG_FILE,
@@ -37,7 +38,9 @@ from .names import (
 Obj = dict[str, Any]
 
 #: What the agent reads, and nothing more: Services, EndpointSlices, Namespaces (opt-out) and
-#: Nodes (its own node's addresses and labels). No write verb: the agent emits no events.
+#: Nodes (its own node's addresses and labels). The rules of the ClusterRole `kpx-agent`
+#: installed with the operator (operator/manifests/agent-rbac.yaml, the chart): a unit test
+#: checks both against this; the operator itself creates no role and no binding.
 AGENT_RULES: Final[tuple[Obj, ...]] = (
     {"apiGroups": [""], "resources": ["services", "namespaces", "nodes"],
      "verbs": ["get", "list", "watch"]},
@@ -64,6 +67,16 @@ CAPABILITIES: Final[dict[Mode, tuple[str, ...]]] = {
 #: Modes that run iptables and so share the node's xtables lock file.
 XTABLES_MODES: Final = frozenset({Mode.IPTABLES, Mode.IPVS})
 XTABLES_LOCK: Final = "/run/xtables.lock"
+
+#: spec.conntrack, when it changes anything (Conntrack.leaves_node_alone() false): the pod's own
+#: /proc/sys is read-only (as with any unprivileged container), so the node's netfilter sysctls,
+#: and with maxPerCore > 0 the nf_conntrack module's parameters (hashsize), are mounted
+#: writable at other paths the agent is told about. Nothing else of /proc or /sys: no
+#: `privileged` (upstream kube-proxy runs privileged for this).
+CONNTRACK_SYSCTLS: Final = ("conntrack-sysctls", "/proc/sys/net/netfilter",
+                            "/host/proc/sys/net/netfilter")  # fmt: skip
+CONNTRACK_MODULE: Final = ("conntrack-module", "/sys/module/nf_conntrack/parameters",
+                           "/host/sys/module/nf_conntrack/parameters")  # fmt: skip
 
 AGENT_CONTAINER: Final = "agent"
 CLEANUP_CONTAINER: Final = "cleanup"
@@ -108,37 +121,6 @@ def _meta(owner: Owner, name: str, app: str, namespace: str | None = None) -> Ob
     meta["labels"] = labels(owner.name, app)
     meta["ownerReferences"] = [owner_reference(owner)]
     return meta
-
-
-# -- RBAC and identity ---------------------------------------------------------------------------
-
-
-def service_account(owner: Owner, opts: BuildOptions) -> Obj:
-    return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": _meta(owner, child_names(owner.name).agent, AGENT_APP, opts.namespace),
-    }
-
-
-def cluster_role(owner: Owner) -> Obj:
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRole",
-        "metadata": _meta(owner, child_names(owner.name).agent, AGENT_APP),
-        "rules": [json.loads(json.dumps(rule)) for rule in AGENT_RULES],
-    }
-
-
-def cluster_role_binding(owner: Owner, opts: BuildOptions) -> Obj:
-    name = child_names(owner.name).agent
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRoleBinding",
-        "metadata": _meta(owner, name, AGENT_APP),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": opts.namespace}],
-    }
 
 
 # -- configuration -------------------------------------------------------------------------------
@@ -213,6 +195,33 @@ def _xtables(mode: Mode) -> tuple[list[Obj], list[Obj]]:
     return [volume], [{"name": "xtables-lock", "mountPath": XTABLES_LOCK}]
 
 
+def _conntrack_access(spec: ProxyConfigurationSpec) -> tuple[list[Obj], list[Obj], list[str]]:
+    """(volumes, mounts, agent flags) that give the agent the node's conntrack settings, only
+    those it may have to write (none when spec.conntrack leaves the node alone)."""
+    if spec.conntrack.leaves_node_alone():
+        return [], [], []
+    needed = [CONNTRACK_SYSCTLS]
+    flags = ["--conntrack-sysctl-dir", CONNTRACK_SYSCTLS[2]]
+    if spec.conntrack.max_per_core > 0:  # nf_conntrack_max may need a bigger hashsize
+        needed.append(CONNTRACK_MODULE)
+        flags += ["--conntrack-hashsize-file", f"{CONNTRACK_MODULE[2]}/hashsize"]
+    volumes = [{"name": n, "hostPath": {"path": p, "type": "Directory"}} for n, p, _ in needed]
+    mounts = [{"name": n, "mountPath": m} for n, _, m in needed]
+    return volumes, mounts, flags
+
+
+def _pod_env() -> list[Obj]:
+    """The pod's identity (the agent records Events about its own Pod)."""
+    return [
+        {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+        for name, path in (
+            ("POD_NAME", "metadata.name"),
+            ("POD_NAMESPACE", "metadata.namespace"),
+            ("POD_UID", "metadata.uid"),
+        )
+    ]
+
+
 def _apiserver_env(opts: BuildOptions) -> list[Obj]:
     if opts.apiserver_endpoint is None:
         return []
@@ -227,14 +236,16 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
     """The agents: one per selected node, `proxy-agent --mode M --config FILE`."""
     name = child_names(owner.name).agent
     xt_volumes, xt_mounts = _xtables(spec.mode)
+    ct_volumes, ct_mounts, ct_flags = _conntrack_access(spec)
     _, healthz_port = parse_bind_address(spec.healthz_bind_address)
     container: Obj = {
         "name": AGENT_CONTAINER,
         "image": spec.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["proxy-agent", "--mode", str(spec.mode), "--config", CONFIG_FILE],
+        "command": ["proxy-agent", "--mode", str(spec.mode), "--config", CONFIG_FILE, *ct_flags],
         "env": [
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            *_pod_env(),
             *_apiserver_env(opts),
         ],
         "ports": [{"name": "healthz", "containerPort": healthz_port, "protocol": "TCP"}],
@@ -257,6 +268,7 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             *xt_mounts,
+            *ct_mounts,
         ],
     }
     if resources := _resources(spec):
@@ -278,13 +290,15 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
                     "annotations": {RESTART_HASH_ANNOTATION: restart_hash(agent_config(spec))},
                 },
                 "spec": {
-                    "serviceAccountName": name,
+                    # Installed with the operator (names.AGENT_SERVICE_ACCOUNT), not created by it.
+                    "serviceAccountName": AGENT_SERVICE_ACCOUNT,
                     **_placement(spec),
                     "terminationGracePeriodSeconds": 30,
                     "containers": [container],
                     "volumes": [
                         {"name": "config", "configMap": {"name": name}},
                         *xt_volumes,
+                        *ct_volumes,
                     ],
                 },
             },
@@ -345,11 +359,9 @@ def cleanup_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOpt
 
 
 def agent_children(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> list[Obj]:
-    """Everything the agents need, in apply order (identity and permissions before the pods)."""
+    """Everything the agents need, in apply order (the configuration before the pods). Their
+    ServiceAccount and RBAC are installed with the operator."""
     return [
-        service_account(owner, opts),
-        cluster_role(owner),
-        cluster_role_binding(owner, opts),
         config_map(owner, spec, opts),
         agent_daemonset(owner, spec, opts),
     ]
@@ -372,7 +384,4 @@ def child_refs(pxc_name: str, opts: BuildOptions) -> list[ChildRef]:
         ChildRef("DaemonSet", names.agent, ns),
         ChildRef("DaemonSet", names.cleanup, ns),
         ChildRef("ConfigMap", names.agent, ns),
-        ChildRef("ClusterRoleBinding", names.agent, None),
-        ChildRef("ClusterRole", names.agent, None),
-        ChildRef("ServiceAccount", names.agent, ns),
     ]

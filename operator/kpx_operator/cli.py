@@ -60,7 +60,8 @@ def parser() -> argparse.ArgumentParser:
         choices=[p.value for p in IPVSPolicy],
         default=IPVSPolicy.WARN.value,
         help="mode ipvs (deprecated upstream): allow it, warn (a Warning event; default), or "
-        "deny it (nothing deployed, status Degraded)",
+        "deny it (nothing deployed, status Degraded); without an ipvs backend in the agent "
+        "nothing is deployed for ipvs whatever the policy",
     )
     p.add_argument(
         "--kubeconfig",

@@ -16,6 +16,13 @@ LEASE_NAME: Final = "kpx-operator"
 AGENT_APP: Final = "kpx-agent"
 CLEANUP_APP: Final = "kpx-cleanup"
 
+#: The agents' identity and permissions, installed with the operator (operator/manifests,
+#: the chart), shared by the agents of every ProxyConfiguration: ServiceAccount `kpx-agent` in
+#: the operator's namespace, ClusterRole and ClusterRoleBinding `kpx-agent`. The operator
+#: creates, changes and deletes none of them (it holds no RBAC permission at all).
+AGENT_SERVICE_ACCOUNT: Final = "kpx-agent"
+AGENT_CLUSTER_ROLE: Final = "kpx-agent"
+
 LABEL_NAME: Final = "app.kubernetes.io/name"
 LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
@@ -49,7 +56,7 @@ def bounded(prefix: str, name: str, limit: int = MAX_NAME) -> str:
 class ChildNames:
     """Names of the children of one ProxyConfiguration."""
 
-    agent: str  # ServiceAccount, ClusterRole, ClusterRoleBinding, ConfigMap and DaemonSet
+    agent: str  # the agents' ConfigMap and DaemonSet
     cleanup: str  # the short-lived cleanup DaemonSet
 
 

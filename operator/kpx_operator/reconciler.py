@@ -19,9 +19,18 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from kpx_api import ConfigError, ProxyConfigurationSpec, ProxyConfigurationStatus, parse_spec
+from kpx_api import (
+    MODES_WITH_BACKEND,
+    ConfigError,
+    ProxyConfigurationSpec,
+    ProxyConfigurationStatus,
+    no_backend_message,
+    parse_spec,
+)
+from kpx_api.constants import AGENT_EVENT_SOURCE
 
 from .admission import Admission, IPVSPolicy, PxcInfo, admit, conflict_message
+from .agent_reports import NodeProblem, conntrack_problems
 from .apiserver import ApiError, Applied
 from .builders import (
     BuildOptions,
@@ -31,7 +40,7 @@ from .builders import (
     child_refs,
     cleanup_daemonset,
 )
-from .names import child_names
+from .names import AGENT_APP, child_names, selector_labels
 from .status import (
     IPVS_DENIED_MESSAGE,
     NFTABLES_ADVICE,
@@ -55,6 +64,10 @@ class Api(Protocol):
 
     async def apply(self, obj: Mapping[str, Any]) -> Applied: ...
     async def get(self, kind: str, name: str, namespace: str | None = None) -> Obj | None: ...
+    async def list(
+        self, kind: str, namespace: str | None = None, *, label_selector: str = "",
+        field_selector: str = "",
+    ) -> list[Obj]: ...  # fmt: skip
     async def delete(
         self, kind: str, name: str, namespace: str | None = None, *, propagation: str = ...
     ) -> bool: ...
@@ -73,6 +86,8 @@ class NotYet(Exception):
 class OperatorConfig:
     build: BuildOptions = field(default_factory=BuildOptions)
     ipvs_policy: IPVSPolicy = IPVSPolicy.WARN
+    #: The modes the agent has a backend for (deploy nothing for the others).
+    backends: frozenset[str] = MODES_WITH_BACKEND
     #: Seconds a deletion waits for the nodes to report clean before it gives up (and
     #: leaves the rules of the unreachable nodes in place).
     cleanup_timeout: float = 300.0
@@ -133,7 +148,7 @@ class Reconciler:
             spec = parse_spec(body.get("spec") or {})
         except ConfigError as exc:
             return None, str(exc), Admission(deploy=False, deprecated=me.mode == "ipvs")
-        return spec, None, admit(me, pxcs, nodes, self.config.ipvs_policy)
+        return spec, None, admit(me, pxcs, nodes, self.config.ipvs_policy, self.config.backends)
 
     def _note(self, obj: Mapping[str, Any], applied: Applied, emit: EventFn) -> None:
         """Events for what an apply changed: created, updated, or a hand edit undone."""
@@ -189,6 +204,7 @@ class Reconciler:
             opts = self.config.build
             error: str | None = None
             ds: Obj | None = None
+            problems: tuple[NodeProblem, ...] = ()
             try:
                 if spec is not None and admission.deploy:
                     self._cleared.discard(uid)
@@ -196,10 +212,13 @@ class Reconciler:
                         applied = await self.api.apply(obj)
                         self._note(obj, applied, emit)
                     ds = applied.obj  # the DaemonSet comes last
+                    if not spec.conntrack.leaves_node_alone():
+                        problems = await self._conntrack_problems(name)
                 else:
                     why = (
                         "the spec is invalid" if invalid
                         else "mode ipvs is denied" if admission.ipvs_denied
+                        else "its mode has no backend in the agent" if admission.no_backend
                         else "its nodes are taken by an older ProxyConfiguration"
                     )  # fmt: skip
                     if uid not in self._cleared:  # once, not on every timer tick
@@ -214,9 +233,10 @@ class Reconciler:
                                                 opts.namespace)  # fmt: skip
                     except ApiError:
                         ds = None
-            self._announce(uid, generation, admission, emit)
             mode = str((body.get("spec") or {}).get("mode", ""))
-            observed = Observed(generation, mode, admission, ds, error=error, invalid=invalid)
+            self._announce(uid, generation, mode, admission, emit)
+            observed = Observed(generation, mode, admission, ds, error=error, invalid=invalid,
+                                conntrack_problems=problems)  # fmt: skip
             previous = self._status.get(uid) or parse_status(body.get("status"))
             status = compute_status(observed, previous, self.clock())
             if not is_current(body.get("status"), status):
@@ -228,11 +248,31 @@ class Reconciler:
             self._status[uid] = status
             return status
 
-    def _announce(self, uid: str, generation: int, adm: Admission, emit: EventFn) -> None:
+    async def _conntrack_problems(self, name: str) -> tuple[NodeProblem, ...]:
+        """What the agents of `name` report about spec.conntrack (their Pods' Events)."""
+        ns = self.config.build.namespace
+        selector = ",".join(f"{k}={v}" for k, v in selector_labels(name, AGENT_APP).items())
+        try:
+            pods = await self.api.list("Pod", ns, label_selector=selector)
+            events = await self.api.list(
+                "Event", ns, field_selector=f"involvedObject.kind=Pod,source={AGENT_EVENT_SOURCE}"
+            )
+        except ApiError as exc:
+            log.warning("%s: cannot read the agents' reports: %s", name, exc)
+            return ()
+        return conntrack_problems(pods, events)
+
+    def _announce(
+        self, uid: str, generation: int, mode: str, adm: Admission, emit: EventFn
+    ) -> None:
         """Warning events, once per spec generation (or per change of the conflict)."""
         if adm.ipvs_denied:
             if self._once(uid, "ipvs", f"denied/{generation}"):
                 emit("Warning", "IPVSDenied", IPVS_DENIED_MESSAGE)
+        elif adm.no_backend:
+            if self._once(uid, "mode", f"no-backend/{generation}"):
+                message = f"nothing is deployed: {no_backend_message(mode)}"
+                emit("Warning", "ModeNotImplemented", message)
         elif (
             adm.deprecated
             and self.config.ipvs_policy is IPVSPolicy.WARN

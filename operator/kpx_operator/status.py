@@ -18,9 +18,11 @@ from kpx_api import (
     ConditionType,
     Mode,
     ProxyConfigurationStatus,
+    no_backend_message,
 )
 
 from .admission import Admission, conflict_message
+from .agent_reports import NodeProblem, conntrack_message
 
 TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
 
@@ -80,6 +82,8 @@ class Observed:
     daemonset: Mapping[str, Any] | None = None  # the agent DaemonSet as read; None: absent
     error: str | None = None  # why the last reconcile failed (e.g. an apply was refused)
     invalid: str | None = None  # why the spec does not validate (the apiserver should refuse)
+    #: Nodes whose agent reports that it could not apply spec.conntrack (agent_reports.py).
+    conntrack_problems: tuple[NodeProblem, ...] = ()
 
 
 def _cond(type_: ConditionType, status: ConditionStatus, reason: str, message: str) -> CondTuple:
@@ -114,6 +118,14 @@ def conditions_for(obs: Observed) -> list[CondTuple]:
             _cond(degraded, TRUE, "IPVSDenied", message),
             *out,
         ]
+    if adm.no_backend:
+        message = f"nothing is deployed: {no_backend_message(obs.mode)}"
+        return [
+            _cond(ready, FALSE, "ModeNotImplemented", message),
+            _cond(progressing, FALSE, "ModeNotImplemented", message),
+            _cond(degraded, TRUE, "ModeNotImplemented", message),
+            *out,
+        ]
     if not adm.deploy:
         message = conflict_message(adm)
         return [
@@ -125,6 +137,9 @@ def conditions_for(obs: Observed) -> list[CondTuple]:
 
     if obs.error is not None:
         out.insert(0, _cond(degraded, TRUE, "ReconcileFailed", obs.error))
+    elif obs.conntrack_problems:
+        message = conntrack_message(obs.conntrack_problems)
+        out.insert(0, _cond(degraded, TRUE, "ConntrackNotApplied", message))
     elif adm.overlaps:
         out.insert(0, _cond(degraded, TRUE, "NodeConflict", conflict_message(adm)))
     else:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from kpx_api import agent_config_from_spec, parse_agent_config, parse_spec
+from kpx_api import MODES_WITH_BACKEND, agent_config_from_spec, parse_agent_config, parse_spec
 from kpx_cluster.controlplane import Cluster, free_port
 from kpx_cluster.kubeconfig import write_kubeconfig
 from kpx_operator.builders import AGENT_RULES
@@ -155,7 +155,7 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
     wait_until(established, 60, "CRD established")
     # Everything the operator ships except its Deployment (no kubelet here to run it).
-    for name in ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml"):
+    for name in ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "agent-rbac.yaml"):
         cluster.kubectl("apply", "-f", _manifest(name))
     token = cluster.kubectl("-n", NS, "create", "token", "kpx-operator", "--duration=2h")
     token_file = workdir / "operator.token"
@@ -182,11 +182,9 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             cluster.kubectl("delete", "proxyconfiguration", name, "--ignore-not-found",
                             "--wait=false", check=False)  # fmt: skip
         cluster.kubectl("delete", "node", NODE, "--ignore-not-found", "--wait=false", check=False)
-        cluster.kubectl("delete", "clusterroles,clusterrolebindings", "-l",
-                        "app.kubernetes.io/managed-by=kpx-operator", "--wait=false",
-                        check=False)  # fmt: skip
-        cluster.kubectl("delete", "-f", _manifest("rbac.yaml"), "--ignore-not-found",
-                        "--wait=false", check=False)  # fmt: skip
+        for name in ("rbac.yaml", "agent-rbac.yaml"):
+            cluster.kubectl("delete", "-f", _manifest(name), "--ignore-not-found",
+                            "--wait=false", check=False)  # fmt: skip
         cluster.kubectl("delete", "namespace", NS, "--ignore-not-found", "--wait=false",
                         check=False)  # fmt: skip
 
@@ -208,10 +206,7 @@ def pxc_body(name: str, **spec: Any) -> Obj:
             "metadata": {"name": name}, "spec": spec}  # fmt: skip
 
 
-CHILDREN = (
-    ("serviceaccount", "kpx-agent-default", NS),
-    ("clusterrole", "kpx-agent-default", None),
-    ("clusterrolebinding", "kpx-agent-default", None),
+CHILDREN = (  # the agents' ServiceAccount and RBAC (kpx-agent) are installed with the operator
     ("configmap", "kpx-agent-default", NS),
     ("daemonset", "kpx-agent-default", NS),
 )
@@ -237,10 +232,13 @@ def test_children_appear_owned_and_server_side_applied(env: Env, leader: Operato
     assert cm is not None
     config = parse_agent_config(yaml.safe_load(cm["data"]["config.yaml"]))
     assert config == agent_config_from_spec(parse_spec(pxc["spec"]))
-    role = env.get("clusterrole", "kpx-agent-default")
+    role = env.get("clusterrole", "kpx-agent")
     assert role is not None and role["rules"] == list(AGENT_RULES)
+    for kind, ns in (("serviceaccount", NS), ("clusterrole", None), ("clusterrolebinding", None)):
+        assert env.get(kind, "kpx-agent-default", ns) is None, kind  # none per configuration
     ds = env.get("daemonset", "kpx-agent-default", NS)
     assert ds is not None
+    assert ds["spec"]["template"]["spec"]["serviceAccountName"] == "kpx-agent"
     (container,) = ds["spec"]["template"]["spec"]["containers"]
     assert container["command"][:3] == ["proxy-agent", "--mode", "nftables"]
 
@@ -327,9 +325,8 @@ def test_denied_ipvs_deploys_nothing(env: Env, leader: Operator) -> None:
     assert deprecated is not None and deprecated["status"] == "True"
     pxc = env.get("proxyconfiguration", "ipvs-pool") or {}
     assert pxc["status"]["deprecated"] is True
-    for kind, ns in (("daemonset", NS), ("configmap", NS), ("serviceaccount", NS),
-                     ("clusterrole", None)):  # fmt: skip
-        assert env.get(kind, "kpx-agent-ipvs-pool", ns) is None, kind
+    for kind in ("daemonset", "configmap"):
+        assert env.get(kind, "kpx-agent-ipvs-pool", NS) is None, kind
     wait_until(lambda: ("Warning", "IPVSDenied") in env.reasons("ipvs-pool"), 10, "event")
 
 
@@ -363,13 +360,92 @@ def test_deletion_cleans_up_and_releases_the_finalizer(env: Env, leader: Operato
         ("daemonset", "kpx-agent-e2e-empty", NS),
         ("daemonset", "kpx-cleanup-e2e-empty", NS),
         ("configmap", "kpx-agent-e2e-empty", NS),
-        ("serviceaccount", "kpx-agent-e2e-empty", NS),
-        ("clusterrole", "kpx-agent-e2e-empty", None),
-        ("clusterrolebinding", "kpx-agent-e2e-empty", None),
     ):
         assert env.get(kind, name, ns) is None, (kind, name)
     reasons = env.reasons("e2e-empty")
     assert {("Normal", "CleanupStarted"), ("Normal", "CleanupDone")} <= reasons
+    # The agents' identity and RBAC belong to the installation, not to a configuration.
+    for kind, ns in (("serviceaccount", NS), ("clusterrole", None), ("clusterrolebinding", None)):
+        assert env.get(kind, "kpx-agent", ns) is not None, kind
+
+
+OPERATOR_SA = f"system:serviceaccount:{NS}:kpx-operator"
+RBAC_KINDS = ("clusterroles", "clusterrolebindings", "roles", "rolebindings")
+
+
+def can_i(env: Env, *args: str) -> bool:
+    """`kubectl auth can-i ARGS` as the operator's ServiceAccount (impersonated by the admin)."""
+    out = env.kubectl("auth", "can-i", *args, f"--as={OPERATOR_SA}", check=False)
+    assert out.stdout.strip() in ("yes", "no"), (args, out.stdout, out.stderr)
+    return out.stdout.strip() == "yes"
+
+
+def can_i_list(env: Env, namespace: str) -> list[tuple[str, str, str]]:
+    """(resource, resource names, verbs) of each line of `kubectl auth can-i --list`."""
+    out = env.kubectl("auth", "can-i", "--list", "-n", namespace, f"--as={OPERATOR_SA}").stdout
+    rows = []
+    for line in out.splitlines()[1:]:  # header: Resources Non-Resource URLs Resource Names Verbs
+        resource, _, rest = line.partition(" ")
+        names = rest.split("[")[2].strip() if rest.count("[") >= 3 else ""
+        rows.append((resource, names, rest.rsplit("[", 1)[-1].rstrip("]")))
+    return rows
+
+
+def test_operator_cannot_touch_any_role_or_binding(env: Env, leader: Operator) -> None:
+    """The operator's ServiceAccount holds no RBAC permission: `kubectl auth can-i --list`
+    shows none, and real attempts to delete or rewrite a role, or to bind cluster-admin, are
+    refused by the apiserver (403) while its own work (DaemonSets) is allowed."""
+    for namespace in (NS, "default"):
+        rows = can_i_list(env, namespace)
+        assert any(r[0] == "daemonsets.apps" for r in rows) is (namespace == NS), rows
+        rbac = [r for r in rows if r[0].partition(".")[0] in RBAC_KINDS]
+        assert rbac == [], rbac
+        assert not [r for r in rows if r[0].partition(".")[0] in ("serviceaccounts", "secrets")]
+    for verb in ("create", "update", "patch", "delete", "bind", "escalate"):
+        for target in ("clusterroles", "clusterrole/cluster-admin", "clusterrole/kpx-agent",
+                       "clusterrolebindings", "clusterrolebinding/kpx-agent",
+                       "clusterrolebinding/kpx-operator"):  # fmt: skip
+            assert not can_i(env, verb, target), (verb, target)
+        assert not can_i(env, verb, "roles", "-n", NS), verb
+        assert not can_i(env, verb, "rolebindings", "-n", NS), verb
+    assert can_i(env, "patch", "daemonsets.apps", "-n", NS)
+    assert not can_i(env, "patch", "daemonsets.apps", "-n", "default")
+
+    victim = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+              "metadata": {"name": "e2e-rbac-victim"},
+              "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]}  # fmt: skip
+    env.apply(victim)
+    as_operator = {"kubeconfig": env.kubeconfig, "check": False}
+    try:
+        attempts = {
+            "delete a role": ("delete", "clusterrole", "e2e-rbac-victim"),
+            "rewrite a role": ("patch", "clusterrole", "e2e-rbac-victim", "--type=json", "-p",
+                               '[{"op":"add","path":"/rules/0/verbs/-","value":"delete"}]'),
+            "rewrite the agents' role": ("patch", "clusterrole", "kpx-agent", "--type=json", "-p",
+                                         '[{"op":"add","path":"/rules/0/verbs/-",'
+                                         '"value":"delete"}]'),
+            "delete the agents' binding": ("delete", "clusterrolebinding", "kpx-agent"),
+            "bind cluster-admin": ("create", "clusterrolebinding", "e2e-evil",
+                                   "--clusterrole=cluster-admin",
+                                   f"--serviceaccount={NS}:kpx-operator"),
+            "bind the agents' role": ("create", "clusterrolebinding", "e2e-evil-agent",
+                                      "--clusterrole=kpx-agent",
+                                      f"--serviceaccount={NS}:kpx-operator"),
+        }  # fmt: skip
+        for what, args in attempts.items():
+            out = env.cluster.kubectl(*args, "-v=6", **as_operator)  # -v=6: HTTP statuses
+            assert out.returncode != 0, what
+            assert "403 Forbidden" in out.stderr, (what, out.stderr)
+            assert f'User "{OPERATOR_SA}" cannot' in out.stderr, (what, out.stderr)
+        after = env.get("clusterrole", "e2e-rbac-victim") or {}
+        assert after["rules"] == victim["rules"]
+        assert (env.get("clusterrole", "kpx-agent") or {})["rules"] == list(AGENT_RULES)
+        assert env.get("clusterrolebinding", "kpx-agent") is not None
+        assert env.get("clusterrolebinding", "e2e-evil") is None
+    finally:
+        env.kubectl("delete", "clusterrole", "e2e-rbac-victim", "--ignore-not-found")
+        env.kubectl("delete", "clusterrolebinding", "e2e-evil", "e2e-evil-agent",
+                    "--ignore-not-found")  # fmt: skip
 
 
 def test_second_replica_takes_over(env: Env, leader: Operator) -> None:
@@ -385,17 +461,38 @@ def test_second_replica_takes_over(env: Env, leader: Operator) -> None:
     # The new leader repairs drift...
     env.kubectl("-n", NS, "delete", "daemonset", "kpx-agent-default", "--wait=false")
     wait_until(lambda: env.get("daemonset", "kpx-agent-default", NS), 30, "DaemonSet back")
-    # ...and with --ipvs-policy=warn deploys the ipvs configuration, with a warning.
-    wait_until(lambda: env.get("daemonset", "kpx-agent-ipvs-pool", NS), 30, "ipvs agents")
+    # The ipvs configuration stays undeployed under --ipvs-policy=warn (next test).
 
-    def healthy() -> Obj | None:
+
+def test_mode_without_a_backend_deploys_nothing(env: Env) -> None:
+    """An accepted mode the agent has no backend for (ipvs today), under a policy that allows
+    it (the standby of the previous test leads with --ipvs-policy=warn): no DaemonSet, no
+    ConfigMap, so no crash-looping agents; Degraded/ModeNotImplemented and a Warning event."""
+    assert "ipvs" not in MODES_WITH_BACKEND  # turn this into a deploy test with the backend
+    if not any(op.proc.poll() is None and op.is_leader() for op in env.operators):
+        wait_until(env.start_operator("--ipvs-policy=allow").is_leader, 30, "operator leads")
+    env.apply(example("proxyconfig-ipvs.yaml"))
+
+    def not_implemented() -> Obj | None:
         cond = env.condition("ipvs-pool", "Degraded")
-        return cond if cond and cond["status"] == "False" else None
+        return cond if cond and cond["reason"] == "ModeNotImplemented" else None
 
-    assert wait_until(healthy, 30, "ipvs-pool no longer Degraded")["reason"] == "AsExpected"
+    degraded = wait_until(not_implemented, 30, "Degraded/ModeNotImplemented")
+    assert degraded["status"] == "True"
+    assert "mode ipvs has no backend" in degraded["message"] and "nftables" in degraded["message"]
+    ready = env.condition("ipvs-pool", "Ready") or {}
+    assert (ready["status"], ready["reason"]) == ("False", "ModeNotImplemented")
     deprecated = env.condition("ipvs-pool", "Deprecated") or {}
     assert (deprecated["status"], deprecated["reason"]) == ("True", "IPVSDeprecated")
-    wait_until(lambda: ("Warning", "DeprecatedMode") in env.reasons("ipvs-pool"), 10, "event")
+    wait_until(lambda: ("Warning", "ModeNotImplemented") in env.reasons("ipvs-pool"), 10,
+               "ModeNotImplemented event")  # fmt: skip
+    (event,) = [e for e in env.events("ipvs-pool") if e["reason"] == "ModeNotImplemented"]
+    assert "mode ipvs has no backend" in event["message"]
+    time.sleep(3)  # a resync later, still nothing
+    for kind in ("daemonset", "configmap"):
+        assert env.get(kind, "kpx-agent-ipvs-pool", NS) is None, kind
+    pxc = env.get("proxyconfiguration", "ipvs-pool") or {}
+    assert pxc["status"].get("mode") is None and pxc["status"]["desiredNodes"] == 0
 
 
 def test_killed_in_the_middle_of_a_reconcile_converges(env: Env) -> None:
@@ -416,7 +513,6 @@ def test_killed_in_the_middle_of_a_reconcile_converges(env: Env) -> None:
     for kind, name, ns in (
         ("configmap", "kpx-agent-e2e-killed", NS),
         ("daemonset", "kpx-agent-e2e-killed", NS),
-        ("clusterrole", "kpx-agent-e2e-killed", None),
     ):
         wait_until(lambda k=kind, n=name, s=ns: env.get(k, n, s), 30, f"{kind} {name}")
 
@@ -469,6 +565,25 @@ def test_agents_run_on_simulated_nodes_and_deletion_cleans_them(env: Env) -> Non
             assert (progressing["status"], progressing["reason"]) == ("False", "RolloutComplete")
             for node in nodes:  # Ready means synced: the rules are in place
                 assert kpx_tables(topo, node), f"no kpx table on {node.name}"
+
+            # spec.conntrack (the defaults) is applied through the node's directories, which
+            # the simulator's hostPath stand-ins (empty per-node directories) do not hold:
+            # each agent records ConntrackNotApplied on its own Pod (ServiceAccount kpx-agent,
+            # create events only) and the operator turns that into Degraded, naming the nodes.
+            def conntrack_reported() -> Obj | None:
+                cond = env.condition("default", "Degraded") or {}
+                named = all(n.name in cond.get("message", "") for n in nodes)
+                return cond if cond.get("reason") == "ConntrackNotApplied" and named else None
+
+            degraded = wait_until(conntrack_reported, 60, "Degraded/ConntrackNotApplied")
+            assert degraded["status"] == "True"
+            assert "No such file or directory" in degraded["message"]
+            assert (env.condition("default", "Ready") or {}).get("status") == "True"
+            out = env.kubectl("-n", NS, "get", "events", "-o", "json",
+                              "--field-selector=reason=ConntrackNotApplied").stdout  # fmt: skip
+            reported = json.loads(out)["items"]
+            assert {e["involvedObject"]["kind"] for e in reported} == {"Pod"}
+            assert {e["source"]["host"] for e in reported} >= {n.name for n in nodes}
 
             # Deletion: agents stop, the cleanup DaemonSet cleans both nodes, finalizer goes.
             env.kubectl("delete", "proxyconfiguration", "default", "--timeout=120s")

@@ -198,7 +198,7 @@ def test_opt_out_change_is_live_without_agent_restarts(env: Env) -> None:
 
 
 def test_agent_token_is_least_privilege(env: Env, tmp_path: Path) -> None:
-    token = env.cluster.kubectl("-n", NS, "create", "token", "kpx-agent-default").stdout.strip()
+    token = env.cluster.kubectl("-n", NS, "create", "token", "kpx-agent").stdout.strip()
     (tmp_path / "token").write_text(token)
     kubeconfig = write_kubeconfig(
         tmp_path / "agent.kubeconfig", server=env.cluster.server, ca=env.cluster.ca_file,

@@ -40,3 +40,23 @@ def test_flag_values_are_validated_by_the_same_models(capsys: pytest.CaptureFixt
 def test_neither_mode_nor_config(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--node-name", "n1"]) == 2
     assert "--mode" in capsys.readouterr().err
+
+
+def test_mode_without_a_backend_exits_saying_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(
+        "apiVersion: proxy.kpx.dev/v1alpha1\nkind: AgentConfiguration\nmode: ipvs\n"
+        "ipvs:\n  acknowledgeDeprecation: true\n"
+    )
+    for argv in (
+        ["--mode", "ipvs", "--config", str(cfg), "--node-name", "n1"],
+        ["--mode", "ipvs", "--node-name", "n1"],
+        ["cleanup", "--mode", "ipvs"],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert "mode ipvs has no backend in the kpx agent yet" in err, err
+        assert "nftables" in err
+        assert "keeps working" not in err

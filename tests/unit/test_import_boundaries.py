@@ -58,3 +58,11 @@ def test_layers(folder: str, forbidden: tuple[str, ...]) -> None:
         package = ".".join(path.relative_to(ROOT / folder.split("/")[0]).parent.parts)
         for name in imported_modules(path, package):
             assert not name.startswith(forbidden), f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_agent_backends_are_the_modes_the_api_says_have_one() -> None:
+    """One gate: the operator deploys only modes in kpx_api.MODES_WITH_BACKEND (it may not
+    import the agent), so the agent's registry must list exactly those."""
+    from kpx_api import MODES_WITH_BACKEND
+
+    assert set(REGISTRY) == {str(m) for m in MODES_WITH_BACKEND}

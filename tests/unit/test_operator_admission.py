@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kpx_api import MODES_WITH_BACKEND, Mode
 from kpx_operator.admission import (
     IPVSPolicy,
     PxcInfo,
@@ -28,6 +29,8 @@ POOL_A = pxc("pool-a", "2026-01-02T00:00:00Z", pool="a")
 POOL_B = pxc("pool-b", "2026-01-02T00:00:00Z", pool="b")
 GPU = pxc("gpu", "2026-01-03T00:00:00Z", gpu="yes")
 IPVS_A = pxc("ipvs-a", "2025-12-01T00:00:00Z", "ipvs", pool="a")
+#: Every mode with a backend: the policy rules as they apply once ipvs has its backend.
+ALL_BACKENDS = frozenset(Mode)
 
 
 @pytest.mark.parametrize(
@@ -46,7 +49,8 @@ IPVS_A = pxc("ipvs-a", "2025-12-01T00:00:00Z", "ipvs", pool="a")
         (POOL_B, [POOL_A, POOL_B], IPVSPolicy.WARN, True, []),
         # A denied ipvs configuration deploys nothing, so it conflicts with nobody.
         (POOL_A, [IPVS_A, POOL_A], IPVSPolicy.DENY, True, []),
-        (POOL_A, [IPVS_A, POOL_A], IPVSPolicy.ALLOW, False, [("ipvs-a", ("a1", "a2"), True)]),
+        # So does one whose mode has no backend in the agent (ipvs today), whatever the policy.
+        (POOL_A, [IPVS_A, POOL_A], IPVSPolicy.ALLOW, True, []),
         # A selector that selects no existing node conflicts with nobody.
         (pxc("none", "2026-02-01T00:00:00Z", pool="z"), [OLD_ALL], IPVSPolicy.WARN, True, []),
     ],
@@ -72,8 +76,36 @@ def test_admission(
     ],
 )
 def test_ipvs_policy(policy: IPVSPolicy, deploy: bool, denied: bool) -> None:
-    adm = admit(IPVS_A, [IPVS_A], NODES, policy)
+    adm = admit(IPVS_A, [IPVS_A], NODES, policy, ALL_BACKENDS)
     assert (adm.deploy, adm.ipvs_denied, adm.deprecated) == (deploy, denied, True)
+
+
+def test_with_an_ipvs_backend_an_allowed_ipvs_configuration_conflicts() -> None:
+    adm = admit(POOL_A, [IPVS_A, POOL_A], NODES, IPVSPolicy.ALLOW, ALL_BACKENDS)
+    assert not adm.deploy
+    assert [(o.other, o.nodes, o.other_is_older) for o in adm.overlaps] == [
+        ("ipvs-a", ("a1", "a2"), True)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("policy", "no_backend", "denied"),
+    [
+        (IPVSPolicy.ALLOW, True, False),
+        (IPVSPolicy.WARN, True, False),
+        # deny is the operator's own decision: it says so rather than "no backend".
+        (IPVSPolicy.DENY, False, True),
+    ],
+)
+def test_mode_without_a_backend_deploys_nothing(
+    policy: IPVSPolicy, no_backend: bool, denied: bool
+) -> None:
+    assert "ipvs" not in MODES_WITH_BACKEND
+    adm = admit(IPVS_A, [IPVS_A, POOL_A], NODES, policy)
+    assert (adm.deploy, adm.no_backend, adm.ipvs_denied) == (False, no_backend, denied)
+    assert adm.overlaps == ()
+    # Modes with a backend are untouched by the gate.
+    assert admit(POOL_B, [POOL_B], NODES, policy).deploy
 
 
 def test_info_from_a_body() -> None:

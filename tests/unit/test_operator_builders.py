@@ -1,5 +1,6 @@
 """The operator's pure builders: golden output per mode, live changes vs rollouts, least
-privilege (the agents' ClusterRole and the operator's own manifests)."""
+privilege (the agents' ClusterRole installed with the operator, and the operator's own RBAC,
+which holds no permission on roles or bindings)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from kpx_api import ProxyConfigurationSpec, agent_config_from_spec, parse_agent_
 from kpx_operator import builders
 from kpx_operator.builders import BuildOptions, Owner
 from kpx_operator.names import (
+    AGENT_CLUSTER_ROLE,
+    AGENT_SERVICE_ACCOUNT,
     MAX_NAME,
     RESTART_HASH_ANNOTATION,
     bounded,
@@ -116,13 +119,16 @@ def test_agent_daemonset_runs_the_agent_with_least_privilege(mode: str) -> None:
     ds = builders.agent_daemonset(owner, spec, OPTS)
     pod = pod_spec(ds)
     (container,) = pod["containers"]
-    assert container["command"] == [
+    assert container["command"][:5] == [
         "proxy-agent", "--mode", mode, "--config", "/etc/kpx/config.yaml",
     ]  # fmt: skip
+    # The examples keep the conntrack defaults (a table size): the agent is told where the
+    # node's values are mounted (test_conntrack_access_only_when_settings_change_the_node).
+    assert container["command"][5::2] == ["--conntrack-sysctl-dir", "--conntrack-hashsize-file"]
     assert pod["hostNetwork"] is True
     assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert pod["priorityClassName"] == spec.priority_class_name
-    assert pod["serviceAccountName"] == child_names(owner.name).agent
+    assert pod["serviceAccountName"] == AGENT_SERVICE_ACCOUNT == "kpx-agent"
     sc = container["securityContext"]
     assert sc["privileged"] is False
     assert sc["capabilities"]["drop"] == ["ALL"]
@@ -159,8 +165,9 @@ def test_every_child_is_owned_and_labelled() -> None:
         assert meta["labels"]["app.kubernetes.io/instance"] == "default"
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "kpx-operator"
         assert meta["labels"]["app.kubernetes.io/name"] in ("kpx-agent", "kpx-cleanup")
-        namespaced = obj["kind"] not in ("ClusterRole", "ClusterRoleBinding")
-        assert ("namespace" in meta) is namespaced
+        assert meta["namespace"] == "kpx-system"
+    # Nothing cluster-scoped, and no identity or permission: those are installed with it.
+    assert {o["kind"] for o in all_children(owner, spec)} == {"ConfigMap", "DaemonSet"}
 
 
 def test_cleanup_daemonset_cleans_the_same_nodes_and_reports_readiness() -> None:
@@ -240,8 +247,8 @@ def test_live_change_updates_only_the_configmap(change: str) -> None:
     _, spec = example("nftables")
     before, after = _children(spec), _children(spec_with(spec, **LIVE_CHANGES[change]))
     assert before["ConfigMap"] != after["ConfigMap"]
-    for kind in ("DaemonSet", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"):
-        assert before[kind] == after[kind], kind
+    assert set(before) == {"ConfigMap", "DaemonSet"}
+    assert before["DaemonSet"] == after["DaemonSet"]
 
 
 @pytest.mark.parametrize("change", sorted(ROLLOUT_CHANGES))
@@ -284,8 +291,14 @@ def _manifests() -> list[Obj]:
     ]
 
 
+def _installed(kind: str, name: str) -> Obj:
+    (obj,) = [o for o in _manifests() if (o["kind"], o["metadata"]["name"]) == (kind, name)]
+    return obj
+
+
 def test_agent_role_is_exactly_what_the_agent_reads() -> None:
-    role = builders.cluster_role(Owner("default", UID))
+    role = _installed("ClusterRole", AGENT_CLUSTER_ROLE)
+    assert role["rules"] == list(builders.AGENT_RULES)
     granted = {
         (group, resource, verb)
         for rule in role["rules"]
@@ -309,14 +322,19 @@ def test_agent_role_is_exactly_what_the_agent_reads() -> None:
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
 
 
-def test_agent_binding_names_the_agent_service_account() -> None:
-    owner = Owner("default", UID)
-    binding = builders.cluster_role_binding(owner, OPTS)
-    sa = builders.service_account(owner, OPTS)
-    assert binding["roleRef"]["name"] == builders.cluster_role(owner)["metadata"]["name"]
+def test_agents_run_as_the_installed_service_account_bound_to_the_agent_role() -> None:
+    owner, spec = example("nftables")
+    binding = _installed("ClusterRoleBinding", AGENT_CLUSTER_ROLE)
+    sa = _installed("ServiceAccount", AGENT_SERVICE_ACCOUNT)
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "kpx-agent",
+    }  # fmt: skip
     assert binding["subjects"] == [
-        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "kpx-system"}
+        {"kind": "ServiceAccount", "name": "kpx-agent", "namespace": "kpx-system"}
     ]
+    assert sa["metadata"]["namespace"] == OPTS.namespace
+    ds = builders.agent_daemonset(owner, spec, OPTS)
+    assert pod_spec(ds)["serviceAccountName"] == sa["metadata"]["name"]
 
 
 def test_operator_manifests_grant_no_wildcard_and_no_secrets() -> None:
@@ -341,22 +359,35 @@ def _grants(rules: Iterable[Obj]) -> set[tuple[str, str, str]]:
     }
 
 
-def test_operator_holds_what_it_grants_the_agents() -> None:
-    # RBAC escalation prevention: a ClusterRole can only grant permissions its creator holds.
-    cluster_roles = [o for o in _manifests() if o["kind"] == "ClusterRole"]
-    held = _grants(r for _, r in _rules(cluster_roles))
-    assert _grants(builders.AGENT_RULES) <= held
+def _operator_rules() -> list[tuple[Obj, Obj]]:
+    """The rules bound to the operator's ServiceAccount (its ClusterRole and Role)."""
+    bound = {
+        (o["roleRef"]["kind"], o["roleRef"]["name"])
+        for o in _manifests()
+        if o["kind"] in ("ClusterRoleBinding", "RoleBinding")
+        and {"kind": "ServiceAccount", "name": "kpx-operator", "namespace": "kpx-system"}
+        in o["subjects"]
+    }
+    assert bound == {("ClusterRole", "kpx-operator"), ("Role", "kpx-operator")}
+    return [(o, r) for o, r in _rules(_manifests()) if (o["kind"], o["metadata"]["name"]) in bound]
+
+
+def test_operator_holds_no_permission_on_roles_bindings_or_identities() -> None:
+    """A compromised operator can neither rewrite nor delete any role or binding, nor grant
+    anything: the agents' RBAC is installed with it, and it holds no RBAC rule at all."""
+    for obj, rule in _operator_rules():
+        assert "rbac.authorization.k8s.io" not in rule["apiGroups"], obj["kind"]
+        assert not {"serviceaccounts", "serviceaccounts/token"} & set(rule["resources"])
+        assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
 
 
 def test_operator_may_write_exactly_what_it_applies() -> None:
     owner, spec = example("nftables")
     objs = all_children(owner, spec)
-    manifests = _manifests()
-    cluster = _grants(r for o, r in _rules(manifests) if o["kind"] == "ClusterRole")
-    ns = _grants(r for o, r in _rules(manifests) if o["kind"] == "Role")
-    plural = {"ServiceAccount": "serviceaccounts", "ConfigMap": "configmaps",
-              "DaemonSet": "daemonsets", "ClusterRole": "clusterroles",
-              "ClusterRoleBinding": "clusterrolebindings"}  # fmt: skip
+    rules = _operator_rules()
+    cluster = _grants(r for o, r in rules if o["kind"] == "ClusterRole")
+    ns = _grants(r for o, r in rules if o["kind"] == "Role")
+    plural = {"ConfigMap": "configmaps", "DaemonSet": "daemonsets"}
     for obj in objs:
         group = obj["apiVersion"].rpartition("/")[0]
         held = ns if "namespace" in obj["metadata"] else cluster
@@ -389,8 +420,70 @@ def test_long_names_stay_within_63_characters_and_distinct() -> None:
 
 
 def test_builders_do_not_share_state_between_calls() -> None:
-    owner, _ = example("nftables")
-    first = builders.cluster_role(owner)
-    first["rules"][0]["verbs"].append("delete")
-    assert builders.cluster_role(owner) != first
+    owner, spec = example("nftables")
+    first = builders.agent_daemonset(owner, spec, OPTS)
+    pod_spec(first)["containers"][0]["securityContext"]["capabilities"]["add"].append("SYS_ADMIN")
+    first["metadata"]["labels"]["x"] = "y"
+    assert builders.agent_daemonset(owner, spec, OPTS) != first
     assert copy.deepcopy(builders.AGENT_RULES) == builders.AGENT_RULES
+
+
+# -- spec.conntrack: access to the node's values only when it changes them ---------------------
+
+LEAVE_ALONE = {"maxPerCore": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"}
+
+
+def _agent_pod(conntrack: Obj) -> Obj:
+    owner, spec = example("nftables")
+    return pod_spec(builders.agent_daemonset(owner, spec_with(spec, conntrack=conntrack), OPTS))
+
+
+def _host_paths(pod: Obj) -> dict[str, str]:
+    """hostPath -> where the agent container sees it."""
+    (container,) = pod["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    return {v["hostPath"]["path"]: mounts[v["name"]] for v in pod["volumes"] if "hostPath" in v}
+
+
+@pytest.mark.parametrize(
+    ("conntrack", "paths", "flags"),
+    [
+        # Every setting left alone: no access to the node's /proc/sys or /sys at all.
+        (LEAVE_ALONE, {}, []),
+        # Timeouts only: the netfilter sysctls, not the module parameters.
+        ({**LEAVE_ALONE, "udpTimeout": "30s"},
+         {"/proc/sys/net/netfilter": "/host/proc/sys/net/netfilter"},
+         ["--conntrack-sysctl-dir", "/host/proc/sys/net/netfilter"]),
+        ({**LEAVE_ALONE, "tcpBeLiberal": True},
+         {"/proc/sys/net/netfilter": "/host/proc/sys/net/netfilter"},
+         ["--conntrack-sysctl-dir", "/host/proc/sys/net/netfilter"]),
+        # The table size (the defaults): the hashsize parameter too.
+        ({}, {"/proc/sys/net/netfilter": "/host/proc/sys/net/netfilter",
+              "/sys/module/nf_conntrack/parameters": "/host/sys/module/nf_conntrack/parameters"},
+         ["--conntrack-sysctl-dir", "/host/proc/sys/net/netfilter", "--conntrack-hashsize-file",
+          "/host/sys/module/nf_conntrack/parameters/hashsize"]),
+    ],
+)  # fmt: skip
+def test_conntrack_access_only_when_settings_change_the_node(
+    conntrack: Obj, paths: dict[str, str], flags: list[str]
+) -> None:
+    pod = _agent_pod(conntrack)
+    (container,) = pod["containers"]
+    assert _host_paths(pod) == paths
+    assert container["command"][5:] == flags
+    for volume in pod["volumes"]:
+        if "hostPath" in volume and volume["hostPath"]["path"] != "/run/xtables.lock":
+            assert volume["hostPath"]["type"] == "Directory"  # never created by the kubelet
+    # Never more than the mounts: the same unprivileged container either way.
+    assert (
+        container["securityContext"] == _agent_pod(LEAVE_ALONE)["containers"][0]["securityContext"]
+    )
+    assert container["securityContext"]["privileged"] is False
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["NET_ADMIN"]}
+
+
+def test_agents_know_their_pod() -> None:
+    (container,) = _agent_pod({})["containers"]
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env == {"NODE_NAME": "spec.nodeName", "POD_NAME": "metadata.name",
+                   "POD_NAMESPACE": "metadata.namespace", "POD_UID": "metadata.uid"}  # fmt: skip

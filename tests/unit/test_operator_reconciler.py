@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kpx_api import MODES_WITH_BACKEND, Mode
 from kpx_operator.admission import IPVSPolicy, PxcInfo
 from kpx_operator.apiserver import ApiError, Applied
 from kpx_operator.reconciler import NotYet, OperatorConfig, Reconciler
@@ -31,6 +32,7 @@ class FakeApi:
         self.statuses: list[dict[str, Any]] = []
         self.deletes: list[tuple[str, str, str]] = []
         self.refuse: ApiError | None = None
+        self.lists: list[tuple[str, str, str]] = []
         self.version = 0
 
     def _status(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -58,6 +60,18 @@ class FakeApi:
         new["metadata"]["generation"] = (before["metadata"]["generation"] + 1) if before else 1
         self.objs[key] = new
         return Applied(self._status(new), created=before is None)
+
+    async def list(
+        self, kind: str, namespace: str | None = None, *, label_selector: str = "",
+        field_selector: str = "",
+    ) -> list[dict[str, Any]]:  # fmt: skip
+        self.lists.append((kind, label_selector, field_selector))
+        wanted = dict(kv.split("=", 1) for kv in label_selector.split(",") if kv)
+        return [
+            copy.deepcopy(obj) for (k, ns, _), obj in self.objs.items()
+            if k == kind and ns == namespace
+            and wanted.items() <= (obj["metadata"].get("labels") or {}).items()
+        ]  # fmt: skip
 
     async def get(self, kind: str, name: str, namespace: str | None = None) -> Any:
         obj = self.objs.get((kind, namespace, name))
@@ -121,10 +135,7 @@ def kinds(api: FakeApi) -> set[tuple[str, str]]:
     return {(k, n) for k, _, n in api.objs}
 
 
-AGENT_KINDS = {
-    ("ServiceAccount", "kpx-agent-default"),
-    ("ClusterRole", "kpx-agent-default"),
-    ("ClusterRoleBinding", "kpx-agent-default"),
+AGENT_KINDS = {  # the agents' ServiceAccount and RBAC are installed with the operator
     ("ConfigMap", "kpx-agent-default"),
     ("DaemonSet", "kpx-agent-default"),
 }
@@ -136,13 +147,13 @@ def test_first_pass_creates_the_children_and_writes_the_status_once() -> None:
     r, pxc = reconciler(api), body()
     status = run(r.reconcile(pxc, [], {}, events))
     assert kinds(api) == AGENT_KINDS
-    assert events.reasons() == ["Created"] * 5
+    assert events.reasons() == ["Created"] * 2
     assert len(api.statuses) == 1 and status is not None
     assert status.condition("Ready").reason == "NoMatchingNodes"
     # Same spec, stored status now current: nothing is written, nothing is said.
     pxc["status"] = api.statuses[-1]
     run(r.reconcile(pxc, [], {}, events))
-    assert len(api.statuses) == 1 and len(events) == 5
+    assert len(api.statuses) == 1 and len(events) == 2
 
 
 def test_drift_is_repaired_and_reported() -> None:
@@ -184,12 +195,36 @@ def test_denied_ipvs_removes_children_and_warns_once_per_generation() -> None:
     assert events.reasons()[-1] == "IPVSDenied"
 
 
-def test_warn_policy_deploys_ipvs_with_a_warning() -> None:
+def test_warn_policy_deploys_ipvs_with_a_warning_once_it_has_a_backend() -> None:
     api, events = FakeApi(), Events()
-    status = run(reconciler(api).reconcile(body("proxyconfig-ipvs.yaml"), [], {}, events))
+    r = reconciler(api, backends=frozenset(Mode))  # as when the agent has an ipvs backend
+    status = run(r.reconcile(body("proxyconfig-ipvs.yaml"), [], {}, events))
     assert ("DaemonSet", "kpx-agent-ipvs-pool") in kinds(api)
     assert ("Warning", "DeprecatedMode") in [e[:2] for e in events]
     assert status.deprecated is True
+
+
+@pytest.mark.parametrize("policy", [IPVSPolicy.ALLOW, IPVSPolicy.WARN])
+def test_mode_without_a_backend_deploys_nothing_and_says_so(policy: IPVSPolicy) -> None:
+    assert Mode.IPVS not in MODES_WITH_BACKEND  # flip this test when the backend lands
+    api, events = FakeApi(), Events()
+    r = reconciler(api, ipvs_policy=policy)
+    api.objs[("DaemonSet", NS, "kpx-agent-ipvs-pool")] = {
+        "kind": "DaemonSet", "metadata": {"name": "kpx-agent-ipvs-pool", "generation": 1}
+    }  # fmt: skip
+    pxc = body("proxyconfig-ipvs.yaml")
+    status = run(r.reconcile(pxc, [], {}, events))
+    run(r.reconcile(pxc, [], {}, events))
+    assert api.objs == {}  # no DaemonSet (a stale one is removed), no ConfigMap, nothing
+    assert events.reasons() == ["Deleted", "ModeNotImplemented"]
+    (warning,) = [e for e in events if e[1] == "ModeNotImplemented"]
+    assert warning[0] == "Warning" and "mode ipvs has no backend" in warning[2]
+    degraded = status.condition("Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "ModeNotImplemented")
+    assert status.condition("Ready").status == "False"
+    assert status.mode is None and status.deprecated is True
+    run(r.reconcile(body("proxyconfig-ipvs.yaml", generation=2), [], {}, events))
+    assert events.reasons()[-1] == "ModeNotImplemented"  # again for the new generation
 
 
 def test_refused_apply_is_reported_in_the_status() -> None:
@@ -258,3 +293,49 @@ def test_blocked_configuration_is_deleted_without_cleanup() -> None:
     older = PxcInfo("aaa", "uid-aaa", "2025-01-01T00:00:00Z", "nftables")
     run(reconciler(api).finalize(body(), [older], {"n1": {}}, 0, events))
     assert api.objs == {} and "CleanupStarted" not in events.reasons()
+
+
+def agent_pod(uid: str, node: str) -> dict[str, Any]:
+    return {"kind": "Pod", "metadata": {"name": f"kpx-agent-default-{uid}", "uid": uid,
+            "namespace": NS, "labels": {"app.kubernetes.io/name": "kpx-agent",
+                                        "app.kubernetes.io/instance": "default"}},
+            "spec": {"nodeName": node}}  # fmt: skip
+
+
+def agent_event(pod_uid: str, reason: str, at: str, message: str = "") -> dict[str, Any]:
+    return {"kind": "Event", "metadata": {"name": f"e-{pod_uid}-{at}", "namespace": NS},
+            "involvedObject": {"kind": "Pod", "uid": pod_uid}, "reason": reason,
+            "message": message, "lastTimestamp": at,
+            "source": {"component": "kpx-agent"}}  # fmt: skip
+
+
+def test_conntrack_not_applied_on_a_node_is_degraded_until_its_agent_applies_it() -> None:
+    api, events = FakeApi(), Events()
+    api.ds_status["kpx-agent-default"] = {"desiredNumberScheduled": 2, "numberReady": 2,
+                                          "updatedNumberScheduled": 2}  # fmt: skip
+    for uid, node in (("u1", "n1"), ("u2", "n2")):
+        api.objs[("Pod", NS, uid)] = agent_pod(uid, node)
+    failed = "conntrack settings not applied: nf_conntrack_max: cannot set 262144"
+    api.objs[("Event", NS, "a")] = agent_event("u1", "ConntrackNotApplied", "2026-01-01T00:00:01Z",
+                                               failed)  # fmt: skip
+    api.objs[("Event", NS, "gone")] = agent_event("u-old", "ConntrackNotApplied",
+                                                  "2026-01-01T00:00:02Z", "an old pod")  # fmt: skip
+    r = reconciler(api)
+    status = run(r.reconcile(body(), [], {}, events))
+    degraded = status.condition("Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "ConntrackNotApplied")
+    assert degraded.message == f"spec.conntrack is not applied on node n1: {failed}"
+    assert status.condition("Ready").status == "True"  # the agents proxy all the same
+    assert ("Event", "", "involvedObject.kind=Pod,source=kpx-agent") in api.lists
+    # The agent on n1 succeeds later: the condition clears.
+    api.objs[("Event", NS, "b")] = agent_event("u1", "ConntrackApplied", "2026-01-01T00:01:00Z")
+    status = run(r.reconcile(body(), [], {}, events))
+    assert (status.condition("Degraded").status, status.condition("Degraded").reason) == (
+        "False", "AsExpected")  # fmt: skip
+
+
+def test_conntrack_left_alone_reads_no_agent_reports() -> None:
+    api, events = FakeApi(), Events()
+    leave_alone = {"maxPerCore": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"}
+    run(reconciler(api).reconcile(body(conntrack=leave_alone), [], {}, events))
+    assert api.lists == []

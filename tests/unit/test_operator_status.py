@@ -18,6 +18,7 @@ GEN = 3
 
 DEPLOY = Admission(deploy=True)
 DENIED = Admission(deploy=False, deprecated=True, ipvs_denied=True)
+NO_BACKEND = Admission(deploy=False, deprecated=True, no_backend=True)
 BLOCKED = Admission(deploy=False, overlaps=(Overlap("older", ("node-1", "node-2"), True),))
 WINNER = Admission(deploy=True, overlaps=(Overlap("newer", ("node-1",), False),))
 
@@ -110,6 +111,14 @@ ROWS = {
         desired=0, ready=0, mode=None,
         in_message={"Degraded": "nftables", "Ready": "--ipvs-policy=deny"},
     ),
+    "mode without a backend in the agent": Row(
+        obs(NO_BACKEND, None, mode="ipvs"),
+        {"Ready": ("False", "ModeNotImplemented"),
+         "Progressing": ("False", "ModeNotImplemented"),
+         "Degraded": ("True", "ModeNotImplemented"), "Deprecated": ("True", "IPVSDeprecated")},
+        desired=0, ready=0, mode=None,
+        in_message={"Degraded": "mode ipvs has no backend", "Ready": "nothing is deployed"},
+    ),
     "blocked by an older configuration": Row(
         obs(BLOCKED, None),
         {"Ready": ("False", "NodeConflict"), "Progressing": ("False", "NodeConflict"),
@@ -198,3 +207,17 @@ def test_patch_removes_the_mode_when_nothing_runs() -> None:
     assert patch["mode"] is None  # JSON merge patch: null removes the field
     assert "kopf" not in patch
     assert patch["conditions"][0]["lastTransitionTime"] == "2026-01-01T12:00:00Z"
+
+
+def test_agents_reporting_conntrack_not_applied_make_it_degraded_not_unready() -> None:
+    from kpx_operator.agent_reports import NodeProblem
+
+    problems = (NodeProblem("n1", "nf_conntrack_max: cannot set"), NodeProblem("n2", "x"))
+    status = compute_status(obs(daemonset=ds(2, 2, 2), conntrack_problems=problems), None, T0)
+    degraded = status.condition("Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "ConntrackNotApplied")
+    assert degraded.message.startswith("spec.conntrack is not applied on nodes n1, n2:")
+    assert status.condition("Ready").status == "True"
+    # A refused apply says more about the configuration: it wins.
+    failed = obs(daemonset=ds(2, 2, 2), conntrack_problems=problems, error="Forbidden (403)")
+    assert compute_status(failed, None, T0).condition("Degraded").reason == "ReconcileFailed"
