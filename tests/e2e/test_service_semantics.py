@@ -530,6 +530,18 @@ def test_internal_traffic_policy_local_uses_only_local_endpoints(
         assert_reaches(env, vip, 80, proto, {"b1"})
         assert_reaches(env, vip, 80, proto, {"b2"}, source=env.n2)
 
+    # No endpoint anywhere: rejected, not dropped (upstream drops only while endpoints exist
+    # elsewhere). A TCP socket sees an ICMPv6 error to its first SYN only when connect() no
+    # longer holds it (on these veths it often does): the retransmitted SYN, 1 s later, is
+    # refused for sure, hence the 2.5 s try.
+    env.kube.apply(*slices(agent_ns, "itp", on(env)))
+    for proto in PROTOS:
+        wait_until(
+            lambda proto=proto: send(env, vip, 80, proto, count=1, timeout=2.5).refused == 1,
+            10.0,
+            message=lambda proto=proto: f"{proto} {vip} never refused\n{diagnostics(env)}",
+        )
+
 
 # ---- 4. topology (trafficDistribution: PreferClose, zone hints) ----------------------------------
 
