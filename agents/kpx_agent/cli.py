@@ -22,6 +22,7 @@ from kpx_kube import KubeconfigError
 from . import backends, conntrack_sysctl
 from . import settings as settings_mod
 from .agent import Agent
+from .backends.base import NodePaths
 from .http_endpoints import Health, health_app, serve
 from .kube_api import DEFAULT_WATCH_IDLE_TIMEOUT, KubeClient, from_kubeconfig, in_cluster
 
@@ -79,6 +80,13 @@ def _run_parser() -> argparse.ArgumentParser:
         type=Path,
         default=conntrack_sysctl.DEFAULT_HASHSIZE_FILE,
         help="the nf_conntrack module's hashsize parameter (default: %(default)s)",
+    )
+    p.add_argument(
+        "--route-localnet-file",
+        type=Path,
+        help="mode iptables with localhost NodePorts: the node's "
+        "net.ipv4.conf.all.route_localnet (default: /proc/sys/net/ipv4/conf/all/route_localnet "
+        "of the agent's network namespace; a pod mounts the node's file elsewhere)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
@@ -201,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         settings,
         args.node_name,
         KubeClient(creds, watch_idle_timeout=args.watch_idle_timeout),
-        module.create(settings.proxy),
+        module.create(settings.proxy, NodePaths(route_localnet=args.route_localnet_file)),
         config_path=args.config,
         overrides=_overrides(args),
         conntrack_paths=conntrack_sysctl.ConntrackPaths(

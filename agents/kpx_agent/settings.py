@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,9 +27,6 @@ class AgentSettings:
     conntrack: Conntrack = field(default_factory=Conntrack)
 
 
-_LOOPBACK = ipaddress.IPv4Address("127.0.0.1")
-
-
 def _detect_local(config: AgentConfiguration) -> DetectLocal:
     spec = config.detect_local
     mode = DetectLocalMode(str(spec.mode))
@@ -41,11 +37,7 @@ def _detect_local(config: AgentConfiguration) -> DetectLocal:
 def resolve(config: AgentConfiguration) -> AgentSettings:
     block = config.mode_settings()
     nodeport = tuple(parse_cidr(a) for a in config.node_port_addresses if a != "primary")
-    # As upstream: localhost NodePorts only where the NodePort addresses can include
-    # 127.0.0.1 (every local address, or a configured network holding it).
-    localhost_node_ports = bool(getattr(block, "localhost_node_ports", False)) and (
-        not config.node_port_addresses or any(_LOOPBACK in net for net in nodeport)
-    )
+    localhost_node_ports = config.localhost_node_ports_in_effect()
     return AgentSettings(
         mode=str(config.mode),
         sync_period=parse_duration(block.sync_period),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from enum import StrEnum
 from typing import Annotated, Final
 
@@ -19,7 +20,7 @@ from kpx_api.modes import (
     NFTablesSettings,
 )
 from kpx_api.names import DNSLabel
-from kpx_api.networks import BindAddress, ClusterCIDRs, NodePortAddresses
+from kpx_api.networks import BindAddress, ClusterCIDRs, NodePortAddresses, parse_cidr
 from kpx_api.selectors import LabelSelector
 from kpx_api.validation import KpxModel, Rule, SetList, Text
 
@@ -286,3 +287,13 @@ class ProxySettings(KpxModel):
         """The settings of the selected mode: its block, or that block's defaults."""
         block: ModeSettings | None = getattr(self, str(self.mode))
         return block if block is not None else SETTINGS_CLASS[self.mode]()
+
+    def localhost_node_ports_in_effect(self) -> bool:
+        """Whether IPv4 NodePorts answer on 127.0.0.0/8 (mode iptables only), as upstream:
+        iptables.localhostNodePorts, and nodePortAddresses empty or holding 127.0.0.1."""
+        block = self.mode_settings()
+        if not getattr(block, "localhost_node_ports", False):
+            return False
+        loopback = ipaddress.IPv4Address("127.0.0.1")
+        nets = [parse_cidr(a) for a in self.node_port_addresses if a != "primary"]
+        return not self.node_port_addresses or any(loopback in net for net in nets)

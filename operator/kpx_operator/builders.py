@@ -78,6 +78,11 @@ CONNTRACK_SYSCTLS: Final = ("conntrack-sysctls", "/proc/sys/net/netfilter",
 CONNTRACK_MODULE: Final = ("conntrack-module", "/sys/module/nf_conntrack/parameters",
                            "/host/sys/module/nf_conntrack/parameters")  # fmt: skip
 
+#: Mode iptables with localhost NodePorts in effect: the agent sets the node's
+#: net.ipv4.conf.all.route_localnet (as upstream), through this file only.
+ROUTE_LOCALNET: Final = ("route-localnet", "/proc/sys/net/ipv4/conf/all/route_localnet",
+                         "/host/proc/sys/net/ipv4/conf/all/route_localnet")  # fmt: skip
+
 AGENT_CONTAINER: Final = "agent"
 CLEANUP_CONTAINER: Final = "cleanup"
 
@@ -210,6 +215,19 @@ def _conntrack_access(spec: ProxyConfigurationSpec) -> tuple[list[Obj], list[Obj
     return volumes, mounts, flags
 
 
+def _localnet_access(spec: ProxyConfigurationSpec) -> tuple[list[Obj], list[Obj], list[str]]:
+    """(volumes, mounts, agent flags) for route_localnet, only where localhost NodePorts are
+    in effect (mode iptables, localhostNodePorts, nodePortAddresses allowing 127.0.0.1)."""
+    if not spec.localhost_node_ports_in_effect():
+        return [], [], []
+    name, path, mount = ROUTE_LOCALNET
+    return (
+        [{"name": name, "hostPath": {"path": path, "type": "File"}}],
+        [{"name": name, "mountPath": mount}],
+        ["--route-localnet-file", mount],
+    )
+
+
 def _pod_env() -> list[Obj]:
     """The pod's identity (the agent records Events about its own Pod)."""
     return [
@@ -237,12 +255,21 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
     name = child_names(owner.name).agent
     xt_volumes, xt_mounts = _xtables(spec.mode)
     ct_volumes, ct_mounts, ct_flags = _conntrack_access(spec)
+    ln_volumes, ln_mounts, ln_flags = _localnet_access(spec)
     _, healthz_port = parse_bind_address(spec.healthz_bind_address)
     container: Obj = {
         "name": AGENT_CONTAINER,
         "image": spec.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["proxy-agent", "--mode", str(spec.mode), "--config", CONFIG_FILE, *ct_flags],
+        "command": [
+            "proxy-agent",
+            "--mode",
+            str(spec.mode),
+            "--config",
+            CONFIG_FILE,
+            *ct_flags,
+            *ln_flags,
+        ],
         "env": [
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             *_pod_env(),
@@ -269,6 +296,7 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             *xt_mounts,
             *ct_mounts,
+            *ln_mounts,
         ],
     }
     if resources := _resources(spec):
@@ -299,6 +327,7 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
                         {"name": "config", "configMap": {"name": name}},
                         *xt_volumes,
                         *ct_volumes,
+                        *ln_volumes,
                     ],
                 },
             },

@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 import re
 from ipaddress import ip_network
+from pathlib import Path
 
 import pytest
 from backend_samples import GOLDEN, NODE, SETTINGS, check_golden, endpoints, key, sample_state
 
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.iptables import create
+from kpx_agent.backends.iptables import kernel as ipt_kernel
 from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup
 from kpx_agent.backends.iptables.rules import port_rules, probability
@@ -38,7 +40,7 @@ class Kernel:
         self.saved = saved or {}
         self.scripts: list[tuple[int, str]] = []
         self.fail_on: set[int] = set()  # 1-based restore calls that fail
-        self.sysctls: list[tuple[str, int]] = []  # (path, value) the backend ensured
+        self.sysctls: list[tuple[Path, int]] = []  # (file, value) the backend ensured
 
     def restore(self, family: int, script: str) -> None:
         self.scripts.append((family, script))
@@ -48,12 +50,15 @@ class Kernel:
     def save(self, family: int, table: str) -> str:
         return self.saved.get((family, table), "")
 
-    def backend(self, settings: ProxySettings = SETTINGS) -> IptablesBackend:
+    def backend(
+        self, settings: ProxySettings = SETTINGS, route_localnet: Path | None = None
+    ) -> IptablesBackend:
         return IptablesBackend(
             settings,
             restore=self.restore,
             save=self.save,
             ensure_sysctl=lambda path, value: self.sysctls.append((path, value)),
+            **({"route_localnet_file": route_localnet} if route_localnet else {}),
         )
 
 
@@ -406,3 +411,37 @@ def test_short_circuit_with_both_policies_local_has_a_chain_of_its_own() -> None
     assert [r.rsplit(" -j ", 1)[1] for r in reject] == ["DROP", "DROP"]  # cluster IP, LB IP
     assert rules.shared[("filter", n.NODEPORTS_REJECT)][0].endswith("--dport 30090 -j DROP")
     assert rules.shared[("nat", n.NODEPORTS)][0].endswith(f"--dport 30090 -j {ext}")
+
+
+# ---- route_localnet (localhost NodePorts) --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("localhost", "route_localnet", "expected"),
+    [
+        (True, None, [(ipt_kernel.ROUTE_LOCALNET_FILE, 1)]),
+        # In a pod: the node's file, mounted where the operator says (--route-localnet-file).
+        (True, Path("/host/route_localnet"), [(Path("/host/route_localnet"), 1)]),
+        (False, None, []),
+    ],
+)
+def test_route_localnet_is_set_only_with_localhost_node_ports(
+    localhost: bool, route_localnet: Path | None, expected: list[tuple[Path, int]]
+) -> None:
+    kernel = Kernel()
+    settings = dataclasses.replace(SETTINGS, localhost_node_ports=localhost)
+    kernel.backend(settings, route_localnet).sync(sample_state(), None)
+    assert kernel.sysctls == expected
+
+
+def test_ensure_sysctl_writes_only_a_different_value(tmp_path: Path) -> None:
+    target = tmp_path / "route_localnet"
+    target.write_text("1\n")
+    before = target.stat().st_mtime_ns
+    ipt_kernel.ensure_sysctl(target, 1)
+    assert target.stat().st_mtime_ns == before  # the same value: not written
+    target.write_text("0\n")
+    ipt_kernel.ensure_sysctl(target, 1)
+    assert target.read_text() == "1\n"
+    with pytest.raises(OSError):
+        ipt_kernel.ensure_sysctl(tmp_path / "missing", 1)

@@ -487,3 +487,43 @@ def test_agents_know_their_pod() -> None:
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
     assert env == {"NODE_NAME": "spec.nodeName", "POD_NAME": "metadata.name",
                    "POD_NAMESPACE": "metadata.namespace", "POD_UID": "metadata.uid"}  # fmt: skip
+
+
+# -- route_localnet: the one file localhost NodePorts need, only where they are in effect ------
+
+ROUTE_LOCALNET_NODE = "/proc/sys/net/ipv4/conf/all/route_localnet"
+ROUTE_LOCALNET_POD = "/host/proc/sys/net/ipv4/conf/all/route_localnet"
+
+
+@pytest.mark.parametrize(
+    ("mode", "changes", "mounted"),
+    [
+        ("iptables", {"iptables": {"localhostNodePorts": True}}, True),
+        ("iptables", {"iptables": {}}, True),  # the default is true, as upstream
+        ("iptables", {"iptables": {"localhostNodePorts": False}}, False),
+        # NodePorts on the primary IPs or other networks only: nothing on 127.0.0.1.
+        ("iptables", {"iptables": {}, "nodePortAddresses": ["primary"]}, False),
+        ("iptables", {"iptables": {}, "nodePortAddresses": ["10.0.0.0/8"]}, False),
+        ("iptables", {"iptables": {}, "nodePortAddresses": ["127.0.0.0/8"]}, True),
+        ("nftables", {}, False),  # nftables mode has no localhost NodePorts
+    ],
+)
+def test_route_localnet_is_mounted_only_where_localhost_node_ports_work(
+    mode: str, changes: Obj, mounted: bool
+) -> None:
+    owner, spec = example(mode)
+    spec = spec_with(spec, conntrack=LEAVE_ALONE, **changes)
+    pod = pod_spec(builders.agent_daemonset(owner, spec, OPTS))
+    (container,) = pod["containers"]
+    paths = _host_paths(pod)
+    flags = container["command"][5:]
+    if mounted:
+        assert paths.get(ROUTE_LOCALNET_NODE) == ROUTE_LOCALNET_POD
+        assert flags == ["--route-localnet-file", ROUTE_LOCALNET_POD]
+        (volume,) = [
+            v for v in pod["volumes"] if v.get("hostPath", {}).get("path") == ROUTE_LOCALNET_NODE
+        ]
+        assert volume["hostPath"]["type"] == "File"  # never created by the kubelet
+    else:
+        assert ROUTE_LOCALNET_NODE not in paths
+        assert "--route-localnet-file" not in flags

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from ..localnet import NodeLocalState, ProxySettings, ServicePortKey
+
+
+@dataclass(frozen=True)
+class NodePaths:
+    """Where a backend finds node files it writes, when not at their usual place (a pod's own
+    /proc/sys is read-only: the operator mounts the node's file elsewhere). None: the usual
+    path of the agent's own network namespace."""
+
+    route_localnet: Path | None = None
 
 
 class BackendError(RuntimeError):

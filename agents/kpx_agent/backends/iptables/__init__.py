@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from ...localnet import ProxySettings
+from ..base import NodePaths
 from .backend import IptablesBackend, cleanup
 
 
-def create(settings: ProxySettings) -> IptablesBackend:
-    return IptablesBackend(settings)
+def create(settings: ProxySettings, paths: NodePaths | None = None) -> IptablesBackend:
+    if paths is None or paths.route_localnet is None:
+        return IptablesBackend(settings)
+    return IptablesBackend(settings, route_localnet_file=paths.route_localnet)
 
 
 __all__ = ["IptablesBackend", "cleanup", "create"]

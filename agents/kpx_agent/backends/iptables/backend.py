@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection
+from pathlib import Path
 
 from ...detect_local import local_pods
 from ...localnet import NodeInfo, NodeLocalState, ProxySettings, ServicePortKey
@@ -29,9 +30,8 @@ from .script import SavedTable, cleanup_script, jump_edits, parse_save, table_sc
 log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
 
-ROUTE_LOCALNET = "net/ipv4/conf/all/route_localnet"
 Restore = Callable[[int, str], None]  # (family, script)
-EnsureSysctl = Callable[[str, int], None]  # (path under /proc/sys, value)
+EnsureSysctl = Callable[[Path, int], None]  # (sysctl file, value)
 Save = Callable[[int, str], str]  # (family, table) -> iptables-save output
 ChainExists = Callable[[int, str, str], bool]  # (family, table, chain)
 
@@ -46,9 +46,11 @@ class IptablesBackend:
         save: Save = kernel.save,
         chain_exists: ChainExists = kernel.chain_exists,
         ensure_sysctl: EnsureSysctl = kernel.ensure_sysctl,
+        route_localnet_file: Path = kernel.ROUTE_LOCALNET_FILE,
     ) -> None:
         self.settings = settings
         self._ensure_sysctl = ensure_sysctl
+        self._route_localnet_file = route_localnet_file
         self._restore = restore
         self._save = save
         self._chain_exists = chain_exists
@@ -170,12 +172,12 @@ class IptablesBackend:
         martians it would let in). Without it, localhost NodePorts do not answer: logged,
         and the rest of the rules are still programmed."""
         try:
-            self._ensure_sysctl(ROUTE_LOCALNET, 1)
+            self._ensure_sysctl(self._route_localnet_file, 1)
         except OSError as exc:
             log.error(
                 "localhostNodePorts: cannot set %s to 1 (%s): NodePorts on 127.0.0.1 will not"
                 " answer; set it on the node, or set iptables.localhostNodePorts: false",
-                ROUTE_LOCALNET.replace("/", "."),
+                self._route_localnet_file,
                 exc,
             )
 

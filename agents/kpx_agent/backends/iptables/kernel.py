@@ -63,11 +63,15 @@ def available(family: int) -> bool:
     return shutil.which(n.RESTORE[family]) is not None and shutil.which(n.SAVE[family]) is not None
 
 
-def ensure_sysctl(path: str, value: int) -> None:
-    """Set /proc/sys/`path` (of this network namespace) to `value` if it differs, logging the
-    change; OSError when it cannot be read or written."""
-    target = PROC_SYS / path
+#: net.ipv4.conf.all.route_localnet of the agent's network namespace (a pod is told where the
+#: node's is mounted: `--route-localnet-file`, since its own /proc/sys is read-only).
+ROUTE_LOCALNET_FILE = PROC_SYS / "net/ipv4/conf/all/route_localnet"
+
+
+def ensure_sysctl(target: Path, value: int) -> None:
+    """Set the sysctl file `target` to `value` if it differs, logging the change; OSError when
+    it cannot be read or written."""
     current = target.read_text().strip()
     if current != str(value):
         target.write_text(f"{value}\n")
-        log.info("set %s to %d (was %s)", path.replace("/", "."), value, current)
+        log.info("set %s to %d (was %s)", target, value, current)

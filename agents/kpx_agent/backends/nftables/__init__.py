@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from ...localnet import ProxySettings
+from ..base import NodePaths
 from .backend import NftablesBackend, cleanup
 
 
-def create(settings: ProxySettings) -> NftablesBackend:
+def create(settings: ProxySettings, paths: NodePaths | None = None) -> NftablesBackend:
+    """`paths`: accepted for the common signature; nftables mode writes no node file."""
+    del paths
     return NftablesBackend(settings)
 
 
