@@ -110,8 +110,9 @@ class IPTablesSettings(KpxModel):
     localhost_node_ports: bool = Field(
         default=True,
         strict=True,
-        description="Accept NodePort connections to 127.0.0.1 (IPv4 only; sets "
-        "route_localnet). Set false to accept NodePorts on real node addresses only.",
+        description="Accept NodePort connections to 127.0.0.1 (IPv4 only; sets the node's "
+        "route_localnet) when nodePortAddresses is empty or holds 127.0.0.1, as upstream. "
+        "Set false to accept NodePorts on real node addresses only.",
     )
     sync_period: Duration = Field(default="30s", description=_SYNC_PERIOD)
     min_sync_period: Duration = Field(default="1s", description=_MIN_SYNC_PERIOD)
