@@ -87,6 +87,18 @@ class AgentMetrics:
         self.excluded_namespaces = Gauge(
             "kpx_opted_out_namespaces", "Namespaces not proxied (opt-out)", registry=r
         )
+        self.healthz_total = Counter(
+            "kubeproxy_proxy_healthz_total",
+            "Cumulative proxy healthz HTTP status",
+            ["code"],
+            registry=r,
+        )
+        self.livez_total = Counter(
+            "kubeproxy_proxy_livez_total",
+            "Cumulative proxy livez HTTP status",
+            ["code"],
+            registry=r,
+        )
         self.config_reload_failures = Counter(
             "kpx_config_reload_failures_total",
             "Configuration file changes rejected; the previous configuration stays",
