@@ -161,6 +161,7 @@ class Proxier:
         try:
             if full or changed:  # nothing changed (e.g. a Node heartbeat): no kernel work
                 self.backend.sync(self.local, None if full else changed)
+                self.metrics.backend_syncs.labels("full" if full else "partial").inc()
         except BackendError as exc:
             self._needs_full = True
             self.metrics.sync_failures.inc()
