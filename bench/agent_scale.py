@@ -327,7 +327,6 @@ def agent_metrics(topo: Topology, node: Node) -> dict[str, float]:
         "kubeproxy_sync_full_proxy_rules_duration_seconds",
         "kubeproxy_sync_partial_proxy_rules_duration_seconds",
         "kubeproxy_sync_proxy_rules_service_changes",
-        "kpx_backend_syncs",  # agents from before it: absent (every sync called the backend)
         "kpx_watch_received_bytes",
         "kpx_programmed_elements",
     )
@@ -475,7 +474,6 @@ class Work:
     children_cpu_s: float = 0.0  # its `nft` processes
     full_syncs: float = 0.0
     partial_syncs: float = 0.0
-    backend_syncs: float | None = None  # kpx_backend_syncs_total; None: the agent lacks it
     service_changes: float = 0.0  # service ports whose node-local state changed
 
 
@@ -499,14 +497,12 @@ def work_between(a: Snapshot, b: Snapshot, events: int) -> Work:
     def delta(name: str) -> float:
         return b.metrics.get(name, 0.0) - a.metrics.get(name, 0.0)
 
-    backend = [k for k in b.metrics if k.startswith("kpx_backend_syncs_total")]
     return Work(
         events=events,
         agent_cpu_s=b.cpu[0] - a.cpu[0],
         children_cpu_s=b.cpu[1] - a.cpu[1],
         full_syncs=delta("kubeproxy_sync_full_proxy_rules_duration_seconds_count"),
         partial_syncs=delta("kubeproxy_sync_partial_proxy_rules_duration_seconds_count"),
-        backend_syncs=sum(delta(k) for k in backend) if backend else None,
         service_changes=delta("kubeproxy_sync_proxy_rules_service_changes_total"),
     )
 
@@ -814,9 +810,8 @@ def report(r: Result, info: Mapping[str, str]) -> str:
 
 
 def _syncs(w: Work) -> str:
-    backend = "" if w.backend_syncs is None else f", {w.backend_syncs:.0f} kernel programmings"
     return (
-        f"{w.full_syncs:.0f} full + {w.partial_syncs:.0f} partial syncs{backend}, "
+        f"{w.full_syncs:.0f} full + {w.partial_syncs:.0f} partial syncs, "
         f"{w.service_changes:.0f} service ports changed"
     )
 

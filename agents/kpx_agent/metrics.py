@@ -66,13 +66,6 @@ class AgentMetrics:
             ["mode"],
             registry=r,
         )
-        self.backend_syncs = Counter(
-            "kpx_backend_syncs_total",
-            "Syncs that programmed the kernel, by kind (full, partial); a sync with nothing "
-            "to change does not call the backend",
-            ["kind"],
-            registry=r,
-        )
         self.services = Gauge(
             "kpx_service_ports", "Service ports in the node-local state", registry=r
         )

@@ -158,10 +158,12 @@ class Proxier:
         """Program the kernel (may run in a worker thread: nothing here touches the cluster
         state, and the next `prepare` waits for this to finish)."""
         full, changed = pending.full, pending.changed
+        if not full and not changed:
+            # Nothing to program (a Node heartbeat, a Service update no rule depends on): no
+            # kernel work, and not counted as a sync.
+            return SyncOutcome(True, False, 0, time.monotonic() - pending.start)
         try:
-            if full or changed:  # nothing changed (e.g. a Node heartbeat): no kernel work
-                self.backend.sync(self.local, None if full else changed)
-                self.metrics.backend_syncs.labels("full" if full else "partial").inc()
+            self.backend.sync(self.local, None if full else changed)
         except BackendError as exc:
             self._needs_full = True
             self.metrics.sync_failures.inc()
