@@ -78,6 +78,11 @@ class Agent:
             on_event=on_event or self._wake.set,
         )
 
+    def _queued(self) -> None:
+        """A change to program was recorded (upstream's proxier Sync())."""
+        self.health.queued_update()
+        self.metrics.last_queued.set_to_current_time()
+
     def _on_node_event(self) -> None:
         self.health.sync_node(self.state.node)
         self._wake.set()
@@ -136,7 +141,7 @@ class Agent:
                 tasks.append(asyncio.create_task(self._watch_config()))
             # From here on, as upstream once its informers synced, every recorded change is
             # an update the health server waits for (the first sync itself is not queued).
-            self.state.on_queued = self.health.queued_update
+            self.state.on_queued = self._queued
             await self._sync_loop((services, slices))
         finally:
             for task in tasks:

@@ -68,15 +68,15 @@ class ClusterState:
         self.node: Obj | None = None
         self.synced: set[str] = set()
         self._changes = Changes()
-        # Called when a change is recorded while none was pending (the agent's health).
+        # Called for every change recorded (the agent's health and last-queued metric).
         self.on_queued: Callable[[], None] | None = None
 
     # -- recording -----------------------------------------------------------------------------
     def _queue(self) -> None:
         if not self._changes:
             self._changes.queued_at = time.time()
-            if self.on_queued is not None:
-                self.on_queued()
+        if self.on_queued is not None:
+            self.on_queued()
 
     def _touch(self, svc: Key) -> None:
         self._queue()

@@ -405,6 +405,8 @@ def test_healthz_and_sync_metrics(agent_env: AgentEnv, agent_ns: str) -> None:
         5.0,
         message="kubeproxy_network_programming_duration_seconds did not count the change",
     )
+    queued = agent.metric("kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds")
+    assert queued is not None and queued >= now.timestamp() - 1, queued
 
 
 SHORT_SYNC_PERIOD = 2.0  # seconds: the health timeout is twice that, as upstream

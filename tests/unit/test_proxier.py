@@ -264,18 +264,18 @@ def test_unchanged_service_update_does_no_kernel_work() -> None:
     assert outcome.ok and outcome.changed_ports == 0 and backend.calls == []
 
 
-def test_queued_hook_runs_once_per_pending_batch() -> None:
+def test_queued_hook_runs_for_every_recorded_change() -> None:
     state, _, proxier, _ = setup()
     queued: list[int] = []
     state.on_queued = lambda: queued.append(1)
     state.upsert(SERVICES, service("a", "web"))
+    state.upsert(SERVICES, service("a", "web"))  # the same object again: nothing recorded
     state.upsert(SERVICES, service("a", "api"))
     state.upsert(NODES, node())
-    assert len(queued) == 1
+    assert len(queued) == 3
     proxier.sync()
     state.touch_all()  # e.g. a failed sync's retry
-    assert len(queued) == 2
-    state.upsert(NODES, node())  # the same object again (a re-list): nothing recorded
+    assert len(queued) == 4
     proxier.sync()
-    state.upsert(NODES, node())
-    assert len(queued) == 2 and not state.has_changes()
+    state.upsert(NODES, node())  # the same Node again (a re-list): nothing recorded
+    assert len(queued) == 4 and not state.has_changes()
