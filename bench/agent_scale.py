@@ -12,8 +12,12 @@ For each size N (default 1,000 and 10,000), against a fresh local control plane:
    address instead of the old one in that VIP's buckets (netlink lookups of those 10
    elements, as `nft get element` does but without its cache load of every element, 1 s at
    100,000; each result is then cross-checked with `nft get element`);
-4. read the agent's peak RSS (VmHWM) and CPU seconds from /proc;
-5. dump the agent's ruleset and time `nft -f` loading it into a fresh, empty netns: the floor
+4. update the agent's Node status 50 times (a heartbeat: its Ready condition's times and
+   message; spaced like the changes) and report what they cost the agent (CPU, its own and of
+   its `nft` children; syncs and kernel programming from its metrics) beside what the single
+   changes cost;
+5. read the agent's peak RSS (VmHWM) and CPU seconds from /proc;
+6. dump the agent's ruleset and time `nft -f` loading it into a fresh, empty netns: the floor
    any nftables agent pays for the same ruleset.
 
 Usage: python3 bench/agent_scale.py [--services N] [--changes 20]
@@ -125,6 +129,7 @@ def changed_address(k: int) -> str:
 class Options:
     changes: int = 20
     gap: float = 1.2
+    node_updates: int = 50
     cold_starts: int = 3  # agent starts into an empty kernel; the last one goes on to changes
     agent_args: tuple[str, ...] = ()  # extra agent flags, e.g. -v
     keep_log: Path | None = None  # copy the agent's log here
@@ -321,6 +326,7 @@ def agent_metrics(topo: Topology, node: Node) -> dict[str, float]:
     wanted = (
         "kubeproxy_sync_full_proxy_rules_duration_seconds",
         "kubeproxy_sync_partial_proxy_rules_duration_seconds",
+        "kubeproxy_sync_proxy_rules_service_changes",
         "kpx_watch_received_bytes",
         "kpx_programmed_elements",
     )
@@ -460,6 +466,67 @@ def measure_changes(
 
 
 @dataclass
+class Work:
+    """What one phase cost the agent (differences between its start and its end)."""
+
+    events: int = 0
+    agent_cpu_s: float = 0.0
+    children_cpu_s: float = 0.0  # its `nft` processes
+    full_syncs: float = 0.0
+    partial_syncs: float = 0.0
+    service_changes: float = 0.0  # service ports whose node-local state changed
+
+
+@dataclass
+class Snapshot:
+    cpu: tuple[float, float]
+    metrics: dict[str, float]
+
+
+def snapshot(topo: Topology, node: Node, agent: AgentRun, cpu_first: bool) -> Snapshot:
+    """The agent's CPU and metrics; the metrics scrape (which costs the agent CPU) is kept
+    outside the measured window: after the CPU read at its start, before it at its end."""
+    if cpu_first:
+        cpu = proc_cpu_seconds(agent.pid)
+        return Snapshot(cpu, agent_metrics(topo, node))
+    metrics = agent_metrics(topo, node)
+    return Snapshot(proc_cpu_seconds(agent.pid), metrics)
+
+
+def work_between(a: Snapshot, b: Snapshot, events: int) -> Work:
+    def delta(name: str) -> float:
+        return b.metrics.get(name, 0.0) - a.metrics.get(name, 0.0)
+
+    return Work(
+        events=events,
+        agent_cpu_s=b.cpu[0] - a.cpu[0],
+        children_cpu_s=b.cpu[1] - a.cpu[1],
+        full_syncs=delta("kubeproxy_sync_full_proxy_rules_duration_seconds_count"),
+        partial_syncs=delta("kubeproxy_sync_partial_proxy_rules_duration_seconds_count"),
+        service_changes=delta("kubeproxy_sync_proxy_rules_service_changes_total"),
+    )
+
+
+def update_node_status(api: ApiClient, agent: AgentRun, count: int, gap: float) -> None:
+    """`count` status updates of the agent's Node, as a kubelet's heartbeat makes them: the
+    Ready condition with a new heartbeat time and message; nothing the agent uses changes."""
+    path = f"/api/v1/nodes/{AGENT_NODE}/status"
+    for k in range(count):
+        agent.check_alive()
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        condition = {
+            "type": "Ready",
+            "status": "True",
+            "reason": "KubeletReady",
+            "message": f"heartbeat {k}",
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": now,
+        }
+        api.merge_patch(path, {"status": {"conditions": [condition]}})
+        time.sleep(gap)
+
+
+@dataclass
 class Floor:
     ruleset_bytes: int = 0
     ruleset_lines: int = 0
@@ -508,6 +575,8 @@ class Result:
     cold_runs_s: list[float]
     changes: Changes
     floor: Floor
+    change_work: Work = field(default_factory=Work)
+    node_work: Work = field(default_factory=Work)
     peak_rss_mb: float = 0.0
     rss_end_mb: float = 0.0
     agent_cpu_s: float = 0.0
@@ -566,13 +635,25 @@ def measure_running(
     agent.check_alive()
     nft, probe = NodeNft(node.netns), KernelProbe(topo, node)
     log(f"changing {opts.changes} EndpointSlices, one every {opts.gap:.1f}s")
+    before = snapshot(topo, node, agent, cpu_first=True)
     try:
         changed = measure_changes(api, probe, nft, agent, vips, opts.changes, opts.gap)
     finally:
         probe.close()
+    time.sleep(opts.gap)  # the last change's conntrack cleanup and metrics
+    after_changes = snapshot(topo, node, agent, cpu_first=False)
     lat = changed.latencies()
     log(f"change: median {median(lat):.1f} ms, p90 {percentile(lat, 90):.1f} ms")
-    stats: dict[str, Any] = {"memory_kb": proc_memory_kb(agent.pid)}
+    log(f"updating the Node's status {opts.node_updates} times, one every {opts.gap:.1f}s")
+    start_nodes = snapshot(topo, node, agent, cpu_first=True)
+    update_node_status(api, agent, opts.node_updates, opts.gap)
+    after_nodes = snapshot(topo, node, agent, cpu_first=False)
+    stats: dict[str, Any] = {
+        "change_work": work_between(before, after_changes, len(changed.samples)),
+        "node_work": work_between(start_nodes, after_nodes, opts.node_updates),
+    }
+    log(f"node updates: {stats['node_work']}")
+    stats["memory_kb"] = proc_memory_kb(agent.pid)
     stats["cpu"] = proc_cpu_seconds(agent.pid)
     stats["metrics"] = agent_metrics(topo, node)
     ruleset = topo.tmpdir / "ruleset.nft"
@@ -630,6 +711,8 @@ def run_size(n: int, opts: Options) -> Result:
         cold_runs_s=[c.seconds for c in colds],
         changes=changed,
         floor=floor,
+        change_work=stats["change_work"],
+        node_work=stats["node_work"],
         peak_rss_mb=stats["memory_kb"].get("VmHWM", 0) / 1024,
         rss_end_mb=stats["memory_kb"].get("VmRSS", 0) / 1024,
         agent_cpu_s=cpu,
@@ -691,6 +774,19 @@ def report(r: Result, info: Mapping[str, str]) -> str:
             "",
             "",
         ),
+        (
+            f"{r.changes.gap_s:.1f} s apart: agent CPU (+ `nft` children) per single "
+            "EndpointSlice change",
+            _per_event_cell(r.change_work),
+            "",
+            "",
+        ),
+        (
+            f"{r.node_work.events} Node status updates: agent CPU (+ `nft` children), in all",
+            _work_cell(r.node_work),
+            "no recompute, no kernel work",
+            "",
+        ),
         ("floor: `nft -f` of the same ruleset, empty netns", _floor_cell(r.floor), "", ""),
         (
             "creating N Services + N EndpointSlices",
@@ -710,6 +806,25 @@ def report(r: Result, info: Mapping[str, str]) -> str:
         + "\n"
         + "\n".join(f"- {line}" for line in details)
         + "\n"
+    )
+
+
+def _syncs(w: Work) -> str:
+    return (
+        f"{w.full_syncs:.0f} full + {w.partial_syncs:.0f} partial syncs, "
+        f"{w.service_changes:.0f} service ports changed"
+    )
+
+
+def _work_cell(w: Work) -> str:
+    return f"{w.agent_cpu_s:.2f} s (+ {w.children_cpu_s:.2f} s); {_syncs(w)}"
+
+
+def _per_event_cell(w: Work) -> str:
+    n = max(1, w.events)
+    return (
+        f"{w.agent_cpu_s / n * 1000:.0f} ms (+ {w.children_cpu_s / n * 1000:.0f} ms); "
+        f"{w.events} changes: {_syncs(w)}"
     )
 
 
@@ -798,6 +913,7 @@ def main() -> int:
     parser.add_argument("--changes", type=int, default=20, help="single changes to time")
     parser.add_argument("--gap", type=float, default=1.2, help="seconds between changes")
     parser.add_argument("--cold-starts", type=int, default=3, help="cold starts to time")
+    parser.add_argument("--node-updates", type=int, default=50, help="Node status updates")
     parser.add_argument("--agent-verbose", action="store_true", help="run the agent with -v")
     parser.add_argument("--keep-agent-log", type=Path, help="copy the agent's log to this file")
     parser.add_argument(
@@ -808,6 +924,7 @@ def main() -> int:
         changes=args.changes,
         gap=args.gap,
         cold_starts=args.cold_starts,
+        node_updates=args.node_updates,
         agent_args=("-v",) if args.agent_verbose else (),
         keep_log=args.keep_agent_log,
         write=not args.no_write,

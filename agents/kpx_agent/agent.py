@@ -7,6 +7,7 @@ import contextlib
 import gc
 import logging
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -16,11 +17,12 @@ from . import collector, conntrack_sysctl, pod_events
 from . import settings as settings_mod
 from .backends.base import Backend
 from .cluster_state import ClusterState
-from .http_endpoints import Health, health_app, metrics_app, serve
+from .http_endpoints import health_app, metrics_app, serve
 from .kube_api import KubeClient
 from .metrics import AgentMetrics
 from .optout import exclusion_field_selector
 from .proxier import Proxier
+from .proxy_health import ProxyHealth, health_timeout
 from .service_health import HealthCheckServers, health_targets
 from .settings import AgentSettings
 from .watch import (
@@ -64,22 +66,32 @@ class Agent:
         self.health_check_servers = HealthCheckServers()
         self._wake = asyncio.Event()
         self._config_stamp = self._stamp()
-        self.health = Health(
-            last_success=lambda: self.proxier.last_success,
-            timeout=lambda: max(2 * self.settings.sync_period, 60.0),
-            started=time.time(),
-        )
+        self.health = ProxyHealth(health_timeout(settings.sync_period))
 
     # -- wiring --------------------------------------------------------------------------------
-    def _reflector(self, resource: Resource, field_selector: str = "") -> Reflector:
+    def _reflector(
+        self,
+        resource: Resource,
+        field_selector: str = "",
+        on_event: Callable[[], None] | None = None,
+    ) -> Reflector:
         selector = field_selector
         return Reflector(
             self.client,
             resource,
             self.state,
             field_selector=(lambda: selector),
-            on_event=self._wake.set,
+            on_event=on_event or self._wake.set,
         )
+
+    def _queued(self) -> None:
+        """A change to program was recorded (upstream's proxier Sync())."""
+        self.health.queued_update()
+        self.metrics.last_queued.set_to_current_time()
+
+    def _on_node_event(self) -> None:
+        self.health.sync_node(self.state.node)
+        self._wake.set()
 
     def _excluding_reflector(self, resource: Resource) -> Reflector:
         """Services and EndpointSlices: the apiserver leaves out opted-out namespaces."""
@@ -104,7 +116,7 @@ class Agent:
 
     async def run(self) -> None:
         runners = [
-            await serve(health_app(self.health), *self.settings.healthz),
+            await serve(health_app(self.health, self.metrics), *self.settings.healthz),
             await serve(
                 metrics_app(self.metrics.registry, self._publish_watch_metrics),
                 *self.settings.metrics,
@@ -114,7 +126,9 @@ class Agent:
         try:
             await self.apply_conntrack()
             namespaces = self._reflector(NAMESPACES_RESOURCE)
-            node = self._reflector(NODES_RESOURCE, f"metadata.name={self.node_name}")
+            node = self._reflector(
+                NODES_RESOURCE, f"metadata.name={self.node_name}", self._on_node_event
+            )
             tasks += [asyncio.create_task(r.run()) for r in (namespaces, node)]
             await asyncio.gather(namespaces.synced.wait(), node.synced.wait())
             # Know the opted-out namespaces before the first list, so it already leaves them out.
@@ -134,6 +148,9 @@ class Agent:
             )
             if self.config_path is not None:
                 tasks.append(asyncio.create_task(self._watch_config()))
+            # From here on, as upstream once its informers synced, every recorded change is
+            # an update the health server waits for (the first sync itself is not queued).
+            self.state.on_queued = self._queued
             await self._sync_loop((services, slices))
         finally:
             for task in tasks:
@@ -162,6 +179,10 @@ class Agent:
                 # nothing to recompute; what can change behind our back is the kernel.
                 self.proxier.periodic_check()
                 next_resync = now + self.settings.sync_period
+                if not self.state.has_changes() and not retry_delay:
+                    # The periodic resync found the kernel as programmed: a successful
+                    # update, as upstream's periodic sync is.
+                    self.health.updated()
             # Coalesce bursts: at most one sync per minSyncPeriod.
             wait = last_start + self.settings.min_sync_period - now
             if wait > 0:
@@ -188,7 +209,11 @@ class Agent:
             self._synced_once = True
             if outcome.ok:
                 retry_delay = 0.0
-                await self.health_check_servers.update(health_targets(self.proxier.local))
+                self.health.updated()
+                if self.state.has_changes():  # recorded while this sync ran: still pending
+                    self.health.queued_update()
+                if outcome.full or outcome.changed_ports:
+                    await self.health_check_servers.update(health_targets(self.proxier.local))
                 log.debug(
                     "synced %d ports (%s) in %.3fs",
                     outcome.changed_ports,
@@ -234,6 +259,7 @@ class Agent:
                 self.settings.mode,
             )
             return False
+        self.health.timeout = health_timeout(new.sync_period)
         if (new.healthz, new.metrics) != (self.settings.healthz, self.settings.metrics):
             log.warning("bind address changes take effect when the agent restarts")
         if new.conntrack != self.settings.conntrack:

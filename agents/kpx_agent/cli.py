@@ -10,7 +10,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,10 @@ from . import backends, conntrack_sysctl
 from . import settings as settings_mod
 from .agent import Agent
 from .backends.base import NodePaths
-from .http_endpoints import Health, health_app, serve
+from .http_endpoints import health_app, serve
 from .kube_api import DEFAULT_WATCH_IDLE_TIMEOUT, KubeClient, from_kubeconfig, in_cluster
+from .metrics import AgentMetrics
+from .proxy_health import ProxyHealth
 
 log = logging.getLogger("kpx_agent")
 MODES = ("nftables", "iptables", "ipvs")
@@ -132,8 +133,8 @@ def cleanup(argv: list[str]) -> int:
 
 
 async def _serve_done(host: str, port: int) -> None:
-    health = Health(last_success=time.time, timeout=lambda: 1e9, started=time.time())
-    runner = await serve(health_app(health), host, port)
+    # Nothing is ever queued: healthy for as long as it runs.
+    runner = await serve(health_app(ProxyHealth(timeout=0.0), AgentMetrics()), host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,11 +49,12 @@ class Changes:
 
     services: set[Key] = field(default_factory=set)
     everything: bool = False
+    node: bool = False  # this node's object changed: the proxier decides what that affects
     trigger_times: dict[Key, float] = field(default_factory=dict)
     queued_at: float = 0.0
 
     def __bool__(self) -> bool:
-        return self.everything or bool(self.services)
+        return self.everything or self.node or bool(self.services)
 
 
 class ClusterState:
@@ -67,17 +68,30 @@ class ClusterState:
         self.node: Obj | None = None
         self.synced: set[str] = set()
         self._changes = Changes()
+        # Called for every change recorded (the agent's health and last-queued metric).
+        self.on_queued: Callable[[], None] | None = None
 
     # -- recording -----------------------------------------------------------------------------
-    def _touch(self, svc: Key) -> None:
+    def _queue(self) -> None:
         if not self._changes:
             self._changes.queued_at = time.time()
+        if self.on_queued is not None:
+            self.on_queued()
+
+    def _touch(self, svc: Key) -> None:
+        self._queue()
         self._changes.services.add(svc)
 
     def touch_all(self) -> None:
-        if not self._changes:
-            self._changes.queued_at = time.time()
+        self._queue()
         self._changes.everything = True
+
+    def _set_node(self, node: Obj | None) -> None:
+        """Record this node's object; an identical one (a re-list) records nothing."""
+        if node != self.node:
+            self.node = node
+            self._queue()
+            self._changes.node = True
 
     def upsert(self, kind: str, obj: Obj) -> None:
         if kind == SERVICES:
@@ -90,8 +104,7 @@ class ClusterState:
         elif kind == NAMESPACES:
             self.namespaces[_key(obj)[1]] = dict((obj.get("metadata") or {}).get("labels") or {})
         elif kind == NODES:
-            self.node = obj
-            self.touch_all()
+            self._set_node(obj)
 
     def _upsert_slice(self, obj: Obj) -> None:
         key = _key(obj)
@@ -126,15 +139,13 @@ class ClusterState:
         elif kind == NAMESPACES:
             self.namespaces.pop(key[1], None)
         elif kind == NODES:
-            self.node = None
-            self.touch_all()
+            self._set_node(None)
 
     def replace(self, kind: str, objs: Iterable[Obj]) -> None:
         """A full list arrived: make the store equal to it, recording only real differences."""
         objs = list(objs)
         if kind == NODES:
-            self.node = objs[0] if objs else None
-            self.touch_all()
+            self._set_node(objs[0] if objs else None)
         elif kind == NAMESPACES:
             self.namespaces = {
                 _key(o)[1]: dict((o.get("metadata") or {}).get("labels") or {}) for o in objs

@@ -3,48 +3,32 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+
+from .metrics import AgentMetrics
+from .proxy_health import ProxyHealth
 
 
-@dataclass
-class Health:
-    """Healthy while the last successful sync is recent enough (kube-proxy's rule)."""
+def health_app(health: ProxyHealth, metrics: AgentMetrics) -> web.Application:
+    """/healthz and /livez over `health`, counted by status code as upstream does."""
 
-    last_success: Callable[[], float]
-    timeout: Callable[[], float]
-    started: float
+    def answer(code: int, body: dict[str, object], counter: Counter) -> web.Response:
+        counter.labels(str(code)).inc()
+        return web.Response(
+            status=code,
+            text=json.dumps(body),
+            content_type="application/json",
+            headers={"X-Content-Type-Options": "nosniff"},
+        )
 
-    def status(self, now: float | None = None, live: bool = False) -> tuple[int, dict[str, str]]:
-        now = time.time() if now is None else now
-        last = self.last_success()
-        fresh = last > 0 and now - last <= self.timeout()
-        # Liveness gives a starting agent (no sync yet) the same grace before failing.
-        starting = last == 0 and now - self.started <= self.timeout()
-        ok = fresh or (live and starting)
-        body = {
-            "lastUpdated": _rfc3339(last) if last else "",
-            "currentTime": _rfc3339(now),
-        }
-        return (200 if ok else 503), body
-
-
-def _rfc3339(ts: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
-
-
-def health_app(health: Health) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
-        code, body = health.status()
-        return web.Response(status=code, text=json.dumps(body), content_type="application/json")
+        return answer(*health.healthz(), metrics.healthz_total)
 
     async def livez(_: web.Request) -> web.Response:
-        code, body = health.status(live=True)
-        return web.Response(status=code, text=json.dumps(body), content_type="application/json")
+        return answer(*health.livez(), metrics.livez_total)
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)

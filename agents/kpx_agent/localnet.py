@@ -137,9 +137,11 @@ class NodeInfo:
 
     name: str
     addresses: tuple[IPAddress, ...] = ()
-    zone: str = ""
+    # Read by the model (topology hints), never by the backends: left out of equality, so a
+    # zone change is no node change for the kernel (the proxier recomputes the Services
+    # that use topology instead).
+    zone: str = field(default="", compare=False)
     pod_cidrs: tuple[IPNetwork, ...] = ()
-    labels: tuple[tuple[str, str], ...] = ()
 
 
 class DetectLocalMode(enum.StrEnum):

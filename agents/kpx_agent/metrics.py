@@ -104,6 +104,18 @@ class AgentMetrics:
             "Conntrack settings that the last attempt left unapplied (0: all as configured)",
             registry=r,
         )
+        self.healthz_total = Counter(
+            "kubeproxy_proxy_healthz_total",
+            "Cumulative proxy healthz HTTP status",
+            ["code"],
+            registry=r,
+        )
+        self.livez_total = Counter(
+            "kubeproxy_proxy_livez_total",
+            "Cumulative proxy livez HTTP status",
+            ["code"],
+            registry=r,
+        )
         self.config_reload_failures = Counter(
             "kpx_config_reload_failures_total",
             "Configuration file changes rejected; the previous configuration stays",

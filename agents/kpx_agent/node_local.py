@@ -120,7 +120,6 @@ def node_info(node: Obj | None, node_name: str) -> NodeInfo:
         addresses=tuple(addrs),
         zone=str(labels.get(ZONE_LABEL, "")),
         pod_cidrs=tuple(cidrs),
-        labels=tuple(sorted((str(k), str(v)) for k, v in labels.items())),
     )
 
 
@@ -213,18 +212,25 @@ def _usable(cands: list[_Candidate]) -> list[_Candidate]:
     return [c for c in cands if c.serving and c.terminating]
 
 
+def uses_topology(service: Obj) -> bool:
+    """Whether the Service asks for topology-aware routing (trafficDistribution or the
+    topology-mode annotations): only these read the node's zone."""
+    spec = service.get("spec") or {}
+    if spec.get("trafficDistribution"):
+        return True
+    annotations = (service.get("metadata") or {}).get("annotations") or {}
+    return any(
+        str(annotations.get(a, "")).lower() in ("auto", "true") for a in TOPOLOGY_MODE_ANNOTATIONS
+    )
+
+
 def _topology_filter(service: Obj, cands: list[_Candidate], node: NodeInfo) -> list[_Candidate]:
     """Apply EndpointSlice hints (topology-aware routing, trafficDistribution) as upstream does.
 
     Hints are used only when the Service asks for them and every usable endpoint carries them;
     otherwise (and when the hints leave nothing for this node) all endpoints are used.
     """
-    spec = service.get("spec") or {}
-    annotations = (service.get("metadata") or {}).get("annotations") or {}
-    wants = bool(spec.get("trafficDistribution")) or any(
-        str(annotations.get(a, "")).lower() in ("auto", "true") for a in TOPOLOGY_MODE_ANNOTATIONS
-    )
-    if not wants or not cands:
+    if not cands or not uses_topology(service):
         return cands
     if all(c.node_hints is not None for c in cands):
         same_node = [c for c in cands if c.node_hints and node.name in c.node_hints]

@@ -19,7 +19,7 @@ from .cluster_state import ClusterState, Key
 from .conntrack import FlowFilter, stale_flows
 from .localnet import NodeLocalState, Protocol, ServicePort, ServicePortKey
 from .metrics import AgentMetrics
-from .node_local import node_info, service_ports
+from .node_local import node_info, service_ports, uses_topology
 from .optout import excluded_namespaces
 
 log = logging.getLogger(__name__)
@@ -53,11 +53,12 @@ class Proxier:
     local: NodeLocalState = field(init=False)
     excluded: frozenset[str] = field(default=frozenset(), init=False)
     _ports_of: dict[Key, list[ServicePortKey]] = field(default_factory=dict, init=False)
+    # Services that read the node's zone (topology hints, trafficDistribution).
+    _topology_users: set[Key] = field(default_factory=set, init=False)
     _needs_full: bool = field(default=True, init=False)
     # UDP ports changed since the last successful sync: their state before, for conntrack.
     _udp_before: dict[ServicePortKey, ServicePort | None] = field(default_factory=dict, init=False)
     delete_flows: Callable[[Iterable[FlowFilter]], int] = field(default=conntrack.delete_flows)
-    last_success: float = field(default=0.0, init=False)
 
     def __post_init__(self) -> None:
         self.local = NodeLocalState(node=node_info(None, self.node_name))
@@ -76,18 +77,33 @@ class Proxier:
         self.state.touch_all()
         return True
 
+    def _node_changed(self) -> set[Key]:
+        """This node's object changed: the Services to recompute for it. Addresses and pod
+        CIDRs (what the backends render) mark a full sync; the zone only matters to the
+        Services that use topology; anything else (status heartbeats, conditions, images,
+        other labels) costs nothing."""
+        node = node_info(self.state.node, self.node_name)
+        old, self.local.node = self.local.node, node
+        if node != old:  # NodeInfo's equality leaves the zone out
+            self._needs_full = True
+        if node.zone != old.zone:
+            return set(self._topology_users)
+        return set()
+
     def _recompute(self, services: set[Key] | None) -> set[ServicePortKey]:
         """Refresh the node-local state for these Services (None: all); the ports that changed."""
         st, local = self.state, self.local
-        node = node_info(st.node, self.node_name)
-        node_changed = node != local.node
-        local.node = node
+        node = local.node
         keys = set(st.services) | set(self._ports_of) if services is None else services
         changed: set[ServicePortKey] = set()
         for svc in keys:
             old = self._ports_of.pop(svc, [])
             obj = st.services.get(svc)
             ports = []
+            if obj is not None and uses_topology(obj):
+                self._topology_users.add(svc)
+            else:
+                self._topology_users.discard(svc)
             if obj is not None and svc[0] not in self.excluded:
                 ports = service_ports(obj, st.slices_of(svc), node)
             new_keys = [p.key for p in ports]
@@ -103,8 +119,6 @@ class Proxier:
                     changed.add(port.key)
             if new_keys:
                 self._ports_of[svc] = new_keys
-        if node_changed:
-            self._needs_full = True
         return changed
 
     def _remember_udp(self, key: ServicePortKey) -> None:
@@ -128,7 +142,12 @@ class Proxier:
         self.update_excluded()
         extra = self.state.take_changes()  # opt-out changes mark everything
         everything = changes.everything or extra.everything or self._needs_full
-        changed = self._recompute(None if everything else changes.services | extra.services)
+        services = changes.services | extra.services
+        if changes.node or extra.node:
+            # After `everything` is decided: a new node address needs a full kernel sync,
+            # not a recompute (no ServicePort depends on the node's addresses).
+            services |= self._node_changed()
+        changed = self._recompute(None if everything else services)
         full, self._needs_full = self._needs_full, False
         self.metrics.service_changes.inc(len(changed))
         return PendingSync(
@@ -139,6 +158,10 @@ class Proxier:
         """Program the kernel (may run in a worker thread: nothing here touches the cluster
         state, and the next `prepare` waits for this to finish)."""
         full, changed = pending.full, pending.changed
+        if not full and not changed:
+            # Nothing to program (a Node heartbeat, a Service update no rule depends on): no
+            # kernel work, and not counted as a sync.
+            return SyncOutcome(True, False, 0, time.monotonic() - pending.start)
         try:
             self.backend.sync(self.local, None if full else changed)
         except BackendError as exc:
@@ -160,7 +183,6 @@ class Proxier:
                 time.monotonic() - pending.prepared,
             )
         now = time.time()
-        self.last_success = now
         duration = time.monotonic() - pending.start
         self.metrics.sync_duration.observe(duration)
         (self.metrics.full_sync_duration if full else self.metrics.partial_sync_duration).observe(

@@ -450,13 +450,23 @@ class AgentProcess:
     def metric(self, name: str, **labels: str) -> float | None:
         return metric(self.metrics(), name, **labels)
 
+    def synced(self) -> bool:
+        """A sync programmed the kernel (its metrics say when the last one succeeded)."""
+        status, body = self.http_get(self.metrics_address, "/metrics")
+        if status != 200:
+            return False
+        return bool(metric(body, "kubeproxy_sync_proxy_rules_last_timestamp_seconds"))
+
     def wait_healthy(self, timeout: float = 30.0) -> None:
+        """Until the first sync is done and /healthz answers 200. /healthz alone does not say
+        it: as upstream's, it is 200 from the start until a change waits too long."""
+
         def healthy() -> bool:
             if not self.alive():
                 raise AssertionError(
                     f"agent on {self.node.name} exited ({self.proc.returncode}):\n{self.log_tail()}"
                 )
-            return self.healthz_status() == 200
+            return self.synced() and self.healthz_status() == 200
 
         wait_until(
             healthy,
@@ -479,7 +489,8 @@ def start_agent(
     timeout: float = 30.0,
 ) -> AgentProcess:
     """Start `proxy-agent` in `node`'s netns (its output in a log file under the topology's
-    temporary directory); with `wait`, return once /healthz answers 200 (first sync done)."""
+    temporary directory); with `wait`, return once the first sync is done and /healthz
+    answers 200."""
     argv = [sys.executable, "-m", "kpx_agent.cli", "--mode", mode, "--node-name", node.name]
     argv += ["--kubeconfig", str(kubeconfig)]
     for cidr in cluster_cidrs:

@@ -10,6 +10,8 @@ n1) and b2 (on n2).
 from __future__ import annotations
 
 import datetime
+import json
+import subprocess
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -22,6 +24,7 @@ from agent_harness import (
     SECOND_PORT,
     SERVICE_PROXY_NAME_LABEL,
     AgentEnv,
+    AgentProcess,
     Svc,
     TrafficWatch,
     endpoint_slice,
@@ -402,6 +405,132 @@ def test_healthz_and_sync_metrics(agent_env: AgentEnv, agent_ns: str) -> None:
         5.0,
         message="kubeproxy_network_programming_duration_seconds did not count the change",
     )
+    queued = agent.metric("kubeproxy_sync_proxy_rules_last_queued_timestamp_seconds")
+    assert queued is not None and queued >= now.timestamp() - 1, queued
+
+
+SHORT_SYNC_PERIOD = 2.0  # seconds: the health timeout is twice that, as upstream
+TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
+
+
+def health_of(agent: AgentProcess, path: str) -> tuple[int, dict[str, Any]]:
+    status, body = agent.http_get(agent.healthz, path)
+    return status, (json.loads(body) if status in (200, 503) else {"error": body})
+
+
+def test_idle_agent_stays_healthy_and_the_deletion_taint_fails_healthz_only(
+    agent_env: AgentEnv,
+) -> None:
+    """syncPeriod 2s (health timeout 4s): an agent with nothing to do stays healthy for six
+    syncPeriods, however long ago it last programmed anything (as upstream: only a change
+    that waits too long makes it unhealthy). The cluster autoscaler's deletion taint on its
+    Node turns /healthz to 503 with nodeEligible false (load balancers drain the node) and
+    leaves /livez at 200; without the taint /healthz is 200 again. Both count by code."""
+    topo, n2 = agent_env.topology, agent_env.n2
+    config = write_agent_config(topo.tmpdir / "sync-2s.yaml", sync_period="2s")
+    agent = agent_env.start_agent("n2", config=config)
+    try:
+        idle_until = time.monotonic() + 6 * SHORT_SYNC_PERIOD
+        polls = 0
+        while time.monotonic() < idle_until:
+            for path in ("/healthz", "/livez"):
+                status, body = health_of(agent, path)
+                assert status == 200, f"{path} of an idle agent: {status} {body}\n{agent.log()}"
+            polls += 1
+            time.sleep(0.5)
+        assert polls >= 6, f"only {polls} polls in six syncPeriods: the test proves nothing"
+        assert body["lastUpdated"] and body["currentTime"], body
+
+        agent_env.kube.kubectl("taint", "node", n2.name, f"{TO_BE_DELETED_TAINT}=1:NoSchedule")
+        try:
+            wait_until(
+                lambda: health_of(agent, "/healthz")[0] == 503,
+                5.0,
+                interval=0.2,
+                message=lambda: f"/healthz not 503 on the tainted node:\n{agent.log_tail()}",
+            )
+            status, body = health_of(agent, "/healthz")
+            assert status == 503 and body["nodeEligible"] is False, body
+            assert health_of(agent, "/livez")[0] == 200  # alive: no restart for a drain
+        finally:
+            agent_env.kube.kubectl("taint", "node", n2.name, f"{TO_BE_DELETED_TAINT}-")
+        wait_until(
+            lambda: health_of(agent, "/healthz")[0] == 200,
+            5.0,
+            interval=0.2,
+            message="/healthz not 200 once the taint is gone",
+        )
+        assert health_of(agent, "/healthz")[1]["nodeEligible"] is True
+        text = agent.metrics()
+        assert (metric(text, "kubeproxy_proxy_healthz_total", code="503") or 0) >= 1, text
+        assert (metric(text, "kubeproxy_proxy_healthz_total", code="200") or 0) >= polls
+        assert (metric(text, "kubeproxy_proxy_livez_total", code="200") or 0) >= polls + 1
+        assert metric(text, "kubeproxy_proxy_livez_total", code="503") is None
+    finally:
+        assert agent.stop() == 0, agent.log_tail()
+        assert run_cleanup(topo, n2).returncode == 0
+
+
+def test_change_the_kernel_refuses_makes_the_agent_unhealthy_until_programmed(
+    agent_env: AgentEnv, agent_ns: str
+) -> None:
+    """Another process holds a table named like the agent's with the `owner` flag: the
+    kernel refuses every change to it from anyone else (EPERM) until its owner goes. A
+    Service change then cannot be programmed: /healthz and /livez stay 200 while it is not
+    late, turn 503 once it waited the timeout (2 x syncPeriod), and are 200 again once the
+    owner is gone and the agent's retry programmed it."""
+    topo, n2 = agent_env.topology, agent_env.n2
+    config = write_agent_config(topo.tmpdir / "sync-2s.yaml", sync_period="2s")
+    agent = agent_env.start_agent("n2", config=config)
+    holder: subprocess.Popen[str] | None = None
+    try:
+        holder = topo.run(
+            n2,
+            ["nft", "-i"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert holder.stdin is not None
+        blocked_at = time.monotonic()  # nothing queued can be older than this
+        # One transaction: the agent's table is replaced by the held one.
+        holder.stdin.write("delete table ip kpx; add table ip kpx { flags owner; }\n")
+        holder.stdin.flush()
+        wait_until(lambda: "flags owner" in nft_ruleset(topo, n2), 5.0, message="no owned table")
+        svc = make_service(agent_env, agent_ns, "refused", TCP_UDP[:1])
+
+        unhealthy_after = None
+        while time.monotonic() - blocked_at < 30:
+            status, body = health_of(agent, "/healthz")
+            if status == 503:
+                unhealthy_after = time.monotonic() - blocked_at
+                break
+            assert status == 200, body
+            time.sleep(0.2)
+        assert unhealthy_after is not None, f"never unhealthy:\n{agent.log_tail()}"
+        assert unhealthy_after >= 2 * SHORT_SYNC_PERIOD, f"503 after {unhealthy_after:.1f}s"
+        assert body["nodeEligible"] is True, body  # the proxy's own health, not the node's
+        assert health_of(agent, "/livez")[0] == 503
+        assert "sync failed" in agent.log(), agent.log_tail()
+
+        holder.stdin.close()  # the owner goes, and its table with it
+        holder.wait(timeout=5)
+        wait_until(
+            lambda: health_of(agent, "/healthz")[0] == 200,
+            40.0,  # the retry backs off up to 16 s by then
+            interval=0.3,
+            message=lambda: f"not healthy again:\n{agent.log_tail()}",
+        )
+        assert health_of(agent, "/livez")[0] == 200
+        assert f"{svc.ip()} . tcp . 80" in nft_ruleset(topo, n2)
+        text = agent.metrics()
+        assert (metric(text, "kubeproxy_proxy_livez_total", code="503") or 0) >= 1, text
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+        assert agent.stop() == 0, agent.log_tail()
+        assert run_cleanup(topo, n2).returncode == 0
 
 
 # ---- 10-11: the agent's life cycle ---------------------------------------------------------------

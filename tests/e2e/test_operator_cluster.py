@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,6 +196,58 @@ def test_opt_out_change_is_live_without_agent_restarts(env: Env) -> None:
     env.patch_pxc({"spec": {"namespaceOptOut": {"namespaces": ["legacy-proxy"]}}})
     wait_until(lambda: env.probe(4).failed == 0, 40, "the Service works again")
     assert env.agents() == before, "agents were restarted for a live setting"
+
+
+def _agent_pods(env: Env) -> list[dict[str, Any]]:
+    pods = env.json("-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=kpx-agent")
+    return [p for p in pods.get("items", []) if not p["metadata"].get("deletionTimestamp")]
+
+
+def _reloads(env: Env) -> dict[str, int]:
+    """pod name -> how often its agent logged a configuration reload."""
+    out = {}
+    for p in _agent_pods(env):
+        sim_pod = env.sim.pod(NS, p["metadata"]["name"])
+        log = sim_pod.logs.get("agent") if sim_pod else None
+        text = log.read_text(errors="replace") if log and log.exists() else ""
+        out[p["metadata"]["name"]] = text.count("configuration reloaded")
+    return out
+
+
+def _unready_agents(env: Env) -> list[str]:
+    return [
+        p["metadata"]["name"]
+        for p in _agent_pods(env)
+        if not any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in p["status"].get("conditions", [])
+        )
+    ]
+
+
+def test_idle_agents_stay_ready_and_are_not_restarted_by_their_probes(env: Env) -> None:
+    """syncPeriod 5s (a live setting; health timeout 2 x 5s): with nothing to program for
+    80 s (16 syncPeriods, and longer than the 60 s after which idle agents used to report
+    unhealthy), every agent pod stays Ready (readiness probe: /healthz) and is never
+    restarted (liveness probe: /livez), as upstream kube-proxy in a quiet cluster."""
+    wait_until(lambda: env.ready("nftables"), 120, "default Ready")
+    reloads = _reloads(env)
+    assert len(reloads) == 3, reloads
+    env.patch_pxc({"spec": {"nftables": {"syncPeriod": "5s"}}})
+    try:
+        wait_until(
+            lambda: all(n > reloads.get(pod, 0) for pod, n in _reloads(env).items()),
+            60,
+            "every agent reloaded its configuration (syncPeriod 5s)",
+        )
+        before = env.agents()
+        idle_until = time.monotonic() + 80
+        while time.monotonic() < idle_until:
+            assert not _unready_agents(env), "an idle agent turned unready"
+            time.sleep(4)
+        assert env.agents() == before, "idle agents were restarted by their liveness probe"
+    finally:
+        env.patch_pxc({"spec": {"nftables": {"syncPeriod": "30s"}}})
 
 
 def test_agent_token_is_least_privilege(env: Env, tmp_path: Path) -> None:

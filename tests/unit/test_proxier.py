@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import Any
 
+import pytest
+
 from kpx_agent.backends.base import BackendError
 from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.conntrack import FlowFilter
@@ -113,3 +115,167 @@ def test_udp_endpoint_removal_cleans_conntrack_after_the_sync() -> None:
     state.upsert(SLICES, endpoint_slice("k", "dns", "10.244.2.2", proto="UDP"))
     proxier.sync()
     assert [str(f.dnat_to) for f in flows] == ["10.244.1.2"]
+
+
+# ---- Node changes cost what they change -----------------------------------------------------
+
+
+def node(
+    address: str = "10.242.0.1",
+    zone: str = "zone-a",
+    pod_cidr: str = "10.244.1.0/24",
+    heartbeat: str = "2026-01-01T00:00:00Z",
+    **labels: str,
+) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": zone, **labels}},
+        "spec": {"podCIDRs": [pod_cidr]},
+        "status": {
+            "addresses": [{"type": "InternalIP", "address": address}],
+            "conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": heartbeat}],
+        },
+    }
+
+
+def topology_service(ns: str, name: str) -> dict[str, Any]:
+    svc = service(ns, name)
+    svc["spec"]["trafficDistribution"] = "PreferClose"
+    return svc
+
+
+def zoned_slice(ns: str, svc: str) -> dict[str, Any]:
+    """Two endpoints, one hinted for each zone."""
+    sl = endpoint_slice(ns, svc, "10.244.1.2", "10.244.2.2")
+    for ep, zone in zip(sl["endpoints"], ("zone-a", "zone-b"), strict=True):
+        ep["hints"] = {"forZones": [{"name": zone}]}
+    return sl
+
+
+def count_recomputes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the Services the proxier recomputes, in order."""
+    import kpx_agent.proxier as proxier_mod
+
+    seen: list[str] = []
+    real = proxier_mod.service_ports
+
+    def counting(obj: Any, slices: Any, node_info: Any) -> Any:
+        seen.append(obj["metadata"]["name"])
+        return real(obj, slices, node_info)
+
+    monkeypatch.setattr(proxier_mod, "service_ports", counting)
+    return seen
+
+
+def node_setup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[ClusterState, RecordingBackend, Proxier, list[str]]:
+    state, backend, proxier, _ = setup()
+    state.upsert(NODES, node())
+    for name in ("web", "api"):
+        state.upsert(SERVICES, service("a", name))
+        state.upsert(SLICES, endpoint_slice("a", name, "10.244.1.2"))
+    state.upsert(SERVICES, topology_service("a", "near"))
+    state.upsert(SLICES, zoned_slice("a", "near"))
+    assert proxier.sync().full
+    seen = count_recomputes(monkeypatch)
+    backend.calls.clear()
+    return state, backend, proxier, seen
+
+
+def near_endpoints(proxier: Proxier) -> list[str]:
+    [port] = [p for k, p in proxier.local.services.items() if k.name == "near"]
+    return [str(e.ip) for e in port.cluster_endpoints]
+
+
+def test_node_update_that_changes_no_input_costs_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A status heartbeat, new conditions, another label: no recompute, no kernel work."""
+    state, backend, proxier, seen = node_setup(monkeypatch)
+    for i in range(5):
+        state.upsert(NODES, node(heartbeat=f"2026-01-01T00:0{i}:00Z", team=f"t{i}"))
+        assert state.has_changes()  # the sync loop wakes, and finds nothing to do
+        outcome = proxier.sync()
+        assert outcome.ok and not outcome.full and outcome.changed_ports == 0
+    assert seen == [] and backend.calls == []
+    registry = proxier.metrics.registry
+    syncs = "kubeproxy_sync_proxy_rules_duration_seconds_count"
+    assert registry.get_sample_value(syncs) == 1  # the first one: heartbeats are no syncs
+
+
+def test_zone_change_recomputes_only_topology_services_partially(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state, backend, proxier, seen = node_setup(monkeypatch)
+    assert near_endpoints(proxier) == ["10.244.1.2"]
+    state.upsert(NODES, node(zone="zone-b"))
+    outcome = proxier.sync()
+    assert seen == ["near"]
+    assert backend.calls == [({"a/near/tcp"}, False)]  # partial, that Service only
+    assert not outcome.full and near_endpoints(proxier) == ["10.244.2.2"]
+    assert proxier.local.node.zone == "zone-b"
+
+
+def test_service_that_stops_using_topology_is_not_recomputed_for_the_zone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state, backend, proxier, seen = node_setup(monkeypatch)
+    state.upsert(SERVICES, service("a", "near"))  # trafficDistribution removed
+    proxier.sync()
+    seen.clear()
+    backend.calls.clear()
+    state.upsert(NODES, node(zone="zone-b"))
+    proxier.sync()
+    assert seen == [] and backend.calls == []
+
+
+@pytest.mark.parametrize(
+    "changed", [{"address": "10.242.0.99"}, {"pod_cidr": "10.244.9.0/24"}], ids=str
+)
+def test_address_or_pod_cidr_change_is_a_full_sync_without_recompute(
+    monkeypatch: pytest.MonkeyPatch, changed: dict[str, str]
+) -> None:
+    state, backend, proxier, seen = node_setup(monkeypatch)
+    state.upsert(NODES, node(**changed))
+    outcome = proxier.sync()
+    assert outcome.full and backend.calls[-1][1] is True
+    assert seen == []  # no ServicePort depends on the node's addresses or pod CIDRs
+    assert [str(a) for a in proxier.local.node.addresses] == [changed.get("address", "10.242.0.1")]
+    assert [str(c) for c in proxier.local.node.pod_cidrs] == [
+        changed.get("pod_cidr", "10.244.1.0/24")
+    ]
+
+
+def test_node_deleted_then_back_is_a_full_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    state, _, proxier, _ = node_setup(monkeypatch)
+    state.delete(NODES, node())
+    assert proxier.sync().full and proxier.local.node.addresses == ()
+    state.upsert(NODES, node())
+    assert proxier.sync().full
+
+
+def test_unchanged_service_update_does_no_kernel_work() -> None:
+    state, backend, proxier, _ = setup()
+    state.upsert(SERVICES, service("a", "web"))
+    proxier.sync()
+    backend.calls.clear()
+    annotated = service("a", "web")
+    annotated["metadata"]["annotations"] = {"note": "no effect on the rules"}
+    state.upsert(SERVICES, annotated)
+    outcome = proxier.sync()
+    assert outcome.ok and outcome.changed_ports == 0 and backend.calls == []
+
+
+def test_queued_hook_runs_for_every_recorded_change() -> None:
+    state, _, proxier, _ = setup()
+    queued: list[int] = []
+    state.on_queued = lambda: queued.append(1)
+    state.upsert(SERVICES, service("a", "web"))
+    state.upsert(SERVICES, service("a", "web"))  # the same object again: nothing recorded
+    state.upsert(SERVICES, service("a", "api"))
+    state.upsert(NODES, node())
+    assert len(queued) == 3
+    proxier.sync()
+    state.touch_all()  # e.g. a failed sync's retry
+    assert len(queued) == 4
+    proxier.sync()
+    state.upsert(NODES, node())  # the same Node again (a re-list): nothing recorded
+    assert len(queued) == 4 and not state.has_changes()

@@ -1,0 +1,95 @@
+"""The agent's own health, as upstream kube-proxy's proxier health server decides it.
+
+Pure timing and node logic (the clock is passed in); the HTTP handlers in `http_endpoints`
+only read it. Upstream's rules (pkg/proxy/healthcheck/proxier_health.go, v1.36):
+
+- healthy by default: while idle (nothing queued) the agent is healthy however long ago the
+  last sync was;
+- `queued_update` when a change that needs programming is recorded (only the oldest pending
+  one counts), `updated` when the kernel was programmed successfully or the periodic resync
+  found nothing to do; a failed sync leaves the change pending;
+- unhealthy once a pending change is older than the timeout, which upstream sets to
+  2 x syncPeriod (cmd/kube-proxy: `NewProxierHealthServer(..., 2*config.SyncPeriod)`);
+- `/healthz` is also unhealthy while this node is not eligible for traffic (being deleted, or
+  tainted `ToBeDeletedByClusterAutoscaler`), so load balancers drain it; `/livez` ignores that.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+TO_BE_DELETED_TAINT = "ToBeDeletedByClusterAutoscaler"
+
+Obj = Mapping[str, Any]
+
+
+def node_eligible(node: Obj | None) -> bool:
+    """False while the Node is being deleted or carries the cluster autoscaler's deletion
+    taint; True otherwise, and while the Node is not known (as upstream at start-up)."""
+    if node is None:
+        return True
+    if (node.get("metadata") or {}).get("deletionTimestamp"):
+        return False
+    taints = (node.get("spec") or {}).get("taints") or []
+    return not any(t.get("key") == TO_BE_DELETED_TAINT for t in taints)
+
+
+def health_timeout(sync_period: float) -> float:
+    """How long a queued change may wait to be programmed: upstream's 2 x syncPeriod."""
+    return 2.0 * sync_period
+
+
+class ProxyHealth:
+    """When the agent counts as healthy; see the module docstring."""
+
+    def __init__(self, timeout: float, clock: Callable[[], float] = time.time) -> None:
+        self.timeout = timeout
+        self.clock = clock
+        # As upstream's sync loop does at its start: a first update that never succeeds
+        # still reports a real lastUpdated.
+        self.last_updated = clock()
+        self.oldest_pending: float | None = None
+        self.node_eligible = True
+
+    def queued_update(self) -> None:
+        """A change is waiting to be programmed (a later one keeps the oldest time)."""
+        if self.oldest_pending is None:
+            self.oldest_pending = self.clock()
+
+    def updated(self) -> None:
+        """The kernel holds everything queued so far."""
+        self.oldest_pending = None
+        self.last_updated = self.clock()
+
+    def sync_node(self, node: Obj | None) -> None:
+        self.node_eligible = node_eligible(node)
+
+    def healthy(self, now: float) -> bool:
+        """Nothing pending, or the oldest pending change is not late yet (node ignored)."""
+        return self.oldest_pending is None or now - self.oldest_pending < self.timeout
+
+    def healthz(self) -> tuple[int, dict[str, object]]:
+        """/healthz: (status code, JSON body) with upstream's fields."""
+        now = self.clock()
+        ok = self.healthy(now) and self.node_eligible
+        body: dict[str, object] = self._times(ok, now)
+        body["nodeEligible"] = self.node_eligible
+        return (200 if ok else 503), body
+
+    def livez(self) -> tuple[int, dict[str, object]]:
+        """/livez: the proxy's own health; a node being drained is still alive."""
+        now = self.clock()
+        ok = self.healthy(now)
+        return (200 if ok else 503), self._times(ok, now)
+
+    def _times(self, ok: bool, now: float) -> dict[str, object]:
+        # Upstream reports lastUpdated = now while healthy (older clients read it as "the
+        # sync loop is running"); the real last update when not.
+        last = now if ok else self.last_updated
+        return {"lastUpdated": rfc3339(last), "currentTime": rfc3339(now)}
+
+
+def rfc3339(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))

@@ -1,0 +1,114 @@
+"""The agent's health as upstream kube-proxy decides it: pure timing, the clock passed in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kpx_agent.proxy_health import (
+    TO_BE_DELETED_TAINT,
+    ProxyHealth,
+    health_timeout,
+    node_eligible,
+    rfc3339,
+)
+
+
+class Clock:
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def health(timeout: float = 60.0) -> tuple[ProxyHealth, Clock]:
+    clock = Clock()
+    return ProxyHealth(timeout, clock), clock
+
+
+def node(taints: list[dict[str, str]] | None = None, deleting: bool = False) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": "n1"}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "spec": {"taints": taints or []}}
+
+
+def test_timeout_is_twice_the_sync_period_as_upstream() -> None:
+    assert health_timeout(30.0) == 60.0
+    assert health_timeout(2.0) == 4.0
+
+
+def test_idle_agent_stays_healthy_however_long_ago_it_synced() -> None:
+    h, clock = health()
+    h.updated()
+    clock.now += 3600  # an hour without any change
+    assert h.healthz()[0] == 200
+    assert h.livez()[0] == 200
+
+
+def test_healthy_body_reports_now_as_last_updated() -> None:
+    h, clock = health()
+    clock.now += 100
+    code, body = h.healthz()
+    assert code == 200
+    assert body == {
+        "lastUpdated": rfc3339(clock.now),
+        "currentTime": rfc3339(clock.now),
+        "nodeEligible": True,
+    }
+    assert set(h.livez()[1]) == {"lastUpdated", "currentTime"}
+
+
+def test_queued_change_not_programmed_within_the_timeout_is_unhealthy() -> None:
+    h, clock = health(timeout=4.0)
+    started = clock.now
+    clock.now += 10
+    h.queued_update()
+    clock.now += 3.9
+    assert h.healthz()[0] == 200 and h.livez()[0] == 200  # pending, not late yet
+    clock.now += 0.1
+    code, body = h.healthz()
+    assert code == 503 and h.livez()[0] == 503
+    assert body["lastUpdated"] == rfc3339(started)  # the real last update once unhealthy
+    assert body["nodeEligible"] is True
+    h.updated()
+    assert h.healthz()[0] == 200 and h.livez()[0] == 200
+
+
+def test_a_later_change_keeps_the_oldest_pending_time() -> None:
+    h, clock = health(timeout=4.0)
+    h.queued_update()
+    clock.now += 3
+    h.queued_update()  # e.g. a failed sync re-queued everything
+    clock.now += 1.5
+    assert h.livez()[0] == 503
+
+
+def test_programmed_change_within_the_timeout_stays_healthy() -> None:
+    h, clock = health(timeout=4.0)
+    for _ in range(10):
+        h.queued_update()
+        clock.now += 3
+        h.updated()
+        clock.now += 3
+        assert h.healthz()[0] == 200
+
+
+def test_node_being_deleted_or_tainted_fails_healthz_only() -> None:
+    h, _ = health()
+    for not_eligible in (node(deleting=True), node([{"key": TO_BE_DELETED_TAINT}])):
+        h.sync_node(not_eligible)
+        code, body = h.healthz()
+        assert code == 503 and body["nodeEligible"] is False
+        assert h.livez()[0] == 200
+    h.sync_node(node([{"key": "other", "effect": "NoSchedule"}]))
+    code, body = h.healthz()
+    assert code == 200 and body["nodeEligible"] is True
+
+
+def test_node_eligibility() -> None:
+    assert node_eligible(None)  # not known yet: eligible, as upstream at start-up
+    assert node_eligible(node())
+    assert node_eligible({"metadata": {"name": "n1"}})
+    assert not node_eligible(node(deleting=True))
+    assert not node_eligible(node([{"key": "a"}, {"key": TO_BE_DELETED_TAINT}]))
