@@ -1,7 +1,7 @@
 """Where the agent's time goes at N Services: its pipeline in-process, phase by phase.
 
 No control plane and no agent process: the same Services and EndpointSlices as
-bench/agent_scale.py (shaped like the apiserver's list items, managedFields included) go
+bench/workload.py (shaped like the apiserver's list items, managedFields included) go
 through the agent's own code, timed phase by phase:
 
   decode    the list pages decoded as KubeClient.list does (orjson when the agent uses it),
