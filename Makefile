@@ -18,7 +18,7 @@ setup-apt:
 	else echo "apt: all packages present"; fi
 
 setup-python:
-	$(PIP) install -q --disable-pip-version-check -e '.[dev]'
+	$(PYTHON) toolchain/setup-python.py
 
 setup-kubernetes:
 	toolchain/build-kubernetes.sh kube-apiserver kube-controller-manager kube-scheduler kubectl kube-proxy

@@ -2,8 +2,8 @@
 
 For each size N (default 1,000 and 10,000), against a fresh local control plane:
 
-1. create N ClusterIP Services (one TCP port) and N EndpointSlices of 10 ready endpoints
-   (made-up pod IPs in 10.244.0.0/16, nodeName spread over 4 nodes), in bulk over HTTPS;
+1. create the workload: N ClusterIP Services (one TCP port) and N EndpointSlices of 10 ready
+   endpoints (made-up pod IPs in 10.244.0.0/16, nodeName spread over 4 nodes), in bulk;
 2. start `proxy-agent --mode nftables` in a node network namespace and time, from the process
    start, until the kernel's `service-ips` map holds all N VIPs (its elements counted over
    netlink every few milliseconds, then confirmed with `nft list map`);
@@ -16,9 +16,11 @@ For each size N (default 1,000 and 10,000), against a fresh local control plane:
    message; spaced like the changes) and report what they cost the agent (CPU, its own and of
    its `nft` children; syncs and kernel programming from its metrics) beside what the single
    changes cost;
-5. read the agent's peak RSS (VmHWM) and CPU seconds from /proc;
-6. dump the agent's ruleset and time `nft -f` loading it into a fresh, empty netns: the floor
-   any nftables agent pays for the same ruleset.
+5. read the agent's peak RSS (VmHWM) and CPU seconds from /proc.
+
+The workload is bench/workload.py's (the same as bench/compare.py's); the kernel is read with
+bench/kernel_probe.py. The floor under the cold start (`nft -f` of the same ruleset) is
+bench/floors.py's.
 
 Usage: python3 bench/agent_scale.py [--services N] [--changes 20]
 Writes bench/results/agent_scale-<N>.json and its section of bench/results/latest.md.
@@ -37,7 +39,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +51,6 @@ from benchlib import (
     LineHelper,
     bench_cluster,
     component_pid,
-    endpoint_slice,
     endpoints,
     exit_on_sigterm,
     log,
@@ -57,39 +58,41 @@ from benchlib import (
     machine_line,
     markdown_table,
     median,
-    namespace,
     percentile,
     pids_with_env,
     proc_cpu_seconds,
     proc_memory_kb,
-    service,
-    services_path,
     slices_path,
     update_latest,
     write_json,
 )
 from kpx_cluster.controlplane import Cluster
 from kpx_cluster.netns import ENV_MARK, Node, Topology
+from workload import (
+    CLUSTER_CIDR,
+    CREATE_CHUNK,
+    ENDPOINTS_PER_SERVICE,
+    NAMESPACE,
+    NODE_NAME,
+    NODE_SETTLE_SECONDS,
+    SERVICE_PORT,
+    TARGET_PORT,
+    Workload,
+    changed_address,
+    create_node,
+    endpoint_addresses,
+    grow,
+    svc_name,
+)
 
-NAMESPACE = "bench"
-NODE_NAMES = tuple(f"bench-node-{i}" for i in range(4))
-AGENT_NODE = NODE_NAMES[0]
-ENDPOINTS_PER_SERVICE = 10
-SERVICE_PORT = 80
-TARGET_PORT = 8080
-CLUSTER_CIDR = "10.244.0.0/16"
 METRICS_ADDRESS = "127.0.0.1:10249"
-CREATE_CHUNK = 1000
 WORKERS = 8  # concurrent requests while creating
 COLD_START_TIMEOUT = 900.0
+PROBE_HELPER = Path(__file__).resolve().parent / "kernel_probe.py"
 CHANGE_TIMEOUT = 60.0
 COLD_POLL_INTERVAL = 0.005
 CHANGE_POLL_INTERVAL = 0.0005
-LOOKUP_HELPER = Path(__file__).resolve().parent / "nft_lookup.py"
 SETTLE_SECONDS = 3.0
-# The controller-manager updates a new Node once, about 5 s after its creation; the agent reacts
-# to every Node event, so let that happen before the agent starts.
-NODE_SETTLE_SECONDS = 8.0
 DEFAULT_SIZES = (1000, 10000)
 
 GOALS = {"cold_start_s": 3.0, "cold_start_at": 10000, "change_median_ms": 50.0}
@@ -103,26 +106,6 @@ _LOG_TIME_RE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
 # ---- the workload ------------------------------------------------------------------------------
-
-
-def svc_name(i: int) -> str:
-    return f"svc-{i:05d}"
-
-
-def endpoint_addresses(svc: int) -> list[tuple[str, str]]:
-    """10 (address, nodeName) pairs; endpoint j's third octet is in [20j, 20j+19]."""
-    return [
-        (
-            f"10.244.{j * 20 + (svc // 250) % 20}.{svc % 250 + 1}",
-            NODE_NAMES[(svc + j) % len(NODE_NAMES)],
-        )
-        for j in range(ENDPOINTS_PER_SERVICE)
-    ]
-
-
-def changed_address(k: int) -> str:
-    """The new address of change k (no original endpoint has it)."""
-    return f"10.244.{200 + k // 250}.{k % 250 + 1}"
 
 
 @dataclass(frozen=True)
@@ -149,55 +132,20 @@ class Creation:
         return self.services_s + self.slices_s
 
 
-def _chunks(n: int) -> Iterator[range]:
-    for start in range(0, n, CREATE_CHUNK):
-        yield range(start, min(n, start + CREATE_CHUNK))
-
-
-CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager")
-
-
-def control_plane_cpu(cluster: Cluster) -> dict[str, float]:
-    pids = {name: component_pid(cluster, name) for name in CONTROL_PLANE}
-    return {name: proc_cpu_seconds(pid)[0] for name, pid in pids.items() if pid}
-
-
 def create_workload(cluster: Cluster, api: ApiClient, n: int) -> tuple[list[str], Creation]:
-    """Create the namespace, the agent's Node, N Services and N EndpointSlices; the VIPs."""
-    cpu0 = control_plane_cpu(cluster)
-    api.create("/api/v1/namespaces", namespace(NAMESPACE))
-    api.create(
-        "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": AGENT_NODE}}
+    """The shared workload (bench/workload.py) at size N: the VIPs, and what creating took."""
+    work = Workload()
+    create_node(api, work)
+    grow(cluster, api, work, n)
+    made = work.creation[-1]
+    creation = Creation(
+        services_s=made["services_s"],
+        slices_s=made["slices_s"],
+        node_created=work.node_created,
+        service_chunks_s=made["service_chunks_s"],
+        control_plane_cpu_s=made["control_plane_cpu_s"],
     )
-    creation = Creation(node_created=time.monotonic())
-    vips: list[str] = []
-    started = time.monotonic()
-    for chunk in _chunks(n):
-        t0 = time.monotonic()
-        created = api.many(
-            "POST", [(services_path(NAMESPACE), service(NAMESPACE, svc_name(i))) for i in chunk]
-        )
-        creation.service_chunks_s.append(round(time.monotonic() - t0, 2))
-        vips += [str(obj["spec"]["clusterIP"]) for obj in created]
-        log(f"  services: {len(vips)}/{n}")
-    creation.services_s = time.monotonic() - started
-    started = time.monotonic()
-    for chunk in _chunks(n):
-        api.many(
-            "POST",
-            [
-                (
-                    slices_path(NAMESPACE),
-                    endpoint_slice(NAMESPACE, svc_name(i), endpoint_addresses(i), TARGET_PORT),
-                )
-                for i in chunk
-            ],
-        )
-        log(f"  endpointslices: {chunk.stop}/{n}")
-    creation.slices_s = time.monotonic() - started
-    cpu1 = control_plane_cpu(cluster)
-    creation.control_plane_cpu_s = {k: round(cpu1[k] - cpu0.get(k, 0.0), 2) for k in cpu1}
-    return vips, creation
+    return work.vips, creation
 
 
 # ---- the kernel, seen from the node netns ------------------------------------------------------
@@ -227,26 +175,21 @@ class NodeNft:
         proc = self.run("list", "map", "ip", "kpx", "service-ips")
         return set(_VIP_RE.findall(proc.stdout)) if proc.returncode == 0 else set()
 
-    def ruleset(self) -> str:
-        proc = self.run("list", "ruleset")
-        if proc.returncode != 0:
-            raise RuntimeError(f"nft list ruleset: {proc.stderr.strip()}")
-        return proc.stdout
-
 
 class KernelProbe(LineHelper):
-    """bench/nft_lookup.py in the node netns: netlink lookups of one element, or a count."""
+    """bench/kernel_probe.py in the node netns: netlink lookups of buckets, or a count."""
 
     def __init__(self, topo: Topology, node: Node) -> None:
-        super().__init__(topo, node, LOOKUP_HELPER)
+        super().__init__(topo, node, PROBE_HELPER)
 
     def endpoints(self, vip: str) -> list[str]:
         """'IP:PORT' (or '-') of endpoints-10[vip . tcp . 80 . b] for each bucket b."""
-        return self.ask(f"endpoints {vip} {SERVICE_PORT} {ENDPOINTS_PER_SERVICE}").split()
+        n = ENDPOINTS_PER_SERVICE
+        return self.ask(f"buckets kpx endpoints-{n} {vip} {SERVICE_PORT} {n}").split()
 
     def count(self) -> int:
         """service-ips elements for tcp/80."""
-        return int(self.ask(f"count {SERVICE_PORT}"))
+        return int(self.ask(f"count ip kpx service-ips {SERVICE_PORT}"))
 
 
 # ---- the agent ---------------------------------------------------------------------------------
@@ -305,7 +248,7 @@ def start_agent(
         "--mode",
         "nftables",
         "--node-name",
-        AGENT_NODE,
+        NODE_NAME,
         "--kubeconfig",
         str(cluster.kubeconfig),
         "--cluster-cidr",
@@ -510,7 +453,7 @@ def work_between(a: Snapshot, b: Snapshot, events: int) -> Work:
 def update_node_status(api: ApiClient, agent: AgentRun, count: int, gap: float) -> None:
     """`count` status updates of the agent's Node, as a kubelet's heartbeat makes them: the
     Ready condition with a new heartbeat time and message; nothing the agent uses changes."""
-    path = f"/api/v1/nodes/{AGENT_NODE}/status"
+    path = f"/api/v1/nodes/{NODE_NAME}/status"
     for k in range(count):
         agent.check_alive()
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -526,43 +469,6 @@ def update_node_status(api: ApiClient, agent: AgentRun, count: int, gap: float) 
         time.sleep(gap)
 
 
-@dataclass
-class Floor:
-    ruleset_bytes: int = 0
-    ruleset_lines: int = 0
-    runs_s: list[float] = field(default_factory=list)
-    error: str = ""
-
-    @property
-    def median_s(self) -> float:
-        return median(self.runs_s)
-
-
-def measure_floor(ruleset: Path, repeats: int = 3) -> Floor:
-    """Time `nft -f ruleset` into a fresh, empty netns, `repeats` times (one netns each)."""
-    text = ruleset.read_text()
-    floor = Floor(len(text.encode()), text.count("\n"))
-    for i in range(repeats):
-        ns = f"bench-floor-{os.getpid()}-{i}"
-        subprocess.run(["ip", "netns", "add", ns], check=True)
-        try:
-            t0 = time.monotonic()
-            proc = subprocess.run(
-                ["ip", "netns", "exec", ns, "nft", "-f", str(ruleset)],
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            elapsed = time.monotonic() - t0
-        finally:
-            subprocess.run(["ip", "netns", "del", ns], check=False)
-        if proc.returncode != 0:
-            floor.error = proc.stderr.strip()[:500]
-            break
-        floor.runs_s.append(elapsed)
-    return floor
-
-
 # ---- one size ----------------------------------------------------------------------------------
 
 
@@ -574,7 +480,6 @@ class Result:
     cold: ColdStart  # the last cold start (the agent measured afterwards)
     cold_runs_s: list[float]
     changes: Changes
-    floor: Floor
     change_work: Work = field(default_factory=Work)
     node_work: Work = field(default_factory=Work)
     peak_rss_mb: float = 0.0
@@ -629,8 +534,8 @@ def remove_rules(topo: Topology, node: Node) -> None:
 
 def measure_running(
     topo: Topology, node: Node, api: ApiClient, agent: AgentRun, vips: Sequence[str], opts: Options
-) -> tuple[Changes, dict[str, Any], Path]:
-    """Changes, then the agent's memory, CPU and metrics, and its ruleset dumped to a file."""
+) -> tuple[Changes, dict[str, Any]]:
+    """Changes, then the agent's memory, CPU and metrics."""
     time.sleep(SETTLE_SECONDS)
     agent.check_alive()
     nft, probe = NodeNft(node.netns), KernelProbe(topo, node)
@@ -656,18 +561,16 @@ def measure_running(
     stats["memory_kb"] = proc_memory_kb(agent.pid)
     stats["cpu"] = proc_cpu_seconds(agent.pid)
     stats["metrics"] = agent_metrics(topo, node)
-    ruleset = topo.tmpdir / "ruleset.nft"
-    ruleset.write_text(nft.ruleset())
-    return changed, stats, ruleset
+    return changed, stats
 
 
 def run_agent(
     cluster: Cluster, api: ApiClient, vips: Sequence[str], opts: Options
-) -> tuple[list[ColdStart], Changes, Floor, dict[str, Any]]:
+) -> tuple[list[ColdStart], Changes, dict[str, Any]]:
     """Start the agent in a node netns, take every measurement, stop it, remove the netns."""
     with Topology() as topo:
         exit_on_sigterm()  # unwind through this `with` and the control plane's `finally`
-        node = topo.add_node(AGENT_NODE)
+        node = topo.add_node(NODE_NAME)
         topo.expose_host_port(cluster.apiserver_port)
         colds = []
         for i in range(max(1, opts.cold_starts)):
@@ -677,17 +580,15 @@ def run_agent(
                 agent.stop()
                 remove_rules(topo, node)
         try:
-            changed, stats, ruleset = measure_running(topo, node, api, agent, vips, opts)
+            changed, stats = measure_running(topo, node, api, agent, vips, opts)
         except Exception:
             log(f"agent log tail:\n{agent.log_tail()}")
             raise
         finally:
-            agent.stop()  # the floor runs without the agent competing for the CPUs
+            agent.stop()
             if opts.keep_log is not None:
                 shutil.copyfile(agent.log_path, opts.keep_log)
-        floor = measure_floor(ruleset)
-        log(f"nft -f floor: {floor.median_s:.2f}s {floor.error}")
-    return colds, changed, floor, stats
+    return colds, changed, stats
 
 
 def run_size(n: int, opts: Options) -> Result:
@@ -699,7 +600,7 @@ def run_size(n: int, opts: Options) -> Result:
             vips, creation = create_workload(cluster, api, n)
             log(f"created in {creation.total_s:.1f}s ({2 * n / creation.total_s:.0f} objects/s)")
             time.sleep(max(0.0, creation.node_created + NODE_SETTLE_SECONDS - time.monotonic()))
-            colds, changed, floor, stats = run_agent(cluster, api, vips, opts)
+            colds, changed, stats = run_agent(cluster, api, vips, opts)
         finally:
             api.close()
     cpu, children = stats["cpu"]
@@ -710,7 +611,6 @@ def run_size(n: int, opts: Options) -> Result:
         cold=colds[-1],
         cold_runs_s=[c.seconds for c in colds],
         changes=changed,
-        floor=floor,
         change_work=stats["change_work"],
         node_work=stats["node_work"],
         peak_rss_mb=stats["memory_kb"].get("VmHWM", 0) / 1024,
@@ -787,7 +687,6 @@ def report(r: Result, info: Mapping[str, str]) -> str:
             "no recompute, no kernel work",
             "",
         ),
-        ("floor: `nft -f` of the same ruleset, empty netns", _floor_cell(r.floor), "", ""),
         (
             "creating N Services + N EndpointSlices",
             f"{r.creation.total_s:.1f} s ({r.creation.services_s:.1f} + {r.creation.slices_s:.1f})",
@@ -826,13 +725,6 @@ def _per_event_cell(w: Work) -> str:
         f"{w.agent_cpu_s / n * 1000:.0f} ms (+ {w.children_cpu_s / n * 1000:.0f} ms); "
         f"{w.events} changes: {_syncs(w)}"
     )
-
-
-def _floor_cell(floor: Floor) -> str:
-    if floor.error:
-        return f"failed: {floor.error[:80]}"
-    size = f"{floor.ruleset_bytes / 1e6:.1f} MB, {floor.ruleset_lines:,} lines"
-    return f"{floor.median_s:.2f} s ({size})"
 
 
 def _details(r: Result) -> list[str]:
@@ -877,9 +769,6 @@ def _details(r: Result) -> list[str]:
         f"{r.services / c.services_s:.0f}/s (seconds per {CREATE_CHUNK:,}: {chunks}), "
         f"EndpointSlices at {r.services / c.slices_s:.0f}/s; control-plane CPU meanwhile: {cpu}."
     )
-    if r.floor.runs_s:
-        runs = ", ".join(f"{s:.2f}" for s in r.floor.runs_s)
-        lines.append(f"`nft -f` floor runs: {runs} s.")
     load = " / ".join(f"{x:.2f}" for x in r.load_average)
     lines.append(
         f"Run took {r.run_seconds:.0f} s in all (control plane, creation, measurements); "
@@ -900,7 +789,6 @@ def to_json(r: Result, info: Mapping[str, str]) -> dict[str, Any]:
         "change_p90_ms": round(percentile(lat, 90), 1),
         "peak_rss_mb": round(r.peak_rss_mb, 1),
         "agent_cpu_s": r.agent_cpu_s,
-        "nft_floor_s": round(r.floor.median_s, 3) if r.floor.runs_s else None,
     }
     data["goals"] = GOALS
     data["upstream_kube_proxy_v1_36_2_kind"] = UPSTREAM.get(r.services)

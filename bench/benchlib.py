@@ -382,7 +382,7 @@ def write_json(name: str, data: Mapping[str, Any]) -> Path:
 _SECTION_RE = re.compile(r"<!-- section:(?P<id>[\w.-]+) -->\n.*?<!-- /section:(?P=id) -->\n", re.S)
 LATEST_HEADER = (
     "# Latest benchmark results\n\n"
-    "Written by `bench/agent_scale.py`, `bench/compare.py` and `bench/optout_watch.py` (each run "
+    "Written by `bench/compare.py` and `bench/agent_scale.py` (each run "
     "replaces its own section). See docs/benchmarks.md for what is measured and how.\n\n"
 )
 
@@ -408,7 +408,7 @@ def _section_order(section_id: str) -> tuple[str, int]:
 
 class LineHelper:
     """A helper script run inside a node netns that answers one line per request line
-    (bench/nft_lookup.py, bench/kernel_probe.py); it prints "ready" once started."""
+    (bench/kernel_probe.py); it prints "ready" once started."""
 
     def __init__(self, topo: Any, node: Any, script: Path) -> None:
         import sys

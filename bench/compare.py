@@ -3,9 +3,9 @@
 Against ONE local control plane (`bench-<pid>`), for each size N (default 1,000 then 10,000;
 the workload grows from one size to the next) and each mode both implement:
 
-1. the workload: N ClusterIP Services (one TCP port 80 -> 8080) and N EndpointSlices of 10
-   ready endpoints (as bench/agent_scale.py), and the Node `bench-node-0` with an InternalIP
-   (kube-proxy waits 30 s for a node IP without one);
+1. the workload (bench/workload.py, the same as bench/agent_scale.py's): N ClusterIP Services
+   (one TCP port 80 -> 8080) and N EndpointSlices of 10 ready endpoints, and the Node
+   `bench-node-0` with an InternalIP (kube-proxy waits 30 s for a node IP without one);
 2. upstream kube-proxy, then the kpx agent, each ALONE in a FRESH node network namespace
    (a new kpx_cluster Topology per start; the apiserver reached through the harness relay):
    - cold start: process start -> the kernel holds all N Services, observed by
@@ -46,39 +46,21 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent_scale import (
-    CLUSTER_CIDR,
-    CREATE_CHUNK,
-    ENDPOINTS_PER_SERVICE,
-    NAMESPACE,
-    NODE_SETTLE_SECONDS,
-    SERVICE_PORT,
-    TARGET_PORT,
-    control_plane_cpu,
-    endpoint_addresses,
-    svc_name,
-)
 from benchlib import (
     RESULTS_DIR,
     ApiClient,
     LineHelper,
     bench_cluster,
     component_pid,
-    endpoint_slice,
-    endpoints,
     exit_on_sigterm,
     log,
     machine_info,
     machine_line,
     markdown_table,
     median,
-    namespace,
     percentile,
     proc_cpu_seconds,
     proc_memory_kb,
-    service,
-    services_path,
-    slices_path,
     update_latest,
     wait_until_quiet,
     write_json,
@@ -98,9 +80,16 @@ from ruleset_readback import (
     nft_stats,
     service_map_chains,
 )
+from workload import (
+    CLUSTER_CIDR,
+    ENDPOINTS_PER_SERVICE,
+    NODE_NAME,
+    SERVICE_PORT,
+    Workload,
+    create_node,
+    grow,
+)
 
-NODE_NAME = "bench-node-0"
-NODE_IP = "10.242.0.1"  # the fabric address of a Topology's first node
 METRICS_ADDRESS = "127.0.0.1:10249"
 HEALTHZ_ADDRESS = "127.0.0.1:10256"
 PROBE_HELPER = Path(__file__).resolve().parent / "kernel_probe.py"
@@ -115,100 +104,6 @@ DUMP_TIMEOUT = 900.0
 # Pollers sleep at least twice as long as their last poll took, so they take at most a third
 # of one core from the process measured (the machine has two); the resolution is reported.
 MIN_POLL_SLEEP = 0.001
-
-
-# ---- the workload ------------------------------------------------------------------------------
-
-
-def changed_address(k: int) -> str:
-    """Address of the k-th replacement endpoint (no original endpoint has it)."""
-    return f"10.244.{200 + k // 250}.{k % 250 + 1}"
-
-
-@dataclass
-class Workload:
-    """What the apiserver holds: every Service's VIP and its current endpoints."""
-
-    vips: list[str] = field(default_factory=list)
-    current: list[list[tuple[str, str]]] = field(default_factory=list)
-    replaced: int = 0  # replacement addresses handed out
-    creation: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def size(self) -> int:
-        return len(self.vips)
-
-    def key(self, svc: int) -> Key:
-        return (self.vips[svc], "tcp", SERVICE_PORT)
-
-    def expected(self, n: int | None = None) -> Mappings:
-        return {
-            self.key(i): frozenset(f"{ip}:{TARGET_PORT}" for ip, _ in self.current[i])
-            for i in range(self.size if n is None else n)
-        }
-
-    def replace_last(self, svc: int) -> tuple[str, str, tuple[str, dict[str, Any]]]:
-        """Replace svc's last endpoint: (old 'IP:PORT', new 'IP:PORT', the PATCH to send)."""
-        addrs = self.current[svc]
-        old = addrs[-1][0]
-        new = changed_address(self.replaced)
-        self.replaced += 1
-        addrs[-1] = (new, addrs[-1][1])
-        patch = (slices_path(NAMESPACE, f"{svc_name(svc)}-1"), {"endpoints": endpoints(addrs)})
-        return f"{old}:{TARGET_PORT}", f"{new}:{TARGET_PORT}", patch
-
-
-def create_node(api: ApiClient) -> None:
-    api.create("/api/v1/namespaces", namespace(NAMESPACE))
-    api.create(
-        "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE_NAME}}
-    )
-    api.request(
-        "PATCH",
-        f"/api/v1/nodes/{NODE_NAME}/status",
-        {"status": {"addresses": [{"type": "InternalIP", "address": NODE_IP}]}},
-        "application/merge-patch+json",
-    )
-
-
-def grow(cluster: Cluster, api: ApiClient, work: Workload, n: int) -> None:
-    """Create Services and EndpointSlices size..n-1."""
-    start = work.size
-    if n <= start:
-        return
-    cpu0 = control_plane_cpu(cluster)
-    t0 = time.monotonic()
-    for lo in range(start, n, CREATE_CHUNK):
-        chunk = range(lo, min(n, lo + CREATE_CHUNK))
-        made = api.many(
-            "POST", [(services_path(NAMESPACE), service(NAMESPACE, svc_name(i))) for i in chunk]
-        )
-        work.vips += [str(obj["spec"]["clusterIP"]) for obj in made]
-        log(f"  services: {work.size}/{n}")
-    services_s = time.monotonic() - t0
-    t1 = time.monotonic()
-    for lo in range(start, n, CREATE_CHUNK):
-        chunk = range(lo, min(n, lo + CREATE_CHUNK))
-        addrs = [endpoint_addresses(i) for i in chunk]
-        api.many(
-            "POST",
-            [
-                (slices_path(NAMESPACE), endpoint_slice(NAMESPACE, svc_name(i), a, TARGET_PORT))
-                for i, a in zip(chunk, addrs, strict=True)
-            ],
-        )
-        work.current += addrs
-        log(f"  endpointslices: {chunk.stop}/{n}")
-    cpu1 = control_plane_cpu(cluster)
-    work.creation.append(
-        {
-            "from": start,
-            "to": n,
-            "services_s": round(services_s, 2),
-            "slices_s": round(time.monotonic() - t1, 2),
-            "control_plane_cpu_s": {k: round(cpu1[k] - cpu0.get(k, 0.0), 2) for k in cpu1},
-        }
-    )
 
 
 # ---- what each system programs, and how to read it -------------------------------------------
@@ -821,14 +716,12 @@ class SizeResult:
     load_average: tuple[float, float, float]
 
 
-def run_size(
-    n: int, cluster: Cluster, api: ApiClient, work: Workload, opts: Options, node_created: float
-) -> SizeResult:
+def run_size(n: int, cluster: Cluster, api: ApiClient, work: Workload, opts: Options) -> SizeResult:
     started, load = time.monotonic(), os.getloadavg()
     log(f"=== {n:,} Services x {ENDPOINTS_PER_SERVICE} endpoints")
     before = len(work.creation)
     grow(cluster, api, work, n)
-    time.sleep(max(0.0, node_created + NODE_SETTLE_SECONDS - time.monotonic()))
+    work.settle_node()
     modes = {mode: run_mode(mode, cluster, api, work, opts) for mode in opts.modes}
     return SizeResult(n, modes, work.creation[before:], time.monotonic() - started, load)
 
@@ -1189,10 +1082,9 @@ def main() -> int:
     with bench_cluster("bench") as cluster:
         api = ApiClient(cluster, WORKERS)
         try:
-            create_node(api)
-            node_created = time.monotonic()
+            create_node(api, work)
             for n in sizes:
-                size = run_size(n, cluster, api, work, opts, node_created)
+                size = run_size(n, cluster, api, work, opts)
                 markdown = report(size, info, opts, command)
                 print("\n" + markdown, flush=True)
                 if opts.write:

@@ -39,8 +39,6 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from nft_lookup import _attr, _attrs, vip_key
-
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_NFTABLES = 10
 NFT_MSG_GETRULE = 7
@@ -65,9 +63,44 @@ NFT_REG_VERDICT = 0
 NFT_REG32_00 = 8
 NF_NAT_RANGE_MAP_IPS, NF_NAT_RANGE_PROTO_SPECIFIED = 1, 2
 MAX_DEPTH = 4  # KUBE-SERVICES -> KUBE-SVC -> KUBE-SEP is two jumps
+NLA_F_NESTED = 0x8000
+IPPROTO_TCP = 6
 _HDR = struct.Struct("=IHHII")
+_ATTR = struct.Struct("=HH")
 _BE32 = struct.Struct("!I")
 _BE32S = struct.Struct("!i")
+
+
+# ---- netlink attributes and keys -----------------------------------------------------------------
+
+
+def _attr(kind: int, payload: bytes, nested: bool = False) -> bytes:
+    head = _ATTR.pack(_ATTR.size + len(payload), kind | (NLA_F_NESTED if nested else 0))
+    return head + payload + b"\0" * (-len(payload) % 4)
+
+
+def _attrs(data: bytes) -> Iterator[tuple[int, bytes]]:
+    pos = 0
+    while pos + _ATTR.size <= len(data):
+        length, kind = _ATTR.unpack_from(data, pos)
+        if length < _ATTR.size:
+            return
+        yield kind & ~NLA_F_NESTED, data[pos + _ATTR.size : pos + length]
+        pos += (length + 3) & ~3
+
+
+def _reg(value: bytes) -> bytes:
+    """One field of a concatenated key: padded to a 32-bit register."""
+    return value + b"\0" * (-len(value) % 4)
+
+
+def vip_key(vip: str, port: int) -> bytes:
+    """The key VIP . tcp . PORT (ipv4_addr . inet_proto . inet_service)."""
+    return (
+        ipaddress.IPv4Address(vip).packed
+        + _reg(bytes([IPPROTO_TCP]))
+        + _reg(struct.pack("!H", port))
+    )
 
 
 # ---- decoding (pure: bytes in, values out) -----------------------------------------------------

@@ -1,7 +1,7 @@
 """Where the agent's time goes at N Services: its pipeline in-process, phase by phase.
 
 No control plane and no agent process: the same Services and EndpointSlices as
-bench/agent_scale.py (shaped like the apiserver's list items, managedFields included) go
+bench/workload.py (shaped like the apiserver's list items, managedFields included) go
 through the agent's own code, timed phase by phase:
 
   decode    the list pages decoded as KubeClient.list does (orjson when the agent uses it),
@@ -37,12 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent_scale import (
-    NAMESPACE,
-    TARGET_PORT,
-    endpoint_addresses,
-    svc_name,
-)
 from benchlib import endpoint_slice, proc_memory_kb, service
 from kpx_agent import watch as watch_module
 from kpx_agent.backends.nftables.backend import NftablesBackend
@@ -51,6 +45,12 @@ from kpx_agent.localnet import ProxySettings
 from kpx_agent.metrics import AgentMetrics
 from kpx_agent.proxier import Proxier
 from kpx_api.proxysettings import NamespaceOptOut
+from workload import (
+    NAMESPACE,
+    TARGET_PORT,
+    endpoint_addresses,
+    svc_name,
+)
 
 Obj = dict[str, Any]
 PAGE = 1000

@@ -15,7 +15,7 @@ import pytest
 _REPO = Path(__file__).resolve().parent.parent
 for _src in ("api", "agents", "operator", "harness"):
     if (_REPO / _src).is_dir() and str(_REPO / _src) not in sys.path:
-        sys.path.append(str(_REPO / _src))  # works without `pip install -e .` too
+        sys.path.append(str(_REPO / _src))  # works without `make setup-python` too
 
 from kpx_cluster.netns import Topology, leftovers  # noqa: E402
 

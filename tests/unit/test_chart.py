@@ -172,8 +172,9 @@ def test_chart_metadata() -> None:
     assert chart["apiVersion"] == "v2"
     assert (chart["name"], chart["version"], chart["appVersion"]) == ("kpx", "0.1.0", "0.1.0")
     assert chart["kubeVersion"] == ">=1.33.0-0"
-    project = (REPO / "pyproject.toml").read_text()
-    assert f'\nversion = "{chart["appVersion"]}"\n' in project, "appVersion is kpx's version"
+    for dist in ("api", "agents", "operator", "harness"):  # appVersion is kpx's version
+        project = (REPO / dist / "pyproject.toml").read_text()
+        assert f'\nversion = "{chart["appVersion"]}"\n' in project, dist
     # The agents' default image (the CRD's default) is the release's, as the operator's is.
     assert DEFAULT_IMAGE.endswith(f":{chart['appVersion']}")
 

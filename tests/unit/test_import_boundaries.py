@@ -5,6 +5,8 @@ the agent and the operator (both may import it) and imports neither, nor kopf.""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,29 @@ def test_agent_backends_are_the_modes_the_api_says_have_one() -> None:
     from kpx_api import MODES_WITH_BACKEND
 
     assert set(REGISTRY) == {str(m) for m in MODES_WITH_BACKEND}
+
+
+def test_the_product_imports_without_the_harness() -> None:
+    """Every module of the product packages imports in a fresh interpreter where kpx_cluster
+    (the harness) cannot be imported: no static or dynamic import reaches it."""
+    script = """
+import importlib, importlib.abc, pkgutil, sys
+class NoHarness(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "kpx_cluster":
+            raise ImportError(f"the product imports the harness: {name}")
+sys.meta_path.insert(0, NoHarness())
+count = 0
+for top in ("kpx_api", "kpx_kube", "kpx_agent", "kpx_operator"):
+    package = importlib.import_module(top)
+    for info in pkgutil.walk_packages(package.__path__, top + "."):
+        if not info.name.endswith(".__main__"):  # that one runs the program
+            importlib.import_module(info.name)
+        count += 1
+print(count)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) > 50  # it walked the packages
