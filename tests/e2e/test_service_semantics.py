@@ -413,6 +413,21 @@ def test_external_traffic_policy_local_drops_external_and_short_circuits_local_t
 
     # externalTrafficPolicy: Cluster - n1 forwards to b2 and masquerades (b2 sees n1).
     env.kube.apply(etp_service(agent_ns, "Cluster"))
+    tcp_port = svc.node_port("tcp")
+
+    def masquerading() -> bool:  # new TCP connections follow the new rules at once
+        seen = send(env, n1, tcp_port, "tcp", count=2).sources.get("b2")
+        return bool(seen) and set(seen) == {n1}
+
+    wait_until(
+        masquerading,
+        10.0,
+        message=lambda: f"ETP Cluster never programmed on n1\n{diagnostics(env)}",
+    )
+    # A policy change leaves existing flows as they are (as upstream: conntrack is cleared for
+    # removed endpoints only). The UDP probes above left flows that a new probe socket may
+    # reuse by chance (same source port): clear them, so each try below is a new flow.
+    env.topology.exec(env.n1, ["conntrack", "-D", "-p", "udp"], check=False)
     for proto in PROTOS:
         result = assert_reaches(env, n1, svc.node_port(proto), proto, {"b2"})
         assert_sources(result, {n1}, f"ETP Cluster {proto} via n1's NodePort")
