@@ -33,7 +33,6 @@ CONTEXT_PATHS: Final = ("images", "pyproject.toml", "api", "agents", "operator")
 BASE_IMAGE: Final = "docker.io/library/debian:bookworm-slim"
 BASE_SUITE: Final = "bookworm"
 REGISTRY: Final = "ghcr.io/kpx"
-STORAGE: Final = ("--storage-driver", "vfs")
 
 
 @dataclass(frozen=True)
@@ -118,13 +117,26 @@ def inputs_digest(root: Path = REPO_ROOT, base: str = BASE_IMAGE) -> str:
 # -- building (the edge: buildah, mmdebstrap) --------------------------------------------------
 
 
+def _storage() -> list[str]:
+    """buildah's store: the project's own, in the cache, with the overlay driver (layers shared
+    between images; vfs copies every layer in full)."""
+    root = cache_dir() / "containers"
+    return [
+        "--storage-driver", "overlay",
+        "--root", str(root / "storage"),
+        "--runroot", str(root / "run"),
+    ]  # fmt: skip
+
+
 def _run(args: list[str], **kwargs: object) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(args, check=True, **kwargs)  # type: ignore[call-overload]
 
 
 def _has_image(ref: str) -> bool:
     found = subprocess.run(
-        ["buildah", *STORAGE, "inspect", "--type", "image", ref], capture_output=True, check=False
+        ["buildah", *_storage(), "inspect", "--type", "image", ref],
+        capture_output=True,
+        check=False,
     )
     return found.returncode == 0
 
@@ -135,7 +147,7 @@ def ensure_base(base: str = BASE_IMAGE, log: bool = True) -> None:
     if _has_image(base):
         return
     pulled = subprocess.run(
-        ["buildah", *STORAGE, "pull", "--quiet", base], capture_output=True, check=False
+        ["buildah", *_storage(), "pull", "--quiet", base], capture_output=True, check=False
     )
     if pulled.returncode == 0:
         return
@@ -165,18 +177,20 @@ def ensure_base(base: str = BASE_IMAGE, log: bool = True) -> None:
             ]
         )
         container = subprocess.run(
-            ["buildah", *STORAGE, "from", "scratch"], capture_output=True, text=True, check=True
+            ["buildah", *_storage(), "from", "scratch"], capture_output=True, text=True, check=True
         ).stdout.strip()
         try:
             _run(
-                ["buildah", *STORAGE, "add", container, str(tarball), "/"],
+                ["buildah", *_storage(), "add", container, str(tarball), "/"],
                 stdout=subprocess.DEVNULL,
             )
-            _run(["buildah", *STORAGE, "config", "--cmd", "bash", container])
-            _run(["buildah", *STORAGE, "commit", "--quiet", container, base],
+            _run(["buildah", *_storage(), "config", "--cmd", "bash", container])
+            _run(["buildah", *_storage(), "commit", "--quiet", container, base],
                  stdout=subprocess.DEVNULL)  # fmt: skip
         finally:
-            subprocess.run(["buildah", *STORAGE, "rm", container], capture_output=True, check=False)
+            subprocess.run(
+                ["buildah", *_storage(), "rm", container], capture_output=True, check=False
+            )
 
 
 def _ca_secret() -> list[str]:
@@ -194,7 +208,7 @@ def build(image: Image, out: Path, root: Path = REPO_ROOT, base: str = BASE_IMAG
     _run(
         [
             "buildah",
-            *STORAGE,
+            *_storage(),
             "bud",
             "--quiet",
             "--layers",
@@ -218,7 +232,7 @@ def build(image: Image, out: Path, root: Path = REPO_ROOT, base: str = BASE_IMAG
     )
     tmp = out.with_suffix(".partial")
     tmp.unlink(missing_ok=True)
-    _run(["buildah", *STORAGE, "push", "--quiet", image.ref, f"oci-archive:{tmp}:{image.ref}"])
+    _run(["buildah", *_storage(), "push", "--quiet", image.ref, f"oci-archive:{tmp}:{image.ref}"])
     tmp.replace(out)
 
 

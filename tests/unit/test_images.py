@@ -3,8 +3,11 @@ every file the build copies and with nothing else."""
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import re
 import shutil
+import sys
 import tomllib
 from pathlib import Path
 
@@ -44,28 +47,62 @@ def test_containerfile_has_both_targets_with_their_entry_points() -> None:
     assert f"ARG BASE={images.BASE_IMAGE}" in text
 
 
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _imported_distributions(*tops: str) -> set[str]:
+    """Third-party distributions the code under `tops` (e.g. api/, agents/) imports."""
+    modules: set[str] = set()
+    for top in tops:
+        for path in (REPO / top).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    modules.update(a.name.split(".")[0] for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    modules.add(node.module.split(".")[0])
+    by_module = importlib.metadata.packages_distributions()
+    third_party = modules - set(sys.stdlib_module_names)
+    found = {_normal(d) for m in third_party for d in by_module.get(m, [])}
+    return {d for d in found if not d.startswith("kpx")}  # the product itself
+
+
 def _declared_dependencies() -> set[str]:
-    """Runtime dependencies of the product's distributions (the root pyproject.toml today;
-    api/, agents/ and operator/ once each has its own)."""
+    """Dependencies api/, agents/ and operator/ declare, once each has its pyproject.toml."""
     found: set[str] = set()
-    tomls = [REPO / d / "pyproject.toml" for d in ("api", "agents", "operator")]
-    for path in [p for p in tomls if p.exists()] or [REPO / "pyproject.toml"]:
-        for dep in tomllib.loads(path.read_text())["project"].get("dependencies", []):
-            name = re.match(r"[A-Za-z0-9_.-]+", dep)
-            assert name is not None
-            found.add(re.sub(r"[-_.]+", "-", name.group(0)).lower())
+    for top in ("api", "agents", "operator"):
+        if (path := REPO / top / "pyproject.toml").exists():
+            for dep in tomllib.loads(path.read_text())["project"].get("dependencies", []):
+                name = re.match(r"[A-Za-z0-9_.-]+", dep)
+                assert name is not None
+                found.add(_normal(name.group(0)))
     return {d for d in found if not d.startswith("kpx")}
 
 
-def test_requirements_pin_every_declared_dependency() -> None:
+def _pinned(name: str) -> dict[str, str]:
     pinned = {}
-    for line in (REPO / "images/requirements.txt").read_text().splitlines():
+    for line in (REPO / "images" / name).read_text().splitlines():
         if line.strip() and not line.startswith("#"):
-            name, _, version = line.partition("==")
+            package, _, version = line.partition("==")
             assert version, f"not pinned: {line}"
-            pinned[name] = version
-    missing = _declared_dependencies() - set(pinned)
-    assert not missing, f"images/requirements.txt lacks {sorted(missing)}"
+            pinned[package] = version
+    return pinned
+
+
+def test_requirements_pin_every_imported_and_declared_dependency() -> None:
+    """requirements.txt (both images) covers api/ and agents/; requirements-operator.txt adds
+    what operator/ needs (kopf), which the agent image does without."""
+    common, operator = _pinned("requirements.txt"), _pinned("requirements-operator.txt")
+    assert not common.keys() & operator.keys()
+    agent_imports = _imported_distributions("api", "agents")
+    assert {"pydantic", "aiohttp", "pyyaml"} <= agent_imports  # the scan finds them
+    assert not agent_imports - common.keys(), "requirements.txt lacks what agents/ imports"
+    everything = _imported_distributions("api", "agents", "operator") | _declared_dependencies()
+    assert "kopf" in everything and "kopf" in operator
+    missing = everything - common.keys() - operator.keys()
+    assert not missing, f"images/requirements*.txt lack {sorted(missing)}"
+    # Nothing only the harness needs.
+    assert not {"cryptography", "jinja2"} & (common.keys() | operator.keys())
 
 
 @pytest.fixture
