@@ -97,6 +97,17 @@ class ImageStore:
             self.refs[name] = archive
         return [*names, *refs]
 
+    def prune(self) -> None:
+        """Remove unpacked images that no loaded archive holds any more (older builds)."""
+        wanted = {
+            d.replace(":", "-") for archive in set(self.refs.values())
+            for d in archive_refs(archive).values()
+        }  # fmt: skip
+        if self.root.is_dir():
+            for entry in self.root.iterdir():
+                if entry.name not in wanted and not entry.name.startswith(".unpack-"):
+                    shutil.rmtree(entry, ignore_errors=True)
+
     def unpack(self, ref: str) -> Unpacked:
         """The image `ref`, unpacked (once per digest); KeyError when no archive names it."""
         archive = self.refs[ref]

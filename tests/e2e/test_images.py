@@ -36,6 +36,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> oci.ImageStore:
     store = oci.ImageStore(directory / "rootfs")
     for image in (OPERATOR, AGENT):
         store.load(image.archive(directory))
+    store.prune()  # the root filesystems of earlier builds
     return store
 
 
