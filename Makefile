@@ -2,10 +2,11 @@
 SHELL := /bin/bash
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
-APT_PACKAGES := nftables iptables conntrack etcd-server iproute2 socat procps curl kmod
+APT_PACKAGES := nftables iptables conntrack etcd-server iproute2 socat procps curl kmod \
+	mmdebstrap buildah umoci skopeo runc
 N ?=
 
-.PHONY: setup setup-apt setup-python setup-kubernetes setup-helm test test-unit lint crds demo demo-down bench
+.PHONY: setup setup-apt setup-python setup-kubernetes setup-helm image test test-unit lint crds demo demo-down bench
 
 ## setup: install everything a fresh machine needs (idempotent: a second run installs and builds nothing)
 setup: setup-apt setup-python setup-kubernetes setup-helm
@@ -26,8 +27,13 @@ setup-kubernetes:
 setup-helm:
 	toolchain/build-helm.sh
 
+## image: the operator and agent images (images/Containerfile) as OCI archives in the cache;
+## prints `image: REF ARCHIVE` per image; builds nothing when no input changed (docs/images.md)
+image: setup-apt
+	PYTHONPATH=harness $(PYTHON) -m kpx_cluster.images build
+
 ## test: the whole suite (unit, kernel-in-netns, and e2e against a real apiserver); needs root
-test: setup
+test: setup image
 	$(PYTHON) -m pytest
 
 test-unit:
@@ -43,7 +49,7 @@ crds:
 	$(PYTHON) -m kpx_api.crdgen --out crds/
 	$(PYTHON) charts/sync_from_crds.py
 
-demo: setup
+demo: setup image
 	$(PYTHON) -m kpx_cluster.demo up
 
 demo-down:

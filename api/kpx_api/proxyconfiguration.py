@@ -18,7 +18,6 @@ from kpx_api.scheduling import IntOrPercent, ResourceRequirements, Toleration
 from kpx_api.selectors import LabelMap
 from kpx_api.validation import KpxModel, Text
 
-DEFAULT_IMAGE: Final = "ghcr.io/kpx/kpx-agent:0.1.0"
 DEFAULT_PRIORITY_CLASS: Final = "system-node-critical"
 
 IMAGE_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$"
@@ -52,7 +51,12 @@ class ProxyConfigurationSpec(ProxySettings):
         default_factory=ResourceRequirements,
         description="Compute resources (requests and limits) of the agent container.",
     )
-    image: Image = Field(default=DEFAULT_IMAGE, description="Container image of the agents.")
+    image: Image | None = Field(
+        default=None,
+        description="Container image of the agents, overriding the operator's (its "
+        "--agent-image: the agent of the operator's own release). Leave it out so that "
+        "upgrading the operator moves the agents to its version.",
+    )
     max_unavailable: IntOrPercent = Field(
         default=1,
         description="Agents that may be down at once during a rollout: a number of nodes (>= 1) "

@@ -21,6 +21,7 @@ from kpx_api import (
 from kpx_api.agentconfig import AgentConfiguration
 from kpx_api.constants import API_VERSION, KIND
 
+from . import __version__
 from .names import (
     AGENT_APP,
     AGENT_SERVICE_ACCOUNT,
@@ -83,6 +84,9 @@ CONNTRACK_MODULE: Final = ("conntrack-module", "/sys/module/nf_conntrack/paramet
 ROUTE_LOCALNET: Final = ("route-localnet", "/proc/sys/net/ipv4/conf/all/route_localnet",
                          "/host/proc/sys/net/ipv4/conf/all/route_localnet")  # fmt: skip
 
+#: The agent image of this release (the operator's own version).
+DEFAULT_AGENT_IMAGE: Final = f"ghcr.io/kpx/kpx-agent:{__version__}"
+
 AGENT_CONTAINER: Final = "agent"
 CLEANUP_CONTAINER: Final = "cleanup"
 
@@ -104,6 +108,12 @@ class BuildOptions:
     #: in KUBERNETES_SERVICE_HOST does not answer yet, so a cluster without kube-proxy needs
     #: the real address. None: the kubelet's default (the kubernetes Service).
     apiserver_endpoint: str | None = None
+    #: The agents' image unless spec.image overrides it: the agent of the operator's release
+    #: (--agent-image, set by the chart and the manifests), so upgrading the operator rolls
+    #: the agents to the same version.
+    agent_image: str = DEFAULT_AGENT_IMAGE
+    #: Secrets (in `namespace`) the agent and cleanup pods pull their image with.
+    image_pull_secrets: tuple[str, ...] = ()
 
 
 def owner_reference(owner: Owner) -> Obj:
@@ -172,6 +182,17 @@ def _security_context(mode: Mode) -> Obj:
         "capabilities": {"drop": ["ALL"], "add": list(CAPABILITIES[mode])},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+
+
+def agent_image(spec: ProxyConfigurationSpec, opts: BuildOptions) -> str:
+    """The image of the agent and cleanup pods: spec.image when set, else the operator's."""
+    return spec.image or opts.agent_image
+
+
+def _pull_secrets(opts: BuildOptions) -> Obj:
+    if not opts.image_pull_secrets:
+        return {}
+    return {"imagePullSecrets": [{"name": name} for name in opts.image_pull_secrets]}
 
 
 def _resources(spec: ProxyConfigurationSpec) -> Obj:
@@ -259,7 +280,7 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
     _, healthz_port = parse_bind_address(spec.healthz_bind_address)
     container: Obj = {
         "name": AGENT_CONTAINER,
-        "image": spec.image,
+        "image": agent_image(spec, opts),
         "imagePullPolicy": "IfNotPresent",
         "command": [
             "proxy-agent",
@@ -321,6 +342,7 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
                     # Installed with the operator (names.AGENT_SERVICE_ACCOUNT), not created by it.
                     "serviceAccountName": AGENT_SERVICE_ACCOUNT,
                     **_placement(spec),
+                    **_pull_secrets(opts),
                     "terminationGracePeriodSeconds": 30,
                     "containers": [container],
                     "volumes": [
@@ -341,7 +363,7 @@ def cleanup_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOpt
     xt_volumes, xt_mounts = _xtables(spec.mode)
     container: Obj = {
         "name": CLEANUP_CONTAINER,
-        "image": spec.image,
+        "image": agent_image(spec, opts),
         "imagePullPolicy": "IfNotPresent",
         "command": [
             "proxy-agent",
@@ -364,6 +386,7 @@ def cleanup_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOpt
         # The cleanup does not talk to the apiserver: no token in the pod.
         "automountServiceAccountToken": False,
         **_placement(spec),
+        **_pull_secrets(opts),
         "terminationGracePeriodSeconds": 5,
         "containers": [container],
     }

@@ -18,7 +18,7 @@ from kpx_api.constants import GROUP, PLURAL, VERSION
 
 from .admission import IPVSPolicy
 from .apiserver import ApiError, ApiServer, Credentials, from_kubeconfig, in_cluster
-from .builders import BuildOptions
+from .builders import DEFAULT_AGENT_IMAGE, BuildOptions
 from .handlers import register
 from .leader import LeaderElector, default_identity
 from .names import DEFAULT_NAMESPACE, FIELD_MANAGER, FINALIZER, LEASE_NAME
@@ -75,6 +75,22 @@ def parser() -> argparse.ArgumentParser:
         metavar="HOST:PORT",
         help="apiserver address for the agents (KUBERNETES_SERVICE_HOST/PORT in their pods); "
         "needed when nothing proxies the kubernetes Service yet, e.g. without kube-proxy",
+    )
+    p.add_argument(
+        "--agent-image",
+        default=os.environ.get("KPX_AGENT_IMAGE") or DEFAULT_AGENT_IMAGE,
+        metavar="IMAGE",
+        help="image of the agents of every ProxyConfiguration that sets no spec.image "
+        f"(default: $KPX_AGENT_IMAGE, else {DEFAULT_AGENT_IMAGE}, this release's agent)",
+    )
+    p.add_argument(
+        "--image-pull-secret",
+        action="append",
+        default=[],
+        metavar="NAME",
+        dest="image_pull_secrets",
+        help="a Secret of the agents' namespace that their pods pull the image with "
+        "(repeat for several)",
     )
     p.add_argument(
         "--resync-interval",
@@ -164,7 +180,12 @@ async def run(args: argparse.Namespace) -> int:
     creds: Credentials = from_kubeconfig(args.kubeconfig) if args.kubeconfig else in_cluster()
     api = ApiServer(creds)
     config = OperatorConfig(
-        build=BuildOptions(namespace=args.namespace, apiserver_endpoint=args.apiserver_endpoint),
+        build=BuildOptions(
+            namespace=args.namespace,
+            apiserver_endpoint=args.apiserver_endpoint,
+            agent_image=args.agent_image,
+            image_pull_secrets=tuple(args.image_pull_secrets),
+        ),
         ipvs_policy=IPVSPolicy(args.ipvs_policy),
         cleanup_timeout=args.cleanup_timeout,
     )

@@ -66,7 +66,7 @@ DEFAULT_SPEC: dict[str, Any] = {
     "tolerations": [],
     "priorityClassName": "system-node-critical",
     "resources": {"requests": {}, "limits": {}},
-    "image": "ghcr.io/kpx/kpx-agent:0.1.0",
+    # No image: the operator's (its release's agent) unless the spec sets one.
     "maxUnavailable": 1,
 }
 

@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 import yaml
 
+import kpx_operator
 from kpx_api import Mode, ProxyConfigurationSpec, parse_spec
-from kpx_api.proxyconfiguration import DEFAULT_IMAGE
+from kpx_operator.builders import DEFAULT_AGENT_IMAGE
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kpx"
@@ -175,8 +176,9 @@ def test_chart_metadata() -> None:
     for dist in ("api", "agents", "operator", "harness"):  # appVersion is kpx's version
         project = (REPO / dist / "pyproject.toml").read_text()
         assert f'\nversion = "{chart["appVersion"]}"\n' in project, dist
-    # The agents' default image (the CRD's default) is the release's, as the operator's is.
-    assert DEFAULT_IMAGE.endswith(f":{chart['appVersion']}")
+    # The operator's own version, hence its default agent image, is the release's.
+    assert kpx_operator.__version__ == chart["appVersion"]
+    assert f"ghcr.io/kpx/kpx-agent:{chart['appVersion']}" == DEFAULT_AGENT_IMAGE
 
 
 def test_kube_version_constraint(helm_env: dict[str, str]) -> None:
@@ -263,7 +265,10 @@ def test_release_namespace_everywhere(helm_env: dict[str, str]) -> None:
         for subject in obj.get("subjects", []):
             assert subject["namespace"] == "proxy"
     command = the(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert command == ["proxy-operator", "--namespace", "proxy"]
+    assert command == ["proxy-operator", "--namespace", "proxy", *AGENT_IMAGE_FLAG]
+
+
+AGENT_IMAGE_FLAG = ("--agent-image", "ghcr.io/kpx/kpx-agent:0.1.0")
 
 
 def operator_container(objs: list[Obj]) -> Obj:
@@ -275,7 +280,7 @@ def operator_container(objs: list[Obj]) -> Obj:
 def test_ipvs_policy_flag(helm_env: dict[str, str], policy: str) -> None:
     container = operator_container(render(helm_env, {"operator": {"ipvsPolicy": policy}}))
     assert container["command"] == [
-        "proxy-operator", "--namespace", NAMESPACE, "--ipvs-policy", policy,
+        "proxy-operator", "--namespace", NAMESPACE, *AGENT_IMAGE_FLAG, "--ipvs-policy", policy,
     ]  # fmt: skip
 
 
@@ -293,6 +298,43 @@ def test_apiserver_endpoint(helm_env: dict[str, str], endpoint: str, host: str, 
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["KUBERNETES_SERVICE_HOST"] == host
     assert env["KUBERNETES_SERVICE_PORT"] == port
+
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+@pytest.mark.parametrize(
+    ("image", "ref"),
+    [
+        ({}, "ghcr.io/kpx/kpx-{}:0.1.0"),
+        ({"tag": "0.2.0"}, "ghcr.io/kpx/kpx-{}:0.2.0"),
+        ({"tag": DIGEST}, "ghcr.io/kpx/kpx-{}@" + DIGEST),
+        ({"tag": "@" + DIGEST}, "ghcr.io/kpx/kpx-{}@" + DIGEST),
+        ({"repository": "registry.example:5000/kpx/agent", "tag": "dev"},
+         "registry.example:5000/kpx/agent:dev"),
+    ],
+)  # fmt: skip
+def test_images_by_tag_or_digest(helm_env: dict[str, str], image: Obj, ref: str) -> None:
+    """operator.image and operator.agentImage: repository:tag, or repository@sha256:... for a
+    digest; the agents' image reaches the operator as --agent-image (the operator decides it,
+    so a `helm upgrade` to another tag rolls the agents)."""
+    values = {"operator": {"image": dict(image), "agentImage": dict(image)}}
+    container = operator_container(render(helm_env, values))
+    assert container["image"] == ref.format("operator")
+    flag = container["command"].index("--agent-image")
+    assert container["command"][flag + 1] == ref.format("agent")
+    pxc = the(render(helm_env, values), "ProxyConfiguration")
+    assert "image" not in pxc["spec"]  # nothing pins the agents unless the user does
+
+
+def test_image_pull_secrets(helm_env: dict[str, str]) -> None:
+    objs = render(helm_env, {"imagePullSecrets": [{"name": "regcred"}, {"name": "mirror"}]})
+    pod = the(objs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
+    # The operator gives them to the agents' pods.
+    command = pod["containers"][0]["command"]
+    assert command[-4:] == ["--image-pull-secret", "regcred", "--image-pull-secret", "mirror"]
+    assert "imagePullSecrets" not in the(render(helm_env), "Deployment")["spec"]["template"]["spec"]
 
 
 def test_operator_values(helm_env: dict[str, str]) -> None:

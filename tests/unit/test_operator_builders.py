@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kpx_api import ProxyConfigurationSpec, agent_config_from_spec, parse_agent_config, parse_spec
-from kpx_operator import builders
+from kpx_operator import __version__, builders
 from kpx_operator.builders import BuildOptions, Owner
 from kpx_operator.names import (
     AGENT_CLUSTER_ROLE,
@@ -142,10 +142,42 @@ def test_agent_daemonset_runs_the_agent_with_least_privilege(mode: str) -> None:
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
     assert pod.get("nodeSelector", {}) == spec.node_selector
     assert pod.get("tolerations", []) == [t.to_dict() for t in spec.tolerations]
-    assert container["image"] == spec.image
+    assert spec.image is None  # the examples leave the image to the operator
+    assert container["image"] == OPTS.agent_image == f"ghcr.io/kpx/kpx-agent:{__version__}"
     # The pods carry the selector's labels.
     selector = ds["spec"]["selector"]["matchLabels"]
     assert selector.items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_agent_image_is_the_operators_unless_the_spec_overrides_it() -> None:
+    """Upgrading the operator (a new --agent-image) moves agents whose spec sets no image; a
+    spec.image pins them. Both DaemonSets (agents and cleanup) use the same image."""
+    owner, spec = example("nftables")
+    opts = BuildOptions(agent_image="registry.example/kpx-agent@sha256:" + "a" * 64)
+
+    def images(spec: ProxyConfigurationSpec, opts: BuildOptions) -> set[str]:
+        return {
+            c["image"]
+            for ds in (builders.agent_daemonset(owner, spec, opts),
+                       builders.cleanup_daemonset(owner, spec, opts))
+            for c in pod_spec(ds)["containers"]
+        }  # fmt: skip
+
+    assert images(spec, opts) == {opts.agent_image}
+    assert images(spec, OPTS) == {OPTS.agent_image}
+    pinned = spec_with(spec, image="registry.example/kpx-agent:pinned")
+    assert images(pinned, opts) == {"registry.example/kpx-agent:pinned"}
+
+
+def test_image_pull_secrets_reach_agent_and_cleanup_pods() -> None:
+    owner, spec = example("iptables")
+    for ds in (builders.agent_daemonset(owner, spec, OPTS),
+               builders.cleanup_daemonset(owner, spec, OPTS)):  # fmt: skip
+        assert "imagePullSecrets" not in pod_spec(ds)
+    opts = BuildOptions(image_pull_secrets=("regcred", "mirror"))
+    for ds in (builders.agent_daemonset(owner, spec, opts),
+               builders.cleanup_daemonset(owner, spec, opts)):  # fmt: skip
+        assert pod_spec(ds)["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
 
 
 def test_every_child_is_owned_and_labelled() -> None:
@@ -399,7 +431,12 @@ def test_operator_deployment_runs_two_replicas_of_proxy_operator() -> None:
     (deployment,) = [o for o in _manifests() if o["kind"] == "Deployment"]
     assert deployment["spec"]["replicas"] == 2
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
-    assert container["command"] == ["proxy-operator", "--namespace", "kpx-system"]
+    # The agents of the same release: one version in the operator and its agent image.
+    assert container["command"] == [
+        "proxy-operator", "--namespace", "kpx-system",
+        "--agent-image", builders.DEFAULT_AGENT_IMAGE,
+    ]  # fmt: skip
+    assert container["image"] == f"ghcr.io/kpx/kpx-operator:{__version__}"
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "kpx-operator"
 
 

@@ -13,8 +13,18 @@ app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" $root.Chart.Name $root.Chart.Version | replace "+" "_" }}
 {{- end -}}
 
-{{/* The operator's image: repository:tag, the tag defaulting to the chart's appVersion. */}}
-{{- define "kpx.operator.image" -}}
-{{- $image := .Values.operator.image -}}
-{{- printf "%s:%s" $image.repository (default .Chart.AppVersion $image.tag) -}}
+{{/*
+An image reference from {repository, tag}: repository:tag, or repository@sha256:... when the tag
+is a digest (sha256:... or @sha256:...); the tag defaults to the chart's appVersion.
+Usage: include "kpx.image" (list $ .Values.operator.image)
+*/}}
+{{- define "kpx.image" -}}
+{{- $root := index . 0 -}}
+{{- $image := index . 1 -}}
+{{- $tag := default $root.Chart.AppVersion $image.tag | trimPrefix "@" -}}
+{{- if hasPrefix "sha256:" $tag -}}
+{{- printf "%s@%s" $image.repository $tag -}}
+{{- else -}}
+{{- printf "%s:%s" $image.repository $tag -}}
+{{- end -}}
 {{- end -}}

@@ -20,12 +20,12 @@ from typing import Any
 
 import aiohttp
 
-from .binaries import KUBERNETES_VERSION
-from .netns import Node, Topology
-from .nodesim_api import ApiError, Credentials, KubeApi, Obj, now_micro, now_rfc3339
-from .nodesim_pod import NodeContext, PodWorker
-from .nodesim_relay import ApiRelays
-from .nodesim_volumes import ObjectCache, TokenCache
+from ..binaries import KUBERNETES_VERSION
+from ..netns import Node, Topology
+from .api import ApiError, Credentials, KubeApi, Obj, now_micro, now_rfc3339
+from .pod import NodeContext, PodWorker
+from .relay import ApiRelays
+from .volumes import ObjectCache, TokenCache
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .netns import Target, Topology
-from .nodesim_api import now_rfc3339
+from ..netns import Target, Topology
+from .api import now_rfc3339
 
 
 @dataclass(frozen=True)

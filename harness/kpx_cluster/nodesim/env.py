@@ -17,8 +17,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .nodesim_api import ApiError, Obj
-from .nodesim_volumes import SA_MOUNT, ObjectCache, config_map_data, field_value, secret_data
+from .api import ApiError, Obj
+from .volumes import SA_MOUNT, ObjectCache, config_map_data, field_value, secret_data
 
 PASSTHROUGH_ENV = ("HOME", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "VIRTUAL_ENV")
 """Variables taken from the simulator's own environment (plus PATH) for every container."""

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .netns import Target, Topology
-from .nodesim_api import Obj, now_rfc3339
-from .nodesim_env import ConfigError, EnvBuilder
-from .nodesim_probe import Prober, ProbeTiming, cancel_all, http_check, tcp_check
-from .nodesim_process import ExitInfo, Process, spawn
+from ..netns import Target, Topology
+from .api import Obj, now_rfc3339
+from .env import ConfigError, EnvBuilder
+from .probe import Prober, ProbeTiming, cancel_all, http_check, tcp_check
+from .process import ExitInfo, Process, spawn
 
 log = logging.getLogger(__name__)
 

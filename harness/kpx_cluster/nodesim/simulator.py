@@ -5,7 +5,7 @@
     ...                      # Pods bound to node-1 now run as processes in node-1's netns
     sim.stop()               # kills every pod process; stop(delete_nodes=True) also removes Nodes
 
-Each simulated node is a netns of the `Topology` plus a kubelet stand-in (nodesim_kubelet)
+Each simulated node is a netns of the `Topology` plus a kubelet stand-in (nodesim.kubelet)
 running on the simulator's own event loop thread with the node's own client certificate. Pods
 bound to the node get a netns of their own (or the node's, with hostNetwork), their volumes as
 directories, their containers' ``command + args`` as processes, probes, restarts and a status
@@ -24,13 +24,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from .controlplane import Cluster
-from .netns import Node, Topology
-from .nodesim_api import Credentials, KubeApi, Obj
-from .nodesim_env import base_env
-from .nodesim_kubelet import Kubelet, _arch
-from .nodesim_pod import SimPod
-from .nodesim_relay import ApiRelays
+from ..controlplane import Cluster
+from ..netns import Node, Topology
+from .api import Credentials, KubeApi, Obj
+from .env import base_env
+from .kubelet import Kubelet, _arch
+from .pod import SimPod
+from .relay import ApiRelays
 
 log = logging.getLogger(__name__)
 

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .netns import Node, Pod, Target, Topology
-from .nodesim_api import ApiError, KubeApi, Obj, now_rfc3339
-from .nodesim_container import Container, ContainerContext
-from .nodesim_env import EnvBuilder, PathMap
-from .nodesim_probe import cancel_all
-from .nodesim_process import Process
-from .nodesim_relay import ApiRelays
-from .nodesim_volumes import SA_MOUNT, ObjectCache, PodVolumes, TokenCache, VolumeError
+from ..netns import Node, Pod, Target, Topology
+from .api import ApiError, KubeApi, Obj, now_rfc3339
+from .container import Container, ContainerContext
+from .env import EnvBuilder, PathMap
+from .probe import cancel_all
+from .process import Process
+from .relay import ApiRelays
+from .volumes import SA_MOUNT, ObjectCache, PodVolumes, TokenCache, VolumeError
 
 log = logging.getLogger(__name__)
 

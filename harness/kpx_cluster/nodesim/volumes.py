@@ -1,7 +1,7 @@
 """Pod volumes of the node simulator: the per-pod directories a kubelet would mount.
 
 There are no mounts: each volume is a directory under the pod's directory (hostPath volumes a
-directory under the node's), and container paths are mapped onto them (see nodesim_env).
+directory under the node's), and container paths are mapped onto them (see nodesim.env).
 configMap, secret, downwardAPI and projected volumes are written like the kubelet's
 AtomicWriter does: the files live in a timestamped directory that the ``..data`` symlink points
 to, user-visible names are symlinks through ``..data``, and an update swaps ``..data`` with one
@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 
-from .nodesim_api import ApiError, KubeApi, Obj
+from .api import ApiError, KubeApi, Obj
 
 log = logging.getLogger(__name__)
 

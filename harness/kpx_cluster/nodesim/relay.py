@@ -14,8 +14,8 @@ import asyncio
 import logging
 from pathlib import Path
 
-from .netns import Pod, Topology
-from .nodesim_process import Process
+from ..netns import Pod, Topology
+from .process import Process
 
 log = logging.getLogger(__name__)
 
