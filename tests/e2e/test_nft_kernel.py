@@ -59,6 +59,7 @@ from ipaddress import ip_network
 from kpx_agent.localnet import IP
 ip = IP.of
 from kpx_agent.localnet import *
+from kpx_agent.node_local import local_state
 from kpx_agent.backends.nftables.backend import NftablesBackend
 eps = (Endpoint(ip("{b1.ipv4}"), 8080, True), Endpoint(ip("{b2.ipv4}"), 8080))
 ports = [
@@ -70,7 +71,7 @@ ports = [
                 cluster_ips=(ip("10.96.0.10"),)),
 ]
 b = NftablesBackend(ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),)))
-b.sync(NodeLocalState(NodeInfo("n1", (ip("{n1.ipv4}"),)), {{p.key: p for p in ports}}), None)
+b.sync(local_state(NodeInfo("n1", (ip("{n1.ipv4}"),)), b.settings, ports), None)
 """
     topology.exec(n1, [sys.executable, "-c", program], check=True)
     tcp = probe(topology, client, "10.96.0.10", 80, "tcp", count=30, timeout=1)
@@ -90,6 +91,7 @@ from ipaddress import ip_network as net
 from kpx_agent.localnet import IP
 ip = IP.of
 from kpx_agent.localnet import *
+from kpx_agent.node_local import local_state
 from kpx_agent.backends.nftables.backend import NftablesBackend
 eps = (Endpoint(ip("{b1.ipv4}"), 8080, True), Endpoint(ip("{b2.ipv4}"), 8080))
 def port(name, vip, **kw):
@@ -102,8 +104,8 @@ ports = [
     port("lb-closed", "10.96.0.22", load_balancer_ips=(ip("192.0.2.22"),),
          load_balancer_source_ranges=(net("198.51.100.0/24"),)),
 ]
-state = NodeLocalState(NodeInfo("n1", (ip("{n1.ipv4}"),)), {{p.key: p for p in ports}})
 b = NftablesBackend(ProxySettings(cluster_cidrs=(net("10.244.0.0/16"),)))
+state = local_state(NodeInfo("n1", (ip("{n1.ipv4}"),)), b.settings, ports)
 b.sync(state, None)
 """
     topology.exec(n1, [sys.executable, "-c", program], check=True)
@@ -156,11 +158,12 @@ def test_a_partial_sync_adds_a_new_endpoint_count(topology: Topology) -> None:
     n1, b1, b2, client = two_nodes_with_backends(topology)
     program = f"""
 from kpx_agent.localnet import *
+from kpx_agent.node_local import local_state
 from kpx_agent.localnet import IP
 from kpx_agent.backends.nftables.backend import NftablesBackend
 ip = IP.of
 b = NftablesBackend(ProxySettings())
-state = NodeLocalState(NodeInfo("n1", (ip("{n1.ipv4}"),)), {{}})
+state = local_state(NodeInfo("n1", (ip("{n1.ipv4}"),)), b.settings)
 def web(proto, port, eps):
     key = ServicePortKey("d", "web-" + proto.value, "", proto, 4)
     state.services[key] = ServicePort(key, port, cluster_ips=(ip("10.96.0.30"),),

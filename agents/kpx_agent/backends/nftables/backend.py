@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 
-from ...localnet import NodeInfo, NodeLocalState, ProxySettings, ServicePort, ServicePortKey
+from ...localnet import NodeLocalState, ProxySettings, ServicePort, ServicePortKey
 from ..base import BackendError
 from . import kernel, netlink_batch
 from . import names as n
@@ -60,16 +60,18 @@ class NftablesBackend:
         self._port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
             f: {} for f in FAMILIES
         }
-        self._node: NodeInfo | None = None
+        # False until a full sync succeeded, and after a failure: what the kernel holds is
+        # not known, so a sync is full whatever it was asked (the proxier asks for one then).
+        self._synced = False
         self._last_parts: list[str] = []
         self.last_loaded: dict[int, dict[str, list[tuple[str, str | None]]]] = {}
 
     def programmed(self) -> bool:
         """True while the kernel still has our tables (someone may flush the ruleset)."""
-        return self._node is not None and self._present_families() == set(FAMILIES)
+        return self._synced and self._present_families() == set(FAMILIES)
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
-        if changed is None or self._node is None or state.node != self._node:
+        if changed is None or not self._synced:
             self._full_sync(state)
         else:
             self._partial_sync(state, changed)
@@ -93,7 +95,7 @@ class NftablesBackend:
         try:
             self._load_elements(loaded)
         except BackendError:
-            self._node = None  # the tables exist now, empty: the next full sync swaps them
+            self._synced = False  # the tables exist now, empty: the next full sync swaps them
             raise
         if loaded:
             log.info(
@@ -108,7 +110,7 @@ class NftablesBackend:
             books[fam].commit(plans[fam])
             self._log_conflicts(plans[fam])
         log.debug("full sync: record committed in %.3f s", time.monotonic() - t0)
-        self._books, self._chains, self._node = books, chains, state.node
+        self._books, self._chains, self._synced = books, chains, True
         self._port_chains = port_chains
 
     def _full_script(
@@ -127,7 +129,7 @@ class NftablesBackend:
             by_family[key.family].append(sp)
         for fam in FAMILIES:
             txn = Transaction(fam)
-            txn.replace_table(base_table(fam, self.settings, state.node))
+            txn.replace_table(base_table(self.settings, state.facts[fam]))
             yield txn.render()
             ports = by_family[fam]
             for start in range(0, len(ports), STREAM_CHUNK):
@@ -249,7 +251,7 @@ class NftablesBackend:
         except BackendError:
             # The kernel kept the last good rules; our record still equals them, but force a
             # full swap next time in case the kernel state drifted (it is the safe recovery).
-            self._node = None
+            self._synced = False
             raise
 
     @property

@@ -17,9 +17,15 @@ import hashlib
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network, collapse_addresses
 
-from ...detect_local import LocalPods, local_pods
-from ...localnet import Endpoint, IPAddress, IPNetwork, NodeInfo, ProxySettings, ServicePort
-from ...node_local import nodeport_networks
+from ...localnet import (
+    Endpoint,
+    IPAddress,
+    IPNetwork,
+    LocalPods,
+    NodeFacts,
+    ProxySettings,
+    ServicePort,
+)
 from . import names as n
 from .element_book import Element
 
@@ -212,10 +218,11 @@ _ANY_BUT_LOOPBACK = {
 }
 
 
-def nodeport_addresses(family: int, settings: ProxySettings, node: NodeInfo) -> list[str]:
-    """The `nodeport-addresses` elements (see node_local.nodeport_networks)."""
-    nets = nodeport_networks(settings, node, family)
-    return sorted(str(net) for net in (_ANY_BUT_LOOPBACK[family] if nets is None else nets))
+def nodeport_addresses(facts: NodeFacts) -> list[str]:
+    """The `nodeport-addresses` elements (NodeFacts.nodeport_networks: None is every
+    local address but loopback)."""
+    nets = facts.nodeport_networks
+    return sorted(str(net) for net in (_ANY_BUT_LOOPBACK[facts.family] if nets is None else nets))
 
 
 def local_pod_match(family: int, local: LocalPods, negate: bool = False) -> str:
@@ -238,8 +245,9 @@ def _elements_clause(elements: list[str]) -> str:
     return f" elements = {{ {', '.join(elements)} }};" if elements else ""
 
 
-def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
+def base_table(settings: ProxySettings, facts: NodeFacts) -> str:
     """The table with its sets, maps and fixed chains, without any Service's elements."""
+    family = facts.family
     fam, addr, daddr, saddr = (
         n.FAMILIES[family],
         n.ADDR_TYPE[family],
@@ -252,7 +260,7 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
     pp = "inet_proto . inet_service"
     match_vpp = f"{daddr} . meta l4proto . th dport"
     local_np = f"fib daddr type local {daddr} @{n.NODEPORT_ADDRESSES} meta l4proto . th dport"
-    local = local_pods(settings, node, family)
+    local = facts.local_pods
     is_local = local_pod_match(family, local)
     masq_cluster = ""
     if settings.masquerade_all:
@@ -287,7 +295,7 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
         f"  set {n.FIREWALL_IPS} {{ type {vpp}; }}",
         f"  set {n.FIREWALL_ALLOW} {{ type {vpp} . {addr}; flags interval; }}",
         f"  set {n.NODEPORT_ADDRESSES} {{ type {addr}; flags interval; auto-merge;"
-        f"{_elements_clause(nodeport_addresses(family, settings, node))} }}",
+        f"{_elements_clause(nodeport_addresses(facts))} }}",
         f"  set {n.LOCAL_POD_CIDRS} {{ type {addr}; flags interval; auto-merge;"
         f"{_elements_clause(pod_cidrs)} }}",
         f"  map {n.SERVICE_IPS} {{ type {vpp} : verdict; }}",
