@@ -23,7 +23,7 @@ from ...localnet import NodeLocalState, ProxySettings, ServicePort, ServicePortK
 from ..base import BackendError
 from . import kernel, netlink_batch
 from . import names as n
-from .element_book import Element, ElementBook, Plan
+from .element_book import ElementBook, Plan
 from .ruleset import (
     ChainDef,
     PortRender,
@@ -32,6 +32,7 @@ from .ruleset import (
     endpoint_chain_counts,
     render_port,
 )
+from .schema import Element, Pair
 from .transaction import Transaction
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,13 @@ class NftablesBackend:
         run_script: Callable[[Iterable[str]], None] = kernel.run_script,
         present_families: Callable[[], set[int]] = kernel.present_families,
         load_elements: Callable[[netlink_batch.Elements], None] = kernel.load_elements,
+        run_transactions: Callable[[Iterable[Transaction]], None] | None = None,
     ) -> None:
+        """`run_script` applies nft text; `run_transactions`, when given, takes the typed
+        transactions instead (the kernel fake in the tests applies them as they are)."""
         self.settings = settings
         self._run = run_script
+        self._run_transactions = run_transactions
         self._present_families = present_families
         self._load_elements = load_elements
         self._books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
@@ -63,8 +68,8 @@ class NftablesBackend:
         # False until a full sync succeeded, and after a failure: what the kernel holds is
         # not known, so a sync is full whatever it was asked (the proxier asks for one then).
         self._synced = False
-        self._last_parts: list[str] = []
-        self.last_loaded: dict[int, dict[str, list[tuple[str, str | None]]]] = {}
+        self._last_sent: list[Transaction] = []
+        self.last_loaded: dict[int, dict[str, list[Pair]]] = {}
 
     def programmed(self) -> bool:
         """True while the kernel still has our tables (someone may flush the ruleset)."""
@@ -84,9 +89,7 @@ class NftablesBackend:
         }
         # Families without a table in the kernel get their bulk elements by netlink.
         present = self._present_families()
-        loaded: dict[int, dict[str, list[tuple[str, str | None]]]] = {
-            f: {} for f in FAMILIES if f not in present
-        }
+        loaded: dict[int, dict[str, list[Pair]]] = {f: {} for f in FAMILIES if f not in present}
         self.last_loaded = loaded
         t0 = time.monotonic()
         self._apply(self._full_script(state, plans, chains, port_chains, loaded))
@@ -119,8 +122,8 @@ class NftablesBackend:
         plans: dict[int, Plan[ServicePortKey]],
         chains: dict[int, set[tuple[str, int]]],
         port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]],
-        loaded: dict[int, dict[str, list[tuple[str, str | None]]]],
-    ) -> Iterator[str]:
+        loaded: dict[int, dict[str, list[Pair]]],
+    ) -> Iterator[Transaction]:
         """The full sync's transaction, one part per chunk of service ports, rendered as nft
         reads it (and filling in the plans and chains it programs, and for the families in
         `loaded`, the elements left out of it for the netlink load)."""
@@ -130,7 +133,7 @@ class NftablesBackend:
         for fam in FAMILIES:
             txn = Transaction(fam)
             txn.replace_table(base_table(self.settings, state.facts[fam]))
-            yield txn.render()
+            yield txn
             ports = by_family[fam]
             for start in range(0, len(ports), STREAM_CHUNK):
                 txn = Transaction(fam)
@@ -146,7 +149,7 @@ class NftablesBackend:
                 chains[fam] |= new_chains
                 for dispatch_map, count in sorted(new_chains):
                     txn.add_endpoint_chain(*endpoint_chain(fam, dispatch_map, count))
-                by_set: dict[str, list[tuple[str, str | None]]] = {}
+                by_set: dict[str, list[Pair]] = {}
                 for set_name, element_key, value in claimed:
                     pairs = by_set.get(set_name)
                     if pairs is None:
@@ -158,13 +161,13 @@ class NftablesBackend:
                         bulk.setdefault(set_name, []).extend(pairs)
                     else:
                         txn.add_elements(set_name, pairs)
-                yield txn.render()
+                yield txn
 
     def _partial_sync(self, state: NodeLocalState, changed: Collection[ServicePortKey]) -> None:
         plans: dict[int, Plan[ServicePortKey]] = {}
         chain_updates: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {}
         new_chains: dict[int, set[tuple[str, int]]] = {}
-        script = []
+        script: list[Transaction] = []
         for fam in FAMILIES:
             renders: dict[ServicePortKey, PortRender | None] = {}
             for key in changed:
@@ -191,7 +194,8 @@ class NftablesBackend:
                 continue
             self._render(pre, fam, new_chains[fam], plan)
             plans[fam] = plan
-            script.append(pre.render() + post.render())
+            pre.ops += post.ops
+            script.append(pre)
         if not script:
             return
         self._apply(script)
@@ -216,15 +220,15 @@ class NftablesBackend:
         chains (and sets) no longer used after."""
         for name, chain in new.items():
             if old.get(name) != chain:
-                have = {s for s, _ in old[name].sets} if name in old else set()
-                pre.add_port_chain(name, [x for x in chain.sets if x[0] not in have], chain.rules)
+                have = {s.name for s in old[name].sets} if name in old else set()
+                pre.add_port_chain(name, [x for x in chain.sets if x.name not in have], chain.rules)
         for name, chain in old.items():
-            keep = {s for s, _ in new[name].sets} if name in new else set()
+            keep = {s.name for s in new[name].sets} if name in new else set()
             if name not in new:
                 post.delete_chain(name)
-            for set_name, _ in chain.sets:
-                if set_name not in keep:
-                    post.delete_set(set_name)
+            for decl in chain.sets:
+                if decl.name not in keep:
+                    post.delete_set(decl.name)
 
     @staticmethod
     def _render(
@@ -237,17 +241,20 @@ class NftablesBackend:
         for set_name, pairs in sorted(plan.add.items()):
             txn.add_elements(set_name, pairs)
 
-    def _apply(self, parts: Iterable[str]) -> None:
-        sent: list[str] = []
+    def _apply(self, transactions: Iterable[Transaction]) -> None:
+        sent: list[Transaction] = []
 
-        def recorded() -> Iterator[str]:
-            for part in parts:
-                sent.append(part)
-                yield part
+        def recorded() -> Iterator[Transaction]:
+            for txn in transactions:
+                sent.append(txn)
+                yield txn
 
-        self._last_parts = sent
+        self._last_sent = sent
         try:
-            self._run(recorded())
+            if self._run_transactions is not None:
+                self._run_transactions(recorded())
+            else:
+                self._run(txn.render() for txn in recorded())
         except BackendError:
             # The kernel kept the last good rules; our record still equals them, but force a
             # full swap next time in case the kernel state drifted (it is the safe recovery).
@@ -257,7 +264,7 @@ class NftablesBackend:
     @property
     def last_script(self) -> str:
         """The text of the last transaction sent (for logs and tests)."""
-        return "".join(self._last_parts)
+        return "".join(txn.render() for txn in self._last_sent)
 
     @staticmethod
     def _log_conflicts(plan: Plan[ServicePortKey]) -> None:
