@@ -253,16 +253,17 @@ def test_a_refused_element_batch_applies_nothing(topology: Topology) -> None:
     program = """
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.nftables.kernel import load_elements
+from kpx_agent.localnet import IP, Protocol
 try:
-    load_elements({4: {"cluster-ips": [("10.96.0.1 . tcp . 80", None)],
-                       "hairpin": [("10.244.0.1 . 10.244.0.1", None)]}})
+    load_elements({4: {"cluster-ips": [((IP.of("10.96.0.1"), Protocol.TCP, 80), None)],
+                       "hairpin": [((IP.of("10.244.0.1"), IP.of("10.244.0.1")), None)]}})
 except BackendError as err:
     print("refused:", err)
 """
     out = topology.exec(n1, [sys.executable, "-c", program], check=True).stdout
     assert "refused:" in out and "ip kpx hairpin" in out, out
     assert "10.96.0.1" not in nft(topology, "n1", "list", "set", "ip", "kpx", "cluster-ips")
-    ok = program.replace('"hairpin": [("10.244.0.1 . 10.244.0.1", None)]', "")
+    ok = program.replace('"hairpin": [((IP.of("10.244.0.1"), IP.of("10.244.0.1")), None)]', "")
     assert topology.exec(n1, [sys.executable, "-c", ok], check=True).stdout == ""
     assert "10.96.0.1 . tcp . 80" in nft(topology, "n1", "list", "set", "ip", "kpx", "cluster-ips")
 
@@ -280,10 +281,12 @@ def test_a_refused_batch_stops_the_load_and_keeps_the_batches_before_it(
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.nftables import netlink_batch
 from kpx_agent.backends.nftables.kernel import load_elements
-ips = [(f"10.96.{i // 256}.{i % 256} . tcp . 80", None) for i in range(7000)]
+from kpx_agent.localnet import IP, Protocol
+ips = [((IP.of(f"10.96.{i // 256}.{i % 256}"), Protocol.TCP, 80), None) for i in range(7000)]
 assert netlink_batch.BATCH_ELEMENTS == 5000
+hairpin = [((IP.of("10.244.0.1"), IP.of("10.244.0.1")), None)]
 try:
-    load_elements({4: {"cluster-ips": ips, "hairpin": [("10.244.0.1 . 10.244.0.1", None)]}})
+    load_elements({4: {"cluster-ips": ips, "hairpin": hairpin}})
 except BackendError as err:
     print("refused:", err)
 """
