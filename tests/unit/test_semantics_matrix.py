@@ -5,9 +5,11 @@ packet is traced through what the backend programmed."""
 from __future__ import annotations
 
 import pytest
+from ipt_fake import FakeIptables
 from nft_fake import FakeNftables
 from semantics import CASES, WORLD, Case, Outcome, Packet, packet, settings_of
 
+from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.localnet import IP, NodeInfo
 from kpx_agent.node_local import local_state
@@ -42,7 +44,21 @@ def nft_outcomes(case: Case, pkt: Packet) -> set[Outcome]:
     return fake.trace(pkt)
 
 
-BACKENDS = {"nftables": nft_outcomes}
+def ipt_outcomes(case: Case, pkt: Packet) -> set[Outcome]:
+    fake = FakeIptables()
+    settings = settings_of(case)
+    backend = IptablesBackend(
+        settings,
+        restore=fake.restore,
+        save=fake.save,
+        chain_exists=fake.chain_exists,
+        ensure_sysctl=lambda path, value: None,
+    )
+    backend.sync(local_state(node_of(case), settings, case.ports(WORLD)), None)
+    return fake.trace(pkt)
+
+
+BACKENDS = {"nftables": nft_outcomes, "iptables": ipt_outcomes}
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
