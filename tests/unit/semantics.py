@@ -25,6 +25,7 @@ from kpx_agent.localnet import (
     DetectLocal,
     DetectLocalMode,
     Endpoint,
+    NodeInfo,
     Protocol,
     ProxySettings,
     ServicePort,
@@ -68,13 +69,14 @@ class World:
     b2_v6: str
     client: str  # a pod on this node
     client_v6: str
+    rclient: str  # a routed (bridgeless) pod on this node
     far: str  # a pod on another node
     ext: str  # a host outside the cluster
     pod_cidr: str  # this node's
     pod_cidr_v6: str
     bridge: str = "cbr0"
     fabric: str = "eth0"
-    routed_prefix: str = "veth"  # interface prefix of routed (bridgeless) pods
+    routed_prefix: str = "vethr"  # interface prefix of routed (bridgeless) pods
 
 
 WORLD = World(
@@ -86,6 +88,7 @@ WORLD = World(
     b2_v6="fd00:244:2::2",
     client="10.244.1.5",
     client_v6="fd00:244:1::5",
+    rclient="10.244.1.9",
     far="10.244.2.5",
     ext="10.242.0.3",
     pod_cidr="10.244.1.0/24",
@@ -165,6 +168,7 @@ def etp_local(w: World, local_eps: tuple[Endpoint, ...]) -> ServicePort:
     )
 
 
+ROUTED = "<routed-prefix>"  # in settings: the world's interface prefix of routed pods
 CLUSTER_CIDR = {"cluster_cidrs": ("10.244.0.0/16", "fd00:244::/32")}
 
 CASES: list[Case] = [
@@ -223,9 +227,9 @@ CASES: list[Case] = [
     Case("bridge-remote-pod-is-masqueraded", lambda w: [svc(w)], "far", "vip", 80,
          to("b1", "b2", masq=True), settings={"detect": ("BridgeInterface", "cbr0")}),
     Case("prefix-routed-pod-keeps-source", lambda w: [svc(w)], "rclient", "vip", 80,
-         to("b1", "b2"), settings={"detect": ("InterfaceNamePrefix", "veth")}),
+         to("b1", "b2"), settings={"detect": ("InterfaceNamePrefix", ROUTED)}),
     Case("prefix-bridged-pod-is-masqueraded", lambda w: [svc(w)], "client", "vip", 80,
-         to("b1", "b2", masq=True), settings={"detect": ("InterfaceNamePrefix", "veth")}),
+         to("b1", "b2", masq=True), settings={"detect": ("InterfaceNamePrefix", ROUTED)}),
     Case("nothing-to-match-nothing-masqueraded", lambda w: [svc(w)], "ext", "vip", 80,
          to("b1", "b2"), settings={"cluster_cidrs": ()}),
     Case("masquerade-all", lambda w: [svc(w)], "client", "vip", 80, to("b1", "b2", masq=True),
@@ -238,9 +242,10 @@ CASES: list[Case] = [
 ]  # fmt: skip
 
 
-def settings_of(case: Case) -> ProxySettings:
+def settings_of(case: Case, w: World = WORLD) -> ProxySettings:
     spec = {**CLUSTER_CIDR, **case.settings}
     mode, interface = spec.pop("detect", ("ClusterCIDR", ""))  # type: ignore[misc]
+    interface = w.routed_prefix if interface == ROUTED else interface
     cidrs = spec.pop("cluster_cidrs")
     nets = spec.pop("node_port_networks", ())
     return ProxySettings(
@@ -248,6 +253,15 @@ def settings_of(case: Case) -> ProxySettings:
         node_port_networks=tuple(ip_network(c) for c in nets),  # type: ignore[attr-defined]
         detect_local=DetectLocal(DetectLocalMode(mode), interface),
         **spec,  # type: ignore[arg-type]
+    )
+
+
+def node_of(w: World = WORLD) -> NodeInfo:
+    """The proxy node n1 as the model sees it."""
+    return NodeInfo(
+        "n1",
+        addresses=(IP.of(w.node), IP.of(w.node_v6)),
+        pod_cidrs=(ip_network(w.pod_cidr), ip_network(w.pod_cidr_v6)),
     )
 
 
@@ -264,7 +278,7 @@ def packet(case: Case, w: World = WORLD) -> Packet:
     source, origin, iif = {
         "client": (w.client_v6 if v6 else w.client, "pod", w.bridge),
         "b1": (w.b1, "pod", w.bridge),
-        "rclient": ("10.244.1.9", "pod", f"{w.routed_prefix}r1"),
+        "rclient": (w.rclient, "pod", f"{w.routed_prefix}1"),
         "far": (w.far, "external", w.fabric),
         "ext": (w.ext, "external", w.fabric),
         "node": (w.node, "node", ""),

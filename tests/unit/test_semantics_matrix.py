@@ -7,28 +7,11 @@ from __future__ import annotations
 import pytest
 from ipt_fake import FakeIptables
 from nft_fake import FakeNftables
-from semantics import CASES, WORLD, Case, Outcome, Packet, packet, settings_of
+from semantics import CASES, WORLD, Case, Outcome, Packet, node_of, packet, settings_of
 
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.nftables.backend import NftablesBackend
-from kpx_agent.localnet import IP, NodeInfo
 from kpx_agent.node_local import local_state
-
-NODE = NodeInfo(
-    "n1",
-    addresses=(IP.of(WORLD.node), IP.of(WORLD.node_v6)),
-    pod_cidrs=(),
-)
-
-
-def node_of(case: Case) -> NodeInfo:
-    from ipaddress import ip_network
-
-    return NodeInfo(
-        "n1",
-        addresses=NODE.addresses,
-        pod_cidrs=(ip_network(WORLD.pod_cidr), ip_network(WORLD.pod_cidr_v6)),
-    )
 
 
 def nft_outcomes(case: Case, pkt: Packet) -> set[Outcome]:
@@ -40,7 +23,7 @@ def nft_outcomes(case: Case, pkt: Packet) -> set[Outcome]:
         present_families=fake.present_families,
         load_elements=fake.load_elements,
     )
-    backend.sync(local_state(node_of(case), settings, case.ports(WORLD)), None)
+    backend.sync(local_state(node_of(), settings, case.ports(WORLD)), None)
     return fake.trace(pkt)
 
 
@@ -54,7 +37,7 @@ def ipt_outcomes(case: Case, pkt: Packet) -> set[Outcome]:
         chain_exists=fake.chain_exists,
         ensure_sysctl=lambda path, value: None,
     )
-    backend.sync(local_state(node_of(case), settings, case.ports(WORLD)), None)
+    backend.sync(local_state(node_of(), settings, case.ports(WORLD)), None)
     return fake.trace(pkt)
 
 
