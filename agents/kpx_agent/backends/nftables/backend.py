@@ -68,7 +68,7 @@ class NftablesBackend:
         # False until a full sync succeeded, and after a failure: what the kernel holds is
         # not known, so a sync is full whatever it was asked (the proxier asks for one then).
         self._synced = False
-        self._last_sent: list[Transaction] = []
+        self._last_sent: list[str | Transaction] = []
         self.last_loaded: dict[int, dict[str, list[Pair]]] = {}
 
     def programmed(self) -> bool:
@@ -242,19 +242,28 @@ class NftablesBackend:
             txn.add_elements(set_name, pairs)
 
     def _apply(self, transactions: Iterable[Transaction]) -> None:
-        sent: list[Transaction] = []
-
-        def recorded() -> Iterator[Transaction]:
-            for txn in transactions:
-                sent.append(txn)
-                yield txn
-
+        # What was sent, for logs and tests: the nft text as it was rendered for nft (no
+        # second rendering), or the transactions themselves where they are applied typed.
+        sent: list[str | Transaction] = []
         self._last_sent = sent
         try:
             if self._run_transactions is not None:
-                self._run_transactions(recorded())
+
+                def typed() -> Iterator[Transaction]:
+                    for txn in transactions:
+                        sent.append(txn)
+                        yield txn
+
+                self._run_transactions(typed())
             else:
-                self._run(txn.render() for txn in recorded())
+
+                def texts() -> Iterator[str]:
+                    for txn in transactions:
+                        text = txn.render()
+                        sent.append(text)
+                        yield text
+
+                self._run(texts())
         except BackendError:
             # The kernel kept the last good rules; our record still equals them, but force a
             # full swap next time in case the kernel state drifted (it is the safe recovery).
@@ -264,7 +273,7 @@ class NftablesBackend:
     @property
     def last_script(self) -> str:
         """The text of the last transaction sent (for logs and tests)."""
-        return "".join(txn.render() for txn in self._last_sent)
+        return "".join(x if isinstance(x, str) else x.render() for x in self._last_sent)
 
     @staticmethod
     def _log_conflicts(plan: Plan[ServicePortKey]) -> None:

@@ -160,19 +160,22 @@ def declaration(set_name: str) -> SetDecl | None:
     return endpoint_map(*count) if count is not None else None
 
 
-# -- nft text of typed values
+# -- nft text of typed values (str.format of each field: IPs and networks as they print,
+# protocols by their value, integers in decimal; one format per arity, no call per field)
+
+_FORMATS = {1: "{}", 2: "{} . {}", 3: "{} . {} . {}", 4: "{} . {} . {} . {}"}
 
 
 def key_text(key: Key) -> str:
-    return " . ".join(map(str, key))
+    return _FORMATS[len(key)].format(*key)
 
 
 def value_text(value: Value) -> str | None:
     if value is None:
         return None
-    if isinstance(value, Goto):
-        return str(value)
-    return " . ".join(map(str, value))
+    if type(value) is Goto:
+        return f"goto {value.chain}"
+    return _FORMATS[len(value)].format(*value)
 
 
 def element_text(key: Key, value: Value) -> str:
@@ -183,4 +186,16 @@ def element_text(key: Key, value: Value) -> str:
 
 
 def elements_text(pairs: Iterable[Pair]) -> str:
-    return ", ".join(element_text(k, v) for k, v in pairs)
+    """Elements as nft reads them in `{ ... }` (the hot path of a full sync's text)."""
+    formats = _FORMATS
+    out: list[str] = []
+    append = out.append
+    for key, value in pairs:
+        text = formats[len(key)].format(*key)
+        if value is None:
+            append(text)
+        elif type(value) is Goto:
+            append(f"{text} : goto {value.chain}")
+        else:
+            append(f"{text} : {formats[len(value)].format(*value)}")
+    return ", ".join(out)
