@@ -32,6 +32,7 @@ from kpx_agent.localnet import (
     ServicePort,
     ServicePortKey,
 )
+from kpx_agent.node_local import node_facts
 
 RESULTS = Path(__file__).parent / "results"
 SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))
@@ -48,7 +49,8 @@ def state(n: int) -> NodeLocalState:
             key, 80, cluster_ips=(IP.of(str(IPv4Address(vip0 + i))),),
             cluster_endpoints=eps, external_endpoints=eps,
         )  # fmt: skip
-    return NodeLocalState(NodeInfo("n1", (IP.of("10.242.0.1"),)), services)
+    node = NodeInfo("n1", (IP.of("10.242.0.1"),))
+    return NodeLocalState(node, services, node_facts(ProxySettings(), node))
 
 
 def nft_script(st: NodeLocalState) -> str:

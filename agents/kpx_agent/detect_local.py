@@ -16,25 +16,9 @@ nothing is short-circuited as coming from a pod (traffic from the node itself st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from .localnet import NOTHING_LOCAL, DetectLocalMode, LocalPods, NodeInfo, ProxySettings
 
-from .localnet import DetectLocalMode, IPNetwork, NodeInfo, ProxySettings
-
-
-@dataclass(frozen=True, slots=True)
-class LocalPods:
-    """One family's "from a local pod" match: networks, or an interface name or prefix."""
-
-    networks: tuple[IPNetwork, ...] = ()
-    interface: str = ""  # exact name (BridgeInterface)
-    interface_prefix: str = ""  # name prefix (InterfaceNamePrefix)
-
-    @property
-    def implemented(self) -> bool:
-        return bool(self.networks or self.interface or self.interface_prefix)
-
-
-NOTHING_LOCAL = LocalPods()
+__all__ = ["NOTHING_LOCAL", "LocalPods", "local_pods"]
 
 
 def local_pods(settings: ProxySettings, node: NodeInfo, family: int) -> LocalPods:

@@ -200,9 +200,43 @@ class ProxySettings:
         return 1 << self.masquerade_bit
 
 
+@dataclass(frozen=True, slots=True)
+class LocalPods:
+    """One family's "from a local pod" match (detectLocal): networks, or an interface name
+    or prefix; none of them (`implemented` False): nothing counts as local."""
+
+    networks: tuple[IPNetwork, ...] = ()
+    interface: str = ""  # exact name (BridgeInterface)
+    interface_prefix: str = ""  # name prefix (InterfaceNamePrefix)
+
+    @property
+    def implemented(self) -> bool:
+        return bool(self.networks or self.interface or self.interface_prefix)
+
+
+NOTHING_LOCAL = LocalPods()
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFacts:
+    """What a backend renders about its node in one IP family, decided by the model
+    (`kpx_agent.node_local.node_facts`) once for every mode. When these change, the
+    proxier asks for a full sync; a backend never compares node or settings itself."""
+
+    family: int
+    # Where NodePorts answer (the backend adds "and the address is local"): these networks;
+    # None while the Node's addresses are unknown: every local address except loopback.
+    nodeport_networks: tuple[IPNetwork, ...] | None = None
+    local_pods: LocalPods = NOTHING_LOCAL
+    # NodePorts also answer on 127.0.0.0/8 (iptables mode, IPv4 only; see ProxySettings).
+    localhost_node_ports: bool = False
+
+
 @dataclass
 class NodeLocalState:
-    """The complete node-local view: every Service port this node proxies, by key."""
+    """The complete node-local view: every Service port this node proxies, by key, and the
+    node's facts per family (`facts[4]`, `facts[6]`)."""
 
     node: NodeInfo
     services: dict[ServicePortKey, ServicePort] = field(default_factory=dict)
+    facts: dict[int, NodeFacts] = field(default_factory=dict)

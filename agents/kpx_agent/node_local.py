@@ -15,12 +15,15 @@ import socket
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
+from .detect_local import local_pods
 from .localnet import (
     IP,
     Endpoint,
     IPAddress,
     IPNetwork,
+    NodeFacts,
     NodeInfo,
+    NodeLocalState,
     Protocol,
     ProxySettings,
     ServicePort,
@@ -100,6 +103,30 @@ def nodeport_networks(
     if not node.addresses:
         return None
     return tuple(ipaddress.ip_network(a) for a in node.addresses if a.version == family)
+
+
+def node_facts(settings: ProxySettings, node: NodeInfo) -> dict[int, NodeFacts]:
+    """Everything a backend renders about this node, per family, decided once for all
+    modes: the NodePort networks with their fallback, the detectLocal match, and whether
+    NodePorts answer on localhost (iptables mode, IPv4, as upstream)."""
+    return {
+        family: NodeFacts(
+            family=family,
+            nodeport_networks=nodeport_networks(settings, node, family),
+            local_pods=local_pods(settings, node, family),
+            localhost_node_ports=family == 4 and settings.localhost_node_ports,
+        )
+        for family in (4, 6)
+    }
+
+
+def local_state(
+    node: NodeInfo, settings: ProxySettings, services: Iterable[ServicePort] = ()
+) -> NodeLocalState:
+    """A node-local state with its facts (what the proxier keeps; for tools and tests)."""
+    return NodeLocalState(
+        node=node, services={sp.key: sp for sp in services}, facts=node_facts(settings, node)
+    )
 
 
 def node_info(node: Obj | None, node_name: str) -> NodeInfo:

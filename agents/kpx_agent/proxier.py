@@ -17,9 +17,9 @@ from . import conntrack
 from .backends.base import Backend, BackendError
 from .cluster_state import ClusterState, Key
 from .conntrack import FlowFilter, stale_flows
-from .localnet import NodeLocalState, Protocol, ServicePort, ServicePortKey
+from .localnet import NodeLocalState, Protocol, ProxySettings, ServicePort, ServicePortKey
 from .metrics import AgentMetrics
-from .node_local import node_info, service_ports, uses_topology
+from .node_local import node_facts, node_info, service_ports, uses_topology
 from .optout import excluded_namespaces
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,11 @@ class Proxier:
     _ports_of: dict[Key, list[ServicePortKey]] = field(default_factory=dict, init=False)
     # Services that read the node's zone (topology hints, trafficDistribution).
     _topology_users: set[Key] = field(default_factory=set, init=False)
-    _needs_full: bool = field(default=True, init=False)
+    # Why the next sync must be a full one (empty: a partial sync will do). The only record
+    # of it: backends do a full sync exactly when asked to (`changed` None).
+    _full_reasons: list[str] = field(default_factory=lambda: ["first sync"], init=False)
+    # The settings the node facts were computed with (the backend's, replaced on reload).
+    _settings: ProxySettings | None = field(default=None, init=False)
     # UDP ports changed since the last successful sync: their state before, for conntrack.
     _udp_before: dict[ServicePortKey, ServicePort | None] = field(default_factory=dict, init=False)
     delete_flows: Callable[[Iterable[FlowFilter]], int] = field(default=conntrack.delete_flows)
@@ -63,9 +67,23 @@ class Proxier:
     def __post_init__(self) -> None:
         self.local = NodeLocalState(node=node_info(None, self.node_name))
 
-    def request_full_sync(self) -> None:
-        self._needs_full = True
+    def request_full_sync(self, reason: str = "requested") -> None:
+        self._full_reasons.append(reason)
         self.state.touch_all()
+
+    def _refresh_facts(self) -> None:
+        """Recompute the node facts the backends render (NodePort networks, local detection)
+        from the settings and the node; a change is a reason for a full sync."""
+        settings = self.backend.settings
+        if settings != self._settings:
+            if self._settings is not None:
+                self._full_reasons.append("settings changed")
+            self._settings = settings
+        facts = node_facts(settings, self.local.node)
+        if facts != self.local.facts:
+            if self.local.facts:
+                self._full_reasons.append("node facts changed")
+            self.local.facts = facts
 
     def update_excluded(self) -> bool:
         """Recompute opted-out namespaces; True (and everything marked) when the set changed."""
@@ -79,13 +97,11 @@ class Proxier:
 
     def _node_changed(self) -> set[Key]:
         """This node's object changed: the Services to recompute for it. Addresses and pod
-        CIDRs (what the backends render) mark a full sync; the zone only matters to the
-        Services that use topology; anything else (status heartbeats, conditions, images,
-        other labels) costs nothing."""
+        CIDRs reach the backends through the node facts (`_refresh_facts`: a full sync when
+        what they render changed); the zone only matters to the Services that use topology;
+        anything else (status heartbeats, conditions, images, other labels) costs nothing."""
         node = node_info(self.state.node, self.node_name)
         old, self.local.node = self.local.node, node
-        if node != old:  # NodeInfo's equality leaves the zone out
-            self._needs_full = True
         if node.zone != old.zone:
             return set(self._topology_users)
         return set()
@@ -141,14 +157,18 @@ class Proxier:
         changes = self.state.take_changes()
         self.update_excluded()
         extra = self.state.take_changes()  # opt-out changes mark everything
-        everything = changes.everything or extra.everything or self._needs_full
+        everything = changes.everything or extra.everything or bool(self._full_reasons)
         services = changes.services | extra.services
         if changes.node or extra.node:
             # After `everything` is decided: a new node address needs a full kernel sync,
             # not a recompute (no ServicePort depends on the node's addresses).
             services |= self._node_changed()
+        self._refresh_facts()
         changed = self._recompute(None if everything else services)
-        full, self._needs_full = self._needs_full, False
+        full = bool(self._full_reasons)
+        if full:
+            log.debug("full sync: %s", ", ".join(dict.fromkeys(self._full_reasons)))
+        self._full_reasons = []
         self.metrics.service_changes.inc(len(changed))
         return PendingSync(
             start, full, changed, list(changes.trigger_times.values()), time.monotonic()
@@ -165,7 +185,7 @@ class Proxier:
         try:
             self.backend.sync(self.local, None if full else changed)
         except BackendError as exc:
-            self._needs_full = True
+            self._full_reasons.append("the last sync failed")
             self.metrics.sync_failures.inc()
             self.metrics.kpx_sync_failures.labels(self.backend.mode).inc()
             log.error("sync failed, keeping the previous rules and retrying: %s", exc)
@@ -202,4 +222,4 @@ class Proxier:
         programmed = getattr(self.backend, "programmed", None)
         if programmed is not None and not programmed():
             log.warning("our rules are gone from the kernel; reprogramming everything")
-            self.request_full_sync()
+            self.request_full_sync("rules gone from the kernel")

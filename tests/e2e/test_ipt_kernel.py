@@ -34,6 +34,7 @@ from ipaddress import ip_network as net
 from kpx_agent.localnet import IP
 ip = IP.of
 from kpx_agent.localnet import *
+from kpx_agent.node_local import local_state
 from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup
 
 step, b1, b2, b1v6, b2v6, n1, n1v6, client = sys.argv[1:9]
@@ -61,7 +62,7 @@ backend = IptablesBackend(settings)
 if step == "cleanup":
     cleanup()
 else:
-    state = NodeLocalState(NodeInfo("n1", (ip(n1), ip(n1v6))), {p.key: p for p in ports})
+    state = local_state(NodeInfo("n1", (ip(n1), ip(n1v6))), settings, ports)
     backend.sync(state, None)
     state.services[late.key] = late
     backend.sync(state, [late.key])  # a partial sync: the IPv4 nat table only

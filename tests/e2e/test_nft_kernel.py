@@ -59,6 +59,7 @@ from ipaddress import ip_network
 from kpx_agent.localnet import IP
 ip = IP.of
 from kpx_agent.localnet import *
+from kpx_agent.node_local import local_state
 from kpx_agent.backends.nftables.backend import NftablesBackend
 eps = (Endpoint(ip("{b1.ipv4}"), 8080, True), Endpoint(ip("{b2.ipv4}"), 8080))
 ports = [
@@ -70,7 +71,7 @@ ports = [
                 cluster_ips=(ip("10.96.0.10"),)),
 ]
 b = NftablesBackend(ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),)))
-b.sync(NodeLocalState(NodeInfo("n1", (ip("{n1.ipv4}"),)), {{p.key: p for p in ports}}), None)
+b.sync(local_state(NodeInfo("n1", (ip("{n1.ipv4}"),)), b.settings, ports), None)
 """
     topology.exec(n1, [sys.executable, "-c", program], check=True)
     tcp = probe(topology, client, "10.96.0.10", 80, "tcp", count=30, timeout=1)
@@ -90,6 +91,7 @@ from ipaddress import ip_network as net
 from kpx_agent.localnet import IP
 ip = IP.of
 from kpx_agent.localnet import *
+from kpx_agent.node_local import local_state
 from kpx_agent.backends.nftables.backend import NftablesBackend
 eps = (Endpoint(ip("{b1.ipv4}"), 8080, True), Endpoint(ip("{b2.ipv4}"), 8080))
 def port(name, vip, **kw):
@@ -102,8 +104,8 @@ ports = [
     port("lb-closed", "10.96.0.22", load_balancer_ips=(ip("192.0.2.22"),),
          load_balancer_source_ranges=(net("198.51.100.0/24"),)),
 ]
-state = NodeLocalState(NodeInfo("n1", (ip("{n1.ipv4}"),)), {{p.key: p for p in ports}})
 b = NftablesBackend(ProxySettings(cluster_cidrs=(net("10.244.0.0/16"),)))
+state = local_state(NodeInfo("n1", (ip("{n1.ipv4}"),)), b.settings, ports)
 b.sync(state, None)
 """
     topology.exec(n1, [sys.executable, "-c", program], check=True)
@@ -156,11 +158,12 @@ def test_a_partial_sync_adds_a_new_endpoint_count(topology: Topology) -> None:
     n1, b1, b2, client = two_nodes_with_backends(topology)
     program = f"""
 from kpx_agent.localnet import *
+from kpx_agent.node_local import local_state
 from kpx_agent.localnet import IP
 from kpx_agent.backends.nftables.backend import NftablesBackend
 ip = IP.of
 b = NftablesBackend(ProxySettings())
-state = NodeLocalState(NodeInfo("n1", (ip("{n1.ipv4}"),)), {{}})
+state = local_state(NodeInfo("n1", (ip("{n1.ipv4}"),)), b.settings)
 def web(proto, port, eps):
     key = ServicePortKey("d", "web-" + proto.value, "", proto, 4)
     state.services[key] = ServicePort(key, port, cluster_ips=(ip("10.96.0.30"),),
@@ -250,16 +253,17 @@ def test_a_refused_element_batch_applies_nothing(topology: Topology) -> None:
     program = """
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.nftables.kernel import load_elements
+from kpx_agent.localnet import IP, Protocol
 try:
-    load_elements({4: {"cluster-ips": [("10.96.0.1 . tcp . 80", None)],
-                       "hairpin": [("10.244.0.1 . 10.244.0.1", None)]}})
+    load_elements({4: {"cluster-ips": [((IP.of("10.96.0.1"), Protocol.TCP, 80), None)],
+                       "hairpin": [((IP.of("10.244.0.1"), IP.of("10.244.0.1")), None)]}})
 except BackendError as err:
     print("refused:", err)
 """
     out = topology.exec(n1, [sys.executable, "-c", program], check=True).stdout
     assert "refused:" in out and "ip kpx hairpin" in out, out
     assert "10.96.0.1" not in nft(topology, "n1", "list", "set", "ip", "kpx", "cluster-ips")
-    ok = program.replace('"hairpin": [("10.244.0.1 . 10.244.0.1", None)]', "")
+    ok = program.replace('"hairpin": [((IP.of("10.244.0.1"), IP.of("10.244.0.1")), None)]', "")
     assert topology.exec(n1, [sys.executable, "-c", ok], check=True).stdout == ""
     assert "10.96.0.1 . tcp . 80" in nft(topology, "n1", "list", "set", "ip", "kpx", "cluster-ips")
 
@@ -277,10 +281,12 @@ def test_a_refused_batch_stops_the_load_and_keeps_the_batches_before_it(
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.nftables import netlink_batch
 from kpx_agent.backends.nftables.kernel import load_elements
-ips = [(f"10.96.{i // 256}.{i % 256} . tcp . 80", None) for i in range(7000)]
+from kpx_agent.localnet import IP, Protocol
+ips = [((IP.of(f"10.96.{i // 256}.{i % 256}"), Protocol.TCP, 80), None) for i in range(7000)]
 assert netlink_batch.BATCH_ELEMENTS == 5000
+hairpin = [((IP.of("10.244.0.1"), IP.of("10.244.0.1")), None)]
 try:
-    load_elements({4: {"cluster-ips": ips, "hairpin": [("10.244.0.1 . 10.244.0.1", None)]}})
+    load_elements({4: {"cluster-ips": ips, "hairpin": hairpin}})
 except BackendError as err:
     print("refused:", err)
 """

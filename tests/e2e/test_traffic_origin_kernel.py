@@ -32,6 +32,7 @@ PROGRAM = """
 import json, sys
 from ipaddress import ip_network as net
 from kpx_agent.localnet import *
+from kpx_agent.node_local import local_state
 from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup as ipt_cleanup
 from kpx_agent.backends.nftables.backend import NftablesBackend, cleanup as nft_cleanup
 
@@ -62,7 +63,7 @@ settings = ProxySettings(
 )
 node = NodeInfo("n1", (ip(spec["n1"]),), pod_cidrs=tuple(net(c) for c in spec["pod_cidrs"]))
 backend = (IptablesBackend if spec["mode"] == "iptables" else NftablesBackend)(settings)
-backend.sync(NodeLocalState(node, {p.key: p for p in ports}), None)
+backend.sync(local_state(node, settings, ports), None)
 print("synced")
 """
 

@@ -16,6 +16,7 @@ from kpx_agent.localnet import (
     ServicePort,
     ServicePortKey,
 )
+from kpx_agent.node_local import local_state
 
 GOLDEN = Path(__file__).parent / "golden"
 SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"), ip_network("fd00:244::/48")))
@@ -30,7 +31,7 @@ def endpoints(*ips: str, local: str = "") -> tuple[Endpoint, ...]:
     return tuple(Endpoint(IP.of(i), 8080, i == local) for i in ips)
 
 
-def sample_state() -> NodeLocalState:
+def sample_state(settings: ProxySettings = SETTINGS, node: NodeInfo = NODE) -> NodeLocalState:
     """One Service port per behaviour a backend renders."""
     eps = endpoints("10.244.1.2", "10.244.2.2", local="10.244.1.2")
     services = [
@@ -58,7 +59,7 @@ def sample_state() -> NodeLocalState:
                     load_balancer_source_ranges=(ip_network("198.51.100.0/24"),),
                     cluster_endpoints=eps, external_endpoints=eps[1:]),
     ]  # fmt: skip
-    return NodeLocalState(node=NODE, services={s.key: s for s in services})
+    return local_state(node, settings, services)
 
 
 def check_golden(path: Path, text: str) -> None:

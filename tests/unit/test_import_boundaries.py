@@ -94,3 +94,21 @@ print(count)
     )
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) > 50  # it walked the packages
+# What a backend may import of the agent: the node-local model's data types, the backend
+# contract, and its own package. Never the model's internals (node_local, detect_local,
+# cluster_state, proxier, ...): everything it needs of the node is decided there and handed
+# over in localnet's types (NodeLocalState, NodeFacts).
+BACKEND_MAY_IMPORT = ("kpx_agent.localnet", "kpx_agent.backends.base")
+
+
+@pytest.mark.parametrize("mode", sorted(REGISTRY))
+def test_backends_import_only_the_models_data_types(mode: str) -> None:
+    own = f"kpx_agent.backends.{mode}"
+    for path in (BACKENDS / mode).rglob("*.py"):
+        for name in imported_modules(path, own):
+            if not name.startswith("kpx_agent"):
+                continue
+            allowed = (own, *BACKEND_MAY_IMPORT)
+            assert any(name == a or name.startswith(a + ".") for a in allowed), (
+                f"{path.relative_to(ROOT)} imports {name}"
+            )

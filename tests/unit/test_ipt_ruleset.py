@@ -28,6 +28,7 @@ from kpx_agent.localnet import (
     ServicePort,
     ServicePortKey,
 )
+from kpx_agent.node_local import service_ports
 
 GOLDEN_DIR = GOLDEN / "iptables"
 LOCAL = local_pods(SETTINGS, NODE, 4)  # the sample's IPv4 detectLocal match (ClusterCIDR)
@@ -65,7 +66,7 @@ class Kernel:
 def synced(settings: ProxySettings = SETTINGS) -> tuple[IptablesBackend, Kernel, NodeLocalState]:
     kernel = Kernel()
     backend = kernel.backend(settings)
-    state = sample_state()
+    state = sample_state(settings)
     backend.sync(state, None)
     return backend, kernel, state
 
@@ -198,15 +199,17 @@ def test_settings_shape_the_masquerade_rules() -> None:
     assert n.OFF_CLUSTER not in family_script(kernel.scripts, 6)
 
 
-def test_settings_or_node_change_forces_a_full_sync() -> None:
+def test_full_sync_renders_new_settings_and_node_facts() -> None:
+    """The proxier asks for a full sync when settings or node facts change (see
+    test_proxier); the full sync renders them."""
     backend, kernel, state = synced()
     kernel.scripts.clear()
     backend.settings = dataclasses.replace(SETTINGS, masquerade_bit=5)
-    backend.sync(state, [])
+    backend.sync(state, None)
     assert len(kernel.scripts) == 4 and "--or-mark 0x20" in kernel.scripts[0][1]
     kernel.scripts.clear()
-    state.node = NodeInfo("n1", addresses=(IP.of("10.242.0.9"),))
-    backend.sync(state, [])
+    state = sample_state(backend.settings, NodeInfo("n1", addresses=(IP.of("10.242.0.9"),)))
+    backend.sync(state, None)
     assert len(kernel.scripts) == 4
     assert (
         f"-A {n.SERVICES} -d 10.242.0.9/32 -m addrtype --dst-type LOCAL -j {n.NODEPORTS}"
@@ -216,8 +219,7 @@ def test_settings_or_node_change_forces_a_full_sync() -> None:
     assert f"-j {n.NODEPORTS}" not in kernel.scripts[2][1]
     # No address known at all (Node not seen yet): any local address but localhost.
     kernel.scripts.clear()
-    state.node = NodeInfo("n1")
-    backend.sync(state, [])
+    backend.sync(sample_state(backend.settings, NodeInfo("n1")), None)
     assert f"! -d ::1/128 -m addrtype --dst-type LOCAL -j {n.NODEPORTS}" in kernel.scripts[2][1]
 
 
@@ -371,15 +373,26 @@ def test_unsafe_names_are_not_pasted() -> None:
     rules = port_rules(sp, SETTINGS, LOCAL)
     text = "\n".join(r for chain in (*rules.own.values(), *rules.shared.values()) for r in chain)
     assert "ACCEPT" not in text and "INPUT" not in text and "comment" not in text
-    # Values of the wrong family or out of range are left out, not rendered.
-    odd = dataclasses.replace(
-        sp,
-        cluster_ips=(IP.of("10.96.0.20"), IP.of("fd00::1")),
-        cluster_endpoints=(*eps, Endpoint(IP.of("10.244.1.3"), 70000)),
-    )
-    text = "\n".join(r for c in port_rules(odd, SETTINGS, LOCAL).own.values() for r in c)
-    assert "fd00" not in text and "70000" not in text
-    assert port_rules(dataclasses.replace(sp, port=0), SETTINGS, LOCAL).own == {}
+    # Values of the wrong family or out of range never reach a backend: the model leaves
+    # them out (see also test_node_local.test_invalid_ports_and_protocols_are_skipped); a
+    # backend renders what it is given, without checking again.
+    svc = {
+        "metadata": {"namespace": "x", "name": "svc"},
+        "spec": {
+            "clusterIPs": ["10.96.0.20", "fd00::1"],
+            "ipFamilies": ["IPv4"],
+            "ports": [{"name": "p", "port": 80}, {"name": "q", "port": 70000}],
+        },
+    }
+    eps_slice = {"addressType": "IPv4", "ports": [{"name": "p", "port": 70000}],
+                 "endpoints": [{"addresses": ["10.244.1.3"]}]}  # fmt: skip
+    ports = service_ports(svc, [eps_slice], NODE)
+    assert sorted(
+        (p.key.port_name, p.family, p.cluster_ips, p.cluster_endpoints) for p in ports
+    ) == [
+        ("p", 4, (IP.of("10.96.0.20"),), ()),
+        ("p", 6, (IP.of("fd00::1"),), ()),
+    ]
 
 
 def test_create_gives_an_iptables_backend() -> None:

@@ -8,6 +8,11 @@ import struct
 import pytest
 
 from kpx_agent.backends.nftables import netlink_batch as nb
+from kpx_agent.backends.nftables.schema import Goto, ValueKind, declaration
+from kpx_agent.localnet import IP, Protocol
+
+TCP, UDP = Protocol.TCP, Protocol.UDP
+ip = IP.of
 
 
 def encode_batch(elements: nb.Elements) -> nb.Batch:
@@ -27,7 +32,9 @@ def split_messages(data: bytes) -> list[tuple[int, int, int, bytes]]:
 
 
 def test_one_endpoint_element_on_the_wire() -> None:
-    batch = encode_batch({4: {"endpoints-2": [("10.96.0.10 . tcp . 80 . 1", "10.244.1.2 . 8080")]}})
+    batch = encode_batch(
+        {4: {"endpoints-2": [((ip("10.96.0.10"), TCP, 80, 1), (ip("10.244.1.2"), 8080))]}}
+    )
     (begin, *middle, end) = split_messages(batch.data)
     assert begin[0] == nb.NFNL_MSG_BATCH_BEGIN and end[0] == nb.NFNL_MSG_BATCH_END
     assert [(kind, seq) for kind, _, seq, _ in middle] == [((10 << 8) | 12, 1)]
@@ -46,7 +53,9 @@ def test_one_endpoint_element_on_the_wire() -> None:
 
 
 def test_verdicts_and_ipv6_keys() -> None:
-    batch = encode_batch({6: {"service-ips": [("fd00:96::10 . udp . 53", "goto endpoints-1")]}})
+    batch = encode_batch(
+        {6: {"service-ips": [((ip("fd00:96::10"), UDP, 53), Goto("endpoints-1"))]}}
+    )
     payload = split_messages(batch.data)[1][3]
     assert bytes.fromhex("fd000096" + "00" * 10 + "00101100000000350000") in payload
     verdict = struct.pack(">i", -4)  # NFT_GOTO
@@ -56,7 +65,7 @@ def test_verdicts_and_ipv6_keys() -> None:
 
 
 def test_large_sets_are_split_into_messages_below_the_attribute_limit() -> None:
-    pairs = [(f"10.96.{i // 256}.{i % 256} . tcp . 80", None) for i in range(20_000)]
+    pairs = [((ip(f"10.96.{i // 256}.{i % 256}"), TCP, 80), None) for i in range(20_000)]
     batch = encode_batch({4: {"cluster-ips": pairs}})
     middle = split_messages(batch.data)[1:-1]
     assert len(middle) > 1 and len(batch.messages) == len(middle)
@@ -71,25 +80,28 @@ def test_large_sets_are_split_into_messages_below_the_attribute_limit() -> None:
 @pytest.mark.parametrize(
     ("set_name", "key", "value", "reason"),
     [
-        ("cluster-ips", "10.96.0.300 . tcp . 80", None, "illegal IP address"),
-        ("cluster-ips", "10.96.0.1 . icmp . 80", None, "'icmp'"),
-        ("cluster-ips", "10.96.0.1 . tcp . 70000", None, "0..65535"),
-        ("cluster-ips", "10.96.0.1 . tcp . 80; flush ruleset", None, "0..65535"),
-        ("cluster-ips", "10.96.0.1 . tcp", None, "expected 3 fields"),
-        ("cluster-ips", "10.96.0.1 . tcp . 80", "goto x", "has no value"),
-        ("service-ips", "10.96.0.1 . tcp . 80", None, "needs a value"),
-        ("service-ips", "10.96.0.1 . tcp . 80", "jump x", "goto <chain>"),
-        ("service-ips", "10.96.0.1 . tcp . 80", "goto x; flush ruleset", "goto <chain>"),
-        ("endpoints-2", "10.96.0.1 . tcp . 80 . -1", "10.244.0.1 . 80", "'-1'"),
-        ("firewall-allow", "10.96.0.1 . tcp . 80 . 10.0.0.0/8", None, "cannot be loaded"),
-        ("no-such-set", "10.96.0.1", None, "cannot be loaded"),
+        ("cluster-ips", ("10.96.0.300", TCP, 80), None, "illegal IP address"),
+        ("cluster-ips", (ip("10.96.0.1"), "icmp", 80), None, "'icmp'"),
+        ("cluster-ips", (ip("10.96.0.1"), TCP, 70000), None, "0..65535"),
+        ("cluster-ips", (ip("10.96.0.1"), TCP, "80; flush ruleset"), None, "0..65535"),
+        ("cluster-ips", (ip("10.96.0.1"), TCP, True), None, "0..65535"),
+        ("cluster-ips", (ip("10.96.0.1"), TCP), None, "expected 3 fields"),
+        ("cluster-ips", "10.96.0.1 . tcp . 80", None, "expected 3 fields"),  # text: refused
+        ("cluster-ips", (ip("10.96.0.1"), TCP, 80), Goto("x"), "has no value"),
+        ("service-ips", (ip("10.96.0.1"), TCP, 80), None, "Goto(<chain>)"),
+        ("service-ips", (ip("10.96.0.1"), TCP, 80), "goto x", "Goto(<chain>)"),
+        ("service-ips", (ip("10.96.0.1"), TCP, 80), Goto("x; flush ruleset"), "Goto(<chain>)"),
+        ("endpoints-2", (ip("10.96.0.1"), TCP, 80, -1), (ip("10.244.0.1"), 80), "-1"),
+        ("endpoints-2", (ip("10.96.0.1"), TCP, 80, 0), (ip("10.244.0.1"),), "(address, port)"),
+        ("firewall-allow", (ip("10.96.0.1"), TCP, 80, "10.0.0.0/8"), None, "cannot be loaded"),
+        ("no-such-set", (ip("10.96.0.1"),), None, "cannot be loaded"),
     ],
 )
 def test_malformed_elements_are_refused_naming_set_and_element(
-    set_name: str, key: str, value: str | None, reason: str
+    set_name: str, key: object, value: object, reason: str
 ) -> None:
     with pytest.raises(ValueError, match=set_name) as err:
-        encode_batch({4: {set_name: [(key, value)]}})
+        encode_batch({4: {set_name: [(key, value)]}})  # type: ignore[dict-item]
     assert reason in str(err.value)
 
 
@@ -99,8 +111,10 @@ def test_only_exact_match_sets_are_loadable() -> None:
     assert nb.loadable("short-circuit-ips") and nb.loadable("short-circuit-nodeports")
     assert nb.loadable("short-circuit-endpoints-3")
     assert nb.loadable("short-circuit-nodeport-endpoints-2")
-    assert nb.layout("short-circuit-nodeports") == nb.layout("service-nodeports")
-    assert nb.layout("short-circuit-endpoints-3") == nb.layout("endpoints-3")
+    # One declaration per set (schema.py), read by the encoder as by the table definition.
+    assert declaration("short-circuit-nodeports").key == declaration("service-nodeports").key
+    assert declaration("short-circuit-endpoints-3").key == declaration("endpoints-3").key
+    assert declaration("endpoints-3").value is ValueKind.ENDPOINT
     assert {
         "service-ips", "service-nodeports", "short-circuit-ips", "short-circuit-nodeports"
     } == nb.VERDICT_MAPS  # fmt: skip
@@ -123,8 +137,8 @@ def test_acks_are_read_by_sequence_number() -> None:
 def test_batch_problem_names_the_refused_set_or_missing_acks() -> None:
     batch = encode_batch(
         {
-            4: {"cluster-ips": [("10.96.0.1 . tcp . 80", None)]},
-            6: {"hairpin": [("::1 . ::1", None)]},
+            4: {"cluster-ips": [((ip("10.96.0.1"), TCP, 80), None)]},
+            6: {"hairpin": [((ip("::1"), ip("::1")), None)]},
         }
     )
     assert nb.batch_problem(batch, {1: 0, 2: 0}) is None
@@ -136,11 +150,11 @@ def test_batch_problem_names_the_refused_set_or_missing_acks() -> None:
 def test_a_large_load_is_cut_into_batches_with_the_dispatch_maps_last() -> None:
     """Batches of about `per_batch` elements, each a whole transaction (its own begin, end and
     sequence numbers); the verdict maps' elements come last, together, in one batch."""
-    cluster_ips = [(f"10.96.{i // 256}.{i % 256} . tcp . 80", None) for i in range(12_000)]
-    dispatch = [(f"10.96.0.{i} . tcp . 80", "goto endpoints-1") for i in range(3)]
-    elements = {
+    cluster_ips = [((ip(f"10.96.{i // 256}.{i % 256}"), TCP, 80), None) for i in range(12_000)]
+    dispatch = [((ip(f"10.96.0.{i}"), TCP, 80), Goto("endpoints-1")) for i in range(3)]
+    elements: nb.Elements = {
         4: {"service-ips": dispatch, "cluster-ips": cluster_ips},
-        6: {"service-ips": [("fd00:96::1 . tcp . 80", "goto endpoints-1")]},
+        6: {"service-ips": [((ip("fd00:96::1"), TCP, 80), Goto("endpoints-1"))]},
     }
     batches = list(nb.encode_batches(elements, per_batch=5000))
     sets_per_batch = [sorted({s for _, s in b.messages.values()}) for b in batches]

@@ -11,6 +11,7 @@ from backend_samples import GOLDEN, SETTINGS, check_golden, key, sample_state
 
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.schema import Pair, elements_text
 from kpx_agent.localnet import (
     IP,
     Endpoint,
@@ -227,11 +228,11 @@ def record_cold(
     return backend, scripts, batches
 
 
-def batch_text(batch: dict[int, dict[str, list[tuple[str, str | None]]]]) -> str:
+def batch_text(batch: dict[int, dict[str, list[Pair]]]) -> str:
     out = []
     for fam, sets in sorted(batch.items()):
         for set_name, pairs in sorted(sets.items()):
-            body = ", ".join(k if v is None else f"{k} : {v}" for k, v in pairs)
+            body = elements_text(pairs)
             out.append(
                 f"netlink add element {'ip' if fam == 4 else 'ip6'} kpx {set_name} {{ {body} }}"
             )

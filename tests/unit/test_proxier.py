@@ -11,7 +11,13 @@ import pytest
 from kpx_agent.backends.base import BackendError
 from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.conntrack import FlowFilter
-from kpx_agent.localnet import NodeLocalState, ProxySettings, ServicePortKey
+from kpx_agent.localnet import (
+    DetectLocal,
+    DetectLocalMode,
+    NodeLocalState,
+    ProxySettings,
+    ServicePortKey,
+)
 from kpx_agent.metrics import AgentMetrics
 from kpx_agent.proxier import Proxier
 from kpx_api.proxysettings import NamespaceOptOut
@@ -167,9 +173,11 @@ def count_recomputes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 def node_setup(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, detect: DetectLocal | None = None
 ) -> tuple[ClusterState, RecordingBackend, Proxier, list[str]]:
     state, backend, proxier, _ = setup()
+    if detect is not None:
+        backend.settings = ProxySettings(detect_local=detect)
     state.upsert(NODES, node())
     for name in ("web", "api"):
         state.upsert(SERVICES, service("a", name))
@@ -228,12 +236,19 @@ def test_service_that_stops_using_topology_is_not_recomputed_for_the_zone(
 
 
 @pytest.mark.parametrize(
-    "changed", [{"address": "10.242.0.99"}, {"pod_cidr": "10.244.9.0/24"}], ids=str
+    ("changed", "detect"),
+    [
+        ({"address": "10.242.0.99"}, DetectLocalMode.CLUSTER_CIDR),
+        ({"pod_cidr": "10.244.9.0/24"}, DetectLocalMode.NODE_CIDR),
+    ],
+    ids=str,
 )
 def test_address_or_pod_cidr_change_is_a_full_sync_without_recompute(
-    monkeypatch: pytest.MonkeyPatch, changed: dict[str, str]
+    monkeypatch: pytest.MonkeyPatch, changed: dict[str, str], detect: DetectLocalMode
 ) -> None:
-    state, backend, proxier, seen = node_setup(monkeypatch)
+    """A node change the backends render (its addresses are where NodePorts answer; its pod
+    CIDR is the local-pod match in NodeCIDR mode) is a full sync."""
+    state, backend, proxier, seen = node_setup(monkeypatch, DetectLocal(detect))
     state.upsert(NODES, node(**changed))
     outcome = proxier.sync()
     assert outcome.full and backend.calls[-1][1] is True
@@ -242,6 +257,25 @@ def test_address_or_pod_cidr_change_is_a_full_sync_without_recompute(
     assert [str(c) for c in proxier.local.node.pod_cidrs] == [
         changed.get("pod_cidr", "10.244.1.0/24")
     ]
+
+
+def test_pod_cidr_change_costs_nothing_where_detect_local_does_not_use_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ClusterCIDR mode: the Node's pod CIDR is no node fact of any backend."""
+    state, backend, proxier, seen = node_setup(monkeypatch)
+    state.upsert(NODES, node(pod_cidr="10.244.9.0/24"))
+    outcome = proxier.sync()
+    assert outcome.ok and not outcome.full and backend.calls == [] and seen == []
+
+
+def test_settings_change_is_a_full_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxier, not the backend, notices new settings (one place decides a full sync)."""
+    state, backend, proxier, _ = node_setup(monkeypatch)
+    backend.settings = ProxySettings(masquerade_all=True)
+    state.touch_all()
+    assert proxier.sync().full and backend.calls[-1][1] is True
+    assert not proxier.sync().full
 
 
 def test_node_deleted_then_back_is_a_full_sync(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,13 +18,12 @@ import logging
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ...detect_local import local_pods
-from ...localnet import NodeInfo, NodeLocalState, ProxySettings, ServicePortKey
+from ...localnet import NodeLocalState, ProxySettings, ServicePortKey
 from ..base import BackendError
 from . import kernel
 from . import names as n
 from .chain_book import ChainBook, ChainPlan
-from .rules import fixed_chains, localhost_node_ports, port_rules, shared_frames
+from .rules import fixed_chains, port_rules, shared_frames
 from .script import SavedTable, cleanup_script, jump_edits, parse_save, table_script
 
 log = logging.getLogger(__name__)
@@ -56,19 +55,12 @@ class IptablesBackend:
         self._chain_exists = chain_exists
         # None: what the kernel holds is not known (never synced, or a sync failed).
         self._books: dict[int, ChainBook] | None = None
-        self._node: NodeInfo | None = None
-        self._synced_settings: ProxySettings | None = None
         self.last_scripts: list[tuple[int, str]] = []  # (family, script) of the last sync
 
     # -- the Backend protocol
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
-        if (
-            changed is None
-            or self._books is None
-            or state.node != self._node
-            or self.settings != self._synced_settings
-        ):
+        if changed is None or self._books is None:
             self._full_sync(state)
         else:
             self._partial_sync(state, self._books, changed)
@@ -98,14 +90,15 @@ class IptablesBackend:
     # -- syncs
 
     def _full_sync(self, state: NodeLocalState) -> None:
-        settings, node = self.settings, state.node
+        settings = self.settings
         if settings.localhost_node_ports:
             self._allow_localhost_node_ports()
         books: dict[int, ChainBook] = {}
         units: list[tuple[int, str]] = []
         for fam in FAMILIES:
-            book = ChainBook(fixed_chains(fam, settings, node), shared_frames(fam, settings, node))
-            local = local_pods(settings, node, fam)
+            facts = state.facts[fam]
+            book = ChainBook(fixed_chains(settings, facts), shared_frames(settings, facts))
+            local = facts.local_pods
             updates = {
                 key: port_rules(sp, settings, local)
                 for key, sp in state.services.items()
@@ -122,7 +115,7 @@ class IptablesBackend:
                         table_script(
                             table,
                             dict(wanted),
-                            jump_edits(table, saved, n.jumps(localhost_node_ports(fam, settings))),
+                            jump_edits(table, saved, n.jumps(facts.localhost_node_ports)),
                             extra_deletes=saved.ours - wanted.keys(),
                         ),
                     )
@@ -131,7 +124,7 @@ class IptablesBackend:
         self.last_scripts = units
         for fam, script in units:
             self._restore(fam, script)
-        self._books, self._node, self._synced_settings = books, node, settings
+        self._books = books
 
     def _partial_sync(
         self,
@@ -143,7 +136,7 @@ class IptablesBackend:
         units: list[tuple[int, str, str]] = []  # (family, table, script)
         for fam in FAMILIES:
             updates = {}
-            local = local_pods(self.settings, state.node, fam)
+            local = state.facts[fam].local_pods
             for key in changed:
                 if key.family == fam:
                     sp = state.services.get(key)

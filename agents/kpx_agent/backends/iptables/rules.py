@@ -15,21 +15,20 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from ipaddress import ip_network
 
-from ...detect_local import LocalPods, local_pods
 from ...localnet import (
     Endpoint,
     IPAddress,
     IPNetwork,
-    NodeInfo,
+    LocalPods,
+    NodeFacts,
     ProxySettings,
     ServicePort,
     ServicePortKey,
 )
-from ...node_local import nodeport_networks
 from . import names as n
 
 log = logging.getLogger(__name__)
@@ -64,10 +63,6 @@ def _host(ip: IPAddress) -> str:
 
 def _net(net: IPNetwork) -> str:
     return str(net)
-
-
-def _valid_port(port: int) -> bool:
-    return isinstance(port, int) and 0 < port < 65536
 
 
 def _destination(ep: Endpoint) -> str:
@@ -105,9 +100,7 @@ def _masquerade_off_cluster(
     """The SVC chain's first rules: mark what must be masqueraded. With masqueradeAll, only
     traffic to the cluster IPs (not what the short circuit sends here, as upstream)."""
     if settings.masquerade_all:
-        return [
-            f"-d {_host(ip)} -j {n.MARK_MASQ}" for ip in sp.cluster_ips if ip.version == sp.family
-        ]
+        return [f"-d {_host(ip)} -j {n.MARK_MASQ}" for ip in sp.cluster_ips]
     if len(local.networks) > 1:
         return [f"-j {n.OFF_CLUSTER}"]
     if local.networks:
@@ -146,30 +139,16 @@ def _pick(sp: ServicePort, eps: tuple[Endpoint, ...]) -> list[str]:
     return rules
 
 
-def _usable(sp: ServicePort, eps: Iterable[Endpoint]) -> tuple[Endpoint, ...]:
-    good = []
-    for ep in eps:
-        if ep.ip.version == sp.family and _valid_port(ep.port):
-            good.append(ep)
-        else:
-            log.warning("%s: skipping unusable endpoint %s port %r", sp.key, ep.ip, ep.port)
-    return tuple(good)
-
-
 def port_rules(sp: ServicePort, settings: ProxySettings, local: LocalPods) -> PortRules:
     """The chains and shared-chain rules of one service port (in its own family); `local`
-    is the family's detectLocal match."""
-    key, fam, proto = sp.key, sp.family, sp.protocol.value
-    if not _valid_port(sp.port):
-        log.warning("%s: invalid port %r, not programmed", key, sp.port)
-        return PortRules()
-    node_port = sp.node_port if _valid_port(sp.node_port) else 0
-    cluster_ips = [ip for ip in sp.cluster_ips if ip.version == fam]
-    external_ips = [ip for ip in sp.external_ips if ip.version == fam]
-    lb_ips = [ip for ip in sp.load_balancer_ips if ip.version == fam]
-    cluster_eps = _usable(sp, sp.cluster_endpoints)
-    external_eps = _usable(sp, sp.external_endpoints)
-    short_eps = _usable(sp, sp.short_circuit_endpoints)
+    is the family's detectLocal match. The model checked every port, address and family
+    (a ServicePort holds only valid ports, and addresses of its own family)."""
+    key, proto = sp.key, sp.protocol.value
+    node_port = sp.node_port
+    cluster_ips, external_ips, lb_ips = sp.cluster_ips, sp.external_ips, sp.load_balancer_ips
+    cluster_eps = sp.cluster_endpoints
+    external_eps = sp.external_endpoints
+    short_eps = sp.short_circuit_endpoints
     has_external = bool(external_ips or lb_ips or node_port)
     use_svc = bool(cluster_ips and cluster_eps)
     # The EXT chain exists when external traffic has somewhere to go: its endpoints, or (with
@@ -184,7 +163,7 @@ def port_rules(sp: ServicePort, settings: ProxySettings, local: LocalPods) -> Po
     # for internal traffic), else to a KPX-SHORT chain of its own.
     short_via_svc = use_svc and short_eps == cluster_eps
     use_short = use_ext and bool(short_eps) and not short_via_svc
-    fw_ranges = [r for r in sp.load_balancer_source_ranges if r.version == fam]
+    fw_ranges = sp.load_balancer_source_ranges
     use_fw = use_ext and bool(lb_ips) and bool(sp.load_balancer_source_ranges)
 
     svc, ext, fw = n.svc_chain(key), n.ext_chain(key), n.fw_chain(key)
@@ -279,16 +258,10 @@ def port_rules(sp: ServicePort, settings: ProxySettings, local: LocalPods) -> Po
 _LOOPBACK = {4: ip_network("127.0.0.0/8"), 6: ip_network("::1/128")}
 
 
-def localhost_node_ports(family: int, settings: ProxySettings) -> bool:
-    """Whether NodePorts answer on 127.0.0.0/8 in `family` (IPv4 only, as upstream)."""
-    return family == 4 and settings.localhost_node_ports
-
-
-def nodeport_matches(family: int, settings: ProxySettings, node: NodeInfo) -> list[str]:
-    """Destination matches for NodePorts (see node_local.nodeport_networks), loopback
-    included only with localhost NodePorts (see `nodeport_guard` for configured networks)."""
-    nets = nodeport_networks(settings, node, family)
-    localhost = localhost_node_ports(family, settings)
+def nodeport_matches(facts: NodeFacts, settings: ProxySettings) -> list[str]:
+    """Destination matches for NodePorts (NodeFacts.nodeport_networks), loopback included
+    only with localhost NodePorts (see `nodeport_guard` for configured networks)."""
+    family, nets, localhost = facts.family, facts.nodeport_networks, facts.localhost_node_ports
     if nets is None:
         if localhost:
             return ["-m addrtype --dst-type LOCAL "]
@@ -300,17 +273,17 @@ def nodeport_matches(family: int, settings: ProxySettings, node: NodeInfo) -> li
     return matches
 
 
-def nodeport_guard(family: int, settings: ProxySettings, node: NodeInfo) -> list[str]:
+def nodeport_guard(facts: NodeFacts) -> list[str]:
     """Rules before the NodePort matches keeping loopback out of them where a configured
     network holds it but localhost NodePorts are off (IPv6 never has them)."""
-    nets = nodeport_networks(settings, node, family) or ()
-    loopback = _LOOPBACK[family]
-    if localhost_node_ports(family, settings) or not any(net.overlaps(loopback) for net in nets):
+    nets = facts.nodeport_networks or ()
+    loopback = _LOOPBACK[facts.family]
+    if facts.localhost_node_ports or not any(net.overlaps(loopback) for net in nets):
         return []
     return [f"-d {_net(loopback)} -j RETURN"]
 
 
-def fixed_chains(family: int, settings: ProxySettings, node: NodeInfo) -> dict[ChainId, Rules]:
+def fixed_chains(settings: ProxySettings, facts: NodeFacts) -> dict[ChainId, Rules]:
     """The chains that do not depend on any service port (only on the settings and node)."""
     mark = f"{settings.masquerade_mark:#x}"
     invalid = (
@@ -327,8 +300,8 @@ def fixed_chains(family: int, settings: ProxySettings, node: NodeInfo) -> dict[C
         (n.FILTER, n.FILTER_CHAIN): (
             f"-j {n.FIREWALL}",
             f"-j {n.REJECT}",
-            *nodeport_guard(family, settings, node),
-            *(f"{m}-j {n.NODEPORTS_REJECT}" for m in nodeport_matches(family, settings, node)),
+            *nodeport_guard(facts),
+            *(f"{m}-j {n.NODEPORTS_REJECT}" for m in nodeport_matches(facts, settings)),
         ),
         # Upstream's KUBE-FORWARD: new connections meet KPX-FILTER first; then what we marked
         # for masquerade, and the rest of its connections, are accepted, so a FORWARD policy
@@ -341,7 +314,7 @@ def fixed_chains(family: int, settings: ProxySettings, node: NodeInfo) -> dict[C
             "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
         ),
     }
-    if localhost_node_ports(family, settings):
+    if facts.localhost_node_ports:
         # route_localnet=1 lets packets from anywhere reach 127.0.0.0/8: drop those that did
         # not come from loopback and are not replies or DNATed NodePort traffic (upstream's
         # rule, https://issue.k8s.io/90259).
@@ -349,7 +322,7 @@ def fixed_chains(family: int, settings: ProxySettings, node: NodeInfo) -> dict[C
             "-d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT"
             " -j DROP",
         )
-    local = local_pods(settings, node, family)
+    local = facts.local_pods
     if not settings.masquerade_all and len(local.networks) > 1:
         chains[(n.NAT, n.OFF_CLUSTER)] = (
             *(f"-s {_net(c)} -j RETURN" for c in local.networks),
@@ -358,16 +331,14 @@ def fixed_chains(family: int, settings: ProxySettings, node: NodeInfo) -> dict[C
     return chains
 
 
-def shared_frames(
-    family: int, settings: ProxySettings, node: NodeInfo
-) -> dict[ChainId, tuple[Rules, Rules]]:
+def shared_frames(settings: ProxySettings, facts: NodeFacts) -> dict[ChainId, tuple[Rules, Rules]]:
     """(head, tail) of each shared chain; the service ports' rules go in between."""
     frames: dict[ChainId, tuple[Rules, Rules]] = {cid: ((), ()) for cid in SHARED_CHAINS}
     frames[(n.NAT, n.SERVICES)] = (
         (),
         (
-            *nodeport_guard(family, settings, node),
-            *(f"{m}-j {n.NODEPORTS}" for m in nodeport_matches(family, settings, node)),
+            *nodeport_guard(facts),
+            *(f"{m}-j {n.NODEPORTS}" for m in nodeport_matches(facts, settings)),
         ),
     )
     return frames

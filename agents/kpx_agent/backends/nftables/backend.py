@@ -19,11 +19,11 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 
-from ...localnet import NodeInfo, NodeLocalState, ProxySettings, ServicePort, ServicePortKey
+from ...localnet import NodeLocalState, ProxySettings, ServicePort, ServicePortKey
 from ..base import BackendError
 from . import kernel, netlink_batch
 from . import names as n
-from .element_book import Element, ElementBook, Plan
+from .element_book import ElementBook, Plan
 from .ruleset import (
     ChainDef,
     PortRender,
@@ -32,6 +32,7 @@ from .ruleset import (
     endpoint_chain_counts,
     render_port,
 )
+from .schema import Element, Pair
 from .transaction import Transaction
 
 log = logging.getLogger(__name__)
@@ -50,9 +51,13 @@ class NftablesBackend:
         run_script: Callable[[Iterable[str]], None] = kernel.run_script,
         present_families: Callable[[], set[int]] = kernel.present_families,
         load_elements: Callable[[netlink_batch.Elements], None] = kernel.load_elements,
+        run_transactions: Callable[[Iterable[Transaction]], None] | None = None,
     ) -> None:
+        """`run_script` applies nft text; `run_transactions`, when given, takes the typed
+        transactions instead (the kernel fake in the tests applies them as they are)."""
         self.settings = settings
         self._run = run_script
+        self._run_transactions = run_transactions
         self._present_families = present_families
         self._load_elements = load_elements
         self._books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
@@ -60,16 +65,18 @@ class NftablesBackend:
         self._port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
             f: {} for f in FAMILIES
         }
-        self._node: NodeInfo | None = None
-        self._last_parts: list[str] = []
-        self.last_loaded: dict[int, dict[str, list[tuple[str, str | None]]]] = {}
+        # False until a full sync succeeded, and after a failure: what the kernel holds is
+        # not known, so a sync is full whatever it was asked (the proxier asks for one then).
+        self._synced = False
+        self._last_sent: list[str | Transaction] = []
+        self.last_loaded: dict[int, dict[str, list[Pair]]] = {}
 
     def programmed(self) -> bool:
         """True while the kernel still has our tables (someone may flush the ruleset)."""
-        return self._node is not None and self._present_families() == set(FAMILIES)
+        return self._synced and self._present_families() == set(FAMILIES)
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
-        if changed is None or self._node is None or state.node != self._node:
+        if changed is None or not self._synced:
             self._full_sync(state)
         else:
             self._partial_sync(state, changed)
@@ -82,9 +89,7 @@ class NftablesBackend:
         }
         # Families without a table in the kernel get their bulk elements by netlink.
         present = self._present_families()
-        loaded: dict[int, dict[str, list[tuple[str, str | None]]]] = {
-            f: {} for f in FAMILIES if f not in present
-        }
+        loaded: dict[int, dict[str, list[Pair]]] = {f: {} for f in FAMILIES if f not in present}
         self.last_loaded = loaded
         t0 = time.monotonic()
         self._apply(self._full_script(state, plans, chains, port_chains, loaded))
@@ -93,7 +98,7 @@ class NftablesBackend:
         try:
             self._load_elements(loaded)
         except BackendError:
-            self._node = None  # the tables exist now, empty: the next full sync swaps them
+            self._synced = False  # the tables exist now, empty: the next full sync swaps them
             raise
         if loaded:
             log.info(
@@ -108,7 +113,7 @@ class NftablesBackend:
             books[fam].commit(plans[fam])
             self._log_conflicts(plans[fam])
         log.debug("full sync: record committed in %.3f s", time.monotonic() - t0)
-        self._books, self._chains, self._node = books, chains, state.node
+        self._books, self._chains, self._synced = books, chains, True
         self._port_chains = port_chains
 
     def _full_script(
@@ -117,8 +122,8 @@ class NftablesBackend:
         plans: dict[int, Plan[ServicePortKey]],
         chains: dict[int, set[tuple[str, int]]],
         port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]],
-        loaded: dict[int, dict[str, list[tuple[str, str | None]]]],
-    ) -> Iterator[str]:
+        loaded: dict[int, dict[str, list[Pair]]],
+    ) -> Iterator[Transaction]:
         """The full sync's transaction, one part per chunk of service ports, rendered as nft
         reads it (and filling in the plans and chains it programs, and for the families in
         `loaded`, the elements left out of it for the netlink load)."""
@@ -127,8 +132,8 @@ class NftablesBackend:
             by_family[key.family].append(sp)
         for fam in FAMILIES:
             txn = Transaction(fam)
-            txn.replace_table(base_table(fam, self.settings, state.node))
-            yield txn.render()
+            txn.replace_table(base_table(self.settings, state.facts[fam]))
+            yield txn
             ports = by_family[fam]
             for start in range(0, len(ports), STREAM_CHUNK):
                 txn = Transaction(fam)
@@ -144,7 +149,7 @@ class NftablesBackend:
                 chains[fam] |= new_chains
                 for dispatch_map, count in sorted(new_chains):
                     txn.add_endpoint_chain(*endpoint_chain(fam, dispatch_map, count))
-                by_set: dict[str, list[tuple[str, str | None]]] = {}
+                by_set: dict[str, list[Pair]] = {}
                 for set_name, element_key, value in claimed:
                     pairs = by_set.get(set_name)
                     if pairs is None:
@@ -156,13 +161,13 @@ class NftablesBackend:
                         bulk.setdefault(set_name, []).extend(pairs)
                     else:
                         txn.add_elements(set_name, pairs)
-                yield txn.render()
+                yield txn
 
     def _partial_sync(self, state: NodeLocalState, changed: Collection[ServicePortKey]) -> None:
         plans: dict[int, Plan[ServicePortKey]] = {}
         chain_updates: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {}
         new_chains: dict[int, set[tuple[str, int]]] = {}
-        script = []
+        script: list[Transaction] = []
         for fam in FAMILIES:
             renders: dict[ServicePortKey, PortRender | None] = {}
             for key in changed:
@@ -189,7 +194,8 @@ class NftablesBackend:
                 continue
             self._render(pre, fam, new_chains[fam], plan)
             plans[fam] = plan
-            script.append(pre.render() + post.render())
+            pre.ops += post.ops
+            script.append(pre)
         if not script:
             return
         self._apply(script)
@@ -214,15 +220,15 @@ class NftablesBackend:
         chains (and sets) no longer used after."""
         for name, chain in new.items():
             if old.get(name) != chain:
-                have = {s for s, _ in old[name].sets} if name in old else set()
-                pre.add_port_chain(name, [x for x in chain.sets if x[0] not in have], chain.rules)
+                have = {s.name for s in old[name].sets} if name in old else set()
+                pre.add_port_chain(name, [x for x in chain.sets if x.name not in have], chain.rules)
         for name, chain in old.items():
-            keep = {s for s, _ in new[name].sets} if name in new else set()
+            keep = {s.name for s in new[name].sets} if name in new else set()
             if name not in new:
                 post.delete_chain(name)
-            for set_name, _ in chain.sets:
-                if set_name not in keep:
-                    post.delete_set(set_name)
+            for decl in chain.sets:
+                if decl.name not in keep:
+                    post.delete_set(decl.name)
 
     @staticmethod
     def _render(
@@ -235,27 +241,39 @@ class NftablesBackend:
         for set_name, pairs in sorted(plan.add.items()):
             txn.add_elements(set_name, pairs)
 
-    def _apply(self, parts: Iterable[str]) -> None:
-        sent: list[str] = []
-
-        def recorded() -> Iterator[str]:
-            for part in parts:
-                sent.append(part)
-                yield part
-
-        self._last_parts = sent
+    def _apply(self, transactions: Iterable[Transaction]) -> None:
+        # What was sent, for logs and tests: the nft text as it was rendered for nft (no
+        # second rendering), or the transactions themselves where they are applied typed.
+        sent: list[str | Transaction] = []
+        self._last_sent = sent
         try:
-            self._run(recorded())
+            if self._run_transactions is not None:
+
+                def typed() -> Iterator[Transaction]:
+                    for txn in transactions:
+                        sent.append(txn)
+                        yield txn
+
+                self._run_transactions(typed())
+            else:
+
+                def texts() -> Iterator[str]:
+                    for txn in transactions:
+                        text = txn.render()
+                        sent.append(text)
+                        yield text
+
+                self._run(texts())
         except BackendError:
             # The kernel kept the last good rules; our record still equals them, but force a
             # full swap next time in case the kernel state drifted (it is the safe recovery).
-            self._node = None
+            self._synced = False
             raise
 
     @property
     def last_script(self) -> str:
         """The text of the last transaction sent (for logs and tests)."""
-        return "".join(self._last_parts)
+        return "".join(x if isinstance(x, str) else x.render() for x in self._last_sent)
 
     @staticmethod
     def _log_conflicts(plan: Plan[ServicePortKey]) -> None:

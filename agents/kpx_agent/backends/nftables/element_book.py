@@ -13,19 +13,20 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from .schema import Element, Key, Value
+
 Owner = TypeVar("Owner")
-ElementKey = tuple[str, str]  # (set name, element key text)
-Element = tuple[str, str, str | None]  # (set name, key text, value text or None for sets)
+ElementKey = tuple[str, Key]  # (set name, typed key)
 
 
 @dataclass
 class Plan(Generic[Owner]):
     """Element changes one sync makes: deletions before additions, per set."""
 
-    delete: dict[str, list[str]] = field(default_factory=dict)
-    add: dict[str, list[tuple[str, str | None]]] = field(default_factory=dict)
+    delete: dict[str, list[Key]] = field(default_factory=dict)
+    add: dict[str, list[tuple[Key, Value]]] = field(default_factory=dict)
     conflicts: list[tuple[ElementKey, Owner]] = field(default_factory=list)
-    _owners: dict[ElementKey, list[tuple[Owner, str | None]]] = field(default_factory=dict)
+    _owners: dict[ElementKey, list[tuple[Owner, Value]]] = field(default_factory=dict)
     _contrib: dict[Owner, tuple[Element, ...] | None] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
@@ -56,7 +57,7 @@ class Plan(Generic[Owner]):
 
 class ElementBook(Generic[Owner]):
     def __init__(self) -> None:
-        self._owners: dict[ElementKey, list[tuple[Owner, str | None]]] = {}
+        self._owners: dict[ElementKey, list[tuple[Owner, Value]]] = {}
         self._contrib: dict[Owner, tuple[Element, ...]] = {}
 
     def __len__(self) -> int:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
+
 TABLE = "kpx"
 FAMILIES = {4: "ip", 6: "ip6"}
 ADDR_TYPE = {4: "ipv4_addr", 6: "ipv6_addr"}
@@ -79,3 +82,19 @@ def endpoint_count_of(name: str) -> tuple[str, int] | None:
         if count != name and count.isdigit():
             return dispatch, int(count)
     return None
+
+
+def _short_hash(*parts: object) -> str:
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return base64.b32encode(digest).decode().lower()[:12]
+
+
+def affinity_chain(port_key: object, timeout: int, endpoints: object) -> str:
+    """The chain of one service port with session affinity: `aff-<hash>` of the port, its
+    timeout and its endpoints (new endpoints, new chain)."""
+    return f"aff-{_short_hash(port_key, timeout, endpoints)}"
+
+
+def affinity_set(chain: str, ip: str, port: int) -> str:
+    """The set of recent clients of one endpoint of an affinity chain."""
+    return f"{chain}-{_short_hash(ip, port)}"

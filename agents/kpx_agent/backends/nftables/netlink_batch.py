@@ -6,9 +6,10 @@ is the same. Only elements go this way, into sets and maps an nft transaction cr
 still owns every definition, rule and type); one batch is one kernel transaction, and a
 large load is cut into several, so the kernel commits one while the next is encoded.
 
-Each element's text (as rendered for nft) is parsed by the layout of its set: addresses by
-`inet_pton`, protocols from a fixed table, ports and indexes as integers; anything else raises
-ValueError naming the set and element. Chain names in verdicts must be plain names.
+Elements are typed values (`schema.Element`), encoded by the one declaration of their set
+(`schema.declaration`): addresses by `inet_pton`, protocols from a fixed table, ports and
+buckets as integers; a value of the wrong kind or out of range raises ValueError naming the
+set and element. Chain names in verdicts must be plain names.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
+from ...localnet import Protocol
 from . import names as n
+from .schema import VERDICT_MAPS, Field, Goto, Key, Pair, ValueKind, declaration
 
 NETLINK_NETFILTER = 12
 NFNL_SUBSYS_NFTABLES = 10
@@ -50,49 +53,16 @@ NFPROTO = {4: socket.AF_INET, 6: socket.AF_INET6}  # NFPROTO_IPV4/6 equal AF_INE
 MAX_ELEMENTS_BYTES = 48 * 1024
 _HEADER = struct.Struct("=IHHII")  # nlmsghdr
 _NFGEN = struct.Struct("=BBH")  # nfgenmsg
-_PROTOCOLS = {"tcp": 6, "udp": 17, "sctp": 132}
+_PROTOCOLS = {Protocol.TCP: 6, Protocol.UDP: 17, Protocol.SCTP: 132}
 _CHAIN_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,127}")
-
-# Field kinds of a key or value: address, protocol, port, numgen bucket.
-ADDR, PROTO, PORT, BUCKET = "addr", "proto", "port", "bucket"
-VERDICT = "verdict"
-_VPP = (ADDR, PROTO, PORT)
-_PP = (PROTO, PORT)
-_LAYOUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...] | str | None]] = {
-    n.CLUSTER_IPS: (_VPP, None),
-    n.EXTERNAL_IPS: (_VPP, None),
-    n.REJECT_IPS: (_VPP, None),
-    n.DROP_IPS: (_VPP, None),
-    n.FIREWALL_IPS: (_VPP, None),
-    n.EXTERNAL_NODEPORTS: (_PP, None),
-    n.REJECT_NODEPORTS: (_PP, None),
-    n.DROP_NODEPORTS: (_PP, None),
-    n.HAIRPIN: ((ADDR, ADDR), None),
-    n.SERVICE_IPS: (_VPP, VERDICT),
-    n.SERVICE_NODEPORTS: (_PP, VERDICT),
-    n.SHORT_CIRCUIT_IPS: (_VPP, VERDICT),
-    n.SHORT_CIRCUIT_NODEPORTS: (_PP, VERDICT),
-}
-_ENDPOINT_LAYOUTS = {
-    n.SERVICE_IPS: ((*_VPP, BUCKET), (ADDR, PORT)),
-    n.SERVICE_NODEPORTS: ((*_PP, BUCKET), (ADDR, PORT)),
-    n.SHORT_CIRCUIT_IPS: ((*_VPP, BUCKET), (ADDR, PORT)),
-    n.SHORT_CIRCUIT_NODEPORTS: ((*_PP, BUCKET), (ADDR, PORT)),
-}
-
-
-def layout(set_name: str) -> tuple[tuple[str, ...], tuple[str, ...] | str | None] | None:
-    """(key fields, value fields or VERDICT or None) of a set this module can load; None
-    for the others (interval sets, and sets it does not know)."""
-    found = _LAYOUTS.get(set_name)
-    if found is not None:
-        return found
-    count = n.endpoint_count_of(set_name)
-    return _ENDPOINT_LAYOUTS[count[0]] if count is not None else None
+ADDR, PROTO, PORT, BUCKET = Field.ADDR, Field.PROTO, Field.PORT, Field.BUCKET
 
 
 def loadable(set_name: str) -> bool:
-    return layout(set_name) is not None
+    """Whether this module can load the set's elements: exact-match sets and maps (not
+    interval sets, nor the dynamic affinity sets)."""
+    decl = declaration(set_name)
+    return decl is not None and not decl.interval and not decl.dynamic_timeout
 
 
 def _attr(kind: int, payload: bytes) -> bytes:
@@ -110,66 +80,69 @@ def _message(kind: int, flags: int, seq: int, family: int, payload: bytes, res_i
 
 
 class _FieldEncoder:
-    """Text to register-sized bytes (each field padded to 4 bytes) for one family. Protocols,
-    ports and buckets come from small caches; a VIP's `addr . proto . port`, which recurs in
-    several sets and in each of its endpoint keys, is cached whole (see `cache`)."""
+    """Typed fields to register-sized bytes (each field padded to 4 bytes) for one family.
+    Protocols, ports and buckets come from small caches; a VIP's `addr . proto . port`, which
+    recurs in several sets and in each of its endpoint keys, is cached whole (see `cache`)."""
 
     def __init__(self, family: int) -> None:
         self.family = NFPROTO[family]  # the address family inet_pton takes
-        self.small: dict[str, dict[str, bytes]] = {PROTO: {}, PORT: {}, BUCKET: {}}
-        self._caches: dict[tuple[str, ...], dict[str, bytes]] = {}
+        self.small: dict[Field, dict[object, bytes]] = {PROTO: {}, PORT: {}, BUCKET: {}}
+        self._caches: dict[tuple[Field, ...], dict[Key, bytes]] = {}
 
-    def width(self, kinds: tuple[str, ...]) -> int:
+    def width(self, kinds: tuple[Field, ...]) -> int:
         return sum(16 if k == ADDR and self.family == socket.AF_INET6 else 4 for k in kinds)
 
-    def cache(self, kinds: tuple[str, ...]) -> dict[str, bytes]:
-        """Whole texts of this layout already converted (filled by the caller)."""
+    def cache(self, kinds: tuple[Field, ...]) -> dict[Key, bytes]:
+        """Whole keys of this layout already converted (filled by the caller)."""
         return self._caches.setdefault(kinds, {})
 
-    def fields(self, kinds: tuple[str, ...], text: str) -> bytes:
-        """The bytes of `text`, a `kinds` concatenation; ValueError when malformed."""
-        parts = text.split(" . ")
-        if len(parts) != len(kinds):
+    def fields(self, kinds: tuple[Field, ...], values: Key) -> bytes:
+        """The bytes of `values`, one per kind; ValueError when malformed."""
+        if type(values) is not tuple or len(values) != len(kinds):
             raise ValueError(f"expected {len(kinds)} fields")
-        return b"".join([self.field(kind, part) for kind, part in zip(kinds, parts, strict=True)])
+        return b"".join([self.field(kind, v) for kind, v in zip(kinds, values, strict=True)])
 
-    def field(self, kind: str, text: str) -> bytes:
+    def field(self, kind: Field, value: object) -> bytes:
         if kind == ADDR:
-            return socket.inet_pton(self.family, text)
+            if not isinstance(value, str):
+                raise ValueError(f"{value!r} is not an address")
+            return socket.inet_pton(self.family, value)
         small = self.small[kind]
-        got = small.get(text)
+        got = small.get(value)
         if got is None:
             if kind == PROTO:
-                if text not in _PROTOCOLS:
-                    raise ValueError(f"{text!r} is not a protocol")
-                got = bytes((_PROTOCOLS[text], 0, 0, 0))
+                if not isinstance(value, Protocol):
+                    raise ValueError(f"{value!r} is not a protocol")
+                got = bytes((_PROTOCOLS[value], 0, 0, 0))
             elif kind == PORT:
-                got = struct.pack(">H2x", _bounded(text, 0xFFFF))
-            else:  # a numgen bucket: numgen writes its register in host byte order
-                got = struct.pack("=I", _bounded(text, 0xFFFFFFFF))
-            small[text] = got
+                got = struct.pack(">H2x", _bounded(value, 0xFFFF))
+            elif kind == BUCKET:  # a numgen bucket: numgen writes its register in host order
+                got = struct.pack("=I", _bounded(value, 0xFFFFFFFF))
+            else:
+                raise ValueError(f"{kind.value} fields cannot be loaded")
+            small[value] = got
         return got
 
 
-def _bounded(text: str, top: int) -> int:
-    if not (text.isascii() and text.isdigit()) or int(text) > top:
-        raise ValueError(f"{text!r} is not an integer in 0..{top}")
-    return int(text)
+def _bounded(value: object, top: int) -> int:
+    if type(value) is not int or not 0 <= value <= top:
+        raise ValueError(f"{value!r} is not an integer in 0..{top}")
+    return value
 
 
-def _verdict(text: str) -> bytes:
-    chain = text.removeprefix("goto ")
-    if chain == text or not _CHAIN_NAME.fullmatch(chain):
-        raise ValueError("a verdict must be `goto <chain>`")
+def _verdict(value: object) -> bytes:
+    if not isinstance(value, Goto) or not _CHAIN_NAME.fullmatch(value.chain):
+        raise ValueError("a verdict must be Goto(<chain>)")
     code = _attr(NFTA_VERDICT_CODE, struct.pack(">i", NFT_GOTO))
-    return _nested(NFTA_DATA_VERDICT, code + _attr(NFTA_VERDICT_CHAIN, chain.encode() + b"\0"))
+    chain = value.chain.encode() + b"\0"
+    return _nested(NFTA_DATA_VERDICT, code + _attr(NFTA_VERDICT_CHAIN, chain))
 
 
 def _header(kind: int, payload_length: int) -> bytes:
     return struct.pack("=HH", 4 + payload_length, kind)
 
 
-Pairs = Iterable[tuple[str, str | None]]
+Pairs = Iterable[Pair]
 
 
 def _element_encoder(enc: _FieldEncoder, set_name: str) -> Callable[[Pairs], list[bytes]]:
@@ -178,10 +151,10 @@ def _element_encoder(enc: _FieldEncoder, set_name: str) -> Callable[[Pairs], lis
     is those headers around a few cached or directly converted fields. One loop per list of
     elements (a cold start encodes 100,000+ of them): no function call per element when its
     fields are cached."""
-    found = layout(set_name)
-    if found is None:
+    decl = declaration(set_name)
+    if decl is None or not loadable(set_name):
         raise ValueError(f"set {set_name}: its elements cannot be loaded over netlink")
-    key_kinds, value_kinds = found
+    key_kinds = decl.key
     bucketed = key_kinds[-1] == BUCKET
     lead = key_kinds[:-1] if bucketed else key_kinds
     leads, buckets, ports = enc.cache(lead), enc.small[BUCKET], enc.small[PORT]
@@ -193,37 +166,36 @@ def _element_encoder(enc: _FieldEncoder, set_name: str) -> Callable[[Pairs], lis
         body = len(key_attr) + key_width + value_length
         return _header(NFTA_LIST_ELEM | NLA_F_NESTED, body) + key_attr
 
-    def lead_bytes(text: str) -> bytes:
-        got = leads[text] = enc.fields(lead, text)
+    def lead_bytes(key: Key) -> bytes:
+        got = leads[key] = enc.fields(lead, key)
         return got
 
-    def fail(key: str, value: str | None, err: Exception) -> ValueError:
-        shown = key if value is None else f"{key} : {value}"
-        return ValueError(f"set {set_name}: element {shown!r}: {err}")
+    def fail(key: object, value: object, err: Exception) -> ValueError:
+        shown = repr(key) if value is None else f"{key!r} : {value!r}"
+        return ValueError(f"set {set_name}: element {shown}: {err}")
 
-    if value_kinds is None:
+    if decl.value is ValueKind.NONE:
         set_head = head(0)
 
         def encode_set(pairs: Pairs) -> list[bytes]:
             out = []
-            key, value = "", None
+            key: object = ()
+            value: object = None
             try:
                 for key, value in pairs:
                     if value is not None:
                         raise ValueError("a set element has no value")
                     out.append(set_head + (leads.get(key) or lead_bytes(key)))
-            except (ValueError, OSError) as err:
+            except (ValueError, OSError, TypeError) as err:
                 raise fail(key, value, err) from None
             return out
 
         return encode_set
 
-    if value_kinds == VERDICT:
-        verdicts: dict[str, tuple[bytes, bytes]] = {}
+    if decl.value is ValueKind.VERDICT:
+        verdicts: dict[object, tuple[bytes, bytes]] = {}
 
-        def verdict(value: str | None) -> tuple[bytes, bytes]:
-            if value is None:
-                raise ValueError("a map element needs a value")
+        def verdict(value: object) -> tuple[bytes, bytes]:
             data = _verdict(value)
             data = _header(NFTA_SET_ELEM_DATA | NLA_F_NESTED, len(data)) + data
             got = verdicts[value] = (head(len(data)), data)
@@ -231,19 +203,20 @@ def _element_encoder(enc: _FieldEncoder, set_name: str) -> Callable[[Pairs], lis
 
         def encode_verdicts(pairs: Pairs) -> list[bytes]:
             out = []
-            key, value = "", None
+            key: object = ()
+            value: object = None
             try:
                 for key, value in pairs:
-                    vhead, data = verdicts.get(value or "") or verdict(value)
+                    vhead, data = verdicts.get(value) or verdict(value)
                     out.append(vhead + (leads.get(key) or lead_bytes(key)) + data)
-            except (ValueError, OSError) as err:
+            except (ValueError, OSError, TypeError) as err:
                 raise fail(key, value, err) from None
             return out
 
         return encode_verdicts
 
-    assert bucketed and value_kinds == (ADDR, PORT), (key_kinds, value_kinds)
-    value_width = enc.width(value_kinds)
+    assert bucketed and decl.value is ValueKind.ENDPOINT, decl
+    value_width = enc.width(decl.value_fields)
     value_attr = _header(NFTA_SET_ELEM_DATA | NLA_F_NESTED, 4 + value_width)
     value_attr += _header(NFTA_DATA_VALUE, value_width)
     endpoint_head = head(len(value_attr) + value_width)
@@ -251,14 +224,15 @@ def _element_encoder(enc: _FieldEncoder, set_name: str) -> Callable[[Pairs], lis
 
     def encode_endpoints(pairs: Pairs) -> list[bytes]:
         out = []
-        key, value = "", None
+        key: object = ()
+        value: object = None
         join = b"".join
         try:
             for key, value in pairs:
-                if value is None:
-                    raise ValueError("a map element needs a value")
-                front, _, bucket = key.rpartition(" . ")
-                addr, _, port = value.partition(" . ")
+                if type(value) is not tuple or len(value) != 2:
+                    raise ValueError("a map element needs an (address, port) value")
+                front, bucket = key[:-1], key[-1]
+                addr, port = value
                 out.append(
                     join(
                         (
@@ -271,7 +245,7 @@ def _element_encoder(enc: _FieldEncoder, set_name: str) -> Callable[[Pairs], lis
                         )
                     )
                 )
-        except (ValueError, OSError) as err:
+        except (ValueError, OSError, TypeError) as err:
             raise fail(key, value, err) from None
         return out
 
@@ -286,10 +260,8 @@ class Batch:
     messages: dict[int, tuple[int, str]]  # sequence number -> (family, set name)
 
 
-Elements = Mapping[int, Mapping[str, Iterable[tuple[str, str | None]]]]
+Elements = Mapping[int, Mapping[str, Iterable[Pair]]]
 
-
-VERDICT_MAPS = frozenset(name for name, (_, value) in _LAYOUTS.items() if value == VERDICT)
 BATCH_ELEMENTS = 5000
 
 

@@ -12,16 +12,20 @@ the cluster is pasted in as it came.
 
 from __future__ import annotations
 
-import base64
-import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network, collapse_addresses
 
-from ...detect_local import LocalPods, local_pods
-from ...localnet import Endpoint, IPAddress, IPNetwork, NodeInfo, ProxySettings, ServicePort
-from ...node_local import nodeport_networks
+from ...localnet import (
+    Endpoint,
+    IPNetwork,
+    LocalPods,
+    NodeFacts,
+    ProxySettings,
+    ServicePort,
+)
 from . import names as n
-from .element_book import Element
+from .schema import TABLE_SETS, Element, Goto, Key, SetDecl, affinity_set, endpoint_map
 
 PRIORITY_DSTNAT = -100  # nft 1.0.6 rejects the name `dstnat` on an output hook
 PRIORITY_SRCNAT = 100
@@ -29,15 +33,11 @@ PRIORITY_FILTER = -1  # just before the default filter priority
 PRIORITY_FIREWALL = -110  # before DNAT, while the destination is still the load balancer IP
 
 
-def _vip_key(ip: IPAddress, sp: ServicePort) -> str:
-    return f"{ip} . {sp.protocol.value} . {sp.port}"
-
-
 @dataclass(frozen=True)
 class ChainDef:
     """A chain one service port owns (session affinity), with the sets its rules use."""
 
-    sets: tuple[tuple[str, str], ...]  # (name, definition body)
+    sets: tuple[SetDecl, ...]
     rules: tuple[str, ...]
 
 
@@ -49,11 +49,6 @@ class PortRender:
     chains: dict[str, ChainDef] = field(default_factory=dict)
 
 
-def _short_hash(*parts: object) -> str:
-    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
-    return base64.b32encode(digest).decode().lower()[:12]
-
-
 def _affinity_chain(
     sp: ServicePort, endpoints: tuple[Endpoint, ...], family: int
 ) -> tuple[str, ChainDef]:
@@ -63,18 +58,12 @@ def _affinity_chain(
     random (a cascade of `numgen random mod k`), and the client is recorded in its set.
     Sets are named after the endpoint, so a removed endpoint takes its clients' affinity along.
     """
-    name = f"aff-{_short_hash(sp.key, sp.affinity_timeout, [str(e) for e in endpoints])}"
+    name = n.affinity_chain(sp.key, sp.affinity_timeout, [str(e) for e in endpoints])
     saddr, fam, proto = n.SADDR[family], n.FAMILIES[family], sp.protocol.value
     sets, sticky, pick = [], [], []
     for i, ep in enumerate(endpoints):
-        set_name = f"{name}-{_short_hash(ep.ip, ep.port)}"
-        sets.append(
-            (
-                set_name,
-                f"type {n.ADDR_TYPE[family]}; flags dynamic,timeout; "
-                f"timeout {sp.affinity_timeout}s;",
-            )
-        )
+        set_name = n.affinity_set(name, ep.ip, ep.port)
+        sets.append(affinity_set(set_name, sp.affinity_timeout))
         target = f"[{ep.ip}]:{ep.port}" if family == 6 else f"{ep.ip}:{ep.port}"
         dnat = f"meta l4proto {proto} dnat {fam} to {target}"
         sticky.append(f"{saddr} @{set_name} {dnat}")
@@ -87,7 +76,7 @@ def _affinity_chain(
 def _dispatch(
     out: PortRender,
     sp: ServicePort,
-    vip_key: str,
+    vip_key: Key,
     endpoints: tuple[Endpoint, ...],
     drop: bool,
     nodeport: bool,
@@ -104,7 +93,7 @@ def _dispatch(
 def _dispatch_to(
     out: PortRender,
     sp: ServicePort,
-    vip_key: str,
+    vip_key: Key,
     endpoints: tuple[Endpoint, ...],
     dispatch_map: str,
 ) -> None:
@@ -112,13 +101,12 @@ def _dispatch_to(
     if sp.affinity_timeout:
         chain, definition = _affinity_chain(sp, endpoints, sp.family)
         out.chains[chain] = definition
-        out.elements.append((dispatch_map, vip_key, f"goto {chain}"))
+        out.elements.append((dispatch_map, vip_key, Goto(chain)))
         return
     chain = endpoint_map = n.endpoint_chain_of(dispatch_map, len(endpoints))
-    out.elements.append((dispatch_map, vip_key, f"goto {chain}"))
+    out.elements.append((dispatch_map, vip_key, Goto(chain)))
     out.elements += [
-        (endpoint_map, f"{vip_key} . {i}", f"{ip} . {port}")
-        for i, (ip, port, _local) in enumerate(endpoints)
+        (endpoint_map, (*vip_key, i), (ip, port)) for i, (ip, port, _local) in enumerate(endpoints)
     ]
 
 
@@ -132,14 +120,15 @@ def _merged(nets: tuple[IPNetwork, ...]) -> list[IPNetwork]:
 def render_port(sp: ServicePort) -> PortRender:
     """The elements (and affinity chains) one service port contributes to its family's table."""
     out = PortRender()
+    proto, port = sp.protocol, sp.port
     cluster, external = sp.cluster_endpoints, sp.external_endpoints
     for ip in sp.cluster_ips:
-        key = _vip_key(ip, sp)
+        key: Key = (ip, proto, port)
         out.elements.append((n.CLUSTER_IPS, key, None))
         _dispatch(out, sp, key, cluster, sp.drop_when_no_cluster_endpoints, nodeport=False)
     short_circuit = sp.short_circuit_endpoints
     for ip in (*sp.external_ips, *sp.load_balancer_ips):
-        key = _vip_key(ip, sp)
+        key = (ip, proto, port)
         if sp.external_masquerade:
             out.elements.append((n.EXTERNAL_IPS, key, None))
         _dispatch(out, sp, key, external, sp.drop_when_no_external_endpoints, nodeport=False)
@@ -147,20 +136,20 @@ def render_port(sp: ServicePort) -> PortRender:
             _dispatch_to(out, sp, key, short_circuit, n.SHORT_CIRCUIT_IPS)
     for ip in sp.load_balancer_ips:
         if sp.load_balancer_source_ranges:
-            key = _vip_key(ip, sp)
+            key = (ip, proto, port)
             out.elements.append((n.FIREWALL_IPS, key, None))
             # Overlapping ranges would conflict in an interval set: merge them first.
             for net in _merged(sp.load_balancer_source_ranges):
-                out.elements.append((n.FIREWALL_ALLOW, f"{key} . {net}", None))
+                out.elements.append((n.FIREWALL_ALLOW, (*key, net), None))
     if sp.node_port:
-        key = f"{sp.protocol.value} . {sp.node_port}"
+        key = (proto, sp.node_port)
         if sp.external_masquerade:
             out.elements.append((n.EXTERNAL_NODEPORTS, key, None))
         _dispatch(out, sp, key, external, sp.drop_when_no_external_endpoints, nodeport=True)
         if short_circuit:
             _dispatch_to(out, sp, key, short_circuit, n.SHORT_CIRCUIT_NODEPORTS)
     for ep in sorted({e for e in (*cluster, *external, *short_circuit) if e.local}):
-        out.elements.append((n.HAIRPIN, f"{ep.ip} . {ep.ip}", None))
+        out.elements.append((n.HAIRPIN, (ep.ip, ep.ip), None))
     return out
 
 
@@ -168,7 +157,7 @@ def port_elements(sp: ServicePort) -> list[Element]:
     return render_port(sp).elements
 
 
-_DISPATCH_MAPS = frozenset(n.ENDPOINT_CHAIN_PREFIX)  # values: `goto <chain>`
+_DISPATCH_MAPS = frozenset(n.ENDPOINT_CHAIN_PREFIX)  # values: Goto(chain)
 
 
 def endpoint_chain_counts(elements: list[Element]) -> set[tuple[str, int]]:
@@ -176,7 +165,11 @@ def endpoint_chain_counts(elements: list[Element]) -> set[tuple[str, int]]:
     the chains the dispatch elements jump to, and the maps endpoint elements go into (a
     Service whose VIP another Service claimed first still writes its endpoints, unused)."""
     names = {set_name for set_name, _, _ in elements}  # few distinct names: parse each once
-    names |= {value[5:] for set_name, _, value in elements if value and set_name in _DISPATCH_MAPS}
+    names |= {
+        value.chain
+        for set_name, _, value in elements
+        if isinstance(value, Goto) and set_name in _DISPATCH_MAPS
+    }
     return {found for name in names if (found := n.endpoint_count_of(name)) is not None}
 
 
@@ -189,11 +182,10 @@ def endpoint_chain_counts(elements: list[Element]) -> set[tuple[str, int]]:
 # map, which is what a new count does.
 
 
-def endpoint_chain(family: int, dispatch_map: str, count: int) -> tuple[str, str, str]:
-    """Name, map definition and rule of the chain that picks one of `count` endpoints at
-    random (the chain and its map share the name)."""
+def endpoint_chain(family: int, dispatch_map: str, count: int) -> tuple[str, SetDecl, str]:
+    """Name, map and rule of the chain that picks one of `count` endpoints at random (the
+    chain and its map share the name)."""
     daddr, fam = n.DADDR[family], n.FAMILIES[family]
-    value = f"{daddr} . th dport"
     name = n.endpoint_chain_of(dispatch_map, count)
     if dispatch_map in n.NODEPORT_DISPATCH:
         key = "meta l4proto . th dport"
@@ -201,21 +193,43 @@ def endpoint_chain(family: int, dispatch_map: str, count: int) -> tuple[str, str
         key = f"{daddr} . meta l4proto . th dport"
     return (
         name,
-        f"typeof {key} . numgen random mod 2 : {value};",
+        endpoint_map(dispatch_map, count),
         f"dnat {fam} to {key} . numgen random mod {count} map @{name}",
     )
 
 
-_ANY_BUT_LOOPBACK = {
+@dataclass(frozen=True)
+class ChainSpec:
+    """A chain of the fixed table: base chains have a hook (type, hook, priority)."""
+
+    name: str
+    rules: tuple[str, ...]
+    hook: tuple[str, str, int] | None = None  # (type, hook, priority); policy accept
+
+
+@dataclass(frozen=True)
+class TableDef:
+    """A family's table without any Service's elements: its sets (with the elements that
+    depend on the node only) and its fixed chains."""
+
+    family: int
+    sets: tuple[SetDecl, ...]
+    elements: Mapping[str, tuple[Key, ...]]
+    chains: tuple[ChainSpec, ...]
+
+
+_ANY_BUT_LOOPBACK: dict[int, tuple[IPNetwork, ...]] = {
     4: tuple(IPv4Network("0.0.0.0/0").address_exclude(IPv4Network("127.0.0.0/8"))),
     6: (IPv6Network("::/0"),),  # ::1 cannot be DNATed off the node anyway
 }
 
 
-def nodeport_addresses(family: int, settings: ProxySettings, node: NodeInfo) -> list[str]:
-    """The `nodeport-addresses` elements (see node_local.nodeport_networks)."""
-    nets = nodeport_networks(settings, node, family)
-    return sorted(str(net) for net in (_ANY_BUT_LOOPBACK[family] if nets is None else nets))
+def nodeport_addresses(facts: NodeFacts) -> list[IPNetwork]:
+    """The `nodeport-addresses` elements (NodeFacts.nodeport_networks: None is every
+    local address but loopback)."""
+    nets = facts.nodeport_networks
+    found: tuple[IPNetwork, ...] = _ANY_BUT_LOOPBACK[facts.family] if nets is None else nets
+    return sorted(found, key=str)
 
 
 def local_pod_match(family: int, local: LocalPods, negate: bool = False) -> str:
@@ -234,25 +248,15 @@ def local_pod_match(family: int, local: LocalPods, negate: bool = False) -> str:
     return f'iifname {op}"{name}"'
 
 
-def _elements_clause(elements: list[str]) -> str:
-    return f" elements = {{ {', '.join(elements)} }};" if elements else ""
-
-
-def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
+def base_table(settings: ProxySettings, facts: NodeFacts) -> TableDef:
     """The table with its sets, maps and fixed chains, without any Service's elements."""
-    fam, addr, daddr, saddr = (
-        n.FAMILIES[family],
-        n.ADDR_TYPE[family],
-        n.DADDR[family],
-        n.SADDR[family],
-    )
+    family = facts.family
+    daddr, saddr = n.DADDR[family], n.SADDR[family]
     mark = f"0x{settings.masquerade_mark:08x}"
     set_mark = f"meta mark set meta mark | {mark}"
-    vpp = f"{addr} . inet_proto . inet_service"
-    pp = "inet_proto . inet_service"
     match_vpp = f"{daddr} . meta l4proto . th dport"
     local_np = f"fib daddr type local {daddr} @{n.NODEPORT_ADDRESSES} meta l4proto . th dport"
-    local = local_pods(settings, node, family)
+    local = facts.local_pods
     is_local = local_pod_match(family, local)
     masq_cluster = ""
     if settings.masquerade_all:
@@ -260,7 +264,7 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
     elif local.implemented:
         not_local = local_pod_match(family, local, negate=True)
         masq_cluster = f"{match_vpp} @{n.CLUSTER_IPS} {not_local} {set_mark}"
-    pod_cidrs = [str(c) for c in local.networks] if len(local.networks) > 1 else []
+    pod_cidrs = local.networks if len(local.networks) > 1 else ()
     # externalTrafficPolicy Local: traffic from a local pod, or from the node itself (which is
     # masqueraded: its source is a node address), goes to every cluster endpoint.
     node_origin = "fib saddr type local"
@@ -274,68 +278,61 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo) -> str:
         f"{node_origin} {local_np} @{n.SHORT_CIRCUIT_NODEPORTS} {set_mark}",
         f"{node_origin} {local_np} vmap @{n.SHORT_CIRCUIT_NODEPORTS}",
     ]
-    lines = [
-        f"table {fam} {n.TABLE} {{",
-        f"  set {n.CLUSTER_IPS} {{ type {vpp}; }}",
-        f"  set {n.EXTERNAL_IPS} {{ type {vpp}; }}",
-        f"  set {n.REJECT_IPS} {{ type {vpp}; }}",
-        f"  set {n.DROP_IPS} {{ type {vpp}; }}",
-        f"  set {n.EXTERNAL_NODEPORTS} {{ type {pp}; }}",
-        f"  set {n.REJECT_NODEPORTS} {{ type {pp}; }}",
-        f"  set {n.DROP_NODEPORTS} {{ type {pp}; }}",
-        f"  set {n.HAIRPIN} {{ type {addr} . {addr}; }}",
-        f"  set {n.FIREWALL_IPS} {{ type {vpp}; }}",
-        f"  set {n.FIREWALL_ALLOW} {{ type {vpp} . {addr}; flags interval; }}",
-        f"  set {n.NODEPORT_ADDRESSES} {{ type {addr}; flags interval; auto-merge;"
-        f"{_elements_clause(nodeport_addresses(family, settings, node))} }}",
-        f"  set {n.LOCAL_POD_CIDRS} {{ type {addr}; flags interval; auto-merge;"
-        f"{_elements_clause(pod_cidrs)} }}",
-        f"  map {n.SERVICE_IPS} {{ type {vpp} : verdict; }}",
-        f"  map {n.SERVICE_NODEPORTS} {{ type {pp} : verdict; }}",
-        f"  map {n.SHORT_CIRCUIT_IPS} {{ type {vpp} : verdict; }}",
-        f"  map {n.SHORT_CIRCUIT_NODEPORTS} {{ type {pp} : verdict; }}",
-        f"  chain {n.SERVICES} {{",
-        *(f"    {rule}" for rule in (masq_cluster,) if rule),
-        f"    {match_vpp} @{n.EXTERNAL_IPS} {set_mark}",
-        *(f"    {rule}" for rule in short_circuit),
-        f"    {match_vpp} vmap @{n.SERVICE_IPS}",
-        f"    {local_np} @{n.EXTERNAL_NODEPORTS} {set_mark}",
-        *(f"    {rule}" for rule in short_circuit_np),
-        f"    {local_np} vmap @{n.SERVICE_NODEPORTS}",
-        "  }",
-        f"  chain {n.NO_ENDPOINTS} {{",
-        f"    {match_vpp} @{n.REJECT_IPS} reject",
-        f"    {match_vpp} @{n.DROP_IPS} drop",
-        f"    {local_np} @{n.REJECT_NODEPORTS} reject",
-        f"    {local_np} @{n.DROP_NODEPORTS} drop",
-        "  }",
-        f"  chain {n.FIREWALL} {{",
-        f"    {match_vpp} @{n.FIREWALL_IPS} {match_vpp} . {saddr} != @{n.FIREWALL_ALLOW} drop",
-        "  }",
+    no_endpoints = f"ct state new jump {n.NO_ENDPOINTS}"
+    chains = (
+        ChainSpec(
+            n.SERVICES,
+            (
+                *(rule for rule in (masq_cluster,) if rule),
+                f"{match_vpp} @{n.EXTERNAL_IPS} {set_mark}",
+                *short_circuit,
+                f"{match_vpp} vmap @{n.SERVICE_IPS}",
+                f"{local_np} @{n.EXTERNAL_NODEPORTS} {set_mark}",
+                *short_circuit_np,
+                f"{local_np} vmap @{n.SERVICE_NODEPORTS}",
+            ),
+        ),
+        ChainSpec(
+            n.NO_ENDPOINTS,
+            (
+                f"{match_vpp} @{n.REJECT_IPS} reject",
+                f"{match_vpp} @{n.DROP_IPS} drop",
+                f"{local_np} @{n.REJECT_NODEPORTS} reject",
+                f"{local_np} @{n.DROP_NODEPORTS} drop",
+            ),
+        ),
+        ChainSpec(
+            n.FIREWALL,
+            (f"{match_vpp} @{n.FIREWALL_IPS} {match_vpp} . {saddr} != @{n.FIREWALL_ALLOW} drop",),
+        ),
         # Before DNAT, on both paths: traffic from pods and from the node itself.
-        f"  chain {n.FIREWALL_PREROUTING} {{ type filter hook prerouting priority"
-        f" {PRIORITY_FIREWALL}; policy accept; jump {n.FIREWALL}; }}",
-        f"  chain {n.FIREWALL_OUTPUT} {{ type filter hook output priority"
-        f" {PRIORITY_FIREWALL}; policy accept; jump {n.FIREWALL}; }}",
-        f"  chain {n.NAT_PREROUTING} {{ type nat hook prerouting priority {PRIORITY_DSTNAT};"
-        f" policy accept; jump {n.SERVICES}; }}",
-        f"  chain {n.NAT_OUTPUT} {{ type nat hook output priority {PRIORITY_DSTNAT};"
-        f" policy accept; jump {n.SERVICES}; }}",
-        f"  chain {n.NAT_POSTROUTING} {{",
-        f"    type nat hook postrouting priority {PRIORITY_SRCNAT}; policy accept;",
-        f"    meta mark & {mark} == {mark} meta mark set meta mark ^ {mark}"
-        " masquerade fully-random",
-        f"    ct status dnat {saddr} . {daddr} @{n.HAIRPIN} masquerade fully-random",
-        "  }",
-    ]
-    for chain, hook in (
-        (n.FILTER_INPUT, "input"),
-        (n.FILTER_FORWARD, "forward"),
-        (n.FILTER_OUTPUT, "output"),
-    ):
-        lines.append(
-            f"  chain {chain} {{ type filter hook {hook} priority {PRIORITY_FILTER};"
-            f" policy accept; ct state new jump {n.NO_ENDPOINTS}; }}"
-        )
-    lines.append("}")
-    return "\n".join(line for line in lines if line) + "\n"
+        ChainSpec(
+            n.FIREWALL_PREROUTING,
+            (f"jump {n.FIREWALL}",),
+            ("filter", "prerouting", PRIORITY_FIREWALL),
+        ),
+        ChainSpec(
+            n.FIREWALL_OUTPUT, (f"jump {n.FIREWALL}",), ("filter", "output", PRIORITY_FIREWALL)
+        ),
+        ChainSpec(
+            n.NAT_PREROUTING, (f"jump {n.SERVICES}",), ("nat", "prerouting", PRIORITY_DSTNAT)
+        ),
+        ChainSpec(n.NAT_OUTPUT, (f"jump {n.SERVICES}",), ("nat", "output", PRIORITY_DSTNAT)),
+        ChainSpec(
+            n.NAT_POSTROUTING,
+            (
+                f"meta mark & {mark} == {mark} meta mark set meta mark ^ {mark}"
+                " masquerade fully-random",
+                f"ct status dnat {saddr} . {daddr} @{n.HAIRPIN} masquerade fully-random",
+            ),
+            ("nat", "postrouting", PRIORITY_SRCNAT),
+        ),
+        ChainSpec(n.FILTER_INPUT, (no_endpoints,), ("filter", "input", PRIORITY_FILTER)),
+        ChainSpec(n.FILTER_FORWARD, (no_endpoints,), ("filter", "forward", PRIORITY_FILTER)),
+        ChainSpec(n.FILTER_OUTPUT, (no_endpoints,), ("filter", "output", PRIORITY_FILTER)),
+    )
+    elements = {
+        n.NODEPORT_ADDRESSES: tuple((net,) for net in nodeport_addresses(facts)),
+        n.LOCAL_POD_CIDRS: tuple((net,) for net in pod_cidrs),
+    }
+    return TableDef(family, TABLE_SETS, elements, chains)

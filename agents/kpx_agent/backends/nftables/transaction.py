@@ -1,64 +1,132 @@
-"""Builds the text of one `nft -f` transaction (pure)."""
+"""One nftables transaction as typed operations, and its nft text (pure).
+
+The backend builds `Transaction`s; `render` serializes them for `nft -f`, and the kernel fake
+in the tests applies the same operations. Elements stay typed until they are rendered.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from . import names as n
+from .ruleset import TableDef
+from .schema import Key, Pair, SetDecl, elements_text, key_text
+
+
+class Op(NamedTuple):
+    """One operation: `kind` names it, `args` are typed values (see Transaction's methods)."""
+
+    kind: str
+    args: tuple[object, ...]
 
 
 class Transaction:
-    """Commands for one family's table, rendered in order as one atomic script."""
+    """Operations on one family's table, applied in order as one atomic transaction."""
 
     def __init__(self, family: int) -> None:
+        self.family = family
         self.prefix = f"{n.FAMILIES[family]} {n.TABLE}"
-        self._lines: list[str] = []
+        self.ops: list[Op] = []
 
     def __bool__(self) -> bool:
-        return bool(self._lines)
+        return bool(self.ops)
 
-    def raw(self, text: str) -> None:
-        self._lines.append(text.rstrip("\n"))
-
-    def replace_table(self, definition: str) -> None:
+    def replace_table(self, table: TableDef) -> None:
         """Swap the whole table atomically (create-if-missing, delete, define)."""
-        self._lines.append(f"add table {self.prefix}")
-        self._lines.append(f"delete table {self.prefix}")
-        self.raw(definition)
+        self.ops.append(Op("replace_table", (table,)))
 
-    def add_endpoint_chain(self, name: str, map_definition: str, rule: str) -> None:
+    def add_endpoint_chain(self, name: str, endpoint_map: SetDecl, rule: str) -> None:
         """Create a new chain with its own map, used by its one rule (never rewritten)."""
-        self._lines.append(f"add map {self.prefix} {name} {{ {map_definition} }}")
-        self._lines.append(f"add chain {self.prefix} {name}")
-        self._lines.append(f"add rule {self.prefix} {name} {rule}")
+        self.ops.append(Op("add_set", (endpoint_map,)))
+        self.ops.append(Op("add_chain", (name,)))
+        self.ops.append(Op("add_rule", (name, rule)))
 
-    def add_port_chain(
-        self, name: str, sets: Iterable[tuple[str, str]], rules: Iterable[str]
-    ) -> None:
+    def add_port_chain(self, name: str, sets: Iterable[SetDecl], rules: Iterable[str]) -> None:
         """Create (or rewrite) a chain owned by one service port, with the sets it uses."""
-        for set_name, body in sets:
-            self._lines.append(f"add set {self.prefix} {set_name} {{ {body} }}")
-        self._lines.append(f"add chain {self.prefix} {name}")
-        self._lines.append(f"flush chain {self.prefix} {name}")
+        for decl in sets:
+            self.ops.append(Op("add_set", (decl,)))
+        self.ops.append(Op("add_chain", (name,)))
+        self.ops.append(Op("flush_chain", (name,)))
         for rule in rules:
-            self._lines.append(f"add rule {self.prefix} {name} {rule}")
+            self.ops.append(Op("add_rule", (name, rule)))
 
     def delete_chain(self, name: str) -> None:
-        self._lines.append(f"flush chain {self.prefix} {name}")
-        self._lines.append(f"delete chain {self.prefix} {name}")
+        self.ops.append(Op("flush_chain", (name,)))
+        self.ops.append(Op("delete_chain", (name,)))
 
     def delete_set(self, name: str) -> None:
-        self._lines.append(f"delete set {self.prefix} {name}")
+        self.ops.append(Op("delete_set", (name,)))
 
-    def delete_elements(self, set_name: str, keys: Iterable[str]) -> None:
-        body = ", ".join(keys)
-        if body:
-            self._lines.append(f"delete element {self.prefix} {set_name} {{ {body} }}")
+    def delete_elements(self, set_name: str, keys: Iterable[Key]) -> None:
+        keys = list(keys)
+        if keys:
+            self.ops.append(Op("delete_elements", (set_name, keys)))
 
-    def add_elements(self, set_name: str, elements: Iterable[tuple[str, str | None]]) -> None:
-        body = ", ".join(k if v is None else f"{k} : {v}" for k, v in elements)
-        if body:
-            self._lines.append(f"add element {self.prefix} {set_name} {{ {body} }}")
+    def add_elements(self, set_name: str, elements: Iterable[Pair]) -> None:
+        pairs = list(elements)
+        if pairs:
+            self.ops.append(Op("add_elements", (set_name, pairs)))
 
     def render(self) -> str:
-        return "\n".join(self._lines) + "\n" if self._lines else ""
+        """The nft text of the transaction."""
+        lines = [_line(self.prefix, self.family, op) for op in self.ops]
+        return "\n".join(lines) + "\n" if lines else ""
+
+
+def _line(prefix: str, family: int, op: Op) -> str:
+    kind, args = op
+    if kind == "add_elements":
+        set_name, pairs = args
+        return f"add element {prefix} {set_name} {{ {elements_text(pairs)} }}"  # type: ignore[arg-type]
+    if kind == "delete_elements":
+        set_name, keys = args
+        body = ", ".join(key_text(k) for k in keys)  # type: ignore[attr-defined]
+        return f"delete element {prefix} {set_name} {{ {body} }}"
+    if kind == "add_set":
+        (decl,) = args
+        assert isinstance(decl, SetDecl)
+        return (
+            f"add {'map' if decl.is_map else 'set'} {prefix} {decl.name} {{ {decl.body(family)} }}"
+        )
+    if kind == "add_rule":
+        chain, rule = args
+        return f"add rule {prefix} {chain} {rule}"
+    if kind in ("add_chain", "flush_chain", "delete_chain", "delete_set"):
+        verb, what = kind.split("_")
+        return f"{verb} {what} {prefix} {args[0]}"
+    if kind == "replace_table":
+        return f"add table {prefix}\ndelete table {prefix}\n" + table_text(args[0])  # type: ignore[arg-type]
+    raise ValueError(f"unknown operation {kind}")
+
+
+def table_text(table: TableDef) -> str:
+    """A table definition as nft reads it (`table ip kpx { ... }`)."""
+    family = table.family
+    lines = [f"table {n.FAMILIES[family]} {n.TABLE} {{"]
+    for decl in table.sets:
+        kind = "map" if decl.is_map else "set"
+        elements = table.elements.get(decl.name)
+        clause = ""
+        if elements is not None:
+            clause = (
+                f" elements = {{ {', '.join(key_text(k) for k in elements)} }};" if elements else ""
+            )
+        lines.append(f"  {kind} {decl.name} {{ {decl.body(family)}{clause} }}")
+    for chain in table.chains:
+        if chain.hook is None:
+            lines += [f"  chain {chain.name} {{", *(f"    {r}" for r in chain.rules), "  }"]
+            continue
+        kind, hook, priority = chain.hook
+        head = f"type {kind} hook {hook} priority {priority}; policy accept;"
+        if len(chain.rules) == 1:
+            lines.append(f"  chain {chain.name} {{ {head} {chain.rules[0]}; }}")
+        else:
+            lines += [
+                f"  chain {chain.name} {{",
+                f"    {head}",
+                *(f"    {r}" for r in chain.rules),
+                "  }",
+            ]
+    lines.append("}")
+    return "\n".join(lines)
