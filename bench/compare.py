@@ -167,7 +167,7 @@ def create_node(api: ApiClient) -> None:
         "PATCH",
         f"/api/v1/nodes/{NODE_NAME}/status",
         {"status": {"addresses": [{"type": "InternalIP", "address": NODE_IP}]}},
-        "application/merge-patch+json",
+        "merge",
     )
 
 

@@ -3,8 +3,8 @@
 Against a fresh local control plane with 200 namespaces (100 labelled
 networking.k8s.io/kube-proxy=disabled), each holding 10 Services with one EndpointSlice of 10
 endpoints, three designs list+watch Services and EndpointSlices with the agent's own client
-(kpx_agent.kube_api.KubeClient, which counts bytes and objects per resource) and reflector
-(kpx_agent.watch.Reflector) into a counting sink:
+(kpx_kube.Client, which counts bytes and objects per resource) and reflector
+(kpx_kube.reflector.Reflector) into a counting sink:
 
   (a) cluster-wide  one list+watch per resource, no field selector (filter in the agent)
   (b) exclusion     one list+watch per resource with metadata.namespace!=<each opted-out>
@@ -29,8 +29,6 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import aiohttp
-
 from benchlib import (
     OPT_OUT_LABEL,
     OPT_OUT_VALUE,
@@ -51,13 +49,14 @@ from benchlib import (
     update_latest,
     write_json,
 )
-from kpx_agent.kube_api import Credentials, KubeClient, from_kubeconfig
 from kpx_agent.optout import exclusion_field_selector
-from kpx_agent.watch import SERVICES_RESOURCE, SLICES_RESOURCE, Reflector, Resource
+from kpx_agent.resources import SERVICES_RESOURCE, SLICES_RESOURCE
 from kpx_cluster.controlplane import Cluster
+from kpx_kube import Client, Credentials, from_kubeconfig
+from kpx_kube.reflector import Reflector, Resource
 
 ENDPOINTS_PER_SLICE = 10
-AGENT_CONNECTION_LIMIT = 16  # KubeClient's TCPConnector(limit=16)
+AGENT_CONNECTION_LIMIT = 16  # kpx_kube.Client's default `connections`
 SYNC_TIMEOUT = 300.0
 CHURN_TIMEOUT = 300.0
 QUIET_SECONDS = 1.5
@@ -131,33 +130,11 @@ def churn(api: ApiClient, work: Workload, generation: int) -> float:
 # ---- the client side ---------------------------------------------------------------------------
 
 
-class CountingClient(KubeClient):
-    """The agent's KubeClient, with HTTP requests and new TCP connections counted too."""
+class CountingClient(Client):
+    """The agent's client (kpx_kube), which also counts HTTP requests and TCP connections."""
 
     def __init__(self, creds: Credentials, limit: int = AGENT_CONNECTION_LIMIT) -> None:
-        super().__init__(creds)
-        self.limit = limit
-        self.requests = 0
-        self.connections = 0
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            trace = aiohttp.TraceConfig()
-            trace.on_request_start.append(self._on_request)
-            trace.on_connection_create_end.append(self._on_connection)
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=self.creds.ssl_context, limit=self.limit),
-                timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
-                trace_configs=[trace],
-            )
-        return self._session
-
-    async def _on_request(self, *_: Any) -> None:
-        self.requests += 1
-
-    async def _on_connection(self, *_: Any) -> None:
-        self.connections += 1
+        super().__init__(creds, connections=limit)
 
     def totals(self) -> tuple[int, int]:
         """(objects, bytes) received so far, all resources."""
@@ -369,9 +346,12 @@ async def run_design(
         await measure_list(design, result, cpu)
         log(f"  list: {result.listed.objects} objects, {result.listed.bytes / 1e6:.2f} MB")
         await measure_churn(design, result, api, cpu, generation)
-        result.requests, result.connections = design.client.requests, design.client.connections
+        result.requests, result.connections = (
+            design.client.requests_sent,
+            design.client.connections_opened,
+        )
         await measure_toggle(design, result, cpu)
-        result.toggle_requests = design.client.requests - result.requests
+        result.toggle_requests = design.client.requests_sent - result.requests
     finally:
         await design.close()
     return result

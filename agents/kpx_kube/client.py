@@ -18,6 +18,7 @@ A 401 makes the credentials run their exec plugin again for the next request.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
@@ -69,6 +70,8 @@ class Client:
         self.bytes_received: Counter[str] = Counter()
         self.objects_received: Counter[str] = Counter()
         self.watch_idle_timeouts: Counter[str] = Counter()
+        self.requests_sent = 0  # every request, list page and watch
+        self.connections_opened = 0  # TCP connections (each one's socket is made here)
         self._session: aiohttp.ClientSession | None = None
         self._kinds: dict[tuple[str, str], tuple[str, bool]] = {}
 
@@ -83,11 +86,15 @@ class Client:
                 connector=aiohttp.TCPConnector(
                     ssl=self.creds.ssl_context,
                     limit=self.connections,
-                    socket_factory=socket_factory,
+                    socket_factory=self._socket,
                 ),
                 timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
             )
         return self._session
+
+    def _socket(self, addr_info: tuple[Any, ...]) -> socket.socket:
+        self.connections_opened += 1
+        return socket_factory(addr_info)
 
     async def close(self) -> None:
         if self._session is not None:
@@ -101,6 +108,7 @@ class Client:
             raise Unreachable(f"credentials: {exc}", "Unauthenticated") from exc
 
     def _build(self, method: str, path: str, auth: Auth, **kw: Any) -> request.Request:
+        self.requests_sent += 1
         return request.build(method, path, user_agent=self.user_agent, token=auth.token,
                              compression=self.creds.compression, **kw)  # fmt: skip
 
