@@ -174,15 +174,16 @@ def test_status_patch_and_watch(cluster: Cluster, ns: str) -> None:
 
 def test_the_blocking_client_and_its_batches(cluster: Cluster, ns: str) -> None:
     base = f"/api/v1/namespaces/{ns}/configmaps"
+
+    def create(name: str) -> Callable[[Client], Awaitable[dict[str, Any]]]:
+        return lambda client: client.create(base, configmap(ns, name))
+
     with BlockingClient(from_kubeconfig(cluster.kubeconfig), connections=4) as kube:
-        made = kube.many(
-            [lambda c, i=i: c.create(base, configmap(ns, f"m{i}")) for i in range(20)],
-            concurrency=4,
-        )
+        made = kube.many([create(f"m{i}") for i in range(20)], concurrency=4)
         assert [m["metadata"]["name"] for m in made] == [f"m{i}" for i in range(20)]
         assert kube.client.connections_opened <= 4
         assert len(kube.get(base)["items"]) == 20
         with pytest.raises(AlreadyExists):
-            kube.many([lambda c: c.create(base, configmap(ns, "m0"))])
+            kube.many([create("m0")])
         with pytest.raises(NotFound):
             kube.get(f"{base}/none")
