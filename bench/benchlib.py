@@ -8,25 +8,24 @@ exit, on an exception and on SIGINT/SIGTERM.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import http.client
 import json
 import os
 import platform
 import re
 import signal
-import ssl
 import statistics
 import subprocess
-import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kpx_cluster.binaries import KUBERNETES_VERSION
 from kpx_cluster.controlplane import Cluster
+from kpx_kube import ApiError, Client, from_kubeconfig
+from kpx_kube.blocking import BlockingClient
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
@@ -92,91 +91,60 @@ def log(message: str) -> None:
 # ---- the admin API client ---------------------------------------------------------------------
 
 
-class ApiError(RuntimeError):
-    def __init__(self, status: int, method: str, path: str, body: bytes) -> None:
-        super().__init__(f"{method} {path}: HTTP {status}: {body[:300].decode(errors='replace')}")
-        self.status = status
-
-
 class ApiClient:
-    """Synchronous HTTPS client with the cluster's admin certificate.
-
-    One persistent connection per thread (no TLS handshake per request), so `request` can be
-    timed, and `many` sends a batch from a few threads at once.
-    """
+    """The cluster's admin, through kpx_kube's client (kept-alive HTTPS connections, so
+    `request` can be timed), with retries of throttling and transient failures. `many` sends
+    a batch with `workers` requests in flight."""
 
     def __init__(self, cluster: Cluster, workers: int = 8) -> None:
-        self.port = cluster.apiserver_port
         self.workers = workers
-        ctx = ssl.create_default_context(cafile=str(cluster.ca_file))
-        ctx.load_cert_chain(cluster.pki_dir / "admin.crt", cluster.pki_dir / "admin.key")
-        self._ctx = ctx
-        self._local = threading.local()
-        self._all: list[http.client.HTTPSConnection] = []
-        self._lock = threading.Lock()
-
-    def _connection(self, fresh: bool = False) -> http.client.HTTPSConnection:
-        conn: http.client.HTTPSConnection | None = getattr(self._local, "conn", None)
-        if conn is None or fresh:
-            if conn is not None:
-                conn.close()
-            conn = http.client.HTTPSConnection("127.0.0.1", self.port, context=self._ctx)
-            self._local.conn = conn
-            with self._lock:
-                self._all.append(conn)
-        return conn
+        self.kube = BlockingClient(
+            from_kubeconfig(cluster.kubeconfig), user_agent="kpx-bench", connections=workers
+        )
 
     def close(self) -> None:
-        with self._lock:
-            for conn in self._all:
-                conn.close()
-            self._all.clear()
+        self.kube.close()
+
+    async def _request(
+        self, client: Client, method: str, path: str, body: Mapping[str, Any] | None,
+        content: str, attempts: int
+    ) -> Obj:  # fmt: skip
+        for attempt in range(attempts):
+            try:
+                return (await client.request(method, path, body=body, content=content)).body
+            except ApiError as exc:
+                retry = exc.status == 0 or exc.status in RETRY_STATUSES
+                if not retry or attempt == attempts - 1:
+                    raise
+            await asyncio.sleep(0.1 * 2**attempt)
+        raise AssertionError("unreachable")
 
     def request(
         self,
         method: str,
         path: str,
         body: Mapping[str, Any] | None = None,
-        content_type: str = "application/json",
+        content: str = "json",
         attempts: int = 6,
     ) -> Obj:
-        payload = json.dumps(body).encode() if body is not None else None
-        headers = {"Accept": "application/json", "User-Agent": "kpx-bench"}
-        if payload is not None:
-            headers["Content-Type"] = content_type
-        for attempt in range(attempts):
-            conn = self._connection(fresh=attempt > 0)
-            try:
-                conn.request(method, path, body=payload, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-            except (OSError, http.client.HTTPException):
-                if attempt == attempts - 1:
-                    raise
-                time.sleep(0.1 * 2**attempt)
-                continue
-            if resp.status < 300:
-                return dict(json.loads(data)) if data else {}
-            if resp.status not in RETRY_STATUSES or attempt == attempts - 1:
-                raise ApiError(resp.status, method, path, data)
-            time.sleep(0.1 * 2**attempt)
-        raise AssertionError("unreachable")
+        """One request (`content`: "json", or for PATCH "merge", "strategic", ...)."""
+        return self.kube.run(self._request(self.kube.client, method, path, body, content,
+                                           attempts))  # fmt: skip
 
     def create(self, path: str, obj: Mapping[str, Any]) -> Obj:
         return self.request("POST", path, obj)
 
     def merge_patch(self, path: str, patch: Mapping[str, Any]) -> Obj:
-        return self.request("PATCH", path, patch, "application/merge-patch+json")
+        return self.request("PATCH", path, patch, "merge")
 
     def many(self, method: str, items: Sequence[tuple[str, Mapping[str, Any]]]) -> list[Obj]:
-        """Send every (path, body) with `method` from `workers` threads; results in order."""
-        content_type = "application/merge-patch+json" if method == "PATCH" else "application/json"
+        """Send every (path, body) with `method`, `workers` at a time; results in order."""
+        content = "merge" if method == "PATCH" else "json"
 
-        def one(item: tuple[str, Mapping[str, Any]]) -> Obj:
-            return self.request(method, item[0], item[1], content_type)
+        def call(path: str, body: Mapping[str, Any]) -> Callable[[Client], Awaitable[Obj]]:
+            return lambda client: self._request(client, method, path, body, content, 6)
 
-        with ThreadPoolExecutor(self.workers) as pool:
-            return list(pool.map(one, items))
+        return self.kube.many([call(path, body) for path, body in items], self.workers)
 
 
 # ---- object builders ---------------------------------------------------------------------------

@@ -4,8 +4,8 @@ No control plane and no agent process: the same Services and EndpointSlices as
 bench/workload.py (shaped like the apiserver's list items, managedFields included) go
 through the agent's own code, timed phase by phase:
 
-  decode    the list pages decoded as KubeClient.list does (orjson when the agent uses it),
-            each item slimmed as the Reflector does (kpx_agent.watch.slim, when present)
+  decode    the list pages decoded as kpx_kube.Client.list does (orjson),
+            each item slimmed as the Reflector does (kpx_kube.reflector.slim)
   ingest    ClusterState.replace (what the reflectors do after their lists)
   first     Proxier.sync: the first (full) sync; the `nft -f` part timed on its own
   resync    touch_all + Proxier.sync: what every syncPeriod (30 s) costs
@@ -37,14 +37,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from benchlib import endpoint_slice, proc_memory_kb, service
-from kpx_agent import watch as watch_module
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.cluster_state import ClusterState
 from kpx_agent.localnet import ProxySettings
 from kpx_agent.metrics import AgentMetrics
 from kpx_agent.proxier import Proxier
 from kpx_api.proxysettings import NamespaceOptOut
+from kpx_kube.reflector import slim
 from workload import (
     NAMESPACE,
     TARGET_PORT,
@@ -56,19 +58,7 @@ Obj = dict[str, Any]
 PAGE = 1000
 
 
-def _agent_decoder() -> Callable[[bytes], Any]:
-    """The JSON decoder the agent's KubeClient uses (orjson since it was adopted)."""
-    from kpx_agent import kube_api
-
-    return getattr(getattr(kube_api, "orjson", None), "loads", json.loads)
-
-
-def _no_slim(obj: Obj) -> Obj:
-    return obj
-
-
-loads = _agent_decoder()
-slim: Callable[[Obj], Obj] = getattr(watch_module, "slim", _no_slim)
+loads = orjson.loads  # as kpx_kube.Client.list decodes
 PHASES = ("decode", "ingest", "first", "resync", "change")
 
 

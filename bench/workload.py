@@ -112,7 +112,7 @@ def create_node(api: ApiClient, work: Workload) -> None:
         "PATCH",
         f"/api/v1/nodes/{NODE_NAME}/status",
         {"status": {"addresses": [{"type": "InternalIP", "address": NODE_IP}]}},
-        "application/merge-patch+json",
+        "merge",
     )
     work.node_created = time.monotonic()
 

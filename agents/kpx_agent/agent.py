@@ -12,27 +12,21 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from kpx_api.errors import ConfigError
+from kpx_kube import Client, collector
+from kpx_kube.reflector import Reflector, Resource
 
-from . import collector, conntrack_sysctl, pod_events
+from . import conntrack_sysctl, pod_events
 from . import settings as settings_mod
 from .backends.base import Backend
 from .cluster_state import ClusterState
 from .http_endpoints import health_app, metrics_app, serve
-from .kube_api import KubeClient
 from .metrics import AgentMetrics
 from .optout import exclusion_field_selector
 from .proxier import Proxier
 from .proxy_health import ProxyHealth, health_timeout
+from .resources import NAMESPACES_RESOURCE, NODES_RESOURCE, SERVICES_RESOURCE, SLICES_RESOURCE
 from .service_health import HealthCheckServers, health_targets
 from .settings import AgentSettings
-from .watch import (
-    NAMESPACES_RESOURCE,
-    NODES_RESOURCE,
-    SERVICES_RESOURCE,
-    SLICES_RESOURCE,
-    Reflector,
-    Resource,
-)
 
 log = logging.getLogger(__name__)
 CONFIG_POLL_SECONDS = 2.0
@@ -43,7 +37,7 @@ class Agent:
         self,
         settings: AgentSettings,
         node_name: str,
-        client: KubeClient,
+        client: Client,
         backend: Backend,
         config_path: Path | None = None,
         overrides: dict[str, object] | None = None,

@@ -16,14 +16,19 @@ from typing import Any
 from kpx_api.errors import ConfigError
 from kpx_api.modes import has_backend, no_backend_message
 from kpx_api.networks import parse_bind_address
-from kpx_kube import KubeconfigError
+from kpx_kube import (
+    DEFAULT_WATCH_IDLE_TIMEOUT,
+    Client,
+    KubeconfigError,
+    from_kubeconfig,
+    in_cluster,
+)
 
 from . import backends, conntrack_sysctl
 from . import settings as settings_mod
 from .agent import Agent
 from .backends.base import NodePaths
 from .http_endpoints import health_app, serve
-from .kube_api import DEFAULT_WATCH_IDLE_TIMEOUT, KubeClient, from_kubeconfig, in_cluster
 from .metrics import AgentMetrics
 from .proxy_health import ProxyHealth
 
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     agent = Agent(
         settings,
         args.node_name,
-        KubeClient(creds, watch_idle_timeout=args.watch_idle_timeout),
+        Client(creds, user_agent="kpx-agent", watch_idle_timeout=args.watch_idle_timeout),
         module.create(settings.proxy, NodePaths(route_localnet=args.route_localnet_file)),
         config_path=args.config,
         overrides=_overrides(args),

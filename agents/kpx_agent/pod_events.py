@@ -18,11 +18,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final
 
-import aiohttp
-
 from kpx_api.constants import AGENT_EVENT_SOURCE, CONNTRACK_APPLIED, CONNTRACK_NOT_APPLIED
-
-from .kube_api import ApiError, KubeClient
+from kpx_kube import ApiError, Client
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +69,12 @@ def event_body(
     }
 
 
-async def post_event(client: KubeClient, body: Mapping[str, Any]) -> bool:
+async def post_event(client: Client, body: Mapping[str, Any]) -> bool:
     """POST the event; a refusal or an unreachable apiserver is logged, never raised."""
     namespace = body["metadata"]["namespace"]
     try:
         await client.create(f"/api/v1/namespaces/{namespace}/events", body)
-    except ApiError as exc:
+    except ApiError as exc:  # a refusal, or Unreachable
         log.warning("event %s not recorded: %s", body["reason"], exc)
-        return False
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        log.warning("event %s not recorded: %r", body["reason"], exc)
         return False
     return True

@@ -5,7 +5,7 @@ the kernel's defaults: 2 h of idle before the first probe, and about 15 min of r
 for data that is never acknowledged. Here: probes after 30 s of idle, every 10 s, 3 unanswered
 ones close it; unacknowledged data closes it after 60 s (TCP_USER_TIMEOUT). client-go's dialer
 probes after 30 s as well; its HTTP/2 pings, which this HTTP/1.1 client lacks, are replaced by
-the watch's read-idle timeout (kpx_agent.watch).
+the watch's read-idle timeout (`client.Client.watch`).
 """
 
 from __future__ import annotations

@@ -13,12 +13,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-import aiohttp
 import kopf
 
 from kpx_api.constants import GROUP, PLURAL, VERSION
 from kpx_kube import Auth
-from kpx_kube.tcp import socket_factory
+from kpx_kube.client import login_session
 
 from .admission import PxcInfo
 from .apiserver import Credentials
@@ -57,13 +56,9 @@ def login_handler(
             credentials.invalidate(handed.pop())
         auth = await credentials.auth()
         handed.append(auth)
-        session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, ssl=auth.ssl, socket_factory=socket_factory),
-            headers=auth.headers(),
-        )
         return kopf.AiohttpSession(
             server=credentials.server,
-            aiohttp_session=session,
+            aiohttp_session=login_session(auth),
             expiration=auth.expires,
             # Events about cluster-scoped ProxyConfigurations go to the operator's namespace.
             default_namespace=namespace,

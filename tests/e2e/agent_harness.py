@@ -2,9 +2,8 @@
 
 What it gives a test module (the fixtures in conftest.py wrap it):
 
-* `Kube`: Kubernetes objects from plain dicts, through kubectl (`apply`, `get`, `label`,
-  `patch_status`, `delete`) or straight over HTTPS (`apply_now`, for timing measurements: no
-  kubectl start-up inside the measured interval).
+* `Kube`: Kubernetes objects from plain dicts (`apply`, `apply_now`, `get`, `label`,
+  `patch_status`, `delete`), through kpx_kube's client; `kubectl` for tests of kubectl itself.
 * Object builders: `namespace`, `service`, `service_port`, `endpoint_slice`, `endpoint`,
   `node_object`.
 * `AgentEnv`: one Topology (nodes n1 and n2, backend pods b1 on n1 and b2 on n2 answering on
@@ -24,17 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import os
 import secrets
 import select
 import signal
-import ssl
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +43,8 @@ from kpx_cluster.kubeconfig import write_kubeconfig
 from kpx_cluster.netns import Node, Pod, Target, Topology, leftovers
 from kpx_cluster.pki import KeyPair
 from kpx_cluster.probe import ProbeResult, probe
+from kpx_kube import from_kubeconfig
+from kpx_kube.blocking import BlockingClient
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT_PYTHONPATH = os.pathsep.join(str(REPO / d) for d in ("agents", "api", "harness"))
@@ -201,109 +198,80 @@ def node_addresses(node: Node) -> Obj:
     }
 
 
-_PATHS = {
-    "Namespace": ("/api/v1", "namespaces", False),
-    "Node": ("/api/v1", "nodes", False),
-    "Service": ("/api/v1", "services", True),
-    "EndpointSlice": ("/apis/discovery.k8s.io/v1", "endpointslices", True),
+#: kubectl's names for the kinds the tests name -> (apiVersion, kind).
+_KINDS = {
+    "namespace": ("v1", "Namespace"),
+    "node": ("v1", "Node"),
+    "service": ("v1", "Service"),
+    "configmap": ("v1", "ConfigMap"),
+    "pod": ("v1", "Pod"),
+    "endpointslice": ("discovery.k8s.io/v1", "EndpointSlice"),
+    "daemonset": ("apps/v1", "DaemonSet"),
 }
 
 
 class Kube:
-    """Kubernetes objects as dicts: kubectl for most things, direct HTTPS for timed changes."""
+    """Kubernetes objects as dicts, through kpx_kube's client as the cluster's admin
+    (`kubectl` is there for tests that check kubectl's own behaviour)."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
-        self._ssl: ssl.SSLContext | None = None
+        self._client: BlockingClient | None = None
+
+    @property
+    def client(self) -> BlockingClient:
+        if self._client is None:
+            self._client = BlockingClient(from_kubeconfig(self.cluster.kubeconfig),
+                                          user_agent=FIELD_MANAGER)  # fmt: skip
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
 
     def kubectl(
         self, *args: str, input: str | None = None, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
         return self.cluster.kubectl(*args, input=input, check=check)
 
-    def apply(self, *objs: Mapping[str, Any]) -> None:
-        """Server-side apply `objs` in order, with one kubectl run."""
-        doc = {"apiVersion": "v1", "kind": "List", "items": [dict(o) for o in objs]}
-        self.kubectl(
-            "apply",
-            "--server-side",
-            "--force-conflicts",
-            f"--field-manager={FIELD_MANAGER}",
-            "-f",
-            "-",
-            input=json.dumps(doc),
-        )
+    def path(self, kind: str, name: str, ns: str | None = None) -> str:
+        """The REST path of the object of a kind named as kubectl names it (e.g. "service")."""
+        api_version, kind_name = _KINDS[kind.lower()]
+        meta = {"name": name, **({"namespace": ns} if ns else {})}
+        return self.client.path_of({"apiVersion": api_version, "kind": kind_name,
+                                    "metadata": meta})  # fmt: skip
 
-    def _ns_args(self, ns: str | None) -> list[str]:
-        return ["-n", ns] if ns else []
+    def apply(self, *objs: Mapping[str, Any]) -> None:
+        """Server-side apply `objs` in order (force, field manager kpx-e2e)."""
+        for obj in objs:
+            self.apply_now(obj)
 
     def get(self, kind: str, name: str, ns: str | None = None) -> Obj:
-        out = self.kubectl("get", kind, name, *self._ns_args(ns), "-o", "json").stdout
-        data: Obj = json.loads(out)
-        return data
+        """The object (NotFound if it does not exist)."""
+        return self.client.get(self.path(kind, name, ns))
 
     def delete(self, kind: str, name: str, ns: str | None = None, wait: bool = False) -> None:
-        self.kubectl(
-            "delete",
-            kind,
-            name,
-            *self._ns_args(ns),
-            "--ignore-not-found",
-            f"--wait={str(wait).lower()}",
-        )
+        """Delete if it exists; with `wait`, until it is gone (finalizers done)."""
+        path = self.path(kind, name, ns)
+        if self.client.delete(path, missing_ok=True) and wait:
+            wait_until(lambda: self.client.get_or_none(path) is None, 120, 0.2, f"{path} stays")
 
     def label(
         self, kind: str, name: str, labels: Mapping[str, str | None], ns: str | None = None
     ) -> None:
         """Set labels; a None value removes that label."""
-        args = [f"{k}-" if v is None else f"{k}={v}" for k, v in labels.items()]
-        self.kubectl("label", "--overwrite", kind, name, *self._ns_args(ns), *args)
+        self.client.patch(self.path(kind, name, ns), {"metadata": {"labels": dict(labels)}})
 
     def patch_status(
         self, kind: str, name: str, patch: Mapping[str, Any], ns: str | None = None
     ) -> None:
-        """Merge-patch the status subresource (kubectl cannot set status on create)."""
-        self.kubectl(
-            "patch",
-            kind,
-            name,
-            *self._ns_args(ns),
-            "--subresource=status",
-            "--type=merge",
-            "-p",
-            json.dumps(patch),
-        )
-
-    # -- direct HTTPS (no kubectl start-up: for measurements) ---------------------------------
-
-    def _context(self) -> ssl.SSLContext:
-        if self._ssl is None:
-            ctx = ssl.create_default_context(cafile=str(self.cluster.ca_file))
-            pki = self.cluster.pki_dir
-            ctx.load_cert_chain(pki / "admin.crt", pki / "admin.key")
-            self._ssl = ctx
-        return self._ssl
+        """Merge-patch the status subresource (a create cannot set status)."""
+        self.client.patch(self.path(kind, name, ns) + "/status", dict(patch))
 
     def apply_now(self, obj: Mapping[str, Any]) -> Obj:
-        """Server-side apply one object with a single HTTPS request; returns the stored object."""
-        prefix, plural, namespaced = _PATHS[str(obj["kind"])]
-        meta = obj["metadata"]
-        path = f"{prefix}/{plural}/{meta['name']}"
-        if namespaced:
-            path = f"{prefix}/namespaces/{meta['namespace']}/{plural}/{meta['name']}"
-        url = f"{self.cluster.server}{path}?fieldManager={FIELD_MANAGER}&force=true"
-        req = urllib.request.Request(
-            url,
-            data=json.dumps(obj).encode(),
-            method="PATCH",
-            headers={"Content-Type": "application/apply-patch+yaml"},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=30, context=self._context()) as resp:
-                data: Obj = json.loads(resp.read())
-                return data
-        except urllib.error.HTTPError as exc:
-            raise AssertionError(f"apply {path}: {exc.code} {exc.read()[:500]!r}") from exc
+        """Server-side apply one object with a single request; returns the stored object."""
+        return self.client.apply_object(obj, field_manager=FIELD_MANAGER, force=True).body
 
     # -- conveniences ---------------------------------------------------------------------------
 
@@ -768,6 +736,7 @@ def build_agent_env(
             env.close()
         else:
             topo.cleanup()
+        kube.close()
     left = leftovers(topo.prefix)
     assert not left, f"topology {topo.prefix} leaked: {left}"
 

@@ -27,9 +27,11 @@ from agent_harness import AgentEnv, Kube, build_agent_env  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def kube(cluster: Cluster) -> Kube:
-    """Kubernetes objects as dicts on the session's cluster (kubectl, or direct HTTPS)."""
-    return Kube(cluster)
+def kube(cluster: Cluster) -> Iterator[Kube]:
+    """Kubernetes objects as dicts on the session's cluster (kpx_kube's client)."""
+    kube = Kube(cluster)
+    yield kube
+    kube.close()
 
 
 @pytest.fixture(scope="module")

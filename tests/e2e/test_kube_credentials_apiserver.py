@@ -25,9 +25,9 @@ import kopf
 import pytest
 import yaml
 
-from kpx_agent.kube_api import ApiError, KubeClient
 from kpx_cluster.controlplane import Cluster
-from kpx_kube import from_kubeconfig
+from kpx_kube import ApiError, from_kubeconfig
+from kpx_kube import Client as KubeClient
 from kpx_operator.apiserver import ApiError as OperatorApiError
 from kpx_operator.apiserver import ApiServer
 from kpx_operator.cli import operator_settings

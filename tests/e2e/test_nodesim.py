@@ -10,11 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import secrets
-import ssl
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +21,8 @@ import pytest
 from kpx_cluster.controlplane import Cluster
 from kpx_cluster.netns import Node, Topology
 from kpx_cluster.nodesim import NodeSimulator, SimPod
+from kpx_kube import NotFound, from_kubeconfig
+from kpx_kube.blocking import BlockingClient
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 
@@ -49,24 +47,18 @@ def wait_until(
 
 
 class Api:
-    """Admin reads straight over HTTPS (cheaper than a kubectl run per poll); writes: kubectl."""
+    """Admin reads through kpx_kube's client (cheaper than a kubectl run per poll); writes:
+    kubectl."""
 
     def __init__(self, cluster: Cluster) -> None:
         self.cluster = cluster
-        self.server = cluster.server
-        self.ctx = ssl.create_default_context(cafile=str(cluster.ca_file))
-        self.ctx.load_cert_chain(cluster.pki_dir / "admin.crt", cluster.pki_dir / "admin.key")
+        self.client = BlockingClient(from_kubeconfig(cluster.kubeconfig))
 
     def get(self, path: str, **params: str) -> Obj | None:
-        url = self.server + path + ("?" + urllib.parse.urlencode(params) if params else "")
         try:
-            with urllib.request.urlopen(url, context=self.ctx, timeout=10) as resp:
-                data: Obj = json.loads(resp.read())
-                return data
-        except urllib.error.HTTPError as err:
-            if err.code == 404:
-                return None
-            raise
+            return self.client.get(path, params)
+        except NotFound:
+            return None
 
     def items(self, path: str, **params: str) -> list[Obj]:
         listing = self.get(path, **params) or {}
@@ -170,7 +162,10 @@ def env(cluster: Cluster, topology: Topology) -> Iterator[SimEnv]:
     try:
         yield simenv
     finally:
-        simenv.teardown()
+        try:
+            simenv.teardown()
+        finally:
+            simenv.api.client.close()
 
 
 def http_backend(name: str, port: int, **extra: Any) -> Obj:

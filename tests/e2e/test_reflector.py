@@ -13,9 +13,10 @@ import pytest
 import yaml
 from agent_harness import Kube
 
-from kpx_agent.kube_api import KubeClient, from_kubeconfig
-from kpx_agent.watch import Reflector, Resource
 from kpx_cluster.controlplane import Cluster
+from kpx_kube import Client as KubeClient
+from kpx_kube import from_kubeconfig
+from kpx_kube.reflector import Reflector, Resource
 
 # The apiserver keeps no watch cache for Events (its default), so a watch from an old
 # resourceVersion goes to etcd, whose compacted history answers 410 Gone for real. Services
@@ -178,7 +179,7 @@ def test_compression_follows_the_kubeconfig(
         finally:
             await client.close()
 
-    caplog.set_level(logging.DEBUG, logger="kpx_agent.kube_api")
+    caplog.set_level(logging.DEBUG, logger="kpx_kube.client")
     asyncio.run(list_once(cluster.kubeconfig))
     asyncio.run(list_once(plain))
     encodings = [r.getMessage().split("(")[1].split(")")[0] for r in caplog.records]

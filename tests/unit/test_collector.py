@@ -1,10 +1,10 @@
-"""The collector pause around the agent's bulk allocations."""
+"""The collector pause around bulk allocations (kpx_kube)."""
 
 from __future__ import annotations
 
 import gc
 
-from kpx_agent import collector
+from kpx_kube import collector
 
 
 def test_paused_turns_the_collector_off_inside_and_back_on_after() -> None:

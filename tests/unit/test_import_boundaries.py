@@ -1,6 +1,9 @@
 """Per-mode code never imports another mode's code; the operator and the agent never import
 each other; the shared API models do no I/O; the Kubernetes client layer (kpx_kube) sits below
-the agent and the operator (both may import it) and imports neither, nor kopf."""
+the agent, the operator, the harness and the benchmarks (all may import it) and imports none
+of them, nor kopf; and it is the only code that talks HTTP to the apiserver: nothing else
+imports an HTTP client (aiohttp's client, urllib.request, http.client, requests, ...), except
+kopf inside, and the agent's and operator's own HTTP servers (aiohttp.web)."""
 
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ def test_mode_packages_do_not_import_each_other(mode: str) -> None:
     ("folder", "forbidden"),
     [
         ("agents/kpx_agent", ("kpx_operator", "kpx_cluster", "kopf")),
-        ("agents/kpx_kube", ("kpx_agent", "kpx_operator", "kpx_cluster", "kopf")),
+        ("agents/kpx_kube", ("kpx_agent", "kpx_operator", "kpx_cluster", "kopf", "kubernetes")),
         ("operator/kpx_operator", ("kpx_agent", "kpx_cluster")),
         ("api/kpx_api", ("kpx_agent", "kpx_operator", "kpx_cluster", "aiohttp", "subprocess",
                          "kopf", "socket")),
@@ -94,6 +97,8 @@ print(count)
     )
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) > 50  # it walked the packages
+
+
 # What a backend may import of the agent: the node-local model's data types, the backend
 # contract, and its own package. Never the model's internals (node_local, detect_local,
 # cluster_state, proxier, ...): everything it needs of the node is decided there and handed
@@ -112,3 +117,83 @@ def test_backends_import_only_the_models_data_types(mode: str) -> None:
             assert any(name == a or name.startswith(a + ".") for a in allowed), (
                 f"{path.relative_to(ROOT)} imports {name}"
             )
+
+
+# -- only kpx_kube talks HTTP to the apiserver ----------------------------------------------------
+
+#: Folders scanned: everything of ours that runs (product, harness, benchmarks, tests).
+SCANNED = ("agents", "operator", "api", "harness", "bench", "tests")
+#: HTTP client modules (`aiohttp` is its client unless `aiohttp.web`, a server).
+HTTP_CLIENTS = ("aiohttp", "urllib.request", "http.client", "requests", "httpx", "urllib3",
+                "kubernetes", "kubernetes_asyncio", "kr8s", "lightkube", "pykube")  # fmt: skip
+#: Our own HTTP servers (health, metrics, service health checks).
+HTTP_SERVERS = ("aiohttp.web",)
+SERVER_PACKAGES = ("agents/kpx_agent", "operator/kpx_operator")
+#: HTTP clients that are not apiserver clients, each with why.
+NOT_APISERVER = {
+    # etcd's JSON gateway and the components' /healthz while the control plane starts
+    "harness/kpx_cluster/controlplane.py": {"urllib.request"},
+    # the operator's own /healthz
+    "tests/e2e/test_operator.py": {"urllib.request"},
+}
+
+
+def imported_names(source: str) -> set[str]:
+    """What `source` imports, as full names: `from a import b` is `a.b`, `import a.b` too."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return out
+
+
+def _is(name: str, module: str) -> bool:
+    return name == module or name.startswith(module + ".")
+
+
+def http_client_imports(source: str, rel: str) -> set[str]:
+    """The HTTP client modules the file `rel` (its text `source`) may not import."""
+    server_ok = rel.startswith(SERVER_PACKAGES)
+    found = set()
+    for name in imported_names(source):
+        if server_ok and any(_is(name, s) for s in HTTP_SERVERS):
+            continue
+        for client in HTTP_CLIENTS:
+            if _is(name, client) and client not in NOT_APISERVER.get(rel, set()):
+                found.add(name)
+    return found
+
+
+def test_only_kpx_kube_imports_an_http_client() -> None:
+    offenders = {}
+    for folder in SCANNED:
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith("agents/kpx_kube/") or ".venv" in path.parts:
+                continue
+            names = http_client_imports(path.read_text(), rel)
+            if names:
+                offenders[rel] = sorted(names)
+    assert not offenders, f"HTTP clients outside kpx_kube: {offenders}"
+
+
+def test_the_http_client_rule_sees_what_it_must() -> None:
+    """The scan itself: a client import is found in any form, a server import passes only in
+    the server packages, an exception only for its file and module."""
+    agent, bench = "agents/kpx_agent/x.py", "bench/x.py"
+    assert http_client_imports("from aiohttp import web\nimport urllib.request\n", agent) == {
+        "urllib.request"
+    }
+    assert http_client_imports("from aiohttp import ClientSession\n", agent) == {
+        "aiohttp.ClientSession"
+    }
+    assert http_client_imports("import aiohttp.web\nimport http.client\n", bench) == {
+        "aiohttp.web",
+        "http.client",
+    }
+    assert http_client_imports("from urllib import request\n", bench) == {"urllib.request"}
+    controlplane = "harness/kpx_cluster/controlplane.py"
+    assert http_client_imports("import urllib.request\n", controlplane) == set()
+    assert http_client_imports("import aiohttp\n", controlplane) == {"aiohttp"}

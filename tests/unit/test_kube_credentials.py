@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kpx_agent.kube_api import ApiError, KubeClient
 from kpx_cluster.pki import CertificateAuthority
-from kpx_kube import KubeconfigError, from_kubeconfig, in_cluster
+from kpx_kube import ApiError, KubeconfigError, from_kubeconfig, in_cluster
+from kpx_kube import Client as KubeClient
 from kpx_kube.credentials import Credentials
 from kpx_kube.exec_plugin import ExecPluginError, exec_info, parse_credential
 from kpx_kube.kubeconfig import Cluster, ExecConfig, parse

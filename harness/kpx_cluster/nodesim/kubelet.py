@@ -18,8 +18,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from ..binaries import KUBERNETES_VERSION
 from ..netns import Node, Topology
 from .api import ApiError, Credentials, KubeApi, Obj, now_micro, now_rfc3339
@@ -288,7 +286,7 @@ class Kubelet:
             await asyncio.sleep(LEASE_RENEW)
             try:
                 await self._renew_lease()
-            except (ApiError, aiohttp.ClientError, TimeoutError) as err:
+            except (ApiError, TimeoutError) as err:
                 log.warning("node %s: lease renewal failed: %s", self.name, err)
 
     # -- pods --------------------------------------------------------------------------------
@@ -312,7 +310,7 @@ class Kubelet:
                 if err.status != 410:
                     self._note_refusal(err)
                     log.warning("node %s: pod watch: %s", self.name, err)
-            except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+            except (TimeoutError, ValueError) as err:
                 log.warning("node %s: pod watch: %r", self.name, err)
             except Exception:
                 log.exception("node %s: pod handling failed; relisting", self.name)
@@ -325,7 +323,8 @@ class Kubelet:
         async for event in self.api.watch("/api/v1/pods", watch_params):
             kind, obj = event.get("type"), event.get("object") or {}
             if kind == "ERROR":
-                raise ApiError("WATCH", "/api/v1/pods", int(obj.get("code", 500)), b"{}")
+                raise ApiError(int(obj.get("code", 500)), str(obj.get("reason", "")),
+                               str(obj.get("message", "")))  # fmt: skip
             version = obj["metadata"]["resourceVersion"]
             if kind in ("ADDED", "MODIFIED"):
                 self._observe(obj)

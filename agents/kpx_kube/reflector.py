@@ -7,6 +7,9 @@ half-open connection: the apiserver's host lost, a NAT entry dropped) is dropped
 once from the last resourceVersion on a new connection. Any other error: reconnect with capped,
 jittered backoff.
 The store sees nothing of a list until the whole list has arrived.
+
+Each object is slimmed before it is stored (`slim`: managedFields and the last-applied
+annotation dropped; what costs memory at scale and no reader of a reflector needs).
 """
 
 from __future__ import annotations
@@ -19,9 +22,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
-
-from .kube_api import ApiError, KubeClient, WatchIdle
+from .client import Client, event_error
+from .errors import ApiError, Gone, WatchIdle
 
 log = logging.getLogger(__name__)
 
@@ -30,21 +32,9 @@ Obj = Mapping[str, Any]
 
 @dataclass(frozen=True)
 class Resource:
-    kind: str  # the store's name for it: services, endpointslices, namespaces, nodes
+    kind: str  # the store's name for it (and the client's counters'), e.g. services
     path: str  # e.g. /api/v1/services
     label_selector: str = ""
-
-
-SERVICES_RESOURCE = Resource(
-    "services", "/api/v1/services", "!service.kubernetes.io/service-proxy-name"
-)
-SLICES_RESOURCE = Resource(
-    "endpointslices",
-    "/apis/discovery.k8s.io/v1/endpointslices",
-    "!service.kubernetes.io/headless",
-)
-NAMESPACES_RESOURCE = Resource("namespaces", "/api/v1/namespaces")
-NODES_RESOURCE = Resource("nodes", "/api/v1/nodes")
 
 
 class Sink(Protocol):
@@ -59,7 +49,7 @@ LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
 
 
 def slim(obj: dict[str, Any]) -> dict[str, Any]:
-    """Drop what the agent never reads and what costs memory at scale (managedFields, the
+    """Drop what a reflector's reader never reads and what costs memory at scale (managedFields, the
     last-applied annotation) before the object is stored."""
     meta = obj.get("metadata")
     if meta:
@@ -81,7 +71,7 @@ class _Gone(_Relist):
 class Reflector:
     def __init__(
         self,
-        client: KubeClient,
+        client: Client,
         resource: Resource,
         sink: Sink,
         field_selector: Callable[[], str] = lambda: "",
@@ -154,12 +144,12 @@ class Reflector:
             "timeoutSeconds": str(random.randint(300, 600)),  # noqa: S311 - jitter only
         }
         async for event in self.client.watch(self.resource.kind, self.resource.path, params):
-            etype, obj = event.get("type"), slim(event.get("object") or {})
-            if etype == "ERROR":
-                code = int(obj.get("code", 0))
-                if code == 410:
+            error = event_error(event)
+            if error is not None:
+                if isinstance(error, Gone):
                     raise _Gone()
-                raise ApiError(code, str(obj.get("message")))
+                raise error
+            etype, obj = event.get("type"), slim(event.get("object") or {})
             rv = self._rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
             if etype in ("ADDED", "MODIFIED"):
                 self.sink.upsert(self.resource.kind, obj)
@@ -191,10 +181,10 @@ class Reflector:
                 rv = ""
             except asyncio.CancelledError:
                 raise
-            except (ApiError, aiohttp.ClientError, OSError, ValueError, TimeoutError) as exc:
+            except (ApiError, OSError, ValueError, TimeoutError) as exc:
                 if rv and self._rv:
                     rv = self._rv  # a broken watch resumes after the last event it delivered
-                if isinstance(exc, ApiError) and exc.status == 410:
+                if isinstance(exc, Gone):
                     rv, gone = "", True
                 log.warning("%s: %s; retrying in %.1fs", self.resource.kind, exc, backoff)
                 await asyncio.sleep(backoff * (0.5 + random.random()))  # noqa: S311

@@ -1,0 +1,130 @@
+"""What the apiserver refused, as types: one `ApiError` hierarchy for every client.
+
+An error answer of the apiserver is a `metav1.Status` (`reason`, `message`, `code`);
+`from_response` turns it into the class of its HTTP status (`NotFound`, `Conflict`, ...), so
+callers write `except NotFound:` instead of comparing numbers. `status` 0 means there was no
+answer: the apiserver could not be reached, or this client could not obtain its credentials
+(`Unreachable`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class ApiError(RuntimeError):
+    """The apiserver refused a request (`status` its HTTP status), or none could be made
+    (`status` 0, `Unreachable`)."""
+
+    status: int = 0
+
+    def __init__(self, status: int, reason: str = "", message: str = "") -> None:
+        self.status = status
+        self.reason = reason
+        self.message = message
+        text = f"{reason or 'Error'} ({status}): {message}" if status else message
+        super().__init__(text)
+
+
+class Unreachable(ApiError):
+    """No answer: connection refused or lost, a timeout, or credentials that cannot be
+    obtained (an exec plugin that fails, an unreadable token file)."""
+
+    def __init__(self, message: str, reason: str = "Unreachable") -> None:
+        super().__init__(0, reason, message)
+
+
+class WatchIdle(Unreachable):
+    """No byte arrived on a watch for its idle timeout: the connection may be half-open."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "WatchIdle")
+
+
+class BadRequest(ApiError):
+    """400."""
+
+
+class Unauthorized(ApiError):
+    """401: the credentials were not accepted."""
+
+
+class Forbidden(ApiError):
+    """403: authenticated, but RBAC (or an admission plugin) does not allow it."""
+
+
+class NotFound(ApiError):
+    """404."""
+
+
+class Conflict(ApiError):
+    """409: a stale resourceVersion, or a field owned by another manager (apply)."""
+
+
+class AlreadyExists(Conflict):
+    """409 with reason AlreadyExists: a create of an existing name."""
+
+
+class Gone(ApiError):
+    """410 (reason Expired or Gone): the resourceVersion is older than the server keeps."""
+
+
+class Invalid(ApiError):
+    """422: the object fails validation."""
+
+
+class TooManyRequests(ApiError):
+    """429: throttled (API priority and fairness); retry later."""
+
+
+class ServerError(ApiError):
+    """5xx."""
+
+
+_BY_STATUS: dict[int, type[ApiError]] = {
+    400: BadRequest,
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    409: Conflict,
+    410: Gone,
+    422: Invalid,
+    429: TooManyRequests,
+}
+
+
+def error_class(status: int, reason: str = "") -> type[ApiError]:
+    """The class for an answer's status (and reason, for 409 AlreadyExists)."""
+    if status == 409 and reason == "AlreadyExists":
+        return AlreadyExists
+    if status >= 500:
+        return ServerError
+    return _BY_STATUS.get(status, ApiError)
+
+
+def make_error(status: int, reason: str = "", message: str = "") -> ApiError:
+    """An error of the class its status says, e.g. make_error(404, "NotFound", "...")."""
+    return error_class(status, reason)(status, reason, message)
+
+
+def from_status(doc: Any, status: int | None = None) -> ApiError:
+    """A metav1.Status document (an error answer, or a watch's ERROR event object) -> error."""
+    if not isinstance(doc, dict):
+        doc = {}
+    code = status if status is not None else int(doc.get("code") or 0)
+    return make_error(code, str(doc.get("reason") or ""), str(doc.get("message") or ""))
+
+
+def from_response(status: int, body: bytes, what: str = "") -> ApiError:
+    """An error answer (its HTTP status and raw body) -> error; `what` (e.g. "GET /api/v1/x")
+    prefixes the message when the body is not a Status."""
+    try:
+        doc = orjson.loads(body) if body else {}
+    except orjson.JSONDecodeError:
+        doc = None
+    if isinstance(doc, dict) and doc.get("kind") == "Status":
+        return from_status(doc, status)
+    text = body[:500].decode(errors="replace").strip()
+    return make_error(status, "", f"{what}: {text}" if what else text)
