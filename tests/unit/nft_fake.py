@@ -252,6 +252,11 @@ def _check_rules(table: FakeTable) -> None:
                         raise FakeError(f"{chain_name}: {word} is not a verdict map")
                     if i and words[i - 1] == "map" and found.decl.value is not ValueKind.ENDPOINT:
                         raise FakeError(f"{chain_name}: {word} is not a data map")
+                    # A map looked up as a set: Linux 6.1 (Debian 12's kernel) refuses the
+                    # rule with EINVAL, though later kernels accept it.
+                    looked_up_as_set = not i or words[i - 1] not in ("vmap", "map")
+                    if looked_up_as_set and found.decl.value is not ValueKind.NONE:
+                        raise FakeError(f"{chain_name}: {word} is a map, looked up as a set")
                 if word in ("jump", "goto"):
                     _chain(table, words[i + 1])
 

@@ -58,6 +58,11 @@ def test_references_types_and_duplicates_are_checked_as_the_kernel_does() -> Non
     vip = (ip("10.96.0.99"), TCP, 80)
     refused(fake, lambda t: t.ops.append(Op("add_rule", ("services", "jump nowhere"))), "nowhere")
     refused(fake, lambda t: t.add_elements("no-such-set", [(vip, None)]), "no such set")
+    # A verdict map looked up as a set: Linux 6.1 refuses the rule (EINVAL).
+    lookup = f"ip daddr . meta l4proto . th dport @{n.SERVICE_IPS} accept"
+    refused(
+        fake, lambda t: t.ops.append(Op("add_rule", ("services", lookup))), "looked up as a set"
+    )
     refused(fake, lambda t: t.add_elements(n.CLUSTER_IPS, [((ip("fd00::1"), TCP, 80), None)]),
             "wrong type")  # fmt: skip
     refused(fake, lambda t: t.add_elements(n.CLUSTER_IPS, [((ip("10.0.0.1"), "tcp", 80), None)]),

@@ -28,6 +28,10 @@ SERVICE_NODEPORTS = "service-nodeports"  # proto . port : goto nodeport-endpoint
 # addresses goes to every cluster endpoint instead ("short circuit", consulted first).
 SHORT_CIRCUIT_IPS = "short-circuit-ips"  # vip . proto . port : goto short-circuit-endpoints-<n>
 SHORT_CIRCUIT_NODEPORTS = "short-circuit-nodeports"  # : goto short-circuit-nodeport-endpoints-<n>
+# The same keys as plain sets, for the node's own traffic, which is masqueraded: a verdict map
+# cannot be looked up as a set (Linux 6.1 refuses the rule; later kernels accept it).
+SHORT_CIRCUIT_IP_KEYS = "short-circuit-ip-keys"  # vip . proto . port
+SHORT_CIRCUIT_NODEPORT_KEYS = "short-circuit-nodeport-keys"  # proto . port
 # Per endpoint count n, a chain and a map of the same name (see endpoints_chain below):
 #   endpoints-<n>           vip . proto . port . bucket : endpoint-ip . port
 #   nodeport-endpoints-<n>  proto . port . bucket : endpoint-ip . port

@@ -133,6 +133,7 @@ def render_port(sp: ServicePort) -> PortRender:
             out.elements.append((n.EXTERNAL_IPS, key, None))
         _dispatch(out, sp, key, external, sp.drop_when_no_external_endpoints, nodeport=False)
         if short_circuit:
+            out.elements.append((n.SHORT_CIRCUIT_IP_KEYS, key, None))
             _dispatch_to(out, sp, key, short_circuit, n.SHORT_CIRCUIT_IPS)
     for ip in sp.load_balancer_ips:
         if sp.load_balancer_source_ranges:
@@ -147,6 +148,7 @@ def render_port(sp: ServicePort) -> PortRender:
             out.elements.append((n.EXTERNAL_NODEPORTS, key, None))
         _dispatch(out, sp, key, external, sp.drop_when_no_external_endpoints, nodeport=True)
         if short_circuit:
+            out.elements.append((n.SHORT_CIRCUIT_NODEPORT_KEYS, key, None))
             _dispatch_to(out, sp, key, short_circuit, n.SHORT_CIRCUIT_NODEPORTS)
     for ep in sorted({e for e in (*cluster, *external, *short_circuit) if e.local}):
         out.elements.append((n.HAIRPIN, (ep.ip, ep.ip), None))
@@ -270,12 +272,12 @@ def base_table(settings: ProxySettings, facts: NodeFacts) -> TableDef:
     node_origin = "fib saddr type local"
     short_circuit = [
         *([f"{is_local} {match_vpp} vmap @{n.SHORT_CIRCUIT_IPS}"] if is_local else []),
-        f"{node_origin} {match_vpp} @{n.SHORT_CIRCUIT_IPS} {set_mark}",
+        f"{node_origin} {match_vpp} @{n.SHORT_CIRCUIT_IP_KEYS} {set_mark}",
         f"{node_origin} {match_vpp} vmap @{n.SHORT_CIRCUIT_IPS}",
     ]
     short_circuit_np = [
         *([f"{is_local} {local_np} vmap @{n.SHORT_CIRCUIT_NODEPORTS}"] if is_local else []),
-        f"{node_origin} {local_np} @{n.SHORT_CIRCUIT_NODEPORTS} {set_mark}",
+        f"{node_origin} {local_np} @{n.SHORT_CIRCUIT_NODEPORT_KEYS} {set_mark}",
         f"{node_origin} {local_np} vmap @{n.SHORT_CIRCUIT_NODEPORTS}",
     ]
     no_endpoints = f"ct state new jump {n.NO_ENDPOINTS}"

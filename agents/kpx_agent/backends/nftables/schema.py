@@ -134,6 +134,8 @@ TABLE_SETS: tuple[SetDecl, ...] = (
     SetDecl(n.SERVICE_NODEPORTS, PP, ValueKind.VERDICT),
     SetDecl(n.SHORT_CIRCUIT_IPS, VPP, ValueKind.VERDICT),
     SetDecl(n.SHORT_CIRCUIT_NODEPORTS, PP, ValueKind.VERDICT),
+    SetDecl(n.SHORT_CIRCUIT_IP_KEYS, VPP),
+    SetDecl(n.SHORT_CIRCUIT_NODEPORT_KEYS, PP),
 )
 _BY_NAME = {decl.name: decl for decl in TABLE_SETS}
 VERDICT_MAPS = frozenset(d.name for d in TABLE_SETS if d.value is ValueKind.VERDICT)
