@@ -1,0 +1,172 @@
+"""The guest image of `proxy-vm`: a Debian root file system with IPVS in its kernel.
+
+Built once with mmdebstrap (Debian packages) and pip (the project's Python dependencies, from
+PyPI), cached under ~/.cache/kpx/vm/<recipe hash>/ and rebuilt only when the recipe changes: the
+hash covers the package lists, the Python requirements (read from pyproject.toml) and the init
+stub (guest.py itself is read from the project share at boot). The cache holds vmlinuz,
+initrd.img and root.img (ext4, booted read-only with qemu's -snapshot, so several guests can
+share it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..binaries import cache_dir
+
+SUITE = "bookworm"
+MIRROR = "http://deb.debian.org/debian"
+#: Debian packages in the guest: the kernel (6.1, CONFIG_IP_VS=m) and the agent's runtime tools.
+PACKAGES = (
+    "linux-image-amd64",
+    "initramfs-tools",
+    "kmod",
+    "iproute2",
+    "nftables",
+    "iptables",
+    "ipvsadm",
+    "conntrack",
+    "socat",
+    "curl",
+    "procps",
+    "ca-certificates",
+    "python3",
+    "python3-pip",
+)
+#: Python packages beyond the project's own dependencies (the ipvs backend's netlink library is
+#: among those; the test runner).
+EXTRA_PYTHON = ("pytest>=8", "pytest-timeout>=2.3")
+IMAGE_SIZE = "3G"
+HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+GUEST_PROGRAM = Path(__file__).with_name("guest.py")
+#: The guest's init: mounts the share holding the project (kpx.share.0) and runs guest.py from
+#: it (kpx.guest), so the guest program changes without rebuilding the image.
+INIT_STUB = """#!/bin/sh
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+for w in $(cat /proc/cmdline); do
+  case "$w" in kpx.guest=*) G="${w#kpx.guest=}";; kpx.share.0=*) S="${w#kpx.share.0=}";; esac
+done
+modprobe -a 9pnet_virtio 9p
+mkdir -p "${S#*:}"
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 "${S%%:*}" "${S#*:}"
+exec /usr/bin/python3 "$G"
+"""
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
+
+
+@dataclass(frozen=True)
+class Image:
+    directory: Path
+
+    @property
+    def kernel(self) -> Path:
+        return self.directory / "vmlinuz"
+
+    @property
+    def initrd(self) -> Path:
+        return self.directory / "initrd.img"
+
+    @property
+    def root(self) -> Path:
+        return self.directory / "root.img"
+
+    def exists(self) -> bool:
+        return (self.directory / "done").exists()
+
+
+def python_requirements(pyproject: Path = PROJECT_ROOT / "pyproject.toml") -> list[str]:
+    data = tomllib.loads(pyproject.read_text())
+    return sorted([*data["project"]["dependencies"], *EXTRA_PYTHON])
+
+
+def recipe() -> dict[str, object]:
+    return {
+        "suite": SUITE,
+        "packages": list(PACKAGES),
+        "python": python_requirements(),
+        "init": hashlib.sha256(INIT_STUB.encode()).hexdigest(),
+        "size": IMAGE_SIZE,
+        "format": 1,
+    }
+
+
+def recipe_hash() -> str:
+    return hashlib.sha256(json.dumps(recipe(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def vm_cache() -> Path:
+    return cache_dir() / "vm"
+
+
+def current_image() -> Image:
+    return Image(vm_cache() / recipe_hash())
+
+
+def missing_host_tools() -> list[str]:
+    return [t for t in ("qemu-system-x86_64", "mmdebstrap", "mke2fs") if not shutil.which(t)]
+
+
+def build(log=sys.stderr) -> Image:
+    """Build the image of the current recipe unless it is cached; returns it."""
+    image = current_image()
+    if image.exists():
+        return image
+    missing = missing_host_tools()
+    if missing:
+        raise RuntimeError(f"proxy-vm needs {', '.join(missing)} (make setup-vm installs them)")
+    work = image.directory.with_name(image.directory.name + ".build")
+    shutil.rmtree(work, ignore_errors=True)
+    rootfs = work / "rootfs"
+    rootfs.mkdir(parents=True)
+    requirements = work / "requirements.txt"
+    requirements.write_text("\n".join(python_requirements()) + "\n")
+    (work / "kpx-init").write_text(INIT_STUB)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    print(f"proxy-vm: building the guest image in {image.directory}", file=log, flush=True)
+    hooks = [
+        f'install -m 0755 {work}/kpx-init "$1/sbin/kpx-init"',
+        f'cp {requirements} "$1/tmp/requirements.txt"',
+        # The host's CA bundle: PyPI may be reached through a TLS-inspecting proxy.
+        f'cp {HOST_CA_BUNDLE} "$1/tmp/host-ca.crt"',
+        'chroot "$1" python3 -m pip install -q --no-cache-dir --break-system-packages '
+        "--cert /tmp/host-ca.crt -r /tmp/requirements.txt",
+        'rm -f "$1/tmp/requirements.txt" "$1/tmp/host-ca.crt"',
+        'echo kpx-vm > "$1/etc/hostname"',
+    ]
+    argv = [
+        "mmdebstrap",
+        "--variant=minbase",
+        "--mode=root",
+        f"--include={','.join(PACKAGES)}",
+        *(f"--customize-hook={hook}" for hook in hooks),
+        SUITE,
+        str(rootfs),
+        MIRROR,
+    ]
+    subprocess.run(argv, check=True, env=env, stdout=log, stderr=log)
+    boot = rootfs / "boot"
+    kernel = sorted(boot.glob("vmlinuz-*"))[-1]
+    initrd = sorted(boot.glob("initrd.img-*"))[-1]
+    shutil.copy(kernel, work / "vmlinuz")
+    shutil.copy(initrd, work / "initrd.img")
+    subprocess.run(
+        ["mke2fs", "-q", "-t", "ext4", "-L", "kpxroot", "-d", str(rootfs), str(work / "root.img"),
+         IMAGE_SIZE],
+        check=True, stdout=log, stderr=log,
+    )  # fmt: skip
+    shutil.rmtree(rootfs)
+    (work / "recipe.json").write_text(json.dumps(recipe(), indent=2, sort_keys=True) + "\n")
+    (work / "done").write_text("")
+    shutil.rmtree(image.directory, ignore_errors=True)
+    work.rename(image.directory)
+    return image
