@@ -1,11 +1,11 @@
 """The guest image of `proxy-vm`: a Debian root file system with IPVS in its kernel.
 
-Built once with mmdebstrap (Debian packages) and pip (the project's Python dependencies, from
-PyPI), cached under ~/.cache/kpx/vm/<recipe hash>/ and rebuilt only when the recipe changes: the
-hash covers the package lists, the Python requirements (read from pyproject.toml) and the init
-stub (guest.py itself is read from the project share at boot). The cache holds vmlinuz,
-initrd.img and root.img (ext4, booted read-only with qemu's -snapshot, so several guests can
-share it).
+Built once with mmdebstrap (Debian packages) and the host's pip (the project's Python
+dependencies, as wheels for the guest's Python 3.11), cached under ~/.cache/kpx/vm/<recipe
+hash>/ and rebuilt only when the recipe changes: the hash covers the package lists, the Python
+requirements (read from pyproject.toml) and the init stub (guest.py itself is read from the
+project share at boot). The cache holds vmlinuz, initrd.img and root.img (ext4, booted
+read-only with qemu's -snapshot, so several guests can share it).
 """
 
 from __future__ import annotations
@@ -39,13 +39,14 @@ PACKAGES = (
     "procps",
     "ca-certificates",
     "python3",
-    "python3-pip",
 )
+#: Debian bookworm's python3: the Python packages are installed for it by the host's pip.
+GUEST_PYTHON = "3.11"
+WHEEL_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 #: Python packages beyond the project's own dependencies (the ipvs backend's netlink library is
 #: among those; the test runner).
 EXTRA_PYTHON = ("pytest>=8", "pytest-timeout>=2.3")
 IMAGE_SIZE = "3G"
-HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 GUEST_PROGRAM = Path(__file__).with_name("guest.py")
 #: The guest's init: mounts the share holding the project (kpx.share.0) and runs guest.py from
 #: it (kpx.guest), so the guest program changes without rebuilding the image.
@@ -92,6 +93,8 @@ def python_requirements(pyproject: Path = PROJECT_ROOT / "pyproject.toml") -> li
 def recipe() -> dict[str, object]:
     return {
         "suite": SUITE,
+        "guest_python": GUEST_PYTHON,
+        "wheel_platforms": list(WHEEL_PLATFORMS),
         "packages": list(PACKAGES),
         "python": python_requirements(),
         "init": hashlib.sha256(INIT_STUB.encode()).hexdigest(),
@@ -131,16 +134,10 @@ def build(log=sys.stderr) -> Image:
     requirements = work / "requirements.txt"
     requirements.write_text("\n".join(python_requirements()) + "\n")
     (work / "kpx-init").write_text(INIT_STUB)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env = dict(os.environ)
     print(f"proxy-vm: building the guest image in {image.directory}", file=log, flush=True)
     hooks = [
         f'install -m 0755 {work}/kpx-init "$1/sbin/kpx-init"',
-        f'cp {requirements} "$1/tmp/requirements.txt"',
-        # The host's CA bundle: PyPI may be reached through a TLS-inspecting proxy.
-        f'cp {HOST_CA_BUNDLE} "$1/tmp/host-ca.crt"',
-        'chroot "$1" python3 -m pip install -q --no-cache-dir --break-system-packages '
-        "--cert /tmp/host-ca.crt -r /tmp/requirements.txt",
-        'rm -f "$1/tmp/requirements.txt" "$1/tmp/host-ca.crt"',
         'echo kpx-vm > "$1/etc/hostname"',
     ]
     argv = [
@@ -154,6 +151,18 @@ def build(log=sys.stderr) -> Image:
         MIRROR,
     ]
     subprocess.run(argv, check=True, env=env, stdout=log, stderr=log)
+    # The Python packages, as wheels for the guest's Python, fetched by the host's pip (which
+    # knows this machine's index and certificates) straight into the guest's site directory.
+    site = rootfs / "usr" / "local" / "lib" / f"python{GUEST_PYTHON}" / "dist-packages"
+    pip = [
+        sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+        "--no-compile", "--target", str(site), "--only-binary=:all:",
+        "--python-version", GUEST_PYTHON, "--implementation", "cp",
+        "--abi", f"cp{GUEST_PYTHON.replace('.', '')}",
+        *(f"--platform={p}" for p in WHEEL_PLATFORMS), "--platform=any",
+        "-r", str(requirements),
+    ]  # fmt: skip
+    subprocess.run(pip, check=True, stdout=log, stderr=log)
     boot = rootfs / "boot"
     kernel = sorted(boot.glob("vmlinuz-*"))[-1]
     initrd = sorted(boot.glob("initrd.img-*"))[-1]
