@@ -43,7 +43,7 @@ def _cmdline() -> dict[str, str]:
 
 
 def _run(*argv: str) -> None:
-    subprocess.run(argv, check=False)
+    subprocess.run(argv, check=False, stderr=subprocess.DEVNULL)
 
 
 def _boot(cmdline: dict[str, str]) -> None:
@@ -61,7 +61,7 @@ def _boot(cmdline: dict[str, str]) -> None:
         _run("mount", "-t", fstype, fstype, target)
     _run("mount", "-o", "remount,rw", "/")
     _run("mount", "-t", "cgroup2", "none", "/sys/fs/cgroup")
-    _run("modprobe", "-a", "9pnet_virtio", "9p", "ip_vs", "nf_conntrack", "dummy", "veth")
+    _run("modprobe", "-a", "virtio_net", "9pnet_virtio", "9p", "ip_vs", "veth")
     shares = sorted(
         (
             value.split(":", 1)
@@ -203,12 +203,21 @@ def serve(token_file: str) -> None:
         conn, _ = listener.accept()
         if not token:
             token = Path(token_file).read_text().strip()
-        threading.Thread(target=_serve_one, args=(conn, token), daemon=True).start()
+        threading.Thread(target=_serve_logged, args=(conn, token), daemon=True).start()
+
+
+def _serve_logged(conn: socket.socket, token: str) -> None:
+    try:
+        _serve_one(conn, token)
+    except Exception as exc:
+        print(f"kpx-vm: request failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
 def _pid1() -> None:
     cmdline = _cmdline()
     _boot(cmdline)
+    subprocess.run(["ip", "-br", "addr"], check=False)
+    subprocess.run(["sh", "-c", "grep 9p /proc/mounts"], check=False)
     print("kpx-vm: guest ready", flush=True)
     child = os.fork()
     if child == 0:

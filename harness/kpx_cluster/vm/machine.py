@@ -142,7 +142,8 @@ class Guest:
         for path in shares:
             path.mkdir(parents=True, exist_ok=True)
         append = [
-            "console=ttyS0", "root=LABEL=kpxroot", "rw", "init=/sbin/kpx-init", "quiet",
+            "console=ttyS0", "root=LABEL=kpxroot", "rw", "net.ifnames=0", "init=/sbin/kpx-init",
+            "quiet",
             "panic=-1", f"kpx.guest={Path(vm_image.GUEST_PROGRAM).resolve()}",
             f"kpx.token_file={token_file}",
             *(f"kpx.share.{i}=kpx{i}:{path}" for i, path in enumerate(shares)),
