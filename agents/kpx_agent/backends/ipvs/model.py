@@ -57,7 +57,7 @@ class PortPlan:
 CLUSTER_IPS = "cluster-ips"  # marked for masquerade unless from a local pod
 MASQ_IPS = "masquerade-ips"  # always marked (external traffic, ETP Cluster)
 HAIRPIN = "hairpin"  # endpoint . proto . port . endpoint: a pod reaching itself
-DROP = "drop"  # traffic policy Local with no endpoint here: dropped, not rejected
+DROP = "drop-ports"  # traffic policy Local with no endpoint here: dropped, not rejected
 
 
 def excluded(address: str, networks: tuple[IPNetwork, ...]) -> bool:
