@@ -238,3 +238,30 @@ def test_exclude_cidrs_are_left_alone_by_a_full_sync(topology: Topology) -> None
     driver.step(services=[web(b1, b2)], settings={"exclude_cidrs": ["192.168.50.0/24"]})
     listing = ipvsadm(topology, n1, "-Ln")
     assert "192.168.50.1:80" in listing and "192.168.60.1:80" not in listing
+
+
+# ---- what ipvs mode does differently (documented in backends/ipvs/README.md) ----------------
+
+
+def test_documented_differences_of_ipvs_mode(topology: Topology) -> None:
+    n1, _n2, b1, b2, client = setup(topology)
+    driver = Driver(topology, n1, "ipvs")
+    # externalTrafficPolicy Local with its only endpoint on n2: from a pod of n1 the NodePort
+    # gets no short circuit to n2's endpoint (nftables and iptables modes send it there).
+    local = {"key": ["d", "local", "tcp"], "port": 82, "cluster_ips": ["10.96.0.11"],
+             "endpoints": [[b2.ipv4, 8080]], "external": [], "node_port": 30082,
+             "external_masquerade": False, "drop_external": True}  # fmt: skip
+    driver.step(services=[web(b1, b2), local])
+    no_short_circuit = probe(topology, client, n1.ipv4, 30082, "tcp", count=1, timeout=2)
+    assert no_short_circuit.answered == 0, no_short_circuit
+    # 1. A Service IP is bound to kube-ipvs0: the node itself answers on ports no Service has
+    #    (refused by its own stack), where the other modes have no such address at all.
+    other_port = probe(topology, client, VIP, 9999, "tcp", count=1, timeout=2)
+    assert other_port.refused == 1, other_port
+    # 2. No localhost NodePorts (iptables.localhostNodePorts has no ipvs counterpart).
+    localhost = probe(topology, n1, "127.0.0.1", 30080, "tcp", count=1, timeout=2)
+    assert localhost.answered == 0, localhost
+    # 3. Every real server has weight 1 (the scheduler balances; topology hints only filter).
+    weights = {line.split()[3] for line in ipvsadm(topology, n1, "-Ln").splitlines()
+               if line.strip().startswith("->") and "Masq" in line}  # fmt: skip
+    assert weights == {"1"}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +64,7 @@ mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 "${S%%:*}" "${S#*:}"
 exec /usr/bin/python3 "$G"
 """
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
+COMPONENTS = ("api", "agents", "operator", "harness")
 
 
 @dataclass(frozen=True)
@@ -85,9 +87,22 @@ class Image:
         return (self.directory / "done").exists()
 
 
-def python_requirements(pyproject: Path = PROJECT_ROOT / "pyproject.toml") -> list[str]:
-    data = tomllib.loads(pyproject.read_text())
-    return sorted([*data["project"]["dependencies"], *EXTRA_PYTHON])
+def python_requirements(root: Path = PROJECT_ROOT) -> list[str]:
+    """The dependencies of the project's pyproject.toml files (the root's and, where the
+    components have their own, api/, agents/, operator/ and harness/), minus the project's own
+    packages (the guest imports those from the shared source tree)."""
+    found: set[str] = set(EXTRA_PYTHON)
+    own: set[str] = set()
+    for path in [root / "pyproject.toml", *(root / d / "pyproject.toml" for d in COMPONENTS)]:
+        if path.exists():
+            project = tomllib.loads(path.read_text()).get("project", {})
+            own.add(str(project.get("name", "")).lower())
+            found.update(project.get("dependencies", []))
+    return sorted(r for r in found if _requirement_name(r) not in own)
+
+
+def _requirement_name(requirement: str) -> str:
+    return re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0].lower()
 
 
 def recipe() -> dict[str, object]:
@@ -178,4 +193,7 @@ def build(log=sys.stderr) -> Image:
     (work / "done").write_text("")
     shutil.rmtree(image.directory, ignore_errors=True)
     work.rename(image.directory)
+    for old in vm_cache().iterdir():  # images of older recipes
+        if old != image.directory and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
     return image
