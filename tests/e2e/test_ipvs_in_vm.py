@@ -8,6 +8,7 @@ skip inside the guest fails here. The guest image is built on first use (minutes
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,9 @@ from kpx_cluster.vm import image as vm_image
 from kpx_cluster.vm.machine import Guest
 
 REPO = Path(__file__).resolve().parents[2]
-GUEST_TESTS = ["tests/e2e/test_ipvs_kernel.py"]
+KERNEL_TESTS = "tests/e2e/test_ipvs_kernel.py"
+#: One guest pytest run per test function (each within the per-test timeout).
+GUEST_TESTS = re.findall(r"^def (test_\w+)\(", (REPO / KERNEL_TESTS).read_text(), re.MULTILINE)
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None,
@@ -56,10 +59,12 @@ def test_guest_has_ipvs_and_the_tools(guest: Guest) -> None:
     assert "-amd64" in out
 
 
-@pytest.mark.parametrize("path", GUEST_TESTS)
-def test_ipvs_kernel_tests_pass_in_the_guest(guest: Guest, path: str) -> None:
+@pytest.mark.parametrize("name", GUEST_TESTS)
+def test_ipvs_kernel_tests_pass_in_the_guest(guest: Guest, name: str) -> None:
     code, out = run_in_guest(
-        guest, ["python3", "-m", "pytest", path, "-q", "-p", "no:cacheprovider", "-rs"]
-    )
+        guest,
+        ["python3", "-m", "pytest", f"{KERNEL_TESTS}::{name}", "-q", "-p", "no:cacheprovider",
+         "-rsx"],
+    )  # fmt: skip
     assert code == 0, out[-6000:]
     assert " skipped" not in out, out[-3000:]
