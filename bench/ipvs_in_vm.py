@@ -78,6 +78,8 @@ def main() -> int:
     for mode in args.modes.split(","):
         netns = f"kpxbench-{mode}"
         subprocess.run(["ip", "netns", "add", netns], check=True)
+        # lo up: IPVS refuses real servers (EINVAL) in a netns without any local address
+        subprocess.run(["ip", "-n", netns, "link", "set", "lo", "up"], check=True)
         try:
             argv = [sys.executable, __file__, "--in-netns", "--modes", mode]
             argv += ["--services", str(args.services)]
