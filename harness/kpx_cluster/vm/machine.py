@@ -173,7 +173,7 @@ class Guest:
             )
         (self.state_dir / "pid").write_text(str(proc.pid))
         if not self.wait_ready(BOOT_TIMEOUT, proc):
-            self.down()
+            self.down(keep_console=True)
             raise VMError(f"guest {self.name!r} did not come up; see {self.console_log}")
 
     def wait_ready(self, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> bool:
@@ -186,7 +186,8 @@ class Guest:
             time.sleep(0.5)
         return False
 
-    def down(self) -> bool:
+    def down(self, keep_console: bool = False) -> bool:
+        """Stop the guest and remove its state (the console log stays if `keep_console`)."""
         pid = self.pid()
         if pid is not None:
             with contextlib.suppress(VMError, OSError):
@@ -198,6 +199,10 @@ class Guest:
                 os.kill(pid, signal.SIGKILL)
         for name in ("pid", "port", "token"):
             (self.state_dir / name).unlink(missing_ok=True)
+        if not keep_console:
+            self.console_log.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.state_dir.rmdir()
         return pid is not None
 
     # ---- requests ------------------------------------------------------------------------------
