@@ -47,7 +47,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="proxy-agent",
         description="kpx node agent: proxies Kubernetes Services on this node. "
-        "`proxy-agent cleanup --mode MODE` removes the rules of MODE and exits.",
+        "`proxy-agent cleanup --mode MODE` removes the rules of MODE and exits; "
+        "`proxy-agent explain-migration --from ipvs --to nftables` lists what a switch changes.",
     )
     p.add_argument("--mode", choices=MODES, help="dataplane (default: the config file's mode)")
     p.add_argument("--config", type=Path, help="AgentConfiguration file (default: mode defaults)")
@@ -148,6 +149,45 @@ async def _serve_done(host: str, port: int) -> None:
     await runner.cleanup()
 
 
+def explain_migration(argv: list[str]) -> int:
+    """List what moving this cluster from ipvs to nftables changes (migration.py)."""
+    p = argparse.ArgumentParser(
+        prog="proxy-agent explain-migration",
+        description="What a switch from mode ipvs to nftables changes for this cluster.",
+    )
+    p.add_argument("--from", dest="source", choices=["ipvs"], required=True)
+    p.add_argument("--to", dest="target", choices=["nftables"], required=True)
+    p.add_argument("--config", type=Path, help="the ipvs AgentConfiguration (default: defaults)")
+    p.add_argument("--kubeconfig", type=Path, help="list the Services with this kubeconfig "
+                   "(default: in-cluster credentials)")  # fmt: skip
+    args = p.parse_args(argv)
+    from kpx_api.modes import IPVSSettings
+
+    from .migration import explain, render
+
+    try:
+        config = settings_mod.load("ipvs", args.config)
+        block = config.mode_settings()
+        if not isinstance(block, IPVSSettings):
+            raise ValueError(f"{args.config} is for mode {config.mode}, not ipvs")
+        creds = from_kubeconfig(args.kubeconfig) if args.kubeconfig else in_cluster()
+    except (ConfigError, ValueError, KubeconfigError) as exc:
+        print(f"proxy-agent explain-migration: {exc}", file=sys.stderr)
+        return 2
+
+    async def services() -> list[dict[str, Any]]:
+        client = Client(creds)
+        try:
+            data = await client.list("services", "/api/v1/services", {})
+        finally:
+            await client.close()
+        return list(data.get("items") or [])
+
+    items = asyncio.run(services())
+    print(render(explain(block, items), len(items)), end="")
+    return 0
+
+
 def remove_other_modes(mode: str) -> None:
     """Remove what agents of the other modes left on this node (a mode switch must not leave
     stale rules behind, the upstream pain)."""
@@ -179,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if argv[:1] == ["cleanup"]:
         return cleanup(argv[1:])
+    if argv[:1] == ["explain-migration"]:
+        return explain_migration(argv[1:])
     args = _run_parser().parse_args(argv)
     if args.verbose:
         logging.getLogger().setLevel(logging.DEBUG)

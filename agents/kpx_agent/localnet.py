@@ -178,6 +178,18 @@ class DetectLocal:
 
 
 @dataclass(frozen=True, slots=True)
+class IPVSOptions:
+    """spec.ipvs, parsed (the ipvs backend reads it; other modes ignore it)."""
+
+    scheduler: str = "rr"
+    strict_arp: bool = False
+    exclude_cidrs: tuple[IPNetwork, ...] = ()
+    tcp_timeout: int = 0  # seconds; 0 leaves the kernel's value
+    tcp_fin_timeout: int = 0
+    udp_timeout: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ProxySettings:
     """The part of the agent configuration the backends act on, already parsed."""
 
@@ -194,6 +206,8 @@ class ProxySettings:
     localhost_node_ports: bool = False
     # conntrack.tcpBeLiberal: then forwarded conntrack-INVALID packets are not dropped.
     conntrack_tcp_be_liberal: bool = False
+    # mode ipvs only: spec.ipvs.
+    ipvs: IPVSOptions = IPVSOptions()
 
     @property
     def masquerade_mark(self) -> int:

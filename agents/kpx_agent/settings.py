@@ -8,10 +8,11 @@ from typing import Any
 
 from kpx_api.agentconfig import AgentConfiguration, load_agent_config, parse_agent_config
 from kpx_api.durations import parse_duration
+from kpx_api.modes import IPVSSettings
 from kpx_api.networks import parse_bind_address, parse_cidr
 from kpx_api.proxysettings import Conntrack, NamespaceOptOut
 
-from .localnet import DetectLocal, DetectLocalMode, ProxySettings
+from .localnet import DetectLocal, DetectLocalMode, IPVSOptions, ProxySettings
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,20 @@ def _detect_local(config: AgentConfiguration) -> DetectLocal:
     return DetectLocal(mode, interface)
 
 
+def _ipvs_options(config: AgentConfiguration) -> IPVSOptions:
+    block = config.mode_settings()
+    if not isinstance(block, IPVSSettings):
+        return IPVSOptions()
+    return IPVSOptions(
+        scheduler=str(block.scheduler),
+        strict_arp=block.strict_arp,
+        exclude_cidrs=tuple(parse_cidr(c) for c in block.exclude_cidrs),
+        tcp_timeout=int(parse_duration(block.tcp_timeout)),
+        tcp_fin_timeout=int(parse_duration(block.tcp_fin_timeout)),
+        udp_timeout=int(parse_duration(block.udp_timeout)),
+    )
+
+
 def resolve(config: AgentConfiguration) -> AgentSettings:
     block = config.mode_settings()
     nodeport = tuple(parse_cidr(a) for a in config.node_port_addresses if a != "primary")
@@ -50,6 +65,7 @@ def resolve(config: AgentConfiguration) -> AgentSettings:
             detect_local=_detect_local(config),
             localhost_node_ports=localhost_node_ports,
             conntrack_tcp_be_liberal=config.conntrack.tcp_be_liberal,
+            ipvs=_ipvs_options(config),
         ),
         optout=config.namespace_opt_out,
         healthz=parse_bind_address(config.healthz_bind_address),

@@ -25,7 +25,7 @@ class Mode(StrEnum):
 #: ModeNotImplemented, and deploys nothing) and the agent refuses the others at start.
 #: kpx_agent.backends.REGISTRY lists exactly these (a unit test checks), so a new backend is
 #: its registry entry plus its mode here.
-MODES_WITH_BACKEND: Final[frozenset[Mode]] = frozenset({Mode.NFTABLES, Mode.IPTABLES})
+MODES_WITH_BACKEND: Final[frozenset[Mode]] = frozenset({Mode.NFTABLES, Mode.IPTABLES, Mode.IPVS})
 
 
 def has_backend(mode: str) -> bool:

@@ -43,8 +43,16 @@ def test_neither_mode_nor_config(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_mode_without_a_backend_exits_saying_so(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Every mode has a backend now: take ipvs out of the gate to see the refusal path.
+    import kpx_api.modes
+
+    monkeypatch.setattr(
+        kpx_api.modes,
+        "MODES_WITH_BACKEND",
+        frozenset({kpx_api.modes.Mode.NFTABLES, kpx_api.modes.Mode.IPTABLES}),
+    )
     cfg = tmp_path / "config.yaml"
     cfg.write_text(
         "apiVersion: proxy.kpx.dev/v1alpha1\nkind: AgentConfiguration\nmode: ipvs\n"
@@ -60,3 +68,19 @@ def test_mode_without_a_backend_exits_saying_so(
         assert "mode ipvs has no backend in the kpx agent yet" in err, err
         assert "nftables" in err
         assert "keeps working" not in err
+
+
+def test_mode_ipvs_passes_the_gate_and_logs_its_deprecation(
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kpx_agent.cli
+
+    monkeypatch.setattr(kpx_agent.cli, "remove_other_modes", lambda mode: None)
+    # No credentials: the agent stops after the gate, the backend lookup and the warning.
+    assert main(["--mode", "ipvs", "--node-name", "n1"]) == 2
+    err = capsys.readouterr().err
+    assert "has no backend" not in err
+    assert "credentials" in err
+    assert any("deprecated" in r.message and "nftables" in r.message for r in caplog.records)

@@ -31,6 +31,8 @@ GPU = pxc("gpu", "2026-01-03T00:00:00Z", gpu="yes")
 IPVS_A = pxc("ipvs-a", "2025-12-01T00:00:00Z", "ipvs", pool="a")
 #: Every mode with a backend: the policy rules as they apply once ipvs has its backend.
 ALL_BACKENDS = frozenset(Mode)
+#: A gate without ipvs (as before ipvs had its backend): what a mode without a backend does.
+NO_IPVS = frozenset({Mode.NFTABLES, Mode.IPTABLES})
 
 
 @pytest.mark.parametrize(
@@ -49,8 +51,8 @@ ALL_BACKENDS = frozenset(Mode)
         (POOL_B, [POOL_A, POOL_B], IPVSPolicy.WARN, True, []),
         # A denied ipvs configuration deploys nothing, so it conflicts with nobody.
         (POOL_A, [IPVS_A, POOL_A], IPVSPolicy.DENY, True, []),
-        # So does one whose mode has no backend in the agent (ipvs today), whatever the policy.
-        (POOL_A, [IPVS_A, POOL_A], IPVSPolicy.ALLOW, True, []),
+        # An allowed ipvs configuration (ipvs has its backend) is a real conflict.
+        (POOL_A, [IPVS_A, POOL_A], IPVSPolicy.ALLOW, False, [("ipvs-a", ("a1", "a2"), True)]),
         # A selector that selects no existing node conflicts with nobody.
         (pxc("none", "2026-02-01T00:00:00Z", pool="z"), [OLD_ALL], IPVSPolicy.WARN, True, []),
     ],
@@ -100,12 +102,12 @@ def test_with_an_ipvs_backend_an_allowed_ipvs_configuration_conflicts() -> None:
 def test_mode_without_a_backend_deploys_nothing(
     policy: IPVSPolicy, no_backend: bool, denied: bool
 ) -> None:
-    assert "ipvs" not in MODES_WITH_BACKEND
-    adm = admit(IPVS_A, [IPVS_A, POOL_A], NODES, policy)
+    assert "ipvs" in MODES_WITH_BACKEND  # the gate today; NO_IPVS is a gate without it
+    adm = admit(IPVS_A, [IPVS_A, POOL_A], NODES, policy, NO_IPVS)
     assert (adm.deploy, adm.no_backend, adm.ipvs_denied) == (False, no_backend, denied)
     assert adm.overlaps == ()
     # Modes with a backend are untouched by the gate.
-    assert admit(POOL_B, [POOL_B], NODES, policy).deploy
+    assert admit(POOL_B, [POOL_B], NODES, policy, NO_IPVS).deploy
 
 
 def test_info_from_a_body() -> None:

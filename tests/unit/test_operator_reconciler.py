@@ -206,9 +206,9 @@ def test_warn_policy_deploys_ipvs_with_a_warning_once_it_has_a_backend() -> None
 
 @pytest.mark.parametrize("policy", [IPVSPolicy.ALLOW, IPVSPolicy.WARN])
 def test_mode_without_a_backend_deploys_nothing_and_says_so(policy: IPVSPolicy) -> None:
-    assert Mode.IPVS not in MODES_WITH_BACKEND  # flip this test when the backend lands
+    assert Mode.IPVS in MODES_WITH_BACKEND  # the gate today: test one without ipvs
     api, events = FakeApi(), Events()
-    r = reconciler(api, ipvs_policy=policy)
+    r = reconciler(api, ipvs_policy=policy, backends=frozenset({Mode.NFTABLES, Mode.IPTABLES}))
     api.objs[("DaemonSet", NS, "kpx-agent-ipvs-pool")] = {
         "kind": "DaemonSet", "metadata": {"name": "kpx-agent-ipvs-pool", "generation": 1}
     }  # fmt: skip

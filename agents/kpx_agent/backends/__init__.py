@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 REGISTRY: dict[str, str] = {
     "nftables": "kpx_agent.backends.nftables",
     "iptables": "kpx_agent.backends.iptables",
+    "ipvs": "kpx_agent.backends.ipvs",
 }
 
 

@@ -1,0 +1,255 @@
+"""The ipvs backend: IPVS virtual servers over netlink, changed by per-Service-port deltas.
+
+The backend keeps its own record of what it programmed (one PortPlan per Service port), so a
+sync that touches one Service port sends only that port's changes: virtual servers added,
+changed (scheduler, affinity) or removed, real servers added or drained, dummy-interface
+addresses and helper-set elements (reference counted: several ports share a cluster IP).
+
+A removed real server is not deleted at once: its weight drops to 0 (no new connections) and it
+leaves at a later sync once IPVS counts no connection on it (upstream's graceful termination);
+UDP and SCTP real servers leave at once, as upstream.
+
+A full sync (first sync, node or settings change, after a failure) reconciles with the kernel:
+it reads the virtual servers and bound addresses back and removes what is not wanted (virtual
+servers inside spec.ipvs.excludeCIDRs are left alone), and swaps the helper table in one nft
+transaction. IPVS has no transactions: a failed sync raises BackendError and the next sync is a
+full one, which repairs whatever half of the failed one was applied.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Collection, Iterable
+
+from ...localnet import NodeInfo, NodeLocalState, ProxySettings, ServicePortKey
+from ..base import BackendError
+from . import kernel
+from .model import Element, PortPlan, VirtualKey, VirtualServer, excluded, plan_port
+from .ruleset import base_table, element_lines
+
+log = logging.getLogger(__name__)
+FAMILIES = (4, 6)
+GRACEFUL_PROTOCOLS = ("tcp",)
+
+
+class IpvsBackend:
+    mode = "ipvs"
+
+    def __init__(self, settings: ProxySettings, ipvs_factory=kernel.Ipvs) -> None:
+        self.settings = settings
+        self._ipvs_factory = ipvs_factory
+        self._ipvs: kernel.Ipvs | None = None
+        self._plans: dict[ServicePortKey, PortPlan] = {}
+        self._bound: Counter[tuple[int, str]] = Counter()
+        self._elements: dict[str, Counter[Element]] = {}
+        self._draining: dict[VirtualKey, set[tuple[str, int]]] = {}
+        self._node: NodeInfo | None = None
+        self._settings_synced: ProxySettings | None = None
+
+    # ---- the Backend protocol -------------------------------------------------------------------
+
+    def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
+        try:
+            if (
+                changed is None
+                or self._node is None
+                or state.node != self._node
+                or self.settings != self._settings_synced
+            ):
+                self._full_sync(state)
+            else:
+                self._partial_sync(state, changed)
+            self._finish_draining()
+        except BackendError:
+            self._node = None
+            raise
+        except Exception as exc:
+            self._node = None  # the next sync is a full one and repairs what was half applied
+            raise BackendError(f"ipvs sync failed: {exc}") from exc
+
+    def cleanup(self) -> None:
+        cleanup(self.settings.ipvs.exclude_cidrs)
+        self._plans.clear()
+        self._bound.clear()
+        self._elements.clear()
+        self._draining.clear()
+        self._node = None
+
+    # ---- full sync ------------------------------------------------------------------------------
+
+    def _setup_node(self) -> None:
+        options = self.settings.ipvs
+        for name, value in (
+            ("net.ipv4.vs.conntrack", 1),  # so that nft masquerades IPVS-forwarded packets
+            ("net.ipv4.vs.expire_nodest_conn", 1),
+            ("net.ipv4.vs.expire_quiescent_template", 1),
+        ):
+            kernel.write_sysctl(name, value)
+        if options.strict_arp:
+            kernel.write_sysctl("net.ipv4.conf.all.arp_ignore", 1)
+            kernel.write_sysctl("net.ipv4.conf.all.arp_announce", 2)
+        kernel.set_timeouts(options.tcp_timeout, options.tcp_fin_timeout, options.udp_timeout)
+        kernel.ensure_dummy()
+
+    def _full_sync(self, state: NodeLocalState) -> None:
+        if self._ipvs is None:
+            self._ipvs = self._ipvs_factory()
+        ipvs = self._ipvs
+        self._setup_node()
+        plans = {key: plan_port(port, state.node, self.settings)
+                 for key, port in state.services.items()}  # fmt: skip
+        wanted: dict[VirtualKey, VirtualServer] = {}
+        bound: Counter[tuple[int, str]] = Counter()
+        elements: dict[str, Counter[Element]] = {}
+        for plan in plans.values():
+            wanted.update(plan.virtual_servers)
+            bound.update(plan.bound)
+            for name, members in plan.elements.items():
+                elements.setdefault(name, Counter()).update(members)
+        # Virtual servers: remove what is not wanted, then make every wanted one right.
+        present = set(ipvs.services())
+        for key in present - wanted.keys():
+            if not excluded(key.address, self.settings.ipvs.exclude_cidrs):
+                ipvs.delete_service(key)
+        self._draining = {}
+        for key, vs in wanted.items():
+            if key in present:
+                ipvs.set_service(vs)
+                have = ipvs.connections(key)
+                self._update_real_servers(vs, set(have), vs.real_servers)
+            else:
+                self._add_virtual_server(vs)
+        # Addresses on the dummy interface.
+        have_bound = kernel.bound_addresses()
+        kernel.bind([(True, f, a) for f, a in bound.keys() - have_bound]
+                    + [(False, f, a) for f, a in have_bound - bound.keys()])  # fmt: skip
+        # The helper table, swapped in one transaction per family.
+        for family in FAMILIES:
+            kernel.run_nft(base_table(family, self.settings, state.node, elements))
+        self._plans, self._bound, self._elements = plans, bound, elements
+        self._node = state.node
+        self._settings_synced = self.settings
+
+    # ---- partial sync ---------------------------------------------------------------------------
+
+    def _partial_sync(self, state: NodeLocalState, changed: Collection[ServicePortKey]) -> None:
+        ipvs = self._ipvs
+        assert ipvs is not None
+        empty = PortPlan()
+        bind: list[tuple[bool, int, str]] = []
+        adds: dict[str, set[Element]] = {}
+        deletes: dict[str, set[Element]] = {}
+        for key in changed:
+            old = self._plans.get(key, empty)
+            port = state.services.get(key)
+            new = plan_port(port, state.node, self.settings) if port else empty
+            for vkey in old.virtual_servers.keys() - new.virtual_servers.keys():
+                ipvs.delete_service(vkey)
+                self._draining.pop(vkey, None)
+            for vkey, vs in new.virtual_servers.items():
+                before = old.virtual_servers.get(vkey)
+                if before is None:
+                    self._add_virtual_server(vs)
+                    continue
+                if (before.scheduler, before.persistence) != (vs.scheduler, vs.persistence):
+                    ipvs.set_service(vs)
+                if before.real_servers != vs.real_servers:
+                    self._update_real_servers(vs, set(before.real_servers), vs.real_servers)
+            for address in old.bound - new.bound:
+                self._bound[address] -= 1
+                if self._bound[address] <= 0:
+                    del self._bound[address]
+                    bind.append((False, *address))
+            for address in new.bound - old.bound:
+                if not self._bound[address]:
+                    bind.append((True, *address))
+                self._bound[address] += 1
+            for name in old.elements.keys() | new.elements.keys():
+                book = self._elements.setdefault(name, Counter())
+                before_set, after_set = old.elements.get(name, set()), new.elements.get(name, set())
+                for element in before_set - after_set:
+                    book[element] -= 1
+                    if book[element] <= 0:
+                        del book[element]
+                        deletes.setdefault(name, set()).add(element)
+                for element in after_set - before_set:
+                    if not book[element]:
+                        adds.setdefault(name, set()).add(element)
+                    book[element] += 1
+            if port:
+                self._plans[key] = new
+            else:
+                self._plans.pop(key, None)
+        if bind:
+            kernel.bind(bind)
+        for family in FAMILIES:
+            lines = element_lines("delete", family, deletes) + element_lines("add", family, adds)
+            if lines:
+                kernel.run_nft("\n".join(lines) + "\n")
+
+    # ---- virtual and real servers ---------------------------------------------------------------
+
+    def _add_virtual_server(self, vs: VirtualServer) -> None:
+        assert self._ipvs is not None
+        self._ipvs.add_service(vs)
+        for address, port in sorted(vs.real_servers):
+            self._ipvs.set_dest(vs.key, address, port, 1, new=True)
+
+    def _update_real_servers(
+        self, vs: VirtualServer, have: set[tuple[str, int]], want: Iterable[tuple[str, int]]
+    ) -> None:
+        assert self._ipvs is not None
+        want = set(want)
+        draining = self._draining.setdefault(vs.key, set())
+        for address, port in sorted(want - have - draining):
+            self._ipvs.set_dest(vs.key, address, port, 1, new=True)
+        for address, port in sorted(want & draining):  # back before it drained: serve again
+            self._ipvs.set_dest(vs.key, address, port, 1, new=False)
+            draining.discard((address, port))
+        for address, port in sorted(have - want - draining):
+            if vs.key.protocol in GRACEFUL_PROTOCOLS:
+                self._ipvs.set_dest(vs.key, address, port, 0, new=False)
+                draining.add((address, port))
+            else:
+                self._ipvs.delete_dest(vs.key, address, port)
+        if not draining:
+            self._draining.pop(vs.key, None)
+
+    def _finish_draining(self) -> None:
+        """Delete the weight-0 real servers IPVS counts no connection on any more."""
+        if not self._draining or self._ipvs is None:
+            return
+        for vkey in list(self._draining):
+            connections = self._ipvs.connections(vkey)
+            servers = self._draining[vkey]
+            for server in sorted(servers):
+                if connections.get(server, 0) == 0:
+                    if server in connections:
+                        self._ipvs.delete_dest(vkey, *server)
+                    servers.discard(server)
+            if not servers:
+                del self._draining[vkey]
+
+    def draining(self) -> dict[VirtualKey, set[tuple[str, int]]]:
+        """The real servers waiting for their connections to end (weight 0)."""
+        return {k: set(v) for k, v in self._draining.items()}
+
+
+def cleanup(exclude_cidrs: Iterable[object] = ()) -> None:
+    """Remove every IPVS virtual server (but those in excludeCIDRs), the dummy interface and
+    the helper table. Also what another mode's agent runs at start."""
+    networks = tuple(exclude_cidrs)
+    try:
+        ipvs = kernel.Ipvs()
+    except kernel.KernelError:
+        ipvs = None  # no IPVS in this kernel: no virtual server can be left
+    if ipvs is not None:
+        try:
+            for key in list(ipvs.services()):
+                if not excluded(key.address, networks):  # type: ignore[arg-type]
+                    ipvs.delete_service(key)
+        finally:
+            ipvs.close()
+    kernel.delete_dummy()
+    kernel.delete_tables()

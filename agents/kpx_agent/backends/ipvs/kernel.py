@@ -1,0 +1,198 @@
+"""The ipvs backend's edges: IPVS and links over netlink (pyroute2), the helper nftables table
+(nft), the node sysctls IPVS needs. Nothing here decides anything."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from .model import PROTOCOLS, VirtualKey, VirtualServer
+
+DUMMY = "kube-ipvs0"
+TABLE = "kpx-ipvs"
+#: IP_VS_CONN_F_MASQ: NAT (pyroute2's IPVSDest defaults to 3, direct routing).
+FWD_NAT = 0
+_FAMILY = {4: socket.AF_INET, 6: socket.AF_INET6}
+_PROTOCOL_NAME = {number: name for name, number in PROTOCOLS.items()}
+
+
+class KernelError(RuntimeError):
+    pass
+
+
+def _ipvs():
+    from pyroute2 import IPVS
+
+    try:
+        return IPVS()
+    except Exception as exc:  # the netlink family is missing: no ip_vs module
+        raise KernelError(f"IPVS is not available in this kernel: {exc}") from exc
+
+
+def ipvs_available() -> bool:
+    try:
+        _ipvs().close()
+    except KernelError:
+        return False
+    return True
+
+
+def _service(key: VirtualKey, vs: VirtualServer | None = None):
+    from pyroute2 import IPVSService
+
+    fields: dict[str, object] = {
+        "af": _FAMILY[key.family],
+        "addr": key.address,
+        "port": key.port,
+        "protocol": PROTOCOLS[key.protocol],
+    }
+    if key.family == 6:
+        fields["netmask"] = None
+    if vs is not None:
+        fields["sched_name"] = vs.scheduler
+        fields["timeout"] = vs.persistence
+        fields["flags"] = {"flags": 0x0001 if vs.persistence else 0, "mask": 0xFFFF}
+    service = IPVSService(**fields)
+    if key.family == 6:
+        service.pop("netmask", None)
+    return service
+
+
+def _dest(address: str, port: int, weight: int):
+    from pyroute2 import IPVSDest
+
+    return IPVSDest(addr=address, port=port, weight=weight, fwd_method=FWD_NAT)
+
+
+class Ipvs:
+    """One netlink socket to IPVS, for the life of the backend."""
+
+    def __init__(self) -> None:
+        self._sock = _ipvs()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def add_service(self, vs: VirtualServer) -> None:
+        self._sock.service("add", service=_service(vs.key, vs))
+
+    def set_service(self, vs: VirtualServer) -> None:
+        self._sock.service("set", service=_service(vs.key, vs))
+
+    def delete_service(self, key: VirtualKey) -> None:
+        self._sock.service("del", service=_service(key))
+
+    def set_dest(self, key: VirtualKey, address: str, port: int, weight: int, new: bool) -> None:
+        self._sock.dest("add" if new else "set", service=_service(key),
+                        dest=_dest(address, port, weight))  # fmt: skip
+
+    def delete_dest(self, key: VirtualKey, address: str, port: int) -> None:
+        self._sock.dest("del", service=_service(key), dest=_dest(address, port, 0))
+
+    def services(self) -> Iterator[VirtualKey]:
+        from pyroute2 import IPVSService
+
+        for message in self._sock.service("dump"):
+            s = IPVSService.from_message(message)
+            family = 6 if s.get("af") == socket.AF_INET6 else 4
+            if s.get("fwmark"):
+                continue
+            yield VirtualKey(family, _PROTOCOL_NAME.get(s["protocol"], "?"), str(s["addr"]),
+                             int(s["port"]))  # fmt: skip
+
+    def connections(self, key: VirtualKey) -> dict[tuple[str, int], int]:
+        """Active plus inactive connections of each real server of `key`."""
+        out: dict[tuple[str, int], int] = {}
+        for message in self._sock.dest("dump", service=_service(key)):
+            attrs = dict(message.get("IPVS_CMD_ATTR_DEST")["attrs"])
+            conns = int(attrs.get("IPVS_DEST_ATTR_ACTIVE_CONNS", 0)) + int(
+                attrs.get("IPVS_DEST_ATTR_INACT_CONNS", 0)
+            )
+            out[(str(attrs["IPVS_DEST_ATTR_ADDR"]), int(attrs["IPVS_DEST_ATTR_PORT"]))] = conns
+        return out
+
+
+# ---- the dummy interface ------------------------------------------------------------------------
+
+
+def ensure_dummy() -> int:
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ipr:
+        found = ipr.link_lookup(ifname=DUMMY)
+        if not found:
+            ipr.link("add", ifname=DUMMY, kind="dummy")
+            found = ipr.link_lookup(ifname=DUMMY)
+        ipr.link("set", index=found[0], state="up")
+        return int(found[0])
+
+
+def bind(address_changes: Iterable[tuple[bool, int, str]]) -> None:
+    """(add?, family, address) on the dummy interface (/32 or /128, as upstream)."""
+    from pyroute2 import IPRoute
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    with IPRoute() as ipr:
+        index = ipr.link_lookup(ifname=DUMMY)[0]
+        for add, family, address in address_changes:
+            try:
+                ipr.addr("add" if add else "del", index=index, address=address,
+                         prefixlen=32 if family == 4 else 128)  # fmt: skip
+            except NetlinkError as exc:  # EEXIST on add, EADDRNOTAVAIL on delete
+                if exc.code not in (17, 99):
+                    raise
+
+
+def bound_addresses() -> set[tuple[int, str]]:
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ipr:
+        found = ipr.link_lookup(ifname=DUMMY)
+        if not found:
+            return set()
+        return {
+            (4 if a["family"] == socket.AF_INET else 6, str(a.get_attr("IFA_ADDRESS")))
+            for a in ipr.get_addr(index=found[0])
+        }
+
+
+def delete_dummy() -> None:
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ipr:
+        for index in ipr.link_lookup(ifname=DUMMY):
+            ipr.link("del", index=index)
+
+
+# ---- nft and sysctls ----------------------------------------------------------------------------
+
+
+def run_nft(script: str) -> None:
+    result = subprocess.run(["nft", "-f", "-"], input=script, text=True, capture_output=True,
+                            check=False)  # fmt: skip
+    if result.returncode != 0:
+        raise KernelError(f"nft: {result.stderr.strip()}")
+
+
+def delete_tables() -> None:
+    for family in ("ip", "ip6"):
+        subprocess.run(["nft", "delete", "table", family, TABLE], capture_output=True,
+                       check=False)  # fmt: skip
+
+
+def write_sysctl(name: str, value: int) -> bool:
+    path = Path("/proc/sys") / name.replace(".", "/")
+    try:
+        path.write_text(f"{value}\n")
+    except OSError:
+        return False
+    return True
+
+
+def set_timeouts(tcp: int, tcp_fin: int, udp: int) -> None:
+    """IPVS connection timeouts; 0 keeps the kernel's value (ipvsadm --set semantics)."""
+    if tcp or tcp_fin or udp:
+        subprocess.run(["ipvsadm", "--set", str(tcp), str(tcp_fin), str(udp)],
+                       check=True, capture_output=True)  # fmt: skip

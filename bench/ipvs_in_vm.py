@@ -1,0 +1,93 @@
+"""ipvs against the other modes in the same proxy-vm guest (the guest is emulated: compare the
+ratios, not the absolute times).
+
+    proxy-vm exec -- python3 bench/ipvs_in_vm.py --services 1000 [--modes ipvs,iptables,nftables]
+
+Each mode runs in a fresh network namespace (the script re-executes itself there): a full sync
+of N Services (one TCP port, a cluster IP, 10 endpoints each), then 20 changes of one Service's
+endpoints (median). Prints one JSON line per mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from ipaddress import ip_network
+from typing import Any
+
+from kpx_agent import backends
+from kpx_agent.localnet import (
+    IP,
+    Endpoint,
+    NodeInfo,
+    NodeLocalState,
+    Protocol,
+    ProxySettings,
+    ServicePort,
+    ServicePortKey,
+)
+
+
+def service(i: int, generation: int = 0) -> ServicePort:
+    vip = IP.of(f"10.96.{i // 250}.{i % 250 + 1}")
+    eps = tuple(
+        Endpoint(IP.of(f"10.244.{(i * 10 + e) // 250 % 250}.{(i * 10 + e) % 250 + 1}"),
+                 8080 + generation)
+        for e in range(10)
+    )  # fmt: skip
+    key = ServicePortKey("bench", f"s{i}", "", Protocol.TCP, 4)
+    return ServicePort(key, 80, cluster_ips=(vip,), cluster_endpoints=eps, external_endpoints=eps)
+
+
+def run_mode(mode: str, count: int) -> dict[str, Any]:
+    module: Any = backends.load(mode)
+    settings = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))
+    backend = module.create(settings)
+    node = NodeInfo("n1", (IP.of("192.168.0.1"),))
+    ports = {p.key: p for p in (service(i) for i in range(count))}
+    start = time.perf_counter()
+    backend.sync(NodeLocalState(node, dict(ports)), None)
+    full = time.perf_counter() - start
+    changes = []
+    for n in range(20):
+        changed = service(n * 7 % count, generation=n + 1)
+        ports[changed.key] = changed
+        start = time.perf_counter()
+        backend.sync(NodeLocalState(node, dict(ports)), [changed.key])
+        changes.append(time.perf_counter() - start)
+    return {"mode": mode, "services": count, "full_sync_s": round(full, 3),
+            "one_change_median_ms": round(statistics.median(changes) * 1000, 1)}  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--services", type=int, default=1000)
+    parser.add_argument("--modes", default="ipvs,iptables,nftables")
+    parser.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.in_netns:
+        try:
+            print(json.dumps(run_mode(args.modes, args.services)), flush=True)
+        except Exception as exc:
+            print(json.dumps({"mode": args.modes, "error": str(exc)[:300]}), flush=True)
+        return 0
+    for mode in args.modes.split(","):
+        netns = f"kpxbench-{mode}"
+        subprocess.run(["ip", "netns", "add", netns], check=True)
+        # lo up: IPVS refuses real servers (EINVAL) in a netns without any local address
+        subprocess.run(["ip", "-n", netns, "link", "set", "lo", "up"], check=True)
+        try:
+            argv = [sys.executable, __file__, "--in-netns", "--modes", mode]
+            argv += ["--services", str(args.services)]
+            subprocess.run(["ip", "netns", "exec", netns, *argv], check=False)
+        finally:
+            subprocess.run(["ip", "netns", "del", netns], check=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

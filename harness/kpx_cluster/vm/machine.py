@@ -1,0 +1,286 @@
+"""The host side of `proxy-vm`: boot a guest with qemu, run commands in it, stop it.
+
+The guest boots the cached image (image.py) with software emulation (`-accel tcg`: this
+machine's KVM cannot boot a stock kernel), read-only (`-snapshot`: nothing a guest writes to its
+root survives it). Host directories are shared over 9p at the same paths. The network is qemu's
+user-mode networking: one host loopback port forwards to the guest's command server
+(guest.py), and in the guest 10.0.2.2 is the host's loopback, which the command server relays
+to the guest's own 127.0.0.1 for the ports a command needs (the apiserver of a KUBECONFIG).
+
+A running guest's state lives in /dev/shm/kpx/vm-<name>/: qemu's pid, the forwarded port, the
+token a request must carry (the guest reads it from the shared file) and the console log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import yaml
+
+from ..binaries import cache_dir, kubernetes_bin_dir
+from ..controlplane import DEFAULT_ROOT
+from . import image as vm_image
+
+GUEST_PORT = 7000
+STDOUT, STDERR, EXIT = 1, 2, 3
+BOOT_TIMEOUT = 300.0
+QEMU_BASE = (
+    "qemu-system-x86_64", "-accel", "tcg,thread=multi", "-cpu", "max", "-m", "1024",
+    "-smp", "2", "-nographic", "-no-reboot", "-snapshot",
+)  # fmt: skip
+
+
+class VMError(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def default_shares(cwd: Path | None = None) -> list[Path]:
+    """The host directories the guest sees at the same paths: the project (first: the init
+    stub runs guest.py from it), the working directory, the Kubernetes binaries cache and the
+    local control plane's state directory. A directory inside another share is not repeated."""
+    candidates = [
+        vm_image.PROJECT_ROOT,
+        (cwd or Path.cwd()).resolve(),
+        cache_dir().resolve(),
+        DEFAULT_ROOT,
+    ]
+    shares: list[Path] = []
+    for path in candidates:
+        if any(path == s or s in path.parents for s in shares):
+            continue
+        shares.append(path)
+    return shares
+
+
+def kubeconfig_ports(paths: Iterable[Path]) -> list[int]:
+    """Loopback ports of the apiservers the kubeconfigs point at (relayed into the guest)."""
+    ports: set[int] = set()
+    for path in paths:
+        try:
+            config = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        for cluster in config.get("clusters") or []:
+            url = urlparse(str((cluster.get("cluster") or {}).get("server", "")))
+            if url.hostname in ("127.0.0.1", "localhost") and url.port:
+                ports.add(url.port)
+    return sorted(ports)
+
+
+def _local_kubeconfigs(env: dict[str, str]) -> list[Path]:
+    paths = [Path(p) for p in env.get("KUBECONFIG", "").split(":") if p]
+    if DEFAULT_ROOT.is_dir():
+        paths += sorted(DEFAULT_ROOT.glob("*/admin.kubeconfig"))
+    return paths
+
+
+@dataclass
+class Guest:
+    name: str = "default"
+
+    @property
+    def state_dir(self) -> Path:
+        return DEFAULT_ROOT / f"vm-{self.name}"
+
+    @property
+    def console_log(self) -> Path:
+        return self.state_dir / "console.log"
+
+    def _read(self, what: str) -> str | None:
+        try:
+            return (self.state_dir / what).read_text().strip()
+        except OSError:
+            return None
+
+    def pid(self) -> int | None:
+        raw = self._read("pid")
+        if not raw:
+            return None
+        try:
+            os.kill(int(raw), 0)
+        except (ProcessLookupError, ValueError):
+            return None
+        return int(raw)
+
+    def running(self) -> bool:
+        return self.pid() is not None and self.ping()
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def up(self, log: Callable[[str], None] = lambda _m: None) -> None:
+        if self.pid() is not None:
+            if self.wait_ready(BOOT_TIMEOUT):
+                return
+            raise VMError(f"guest {self.name!r} runs but does not answer; see {self.console_log}")
+        image = vm_image.build()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        token_file = self.state_dir / "token"
+        token_file.touch(mode=0o600)
+        token_file.write_text(secrets.token_hex(16))
+        port = _free_port()
+        (self.state_dir / "port").write_text(str(port))
+        shares = default_shares()
+        for path in shares:
+            path.mkdir(parents=True, exist_ok=True)
+        append = [
+            "console=ttyS0", "root=LABEL=kpxroot", "rw", "net.ifnames=0", "init=/sbin/kpx-init",
+            "quiet",
+            "panic=-1", f"kpx.guest={Path(vm_image.GUEST_PROGRAM).resolve()}",
+            f"kpx.token_file={token_file}",
+            *(f"kpx.share.{i}=kpx{i}:{path}" for i, path in enumerate(shares)),
+        ]  # fmt: skip
+        argv = [
+            *QEMU_BASE,
+            "-kernel", str(image.kernel), "-initrd", str(image.initrd),
+            "-drive", f"file={image.root},format=raw,if=virtio",
+            "-append", " ".join(append),
+            "-netdev", f"user,id=n0,hostfwd=tcp:127.0.0.1:{port}-:{GUEST_PORT}",
+            "-device", "virtio-net-pci,netdev=n0",
+        ]  # fmt: skip
+        for i, path in enumerate(shares):
+            argv += [
+                "-virtfs",
+                f"local,path={path},mount_tag=kpx{i},security_model=passthrough,"
+                f"id=kpx{i},multidevs=remap",
+            ]
+        log(f"proxy-vm: booting guest {self.name!r} (software emulation)")
+        with open(self.console_log, "wb") as console:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=console,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        (self.state_dir / "pid").write_text(str(proc.pid))
+        if not self.wait_ready(BOOT_TIMEOUT, proc):
+            self.down(keep_console=True)
+            raise VMError(f"guest {self.name!r} did not come up; see {self.console_log}")
+
+    def wait_ready(self, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                return False
+            if self.ping():
+                return True
+            time.sleep(0.5)
+        return False
+
+    def down(self, keep_console: bool = False) -> bool:
+        """Stop the guest and remove its state (the console log stays if `keep_console`)."""
+        pid = self.pid()
+        if pid is not None:
+            with contextlib.suppress(VMError, OSError):
+                self._request({"op": "poweroff"}, timeout=5)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and self.pid() is not None:
+                time.sleep(0.2)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for name in ("pid", "port", "token"):
+            (self.state_dir / name).unlink(missing_ok=True)
+        if not keep_console:
+            self.console_log.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.state_dir.rmdir()
+        return pid is not None
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def _connect(self, timeout: float) -> socket.socket:
+        port = self._read("port")
+        if not port:
+            raise VMError(f"guest {self.name!r} is not up")
+        return socket.create_connection(("127.0.0.1", int(port)), timeout=timeout)
+
+    def _request(
+        self,
+        request: dict[str, object],
+        on_output: Callable[[int, bytes], None] = lambda _c, _d: None,
+        timeout: float | None = None,
+    ) -> int:
+        token = self._read("token") or ""
+        with self._connect(timeout or 10) as conn:
+            conn.settimeout(timeout)
+            conn.sendall(json.dumps({**request, "token": token}).encode() + b"\n")
+            reader = conn.makefile("rb")
+            while True:
+                header = reader.read(5)
+                if len(header) < 5:
+                    raise VMError("the guest closed the connection before the command's end")
+                channel, size = struct.unpack(">BI", header)
+                data = reader.read(size)
+                if channel == EXIT:
+                    return int(data)
+                on_output(channel, data)
+
+    def ping(self) -> bool:
+        try:
+            return self._request({"op": "ping"}, timeout=3) == 0
+        except (OSError, VMError, ValueError):
+            return False
+
+    def exec(
+        self,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        on_output: Callable[[int, bytes], None] | None = None,
+    ) -> int:
+        """Run argv in the guest; output goes to on_output (default: this process's stdout and
+        stderr); returns its exit code. `env` adds to the guest's environment, whose PATH has
+        the Kubernetes binaries and whose PYTHONPATH has the project's sources."""
+        env = dict(env or {})
+        base = {
+            "PATH": f"{kubernetes_bin_dir()}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:"
+            "/sbin:/bin",
+            "PYTHONPATH": ":".join(
+                str(vm_image.PROJECT_ROOT / d) for d in ("api", "agents", "operator", "harness")
+            ),
+        }
+        env = {**base, **env}
+        forward = kubeconfig_ports(_local_kubeconfigs(env))
+        return self._request(
+            {
+                "op": "exec",
+                "argv": argv,
+                "env": env,
+                "cwd": str((cwd or Path.cwd()).resolve()),
+                "forward": forward,
+            },
+            on_output or _to_stdio,
+        )
+
+
+def _to_stdio(channel: int, data: bytes) -> None:
+    stream = sys.stdout.buffer if channel == STDOUT else sys.stderr.buffer
+    stream.write(data)
+    stream.flush()
+
+
+#: Environment variables of the host's that a command in the guest gets unless overridden.
+PASSED_ENV = ("KUBECONFIG", "PYTHONPATH", "PROXY_CACHE_DIR", "TERM")
+
+
+def host_env() -> dict[str, str]:
+    return {k: os.environ[k] for k in PASSED_ENV if k in os.environ}

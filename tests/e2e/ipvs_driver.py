@@ -1,0 +1,99 @@
+"""A backend driven step by step inside a node netns, for the ipvs kernel tests.
+
+Run as `python3 ipvs_driver.py MODE` inside the node's netns; each line on stdin is a JSON step
+{"services": [...], "changed": [keys] | null, "settings": {...}, "cleanup": bool,
+"remove_other_modes": bool}; the driver applies it and answers one JSON line on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from ipaddress import ip_network
+from typing import Any
+
+from kpx_agent import backends
+from kpx_agent.cli import remove_other_modes
+from kpx_agent.localnet import (
+    IP,
+    Endpoint,
+    IPVSOptions,
+    NodeInfo,
+    NodeLocalState,
+    Protocol,
+    ProxySettings,
+    ServicePort,
+    ServicePortKey,
+)
+
+
+def _key(raw: list[Any]) -> ServicePortKey:
+    return ServicePortKey(raw[0], raw[1], "", Protocol(raw[2]), 4)
+
+
+def _endpoints(raw: list[list[Any]]) -> tuple[Endpoint, ...]:
+    return tuple(Endpoint(IP.of(e[0]), int(e[1]), bool(e[2]) if len(e) > 2 else False) for e in raw)
+
+
+def _port(raw: dict[str, Any]) -> ServicePort:
+    eps = _endpoints(raw.get("endpoints", []))
+    ext = _endpoints(raw["external"]) if "external" in raw else eps
+    return ServicePort(
+        _key(raw["key"]),
+        int(raw["port"]),
+        cluster_ips=tuple(IP.of(ip) for ip in raw.get("cluster_ips", [])),
+        node_port=int(raw.get("node_port", 0)),
+        cluster_endpoints=eps,
+        external_endpoints=ext,
+        external_masquerade=bool(raw.get("external_masquerade", True)),
+        drop_when_no_cluster_endpoints=bool(raw.get("drop", False)),
+        drop_when_no_external_endpoints=bool(raw.get("drop_external", False)),
+        affinity_timeout=int(raw.get("affinity", 0)),
+    )
+
+
+def _settings(raw: dict[str, Any]) -> ProxySettings:
+    return ProxySettings(
+        cluster_cidrs=(ip_network("10.244.0.0/16"),),
+        ipvs=IPVSOptions(
+            scheduler=raw.get("scheduler", "rr"),
+            strict_arp=bool(raw.get("strict_arp", False)),
+            exclude_cidrs=tuple(ip_network(c) for c in raw.get("exclude_cidrs", [])),
+            tcp_timeout=int(raw.get("tcp_timeout", 0)),
+            tcp_fin_timeout=int(raw.get("tcp_fin_timeout", 0)),
+            udp_timeout=int(raw.get("udp_timeout", 0)),
+        ),
+    )
+
+
+def main() -> None:
+    mode, node_name, node_ip = sys.argv[1:4]
+    module: Any = backends.load(mode)
+    backend = None
+    node = NodeInfo(node_name, (IP.of(node_ip),))
+    for line in sys.stdin:
+        step = json.loads(line)
+        answer: dict[str, Any] = {"ok": True}
+        try:
+            if step.get("remove_other_modes"):
+                remove_other_modes(mode)
+            if step.get("cleanup"):
+                module.cleanup()
+            if "services" in step:
+                settings = _settings(step.get("settings", {}))
+                if backend is None:
+                    backend = module.create(settings)
+                backend.settings = settings
+                ports = [_port(p) for p in step["services"]]
+                changed = step.get("changed")
+                state = NodeLocalState(node, {p.key: p for p in ports})
+                backend.sync(state, None if changed is None else [_key(k) for k in changed])
+                if hasattr(backend, "draining"):
+                    answer["draining"] = sum(len(v) for v in backend.draining().values())
+        except Exception as exc:
+            answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    main()

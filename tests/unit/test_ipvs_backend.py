@@ -1,0 +1,264 @@
+"""The ipvs backend's pure parts and its delta logic, against a recording fake of IPVS.
+
+The kernel side (real virtual servers, real packets) is tests/e2e/test_ipvs_kernel.py, which
+runs in a proxy-vm guest (tests/e2e/test_ipvs_in_vm.py).
+"""
+
+from __future__ import annotations
+
+from ipaddress import ip_network
+from typing import Any
+
+import pytest
+
+from kpx_agent.backends.ipvs import backend as backend_mod
+from kpx_agent.backends.ipvs import kernel
+from kpx_agent.backends.ipvs.backend import IpvsBackend
+from kpx_agent.backends.ipvs.model import (
+    CLUSTER_IPS,
+    DROP,
+    MASQ_IPS,
+    VirtualKey,
+    VirtualServer,
+    plan_port,
+)
+from kpx_agent.backends.ipvs.ruleset import base_table
+from kpx_agent.localnet import (
+    IP,
+    DetectLocal,
+    DetectLocalMode,
+    Endpoint,
+    IPVSOptions,
+    NodeInfo,
+    NodeLocalState,
+    Protocol,
+    ProxySettings,
+    ServicePort,
+    ServicePortKey,
+)
+
+NODE = NodeInfo("n1", (IP.of("192.168.0.1"), IP.of("10.1.0.1")))
+SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))
+E1 = Endpoint(IP.of("10.244.1.2"), 8080, True)
+E2 = Endpoint(IP.of("10.244.2.2"), 8080)
+
+
+def key(name: str, proto: Protocol = Protocol.TCP) -> ServicePortKey:
+    return ServicePortKey("d", name, "", proto, 4)
+
+
+def web(*eps: Endpoint, **extra: Any) -> ServicePort:
+    return ServicePort(key("web"), 80, cluster_ips=(IP.of("10.96.0.10"),), node_port=30080,
+                       cluster_endpoints=eps, external_endpoints=eps, **extra)  # fmt: skip
+
+
+def test_a_service_port_becomes_virtual_servers_addresses_and_set_elements() -> None:
+    plan = plan_port(web(E1, E2, affinity_timeout=600), NODE, SETTINGS)
+    vip = VirtualKey(4, "tcp", "10.96.0.10", 80)
+    assert set(plan.virtual_servers) == {
+        vip,
+        VirtualKey(4, "tcp", "192.168.0.1", 30080),
+        VirtualKey(4, "tcp", "10.1.0.1", 30080),
+    }
+    assert plan.virtual_servers[vip] == VirtualServer(
+        vip, "rr", 600, frozenset({("10.244.1.2", 8080), ("10.244.2.2", 8080)})
+    )
+    assert plan.bound == {(4, "10.96.0.10")}  # node addresses are already the node's
+    assert plan.elements[CLUSTER_IPS] == {(4, "10.96.0.10", "tcp", 80)}
+    assert (4, "192.168.0.1", "tcp", 30080) in plan.elements[MASQ_IPS]
+    assert DROP not in plan.elements
+
+
+def test_node_port_addresses_scheduler_and_local_policies() -> None:
+    settings = ProxySettings(
+        node_port_networks=(ip_network("192.168.0.0/24"),), ipvs=IPVSOptions(scheduler="sh")
+    )
+    plan = plan_port(
+        web(external_masquerade=False, drop_when_no_external_endpoints=True,
+            drop_when_no_cluster_endpoints=True),
+        NODE, settings,
+    )  # fmt: skip
+    node_port = VirtualKey(4, "tcp", "192.168.0.1", 30080)
+    assert VirtualKey(4, "tcp", "10.1.0.1", 30080) not in plan.virtual_servers
+    assert plan.virtual_servers[node_port].scheduler == "sh"
+    assert MASQ_IPS not in plan.elements  # externalTrafficPolicy Local keeps the source
+    assert plan.elements[DROP] == {(4, "10.96.0.10", "tcp", 80), (4, "192.168.0.1", "tcp", 30080)}
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        (SETTINGS, "ip saddr != { 10.244.0.0/16 } meta mark set meta mark | 0x4000"),
+        (ProxySettings(masquerade_all=True), "@cluster-ips meta mark set meta mark | 0x4000"),
+        (ProxySettings(detect_local=DetectLocal(DetectLocalMode.BRIDGE_INTERFACE, "cbr0")),
+         'iifname != "cbr0" meta mark'),
+        (ProxySettings(detect_local=DetectLocal(DetectLocalMode.INTERFACE_NAME_PREFIX, "veth")),
+         'iifname != "veth*" meta mark'),
+    ],
+)  # fmt: skip
+def test_helper_table_masquerades_what_is_not_from_a_local_pod(
+    settings: ProxySettings, match: str
+) -> None:
+    text = base_table(4, settings, NODE, {CLUSTER_IPS: [(4, "10.96.0.10", "tcp", 80)]})
+    assert match in text
+    assert "meta mark & 0x4000 == 0x4000 masquerade" in text
+    assert "add element ip kpx-ipvs cluster-ips { 10.96.0.10 . tcp . 80 }" in text
+
+
+class FakeIpvs:
+    def __init__(self) -> None:
+        self.services: dict[VirtualKey, VirtualServer] = {}
+        self.dests: dict[VirtualKey, dict[tuple[str, int], int]] = {}
+        self.conns: dict[tuple[VirtualKey, tuple[str, int]], int] = {}
+        self.calls: list[tuple[str, ...]] = []
+        self.bound: set[tuple[int, str]] = set()  # addresses on the dummy interface
+        self.nft: list[str] = []  # nft scripts run
+
+    def add_service(self, vs: VirtualServer) -> None:
+        self.calls.append(("add_service", vs.key.address, str(vs.key.port)))
+        self.services[vs.key] = vs
+        self.dests[vs.key] = {}
+
+    def set_service(self, vs: VirtualServer) -> None:
+        self.calls.append(("set_service", vs.key.address, str(vs.key.port)))
+        self.services[vs.key] = vs
+
+    def delete_service(self, key: VirtualKey) -> None:
+        self.calls.append(("delete_service", key.address, str(key.port)))
+        del self.services[key]
+        del self.dests[key]
+
+    def set_dest(self, key: VirtualKey, address: str, port: int, weight: int, new: bool) -> None:
+        self.calls.append(("set_dest", key.address, address, str(weight)))
+        assert ((address, port) in self.dests[key]) is not new
+        self.dests[key][(address, port)] = weight
+
+    def delete_dest(self, key: VirtualKey, address: str, port: int) -> None:
+        self.calls.append(("delete_dest", key.address, address))
+        del self.dests[key][(address, port)]
+
+    def connections(self, key: VirtualKey) -> dict[tuple[str, int], int]:
+        return {d: self.conns.get((key, d), 0) for d in self.dests[key]}
+
+
+@pytest.fixture
+def fake(monkeypatch: pytest.MonkeyPatch) -> FakeIpvs:
+    ipvs = FakeIpvs()
+    bound, nft = ipvs.bound, ipvs.nft
+    monkeypatch.setattr(kernel, "write_sysctl", lambda name, value: True)
+    monkeypatch.setattr(kernel, "set_timeouts", lambda *a: None)
+    monkeypatch.setattr(kernel, "ensure_dummy", lambda: 1)
+    monkeypatch.setattr(kernel, "bound_addresses", lambda: set(bound))
+
+    def bind(changes: Any) -> None:
+        for add, family, address in changes:
+            (bound.add if add else bound.discard)((family, address))
+
+    monkeypatch.setattr(kernel, "bind", bind)
+    monkeypatch.setattr(kernel, "run_nft", nft.append)
+    return ipvs
+
+
+class _Adapter:
+    """The backend lists services through a method: give the fake's dict that shape."""
+
+    def __init__(self, fake: FakeIpvs) -> None:
+        self._fake = fake
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fake, name)
+
+    def services(self) -> list[VirtualKey]:
+        return list(self._fake.services)
+
+
+def backend_for(fake: FakeIpvs) -> IpvsBackend:
+    return IpvsBackend(SETTINGS, ipvs_factory=lambda: _Adapter(fake))
+
+
+def state(*ports: ServicePort) -> NodeLocalState:
+    return NodeLocalState(NODE, {p.key: p for p in ports})
+
+
+DNS = ServicePort(key("dns", Protocol.UDP), 53, cluster_ips=(IP.of("10.96.0.10"),),
+                  cluster_endpoints=(E1, E2), external_endpoints=(E1, E2))  # fmt: skip
+
+
+def test_a_change_to_one_port_touches_only_its_virtual_servers(fake: FakeIpvs) -> None:
+    b = backend_for(fake)
+    b.sync(state(web(E1, E2), DNS), None)
+    assert len(fake.services) == 4
+    assert all(vs.scheduler == "rr" for vs in fake.services.values())
+    assert fake.bound == {(4, "10.96.0.10")}
+    fake.calls.clear()
+    nft_before = len(fake.nft)
+    # DNS loses E2: UDP real servers leave at once; web is not touched at all.
+    dns_e1 = ServicePort(
+        **{**_fields(DNS), "cluster_endpoints": (E1,), "external_endpoints": (E1,)}
+    )
+    b.sync(state(web(E1, E2), dns_e1), [DNS.key])
+    assert fake.calls == [("delete_dest", "10.96.0.10", "10.244.2.2")]
+    # One nft transaction: E2's UDP hairpin element leaves (its TCP one stays, for web).
+    assert fake.nft[nft_before:] == [
+        "delete element ip kpx-ipvs hairpin { 10.244.2.2 . udp . 8080 . 10.244.2.2 }\n"
+    ]
+    # Removing the whole DNS port removes its virtual server, not the shared address.
+    fake.calls.clear()
+    b.sync(state(web(E1, E2)), [DNS.key])
+    assert fake.calls == [("delete_service", "10.96.0.10", "53")]
+    assert fake.bound == {(4, "10.96.0.10")}
+    b.sync(state(), [web(E1, E2).key])
+    assert fake.services == {} and fake.bound == set()
+
+
+def test_a_removed_tcp_real_server_drains_at_weight_0_then_leaves(fake: FakeIpvs) -> None:
+    b = backend_for(fake)
+    b.sync(state(web(E1, E2)), None)
+    vip = VirtualKey(4, "tcp", "10.96.0.10", 80)
+    fake.conns[(vip, ("10.244.2.2", 8080))] = 3
+    b.sync(state(web(E1)), [key("web")])
+    assert fake.dests[vip] == {("10.244.1.2", 8080): 1, ("10.244.2.2", 8080): 0}
+    assert b.draining() == {vip: {("10.244.2.2", 8080)}}  # the NodePorts had no connection
+    b.sync(state(web(E1)), [])  # still connections: stays at weight 0
+    assert ("10.244.2.2", 8080) in fake.dests[vip]
+    # Back before it drained: it serves again with its weight.
+    b.sync(state(web(E1, E2)), [key("web")])
+    assert fake.dests[vip][("10.244.2.2", 8080)] == 1 and b.draining() == {}
+    b.sync(state(web(E1)), [key("web")])
+    fake.conns.clear()
+    b.sync(state(web(E1)), [])
+    assert fake.dests[vip] == {("10.244.1.2", 8080): 1} and b.draining() == {}
+
+
+def test_a_full_sync_removes_strangers_but_not_excluded_ones(fake: FakeIpvs) -> None:
+    stranger = VirtualKey(4, "tcp", "192.168.60.1", 80)
+    kept = VirtualKey(4, "tcp", "192.168.50.1", 80)
+    for k in (stranger, kept):
+        fake.add_service(VirtualServer(k, "rr", 0, frozenset()))
+    settings = ProxySettings(ipvs=IPVSOptions(exclude_cidrs=(ip_network("192.168.50.0/24"),)))
+    b = IpvsBackend(settings, ipvs_factory=lambda: _Adapter(fake))
+    b.sync(state(web(E1)), None)
+    assert kept in fake.services and stranger not in fake.services
+
+
+def test_a_scheduler_change_resyncs_every_virtual_server(fake: FakeIpvs) -> None:
+    b = backend_for(fake)
+    b.sync(state(web(E1)), None)
+    b.settings = ProxySettings(cluster_cidrs=SETTINGS.cluster_cidrs,
+                               ipvs=IPVSOptions(scheduler="lc"))  # fmt: skip
+    b.sync(state(web(E1)), [])  # the agent asks for a delta; new settings force a full sync
+    assert {vs.scheduler for vs in fake.services.values()} == {"lc"}
+
+
+def _fields(port: ServicePort) -> dict[str, Any]:
+    return {name: getattr(port, name) for name in port.__slots__}
+
+
+def test_the_backend_module_is_registered_and_gated() -> None:
+    from kpx_agent import backends
+    from kpx_api.modes import MODES_WITH_BACKEND, Mode
+
+    assert Mode.IPVS in MODES_WITH_BACKEND
+    module: Any = backends.load("ipvs")
+    assert module.create(SETTINGS).mode == "ipvs"
+    assert backend_mod.cleanup is module.cleanup
