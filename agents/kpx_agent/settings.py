@@ -25,6 +25,8 @@ class AgentSettings:
     metrics: tuple[str, int]
     #: The node's conntrack sysctls (conntrack_sysctl.py).
     conntrack: Conntrack = field(default_factory=Conntrack)
+    #: Where the node-local state API listens (stateAPI.address), None when it is off.
+    state_api: str | None = None
 
 
 def _detect_local(config: AgentConfiguration) -> DetectLocal:
@@ -55,6 +57,7 @@ def resolve(config: AgentConfiguration) -> AgentSettings:
         healthz=parse_bind_address(config.healthz_bind_address),
         metrics=parse_bind_address(config.metrics_bind_address),
         conntrack=config.conntrack,
+        state_api=config.state_api.address if config.state_api.enabled else None,
     )
 
 

@@ -22,6 +22,7 @@ from kpx_api.modes import (
 from kpx_api.names import DNSLabel
 from kpx_api.networks import BindAddress, ClusterCIDRs, NodePortAddresses, parse_cidr
 from kpx_api.selectors import LabelSelector
+from kpx_api.stateapi import StateAPI
 from kpx_api.validation import KpxModel, Rule, SetList, Text
 
 
@@ -281,6 +282,11 @@ class ProxySettings(KpxModel):
         default_factory=NamespaceOptOut,
         description="Namespaces whose Services the agents leave alone. Default: the "
         f"namespaces labelled {OPT_OUT_LABEL}={OPT_OUT_VALUE}.",
+    )
+    state_api: StateAPI = Field(
+        default_factory=StateAPI,
+        alias="stateAPI",
+        description="The node-local state API for out-of-tree backends (docs/state-api.md).",
     )
 
     def mode_settings(self) -> ModeSettings:

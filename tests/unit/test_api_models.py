@@ -62,6 +62,7 @@ DEFAULT_SPEC: dict[str, Any] = {
             "matchExpressions": [],
         },
     },
+    "stateAPI": {"enabled": False, "address": "unix:///run/proxy-agent/state.sock"},
     "nodeSelector": {},
     "tolerations": [],
     "priorityClassName": "system-node-critical",
