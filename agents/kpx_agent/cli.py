@@ -28,7 +28,7 @@ from .metrics import AgentMetrics
 from .proxy_health import ProxyHealth
 
 log = logging.getLogger("kpx_agent")
-MODES = ("nftables", "iptables", "ipvs")
+MODES = ("nftables", "iptables", "ipvs", "external")
 
 
 def _positive_seconds(text: str) -> float:

@@ -8,6 +8,7 @@ from typing import Any
 
 from kpx_api.agentconfig import AgentConfiguration, load_agent_config, parse_agent_config
 from kpx_api.durations import parse_duration
+from kpx_api.modes import state_server_only
 from kpx_api.networks import parse_bind_address, parse_cidr
 from kpx_api.proxysettings import Conntrack, NamespaceOptOut
 
@@ -57,7 +58,11 @@ def resolve(config: AgentConfiguration) -> AgentSettings:
         healthz=parse_bind_address(config.healthz_bind_address),
         metrics=parse_bind_address(config.metrics_bind_address),
         conntrack=config.conntrack,
-        state_api=config.state_api.address if config.state_api.enabled else None,
+        state_api=(
+            config.state_api.address
+            if config.state_api.enabled or state_server_only(str(config.mode))
+            else None
+        ),
     )
 
 

@@ -512,3 +512,76 @@ def test_grpc_status_of_an_unreachable_agent(tmp_path: Path) -> None:
         with pytest.raises(grpc.RpcError) as info:
             next(iter(method(iter([b""]), timeout=2)))
         assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+# --- the agent's wiring --------------------------------------------------------------------------
+
+
+def test_mode_external_always_serves_the_state_api() -> None:
+    from kpx_agent import settings as settings_mod
+    from kpx_api.agentconfig import parse_agent_config
+
+    external = parse_agent_config({"mode": "external", "external": {"image": "x/y:1"}})
+    assert settings_mod.resolve(external).state_api == "unix:///run/proxy-agent/state.sock"
+    nft = parse_agent_config({"mode": "nftables"})
+    assert settings_mod.resolve(nft).state_api is None
+    on = parse_agent_config(
+        {"mode": "nftables", "stateAPI": {"enabled": True, "address": "tcp://127.0.0.1:7000"}}
+    )
+    assert settings_mod.resolve(on).state_api == "tcp://127.0.0.1:7000"
+
+
+@pytest.mark.parametrize("address", ["tcp://0.0.0.0:7000", "tcp://10.0.0.1:7000", "unix://x"])
+def test_the_api_refuses_non_loopback_tcp(address: str) -> None:
+    from kpx_api.agentconfig import parse_agent_config
+    from kpx_api.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"stateAPI\.address"):
+        parse_agent_config({"mode": "nftables", "stateAPI": {"address": address}})
+
+
+def test_state_socket_flag_enables_the_api() -> None:
+    from kpx_agent.cli import _overrides, _run_parser
+
+    args = _run_parser().parse_args(["--mode", "nftables", "--state-socket", "/tmp/s.sock"])
+    assert _overrides(args)["stateAPI"] == {"enabled": True, "address": "unix:///tmp/s.sock"}
+
+
+def test_the_proxier_publishes_after_a_successful_sync_only() -> None:
+    """The hook: a Service change makes one revision; a failed kernel sync makes none (the
+    next full sync, after the failure, publishes it)."""
+    from kpx_agent.backends import state_only
+    from kpx_agent.backends.base import BackendError
+    from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+    from kpx_agent.metrics import AgentMetrics
+    from kpx_agent.proxier import Proxier
+    from kpx_api.proxysettings import NamespaceOptOut
+
+    cluster = ClusterState()
+    for kind in (SERVICES, SLICES, NAMESPACES, NODES):
+        cluster.replace(kind, [])
+    backend = state_only.create(ProxySettings())
+    proxier = Proxier(cluster, backend, "n1", NamespaceOptOut(), AgentMetrics())
+    pub = Publisher()
+    proxier.on_synced = lambda local, changed: pub.publish(local, backend.settings, changed)
+    proxier.delete_flows = lambda filters: 0
+    assert proxier.sync().ok and pub.revision == 1  # the first (empty) state
+    svc = {
+        "metadata": {"namespace": "ns", "name": "dns"},
+        "spec": {"clusterIPs": ["10.96.0.10"], "ports": [{"port": 53, "protocol": "UDP"}]},
+    }
+    cluster.upsert(SERVICES, svc)
+    failing = True
+
+    def sync(state: NodeLocalState, changed: Any) -> None:
+        if failing:
+            raise BackendError("no")
+
+    backend.sync = sync  # type: ignore[method-assign]
+    assert not proxier.sync().ok and pub.revision == 1
+    failing = False
+    cluster.touch_all()
+    assert proxier.sync().ok and pub.revision == 2
+    answer = decode(pub.answer("", 0, True))
+    assert [p.key.name for p in answer.service_ports] == ["dns"]
+    assert proxier.sync().ok and pub.revision == 2  # nothing changed

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 REGISTRY: dict[str, str] = {
     "nftables": "kpx_agent.backends.nftables",
     "iptables": "kpx_agent.backends.iptables",
+    # state-server-only (kpx_api.STATE_SERVER_ONLY_MODES): no kernel rules
+    "external": "kpx_agent.backends.state_only",
 }
 
 
