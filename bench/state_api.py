@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 for sub in ("agents", "api"):
@@ -125,7 +126,7 @@ class Clients:
             proc.wait(timeout=10)
 
 
-def measure(n: int, changes: int) -> dict[str, object]:
+def measure(n: int, changes: int) -> dict[str, Any]:
     state = build_state(n)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
@@ -195,20 +196,21 @@ def measure(n: int, changes: int) -> dict[str, object]:
     }
 
 
-def report(r: dict[str, object]) -> str:
-    goal = "met" if float(r["change_to_handler_ms_median"]) < 50 else "NOT met"  # type: ignore[arg-type]
+def report(r: dict[str, Any]) -> str:
+    goal = "met" if float(r["change_to_handler_ms_median"]) < 50 else "NOT met"
     return "\n".join(
         [
             f"## Node-local state API, {r['services']:,} Service ports x 10 endpoints",
             "",
             "| measure | value |",
             "| --- | --- |",
-            f"| full state, encoded | {int(r['full_state_bytes']) / 1e6:.1f} MB |",  # type: ignore[call-overload]
+            f"| full state, encoded | {int(r['full_state_bytes']) / 1e6:.1f} MB |",
             f"| publish the full state (convert + encode per port) | {r['publish_full_s']} s |",
             f"| assemble the full response (once per revision) | {r['encode_full_response_s']} s |",
             f"| full state to a new client's handler (incl. its start) | "
             f"{r['full_delivery_s_incl_client_start']} s |",
-            f"| one change: publish (in the sync) | {r['publish_one_change_ms_median']} ms median |",
+            f"| one change: publish (in the sync) | {r['publish_one_change_ms_median']} ms "
+            "median |",
             f"| one change: end of sync -> client handler | {r['change_to_handler_ms_median']} ms "
             f"median, {r['change_to_handler_ms_p95']} ms p95 (goal < 50 ms median: {goal}) |",
             f"| server memory: the published state | {r['server_rss_state_kib']} KiB |",
