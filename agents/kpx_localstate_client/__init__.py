@@ -14,14 +14,25 @@ Depends on grpcio and protobuf only. See README.md.
 from __future__ import annotations
 
 from . import localstate_pb2
-from .client import DEFAULT_TARGET, WATCH_METHOD, PortKey, State, StateClient, run
+from .client import (
+    DEFAULT_TARGET,
+    TARGET_ENV,
+    WATCH_METHOD,
+    PortKey,
+    State,
+    StateClient,
+    default_target,
+    run,
+)
 
 __all__ = [
     "DEFAULT_TARGET",
+    "TARGET_ENV",
     "WATCH_METHOD",
     "PortKey",
     "State",
     "StateClient",
+    "default_target",
     "localstate_pb2",
     "run",
 ]

@@ -8,6 +8,7 @@ full one; SIGTERM and SIGINT stop it cleanly (the handler is never interrupted m
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import threading
@@ -22,6 +23,15 @@ from . import localstate_pb2 as pb
 log = logging.getLogger("kpx_localstate_client")
 
 DEFAULT_TARGET = "unix:///run/proxy-agent/state.sock"
+#: In mode external the operator sets it in the backend container to the agent's address.
+TARGET_ENV = "KPX_STATE_API"
+
+
+def default_target() -> str:
+    """$KPX_STATE_API, else DEFAULT_TARGET."""
+    return os.environ.get(TARGET_ENV) or DEFAULT_TARGET
+
+
 #: The one RPC of the API, as gRPC names it.
 WATCH_METHOD = "/kpx.localstate.v1.LocalState/Watch"
 
@@ -80,8 +90,8 @@ class State:
 class StateClient:
     """One connection to the agent (reused across reconnects); `states()` yields each state."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, want_deltas: bool = True) -> None:
-        self.target = target
+    def __init__(self, target: str | None = None, want_deltas: bool = True) -> None:
+        self.target = target or default_target()
         self.want_deltas = want_deltas
         self.state = State()
         self._call: Any = None
@@ -137,7 +147,7 @@ class StateClient:
 
 def run(
     handler: Callable[[State], None],
-    target: str = DEFAULT_TARGET,
+    target: str | None = None,
     *,
     want_deltas: bool = True,
     min_backoff: float = 0.1,
@@ -146,7 +156,8 @@ def run(
     client: StateClient | None = None,
 ) -> None:
     """Call `handler(state)` with the full state after each change, until SIGTERM or SIGINT
-    (or `client.close()`). Reconnects with exponential backoff (min_backoff doubling up to
+    (or `client.close()`); `target` defaults to $KPX_STATE_API, else DEFAULT_TARGET.
+    Reconnects with exponential backoff (min_backoff doubling up to
     max_backoff, reset after a successful response). An exception of the handler ends `run`."""
     client = client or StateClient(target, want_deltas)
     if handle_signals and threading.current_thread() is threading.main_thread():

@@ -88,7 +88,7 @@ class ExternalSettings(KpxModel):
     env: Annotated[list[EnvVar], Field(max_length=128)] = Field(
         default_factory=list,
         description="Environment variables. KPX_STATE_API is always set to the state API's "
-        "address (unix:///run/proxy-agent/state.sock).",
+        "address (unix:/run/proxy-agent/state.sock by default), NODE_NAME to the node's name.",
     )
     resources: ResourceRequirements = Field(
         default_factory=ResourceRequirements,

@@ -257,17 +257,25 @@ def _apiserver_env(opts: BuildOptions) -> list[Obj]:
     ]
 
 
-def _external_backend(spec: ProxyConfigurationSpec) -> tuple[list[Obj], list[Obj], list[Obj]]:
-    """(volumes, agent mounts, sidecars) of mode external: the user's backend container
-    (spec.external) sharing the state socket's directory with the agent, an emptyDir."""
+def _external_backend(
+    spec: ProxyConfigurationSpec,
+) -> tuple[list[Obj], list[Obj], list[str], list[Obj]]:
+    """(volumes, agent mounts, agent flags, sidecars) of mode external: the user's backend
+    container (spec.external) sharing the state socket's directory with the agent, an
+    emptyDir. The socket's path is on the command line and in KPX_STATE_API (`unix:PATH`), as
+    paths a runtime maps to the shared directory."""
     if spec.mode is not Mode.EXTERNAL or spec.external is None:
-        return [], [], []
+        return [], [], [], []
     ext, address = spec.external, spec.state_api.address
     mounts: list[Obj] = []
     volumes: list[Obj] = []
+    flags: list[str] = []
     if address.startswith("unix://"):
+        path = address[len("unix://") :]
         volumes = [{"name": "state-api", "emptyDir": {}}]
-        mounts = [{"name": "state-api", "mountPath": posixpath.dirname(address[len("unix://") :])}]
+        mounts = [{"name": "state-api", "mountPath": posixpath.dirname(path)}]
+        flags = ["--state-socket", path]
+        address = f"unix:{path}"
     sidecar: Obj = {
         "name": EXTERNAL_CONTAINER,
         "image": ext.image,
@@ -286,7 +294,7 @@ def _external_backend(spec: ProxyConfigurationSpec) -> tuple[list[Obj], list[Obj
         sidecar["resources"] = resources
     if security := ext.security_context.to_dict():
         sidecar["securityContext"] = security
-    return volumes, mounts, [sidecar]
+    return volumes, mounts, flags, [sidecar]
 
 
 def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> Obj:
@@ -295,7 +303,7 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
     xt_volumes, xt_mounts = _xtables(spec.mode)
     ct_volumes, ct_mounts, ct_flags = _conntrack_access(spec)
     ln_volumes, ln_mounts, ln_flags = _localnet_access(spec)
-    ex_volumes, ex_mounts, sidecars = _external_backend(spec)
+    ex_volumes, ex_mounts, ex_flags, sidecars = _external_backend(spec)
     _, healthz_port = parse_bind_address(spec.healthz_bind_address)
     container: Obj = {
         "name": AGENT_CONTAINER,
@@ -309,6 +317,7 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
             CONFIG_FILE,
             *ct_flags,
             *ln_flags,
+            *ex_flags,
         ],
         "env": [
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},

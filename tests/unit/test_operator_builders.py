@@ -127,7 +127,10 @@ def test_agent_daemonset_runs_the_agent_with_least_privilege(mode: str) -> None:
     ]  # fmt: skip
     # The examples keep the conntrack defaults (a table size): the agent is told where the
     # node's values are mounted (test_conntrack_access_only_when_settings_change_the_node).
-    assert container["command"][5::2] == ["--conntrack-sysctl-dir", "--conntrack-hashsize-file"]
+    flags = ["--conntrack-sysctl-dir", "--conntrack-hashsize-file"]
+    if mode == "external":  # the state socket, in the directory shared with the backend
+        flags.append("--state-socket")
+    assert container["command"][5::2] == flags
     assert pod["hostNetwork"] is True
     assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert pod["priorityClassName"] == spec.priority_class_name
@@ -541,9 +544,7 @@ def test_external_backend_is_a_sidecar_sharing_the_state_socket_directory() -> N
     agent, backend = pod["containers"]
     assert backend["name"] == "backend" and backend["image"] == spec.external.image
     assert backend["command"] == ["python3", "/plugin/userspace_proxy.py"]
-    assert {"name": "KPX_STATE_API", "value": "unix:///run/proxy-agent/state.sock"} in backend[
-        "env"
-    ]
+    assert {"name": "KPX_STATE_API", "value": "unix:/run/proxy-agent/state.sock"} in backend["env"]
     assert {"name": "PYTHONUNBUFFERED", "value": "1"} in backend["env"]
     assert backend["resources"] == {"requests": {"cpu": "50m", "memory": "64Mi"}}
     assert backend["securityContext"] == {"runAsUser": 0}
@@ -551,6 +552,7 @@ def test_external_backend_is_a_sidecar_sharing_the_state_socket_directory() -> N
     assert shared in agent["volumeMounts"] and backend["volumeMounts"] == [shared]
     assert {"name": "state-api", "emptyDir": {}} in pod["volumes"]
     assert agent["command"][:3] == ["proxy-agent", "--mode", "external"]
+    assert agent["command"][-2:] == ["--state-socket", "/run/proxy-agent/state.sock"]
 
 
 def test_no_sidecar_in_the_kernel_modes() -> None:
@@ -568,3 +570,4 @@ def test_external_sidecar_follows_the_socket_directory() -> None:
     assert pod["containers"][1]["volumeMounts"] == [
         {"name": "state-api", "mountPath": "/var/run/kpx"}
     ]
+    assert pod["containers"][0]["command"][-1] == "/var/run/kpx/s.sock"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from google.protobuf.json_format import MessageToDict
 
-from kpx_localstate_client import DEFAULT_TARGET, State, run
+from kpx_localstate_client import DEFAULT_TARGET, State, default_target, run
 
 
 def as_json(state: State) -> dict[str, object]:
@@ -43,7 +43,9 @@ def write_atomically(path: Path, data: dict[str, object]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, required=True)
-    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument(
+        "--target", default=default_target(), help=f"default: $KPX_STATE_API, else {DEFAULT_TARGET}"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     run(lambda state: write_atomically(args.output, as_json(state)), args.target)

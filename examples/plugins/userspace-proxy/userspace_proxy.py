@@ -19,7 +19,7 @@ import logging
 import socket
 import threading
 
-from kpx_localstate_client import DEFAULT_TARGET, State, localstate_pb2, run
+from kpx_localstate_client import DEFAULT_TARGET, State, default_target, localstate_pb2, run
 
 log = logging.getLogger("userspace-proxy")
 IP_FREEBIND = getattr(socket, "IP_FREEBIND", 15)
@@ -110,7 +110,9 @@ class Proxy:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=DEFAULT_TARGET)
+    parser.add_argument(
+        "--target", default=default_target(), help=f"default: $KPX_STATE_API, else {DEFAULT_TARGET}"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     proxy = Proxy()
