@@ -87,6 +87,20 @@ class State:
         self.node, self.settings = response.node, response.settings
 
 
+def _short_target(target: str) -> tuple[str, int | None]:
+    """A unix socket path longer than a socket address holds (107 bytes) is reached through
+    a descriptor of its directory (/proc/self/fd/N/name); the descriptor is to be closed."""
+    for prefix in ("unix://", "unix:"):
+        if target.startswith(prefix):
+            path = target[len(prefix) :]
+            if len(path.encode()) <= 107:
+                return target, None
+            directory, _, name = path.rpartition("/")
+            dir_fd = os.open(directory or "/", os.O_PATH | os.O_DIRECTORY)
+            return f"unix:/proc/self/fd/{dir_fd}/{name}", dir_fd
+    return target, None
+
+
 class StateClient:
     """One connection to the agent (reused across reconnects); `states()` yields each state."""
 
@@ -113,7 +127,15 @@ class StateClient:
         """Connect, and yield the state after each response until the stream ends (raises
         grpc.RpcError when the agent is unreachable or goes away). Resumes from the state
         held: the agent answers only when it has something newer."""
-        with grpc.insecure_channel(self.target) as channel:
+        target, dir_fd = _short_target(self.target)
+        try:
+            yield from self._states(target)
+        finally:
+            if dir_fd is not None:
+                os.close(dir_fd)
+
+    def _states(self, target: str) -> Iterator[State]:
+        with grpc.insecure_channel(target) as channel:
             watch = channel.stream_stream(
                 WATCH_METHOD,
                 request_serializer=pb.WatchRequest.SerializeToString,

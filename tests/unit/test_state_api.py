@@ -585,3 +585,27 @@ def test_the_proxier_publishes_after_a_successful_sync_only() -> None:
     answer = decode(pub.answer("", 0, True))
     assert [p.key.name for p in answer.service_ports] == ["dns"]
     assert proxier.sync().ok and pub.revision == 2  # nothing changed
+
+
+def test_a_socket_path_longer_than_a_socket_address(tmp_path: Path) -> None:
+    """Served and reached through the directory's descriptor (a deep pod volume path)."""
+    from kpx_localstate_client import StateClient
+
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    assert len(str(deep / "state.sock")) > 108
+
+    async def main() -> None:
+        pub = Publisher()
+        server = StateServer(pub, Listen(path=deep / "state.sock"))
+        await server.start()
+        pub.publish(state_of(full_port(1)), ProxySettings(), None)
+        assert stat.S_IMODE((deep / "state.sock").stat().st_mode) == 0o600
+        client = StateClient(f"unix://{deep}/state.sock")
+        states = client.states()
+        state = await asyncio.to_thread(next, states)
+        assert state.revision == 1 and len(state.service_ports) == 1
+        client.close()
+        await asyncio.to_thread(states.close)
+        await server.stop()
+
+    run(main())

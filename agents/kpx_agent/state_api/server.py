@@ -139,16 +139,20 @@ class StateServer:
     async def _start_unix(self, server: aio.Server, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         os.chmod(path.parent, 0o750)  # noqa: S103  (the agent's group may look, not connect)
-        private = path.parent / f".{path.name}.{os.getpid()}"
-        staging = private.with_suffix(".d")
+        staging = path.parent / f".s{os.getpid()}"
         with contextlib.suppress(FileNotFoundError):
             staging.joinpath(path.name).unlink()
         staging.mkdir(mode=0o700, exist_ok=True)
         os.chmod(staging, 0o700)
         bound = staging / path.name
-        if not server.add_insecure_port(f"unix://{bound}"):
-            raise OSError(f"cannot listen on {bound}")
-        await server.start()
+        # A socket path is limited to 107 bytes: bind through a descriptor of the directory.
+        dir_fd = os.open(staging, os.O_PATH | os.O_DIRECTORY)
+        try:
+            if not server.add_insecure_port(f"unix:/proc/self/fd/{dir_fd}/{path.name}"):
+                raise OSError(f"cannot listen on {bound}")
+            await server.start()
+        finally:
+            os.close(dir_fd)
         os.chmod(bound, 0o600)
         os.replace(bound, path)  # a stale socket of a previous agent is replaced
         staging.rmdir()
