@@ -70,3 +70,4 @@ demo-down:
 ## bench: kpx against upstream kube-proxy, side by side (N=1000 for one size); sets up the machine first
 bench: setup
 	$(PYTHON) bench/compare.py $(if $(N),--services $(N),)
+	$(PYTHON) bench/state_api.py $(if $(N),--services $(N),)

@@ -26,7 +26,7 @@ CRDS = REPO / "crds"
 CHART = REPO / "charts" / "kpx"
 SCHEMA = CHART / "values.schema.json"
 CRD_NAME = "proxyconfigurations.proxy.kpx.dev.yaml"
-MODES = ("nftables", "iptables", "ipvs")
+MODES = ("nftables", "iptables", "ipvs", "external")
 PREFIX = "crd."
 
 #: OpenAPI keywords that mean the same in JSON Schema (draft 7) and are kept as they are.

@@ -7,7 +7,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from . import settings as settings_mod
 from .backends.base import Backend
 from .cluster_state import ClusterState
 from .http_endpoints import health_app, metrics_app, serve
+from .localnet import NodeLocalState, ServicePortKey
 from .metrics import AgentMetrics
 from .optout import exclusion_field_selector
 from .proxier import Proxier
@@ -27,6 +28,8 @@ from .proxy_health import ProxyHealth, health_timeout
 from .resources import NAMESPACES_RESOURCE, NODES_RESOURCE, SERVICES_RESOURCE, SLICES_RESOURCE
 from .service_health import HealthCheckServers, health_targets
 from .settings import AgentSettings
+from .state_api.publisher import Publisher
+from .state_api.server import StateServer, parse_address
 
 log = logging.getLogger(__name__)
 CONFIG_POLL_SECONDS = 2.0
@@ -61,6 +64,19 @@ class Agent:
         self._wake = asyncio.Event()
         self._config_stamp = self._stamp()
         self.health = ProxyHealth(health_timeout(settings.sync_period))
+        self.state_server: StateServer | None = None
+        if settings.state_api is not None:
+            self.state_server = StateServer(Publisher(), parse_address(settings.state_api))
+            self.proxier.on_synced = self._publish_state
+
+    def _publish_state(
+        self, local: NodeLocalState, changed: Collection[ServicePortKey] | None
+    ) -> None:
+        """After a successful sync (the proxier's worker thread): a new revision for the
+        state API's clients, when anything changed."""
+        assert self.state_server is not None
+        if self.state_server.publisher.publish(local, self.backend.settings, changed):
+            self.state_server.notify()
 
     # -- wiring --------------------------------------------------------------------------------
     def _reflector(
@@ -118,6 +134,8 @@ class Agent:
         ]
         tasks: list[asyncio.Task[None]] = []
         try:
+            if self.state_server is not None:
+                await self.state_server.start()
             await self.apply_conntrack()
             namespaces = self._reflector(NAMESPACES_RESOURCE)
             node = self._reflector(
@@ -153,6 +171,8 @@ class Agent:
             for runner in runners:
                 await runner.cleanup()
             await self.health_check_servers.close()
+            if self.state_server is not None:
+                await self.state_server.stop()
             await self.client.close()
 
     # -- the sync loop -------------------------------------------------------------------------
@@ -254,8 +274,12 @@ class Agent:
             )
             return False
         self.health.timeout = health_timeout(new.sync_period)
-        if (new.healthz, new.metrics) != (self.settings.healthz, self.settings.metrics):
-            log.warning("bind address changes take effect when the agent restarts")
+        if (new.healthz, new.metrics, new.state_api) != (
+            self.settings.healthz,
+            self.settings.metrics,
+            self.settings.state_api,
+        ):
+            log.warning("bind address and state API changes take effect when the agent restarts")
         if new.conntrack != self.settings.conntrack:
             self._conntrack_task = asyncio.get_running_loop().create_task(self.apply_conntrack(new))
         if new.proxy != self.settings.proxy:

@@ -33,7 +33,7 @@ from .metrics import AgentMetrics
 from .proxy_health import ProxyHealth
 
 log = logging.getLogger("kpx_agent")
-MODES = ("nftables", "iptables", "ipvs")
+MODES = ("nftables", "iptables", "ipvs", "external")
 
 
 def _positive_seconds(text: str) -> float:
@@ -95,6 +95,12 @@ def _run_parser() -> argparse.ArgumentParser:
         "net.ipv4.conf.all.route_localnet (default: /proc/sys/net/ipv4/conf/all/route_localnet "
         "of the agent's network namespace; a pod mounts the node's file elsewhere)",
     )
+    p.add_argument(
+        "--state-socket",
+        metavar="PATH",
+        help="serve the node-local state API (gRPC, kpx.localstate.v1) on this unix socket "
+        "(or unix:///PATH, or tcp://127.0.0.1:PORT); overrides the configuration's stateAPI",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return p
 
@@ -121,6 +127,10 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         out["healthzBindAddress"] = args.healthz_bind_address
     if args.metrics_bind_address:
         out["metricsBindAddress"] = args.metrics_bind_address
+    if args.state_socket:
+        address = args.state_socket
+        address = f"unix://{address}" if address.startswith("/") else address
+        out["stateAPI"] = {"enabled": True, "address": address}
     return out
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from kpx_api.proxysettings import NamespaceOptOut
@@ -63,6 +63,9 @@ class Proxier:
     # UDP ports changed since the last successful sync: their state before, for conntrack.
     _udp_before: dict[ServicePortKey, ServicePort | None] = field(default_factory=dict, init=False)
     delete_flows: Callable[[Iterable[FlowFilter]], int] = field(default=conntrack.delete_flows)
+    # Called after each successful sync with the state and what changed (None: a full sync),
+    # as the backend got them: the node-local state API publishes there (state_api).
+    on_synced: Callable[[NodeLocalState, Collection[ServicePortKey] | None], None] | None = None
 
     def __post_init__(self) -> None:
         self.local = NodeLocalState(node=node_info(None, self.node_name))
@@ -193,6 +196,8 @@ class Proxier:
             return SyncOutcome(
                 False, full, len(changed), time.monotonic() - pending.start, str(exc)
             )
+        if self.on_synced is not None:
+            self.on_synced(self.local, None if full else changed)
         self._clean_conntrack()
         if full:
             log.info(

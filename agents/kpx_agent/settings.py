@@ -8,7 +8,7 @@ from typing import Any
 
 from kpx_api.agentconfig import AgentConfiguration, load_agent_config, parse_agent_config
 from kpx_api.durations import parse_duration
-from kpx_api.modes import IPVSSettings
+from kpx_api.modes import IPVSSettings, state_server_only
 from kpx_api.networks import parse_bind_address, parse_cidr
 from kpx_api.proxysettings import Conntrack, NamespaceOptOut
 
@@ -26,6 +26,8 @@ class AgentSettings:
     metrics: tuple[str, int]
     #: The node's conntrack sysctls (conntrack_sysctl.py).
     conntrack: Conntrack = field(default_factory=Conntrack)
+    #: Where the node-local state API listens (stateAPI.address), None when it is off.
+    state_api: str | None = None
 
 
 def _detect_local(config: AgentConfiguration) -> DetectLocal:
@@ -71,6 +73,11 @@ def resolve(config: AgentConfiguration) -> AgentSettings:
         healthz=parse_bind_address(config.healthz_bind_address),
         metrics=parse_bind_address(config.metrics_bind_address),
         conntrack=config.conntrack,
+        state_api=(
+            config.state_api.address
+            if config.state_api.enabled or state_server_only(str(config.mode))
+            else None
+        ),
     )
 
 

@@ -41,7 +41,13 @@ class AgentConfiguration(ProxySettings):
         `ConfigError` is raised, as for a file without ``ipvs.acknowledgeDeprecation: true``.
         """
         selected = Mode(mode)
-        block = SETTINGS_CLASS[selected]()
+        if selected is Mode.EXTERNAL:
+            raise ConfigError(
+                "defaults",
+                [FieldError("external.image", "mode external has no default backend: give a "
+                            "configuration file with external.image")],
+            )  # fmt: skip
+        block = SETTINGS_CLASS[selected]()  # type: ignore[call-arg]  # not external (above)
         if isinstance(block, IPVSSettings):
             if not acknowledge_deprecation:
                 raise ConfigError(

@@ -18,14 +18,28 @@ class Mode(StrEnum):
     NFTABLES = "nftables"
     IPTABLES = "iptables"
     IPVS = "ipvs"
+    EXTERNAL = "external"
 
 
-#: The modes the node agent has a backend for: the one gate. The API accepts every Mode; the
-#: operator deploys agents only for these (another mode reports Degraded, reason
-#: ModeNotImplemented, and deploys nothing) and the agent refuses the others at start.
-#: kpx_agent.backends.REGISTRY lists exactly these (a unit test checks), so a new backend is
-#: its registry entry plus its mode here.
-MODES_WITH_BACKEND: Final[frozenset[Mode]] = frozenset({Mode.NFTABLES, Mode.IPTABLES, Mode.IPVS})
+#: Modes a kernel backend of the agent programs.
+KERNEL_BACKEND_MODES: Final[frozenset[Mode]] = frozenset({Mode.NFTABLES, Mode.IPTABLES, Mode.IPVS})
+#: Modes with no kernel backend: the agent runs state-server-only (it computes the node-local
+#: state and serves it on the state API, programming nothing) and the user's backend, deployed
+#: as a sidecar from spec.external, programs the dataplane.
+STATE_SERVER_ONLY_MODES: Final[frozenset[Mode]] = frozenset({Mode.EXTERNAL})
+
+
+def state_server_only(mode: str) -> bool:
+    """Whether the agent runs `mode` without a kernel backend (see STATE_SERVER_ONLY_MODES)."""
+    return mode in STATE_SERVER_ONLY_MODES
+
+
+#: The modes the node agent can run (a kernel backend, or state-server-only): the one gate.
+#: The API accepts every Mode; the operator deploys agents only for these (another mode
+#: reports Degraded, reason ModeNotImplemented, and deploys nothing) and the agent refuses the
+#: others at start. kpx_agent.backends.REGISTRY lists exactly these (a unit test checks), so a
+#: new backend is its registry entry plus its mode here.
+MODES_WITH_BACKEND: Final[frozenset[Mode]] = KERNEL_BACKEND_MODES | STATE_SERVER_ONLY_MODES
 
 
 def has_backend(mode: str) -> bool:
@@ -171,11 +185,16 @@ class IPVSSettings(KpxModel):
     udp_timeout: Duration = Field(default="0s", description=_IPVS_TIMEOUT.format("Timeout of UDP"))
 
 
-ModeSettings = NFTablesSettings | IPTablesSettings | IPVSSettings
+from kpx_api.external import ExternalSettings  # noqa: E402
+
+ExternalSettings.__rules__ = SYNC_PERIOD_RULES
+
+ModeSettings = NFTablesSettings | IPTablesSettings | IPVSSettings | ExternalSettings
 
 #: The settings class of each mode.
 SETTINGS_CLASS: Final[dict[Mode, type[ModeSettings]]] = {
     Mode.NFTABLES: NFTablesSettings,
     Mode.IPTABLES: IPTablesSettings,
     Mode.IPVS: IPVSSettings,
+    Mode.EXTERNAL: ExternalSettings,
 }

@@ -13,6 +13,7 @@ from kpx_api.durations import Duration, parse_duration
 from kpx_api.modes import (
     ACKNOWLEDGE_IPVS_MESSAGE,
     SETTINGS_CLASS,
+    ExternalSettings,
     IPTablesSettings,
     IPVSSettings,
     Mode,
@@ -22,6 +23,7 @@ from kpx_api.modes import (
 from kpx_api.names import DNSLabel
 from kpx_api.networks import BindAddress, ClusterCIDRs, NodePortAddresses, parse_cidr
 from kpx_api.selectors import LabelSelector
+from kpx_api.stateapi import StateAPI
 from kpx_api.validation import KpxModel, Rule, SetList, Text
 
 
@@ -227,13 +229,21 @@ class ProxySettings(KpxModel):
             field_path=".ipvs.acknowledgeDeprecation",
             reason="FieldValueRequired",
         ),
+        Rule(
+            cel="self.mode != 'external' || has(self.external)",
+            message="mode external needs spec.external (at least the backend's image)",
+            check=lambda s: s.mode is not Mode.EXTERNAL or s.external is not None,
+            field_path=".external",
+            reason="FieldValueRequired",
+        ),
     )
 
     mode: Mode = Field(
         description="Dataplane the agents program: nftables (recommended), iptables, or ipvs "
         "(deprecated upstream: needs ipvs.acknowledgeDeprecation: true; the agent has no ipvs "
         "backend yet, so the operator deploys no agents for it and reports Degraded, reason "
-        "ModeNotImplemented). Required: there is no default."
+        "ModeNotImplemented), or external (no kernel rules: the agents serve the node-local "
+        "state API to the backend container of spec.external). Required: there is no default."
     )
     nftables: NFTablesSettings | None = Field(
         default=None, description="Settings of mode nftables." + _NOT_SELECTED
@@ -246,6 +256,13 @@ class ProxySettings(KpxModel):
         description="Settings of mode ipvs; acknowledgeDeprecation: true is required to use "
         "mode ipvs. The agent has no ipvs backend yet: nothing is deployed for mode ipvs, so "
         "these settings have no effect on any node." + _NOT_SELECTED,
+    )
+    external: ExternalSettings | None = Field(
+        default=None,
+        description="Settings of mode external, required with it: the user's backend "
+        "container, run as a sidecar of each agent, which programs the dataplane from the "
+        "agent's node-local state API (the agent programs no kernel rules). Only the block of "
+        "the selected mode may be set.",
     )
     conntrack: Conntrack = Field(
         default_factory=Conntrack, description="Conntrack table size and timeouts."
@@ -282,11 +299,17 @@ class ProxySettings(KpxModel):
         description="Namespaces whose Services the agents leave alone. Default: the "
         f"namespaces labelled {OPT_OUT_LABEL}={OPT_OUT_VALUE}.",
     )
+    state_api: StateAPI = Field(
+        default_factory=StateAPI,
+        alias="stateAPI",
+        description="The node-local state API for out-of-tree backends (docs/state-api.md).",
+    )
 
     def mode_settings(self) -> ModeSettings:
         """The settings of the selected mode: its block, or that block's defaults."""
         block: ModeSettings | None = getattr(self, str(self.mode))
-        return block if block is not None else SETTINGS_CLASS[self.mode]()
+        # No block: the mode's defaults (mode external has none: a rule requires its block).
+        return block if block is not None else SETTINGS_CLASS[self.mode]()  # type: ignore[call-arg]
 
     def localhost_node_ports_in_effect(self) -> bool:
         """Whether IPv4 NodePorts answer on 127.0.0.0/8 (mode iptables only), as upstream:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -64,9 +65,13 @@ CAPABILITIES: Final[dict[Mode, tuple[str, ...]]] = {
     Mode.NFTABLES: ("NET_ADMIN",),
     Mode.IPTABLES: ("NET_ADMIN", "NET_RAW"),
     Mode.IPVS: ("NET_ADMIN", "NET_RAW"),
+    # State-server-only: no rules of its own, but at start it removes what agents of the
+    # other modes left (a mode switch), which needs what they needed.
+    Mode.EXTERNAL: ("NET_ADMIN", "NET_RAW"),
 }
 #: Modes that run iptables and so share the node's xtables lock file.
-XTABLES_MODES: Final = frozenset({Mode.IPTABLES, Mode.IPVS})
+#: Mode external too: at start its agent removes what iptables agents left (a mode switch).
+XTABLES_MODES: Final = frozenset({Mode.IPTABLES, Mode.IPVS, Mode.EXTERNAL})
 XTABLES_LOCK: Final = "/run/xtables.lock"
 
 #: spec.conntrack, when it changes anything (Conntrack.leaves_node_alone() false): the pod's own
@@ -88,6 +93,8 @@ ROUTE_LOCALNET: Final = ("route-localnet", "/proc/sys/net/ipv4/conf/all/route_lo
 DEFAULT_AGENT_IMAGE: Final = f"ghcr.io/kpx/kpx-agent:{__version__}"
 
 AGENT_CONTAINER: Final = "agent"
+#: Mode external: the user's backend container (spec.external), next to the agent.
+EXTERNAL_CONTAINER: Final = "backend"
 CLEANUP_CONTAINER: Final = "cleanup"
 
 
@@ -271,12 +278,53 @@ def _apiserver_env(opts: BuildOptions) -> list[Obj]:
     ]
 
 
+def _external_backend(
+    spec: ProxyConfigurationSpec,
+) -> tuple[list[Obj], list[Obj], list[str], list[Obj]]:
+    """(volumes, agent mounts, agent flags, sidecars) of mode external: the user's backend
+    container (spec.external) sharing the state socket's directory with the agent, an
+    emptyDir. The socket's path is on the command line and in KPX_STATE_API (`unix:PATH`), as
+    paths a runtime maps to the shared directory."""
+    if spec.mode is not Mode.EXTERNAL or spec.external is None:
+        return [], [], [], []
+    ext, address = spec.external, spec.state_api.address
+    mounts: list[Obj] = []
+    volumes: list[Obj] = []
+    flags: list[str] = []
+    if address.startswith("unix://"):
+        path = address[len("unix://") :]
+        volumes = [{"name": "state-api", "emptyDir": {}}]
+        mounts = [{"name": "state-api", "mountPath": posixpath.dirname(path)}]
+        flags = ["--state-socket", path]
+        address = f"unix:{path}"
+    sidecar: Obj = {
+        "name": EXTERNAL_CONTAINER,
+        "image": ext.image,
+        "imagePullPolicy": "IfNotPresent",
+        **({"command": list(ext.command)} if ext.command else {}),
+        **({"args": list(ext.args)} if ext.args else {}),
+        "env": [
+            {"name": "KPX_STATE_API", "value": address},
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            *({"name": e.name, "value": e.value} for e in ext.env),
+        ],
+        "volumeMounts": mounts,
+    }
+    resources = {k: v for k, v in ext.resources.to_dict().items() if v}
+    if resources:
+        sidecar["resources"] = resources
+    if security := ext.security_context.to_dict():
+        sidecar["securityContext"] = security
+    return volumes, mounts, flags, [sidecar]
+
+
 def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> Obj:
     """The agents: one per selected node, `proxy-agent --mode M --config FILE`."""
     name = child_names(owner.name).agent
     xt_volumes, xt_mounts = _xtables(spec.mode)
     ct_volumes, ct_mounts, ct_flags = _conntrack_access(spec)
     ln_volumes, ln_mounts, ln_flags = _localnet_access(spec)
+    ex_volumes, ex_mounts, ex_flags, sidecars = _external_backend(spec)
     _, healthz_port = parse_bind_address(spec.healthz_bind_address)
     container: Obj = {
         "name": AGENT_CONTAINER,
@@ -290,6 +338,7 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
             CONFIG_FILE,
             *ct_flags,
             *ln_flags,
+            *ex_flags,
         ],
         "env": [
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
@@ -318,6 +367,7 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
             *xt_mounts,
             *ct_mounts,
             *ln_mounts,
+            *ex_mounts,
         ],
     }
     if resources := _resources(spec):
@@ -344,12 +394,13 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
                     **_placement(spec),
                     **_pull_secrets(opts),
                     "terminationGracePeriodSeconds": 30,
-                    "containers": [container],
+                    "containers": [container, *sidecars],
                     "volumes": [
                         {"name": "config", "configMap": {"name": name}},
                         *xt_volumes,
                         *ct_volumes,
                         *ln_volumes,
+                        *ex_volumes,
                     ],
                 },
             },

@@ -282,6 +282,52 @@ def test_mode_switch_moves_the_rules(env: Env) -> None:
     wait_until(lambda: env.probe().failed == 0, 30, "traffic in iptables mode")
 
 
+def test_mode_external_runs_the_backend_next_to_a_state_server_only_agent(env: Env) -> None:
+    """Mode external: the agents drop their kernel rules and serve the state API; the JSON
+    plugin (examples/plugins), deployed by the operator from spec.external as a sidecar
+    sharing the socket's directory, writes each node's state, with the app's Service."""
+    plugin = REPO / "examples" / "plugins" / "json-file" / "json_file_plugin.py"
+    out = env.topo.tmpdir / "external-state"
+    out.mkdir(exist_ok=True)
+    backend = {
+        "image": "json-plugin",
+        "command": ["python3", str(plugin)],
+        "args": ["--output", f"{out}/$(NODE_NAME).json"],
+    }
+    env.patch_pxc(
+        {"spec": {"mode": "external", "iptables": None, "nftables": None, "external": backend}}
+    )
+
+    def diagnostics() -> str:
+        pods = env.json("-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=kpx-agent")
+        states = [
+            (p["spec"]["nodeName"], p["status"].get("containerStatuses"))
+            for p in pods.get("items", [])
+        ]
+        return f"external agents Ready on 3 nodes: {env.pxc().get('status')} {states}"
+
+    harness_wait_until(lambda: env.ready("external"), 180, interval=0.5, message=diagnostics)
+    for node in env.nodes:
+        wait_until(lambda n=node: not any(kpx_rules(env, n).values()), 30, "no kernel rules")
+
+        def web(n: Node = node) -> list[Any]:
+            path = out / f"{n.name}.json"
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                return []
+            return [
+                p for p in data["servicePorts"]
+                if (p["key"]["namespace"], p["key"]["name"]) == (APP_NS, "web")
+            ]  # fmt: skip
+
+        (port,) = wait_until(web, 60, f"{node.name}: the web Service in the plugin's file")
+        assert len(port["cluster_endpoints"]) == 3, port
+    pods = env.json("-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=kpx-agent")
+    for pod in pods["items"]:
+        assert [c["name"] for c in pod["spec"]["containers"]] == ["agent", "backend"]
+
+
 def test_deleted_daemonset_returns(env: Env) -> None:
     mode = str(env.pxc()["spec"]["mode"])
     env.cluster.kubectl("-n", NS, "delete", "daemonset", "kpx-agent-default")

@@ -62,6 +62,7 @@ DEFAULT_SPEC: dict[str, Any] = {
             "matchExpressions": [],
         },
     },
+    "stateAPI": {"enabled": False, "address": "unix:///run/proxy-agent/state.sock"},
     "nodeSelector": {},
     "tolerations": [],
     "priorityClassName": "system-node-critical",
@@ -169,8 +170,8 @@ def test_examples_round_trip(path: Path) -> None:
 def test_examples_cover_every_mode() -> None:
     modes = {yaml.safe_load(p.read_text())["spec"]["mode"] for p in EXAMPLES}
     names = {yaml.safe_load(p.read_text())["metadata"]["name"] for p in EXAMPLES}
-    assert modes == {"nftables", "iptables", "ipvs"}
-    assert names == {"default", "iptables-pool", "ipvs-pool"}
+    assert modes == {"nftables", "iptables", "ipvs", "external"}
+    assert names == {"default", "iptables-pool", "ipvs-pool", "external"}
 
 
 def test_status_round_trip_keeps_kopf_and_formats_times() -> None:
@@ -223,7 +224,12 @@ IPVS_OK = {"mode": "ipvs", "ipvs": {"acknowledgeDeprecation": True}}
 
 # (id, spec, path of the error, words of its message)
 INVALID: list[tuple[str, dict[str, Any], str, str]] = [
-    ("mode-enum", {"mode": "userspace"}, "mode", "must be one of 'nftables', 'iptables' or 'ipvs'"),
+    (
+        "mode-enum",
+        {"mode": "userspace"},
+        "mode",
+        "must be one of 'nftables', 'iptables', 'ipvs' or 'external'",
+    ),
     ("unknown-field", {**NFT, "proxyMode": "x"}, "proxyMode", "unknown field"),
     ("unknown-nested", {**NFT, "nftables": {"masqBit": 1}}, "nftables.masqBit", "unknown field"),
     ("bit-high", {**NFT, "nftables": {"masqueradeBit": 40}}, "nftables.masqueradeBit", "<= 31"),
@@ -827,12 +833,18 @@ def test_load_agent_config_missing_file(tmp_path: Path) -> None:
         load_agent_config(tmp_path / "absent.yaml")
 
 
-@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("mode", [m for m in Mode if m is not Mode.EXTERNAL])
 def test_defaults_for(mode: Mode) -> None:
     config = AgentConfiguration.defaults_for(mode, acknowledge_deprecation=True)
     assert config.mode is mode
     assert getattr(config, str(mode)) is not None
     assert sum(getattr(config, str(m)) is not None for m in Mode) == 1
+
+
+def test_defaults_for_external_needs_the_backend_image() -> None:
+    """Mode external has no default backend: a configuration file must name it."""
+    with pytest.raises(ConfigError, match=r"external\.image: "):
+        AgentConfiguration.defaults_for("external")
 
 
 def test_defaults_for_ipvs_needs_acknowledgement() -> None:

@@ -56,6 +56,8 @@ def _imported_distributions(*tops: str) -> set[str]:
     modules: set[str] = set()
     for top in tops:
         for path in (REPO / top).rglob("*.py"):
+            if path.is_relative_to(REPO / "api" / "proto"):
+                continue  # the .proto's code generator: a development tool, not in the images
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.Import):
                     modules.update(a.name.split(".")[0] for a in node.names)

@@ -34,6 +34,7 @@ EXAMPLES = {
     "nftables": REPO / "examples" / "proxyconfig.yaml",
     "iptables": REPO / "examples" / "proxyconfig-iptables.yaml",
     "ipvs": REPO / "examples" / "proxyconfig-ipvs.yaml",
+    "external": REPO / "examples" / "proxyconfig-external.yaml",
 }
 UID = "00000000-0000-4000-8000-000000000001"
 OPTS = BuildOptions()
@@ -118,13 +119,18 @@ def test_agent_daemonset_runs_the_agent_with_least_privilege(mode: str) -> None:
     owner, spec = example(mode)
     ds = builders.agent_daemonset(owner, spec, OPTS)
     pod = pod_spec(ds)
-    (container,) = pod["containers"]
+    # Mode external adds the user's backend (test_external_backend_is_a_sidecar...).
+    container, *sidecars = pod["containers"]
+    assert [c["name"] for c in sidecars] == (["backend"] if mode == "external" else [])
     assert container["command"][:5] == [
         "proxy-agent", "--mode", mode, "--config", "/etc/kpx/config.yaml",
     ]  # fmt: skip
     # The examples keep the conntrack defaults (a table size): the agent is told where the
     # node's values are mounted (test_conntrack_access_only_when_settings_change_the_node).
-    assert container["command"][5::2] == ["--conntrack-sysctl-dir", "--conntrack-hashsize-file"]
+    flags = ["--conntrack-sysctl-dir", "--conntrack-hashsize-file"]
+    if mode == "external":  # the state socket, in the directory shared with the backend
+        flags.append("--state-socket")
+    assert container["command"][5::2] == flags
     assert pod["hostNetwork"] is True
     assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert pod["priorityClassName"] == spec.priority_class_name
@@ -564,3 +570,41 @@ def test_route_localnet_is_mounted_only_where_localhost_node_ports_work(
     else:
         assert ROUTE_LOCALNET_NODE not in paths
         assert "--route-localnet-file" not in flags
+
+
+# -- mode external ----------------------------------------------------------------------------
+
+
+def test_external_backend_is_a_sidecar_sharing_the_state_socket_directory() -> None:
+    owner, spec = example("external")
+    pod = builders.agent_daemonset(owner, spec, OPTS)["spec"]["template"]["spec"]
+    agent, backend = pod["containers"]
+    assert backend["name"] == "backend" and backend["image"] == spec.external.image
+    assert backend["command"] == ["python3", "/plugin/userspace_proxy.py"]
+    assert {"name": "KPX_STATE_API", "value": "unix:/run/proxy-agent/state.sock"} in backend["env"]
+    assert {"name": "PYTHONUNBUFFERED", "value": "1"} in backend["env"]
+    assert backend["resources"] == {"requests": {"cpu": "50m", "memory": "64Mi"}}
+    assert backend["securityContext"] == {"runAsUser": 0}
+    shared = {"name": "state-api", "mountPath": "/run/proxy-agent"}
+    assert shared in agent["volumeMounts"] and backend["volumeMounts"] == [shared]
+    assert {"name": "state-api", "emptyDir": {}} in pod["volumes"]
+    assert agent["command"][:3] == ["proxy-agent", "--mode", "external"]
+    assert agent["command"][-2:] == ["--state-socket", "/run/proxy-agent/state.sock"]
+
+
+def test_no_sidecar_in_the_kernel_modes() -> None:
+    owner, spec = example("nftables")
+    spec = spec_with(spec, stateAPI={"enabled": True})
+    pod = builders.agent_daemonset(owner, spec, OPTS)["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["agent"]
+    assert all(v["name"] != "state-api" for v in pod["volumes"])
+
+
+def test_external_sidecar_follows_the_socket_directory() -> None:
+    owner, spec = example("external")
+    spec = spec_with(spec, stateAPI={"enabled": True, "address": "unix:///var/run/kpx/s.sock"})
+    pod = builders.agent_daemonset(owner, spec, OPTS)["spec"]["template"]["spec"]
+    assert pod["containers"][1]["volumeMounts"] == [
+        {"name": "state-api", "mountPath": "/var/run/kpx"}
+    ]
+    assert pod["containers"][0]["command"][-1] == "/var/run/kpx/s.sock"

@@ -17,6 +17,8 @@ REGISTRY: dict[str, str] = {
     "nftables": "kpx_agent.backends.nftables",
     "iptables": "kpx_agent.backends.iptables",
     "ipvs": "kpx_agent.backends.ipvs",
+    # state-server-only (kpx_api.STATE_SERVER_ONLY_MODES): no kernel rules
+    "external": "kpx_agent.backends.state_only",
 }
 
 

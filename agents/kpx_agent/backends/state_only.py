@@ -1,0 +1,31 @@
+"""Mode external: the agent's state-server-only mode. No kernel rules: every sync only hands
+the node-local state to the state API (kpx_agent.state_api), from which the user's backend
+(a sidecar) programs the dataplane."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from ..localnet import NodeLocalState, ProxySettings, ServicePortKey
+from .base import NodePaths
+
+
+@dataclass
+class StateOnlyBackend:
+    settings: ProxySettings
+    mode: str = "external"
+
+    def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
+        """Nothing to program: the proxier's on_synced hook publishes the state."""
+
+    def cleanup(self) -> None:
+        """Nothing was programmed."""
+
+
+def create(settings: ProxySettings, paths: NodePaths | None = None) -> StateOnlyBackend:
+    return StateOnlyBackend(settings)
+
+
+def cleanup() -> None:
+    """Nothing to remove: the external backend cleans up what it programmed."""

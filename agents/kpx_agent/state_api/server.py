@@ -1,0 +1,166 @@
+"""The gRPC edge of the node-local state API: a unix socket (or a loopback TCP port).
+
+The socket's directory is created 0750 and the socket 0600, both owned by the agent: only the
+agent's user (and root) can connect. The socket is bound under a private name and renamed into
+place once its mode is set, so there is no moment where it exists with a wider mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from ipaddress import ip_address
+from pathlib import Path
+
+import grpc
+from grpc import aio
+
+from kpx_localstate_client import WATCH_METHOD
+from kpx_localstate_client import localstate_pb2 as pb
+
+from .publisher import Publisher
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ADDRESS = "unix:///run/proxy-agent/state.sock"
+SERVICE, METHOD = WATCH_METHOD.strip("/").split("/")
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Where the server listens: a unix socket path, or a loopback host and port."""
+
+    path: Path | None = None
+    host: str = ""
+    port: int = 0
+
+    @property
+    def target(self) -> str:
+        """The address a client dials."""
+        if self.path is not None:
+            return f"unix://{self.path}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def parse_address(address: str) -> Listen:
+    """`unix:///abs/path`, a bare absolute path, or `tcp://HOST:PORT` with a loopback HOST.
+
+    Raises ValueError for anything else (a TCP listener never leaves the node's loopback)."""
+    if address.startswith("unix://"):
+        path = address.removeprefix("unix://")
+    elif address.startswith("/"):
+        path = address
+    elif address.startswith("tcp://"):
+        hostport = address.removeprefix("tcp://")
+        host, sep, port = hostport.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
+        try:
+            loopback = ip_address(host).is_loopback
+            number = int(port)
+        except ValueError:
+            raise ValueError(f"{address}: tcp://IP:PORT with a loopback IP is needed") from None
+        if not sep or not loopback or not 0 < number < 65536:
+            raise ValueError(f"{address}: the state API listens on TCP only on loopback")
+        return Listen(host=host, port=number)
+    else:
+        raise ValueError(f"{address}: unix:///path or tcp://127.0.0.1:PORT")
+    if not path.startswith("/") or "\x00" in path or path.endswith("/"):
+        raise ValueError(f"{address}: an absolute socket path is needed")
+    return Listen(path=Path(path))
+
+
+class StateServer:
+    """Serves `publisher` on `listen` (in the agent's event loop)."""
+
+    def __init__(self, publisher: Publisher, listen: Listen) -> None:
+        self.publisher = publisher
+        self.listen = listen
+        self._changed = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._server: aio.Server | None = None
+        self.clients = 0
+
+    # -- from the sync (any thread) ------------------------------------------------------------
+    def notify(self) -> None:
+        """A new revision was published: wake the waiting watches (thread-safe)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    # -- the RPC -------------------------------------------------------------------------------
+    async def _watch(
+        self, requests: AsyncIterator[pb.WatchRequest], context: aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        self.clients += 1
+        try:
+            async for request in requests:
+                while not self.publisher.ready(request.instance_id, request.revision):
+                    await self._changed.wait()
+                yield self.publisher.answer(
+                    request.instance_id, request.revision, request.want_deltas
+                )
+        finally:
+            self.clients -= 1
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        handler = grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                METHOD: grpc.stream_stream_rpc_method_handler(
+                    self._watch,
+                    request_deserializer=pb.WatchRequest.FromString,
+                    response_serializer=bytes,  # answers are encoded once per revision
+                )
+            },
+        )
+        server = aio.server(options=[("grpc.so_reuseport", 0)])
+        server.add_generic_rpc_handlers((handler,))
+        if self.listen.path is None:
+            bound = server.add_insecure_port(self.listen.target)
+            if not bound:
+                raise OSError(f"cannot listen on {self.listen.target}")
+            self.listen = Listen(host=self.listen.host, port=bound)
+            await server.start()
+        else:
+            await self._start_unix(server, self.listen.path)
+        self._server = server
+        log.info("node-local state API on %s", self.listen.target)
+
+    async def _start_unix(self, server: aio.Server, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(path.parent, 0o750)  # noqa: S103  (the agent's group may look, not connect)
+        staging = path.parent / f".s{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            staging.joinpath(path.name).unlink()
+        staging.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(staging, 0o700)
+        bound = staging / path.name
+        # A socket path is limited to 107 bytes: bind through a descriptor of the directory.
+        dir_fd = os.open(staging, os.O_PATH | os.O_DIRECTORY)
+        try:
+            if not server.add_insecure_port(f"unix:/proc/self/fd/{dir_fd}/{path.name}"):
+                raise OSError(f"cannot listen on {bound}")
+            await server.start()
+        finally:
+            os.close(dir_fd)
+        os.chmod(bound, 0o600)
+        os.replace(bound, path)  # a stale socket of a previous agent is replaced
+        staging.rmdir()
+
+    async def stop(self, grace: float = 1.0) -> None:
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+        if self.listen.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.listen.path.unlink()
