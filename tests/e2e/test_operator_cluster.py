@@ -133,6 +133,15 @@ def env(cluster: Cluster) -> Iterator[Env]:
                 ("delete", "pxc", "default", "--ignore-not-found", "--timeout=120s"),
                 ("delete", "namespace", APP_NS, "--ignore-not-found", "--wait=false"),
                 ("-n", NS, "delete", "deploy", "kpx-operator", "--ignore-not-found"),
+                # The manifests' cluster-scoped objects (the operator's and the agents' roles and
+                # bindings) too: a later `helm install` of the chart must find none it does not own.
+                (
+                    "delete",
+                    "-k",
+                    str(REPO / "operator" / "manifests"),
+                    "--ignore-not-found",
+                    "--wait=false",
+                ),
             ):
                 cluster.kubectl(*args, check=False, timeout=150)
             sim.stop(delete_nodes=True)

@@ -47,6 +47,9 @@ def _run(*argv: str) -> None:
 
 
 def _boot(cmdline: dict[str, str]) -> None:
+    # The init stub mounted the project's share (kpx.share.0) before this file ran, at the host's
+    # path: a tmpfs on a folder holding it (/tmp for a checkout in /tmp) would hide it.
+    project = cmdline.get("kpx.share.0", ":").partition(":")[2].rstrip("/") + "/"
     for fstype, target in (
         ("proc", "/proc"),
         ("sysfs", "/sys"),
@@ -54,6 +57,8 @@ def _boot(cmdline: dict[str, str]) -> None:
         ("tmpfs", "/run"),
         ("tmpfs", "/tmp"),
     ):
+        if fstype == "tmpfs" and project.startswith(target + "/"):
+            continue
         os.makedirs(target, exist_ok=True)
         _run("mount", "-t", fstype, fstype, target)
     for target, fstype in (("/dev/pts", "devpts"), ("/dev/shm", "tmpfs")):
