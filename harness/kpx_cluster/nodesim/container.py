@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import shutil
-import signal
 import subprocess
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -18,6 +17,16 @@ from .api import Obj, now_rfc3339
 from .env import ConfigError, EnvBuilder
 from .probe import Prober, ProbeTiming, cancel_all, http_check, tcp_check
 from .process import ExitInfo, Process, spawn
+from .status import (
+    CONFIG_ERROR,
+    CRASH_LOOP_BACKOFF,
+    ContainerFacts,
+    Exit,
+    container_status,
+    crash_loop_message,
+    next_backoff,
+    terminated_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +67,7 @@ class Container:
         self.terminated: Obj | None = None
         self.waiting: tuple[str, str] = ("ContainerCreating", "")
         self.container_id = ""
+        self.image_id = ""
         self.env: dict[str, str] = {}
         self._stopping = False
         self._probes: list[asyncio.Task[Any]] = []
@@ -78,7 +88,7 @@ class Container:
                     info = await self._run_once()
                 except ConfigError as err:
                     self.ctx.note_refusal(err)
-                    self._set_waiting("CreateContainerConfigError", str(err))
+                    self._set_waiting(CONFIG_ERROR, str(err))
                     await asyncio.sleep(CONFIG_RETRY)
                     continue
                 if self._stopping:
@@ -93,12 +103,9 @@ class Container:
                 self.last_state = {"terminated": self._terminated_state(info)}
                 if info.runtime >= STABLE_RUN:
                     backoff = BACKOFF_START
-                self._set_waiting(
-                    "CrashLoopBackOff",
-                    f"back-off {backoff:.0f}s restarting failed container={self.name}",
-                )
+                self._set_waiting(CRASH_LOOP_BACKOFF, crash_loop_message(backoff, self.name))
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, BACKOFF_MAX)
+                backoff = next_backoff(backoff, BACKOFF_MAX)
                 self.restart_count += 1
         except asyncio.CancelledError:
             await self._abort()
@@ -293,43 +300,28 @@ class Container:
         self.ctx.changed()
 
     def _terminated_state(self, info: ExitInfo) -> Obj:
-        state: Obj = {
-            "exitCode": info.exit_code,
-            "reason": info.reason,
-            "startedAt": info.started_at,
-            "finishedAt": info.finished_at,
-        }
-        if info.signal is not None:
-            state["signal"] = info.signal
-            state["message"] = f"killed by {signal.Signals(info.signal).name}"
-        if self.container_id:
-            state["containerID"] = self.container_id
-        return state
+        exit = Exit(info.exit_code, info.signal, info.started_at, info.finished_at,
+                    info.start_error)  # fmt: skip
+        return terminated_state(exit, self.container_id)
 
     def status(self) -> Obj:
         """This container's entry of status.containerStatuses."""
-        status: Obj = {
-            "name": self.name,
-            "image": self.spec.get("image", ""),
-            "imageID": "",
-            "ready": self.ready,
-            "started": self.started,
-            "restartCount": self.restart_count,
-            "lastState": self.last_state,
-        }
-        if self.container_id:
-            status["containerID"] = self.container_id
-        if self.process is not None and self.process.running:
-            status["state"] = {"running": {"startedAt": self.process.started_at}}
-        elif self.terminated is not None:
-            status["state"] = {"terminated": self.terminated}
-        else:
-            reason, message = self.waiting
-            waiting = {"reason": reason or "ContainerCreating"}
-            if message:
-                waiting["message"] = message
-            status["state"] = {"waiting": waiting}
-        return status
+        running = self.process is not None and self.process.running
+        return container_status(
+            ContainerFacts(
+                name=self.name,
+                image=str(self.spec.get("image", "")),
+                image_id=self.image_id,
+                ready=self.ready,
+                started=self.started,
+                restart_count=self.restart_count,
+                last_state=self.last_state,
+                running_since=self.process.started_at if running and self.process else None,
+                terminated=self.terminated,
+                waiting=self.waiting,
+                container_id=self.container_id,
+            )
+        )
 
     @property
     def pid(self) -> int | None:
