@@ -44,9 +44,9 @@ def test_terminated_by_a_signal_reports_128_plus_and_the_signal() -> None:
 
 
 def test_image_pull_errors_then_backs_off() -> None:
-    first = st.image_pull_waiting("ghcr.io/x/y:1", 1, "not among the built images")
+    first = st.image_pull_waiting("ghcr.io/x/y:1", "not among the built images", False)
     assert first == ("ErrImagePull", "not among the built images")
-    later = st.image_pull_waiting("ghcr.io/x/y:1", 2, "not among the built images")
+    later = st.image_pull_waiting("ghcr.io/x/y:1", "not among the built images", True)
     assert later[0] == "ImagePullBackOff"
     assert later[1] == 'Back-off pulling image "ghcr.io/x/y:1": not among the built images'
     entry = _entry(waiting=later)

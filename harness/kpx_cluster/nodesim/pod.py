@@ -21,6 +21,8 @@ from .env import EnvBuilder, PathMap
 from .probe import cancel_all
 from .process import Process
 from .relay import ApiRelays
+from .runc import RuncRuntime
+from .runc import mounts as runc_mounts
 from .status import (
     CONTAINER_CREATING,
     POD_INITIALIZING,
@@ -53,6 +55,8 @@ class NodeContext:
     node_dir: Path
     base_env: dict[str, str]
     relays: ApiRelays | None = None
+    runc: RuncRuntime | None = None
+    """Containers run from their images under runc (None: every container a host process)."""
     refused: list[str] = field(default_factory=list)
     """Every request the apiserver refused (403) this node, for reports."""
 
@@ -298,6 +302,16 @@ class PodWorker:
             grace=grace_seconds(self.pod),
             changed=self.changed,
             note_refusal=self.node.note_refusal,
+            runc=self.node.runc,
+            runc_env=EnvBuilder(self._env_pod(), self.node.objects, PathMap(())),
+            runc_base_env={
+                k: v for k, v in self.node.base_env.items() if k.startswith("KUBERNETES_")
+            },
+            volume_mounts=tuple(runc_mounts(self.spec, spec, self.volumes.dirs)),
+            pod_security=self.spec.get("securityContext") or {},
+            pod_name=self.name,
+            pod_uid=self.uid,
+            hostname=node.name if self.host_network else self.name,
         )
 
     def _env_pod(self) -> Obj:

@@ -72,11 +72,11 @@ def crash_loop_message(backoff: float, container: str) -> str:
     return f"back-off {backoff:.0f}s restarting failed container={container}"
 
 
-def image_pull_waiting(image: str, failures: int, error: str) -> tuple[str, str]:
-    """(reason, message) of a container whose image could not be pulled `failures` times:
-    the attempt that just failed reports ErrImagePull with the error; while the kubelet waits
-    for the next attempt it reports ImagePullBackOff."""
-    if failures <= 1:
+def image_pull_waiting(image: str, error: str, backing_off: bool) -> tuple[str, str]:
+    """(reason, message) of a container whose image could not be pulled: right after a failed
+    attempt the kubelet reports ErrImagePull with the error; while it waits for the next
+    attempt, ImagePullBackOff."""
+    if not backing_off:
         return ERR_IMAGE_PULL, error
     return IMAGE_PULL_BACKOFF, f'Back-off pulling image "{image}": {error}'
 
