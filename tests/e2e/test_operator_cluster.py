@@ -24,6 +24,7 @@ from kpx_cluster.controlplane import Cluster
 from kpx_cluster.kubeconfig import write_kubeconfig
 from kpx_cluster.netns import Node, Pod, Topology
 from kpx_cluster.nodesim import NodeSimulator
+from kpx_cluster.nodesim.runc import built_images
 from kpx_cluster.probe import ProbeResult, probe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
@@ -101,7 +102,13 @@ def env(cluster: Cluster) -> Iterator[Env]:
     run = secrets.token_hex(3)
     label = {"kpx.dev/e2e-cluster": run}
     with Topology() as topo:
-        sim = NodeSimulator(cluster, topo, pod_apiserver_access=True)
+        try:
+            store = built_images()
+        except RuntimeError as err:
+            pytest.fail(str(err), pytrace=False)
+        # The operator and the agents run from their images under runc; the test's own
+        # backends ("echo") run as host processes.
+        sim = NodeSimulator(cluster, topo, pod_apiserver_access=True, runtime="runc", images=store)
         try:
             nodes = [sim.add_node(f"c{run}-{i}", labels=label) for i in (1, 2, 3)]
 

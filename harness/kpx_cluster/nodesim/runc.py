@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from .. import oci
+from .. import images, oci
 from ..netns import Topology
 from . import netns
 
@@ -73,6 +73,18 @@ def mounts(pod_spec: Mapping[str, Any], container: Mapping[str, Any],
 
 
 _unpack_lock = threading.Lock()
+
+
+def built_images() -> oci.ImageStore:
+    """The store of the images `make image` built (operator and agent, this version); a
+    RuntimeError naming `make image` when they are missing or stale."""
+    directory = images.images_dir()
+    if images.missing(directory=directory):
+        raise RuntimeError("the images are missing or stale: run `make image`")
+    store = oci.ImageStore(directory / "rootfs")
+    for image in images.images(images.project_version()):
+        store.load(image.archive(directory))
+    return store
 
 
 @dataclass
