@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -77,8 +78,11 @@ _unpack_lock = threading.Lock()
 
 def built_images() -> oci.ImageStore:
     """The store of the images `make image` built (operator and agent, this version); a
-    RuntimeError naming `make image` when they are missing or stale."""
-    directory = images.images_dir()
+    RuntimeError naming `make image` when they are missing or stale. $KPX_IMAGES_DIR, when
+    set, names another directory of archives (`images.build_all(directory=...)` writes one:
+    several work trees on one machine then do not rebuild each other's images)."""
+    override = os.environ.get("KPX_IMAGES_DIR")
+    directory = Path(override) if override else images.images_dir()
     if images.missing(directory=directory):
         raise RuntimeError("the images are missing or stale: run `make image`")
     store = oci.ImageStore(directory / "rootfs")
