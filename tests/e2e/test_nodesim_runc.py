@@ -22,6 +22,7 @@ from kpx_cluster import images, oci
 from kpx_cluster.controlplane import Cluster
 from kpx_cluster.netns import Node, Topology
 from kpx_cluster.nodesim import NodeSimulator
+from kpx_cluster.nodesim.runc import built_images
 from kpx_kube import NotFound, from_kubeconfig
 from kpx_kube.blocking import BlockingClient
 
@@ -41,16 +42,6 @@ def wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
             return last
         time.sleep(0.2)
     pytest.fail(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-
-
-def image_store() -> oci.ImageStore:
-    directory = images.images_dir()
-    if images.missing(directory=directory):
-        pytest.fail("the images are missing or stale: run `make image`", pytrace=False)
-    store = oci.ImageStore(directory / "rootfs")
-    for image in (OPERATOR, AGENT):
-        store.load(image.archive(directory))
-    return store
 
 
 @dataclass
@@ -89,7 +80,11 @@ def env(cluster: Cluster) -> Iterator[Env]:
     run = secrets.token_hex(3)
     ns = f"runc-{run}"
     with Topology() as topo:
-        sim = NodeSimulator(cluster, topo, runtime="runc", images=image_store())
+        try:
+            store = built_images()
+        except RuntimeError as err:
+            pytest.fail(str(err), pytrace=False)
+        sim = NodeSimulator(cluster, topo, runtime="runc", images=store)
         try:
             node = sim.add_node(f"runc-{run}", labels={"nodesim.kpx.test/run": run})
             cluster.create_namespace(ns)
@@ -176,7 +171,9 @@ def test_the_operator_image_runs_non_root_on_a_read_only_root_with_its_volumes(e
     status = (env.pod("op") or {})["status"]["containerStatuses"][0]
     assert "running" in status["state"]
     assert status["containerID"].startswith("runc://")
-    digest = oci.archive_refs(OPERATOR.archive(images.images_dir()))[OPERATOR.ref]
+    runc = env.sim.runc
+    assert runc is not None
+    digest = oci.archive_refs(runc.store.refs[OPERATOR.ref])[OPERATOR.ref]
     assert status["imageID"].endswith("@" + digest)
 
 
