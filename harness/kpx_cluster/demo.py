@@ -24,6 +24,7 @@ from .binaries import kubernetes_bin_dir
 from .controlplane import DEFAULT_ROOT, Cluster
 from .netns import Topology
 from .nodesim import NodeSimulator
+from .nodesim.runc import built_images
 
 REPO = Path(__file__).resolve().parents[2]
 STATE = DEFAULT_ROOT / "demo"
@@ -81,15 +82,17 @@ def serve() -> None:
 
     Everything below is what a user does on a real cluster (install the CRD and the operator's
     manifests, apply a ProxyConfiguration and an app); the node simulator stands in for the
-    kubelets, so the operator's Deployment, the agents' DaemonSet and the app's Deployment all
-    run as real processes on the simulated nodes.
+    kubelets: the operator's Deployment and the agents' DaemonSet run from the images `make
+    image` built, under runc, and the app's backends (kpx-demo/http-backend, no image) run as
+    processes on the simulated nodes.
     """
+    store = built_images()  # before anything starts: a missing image is the first error
     cluster = Cluster("kpx")
     if not cluster.is_running():
         cluster.up()
     with Topology() as topo:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        sim = NodeSimulator(cluster, topo, pod_apiserver_access=True)
+        sim = NodeSimulator(cluster, topo, pod_apiserver_access=True, runtime="runc", images=store)
         try:
             nodes = [sim.add_node(n, zone=ZONES[n]) for n in NODES]
             print("demo: 3 nodes ready", flush=True)

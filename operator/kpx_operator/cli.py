@@ -197,10 +197,12 @@ async def run(args: argparse.Namespace) -> int:
         namespace=args.namespace,
         resync_interval=args.resync_interval,
     )
+    # One identity for the lease and for kopf: kopf's own default asks the password database
+    # for the user's name, which a container running as a uid the image does not list (the
+    # shipped runAsUser 65532) has not got: kopf died with KeyError at start.
+    identity = default_identity()
     elector = (
-        LeaderElector(api, args.namespace, LEASE_NAME, default_identity())
-        if args.leader_elect
-        else None
+        LeaderElector(api, args.namespace, LEASE_NAME, identity) if args.leader_elect else None
     )
     health = await _serve_health(args.health_address, elector)
     try:
@@ -214,6 +216,7 @@ async def run(args: argparse.Namespace) -> int:
                 settings=operator_settings(),
                 clusterwide=True,
                 standalone=True,
+                identity=identity,  # type: ignore[arg-type]  # kopf: NewType of str
                 stop_flag=stop,
             )
         )

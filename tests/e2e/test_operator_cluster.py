@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from kpx_cluster.controlplane import Cluster
 from kpx_cluster.kubeconfig import write_kubeconfig
 from kpx_cluster.netns import Node, Pod, Topology
 from kpx_cluster.nodesim import NodeSimulator
+from kpx_cluster.nodesim.runc import built_images
 from kpx_cluster.probe import ProbeResult, probe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
@@ -101,7 +103,13 @@ def env(cluster: Cluster) -> Iterator[Env]:
     run = secrets.token_hex(3)
     label = {"kpx.dev/e2e-cluster": run}
     with Topology() as topo:
-        sim = NodeSimulator(cluster, topo, pod_apiserver_access=True)
+        try:
+            store = built_images()
+        except RuntimeError as err:
+            pytest.fail(str(err), pytrace=False)
+        # The operator and the agents run from their images under runc; the test's own
+        # backends ("echo") run as host processes.
+        sim = NodeSimulator(cluster, topo, pod_apiserver_access=True, runtime="runc", images=store)
         try:
             nodes = [sim.add_node(f"c{run}-{i}", labels=label) for i in (1, 2, 3)]
 
@@ -257,6 +265,112 @@ def test_idle_agents_stay_ready_and_are_not_restarted_by_their_probes(env: Env) 
         assert env.agents() == before, "idle agents were restarted by their liveness probe"
     finally:
         env.patch_pxc({"spec": {"nftables": {"syncPeriod": "30s"}}})
+
+
+def _runc_process(pod: dict[str, Any]) -> dict[str, str]:
+    """/proc/PID/status of the (first) container of `pod`, which the simulator runs under runc:
+    what the kernel says about the running process, not what its spec asked for."""
+    container_id = pod["status"]["containerStatuses"][0]["containerID"]
+    assert container_id.startswith("runc://"), container_id
+    state = subprocess.run(["runc", "state", container_id.removeprefix("runc://")],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    pid = json.loads(state.stdout)["pid"]
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    status = dict(line.split(":", 1) for line in lines if ":" in line)
+    status = {k: v.strip() for k, v in status.items()}
+    root = next(
+        line.split() for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        if line.split()[4] == "/"
+    )  # fmt: skip
+    status["root mount options"] = root[5]
+    return status
+
+
+#: CAP_NET_ADMIN is bit 12 of the kernel's capability masks.
+NET_ADMIN_MASK = f"{1 << 12:016x}"
+
+
+def test_operator_runs_non_root_on_a_read_only_root(env: Env) -> None:
+    """The operator's pod, run from its image by the simulated kubelet: uid/gid 65532, no
+    capabilities, no privilege escalation, and its root filesystem mounted read-only."""
+    pods = env.json("-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=kpx-operator")
+    running = [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
+    assert running, "no operator pod"
+    proc = _runc_process(running[0])
+    assert proc["Uid"].split() == ["65532"] * 4, proc["Uid"]
+    assert proc["Gid"].split() == ["65532"] * 4, proc["Gid"]
+    assert int(proc["CapEff"], 16) == 0 and int(proc["CapBnd"], 16) == 0
+    assert proc["NoNewPrivs"] == "1"
+    assert proc["Seccomp"] == "2"  # a filter: RuntimeDefault
+    assert "ro" in proc["root mount options"].split(","), proc["root mount options"]
+
+
+def test_agents_run_with_only_their_declared_capabilities(env: Env) -> None:
+    pods = env.json("-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=kpx-agent")
+    agents = [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
+    assert len(agents) == 3
+    for pod in agents:
+        proc = _runc_process(pod)
+        assert proc["CapEff"] == NET_ADMIN_MASK, (pod["metadata"]["name"], proc["CapEff"])
+        assert proc["CapBnd"] == NET_ADMIN_MASK
+        assert proc["Uid"].split()[0] == "0"  # root in the container, but only NET_ADMIN
+
+
+def test_the_agent_daemonset_without_net_admin_programs_nothing(env: Env) -> None:
+    """The operator's own agent DaemonSet, copied with NET_ADMIN removed and aimed at a fourth
+    node: its agent cannot program the node's kernel, says why, and never turns Ready."""
+    run = env.label["kpx.dev/e2e-cluster"]
+    label = {"kpx.dev/e2e-no-net-admin": run}
+    node = env.sim.add_node(f"c{run}-nocap", labels=label)
+    listing = env.json("-n", NS, "get", "ds", "-l", "app.kubernetes.io/name=kpx-agent")
+    original = listing["items"][0]
+    spec = json.loads(json.dumps(original["spec"]))
+    own = {"app.kubernetes.io/name": "kpx-agent-no-net-admin"}
+    spec["selector"] = {"matchLabels": own}
+    template = spec["template"]
+    template["metadata"]["labels"] = own
+    template["spec"]["nodeSelector"] = label
+    removed = 0
+    for container in [*template["spec"].get("initContainers", []),
+                      *template["spec"]["containers"]]:  # fmt: skip
+        caps = container.get("securityContext", {}).get("capabilities", {})
+        removed += caps.get("add", []).count("NET_ADMIN")
+        caps["add"] = [c for c in caps.get("add", []) if c != "NET_ADMIN"]
+    assert removed, "the operator's DaemonSet declares no NET_ADMIN"
+    _apply(env.cluster, {"apiVersion": "apps/v1", "kind": "DaemonSet",
+                         "metadata": {"name": "kpx-agent-no-net-admin", "namespace": NS},
+                         "spec": spec})  # fmt: skip
+    try:
+
+        def started() -> dict[str, Any] | None:
+            pods = env.json(
+                "-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=kpx-agent-no-net-admin"
+            )
+            for pod in pods.get("items", []):
+                for cs in pod["status"].get("containerStatuses", []):
+                    if "running" in cs["state"] or cs["restartCount"]:
+                        return pod
+            return None
+
+        pod = wait_until(started, 90, "the agent without NET_ADMIN started")
+        name = pod["metadata"]["name"]
+
+        def told() -> str | None:
+            sim_pod = env.sim.pod(NS, name)
+            logs = sim_pod.logs.values() if sim_pod is not None else []
+            text = "".join(p.read_text() for p in logs if p.exists())
+            return text if "Operation not permitted" in text else None
+
+        wait_until(told, 60, "the agent reporting it may not program the kernel")
+        pod = env.json("-n", NS, "get", "pod", name)
+        ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}["Ready"]
+        assert ready == "False", "an agent that programmed nothing reports Ready"
+        tables = env.topo.exec(node, ["nft", "list", "tables"], check=True).stdout
+        assert "kpx" not in tables, tables
+        assert int(_runc_process(pod)["CapEff"], 16) & (1 << 12) == 0
+    finally:
+        env.cluster.kubectl("-n", NS, "delete", "ds", "kpx-agent-no-net-admin",
+                            "--ignore-not-found", "--timeout=60s", check=False)  # fmt: skip
 
 
 def test_agent_token_is_least_privilege(env: Env, tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from test_operator_cluster import _start_app
 from kpx_cluster.controlplane import Cluster
 from kpx_cluster.netns import Pod, Topology
 from kpx_cluster.nodesim import NodeSimulator
+from kpx_cluster.nodesim.runc import built_images
 from kpx_cluster.probe import probe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
@@ -102,7 +103,15 @@ def upgrade(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     helm = Helm(cluster, tmp_path_factory.mktemp("helm-home"))
     cluster.create_namespace(namespace)
     with Topology() as topo:
-        sim = NodeSimulator(cluster, topo, pod_apiserver_access=True)
+        try:
+            store = built_images()
+        except RuntimeError as err:
+            pytest.fail(str(err), pytrace=False)
+        for ref, archive in list(store.refs.items()):
+            # The new tag: the same image, tagged again (as `docker tag` would).
+            store.load(archive, f"{ref.rsplit(':', 1)[0]}:{NEW}")
+        # The operator and the agents run from their images under runc, both tags.
+        sim = NodeSimulator(cluster, topo, pod_apiserver_access=True, runtime="runc", images=store)
         try:
             nodes = [sim.add_node(f"u{run}-{i}", labels=label) for i in (1, 2, 3)]
             out = helm.run("install", release, str(CHART), "--namespace", namespace,

@@ -23,6 +23,7 @@ from ..netns import Node, Topology
 from .api import ApiError, Credentials, KubeApi, Obj, now_micro, now_rfc3339
 from .pod import NodeContext, PodWorker
 from .relay import ApiRelays
+from .runc import RuncRuntime
 from .volumes import ObjectCache, TokenCache
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class Kubelet:
         taints: Sequence[Obj] = (),
         admin: KubeApi | None = None,
         relays: ApiRelays | None = None,
+        runc: RuncRuntime | None = None,
     ) -> None:
         self.node = node
         self.name = node.name
@@ -101,6 +103,7 @@ class Kubelet:
             node_dir=node_dir,
             base_env=base_env,
             relays=relays,
+            runc=runc,
         )
         self.pods: dict[str, PodWorker] = {}
         self._finished: set[str] = set()

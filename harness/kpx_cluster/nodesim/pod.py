@@ -21,6 +21,18 @@ from .env import EnvBuilder, PathMap
 from .probe import cancel_all
 from .process import Process
 from .relay import ApiRelays
+from .runc import RuncRuntime
+from .runc import mounts as runc_mounts
+from .status import (
+    CONTAINER_CREATING,
+    POD_INITIALIZING,
+    ContainerFacts,
+    condition,
+    container_status,
+    pod_conditions,
+    pod_phase,
+    transition_time,
+)
 from .volumes import SA_MOUNT, ObjectCache, PodVolumes, TokenCache, VolumeError
 
 log = logging.getLogger(__name__)
@@ -43,6 +55,8 @@ class NodeContext:
     node_dir: Path
     base_env: dict[str, str]
     relays: ApiRelays | None = None
+    runc: RuncRuntime | None = None
+    """Containers run from their images under runc (None: every container a host process)."""
     refused: list[str] = field(default_factory=list)
     """Every request the apiserver refused (403) this node, for reports."""
 
@@ -288,6 +302,16 @@ class PodWorker:
             grace=grace_seconds(self.pod),
             changed=self.changed,
             note_refusal=self.node.note_refusal,
+            runc=self.node.runc,
+            runc_env=EnvBuilder(self._env_pod(), self.node.objects, PathMap(())),
+            runc_base_env={
+                k: v for k, v in self.node.base_env.items() if k.startswith("KUBERNETES_")
+            },
+            volume_mounts=tuple(runc_mounts(self.spec, spec, self.volumes.dirs)),
+            pod_security=self.spec.get("securityContext") or {},
+            pod_name=self.name,
+            pod_uid=self.uid,
+            hostname=node.name if self.host_network else self.name,
         )
 
     def _env_pod(self) -> Obj:
@@ -407,33 +431,9 @@ class PodWorker:
         self._last_status = key
         return True
 
-    def _phase(self, final: bool) -> str:
-        containers = [c for c, _ in self.containers]
-        if self.init_failed:
-            return "Failed"
-        if final or (containers and all(c.terminated is not None for c in containers)):
-            if containers and all(
-                c.terminated is not None and c.terminated["exitCode"] == 0 for c in containers
-            ):
-                return "Succeeded"
-            return "Failed"
-        if any(c.pid is not None or c.restart_count or c.last_state for c in containers):
-            return "Running"
-        return "Pending"
-
-    def _condition(self, kind: str, ok: bool, reason: str = "") -> Obj:
-        value = "True" if ok else "False"
-        previous = self._cond_times.get(kind)
-        if previous is None or previous[0] != value:
-            self._cond_times[kind] = (value, now_rfc3339())
-        # A strategic merge patch merges conditions by type: None removes a stale reason.
-        return {
-            "type": kind,
-            "status": value,
-            "lastProbeTime": None,
-            "lastTransitionTime": self._cond_times[kind][1],
-            "reason": reason or None,
-        }
+    def _condition(self, kind: str, ok: bool, reason: str) -> Obj:
+        self._cond_times[kind] = transition_time(self._cond_times.get(kind), ok, now_rfc3339())
+        return condition(kind, ok, reason, self._cond_times[kind][1])
 
     def _gates_ok(self) -> bool:
         gates = [g["conditionType"] for g in self.spec.get("readinessGates") or []]
@@ -443,28 +443,15 @@ class PodWorker:
         return all(conds.get(g) == "True" for g in gates)
 
     def _placeholder(self, spec: Obj, reason: str) -> Obj:
-        waiting: Obj = {"reason": reason}
-        if self.setup_message:
-            waiting["message"] = self.setup_message
-        return {
-            "name": spec["name"],
-            "image": spec.get("image", ""),
-            "imageID": "",
-            "ready": False,
-            "started": False,
-            "restartCount": 0,
-            "lastState": {},
-            "state": {"waiting": waiting},
-        }
+        facts = ContainerFacts(str(spec["name"]), str(spec.get("image", "")),
+                               waiting=(reason, self.setup_message))  # fmt: skip
+        return container_status(facts)
 
     def status(self, final: bool = False) -> Obj:
         """The kubelet-owned part of the pod's status, as it is now."""
-        phase = self._phase(final)
         running = {c.name: c for c, _ in self.containers}
         inits = {c.name: c for c, _ in self.init_containers}
-        waiting_reason = (
-            "PodInitializing" if self.spec.get("initContainers") else "ContainerCreating"
-        )
+        waiting_reason = POD_INITIALIZING if self.spec.get("initContainers") else CONTAINER_CREATING
         statuses = [
             running[s["name"]].status()
             if s["name"] in running
@@ -474,26 +461,21 @@ class PodWorker:
         init_statuses = [
             inits[s["name"]].status()
             if s["name"] in inits
-            else self._placeholder(s, "PodInitializing")
+            else self._placeholder(s, POD_INITIALIZING)
             for s in self.spec.get("initContainers") or []
         ]
-        terminal = phase in ("Succeeded", "Failed")
-        containers_ready = not terminal and bool(running) and all(c.ready for c in running.values())
-        ready = containers_ready and self._gates_ok()
-        reason = "PodCompleted" if terminal else ""
-        not_ready_reason = reason or "ContainersNotReady"
+        started = [st for st in statuses if st["name"] in running]
+        phase = pod_phase(started, self.init_failed, final)
+        conditions = pod_conditions(
+            sandbox_ready=bool(self.ips),
+            initialized=self.initialized,
+            containers_ready=bool(running) and all(c.ready for c in running.values()),
+            gates_ok=self._gates_ok(),
+            terminal=phase in ("Succeeded", "Failed"),
+        )
         status: Obj = {
             "phase": phase,
-            "conditions": [
-                self._condition("PodReadyToStartContainers", bool(self.ips) and not terminal),
-                self._condition("Initialized", self.initialized, reason),
-                self._condition(
-                    "ContainersReady",
-                    containers_ready,
-                    "" if containers_ready else not_ready_reason,
-                ),
-                self._condition("Ready", ready, "" if ready else not_ready_reason),
-            ],
+            "conditions": [self._condition(*c) for c in conditions],
             "containerStatuses": statuses,
         }
         if self.start_time:

@@ -1,19 +1,16 @@
 """Container probes of the node simulator, executed inside the pod's (or node's) netns.
 
 httpGet and tcpSocket probes need no process at all: a socket is created inside the target
-netns by a helper thread that briefly enters it with setns(2) (a socket stays in the netns it
-was created in), then the event loop connects and talks over it. exec probes are processes.
+netns (nodesim.netns.socket_in), then the event loop connects and talks over it. exec probes
+are processes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import ipaddress
 import logging
-import os
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
@@ -21,45 +18,18 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .netns import socket_in
+
 log = logging.getLogger(__name__)
 
-CLONE_NEWNET = 0x40000000
-NETNS_RUN_DIR = "/run/netns"
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _netns_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nodesim-netns")
-
-
-def _setns(fd: int) -> None:
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
-
-
-def _socket_in_netns(netns: str, family: int) -> socket.socket:
-    """A non-blocking TCP socket created in `netns` (runs on the dedicated netns thread)."""
-    with (
-        open("/proc/thread-self/ns/net", "rb") as home,
-        open(f"{NETNS_RUN_DIR}/{netns}", "rb") as target,
-    ):
-        _setns(target.fileno())
-        try:
-            sock = socket.socket(family, socket.SOCK_STREAM)
-        finally:
-            try:
-                _setns(home.fileno())
-            except OSError:  # pragma: no cover - never seen; the thread would be unusable
-                log.critical("cannot leave netns %s: probes are broken", netns)
-                raise
-    sock.setblocking(False)
-    return sock
 
 
 async def connected_socket(netns: str, host: str, port: int) -> socket.socket:
     """A TCP socket connected to host:port from inside `netns` (host: an IP address)."""
     family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     loop = asyncio.get_running_loop()
-    sock = await loop.run_in_executor(_netns_thread, _socket_in_netns, netns, family)
+    sock = await loop.run_in_executor(_netns_thread, socket_in, netns, family)
     try:
         await loop.sock_connect(sock, (host, port))
     except BaseException:

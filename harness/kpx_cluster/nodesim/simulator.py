@@ -19,18 +19,20 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Collection, Coroutine, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from ..controlplane import Cluster
 from ..netns import Node, Topology
+from ..oci import ImageStore
 from .api import Credentials, KubeApi, Obj
 from .env import base_env
 from .kubelet import Kubelet, _arch
 from .pod import SimPod
 from .relay import ApiRelays
+from .runc import HARNESS_IMAGES, RuncRuntime
 
 log = logging.getLogger(__name__)
 
@@ -43,10 +45,29 @@ class NodeSimulator:
     """Simulated nodes for a `Cluster`, built in a `Topology`; see the module docstring."""
 
     def __init__(
-        self, cluster: Cluster, topology: Topology, pod_apiserver_access: bool = False
+        self,
+        cluster: Cluster,
+        topology: Topology,
+        pod_apiserver_access: bool = False,
+        *,
+        runtime: Literal["process", "runc"] = "process",
+        images: ImageStore | None = None,
+        host_images: Collection[str] = HARNESS_IMAGES,
     ) -> None:
+        """`runtime="runc"` (with `images`): containers whose image `images` holds run from it
+        under runc, those whose image is in `host_images` run as host processes, any other
+        image is not pullable (ErrImagePull, ImagePullBackOff). `runtime="process"`: every
+        container runs as a host process (its image ignored)."""
         self.cluster = cluster
         self.topology = topology
+        self.runc: RuncRuntime | None = None
+        if runtime == "runc":
+            if images is None:
+                raise ValueError('runtime="runc" needs an ImageStore (images=)')
+            state = topology.tmpdir / "nodesim" / "runc"
+            self.runc = RuncRuntime(images, state, frozenset(host_images))
+        elif runtime != "process":
+            raise ValueError(f"unknown runtime {runtime!r}")
         self.nodes: dict[str, Node] = {}
         self._kubelets: dict[str, Kubelet] = {}
         self._kubeconfigs: dict[str, Path] = {}
@@ -154,6 +175,7 @@ class NodeSimulator:
                 taints,
                 self._admin,
                 self._relays,
+                self.runc,
             )
             self._kubelets[name] = kubelet
             self._kubeconfigs[name] = kubeconfig
