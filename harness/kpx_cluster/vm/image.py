@@ -10,6 +10,7 @@ read-only with qemu's -snapshot, so several guests can share it).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -135,7 +136,15 @@ def missing_host_tools() -> list[str]:
 
 
 def build(log=sys.stderr) -> Image:
-    """Build the image of the current recipe unless it is cached; returns it."""
+    """Build the image of the current recipe unless it is cached; returns it. One build at a
+    time (a lock in the cache): a second caller waits, then finds the image built."""
+    vm_cache().mkdir(parents=True, exist_ok=True)
+    with open(vm_cache() / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build(log)
+
+
+def _build(log) -> Image:
     image = current_image()
     if image.exists():
         return image
