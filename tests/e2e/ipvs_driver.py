@@ -19,12 +19,12 @@ from kpx_agent.localnet import (
     Endpoint,
     IPVSOptions,
     NodeInfo,
-    NodeLocalState,
     Protocol,
     ProxySettings,
     ServicePort,
     ServicePortKey,
 )
+from kpx_agent.node_local import local_state
 
 
 def _key(raw: list[Any]) -> ServicePortKey:
@@ -86,7 +86,7 @@ def main() -> None:
                 backend.settings = settings
                 ports = [_port(p) for p in step["services"]]
                 changed = step.get("changed")
-                state = NodeLocalState(node, {p.key: p for p in ports})
+                state = local_state(node, settings, ports)
                 backend.sync(state, None if changed is None else [_key(k) for k in changed])
                 if hasattr(backend, "draining"):
                     answer["draining"] = sum(len(v) for v in backend.draining().values())

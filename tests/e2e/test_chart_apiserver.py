@@ -35,6 +35,7 @@ MODE_SETTINGS: dict[str, dict[str, Any]] = {
     "nftables": {"masqueradeBit": 12, "syncPeriod": "1m", "minSyncPeriod": "2s"},
     "iptables": {"masqueradeAll": True, "localhostNodePorts": False},
     "ipvs": {"acknowledgeDeprecation": True, "scheduler": "wrr", "strictARP": True},
+    "external": {"image": "example.com/proxy-backend:1.0", "args": ["--verbose"]},
 }
 
 OBJECT_KINDS = {

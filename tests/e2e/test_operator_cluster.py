@@ -413,7 +413,7 @@ def test_mode_external_runs_the_backend_next_to_a_state_server_only_agent(env: E
     out = env.topo.tmpdir / "external-state"
     out.mkdir(exist_ok=True)
     backend = {
-        "image": "json-plugin",
+        "image": "python",  # a harness image: the node simulator runs it as a host process
         "command": ["python3", str(plugin)],
         "args": ["--output", f"{out}/$(NODE_NAME).json"],
     }
