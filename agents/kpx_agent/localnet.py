@@ -83,11 +83,27 @@ class ServicePortKey:
 
 
 class Endpoint(NamedTuple):
-    """A usable endpoint (already filtered for readiness/terminating/topology)."""
+    """A usable endpoint (already filtered for readiness/terminating/topology).
+
+    Its EndpointSlice conditions are not in the tuple (backends unpack and name rules after
+    it): they are in `ServicePort.endpoint_conditions`."""
 
     ip: IPAddress
     port: int
     local: bool = False
+
+
+class EndpointConditions(NamedTuple):
+    """An endpoint's EndpointSlice conditions, as upstream reads them: `ready` (absent:
+    true), `serving` (absent: as ready), `terminating` (absent: false)."""
+
+    ready: bool = True
+    serving: bool = True
+    terminating: bool = False
+
+
+#: The conditions of a plainly ready endpoint (what nearly every usable endpoint has).
+READY = EndpointConditions()
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,10 +137,22 @@ class ServicePort:
     # from the node itself: every usable endpoint of the cluster, topology applied but not the
     # traffic policies (upstream's "short circuit"). Empty with the Cluster policy.
     short_circuit_endpoints: tuple[Endpoint, ...] = ()
+    # The conditions of the endpoints above (any of the three lists) that are not READY, by
+    # address, ordered: a serving-terminating endpoint used as the fallback, or a slice's
+    # unusual combination. Empty in the usual case. Backends render the same rules whatever
+    # the conditions (the lists are already decided); the state API serves them per endpoint.
+    endpoint_conditions: tuple[tuple[IPAddress, EndpointConditions], ...] = ()
 
     @property
     def family(self) -> int:
         return self.key.family
+
+    def conditions_of(self, ip: IPAddress) -> EndpointConditions:
+        """The conditions of one of this port's endpoints."""
+        for address, conditions in self.endpoint_conditions:
+            if address == ip:
+                return conditions
+        return READY
 
     @property
     def protocol(self) -> Protocol:

@@ -19,6 +19,7 @@ from .detect_local import local_pods
 from .localnet import (
     IP,
     Endpoint,
+    EndpointConditions,
     IPAddress,
     IPNetwork,
     NodeFacts,
@@ -171,12 +172,14 @@ _NO_CONDITIONS: Obj = {}
 
 def _candidates(
     slices: Iterable[Obj], family: int, port_name: str, protocol: Protocol, node_name: str
-) -> list[_Candidate]:
-    """All endpoints of the slices for one service port and family, de-duplicated by address.
+) -> tuple[list[_Candidate], dict[IPAddress, EndpointConditions]]:
+    """All endpoints of the slices for one service port and family, de-duplicated by address;
+    and the conditions of those that are not plainly ready (READY), by address.
 
     The hot loop of a full sync (once per endpoint): no function call per endpoint for the
     usual plain IPv4 address with plain conditions."""
     seen: dict[IPAddress, _Candidate] = {}
+    unusual: dict[IPAddress, EndpointConditions] = {}
     af = _AF[family]
     plain_v4 = af == socket.AF_INET
     pton = socket.inet_pton
@@ -216,6 +219,8 @@ def _candidates(
             serving = cond.get("serving")
             serving = ready if serving is None else bool(serving)
             terminating = bool(cond.get("terminating"))
+            if terminating or not (ready and serving):
+                unusual[ip] = EndpointConditions(ready, serving, terminating)
             hints = ep.get("hints")
             zones = nodes = None
             if hints:
@@ -228,7 +233,7 @@ def _candidates(
                 _Candidate,
                 (_new(Endpoint, (ip, port, local)), ready, serving, terminating, zones, nodes),
             )
-    return sorted(seen.values())
+    return sorted(seen.values()), unusual
 
 
 def _usable(cands: list[_Candidate]) -> list[_Candidate]:
@@ -237,6 +242,15 @@ def _usable(cands: list[_Candidate]) -> list[_Candidate]:
     if ready:
         return ready
     return [c for c in cands if c.serving and c.terminating]
+
+
+def _conditions(
+    unusual: Mapping[IPAddress, EndpointConditions], *lists: tuple[Endpoint, ...]
+) -> tuple[tuple[IPAddress, EndpointConditions], ...]:
+    """The unusual conditions of the endpoints in these lists, ordered by address (the
+    endpoints left out, not usable, are not described)."""
+    used = {e.ip for endpoints in lists for e in endpoints}
+    return tuple(sorted((ip, c) for ip, c in unusual.items() if ip in used))
 
 
 def uses_topology(service: Obj) -> bool:
@@ -328,7 +342,7 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
                 log.warning("%s/%s: ignoring invalid port %r", namespace, name, p)
                 continue
             port_name = str(p.get("name") or "")
-            cands = _candidates(slices, family, port_name, protocol, node.name)
+            cands, unusual = _candidates(slices, family, port_name, protocol, node.name)
             usable_all = _topology_filter(service, _usable(cands), node)
             local = (
                 _usable([c for c in cands if c.endpoint.local]) if itp_local or etp_local else []
@@ -338,6 +352,13 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
                 cluster_eps
                 if itp_local == etp_local
                 else tuple([c.endpoint for c in (local if etp_local else usable_all)])
+            )
+            short_circuit = (
+                ()
+                if not etp_local
+                else cluster_eps
+                if not itp_local
+                else tuple([c.endpoint for c in usable_all])
             )
             key = ServicePortKey(namespace, name, port_name, protocol, family)
             result.append(
@@ -360,12 +381,11 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
                         n for n in source_ranges if n.version == family
                     ),
                     health_check_node_port=hc_port,
-                    short_circuit_endpoints=(
-                        ()
-                        if not etp_local
-                        else cluster_eps
-                        if not itp_local
-                        else tuple([c.endpoint for c in usable_all])
+                    short_circuit_endpoints=short_circuit,
+                    endpoint_conditions=(
+                        _conditions(unusual, cluster_eps, external_eps, short_circuit)
+                        if unusual
+                        else ()
                     ),
                 )
             )

@@ -58,6 +58,9 @@ class State:
     revision: int = 0
     node: pb.NodeInfo = field(default_factory=pb.NodeInfo)
     settings: pb.ProxySettings = field(default_factory=pb.ProxySettings)
+    #: What the agent decided about its node, by IP family (4, 6): where NodePorts answer,
+    #: how local pods are recognised, NodePorts on localhost.
+    node_facts: dict[int, pb.NodeFacts] = field(default_factory=dict)
     service_ports: dict[PortKey, pb.ServicePort] = field(default_factory=dict)
     #: What the last response changed: None after a full state (anything may have changed),
     #: else the keys set and the keys deleted (for handlers that work incrementally).
@@ -85,6 +88,7 @@ class State:
             self.changed, self.deleted = frozenset(sets), deleted
         self.instance_id, self.revision = response.instance_id, response.revision
         self.node, self.settings = response.node, response.settings
+        self.node_facts = {f.family: f for f in response.node_facts}
 
 
 def _short_target(target: str) -> tuple[str, int | None]:

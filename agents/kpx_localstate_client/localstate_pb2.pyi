@@ -42,7 +42,7 @@ class WatchRequest(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., revision: _Optional[int] = ..., want_deltas: _Optional[bool] = ...) -> None: ...
 
 class WatchResponse(_message.Message):
-    __slots__ = ("instance_id", "revision", "full", "node", "settings", "service_ports", "deleted")
+    __slots__ = ("instance_id", "revision", "full", "node", "settings", "service_ports", "deleted", "node_facts")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
     FULL_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,7 @@ class WatchResponse(_message.Message):
     SETTINGS_FIELD_NUMBER: _ClassVar[int]
     SERVICE_PORTS_FIELD_NUMBER: _ClassVar[int]
     DELETED_FIELD_NUMBER: _ClassVar[int]
+    NODE_FACTS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     revision: int
     full: bool
@@ -57,7 +58,8 @@ class WatchResponse(_message.Message):
     settings: ProxySettings
     service_ports: _containers.RepeatedCompositeFieldContainer[ServicePort]
     deleted: _containers.RepeatedCompositeFieldContainer[ServicePortKey]
-    def __init__(self, instance_id: _Optional[str] = ..., revision: _Optional[int] = ..., full: _Optional[bool] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., settings: _Optional[_Union[ProxySettings, _Mapping]] = ..., service_ports: _Optional[_Iterable[_Union[ServicePort, _Mapping]]] = ..., deleted: _Optional[_Iterable[_Union[ServicePortKey, _Mapping]]] = ...) -> None: ...
+    node_facts: _containers.RepeatedCompositeFieldContainer[NodeFacts]
+    def __init__(self, instance_id: _Optional[str] = ..., revision: _Optional[int] = ..., full: _Optional[bool] = ..., node: _Optional[_Union[NodeInfo, _Mapping]] = ..., settings: _Optional[_Union[ProxySettings, _Mapping]] = ..., service_ports: _Optional[_Iterable[_Union[ServicePort, _Mapping]]] = ..., deleted: _Optional[_Iterable[_Union[ServicePortKey, _Mapping]]] = ..., node_facts: _Optional[_Iterable[_Union[NodeFacts, _Mapping]]] = ...) -> None: ...
 
 class ServicePortKey(_message.Message):
     __slots__ = ("namespace", "name", "port_name", "protocol", "family")
@@ -74,14 +76,20 @@ class ServicePortKey(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., name: _Optional[str] = ..., port_name: _Optional[str] = ..., protocol: _Optional[_Union[Protocol, str]] = ..., family: _Optional[int] = ...) -> None: ...
 
 class Endpoint(_message.Message):
-    __slots__ = ("ip", "port", "local")
+    __slots__ = ("ip", "port", "local", "ready", "serving", "terminating")
     IP_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     LOCAL_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    TERMINATING_FIELD_NUMBER: _ClassVar[int]
     ip: str
     port: int
     local: bool
-    def __init__(self, ip: _Optional[str] = ..., port: _Optional[int] = ..., local: _Optional[bool] = ...) -> None: ...
+    ready: bool
+    serving: bool
+    terminating: bool
+    def __init__(self, ip: _Optional[str] = ..., port: _Optional[int] = ..., local: _Optional[bool] = ..., ready: _Optional[bool] = ..., serving: _Optional[bool] = ..., terminating: _Optional[bool] = ...) -> None: ...
 
 class ServicePort(_message.Message):
     __slots__ = ("key", "port", "cluster_ips", "external_ips", "load_balancer_ips", "node_port", "cluster_endpoints", "external_endpoints", "external_masquerade", "drop_when_no_cluster_endpoints", "drop_when_no_external_endpoints", "affinity_timeout_seconds", "load_balancer_source_ranges", "health_check_node_port", "short_circuit_endpoints")
@@ -136,6 +144,34 @@ class DetectLocal(_message.Message):
     mode: DetectLocalMode
     interface: str
     def __init__(self, mode: _Optional[_Union[DetectLocalMode, str]] = ..., interface: _Optional[str] = ...) -> None: ...
+
+class Networks(_message.Message):
+    __slots__ = ("cidrs",)
+    CIDRS_FIELD_NUMBER: _ClassVar[int]
+    cidrs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cidrs: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LocalPods(_message.Message):
+    __slots__ = ("networks", "interface", "interface_prefix")
+    NETWORKS_FIELD_NUMBER: _ClassVar[int]
+    INTERFACE_FIELD_NUMBER: _ClassVar[int]
+    INTERFACE_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    networks: _containers.RepeatedScalarFieldContainer[str]
+    interface: str
+    interface_prefix: str
+    def __init__(self, networks: _Optional[_Iterable[str]] = ..., interface: _Optional[str] = ..., interface_prefix: _Optional[str] = ...) -> None: ...
+
+class NodeFacts(_message.Message):
+    __slots__ = ("family", "node_port_networks", "local_pods", "localhost_node_ports")
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    NODE_PORT_NETWORKS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PODS_FIELD_NUMBER: _ClassVar[int]
+    LOCALHOST_NODE_PORTS_FIELD_NUMBER: _ClassVar[int]
+    family: int
+    node_port_networks: Networks
+    local_pods: LocalPods
+    localhost_node_ports: bool
+    def __init__(self, family: _Optional[int] = ..., node_port_networks: _Optional[_Union[Networks, _Mapping]] = ..., local_pods: _Optional[_Union[LocalPods, _Mapping]] = ..., localhost_node_ports: _Optional[bool] = ...) -> None: ...
 
 class ProxySettings(_message.Message):
     __slots__ = ("masquerade_bit", "masquerade_all", "cluster_cidrs", "node_port_networks", "detect_local", "localhost_node_ports", "conntrack_tcp_be_liberal")

@@ -116,6 +116,25 @@ def test_json_plugin_follows_a_service_and_its_endpoints(
         assert seen < 1.0, f"endpoint change seen after {seen:.2f} s"
         (endpoint,) = ports()["web"]["cluster_endpoints"]
         assert (endpoint["ip"], endpoint["port"]) == (env.pods["b1"].ipv4, 8080)
+        conditions = ("ready", "serving", "terminating")
+        assert [endpoint[c] for c in conditions] == [True, True, False]
+        # The pod terminates while still serving, with no other endpoint: the fallback,
+        # served with its conditions.
+        ep[0]["conditions"] = {"ready": False, "serving": True, "terminating": True}
+        env.kube.apply(endpoint_slice("web-1", agent_ns, "web", ep, [("80-8080", 8080, "TCP")]))
+        t0 = time.monotonic()
+        wait_until(
+            lambda: ports()["web"]["cluster_endpoints"][0]["terminating"], 5, interval=0.02,
+            message=lambda: log.read_text(),
+        )  # fmt: skip
+        seen = time.monotonic() - t0
+        assert seen < 1.0, f"terminating endpoint seen after {seen:.2f} s"
+        (endpoint,) = ports()["web"]["cluster_endpoints"]
+        assert [endpoint[c] for c in conditions] == [False, True, True]
+        # The node's decided facts, per family (n1's InternalIP is known to the agent).
+        facts = {f["family"]: f for f in json.loads(out.read_text())["nodeFacts"]}
+        assert sorted(facts) == [4, 6]
+        assert f"{env.n1.ipv4}/32" in facts[4]["node_port_networks"]["cidrs"]
     finally:
         assert stop(proc) == 0, log.read_text()
     assert "stopped at revision" in log.read_text()

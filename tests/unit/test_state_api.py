@@ -25,6 +25,9 @@ from kpx_agent.localnet import (
     DetectLocal,
     DetectLocalMode,
     Endpoint,
+    EndpointConditions,
+    LocalPods,
+    NodeFacts,
     NodeInfo,
     NodeLocalState,
     Protocol,
@@ -72,27 +75,30 @@ def test_every_localnet_field_is_mapped() -> None:
         if cls in CONTAINERS or cls in convert.NOT_SERVED_TYPES:
             continue
         assert cls in convert.FIELDS, f"localnet.{cls.__name__} is not served by the state API"
-        decided = set(convert.FIELDS[cls]) | set(convert.NOT_SERVED.get(cls, {}))
+        decided = (
+            set(convert.FIELDS[cls])
+            | set(convert.NOT_SERVED.get(cls, {}))
+            | set(convert.SERVED_WITHIN.get(cls, {}))
+        )
         assert decided == _field_names(cls), cls.__name__
 
 
 def test_mapped_proto_fields_exist() -> None:
-    messages = {
-        ServicePortKey: pb.ServicePortKey,
-        Endpoint: pb.Endpoint,
-        ServicePort: pb.ServicePort,
-        NodeInfo: pb.NodeInfo,
-        DetectLocal: pb.DetectLocal,
-        ProxySettings: pb.ProxySettings,
-    }
+    """Every field of each proto message (but the response's own) comes from the model."""
+    served: dict[str, set[str]] = {}
     for cls, fields in convert.FIELDS.items():
-        names = set(messages[cls].DESCRIPTOR.fields_by_name)
-        assert set(fields.values()) == names, cls.__name__
+        message = convert.MESSAGES.get(cls, cls.__name__)
+        served.setdefault(message, set()).update(fields.values())
+    for message, fields in served.items():
+        assert set(pb.DESCRIPTOR.message_types_by_name[message].fields_by_name) == fields, message
+    not_from_the_model = {"WatchRequest", "WatchResponse", "Networks"}
+    assert set(pb.DESCRIPTOR.message_types_by_name) == set(served) | not_from_the_model
 
 
 def full_port(i: int = 1) -> ServicePort:
     """A port with no field at its default value, so a forgotten field cannot round-trip."""
     ep = Endpoint(IP.of("10.1.0.1"), 8080, True)
+    terminating = EndpointConditions(ready=False, serving=True, terminating=True)
     return ServicePort(
         key=ServicePortKey("ns", f"svc{i}", "http", Protocol.UDP, 4),
         port=80 + i,
@@ -109,6 +115,7 @@ def full_port(i: int = 1) -> ServicePort:
         load_balancer_source_ranges=(ip_network("203.0.113.0/24"),),
         health_check_node_port=31000,
         short_circuit_endpoints=(Endpoint(IP.of("10.1.0.3"), 8080),),
+        endpoint_conditions=((IP.of("10.1.0.2"), terminating),),
     )
 
 
@@ -131,6 +138,44 @@ def test_round_trip_every_field() -> None:
         conntrack_tcp_be_liberal=True,
     )
     assert convert.settings_from_proto(convert.settings_to_proto(settings)) == settings
+
+
+def test_endpoint_conditions_are_served_per_endpoint() -> None:
+    port = full_port()
+    msg = convert.port_to_proto(port)
+    conditions = {
+        e.ip: (e.ready, e.serving, e.terminating)
+        for e in (*msg.cluster_endpoints, *msg.external_endpoints, *msg.short_circuit_endpoints)
+    }
+    assert conditions == {
+        "10.1.0.1": (True, True, False),
+        "10.1.0.2": (False, True, True),
+        "10.1.0.3": (True, True, False),
+    }
+    assert port.conditions_of(IP.of("10.1.0.2")).terminating
+    assert port.conditions_of(IP.of("10.1.0.1")) == localnet.READY
+
+
+@pytest.mark.parametrize(
+    "facts",
+    [
+        NodeFacts(
+            family=4,
+            nodeport_networks=(ip_network("192.0.2.10/32"),),
+            local_pods=LocalPods(networks=(ip_network("10.1.0.0/24"),)),
+            localhost_node_ports=True,
+        ),
+        NodeFacts(family=6, nodeport_networks=(), local_pods=LocalPods(interface="cbr0")),
+        NodeFacts(family=6, nodeport_networks=None, local_pods=LocalPods(interface_prefix="veth")),
+        NodeFacts(family=4),
+    ],
+    ids=["networks", "no-nodeports", "every-local-address", "defaults"],
+)
+def test_node_facts_round_trip(facts: NodeFacts) -> None:
+    msg = convert.facts_to_proto(facts)
+    # None (addresses unknown: every local address) and () (no NodePorts) stay apart.
+    assert msg.HasField("node_port_networks") == (facts.nodeport_networks is not None)
+    assert convert.facts_from_proto(pb.NodeFacts.FromString(msg.SerializeToString())) == facts
 
 
 def test_generated_code_is_fresh() -> None:
@@ -610,3 +655,167 @@ def test_a_socket_path_longer_than_a_socket_address(tmp_path: Path) -> None:
         await server.stop()
 
     run(main())
+
+
+# --- endpoint conditions and node facts, from the cluster objects to the client ---------------
+
+TERMINATING = {"ready": False, "serving": True, "terminating": True}
+
+
+def _web(*endpoints: tuple[str, dict[str, bool] | None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Service and its slice: endpoints as (address, conditions or None)."""
+    svc = {
+        "metadata": {"namespace": "ns", "name": "web"},
+        "spec": {"clusterIPs": ["10.96.0.20"], "ports": [{"port": 80, "protocol": "TCP"}]},
+    }
+    eps = []
+    for address, conditions in endpoints:
+        ep: dict[str, Any] = {"addresses": [address], "nodeName": "n2"}
+        if conditions is not None:
+            ep["conditions"] = conditions
+        eps.append(ep)
+    slice_ = {
+        "metadata": {
+            "namespace": "ns",
+            "name": "web-1",
+            "labels": {"kubernetes.io/service-name": "web"},
+        },
+        "addressType": "IPv4",
+        "ports": [{"port": 8080, "protocol": "TCP"}],
+        "endpoints": eps,
+    }
+    return svc, slice_
+
+
+def test_a_terminating_fallback_endpoint_is_served_as_terminating_serving_not_ready() -> None:
+    from kpx_agent.node_local import service_ports
+
+    # Ready endpoints exist: only they are used, and they are plainly ready.
+    svc, slice_ = _web(("10.1.0.1", None), ("10.1.0.2", TERMINATING))
+    (port,) = service_ports(svc, [slice_], NodeInfo("n1"))
+    assert [e.ip for e in port.cluster_endpoints] == ["10.1.0.1"]
+    assert port.endpoint_conditions == ()
+    # None is ready: the serving-terminating one is the fallback, served with its conditions.
+    svc, slice_ = _web(("10.1.0.2", TERMINATING), ("10.1.0.3", {"ready": False}))
+    (port,) = service_ports(svc, [slice_], NodeInfo("n1"))
+    assert [e.ip for e in port.cluster_endpoints] == ["10.1.0.2"]
+    # The unusable 10.1.0.3 (not serving) is neither listed nor described.
+    assert port.endpoint_conditions == ((IP.of("10.1.0.2"), EndpointConditions(False, True, True)),)
+    response = pb.WatchResponse.FromString(
+        pb.WatchResponse(service_ports=[convert.port_to_proto(port)]).SerializeToString()
+    )
+    (served,) = response.service_ports[0].cluster_endpoints
+    assert (served.ip, served.ready, served.serving, served.terminating) == (
+        "10.1.0.2",
+        False,
+        True,
+        True,
+    )
+    assert convert.port_from_proto(response.service_ports[0]) == port
+
+
+def _proxier_on(backend: Any) -> tuple[Any, Any, Publisher]:
+    from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+    from kpx_agent.metrics import AgentMetrics
+    from kpx_agent.proxier import Proxier
+    from kpx_api.proxysettings import NamespaceOptOut
+
+    cluster = ClusterState()
+    for kind in (SERVICES, SLICES, NAMESPACES, NODES):
+        cluster.replace(kind, [])
+    proxier = Proxier(cluster, backend, "n1", NamespaceOptOut(), AgentMetrics())
+    pub = Publisher()
+    proxier.on_synced = lambda local, changed: pub.publish(local, backend.settings, changed)
+    proxier.delete_flows = lambda filters: 0
+    return cluster, proxier, pub
+
+
+def test_conditions_change_no_kernel_rule_but_make_a_revision() -> None:
+    """The one endpoint of a Service goes from ready to serving-terminating (the fallback):
+    the backends get the same endpoints and program nothing (no nft transaction, no
+    iptables-restore); the state API makes one revision with the new conditions."""
+    from backend_samples import SETTINGS
+    from ipt_fake import FakeIptables
+    from nft_fake import FakeNftables
+
+    from kpx_agent.backends.iptables.backend import IptablesBackend
+    from kpx_agent.backends.nftables.backend import NftablesBackend
+    from kpx_agent.cluster_state import SERVICES, SLICES
+
+    nft = FakeNftables()
+    ipt = FakeIptables()
+    backends = [
+        (
+            NftablesBackend(
+                SETTINGS,
+                run_transactions=nft.run_transactions,
+                present_families=nft.present_families,
+                load_elements=nft.load_elements,
+            ),
+            lambda: (nft.transactions, nft.dump()),
+        ),
+        (
+            IptablesBackend(
+                SETTINGS,
+                restore=ipt.restore,
+                save=ipt.save,
+                chain_exists=ipt.chain_exists,
+                ensure_sysctl=lambda path, value: None,
+            ),
+            lambda: (ipt.runs, ipt.dump()),
+        ),
+    ]
+    for backend, kernel in backends:
+        cluster, proxier, pub = _proxier_on(backend)
+        svc, ready = _web(("10.1.0.2", {"ready": True, "serving": True}))
+        cluster.upsert(SERVICES, svc)
+        cluster.upsert(SLICES, ready)
+        assert proxier.sync().ok
+        before = proxier.local.services[next(iter(proxier.local.services))]
+        programmed = kernel()
+        revision = pub.revision
+        cluster.upsert(SLICES, _web(("10.1.0.2", TERMINATING))[1])
+        assert proxier.sync().ok
+        after = proxier.local.services[before.key]
+        assert after.cluster_endpoints == before.cluster_endpoints  # what the backend renders
+        assert after.endpoint_conditions != before.endpoint_conditions
+        assert kernel() == programmed, backend.mode  # no kernel operation at all
+        assert pub.revision == revision + 1
+        (served,) = decode(pub.answer("", 0, False)).service_ports[0].cluster_endpoints
+        assert (served.ready, served.serving, served.terminating) == (False, True, True)
+
+
+def test_node_facts_are_served_and_follow_the_node() -> None:
+    """The decided NodePort networks, local-pod match and localhost NodePorts reach the client
+    as the backends get them; a change of the Node's addresses makes a revision."""
+    from kpx_agent.backends import state_only
+    from kpx_agent.cluster_state import NODES
+
+    settings = ProxySettings(
+        cluster_cidrs=(ip_network("10.1.0.0/16"),),
+        detect_local=DetectLocal(DetectLocalMode.CLUSTER_CIDR),
+    )
+    backend = state_only.create(settings)
+    cluster, proxier, pub = _proxier_on(backend)
+    assert proxier.sync().ok
+    held = State()
+    held.apply(decode(pub.answer("", 0, True)))
+    # No Node object yet: NodePorts on every local address (the field absent).
+    assert sorted(held.node_facts) == [4, 6]
+    assert not held.node_facts[4].HasField("node_port_networks")
+    assert list(held.node_facts[4].local_pods.networks) == ["10.1.0.0/16"]
+    assert list(held.node_facts[6].local_pods.networks) == []
+    node = {
+        "metadata": {"name": "n1"},
+        "status": {"addresses": [{"type": "InternalIP", "address": "192.0.2.7"}]},
+    }
+    cluster.upsert(NODES, node)
+    revision = pub.revision
+    assert proxier.sync().ok and pub.revision == revision + 1
+    held.apply(decode(pub.answer(held.instance_id, held.revision, True)))
+    assert list(held.node_facts[4].node_port_networks.cidrs) == ["192.0.2.7/32"]
+    # IPv6: the Node has no address of that family, so no NodePorts (present, empty).
+    assert held.node_facts[6].HasField("node_port_networks")
+    assert list(held.node_facts[6].node_port_networks.cidrs) == []
+    for family, facts in proxier.local.facts.items():
+        assert convert.facts_from_proto(held.node_facts[family]) == facts

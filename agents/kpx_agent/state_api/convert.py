@@ -1,8 +1,9 @@
 """localnet (the in-process model) -> kpx.localstate.v1 protobuf messages, and back.
 
 The one place that knows both shapes. `FIELDS` names, for every localnet type, the proto field
-each of its fields becomes: a unit test fails when a localnet type gains a field this module does
-not map, so a new field of the model is never silently missing from the API.
+each of its fields becomes (`SERVED_WITHIN`: a field served inside other messages): a unit test
+fails when a localnet type gains a field this module does not map, so a new field of the model
+is never silently missing from the API.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from kpx_localstate_client import localstate_pb2 as pb
 
 from ..localnet import (
     IP,
+    READY,
     DetectLocal,
     DetectLocalMode,
     Endpoint,
+    EndpointConditions,
+    IPNetwork,
     IPVSOptions,
     LocalPods,
     NodeFacts,
@@ -37,6 +41,8 @@ FIELDS: Final[dict[type, dict[str, str]]] = {
         "family": "family",
     },
     Endpoint: {"ip": "ip", "port": "port", "local": "local"},
+    # Served as fields of each Endpoint message (see SERVED_WITHIN).
+    EndpointConditions: {"ready": "ready", "serving": "serving", "terminating": "terminating"},
     ServicePort: {
         "key": "key",
         "port": "port",
@@ -65,6 +71,28 @@ FIELDS: Final[dict[type, dict[str, str]]] = {
         "localhost_node_ports": "localhost_node_ports",
         "conntrack_tcp_be_liberal": "conntrack_tcp_be_liberal",
     },
+    NodeFacts: {
+        "family": "family",
+        "nodeport_networks": "node_port_networks",
+        "local_pods": "local_pods",
+        "localhost_node_ports": "localhost_node_ports",
+    },
+    LocalPods: {
+        "networks": "networks",
+        "interface": "interface",
+        "interface_prefix": "interface_prefix",
+    },
+}
+
+#: localnet type -> proto message it is served as (when not the message of the same name).
+MESSAGES: Final[dict[type, str]] = {EndpointConditions: "Endpoint"}
+
+#: Fields served inside other messages rather than as a field of their own, each with where.
+SERVED_WITHIN: Final[dict[type, dict[str, str]]] = {
+    ServicePort: {
+        "endpoint_conditions": "Endpoint.ready, .serving and .terminating of each endpoint in "
+        "cluster_endpoints, external_endpoints and short_circuit_endpoints",
+    },
 }
 
 #: Fields of served types that the state API does not serve, each with why: a decision, not
@@ -78,10 +106,6 @@ NOT_SERVED: Final[dict[type, dict[str, str]]] = {
 #: localnet types the state API does not serve, each with why.
 NOT_SERVED_TYPES: Final[dict[type, str]] = {
     IPVSOptions: "ProxySettings.ipvs (above)",
-    NodeFacts: "decided from NodeInfo and ProxySettings, which are served: a client derives "
-    "the NodePort networks, local-pod match and localhost NodePorts from them (serving the "
-    "decided values is a follow-up)",
-    LocalPods: "part of NodeFacts",
 }
 
 _PROTOCOL: Final = {Protocol.TCP: pb.TCP, Protocol.UDP: pb.UDP, Protocol.SCTP: pb.SCTP}
@@ -105,11 +129,32 @@ def key_to_proto(key: ServicePortKey) -> pb.ServicePortKey:
     )
 
 
-def _endpoints(endpoints: tuple[Endpoint, ...]) -> list[pb.Endpoint]:
-    return [pb.Endpoint(ip=e.ip, port=e.port, local=e.local) for e in endpoints]
+def _endpoints(
+    endpoints: tuple[Endpoint, ...], unusual: dict[IP, EndpointConditions]
+) -> list[pb.Endpoint]:
+    if not unusual:  # the usual case: every endpoint plainly ready
+        return [
+            pb.Endpoint(ip=e.ip, port=e.port, local=e.local, ready=True, serving=True)
+            for e in endpoints
+        ]
+    out = []
+    for e in endpoints:
+        c = unusual.get(e.ip, READY)
+        out.append(
+            pb.Endpoint(
+                ip=e.ip,
+                port=e.port,
+                local=e.local,
+                ready=c.ready,
+                serving=c.serving,
+                terminating=c.terminating,
+            )
+        )
+    return out
 
 
 def port_to_proto(port: ServicePort) -> pb.ServicePort:
+    unusual = dict(port.endpoint_conditions)
     return pb.ServicePort(
         key=key_to_proto(port.key),
         port=port.port,
@@ -117,15 +162,15 @@ def port_to_proto(port: ServicePort) -> pb.ServicePort:
         external_ips=port.external_ips,
         load_balancer_ips=port.load_balancer_ips,
         node_port=port.node_port,
-        cluster_endpoints=_endpoints(port.cluster_endpoints),
-        external_endpoints=_endpoints(port.external_endpoints),
+        cluster_endpoints=_endpoints(port.cluster_endpoints, unusual),
+        external_endpoints=_endpoints(port.external_endpoints, unusual),
         external_masquerade=port.external_masquerade,
         drop_when_no_cluster_endpoints=port.drop_when_no_cluster_endpoints,
         drop_when_no_external_endpoints=port.drop_when_no_external_endpoints,
         affinity_timeout_seconds=port.affinity_timeout,
         load_balancer_source_ranges=[str(n) for n in port.load_balancer_source_ranges],
         health_check_node_port=port.health_check_node_port,
-        short_circuit_endpoints=_endpoints(port.short_circuit_endpoints),
+        short_circuit_endpoints=_endpoints(port.short_circuit_endpoints, unusual),
     )
 
 
@@ -152,6 +197,26 @@ def settings_to_proto(settings: ProxySettings) -> pb.ProxySettings:
     )
 
 
+def _networks(nets: tuple[IPNetwork, ...]) -> list[str]:
+    return [str(n) for n in nets]
+
+
+def facts_to_proto(facts: NodeFacts) -> pb.NodeFacts:
+    msg = pb.NodeFacts(
+        family=facts.family,
+        local_pods=pb.LocalPods(
+            networks=_networks(facts.local_pods.networks),
+            interface=facts.local_pods.interface,
+            interface_prefix=facts.local_pods.interface_prefix,
+        ),
+        localhost_node_ports=facts.localhost_node_ports,
+    )
+    if facts.nodeport_networks is not None:  # None: absent (every local address)
+        msg.node_port_networks.SetInParent()
+        msg.node_port_networks.cidrs.extend(_networks(facts.nodeport_networks))
+    return msg
+
+
 # -- back (tests, and plugins written against the localnet model) ------------------------------
 def key_from_proto(msg: pb.ServicePortKey) -> ServicePortKey:
     return ServicePortKey(
@@ -161,6 +226,16 @@ def key_from_proto(msg: pb.ServicePortKey) -> ServicePortKey:
 
 def _endpoints_back(msgs: Any) -> tuple[Endpoint, ...]:
     return tuple(Endpoint(IP.of(e.ip), e.port, e.local) for e in msgs)
+
+
+def _conditions_back(*lists: Any) -> tuple[tuple[IP, EndpointConditions], ...]:
+    unusual = {}
+    for msgs in lists:
+        for e in msgs:
+            conditions = EndpointConditions(e.ready, e.serving, e.terminating)
+            if conditions != READY:
+                unusual[IP.of(e.ip)] = conditions
+    return tuple(sorted(unusual.items()))
 
 
 def _ips(values: Any) -> tuple[IP, ...]:
@@ -184,6 +259,9 @@ def port_from_proto(msg: pb.ServicePort) -> ServicePort:
         load_balancer_source_ranges=tuple(ip_network(n) for n in msg.load_balancer_source_ranges),
         health_check_node_port=msg.health_check_node_port,
         short_circuit_endpoints=_endpoints_back(msg.short_circuit_endpoints),
+        endpoint_conditions=_conditions_back(
+            msg.cluster_endpoints, msg.external_endpoints, msg.short_circuit_endpoints
+        ),
     )
 
 
@@ -205,4 +283,22 @@ def settings_from_proto(msg: pb.ProxySettings) -> ProxySettings:
         detect_local=DetectLocal(_DETECT_BACK[msg.detect_local.mode], msg.detect_local.interface),
         localhost_node_ports=msg.localhost_node_ports,
         conntrack_tcp_be_liberal=msg.conntrack_tcp_be_liberal,
+    )
+
+
+def facts_from_proto(msg: pb.NodeFacts) -> NodeFacts:
+    pods = msg.local_pods
+    return NodeFacts(
+        family=msg.family,
+        nodeport_networks=(
+            tuple(ip_network(n) for n in msg.node_port_networks.cidrs)
+            if msg.HasField("node_port_networks")
+            else None
+        ),
+        local_pods=LocalPods(
+            networks=tuple(ip_network(n) for n in pods.networks),
+            interface=pods.interface,
+            interface_prefix=pods.interface_prefix,
+        ),
+        localhost_node_ports=msg.localhost_node_ports,
     )

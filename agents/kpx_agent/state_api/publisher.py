@@ -17,12 +17,19 @@ from dataclasses import dataclass
 
 from kpx_localstate_client import localstate_pb2 as pb
 
-from ..localnet import NodeInfo, NodeLocalState, ProxySettings, ServicePort, ServicePortKey
-from .convert import key_to_proto, node_to_proto, port_to_proto, settings_to_proto
+from ..localnet import (
+    NodeFacts,
+    NodeInfo,
+    NodeLocalState,
+    ProxySettings,
+    ServicePort,
+    ServicePortKey,
+)
+from .convert import facts_to_proto, key_to_proto, node_to_proto, port_to_proto, settings_to_proto
 
 # WatchResponse field numbers (localstate.proto): the full state is assembled from each Service
 # port's cached bytes rather than re-serialized (at 10,000 ports, ~50x cheaper).
-_NODE, _SETTINGS, _PORTS, _DELETED = 4, 5, 6, 7
+_NODE, _SETTINGS, _PORTS, _DELETED, _FACTS = 4, 5, 6, 7, 8
 
 
 def _varint(value: int) -> bytes:
@@ -60,6 +67,7 @@ class Publisher:
         self._ports: dict[ServicePortKey, tuple[ServicePort, bytes]] = {}
         self._node: tuple[NodeInfo | None, bytes] = (None, b"")
         self._settings: tuple[ProxySettings | None, bytes] = (None, b"")
+        self._facts: tuple[dict[int, NodeFacts] | None, bytes] = (None, b"")
         self._delta: _Delta | None = None
         self._full: tuple[int, bytes] = (0, b"")  # (revision, encoded response)
 
@@ -96,6 +104,14 @@ class Publisher:
                 encoded = _field(_SETTINGS, settings_to_proto(settings).SerializeToString())
                 self._settings = (settings, encoded)
                 node_changed = True
+            if self._facts[0] != state.facts:
+                facts = dict(state.facts)
+                encoded = b"".join(
+                    _field(_FACTS, facts_to_proto(facts[f]).SerializeToString())
+                    for f in sorted(facts)
+                )
+                self._facts = (facts, encoded)
+                node_changed = True
             if self.revision and not (sets or deleted or node_changed):
                 return False
             self.revision += 1
@@ -121,18 +137,20 @@ class Publisher:
                 and delta.revision == self.revision
                 and revision == self.revision - 1
             ):
-                return header.SerializeToString() + self._node[1] + self._settings[1] + delta.body
+                return self._head(header) + delta.body
             if self._full[0] != self.revision:
                 header.full = True
                 ports = self._ports
                 self._full = (
                     self.revision,
-                    header.SerializeToString()
-                    + self._node[1]
-                    + self._settings[1]
-                    + b"".join(ports[k][1] for k in sorted(ports)),
+                    self._head(header) + b"".join(ports[k][1] for k in sorted(ports)),
                 )
             return self._full[1]
+
+    def _head(self, header: pb.WatchResponse) -> bytes:
+        """What every response has: its header, the node, the settings and the node facts
+        (fields may come in any order on the wire; these come first)."""
+        return header.SerializeToString() + self._node[1] + self._settings[1] + self._facts[1]
 
     @property
     def port_count(self) -> int:

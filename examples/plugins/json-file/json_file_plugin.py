@@ -16,21 +16,28 @@ import tempfile
 from pathlib import Path
 
 from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
 
 from kpx_localstate_client import DEFAULT_TARGET, State, default_target, run
 
 
+def _dict(message: Message) -> dict[str, object]:
+    """Proto field names, every field written (false and empty ones too: an endpoint's
+    `ready: false` says something)."""
+    return MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+
+
 def as_json(state: State) -> dict[str, object]:
-    """The state as JSON-ready data (proto field names, ports ordered by key)."""
+    """The state as JSON-ready data (ports ordered by key, node facts by family)."""
     return {
         "instanceId": state.instance_id,
         "revision": state.revision,
-        "node": MessageToDict(state.node, preserving_proto_field_name=True),
-        "settings": MessageToDict(state.settings, preserving_proto_field_name=True),
-        "servicePorts": [
-            MessageToDict(state.service_ports[key], preserving_proto_field_name=True)
-            for key in sorted(state.service_ports)
-        ],
+        "node": _dict(state.node),
+        "settings": _dict(state.settings),
+        "nodeFacts": [_dict(state.node_facts[family]) for family in sorted(state.node_facts)],
+        "servicePorts": [_dict(state.service_ports[key]) for key in sorted(state.service_ports)],
     }
 
 
