@@ -1,18 +1,33 @@
 """The node-local state API at scale: what an out-of-tree backend pays over the in-process ones.
 
-For N Service ports (default 10,000) of 10 endpoints each, in the agent's own model (localnet,
-as node_local computes it), served by the agent's real publisher and gRPC server on a unix
-socket, to clients in separate processes built on kpx_localstate_client:
+For N Service ports (default 10,000) of 10 endpoints each, two parts.
+
+In process (the API alone): the agent's own model (localnet, as node_local computes it),
+served by the agent's real publisher and gRPC server on a unix socket, to clients in separate
+processes built on kpx_localstate_client:
 
 1. full state: its encoded size, the time to publish it (convert + encode, the sync's extra
    cost) and the time from publishing to a client's handler holding all N ports;
 2. one change at a time (one endpoint address of one Service port, `--changes` times): the time
-   from the end of the sync (publish) to the client's handler, as a delta (median and p95;
-   goal: under 50 ms median). The watch and the model before it are the agent's, the same for
-   every backend (bench/agent_scale.py measures them for nftables);
+   from the end of the sync (publish) to the client's handler, as a delta;
 3. the server process's extra memory (RSS) with 1 and with 10 connected clients.
 
-Usage: python3 bench/state_api.py [--services N] [--changes 50]
+From the apiserver (the issue's definition; skipped with --no-apiserver): bench/workload.py's
+N Services and EndpointSlices in a fresh local control plane (bench/benchlib.py), the real
+agent (`proxy-agent`, as a process in a node network namespace, as bench/agent_scale.py starts
+it), and a client process (kpx_localstate_client.run) on the socket:
+
+4. `--mode nftables --state-socket`: one EndpointSlice write at a time (`--e2e-changes`, spaced
+   beyond minSyncPeriod like bench/agent_scale.py's) timed from the write to the kernel's
+   endpoints map holding the new address (bench/agent_scale.py's own measurement: the
+   in-process nftables backend, the anchor) and, for the same write, to the client's handler
+   seeing it (the agent publishes after programming the kernel);
+5. `--mode external` (the state-server-only agent an out-of-tree backend runs beside): the
+   same writes timed to the client's handler (goal: under 50 ms median, as the in-process
+   nftables backend); a new client's full state (connect to handler); the agent's RSS with 0,
+   1 and 10 clients connected.
+
+Usage: python3 bench/state_api.py [--services N] [--changes 50] [--e2e-changes 100]
 Writes bench/results/state_api-<N>.json and bench/results/state_api.md.
 """
 
@@ -22,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -33,9 +49,35 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-for sub in ("agents", "api"):
+for sub in ("agents", "api", "harness"):
     sys.path.insert(0, str(REPO / sub))
 
+# The from-the-apiserver part reuses bench/agent_scale.py's agent, kernel probe and change.
+from agent_scale import (  # noqa: E402
+    SETTLE_SECONDS,
+    WORKERS,
+    AgentRun,
+    KernelProbe,
+    NodeNft,
+    create_workload,
+    measure_change,
+    remove_rules,
+    start_agent,
+    wait_cold_start,
+)
+from benchlib import (  # noqa: E402
+    ApiClient,
+    bench_cluster,
+    endpoints,
+    exit_on_sigterm,
+    log,
+    machine_info,
+    machine_line,
+    median,
+    percentile,
+    proc_memory_kb,
+    slices_path,
+)
 from kpx_agent.localnet import (  # noqa: E402
     IP,
     Endpoint,
@@ -48,8 +90,19 @@ from kpx_agent.localnet import (  # noqa: E402
 )
 from kpx_agent.state_api.publisher import Publisher  # noqa: E402
 from kpx_agent.state_api.server import Listen, StateServer  # noqa: E402
+from kpx_cluster.controlplane import Cluster  # noqa: E402
+from kpx_cluster.netns import Node, Topology  # noqa: E402
+from workload import (  # noqa: E402
+    NAMESPACE,
+    NODE_NAME,
+    NODE_SETTLE_SECONDS,
+    changed_address,
+    endpoint_addresses,
+    svc_name,
+)
 
 RESULTS = REPO / "bench" / "results"
+E2E_GAP_S = 1.2  # between two writes: beyond the agent's default minSyncPeriod (1 s)
 
 # A client process: prints one line per state received: revision, wall time, port count.
 CLIENT = """
@@ -196,40 +249,366 @@ def measure(n: int, changes: int) -> dict[str, Any]:
     }
 
 
-def report(r: dict[str, Any]) -> str:
-    goal = "met" if float(r["change_to_handler_ms_median"]) < 50 else "NOT met"
-    return "\n".join(
-        [
-            f"## Node-local state API, {r['services']:,} Service ports x 10 endpoints",
+# ---- from the apiserver: the real agent, the real watch ------------------------------------------
+
+# A client process reporting when the Service ports it is told to watch change. Reads
+# "NAMESPACE NAME" lines on stdin (answers "watching NAME"); prints "start T" once, "full REV T
+# COUNT" for each full state, and "seen NAME REV T IP,IP,..." when a watched port's cluster
+# endpoints differ from the last printed. T: time.monotonic(), one clock for the machine.
+WATCH_CLIENT = """
+import sys, threading, time
+from kpx_localstate_client import PortKey, StateClient, localstate_pb2 as pb, run
+print("start", repr(time.monotonic()), flush=True)
+watched, lock = {}, threading.Lock()
+def read():
+    for line in sys.stdin:
+        ns, name = line.split()
+        with lock:
+            watched[PortKey(ns, name, "http", pb.TCP, 4)] = None
+        print("watching", name, flush=True)
+threading.Thread(target=read, daemon=True).start()
+def handler(state):
+    now = time.monotonic()
+    if state.changed is None:
+        print("full", state.revision, repr(now), len(state.service_ports), flush=True)
+    with lock:
+        keys = list(watched) if state.changed is None else set(state.changed) & set(watched)
+        for key in keys:
+            port = state.service_ports.get(key)
+            ips = ",".join(e.ip for e in port.cluster_endpoints) if port else "-"
+            if watched[key] != ips:
+                watched[key] = ips
+                print("seen", key.name, state.revision, repr(now), ips, flush=True)
+run(handler, sys.argv[1], client=StateClient(sys.argv[1]))
+"""
+
+
+class WatchClient:
+    """One WATCH_CLIENT process on the host (the socket is a file: no netns needed)."""
+
+    def __init__(self, target: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO / "agents")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", WATCH_CLIENT, target],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.lines: list[list[str]] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.split())
+                self._cond.notify_all()
+
+    def wait(self, match: Any, timeout: float = 120.0) -> list[str]:
+        """The first line (split) for which match(words) is true."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for words in self.lines:
+                    if match(words):
+                        return words
+                left = deadline - time.monotonic()
+                if left <= 0 or self.proc.poll() is not None:
+                    raise TimeoutError(f"client: no such line in {self.lines[-5:]}")
+                self._cond.wait(left)
+
+    def full_state(self, count: int) -> tuple[float, float]:
+        """(the process's start after its imports, its handler holding at least `count`
+        ports: the workload's, and the cluster's own `kubernetes` Service)."""
+        start = float(self.wait(lambda w: w[0] == "start")[1])
+        full = self.wait(lambda w: w[0] == "full" and int(w[3]) >= count)
+        return start, float(full[2])
+
+    def watch(self, namespace: str, name: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{namespace} {name}\n")
+        self.proc.stdin.flush()
+        self.wait(lambda w: w == ["watching", name])
+
+    def seen(self, name: str, new: str, old: str) -> float:
+        """When the handler saw `name`'s endpoints with `new` and without `old`."""
+
+        def match(w: list[str]) -> bool:
+            if w[0] != "seen" or w[1] != name:
+                return False
+            ips = w[4].split(",")
+            return new in ips and old not in ips
+
+        return float(self.wait(match, timeout=60.0)[3])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def _agent_rss_kib(pid: int) -> int:
+    return int(proc_memory_kb(pid).get("VmRSS", 0))
+
+
+def _wait_first_sync(agent: AgentRun, timeout: float = 300.0) -> float:
+    """Seconds from the agent's start to its first full sync (its log; after the initial
+    lists, so of every Service)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        agent.check_alive()
+        if (t := agent.log_time("full sync of ")) is not None:
+            return t
+        time.sleep(0.05)
+    raise TimeoutError(f"no full sync; agent log:\n{agent.log_tail()}")
+
+
+def _write_endpoint(api: ApiClient, svc: int, k: int) -> tuple[float, str, str]:
+    """bench/agent_scale.py's change (the slice's last endpoint gets changed_address(k)),
+    without its kernel polling: (the monotonic time of the write, new IP, old IP)."""
+    addrs = endpoint_addresses(svc)
+    old, new = addrs[-1][0], changed_address(k)
+    addrs[-1] = (new, addrs[-1][1])
+    path = slices_path(NAMESPACE, f"{svc_name(svc)}-1")
+    t0 = time.monotonic()
+    api.merge_patch(path, {"endpoints": endpoints(addrs)})
+    return t0, new, old
+
+
+def _ms(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(median(values), 2),
+        "p90": round(percentile(values, 90), 2),
+        "p99": round(percentile(values, 99), 2),
+        "max": round(max(values), 2),
+    }
+
+
+def _with_nftables(
+    topo: Topology, node: Node, cluster: Cluster, api: ApiClient, vips: list[str],
+    socket_path: Path, services: list[int], first_k: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Mode nftables with the state API: each write timed to the kernel (bench/agent_scale.py's
+    measure_change, the anchor) and to the client's handler."""
+    probe, nft = KernelProbe(topo, node), NodeNft(node.netns)
+    agent = start_agent(topo, node, cluster, ["--state-socket", str(socket_path)])
+    client = None
+    try:
+        cold = wait_cold_start(probe, nft, agent, vips)
+        client = WatchClient(f"unix://{socket_path}")
+        client.full_state(len(vips))
+        time.sleep(SETTLE_SECONDS)
+        kernel, handler = [], []
+        for i, svc in enumerate(services):
+            agent.check_alive()
+            client.watch(NAMESPACE, svc_name(svc))
+            old = endpoint_addresses(svc)[-1][0]
+            t0 = time.monotonic()
+            change = measure_change(api, probe, vips, svc, first_k + i)
+            seen = client.seen(svc_name(svc), changed_address(first_k + i), old)
+            kernel.append(change.latency_ms)
+            handler.append((seen - t0) * 1000)
+            time.sleep(max(0.0, E2E_GAP_S - (time.monotonic() - t0)))
+        log(
+            f"nftables + state API: kernel {median(kernel):.1f} ms, handler "
+            f"{median(handler):.1f} ms median"
+        )
+        return {
+            "cold_start_kernel_s": round(cold.seconds, 2),
+            "write_to_kernel_ms": _ms(kernel),
+            "write_to_handler_ms": _ms(handler),
+            "samples": [[round(a, 2), round(b, 2)] for a, b in zip(kernel, handler, strict=True)],
+        }
+    finally:
+        probe.close()
+        if client is not None:
+            client.stop()
+        agent.stop()
+        remove_rules(topo, node)
+
+
+def _external(
+    topo: Topology, node: Node, cluster: Cluster, api: ApiClient, n: int, socket_path: Path,
+    services: list[int], first_k: int,
+) -> dict[str, Any]:  # fmt: skip
+    """Mode external (no kernel rules): writes timed to the handler; memory with 0, 1 and 10
+    clients; full states to new clients."""
+    config = topo.tmpdir / "external.yaml"
+    config.write_text(
+        json.dumps(
+            {
+                "apiVersion": "proxy.kpx.dev/v1alpha1",
+                "kind": "AgentConfiguration",
+                "mode": "external",
+                "external": {"image": "example.com/bench-plugin:1"},
+            }
+        )
+    )
+    # start_agent passes --mode nftables; argparse keeps the last --mode.
+    extra = ["--mode", "external", "--config", str(config), "--state-socket", str(socket_path)]
+    agent = start_agent(topo, node, cluster, extra)
+    clients: list[WatchClient] = []
+    try:
+        synced_s = _wait_first_sync(agent)
+        time.sleep(SETTLE_SECONDS)
+        rss_none = _agent_rss_kib(agent.pid)
+        first = WatchClient(f"unix://{socket_path}")
+        clients.append(first)
+        start, full = first.full_state(n)
+        time.sleep(SETTLE_SECONDS)
+        rss_one = _agent_rss_kib(agent.pid)
+        handler = []
+        for i, svc in enumerate(services):
+            agent.check_alive()
+            first.watch(NAMESPACE, svc_name(svc))
+            t0, new, old = _write_endpoint(api, svc, first_k + i)
+            handler.append((first.seen(svc_name(svc), new, old) - t0) * 1000)
+            time.sleep(max(0.0, E2E_GAP_S - (time.monotonic() - t0)))
+        log(f"external: handler {median(handler):.1f} ms median")
+        deliveries = []
+        for _ in range(9):
+            client = WatchClient(f"unix://{socket_path}")
+            clients.append(client)
+            c_start, c_full = client.full_state(n)
+            deliveries.append(c_full - c_start)
+        time.sleep(SETTLE_SECONDS)
+        rss_ten = _agent_rss_kib(agent.pid)
+        return {
+            "first_full_sync_s": round(synced_s, 2),
+            "write_to_handler_ms": _ms(handler),
+            "samples": [round(h, 2) for h in handler],
+            "full_state_first_client_s": round(full - start, 3),
+            "full_state_new_client_s_median": round(median(deliveries), 3),
+            "agent_rss_kib_no_client": rss_none,
+            "agent_rss_extra_1_client_kib": rss_one - rss_none,
+            "agent_rss_extra_10_clients_kib": rss_ten - rss_none,
+        }
+    finally:
+        for client in clients:
+            client.stop()
+        agent.stop()
+
+
+def measure_from_apiserver(n: int, changes: int) -> dict[str, Any]:
+    started, load = time.monotonic(), os.getloadavg()
+    with bench_cluster("state-api") as cluster:
+        api = ApiClient(cluster, WORKERS)
+        try:
+            vips, creation = create_workload(cluster, api, n)
+            log(f"created in {creation.total_s:.1f}s")
+            time.sleep(max(0.0, creation.node_created + NODE_SETTLE_SECONDS - time.monotonic()))
+            picks = random.Random(n).sample(range(n), min(2 * changes, n))
+            with Topology() as topo:
+                exit_on_sigterm()
+                node = topo.add_node(NODE_NAME)
+                topo.expose_host_port(cluster.apiserver_port)
+                socket_path = topo.tmpdir / "state" / "state.sock"
+                nft = _with_nftables(
+                    topo, node, cluster, api, vips, socket_path, picks[:changes], 0
+                )
+                ext = _external(topo, node, cluster, api, n, socket_path, picks[changes:], changes)
+        finally:
+            api.close()
+    return {
+        "services": n,
+        "changes": changes,
+        "gap_s": E2E_GAP_S,
+        "load_average_at_start": [round(x, 2) for x in load],
+        "nftables_with_state_api": nft,
+        "external": ext,
+        "run_s": round(time.monotonic() - started, 1),
+    }
+
+
+def report(r: dict[str, Any], e2e: dict[str, Any] | None) -> str:
+    lines = [
+        f"## Node-local state API, {r['services']:,} Service ports x 10 endpoints",
+        "",
+        f"Machine: {machine_line(machine_info())}",
+        "",
+    ]
+    if e2e is not None:
+        nft, ext = e2e["nftables_with_state_api"], e2e["external"]
+        goal = "met" if ext["write_to_handler_ms"]["median"] < 50 else "NOT met"
+
+        def row(name: str, ms: dict[str, float]) -> str:
+            return f"| {name} | {ms['median']} | {ms['p90']} | {ms['p99']} | {ms['max']} |"
+
+        lines += [
+            "### From an EndpointSlice write at the apiserver (the issue's latency)",
             "",
-            "| measure | value |",
+            f"{e2e['changes']} writes per mode, one every {e2e['gap_s']} s (beyond "
+            "minSyncPeriod), each replacing one endpoint address of one Service's slice "
+            "(bench/workload.py's workload in a fresh local control plane); the agent a "
+            "process in a node netns; the client a `kpx_localstate_client.run` process. "
+            f"Load average at start: {e2e['load_average_at_start']}.",
+            "",
+            "| from the write to ... (ms) | median | p90 | p99 | max |",
+            "| --- | --- | --- | --- | --- |",
+            row(
+                "mode nftables: the kernel's endpoints map (the anchor)", nft["write_to_kernel_ms"]
+            ),
+            row(
+                "mode nftables + state API: the client's handler (published after the kernel)",
+                nft["write_to_handler_ms"],
+            ),
+            row(
+                f"mode external: the client's handler (goal < 50 ms median: {goal})",
+                ext["write_to_handler_ms"],
+            ),
+            "",
+            "| mode external | value |",
             "| --- | --- |",
-            f"| full state, encoded | {int(r['full_state_bytes']) / 1e6:.1f} MB |",
-            f"| publish the full state (convert + encode per port) | {r['publish_full_s']} s |",
-            f"| assemble the full response (once per revision) | {r['encode_full_response_s']} s |",
-            f"| full state to a new client's handler (incl. its start) | "
-            f"{r['full_delivery_s_incl_client_start']} s |",
-            f"| one change: publish (in the sync) | {r['publish_one_change_ms_median']} ms "
-            "median |",
-            f"| one change: end of sync -> client handler | {r['change_to_handler_ms_median']} ms "
-            f"median, {r['change_to_handler_ms_p95']} ms p95 (goal < 50 ms median: {goal}) |",
-            f"| server memory: the published state | {r['server_rss_state_kib']} KiB |",
-            f"| server memory: 1 client | +{r['server_rss_extra_1_client_kib']} KiB |",
-            f"| server memory: 10 clients | +{r['server_rss_extra_10_clients_kib']} KiB |",
+            f"| agent start -> first full sync of the {r['services']:,} ports | "
+            f"{ext['first_full_sync_s']} s |",
+            f"| full state to the first client's handler (connect, receive, decode) | "
+            f"{ext['full_state_first_client_s']} s |",
+            f"| full state to each of 9 more clients (median) | "
+            f"{ext['full_state_new_client_s_median']} s |",
+            f"| agent RSS, no client | {ext['agent_rss_kib_no_client'] / 1024:.0f} MiB |",
+            f"| agent RSS, extra with 1 client | +{ext['agent_rss_extra_1_client_kib']} KiB |",
+            f"| agent RSS, extra with 10 clients | +{ext['agent_rss_extra_10_clients_kib']} KiB |",
             "",
         ]
-    )
+    lines += [
+        "### The API alone (publisher and gRPC server in the bench process)",
+        "",
+        "| measure | value |",
+        "| --- | --- |",
+        f"| full state, encoded | {int(r['full_state_bytes']) / 1e6:.1f} MB |",
+        f"| publish the full state (convert + encode per port) | {r['publish_full_s']} s |",
+        f"| assemble the full response (once per revision) | {r['encode_full_response_s']} s |",
+        f"| full state to a new client's handler (incl. its start) | "
+        f"{r['full_delivery_s_incl_client_start']} s |",
+        f"| one change: publish (in the sync) | {r['publish_one_change_ms_median']} ms median |",
+        f"| one change: end of sync -> client handler | {r['change_to_handler_ms_median']} ms "
+        f"median, {r['change_to_handler_ms_p95']} ms p95 |",
+        f"| server memory: the published state | {r['server_rss_state_kib']} KiB |",
+        f"| server memory: 1 client | +{r['server_rss_extra_1_client_kib']} KiB |",
+        f"| server memory: 10 clients | +{r['server_rss_extra_10_clients_kib']} KiB |",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--services", type=int, default=10_000)
-    parser.add_argument("--changes", type=int, default=50)
+    parser.add_argument("--changes", type=int, default=50, help="in process")
+    parser.add_argument(
+        "--e2e-changes", type=int, default=100, help="EndpointSlice writes per agent mode"
+    )
+    parser.add_argument(
+        "--no-apiserver", action="store_true", help="only the in-process part (no root needed)"
+    )
     args = parser.parse_args()
     result = measure(args.services, args.changes)
+    e2e = None if args.no_apiserver else measure_from_apiserver(args.services, args.e2e_changes)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"state_api-{args.services}.json").write_text(json.dumps(result, indent=1) + "\n")
-    text = report(result)
+    data = {**result, "from_apiserver": e2e}
+    (RESULTS / f"state_api-{args.services}.json").write_text(json.dumps(data, indent=1) + "\n")
+    text = report(result, e2e)
     (RESULTS / "state_api.md").write_text(text)
     print(text)
     return 0
