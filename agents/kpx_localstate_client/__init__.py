@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from . import localstate_pb2
 from .client import (
+    CHANNEL_OPTIONS,
     DEFAULT_TARGET,
     TARGET_ENV,
     WATCH_METHOD,
@@ -26,6 +27,7 @@ from .client import (
 )
 
 __all__ = [
+    "CHANNEL_OPTIONS",
     "DEFAULT_TARGET",
     "TARGET_ENV",
     "WATCH_METHOD",

@@ -35,6 +35,10 @@ def default_target() -> str:
 #: The one RPC of the API, as gRPC names it.
 WATCH_METHOD = "/kpx.localstate.v1.LocalState/Watch"
 
+#: A full state outgrows gRPC's default 4 MB limit on received messages (10,000 Service ports
+#: x 10 endpoints: about 5 MB): the client takes messages of any size.
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", -1),)
+
 
 class PortKey(NamedTuple):
     """A Service port's identity (ServicePortKey as a hashable tuple)."""
@@ -139,7 +143,7 @@ class StateClient:
                 os.close(dir_fd)
 
     def _states(self, target: str) -> Iterator[State]:
-        with grpc.insecure_channel(target) as channel:
+        with grpc.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
             watch = channel.stream_stream(
                 WATCH_METHOD,
                 request_serializer=pb.WatchRequest.SerializeToString,

@@ -819,3 +819,165 @@ def test_node_facts_are_served_and_follow_the_node() -> None:
     assert list(held.node_facts[6].node_port_networks.cidrs) == []
     for family, facts in proxier.local.facts.items():
         assert convert.facts_from_proto(held.node_facts[family]) == facts
+
+
+# --- configuration through the operator, and the client distribution ---------------------------
+
+
+def test_spec_state_api_reaches_the_agent_through_the_operator() -> None:
+    """ProxyConfiguration spec.stateAPI -> the operator's agent ConfigMap -> the agent serves
+    on that address (in a kernel mode, where it is off unless enabled)."""
+    import yaml
+
+    from kpx_agent import settings as settings_mod
+    from kpx_api import parse_agent_config, parse_spec
+    from kpx_operator import builders
+    from kpx_operator.builders import BuildOptions, Owner
+
+    def served(spec: dict[str, Any]) -> str | None:
+        cm = builders.config_map(Owner("px", "uid-1"), parse_spec(spec), BuildOptions())
+        (text,) = cm["data"].values()
+        return settings_mod.resolve(parse_agent_config(yaml.safe_load(text))).state_api
+
+    assert served({"mode": "nftables"}) is None
+    on = {"enabled": True, "address": "tcp://127.0.0.1:7001"}
+    assert served({"mode": "nftables", "stateAPI": on}) == "tcp://127.0.0.1:7001"
+    assert served({"mode": "iptables", "stateAPI": {"enabled": True}}) == (
+        "unix:///run/proxy-agent/state.sock"
+    )
+
+
+def test_client_distribution_depends_on_grpcio_and_protobuf_only() -> None:
+    import ast
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    folder = REPO / "agents" / "kpx_localstate_client"
+    project = tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+    assert {Requirement(r).name for r in project["dependencies"]} == {"grpcio", "protobuf"}
+    imported = set()
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    assert imported - sys.stdlib_module_names == {"grpc", "google"}
+
+
+# --- the client's run(): retries, resumes after a restart, stops on SIGTERM ---------------------
+
+
+def test_run_retries_until_the_agent_is_up_and_resumes_after_a_restart(tmp_path: Path) -> None:
+    """run() started before any agent retries with backoff; it hands the handler the first
+    full state; after the agent restarts (a new instance, same socket) it takes the new
+    instance's full state; close() (what SIGTERM calls) ends it."""
+    import threading
+
+    from kpx_localstate_client import StateClient
+    from kpx_localstate_client import run as run_client
+
+    path = tmp_path / "run" / "state.sock"
+    client = StateClient(f"unix://{path}")
+    seen: list[tuple[str, int, frozenset[str]]] = []
+    got = threading.Condition()
+
+    def handler(state: State) -> None:
+        with got:
+            names = frozenset(k.name for k in state.service_ports)
+            seen.append((state.instance_id, state.revision, names))
+            got.notify_all()
+
+    def wait_for(count: int) -> None:
+        with got:
+            assert got.wait_for(lambda: len(seen) >= count, timeout=10), seen
+
+    thread = threading.Thread(
+        target=run_client,
+        args=(handler,),
+        kwargs={"client": client, "min_backoff": 0.05, "max_backoff": 0.2},
+        daemon=True,
+    )
+    thread.start()
+
+    async def agent(pub: Publisher, port: ServicePort, then: Any) -> None:
+        server = await _serve(tmp_path, pub)
+        pub.publish(state_of(port), ProxySettings(), None)
+        server.notify()
+        await asyncio.to_thread(then)
+        await server.stop()
+
+    first, second = Publisher(), Publisher()
+    asyncio.run(asyncio.sleep(0.3))  # no agent yet: the client is retrying
+    assert seen == [] and thread.is_alive()
+    run(agent(first, full_port(1), lambda: wait_for(1)))
+    run(agent(second, full_port(2), lambda: wait_for(2)))
+    client.close()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert seen == [
+        (first.instance_id, 1, frozenset({"svc1"})),
+        (second.instance_id, 1, frozenset({"svc2"})),
+    ]
+
+
+def test_run_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    import signal
+
+    script = (
+        "import logging, sys\n"
+        "from kpx_localstate_client import run\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "run(lambda s: print('state', s.revision, flush=True), sys.argv[1])\n"
+    )
+
+    async def main() -> tuple[int, str]:
+        pub = Publisher()
+        server = await _serve(tmp_path, pub)
+        pub.publish(state_of(full_port(1)), ProxySettings(), None)
+        env = {**os.environ, "PYTHONPATH": str(REPO / "agents")}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, server.listen.target, env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 20)
+        assert line == b"state 1\n"
+        proc.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(proc.wait(), 10)
+        err = (await proc.stderr.read()).decode()
+        await server.stop()
+        return code, err
+
+    code, err = run(main())
+    assert code == 0, err
+    assert "stopped at revision 1" in err
+
+
+def test_a_full_state_larger_than_grpc_default_message_limit_is_delivered(tmp_path: Path) -> None:
+    """gRPC refuses received messages over 4 MB by default (RESOURCE_EXHAUSTED, retried for
+    ever): a full state at 10,000 ports x 10 endpoints is about 5 MB."""
+    from kpx_localstate_client import StateClient
+
+    eps = tuple(
+        Endpoint(IP(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}"), 8080) for i in range(200_000)
+    )
+    big = dataclasses.replace(full_port(1), cluster_endpoints=eps, endpoint_conditions=())
+
+    async def main() -> int:
+        pub = Publisher()
+        server = await _serve(tmp_path, pub)
+        pub.publish(state_of(big), ProxySettings(), None)
+        size = len(pub.answer("", 0, False))
+        assert size > 4 * 1024 * 1024
+        client = StateClient(server.listen.target)
+        states = client.states()
+        state = await asyncio.to_thread(next, states)
+        count = len(state.service_ports[PortKey("ns", "svc1", "http", pb.UDP, 4)].cluster_endpoints)
+        client.close()
+        await asyncio.to_thread(states.close)
+        await server.stop()
+        return count
+
+    assert run(main()) == 200_000

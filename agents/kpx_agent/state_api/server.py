@@ -123,7 +123,11 @@ class StateServer:
                 )
             },
         )
-        server = aio.server(options=[("grpc.so_reuseport", 0)])
+        # Responses of any size (a full state is several MB; gRPC sends any size by default,
+        # said explicitly); requests stay under gRPC's default 4 MB (they are a few bytes).
+        server = aio.server(
+            options=[("grpc.so_reuseport", 0), ("grpc.max_send_message_length", -1)]
+        )
         server.add_generic_rpc_handlers((handler,))
         if self.listen.path is None:
             bound = server.add_insecure_port(self.listen.target)
