@@ -981,3 +981,23 @@ def test_a_full_state_larger_than_grpc_default_message_limit_is_delivered(tmp_pa
         return count
 
     assert run(main()) == 200_000
+
+
+def test_example_plugins_are_built_only_on_the_client() -> None:
+    """Each example imports the standard library, kpx_localstate_client and protobuf (the
+    client's own dependency) only, and has a README for plugin authors."""
+    import ast
+
+    plugins = sorted(p for p in (REPO / "examples" / "plugins").iterdir() if p.is_dir())
+    assert [p.name for p in plugins] == ["json-file", "userspace-proxy"]
+    for folder in plugins:
+        assert (folder / "README.md").is_file(), folder.name
+        imported = set()
+        for path in folder.glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    imported |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    imported.add(node.module.split(".")[0])
+        assert imported - sys.stdlib_module_names <= {"kpx_localstate_client", "google"}, folder
+        assert "kpx_localstate_client" in imported, folder
