@@ -446,6 +446,10 @@ def test_mode_external_runs_the_backend_next_to_a_state_server_only_agent(env: E
 
         (port,) = wait_until(web, 60, f"{node.name}: the web Service in the plugin's file")
         assert len(port["cluster_endpoints"]) == 3, port
+        eps = port["cluster_endpoints"]
+        assert [(e["ready"], e["serving"], e["terminating"]) for e in eps] == [(1, 1, 0)] * 3
+        facts = json.loads((out / f"{node.name}.json").read_text())["nodeFacts"]
+        assert [f["family"] for f in facts] == [4, 6]
     pods = env.json("-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=kpx-agent")
     for pod in pods["items"]:
         assert [c["name"] for c in pod["spec"]["containers"]] == ["agent", "backend"]
