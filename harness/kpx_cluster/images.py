@@ -75,6 +75,13 @@ def images_dir() -> Path:
     return cache_dir() / "images"
 
 
+def archives_dir() -> Path:
+    """Where the tests take the built archives from: $KPX_IMAGES_DIR (archives built elsewhere,
+    `build_all(directory=...)`: several work trees on one machine), else images_dir()."""
+    override = os.environ.get("KPX_IMAGES_DIR")
+    return Path(override) if override else images_dir()
+
+
 # -- inputs (pure but for reading files) -------------------------------------------------------
 
 
