@@ -19,6 +19,11 @@ setup-apt:
 	  echo "apt: installing$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	else echo "apt: all packages present"; fi
+	@# containerd and ctr (tests/e2e/test_image_archives_containerd.py loads the archives as kind
+	@# does, into a private containerd): Debian's package, unless some containerd is there already
+	@if command -v containerd >/dev/null && command -v ctr >/dev/null; then echo "apt: containerd present"; \
+	else echo "apt: installing containerd"; apt-get update -qq \
+	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends containerd >/dev/null; fi
 
 ## setup-vm: qemu and mmdebstrap, then the proxy-vm guest image (cached in ~/.cache/kpx/vm/,
 ## rebuilt only when its recipe changes: about 80 s cold, nothing warm)

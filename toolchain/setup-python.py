@@ -6,8 +6,9 @@ third-party requirements they declare and the root's `dev` dependency group.
     python3 toolchain/setup-python.py --check  # exit 1 if something is missing or stale
 
 The distributions are the folders listed in the root pyproject.toml under
-[tool.kpx.workspace] (api/, agents/, operator/, harness/), each with its own pyproject.toml.
-They name each other by direct reference to the sibling folder (`kpx-api @ file:///.../api`),
+[tool.kpx.workspace] (api/, agents/kpx_kube/, agents/kpx_localstate_client/, agents/,
+operator/, harness/), each with its own pyproject.toml. They name each other by direct
+reference to the sibling folder (`kpx-api @ file:///.../api`),
 which pip cannot reconcile with an editable install of that folder: so the distributions are
 installed with --no-deps and their third-party requirements separately.
 
@@ -133,7 +134,8 @@ def main() -> int:
     args = parser.parse_args()
     missing = problems()
     if not missing:
-        print("python: workspace installed (api, agents, operator, harness editable)")
+        names = ", ".join(load(m)["project"]["name"] for m in members())
+        print(f"python: workspace installed ({names} editable)")
         return 0
     for line in missing:
         print(f"python: {line}")

@@ -28,7 +28,7 @@ REPO_ROOT: Final = Path(__file__).resolve().parents[2]
 CONTAINERFILE: Final = Path("images/Containerfile")
 IGNOREFILE: Final = Path("images/Containerfile.dockerignore")
 #: The build's context: what images/Containerfile copies (a change elsewhere rebuilds nothing).
-CONTEXT_PATHS: Final = ("images", "pyproject.toml", "api", "agents", "operator")
+CONTEXT_PATHS: Final = ("images", "api", "agents", "operator")
 #: The Containerfile's default base, and the Debian release an equivalent is made from.
 BASE_IMAGE: Final = "docker.io/library/debian:bookworm-slim"
 BASE_SUITE: Final = "bookworm"
@@ -73,6 +73,13 @@ def operator_image(root: Path = REPO_ROOT) -> Image:
 
 def images_dir() -> Path:
     return cache_dir() / "images"
+
+
+def archives_dir() -> Path:
+    """Where the tests take the built archives from: $KPX_IMAGES_DIR (archives built elsewhere,
+    `build_all(directory=...)`: several work trees on one machine), else images_dir()."""
+    override = os.environ.get("KPX_IMAGES_DIR")
+    return Path(override) if override else images_dir()
 
 
 # -- inputs (pure but for reading files) -------------------------------------------------------

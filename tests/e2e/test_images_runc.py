@@ -30,7 +30,7 @@ OPERATOR, AGENT = images.images(images.project_version())
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> oci.ImageStore:
-    directory = images.images_dir()
+    directory = images.archives_dir()
     if images.missing(directory=directory):
         pytest.fail("the images are missing or stale: run `make image`", pytrace=False)
     store = oci.ImageStore(directory / "rootfs")
@@ -77,7 +77,7 @@ def netns_path(node: Node) -> str:
 def test_archives_name_their_images_and_entry_points() -> None:
     for image, entrypoint, user in ((OPERATOR, ["proxy-operator"], "65532:65532"),
                                     (AGENT, ["proxy-agent"], "")):  # fmt: skip
-        archive = image.archive(images.images_dir())
+        archive = image.archive(images.archives_dir())
         assert oci.archive_refs(archive).keys() == {image.ref}
         out = subprocess.run(["skopeo", "inspect", "--config", f"oci-archive:{archive}"],
                              capture_output=True, text=True, check=True)  # fmt: skip

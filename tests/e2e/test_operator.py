@@ -1,8 +1,10 @@
 """proxy-operator against a real apiserver, with exactly the RBAC it ships.
 
-The operator runs as a subprocess with a token of its own ServiceAccount (operator/manifests),
-so a permission it lacks fails here. There is no kubelet: the agent pods never run, so the
-status can only say "rolling out"; the node simulator test covers running agents.
+The operator runs as a host process with a token of its own ServiceAccount (operator/manifests),
+so a permission it lacks fails here (its image under runc, running as the shipped Deployment
+with exactly that RBAC, is test_operator_cluster.py). There is no kubelet for most tests: the
+agent pods never run, so the status can only say "rolling out"; the last test adds the node
+simulator, which runs the agents and the cleanup pods from the agent image under runc.
 """
 
 from __future__ import annotations
@@ -522,23 +524,32 @@ def kpx_tables(topology: Any, node: Any) -> set[str]:
 
 @pytest.mark.netns
 def test_agents_run_on_simulated_nodes_and_deletion_cleans_them(env: Env) -> None:
-    """Real agents (node simulator: pods are processes in node netns), then the deletion flow:
-    agents stopped, a cleanup pod per node removes the rules, the finalizer goes."""
+    """Real agents (node simulator: the agents' and the cleanup pods run from the agent image
+    under runc in the node's netns), then the deletion flow: agents stopped, a cleanup pod per
+    node removes the rules, the finalizer goes."""
     from kpx_cluster.netns import Topology
     from kpx_cluster.nodesim import NodeSimulator
+    from kpx_cluster.nodesim.runc import built_images
 
+    try:
+        store = built_images()
+    except RuntimeError as err:
+        pytest.fail(str(err), pytrace=False)
     if not any(op.proc.poll() is None and op.is_leader() for op in env.operators):
         wait_until(env.start_operator().is_leader, 30, "operator leads")  # test run alone
     env.apply(example("proxyconfig.yaml"))
     run = secrets.token_hex(3)
     label = {"kpx.dev/e2e-sim": run}
     with Topology() as topo:
-        sim = NodeSimulator(env.cluster, topo)
+        sim = NodeSimulator(env.cluster, topo, runtime="runc", images=store)
         try:
             nodes = [sim.add_node(f"opsim-{run}-{i}", labels=label) for i in (1, 2)]
-            # Move "default" onto the simulated nodes only (a new pod template: a rollout).
+            # Move "default" onto the simulated nodes only (a new pod template: a rollout), with
+            # the agent image the operator decides: an earlier test overrode spec.image with a
+            # tag nothing built, which the simulator (as a kubelet) cannot pull.
+            patch = {"spec": {"nodeSelector": label, "image": None}}
             env.kubectl("patch", "proxyconfiguration", "default", "--type=merge",
-                        "-p", json.dumps({"spec": {"nodeSelector": label}}))  # fmt: skip
+                        "-p", json.dumps(patch))  # fmt: skip
 
             def ready() -> Obj | None:
                 pxc = env.get("proxyconfiguration", "default") or {}
@@ -554,6 +565,17 @@ def test_agents_run_on_simulated_nodes_and_deletion_cleans_them(env: Env) -> Non
             assert (progressing["status"], progressing["reason"]) == ("False", "RolloutComplete")
             for node in nodes:  # Ready means synced: the rules are in place
                 assert kpx_tables(topo, node), f"no kpx table on {node.name}"
+            names = {n.name for n in nodes}
+            pods = json.loads(
+                env.kubectl(
+                    "-n", NS, "get", "pods", "-o", "json", "-l", "app.kubernetes.io/name=kpx-agent"
+                ).stdout
+            )
+            ours = [p for p in pods["items"] if p["spec"].get("nodeName") in names]
+            assert len(ours) == 2
+            for pod in ours:  # from the image, under runc (not a host process)
+                (status,) = pod["status"]["containerStatuses"]
+                assert status["containerID"].startswith("runc://"), status
 
             # spec.conntrack (the defaults) is applied through the node's directories, which
             # the simulator's hostPath stand-ins (empty per-node directories) do not hold:

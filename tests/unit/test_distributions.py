@@ -1,13 +1,18 @@
-"""Each distribution of this tree (api/, agents/, operator/, harness/, each with its own
-pyproject.toml) declares exactly what its packages import: every third-party or sibling
-top-level import is a declared requirement, and every requirement is imported. The product
-(kpx-api, kpx-agent, kpx-operator) never depends on the harness, and the agent does not ship
-kopf or cryptography, not even through the requirements of its requirements."""
+"""Each distribution of this tree (api/, agents/kpx_kube/, agents/kpx_localstate_client/,
+agents/, operator/, harness/, each with its own pyproject.toml) declares exactly what its
+packages import: every third-party or sibling top-level import is a declared requirement, and
+every requirement is imported. The product (kpx-api, kpx-kube, kpx-localstate-client,
+kpx-agent, kpx-operator) never depends on the harness; the agent does not ship kopf or
+cryptography, nor the operator the agent, not even through the requirements of their
+requirements; kpx-kube needs no other distribution of this tree."""
 
 from __future__ import annotations
 
 import ast
+import os
+import posixpath
 import re
+import subprocess
 import sys
 import tomllib
 from functools import cache
@@ -19,7 +24,7 @@ import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT = ("kpx-api", "kpx-agent", "kpx-operator")
+PRODUCT = ("kpx-api", "kpx-kube", "kpx-localstate-client", "kpx-agent", "kpx-operator")
 HARNESS = "kpx-cluster"
 
 
@@ -40,8 +45,21 @@ def name_of(folder: str) -> str:
     return normalize(pyproject(folder)["project"]["name"])
 
 
+def package_dirs(folder: str) -> dict[str, Path]:
+    """Package -> its source folder, from the build backend's configuration (hatchling: the
+    wheel's packages; setuptools: packages and package-dir, where the folder can be the
+    package itself)."""
+    tool = pyproject(folder)["tool"]
+    if "hatch" in tool:
+        packages = tool["hatch"]["build"]["targets"]["wheel"]["packages"]
+        return {pkg: ROOT / folder / pkg for pkg in packages}
+    config = tool["setuptools"]
+    where = config.get("package-dir", {})
+    return {pkg: ROOT / folder / where.get(pkg, pkg) for pkg in config["packages"]}
+
+
 def packages_of(folder: str) -> list[str]:
-    return list(pyproject(folder)["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"])
+    return list(package_dirs(folder))
 
 
 def requirements_of(folder: str) -> list[Requirement]:
@@ -69,8 +87,8 @@ def needed_distributions(folder: str) -> dict[str, str]:
     sibling = {pkg: name_of(m) for m in members() for pkg in packages_of(m)}
     installed = metadata.packages_distributions()
     needed: dict[str, str] = {}
-    for package in own_packages:
-        for module, where in top_level_imports(ROOT / folder / package).items():
+    for source in package_dirs(folder).values():
+        for module, where in top_level_imports(source).items():
             if module in own_packages or module in sys.stdlib_module_names:
                 continue
             if module in sibling:
@@ -83,8 +101,23 @@ def needed_distributions(folder: str) -> dict[str, str]:
 
 
 def test_the_workspace_lists_every_distribution_folder() -> None:
-    folders = sorted(p.parent.name for p in ROOT.glob("*/pyproject.toml"))
+    folders = sorted(
+        p.parent.relative_to(ROOT).as_posix()
+        for p in ROOT.glob("**/pyproject.toml")
+        if p.parent != ROOT and not {".git", "build", "node_modules"} & set(p.parts)
+    )
     assert sorted(members()) == folders
+
+
+def test_the_packages_are_the_folders_of_their_distribution() -> None:
+    """Every package of the tree is in exactly one distribution, built from its own folder."""
+    owners: dict[str, str] = {}
+    for folder in members():
+        for package, source in package_dirs(folder).items():
+            assert package not in owners, f"{package} in {owners.get(package)} and {folder}"
+            owners[package] = folder
+            assert (source / "__init__.py").is_file(), f"{folder}: {package} is not {source}"
+            assert source.name == package
 
 
 @pytest.mark.parametrize("folder", members())
@@ -97,13 +130,32 @@ def test_declared_requirements_are_exactly_what_the_packages_import(folder: str)
     assert not unused, f"{folder}/pyproject.toml declares what nothing imports: {sorted(unused)}"
 
 
+def folder_reference(folder: str, target: str) -> str:
+    """How hatchling names the folder `target` from the project in `folder`: relative to the
+    project's root ({root:uri}) or to its parent ({root:parent:uri})."""
+    rel = posixpath.relpath(target, folder)
+    if not rel.startswith("../"):
+        return f"{{root:uri}}/{rel}"
+    rest = rel.removeprefix("../")
+    assert not rest.startswith("../"), f"{folder} -> {target}: more than one level up"
+    return f"{{root:parent:uri}}/{rest}"
+
+
+def test_folder_references_follow_the_layout() -> None:
+    assert folder_reference("operator", "api") == "{root:parent:uri}/api"
+    assert folder_reference("operator", "agents/kpx_kube") == "{root:parent:uri}/agents/kpx_kube"
+    assert folder_reference("agents", "agents/kpx_kube") == "{root:uri}/kpx_kube"
+
+
 @pytest.mark.parametrize("folder", members())
 def test_siblings_are_referenced_by_folder_never_by_registry(folder: str) -> None:
     """`pip install ./agents` takes kpx-api from ../api: a registry never supplies our names."""
     siblings = {name_of(m): m for m in members()}
     for req in requirements_of(folder):
         if normalize(req.name) in siblings:
-            assert req.url == f"{{root:parent:uri}}/{siblings[normalize(req.name)]}", req
+            # Only hatchling expands the folder references (setuptools has no such context).
+            assert "hatch" in pyproject(folder)["tool"], f"{folder}: {req}"
+            assert req.url == folder_reference(folder, siblings[normalize(req.name)]), req
 
 
 @pytest.mark.parametrize("folder", members())
@@ -111,7 +163,8 @@ def test_console_scripts_name_functions_of_the_distribution(folder: str) -> None
     for script, target in pyproject(folder)["project"].get("scripts", {}).items():
         module, _, function = target.partition(":")
         assert module.split(".")[0] in packages_of(folder), f"{script} -> {target}"
-        source = ROOT / folder / (module.replace(".", "/") + ".py")
+        package, _, rest = module.partition(".")
+        source = package_dirs(folder)[package] / (rest.replace(".", "/") + ".py")
         defined = {
             node.name for node in ast.parse(source.read_text()).body
             if isinstance(node, ast.FunctionDef)
@@ -150,9 +203,47 @@ def test_the_product_does_not_depend_on_the_harness(product: str) -> None:
 def test_the_agent_ships_neither_kopf_nor_the_operator() -> None:
     shipped = closure("kpx-agent")
     assert {"kopf", "kpx-operator", "jinja2"}.isdisjoint(shipped), shipped
-    assert "kpx-api" in shipped
+    assert {"kpx-api", "kpx-kube", "kpx-localstate-client"} <= shipped
+
+
+def test_the_operator_ships_neither_the_agent_nor_its_dataplane_libraries() -> None:
+    """The operator's client is kpx-kube: not the agent, the state API (grpcio, protobuf),
+    netlink (pyroute2) or the agent's metrics (prometheus-client)."""
+    shipped = closure("kpx-operator")
+    assert {"kpx-kube", "kpx-api", "kopf"} <= shipped
+    unwanted = {"kpx-agent", "kpx-localstate-client", "grpcio", "protobuf", "pyroute2"}
+    unwanted |= {"prometheus-client"}
+    assert unwanted.isdisjoint(shipped), sorted(unwanted & shipped)
+
+
+def test_the_kube_client_stands_alone() -> None:
+    """kpx-kube is the bottom of the tree: it needs no other distribution of it."""
+    assert {d for d in closure("kpx-kube") if d.startswith("kpx-")} == {"kpx-kube"}
+    assert requirements_of("agents/kpx_kube"), "its third-party requirements are declared"
 
 
 def test_mypy_checks_every_package() -> None:
     packages = {pkg for m in members() for pkg in packages_of(m)}
     assert set(pyproject(".")["tool"]["mypy"]["packages"]) == packages
+
+
+def test_importing_the_operator_imports_nothing_of_the_agent() -> None:
+    """Every module of kpx_operator imported in a fresh interpreter, with the agent importable
+    (the tree's PYTHONPATH): none of the agent's packages or dataplane libraries is loaded."""
+    code = (
+        "import importlib, pkgutil, sys, kpx_operator\n"
+        "for m in pkgutil.walk_packages(kpx_operator.__path__, 'kpx_operator.'):\n"
+        "    if not m.name.endswith('__main__'):\n"
+        "        importlib.import_module(m.name)\n"
+        "print(' '.join(sorted({n.split('.')[0] for n in sys.modules})))\n"
+    )
+    path = ":".join(str(ROOT / top) for top in ("api", "agents", "operator"))
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout.split()  # fmt: skip
+    assert {"kpx_operator", "kpx_kube", "kpx_api", "kopf"} <= set(out)  # it did import them
+    agent = {"kpx_agent", "kpx_localstate_client", "grpc", "google", "pyroute2"}
+    agent |= {"prometheus_client"}
+    assert not agent & set(out), sorted(agent & set(out))

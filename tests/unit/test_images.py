@@ -3,15 +3,14 @@ every file the build copies and with nothing else."""
 
 from __future__ import annotations
 
-import ast
 import importlib.metadata
 import re
 import shutil
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 import kpx_operator
 from kpx_cluster import images
@@ -37,48 +36,59 @@ def test_one_version_names_every_image() -> None:
 
 def test_containerfile_has_both_targets_with_their_entry_points() -> None:
     text = (REPO / images.CONTAINERFILE).read_text()
-    stages = dict(re.findall(r"^FROM \S+ AS (\w+)\n(.*?)(?=^FROM |\Z)", text, re.M | re.S))
+    found = re.findall(r"^FROM \S+ AS ([\w-]+)\n(.*?)(?=^FROM |\Z)", text, re.M | re.S)
+    stages = dict(found)
     assert {"build", "runtime", "agent", "operator"} <= set(stages)
     assert 'ENTRYPOINT ["proxy-agent"]' in stages["agent"]
     assert 'ENTRYPOINT ["proxy-operator"]' in stages["operator"]
     assert re.search(r"^USER 65532:65532$", stages["operator"], re.M)  # non-root
-    for tool in ("nftables", "iptables", "conntrack"):
-        assert tool in stages["agent"]
+    for tool in ("nftables", "iptables", "conntrack", "ipvsadm"):
+        assert tool in stages["agent-rootfs"]
     assert f"ARG BASE={images.BASE_IMAGE}" in text
+    # Each image is its trimmed root filesystem in one layer (nothing hidden under whiteouts).
+    for image in ("agent", "operator"):
+        assert re.search(rf"^FROM scratch AS {image}$", text, re.M)
+        assert re.findall(r"^(?:COPY|ADD|RUN) .*", stages[image], re.M) == [
+            f"COPY --from={image}-rootfs / /"
+        ]
+        assert re.search(r"^RUN .*slim-rootfs", stages[f"{image}-rootfs"], re.M | re.S)
 
 
 def _normal(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def _imported_distributions(*tops: str) -> set[str]:
-    """Third-party distributions the code under `tops` (e.g. api/, agents/) imports."""
-    modules: set[str] = set()
-    for top in tops:
-        for path in (REPO / top).rglob("*.py"):
-            if path.is_relative_to(REPO / "api" / "proto"):
-                continue  # the .proto's code generator: a development tool, not in the images
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.Import):
-                    modules.update(a.name.split(".")[0] for a in node.names)
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    modules.add(node.module.split(".")[0])
-    by_module = importlib.metadata.packages_distributions()
-    third_party = modules - set(sys.stdlib_module_names)
-    found = {_normal(d) for m in third_party for d in by_module.get(m, [])}
-    return {d for d in found if not d.startswith("kpx")}  # the product itself
+def _workspace() -> dict[str, Path]:
+    """Distribution name -> its folder, for every distribution of the tree."""
+    root = tomllib.loads((REPO / "pyproject.toml").read_text())
+    out = {}
+    for folder in root["tool"]["kpx"]["workspace"]["distributions"]:
+        project = tomllib.loads((REPO / folder / "pyproject.toml").read_text())["project"]
+        out[_normal(project["name"])] = REPO / folder
+    return out
 
 
-def _declared_dependencies() -> set[str]:
-    """Dependencies api/, agents/ and operator/ declare, once each has its pyproject.toml."""
-    found: set[str] = set()
-    for top in ("api", "agents", "operator"):
-        if (path := REPO / top / "pyproject.toml").exists():
-            for dep in tomllib.loads(path.read_text())["project"].get("dependencies", []):
-                name = re.match(r"[A-Za-z0-9_.-]+", dep)
-                assert name is not None
-                found.add(_normal(name.group(0)))
-    return {d for d in found if not d.startswith("kpx")}
+def _closure(name: str) -> set[str]:
+    """`name` and everything it requires, transitively, without extras: the tree's
+    distributions from their pyproject.toml, third-party ones from their installed metadata."""
+    folders = _workspace()
+    seen: set[str] = set()
+    todo = [_normal(name)]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current in folders:
+            project = tomllib.loads((folders[current] / "pyproject.toml").read_text())["project"]
+            reqs = [Requirement(r) for r in project.get("dependencies", [])]
+        else:
+            reqs = [Requirement(r) for r in importlib.metadata.requires(current) or []]
+        todo += [
+            _normal(r.name) for r in reqs
+            if r.marker is None or r.marker.evaluate({"extra": ""})
+        ]  # fmt: skip
+    return seen
 
 
 def _pinned(name: str) -> dict[str, str]:
@@ -87,24 +97,54 @@ def _pinned(name: str) -> dict[str, str]:
         if line.strip() and not line.startswith("#"):
             package, _, version = line.partition("==")
             assert version, f"not pinned: {line}"
-            pinned[package] = version
+            pinned[_normal(package)] = version
     return pinned
 
 
-def test_requirements_pin_every_imported_and_declared_dependency() -> None:
-    """requirements.txt (both images) covers api/ and agents/; requirements-operator.txt adds
-    what operator/ needs (kopf), which the agent image does without."""
-    common, operator = _pinned("requirements.txt"), _pinned("requirements-operator.txt")
-    assert not common.keys() & operator.keys()
-    agent_imports = _imported_distributions("api", "agents")
-    assert {"pydantic", "aiohttp", "pyyaml"} <= agent_imports  # the scan finds them
-    assert not agent_imports - common.keys(), "requirements.txt lacks what agents/ imports"
-    everything = _imported_distributions("api", "agents", "operator") | _declared_dependencies()
-    assert "kopf" in everything and "kopf" in operator
-    missing = everything - common.keys() - operator.keys()
-    assert not missing, f"images/requirements*.txt lack {sorted(missing)}"
+def _installed_here(containerfile: str, stage: str) -> list[str]:
+    """The folders a venv stage's install-product call installs."""
+    found = re.findall(r"^FROM \S+ AS ([\w-]+)\n(.*?)(?=^FROM |\Z)", containerfile, re.M | re.S)
+    stages = dict(found)
+    call = re.search(r"install-product \S+ /src((?:\s|\\\n)+[^&]+)", stages[stage])
+    assert call, f"{stage} runs no install-product"
+    return call.group(1).replace("\\\n", " ").split()
+
+
+@pytest.mark.parametrize(
+    ("stage", "pins", "top"),
+    [
+        ("venv-agent", "requirements-agent.txt", "kpx-agent"),
+        ("venv-operator", "requirements-operator.txt", "kpx-operator"),
+    ],
+)
+def test_each_image_pins_exactly_what_its_distributions_require(
+    stage: str, pins: str, top: str
+) -> None:
+    """An image's venv holds its distributions (and those they require from the tree) and the
+    third-party closure of their requirements, every package pinned and nothing else."""
+    closure = _closure(top)
+    ours = {d for d in closure if d in _workspace()}
+    text = (REPO / images.CONTAINERFILE).read_text()
+    folders = {_normal(n): f.relative_to(REPO).as_posix() for n, f in _workspace().items()}
+    assert sorted(_installed_here(text, stage)) == sorted(folders[d] for d in ours)
+    assert f"-r /src/images/{pins}" in text
+    pinned = _pinned(pins)
+    third_party = closure - ours
+    assert pinned.keys() == third_party, (
+        f"{pins}: missing {sorted(third_party - pinned.keys())}, "
+        f"extra {sorted(pinned.keys() - third_party)}"
+    )
+    for package, version in pinned.items():  # the versions the tests run against
+        assert importlib.metadata.version(package) == version, package
+
+
+def test_the_operator_image_carries_none_of_the_agents_dataplane() -> None:
+    operator, agent = _pinned("requirements-operator.txt"), _pinned("requirements-agent.txt")
+    assert "kopf" in operator and "kopf" not in agent
+    for package in ("grpcio", "protobuf", "pyroute2", "prometheus-client"):
+        assert package in agent and package not in operator, package
     # Nothing only the harness needs.
-    assert not {"cryptography", "jinja2"} & (common.keys() | operator.keys())
+    assert not {"cryptography", "jinja2"} & (agent.keys() | operator.keys())
 
 
 @pytest.fixture

@@ -65,7 +65,12 @@ mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 "${S%%:*}" "${S#*:}"
 exec /usr/bin/python3 "$G"
 """
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
-COMPONENTS = ("api", "agents", "operator", "harness")
+
+
+def components(root: Path = PROJECT_ROOT) -> list[str]:
+    """The folders of the project's distributions (the root pyproject.toml's workspace)."""
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+    return list(pyproject["tool"]["kpx"]["workspace"]["distributions"])
 
 
 @dataclass(frozen=True)
@@ -89,12 +94,12 @@ class Image:
 
 
 def python_requirements(root: Path = PROJECT_ROOT) -> list[str]:
-    """The dependencies of the project's pyproject.toml files (the root's and, where the
-    components have their own, api/, agents/, operator/ and harness/), minus the project's own
-    packages (the guest imports those from the shared source tree)."""
+    """The dependencies of the project's pyproject.toml files (the root's and each of its
+    distributions': api/, agents/kpx_kube/, agents/, ...), minus the project's own packages
+    (the guest imports those from the shared source tree)."""
     found: set[str] = set(EXTRA_PYTHON)
     own: set[str] = set()
-    for path in [root / "pyproject.toml", *(root / d / "pyproject.toml" for d in COMPONENTS)]:
+    for path in [root / "pyproject.toml", *(root / d / "pyproject.toml" for d in components(root))]:
         if path.exists():
             project = tomllib.loads(path.read_text()).get("project", {})
             own.add(str(project.get("name", "")).lower())
