@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from ipaddress import ip_network
 from pathlib import Path
+from typing import NamedTuple
 
 from kpx_agent.localnet import (
     IP,
@@ -68,3 +70,33 @@ def check_golden(path: Path, text: str) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     assert text == path.read_text(), f"{path.name} changed; review and set KPX_UPDATE_GOLDEN=1"
+
+
+class RicherEndpoint(NamedTuple):
+    """An endpoint that carries more than address, port and locality (as the model's may:
+    readiness conditions, hints): a backend must render it exactly as the plain one."""
+
+    ip: IP
+    port: int
+    local: bool = False
+    serving: bool = True
+    terminating: bool = False
+    zone: str = "zone-a"
+
+
+def with_richer_endpoints(state: NodeLocalState) -> NodeLocalState:
+    """The same state with every endpoint a `RicherEndpoint`."""
+
+    def richer(eps: tuple[Endpoint, ...]) -> tuple[Endpoint, ...]:
+        return tuple(RicherEndpoint(e.ip, e.port, e.local) for e in eps)  # type: ignore[misc]
+
+    services = {
+        k: dataclasses.replace(
+            sp,
+            cluster_endpoints=richer(sp.cluster_endpoints),
+            external_endpoints=richer(sp.external_endpoints),
+            short_circuit_endpoints=richer(sp.short_circuit_endpoints),
+        )
+        for k, sp in state.services.items()
+    }
+    return dataclasses.replace(state, services=services)

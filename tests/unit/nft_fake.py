@@ -210,7 +210,7 @@ def _define(definition: TableDef) -> FakeTable:
     for decl in definition.sets:
         table.sets[decl.name] = FakeSet(decl)
     for chain in definition.chains:
-        table.chains[chain.name] = FakeChain(list(chain.rules), chain.hook)
+        table.chains[chain.name] = FakeChain([str(r) for r in chain.rules], chain.hook)
     for set_name, keys in definition.elements.items():
         _add_elements(table, set_name, [(k, None) for k in keys])
     return table

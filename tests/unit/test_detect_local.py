@@ -75,8 +75,8 @@ def test_each_mode_renders_its_match_in_both_backends(
     rules = port_rules(local_etp, cfg, local)
     svc = rules.own[("nat", ipt.svc_chain(local_etp.key))]
     ext = rules.own[("nat", ipt.ext_chain(local_etp.key))]
-    assert svc[0] == f"{ipt_not} -j KPX-MARK-MASQ"
-    assert ext[0] == f"{ipt_is} -j {ipt.svc_chain(local_etp.key)}"
+    assert svc[0].text == f"{ipt_not} -j KPX-MARK-MASQ"
+    assert ext[0].text == f"{ipt_is} -j {ipt.svc_chain(local_etp.key)}"
 
 
 @pytest.mark.parametrize(
@@ -96,11 +96,11 @@ def test_nothing_to_match_means_nothing_is_local(cfg: ProxySettings, node: NodeI
     assert "fib saddr type local ip daddr . meta l4proto . th dport vmap @short-circuit" in table
     local_etp = next(sp for sp in sample_state().services.values() if sp.key.name == "local")
     rules = port_rules(local_etp, cfg, NOTHING_LOCAL)
-    assert rules.own[("nat", ipt.svc_chain(local_etp.key))][0].startswith("-m statistic")
-    assert rules.own[("nat", ipt.ext_chain(local_etp.key))] == (
+    assert rules.own[("nat", ipt.svc_chain(local_etp.key))][0].text.startswith("-m statistic")
+    assert [r.text for r in rules.own[("nat", ipt.ext_chain(local_etp.key))]] == [
         "-m addrtype --src-type LOCAL -j KPX-MARK-MASQ",
         f"-m addrtype --src-type LOCAL -j {ipt.svc_chain(local_etp.key)}",
-    )
+    ]
 
 
 def test_a_node_cidr_change_changes_the_match() -> None:

@@ -16,6 +16,7 @@ from kpx_agent.backends.iptables import create
 from kpx_agent.backends.iptables import kernel as ipt_kernel
 from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup
+from kpx_agent.backends.iptables.rule import Rule, Verdict
 from kpx_agent.backends.iptables.rules import port_rules, probability
 from kpx_agent.detect_local import local_pods
 from kpx_agent.localnet import (
@@ -32,6 +33,10 @@ from kpx_agent.node_local import service_ports
 
 GOLDEN_DIR = GOLDEN / "iptables"
 LOCAL = local_pods(SETTINGS, NODE, 4)  # the sample's IPv4 detectLocal match (ClusterCIDR)
+
+
+def texts(rules: tuple[Rule, ...]) -> tuple[str, ...]:
+    return tuple(r.text for r in rules)
 
 
 class Kernel:
@@ -238,7 +243,7 @@ def test_affinity_uses_recent_lists_per_endpoint() -> None:
     svc = port_rules(sticky, SETTINGS, LOCAL).own[("nat", n.svc_chain(sticky.key))]
     lists = [n.affinity_list(sticky.key, ep) for ep in sticky.cluster_endpoints]
     dnat = "-j DNAT --to-destination 10.244"
-    assert svc[1:] == (
+    assert texts(svc[1:]) == (
         f"-p tcp -m recent --name {lists[0]} --update --seconds 10800 --reap {dnat}.1.2:8080",
         f"-p tcp -m recent --name {lists[1]} --update --seconds 10800 --reap {dnat}.2.2:8080",
         "-m statistic --mode random --probability 0.5000000000 "
@@ -267,22 +272,22 @@ def test_local_external_policy_never_meets_the_off_cluster_masquerade() -> None:
                      external_masquerade=False)  # fmt: skip
     rules = port_rules(sp, SETTINGS, LOCAL)
     ext = rules.own[("nat", n.ext_chain(sp.key))]
-    assert ext == ("-p tcp -j DNAT --to-destination 10.244.1.2:8080",)
+    assert texts(ext) == ("-p tcp -j DNAT --to-destination 10.244.1.2:8080",)
     cluster_masq = dataclasses.replace(sp, external_masquerade=True)
     ext = port_rules(cluster_masq, SETTINGS, LOCAL).own[("nat", n.ext_chain(sp.key))]
-    assert ext == (f"-j {n.MARK_MASQ}", f"-j {n.svc_chain(sp.key)}")
+    assert texts(ext) == (f"-j {n.MARK_MASQ}", f"-j {n.svc_chain(sp.key)}")
 
 
 def test_load_balancer_source_ranges() -> None:
     fw = sample_state().services[key("fw")]
     rules = port_rules(fw, SETTINGS, LOCAL)
     chain, ext = n.fw_chain(fw.key), n.ext_chain(fw.key)
-    assert rules.own[("nat", chain)] == (f"-s 198.51.100.0/24 -j {ext}",)
+    assert texts(rules.own[("nat", chain)]) == (f"-s 198.51.100.0/24 -j {ext}",)
     assert (
         f"-d 192.0.2.30/32 -p tcp -m tcp --dport 443 -j {chain}"
-        in rules.shared[("nat", n.SERVICES)][1]
+        in rules.shared[("nat", n.SERVICES)][1].text
     )
-    assert [r.split(" -d ")[1] for r in rules.shared[("filter", n.FIREWALL)]] == [
+    assert [r.text.split(" -d ")[1] for r in rules.shared[("filter", n.FIREWALL)]] == [
         "192.0.2.30/32 -p tcp -m tcp --dport 443 -j RETURN",
         "192.0.2.30/32 -p tcp -m tcp --dport 443 -j DROP",
     ]
@@ -371,7 +376,9 @@ def test_unsafe_names_are_not_pasted() -> None:
     sp = ServicePort(bad, 80, cluster_ips=(IP.of("10.96.0.20"),),
                      cluster_endpoints=eps, external_endpoints=eps)  # fmt: skip
     rules = port_rules(sp, SETTINGS, LOCAL)
-    text = "\n".join(r for chain in (*rules.own.values(), *rules.shared.values()) for r in chain)
+    text = "\n".join(
+        r.text for chain in (*rules.own.values(), *rules.shared.values()) for r in chain
+    )
     assert "ACCEPT" not in text and "INPUT" not in text and "comment" not in text
     # Values of the wrong family or out of range never reach a backend: the model leaves
     # them out (see also test_node_local.test_invalid_ports_and_protocols_are_skipped); a
@@ -413,17 +420,17 @@ def test_short_circuit_with_both_policies_local_has_a_chain_of_its_own() -> None
     rules = port_rules(sp, SETTINGS, LOCAL)
     short, ext = n.short_chain(sp.key), n.ext_chain(sp.key)
     assert set(rules.own) == {("nat", short), ("nat", ext)}
-    assert rules.own[("nat", short)] == ("-p tcp -j DNAT --to-destination 10.244.2.2:8080",)
-    assert rules.own[("nat", ext)] == (
+    assert texts(rules.own[("nat", short)]) == ("-p tcp -j DNAT --to-destination 10.244.2.2:8080",)
+    assert texts(rules.own[("nat", ext)]) == (
         f"-s 10.244.0.0/16 -j {short}",
         f"-m addrtype --src-type LOCAL -j {n.MARK_MASQ}",
         f"-m addrtype --src-type LOCAL -j {short}",
     )
     assert len(short) <= n.MAX_CHAIN_NAME
     reject = rules.shared[("filter", n.REJECT)]
-    assert [r.rsplit(" -j ", 1)[1] for r in reject] == ["DROP", "DROP"]  # cluster IP, LB IP
-    assert rules.shared[("filter", n.NODEPORTS_REJECT)][0].endswith("--dport 30090 -j DROP")
-    assert rules.shared[("nat", n.NODEPORTS)][0].endswith(f"--dport 30090 -j {ext}")
+    assert [r.target for r in reject] == [Verdict.DROP, Verdict.DROP]  # cluster IP, LB IP
+    assert rules.shared[("filter", n.NODEPORTS_REJECT)][0].text.endswith("--dport 30090 -j DROP")
+    assert rules.shared[("nat", n.NODEPORTS)][0].text.endswith(f"--dport 30090 -j {ext}")
 
 
 # ---- route_localnet (localhost NodePorts) --------------------------------------------------------

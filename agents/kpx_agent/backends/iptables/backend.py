@@ -23,7 +23,7 @@ from ..base import BackendError
 from . import kernel
 from . import names as n
 from .chain_book import ChainBook, ChainPlan
-from .rules import fixed_chains, port_rules, shared_frames
+from .rules import PortLines, fixed_chains, port_rules, shared_frames
 from .script import SavedTable, cleanup_script, jump_edits, parse_save, table_script
 
 log = logging.getLogger(__name__)
@@ -99,8 +99,10 @@ class IptablesBackend:
             facts = state.facts[fam]
             book = ChainBook(fixed_chains(settings, facts), shared_frames(settings, facts))
             local = facts.local_pods
+            # Each port's typed rules are written out as they are made (`lines`): the record
+            # keeps the text, and the typed values go as soon as they are serialized.
             updates = {
-                key: port_rules(sp, settings, local)
+                key: port_rules(sp, settings, local).lines()
                 for key, sp in state.services.items()
                 if key.family == fam
             }
@@ -135,12 +137,14 @@ class IptablesBackend:
         plans: dict[int, ChainPlan] = {}
         units: list[tuple[int, str, str]] = []  # (family, table, script)
         for fam in FAMILIES:
-            updates = {}
+            updates: dict[ServicePortKey, PortLines | None] = {}
             local = state.facts[fam].local_pods
             for key in changed:
                 if key.family == fam:
                     sp = state.services.get(key)
-                    updates[key] = port_rules(sp, self.settings, local) if sp is not None else None
+                    updates[key] = (
+                        port_rules(sp, self.settings, local).lines() if sp is not None else None
+                    )
             if not updates:
                 continue
             plan = books[fam].plan(updates)

@@ -1,6 +1,7 @@
 """The backend's own record of the chains it programmed in one family, and who owns them.
 
-Every KPX chain is in here with the exact rules we wrote: the fixed chains, the shared chains
+Every KPX chain is in here with the exact rules we wrote (as written: `rules.Lines`; the
+typed rules of a sync are serialized on their way in): the fixed chains, the shared chains
 (head, then each owner's rules in key order with duplicates written once, then tail), and the
 chains each service port owns. A change is planned against the record without touching it:
 the plan names only the chains whose content differs, so a sync sends those and nothing else,
@@ -14,16 +15,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ...localnet import ServicePortKey
-from .rules import ChainId, PortRules, Rules
+from .rules import ChainId, Lines, PortLines, Rules, chain_lines
 
 
 @dataclass
 class ChainPlan:
     """What one sync changes: chain contents to write (None: delete the chain)."""
 
-    changes: dict[ChainId, Rules | None] = field(default_factory=dict)
-    _contrib: dict[ServicePortKey, PortRules | None] = field(default_factory=dict)
-    _parts: dict[ChainId, dict[ServicePortKey, Rules | None]] = field(default_factory=dict)
+    changes: dict[ChainId, Lines | None] = field(default_factory=dict)
+    _contrib: dict[ServicePortKey, PortLines | None] = field(default_factory=dict)
+    _parts: dict[ChainId, dict[ServicePortKey, Lines | None]] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.changes)
@@ -31,7 +32,7 @@ class ChainPlan:
     def tables(self) -> list[str]:
         return sorted({table for table, _ in self.changes})
 
-    def table_changes(self, table: str) -> dict[str, Rules | None]:
+    def table_changes(self, table: str) -> dict[str, Lines | None]:
         return {chain: rules for (t, chain), rules in self.changes.items() if t == table}
 
 
@@ -41,10 +42,13 @@ class ChainBook:
         fixed: Mapping[ChainId, Rules],
         frames: Mapping[ChainId, tuple[Rules, Rules]],
     ) -> None:
-        self._frames = dict(frames)
-        self._contrib: dict[ServicePortKey, PortRules] = {}
-        self._parts: dict[ChainId, dict[ServicePortKey, Rules]] = {cid: {} for cid in frames}
-        self.chains: dict[ChainId, Rules] = dict(fixed)
+        self._frames = {
+            cid: (tuple(r.text for r in head), tuple(r.text for r in tail))
+            for cid, (head, tail) in frames.items()
+        }
+        self._contrib: dict[ServicePortKey, PortLines] = {}
+        self._parts: dict[ChainId, dict[ServicePortKey, Lines]] = {cid: {} for cid in frames}
+        self.chains: dict[ChainId, Lines] = chain_lines(fixed)
         for cid, (head, tail) in self._frames.items():
             self.chains[cid] = head + tail
 
@@ -58,16 +62,16 @@ class ChainBook:
     def owners(self) -> list[ServicePortKey]:
         return list(self._contrib)
 
-    def table_chains(self, table: str) -> dict[str, Rules]:
+    def table_chains(self, table: str) -> dict[str, Lines]:
         return {chain: rules for (t, chain), rules in self.chains.items() if t == table}
 
-    def _compose(self, cid: ChainId, parts: Mapping[ServicePortKey, Rules]) -> Rules:
+    def _compose(self, cid: ChainId, parts: Mapping[ServicePortKey, Lines]) -> Lines:
         head, tail = self._frames[cid]
         # A rule two owners both want (a shared hairpin address) is written once.
         body = dict.fromkeys(rule for key in sorted(parts) for rule in parts[key])
         return (*head, *body, *tail)
 
-    def plan(self, updates: Mapping[ServicePortKey, PortRules | None]) -> ChainPlan:
+    def plan(self, updates: Mapping[ServicePortKey, PortLines | None]) -> ChainPlan:
         """The chains that change if each service port's rules become `updates[key]`."""
         plan = ChainPlan()
         for key, new in updates.items():
@@ -119,6 +123,6 @@ class ChainBook:
             else:
                 self._contrib[key] = contrib
 
-    def revert(self, plan: ChainPlan, table: str) -> dict[str, Rules | None]:
+    def revert(self, plan: ChainPlan, table: str) -> dict[str, Lines | None]:
         """The changes that undo `plan` in `table` (it was applied, not committed)."""
         return {chain: self.chains.get((t, chain)) for (t, chain) in plan.changes if t == table}

@@ -7,6 +7,7 @@ import hashlib
 from typing import Final
 
 from ...localnet import Endpoint, ServicePortKey
+from .rule import Comment, CtState, Match, Rule, jump
 
 PREFIX: Final = "KPX-"
 COMMENT: Final = "kpx"  # the comment on our jump rules in the built-in chains
@@ -46,22 +47,23 @@ SHORT_PREFIX: Final = "KPX-SHORT-"
 # Not a chain: the `recent` list of one endpoint of a service port with session affinity.
 AFFINITY_PREFIX: Final = "KPX-AFF-"
 
-Jump = tuple[str, str, str, str]
+Jump = tuple[str, str, tuple[Match, ...], str]
+_NEW: Final = (CtState(("NEW",)),)
 # The jumps from built-in chains to ours: (table, built-in chain, matches, our chain), in
-# order within a built-in chain. The matches are written as iptables-save prints them, so a
-# full sync recognises its rules.
+# order within a built-in chain. Their text is as iptables-save prints it, so a full sync
+# recognises its rules.
 JUMPS: Final[tuple[Jump, ...]] = (
-    (NAT, "PREROUTING", "", SERVICES),
-    (NAT, "OUTPUT", "", SERVICES),
-    (NAT, "POSTROUTING", "", POSTROUTING),
-    (FILTER, "INPUT", "-m conntrack --ctstate NEW ", FILTER_CHAIN),
-    (FILTER, "FORWARD", "", FORWARD),
-    (FILTER, "OUTPUT", "-m conntrack --ctstate NEW ", FILTER_CHAIN),
+    (NAT, "PREROUTING", (), SERVICES),
+    (NAT, "OUTPUT", (), SERVICES),
+    (NAT, "POSTROUTING", (), POSTROUTING),
+    (FILTER, "INPUT", _NEW, FILTER_CHAIN),
+    (FILTER, "FORWARD", (), FORWARD),
+    (FILTER, "OUTPUT", _NEW, FILTER_CHAIN),
 )
 # With localhost NodePorts (IPv4 only): every packet to the node, and every packet it sends.
 LOCALNET_JUMPS: Final[tuple[Jump, ...]] = (
-    (FILTER, "INPUT", "", LOCALNET),
-    (FILTER, "OUTPUT", "", LOCALNET),
+    (FILTER, "INPUT", (), LOCALNET),
+    (FILTER, "OUTPUT", (), LOCALNET),
 )
 
 
@@ -70,9 +72,9 @@ def jumps(localnet_guard: bool) -> tuple[Jump, ...]:
     return JUMPS + LOCALNET_JUMPS if localnet_guard else JUMPS
 
 
-def jump_rule(matches: str, chain: str) -> str:
-    """The body (after `-A BUILTIN `) of a jump rule, as iptables-save prints it."""
-    return f"{matches}-m comment --comment {COMMENT} -j {chain}"
+def jump_rule(matches: tuple[Match, ...], chain: str) -> Rule:
+    """A jump rule from a built-in chain to ours, marked with our comment."""
+    return Rule((*matches, Comment(COMMENT)), jump(chain))
 
 
 def _hash(text: str) -> str:
@@ -83,6 +85,12 @@ def _hash(text: str) -> str:
 def port_hash(key: ServicePortKey) -> str:
     """Stable for a service port (namespace, name, port name, protocol, family)."""
     return _hash(str(key))
+
+
+def port_chains(key: ServicePortKey) -> tuple[str, str, str, str]:
+    """The SVC, EXT, FW and SHORT chains of a service port (its hash made once)."""
+    h = port_hash(key)
+    return SVC_PREFIX + h, EXT_PREFIX + h, FW_PREFIX + h, SHORT_PREFIX + h
 
 
 def svc_chain(key: ServicePortKey) -> str:

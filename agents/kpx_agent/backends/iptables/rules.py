@@ -2,12 +2,12 @@
 
 A service port owns whole chains (KPX-SVC-, KPX-EXT-, KPX-FW-<hash>) and contributes rules to
 the shared chains (KPX-SERVICES, KPX-NODEPORTS, KPX-HAIRPIN in nat; KPX-FIREWALL, KPX-REJECT,
-KPX-NODEPORTS-REJECT in filter). Rules are rule bodies, the text after
-`-A CHAIN `; nothing here does I/O.
+KPX-NODEPORTS-REJECT in filter). Rules are typed values (`rule.Rule`: matches and a target),
+keyed by the chain they go in; nothing here writes iptables syntax or does I/O.
 
-All text is formatted from parsed values (ipaddress objects, enums, ints) and the names in
-`names.py`; nothing from the cluster is pasted in as it came. The only cluster strings that
-reach a rule are the service port's own name in a comment, and only when it is made of
+Every match and target holds parsed values (addresses, networks, enums, ints) and the names
+in `names.py`; nothing from the cluster is pasted in as it came. The only cluster strings
+that reach a rule are the service port's own name in a comment, and only when it is made of
 characters that need no quoting (otherwise the comment is left out).
 """
 
@@ -17,12 +17,11 @@ import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cache
 from ipaddress import ip_network
 
 from ...localnet import (
     Endpoint,
-    IPAddress,
-    IPNetwork,
     LocalPods,
     NodeFacts,
     ProxySettings,
@@ -30,11 +29,35 @@ from ...localnet import (
     ServicePortKey,
 )
 from . import names as n
+from .rule import (
+    AddrType,
+    Comment,
+    CtState,
+    Destination,
+    DestinationPort,
+    Dnat,
+    InInterface,
+    Mark,
+    MarkOr,
+    MarkXor,
+    Masquerade,
+    Match,
+    Random,
+    Recent,
+    Rule,
+    Source,
+    Verdict,
+    jump,
+    probability_text,
+    proto,
+    rule,
+)
 
 log = logging.getLogger(__name__)
 
 ChainId = tuple[str, str]  # (table, chain)
-Rules = tuple[str, ...]  # rule bodies, in order
+Rules = tuple[Rule, ...]  # in order
+Lines = tuple[str, ...]  # the same rules as written: each body after `-A CHAIN `
 
 # Chains every service port may add rules to; each is rendered as head + owners' rules + tail.
 SHARED_CHAINS: tuple[ChainId, ...] = (
@@ -47,6 +70,8 @@ SHARED_CHAINS: tuple[ChainId, ...] = (
 )
 
 _SAFE_COMMENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,200}")
+MARK_MASQ = jump(n.MARK_MASQ)
+SOURCE_LOCAL: tuple[Match, ...] = (AddrType.SOURCE_LOCAL,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,27 +81,47 @@ class PortRules:
     own: Mapping[ChainId, Rules] = field(default_factory=dict)  # whole chains it owns
     shared: Mapping[ChainId, Rules] = field(default_factory=dict)  # its rules in shared chains
 
-
-def _host(ip: IPAddress) -> str:
-    return f"{ip}/{ip.max_prefixlen}"
-
-
-def _net(net: IPNetwork) -> str:
-    return str(net)
-
-
-def _destination(ep: Endpoint) -> str:
-    return f"[{ep.ip}]:{ep.port}" if ep.ip.version == 6 else f"{ep.ip}:{ep.port}"
+    def lines(self) -> PortLines:
+        """The same, as written (what the backend records)."""
+        return PortLines(
+            {cid: lines(rules) for cid, rules in self.own.items()},
+            {cid: lines(rules) for cid, rules in self.shared.items()},
+        )
 
 
-def _comment(key: ServicePortKey) -> str:
+@dataclass(frozen=True, slots=True)
+class PortLines:
+    """A service port's rules as written: what the backend's record (`ChainBook`) keeps, so
+    that the record is the text the kernel was given, and the typed rules of a sync are
+    freed as soon as they are written (a full sync at 10,000 Services makes about 100,000:
+    kept, the cyclic collector would walk them all at every pass)."""
+
+    own: Mapping[ChainId, Lines] = field(default_factory=dict)
+    shared: Mapping[ChainId, Lines] = field(default_factory=dict)
+
+
+def lines(rules: Rules) -> Lines:
+    return tuple([r.text for r in rules])
+
+
+def chain_lines(chains: Mapping[ChainId, Rules]) -> dict[ChainId, Lines]:
+    return {cid: lines(rules) for cid, rules in chains.items()}
+
+
+def _comment(key: ServicePortKey) -> tuple[Match, ...]:
     text = str(key)
-    return f'-m comment --comment "{text}" ' if _SAFE_COMMENT.fullmatch(text) else ""
+    return (Comment(text),) if _SAFE_COMMENT.fullmatch(text) else ()
 
 
 def probability(i: int, count: int) -> str:
     """Upstream's cascade: rule i of `count` matches 1/(count-i) of what reaches it."""
-    return f"{1.0 / (count - i):0.10f}"
+    return probability_text(_chance(count - i).probability)
+
+
+@cache
+def _chance(left: int) -> Random:
+    """The match of one in `left` (rules many service ports share, made once)."""
+    return Random(1.0 / left)
 
 
 def _interface(local: LocalPods) -> str:
@@ -84,33 +129,33 @@ def _interface(local: LocalPods) -> str:
     return local.interface or f"{local.interface_prefix}+"
 
 
-def if_local(local: LocalPods) -> list[str]:
-    """Matches (rule prefixes) of traffic from this node's pods: one rule per match; none
-    when the detectLocal mode has nothing to match (then nothing counts as local)."""
+def if_local(local: LocalPods) -> list[tuple[Match, ...]]:
+    """Matches of traffic from this node's pods: one rule per match; none when the
+    detectLocal mode has nothing to match (then nothing counts as local)."""
     if local.networks:
-        return [f"-s {_net(net)} " for net in local.networks]
+        return [(Source(net),) for net in local.networks]
     if local.implemented:
-        return [f"-i {_interface(local)} "]
+        return [(InInterface(_interface(local)),)]
     return []
 
 
 def _masquerade_off_cluster(
     sp: ServicePort, settings: ProxySettings, local: LocalPods
-) -> list[str]:
+) -> list[Rule]:
     """The SVC chain's first rules: mark what must be masqueraded. With masqueradeAll, only
     traffic to the cluster IPs (not what the short circuit sends here, as upstream)."""
     if settings.masquerade_all:
-        return [f"-d {_host(ip)} -j {n.MARK_MASQ}" for ip in sp.cluster_ips]
+        return [rule(Destination(ip), target=MARK_MASQ) for ip in sp.cluster_ips]
     if len(local.networks) > 1:
-        return [f"-j {n.OFF_CLUSTER}"]
+        return [rule(target=jump(n.OFF_CLUSTER))]
     if local.networks:
-        return [f"! -s {_net(local.networks[0])} -j {n.MARK_MASQ}"]
+        return [rule(Source(local.networks[0], negate=True), target=MARK_MASQ)]
     if local.implemented:
-        return [f"! -i {_interface(local)} -j {n.MARK_MASQ}"]
+        return [rule(InInterface(_interface(local), negate=True), target=MARK_MASQ)]
     return []
 
 
-def _pick(sp: ServicePort, eps: tuple[Endpoint, ...]) -> list[str]:
+def _pick(sp: ServicePort, eps: tuple[Endpoint, ...]) -> list[Rule]:
     """Affinity checks (if any), then the random cascade; each rule DNATs to its endpoint.
 
     There is no chain per endpoint (upstream's KUBE-SEP-): iptables-nft loads chains slowly
@@ -118,24 +163,19 @@ def _pick(sp: ServicePort, eps: tuple[Endpoint, ...]) -> list[str]:
     KPX-HAIRPIN instead, and an affinity hit refreshes its entry (`--update`) as upstream's
     `--set` in KUBE-SEP does.
     """
-    proto, affinity = sp.protocol.value, sp.affinity_timeout
+    is_proto, affinity = proto(sp.protocol), sp.affinity_timeout
     rules = []
     if affinity > 0:
         for ep in eps:
-            name = n.affinity_list(sp.key, ep)
-            rules.append(
-                f"-p {proto} -m recent --name {name} --update --seconds {affinity} --reap"
-                f" -j DNAT --to-destination {_destination(ep)}"
-            )
+            recent = Recent(n.affinity_list(sp.key, ep), affinity)
+            rules.append(Rule((is_proto, recent), Dnat(ep.ip, ep.port)))
     count = len(eps)
+    last = count - 1
     for i, ep in enumerate(eps):
-        chance = (
-            f"-m statistic --mode random --probability {probability(i, count)} "
-            if i < count - 1
-            else ""
-        )
-        remember = f"-m recent --name {n.affinity_list(sp.key, ep)} --set " if affinity > 0 else ""
-        rules.append(f"{chance}-p {proto} {remember}-j DNAT --to-destination {_destination(ep)}")
+        matches: tuple[Match, ...] = (_chance(count - i), is_proto) if i < last else (is_proto,)
+        if affinity > 0:
+            matches = (*matches, Recent(n.affinity_list(sp.key, ep)))
+        rules.append(Rule(matches, Dnat(ep.ip, ep.port)))
     return rules
 
 
@@ -143,7 +183,7 @@ def port_rules(sp: ServicePort, settings: ProxySettings, local: LocalPods) -> Po
     """The chains and shared-chain rules of one service port (in its own family); `local`
     is the family's detectLocal match. The model checked every port, address and family
     (a ServicePort holds only valid ports, and addresses of its own family)."""
-    key, proto = sp.key, sp.protocol.value
+    key = sp.key
     node_port = sp.node_port
     cluster_ips, external_ips, lb_ips = sp.cluster_ips, sp.external_ips, sp.load_balancer_ips
     cluster_eps = sp.cluster_endpoints
@@ -166,8 +206,7 @@ def port_rules(sp: ServicePort, settings: ProxySettings, local: LocalPods) -> Po
     fw_ranges = sp.load_balancer_source_ranges
     use_fw = use_ext and bool(lb_ips) and bool(sp.load_balancer_source_ranges)
 
-    svc, ext, fw = n.svc_chain(key), n.ext_chain(key), n.fw_chain(key)
-    short = n.short_chain(key)
+    svc, ext, fw, short = n.port_chains(key)
     own: dict[ChainId, Rules] = {}
     used: list[Endpoint] = []
     if use_svc:
@@ -181,62 +220,63 @@ def port_rules(sp: ServicePort, settings: ProxySettings, local: LocalPods) -> Po
     if use_ext:
         rules = []
         if sp.external_masquerade:
-            rules.append(f"-j {n.MARK_MASQ}")
+            rules.append(rule(target=MARK_MASQ))
         elif short_eps:
             # Upstream's short circuit: traffic from a local pod, or from the node itself
             # (masqueraded: its source is a node address), goes to every cluster endpoint.
-            target = svc if short_via_svc else short
-            rules += [f"{m}-j {target}" for m in if_local(local)]
-            rules.append(f"-m addrtype --src-type LOCAL -j {n.MARK_MASQ}")
-            rules.append(f"-m addrtype --src-type LOCAL -j {target}")
+            target = jump(svc if short_via_svc else short)
+            rules += [Rule(m, target) for m in if_local(local)]
+            rules.append(Rule(SOURCE_LOCAL, MARK_MASQ))
+            rules.append(Rule(SOURCE_LOCAL, target))
         if ext_via_svc:
-            rules.append(f"-j {svc}")
+            rules.append(rule(target=jump(svc)))
         elif external_eps:
             rules += _pick(sp, external_eps)
             used += external_eps
         own[(n.NAT, ext)] = tuple(rules)
     if use_fw:
-        own[(n.NAT, fw)] = tuple(f"-s {_net(r)} -j {ext}" for r in fw_ranges)
+        to_ext = jump(ext)
+        own[(n.NAT, fw)] = tuple(rule(Source(r), target=to_ext) for r in fw_ranges)
     # Hairpin: a local endpoint that reached itself through a VIP is marked for masquerade (in
     # POSTROUTING, after the DNAT), so that its reply comes back through the node. One rule per
     # address, however many ports use it.
     hairpin = tuple(
-        dict.fromkeys(
-            f"-s {_host(ep.ip)} -d {_host(ep.ip)} -j {n.MARK_MASQ}" for ep in used if ep.local
-        )
+        rule(Source(ip), Destination(ip), target=MARK_MASQ)
+        for ip in dict.fromkeys(ep.ip for ep in used if ep.local)
     )
 
     comment = _comment(key)
-    match = f"-p {proto} -m {proto} --dport {sp.port}"
-    no_cluster = "DROP" if sp.drop_when_no_cluster_endpoints else "REJECT"
-    no_external = "DROP" if sp.drop_when_no_external_endpoints else "REJECT"
-    services: list[str] = []
-    reject: list[str] = []
+    match = DestinationPort(sp.protocol, sp.port)
+    no_cluster = Verdict.DROP if sp.drop_when_no_cluster_endpoints else Verdict.REJECT
+    no_external = Verdict.DROP if sp.drop_when_no_external_endpoints else Verdict.REJECT
+    services: list[Rule] = []
+    reject: list[Rule] = []
     for ip in cluster_ips:
         if cluster_eps:
-            services.append(f"{comment}-d {_host(ip)} {match} -j {svc}")
+            services.append(Rule((*comment, Destination(ip), match), jump(svc)))
         else:
-            reject.append(f"{comment}-d {_host(ip)} {match} -j {no_cluster}")
+            reject.append(Rule((*comment, Destination(ip), match), no_cluster))
     # Without external endpoints, what EXT did not short-circuit (DNAT) meets the reject or
     # drop in the filter table, still addressed to the external IP.
     for ip in external_ips:
         if use_ext:
-            services.append(f"{comment}-d {_host(ip)} {match} -j {ext}")
+            services.append(Rule((*comment, Destination(ip), match), jump(ext)))
         if not external_eps:
-            reject.append(f"{comment}-d {_host(ip)} {match} -j {no_external}")
-    firewall: list[str] = []
+            reject.append(Rule((*comment, Destination(ip), match), no_external))
+    firewall: list[Rule] = []
     for ip in lb_ips:
         if use_ext:
-            services.append(f"{comment}-d {_host(ip)} {match} -j {fw if use_fw else ext}")
+            services.append(Rule((*comment, Destination(ip), match), jump(fw if use_fw else ext)))
         if not external_eps:
-            reject.append(f"{comment}-d {_host(ip)} {match} -j {no_external}")
+            reject.append(Rule((*comment, Destination(ip), match), no_external))
         if sp.load_balancer_source_ranges:
             # Allowed sources were DNATed by KPX-FW (or meet KPX-REJECT when there are no
             # endpoints); whatever still has the load-balancer IP as destination is dropped.
             firewall += [
-                f"{comment}-s {_net(r)} -d {_host(ip)} {match} -j RETURN" for r in fw_ranges
+                Rule((*comment, Source(r), Destination(ip), match), Verdict.RETURN)
+                for r in fw_ranges
             ]
-            firewall.append(f"{comment}-d {_host(ip)} {match} -j DROP")
+            firewall.append(Rule((*comment, Destination(ip), match), Verdict.DROP))
     shared: dict[ChainId, Rules] = {}
     if hairpin:
         shared[(n.NAT, n.HAIRPIN)] = hairpin
@@ -247,86 +287,94 @@ def port_rules(sp: ServicePort, settings: ProxySettings, local: LocalPods) -> Po
     if firewall:
         shared[(n.FILTER, n.FIREWALL)] = tuple(firewall)
     if node_port:
-        np_match = f"-p {proto} -m {proto} --dport {node_port}"
+        np_match = DestinationPort(sp.protocol, node_port)
         if use_ext:
-            shared[(n.NAT, n.NODEPORTS)] = (f"{comment}{np_match} -j {ext}",)
+            shared[(n.NAT, n.NODEPORTS)] = (Rule((*comment, np_match), jump(ext)),)
         if not external_eps:
-            shared[(n.FILTER, n.NODEPORTS_REJECT)] = (f"{comment}{np_match} -j {no_external}",)
+            shared[(n.FILTER, n.NODEPORTS_REJECT)] = (Rule((*comment, np_match), no_external),)
     return PortRules(own=own, shared=shared)
 
 
 _LOOPBACK = {4: ip_network("127.0.0.0/8"), 6: ip_network("::1/128")}
+_DESTINATION_LOCAL = AddrType.DESTINATION_LOCAL
 
 
-def nodeport_matches(facts: NodeFacts, settings: ProxySettings) -> list[str]:
+def nodeport_matches(facts: NodeFacts, settings: ProxySettings) -> list[tuple[Match, ...]]:
     """Destination matches for NodePorts (NodeFacts.nodeport_networks), loopback included
     only with localhost NodePorts (see `nodeport_guard` for configured networks)."""
     family, nets, localhost = facts.family, facts.nodeport_networks, facts.localhost_node_ports
     if nets is None:
         if localhost:
-            return ["-m addrtype --dst-type LOCAL "]
-        return [f"! -d {_net(_LOOPBACK[family])} -m addrtype --dst-type LOCAL "]
-    matches = [f"-d {_net(net)} -m addrtype --dst-type LOCAL " for net in nets]
+            return [(_DESTINATION_LOCAL,)]
+        return [(Destination(_LOOPBACK[family], negate=True), _DESTINATION_LOCAL)]
+    matches: list[tuple[Match, ...]] = [(Destination(net), _DESTINATION_LOCAL) for net in nets]
     if localhost and not settings.node_port_networks:
         # nodePortAddresses empty: the node's addresses, and localhost.
-        matches.append(f"-d {_net(_LOOPBACK[4])} -m addrtype --dst-type LOCAL ")
+        matches.append((Destination(_LOOPBACK[4]), _DESTINATION_LOCAL))
     return matches
 
 
-def nodeport_guard(facts: NodeFacts) -> list[str]:
+def nodeport_guard(facts: NodeFacts) -> list[Rule]:
     """Rules before the NodePort matches keeping loopback out of them where a configured
     network holds it but localhost NodePorts are off (IPv6 never has them)."""
     nets = facts.nodeport_networks or ()
     loopback = _LOOPBACK[facts.family]
     if facts.localhost_node_ports or not any(net.overlaps(loopback) for net in nets):
         return []
-    return [f"-d {_net(loopback)} -j RETURN"]
+    return [rule(Destination(loopback), target=Verdict.RETURN)]
 
 
 def fixed_chains(settings: ProxySettings, facts: NodeFacts) -> dict[ChainId, Rules]:
     """The chains that do not depend on any service port (only on the settings and node)."""
-    mark = f"{settings.masquerade_mark:#x}"
+    mark = settings.masquerade_mark
     invalid = (
-        () if settings.conntrack_tcp_be_liberal else ("-m conntrack --ctstate INVALID -j DROP",)
+        ()
+        if settings.conntrack_tcp_be_liberal
+        else (rule(CtState(("INVALID",)), target=Verdict.DROP),)
     )
     chains: dict[ChainId, Rules] = {
-        (n.NAT, n.MARK_MASQ): (f"-j MARK --or-mark {mark}",),
+        (n.NAT, n.MARK_MASQ): (rule(target=MarkOr(mark)),),
         (n.NAT, n.POSTROUTING): (
-            f"-m conntrack --ctstate DNAT -j {n.HAIRPIN}",
-            f"-m mark ! --mark {mark}/{mark} -j RETURN",
-            f"-j MARK --xor-mark {mark}",
-            "-j MASQUERADE --random-fully",
+            rule(CtState(("DNAT",)), target=jump(n.HAIRPIN)),
+            rule(Mark(mark, negate=True), target=Verdict.RETURN),
+            rule(target=MarkXor(mark)),
+            rule(target=Masquerade()),
         ),
         (n.FILTER, n.FILTER_CHAIN): (
-            f"-j {n.FIREWALL}",
-            f"-j {n.REJECT}",
+            rule(target=jump(n.FIREWALL)),
+            rule(target=jump(n.REJECT)),
             *nodeport_guard(facts),
-            *(f"{m}-j {n.NODEPORTS_REJECT}" for m in nodeport_matches(facts, settings)),
+            *(Rule(m, jump(n.NODEPORTS_REJECT)) for m in nodeport_matches(facts, settings)),
         ),
         # Upstream's KUBE-FORWARD: new connections meet KPX-FILTER first; then what we marked
         # for masquerade, and the rest of its connections, are accepted, so a FORWARD policy
         # of DROP does not stop NodePort traffic to other nodes' endpoints. Conntrack-INVALID
         # packets are dropped (unless conntrack.tcpBeLiberal), as upstream does.
         (n.FILTER, n.FORWARD): (
-            f"-m conntrack --ctstate NEW -j {n.FILTER_CHAIN}",
+            rule(CtState(("NEW",)), target=jump(n.FILTER_CHAIN)),
             *invalid,
-            f"-m mark --mark {mark}/{mark} -j ACCEPT",
-            "-m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+            rule(Mark(mark), target=Verdict.ACCEPT),
+            rule(CtState(("RELATED", "ESTABLISHED")), target=Verdict.ACCEPT),
         ),
     }
     if facts.localhost_node_ports:
         # route_localnet=1 lets packets from anywhere reach 127.0.0.0/8: drop those that did
         # not come from loopback and are not replies or DNATed NodePort traffic (upstream's
         # rule, https://issue.k8s.io/90259).
+        loopback = _LOOPBACK[4]
         chains[(n.FILTER, n.LOCALNET)] = (
-            "-d 127.0.0.0/8 ! -s 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT"
-            " -j DROP",
+            rule(
+                Destination(loopback),
+                Source(loopback, negate=True),
+                CtState(("RELATED", "ESTABLISHED", "DNAT"), negate=True),
+                target=Verdict.DROP,
+            ),
         )
     local = facts.local_pods
     if not settings.masquerade_all and len(local.networks) > 1:
         chains[(n.NAT, n.OFF_CLUSTER)] = (
-            *(f"-s {_net(c)} -j RETURN" for c in local.networks),
-            f"-j {n.MARK_MASQ}",
+            *(rule(Source(c), target=Verdict.RETURN) for c in local.networks),
+            rule(target=MARK_MASQ),
         )
     return chains
 
@@ -338,7 +386,7 @@ def shared_frames(settings: ProxySettings, facts: NodeFacts) -> dict[ChainId, tu
         (),
         (
             *nodeport_guard(facts),
-            *(f"{m}-j {n.NODEPORTS}" for m in nodeport_matches(facts, settings)),
+            *(Rule(m, jump(n.NODEPORTS)) for m in nodeport_matches(facts, settings)),
         ),
     )
     return frames

@@ -1,5 +1,9 @@
 """`iptables-restore --noflush` scripts, and reading `iptables-save` output (both pure).
 
+A script writes rules as the backend's record holds them, serialized from typed rules
+(`rule.Rule.text`), each as `-A CHAIN <text>`. The jump edits in built-in chains delete rules
+by the text iptables-save printed, and insert ours by their text.
+
 A script holds one table. Declaring `:CHAIN - [0:0]` creates the chain or flushes it, so a
 script first declares every chain it touches, then edits the jump rules in the built-in
 chains, appends the rules of the chains it writes, and finally deletes (`-X`) the chains it
@@ -14,12 +18,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from . import names as n
-from .rules import Rules
+from .rules import Lines
 
 
 def table_script(
     table: str,
-    changes: Mapping[str, Rules | None],
+    changes: Mapping[str, Lines | None],
     jump_edits: Sequence[str] = (),
     extra_deletes: Iterable[str] = (),
 ) -> str:
@@ -87,7 +91,7 @@ def jump_edits(
     wanted: dict[str, list[str]] = {}
     for t, chain, matches, target in wanted_jumps:
         if t == table:
-            wanted.setdefault(chain, []).append(n.jump_rule(matches, target))
+            wanted.setdefault(chain, []).append(n.jump_rule(matches, target).text)
     have: dict[str, list[str]] = {}
     for chain, body in saved.jumps:
         have.setdefault(chain, []).append(body)

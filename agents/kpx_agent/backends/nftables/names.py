@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from collections.abc import Iterable
 
 TABLE = "kpx"
 FAMILIES = {4: "ip", 6: "ip6"}
@@ -93,10 +94,17 @@ def _short_hash(*parts: object) -> str:
     return base64.b32encode(digest).decode().lower()[:12]
 
 
-def affinity_chain(port_key: object, timeout: int, endpoints: object) -> str:
+def affinity_chain(
+    port_key: object, timeout: int, endpoints: Iterable[tuple[str, int, bool]]
+) -> str:
     """The chain of one service port with session affinity: `aff-<hash>` of the port, its
-    timeout and its endpoints (new endpoints, new chain)."""
-    return f"aff-{_short_hash(port_key, timeout, endpoints)}"
+    timeout and its endpoints, each (address, port, local) (new endpoints, new chain). The
+    endpoints are spelled as they always were, so a chain keeps its name across versions
+    (whatever else an endpoint comes to carry)."""
+    spelled = [
+        f"Endpoint(ip={ip!r}, port={port!r}, local={local!r})" for ip, port, local in endpoints
+    ]
+    return f"aff-{_short_hash(port_key, timeout, spelled)}"
 
 
 def affinity_set(chain: str, ip: str, port: int) -> str:

@@ -6,8 +6,9 @@ distinct endpoint count), whose single rule DNATs through one shared map keyed b
 `vip . protocol . port . (numgen random mod n)`. Loading 10,000 Services means loading map
 elements, which the kernel does fast; changing one endpoint changes a few elements.
 
-All text here is formatted from parsed values (ipaddress objects, enums, ints): nothing from
-the cluster is pasted in as it came.
+Rules are typed values (`rules.Rule`), elements too (`schema.Element`): nothing here writes
+nft text, and nothing from the cluster reaches a rule but parsed values (addresses, enums,
+ints, networks) and the validated detectLocal interface name.
 """
 
 from __future__ import annotations
@@ -25,12 +26,19 @@ from ...localnet import (
     ServicePort,
 )
 from . import names as n
-from .schema import TABLE_SETS, Element, Goto, Key, SetDecl, affinity_set, endpoint_map
-
-PRIORITY_DSTNAT = -100  # nft 1.0.6 rejects the name `dstnat` on an output hook
-PRIORITY_SRCNAT = 100
-PRIORITY_FILTER = -1  # just before the default filter priority
-PRIORITY_FIREWALL = -110  # before DNAT, while the destination is still the load balancer IP
+from . import rules as r
+from .rules import L4PROTO, PORT_KEY, Rule, rule
+from .schema import (
+    TABLE_CHAINS,
+    TABLE_SETS,
+    Element,
+    Goto,
+    Key,
+    SetDecl,
+    affinity_set,
+    endpoint_map,
+    table_set,
+)
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,7 @@ class ChainDef:
     """A chain one service port owns (session affinity), with the sets its rules use."""
 
     sets: tuple[SetDecl, ...]
-    rules: tuple[str, ...]
+    rules: tuple[Rule, ...]
 
 
 @dataclass
@@ -58,18 +66,22 @@ def _affinity_chain(
     random (a cascade of `numgen random mod k`), and the client is recorded in its set.
     Sets are named after the endpoint, so a removed endpoint takes its clients' affinity along.
     """
-    name = n.affinity_chain(sp.key, sp.affinity_timeout, [str(e) for e in endpoints])
-    saddr, fam, proto = n.SADDR[family], n.FAMILIES[family], sp.protocol.value
-    sets, sticky, pick = [], [], []
+    name = n.affinity_chain(
+        sp.key, sp.affinity_timeout, [(ep.ip, ep.port, ep.local) for ep in endpoints]
+    )
+    saddr = r.saddr(family)
+    is_proto = r.Compare(L4PROTO, sp.protocol)
+    sets: list[SetDecl] = []
+    sticky: list[Rule] = []
+    pick: list[Rule] = []
     for i, ep in enumerate(endpoints):
-        set_name = n.affinity_set(name, ep.ip, ep.port)
-        sets.append(affinity_set(set_name, sp.affinity_timeout))
-        target = f"[{ep.ip}]:{ep.port}" if family == 6 else f"{ep.ip}:{ep.port}"
-        dnat = f"meta l4proto {proto} dnat {fam} to {target}"
-        sticky.append(f"{saddr} @{set_name} {dnat}")
+        decl = affinity_set(n.affinity_set(name, ep.ip, ep.port), sp.affinity_timeout)
+        sets.append(decl)
+        dnat = r.Dnat(family, ep.ip, ep.port)
+        sticky.append(rule(r.Lookup((saddr,), decl), is_proto, dnat))
         left = len(endpoints) - i
-        chance = f"numgen random mod {left} == 0 " if left > 1 else ""
-        pick.append(f"{chance}update @{set_name} {{ {saddr} }} {dnat}")
+        chance = (r.RandomIs(left),) if left > 1 else ()
+        pick.append(rule(*chance, r.SetUpdate(decl, saddr), is_proto, dnat))
     return name, ChainDef(tuple(sets), tuple(sticky + pick))
 
 
@@ -106,7 +118,7 @@ def _dispatch_to(
     chain = endpoint_map = n.endpoint_chain_of(dispatch_map, len(endpoints))
     out.elements.append((dispatch_map, vip_key, Goto(chain)))
     out.elements += [
-        (endpoint_map, (*vip_key, i), (ip, port)) for i, (ip, port, _local) in enumerate(endpoints)
+        (endpoint_map, (*vip_key, i), (ep.ip, ep.port)) for i, ep in enumerate(endpoints)
     ]
 
 
@@ -150,8 +162,8 @@ def render_port(sp: ServicePort) -> PortRender:
         if short_circuit:
             out.elements.append((n.SHORT_CIRCUIT_NODEPORT_KEYS, key, None))
             _dispatch_to(out, sp, key, short_circuit, n.SHORT_CIRCUIT_NODEPORTS)
-    for ep in sorted({e for e in (*cluster, *external, *short_circuit) if e.local}):
-        out.elements.append((n.HAIRPIN, (ep.ip, ep.ip), None))
+    for ip in sorted({e.ip for e in (*cluster, *external, *short_circuit) if e.local}):
+        out.elements.append((n.HAIRPIN, (ip, ip), None))
     return out
 
 
@@ -184,20 +196,12 @@ def endpoint_chain_counts(elements: list[Element]) -> set[tuple[str, int]]:
 # map, which is what a new count does.
 
 
-def endpoint_chain(family: int, dispatch_map: str, count: int) -> tuple[str, SetDecl, str]:
+def endpoint_chain(family: int, dispatch_map: str, count: int) -> tuple[str, SetDecl, Rule]:
     """Name, map and rule of the chain that picks one of `count` endpoints at random (the
     chain and its map share the name)."""
-    daddr, fam = n.DADDR[family], n.FAMILIES[family]
-    name = n.endpoint_chain_of(dispatch_map, count)
-    if dispatch_map in n.NODEPORT_DISPATCH:
-        key = "meta l4proto . th dport"
-    else:
-        key = f"{daddr} . meta l4proto . th dport"
-    return (
-        name,
-        endpoint_map(dispatch_map, count),
-        f"dnat {fam} to {key} . numgen random mod {count} map @{name}",
-    )
+    key = PORT_KEY if dispatch_map in n.NODEPORT_DISPATCH else r.vip_key(family)
+    decl = endpoint_map(dispatch_map, count)
+    return decl.name, decl, rule(r.DnatMap(family, key, count, decl))
 
 
 @dataclass(frozen=True)
@@ -205,7 +209,7 @@ class ChainSpec:
     """A chain of the fixed table: base chains have a hook (type, hook, priority)."""
 
     name: str
-    rules: tuple[str, ...]
+    rules: tuple[Rule, ...]
     hook: tuple[str, str, int] | None = None  # (type, hook, priority); policy accept
 
 
@@ -234,105 +238,107 @@ def nodeport_addresses(facts: NodeFacts) -> list[IPNetwork]:
     return sorted(found, key=str)
 
 
-def local_pod_match(family: int, local: LocalPods, negate: bool = False) -> str:
-    """The nft match of traffic from this node's pods (or, `negate`d, of all other traffic),
-    '' when the detectLocal mode has nothing to match (then nothing counts as local). Only
-    parsed networks and the validated interface name reach the text."""
+def local_pod_match(family: int, local: LocalPods, negate: bool = False) -> tuple[r.Statement, ...]:
+    """The match of traffic from this node's pods (or, `negate`d, of all other traffic),
+    none when the detectLocal mode has nothing to match (then nothing counts as local). Only
+    parsed networks and the validated interface name reach the rule."""
     if not local.implemented:
-        return ""
-    op = "!= " if negate else ""
+        return ()
     if local.networks:
         nets = local.networks
-        target = str(nets[0]) if len(nets) == 1 else f"@{n.LOCAL_POD_CIDRS}"
-        return f"{n.SADDR[family]} {op}{target}"
+        saddr = r.saddr(family)
+        if len(nets) == 1:
+            return (r.Compare(saddr, nets[0], negate),)
+        return (r.Lookup((saddr,), table_set(n.LOCAL_POD_CIDRS), negate),)
     # iifname, a name match: valid before the interface exists, and it takes a prefix (`*`).
-    name = local.interface or f"{local.interface_prefix}*"
-    return f'iifname {op}"{name}"'
+    return (r.IifName(local.interface or f"{local.interface_prefix}*", negate),)
 
 
 def base_table(settings: ProxySettings, facts: NodeFacts) -> TableDef:
     """The table with its sets, maps and fixed chains, without any Service's elements."""
     family = facts.family
-    daddr, saddr = n.DADDR[family], n.SADDR[family]
-    mark = f"0x{settings.masquerade_mark:08x}"
-    set_mark = f"meta mark set meta mark | {mark}"
-    match_vpp = f"{daddr} . meta l4proto . th dport"
-    local_np = f"fib daddr type local {daddr} @{n.NODEPORT_ADDRESSES} meta l4proto . th dport"
+    daddr, saddr = r.daddr(family), r.saddr(family)
+    vpp = r.vip_key(family)
+    mark = settings.masquerade_mark
+    set_mark = r.MarkOr(mark)
+
+    def vip_in(set_name: str) -> r.Lookup:
+        return r.Lookup(vpp, table_set(set_name))
+
+    # A NodePort: to a local address NodePorts answer on, protocol . port in the set.
+    local_np = (
+        r.FibLocal(r.PacketField.DADDR),
+        r.Lookup((daddr,), table_set(n.NODEPORT_ADDRESSES)),
+    )
+
+    def nodeport_in(set_name: str) -> tuple[r.Statement, ...]:
+        return (*local_np, r.Lookup(PORT_KEY, table_set(set_name)))
+
+    def vmap(set_name: str) -> r.Vmap:
+        keys = PORT_KEY if set_name in n.NODEPORT_DISPATCH else vpp
+        return r.Vmap(keys, table_set(set_name))
+
     local = facts.local_pods
     is_local = local_pod_match(family, local)
-    masq_cluster = ""
+    masq_cluster: tuple[Rule, ...] = ()
     if settings.masquerade_all:
-        masq_cluster = f"{match_vpp} @{n.CLUSTER_IPS} {set_mark}"
+        masq_cluster = (rule(vip_in(n.CLUSTER_IPS), set_mark),)
     elif local.implemented:
         not_local = local_pod_match(family, local, negate=True)
-        masq_cluster = f"{match_vpp} @{n.CLUSTER_IPS} {not_local} {set_mark}"
+        masq_cluster = (rule(vip_in(n.CLUSTER_IPS), *not_local, set_mark),)
     pod_cidrs = local.networks if len(local.networks) > 1 else ()
     # externalTrafficPolicy Local: traffic from a local pod, or from the node itself (which is
     # masqueraded: its source is a node address), goes to every cluster endpoint.
-    node_origin = "fib saddr type local"
-    short_circuit = [
-        *([f"{is_local} {match_vpp} vmap @{n.SHORT_CIRCUIT_IPS}"] if is_local else []),
-        f"{node_origin} {match_vpp} @{n.SHORT_CIRCUIT_IP_KEYS} {set_mark}",
-        f"{node_origin} {match_vpp} vmap @{n.SHORT_CIRCUIT_IPS}",
-    ]
-    short_circuit_np = [
-        *([f"{is_local} {local_np} vmap @{n.SHORT_CIRCUIT_NODEPORTS}"] if is_local else []),
-        f"{node_origin} {local_np} @{n.SHORT_CIRCUIT_NODEPORT_KEYS} {set_mark}",
-        f"{node_origin} {local_np} vmap @{n.SHORT_CIRCUIT_NODEPORTS}",
-    ]
-    no_endpoints = f"ct state new jump {n.NO_ENDPOINTS}"
-    chains = (
-        ChainSpec(
-            n.SERVICES,
-            (
-                *(rule for rule in (masq_cluster,) if rule),
-                f"{match_vpp} @{n.EXTERNAL_IPS} {set_mark}",
-                *short_circuit,
-                f"{match_vpp} vmap @{n.SERVICE_IPS}",
-                f"{local_np} @{n.EXTERNAL_NODEPORTS} {set_mark}",
-                *short_circuit_np,
-                f"{local_np} vmap @{n.SERVICE_NODEPORTS}",
-            ),
-        ),
-        ChainSpec(
-            n.NO_ENDPOINTS,
-            (
-                f"{match_vpp} @{n.REJECT_IPS} reject",
-                f"{match_vpp} @{n.DROP_IPS} drop",
-                f"{local_np} @{n.REJECT_NODEPORTS} reject",
-                f"{local_np} @{n.DROP_NODEPORTS} drop",
-            ),
-        ),
-        ChainSpec(
-            n.FIREWALL,
-            (f"{match_vpp} @{n.FIREWALL_IPS} {match_vpp} . {saddr} != @{n.FIREWALL_ALLOW} drop",),
-        ),
-        # Before DNAT, on both paths: traffic from pods and from the node itself.
-        ChainSpec(
-            n.FIREWALL_PREROUTING,
-            (f"jump {n.FIREWALL}",),
-            ("filter", "prerouting", PRIORITY_FIREWALL),
-        ),
-        ChainSpec(
-            n.FIREWALL_OUTPUT, (f"jump {n.FIREWALL}",), ("filter", "output", PRIORITY_FIREWALL)
-        ),
-        ChainSpec(
-            n.NAT_PREROUTING, (f"jump {n.SERVICES}",), ("nat", "prerouting", PRIORITY_DSTNAT)
-        ),
-        ChainSpec(n.NAT_OUTPUT, (f"jump {n.SERVICES}",), ("nat", "output", PRIORITY_DSTNAT)),
-        ChainSpec(
-            n.NAT_POSTROUTING,
-            (
-                f"meta mark & {mark} == {mark} meta mark set meta mark ^ {mark}"
-                " masquerade fully-random",
-                f"ct status dnat {saddr} . {daddr} @{n.HAIRPIN} masquerade fully-random",
-            ),
-            ("nat", "postrouting", PRIORITY_SRCNAT),
-        ),
-        ChainSpec(n.FILTER_INPUT, (no_endpoints,), ("filter", "input", PRIORITY_FILTER)),
-        ChainSpec(n.FILTER_FORWARD, (no_endpoints,), ("filter", "forward", PRIORITY_FILTER)),
-        ChainSpec(n.FILTER_OUTPUT, (no_endpoints,), ("filter", "output", PRIORITY_FILTER)),
+    node_origin = r.FibLocal(r.PacketField.SADDR)
+    short_circuit = (
+        *((rule(*is_local, vmap(n.SHORT_CIRCUIT_IPS)),) if is_local else ()),
+        rule(node_origin, vip_in(n.SHORT_CIRCUIT_IP_KEYS), set_mark),
+        rule(node_origin, vmap(n.SHORT_CIRCUIT_IPS)),
     )
+    short_circuit_np = (
+        *((rule(*is_local, *local_np, vmap(n.SHORT_CIRCUIT_NODEPORTS)),) if is_local else ()),
+        rule(node_origin, *nodeport_in(n.SHORT_CIRCUIT_NODEPORT_KEYS), set_mark),
+        rule(node_origin, *local_np, vmap(n.SHORT_CIRCUIT_NODEPORTS)),
+    )
+    no_endpoints = rule(r.CtState("new"), r.Jump(n.NO_ENDPOINTS))
+    rules: dict[str, tuple[Rule, ...]] = {
+        n.SERVICES: (
+            *masq_cluster,
+            rule(vip_in(n.EXTERNAL_IPS), set_mark),
+            *short_circuit,
+            rule(vmap(n.SERVICE_IPS)),
+            rule(*nodeport_in(n.EXTERNAL_NODEPORTS), set_mark),
+            *short_circuit_np,
+            rule(*local_np, vmap(n.SERVICE_NODEPORTS)),
+        ),
+        n.NO_ENDPOINTS: (
+            rule(vip_in(n.REJECT_IPS), r.Verdict.REJECT),
+            rule(vip_in(n.DROP_IPS), r.Verdict.DROP),
+            rule(*nodeport_in(n.REJECT_NODEPORTS), r.Verdict.REJECT),
+            rule(*nodeport_in(n.DROP_NODEPORTS), r.Verdict.DROP),
+        ),
+        n.FIREWALL: (
+            rule(
+                vip_in(n.FIREWALL_IPS),
+                r.Lookup((*vpp, saddr), table_set(n.FIREWALL_ALLOW), negate=True),
+                r.Verdict.DROP,
+            ),
+        ),
+        n.FIREWALL_PREROUTING: (rule(r.Jump(n.FIREWALL)),),
+        n.FIREWALL_OUTPUT: (rule(r.Jump(n.FIREWALL)),),
+        n.NAT_PREROUTING: (rule(r.Jump(n.SERVICES)),),
+        n.NAT_OUTPUT: (rule(r.Jump(n.SERVICES)),),
+        n.NAT_POSTROUTING: (
+            rule(r.MarkIsSet(mark), r.MarkXor(mark), r.Masquerade()),
+            rule(
+                r.CtStatus("dnat"), r.Lookup((saddr, daddr), table_set(n.HAIRPIN)), r.Masquerade()
+            ),
+        ),
+        n.FILTER_INPUT: (no_endpoints,),
+        n.FILTER_FORWARD: (no_endpoints,),
+        n.FILTER_OUTPUT: (no_endpoints,),
+    }
+    chains = tuple(ChainSpec(decl.name, rules[decl.name], decl.hook) for decl in TABLE_CHAINS)
     elements = {
         n.NODEPORT_ADDRESSES: tuple((net,) for net in nodeport_addresses(facts)),
         n.LOCAL_POD_CIDRS: tuple((net,) for net in pod_cidrs),

@@ -1,10 +1,12 @@
-"""The nftables backend's sets and maps, declared once as data, and its typed elements.
+"""The nftables backend's chains, sets and maps, declared once as data, and its typed elements.
 
 Every set and map of a family's table is a `SetDecl` here: its name, the kinds of its key's
 fields, the kind of its value (none, a verdict, or endpoint fields) and its flags. The table
 definition (`ruleset.base_table`), the nft text of elements (`element_text`), the netlink
-encoder (`netlink_batch`) and the kernel fake (`tests/unit/nft_fake.py`) all read these
-declarations; none of them declares a layout of its own.
+encoder (`netlink_batch`), the rules that look them up (`rules.Lookup`, `rules.Vmap`) and the
+kernel fake (`tests/unit/nft_fake.py`) all read these declarations; none of them declares a
+layout of its own. Every chain of the fixed table is a `ChainDecl` (name, and for a base
+chain its hook); `ruleset.base_table` gives each its rules.
 
 An element is typed: `(set name, key, value)`, the key a tuple of fields (an `IP`, a
 `Protocol`, an int port or bucket, an IP network for interval sets), the value None (a set),
@@ -138,6 +140,43 @@ TABLE_SETS: tuple[SetDecl, ...] = (
     SetDecl(n.SHORT_CIRCUIT_NODEPORT_KEYS, PP),
 )
 _BY_NAME = {decl.name: decl for decl in TABLE_SETS}
+
+
+def table_set(name: str) -> SetDecl:
+    """The declaration of one of the table's own sets and maps (KeyError for any other)."""
+    return _BY_NAME[name]
+
+
+PRIORITY_DSTNAT = -100  # nft 1.0.6 rejects the name `dstnat` on an output hook
+PRIORITY_SRCNAT = 100
+PRIORITY_FILTER = -1  # just before the default filter priority
+PRIORITY_FIREWALL = -110  # before DNAT, while the destination is still the load balancer IP
+
+
+@dataclass(frozen=True, slots=True)
+class ChainDecl:
+    """A chain of the fixed table; a base chain has a hook (type, hook, priority) and the
+    policy accept."""
+
+    name: str
+    hook: tuple[str, str, int] | None = None
+
+
+# The chains of each family's table, in the order the table declares them.
+TABLE_CHAINS: tuple[ChainDecl, ...] = (
+    ChainDecl(n.SERVICES),
+    ChainDecl(n.NO_ENDPOINTS),
+    ChainDecl(n.FIREWALL),
+    # Before DNAT, on both paths: traffic from pods and from the node itself.
+    ChainDecl(n.FIREWALL_PREROUTING, ("filter", "prerouting", PRIORITY_FIREWALL)),
+    ChainDecl(n.FIREWALL_OUTPUT, ("filter", "output", PRIORITY_FIREWALL)),
+    ChainDecl(n.NAT_PREROUTING, ("nat", "prerouting", PRIORITY_DSTNAT)),
+    ChainDecl(n.NAT_OUTPUT, ("nat", "output", PRIORITY_DSTNAT)),
+    ChainDecl(n.NAT_POSTROUTING, ("nat", "postrouting", PRIORITY_SRCNAT)),
+    ChainDecl(n.FILTER_INPUT, ("filter", "input", PRIORITY_FILTER)),
+    ChainDecl(n.FILTER_FORWARD, ("filter", "forward", PRIORITY_FILTER)),
+    ChainDecl(n.FILTER_OUTPUT, ("filter", "output", PRIORITY_FILTER)),
+)
 VERDICT_MAPS = frozenset(d.name for d in TABLE_SETS if d.value is ValueKind.VERDICT)
 
 

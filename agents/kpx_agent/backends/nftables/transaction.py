@@ -1,7 +1,8 @@
 """One nftables transaction as typed operations, and its nft text (pure).
 
 The backend builds `Transaction`s; `render` serializes them for `nft -f`, and the kernel fake
-in the tests applies the same operations. Elements stay typed until they are rendered.
+in the tests applies the same operations. Elements and rules stay typed until they are
+rendered (rules by `rules.rule_text`, elements by `schema.elements_text`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from . import names as n
+from .rules import Rule, rule_text
 from .ruleset import TableDef
 from .schema import Key, Pair, SetDecl, elements_text, key_text
 
@@ -36,13 +38,13 @@ class Transaction:
         """Swap the whole table atomically (create-if-missing, delete, define)."""
         self.ops.append(Op("replace_table", (table,)))
 
-    def add_endpoint_chain(self, name: str, endpoint_map: SetDecl, rule: str) -> None:
+    def add_endpoint_chain(self, name: str, endpoint_map: SetDecl, rule: Rule) -> None:
         """Create a new chain with its own map, used by its one rule (never rewritten)."""
         self.ops.append(Op("add_set", (endpoint_map,)))
         self.ops.append(Op("add_chain", (name,)))
         self.ops.append(Op("add_rule", (name, rule)))
 
-    def add_port_chain(self, name: str, sets: Iterable[SetDecl], rules: Iterable[str]) -> None:
+    def add_port_chain(self, name: str, sets: Iterable[SetDecl], rules: Iterable[Rule]) -> None:
         """Create (or rewrite) a chain owned by one service port, with the sets it uses."""
         for decl in sets:
             self.ops.append(Op("add_set", (decl,)))
@@ -91,7 +93,8 @@ def _line(prefix: str, family: int, op: Op) -> str:
         )
     if kind == "add_rule":
         chain, rule = args
-        return f"add rule {prefix} {chain} {rule}"
+        assert isinstance(rule, Rule)
+        return f"add rule {prefix} {chain} {rule_text(rule)}"
     if kind in ("add_chain", "flush_chain", "delete_chain", "delete_set"):
         verb, what = kind.split("_")
         return f"{verb} {what} {prefix} {args[0]}"
@@ -115,17 +118,21 @@ def table_text(table: TableDef) -> str:
         lines.append(f"  {kind} {decl.name} {{ {decl.body(family)}{clause} }}")
     for chain in table.chains:
         if chain.hook is None:
-            lines += [f"  chain {chain.name} {{", *(f"    {r}" for r in chain.rules), "  }"]
+            lines += [
+                f"  chain {chain.name} {{",
+                *(f"    {rule_text(r)}" for r in chain.rules),
+                "  }",
+            ]
             continue
         kind, hook, priority = chain.hook
         head = f"type {kind} hook {hook} priority {priority}; policy accept;"
         if len(chain.rules) == 1:
-            lines.append(f"  chain {chain.name} {{ {head} {chain.rules[0]}; }}")
+            lines.append(f"  chain {chain.name} {{ {head} {rule_text(chain.rules[0])}; }}")
         else:
             lines += [
                 f"  chain {chain.name} {{",
                 f"    {head}",
-                *(f"    {r}" for r in chain.rules),
+                *(f"    {rule_text(r)}" for r in chain.rules),
                 "  }",
             ]
     lines.append("}")
