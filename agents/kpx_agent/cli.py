@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kpx_api.constants import LEFTOVERS_NOT_REMOVED
 from kpx_api.errors import ConfigError
 from kpx_api.modes import has_backend, no_backend_message
 from kpx_api.networks import parse_bind_address
@@ -31,6 +32,7 @@ from .backends.base import NodePaths
 from .http_endpoints import health_app, serve
 from .metrics import AgentMetrics
 from .proxy_health import ProxyHealth
+from .takeover import LeftoverRemoval, other_mode_leftovers
 
 log = logging.getLogger("kpx_agent")
 MODES = ("nftables", "iptables", "ipvs", "external")
@@ -199,16 +201,23 @@ def explain_migration(argv: list[str]) -> int:
 
 
 def remove_other_modes(mode: str) -> None:
-    """Remove what agents of the other modes left on this node (a mode switch must not leave
-    stale rules behind, the upstream pain)."""
-    for other in backends.REGISTRY:
-        if other == mode:
-            continue
+    """Remove at once what agents of the other modes left on this node (a failure is logged).
+    The agent itself does this only after its first verified sync (`leftover_removal`)."""
+    for leftover in other_mode_leftovers(mode, backends.REGISTRY, backends.load):
         try:
-            module: Any = backends.load(other)
-            module.cleanup()
+            leftover.remove()
         except Exception as exc:
-            log.warning("could not check for %s leftovers: %s", other, exc)
+            log.warning("could not remove %s: %s", leftover.description, exc)
+
+
+def leftover_removal(agent: Agent) -> LeftoverRemoval:
+    """Make-before-break (takeover.py): once the agent's first sync is verified, remove the
+    other modes' rules from this node, retrying what fails."""
+    leftovers = other_mode_leftovers(agent.settings.mode, backends.REGISTRY, backends.load)
+    removal = LeftoverRemoval(leftovers, agent.metrics.registry, agent.report_event,
+                              failed_reason=LEFTOVERS_NOT_REMOVED)  # fmt: skip
+    agent.companions.append(lambda: removal.run(agent.first_sync_verified))
+    return removal
 
 
 async def _run_until_signal(agent: Agent) -> None:
@@ -257,7 +266,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyError as exc:
         print(f"proxy-agent: {exc.args[0]}", file=sys.stderr)
         return 2
-    remove_other_modes(settings.mode)
     try:
         creds = from_kubeconfig(args.kubeconfig) if args.kubeconfig else in_cluster()
     except KubeconfigError as exc:
@@ -274,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             args.conntrack_sysctl_dir, args.conntrack_hashsize_file
         ),
     )
+    # Make-before-break: the other modes' rules stay until this agent's own are in.
+    leftover_removal(agent)
     # Tens of thousands of long-lived objects arrive at start: with the default thresholds the
     # cyclic collector rescans them over and over (measured: decode 0.87 s -> 0.12 s at 10k).
     gc.set_threshold(100_000, 50, 100)

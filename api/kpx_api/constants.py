@@ -25,3 +25,5 @@ OPT_OUT_VALUE: Final = "disabled"
 AGENT_EVENT_SOURCE: Final = "kpx-agent"
 CONNTRACK_NOT_APPLIED: Final = "ConntrackNotApplied"
 CONNTRACK_APPLIED: Final = "ConntrackApplied"
+#: An agent could not remove another proxy's rules from its node (it retries; takeover.py).
+LEFTOVERS_NOT_REMOVED: Final = "LeftoversNotRemoved"
