@@ -13,7 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kpx_api.constants import LEFTOVERS_NOT_REMOVED
+from kpx_api.constants import (
+    KUBE_PROXY_RULES_REMOVED,
+    LEFTOVERS_NOT_REMOVED,
+    WAITING_FOR_KUBE_PROXY,
+)
 from kpx_api.errors import ConfigError
 from kpx_api.modes import has_backend, no_backend_message
 from kpx_api.networks import parse_bind_address
@@ -30,9 +34,15 @@ from . import settings as settings_mod
 from .agent import Agent
 from .backends.base import NodePaths
 from .http_endpoints import health_app, serve
+from .kube_proxy_takeover import (
+    KUBE_PROXY_DAEMONSET,
+    KUBE_PROXY_NAMESPACE,
+    kube_proxy_runs_here,
+    remove_kube_proxy_leftovers,
+)
 from .metrics import AgentMetrics
 from .proxy_health import ProxyHealth
-from .takeover import LeftoverRemoval, other_mode_leftovers
+from .takeover import Leftover, LeftoverRemoval, other_mode_leftovers
 
 log = logging.getLogger("kpx_agent")
 MODES = ("nftables", "iptables", "ipvs", "external")
@@ -210,10 +220,32 @@ def remove_other_modes(mode: str) -> None:
             log.warning("could not remove %s: %s", leftover.description, exc)
 
 
+def kube_proxy_leftover(agent: Agent) -> Leftover:
+    """spec.takeover.fromKubeProxy: upstream kube-proxy's rules, removed once its DaemonSet's
+    Pod is gone from this node (IPVS too, unless this agent is in mode ipvs itself)."""
+    include_ipvs = agent.settings.mode != "ipvs"
+
+    async def gone() -> bool:
+        return not await kube_proxy_runs_here(agent.client, agent.node_name)
+
+    return Leftover(
+        "kube-proxy",
+        "upstream kube-proxy's rules",
+        lambda: remove_kube_proxy_leftovers(include_ipvs),
+        gone,
+        removed_reason=KUBE_PROXY_RULES_REMOVED,
+        waiting_reason=WAITING_FOR_KUBE_PROXY,
+        waiting_message=f"a Pod of {KUBE_PROXY_NAMESPACE}/{KUBE_PROXY_DAEMONSET} runs on this "
+        "node: its rules are removed once it is gone (both proxies serve meanwhile)",
+    )
+
+
 def leftover_removal(agent: Agent) -> LeftoverRemoval:
     """Make-before-break (takeover.py): once the agent's first sync is verified, remove the
     other modes' rules from this node, retrying what fails."""
     leftovers = other_mode_leftovers(agent.settings.mode, backends.REGISTRY, backends.load)
+    if agent.settings.takeover_from_kube_proxy:
+        leftovers.append(kube_proxy_leftover(agent))
     removal = LeftoverRemoval(leftovers, agent.metrics.registry, agent.report_event,
                               failed_reason=LEFTOVERS_NOT_REMOVED)  # fmt: skip
     agent.companions.append(lambda: removal.run(agent.first_sync_verified))

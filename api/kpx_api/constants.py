@@ -27,3 +27,7 @@ CONNTRACK_NOT_APPLIED: Final = "ConntrackNotApplied"
 CONNTRACK_APPLIED: Final = "ConntrackApplied"
 #: An agent could not remove another proxy's rules from its node (it retries; takeover.py).
 LEFTOVERS_NOT_REMOVED: Final = "LeftoversNotRemoved"
+#: spec.takeover.fromKubeProxy: the agent waits for kube-proxy's Pod to leave its node, then
+#: removes kube-proxy's rules there.
+WAITING_FOR_KUBE_PROXY: Final = "WaitingForKubeProxy"
+KUBE_PROXY_RULES_REMOVED: Final = "KubeProxyRulesRemoved"

@@ -139,14 +139,16 @@ def test_a_precondition_that_cannot_be_checked_is_retried() -> None:
     assert len(calls) == 2
 
 
+@pytest.mark.parametrize("takeover", [False, True])
 @pytest.mark.parametrize("mode", ["nftables", "iptables"])
-def test_the_agent_cli_wires_removal_after_the_first_sync(mode: str) -> None:
-    """cli.leftover_removal: a companion of the agent that waits for its verified sync."""
+def test_the_agent_cli_wires_removal_after_the_first_sync(mode: str, takeover: bool) -> None:
+    """cli.leftover_removal: a companion of the agent that waits for its verified sync; with
+    spec.takeover.fromKubeProxy, kube-proxy's rules are one more kind, behind a precondition."""
     from kpx_agent import cli
 
     class FakeAgent:
         def __init__(self) -> None:
-            self.settings = type("S", (), {"mode": mode})()
+            self.settings = type("S", (), {"mode": mode, "takeover_from_kube_proxy": takeover})()
             self.metrics = type("M", (), {"registry": CollectorRegistry()})()
             self.companions: list[object] = []
             self.first_sync_verified = asyncio.Event()
@@ -160,3 +162,6 @@ def test_the_agent_cli_wires_removal_after_the_first_sync(mode: str) -> None:
     assert mode not in removal.pending and {"iptables", "nftables", "ipvs"} - {mode} <= set(
         removal.pending
     )
+    assert ("kube-proxy" in removal.pending) is takeover
+    if takeover:
+        assert removal.pending["kube-proxy"].ready is not None
