@@ -173,6 +173,8 @@ def test_new_mode_takes_over_without_a_failed_connection(
         lines = holder.finish()
     tries = watch.since(t0)
     failures = [e for e in tries if e[1] not in BOTH]
+    print(f"{old_mode} -> {new_mode}: {len(tries)} tries over {tries[-1][0] - tries[0][0]:.1f}s, "
+          f"{len(failures)} failed; held connection: {len(lines)} exchanges")  # fmt: skip
     assert len(tries) > 100, f"too few tries to tell: {len(tries)}"
     assert not failures, f"{len(failures)} of {len(tries)} tries failed: {failures[:10]}"
     assert lines and all(line.startswith("ok ") for line in lines), lines[-5:]
