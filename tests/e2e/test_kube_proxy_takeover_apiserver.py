@@ -135,3 +135,51 @@ def test_agent_sees_kube_proxy_on_its_node_until_the_pod_is_gone(
         0.5,
         message="kube-proxy still seen on the node after its Pod was deleted",
     )
+
+
+def test_agent_removes_kube_proxys_rules_only_after_its_pod_left_the_node(
+    setup: tuple[Cluster, Path, str],
+) -> None:
+    """The whole chain in one agent (nftables, spec.takeover.fromKubeProxy): upstream's rules
+    stay while a kube-proxy Pod is on the agent's node, and go once it is deleted."""
+    from agent_harness import build_agent_env, write_agent_config
+
+    cluster = setup[0]
+    rules = (REPO / "tests/e2e/kube_proxy_rules/upstream-v4.rules").read_text()
+    with build_agent_env(cluster, "nftables", start=False) as env:
+        env.topology.exec(env.n1, ["iptables-legacy-restore", "--noflush"], check=True,
+                          input=rules.format(vip="10.96.0.10", b1=env.pods["b1"].ipv4))  # fmt: skip
+        ds = json.loads(cluster.kubectl("-n", "kube-system", "get", "daemonset", "kube-proxy",
+                                        "-o", "json").stdout)  # fmt: skip
+        pod = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "kube-proxy-n1", "namespace": "kube-system",
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet",
+                                              "name": "kube-proxy",
+                                              "uid": ds["metadata"]["uid"]}]},
+            "spec": {"nodeName": "n1", "automountServiceAccountToken": False,
+                     "containers": [{"name": "kube-proxy", "image": "kube-proxy:test"}]},
+        }  # fmt: skip
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+        try:
+            config = write_agent_config(env.topology.tmpdir / "takeover.yaml", "nftables",
+                                        extra={"takeover": {"fromKubeProxy": True}})  # fmt: skip
+            agent = env.start_agent("n1", config=config)
+
+            def upstream() -> bool:
+                save = env.topology.exec(env.n1, ["iptables-legacy-save"], check=True).stdout
+                return "KUBE-SVC-ERIFXISQEP7F7OF4" in save
+
+            wait_until(lambda: agent.metric("kpx_leftovers_pending", leftovers="iptables") == 0,
+                       15, 0.2, message=agent.log_tail)  # fmt: skip
+            assert upstream(), "kube-proxy's rules went while its Pod was on the node"
+            assert agent.metric("kpx_leftovers_pending", leftovers="kube-proxy") == 1
+            assert "kube-system/kube-proxy runs on this node" in agent.log()
+        finally:
+            cluster.kubectl("-n", "kube-system", "delete", "pod", "kube-proxy-n1", "--force",
+                            "--grace-period=0", "--ignore-not-found", check=False)  # fmt: skip
+        wait_until(lambda: not upstream(), 30, 0.5,
+                   message=lambda: f"kube-proxy's rules stay:\n{agent.log_tail()}")  # fmt: skip
+        assert agent.metric("kpx_leftovers_pending", leftovers="kube-proxy") == 0
+        save = env.topology.exec(env.n1, ["iptables-legacy-save"], check=True).stdout
+        assert "KUBE-FIREWALL" in save and "CNI-HOSTPORT-DNAT" in save
