@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +35,14 @@ from . import settings as settings_mod
 from .agent import Agent
 from .backends.base import NodePaths
 from .http_endpoints import health_app, serve
+from .ipvs_cleanup import remove_kpx_ipvs_leftovers
 from .kube_proxy_takeover import (
     KUBE_PROXY_DAEMONSET,
     KUBE_PROXY_NAMESPACE,
     kube_proxy_runs_here,
     remove_kube_proxy_leftovers,
 )
+from .localnet import IPNetwork
 from .metrics import AgentMetrics
 from .proxy_health import ProxyHealth
 from .takeover import Leftover, LeftoverRemoval, other_mode_leftovers
@@ -210,10 +213,24 @@ def explain_migration(argv: list[str]) -> int:
     return 0
 
 
+def other_mode_removers(
+    exclude_cidrs: tuple[IPNetwork, ...] = (),
+) -> dict[str, Callable[[], None]]:
+    """Modes whose leftovers are not removed by their backend's full `cleanup()`: ipvs, whose
+    cleanup takes every virtual server and kube-ipvs0 (upstream kube-proxy's too); another
+    mode's agent removes only what a kpx ipvs agent made (ipvs_leftovers.py)."""
+
+    def remove_ipvs() -> None:
+        remove_kpx_ipvs_leftovers(exclude_cidrs)
+
+    return {"ipvs": remove_ipvs}
+
+
 def remove_other_modes(mode: str) -> None:
     """Remove at once what agents of the other modes left on this node (a failure is logged).
     The agent itself does this only after its first verified sync (`leftover_removal`)."""
-    for leftover in other_mode_leftovers(mode, backends.REGISTRY, backends.load):
+    for leftover in other_mode_leftovers(mode, backends.REGISTRY, backends.load,
+                                         other_mode_removers()):  # fmt: skip
         try:
             leftover.remove()
         except Exception as exc:
@@ -243,7 +260,9 @@ def kube_proxy_leftover(agent: Agent) -> Leftover:
 def leftover_removal(agent: Agent) -> LeftoverRemoval:
     """Make-before-break (takeover.py): once the agent's first sync is verified, remove the
     other modes' rules from this node, retrying what fails."""
-    leftovers = other_mode_leftovers(agent.settings.mode, backends.REGISTRY, backends.load)
+    removers = other_mode_removers(agent.settings.proxy.ipvs.exclude_cidrs)
+    leftovers = other_mode_leftovers(agent.settings.mode, backends.REGISTRY, backends.load,
+                                     removers)  # fmt: skip
     if agent.settings.takeover_from_kube_proxy:
         leftovers.append(kube_proxy_leftover(agent))
     removal = LeftoverRemoval(leftovers, agent.metrics.registry, agent.report_event,

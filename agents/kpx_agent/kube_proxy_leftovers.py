@@ -142,3 +142,23 @@ def describe(plans: Iterable[TablePlan]) -> str:
                 text += f" (kept, used by other rules: {' '.join(map(shlex.quote, p.kept))})"
             parts.append(text)
     return "; ".join(parts) or "nothing"
+
+
+#: Chains only upstream kube-proxy's ipvs mode creates (its iptables mode creates none of
+#: them): while any is on the node, kube-proxy's ipvs mode is (or was) here, and the node's
+#: IPVS virtual servers and kube-ipvs0 are (also) its.
+IPVS_MODE_CHAINS: Final = frozenset(
+    {
+        "KUBE-NODE-PORT",
+        "KUBE-LOAD-BALANCER",
+        "KUBE-SOURCE-RANGES-FIREWALL",
+        "KUBE-IPVS-FILTER",
+        "KUBE-IPVS-OUT-FILTER",
+    }
+)
+
+
+def ipvs_mode_chains(table: str, save_text: str) -> set[str]:
+    """The chains of kube-proxy's ipvs mode declared in `table` of `iptables-save` output."""
+    chains, _rules = _parse(save_text, table)
+    return set(IPVS_MODE_CHAINS.intersection(chains))

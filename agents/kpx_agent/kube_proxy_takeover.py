@@ -101,12 +101,30 @@ def remove_nft_leftovers() -> list[str]:
 
 
 def remove_ipvs_leftovers() -> None:
-    """IPVS virtual servers and kube-ipvs0: the ipvs backend's own cleanup removes exactly
-    those (both proxies use the same interface name and own every virtual server)."""
+    """IPVS virtual servers and kube-ipvs0 (kube-proxy's ipvs mode owns every virtual server
+    outside its excludeCIDRs and binds their addresses to kube-ipvs0): the ipvs backend's full
+    cleanup, as `proxy-agent cleanup --mode ipvs`. Only this path removes them; another kpx
+    mode's cleanup leaves them (ipvs_cleanup.py)."""
     from .backends import load
 
     module: Any = load("ipvs")
     module.cleanup()
+
+
+def kube_proxy_ipvs_mode_here() -> bool:
+    """Whether a chain only kube-proxy's ipvs mode creates is on this node (nat or filter,
+    IPv4 or IPv6, any iptables variant)."""
+    for family in (4, 6):
+        for save, _restore in _variants(family):
+            for table in ("nat", "filter"):
+                try:
+                    text = _run([save, "-t", table])
+                except TakeoverError as exc:
+                    log.debug("%s -t %s: %s", save, table, exc)
+                    continue
+                if plan.ipvs_mode_chains(table, text):
+                    return True
+    return False
 
 
 def remove_kube_proxy_leftovers(include_ipvs: bool) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -144,12 +144,19 @@ class LeftoverRemoval:
 
 
 def other_mode_leftovers(
-    mode: str, modes: Iterable[str], load: Callable[[str], object]
+    mode: str,
+    modes: Iterable[str],
+    load: Callable[[str], object],
+    removers: Mapping[str, Callable[[], None]] | None = None,
 ) -> list[Leftover]:
     """The rules of every kpx mode but `mode` (a mode switch leaves the old mode's behind):
-    each removed by that backend's public `cleanup()`."""
+    each removed by `removers[other]` when given (ipvs: only what a kpx agent made, not
+    upstream kube-proxy's virtual servers), else by that backend's public `cleanup()`."""
 
     def remover(other: str) -> Callable[[], None]:
+        if removers and other in removers:
+            return removers[other]
+
         def remove() -> None:
             module: object = load(other)
             cleanup: Callable[[], None] = getattr(module, "cleanup")  # noqa: B009

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kpx_agent.localnet import ProxySettings
 from kpx_agent.takeover import Leftover, LeftoverRemoval, other_mode_leftovers
 
 
@@ -148,7 +149,8 @@ def test_the_agent_cli_wires_removal_after_the_first_sync(mode: str, takeover: b
 
     class FakeAgent:
         def __init__(self) -> None:
-            self.settings = type("S", (), {"mode": mode, "takeover_from_kube_proxy": takeover})()
+            self.settings = type("S", (), {"mode": mode, "takeover_from_kube_proxy": takeover,
+                                           "proxy": ProxySettings()})()  # fmt: skip
             self.metrics = type("M", (), {"registry": CollectorRegistry()})()
             self.companions: list[object] = []
             self.first_sync_verified = asyncio.Event()
@@ -165,3 +167,20 @@ def test_the_agent_cli_wires_removal_after_the_first_sync(mode: str, takeover: b
     assert ("kube-proxy" in removal.pending) is takeover
     if takeover:
         assert removal.pending["kube-proxy"].ready is not None
+
+
+def test_other_mode_leftovers_use_a_given_remover_instead_of_the_full_cleanup() -> None:
+    calls: list[str] = []
+
+    class Module:
+        def __init__(self, mode: str) -> None:
+            self.mode = mode
+
+        def cleanup(self) -> None:
+            calls.append(f"cleanup {self.mode}")
+
+    removers = {"ipvs": lambda: calls.append("kpx's ipvs state only")}
+    for leftover in other_mode_leftovers("nftables", ["nftables", "iptables", "ipvs"], Module,
+                                         removers):  # fmt: skip
+        leftover.remove()
+    assert calls == ["cleanup iptables", "kpx's ipvs state only"]
