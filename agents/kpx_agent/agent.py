@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kpx_api.constants import FIRST_SYNC_VERIFIED
 from kpx_api.errors import ConfigError
 from kpx_kube import Client, collector
 from kpx_kube.reflector import Reflector, Resource
@@ -258,6 +259,9 @@ class Agent:
             return
         log.info("first sync verified: own rules programmed")
         self.first_sync_verified.set()
+        await self._report("Normal", FIRST_SYNC_VERIFIED,
+                           f"mode {self.settings.mode}: own rules programmed and found in the "
+                           "kernel; this agent serves its node")  # fmt: skip
 
     # -- live configuration --------------------------------------------------------------------
     def _stamp(self) -> bytes:

@@ -31,3 +31,6 @@ LEFTOVERS_NOT_REMOVED: Final = "LeftoversNotRemoved"
 #: removes kube-proxy's rules there.
 WAITING_FOR_KUBE_PROXY: Final = "WaitingForKubeProxy"
 KUBE_PROXY_RULES_REMOVED: Final = "KubeProxyRulesRemoved"
+#: The agent's first full sync is programmed and verified in the kernel: it serves its node
+#: (spec.takeover.moveKubeProxyOff: the operator may then move kube-proxy off that node).
+FIRST_SYNC_VERIFIED: Final = "FirstSyncVerified"

@@ -16,6 +16,7 @@ from kpx_api.names import DNSSubdomain
 from kpx_api.proxysettings import ProxySettings
 from kpx_api.scheduling import IntOrPercent, ResourceRequirements, Toleration
 from kpx_api.selectors import LabelMap
+from kpx_api.takeover import TakeoverStatus
 from kpx_api.validation import KpxModel, Text
 
 DEFAULT_PRIORITY_CLASS: Final = "system-node-critical"
@@ -162,6 +163,10 @@ class ProxyConfigurationStatus(KpxModel):
         default=None,
         strict=True,
         description="True when the configuration uses a mode deprecated upstream (ipvs).",
+    )
+    takeover: TakeoverStatus | None = Field(
+        default=None,
+        description="spec.takeover.fromKubeProxy: each node's progress (docs/migrating.md).",
     )
     kopf: dict[str, Any] | None = Field(
         default=None,

@@ -20,6 +20,7 @@ from kpx_api import (
     ProxyConfigurationStatus,
     no_backend_message,
 )
+from kpx_api.takeover import TakeoverStatus
 
 from .admission import Admission, conflict_message
 from .agent_reports import NodeProblem, conntrack_message
@@ -84,6 +85,8 @@ class Observed:
     invalid: str | None = None  # why the spec does not validate (the apiserver should refuse)
     #: Nodes whose agent reports that it could not apply spec.conntrack (agent_reports.py).
     conntrack_problems: tuple[NodeProblem, ...] = ()
+    #: spec.takeover.fromKubeProxy: each node's progress (takeover.py); None when off.
+    takeover: TakeoverStatus | None = None
 
 
 def _cond(type_: ConditionType, status: ConditionStatus, reason: str, message: str) -> CondTuple:
@@ -211,6 +214,7 @@ def compute_status(
         desired_nodes=rollout.desired if rollout and rollout.current else 0,
         ready_nodes=rollout.ready_current if rollout else 0,
         deprecated=obs.mode == Mode.IPVS,
+        takeover=obs.takeover if deployed else None,
     )
 
 

@@ -63,7 +63,7 @@ DEFAULT_SPEC: dict[str, Any] = {
         },
     },
     "stateAPI": {"enabled": False, "address": "unix:///run/proxy-agent/state.sock"},
-    "takeover": {"fromKubeProxy": False},
+    "takeover": {"fromKubeProxy": False, "moveKubeProxyOff": False},
     "nodeSelector": {},
     "tolerations": [],
     "priorityClassName": "system-node-critical",

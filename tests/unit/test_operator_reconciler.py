@@ -33,6 +33,7 @@ class FakeApi:
         self.deletes: list[tuple[str, str, str]] = []
         self.refuse: ApiError | None = None
         self.lists: list[tuple[str, str, str]] = []
+        self.patches: list[tuple[str, str, dict[str, Any]]] = []
         self.version = 0
 
     def _status(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -93,6 +94,32 @@ class FakeApi:
     async def patch_status(self, kind: str, name: str, status: Mapping[str, Any]) -> Any:
         self.statuses.append(dict(status))
         return {}
+
+    async def patch(
+        self, kind: str, name: str, namespace: str | None, body: Mapping[str, Any]
+    ) -> Any:
+        """A JSON merge patch (null removes a key); a stale resourceVersion is a Conflict."""
+        obj = self.objs.get((kind, namespace, name))
+        if obj is None:
+            raise ApiError(f"{kind} {name} not found")
+        self.patches.append((kind, name, copy.deepcopy(dict(body))))
+        want = (body.get("metadata") or {}).get("resourceVersion")
+        if want and want != obj["metadata"].get("resourceVersion"):
+            raise ApiError("Conflict")
+
+        def merge(into: dict[str, Any], patch: Mapping[str, Any]) -> None:
+            for key, value in patch.items():
+                if value is None:
+                    into.pop(key, None)
+                elif isinstance(value, Mapping) and isinstance(into.get(key), dict):
+                    merge(into[key], value)
+                else:
+                    into[key] = copy.deepcopy(value)
+
+        merge(obj, {k: v for k, v in body.items()})
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        return copy.deepcopy(obj)
 
     def hand_edit(self, kind: str, name: str) -> None:
         obj = self.objs[(kind, NS, name)]
