@@ -30,7 +30,7 @@ from kpx_kube import (
     in_cluster,
 )
 
-from . import backends, conntrack_sysctl
+from . import backends, conntrack_sysctl, preflight
 from . import settings as settings_mod
 from .agent import Agent
 from .backends.base import NodePaths
@@ -335,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Make-before-break: the other modes' rules stay until this agent's own are in.
     leftover_removal(agent)
+    agent.companions.append(lambda: preflight.report(agent.report_event))
     # Tens of thousands of long-lived objects arrive at start: with the default thresholds the
     # cyclic collector rescans them over and over (measured: decode 0.87 s -> 0.12 s at 10k).
     gc.set_threshold(100_000, 50, 100)

@@ -34,3 +34,5 @@ KUBE_PROXY_RULES_REMOVED: Final = "KubeProxyRulesRemoved"
 #: The agent's first full sync is programmed and verified in the kernel: it serves its node
 #: (spec.takeover.moveKubeProxyOff: the operator may then move kube-proxy off that node).
 FIRST_SYNC_VERIFIED: Final = "FirstSyncVerified"
+#: Which modes the agent's node can run (kpx_api.preflight: the message's format).
+MODE_PREFLIGHT: Final = "ModePreflight"
