@@ -27,13 +27,16 @@ from kpx_api import (
     no_backend_message,
     parse_spec,
 )
+from kpx_api.agentconfig import AgentConfiguration, parse_agent_config_text
 from kpx_api.constants import AGENT_EVENT_SOURCE
+from kpx_api.preflight import dropped_settings
 from kpx_api.takeover import KUBE_PROXY_OFF_LABEL, TakeoverStatus
 
 from .admission import Admission, IPVSPolicy, PxcInfo, admit, conflict_message
 from .agent_reports import NodeProblem, conntrack_problems
 from .apiserver import ApiError, Applied
 from .builders import (
+    CONFIG_KEY,
     BuildOptions,
     ChildRef,
     Owner,
@@ -42,6 +45,8 @@ from .builders import (
     cleanup_daemonset,
 )
 from .names import AGENT_APP, child_names, selector_labels
+from .preflight import Preflight, assess, preflight_reports
+from .preflight import condition as condition_of
 from .status import (
     IPVS_DENIED_MESSAGE,
     NFTABLES_ADVICE,
@@ -221,15 +226,35 @@ class Reconciler:
             ds: Obj | None = None
             problems: tuple[NodeProblem, ...] = ()
             takeover: TakeoverStatus | None = None
+            preflight: Preflight | None = None
             previous = self._status.get(uid) or parse_status(body.get("status"))
             try:
                 if spec is not None and admission.deploy:
                     self._cleared.discard(uid)
-                    for obj in agent_children(owner, spec, opts):
-                        applied = await self.api.apply(obj)
-                        self._note(obj, applied, emit)
-                    ds = applied.obj  # the DaemonSet comes last
+                    current = await self._config_in_effect(name)
+                    dropped = dropped_settings(current, str(spec.mode)) if current else []
                     reports = await self._agent_reports(name, spec)
+                    preflight = assess(
+                        str(spec.mode),
+                        preflight_reports(*reports) if reports is not None else {},
+                        dropped,
+                        spec.mode_switch.accept_dropped,
+                        str(current.mode) if current else "",
+                    )
+                    if preflight.held:
+                        # The switch waits for spec.modeSwitch.acceptDropped: nothing new is
+                        # applied, the agents keep the mode in effect.
+                        held = ",".join(d.setting.value for d in preflight.held)
+                        said = condition_of(preflight)
+                        if said and self._once(uid, "held", f"{generation}/{held}"):
+                            emit("Warning", "ModeSwitchHeld", said[2])
+                        ds = await self.api.get("DaemonSet", child_names(name).agent,
+                                                opts.namespace)  # fmt: skip
+                    else:
+                        for obj in agent_children(owner, spec, opts):
+                            applied = await self.api.apply(obj)
+                            self._note(obj, applied, emit)
+                        ds = applied.obj  # the DaemonSet comes last
                     if reports is not None and not spec.conntrack.leaves_node_alone():
                         problems = conntrack_problems(*reports)
                     if reports is not None and spec.takeover.from_kube_proxy:
@@ -257,7 +282,8 @@ class Reconciler:
             mode = str((body.get("spec") or {}).get("mode", ""))
             self._announce(uid, generation, mode, admission, emit)
             observed = Observed(generation, mode, admission, ds, error=error, invalid=invalid,
-                                conntrack_problems=problems, takeover=takeover)  # fmt: skip
+                                conntrack_problems=problems, takeover=takeover,
+                                preflight=preflight)  # fmt: skip
             status = compute_status(observed, previous, self.clock())
             if not is_current(body.get("status"), status):
                 try:
@@ -273,8 +299,6 @@ class Reconciler:
     ) -> tuple[list[Obj], list[Obj]] | None:
         """The agent Pods of `name` and the Events they recorded about themselves (None when
         nothing reads them, or they cannot be read)."""
-        if spec.conntrack.leaves_node_alone() and not spec.takeover.from_kube_proxy:
-            return None
         ns = self.config.build.namespace
         selector = ",".join(f"{k}={v}" for k, v in selector_labels(name, AGENT_APP).items())
         try:
@@ -286,6 +310,19 @@ class Reconciler:
             log.warning("%s: cannot read the agents' reports: %s", name, exc)
             return None
         return pods, events
+
+    async def _config_in_effect(self, name: str) -> AgentConfiguration | None:
+        """The agents' configuration as the operator last applied it (their ConfigMap), or
+        None (none yet, or unreadable)."""
+        cm = await self.api.get("ConfigMap", child_names(name).agent, self.config.build.namespace)
+        text = ((cm or {}).get("data") or {}).get(CONFIG_KEY)
+        if not text:
+            return None
+        try:
+            return parse_agent_config_text(text)
+        except ConfigError as exc:
+            log.warning("%s: the agents' ConfigMap does not parse: %s", name, exc)
+            return None
 
     async def _take_over(
         self,

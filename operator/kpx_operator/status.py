@@ -24,6 +24,8 @@ from kpx_api.takeover import TakeoverStatus
 
 from .admission import Admission, conflict_message
 from .agent_reports import NodeProblem, conntrack_message
+from .preflight import Preflight
+from .preflight import condition as preflight_condition
 
 TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
 
@@ -87,6 +89,8 @@ class Observed:
     conntrack_problems: tuple[NodeProblem, ...] = ()
     #: spec.takeover.fromKubeProxy: each node's progress (takeover.py); None when off.
     takeover: TakeoverStatus | None = None
+    #: Which nodes cannot run spec.mode, a held mode switch (preflight.py); None: unknown.
+    preflight: Preflight | None = None
 
 
 def _cond(type_: ConditionType, status: ConditionStatus, reason: str, message: str) -> CondTuple:
@@ -190,7 +194,11 @@ def compute_status(
     """The status to write. `previous` keeps lastTransitionTime of conditions whose status
     did not change; `now` stamps the others."""
     conditions = []
-    for type_, status, reason, message in conditions_for(obs):
+    found = conditions_for(obs)
+    said = preflight_condition(obs.preflight) if obs.preflight is not None else None
+    if said is not None and obs.invalid is None and obs.admission.deploy:
+        found.append((ConditionType.PREFLIGHT, ConditionStatus(said[0]), said[1], said[2]))
+    for type_, status, reason, message in found:
         before = previous.condition(type_) if previous is not None else None
         since = before.last_transition_time if before and before.status == status else now
         conditions.append(

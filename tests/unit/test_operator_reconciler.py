@@ -361,8 +361,13 @@ def test_conntrack_not_applied_on_a_node_is_degraded_until_its_agent_applies_it(
         "False", "AsExpected")  # fmt: skip
 
 
-def test_conntrack_left_alone_reads_no_agent_reports() -> None:
+def test_conntrack_left_alone_is_no_conntrack_problem() -> None:
+    # The agents' reports are read all the same (preflight), but a ConntrackNotApplied from
+    # before spec.conntrack left the node alone no longer degrades.
     api, events = FakeApi(), Events()
+    api.objs[("Pod", NS, "u1")] = agent_pod("u1", "n1")
+    api.objs[("Event", NS, "a")] = agent_event("u1", "ConntrackNotApplied", "2026-01-01T00:00:01Z",
+                                               "conntrack settings not applied: x")  # fmt: skip
     leave_alone = {"maxPerCore": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"}
-    run(reconciler(api).reconcile(body(conntrack=leave_alone), [], {}, events))
-    assert api.lists == []
+    status = run(reconciler(api).reconcile(body(conntrack=leave_alone), [], {}, events))
+    assert status.condition("Degraded").reason == "AsExpected"
