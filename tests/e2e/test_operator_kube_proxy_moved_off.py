@@ -19,7 +19,7 @@ import secrets
 from typing import Any
 
 import pytest
-from test_operator import Env, env, kpx_tables, pxc_body, wait_until
+from test_operator import NS, Env, env, kpx_tables, pxc_body, wait_until
 
 from kpx_api.takeover import KUBE_PROXY_OFF_LABEL
 
@@ -117,6 +117,11 @@ def test_kube_proxy_moves_off_node_by_node_and_comes_back_on_deletion(env: Env) 
             moved = [e for e in env.events(PXC) if e["reason"] == "KubeProxyMovedOff"]
             assert {n for n in names if any(n in e["message"] for e in moved)} == names
 
+            # Preflight: each agent reported which modes its node can run; nftables runs here.
+            preflight = wait_until(lambda: env.condition(PXC, "Preflight"), 60, "Preflight")
+            assert (preflight["status"], preflight["reason"]) == ("True", "ModeCanRun"), preflight
+            assert "(2)" in preflight["message"], preflight
+
             # Deletion: the labels go first, kube-proxy comes back to both nodes.
             env.kubectl("delete", "proxyconfiguration", PXC, "--timeout=120s")
             for name in names:
@@ -132,3 +137,46 @@ def test_kube_proxy_moves_off_node_by_node_and_comes_back_on_deletion(env: Env) 
             env.kubectl("-n", "kube-system", "delete", "daemonset", "kube-proxy",
                         "--ignore-not-found", check=False)  # fmt: skip
             sim.stop(delete_nodes=True)
+
+
+def test_a_mode_switch_that_drops_a_setting_waits_for_its_acceptance(env: Env) -> None:
+    """No agent runs (no node matches): the operator alone, against the real apiserver (the
+    CRD validates spec.modeSwitch). iptables answers NodePorts on 127.0.0.1 by default;
+    nftables has none: the switch waits for spec.modeSwitch.acceptDropped."""
+    if not any(op.proc.poll() is None and op.is_leader() for op in env.operators):
+        wait_until(env.start_operator().is_leader, 30, "operator leads")
+    name = "e2e-held-switch"
+    selector = {"kpx.dev/e2e-none": "none"}
+    config = f"kpx-agent-{name}"
+
+    def mode_in_effect() -> str:
+        cm = env.get("configmap", config, NS) or {}
+        text = (cm.get("data") or {}).get("config.yaml", "")
+        return next((line.split(": ")[1] for line in text.splitlines()
+                     if line.startswith("mode: ")), "")  # fmt: skip
+
+    try:
+        env.apply(pxc_body(name, mode="iptables", nodeSelector=selector))
+        wait_until(lambda: mode_in_effect() == "iptables", 30, "iptables agents' config")
+        env.apply(pxc_body(name, mode="nftables", nodeSelector=selector))
+
+        def held() -> Obj | None:
+            cond = env.condition(name, "Preflight") or {}
+            return cond if cond.get("reason") == "SettingsNotCarriedOver" else None
+
+        cond = wait_until(held, 30, "Preflight/SettingsNotCarriedOver")
+        assert cond["status"] == "False"
+        assert "spec.modeSwitch.acceptDropped: [localhostNodePorts]" in cond["message"], cond
+        assert mode_in_effect() == "iptables"
+        assert ("Warning", "ModeSwitchHeld") in env.reasons(name)
+        bad = env.kubectl("apply", "--server-side", "--field-manager=kpx-e2e", "-f", "-",
+                          input=json.dumps(pxc_body(name, mode="nftables", nodeSelector=selector,
+                                                    modeSwitch={"acceptDropped": ["nope"]})),
+                          check=False)  # fmt: skip
+        assert bad.returncode != 0 and "acceptDropped" in bad.stderr, bad.stderr
+        env.apply(pxc_body(name, mode="nftables", nodeSelector=selector,
+                           modeSwitch={"acceptDropped": ["localhostNodePorts"]}))  # fmt: skip
+        wait_until(lambda: mode_in_effect() == "nftables", 30, "the switch proceeds")
+    finally:
+        env.kubectl("delete", "proxyconfiguration", name, "--ignore-not-found", "--timeout=60s",
+                    check=False)  # fmt: skip
