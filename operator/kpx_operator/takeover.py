@@ -31,6 +31,8 @@ from .agent_reports import _stamp
 
 Phase = TakeoverPhase
 KUBE_PROXY_NAMESPACE: Final = "kube-system"
+#: status.takeover.nodes holds at most this many (the CRD's maxItems).
+MAX_LISTED: Final = 5000
 KUBE_PROXY_DAEMONSET: Final = "kube-proxy"
 #: The agent's description of kube-proxy's leftovers, in its LeftoversNotRemoved message.
 _KUBE_PROXY_RULES: Final = "upstream kube-proxy's rules"
@@ -151,6 +153,9 @@ def takeover_status(
         )
         for node, (phase, message) in sorted(phases.items())
     ]
+    # The status lists at most MAX_LISTED nodes (the furthest behind first); the counts and the
+    # summary cover every node.
+    listed = sorted(nodes, key=lambda n: (_RANK[n.phase], n.name))[:MAX_LISTED]
     counts: dict[Phase, int] = {}
     for n in nodes:
         counts[n.phase] = counts.get(n.phase, 0) + 1
@@ -159,4 +164,4 @@ def takeover_status(
     summary = f"{done} of {len(nodes)} nodes taken over from kube-proxy"
     if parts:
         summary += f" ({', '.join(parts)})"
-    return TakeoverStatus(nodes=nodes, done=done, summary=summary)
+    return TakeoverStatus(nodes=sorted(listed, key=lambda n: n.name), done=done, summary=summary)

@@ -122,6 +122,17 @@ def test_status_summary_counts_each_phase() -> None:
         ("n1", False), ("n2", True), ("n3", False)]  # fmt: skip
 
 
+def test_status_lists_at_most_the_crds_limit_furthest_behind_first() -> None:
+    from kpx_operator import takeover
+
+    phases = {f"n{i:05}": (P.KUBE_PROXY_RULES_REMOVED, "") for i in range(takeover.MAX_LISTED)}
+    phases["late"] = (P.AGENT_NOT_READY, "")
+    status = takeover_status(phases, {})
+    assert len(status.nodes) == takeover.MAX_LISTED and "late" in {n.name for n in status.nodes}
+    assert status.done == takeover.MAX_LISTED
+    assert status.summary.startswith(f"{takeover.MAX_LISTED} of {takeover.MAX_LISTED + 1} ")
+
+
 def test_move_kube_proxy_off_needs_from_kube_proxy() -> None:
     import pytest
     from pydantic import ValidationError
