@@ -33,21 +33,13 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-for sub in ("agents", "api"):
+for sub in ("agents", "api", "harness"):
     sys.path.insert(0, str(REPO / sub))
 
-from kpx_agent.localnet import (  # noqa: E402
-    IP,
-    Endpoint,
-    NodeInfo,
-    NodeLocalState,
-    Protocol,
-    ProxySettings,
-    ServicePort,
-    ServicePortKey,
-)
+from kpx_agent.localnet import IP, Endpoint, ProxySettings  # noqa: E402
 from kpx_agent.state_api.publisher import Publisher  # noqa: E402
 from kpx_agent.state_api.server import Listen, StateServer  # noqa: E402
+from workload import node_local_state  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 
@@ -59,24 +51,6 @@ def handler(state):
     print(state.revision, repr(time.time()), len(state.service_ports), flush=True)
 run(handler, sys.argv[1], client=StateClient(sys.argv[1]))
 """
-
-
-def build_state(n: int) -> NodeLocalState:
-    ports = {}
-    for i in range(n):
-        key = ServicePortKey(f"ns{i % 100}", f"svc{i}", "http", Protocol.TCP, 4)
-        eps = tuple(
-            Endpoint(IP.of(f"10.{(i >> 8) % 256}.{i % 256}.{k + 1}"), 8080, k == 0)
-            for k in range(10)
-        )
-        ports[key] = ServicePort(
-            key=key,
-            port=80,
-            cluster_ips=(IP.of(f"10.96.{(i >> 8) % 256}.{i % 256}"),),
-            cluster_endpoints=eps,
-            external_endpoints=eps,
-        )
-    return NodeLocalState(NodeInfo("n1", (IP.of("192.0.2.10"),)), ports)
 
 
 def rss_kib() -> int:
@@ -127,7 +101,7 @@ class Clients:
 
 
 def measure(n: int, changes: int) -> dict[str, Any]:
-    state = build_state(n)
+    state = node_local_state(n)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     pub = Publisher()
