@@ -350,8 +350,9 @@ def write_json(name: str, data: Mapping[str, Any]) -> Path:
 _SECTION_RE = re.compile(r"<!-- section:(?P<id>[\w.-]+) -->\n.*?<!-- /section:(?P=id) -->\n", re.S)
 LATEST_HEADER = (
     "# Latest benchmark results\n\n"
-    "Written by `bench/compare.py` and `bench/agent_scale.py` (each run "
-    "replaces its own section). See docs/benchmarks.md for what is measured and how.\n\n"
+    "Written by `bench/compare.py` (each run replaces its own section; sections of benchmarks "
+    "no longer in the tree stay as they were written). See docs/benchmarks.md for what is "
+    "measured and how.\n\n"
 )
 
 

@@ -9,7 +9,7 @@ socket, to clients in separate processes built on kpx_localstate_client:
 2. one change at a time (one endpoint address of one Service port, `--changes` times): the time
    from the end of the sync (publish) to the client's handler, as a delta (median and p95;
    goal: under 50 ms median). The watch and the model before it are the agent's, the same for
-   every backend (bench/agent_scale.py measures them for nftables);
+   every backend (bench/compare.py measures them);
 3. the server process's extra memory (RSS) with 1 and with 10 connected clients.
 
 Usage: python3 bench/state_api.py [--services N] [--changes 50]
