@@ -31,8 +31,6 @@ BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 LATEST_MD = RESULTS_DIR / "latest.md"
 
-OPT_OUT_LABEL = "networking.k8s.io/kube-proxy"
-OPT_OUT_VALUE = "disabled"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 Obj = dict[str, Any]
@@ -248,23 +246,6 @@ def proc_cpu_seconds(pid: int) -> tuple[float, float]:
     # Fields after the command: state is [0]; utime, stime, cutime, cstime are [11:15].
     utime, stime, cutime, cstime = (int(f) for f in fields[11:15])
     return (utime + stime) / CLOCK_TICKS, (cutime + cstime) / CLOCK_TICKS
-
-
-def pids_with_env(var: str, value: str, cmd_part: str = "") -> list[int]:
-    """Processes whose environment has var=value (and whose command line has `cmd_part`)."""
-    want = f"{var}={value}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = Path(entry.path, "environ").read_bytes().split(b"\0")
-            cmdline = Path(entry.path, "cmdline").read_bytes()
-        except OSError:
-            continue
-        if want in environ and cmd_part.encode() in cmdline:
-            found.append(int(entry.name))
-    return found
 
 
 # ---- statistics and reporting ------------------------------------------------------------------
