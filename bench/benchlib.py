@@ -31,8 +31,6 @@ BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 LATEST_MD = RESULTS_DIR / "latest.md"
 
-OPT_OUT_LABEL = "networking.k8s.io/kube-proxy"
-OPT_OUT_VALUE = "disabled"
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
 
 Obj = dict[str, Any]
@@ -250,23 +248,6 @@ def proc_cpu_seconds(pid: int) -> tuple[float, float]:
     return (utime + stime) / CLOCK_TICKS, (cutime + cstime) / CLOCK_TICKS
 
 
-def pids_with_env(var: str, value: str, cmd_part: str = "") -> list[int]:
-    """Processes whose environment has var=value (and whose command line has `cmd_part`)."""
-    want = f"{var}={value}".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = Path(entry.path, "environ").read_bytes().split(b"\0")
-            cmdline = Path(entry.path, "cmdline").read_bytes()
-        except OSError:
-            continue
-        if want in environ and cmd_part.encode() in cmdline:
-            found.append(int(entry.name))
-    return found
-
-
 # ---- statistics and reporting ------------------------------------------------------------------
 
 
@@ -350,8 +331,9 @@ def write_json(name: str, data: Mapping[str, Any]) -> Path:
 _SECTION_RE = re.compile(r"<!-- section:(?P<id>[\w.-]+) -->\n.*?<!-- /section:(?P=id) -->\n", re.S)
 LATEST_HEADER = (
     "# Latest benchmark results\n\n"
-    "Written by `bench/compare.py` and `bench/agent_scale.py` (each run "
-    "replaces its own section). See docs/benchmarks.md for what is measured and how.\n\n"
+    "Written by `bench/compare.py` (each run replaces its own section; sections of benchmarks "
+    "no longer in the tree stay as they were written). See docs/benchmarks.md for what is "
+    "measured and how.\n\n"
 )
 
 

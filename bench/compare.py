@@ -3,9 +3,9 @@
 Against ONE local control plane (`bench-<pid>`), for each size N (default 1,000 then 10,000;
 the workload grows from one size to the next) and each mode both implement:
 
-1. the workload (bench/workload.py, the same as bench/agent_scale.py's): N ClusterIP Services
-   (one TCP port 80 -> 8080) and N EndpointSlices of 10 ready endpoints, and the Node
-   `bench-node-0` with an InternalIP (kube-proxy waits 30 s for a node IP without one);
+1. the workload (bench/workload.py): N ClusterIP Services (one TCP port 80 -> 8080) and N
+   EndpointSlices of 10 ready endpoints, and the Node `bench-node-0` with an InternalIP
+   (kube-proxy waits 30 s for a node IP without one);
 2. upstream kube-proxy, then the kpx agent, each ALONE in a FRESH node network namespace
    (a new kpx_cluster Topology per start; the apiserver reached through the harness relay):
    - cold start: process start -> the kernel holds all N Services, observed by
@@ -18,19 +18,24 @@ the workload grows from one size to the next) and each mode both implement:
      beyond both minSyncPeriods);
    - burst: 100 EndpointSlices changed at once -> all 100 visible;
    - CPU (process + its children: nft, iptables-restore) and peak RSS (VmHWM) from /proc;
+   - with --node-updates K: K status updates of the Node (a kubelet heartbeat's: nothing a
+     proxy uses changes) and what they cost (CPU, syncs from the process's own metrics);
    - ruleset size (lines, chains, rules, set/map elements);
 3. equivalence: the kernel's (Service IP, port) -> {endpoint IP:port} mappings of both
    systems, read back from full dumps (bench/ruleset_readback.py), compared with each other at
    the same apiserver state and with that state.
 
 Usage: python3 bench/compare.py [--services N] [--modes nftables,iptables]
-Writes bench/results/compare-<N>.json and compare-<N>.md (and its section of latest.md).
+       [--systems kube-proxy,kpx] [--node-updates K] [--agent-verbose] [--no-write]
+The one report (bench/report.py) is written to bench/results/compare-<N>.json and
+compare-<N>.md (and its section of latest.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import os
 import random
 import re
@@ -39,10 +44,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -55,8 +59,6 @@ from benchlib import (
     exit_on_sigterm,
     log,
     machine_info,
-    machine_line,
-    markdown_table,
     median,
     percentile,
     proc_cpu_seconds,
@@ -65,11 +67,26 @@ from benchlib import (
     wait_until_quiet,
     write_json,
 )
-from kpx_cluster.binaries import KUBERNETES_VERSION, kubernetes_binary
+from kpx_cluster.binaries import kubernetes_binary
 from kpx_cluster.controlplane import Cluster
 from kpx_cluster.netns import Node, Topology
+from report import (
+    KPX,
+    KUBE_PROXY,
+    MODES,
+    SYSTEMS,
+    Burst,
+    Change,
+    ColdStart,
+    ModeResult,
+    Options,
+    SizeResult,
+    SystemResult,
+    Work,
+    report,
+    to_json,
+)
 from ruleset_readback import (
-    Comparison,
     Key,
     Mappings,
     Readback,
@@ -94,9 +111,6 @@ METRICS_ADDRESS = "127.0.0.1:10249"
 HEALTHZ_ADDRESS = "127.0.0.1:10256"
 PROBE_HELPER = Path(__file__).resolve().parent / "kernel_probe.py"
 DEFAULT_SIZES = (1000, 10000)
-MODES = ("nftables", "iptables")
-KUBE_PROXY, KPX = "kube-proxy", "kpx"
-SYSTEMS = (KUBE_PROXY, KPX)
 WORKERS = 8
 SETTLE_SECONDS = 3.0
 CHANGE_TIMEOUT = 120.0
@@ -104,6 +118,7 @@ DUMP_TIMEOUT = 900.0
 # Pollers sleep at least twice as long as their last poll took, so they take at most a third
 # of one core from the process measured (the machine has two); the resolution is reported.
 MIN_POLL_SLEEP = 0.001
+_LOG_TIME_RE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
 # ---- what each system programs, and how to read it -------------------------------------------
@@ -126,7 +141,7 @@ class Dataplane:
     def services_chain(self) -> str:
         return "KUBE-SERVICES" if self.system == KUBE_PROXY else "KPX-SERVICES"
 
-    def argv(self, kubeconfig: Path) -> list[str]:
+    def argv(self, kubeconfig: Path, agent_args: Sequence[str] = ()) -> list[str]:
         if self.system == KUBE_PROXY:
             return [
                 str(kubernetes_binary("kube-proxy")),
@@ -158,6 +173,7 @@ class Dataplane:
             METRICS_ADDRESS,
             "--healthz-bind-address",
             HEALTHZ_ADDRESS,
+            *agent_args,
         ]
 
     def count_request(self) -> str:
@@ -266,6 +282,7 @@ class Running:
     proc: subprocess.Popen[bytes]
     log_path: Path
     started: float  # monotonic
+    started_wall: float = 0.0  # time.time() at the same moment
 
     @property
     def pid(self) -> int:
@@ -280,6 +297,16 @@ class Running:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         return ""
 
+    def log_time(self, needle: str) -> float | None:
+        """Seconds from the start to the kpx agent's first log line containing `needle` (its
+        timestamps have millisecond resolution); None while there is none."""
+        with contextlib.suppress(OSError):
+            for line in self.log_path.read_text(errors="replace").splitlines():
+                if needle in line and (m := _LOG_TIME_RE.match(line)):
+                    stamp = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f")
+                    return stamp.timestamp() - self.started_wall
+        return None
+
     def stop(self) -> None:
         """SIGTERM the whole process group (kube-proxy's iptables-restore too), then SIGKILL."""
         if self.proc.poll() is None:
@@ -293,12 +320,31 @@ class Running:
             self.proc.wait(5)
 
 
-def start(dp: Dataplane, topo: Topology, node: Node, cluster: Cluster, tag: str) -> Running:
+def start(
+    dp: Dataplane,
+    topo: Topology,
+    node: Node,
+    cluster: Cluster,
+    tag: str,
+    agent_args: Sequence[str] = (),
+) -> Running:
     log_path = topo.tmpdir / f"{tag}.log"
+    argv = dp.argv(cluster.kubeconfig, agent_args)
     with log_path.open("wb") as out:
-        started = time.monotonic()
-        proc = topo.run(node, dp.argv(cluster.kubeconfig), stdout=out, stderr=subprocess.STDOUT)
-    return Running(proc, log_path, started)
+        started, started_wall = time.monotonic(), time.time()
+        proc = topo.run(node, argv, stdout=out, stderr=subprocess.STDOUT)
+    return Running(proc, log_path, started, started_wall)
+
+
+@contextlib.contextmanager
+def node_netns(cluster: Cluster) -> Iterator[tuple[Topology, Node]]:
+    """A fresh network namespace for the measured node (NODE_NAME), the apiserver reached
+    through the harness relay; removed, with everything started in it, on exit."""
+    with Topology() as topo:
+        exit_on_sigterm()  # unwind through this `with` and the control plane's `finally`
+        node = topo.add_node(NODE_NAME)
+        topo.expose_host_port(cluster.apiserver_port)
+        yield topo, node
 
 
 _RELOAD_RE = re.compile(
@@ -325,6 +371,7 @@ def metrics(topo: Topology, node: Node) -> dict[str, float]:
         "kubeproxy_sync_full_proxy_rules_duration_seconds",
         "kubeproxy_sync_partial_proxy_rules_duration_seconds",
         "kubeproxy_network_programming_duration_seconds",
+        "kubeproxy_sync_proxy_rules_service_changes",
     )
     out: dict[str, float] = {}
     with contextlib.suppress(ValueError):
@@ -332,90 +379,13 @@ def metrics(topo: Topology, node: Node) -> dict[str, float]:
             if family.name not in wanted:
                 continue
             for s in family.samples:
-                if s.name.endswith(("_sum", "_count")):
+                if s.name.endswith(("_sum", "_count", "_total")):
                     labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
                     out[f"{s.name}{{{labels}}}"] = s.value
     return out
 
 
 # ---- measurements ------------------------------------------------------------------------------
-
-
-@dataclass
-class ColdStart:
-    seconds: float = 0.0  # process start -> the poll that saw all N ended
-    confirmed_s: float = 0.0  # ... -> the full listing that confirmed them ended
-    timed_out: bool = False
-    polls: int = 0
-    poll_ms: float = 0.0  # mean duration of one poll
-    cpu_s: float = 0.0  # the process, at detection
-    children_cpu_s: float = 0.0
-    apiserver_cpu_s: float = 0.0
-
-
-@dataclass
-class Change:
-    service: int
-    latency_ms: float
-    ack_ms: float
-    polls: int
-
-
-@dataclass
-class Burst:
-    size: int = 0
-    latency_ms: float = 0.0  # first PATCH sent -> all `size` Services seen with the new endpoint
-    sentinel_ms: float = 0.0  # ... -> the Service with the newest resourceVersion seen
-    acked_ms: float = 0.0  # ... -> every PATCH acknowledged
-    verified_ms: float = 0.0  # ... -> the pass that checked all of them ended
-    passes: int = 0
-
-
-@dataclass
-class SystemResult:
-    system: str
-    mode: str
-    colds: list[ColdStart] = field(default_factory=list)
-    changes: list[Change] = field(default_factory=list)
-    change_poll_ms: float = 0.0
-    burst: Burst | None = None
-    cpu_cold_s: float = 0.0  # process + children, at the last cold start's detection
-    cpu_end_s: float = 0.0  # ... after changes and burst
-    measured_s: float = 0.0  # last start -> end of the changes and burst
-    peak_rss_mb: float = 0.0
-    rss_end_mb: float = 0.0
-    ruleset: dict[str, int] = field(default_factory=dict)  # at the end
-    ruleset_cold: dict[str, int] = field(default_factory=dict)  # after the last cold start
-    metrics: dict[str, float] = field(default_factory=dict)
-    readback_s: list[float] = field(default_factory=list)
-    # A stopped iptables kube-proxy: the size of the ruleset it was loading, from its log.
-    ruleset_from_log: dict[str, int] = field(default_factory=dict)
-    error: str = ""
-    log_tail: str = ""
-
-    @property
-    def completed(self) -> list[float]:
-        return [c.seconds for c in self.colds if not c.timed_out]
-
-    @property
-    def timed_out(self) -> bool:
-        return any(c.timed_out for c in self.colds)
-
-    def latencies(self) -> list[float]:
-        return [c.latency_ms for c in self.changes]
-
-
-@dataclass(frozen=True)
-class Options:
-    changes: int = 20
-    burst: int = 100
-    gap: float = 1.2
-    cold_starts: int = 3
-    cold_timeout: float = 600.0
-    modes: tuple[str, ...] = MODES
-    systems: tuple[str, ...] = SYSTEMS
-    write: bool = True
-    keep_dumps: Path | None = None  # save each system's final ruleset dumps under <N>/ here
 
 
 def wait_cold_start(
@@ -476,6 +446,38 @@ def wait_visible(
         _poll_sleep(seen - p0)
 
 
+@dataclass(frozen=True)
+class Write:
+    """One endpoint of one Service replaced at the apiserver (one EndpointSlice PATCH)."""
+
+    service: int
+    old: str  # 'IP:PORT' replaced
+    new: str  # 'IP:PORT' in its place
+    sent: float  # monotonic: the PATCH was sent
+    acked: float  # monotonic: ... and answered
+
+
+def replace_endpoint(api: ApiClient, work: Workload, svc: int) -> Write:
+    """Replace Service svc's last endpoint (Workload.replace_last) with one PATCH."""
+    old, new, (path, body) = work.replace_last(svc)
+    sent = time.monotonic()
+    api.merge_patch(path, body)
+    return Write(svc, old, new, sent, time.monotonic())
+
+
+def time_to_kernel(
+    dp: Dataplane, probe: Probe, work: Workload, chains: Mapping[Key, str], write: Write
+) -> tuple[Change, float]:
+    """Poll the kernel until the written Service's endpoints hold the new endpoint and not the
+    old: the change (timed from the PATCH), and the time spent polling."""
+    key = work.key(write.service)
+    request = dp.endpoints_request(key, chains[key])
+    seen, polls, spent = wait_visible(probe, request, write.old, write.new, write.sent,
+                                      CHANGE_TIMEOUT)  # fmt: skip
+    latency, ack = (seen - write.sent) * 1000, (write.acked - write.sent) * 1000
+    return Change(write.service, latency, ack, polls), spent
+
+
 def measure_changes(
     dp: Dataplane,
     probe: Probe,
@@ -490,14 +492,9 @@ def measure_changes(
     spent, polls = 0.0, 0
     for svc in picks:
         run.check_alive()
-        old, new, (path, body) = work.replace_last(svc)
-        request = dp.endpoints_request(work.key(svc), chains[work.key(svc)])
-        t0 = time.monotonic()
-        api.merge_patch(path, body)
-        acked = time.monotonic()
-        seen, n, took = wait_visible(probe, request, old, new, t0, CHANGE_TIMEOUT)
-        spent, polls = spent + took, polls + n
-        result.changes.append(Change(svc, (seen - t0) * 1000, (acked - t0) * 1000, n))
+        change, took = time_to_kernel(dp, probe, work, chains, replace_endpoint(api, work, svc))
+        spent, polls = spent + took, polls + change.polls
+        result.changes.append(change)
         time.sleep(gap)
     result.change_poll_ms = spent / max(1, polls) * 1000
 
@@ -565,10 +562,7 @@ def run_system(
     n = work.size
     for i in range(max(1, opts.cold_starts)):
         last = i == opts.cold_starts - 1
-        with Topology() as topo:
-            exit_on_sigterm()  # unwind through this `with` and the control plane's `finally`
-            node = topo.add_node(NODE_NAME)
-            topo.expose_host_port(cluster.apiserver_port)
+        with node_netns(cluster) as (topo, node):
             probe = Probe(topo, node)
             run: Running | None = None
             try:
@@ -579,7 +573,8 @@ def run_system(
                     log(f"{dp.label}: waited {waited:.1f} s for the machine to settle")
                 api_pid = component_pid(cluster, "kube-apiserver")
                 api_cpu0 = proc_cpu_seconds(api_pid)[0] if api_pid else 0.0
-                run = start(dp, topo, node, cluster, f"{dp.system}-{dp.mode}-{i}")
+                run = start(dp, topo, node, cluster, f"{dp.system}-{dp.mode}-{i}",
+                            opts.agent_args if dp.system == KPX else ())  # fmt: skip
                 log(f"{dp.label}: started (pid {run.pid}), waiting for {n:,} Services")
                 cold, chains = wait_cold_start(dp, probe, run, topo, node, work, opts.cold_timeout)
                 cold.cpu_s, cold.children_cpu_s = tree_cpu(run.pid)
@@ -658,6 +653,10 @@ def measure_running(
     mem = proc_memory_kb(run.pid)
     result.peak_rss_mb = mem.get("VmHWM", 0) / 1024
     result.rss_end_mb = mem.get("VmRSS", 0) / 1024
+    if opts.node_updates:
+        log(f"{dp.label}: {opts.node_updates} Node status updates, one every {opts.gap:.1f} s")
+        result.node_work = measure_node_updates(topo, node, run, api, opts.node_updates, opts.gap)
+        log(f"{dp.label}: Node status updates: {result.node_work}")
     result.metrics = metrics(topo, node)
     run.check_alive()
     readback, took, dump = dp.readback(topo, node)
@@ -666,14 +665,45 @@ def measure_running(
     result.ruleset = dp.ruleset_size(topo, node, dump, keep)
 
 
+def _counter(m: Mapping[str, float], name: str) -> float:
+    return sum(v for k, v in m.items() if k.startswith(name + "{"))
+
+
+def measure_node_updates(
+    topo: Topology, node: Node, run: Running, api: ApiClient, count: int, gap: float
+) -> Work:
+    """`count` status updates of the measured Node, as a kubelet's heartbeat makes them (the
+    Ready condition with a new heartbeat time and message: nothing a proxy uses changes), and
+    what they cost the process. The metrics scrapes (which cost the process CPU) stay outside
+    the window: after the CPU read at its start, before it at its end."""
+    cpu0 = tree_cpu(run.pid)
+    m0 = metrics(topo, node)
+    path = f"/api/v1/nodes/{NODE_NAME}/status"
+    for k in range(count):
+        run.check_alive()
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        condition = {"type": "Ready", "status": "True", "reason": "KubeletReady",
+                     "message": f"heartbeat {k}", "lastHeartbeatTime": now,
+                     "lastTransitionTime": now}  # fmt: skip
+        api.merge_patch(path, {"status": {"conditions": [condition]}})
+        time.sleep(gap)
+    m1 = metrics(topo, node)
+    cpu1 = tree_cpu(run.pid)
+
+    def delta(name: str) -> float:
+        return _counter(m1, name) - _counter(m0, name)
+
+    return Work(
+        events=count,
+        cpu_s=cpu1[0] - cpu0[0],
+        children_cpu_s=cpu1[1] - cpu0[1],
+        full_syncs=delta("kubeproxy_sync_full_proxy_rules_duration_seconds_count"),
+        partial_syncs=delta("kubeproxy_sync_partial_proxy_rules_duration_seconds_count"),
+        service_changes=delta("kubeproxy_sync_proxy_rules_service_changes_total"),
+    )
+
+
 # ---- one size ----------------------------------------------------------------------------------
-
-
-@dataclass
-class ModeResult:
-    mode: str
-    systems: dict[str, SystemResult] = field(default_factory=dict)
-    equivalence: dict[str, Comparison] = field(default_factory=dict)
 
 
 def run_mode(
@@ -707,15 +737,6 @@ def run_mode(
     return out
 
 
-@dataclass
-class SizeResult:
-    services: int
-    modes: dict[str, ModeResult]
-    creation: list[dict[str, Any]]
-    run_seconds: float
-    load_average: tuple[float, float, float]
-
-
 def run_size(n: int, cluster: Cluster, api: ApiClient, work: Workload, opts: Options) -> SizeResult:
     started, load = time.monotonic(), os.getloadavg()
     log(f"=== {n:,} Services x {ENDPOINTS_PER_SERVICE} endpoints")
@@ -724,318 +745,6 @@ def run_size(n: int, cluster: Cluster, api: ApiClient, work: Workload, opts: Opt
     work.settle_node()
     modes = {mode: run_mode(mode, cluster, api, work, opts) for mode in opts.modes}
     return SizeResult(n, modes, work.creation[before:], time.monotonic() - started, load)
-
-
-# ---- reporting ---------------------------------------------------------------------------------
-
-
-def _s(x: float) -> str:
-    return f"{x:.2f} s" if x < 100 else f"{x:,.0f} s"
-
-
-def _ms(x: float) -> str:
-    return f"{x:,.0f} ms" if x >= 100 else f"{x:.1f} ms"
-
-
-def _ratio(ours: float | None, theirs: float | None, theirs_lower_bound: bool = False) -> str:
-    if ours is None or theirs is None or theirs <= 0:
-        return "n/a"
-    r = ours / theirs
-    text = f"{r:.3f}" if r < 0.1 else f"{r:.2f}"
-    if theirs_lower_bound:
-        return f"< {text}"
-    return f"**{text}**" if r > 1 else text
-
-
-@dataclass(frozen=True)
-class Figure:
-    name: str
-    value: Callable[[SystemResult], float | None]
-    fmt: Callable[[float], str]
-
-
-def _cold(r: SystemResult) -> float | None:
-    return median(r.completed) if r.completed else None
-
-
-def _p(q: float) -> Callable[[SystemResult], float | None]:
-    def get(r: SystemResult) -> float | None:
-        lat = r.latencies()
-        return percentile(lat, q) if lat else None
-
-    return get
-
-
-def _burst(r: SystemResult) -> float | None:
-    return r.burst.latency_ms if r.burst else None
-
-
-def _mb(x: float) -> str:
-    return f"{x:.0f} MB"
-
-
-def _bytes(x: float) -> str:
-    return f"{x / 1e6:.1f} MB"
-
-
-def _count(x: float) -> str:
-    return f"{x:,.0f}"
-
-
-def _ruleset(key: str) -> Callable[[SystemResult], float | None]:
-    """The ruleset at one apiserver state: kube-proxy's at its end, kpx's after its cold start
-    (nothing changed in between; the element count depends on the state: endpoints shared by
-    two Services stay in the hairpin set when one of them changes)."""
-
-    def get(r: SystemResult) -> float | None:
-        src = r.ruleset_cold if r.system == KPX and r.ruleset_cold else r.ruleset
-        return float(src[key]) if key in src else None
-
-    return get
-
-
-def _cpu_changes(r: SystemResult) -> float | None:
-    return r.cpu_end_s - r.cpu_cold_s if r.cpu_end_s else None
-
-
-def figures(opts: Options, n_cold: int) -> list[Figure]:
-    return [
-        Figure(
-            f"cold start: process start -> all N Services in the kernel (median of {n_cold})",
-            _cold,
-            _s,
-        ),
-        Figure(f"single change -> in the kernel, median of {opts.changes}", _p(50), _ms),
-        Figure("single change, p90", _p(90), _ms),
-        Figure(
-            f"burst: {opts.burst} EndpointSlices changed at once -> all in the kernel", _burst, _ms
-        ),
-        Figure(
-            "CPU, process + children (nft, iptables-restore): cold start",
-            lambda r: r.cpu_cold_s or None,
-            _s,
-        ),
-        Figure("CPU, process + children: the changes and the burst", _cpu_changes, _s),
-        Figure("peak RSS of the process (VmHWM)", lambda r: r.peak_rss_mb or None, _mb),
-        Figure(
-            "ruleset: lines (`nft list ruleset`; iptables-save + ip6tables-save)",
-            _ruleset("lines"),
-            _count,
-        ),
-        Figure("ruleset: size of that listing", _ruleset("bytes"), _bytes),
-        Figure("ruleset: chains", _ruleset("chains"), _count),
-        Figure("ruleset: rules", _ruleset("rules"), _count),
-        Figure("ruleset: set and map elements", _ruleset("elements"), _count),
-    ]
-
-
-def _cell(fig: Figure, r: SystemResult | None, timeout: float) -> tuple[str, float | None, bool]:
-    """(text, value, value is a lower bound)."""
-    if r is None:
-        return "not run", None, False
-    if r.timed_out and fig.value is _cold:
-        limit = f"{timeout / 60:.0f} min" if timeout >= 120 else f"{timeout:.1f} s"
-        return f"> {limit} (stopped)", timeout, True
-    if r.timed_out and fig.name.startswith(("single", "burst", "CPU, process + children: the")):
-        return "skipped (no cold start)", None, False
-    if r.timed_out and fig.name.startswith(("CPU", "peak RSS")):
-        value = fig.value(r)
-        if value is not None:  # what it had used when stopped: a lower bound
-            return f">= {fig.fmt(value)} (when stopped)", value, True
-    if r.timed_out and fig.name.startswith("ruleset"):
-        key = fig.name.split(": ")[1].split()[0]
-        if key in r.ruleset_from_log:
-            value = float(r.ruleset_from_log[key])
-            return f"{fig.fmt(value)} (being loaded when stopped; IPv4, from its log)", value, False
-        return "none committed", None, False
-    value = fig.value(r)
-    if value is None:
-        return ("failed" if r.error else "n/a"), None, False
-    return fig.fmt(value), value, False
-
-
-def report(size: SizeResult, info: Mapping[str, str], opts: Options, command: str) -> str:
-    n = size.services
-    headers = ["figure"]
-    for mode_name in size.modes:
-        headers += [f"kube-proxy {mode_name}", f"kpx {mode_name}", "kpx / kube-proxy"]
-    rows = []
-    for fig in figures(opts, opts.cold_starts):
-        row = [fig.name]
-        for mode in size.modes.values():
-            up_text, up, up_bound = _cell(fig, mode.systems.get(KUBE_PROXY), opts.cold_timeout)
-            ours_text, ours, _ = _cell(fig, mode.systems.get(KPX), opts.cold_timeout)
-            row += [up_text, ours_text, _ratio(ours, up, up_bound)]
-        if any(c not in ("n/a", "not run") for c in row[1:]):
-            rows.append(row)
-    eq_row = ["equivalence (Service IP, port) -> endpoints, read back from the kernel"]
-    for mode in size.modes.values():
-        ok = mode.equivalence and all(c.equal for c in mode.equivalence.values())
-        verdict = ("equal" if ok else "**see below**") if mode.equivalence else "n/a"
-        if ok and not any(name.startswith(KUBE_PROXY) for name in mode.equivalence):
-            verdict = "kpx = apiserver state (no kube-proxy ruleset to compare)"
-        eq_row += ["", "", verdict]
-    rows.append(eq_row)
-    load = " / ".join(f"{x:.2f}" for x in size.load_average)
-    text = (
-        f"## kube-proxy {KUBERNETES_VERSION} vs kpx at {n:,} Services x "
-        f"{ENDPOINTS_PER_SERVICE} endpoints\n\n"
-        f"Machine: {machine_line(info)}. Command: `{command}`. "
-        f"This size took {size.run_seconds / 60:.1f} min; load average when it started "
-        f"(1/5/15 min): {load}.\n\n"
-        + markdown_table(headers, rows)
-        + "\nRatios are kpx / kube-proxy: below 1 means kpx is lower (better); **bold** means "
-        "kpx is behind. Ruleset figures are taken at one apiserver state: kube-proxy's at the "
-        "end of its run, kpx's right after its cold start (nothing changed in between).\n\n"
-        + "\n".join(f"- {line}" for line in details(size, opts))
-        + "\n"
-    )
-    return text
-
-
-def details(size: SizeResult, opts: Options) -> list[str]:
-    lines = []
-    for made in size.creation:
-        cpu = ", ".join(f"{k} {v:.1f} s" for k, v in made["control_plane_cpu_s"].items())
-        lines.append(
-            f"Created Services {made['from']:,}..{made['to'] - 1:,} in {made['services_s']:.1f} s "
-            f"and their EndpointSlices in {made['slices_s']:.1f} s ({cpu} of control-plane CPU)."
-        )
-    for mode, m in size.modes.items():
-        for system, r in m.systems.items():
-            label = f"{system} {mode}"
-            colds = ", ".join(
-                ("stopped at " if c.timed_out else "") + _s(c.seconds) for c in r.colds
-            )
-            parts = [f"**{label}**: cold starts {colds or 'none'}"]
-            done = [c for c in r.colds if not c.timed_out]
-            if done:
-                cold = done[-1]
-                parts.append(
-                    f" (last: confirmed by a full listing at {_s(cold.confirmed_s)}; "
-                    f"{cold.polls} polls of {cold.poll_ms:.1f} ms; apiserver CPU "
-                    f"{cold.apiserver_cpu_s:.2f} s)"
-                )
-            lat = r.latencies()
-            if lat:
-                parts.append(
-                    f"; changes min {_ms(min(lat))} / median {_ms(median(lat))} / p90 "
-                    f"{_ms(percentile(lat, 90))} / max {_ms(max(lat))} (PATCH acknowledged in "
-                    f"{median([c.ack_ms for c in r.changes]):.1f} ms median; one kernel poll "
-                    f"{r.change_poll_ms:.2f} ms)"
-                )
-            if r.burst:
-                b = r.burst
-                parts.append(
-                    f"; burst: all {b.size} PATCHes acknowledged at {_ms(b.acked_ms)}, newest "
-                    f"write in the kernel at {_ms(b.sentinel_ms)}, all {b.size} checked by "
-                    f"{_ms(b.verified_ms)} ({b.passes} pass(es))"
-                )
-            if r.measured_s:
-                parts.append(
-                    f"; CPU {r.cpu_cold_s:.2f} s at cold start, {r.cpu_end_s:.2f} s after "
-                    f"{r.measured_s:.0f} s running; RSS at the end {r.rss_end_mb:.0f} MB"
-                )
-            sync = _sync_summary(r.metrics)
-            if sync:
-                parts.append(f"; own metrics: {sync}")
-            if r.readback_s:
-                parts.append(
-                    f"; full dumps for the read-back took {', '.join(_s(x) for x in r.readback_s)}"
-                )
-            if r.error:
-                parts.append(f"; **error**: {r.error.splitlines()[0]}")
-            lines.append("".join(parts) + ".")
-        for name, comparison in m.equivalence.items():
-            lines.append(f"Equivalence ({mode}): {name}: {comparison.summary()}.")
-        upstream = m.systems.get(KUBE_PROXY)
-        if upstream is not None and upstream.timed_out:
-            lines.append(
-                f"Equivalence ({mode}): kube-proxy never completed its first sync, so kpx is "
-                "compared with the apiserver's state only."
-            )
-    return lines
-
-
-def _sync_summary(m: Mapping[str, float]) -> str:
-    out = []
-    for kind in ("full", "partial"):
-        total = sum(
-            v
-            for k, v in m.items()
-            if k.startswith(f"kubeproxy_sync_{kind}_proxy_rules_duration_seconds_sum")
-        )
-        count = sum(
-            v
-            for k, v in m.items()
-            if k.startswith(f"kubeproxy_sync_{kind}_proxy_rules_duration_seconds_count")
-        )
-        if count:
-            out.append(f"{count:.0f} {kind} syncs, {total / count:.3f} s mean")
-    if not out:
-        total = sum(
-            v
-            for k, v in m.items()
-            if k.startswith("kubeproxy_sync_proxy_rules_duration_seconds_sum")
-        )
-        count = sum(
-            v
-            for k, v in m.items()
-            if k.startswith("kubeproxy_sync_proxy_rules_duration_seconds_count")
-        )
-        if count:
-            out.append(f"{count:.0f} syncs, {total / count:.3f} s mean")
-    return ", ".join(out)
-
-
-def to_json(
-    size: SizeResult, info: Mapping[str, str], opts: Options, command: str
-) -> dict[str, Any]:
-    modes: dict[str, Any] = {}
-    for mode, m in size.modes.items():
-        systems: dict[str, Any] = {}
-        for system, r in m.systems.items():
-            data = asdict(r)
-            lat = r.latencies()
-            data["summary"] = {
-                "cold_start_s": _cold(r),
-                "cold_start_timed_out": r.timed_out,
-                "change_median_ms": median(lat) if lat else None,
-                "change_p90_ms": percentile(lat, 90) if lat else None,
-                "burst_ms": r.burst.latency_ms if r.burst else None,
-                "cpu_cold_s": r.cpu_cold_s,
-                "cpu_changes_s": _cpu_changes(r),
-                "peak_rss_mb": r.peak_rss_mb,
-            }
-            systems[system] = data
-        modes[mode] = {
-            "systems": systems,
-            "equivalence": {
-                name: {
-                    "equal": c.equal,
-                    "compared": c.compared,
-                    "missing_left": [list(k) for k in c.missing_left[:100]],
-                    "missing_right": [list(k) for k in c.missing_right[:100]],
-                    "different": [list(k) for k in c.different[:100]],
-                    "counts": [len(c.missing_left), len(c.missing_right), len(c.different)],
-                    "examples": c.examples,
-                    "summary": c.summary(),
-                }
-                for name, c in m.equivalence.items()
-            },
-        }
-    return {
-        "benchmark": "compare",
-        "command": command,
-        "services": size.services,
-        "endpoints_per_service": ENDPOINTS_PER_SERVICE,
-        "machine": dict(info),
-        "options": {**asdict(opts), "keep_dumps": str(opts.keep_dumps or "") or None},
-        "creation": size.creation,
-        "run_seconds": round(size.run_seconds, 1),
-        "load_average": size.load_average,
-        "modes": modes,
-    }
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -1053,6 +762,10 @@ def main() -> int:
     parser.add_argument(
         "--cold-timeout", type=float, default=600.0, help="seconds before a cold start is stopped"
     )
+    parser.add_argument(
+        "--node-updates", type=int, default=0, help="Node status updates to time after the burst"
+    )
+    parser.add_argument("--agent-verbose", action="store_true", help="run the kpx agent with -v")
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument(
         "--keep-dumps",
@@ -1068,6 +781,8 @@ def main() -> int:
         cold_timeout=args.cold_timeout,
         modes=tuple(m for m in args.modes.split(",") if m in MODES),
         systems=tuple(s for s in SYSTEMS if s in args.systems.split(",")),
+        node_updates=args.node_updates,
+        agent_args=("-v",) if args.agent_verbose else (),
         write=not args.no_write,
         keep_dumps=args.keep_dumps,
     )

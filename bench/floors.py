@@ -1,6 +1,7 @@
 """The floor under each mode's cold start: the tool alone loading the agent's own ruleset.
 
-For N Services x 10 endpoints (the node-local state built in-process, no control plane), the
+For N Services x 10 endpoints (bench/workload.py's, as the node-local state built in-process, no
+control plane), the
 agent's backends render their full-sync transactions exactly as they would at start; then, in
 a fresh network namespace each, the timed load is `nft -f` of the nftables transaction, and
 `iptables-restore --noflush` / `ip6tables-restore --noflush` of the iptables scripts, in the
@@ -17,40 +18,15 @@ import json
 import subprocess
 import time
 import uuid
-from ipaddress import IPv4Address, ip_network
 from pathlib import Path
 
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.nftables.backend import NftablesBackend
-from kpx_agent.localnet import (
-    IP,
-    Endpoint,
-    NodeInfo,
-    NodeLocalState,
-    Protocol,
-    ProxySettings,
-    ServicePort,
-    ServicePortKey,
-)
-from kpx_agent.node_local import node_facts
+from kpx_agent.localnet import NodeLocalState
+from workload import SETTINGS, node_local_state
 
 RESULTS = Path(__file__).parent / "results"
-SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))
 RESTORE = {4: "iptables-restore", 6: "ip6tables-restore"}
-
-
-def state(n: int) -> NodeLocalState:
-    services = {}
-    vip0, ep0 = int(IPv4Address("10.96.0.1")), int(IPv4Address("10.100.0.0"))
-    for i in range(n):
-        key = ServicePortKey("bench", f"svc-{i}", "http", Protocol.TCP, 4)
-        eps = tuple(Endpoint(IP.of(str(IPv4Address(ep0 + i * 10 + j))), 8080) for j in range(10))
-        services[key] = ServicePort(
-            key, 80, cluster_ips=(IP.of(str(IPv4Address(vip0 + i))),),
-            cluster_endpoints=eps, external_endpoints=eps,
-        )  # fmt: skip
-    node = NodeInfo("n1", (IP.of("10.242.0.1"),))
-    return NodeLocalState(node, services, node_facts(ProxySettings(), node))
 
 
 def nft_script(st: NodeLocalState) -> str:
@@ -90,7 +66,7 @@ def timed_in_fresh_netns(loads: list[tuple[list[str], str]]) -> float:
 
 
 def measure(n: int, runs: int = 3) -> dict[str, object]:
-    st = state(n)
+    st = node_local_state(n)
     nft = nft_script(st)
     ipt = iptables_scripts(st)
     nft_s = sorted(timed_in_fresh_netns([(["nft", "-f", "-"], nft)]) for _ in range(runs))

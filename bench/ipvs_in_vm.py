@@ -4,8 +4,8 @@ ratios, not the absolute times).
     proxy-vm exec -- python3 bench/ipvs_in_vm.py --services 1000 [--modes ipvs,iptables,nftables]
 
 Each mode runs in a fresh network namespace (the script re-executes itself there): a full sync
-of N Services (one TCP port, a cluster IP, 10 endpoints each), then 20 changes of one Service's
-endpoints (median). Prints one JSON line per mode.
+of N Services (bench/workload.py's: one TCP port, a cluster IP, 10 endpoints each), then 20
+changes of one Service's endpoints (median). Prints one JSON line per mode.
 """
 
 from __future__ import annotations
@@ -16,48 +16,27 @@ import statistics
 import subprocess
 import sys
 import time
-from ipaddress import ip_network
 from typing import Any
 
 from kpx_agent import backends
-from kpx_agent.localnet import (
-    IP,
-    Endpoint,
-    NodeInfo,
-    NodeLocalState,
-    Protocol,
-    ProxySettings,
-    ServicePort,
-    ServicePortKey,
-)
-
-
-def service(i: int, generation: int = 0) -> ServicePort:
-    vip = IP.of(f"10.96.{i // 250}.{i % 250 + 1}")
-    eps = tuple(
-        Endpoint(IP.of(f"10.244.{(i * 10 + e) // 250 % 250}.{(i * 10 + e) % 250 + 1}"),
-                 8080 + generation)
-        for e in range(10)
-    )  # fmt: skip
-    key = ServicePortKey("bench", f"s{i}", "", Protocol.TCP, 4)
-    return ServicePort(key, 80, cluster_ips=(vip,), cluster_endpoints=eps, external_endpoints=eps)
+from kpx_agent.localnet import NodeLocalState
+from workload import SETTINGS, TARGET_PORT, node_local_state, service_port
 
 
 def run_mode(mode: str, count: int) -> dict[str, Any]:
     module: Any = backends.load(mode)
-    settings = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))
-    backend = module.create(settings)
-    node = NodeInfo("n1", (IP.of("192.168.0.1"),))
-    ports = {p.key: p for p in (service(i) for i in range(count))}
+    backend = module.create(SETTINGS)
+    state = node_local_state(count)
+    node, ports, facts = state.node, dict(state.services), state.facts
     start = time.perf_counter()
-    backend.sync(NodeLocalState(node, dict(ports)), None)
+    backend.sync(NodeLocalState(node, dict(ports), facts), None)
     full = time.perf_counter() - start
     changes = []
     for n in range(20):
-        changed = service(n * 7 % count, generation=n + 1)
+        changed = service_port(n * 7 % count, target_port=TARGET_PORT + n + 1)
         ports[changed.key] = changed
         start = time.perf_counter()
-        backend.sync(NodeLocalState(node, dict(ports)), [changed.key])
+        backend.sync(NodeLocalState(node, dict(ports), facts), [changed.key])
         changes.append(time.perf_counter() - start)
     return {"mode": mode, "services": count, "full_sync_s": round(full, 3),
             "one_change_median_ms": round(statistics.median(changes) * 1000, 1)}  # fmt: skip

@@ -9,19 +9,20 @@ processes built on kpx_localstate_client:
 1. full state: its encoded size, the time to publish it (convert + encode, the sync's extra
    cost) and the time from publishing to a client's handler holding all N ports;
 2. one change at a time (one endpoint address of one Service port, `--changes` times): the time
-   from the end of the sync (publish) to the client's handler, as a delta;
+   from the end of the sync (publish) to the client's handler, as a delta (median and p95);
 3. the server process's extra memory (RSS) with 1 and with 10 connected clients.
 
 From the apiserver (the issue's definition; skipped with --no-apiserver): bench/workload.py's
 N Services and EndpointSlices in a fresh local control plane (bench/benchlib.py), the real
-agent (`proxy-agent`, as a process in a node network namespace, as bench/agent_scale.py starts
-it), and a client process (kpx_localstate_client.run) on the socket:
+agent (`proxy-agent`, a process in a fresh node network namespace, started as bench/compare.py
+starts it), and a client process (kpx_localstate_client.run) on the socket:
 
 4. `--mode nftables --state-socket`: one EndpointSlice write at a time (`--e2e-changes`, spaced
-   beyond minSyncPeriod like bench/agent_scale.py's) timed from the write to the kernel's
-   endpoints map holding the new address (bench/agent_scale.py's own measurement: the
-   in-process nftables backend, the anchor) and, for the same write, to the client's handler
-   seeing it (the agent publishes after programming the kernel);
+   beyond minSyncPeriod as bench/compare.py's changes) timed from the write to the kernel's
+   endpoints map holding the new endpoint (bench/compare.py's own measurement, the netlink
+   lookup of bench/kernel_probe.py: the in-process nftables backend, the anchor) and, for the
+   same write, to the client's handler seeing it (the agent publishes after programming the
+   kernel);
 5. `--mode external` (the state-server-only agent an out-of-tree backend runs beside): the
    same writes timed to the client's handler (goal: under 50 ms median, as the in-process
    nftables backend); a new client's full state (connect to handler); the agent's RSS with 0,
@@ -52,57 +53,40 @@ REPO = Path(__file__).resolve().parents[1]
 for sub in ("agents", "api", "harness"):
     sys.path.insert(0, str(REPO / sub))
 
-# The from-the-apiserver part reuses bench/agent_scale.py's agent, kernel probe and change.
-from agent_scale import (  # noqa: E402
-    SETTLE_SECONDS,
-    WORKERS,
-    AgentRun,
-    KernelProbe,
-    NodeNft,
-    create_workload,
-    measure_change,
-    remove_rules,
-    start_agent,
-    wait_cold_start,
-)
+# The from-the-apiserver part runs the agent as bench/compare.py runs it and reads the kernel
+# as it does.
 from benchlib import (  # noqa: E402
     ApiClient,
     bench_cluster,
-    endpoints,
-    exit_on_sigterm,
     log,
     machine_info,
     machine_line,
     median,
     percentile,
     proc_memory_kb,
-    slices_path,
 )
-from kpx_agent.localnet import (  # noqa: E402
-    IP,
-    Endpoint,
-    NodeInfo,
-    NodeLocalState,
-    Protocol,
-    ProxySettings,
-    ServicePort,
-    ServicePortKey,
+from compare import (  # noqa: E402
+    SETTLE_SECONDS,
+    WORKERS,
+    Dataplane,
+    Probe,
+    Running,
+    node_netns,
+    replace_endpoint,
+    start,
+    time_to_kernel,
+    wait_cold_start,
 )
+from kpx_agent.localnet import IP, Endpoint, ProxySettings  # noqa: E402
 from kpx_agent.state_api.publisher import Publisher  # noqa: E402
 from kpx_agent.state_api.server import Listen, StateServer  # noqa: E402
 from kpx_cluster.controlplane import Cluster  # noqa: E402
-from kpx_cluster.netns import Node, Topology  # noqa: E402
-from workload import (  # noqa: E402
-    NAMESPACE,
-    NODE_NAME,
-    NODE_SETTLE_SECONDS,
-    changed_address,
-    endpoint_addresses,
-    svc_name,
-)
+from report import KPX  # noqa: E402
+from workload import NAMESPACE, Workload, create_node, grow, node_local_state, svc_name  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 E2E_GAP_S = 1.2  # between two writes: beyond the agent's default minSyncPeriod (1 s)
+COLD_TIMEOUT_S = 900.0
 
 # A client process: prints one line per state received: revision, wall time, port count.
 CLIENT = """
@@ -112,24 +96,6 @@ def handler(state):
     print(state.revision, repr(time.time()), len(state.service_ports), flush=True)
 run(handler, sys.argv[1], client=StateClient(sys.argv[1]))
 """
-
-
-def build_state(n: int) -> NodeLocalState:
-    ports = {}
-    for i in range(n):
-        key = ServicePortKey(f"ns{i % 100}", f"svc{i}", "http", Protocol.TCP, 4)
-        eps = tuple(
-            Endpoint(IP.of(f"10.{(i >> 8) % 256}.{i % 256}.{k + 1}"), 8080, k == 0)
-            for k in range(10)
-        )
-        ports[key] = ServicePort(
-            key=key,
-            port=80,
-            cluster_ips=(IP.of(f"10.96.{(i >> 8) % 256}.{i % 256}"),),
-            cluster_endpoints=eps,
-            external_endpoints=eps,
-        )
-    return NodeLocalState(NodeInfo("n1", (IP.of("192.0.2.10"),)), ports)
 
 
 def rss_kib() -> int:
@@ -180,7 +146,7 @@ class Clients:
 
 
 def measure(n: int, changes: int) -> dict[str, Any]:
-    state = build_state(n)
+    state = node_local_state(n)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     pub = Publisher()
@@ -253,8 +219,9 @@ def measure(n: int, changes: int) -> dict[str, Any]:
 
 # A client process reporting when the Service ports it is told to watch change. Reads
 # "NAMESPACE NAME" lines on stdin (answers "watching NAME"); prints "start T" once, "full REV T
-# COUNT" for each full state, and "seen NAME REV T IP,IP,..." when a watched port's cluster
-# endpoints differ from the last printed. T: time.monotonic(), one clock for the machine.
+# COUNT" for each full state, and "seen NAME REV T IP:PORT,IP:PORT,..." when a watched port's
+# cluster endpoints differ from the last printed. T: time.monotonic(), one clock for the
+# machine.
 WATCH_CLIENT = """
 import sys, threading, time
 from kpx_localstate_client import PortKey, StateClient, localstate_pb2 as pb, run
@@ -275,10 +242,10 @@ def handler(state):
         keys = list(watched) if state.changed is None else set(state.changed) & set(watched)
         for key in keys:
             port = state.service_ports.get(key)
-            ips = ",".join(e.ip for e in port.cluster_endpoints) if port else "-"
-            if watched[key] != ips:
-                watched[key] = ips
-                print("seen", key.name, state.revision, repr(now), ips, flush=True)
+            eps = ",".join(f"{e.ip}:{e.port}" for e in port.cluster_endpoints) if port else "-"
+            if watched[key] != eps:
+                watched[key] = eps
+                print("seen", key.name, state.revision, repr(now), eps, flush=True)
 run(handler, sys.argv[1], client=StateClient(sys.argv[1]))
 """
 
@@ -333,13 +300,13 @@ class WatchClient:
         self.wait(lambda w: w == ["watching", name])
 
     def seen(self, name: str, new: str, old: str) -> float:
-        """When the handler saw `name`'s endpoints with `new` and without `old`."""
+        """When the handler saw `name`'s endpoints with `new` and without `old` ('IP:PORT')."""
 
         def match(w: list[str]) -> bool:
             if w[0] != "seen" or w[1] != name:
                 return False
-            ips = w[4].split(",")
-            return new in ips and old not in ips
+            eps = w[4].split(",")
+            return new in eps and old not in eps
 
         return float(self.wait(match, timeout=60.0)[3])
 
@@ -352,28 +319,16 @@ def _agent_rss_kib(pid: int) -> int:
     return int(proc_memory_kb(pid).get("VmRSS", 0))
 
 
-def _wait_first_sync(agent: AgentRun, timeout: float = 300.0) -> float:
+def _wait_first_sync(run: Running, timeout: float = 300.0) -> float:
     """Seconds from the agent's start to its first full sync (its log; after the initial
     lists, so of every Service)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        agent.check_alive()
-        if (t := agent.log_time("full sync of ")) is not None:
+        run.check_alive()
+        if (t := run.log_time("full sync of ")) is not None:
             return t
         time.sleep(0.05)
-    raise TimeoutError(f"no full sync; agent log:\n{agent.log_tail()}")
-
-
-def _write_endpoint(api: ApiClient, svc: int, k: int) -> tuple[float, str, str]:
-    """bench/agent_scale.py's change (the slice's last endpoint gets changed_address(k)),
-    without its kernel polling: (the monotonic time of the write, new IP, old IP)."""
-    addrs = endpoint_addresses(svc)
-    old, new = addrs[-1][0], changed_address(k)
-    addrs[-1] = (new, addrs[-1][1])
-    path = slices_path(NAMESPACE, f"{svc_name(svc)}-1")
-    t0 = time.monotonic()
-    api.merge_patch(path, {"endpoints": endpoints(addrs)})
-    return t0, new, old
+    raise TimeoutError(f"no full sync; agent log:\n{run.log_tail()}")
 
 
 def _ms(values: list[float]) -> dict[str, float]:
@@ -386,128 +341,144 @@ def _ms(values: list[float]) -> dict[str, float]:
 
 
 def _with_nftables(
-    topo: Topology, node: Node, cluster: Cluster, api: ApiClient, vips: list[str],
-    socket_path: Path, services: list[int], first_k: int,
-) -> dict[str, Any]:  # fmt: skip
-    """Mode nftables with the state API: each write timed to the kernel (bench/agent_scale.py's
-    measure_change, the anchor) and to the client's handler."""
-    probe, nft = KernelProbe(topo, node), NodeNft(node.netns)
-    agent = start_agent(topo, node, cluster, ["--state-socket", str(socket_path)])
-    client = None
-    try:
-        cold = wait_cold_start(probe, nft, agent, vips)
-        client = WatchClient(f"unix://{socket_path}")
-        client.full_state(len(vips))
-        time.sleep(SETTLE_SECONDS)
-        kernel, handler = [], []
-        for i, svc in enumerate(services):
-            agent.check_alive()
-            client.watch(NAMESPACE, svc_name(svc))
-            old = endpoint_addresses(svc)[-1][0]
-            t0 = time.monotonic()
-            change = measure_change(api, probe, vips, svc, first_k + i)
-            seen = client.seen(svc_name(svc), changed_address(first_k + i), old)
-            kernel.append(change.latency_ms)
-            handler.append((seen - t0) * 1000)
-            time.sleep(max(0.0, E2E_GAP_S - (time.monotonic() - t0)))
-        log(
-            f"nftables + state API: kernel {median(kernel):.1f} ms, handler "
-            f"{median(handler):.1f} ms median"
+    cluster: Cluster, api: ApiClient, work: Workload, services: list[int]
+) -> dict[str, Any]:
+    """Mode nftables with the state API, in a fresh node netns: each write timed to the kernel
+    (bench/compare.py's time_to_kernel, the anchor) and to the client's handler."""
+    dp = Dataplane(KPX, "nftables")
+    with node_netns(cluster) as (topo, node):
+        socket_path = topo.tmpdir / "state" / "state.sock"
+        probe = Probe(topo, node)
+        run = start(
+            dp, topo, node, cluster, "kpx-nftables-state", ["--state-socket", str(socket_path)]
         )
-        return {
-            "cold_start_kernel_s": round(cold.seconds, 2),
-            "write_to_kernel_ms": _ms(kernel),
-            "write_to_handler_ms": _ms(handler),
-            "samples": [[round(a, 2), round(b, 2)] for a, b in zip(kernel, handler, strict=True)],
-        }
-    finally:
-        probe.close()
-        if client is not None:
-            client.stop()
-        agent.stop()
-        remove_rules(topo, node)
+        client = None
+        try:
+            cold, chains = wait_cold_start(dp, probe, run, topo, node, work, COLD_TIMEOUT_S)
+            if cold.timed_out:
+                raise TimeoutError(f"{dp.label}: not all Services in the kernel")
+            log(f"{dp.label} + state API: cold start {cold.seconds:.2f} s")
+            client = WatchClient(f"unix://{socket_path}")
+            client.full_state(work.size)
+            time.sleep(SETTLE_SECONDS)
+            kernel: list[float] = []
+            handler: list[float] = []
+            poll_s, polls = 0.0, 0
+            for svc in services:
+                run.check_alive()
+                client.watch(NAMESPACE, svc_name(svc))
+                write = replace_endpoint(api, work, svc)
+                change, spent = time_to_kernel(dp, probe, work, chains, write)
+                seen = client.seen(svc_name(svc), write.new, write.old)
+                kernel.append(change.latency_ms)
+                handler.append((seen - write.sent) * 1000)
+                poll_s, polls = poll_s + spent, polls + change.polls
+                time.sleep(max(0.0, E2E_GAP_S - (time.monotonic() - write.sent)))
+            log(
+                f"nftables + state API: kernel {median(kernel):.1f} ms, handler "
+                f"{median(handler):.1f} ms median"
+            )
+            return {
+                "cold_start_kernel_s": round(cold.seconds, 2),
+                "write_to_kernel_ms": _ms(kernel),
+                "write_to_handler_ms": _ms(handler),
+                "kernel_poll_ms": round(poll_s / max(1, polls) * 1000, 2),
+                "samples": [
+                    [round(a, 2), round(b, 2)] for a, b in zip(kernel, handler, strict=True)
+                ],
+            }
+        except Exception:
+            log(f"agent log tail:\n{run.log_tail()}")
+            raise
+        finally:
+            probe.close()
+            if client is not None:
+                client.stop()
+            run.stop()
 
 
 def _external(
-    topo: Topology, node: Node, cluster: Cluster, api: ApiClient, n: int, socket_path: Path,
-    services: list[int], first_k: int,
-) -> dict[str, Any]:  # fmt: skip
-    """Mode external (no kernel rules): writes timed to the handler; memory with 0, 1 and 10
-    clients; full states to new clients."""
-    config = topo.tmpdir / "external.yaml"
-    config.write_text(
-        json.dumps(
-            {
-                "apiVersion": "proxy.kpx.dev/v1alpha1",
-                "kind": "AgentConfiguration",
-                "mode": "external",
-                "external": {"image": "example.com/bench-plugin:1"},
-            }
+    cluster: Cluster, api: ApiClient, work: Workload, services: list[int]
+) -> dict[str, Any]:
+    """Mode external (no kernel rules), in a fresh node netns: writes timed to the handler;
+    memory with 0, 1 and 10 clients; full states to new clients."""
+    dp = Dataplane(KPX, "external")
+    with node_netns(cluster) as (topo, node):
+        socket_path = topo.tmpdir / "state" / "state.sock"
+        config = topo.tmpdir / "external.yaml"
+        config.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "proxy.kpx.dev/v1alpha1",
+                    "kind": "AgentConfiguration",
+                    "mode": "external",
+                    "external": {"image": "example.com/bench-plugin:1"},
+                }
+            )
         )
-    )
-    # start_agent passes --mode nftables; argparse keeps the last --mode.
-    extra = ["--mode", "external", "--config", str(config), "--state-socket", str(socket_path)]
-    agent = start_agent(topo, node, cluster, extra)
-    clients: list[WatchClient] = []
-    try:
-        synced_s = _wait_first_sync(agent)
-        time.sleep(SETTLE_SECONDS)
-        rss_none = _agent_rss_kib(agent.pid)
-        first = WatchClient(f"unix://{socket_path}")
-        clients.append(first)
-        start, full = first.full_state(n)
-        time.sleep(SETTLE_SECONDS)
-        rss_one = _agent_rss_kib(agent.pid)
-        handler = []
-        for i, svc in enumerate(services):
-            agent.check_alive()
-            first.watch(NAMESPACE, svc_name(svc))
-            t0, new, old = _write_endpoint(api, svc, first_k + i)
-            handler.append((first.seen(svc_name(svc), new, old) - t0) * 1000)
-            time.sleep(max(0.0, E2E_GAP_S - (time.monotonic() - t0)))
-        log(f"external: handler {median(handler):.1f} ms median")
-        deliveries = []
-        for _ in range(9):
-            client = WatchClient(f"unix://{socket_path}")
-            clients.append(client)
-            c_start, c_full = client.full_state(n)
-            deliveries.append(c_full - c_start)
-        time.sleep(SETTLE_SECONDS)
-        rss_ten = _agent_rss_kib(agent.pid)
-        return {
-            "first_full_sync_s": round(synced_s, 2),
-            "write_to_handler_ms": _ms(handler),
-            "samples": [round(h, 2) for h in handler],
-            "full_state_first_client_s": round(full - start, 3),
-            "full_state_new_client_s_median": round(median(deliveries), 3),
-            "agent_rss_kib_no_client": rss_none,
-            "agent_rss_extra_1_client_kib": rss_one - rss_none,
-            "agent_rss_extra_10_clients_kib": rss_ten - rss_none,
-        }
-    finally:
-        for client in clients:
-            client.stop()
-        agent.stop()
+        extra = ["--config", str(config), "--state-socket", str(socket_path)]
+        run = start(dp, topo, node, cluster, "kpx-external", extra)
+        clients: list[WatchClient] = []
+        try:
+            synced_s = _wait_first_sync(run)
+            time.sleep(SETTLE_SECONDS)
+            rss_none = _agent_rss_kib(run.pid)
+            first = WatchClient(f"unix://{socket_path}")
+            clients.append(first)
+            start_t, full = first.full_state(work.size)
+            time.sleep(SETTLE_SECONDS)
+            rss_one = _agent_rss_kib(run.pid)
+            handler = []
+            for svc in services:
+                run.check_alive()
+                first.watch(NAMESPACE, svc_name(svc))
+                write = replace_endpoint(api, work, svc)
+                handler.append(
+                    (first.seen(svc_name(svc), write.new, write.old) - write.sent) * 1000
+                )
+                time.sleep(max(0.0, E2E_GAP_S - (time.monotonic() - write.sent)))
+            log(f"external: handler {median(handler):.1f} ms median")
+            deliveries = []
+            for _ in range(9):
+                client = WatchClient(f"unix://{socket_path}")
+                clients.append(client)
+                c_start, c_full = client.full_state(work.size)
+                deliveries.append(c_full - c_start)
+            time.sleep(SETTLE_SECONDS)
+            rss_ten = _agent_rss_kib(run.pid)
+            return {
+                "first_full_sync_s": round(synced_s, 2),
+                "write_to_handler_ms": _ms(handler),
+                "samples": [round(h, 2) for h in handler],
+                "full_state_first_client_s": round(full - start_t, 3),
+                "full_state_new_client_s_median": round(median(deliveries), 3),
+                "agent_rss_kib_no_client": rss_none,
+                "agent_rss_extra_1_client_kib": rss_one - rss_none,
+                "agent_rss_extra_10_clients_kib": rss_ten - rss_none,
+            }
+        except Exception:
+            log(f"agent log tail:\n{run.log_tail()}")
+            raise
+        finally:
+            for client in clients:
+                client.stop()
+            run.stop()
 
 
 def measure_from_apiserver(n: int, changes: int) -> dict[str, Any]:
     started, load = time.monotonic(), os.getloadavg()
+    work = Workload()
     with bench_cluster("state-api") as cluster:
         api = ApiClient(cluster, WORKERS)
         try:
-            vips, creation = create_workload(cluster, api, n)
-            log(f"created in {creation.total_s:.1f}s")
-            time.sleep(max(0.0, creation.node_created + NODE_SETTLE_SECONDS - time.monotonic()))
+            create_node(api, work)
+            grow(cluster, api, work, n)
+            made = work.creation[-1]
+            log(f"created in {made['services_s'] + made['slices_s']:.1f}s")
+            work.settle_node()
             picks = random.Random(n).sample(range(n), min(2 * changes, n))
-            with Topology() as topo:
-                exit_on_sigterm()
-                node = topo.add_node(NODE_NAME)
-                topo.expose_host_port(cluster.apiserver_port)
-                socket_path = topo.tmpdir / "state" / "state.sock"
-                nft = _with_nftables(
-                    topo, node, cluster, api, vips, socket_path, picks[:changes], 0
-                )
-                ext = _external(topo, node, cluster, api, n, socket_path, picks[changes:], changes)
+            nft = _with_nftables(cluster, api, work, picks[:changes])
+            ext = _external(cluster, api, work, picks[changes:])
         finally:
             api.close()
     return {
@@ -542,7 +513,9 @@ def report(r: dict[str, Any], e2e: dict[str, Any] | None) -> str:
             "minSyncPeriod), each replacing one endpoint address of one Service's slice "
             "(bench/workload.py's workload in a fresh local control plane); the agent a "
             "process in a node netns; the client a `kpx_localstate_client.run` process. "
-            f"Load average at start: {e2e['load_average_at_start']}.",
+            f"Load average at start: {e2e['load_average_at_start']}. The kernel is read as "
+            f"bench/compare.py reads it: one netlink lookup of the VIP's buckets took "
+            f"{nft['kernel_poll_ms']} ms on average, the next followed after at least twice that.",
             "",
             "| from the write to ... (ms) | median | p90 | p99 | max |",
             "| --- | --- | --- | --- | --- |",

@@ -1,13 +1,18 @@
-"""The one workload of the kpx benchmarks (bench/compare.py, bench/agent_scale.py,
-bench/profile_sync.py): N ClusterIP Services (one TCP port 80 -> 8080) and N EndpointSlices of
-10 ready endpoints (made-up pod IPs in 10.244.0.0/16, nodeName spread over 4 nodes), in one
-namespace, and the Node `bench-node-0` with an InternalIP (kube-proxy waits 30 s for a node IP
-without one). Grown in bulk over HTTPS; changed one endpoint at a time."""
+"""The one workload of the kpx benchmarks: N ClusterIP Services (one TCP port 80 -> 8080) and N
+EndpointSlices of 10 ready endpoints (made-up pod IPs in 10.244.0.0/16, nodeName spread over 4
+nodes), in one namespace, and the Node `bench-node-0` with an InternalIP (kube-proxy waits 30 s
+for a node IP without one).
+
+Two forms of it: in the apiserver (bench/compare.py: grown in bulk over HTTPS, changed one
+endpoint at a time), and in-process as the node-local state the agent on `bench-node-0` derives
+from it (`node_local_state`: bench/floors.py, bench/state_api.py, bench/ipvs_in_vm.py), with
+the cluster IPs of `service_vip` instead of the apiserver's allocation."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from ipaddress import ip_network
 from typing import Any
 
 from benchlib import (
@@ -22,6 +27,17 @@ from benchlib import (
     services_path,
     slices_path,
 )
+from kpx_agent.localnet import (
+    IP,
+    Endpoint,
+    NodeInfo,
+    NodeLocalState,
+    Protocol,
+    ProxySettings,
+    ServicePort,
+    ServicePortKey,
+)
+from kpx_agent.node_local import node_facts
 from kpx_cluster.controlplane import Cluster
 from ruleset_readback import Key, Mappings
 
@@ -57,6 +73,38 @@ def endpoint_addresses(svc: int) -> list[tuple[str, str]]:
 def changed_address(k: int) -> str:
     """Address of the k-th replacement endpoint (no original endpoint has it)."""
     return f"10.244.{200 + k // 250}.{k % 250 + 1}"
+
+
+# ---- in-process: the node-local state of the measured node ---------------------------------------
+
+#: The agent's settings for the workload (its cluster CIDR) and the measured node.
+SETTINGS = ProxySettings(cluster_cidrs=(ip_network(CLUSTER_CIDR),))
+NODE = NodeInfo(NODE_NAME, (IP.of(NODE_IP),))
+
+
+def service_vip(svc: int) -> str:
+    """Service svc's cluster IP in the in-process form (10.96.0.0/16, as the apiserver's)."""
+    return f"10.96.{1 + svc // 250}.{svc % 250 + 1}"
+
+
+def service_port(svc: int, target_port: int = TARGET_PORT) -> ServicePort:
+    """Service svc's port as the node-local model hands it to a backend (the endpoints on
+    NODE_NAME are local); `target_port` other than TARGET_PORT changes every endpoint."""
+    key = ServicePortKey(NAMESPACE, svc_name(svc), "http", Protocol.TCP, 4)
+    eps = tuple(
+        Endpoint(IP.of(ip), target_port, node == NODE_NAME) for ip, node in endpoint_addresses(svc)
+    )
+    return ServicePort(key, SERVICE_PORT, cluster_ips=(IP.of(service_vip(svc)),),
+                       cluster_endpoints=eps, external_endpoints=eps)  # fmt: skip
+
+
+def node_local_state(n: int, settings: ProxySettings = SETTINGS) -> NodeLocalState:
+    """The first n Services of the workload as NODE's node-local state."""
+    ports = (service_port(i) for i in range(n))
+    return NodeLocalState(NODE, {p.key: p for p in ports}, node_facts(settings, NODE))
+
+
+# ---- in the apiserver ----------------------------------------------------------------------------
 
 
 def control_plane_cpu(cluster: Cluster) -> dict[str, float]:

@@ -6,7 +6,8 @@ the only code that talks HTTP to the apiserver.
 - `exec_plugin`: client.authentication.k8s.io exec credential plugins (v1, v1beta1);
 - `credentials`: `Credentials` (kubeconfig or in-cluster), what each request authenticates with;
 - `errors`: one `ApiError` hierarchy (NotFound, Conflict, Gone, Forbidden, Unauthorized, ...);
-- `request`: how a request is built (pure); `client`: `Client`, the aiohttp edge (requests,
+- `request`: how a request is built (pure); `kinds`: where the built-in kinds live (the
+  table that seeds discovery); `client`: `Client`, the aiohttp edge (requests,
   server-side apply, list and watch with the fast path);
 - `reflector`: list+watch of one resource into a sink, as client-go's reflector;
 - `blocking`: `BlockingClient`, the same client for synchronous code (harness, benchmarks);

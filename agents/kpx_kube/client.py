@@ -31,6 +31,7 @@ from . import collector, request
 from .credentials import Auth, Credentials
 from .errors import ApiError, NotFound, Unreachable, WatchIdle, from_response, from_status
 from .exec_plugin import ExecPluginError
+from .kinds import BUILTIN, prefix_of
 from .kubeconfig import KubeconfigError
 from .tcp import socket_factory
 
@@ -73,7 +74,9 @@ class Client:
         self.requests_sent = 0  # every request, list page and watch
         self.connections_opened = 0  # TCP connections (each one's socket is made here)
         self._session: aiohttp.ClientSession | None = None
-        self._kinds: dict[tuple[str, str], tuple[str, bool]] = {}
+        self._kinds: dict[tuple[str, str], tuple[str, bool]] = {
+            (k.prefix, k.kind): (k.plural, k.namespaced) for k in BUILTIN.values()
+        }
 
     @property
     def server(self) -> str:
@@ -214,8 +217,9 @@ class Client:
     # -- where a kind lives (discovery) -------------------------------------------------------
 
     async def kind_path(self, api_version: str, kind: str) -> tuple[str, str, bool]:
-        """(prefix, plural, namespaced) of a kind, from the apiserver's discovery (cached)."""
-        prefix = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+        """(prefix, plural, namespaced) of a kind: kinds.BUILTIN's, else from the apiserver's
+        discovery (cached)."""
+        prefix = prefix_of(api_version)
         key = (prefix, kind)
         if key not in self._kinds:
             found = await self.get(prefix)

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 from kpx_api.constants import GROUP, PLURAL, VERSION
 from kpx_kube import ApiError, Client, Credentials, Reply, from_kubeconfig, in_cluster
-from kpx_kube.request import object_path as rest_path
+from kpx_kube.kinds import BUILTIN, Kind
 
 from .names import FIELD_MANAGER
 
@@ -26,34 +26,19 @@ __all__ = ["ApiError", "ApiServer", "Applied", "Credentials", "Reply", "from_kub
 Obj = dict[str, Any]
 
 
-@dataclass(frozen=True)
-class Kind:
-    """Where a kind lives in the REST API."""
-
-    prefix: str  # /api/v1 or /apis/<group>/<version>
-    plural: str
-    namespaced: bool
-
-
 #: Every kind the operator reads or writes (no RBAC kinds: the agents' ServiceAccount, role and
-#: binding are installed with the operator, which may not touch any role or binding).
+#: binding are installed with the operator, which may not touch any role or binding): kpx_kube's
+#: table of the built-in kinds, and the operator's own CRD.
 KINDS: Final[dict[str, Kind]] = {
-    "ConfigMap": Kind("/api/v1", "configmaps", True),
-    "Pod": Kind("/api/v1", "pods", True),
-    "Event": Kind("/api/v1", "events", True),
-    "DaemonSet": Kind("/apis/apps/v1", "daemonsets", True),
-    "Lease": Kind("/apis/coordination.k8s.io/v1", "leases", True),
-    "ProxyConfiguration": Kind(f"/apis/{GROUP}/{VERSION}", PLURAL, False),
+    **{k: BUILTIN[k] for k in ("ConfigMap", "Pod", "Event", "DaemonSet", "Lease")},
+    "ProxyConfiguration": Kind(f"{GROUP}/{VERSION}", "ProxyConfiguration", PLURAL, False),
     # spec.takeover.moveKubeProxyOff: the label on Nodes, kube-system/kube-proxy's affinity.
-    "Node": Kind("/api/v1", "nodes", False),
+    "Node": BUILTIN["Node"],
 }
 
 
 def object_path(kind: str, name: str | None = None, namespace: str | None = None) -> str:
-    k = KINDS[kind]
-    if k.namespaced and not namespace:
-        raise ValueError(f"{kind} is namespaced: a namespace is needed")
-    return rest_path(k.prefix, k.plural, name, namespace if k.namespaced else None)
+    return KINDS[kind].path(name, namespace)
 
 
 # -- the client ----------------------------------------------------------------------------------

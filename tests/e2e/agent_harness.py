@@ -45,6 +45,7 @@ from kpx_cluster.pki import KeyPair
 from kpx_cluster.probe import ProbeResult, probe
 from kpx_kube import from_kubeconfig
 from kpx_kube.blocking import BlockingClient
+from kpx_kube.kinds import BUILTIN
 
 REPO = Path(__file__).resolve().parents[2]
 AGENT_PYTHONPATH = os.pathsep.join(str(REPO / d) for d in ("agents", "api", "harness"))
@@ -198,16 +199,8 @@ def node_addresses(node: Node) -> Obj:
     }
 
 
-#: kubectl's names for the kinds the tests name -> (apiVersion, kind).
-_KINDS = {
-    "namespace": ("v1", "Namespace"),
-    "node": ("v1", "Node"),
-    "service": ("v1", "Service"),
-    "configmap": ("v1", "ConfigMap"),
-    "pod": ("v1", "Pod"),
-    "endpointslice": ("discovery.k8s.io/v1", "EndpointSlice"),
-    "daemonset": ("apps/v1", "DaemonSet"),
-}
+#: kubectl's names for the kinds the tests name ("service", "endpointslice", ...).
+_KINDS = {k.kind.lower(): k for k in BUILTIN.values()}
 
 
 class Kube:
@@ -237,9 +230,9 @@ class Kube:
 
     def path(self, kind: str, name: str, ns: str | None = None) -> str:
         """The REST path of the object of a kind named as kubectl names it (e.g. "service")."""
-        api_version, kind_name = _KINDS[kind.lower()]
+        k = _KINDS[kind.lower()]
         meta = {"name": name, **({"namespace": ns} if ns else {})}
-        return self.client.path_of({"apiVersion": api_version, "kind": kind_name,
+        return self.client.path_of({"apiVersion": k.api_version, "kind": k.kind,
                                     "metadata": meta})  # fmt: skip
 
     def apply(self, *objs: Mapping[str, Any]) -> None:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from three_node_net import ThreeNodes
 
-from kpx_cluster.netns import Node, Pod, Topology
+from kpx_cluster.netns import Node, Topology
 from kpx_cluster.probe import ProbeResult, probe
 
 pytestmark = pytest.mark.netns
@@ -68,14 +68,7 @@ print("synced")
 """
 
 
-@dataclass
-class Net:
-    topo: Topology
-    n1: Node
-    n2: Node
-    n3: Node
-    pods: dict[str, Pod]
-
+class Net(ThreeNodes):
     def sync(self, mode: str, detect: tuple[str, str] = ("ClusterCIDR", ""), **kw: Any) -> None:
         spec = {
             "step": "sync",
@@ -101,24 +94,7 @@ class Net:
 
 @pytest.fixture
 def net(topology: Topology) -> Iterator[Net]:
-    n1, n2, n3 = (topology.add_node(name) for name in ("n1", "n2", "n3"))
-    pods = {
-        "b1": topology.add_pod(n1, "b1"),
-        "b2": topology.add_pod(n2, "b2"),
-        "client": topology.add_pod(n1, "client"),
-        "rclient": topology.add_pod(n1, "rclient", routed=True),
-        "far": topology.add_pod(n2, "far"),
-    }
-    for name in ("b1", "b2"):
-        argv = topology.python_argv("kpx_cluster.echo_server", "--name", name, "--port", "8080")
-        topology.run_ready(pods[name], argv)
-    for node in (n2, n3):  # the Service CIDR and the load-balancer range lead to n1
-        for cidr in ("10.96.0.0/16", "192.0.2.0/24"):
-            topology.exec(node, ["ip", "route", "replace", cidr, "via", n1.ipv4], check=True)
-    # n1 itself: the load-balancer range is somewhere out on the fabric (a route is needed
-    # for its own packets to reach the nat OUTPUT hook at all).
-    topology.exec(n1, ["ip", "route", "replace", "192.0.2.0/24", "dev", n1.fabric_if], check=True)
-    yield Net(topology, n1, n2, n3, pods)
+    yield Net.build(topology)
 
 
 def seen_by(result: ProbeResult, backend: str) -> set[str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import shlex
 
+from packet_walk import Walk, every_outcome
 from semantics import Outcome, Packet
 
 from kpx_agent.backends.base import BackendError
@@ -129,16 +130,7 @@ class FakeIptables:
     # -- the tracer
 
     def trace(self, packet: Packet) -> set[Outcome]:
-        outcomes: set[Outcome] = set()
-        pending: list[list[int]] = [[]]
-        while pending:
-            prefix = pending.pop()
-            walk = _Walk(self, packet, prefix)
-            outcomes.add(walk.run())
-            for i in range(len(prefix), len(walk.widths)):
-                base = [*prefix, *([0] * (i - len(prefix)))]
-                pending += [[*base, k] for k in range(1, walk.widths[i])]
-        return outcomes
+        return every_outcome(lambda choices: _Walk(self, packet, choices))
 
 
 def _target(rule: str) -> str:
@@ -159,38 +151,26 @@ class _Stop(Exception):
         self.verdict = verdict
 
 
-class _Walk:
+class _Walk(Walk):
+    #: The built-in chains each hook runs, in priority order.
+    HOOKS = {
+        "prerouting": [("nat", "PREROUTING")],
+        "input": [("filter", "INPUT")],
+        "forward": [("filter", "FORWARD")],
+        "output": [("nat", "OUTPUT"), ("filter", "OUTPUT")],
+        "postrouting": [("nat", "POSTROUTING")],
+    }
+
     def __init__(self, fake: FakeIptables, packet: Packet, choices: list[int]) -> None:
-        self.fake, self.packet, self.choices = fake, packet, choices
-        self.widths: list[int] = []
-        self.daddr, self.dport = packet.daddr, packet.dport
-        self.mark = 0
-        self.dnat: tuple[str, int] | None = None
-        self.masquerade = False
+        super().__init__(packet, choices)
+        self.fake = fake
 
-    def choose(self, width: int) -> int:
-        i = len(self.widths)
-        self.widths.append(width)
-        return self.choices[i] if i < len(self.choices) else 0
-
-    def run(self) -> Outcome:
-        if self.packet.origin == "node":
-            steps = [("nat", "OUTPUT"), ("filter", "OUTPUT"), ("nat", "POSTROUTING")]
-        else:
-            steps = [("nat", "PREROUTING"), ("routing", ""), ("nat", "POSTROUTING")]
-        for table, chain in steps:
-            if table == "routing":
-                if self.daddr in self.packet.local_addresses:
-                    verdict = self.builtin("filter", "INPUT")
-                    return Outcome(verdict) if verdict != "accept" else self.accepted()
-                table, chain = "filter", "FORWARD"
+    def hook(self, hook: str) -> str:
+        for table, chain in self.HOOKS[hook]:
             verdict = self.builtin(table, chain)
             if verdict != "accept":
-                return Outcome(verdict)
-        return self.accepted()
-
-    def accepted(self) -> Outcome:
-        return Outcome("accept", self.dnat, self.masquerade)
+                return verdict
+        return "accept"
 
     def builtin(self, table: str, chain: str) -> str:
         try:

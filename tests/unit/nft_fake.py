@@ -23,6 +23,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network
 
+from packet_walk import Walk, every_outcome
 from semantics import Outcome, Packet
 
 from kpx_agent.backends.base import BackendError
@@ -134,16 +135,7 @@ class FakeNftables:
         table = self.tables.get(packet.family)
         if table is None:
             return {Outcome("accept")}
-        outcomes: set[Outcome] = set()
-        pending: list[list[int]] = [[]]
-        while pending:
-            prefix = pending.pop()
-            walk = _Walk(table, packet, prefix)
-            outcomes.add(walk.run())
-            for i in range(len(prefix), len(walk.widths)):
-                base = [*prefix, *([0] * (i - len(prefix)))]
-                pending += [[*base, k] for k in range(1, walk.widths[i])]
-        return outcomes
+        return every_outcome(lambda choices: _Walk(table, packet, choices))
 
 
 # -- applying operations ---------------------------------------------------------------------------
@@ -321,42 +313,10 @@ class _Verdict(Exception):
         self.verdict, self.chain = verdict, chain
 
 
-class _Walk:
-    """One walk of a packet, with fixed choices for the random numbers it meets."""
-
+class _Walk(Walk):
     def __init__(self, table: FakeTable, packet: Packet, choices: list[int]) -> None:
-        self.table, self.packet, self.choices = table, packet, choices
-        self.widths: list[int] = []
-        self.daddr, self.dport = packet.daddr, packet.dport
-        self.mark = 0
-        self.dnat: tuple[str, int] | None = None
-        self.masquerade = False
-
-    def choose(self, width: int) -> int:
-        i = len(self.widths)
-        self.widths.append(width)
-        return self.choices[i] if i < len(self.choices) else 0
-
-    def run(self) -> Outcome:
-        if self.packet.origin == "node":
-            hooks = ["output", "postrouting"]
-        else:
-            hooks = ["prerouting", "routing", "postrouting"]
-        for hook in hooks:
-            if hook == "routing":
-                if self.local_destination():
-                    verdict = self.hook("input")
-                    if verdict != "accept":
-                        return Outcome(verdict)
-                    break  # delivered here: no postrouting
-                hook = "forward"
-            verdict = self.hook(hook)
-            if verdict != "accept":
-                return Outcome(verdict)
-        return Outcome("accept", self.dnat, self.masquerade)
-
-    def local_destination(self) -> bool:
-        return self.daddr in self.packet.local_addresses
+        super().__init__(packet, choices)
+        self.table = table
 
     def hook(self, hook: str) -> str:
         chains = [

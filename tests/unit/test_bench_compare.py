@@ -1,6 +1,7 @@
 """bench/compare.py's read-back: rulesets of kube-proxy and kpx reduced to
-(Service IP, protocol, port) -> endpoints, compared; and the netlink decoders of
-bench/kernel_probe.py. Pure: small inputs, no kernel, no processes."""
+(Service IP, protocol, port) -> endpoints, compared; the netlink decoders of
+bench/kernel_probe.py; and the one report (bench/report.py) of a run's results. Pure: small
+inputs, no kernel, no processes."""
 
 # ruff: noqa: E501  (the iptables-save fixtures are kept verbatim, as iptables-save prints them)
 
@@ -17,6 +18,7 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 import kernel_probe as kp  # noqa: E402
+import report as rp  # noqa: E402
 import ruleset_readback as rb  # noqa: E402
 
 VIP_A, VIP_B = "10.96.0.10", "10.96.7.7"
@@ -414,3 +416,83 @@ def test_xt_dnat_revisions() -> None:
     rev0 = struct.pack("=II", 1, flags) + ip + ip + struct.pack("!HH", 80, 80)
     assert kp.xt_dnat_target(0, rev0) == "10.244.5.6:80"
     assert kp.xt_dnat_target(2, struct.pack("=I", 0) + bytes(40)) is None
+
+
+# ---- the report ---------------------------------------------------------------------------------
+
+INFO = {"cores": "2", "cpu": "Test CPU", "memory_gb": "24", "kernel": "6.1", "python": "3.11",
+        "nft": "nftables v1.0.6", "kubernetes": "v1.36.2", "agent_commit": "abc1234"}  # fmt: skip
+
+
+def system(name: str, mode: str, cold: list[float], lat: list[float], **kw: Any) -> rp.SystemResult:
+    return rp.SystemResult(
+        name,
+        mode,
+        colds=[rp.ColdStart(seconds=c, confirmed_s=c + 0.1, polls=3) for c in cold],
+        changes=[rp.Change(i, x, 2.0, 4) for i, x in enumerate(lat)],
+        **kw,
+    )
+
+
+def size_result(kpx: rp.SystemResult, upstream: rp.SystemResult) -> rp.SizeResult:
+    mode = rp.ModeResult(kpx.mode, {rp.KUBE_PROXY: upstream, rp.KPX: kpx})
+    mode.equivalence["kube-proxy at its end = apiserver"] = rb.Comparison(compared=10)
+    mode.equivalence["kpx at its end = apiserver"] = rb.Comparison(compared=10)
+    return rp.SizeResult(1000, {kpx.mode: mode}, [], 60.0, (0.5, 0.5, 0.5))
+
+
+def table_rows(markdown: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in markdown.splitlines():
+        if line.startswith("| ") and not line.startswith("| figure"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_report_puts_both_systems_side_by_side_with_ratios() -> None:
+    opts = rp.Options(changes=3, burst=0, cold_starts=3, modes=("nftables",))
+    kpx = system("kpx", "nftables", [0.7, 0.6, 0.8], [10.0, 12.0, 30.0], cpu_cold_s=0.5,
+                 peak_rss_mb=100.0, ruleset_cold={"lines": 300}, ruleset={"lines": 999})  # fmt: skip
+    upstream = system("kube-proxy", "nftables", [0.9, 0.8, 1.0], [200.0, 180.0, 170.0],
+                      cpu_cold_s=0.4, peak_rss_mb=110.0, ruleset={"lines": 100})  # fmt: skip
+    text = rp.report(size_result(kpx, upstream), INFO, opts, "python3 bench/compare.py")
+    rows = table_rows(text)
+    assert rows["cold start: process start -> all N Services in the kernel (median of 3)"] == [
+        "0.90 s", "0.70 s", "0.78"]  # fmt: skip
+    assert rows["single change -> in the kernel, median of 3"] == ["180 ms", "12.0 ms", "0.067"]
+    # kpx behind: bold ratio; kpx's ruleset is counted right after its cold start.
+    assert rows["CPU, process + children (nft, iptables-restore): cold start"][2] == "**1.25**"
+    assert rows["ruleset: lines (`nft list ruleset`; iptables-save + ip6tables-save)"] == [
+        "100", "300", "**3.00**"]  # fmt: skip
+    assert "burst" not in " ".join(rows)  # no burst measured: no row
+    assert not any("Node status updates" in name for name in rows)
+    assert rows["equivalence (Service IP, port) -> endpoints, read back from the kernel"][2] == (
+        "equal"
+    )
+    assert "Machine: 2 cores (Test CPU)" in text
+
+
+def test_report_of_a_stopped_cold_start_and_of_node_updates() -> None:
+    opts = rp.Options(changes=1, burst=0, cold_starts=1, cold_timeout=600.0, node_updates=50,
+                      modes=("iptables",))  # fmt: skip
+    upstream = system("kube-proxy", "iptables", [], [], cpu_cold_s=596.0,
+                      ruleset_from_log={"chains": 110010})  # fmt: skip
+    upstream.colds = [rp.ColdStart(seconds=600.0, timed_out=True)]
+    kpx = system("kpx", "iptables", [11.0], [163.0], cpu_cold_s=9.8,
+                 node_work=rp.Work(50, 0.03, 0.01, 0, 0, 0))  # fmt: skip
+    size = size_result(kpx, upstream)
+    rows = table_rows(rp.report(size, INFO, opts, "cmd"))
+    cold = rows["cold start: process start -> all N Services in the kernel (median of 1)"]
+    assert cold == ["> 10 min (stopped)", "11.00 s", "< 0.018"]
+    assert rows["single change -> in the kernel, median of 1"][0] == "skipped (no cold start)"
+    assert rows["CPU, process + children (nft, iptables-restore): cold start"][0] == (
+        ">= 596 s (when stopped)"
+    )
+    assert rows["ruleset: chains"][0].startswith("110,010 (being loaded when stopped")
+    assert rows["50 Node status updates: CPU, process + children"][1] == "0.04 s"
+    assert rows["50 Node status updates: syncs (full + partial)"][1] == "0"
+    data = rp.to_json(size, INFO, opts, "cmd")
+    summary = data["modes"]["iptables"]["systems"]["kpx"]["summary"]
+    assert summary["cold_start_s"] == 11.0 and summary["node_updates_cpu_s"] == 0.04
+    assert data["modes"]["iptables"]["systems"]["kube-proxy"]["summary"]["cold_start_timed_out"]

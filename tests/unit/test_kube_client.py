@@ -19,7 +19,10 @@ from kpx_kube.errors import (
     Unreachable,
     WatchIdle,
 )
+from kpx_kube.kinds import BUILTIN, prefix_of
 from kpx_kube.request import CONTENT_TYPES, apply_params, build, object_path
+from kpx_operator.apiserver import KINDS as OPERATOR_KINDS
+from kpx_operator.apiserver import object_path as operator_path
 
 
 def status_doc(code: int, reason: str, message: str) -> bytes:
@@ -128,4 +131,24 @@ def test_object_paths() -> None:
     assert object_path("/api/v1", "nodes", "n1") == "/api/v1/nodes/n1"
     assert object_path("/apis/apps/v1", "daemonsets", None, "kube-system") == (
         "/apis/apps/v1/namespaces/kube-system/daemonsets"
+    )
+
+
+def test_the_builtin_kinds_table_gives_paths_without_discovery() -> None:
+    assert BUILTIN["EndpointSlice"].path("s", "ns") == (
+        "/apis/discovery.k8s.io/v1/namespaces/ns/endpointslices/s"
+    )
+    assert BUILTIN["Node"].path("n1", "ignored") == "/api/v1/nodes/n1"
+    assert (
+        BUILTIN["Lease"].path(None, "kpx") == "/apis/coordination.k8s.io/v1/namespaces/kpx/leases"
+    )
+    with pytest.raises(ValueError, match="namespaced"):
+        BUILTIN["Pod"].path("p")
+    assert prefix_of("v1") == "/api/v1" and prefix_of("apps/v1") == "/apis/apps/v1"
+    # The operator's kinds are kpx_kube's, plus its own CRD's.
+    assert {k: OPERATOR_KINDS[k] for k in ("ConfigMap", "DaemonSet")} == {
+        k: BUILTIN[k] for k in ("ConfigMap", "DaemonSet")
+    }
+    assert operator_path("ProxyConfiguration", "px") == (
+        "/apis/proxy.kpx.dev/v1alpha1/proxyconfigurations/px"
     )
