@@ -386,8 +386,24 @@ class Cluster:
         subprocess.run(["rm", "-rf", "--one-file-system", str(self.state_dir)], check=False)
 
     # -- convenience ---------------------------------------------------------------------------
+    def wait_namespace_settled(self, name: str, timeout: float = 180) -> None:
+        """Wait until namespace `name` is absent or not terminating: nothing can be created in
+        a namespace that an earlier test deleted until it is gone."""
+        deadline = time.monotonic() + timeout
+        while True:
+            # One read: absent, or present and not terminating (two reads race with the
+            # namespace's removal between them).
+            got = self.kubectl("get", "namespace", name, check=False)
+            if got.returncode != 0 or "Terminating" not in got.stdout:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"namespace {name} still terminating after {timeout}s")
+            time.sleep(0.5)
+
     def create_namespace(self, name: str, timeout: float = 30) -> None:
-        """Create a namespace and wait for its default ServiceAccount (Pods need it)."""
+        """Create a namespace (once a deleted one of that name is gone) and wait for its default
+        ServiceAccount (Pods need it)."""
+        self.wait_namespace_settled(name)
         self.kubectl("create", "namespace", name)
         deadline = time.monotonic() + timeout
         while self.kubectl("-n", name, "get", "sa", "default", check=False).returncode != 0:

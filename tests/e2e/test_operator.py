@@ -156,6 +156,7 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
 
     wait_until(established, 60, "CRD established")
+    cluster.wait_namespace_settled(NS)  # an earlier module may have deleted it
     # Everything the operator ships except its Deployment (no kubelet here to run it).
     for name in ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "agent-rbac.yaml"):
         cluster.kubectl("apply", "-f", _manifest(name))

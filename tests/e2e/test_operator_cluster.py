@@ -113,15 +113,7 @@ def env(cluster: Cluster) -> Iterator[Env]:
         try:
             nodes = [sim.add_node(f"c{run}-{i}", labels=label) for i in (1, 2, 3)]
 
-            # An earlier module may have deleted the operator's namespace: nothing can be
-            # created in it until it is gone.
-            def namespace_settled() -> bool:
-                # One read: absent, or present and not terminating (two reads raced with the
-                # namespace's removal between them).
-                got = cluster.kubectl("get", "namespace", NS, check=False)
-                return got.returncode != 0 or "Terminating" not in got.stdout
-
-            wait_until(namespace_settled, 180, f"namespace {NS} not terminating")
+            cluster.wait_namespace_settled(NS)  # an earlier module may have deleted it
             cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
             cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
                             "crd/proxyconfigurations.proxy.kpx.dev")  # fmt: skip
