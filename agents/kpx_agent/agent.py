@@ -7,10 +7,12 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
+from kpx_api.constants import FIRST_SYNC_VERIFIED
 from kpx_api.errors import ConfigError
 from kpx_kube import Client, collector
 from kpx_kube.reflector import Reflector, Resource
@@ -52,6 +54,11 @@ class Agent:
         self.backend = backend
         self.config_path = config_path
         self._synced_once = False  # until the first sync was attempted
+        #: Set once a full sync programmed the kernel without error and the backend then
+        #: finds its rules there: what make-before-break waits for (takeover.py).
+        self.first_sync_verified = asyncio.Event()
+        #: Coroutines run beside the sync loop, from the start to the stop of `run`.
+        self.companions: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self.overrides = overrides or {}
         self.conntrack_paths = conntrack_paths or conntrack_sysctl.ConntrackPaths()
         self.pod = pod_events.PodRef.from_env()
@@ -136,6 +143,7 @@ class Agent:
         try:
             if self.state_server is not None:
                 await self.state_server.start()
+            tasks += [asyncio.create_task(companion()) for companion in self.companions]
             await self.apply_conntrack()
             namespaces = self._reflector(NAMESPACES_RESOURCE)
             node = self._reflector(
@@ -228,6 +236,8 @@ class Agent:
                     self.health.queued_update()
                 if outcome.full or outcome.changed_ports:
                     await self.health_check_servers.update(health_targets(self.proxier.local))
+                if outcome.full and not self.first_sync_verified.is_set():
+                    await self._verify_first_sync()
                 log.debug(
                     "synced %d ports (%s) in %.3fs",
                     outcome.changed_ports,
@@ -237,6 +247,21 @@ class Agent:
             else:
                 retry_delay = min(max(retry_delay * 2, 1.0), 30.0)
                 self.state.touch_all()
+
+    async def _verify_first_sync(self) -> None:
+        """After a successful full sync: set `first_sync_verified` if the backend finds its
+        rules in the kernel (backends without that check: the sync's success is the proof)."""
+        programmed = getattr(self.backend, "programmed", None)
+        if programmed is not None and not await asyncio.to_thread(programmed):
+            log.warning("the first sync succeeded but its rules are not in the kernel")
+            self.proxier.request_full_sync()
+            self._wake.set()
+            return
+        log.info("first sync verified: own rules programmed")
+        self.first_sync_verified.set()
+        await self._report("Normal", FIRST_SYNC_VERIFIED,
+                           f"mode {self.settings.mode}: own rules programmed and found in the "
+                           "kernel; this agent serves its node")  # fmt: skip
 
     # -- live configuration --------------------------------------------------------------------
     def _stamp(self) -> bytes:
@@ -310,6 +335,10 @@ class Agent:
                 f"conntrack settings applied ({changes or 'already as configured'})",
             )  # fmt: skip
         self._conntrack_failed = bool(outcome.failures)
+
+    async def report_event(self, type_: str, reason: str, message: str) -> None:
+        """An Event about this agent's Pod (none when the Pod is unknown: started by hand)."""
+        await self._report(type_, reason, message)
 
     async def _report(self, type_: str, reason: str, message: str) -> None:
         if self.pod is None:

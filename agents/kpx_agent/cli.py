@@ -10,9 +10,15 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kpx_api.constants import (
+    KUBE_PROXY_RULES_REMOVED,
+    LEFTOVERS_NOT_REMOVED,
+    WAITING_FOR_KUBE_PROXY,
+)
 from kpx_api.errors import ConfigError
 from kpx_api.modes import has_backend, no_backend_message
 from kpx_api.networks import parse_bind_address
@@ -24,13 +30,22 @@ from kpx_kube import (
     in_cluster,
 )
 
-from . import backends, conntrack_sysctl
+from . import backends, conntrack_sysctl, preflight
 from . import settings as settings_mod
 from .agent import Agent
 from .backends.base import NodePaths
 from .http_endpoints import health_app, serve
+from .ipvs_cleanup import remove_kpx_ipvs_leftovers
+from .kube_proxy_takeover import (
+    KUBE_PROXY_DAEMONSET,
+    KUBE_PROXY_NAMESPACE,
+    kube_proxy_runs_here,
+    remove_kube_proxy_leftovers,
+)
+from .localnet import IPNetwork
 from .metrics import AgentMetrics
 from .proxy_health import ProxyHealth
+from .takeover import Leftover, LeftoverRemoval, other_mode_leftovers
 
 log = logging.getLogger("kpx_agent")
 MODES = ("nftables", "iptables", "ipvs", "external")
@@ -198,17 +213,62 @@ def explain_migration(argv: list[str]) -> int:
     return 0
 
 
+def other_mode_removers(
+    exclude_cidrs: tuple[IPNetwork, ...] = (),
+) -> dict[str, Callable[[], None]]:
+    """Modes whose leftovers are not removed by their backend's full `cleanup()`: ipvs, whose
+    cleanup takes every virtual server and kube-ipvs0 (upstream kube-proxy's too); another
+    mode's agent removes only what a kpx ipvs agent made (ipvs_leftovers.py)."""
+
+    def remove_ipvs() -> None:
+        remove_kpx_ipvs_leftovers(exclude_cidrs)
+
+    return {"ipvs": remove_ipvs}
+
+
 def remove_other_modes(mode: str) -> None:
-    """Remove what agents of the other modes left on this node (a mode switch must not leave
-    stale rules behind, the upstream pain)."""
-    for other in backends.REGISTRY:
-        if other == mode:
-            continue
+    """Remove at once what agents of the other modes left on this node (a failure is logged).
+    The agent itself does this only after its first verified sync (`leftover_removal`)."""
+    for leftover in other_mode_leftovers(mode, backends.REGISTRY, backends.load,
+                                         other_mode_removers()):  # fmt: skip
         try:
-            module: Any = backends.load(other)
-            module.cleanup()
+            leftover.remove()
         except Exception as exc:
-            log.warning("could not check for %s leftovers: %s", other, exc)
+            log.warning("could not remove %s: %s", leftover.description, exc)
+
+
+def kube_proxy_leftover(agent: Agent) -> Leftover:
+    """spec.takeover.fromKubeProxy: upstream kube-proxy's rules, removed once its DaemonSet's
+    Pod is gone from this node (IPVS too, unless this agent is in mode ipvs itself)."""
+    include_ipvs = agent.settings.mode != "ipvs"
+
+    async def gone() -> bool:
+        return not await kube_proxy_runs_here(agent.client, agent.node_name)
+
+    return Leftover(
+        "kube-proxy",
+        "upstream kube-proxy's rules",
+        lambda: remove_kube_proxy_leftovers(include_ipvs),
+        gone,
+        removed_reason=KUBE_PROXY_RULES_REMOVED,
+        waiting_reason=WAITING_FOR_KUBE_PROXY,
+        waiting_message=f"a Pod of {KUBE_PROXY_NAMESPACE}/{KUBE_PROXY_DAEMONSET} runs on this "
+        "node: its rules are removed once it is gone (both proxies serve meanwhile)",
+    )
+
+
+def leftover_removal(agent: Agent) -> LeftoverRemoval:
+    """Make-before-break (takeover.py): once the agent's first sync is verified, remove the
+    other modes' rules from this node, retrying what fails."""
+    removers = other_mode_removers(agent.settings.proxy.ipvs.exclude_cidrs)
+    leftovers = other_mode_leftovers(agent.settings.mode, backends.REGISTRY, backends.load,
+                                     removers)  # fmt: skip
+    if agent.settings.takeover_from_kube_proxy:
+        leftovers.append(kube_proxy_leftover(agent))
+    removal = LeftoverRemoval(leftovers, agent.metrics.registry, agent.report_event,
+                              failed_reason=LEFTOVERS_NOT_REMOVED)  # fmt: skip
+    agent.companions.append(lambda: removal.run(agent.first_sync_verified))
+    return removal
 
 
 async def _run_until_signal(agent: Agent) -> None:
@@ -257,7 +317,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyError as exc:
         print(f"proxy-agent: {exc.args[0]}", file=sys.stderr)
         return 2
-    remove_other_modes(settings.mode)
     try:
         creds = from_kubeconfig(args.kubeconfig) if args.kubeconfig else in_cluster()
     except KubeconfigError as exc:
@@ -274,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
             args.conntrack_sysctl_dir, args.conntrack_hashsize_file
         ),
     )
+    # Make-before-break: the other modes' rules stay until this agent's own are in.
+    leftover_removal(agent)
+    agent.companions.append(lambda: preflight.report(agent.report_event))
     # Tens of thousands of long-lived objects arrive at start: with the default thresholds the
     # cyclic collector rescans them over and over (measured: decode 0.87 s -> 0.12 s at 10k).
     gc.set_threshold(100_000, 50, 100)

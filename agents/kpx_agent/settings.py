@@ -28,6 +28,8 @@ class AgentSettings:
     conntrack: Conntrack = field(default_factory=Conntrack)
     #: Where the node-local state API listens (stateAPI.address), None when it is off.
     state_api: str | None = None
+    #: spec.takeover.fromKubeProxy: remove upstream kube-proxy's rules (kube_proxy_takeover.py).
+    takeover_from_kube_proxy: bool = False
 
 
 def _detect_local(config: AgentConfiguration) -> DetectLocal:
@@ -78,6 +80,7 @@ def resolve(config: AgentConfiguration) -> AgentSettings:
             if config.state_api.enabled or state_server_only(str(config.mode))
             else None
         ),
+        takeover_from_kube_proxy=config.takeover.from_kube_proxy,
     )
 
 

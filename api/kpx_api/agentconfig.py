@@ -105,3 +105,13 @@ def load_agent_config(path: str | os.PathLike[str]) -> AgentConfiguration:
         detail = " ".join(str(exc).split())
         raise ConfigError(source, [FieldError("", f"not valid YAML: {detail}")]) from None
     return parse_agent_config(data, source)
+
+
+def parse_agent_config_text(text: str, source: str = "agent configuration") -> AgentConfiguration:
+    """`dump_agent_config`'s inverse (the ConfigMap's content); raises `ConfigError`."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        detail = " ".join(str(exc).split())
+        raise ConfigError(source, [FieldError("", f"not valid YAML: {detail}")]) from None
+    return parse_agent_config(data, source)

@@ -25,3 +25,14 @@ OPT_OUT_VALUE: Final = "disabled"
 AGENT_EVENT_SOURCE: Final = "kpx-agent"
 CONNTRACK_NOT_APPLIED: Final = "ConntrackNotApplied"
 CONNTRACK_APPLIED: Final = "ConntrackApplied"
+#: An agent could not remove another proxy's rules from its node (it retries; takeover.py).
+LEFTOVERS_NOT_REMOVED: Final = "LeftoversNotRemoved"
+#: spec.takeover.fromKubeProxy: the agent waits for kube-proxy's Pod to leave its node, then
+#: removes kube-proxy's rules there.
+WAITING_FOR_KUBE_PROXY: Final = "WaitingForKubeProxy"
+KUBE_PROXY_RULES_REMOVED: Final = "KubeProxyRulesRemoved"
+#: The agent's first full sync is programmed and verified in the kernel: it serves its node
+#: (spec.takeover.moveKubeProxyOff: the operator may then move kube-proxy off that node).
+FIRST_SYNC_VERIFIED: Final = "FirstSyncVerified"
+#: Which modes the agent's node can run (kpx_api.preflight: the message's format).
+MODE_PREFLIGHT: Final = "ModePreflight"

@@ -13,10 +13,12 @@ from kpx_api.constants import API_VERSION, KIND
 from kpx_api.errors import ConfigError
 from kpx_api.modes import Mode
 from kpx_api.names import DNSSubdomain
+from kpx_api.preflight import DroppedSetting
 from kpx_api.proxysettings import ProxySettings
 from kpx_api.scheduling import IntOrPercent, ResourceRequirements, Toleration
 from kpx_api.selectors import LabelMap
-from kpx_api.validation import KpxModel, Text
+from kpx_api.takeover import TakeoverStatus
+from kpx_api.validation import KpxModel, SetList, Text
 
 DEFAULT_PRIORITY_CLASS: Final = "system-node-critical"
 
@@ -30,6 +32,20 @@ Image = Annotated[
         message="must be a container image reference such as ghcr.io/kpx/kpx-agent:0.1.0",
     ),
 ]
+
+
+class ModeSwitch(KpxModel):
+    """What the user accepts to lose when spec.mode changes."""
+
+    accept_dropped: Annotated[list[DroppedSetting], Field(max_length=8), SetList()] = Field(
+        default_factory=list,
+        description="Settings in effect that the new mode has no counterpart for, accepted as "
+        "lost: ipvsScheduler (an ipvs scheduler other than rr), ipvsTimeouts (ipvs tcpTimeout, "
+        "tcpFinTimeout, udpTimeout), localhostNodePorts (iptables NodePorts on 127.0.0.1). "
+        "While the agents' configuration in effect has one that the new mode drops and it is "
+        "not listed here, the operator does not apply the new spec (the agents keep the old "
+        "mode) and condition Preflight says what to accept.",
+    )
 
 
 class ProxyConfigurationSpec(ProxySettings):
@@ -62,6 +78,10 @@ class ProxyConfigurationSpec(ProxySettings):
         description="Agents that may be down at once during a rollout: a number of nodes (>= 1) "
         'or a percentage of them ("1%" to "100%").',
     )
+    mode_switch: ModeSwitch = Field(
+        default_factory=ModeSwitch,
+        description="A change of mode that drops settings in effect (docs/migrating.md).",
+    )
 
 
 class ConditionType(StrEnum):
@@ -71,6 +91,8 @@ class ConditionType(StrEnum):
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
     DEPRECATED = "Deprecated"
+    #: Present once agents report which modes their nodes can run, or while a switch is held.
+    PREFLIGHT = "Preflight"
 
 
 class ConditionStatus(StrEnum):
@@ -111,7 +133,7 @@ class Condition(KpxModel):
             pattern=CONDITION_TYPE_PATTERN,
             message="must be a CamelCase condition type such as Ready",
         ),
-    ] = Field(description="Condition type: Ready, Progressing, Degraded or Deprecated.")
+    ] = Field(description="Condition type: Ready, Progressing, Degraded, Deprecated or Preflight.")
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: Annotated[
         str,
@@ -162,6 +184,10 @@ class ProxyConfigurationStatus(KpxModel):
         default=None,
         strict=True,
         description="True when the configuration uses a mode deprecated upstream (ipvs).",
+    )
+    takeover: TakeoverStatus | None = Field(
+        default=None,
+        description="spec.takeover.fromKubeProxy: each node's progress (docs/migrating.md).",
     )
     kopf: dict[str, Any] | None = Field(
         default=None,

@@ -24,6 +24,7 @@ from kpx_api.names import DNSLabel
 from kpx_api.networks import BindAddress, ClusterCIDRs, NodePortAddresses, parse_cidr
 from kpx_api.selectors import LabelSelector
 from kpx_api.stateapi import StateAPI
+from kpx_api.takeover import Takeover
 from kpx_api.validation import KpxModel, Rule, SetList, Text
 
 
@@ -303,6 +304,10 @@ class ProxySettings(KpxModel):
         default_factory=StateAPI,
         alias="stateAPI",
         description="The node-local state API for out-of-tree backends (docs/state-api.md).",
+    )
+    takeover: Takeover = Field(
+        default_factory=Takeover,
+        description="Taking nodes over from upstream kube-proxy (docs/migrating.md).",
     )
 
     def mode_settings(self) -> ModeSettings:

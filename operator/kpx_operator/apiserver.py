@@ -44,6 +44,8 @@ KINDS: Final[dict[str, Kind]] = {
     "DaemonSet": Kind("/apis/apps/v1", "daemonsets", True),
     "Lease": Kind("/apis/coordination.k8s.io/v1", "leases", True),
     "ProxyConfiguration": Kind(f"/apis/{GROUP}/{VERSION}", PLURAL, False),
+    # spec.takeover.moveKubeProxyOff: the label on Nodes, kube-system/kube-proxy's affinity.
+    "Node": Kind("/api/v1", "nodes", False),
 }
 
 
@@ -123,6 +125,13 @@ class ApiServer:
         """Delete; True when the object existed (and is now gone or going)."""
         return await self.client.delete(object_path(kind, name, namespace),
                                         propagation=propagation, missing_ok=True)  # fmt: skip
+
+    async def patch(
+        self, kind: str, name: str, namespace: str | None, body: Mapping[str, Any]
+    ) -> Obj:
+        """JSON merge patch of an object the operator does not own (a Node's label, the
+        kube-proxy DaemonSet's affinity): only the fields in `body` change."""
+        return await self.client.patch(object_path(kind, name, namespace), body)
 
     async def patch_status(self, kind: str, name: str, status: Mapping[str, Any]) -> Obj:
         """JSON merge patch of .status through the status subresource."""

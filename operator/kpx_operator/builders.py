@@ -156,6 +156,10 @@ def agent_config(spec: ProxyConfigurationSpec) -> AgentConfiguration:
 def restart_hash(config: AgentConfiguration) -> str:
     """Hash of the part of the configuration the agent reads only at start (not LIVE_FIELDS)."""
     frozen = {k: v for k, v in config.to_dict().items() if k not in LIVE_FIELDS}
+    # The operator's part of spec.takeover: the agents do not read it (no restart on a change).
+    takeover = dict(frozen.get("takeover") or {})
+    takeover.pop("moveKubeProxyOff", None)
+    frozen["takeover"] = takeover
     text = json.dumps(frozen, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -27,12 +27,16 @@ from kpx_api import (
     no_backend_message,
     parse_spec,
 )
+from kpx_api.agentconfig import AgentConfiguration, parse_agent_config_text
 from kpx_api.constants import AGENT_EVENT_SOURCE
+from kpx_api.preflight import dropped_settings
+from kpx_api.takeover import KUBE_PROXY_OFF_LABEL, TakeoverStatus
 
 from .admission import Admission, IPVSPolicy, PxcInfo, admit, conflict_message
 from .agent_reports import NodeProblem, conntrack_problems
 from .apiserver import ApiError, Applied
 from .builders import (
+    CONFIG_KEY,
     BuildOptions,
     ChildRef,
     Owner,
@@ -41,6 +45,8 @@ from .builders import (
     cleanup_daemonset,
 )
 from .names import AGENT_APP, child_names, selector_labels
+from .preflight import Preflight, assess, preflight_reports
+from .preflight import condition as condition_of
 from .status import (
     IPVS_DENIED_MESSAGE,
     NFTABLES_ADVICE,
@@ -50,6 +56,17 @@ from .status import (
     is_current,
     parse_status,
     status_patch,
+)
+from .takeover import (
+    KUBE_PROXY_DAEMONSET,
+    KUBE_PROXY_NAMESPACE,
+    SERVING,
+    Phase,
+    affinity_patch,
+    node_label_patch,
+    node_phases,
+    nodes_to_label,
+    takeover_status,
 )
 
 log = logging.getLogger("kpx_operator")
@@ -72,6 +89,9 @@ class Api(Protocol):
         self, kind: str, name: str, namespace: str | None = None, *, propagation: str = ...
     ) -> bool: ...
     async def patch_status(self, kind: str, name: str, status: Mapping[str, Any]) -> Obj: ...
+    async def patch(
+        self, kind: str, name: str, namespace: str | None, body: Mapping[str, Any]
+    ) -> Obj: ...
 
 
 class NotYet(Exception):
@@ -205,15 +225,41 @@ class Reconciler:
             error: str | None = None
             ds: Obj | None = None
             problems: tuple[NodeProblem, ...] = ()
+            takeover: TakeoverStatus | None = None
+            preflight: Preflight | None = None
+            previous = self._status.get(uid) or parse_status(body.get("status"))
             try:
                 if spec is not None and admission.deploy:
                     self._cleared.discard(uid)
-                    for obj in agent_children(owner, spec, opts):
-                        applied = await self.api.apply(obj)
-                        self._note(obj, applied, emit)
-                    ds = applied.obj  # the DaemonSet comes last
-                    if not spec.conntrack.leaves_node_alone():
-                        problems = await self._conntrack_problems(name)
+                    current = await self._config_in_effect(name)
+                    dropped = dropped_settings(current, str(spec.mode)) if current else []
+                    reports = await self._agent_reports(name, spec)
+                    preflight = assess(
+                        str(spec.mode),
+                        preflight_reports(*reports) if reports is not None else {},
+                        dropped,
+                        spec.mode_switch.accept_dropped,
+                        str(current.mode) if current else "",
+                    )
+                    if preflight.held:
+                        # The switch waits for spec.modeSwitch.acceptDropped: nothing new is
+                        # applied, the agents keep the mode in effect.
+                        held = ",".join(d.setting.value for d in preflight.held)
+                        said = condition_of(preflight)
+                        if said and self._once(uid, "held", f"{generation}/{held}"):
+                            emit("Warning", "ModeSwitchHeld", said[2])
+                        ds = await self.api.get("DaemonSet", child_names(name).agent,
+                                                opts.namespace)  # fmt: skip
+                    else:
+                        for obj in agent_children(owner, spec, opts):
+                            applied = await self.api.apply(obj)
+                            self._note(obj, applied, emit)
+                        ds = applied.obj  # the DaemonSet comes last
+                    if reports is not None and not spec.conntrack.leaves_node_alone():
+                        problems = conntrack_problems(*reports)
+                    if reports is not None and spec.takeover.from_kube_proxy:
+                        takeover = await self._take_over(uid, spec, reports, nodes, previous,
+                                                         emit)  # fmt: skip
                 else:
                     why = (
                         "the spec is invalid" if invalid
@@ -236,8 +282,8 @@ class Reconciler:
             mode = str((body.get("spec") or {}).get("mode", ""))
             self._announce(uid, generation, mode, admission, emit)
             observed = Observed(generation, mode, admission, ds, error=error, invalid=invalid,
-                                conntrack_problems=problems)  # fmt: skip
-            previous = self._status.get(uid) or parse_status(body.get("status"))
+                                conntrack_problems=problems, takeover=takeover,
+                                preflight=preflight)  # fmt: skip
             status = compute_status(observed, previous, self.clock())
             if not is_current(body.get("status"), status):
                 try:
@@ -248,8 +294,11 @@ class Reconciler:
             self._status[uid] = status
             return status
 
-    async def _conntrack_problems(self, name: str) -> tuple[NodeProblem, ...]:
-        """What the agents of `name` report about spec.conntrack (their Pods' Events)."""
+    async def _agent_reports(
+        self, name: str, spec: ProxyConfigurationSpec
+    ) -> tuple[list[Obj], list[Obj]] | None:
+        """The agent Pods of `name` and the Events they recorded about themselves (None when
+        nothing reads them, or they cannot be read)."""
         ns = self.config.build.namespace
         selector = ",".join(f"{k}={v}" for k, v in selector_labels(name, AGENT_APP).items())
         try:
@@ -259,8 +308,106 @@ class Reconciler:
             )
         except ApiError as exc:
             log.warning("%s: cannot read the agents' reports: %s", name, exc)
-            return ()
-        return conntrack_problems(pods, events)
+            return None
+        return pods, events
+
+    async def _config_in_effect(self, name: str) -> AgentConfiguration | None:
+        """The agents' configuration as the operator last applied it (their ConfigMap), or
+        None (none yet, or unreadable)."""
+        cm = await self.api.get("ConfigMap", child_names(name).agent, self.config.build.namespace)
+        text = ((cm or {}).get("data") or {}).get(CONFIG_KEY)
+        if not text:
+            return None
+        try:
+            return parse_agent_config_text(text)
+        except ConfigError as exc:
+            log.warning("%s: the agents' ConfigMap does not parse: %s", name, exc)
+            return None
+
+    async def _take_over(
+        self,
+        uid: str,
+        spec: ProxyConfigurationSpec,
+        reports: tuple[list[Obj], list[Obj]],
+        nodes: Mapping[str, Mapping[str, str]],
+        previous: ProxyConfigurationStatus | None,
+        emit: EventFn,
+    ) -> TakeoverStatus:
+        """spec.takeover: each node's phase (an Event on the ProxyConfiguration when it
+        changes) and, with moveKubeProxyOff, kube-proxy moved off the nodes kpx serves."""
+        phases = node_phases(*reports)
+        before = {n.name: n.phase for n in (previous.takeover.nodes if previous and
+                                            previous.takeover else [])}  # fmt: skip
+        for node, (phase, message) in sorted(phases.items()):
+            if before.get(node) != phase and phase is not Phase.AGENT_NOT_READY:
+                kind = "Warning" if phase is Phase.REMOVAL_FAILING else "Normal"
+                emit(kind, phase.value, f"node {node}: {message or phase.value}")
+        labels = {node: dict(nodes.get(node) or {}) for node in phases}
+        if spec.takeover.move_kube_proxy_off:
+            for node in await self._move_kube_proxy_off(uid, phases, nodes, emit):
+                labels[node][KUBE_PROXY_OFF_LABEL] = "true"
+        return takeover_status(phases, labels)
+
+    async def _move_kube_proxy_off(
+        self,
+        uid: str,
+        phases: Mapping[str, tuple[Phase, str]],
+        nodes: Mapping[str, Mapping[str, str]],
+        emit: EventFn,
+    ) -> list[str]:
+        """Keep kube-system/kube-proxy off the nodes kpx serves: its affinity excludes
+        KUBE_PROXY_OFF_LABEL (patched when it does not), then each such node gets the label.
+        Returns the nodes labelled now. Failures are logged and tried again next pass."""
+        if not any(phase in SERVING for phase, _ in phases.values()):
+            return []
+        ref = f"DaemonSet {KUBE_PROXY_NAMESPACE}/{KUBE_PROXY_DAEMONSET}"
+        try:
+            ds = await self.api.get("DaemonSet", KUBE_PROXY_DAEMONSET, KUBE_PROXY_NAMESPACE)
+            if ds is None:
+                if self._once(uid, "kube-proxy", "absent"):
+                    emit("Normal", "KubeProxyNotFound",
+                         f"no {ref}: nothing to move off the nodes")  # fmt: skip
+                return []
+            patch = affinity_patch(ds)
+            if patch is not None:
+                await self.api.patch("DaemonSet", KUBE_PROXY_DAEMONSET, KUBE_PROXY_NAMESPACE,
+                                     patch)  # fmt: skip
+                emit("Normal", "KubeProxyAffinityPatched",
+                     f"{ref}: its Pods now stay off nodes labelled {KUBE_PROXY_OFF_LABEL} "
+                     "(its pod template changed: kube-proxy restarts on the other "
+                     "nodes)")  # fmt: skip
+            self._told.pop((uid, "kube-proxy"), None)
+            done = []
+            for node in nodes_to_label(phases, nodes):
+                await self.api.patch("Node", node, None, node_label_patch(node, True))
+                done.append(node)
+                emit("Normal", "KubeProxyMovedOff",
+                     f"node {node}: kpx serves it; labelled {KUBE_PROXY_OFF_LABEL}=true, so "
+                     f"{ref} leaves it")  # fmt: skip
+            return done
+        except ApiError as exc:
+            log.warning("moving kube-proxy off the nodes: %s", exc)
+            if self._once(uid, "kube-proxy", f"error/{exc}"):
+                emit("Warning", "KubeProxyNotMoved", f"cannot move {ref} off the nodes kpx "
+                     f"serves (retrying): {exc}")  # fmt: skip
+            return []
+
+    async def _move_kube_proxy_back(
+        self, name: str, nodes: Mapping[str, Mapping[str, str]], emit: EventFn
+    ) -> None:
+        """Before the agents of `name` stop: remove KUBE_PROXY_OFF_LABEL from their nodes, so
+        that the kube-proxy DaemonSet comes back to them (raises ApiError: the deletion is
+        retried)."""
+        ns = self.config.build.namespace
+        selector = ",".join(f"{k}={v}" for k, v in selector_labels(name, AGENT_APP).items())
+        pods = await self.api.list("Pod", ns, label_selector=selector)
+        mine = {str((p.get("spec") or {}).get("nodeName") or "") for p in pods}
+        for node in sorted(n for n in mine if KUBE_PROXY_OFF_LABEL in (nodes.get(n) or {})):
+            await self.api.patch("Node", node, None, node_label_patch(node, False))
+            emit("Normal", "KubeProxyMovedBack",
+                 f"node {node}: label {KUBE_PROXY_OFF_LABEL} removed, so "
+                 f"{KUBE_PROXY_NAMESPACE}/{KUBE_PROXY_DAEMONSET} comes back to it before "
+                 "the kpx agent there stops")  # fmt: skip
 
     def _announce(
         self, uid: str, generation: int, mode: str, adm: Admission, emit: EventFn
@@ -312,6 +459,8 @@ class Reconciler:
             agents = await self.api.get("DaemonSet", names.agent, opts.namespace)
             if agents is not None:
                 if not (agents.get("metadata") or {}).get("deletionTimestamp"):
+                    if spec.takeover.move_kube_proxy_off:
+                        await self._move_kube_proxy_back(name, nodes, emit)
                     # Foreground: the DaemonSet goes only once its pods are gone, so no agent
                     # rewrites rules after the cleanup removed them.
                     await self.api.delete("DaemonSet", names.agent, opts.namespace,

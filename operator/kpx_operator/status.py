@@ -20,9 +20,12 @@ from kpx_api import (
     ProxyConfigurationStatus,
     no_backend_message,
 )
+from kpx_api.takeover import TakeoverStatus
 
 from .admission import Admission, conflict_message
 from .agent_reports import NodeProblem, conntrack_message
+from .preflight import Preflight
+from .preflight import condition as preflight_condition
 
 TRUE, FALSE = ConditionStatus.TRUE, ConditionStatus.FALSE
 
@@ -84,6 +87,10 @@ class Observed:
     invalid: str | None = None  # why the spec does not validate (the apiserver should refuse)
     #: Nodes whose agent reports that it could not apply spec.conntrack (agent_reports.py).
     conntrack_problems: tuple[NodeProblem, ...] = ()
+    #: spec.takeover.fromKubeProxy: each node's progress (takeover.py); None when off.
+    takeover: TakeoverStatus | None = None
+    #: Which nodes cannot run spec.mode, a held mode switch (preflight.py); None: unknown.
+    preflight: Preflight | None = None
 
 
 def _cond(type_: ConditionType, status: ConditionStatus, reason: str, message: str) -> CondTuple:
@@ -187,7 +194,11 @@ def compute_status(
     """The status to write. `previous` keeps lastTransitionTime of conditions whose status
     did not change; `now` stamps the others."""
     conditions = []
-    for type_, status, reason, message in conditions_for(obs):
+    found = conditions_for(obs)
+    said = preflight_condition(obs.preflight) if obs.preflight is not None else None
+    if said is not None and obs.invalid is None and obs.admission.deploy:
+        found.append((ConditionType.PREFLIGHT, ConditionStatus(said[0]), said[1], said[2]))
+    for type_, status, reason, message in found:
         before = previous.condition(type_) if previous is not None else None
         since = before.last_transition_time if before and before.status == status else now
         conditions.append(
@@ -211,6 +222,7 @@ def compute_status(
         desired_nodes=rollout.desired if rollout and rollout.current else 0,
         ready_nodes=rollout.ready_current if rollout else 0,
         deprecated=obs.mode == Mode.IPVS,
+        takeover=obs.takeover if deployed else None,
     )
 
 

@@ -75,8 +75,6 @@ def main() -> None:
         step = json.loads(line)
         answer: dict[str, Any] = {"ok": True}
         try:
-            if step.get("remove_other_modes"):
-                remove_other_modes(mode)
             if step.get("cleanup"):
                 module.cleanup()
             if "services" in step:
@@ -90,6 +88,8 @@ def main() -> None:
                 backend.sync(state, None if changed is None else [_key(k) for k in changed])
                 if hasattr(backend, "draining"):
                     answer["draining"] = sum(len(v) for v in backend.draining().values())
+            if step.get("remove_other_modes"):  # after the sync, as the agent does
+                remove_other_modes(mode)
         except Exception as exc:
             answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(answer), flush=True)

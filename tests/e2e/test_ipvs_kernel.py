@@ -197,7 +197,7 @@ def test_another_mode_taking_over_keeps_traffic_and_leaves_nothing(
     services = [web(b1, b2), NONE]
     ipvs.step(services=services)
     assert probe(topology, client, VIP, 80, "tcp", count=4, timeout=2).failed == 0
-    # The successor's agent starts on the node: it removes the ipvs leftovers, then serves.
+    # The successor's agent starts on the node: it programs its rules, then removes ipvs's.
     other = Driver(topology, n1, successor)
     other.step(remove_other_modes=True, services=services)
     assert "TCP" not in ipvsadm(topology, n1, "-Ln")

@@ -63,12 +63,14 @@ DEFAULT_SPEC: dict[str, Any] = {
         },
     },
     "stateAPI": {"enabled": False, "address": "unix:///run/proxy-agent/state.sock"},
+    "takeover": {"fromKubeProxy": False, "moveKubeProxyOff": False},
     "nodeSelector": {},
     "tolerations": [],
     "priorityClassName": "system-node-critical",
     "resources": {"requests": {}, "limits": {}},
     # No image: the operator's (its release's agent) unless the spec sets one.
     "maxUnavailable": 1,
+    "modeSwitch": {"acceptDropped": []},
 }
 
 

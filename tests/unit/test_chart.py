@@ -270,7 +270,11 @@ def test_no_namespace_object(helm_env: dict[str, str]) -> None:
 def test_release_namespace_everywhere(helm_env: dict[str, str]) -> None:
     objs = render(helm_env, namespace="proxy")
     for obj in objs:
-        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ProxyConfiguration"):
+        if obj["metadata"]["name"] in ("kpx-agent-takeover", "kpx-operator-takeover"):
+            # spec.takeover: the agents list kube-proxy's Pods where they are, the operator
+            # patches kube-proxy's DaemonSet (moveKubeProxyOff).
+            assert obj["metadata"]["namespace"] == "kube-system", key(obj)
+        elif obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ProxyConfiguration"):
             assert obj["metadata"]["namespace"] == "proxy", key(obj)
         for subject in obj.get("subjects", []):
             assert subject["namespace"] == "proxy"

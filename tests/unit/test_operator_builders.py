@@ -380,10 +380,22 @@ def test_operator_manifests_grant_no_wildcard_and_no_secrets() -> None:
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], obj["kind"]
         assert "secrets" not in rule["resources"]
         assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
-        if rule["apiGroups"] == [""] and {"services", "nodes", "namespaces"} & set(
-            rule["resources"]
-        ):
+        if rule["apiGroups"] == [""] and {"services", "namespaces"} & set(rule["resources"]):
             assert set(rule["verbs"]) <= {"get", "list", "watch"}
+        if rule["apiGroups"] == [""] and "nodes" in rule["resources"]:
+            # patch: the label of spec.takeover.moveKubeProxyOff; never create or delete.
+            assert set(rule["verbs"]) <= {"get", "list", "watch", "patch"}
+
+
+def test_operator_may_touch_only_kube_proxys_daemonset_in_kube_system() -> None:
+    """spec.takeover.moveKubeProxyOff: get and patch kube-system/kube-proxy, nothing else."""
+    in_kube_system = [
+        (o, r) for o, r in _operator_rules() if o["metadata"].get("namespace") == "kube-system"
+    ]
+    assert [r for _, r in in_kube_system] == [
+        {"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": ["kube-proxy"],
+         "verbs": ["get", "patch"]}
+    ]  # fmt: skip
 
 
 def _grants(rules: Iterable[Obj]) -> set[tuple[str, str, str]]:
@@ -406,7 +418,8 @@ def _operator_rules() -> list[tuple[Obj, Obj]]:
         and {"kind": "ServiceAccount", "name": "kpx-operator", "namespace": "kpx-system"}
         in o["subjects"]
     }
-    assert bound == {("ClusterRole", "kpx-operator"), ("Role", "kpx-operator")}
+    assert bound == {("ClusterRole", "kpx-operator"), ("Role", "kpx-operator"),
+                     ("Role", "kpx-operator-takeover")}  # fmt: skip
     return [(o, r) for o, r in _rules(_manifests()) if (o["kind"], o["metadata"]["name"]) in bound]
 
 

@@ -33,6 +33,7 @@ class FakeApi:
         self.deletes: list[tuple[str, str, str]] = []
         self.refuse: ApiError | None = None
         self.lists: list[tuple[str, str, str]] = []
+        self.patches: list[tuple[str, str, dict[str, Any]]] = []
         self.version = 0
 
     def _status(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -93,6 +94,32 @@ class FakeApi:
     async def patch_status(self, kind: str, name: str, status: Mapping[str, Any]) -> Any:
         self.statuses.append(dict(status))
         return {}
+
+    async def patch(
+        self, kind: str, name: str, namespace: str | None, body: Mapping[str, Any]
+    ) -> Any:
+        """A JSON merge patch (null removes a key); a stale resourceVersion is a Conflict."""
+        obj = self.objs.get((kind, namespace, name))
+        if obj is None:
+            raise ApiError(f"{kind} {name} not found")
+        self.patches.append((kind, name, copy.deepcopy(dict(body))))
+        want = (body.get("metadata") or {}).get("resourceVersion")
+        if want and want != obj["metadata"].get("resourceVersion"):
+            raise ApiError("Conflict")
+
+        def merge(into: dict[str, Any], patch: Mapping[str, Any]) -> None:
+            for key, value in patch.items():
+                if value is None:
+                    into.pop(key, None)
+                elif isinstance(value, Mapping) and isinstance(into.get(key), dict):
+                    merge(into[key], value)
+                else:
+                    into[key] = copy.deepcopy(value)
+
+        merge(obj, {k: v for k, v in body.items()})
+        self.version += 1
+        obj["metadata"]["resourceVersion"] = str(self.version)
+        return copy.deepcopy(obj)
 
     def hand_edit(self, kind: str, name: str) -> None:
         obj = self.objs[(kind, NS, name)]
@@ -334,8 +361,13 @@ def test_conntrack_not_applied_on_a_node_is_degraded_until_its_agent_applies_it(
         "False", "AsExpected")  # fmt: skip
 
 
-def test_conntrack_left_alone_reads_no_agent_reports() -> None:
+def test_conntrack_left_alone_is_no_conntrack_problem() -> None:
+    # The agents' reports are read all the same (preflight), but a ConntrackNotApplied from
+    # before spec.conntrack left the node alone no longer degrades.
     api, events = FakeApi(), Events()
+    api.objs[("Pod", NS, "u1")] = agent_pod("u1", "n1")
+    api.objs[("Event", NS, "a")] = agent_event("u1", "ConntrackNotApplied", "2026-01-01T00:00:01Z",
+                                               "conntrack settings not applied: x")  # fmt: skip
     leave_alone = {"maxPerCore": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"}
-    run(reconciler(api).reconcile(body(conntrack=leave_alone), [], {}, events))
-    assert api.lists == []
+    status = run(reconciler(api).reconcile(body(conntrack=leave_alone), [], {}, events))
+    assert status.condition("Degraded").reason == "AsExpected"

@@ -1,0 +1,73 @@
+"""The I/O edge of removing what a kpx ipvs agent left on a node (an agent of another mode,
+after its first verified sync): read kpx's helper tables, kube-proxy's ipvs-mode chains, the
+virtual servers and kube-ipvs0's addresses; `ipvs_leftovers.plan_cleanup` (pure) decides what
+is kpx's; remove that. Upstream kube-proxy's IPVS state stays for the takeover path."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+from .backends.ipvs import kernel
+from .backends.ipvs.model import VirtualKey
+from .ipvs_leftovers import TABLE, IpvsCleanup, KpxMarks, parse_marks, plan_cleanup
+from .kube_proxy_takeover import kube_proxy_ipvs_mode_here
+from .localnet import IPNetwork
+
+log = logging.getLogger(__name__)
+_NFT_FAMILY = {4: "ip", 6: "ip6"}
+
+
+def read_marks() -> KpxMarks:
+    if shutil.which("nft") is None:
+        return KpxMarks()
+    listings: dict[str, str | None] = {}
+    for family in ("ip", "ip6"):
+        proc = subprocess.run(["nft", "-j", "list", "table", family, TABLE],
+                              capture_output=True, text=True, check=False, timeout=120)  # fmt: skip
+        listings[family] = proc.stdout if proc.returncode == 0 else None
+    return parse_marks(listings)
+
+
+def _open_ipvs() -> Any:
+    try:
+        return kernel.Ipvs()
+    except kernel.KernelError:
+        return None  # no IPVS in this kernel: no virtual server can be left
+
+
+def remove_kpx_ipvs_leftovers(
+    exclude_cidrs: tuple[IPNetwork, ...] = (),
+    open_ipvs: Callable[[], Any] = _open_ipvs,
+) -> IpvsCleanup:
+    """Remove the virtual servers, kube-ipvs0 and helper tables a kpx ipvs agent made here."""
+    marks = read_marks()
+    if not marks.families:
+        return plan_cleanup(marks, False, {}, ())
+    ipvs = open_ipvs()
+    try:
+        servers: dict[VirtualKey, list[tuple[str, int]]] = {}
+        if ipvs is not None:
+            servers = {key: list(ipvs.connections(key)) for key in ipvs.services()}
+        decided = plan_cleanup(marks, kube_proxy_ipvs_mode_here(), servers,
+                               kernel.bound_addresses(), exclude_cidrs)  # fmt: skip
+        for key in decided.virtual_servers:
+            ipvs.delete_service(key)
+    finally:
+        if ipvs is not None:
+            ipvs.close()
+    if decided.dummy:
+        kernel.delete_dummy()
+    for family in decided.tables:
+        proc = subprocess.run(["nft", "delete", "table", _NFT_FAMILY[family], TABLE],
+                              capture_output=True, text=True, check=False, timeout=120)  # fmt: skip
+        if proc.returncode != 0:
+            raise RuntimeError(f"nft delete table {_NFT_FAMILY[family]} {TABLE}: {proc.stderr}")
+    kept = len(servers) - len(decided.virtual_servers)
+    log.info("kpx ipvs mode's leftovers: removed %d virtual servers%s (%s); %d left to others",
+             len(decided.virtual_servers), " and kube-ipvs0" if decided.dummy else "",
+             decided.why, kept)  # fmt: skip
+    return decided

@@ -1,0 +1,164 @@
+"""Taking a node over from upstream kube-proxy (spec.takeover.fromKubeProxy): the I/O edges.
+
+* `kube_proxy_runs_here`: whether a Pod of the `kube-system/kube-proxy` DaemonSet still runs
+  on this node (one namespaced list, `pods` in kube-system filtered by spec.nodeName; the
+  agent's Role `kpx-agent-takeover` in kube-system grants `list pods` there and nothing else).
+* `remove_kube_proxy_leftovers`: kube-proxy's iptables chains and jumps (nat, filter, mangle;
+  IPv4 and IPv6; in each iptables variant installed - nf_tables and legacy - since either may
+  hold them), its `ip`/`ip6 kube-proxy` nftables tables, and optionally its IPVS virtual
+  servers and kube-ipvs0. What is whose is decided by kube_proxy_leftovers.py (pure); this
+  module only runs the tools, with argument lists.
+
+The agent calls the removal after its own first verified sync and only once no kube-proxy Pod
+runs on the node (takeover.py), so the two never remove each other's rules while both run.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from kpx_kube import Client
+
+from . import kube_proxy_leftovers as plan
+
+log = logging.getLogger(__name__)
+
+KUBE_PROXY_NAMESPACE: Final = "kube-system"
+KUBE_PROXY_DAEMONSET: Final = "kube-proxy"
+TIMEOUT: Final = 120.0
+#: (save, restore) tools per family and variant; plain names last (a node with one flavour).
+_VARIANTS: Final = {
+    4: (("iptables-nft-save", "iptables-nft-restore"),
+        ("iptables-legacy-save", "iptables-legacy-restore"),
+        ("iptables-save", "iptables-restore")),
+    6: (("ip6tables-nft-save", "ip6tables-nft-restore"),
+        ("ip6tables-legacy-save", "ip6tables-legacy-restore"),
+        ("ip6tables-save", "ip6tables-restore")),
+}  # fmt: skip
+
+
+class TakeoverError(RuntimeError):
+    """A tool failed; what it had removed stays removed, the rest is retried."""
+
+
+def _run(argv: Sequence[str], stdin: str | None = None) -> str:
+    try:
+        proc = subprocess.run(list(argv), input=stdin, capture_output=True, text=True,
+                              check=False, timeout=TIMEOUT)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise TakeoverError(f"{argv[0]}: {exc}") from exc
+    if proc.returncode != 0:
+        raise TakeoverError(f"{' '.join(argv[:3])} failed: {proc.stderr.strip()[:1000]}")
+    return proc.stdout
+
+
+def _variants(family: int) -> list[tuple[str, str]]:
+    """The installed variants of `family`'s tools (the plain names only when no explicit
+    variant is installed: they are one of the two)."""
+    found = [
+        pair for pair in _VARIANTS[family][:2] if shutil.which(pair[0]) and shutil.which(pair[1])
+    ]
+    if not found:
+        plain = _VARIANTS[family][2]
+        if shutil.which(plain[0]) and shutil.which(plain[1]):
+            found = [plain]
+    return found
+
+
+def remove_iptables_leftovers() -> list[plan.TablePlan]:
+    """Remove kube-proxy's chains and jumps in every family, variant and table."""
+    done: list[plan.TablePlan] = []
+    for family in (4, 6):
+        for save, restore in _variants(family):
+            for table in plan.TABLES:
+                try:
+                    text = _run([save, "-t", table])
+                except TakeoverError as exc:  # that table cannot exist there (module absent)
+                    log.debug("%s -t %s: %s", save, table, exc)
+                    continue
+                table_plan = plan.plan_table(table, text)
+                script = table_plan.script()
+                if script:
+                    _run([restore, "-w", "5", "--noflush"], script)
+                    log.info("removed kube-proxy's rules (%s): %s", restore,
+                             plan.describe([table_plan]))  # fmt: skip
+                done.append(table_plan)
+    return done
+
+
+def remove_nft_leftovers() -> list[str]:
+    if shutil.which("nft") is None:
+        return []
+    tables = plan.nft_tables_to_delete(_run(["nft", "list", "tables"]))
+    if tables:
+        _run(["nft", "-f", "-"], plan.nft_script(tables))
+        log.info("removed kube-proxy's nftables tables: %s", ", ".join(tables))
+    return tables
+
+
+def remove_ipvs_leftovers() -> None:
+    """IPVS virtual servers and kube-ipvs0 (kube-proxy's ipvs mode owns every virtual server
+    outside its excludeCIDRs and binds their addresses to kube-ipvs0): the ipvs backend's full
+    cleanup, as `proxy-agent cleanup --mode ipvs`. Only this path removes them; another kpx
+    mode's cleanup leaves them (ipvs_cleanup.py)."""
+    from .backends import load
+
+    module: Any = load("ipvs")
+    module.cleanup()
+
+
+def kube_proxy_ipvs_mode_here() -> bool:
+    """Whether a chain only kube-proxy's ipvs mode creates is on this node (nat or filter,
+    IPv4 or IPv6, any iptables variant)."""
+    for family in (4, 6):
+        for save, _restore in _variants(family):
+            for table in ("nat", "filter"):
+                try:
+                    text = _run([save, "-t", table])
+                except TakeoverError as exc:
+                    log.debug("%s -t %s: %s", save, table, exc)
+                    continue
+                if plan.ipvs_mode_chains(table, text):
+                    return True
+    return False
+
+
+def remove_kube_proxy_leftovers(include_ipvs: bool) -> None:
+    remove_iptables_leftovers()
+    remove_nft_leftovers()
+    if include_ipvs:
+        remove_ipvs_leftovers()
+
+
+def kube_proxy_pods(pods: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Pure: the names of the Pods (of a node's kube-system Pods) that belong to the
+    kube-proxy DaemonSet and have not finished. A terminating Pod still counts: its
+    kube-proxy may still be programming."""
+    out = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        owners = meta.get("ownerReferences") or []
+        if not any(o.get("kind") == "DaemonSet" and o.get("name") == KUBE_PROXY_DAEMONSET
+                   for o in owners):  # fmt: skip
+            continue
+        if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        out.append(str(meta.get("name") or ""))
+    return out
+
+
+async def kube_proxy_runs_here(client: Client, node_name: str) -> bool:
+    """Whether a kube-proxy DaemonSet Pod is (still) on `node_name`; raises on API errors."""
+    data = await client.list(
+        "pods",
+        f"/api/v1/namespaces/{KUBE_PROXY_NAMESPACE}/pods",
+        {"fieldSelector": f"spec.nodeName={node_name}"},
+    )
+    names = kube_proxy_pods(list(data.get("items") or []))
+    if names:
+        log.debug("kube-proxy still runs on %s: %s", node_name, ", ".join(names))
+    return bool(names)

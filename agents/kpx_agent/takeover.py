@@ -1,0 +1,171 @@
+"""Make-before-break on a node: what other proxies left here goes only after our rules are in.
+
+An agent starting on a node may find the rules of another proxy there: an agent of another kpx
+mode (a mode switch), or upstream kube-proxy (a takeover, kube_proxy_leftovers.py). Removing
+them before this agent has programmed its own rules leaves the node without a dataplane for as
+long as the first lists and the first sync take (seconds at scale): new connections fail. So
+`LeftoverRemoval.run` waits for the agent's first verified sync (a full sync that programmed
+without error and whose rules the backend then finds in the kernel), and only then removes
+each kind of leftover. Meanwhile both rule sets are in the kernel; they send each Service to
+the same endpoints, and conntrack keeps every established connection on the NAT it got.
+
+A removal that fails is logged, counted (kpx_leftover_removal_failures_total{leftovers}), and
+retried with a growing delay (1 s doubling to `max_delay`); it never stops the agent, which
+keeps serving. A leftover may also have a precondition (`Leftover.ready`, e.g. "upstream
+kube-proxy no longer runs on this node"): until it holds, the removal is not attempted and
+is checked again every `poll` seconds. kpx_leftovers_pending{leftovers} is 1 until a kind is
+removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+log = logging.getLogger(__name__)
+
+#: (event type "Normal"/"Warning", reason, message): an Event about the agent's Pod.
+Report = Callable[[str, str, str], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """One kind of leftover: `remove` (blocking, run in a thread) removes all of it, and does
+    nothing when there is none; `ready` (optional) says whether it may be removed now."""
+
+    name: str
+    description: str
+    remove: Callable[[], None]
+    ready: Callable[[], Awaitable[bool]] | None = None
+    #: Event reasons: on removal (None: only logged) and when the precondition does not hold.
+    removed_reason: str | None = None
+    waiting_reason: str | None = None
+    waiting_message: str = ""
+
+
+class LeftoverRemoval:
+    def __init__(
+        self,
+        leftovers: Iterable[Leftover],
+        registry: CollectorRegistry,
+        report: Report | None = None,
+        *,
+        failed_reason: str = "LeftoversNotRemoved",
+        first_delay: float = 1.0,
+        max_delay: float = 60.0,
+        poll: float = 5.0,
+    ) -> None:
+        self.pending: dict[str, Leftover] = {leftover.name: leftover for leftover in leftovers}
+        self.report = report
+        self.failed_reason = failed_reason
+        self.first_delay = first_delay
+        self.max_delay = max_delay
+        self.poll = poll
+        self._waiting_reported: set[str] = set()
+        self._failure_reported: set[str] = set()
+        self.failures = Counter(
+            "kpx_leftover_removal_failures_total",
+            "Attempts to remove another proxy's rules from this node that failed (retried)",
+            ["leftovers"],
+            registry=registry,
+        )
+        self.pending_gauge = Gauge(
+            "kpx_leftovers_pending",
+            "1 while this kind of leftover (another kpx mode, kube-proxy) waits to be removed",
+            ["leftovers"],
+            registry=registry,
+        )
+        for name in self.pending:
+            self.pending_gauge.labels(name).set(1)
+
+    async def run(self, verified: asyncio.Event) -> None:
+        """After `verified` is set (the agent's first verified sync), remove every leftover,
+        retrying failures, until none is pending."""
+        await verified.wait()
+        delay = self.first_delay
+        while self.pending:
+            failed = await self.attempt()
+            if not self.pending:
+                break
+            if failed:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.max_delay)
+            else:  # only preconditions outstanding
+                await asyncio.sleep(self.poll)
+        log.info("no leftovers of other proxies remain to be removed")
+
+    async def attempt(self) -> bool:
+        """One pass over the pending leftovers; whether any removal failed."""
+        failed = False
+        for name, leftover in list(self.pending.items()):
+            if leftover.ready is not None:
+                try:
+                    ready = await leftover.ready()
+                except Exception as exc:  # an unreachable apiserver: ask again later
+                    log.warning("%s: cannot tell whether it may be removed: %s", name, exc)
+                    failed = True
+                    continue
+                if not ready:
+                    if name not in self._waiting_reported:
+                        self._waiting_reported.add(name)
+                        log.info("%s: %s", leftover.description, leftover.waiting_message)
+                        if leftover.waiting_reason:
+                            await self._report("Normal", leftover.waiting_reason,
+                                               leftover.waiting_message)  # fmt: skip
+                    continue
+            try:
+                await asyncio.to_thread(leftover.remove)
+            except Exception as exc:
+                failed = True
+                self.failures.labels(name).inc()
+                log.warning("could not remove %s (will retry): %s", leftover.description, exc)
+                if name not in self._failure_reported:
+                    self._failure_reported.add(name)
+                    await self._report(
+                        "Warning", self.failed_reason,
+                        f"could not remove {leftover.description} (retrying): {exc}",
+                    )  # fmt: skip
+                continue
+            del self.pending[name]
+            self.pending_gauge.labels(name).set(0)
+            log.info("removed %s (if there were any)", leftover.description)
+            if leftover.removed_reason:
+                await self._report("Normal", leftover.removed_reason,
+                                   f"removed {leftover.description}")  # fmt: skip
+        return failed
+
+    async def _report(self, type_: str, reason: str, message: str) -> None:
+        if self.report is not None:
+            await self.report(type_, reason, message)
+
+
+def other_mode_leftovers(
+    mode: str,
+    modes: Iterable[str],
+    load: Callable[[str], object],
+    removers: Mapping[str, Callable[[], None]] | None = None,
+) -> list[Leftover]:
+    """The rules of every kpx mode but `mode` (a mode switch leaves the old mode's behind):
+    each removed by `removers[other]` when given (ipvs: only what a kpx agent made, not
+    upstream kube-proxy's virtual servers), else by that backend's public `cleanup()`."""
+
+    def remover(other: str) -> Callable[[], None]:
+        if removers and other in removers:
+            return removers[other]
+
+        def remove() -> None:
+            module: object = load(other)
+            cleanup: Callable[[], None] = getattr(module, "cleanup")  # noqa: B009
+            cleanup()
+
+        return remove
+
+    return [
+        Leftover(other, f"the rules of kpx mode {other}", remover(other))
+        for other in modes
+        if other != mode
+    ]

@@ -1,0 +1,100 @@
+"""Pure, shared by the agent and the operator: before a mode switch.
+
+* The preflight report: which kpx modes a node can run, as its agent found (the agent's
+  `preflight.py` checks; it records the report as the message of an Event `ModePreflight` on its
+  own Pod, the operator reads it back): one line per mode, `MODE: ok (DETAIL)` or
+  `MODE: no (WHY)`.
+* `dropped_settings`: what a switch from the agents' configuration in effect to another mode
+  loses (settings with no counterpart in the new mode), each with the name the user puts in
+  `spec.modeSwitch.acceptDropped` to let the switch proceed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+from kpx_api.durations import parse_duration
+from kpx_api.modes import IPVSScheduler, IPVSSettings, Mode
+from kpx_api.proxysettings import ProxySettings
+
+#: The modes with kernel rules the agent checks (external has none: any node runs it).
+CHECKED_MODES: Final = (Mode.NFTABLES, Mode.IPTABLES, Mode.IPVS)
+_LINE = re.compile(r"^(?P<mode>[a-z]+): (?P<verdict>ok|no)(?: \((?P<detail>.*)\))?$")
+
+
+@dataclass(frozen=True)
+class ModeCheck:
+    mode: str
+    ok: bool
+    detail: str = ""
+
+    def line(self) -> str:
+        verdict = "ok" if self.ok else "no"
+        detail = self.detail.replace("\n", " ")[:280]
+        return f"{self.mode}: {verdict} ({detail})" if detail else f"{self.mode}: {verdict}"
+
+
+def format_report(checks: Iterable[ModeCheck]) -> str:
+    return "\n".join(c.line() for c in checks)
+
+
+def parse_report(message: str) -> dict[str, ModeCheck]:
+    """The checks in a report (lines that do not parse are skipped)."""
+    out: dict[str, ModeCheck] = {}
+    for line in message.splitlines():
+        match = _LINE.match(line.strip())
+        if match:
+            mode = match["mode"]
+            out[mode] = ModeCheck(mode, match["verdict"] == "ok", match["detail"] or "")
+    return out
+
+
+class DroppedSetting(StrEnum):
+    """A setting in effect that the new mode has no counterpart for."""
+
+    IPVS_SCHEDULER = "ipvsScheduler"
+    IPVS_TIMEOUTS = "ipvsTimeouts"
+    LOCALHOST_NODE_PORTS = "localhostNodePorts"
+
+
+@dataclass(frozen=True)
+class Dropped:
+    setting: DroppedSetting
+    detail: str
+
+
+def dropped_settings(current: ProxySettings, new_mode: str) -> list[Dropped]:
+    """What switching from `current` (the agents' configuration in effect) to `new_mode` loses.
+    Nothing when the mode does not change."""
+    old_mode = str(current.mode)
+    if old_mode == new_mode:
+        return []
+    out: list[Dropped] = []
+    block = current.mode_settings()
+    if isinstance(block, IPVSSettings):
+        scheduler = IPVSScheduler(block.scheduler)
+        if scheduler is not IPVSScheduler.RR:
+            out.append(Dropped(DroppedSetting.IPVS_SCHEDULER,
+                               f"ipvs.scheduler {scheduler.value}: mode {new_mode} picks "
+                               "endpoints at random with equal probability"))  # fmt: skip
+        timeouts = [
+            f"{name}={value}"
+            for name, value in (("tcpTimeout", block.tcp_timeout),
+                                ("tcpFinTimeout", block.tcp_fin_timeout),
+                                ("udpTimeout", block.udp_timeout))
+            if parse_duration(str(value)) > 0
+        ]  # fmt: skip
+        if timeouts:
+            out.append(Dropped(DroppedSetting.IPVS_TIMEOUTS,
+                               f"ipvs {', '.join(timeouts)}: mode {new_mode} has no IPVS "
+                               "timeouts; connections follow conntrack's "
+                               "(spec.conntrack)"))  # fmt: skip
+    if current.localhost_node_ports_in_effect() and new_mode != Mode.IPTABLES:
+        out.append(Dropped(DroppedSetting.LOCALHOST_NODE_PORTS,
+                           "iptables.localhostNodePorts: NodePorts stop answering on "
+                           f"127.0.0.1 (mode {new_mode} has none, as upstream)"))  # fmt: skip
+    return out

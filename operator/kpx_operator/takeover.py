@@ -1,0 +1,162 @@
+"""Pure: taking the nodes over from upstream kube-proxy (spec.takeover), the operator's part.
+
+* `node_phases`: each node's phase, from the Events its *current* agent Pod recorded about
+  itself (Events of Pods that are gone no longer count): FirstSyncVerified (the agent serves
+  the node), WaitingForKubeProxy (kube-proxy's Pod is still there), LeftoversNotRemoved about
+  kube-proxy's rules (failing, retried), KubeProxyRulesRemoved (done).
+* With spec.takeover.moveKubeProxyOff: `nodes_to_label` (the nodes whose agent serves them and
+  that do not carry KUBE_PROXY_OFF_LABEL yet) and `affinity_patch`, the merge patch that adds
+  "KUBE_PROXY_OFF_LABEL DoesNotExist" to the kube-proxy DaemonSet's required node affinity
+  (to every nodeSelectorTerm: terms are ORed, so a term without it would still admit a
+  labelled node), or None when the DaemonSet already has it.
+* `takeover_status`: status.takeover (per-node phase and a summary).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+from kpx_api.constants import (
+    AGENT_EVENT_SOURCE,
+    FIRST_SYNC_VERIFIED,
+    KUBE_PROXY_RULES_REMOVED,
+    LEFTOVERS_NOT_REMOVED,
+    WAITING_FOR_KUBE_PROXY,
+)
+from kpx_api.takeover import KUBE_PROXY_OFF_LABEL, TakeoverNode, TakeoverPhase, TakeoverStatus
+
+from .agent_reports import _stamp
+
+Phase = TakeoverPhase
+KUBE_PROXY_NAMESPACE: Final = "kube-system"
+KUBE_PROXY_DAEMONSET: Final = "kube-proxy"
+#: The agent's description of kube-proxy's leftovers, in its LeftoversNotRemoved message.
+_KUBE_PROXY_RULES: Final = "upstream kube-proxy's rules"
+#: How far each Event takes a node (a later Event of a lesser rank does not move it back,
+#: except that a removal failure after a wait is progress, and a success ends it).
+_RANK: Final = {
+    Phase.AGENT_NOT_READY: 0,
+    Phase.AGENT_READY: 1,
+    Phase.WAITING_FOR_KUBE_PROXY: 2,
+    Phase.REMOVAL_FAILING: 3,
+    Phase.KUBE_PROXY_RULES_REMOVED: 4,
+}
+#: The phases in which kpx serves the node (kube-proxy may leave it).
+SERVING: Final = frozenset(
+    {Phase.AGENT_READY, Phase.WAITING_FOR_KUBE_PROXY, Phase.REMOVAL_FAILING,
+     Phase.KUBE_PROXY_RULES_REMOVED}
+)  # fmt: skip
+
+
+def _phase_of(event: Mapping[str, Any]) -> Phase | None:
+    reason = event.get("reason")
+    if reason == FIRST_SYNC_VERIFIED:
+        return Phase.AGENT_READY
+    if reason == WAITING_FOR_KUBE_PROXY:
+        return Phase.WAITING_FOR_KUBE_PROXY
+    if reason == KUBE_PROXY_RULES_REMOVED:
+        return Phase.KUBE_PROXY_RULES_REMOVED
+    if reason == LEFTOVERS_NOT_REMOVED and _KUBE_PROXY_RULES in str(event.get("message") or ""):
+        return Phase.REMOVAL_FAILING
+    return None
+
+
+def node_phases(
+    pods: Iterable[Mapping[str, Any]], events: Iterable[Mapping[str, Any]]
+) -> dict[str, tuple[Phase, str]]:
+    """node -> (phase, message of the Event that set it) for every node with a live agent Pod."""
+    live: dict[str, str] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        node = str((pod.get("spec") or {}).get("nodeName") or "")
+        if node and not meta.get("deletionTimestamp") and meta.get("uid"):
+            live[str(meta["uid"])] = node
+    best: dict[str, tuple[int, tuple[str, int], Phase, str]] = {}
+    for event in events:
+        if (event.get("source") or {}).get("component") != AGENT_EVENT_SOURCE:
+            continue
+        phase = _phase_of(event)
+        uid = str((event.get("involvedObject") or {}).get("uid") or "")
+        if phase is None or uid not in live:
+            continue
+        entry = (_RANK[phase], _stamp(event), phase, str(event.get("message") or ""))
+        if uid not in best or entry[:2] > best[uid][:2]:
+            best[uid] = entry
+    out = {node: (Phase.AGENT_NOT_READY, "") for node in live.values()}
+    for uid, (_rank, _when, phase, message) in best.items():
+        out[live[uid]] = (phase, message)
+    return out
+
+
+def nodes_to_label(
+    phases: Mapping[str, tuple[Phase, str]], labels: Mapping[str, Mapping[str, str]]
+) -> list[str]:
+    """The nodes kpx serves that kube-proxy has not been told to leave yet."""
+    return sorted(
+        node
+        for node, (phase, _) in phases.items()
+        if phase in SERVING and node in labels and KUBE_PROXY_OFF_LABEL not in labels[node]
+    )
+
+
+def node_label_patch(node_name: str, on: bool) -> dict[str, Any]:
+    """Merge patch of a Node: set (or remove) KUBE_PROXY_OFF_LABEL."""
+    del node_name
+    return {"metadata": {"labels": {KUBE_PROXY_OFF_LABEL: "true" if on else None}}}
+
+
+_EXCLUDE: Final = {"key": KUBE_PROXY_OFF_LABEL, "operator": "DoesNotExist"}
+
+
+def affinity_patch(daemonset: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Merge patch of the kube-proxy DaemonSet excluding labelled nodes, or None when every
+    term of its required node affinity already excludes them. The patch carries the
+    DaemonSet's resourceVersion: a concurrent change makes it fail (Conflict) and it is
+    computed again from the new object."""
+    spec = ((daemonset.get("spec") or {}).get("template") or {}).get("spec") or {}
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ) or {}
+    terms = copy.deepcopy(list(required.get("nodeSelectorTerms") or []))
+    if not terms:
+        terms = [{}]
+    changed = False
+    for term in terms:
+        expressions = list(term.get("matchExpressions") or [])
+        if _EXCLUDE not in expressions:
+            term["matchExpressions"] = [*expressions, dict(_EXCLUDE)]
+            changed = True
+    if not changed:
+        return None
+    version = (daemonset.get("metadata") or {}).get("resourceVersion")
+    return {
+        "metadata": {"resourceVersion": version} if version else {},
+        "spec": {"template": {"spec": {"affinity": {"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}
+        }}}}},
+    }  # fmt: skip
+
+
+def takeover_status(
+    phases: Mapping[str, tuple[Phase, str]], labels: Mapping[str, Mapping[str, str]]
+) -> TakeoverStatus:
+    nodes = [
+        TakeoverNode(
+            name=node,
+            phase=phase,
+            message=message[:1024],
+            kube_proxy_off=KUBE_PROXY_OFF_LABEL in (labels.get(node) or {}),
+        )
+        for node, (phase, message) in sorted(phases.items())
+    ]
+    counts: dict[Phase, int] = {}
+    for n in nodes:
+        counts[n.phase] = counts.get(n.phase, 0) + 1
+    done = counts.get(Phase.KUBE_PROXY_RULES_REMOVED, 0)
+    parts = [f"{counts[p]} {p.value}" for p in sorted(counts, key=_RANK.__getitem__)]
+    summary = f"{done} of {len(nodes)} nodes taken over from kube-proxy"
+    if parts:
+        summary += f" ({', '.join(parts)})"
+    return TakeoverStatus(nodes=nodes, done=done, summary=summary)

@@ -1,0 +1,105 @@
+"""Issue #18: another kpx mode's agent removes only what a kpx ipvs agent made, in a real
+node netns (real nftables tables, real kube-ipvs0 and its addresses, real iptables chains).
+
+This kernel has no ip_vs module, so the virtual servers are a recording stand-in for IPVS's
+netlink socket (the IPVS calls themselves are covered by the guest's test_ipvs_kernel.py), and
+no dummy link type, so kube-ipvs0 is a veth; all else is the node's kernel. Three nodes: one a
+kpx ipvs agent left (its helper table with the elements its real rendering writes), one
+upstream kube-proxy's ipvs mode runs on (the same virtual servers on kube-ipvs0, its
+KUBE-IPVS-FILTER chain, no kpx table), one with both.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from kpx_cluster.netns import Topology
+
+pytestmark = pytest.mark.netns
+
+SCENARIO = """
+import json, subprocess, sys
+from kpx_agent.backends.ipvs import kernel
+from kpx_agent.backends.ipvs.model import VirtualKey, plan_port
+from kpx_agent.backends.ipvs.ruleset import base_table
+from kpx_agent.ipvs_cleanup import remove_kpx_ipvs_leftovers
+from kpx_agent.localnet import *
+
+kpx, kube_proxy = json.loads(sys.argv[1])
+node = NodeInfo("n1", (IP.of("192.168.1.10"),))
+settings = ProxySettings()
+ep = Endpoint(IP.of("10.244.1.5"), 8080, True)
+def port(name, **f):
+    return ServicePort(ServicePortKey("d", name, "", Protocol.TCP, 4), 80, **f)
+ports = [
+    port("web", cluster_ips=(IP.of("10.96.0.10"),), cluster_endpoints=(ep,),
+         external_endpoints=(ep,), node_port=30080),
+    port("local", cluster_ips=(IP.of("10.96.0.11"),), cluster_endpoints=(ep,),
+         external_endpoints=(ep,), node_port=30081, external_masquerade=False,
+         load_balancer_ips=(IP.of("203.0.113.7"),)),
+]
+plans = [plan_port(p, node, settings) for p in ports]
+servers = {k: sorted(v.real_servers) for p in plans for k, v in p.virtual_servers.items()}
+servers[VirtualKey(4, "tcp", "192.168.60.1", 80)] = [("192.168.60.20", 80)]  # someone's
+# This kernel has no dummy link type: kube-ipvs0 is a veth here (found and removed by name).
+subprocess.run(["ip", "link", "add", "kube-ipvs0", "type", "veth", "peer", "name", "kipvs0p"],
+               check=True)
+kernel.bind([(True, 4, a) for p in plans for _f, a in p.bound])
+if kpx:
+    elements = {}
+    for p in plans:
+        for name, members in p.elements.items():
+            elements.setdefault(name, set()).update(members)
+    kernel.run_nft(base_table(4, settings, node, elements))
+if kube_proxy:
+    subprocess.run(["iptables-restore", "--noflush"], check=True, text=True,
+                   input="*filter\\n:KUBE-IPVS-FILTER - [0:0]\\nCOMMIT\\n")
+
+class RecordingIpvs:
+    deleted = []
+    def services(self): return list(servers)
+    def connections(self, key): return {s: 0 for s in servers[key]}
+    def delete_service(self, key): self.deleted.append(key)
+    def close(self): pass
+
+fake = RecordingIpvs()
+remove_kpx_ipvs_leftovers(open_ipvs=lambda: fake)
+links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+print(json.dumps({
+    "kpx": sorted(f"{k.protocol}/{k.address}:{k.port}" for k in servers
+                  if not k.address.startswith("192.168.60.")),
+    "deleted": sorted(f"{k.protocol}/{k.address}:{k.port}" for k in fake.deleted),
+    "dummy": "kube-ipvs0" in links, "kpx_table": "kpx-ipvs" in tables,
+}))
+"""
+
+
+def run(topology: Topology, name: str, kpx: bool, kube_proxy: bool) -> dict[str, object]:
+    node = topology.add_node(name)
+    result = topology.exec(node, [sys.executable, "-c", SCENARIO, json.dumps([kpx, kube_proxy])],
+                           timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    out: dict[str, object] = json.loads(result.stdout.splitlines()[-1])
+    return out
+
+
+def test_a_kpx_ipvs_agents_state_goes_and_nobody_elses(topology: Topology) -> None:
+    out = run(topology, "n1", kpx=True, kube_proxy=False)
+    # Every virtual server kpx made (cluster IPs, the NodePorts - also the ETP Local one no
+    # helper set names - and the load-balancer IP), not someone's on 192.168.60.1.
+    assert out["deleted"] == out["kpx"] and "tcp/192.168.1.10:30081" in out["deleted"], out
+    assert out["dummy"] is False and out["kpx_table"] is False, out
+
+
+def test_upstream_kube_proxys_ipvs_state_is_left_for_the_takeover(topology: Topology) -> None:
+    out = run(topology, "n1", kpx=False, kube_proxy=True)
+    assert out["deleted"] == [] and out["dummy"] is True, out
+
+
+def test_with_kube_proxys_ipvs_mode_on_the_node_only_kpxs_table_goes(topology: Topology) -> None:
+    out = run(topology, "n1", kpx=True, kube_proxy=True)
+    assert out["deleted"] == [] and out["dummy"] is True and out["kpx_table"] is False, out

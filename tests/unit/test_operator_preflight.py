@@ -1,0 +1,100 @@
+"""Condition Preflight: which nodes cannot run spec.mode (the agents' ModePreflight Events),
+and a mode switch held until the settings it drops are accepted (spec.modeSwitch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from test_operator_reconciler import (
+    NS,
+    Events,
+    FakeApi,
+    agent_event,
+    agent_pod,
+    body,
+    reconciler,
+    run,
+)
+
+from kpx_api.preflight import Dropped, DroppedSetting, ModeCheck
+from kpx_operator.preflight import assess, condition, preflight_reports
+
+OK_ALL = "nftables: ok (nftables v1.0.6, kernel 6.1.0)\niptables: ok\nipvs: ok (ip_vs loaded)"
+NO_IPVS = "nftables: ok (nftables v1.0.6)\niptables: ok\nipvs: no (ip_vs is not a module of 6.1)"
+
+
+def test_reports_are_the_current_agent_pods_latest() -> None:
+    pods = [agent_pod("u1", "n1"), agent_pod("u2", "n2")]
+    events = [
+        agent_event("u1", "ModePreflight", "2026-01-01T00:00:01Z", NO_IPVS),
+        agent_event("u2", "ModePreflight", "2026-01-01T00:00:01Z", NO_IPVS),
+        agent_event("u2", "ModePreflight", "2026-01-01T00:00:05Z", OK_ALL),  # a later check
+        agent_event("u-gone", "ModePreflight", "2026-01-01T00:00:09Z", NO_IPVS),
+    ]
+    reports = preflight_reports(pods, events)
+    assert {n: r["ipvs"].ok for n, r in reports.items()} == {"n1": False, "n2": True}
+    pf = assess("ipvs", reports)
+    assert pf.unable == (("n1", "ip_vs is not a module of 6.1"),)
+    why = "mode ipvs cannot run on node n1: ip_vs is not a module of 6.1"
+    assert condition(pf) == ("False", "NodesCannotRunMode", why)
+    assert condition(assess("nftables", reports)) == (
+        "True", "ModeCanRun", "every node that reported (2) can run mode nftables")  # fmt: skip
+    assert condition(assess("nftables", {})) is None  # nobody reported: nothing to say
+
+
+def test_dropped_settings_hold_until_accepted() -> None:
+    dropped = [Dropped(DroppedSetting.IPVS_SCHEDULER, "ipvs.scheduler lc: ..."),
+               Dropped(DroppedSetting.IPVS_TIMEOUTS, "ipvs udpTimeout=30s: ...")]  # fmt: skip
+    ok = {"n1": {"nftables": ModeCheck("nftables", True)}}
+    pf = assess("nftables", ok, dropped, [DroppedSetting.IPVS_SCHEDULER], from_mode="ipvs")
+    assert [d.setting for d in pf.held] == [DroppedSetting.IPVS_TIMEOUTS]
+    status, reason, message = condition(pf) or ("", "", "")
+    assert (status, reason) == ("False", "SettingsNotCarriedOver")
+    assert "spec.modeSwitch.acceptDropped: [ipvsTimeouts]" in message
+    accepted = assess("nftables", ok, dropped, list(DroppedSetting), from_mode="ipvs")
+    assert accepted.held == () and condition(accepted) == (
+        "True", "ModeCanRun", "every node that reported (1) can run mode nftables")  # fmt: skip
+
+
+IPVS = {"acknowledgeDeprecation": True, "scheduler": "lc"}
+
+
+def ipvs_body(**spec: Any) -> dict[str, Any]:
+    doc = body(mode="ipvs", ipvs=IPVS, **spec)
+    del doc["spec"]["nftables"]
+    return doc
+
+
+def test_a_switch_that_drops_a_setting_waits_for_the_acceptance() -> None:
+    api, events = FakeApi(), Events()
+    r = reconciler(api)
+    run(r.reconcile(ipvs_body(), [], {}, events))
+    cm = api.objs[("ConfigMap", NS, "kpx-agent-default")]
+    assert "mode: ipvs" in cm["data"]["config.yaml"]
+    # spec.mode -> nftables: the scheduler lc has no counterpart; nothing new is applied.
+    switched = body(generation=2)
+    status = run(r.reconcile(switched, [], {}, events))
+    assert "mode: ipvs" in api.objs[("ConfigMap", NS, "kpx-agent-default")]["data"]["config.yaml"]
+    pre = status.condition("Preflight")
+    assert (pre.status, pre.reason) == ("False", "SettingsNotCarriedOver")
+    assert "acceptDropped: [ipvsScheduler]" in pre.message and "ipvs.scheduler lc" in pre.message
+    assert events.reasons().count("ModeSwitchHeld") == 1
+    run(r.reconcile(switched, [], {}, events))
+    assert events.reasons().count("ModeSwitchHeld") == 1  # said once per generation
+    # Accepted: the switch proceeds.
+    accepted = body(generation=3, modeSwitch={"acceptDropped": ["ipvsScheduler"]})
+    status = run(r.reconcile(accepted, [], {}, events))
+    assert "mode: nftables" in api.objs[("ConfigMap", NS, "kpx-agent-default")]["data"][
+        "config.yaml"]  # fmt: skip
+    assert status.condition("Preflight") is None  # no agent reported, nothing held
+
+
+def test_nodes_that_cannot_run_the_mode_are_named() -> None:
+    api, events = FakeApi(), Events()
+    api.objs[("Pod", NS, "u1")] = agent_pod("u1", "n1")
+    api.objs[("Event", NS, "p")] = agent_event("u1", "ModePreflight", "2026-01-01T00:00:01Z",
+                                               NO_IPVS)  # fmt: skip
+    status = run(reconciler(api).reconcile(ipvs_body(), [], {}, events))
+    pre = status.condition("Preflight")
+    assert (pre.status, pre.reason) == ("False", "NodesCannotRunMode")
+    assert pre.message == "mode ipvs cannot run on node n1: ip_vs is not a module of 6.1"

@@ -1,0 +1,186 @@
+"""takeover.py: other proxies' leftovers go only after the first verified sync; failures are
+counted and retried without stopping anything; a precondition holds a removal back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from kpx_agent.localnet import ProxySettings
+from kpx_agent.takeover import Leftover, LeftoverRemoval, other_mode_leftovers
+
+
+def sample(registry: CollectorRegistry, name: str, leftovers: str) -> float | None:
+    return registry.get_sample_value(name, {"leftovers": leftovers})
+
+
+def test_other_mode_leftovers_are_every_mode_but_ours() -> None:
+    calls: list[str] = []
+
+    class Module:
+        def __init__(self, mode: str) -> None:
+            self.mode = mode
+
+        def cleanup(self) -> None:
+            calls.append(self.mode)
+
+    leftovers = other_mode_leftovers("nftables", ["nftables", "iptables", "ipvs"], Module)
+    assert [x.name for x in leftovers] == ["iptables", "ipvs"]
+    for leftover in leftovers:
+        leftover.remove()
+    assert calls == ["iptables", "ipvs"]
+
+
+def test_nothing_is_removed_before_the_first_verified_sync() -> None:
+    removed: list[str] = []
+    registry = CollectorRegistry()
+
+    async def scenario() -> None:
+        verified = asyncio.Event()
+        removal = LeftoverRemoval(
+            [Leftover("iptables", "iptables rules", lambda: removed.append("iptables"))], registry
+        )
+        task = asyncio.create_task(removal.run(verified))
+        await asyncio.sleep(0.05)
+        assert removed == []  # the agent's own rules are not in yet
+        assert sample(registry, "kpx_leftovers_pending", "iptables") == 1
+        verified.set()
+        await asyncio.wait_for(task, 2)
+
+    asyncio.run(scenario())
+    assert removed == ["iptables"]
+    assert sample(registry, "kpx_leftovers_pending", "iptables") == 0
+
+
+def test_a_failed_removal_is_counted_reported_and_retried() -> None:
+    attempts: list[int] = []
+    reports: list[tuple[str, str, str]] = []
+    registry = CollectorRegistry()
+
+    def flaky() -> None:
+        attempts.append(1)
+        if len(attempts) < 3:
+            raise RuntimeError("xtables lock held")
+
+    async def report(type_: str, reason: str, message: str) -> None:
+        reports.append((type_, reason, message))
+
+    async def scenario() -> None:
+        verified = asyncio.Event()
+        verified.set()
+        other = Leftover("ipvs", "ipvs rules", lambda: None)
+        removal = LeftoverRemoval([Leftover("iptables", "iptables rules", flaky), other],
+                                  registry, report, first_delay=0.01)  # fmt: skip
+        await asyncio.wait_for(removal.run(verified), 2)
+
+    asyncio.run(scenario())
+    assert len(attempts) == 3
+    assert sample(registry, "kpx_leftover_removal_failures_total", "iptables") == 2
+    assert sample(registry, "kpx_leftover_removal_failures_total", "ipvs") is None
+    assert sample(registry, "kpx_leftovers_pending", "ipvs") == 0
+    # One Warning for the first failure, not one per retry.
+    assert [(t, r) for t, r, _ in reports] == [("Warning", "LeftoversNotRemoved")]
+    assert "xtables lock held" in reports[0][2]
+
+
+def test_a_precondition_holds_the_removal_back_until_it_holds() -> None:
+    gone = {"kube-proxy": False}
+    removed: list[str] = []
+    reports: list[str] = []
+    registry = CollectorRegistry()
+
+    async def ready() -> bool:
+        return gone["kube-proxy"]
+
+    async def report(type_: str, reason: str, message: str) -> None:
+        reports.append(reason)
+
+    leftover = Leftover(
+        "kube-proxy", "upstream's rules", lambda: removed.append("kube-proxy"), ready,
+        removed_reason="KubeProxyRulesRemoved", waiting_reason="WaitingForKubeProxy",
+        waiting_message="kube-proxy still runs here",
+    )  # fmt: skip
+
+    async def scenario() -> None:
+        verified = asyncio.Event()
+        verified.set()
+        removal = LeftoverRemoval([leftover], registry, report, poll=0.01)
+        task = asyncio.create_task(removal.run(verified))
+        await asyncio.sleep(0.1)
+        assert removed == [] and not task.done()
+        gone["kube-proxy"] = True
+        await asyncio.wait_for(task, 2)
+
+    asyncio.run(scenario())
+    assert removed == ["kube-proxy"]
+    assert reports == ["WaitingForKubeProxy", "KubeProxyRulesRemoved"]  # waiting told once
+
+
+def test_a_precondition_that_cannot_be_checked_is_retried() -> None:
+    calls: list[int] = []
+    registry = CollectorRegistry()
+
+    async def ready() -> bool:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("apiserver unreachable")
+        return True
+
+    async def scenario() -> None:
+        verified = asyncio.Event()
+        verified.set()
+        removal = LeftoverRemoval([Leftover("kube-proxy", "x", lambda: None, ready)], registry,
+                                  first_delay=0.01)  # fmt: skip
+        await asyncio.wait_for(removal.run(verified), 2)
+        assert not removal.pending
+
+    asyncio.run(scenario())
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("takeover", [False, True])
+@pytest.mark.parametrize("mode", ["nftables", "iptables"])
+def test_the_agent_cli_wires_removal_after_the_first_sync(mode: str, takeover: bool) -> None:
+    """cli.leftover_removal: a companion of the agent that waits for its verified sync; with
+    spec.takeover.fromKubeProxy, kube-proxy's rules are one more kind, behind a precondition."""
+    from kpx_agent import cli
+
+    class FakeAgent:
+        def __init__(self) -> None:
+            self.settings = type("S", (), {"mode": mode, "takeover_from_kube_proxy": takeover,
+                                           "proxy": ProxySettings()})()  # fmt: skip
+            self.metrics = type("M", (), {"registry": CollectorRegistry()})()
+            self.companions: list[object] = []
+            self.first_sync_verified = asyncio.Event()
+
+        async def report_event(self, type_: str, reason: str, message: str) -> None:
+            return None
+
+    agent = FakeAgent()
+    removal = cli.leftover_removal(agent)  # type: ignore[arg-type]
+    assert len(agent.companions) == 1
+    assert mode not in removal.pending and {"iptables", "nftables", "ipvs"} - {mode} <= set(
+        removal.pending
+    )
+    assert ("kube-proxy" in removal.pending) is takeover
+    if takeover:
+        assert removal.pending["kube-proxy"].ready is not None
+
+
+def test_other_mode_leftovers_use_a_given_remover_instead_of_the_full_cleanup() -> None:
+    calls: list[str] = []
+
+    class Module:
+        def __init__(self, mode: str) -> None:
+            self.mode = mode
+
+        def cleanup(self) -> None:
+            calls.append(f"cleanup {self.mode}")
+
+    removers = {"ipvs": lambda: calls.append("kpx's ipvs state only")}
+    for leftover in other_mode_leftovers("nftables", ["nftables", "iptables", "ipvs"], Module,
+                                         removers):  # fmt: skip
+        leftover.remove()
+    assert calls == ["cleanup iptables", "kpx's ipvs state only"]
