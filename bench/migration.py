@@ -29,15 +29,45 @@ from benchlib import bench_cluster, exit_on_sigterm, log
 from kpx_cluster.migration import (
     TABLE_HEAD,
     LoadOptions,
+    RefusalResult,
     SwitchResult,
     migration_cluster,
     preflight_load,
     switch,
+    switch_with_refusal,
     table_row,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SWITCHES = (("iptables", "nftables"), ("nftables", "iptables"))
+
+
+def refusal_report(r: RefusalResult) -> list[str]:
+    loads = SwitchResult(r.old, r.new, 0, 0.0, r.loads, {})
+    problems = r.traffic_failures()
+    lifted = (f"{r.after_lift:.1f} s after the refusal was lifted" if r.after_lift is not None
+              else "not within 300 s of lifting the refusal")  # fmt: skip
+    return [
+        "",
+        f"## Injected failure: {r.old} -> {r.new} with nftables refused on one node",
+        "",
+        f"On {r.refused_node} a process owns the table `ip kpx` (`flags owner`: the kernel "
+        "refuses any other socket's change to it, EPERM), so the new agent there cannot "
+        f"program nftables. spec.mode was patched under the same load and watched for "
+        f"{r.held_for:.0f} s, then the refusal was lifted.",
+        "",
+        f"- agents after {r.held_for:.0f} s: "
+        + ", ".join(f"{n}: {s}" for n, s in r.agents.items()),
+        f"- ProxyConfiguration then: {r.status}; Ready={r.ready_condition.get('status')} "
+        f"({r.ready_condition.get('reason')}: {r.ready_condition.get('message')})",
+        f"- {r.old} rules on {r.refused_node} then: {'kept' if r.old_rules_kept else 'gone'}",
+        f"- traffic over the whole run ({loads.load_seconds:.0f} s): new TCP connections "
+        f"{loads.total('tcp', 'tried')} tried / {loads.total('tcp', 'failed')} failed; UDP "
+        f"{loads.total('udp', 'tried')} / {loads.total('udp', 'failed')} lost; held "
+        f"{loads.held_survived} of {loads.held} survived",
+        f"- rollout finished {lifted}",
+        *(f"- failure: {p}" for p in problems),
+    ]
 
 
 def report(results: list[SwitchResult], opts: LoadOptions, nodes: int) -> str:
@@ -77,11 +107,15 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=0.015)
     parser.add_argument("--udp-interval", type=float, default=0.02)
     parser.add_argument("--holds", type=int, default=2)
+    parser.add_argument("--no-inject", action="store_true",
+                        help="skip the switch with nftables refused on one node")  # fmt: skip
+    parser.add_argument("--hold-refusal", type=float, default=60.0)
     parser.add_argument("--out", type=Path, default=RESULTS / "migration.md")
     args = parser.parse_args()
     opts = LoadOptions(interval=args.interval, udp_interval=args.udp_interval, holds=args.holds)
     exit_on_sigterm()
     results: list[SwitchResult] = []
+    refusal: RefusalResult | None = None
     with (
         bench_cluster("bench-migration") as cluster,
         migration_cluster(cluster, SWITCHES[0][0], nodes=args.nodes, log=log) as env,
@@ -96,7 +130,12 @@ def main() -> int:
             result = switch(env, old, new, opts, log=log)
             results.append(result)
             log(table_row(result))
+        if not args.no_inject:
+            refusal = switch_with_refusal(env, "iptables", "nftables", env.nodes[1],
+                                          args.hold_refusal, opts, log=log)  # fmt: skip
     text = report(results, opts, args.nodes)
+    if refusal is not None:
+        text += "\n".join(refusal_report(refusal)) + "\n"
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -225,6 +225,15 @@ def _app(cluster: Cluster, ns: str, label: dict[str, str], replicas: int) -> Non
         })  # fmt: skip
 
 
+def _crd_established(cluster: Cluster) -> bool:
+    got = cluster.kubectl("get", "crd", "proxyconfigurations.proxy.kpx.dev", "-o", "json",
+                          check=False)  # fmt: skip
+    conditions = (
+        json.loads(got.stdout).get("status", {}).get("conditions") or [] if got.stdout else []
+    )
+    return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
+
+
 def _namespace_settled(cluster: Cluster, ns: str) -> bool:
     got = cluster.kubectl("get", "namespace", ns, check=False)
     return got.returncode != 0 or "Terminating" not in got.stdout
@@ -245,8 +254,9 @@ def migration_cluster(
             sim_nodes = [sim.add_node(f"m{run}-{i}", labels=label) for i in range(1, nodes + 1)]
             wait_until(lambda: _namespace_settled(cluster, NS), 180, f"namespace {NS} settled")
             cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-            cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                            "crd/proxyconfigurations.proxy.kpx.dev")  # fmt: skip
+            # (not `kubectl wait`: on a fresh control plane the CRD may have no conditions yet,
+            # which it reports as an error)
+            wait_until(lambda: _crd_established(cluster), 60, "the CRD Established")
             cluster.kubectl("apply", "-k", str(REPO / "operator" / "manifests"))
             cluster.kubectl("-n", NS, "patch", "deploy", "kpx-operator", "--type=merge", "-p",
                             json.dumps({"spec": {"template": {"spec": {
@@ -433,3 +443,120 @@ def table_row(r: SwitchResult) -> str:
         f"| {r.total('udp', 'tried')} / {r.total('udp', 'failed')} ({r.total('udp', 'slow')}) "
         f"| {r.held_survived} of {r.held} | {left if left else 'none'} |"
     )
+
+
+# ---- an injected failure: one node's new agent cannot program nftables ------------------------
+
+
+@contextlib.contextmanager
+def nft_refused(env: MigrationEnv, node: Node) -> Iterator[None]:
+    """While inside, nobody but this process may change the nftables table `ip kpx` in `node`'s
+    netns: `nft -i` creates it with `flags owner` (the kernel refuses every other netlink socket
+    a change to an owned table, EPERM) and keeps its socket open until its stdin closes, which
+    removes the table. An nftables agent there can then program nothing."""
+    proc = env.topo.run(node, ["nft", "-i"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL)  # fmt: skip
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(b"add table ip kpx { flags owner ; }\n")
+        proc.stdin.flush()
+        wait_until(lambda: mode_rules(env.topo, node, "nftables"), 10, "the owned kpx table")
+        probe = env.topo.exec(node, ["nft", "add", "chain", "ip", "kpx", "probe"])
+        assert probe.returncode != 0, "an owned table accepted another socket's change"
+        yield
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=10)
+
+
+@dataclass
+class RefusalResult:
+    """A switch with one node whose new agent cannot program the kernel (`nft_refused`)."""
+
+    old: str
+    new: str
+    refused_node: str
+    #: how long the refusal was held after the patch (s)
+    held_for: float
+    #: node -> "mode ready|not ready" of its agent at the end of the refusal
+    agents: dict[str, str]
+    #: the ProxyConfiguration's Ready condition and status summary then
+    ready_condition: dict[str, Any]
+    status: dict[str, Any]
+    #: whether the refused node still had the old mode's rules then
+    old_rules_kept: bool
+    #: from lifting the refusal to the rollout done (None: not done within the timeout)
+    after_lift: float | None
+    loads: list[Summary]
+
+    def traffic_failures(self) -> list[str]:
+        probe = SwitchResult(self.old, self.new, 0, 0.0, self.loads, {})
+        return probe.failures()
+
+
+def _agent_states(env: MigrationEnv) -> dict[str, str]:
+    out = {}
+    for pod in env.agent_pods():
+        ready = any(c["type"] == "Ready" and c["status"] == "True"
+                    for c in pod.get("status", {}).get("conditions", []))  # fmt: skip
+        gone = " terminating" if pod["metadata"].get("deletionTimestamp") else ""
+        out[pod["spec"]["nodeName"]] = (
+            f"{agent_mode(pod)} {'ready' if ready else 'not ready'}{gone}"
+        )
+    return dict(sorted(out.items()))
+
+
+def switch_with_refusal(
+    env: MigrationEnv,
+    old: str,
+    new: str,
+    node: Node,
+    hold_for: float = 60.0,
+    opts: LoadOptions | None = None,
+    timeout: float = 300,
+    log: Callable[[str], None] = print,
+) -> RefusalResult:
+    """Under load: refuse nftables on `node`, patch spec.mode, watch for `hold_for` s what the
+    rollout and the traffic do, lift the refusal and wait for the rollout to finish."""
+    assert new == "nftables", "the injection refuses nftables"
+    opts = opts or LoadOptions()
+    assert env.rolled_out(old), f"not serving in {old} on every node before the switch"
+    started = _start_load(env, opts)
+    after_lift: float | None = None
+    try:
+        time.sleep(opts.warmup)
+        with nft_refused(env, node):
+            log(f"nftables refused on {node.name}; patching spec.mode {old} -> {new}")
+            t0 = time.monotonic()
+            env.patch_mode(old, new)
+            seen: dict[str, str] = {}
+            while time.monotonic() - t0 < hold_for:
+                states = _agent_states(env)
+                if states != seen:
+                    log(f"  +{time.monotonic() - t0:.0f}s agents: {states}")
+                    seen = states
+                time.sleep(1)
+            pxc = env.json("get", "pxc", env.pxc)
+            status = pxc.get("status", {})
+            ready: dict[str, Any] = next(
+                (c for c in status.get("conditions", []) if c["type"] == "Ready"), {}
+            )
+            agents = _agent_states(env)
+            kept = bool(mode_rules(env.topo, node, old))
+            log(f"after {hold_for:.0f}s: agents {agents}; Ready condition {ready}; "
+                f"{old} rules on {node.name}: {'kept' if kept else 'gone'}")  # fmt: skip
+        t_lift = time.monotonic()
+        log(f"refusal lifted on {node.name}")
+        try:
+            wait_until(lambda: env.rolled_out(new) and not env.leftovers(old), timeout,
+                       f"{new} on every node after the refusal was lifted")  # fmt: skip
+            after_lift = round(time.monotonic() - t_lift, 1)
+            log(f"rolled out {after_lift}s after the refusal was lifted")
+        except TimeoutError as err:
+            log(str(err))
+        time.sleep(opts.settle)
+    finally:
+        loads = _stop_load(started, opts.timeout)
+    summary = {k: status.get(k) for k in ("mode", "readyNodes", "desiredNodes") if k in status}
+    return RefusalResult(old, new, node.name, hold_for, agents, ready, summary, kept, after_lift,
+                         loads)  # fmt: skip
