@@ -60,6 +60,11 @@ def refusal_report(r: RefusalResult) -> list[str]:
         + ", ".join(f"{n}: {s}" for n, s in r.agents.items()),
         f"- ProxyConfiguration then: {r.status}; Ready={r.ready_condition.get('status')} "
         f"({r.ready_condition.get('reason')}: {r.ready_condition.get('message')})",
+        "- over time (seconds after the patch: agents; the ProxyConfiguration's Ready):",
+        *(
+            f"  - +{t}s: " + ", ".join(f"{n} {s}" for n, s in states.items()) + f"; Ready {ready}"
+            for t, states, ready in r.timeline
+        ),
         f"- {r.old} rules on {r.refused_node} then: {'kept' if r.old_rules_kept else 'gone'}",
         f"- traffic over the whole run ({loads.load_seconds:.0f} s): new TCP connections "
         f"{loads.total('tcp', 'tried')} tried / {loads.total('tcp', 'failed')} failed; UDP "
@@ -109,7 +114,7 @@ def main() -> int:
     parser.add_argument("--holds", type=int, default=2)
     parser.add_argument("--no-inject", action="store_true",
                         help="skip the switch with nftables refused on one node")  # fmt: skip
-    parser.add_argument("--hold-refusal", type=float, default=60.0)
+    parser.add_argument("--hold-refusal", type=float, default=90.0)
     parser.add_argument("--out", type=Path, default=RESULTS / "migration.md")
     args = parser.parse_args()
     opts = LoadOptions(interval=args.interval, udp_interval=args.udp_interval, holds=args.holds)

@@ -488,6 +488,9 @@ class RefusalResult:
     #: from lifting the refusal to the rollout done (None: not done within the timeout)
     after_lift: float | None
     loads: list[Summary]
+    #: (seconds after the patch, the agents' states, the ProxyConfiguration's Ready status)
+    #: at each change while the refusal was held
+    timeline: list[tuple[float, dict[str, str], str]] = field(default_factory=list)
 
     def traffic_failures(self) -> list[str]:
         probe = SwitchResult(self.old, self.new, 0, 0.0, self.loads, {})
@@ -504,6 +507,12 @@ def _agent_states(env: MigrationEnv) -> dict[str, str]:
             f"{agent_mode(pod)} {'ready' if ready else 'not ready'}{gone}"
         )
     return dict(sorted(out.items()))
+
+
+def _ready_status(env: MigrationEnv) -> str:
+    conditions = env.json("get", "pxc", env.pxc).get("status", {}).get("conditions", [])
+    ready: dict[str, Any] = next((c for c in conditions if c["type"] == "Ready"), {})
+    return f"{ready.get('status')} ({ready.get('reason')})"
 
 
 def switch_with_refusal(
@@ -529,12 +538,13 @@ def switch_with_refusal(
             log(f"nftables refused on {node.name}; patching spec.mode {old} -> {new}")
             t0 = time.monotonic()
             env.patch_mode(old, new)
-            seen: dict[str, str] = {}
+            timeline: list[tuple[float, dict[str, str], str]] = []
             while time.monotonic() - t0 < hold_for:
-                states = _agent_states(env)
-                if states != seen:
-                    log(f"  +{time.monotonic() - t0:.0f}s agents: {states}")
-                    seen = states
+                states, ready_now = _agent_states(env), _ready_status(env)
+                if not timeline or (states, ready_now) != timeline[-1][1:]:
+                    at = round(time.monotonic() - t0, 1)
+                    log(f"  +{at}s agents: {states}; Ready={ready_now}")
+                    timeline.append((at, states, ready_now))
                 time.sleep(1)
             pxc = env.json("get", "pxc", env.pxc)
             status = pxc.get("status", {})
@@ -559,4 +569,4 @@ def switch_with_refusal(
         loads = _stop_load(started, opts.timeout)
     summary = {k: status.get(k) for k in ("mode", "readyNodes", "desiredNodes") if k in status}
     return RefusalResult(old, new, node.name, hold_for, agents, ready, summary, kept, after_lift,
-                         loads)  # fmt: skip
+                         loads, timeline)  # fmt: skip
