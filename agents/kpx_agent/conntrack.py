@@ -13,7 +13,10 @@ kube-proxy keeps it (pkg/proxy/conntrack/cleanup.go deletes only entries whose r
 not a serving endpoint). This matters on every agent start (a mode switch, an upgrade, a
 restart): there every UDP port goes from "nothing known" to its endpoints, and deleting every
 entry to its addresses dropped the replies of exchanges in flight (issue #18's load measured
-one lost exchange in 4,300 on a mode switch).
+one lost exchange in 4,300 on a mode switch). Not covered (upstream covers it by listing the
+whole table at every sync): an entry DNATed to an endpoint that went away while no agent ran
+on the node stays until it expires (nf_conntrack_udp_timeout, or _stream for a flow that was
+answered).
 
 `stale_flows` is pure; `delete_flows` is the I/O edge (the `conntrack` tool, argument lists).
 """
