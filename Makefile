@@ -8,7 +8,7 @@ APT_PACKAGES := nftables iptables conntrack etcd-server iproute2 socat procps cu
 VM_APT_PACKAGES := qemu-system-x86 mmdebstrap e2fsprogs
 N ?=
 
-.PHONY: setup setup-apt setup-python setup-kubernetes setup-helm setup-vm image test test-unit lint crds demo demo-down bench
+.PHONY: setup setup-apt setup-python setup-kubernetes setup-helm setup-vm image test test-unit lint crds demo demo-down bench bench-migration
 
 ## setup: install everything a fresh machine needs (idempotent: a second run installs and builds nothing)
 setup: setup-apt setup-python setup-kubernetes setup-helm setup-vm
@@ -76,3 +76,8 @@ demo-down:
 bench: setup
 	$(PYTHON) bench/compare.py $(if $(N),--services $(N),)
 	$(PYTHON) bench/state_api.py $(if $(N),--services $(N),)
+
+## bench-migration: spec.mode iptables -> nftables -> iptables on three simulated nodes under
+## constant load (new TCP connections, UDP, held connections); table in bench/results/migration.md
+bench-migration: setup image
+	$(PYTHON) bench/migration.py

@@ -6,6 +6,18 @@ entries created while it was rejected or unrouted keep being used. Both blackhol
 until the entry expires (the long-standing upstream bug class). After each successful sync the
 agent deletes exactly those entries.
 
+"Created while rejected or unrouted" are the entries that were not DNATed: their reply comes
+from the address the client sent to (a ClusterIP, external or load-balancer IP), or from the
+NodePort itself. An entry DNATed to a serving endpoint is a live flow and stays, as upstream
+kube-proxy keeps it (pkg/proxy/conntrack/cleanup.go deletes only entries whose reply source is
+not a serving endpoint). This matters on every agent start (a mode switch, an upgrade, a
+restart): there every UDP port goes from "nothing known" to its endpoints, and deleting every
+entry to its addresses dropped the replies of exchanges in flight (issue #18's load measured
+one lost exchange in 4,300 on a mode switch). Not covered (upstream covers it by listing the
+whole table at every sync): an entry DNATed to an endpoint that went away while no agent ran
+on the node stays until it expires (nf_conntrack_udp_timeout, or _stream for a flow that was
+answered).
+
 `stale_flows` is pure; `delete_flows` is the I/O edge (the `conntrack` tool, argument lists).
 """
 
@@ -23,13 +35,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, order=True)
 class FlowFilter:
-    """Delete UDP entries to `dst` (or to any address, for a NodePort) on `port`, optionally
-    only those DNATed to `dnat_to`."""
+    """Delete UDP entries to `dst` (or to any address, for a NodePort) on `port`: only those
+    DNATed to `dnat_to`, or with `not_nated` only those that were not DNATed (the reply comes
+    from `dst` itself; for a NodePort, from `port` itself)."""
 
     family: int
     port: int
     dst: IPAddress | None = None
     dnat_to: IPAddress | None = None
+    not_nated: bool = False
 
     def argv(self) -> list[str]:
         args = ["conntrack", "-D", "-f", "ipv4" if self.family == 4 else "ipv6", "-p", "udp"]
@@ -38,6 +52,11 @@ class FlowFilter:
         args += ["--orig-port-dst", str(self.port)]
         if self.dnat_to is not None:
             args += ["--dst-nat", str(self.dnat_to)]
+        if self.not_nated:
+            # A NodePort entry DNATed to an endpoint whose port equals the NodePort is
+            # deleted too (only the port tells them apart without the node's addresses).
+            args += ["--reply-src", str(self.dst)] if self.dst is not None else [
+                "--reply-port-src", str(self.port)]  # fmt: skip
         return args
 
 
@@ -68,7 +87,7 @@ def stale_flows(old: ServicePort | None, new: ServicePort | None) -> list[FlowFi
             out.add(FlowFilter(port.family, p, dst, ep))
     if new is not None and not _endpoint_ips(old) and _endpoint_ips(new):
         for dst, p in _targets(new):
-            out.add(FlowFilter(port.family, p, dst))
+            out.add(FlowFilter(port.family, p, dst, not_nated=True))
     return sorted(out, key=lambda f: (f.family, f.port, str(f.dst), str(f.dnat_to)))
 
 

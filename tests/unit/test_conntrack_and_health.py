@@ -43,9 +43,21 @@ def test_removed_endpoint_deletes_flows_dnated_to_it() -> None:
     ]  # fmt: skip
 
 
-def test_zero_to_some_endpoints_deletes_flows_to_the_vip() -> None:
-    assert stale_flows(dns(), dns(Endpoint(EP1, 5353))) == [FlowFilter(4, 53, VIP)]
-    assert stale_flows(None, dns(Endpoint(EP1, 5353))) == [FlowFilter(4, 53, VIP)]
+def test_zero_to_some_endpoints_deletes_the_flows_to_the_vip_that_were_not_dnated() -> None:
+    assert stale_flows(dns(), dns(Endpoint(EP1, 5353))) == [FlowFilter(4, 53, VIP, not_nated=True)]
+    # An agent's start (nothing known before): a live flow DNATed to an endpoint stays.
+    new = dns(Endpoint(EP1, 5353), node_port=30053)
+    assert stale_flows(None, new) == [
+        FlowFilter(4, 53, VIP, not_nated=True),
+        FlowFilter(4, 30053, None, not_nated=True),
+    ]
+    assert FlowFilter(4, 53, VIP, not_nated=True).argv() == [
+        "conntrack", "-D", "-f", "ipv4", "-p", "udp",
+        "--orig-dst", "10.96.0.53", "--orig-port-dst", "53", "--reply-src", "10.96.0.53",
+    ]  # fmt: skip
+    assert FlowFilter(4, 30053, None, not_nated=True).argv()[-4:] == [
+        "--orig-port-dst", "30053", "--reply-port-src", "30053",
+    ]  # fmt: skip
 
 
 def test_deleted_service_and_unchanged_and_tcp() -> None:

@@ -1,0 +1,125 @@
+"""The agent's UDP conntrack cleanup at its start keeps live flows (issue #18, found under load).
+
+At an agent's first sync every UDP Service port goes from "nothing known" to its endpoints, and
+the stale-entry cleanup for "no endpoints -> some" runs for all of them (a mode switch, an
+upgrade, a restart). It must delete the entries that were not DNATed (made while the Service
+was unrouted or rejected: they blackhole their socket) and keep the flows DNATed to a serving
+endpoint. In a node's netns: a ClusterIP DNATed to a backend on another node that answers 1 s
+after each request; the cleanup runs while a request is in flight; the answer must arrive, and
+a not-DNATed entry to the same ClusterIP must be gone. The former filter (every entry to the
+ClusterIP) loses the answer: the control that shows the setup can tell.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kpx_agent.conntrack import FlowFilter, stale_flows
+from kpx_agent.localnet import IP, Endpoint, Protocol, ServicePort, ServicePortKey
+from kpx_cluster.netns import Node, Pod, Topology
+
+pytestmark = [pytest.mark.netns]
+
+VIP, PORT, BACKEND_PORT, NODE_PORT = "10.96.0.53", 53, 5353, 30053
+
+SLOW_SERVER = """
+import socket, sys, threading, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+print("ready", flush=True)
+def answer(data, addr):
+    time.sleep(1.0)
+    s.sendto(b"answer " + data, addr)
+while True:
+    data, addr = s.recvfrom(512)
+    threading.Thread(target=answer, args=(data, addr), daemon=True).start()
+"""
+
+ONE_EXCHANGE = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(4)
+s.connect((sys.argv[1], int(sys.argv[2])))
+s.send(b"q")
+try:
+    print(s.recv(512).decode(), flush=True)
+except OSError as exc:
+    print("lost", type(exc).__name__, flush=True)
+"""
+
+DNAT = """table ip kpx-ct-test {{
+  chain pre {{
+    type nat hook prerouting priority -100; policy accept;
+    ip daddr {vip} udp dport {port} dnat to {backend}:{backend_port}
+  }}
+}}
+"""
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[tuple[Topology, Node, Pod, Pod]]:
+    with Topology() as topo:
+        n1, n2 = topo.add_node("n1"), topo.add_node("n2")
+        client, backend = topo.add_pod(n1, "client"), topo.add_pod(n2, "backend")
+        rules = DNAT.format(vip=VIP, port=PORT, backend=backend.ipv4, backend_port=BACKEND_PORT)
+        topo.exec(n1, ["nft", "-f", "-"], input=rules, check=True)
+        topo.run_ready(backend, [sys.executable, "-c", SLOW_SERVER, str(BACKEND_PORT)])
+        yield topo, n1, client, backend
+
+
+def _cleanup_at_start(backend: Pod) -> list[FlowFilter]:
+    """What the agent's first sync deletes for a UDP Service port with one endpoint."""
+    port = ServicePort(
+        ServicePortKey("kube-system", "dns", "dns", Protocol.UDP, 4),
+        PORT,
+        cluster_ips=(IP.of(VIP),),
+        node_port=NODE_PORT,
+        cluster_endpoints=(Endpoint(IP.of(backend.ipv4), BACKEND_PORT),),
+        external_endpoints=(Endpoint(IP.of(backend.ipv4), BACKEND_PORT),),
+    )
+    return stale_flows(None, port)
+
+
+def _exchange_with_cleanup(topo: Topology, n1: Node, client: Pod,
+                           filters: list[FlowFilter]) -> str:  # fmt: skip
+    """One request in flight while `filters` run in n1; what the client got."""
+    proc = topo.run(client, [sys.executable, "-c", ONE_EXCHANGE, VIP, str(PORT)],
+                    stdout=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(0.4)  # the request is DNATed and waits for its answer
+    entries = topo.exec(n1, ["conntrack", "-L", "-p", "udp", "--orig-dst", VIP]).stdout
+    assert f"src={client.ipv4}" in entries, f"no entry for the request: {entries}"
+    for flow in filters:
+        topo.exec(n1, flow.argv())
+    out, _ = proc.communicate(timeout=10)
+    return out.strip()
+
+
+def test_cleanup_at_agent_start_keeps_dnated_flows_and_deletes_the_others(
+    net: tuple[Topology, Node, Pod, Pod],
+) -> None:
+    topo, n1, client, backend = net
+    # An entry made while the Service was unrouted: not DNATed, its reply "from" the VIP.
+    topo.exec(n1, ["conntrack", "-I", "-p", "udp", "-s", client.ipv4, "-d", VIP,
+                   "--sport", "40000", "--dport", str(PORT), "--reply-src", VIP,
+                   "--reply-dst", client.ipv4, "--reply-port-src", str(PORT),
+                   "--reply-port-dst", "40000", "-t", "60"], check=True)  # fmt: skip
+    filters = _cleanup_at_start(backend)
+    assert all(f.not_nated for f in filters) and len(filters) == 2, filters
+
+    assert _exchange_with_cleanup(topo, n1, client, filters) == "answer q"
+    left = topo.exec(n1, ["conntrack", "-L", "-p", "udp", "--orig-dst", VIP]).stdout
+    assert "sport=40000" not in left, f"the not-DNATed entry stayed: {left}"
+
+
+def test_the_former_filter_loses_the_answer_in_flight(
+    net: tuple[Topology, Node, Pod, Pod],
+) -> None:
+    """The control: deleting every entry to the ClusterIP drops the reply's reverse NAT."""
+    topo, n1, client, _ = net
+    everything = [FlowFilter(4, PORT, IP.of(VIP))]
+    assert _exchange_with_cleanup(topo, n1, client, everything).startswith("lost")
