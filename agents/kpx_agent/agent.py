@@ -258,6 +258,7 @@ class Agent:
             self._wake.set()
             return
         log.info("first sync verified: own rules programmed")
+        self.health.verified_first_sync()
         self.first_sync_verified.set()
         await self._report("Normal", FIRST_SYNC_VERIFIED,
                            f"mode {self.settings.mode}: own rules programmed and found in the "

@@ -1,4 +1,5 @@
-"""kube-proxy compatible health (/healthz, /livez) and metrics (/metrics) endpoints."""
+"""kube-proxy compatible health (/healthz, /livez), readiness (/readyz, kpx's own) and metrics
+(/metrics) endpoints."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from .proxy_health import ProxyHealth
 
 
 def health_app(health: ProxyHealth, metrics: AgentMetrics) -> web.Application:
-    """/healthz and /livez over `health`, counted by status code as upstream does."""
+    """/healthz and /livez over `health`, counted by status code as upstream does; /readyz
+    (not counted: upstream has no such endpoint)."""
 
     def answer(code: int, body: dict[str, object], counter: Counter) -> web.Response:
         counter.labels(str(code)).inc()
@@ -27,12 +29,22 @@ def health_app(health: ProxyHealth, metrics: AgentMetrics) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return answer(*health.healthz(), metrics.healthz_total)
 
+    async def readyz(_: web.Request) -> web.Response:
+        code, body = health.readyz()
+        return web.Response(
+            status=code,
+            text=json.dumps(body),
+            content_type="application/json",
+            headers={"X-Content-Type-Options": "nosniff"},
+        )
+
     async def livez(_: web.Request) -> web.Response:
         return answer(*health.livez(), metrics.livez_total)
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/livez", livez)
+    app.router.add_get("/readyz", readyz)
     return app
 
 

@@ -12,6 +12,12 @@ only read it. Upstream's rules (pkg/proxy/healthcheck/proxier_health.go, v1.36):
   2 x syncPeriod (cmd/kube-proxy: `NewProxierHealthServer(..., 2*config.SyncPeriod)`);
 - `/healthz` is also unhealthy while this node is not eligible for traffic (being deleted, or
   tainted `ToBeDeletedByClusterAutoscaler`), so load balancers drain it; `/livez` ignores that.
+
+kpx adds `/readyz` (upstream has none), the DaemonSet's readiness probe: `/healthz`'s answer,
+and 503 until this agent's first full sync was programmed and found in the kernel. So a Ready
+agent pod serves its node, and a mode switch or an upgrade (a DaemonSet rolling update) does not
+move on from a node whose new agent cannot program its kernel (it keeps serving on the rules it
+had, which are removed only after a verified sync).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ class ProxyHealth:
         self.last_updated = clock()
         self.oldest_pending: float | None = None
         self.node_eligible = True
+        self.first_sync_verified = False
 
     def queued_update(self) -> None:
         """A change is waiting to be programmed (a later one keeps the oldest time)."""
@@ -62,6 +69,10 @@ class ProxyHealth:
         """The kernel holds everything queued so far."""
         self.oldest_pending = None
         self.last_updated = self.clock()
+
+    def verified_first_sync(self) -> None:
+        """This agent's first full sync was programmed and found in the kernel."""
+        self.first_sync_verified = True
 
     def sync_node(self, node: Obj | None) -> None:
         self.node_eligible = node_eligible(node)
@@ -77,6 +88,12 @@ class ProxyHealth:
         body: dict[str, object] = self._times(ok, now)
         body["nodeEligible"] = self.node_eligible
         return (200 if ok else 503), body
+
+    def readyz(self) -> tuple[int, dict[str, object]]:
+        """/readyz: `/healthz`, and not before the first verified sync."""
+        code, body = self.healthz()
+        body["firstSyncVerified"] = self.first_sync_verified
+        return (code if self.first_sync_verified else 503), body
 
     def livez(self) -> tuple[int, dict[str, object]]:
         """/livez: the proxy's own health; a node being drained is still alive."""

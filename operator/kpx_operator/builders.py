@@ -350,8 +350,10 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
             *_apiserver_env(opts),
         ],
         "ports": [{"name": "healthz", "containerPort": healthz_port, "protocol": "TCP"}],
+        # /readyz: /healthz, and not before the agent's first verified sync, so a rolling
+        # update (mode switch, upgrade) stops at a node whose new agent cannot program it.
         "readinessProbe": _http_probe(
-            "/healthz",
+            "/readyz",
             spec.healthz_bind_address,
             periodSeconds=5,
             failureThreshold=2,

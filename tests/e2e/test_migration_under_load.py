@@ -28,6 +28,7 @@ from kpx_cluster.migration import (
     mode_rules,
     preflight_load,
     switch,
+    switch_with_refusal,
     table_row,
 )
 
@@ -73,3 +74,25 @@ def test_iptables_to_nftables_under_load_fails_nothing_and_leaves_nothing(
     for node in env.nodes:
         assert mode_rules(env.topo, node, "nftables"), f"{node.name}: no kpx nftables table"
         assert mode_rules(env.topo, node, "iptables") == []
+
+
+def test_a_node_whose_new_agent_cannot_program_stops_the_rollout_and_keeps_serving(
+    env: MigrationEnv,
+) -> None:
+    """nftables refused on one node (another socket owns the table `ip kpx`): its new agent
+    never has a verified sync, so it is not Ready (/readyz), the DaemonSet's rolling update does
+    not move past it, and that node keeps serving on its iptables rules; once the refusal is
+    lifted the rollout completes. No traffic fails meanwhile."""
+    if not env.rolled_out("iptables"):  # the module's first test left it in nftables
+        switch(env, "nftables", "iptables", LoadOptions(warmup=0.5, settle=0.5))
+    refused = env.nodes[1]
+    result = switch_with_refusal(env, "iptables", "nftables", refused, hold_for=40.0)
+    assert result.traffic_failures() == [], "\n".join(result.traffic_failures())
+    # The refused node's new agent runs but is not Ready; its old rules still serve.
+    assert result.agents[refused.name] == "nftables not ready", result.timeline
+    assert result.old_rules_kept
+    # The rollout stopped there: the ProxyConfiguration is not Ready in the new mode.
+    assert result.ready_condition.get("status") != "True", result.ready_condition
+    # Once the kernel accepts the agent's rules, the rollout completes.
+    assert result.after_lift is not None, result.timeline
+    assert env.leftovers("iptables") == {}

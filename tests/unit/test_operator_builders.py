@@ -142,7 +142,7 @@ def test_agent_daemonset_runs_the_agent_with_least_privilege(mode: str) -> None:
     assert sc["capabilities"]["add"] == expected_caps
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
-    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": 10256}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 10256}
     assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": 10256}
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == spec.max_unavailable
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
@@ -233,7 +233,7 @@ def test_probes_call_a_specific_healthz_address() -> None:
     spec = spec_with(spec, healthzBindAddress="127.0.0.1:10300")
     (container,) = pod_spec(builders.agent_daemonset(owner, spec, OPTS))["containers"]
     assert container["readinessProbe"]["httpGet"] == {
-        "path": "/healthz", "port": 10300, "host": "127.0.0.1",
+        "path": "/readyz", "port": 10300, "host": "127.0.0.1",
     }  # fmt: skip
     assert container["ports"] == [{"name": "healthz", "containerPort": 10300, "protocol": "TCP"}]
 

@@ -112,3 +112,22 @@ def test_node_eligibility() -> None:
     assert node_eligible({"metadata": {"name": "n1"}})
     assert not node_eligible(node(deleting=True))
     assert not node_eligible(node([{"key": "a"}, {"key": TO_BE_DELETED_TAINT}]))
+
+
+def test_readyz_waits_for_the_first_verified_sync_then_follows_healthz() -> None:
+    h, clock = health(timeout=60.0)
+    # /healthz is 200 before the first sync (as upstream); /readyz is not.
+    assert h.healthz()[0] == 200
+    code, body = h.readyz()
+    assert (code, body["firstSyncVerified"]) == (503, False)
+    h.verified_first_sync()
+    assert h.readyz() == (200, {**h.healthz()[1], "firstSyncVerified": True})
+    # Afterwards it fails with /healthz: a change left unprogrammed past the timeout...
+    h.queued_update()
+    clock.now += 61
+    assert h.healthz()[0] == 503 and h.readyz()[0] == 503
+    h.updated()
+    assert h.readyz()[0] == 200
+    # ... and a node that is not eligible for traffic.
+    h.sync_node(node(deleting=True))
+    assert h.readyz()[0] == 503
