@@ -116,7 +116,10 @@ class IpvsBackend:
         for key, vs in wanted.items():
             if key in present:
                 ipvs.set_service(vs)
-                have = ipvs.connections(key)
+                have = ipvs.real_servers(key)
+                # What an earlier run left at weight 0 (draining, or this backend's record
+                # lost with a restart) drains on, or serves again if wanted.
+                self._draining[key] = {s for s, real in have.items() if real.weight == 0}
                 self._update_real_servers(vs, set(have), vs.real_servers)
             else:
                 self._add_virtual_server(vs)
@@ -221,11 +224,11 @@ class IpvsBackend:
         if not self._draining or self._ipvs is None:
             return
         for vkey in list(self._draining):
-            connections = self._ipvs.connections(vkey)
+            have = self._ipvs.real_servers(vkey)
             servers = self._draining[vkey]
             for server in sorted(servers):
-                if connections.get(server, 0) == 0:
-                    if server in connections:
+                if server not in have or have[server].connections == 0:
+                    if server in have:
                         self._ipvs.delete_dest(vkey, *server)
                     servers.discard(server)
             if not servers:

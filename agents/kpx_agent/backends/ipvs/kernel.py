@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from .model import PROTOCOLS, VirtualKey, VirtualServer
 
@@ -14,12 +16,21 @@ DUMMY = "kube-ipvs0"
 TABLE = "kpx-ipvs"
 #: IP_VS_CONN_F_MASQ: NAT (pyroute2's IPVSDest defaults to 3, direct routing).
 FWD_NAT = 0
+#: An IPv6 virtual server's netmask is a prefix length (128) in a host-order u32, as ipvsadm
+#: sends it (the kernel refuses a full IPv6 service without it: EINVAL); pyroute2 encodes the
+#: attribute as an IPv4 address, so the u32's bytes are given as one.
+V6_NETMASK = socket.inet_ntoa((128).to_bytes(4, sys.byteorder))
 _FAMILY = {4: socket.AF_INET, 6: socket.AF_INET6}
 _PROTOCOL_NAME = {number: name for name, number in PROTOCOLS.items()}
 
 
 class KernelError(RuntimeError):
     pass
+
+
+class RealServer(NamedTuple):
+    weight: int
+    connections: int  # active plus inactive
 
 
 def _ipvs():
@@ -49,15 +60,12 @@ def _service(key: VirtualKey, vs: VirtualServer | None = None):
         "protocol": PROTOCOLS[key.protocol],
     }
     if key.family == 6:
-        fields["netmask"] = None
+        fields["netmask"] = V6_NETMASK
     if vs is not None:
         fields["sched_name"] = vs.scheduler
         fields["timeout"] = vs.persistence
         fields["flags"] = {"flags": 0x0001 if vs.persistence else 0, "mask": 0xFFFF}
-    service = IPVSService(**fields)
-    if key.family == 6:
-        service.pop("netmask", None)
-    return service
+    return IPVSService(**fields)
 
 
 def _dest(address: str, port: int, weight: int):
@@ -102,15 +110,16 @@ class Ipvs:
             yield VirtualKey(family, _PROTOCOL_NAME.get(s["protocol"], "?"), str(s["addr"]),
                              int(s["port"]))  # fmt: skip
 
-    def connections(self, key: VirtualKey) -> dict[tuple[str, int], int]:
-        """Active plus inactive connections of each real server of `key`."""
-        out: dict[tuple[str, int], int] = {}
+    def real_servers(self, key: VirtualKey) -> dict[tuple[str, int], RealServer]:
+        """The real servers of `key`: weight, and active plus inactive connections."""
+        out: dict[tuple[str, int], RealServer] = {}
         for message in self._sock.dest("dump", service=_service(key)):
             attrs = dict(message.get("IPVS_CMD_ATTR_DEST")["attrs"])
             conns = int(attrs.get("IPVS_DEST_ATTR_ACTIVE_CONNS", 0)) + int(
                 attrs.get("IPVS_DEST_ATTR_INACT_CONNS", 0)
             )
-            out[(str(attrs["IPVS_DEST_ATTR_ADDR"]), int(attrs["IPVS_DEST_ATTR_PORT"]))] = conns
+            server = (str(attrs["IPVS_DEST_ATTR_ADDR"]), int(attrs["IPVS_DEST_ATTR_PORT"]))
+            out[server] = RealServer(int(attrs.get("IPVS_DEST_ATTR_WEIGHT", 0)), conns)
         return out
 
 
