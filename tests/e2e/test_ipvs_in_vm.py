@@ -107,12 +107,12 @@ def _agent_identity(cluster: Cluster) -> tuple[list[str], list[dict[str, object]
     return [token], created
 
 
-def test_the_ipvs_example_deploys_agents_that_proxy_traffic(guest: Guest, cluster: Cluster) -> None:
+def test_the_ipvs_example_deploys_agents_that_proxy_traffic(cluster: Cluster, guest: Guest) -> None:
     """The operator's rendering of examples/proxyconfig-ipvs.yaml (ConfigMap, DaemonSet) runs
     in the guest as the DaemonSet's pod would (tests/e2e/test_ipvs_example_kernel.py)."""
     pxc = ProxyConfiguration.model_validate(yaml.safe_load(EXAMPLE.read_text()))
     opts = BuildOptions(apiserver_endpoint=f"127.0.0.1:{cluster.apiserver_port}")
-    config_map, daemonset = agent_children(Owner(pxc.metadata.name, "uid-1"), pxc.spec, opts)
+    config_map, daemonset = agent_children(Owner(pxc.metadata["name"], "uid-1"), pxc.spec, opts)
     work = Path("/dev/shm/kpx") / f"ipvs-example-{os.getpid()}"  # shared with the guest
     shutil.rmtree(work, ignore_errors=True)
     files = work / "configmaps" / config_map["metadata"]["name"]
