@@ -8,10 +8,10 @@ runs this test in a `proxy-vm` guest with KPX_IPVS_EXAMPLE_DIR naming what it wr
 simulator does not run in the guest (an emulated kubelet, runc and images would take minutes):
 this test is the kubelet for one pod of the DaemonSet. It runs the agent container's command,
 with the ConfigMap's files and its hostPath volumes (the node's paths, in the node's netns)
-where the container's arguments name their mount paths, and its environment (fieldRefs resolved as a kubelet does); the token and CA a kubelet would
-mount at the standard service-account path are in KPX_SERVICEACCOUNT_DIR. Anything else in
-the container (another volume kind, another env source) fails the test instead of being
-skipped over.
+where the container's arguments name their mount paths, and its environment (fieldRefs
+resolved as a kubelet does); the token and CA a kubelet would mount at the standard
+service-account path are in KPX_SERVICEACCOUNT_DIR. Anything else in the container (another
+volume kind, another env source) fails the test instead of being skipped over.
 """
 
 from __future__ import annotations
