@@ -24,12 +24,12 @@ from kpx_agent.localnet import (
     IP,
     Endpoint,
     NodeInfo,
-    NodeLocalState,
     Protocol,
     ProxySettings,
     ServicePort,
     ServicePortKey,
 )
+from kpx_agent.node_local import local_state
 
 
 def service(i: int, generation: int = 0) -> ServicePort:
@@ -49,15 +49,17 @@ def run_mode(mode: str, count: int) -> dict[str, Any]:
     backend = module.create(settings)
     node = NodeInfo("n1", (IP.of("192.168.0.1"),))
     ports = {p.key: p for p in (service(i) for i in range(count))}
+    state = local_state(node, settings, ports.values())  # with the node facts nftables needs
     start = time.perf_counter()
-    backend.sync(NodeLocalState(node, dict(ports)), None)
+    backend.sync(state, None)
     full = time.perf_counter() - start
     changes = []
     for n in range(20):
         changed = service(n * 7 % count, generation=n + 1)
         ports[changed.key] = changed
+        state = local_state(node, settings, ports.values())
         start = time.perf_counter()
-        backend.sync(NodeLocalState(node, dict(ports)), [changed.key])
+        backend.sync(state, [changed.key])
         changes.append(time.perf_counter() - start)
     return {"mode": mode, "services": count, "full_sync_s": round(full, 3),
             "one_change_median_ms": round(statistics.median(changes) * 1000, 1)}  # fmt: skip
@@ -68,12 +70,24 @@ def main() -> int:
     parser.add_argument("--services", type=int, default=1000)
     parser.add_argument("--modes", default="ipvs,iptables,nftables")
     parser.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true",
+                        help="print the costliest functions of each mode")  # fmt: skip
     args = parser.parse_args()
     if args.in_netns:
         try:
-            print(json.dumps(run_mode(args.modes, args.services)), flush=True)
+            if args.profile:
+                import cProfile
+                import pstats
+
+                profiler = cProfile.Profile()
+                result = profiler.runcall(run_mode, args.modes, args.services)
+                pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
+            else:
+                result = run_mode(args.modes, args.services)
+            print(json.dumps(result), flush=True)
         except Exception as exc:
-            print(json.dumps({"mode": args.modes, "error": str(exc)[:300]}), flush=True)
+            error = f"{type(exc).__name__}: {exc}"[:300]
+            print(json.dumps({"mode": args.modes, "error": error}), flush=True)
         return 0
     for mode in args.modes.split(","):
         netns = f"kpxbench-{mode}"
@@ -82,7 +96,7 @@ def main() -> int:
         subprocess.run(["ip", "-n", netns, "link", "set", "lo", "up"], check=True)
         try:
             argv = [sys.executable, __file__, "--in-netns", "--modes", mode]
-            argv += ["--services", str(args.services)]
+            argv += ["--services", str(args.services)] + (["--profile"] if args.profile else [])
             subprocess.run(["ip", "netns", "exec", netns, *argv], check=False)
         finally:
             subprocess.run(["ip", "netns", "del", netns], check=False)

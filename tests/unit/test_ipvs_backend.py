@@ -159,6 +159,9 @@ class FakeIpvs:
         self.calls.append(("delete_dest", key.address, address))
         del self.dests[key][(address, port)]
 
+    def flush(self) -> None:
+        """The fake applies each change at once: nothing is queued."""
+
     def real_servers(self, key: VirtualKey) -> dict[tuple[str, int], kernel.RealServer]:
         return {d: kernel.RealServer(w, self.conns.get((key, d), 0))
                 for d, w in self.dests[key].items()}  # fmt: skip

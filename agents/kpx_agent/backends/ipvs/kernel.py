@@ -10,6 +10,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from . import wire
+from .batch import Chunker, RawNetlink, describe_errors
 from .model import PROTOCOLS, VirtualKey, VirtualServer
 
 DUMMY = "kube-ipvs0"
@@ -68,6 +70,11 @@ def _service(key: VirtualKey, vs: VirtualServer | None = None):
     return IPVSService(**fields)
 
 
+def _name(key: VirtualKey) -> str:
+    address = f"[{key.address}]" if key.family == 6 else key.address
+    return f"{key.protocol} {address}:{key.port}"
+
+
 def _dest(address: str, port: int, weight: int):
     from pyroute2 import IPVSDest
 
@@ -75,33 +82,73 @@ def _dest(address: str, port: int, weight: int):
 
 
 class Ipvs:
-    """One netlink socket to IPVS, for the life of the backend."""
+    """IPVS over netlink, for the life of the backend: pyroute2's socket resolves the family
+    and reads (dumps); changes are requests (wire.py) queued and sent in batches (batch.py)
+    by `flush`, which every read does first and the backend does at the end of a
+    sync. A failed request does not stop the others: `flush` raises one KernelError naming
+    every object whose request failed."""
 
     def __init__(self) -> None:
         self._sock = _ipvs()
+        self._family = int(self._sock.prid)
+        self._raw: RawNetlink | None = None
+        self._queue = Chunker()
+        self._seq = 0
 
     def close(self) -> None:
+        self._queue.pending.clear()
         self._sock.close()
+        if self._raw is not None:
+            self._raw.close()
+
+    def _request(self, cmd: int, attrs: bytes, what: str) -> None:
+        self._seq = self._seq % 0x7FFFFFFF + 1
+        self._queue.pending.append((self._seq, wire.message(self._family, self._seq, cmd, attrs),
+                                    what))  # fmt: skip
+
+    def flush(self) -> None:
+        """Send every queued change; KernelError lists those the kernel refused."""
+        if not self._queue.pending:
+            return
+        if self._raw is None:
+            self._raw = RawNetlink()
+        failed: list[tuple[str, int]] = []
+        for chunk in self._queue.chunks():
+            failed += self._raw.exchange(chunk)
+        if failed:
+            raise KernelError(describe_errors(failed))
 
     def add_service(self, vs: VirtualServer) -> None:
-        self._sock.service("add", service=_service(vs.key, vs))
+        self._request(wire.NEW_SERVICE, wire.service_attrs(vs.key, vs),
+                      f"add virtual server {_name(vs.key)}")  # fmt: skip
 
     def set_service(self, vs: VirtualServer) -> None:
-        self._sock.service("set", service=_service(vs.key, vs))
+        self._request(wire.SET_SERVICE, wire.service_attrs(vs.key, vs),
+                      f"change virtual server {_name(vs.key)}")  # fmt: skip
 
     def delete_service(self, key: VirtualKey) -> None:
-        self._sock.service("del", service=_service(key))
+        self._request(wire.DEL_SERVICE, wire.service_attrs(key),
+                      f"delete virtual server {_name(key)}")  # fmt: skip
+
+    def _dest_request(self, cmd: int, key: VirtualKey, address: str, port: int, weight: int,
+                      what: str) -> None:  # fmt: skip
+        attrs = wire.service_attrs(key) + wire.dest_attrs(key.family, address, port, weight)
+        self._request(cmd, attrs, f"{what} real server {address}:{port} of {_name(key)}")
 
     def set_dest(self, key: VirtualKey, address: str, port: int, weight: int, new: bool) -> None:
-        self._sock.dest("add" if new else "set", service=_service(key),
-                        dest=_dest(address, port, weight))  # fmt: skip
+        if new:
+            self._dest_request(wire.NEW_DEST, key, address, port, weight, "add")
+        else:
+            self._dest_request(wire.SET_DEST, key, address, port, weight,
+                               f"set weight {weight} of")  # fmt: skip
 
     def delete_dest(self, key: VirtualKey, address: str, port: int) -> None:
-        self._sock.dest("del", service=_service(key), dest=_dest(address, port, 0))
+        self._dest_request(wire.DEL_DEST, key, address, port, 0, "delete")
 
     def services(self) -> Iterator[VirtualKey]:
         from pyroute2 import IPVSService
 
+        self.flush()
         for message in self._sock.service("dump"):
             s = IPVSService.from_message(message)
             family = 6 if s.get("af") == socket.AF_INET6 else 4
@@ -112,6 +159,7 @@ class Ipvs:
 
     def real_servers(self, key: VirtualKey) -> dict[tuple[str, int], RealServer]:
         """The real servers of `key`: weight, and active plus inactive connections."""
+        self.flush()
         out: dict[tuple[str, int], RealServer] = {}
         for message in self._sock.dest("dump", service=_service(key)):
             attrs = dict(message.get("IPVS_CMD_ATTR_DEST")["attrs"])
