@@ -162,6 +162,9 @@ class FakeIpvs:
     def flush(self) -> None:
         """The fake applies each change at once: nothing is queued."""
 
+    def discard(self) -> None:
+        self.calls.append(("discard",))
+
     def real_servers(self, key: VirtualKey) -> dict[tuple[str, int], kernel.RealServer]:
         return {d: kernel.RealServer(w, self.conns.get((key, d), 0))
                 for d, w in self.dests[key].items()}  # fmt: skip
@@ -270,6 +273,25 @@ def test_a_full_sync_serves_again_what_an_earlier_run_left_draining(fake: FakeIp
     again.sync(state(web(E2)), None)
     assert fake.dests[vip] == {("10.244.1.2", 8080): 0, ("10.244.2.2", 8080): 1}
     assert again.draining()[vip] == {("10.244.1.2", 8080)}
+
+
+def test_a_failed_sync_drops_what_it_queued_and_the_next_is_full(
+    fake: FakeIpvs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = backend_for(fake)
+    b.sync(state(web(E1)), None)
+
+    def refuse(script: str) -> None:
+        raise kernel.KernelError("nft: refused")
+
+    monkeypatch.setattr(kernel, "run_nft", refuse)
+    with pytest.raises(backend_mod.BackendError, match="refused"):
+        b.sync(state(web(E1, E2)), [key("web")])
+    assert fake.calls[-1] == ("discard",)
+    monkeypatch.setattr(kernel, "run_nft", fake.nft.append)
+    fake.calls.clear()
+    b.sync(state(web(E1, E2)), [key("web")])  # a delta asked for; a full sync done
+    assert ("set_service", "10.96.0.10", "80") in fake.calls
 
 
 def test_a_full_sync_removes_strangers_but_not_excluded_ones(fake: FakeIpvs) -> None:

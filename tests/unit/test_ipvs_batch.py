@@ -31,6 +31,11 @@ def test_requests_are_cut_into_chunks_under_the_limit_in_order() -> None:
     queue = Chunker(limit=10_000, max_requests=2)
     queue.pending = [(n, bytes(40), f"r{n}") for n in range(1, 6)]
     assert [len(c) for c in queue.chunks()] == [2, 2, 1]
+    # The queue is empty once the first chunk is taken: a chunk that failed to go out is not
+    # sent again by the next flush.
+    queue.pending = [(n, bytes(40), f"r{n}") for n in range(1, 6)]
+    next(queue.chunks())
+    assert queue.pending == []
     # A request larger than the limit goes alone, not dropped.
     queue.pending = [(7, bytes(300), "big")]
     assert [len(c) for c in queue.chunks()] == [1]

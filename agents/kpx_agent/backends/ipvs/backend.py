@@ -67,11 +67,12 @@ class IpvsBackend:
             assert self._ipvs is not None
             self._ipvs.flush()  # the queued changes, in batches; raises naming what failed
             self._finish_draining()
-        except BackendError:
-            self._node = None
-            raise
         except Exception as exc:
             self._node = None  # the next sync is a full one and repairs what was half applied
+            if self._ipvs is not None:
+                self._ipvs.discard()  # what this sync queued and did not send
+            if isinstance(exc, BackendError):
+                raise
             raise BackendError(f"ipvs sync failed: {exc}") from exc
 
     def cleanup(self) -> None:

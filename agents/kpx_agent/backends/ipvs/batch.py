@@ -68,9 +68,12 @@ class Chunker:
     pending: list[tuple[int, bytes, str]] = field(default_factory=list)
 
     def chunks(self) -> Iterator[list[tuple[int, bytes, str]]]:
+        """The queued requests in chunks; the queue is empty from the first one on (a chunk
+        that fails to go out is not sent again by a later flush)."""
+        pending, self.pending = self.pending, []
         chunk: list[tuple[int, bytes, str]] = []
         size = 0
-        for item in self.pending:
+        for item in pending:
             if chunk and (size + len(item[1]) > self.limit or len(chunk) >= self.max_requests):
                 yield chunk
                 chunk, size = [], 0
@@ -78,7 +81,6 @@ class Chunker:
             size += len(item[1])
         if chunk:
             yield chunk
-        self.pending = []
 
 
 class RawNetlink:

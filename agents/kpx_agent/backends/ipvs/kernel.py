@@ -106,6 +106,10 @@ class Ipvs:
         self._queue.pending.append((self._seq, wire.message(self._family, self._seq, cmd, attrs),
                                     what))  # fmt: skip
 
+    def discard(self) -> None:
+        """Forget the queued changes (a sync failed before sending them: the next is full)."""
+        self._queue.pending.clear()
+
     def flush(self) -> None:
         """Send every queued change; KernelError lists those the kernel refused."""
         if not self._queue.pending:
