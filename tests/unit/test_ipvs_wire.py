@@ -3,6 +3,7 @@ classes say: both decoded by pyroute2's IPVS message class, attribute for attrib
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -71,3 +72,20 @@ def test_virtual_server_keys_and_real_servers_say_what_pyroute2_says(key: Virtua
         theirs = decoded(pyroute2_message(cmd, [key_only, dest]))
         assert decoded(ours) == theirs
         assert theirs["IPVS_CMD_ATTR_DEST.IPVS_DEST_ATTR_FWD_METHOD"] == wire.FWD_NAT  # NAT
+
+
+@pytest.mark.parametrize(("family", "address"), [(4, "10.96.0.10"), (6, "fd00:96::10")])
+@pytest.mark.parametrize("add", [True, False])
+def test_an_address_of_the_dummy_interface_as_rtnetlink_reads_it(
+    family: int, address: str, add: bool
+) -> None:
+    from pyroute2.netlink.rtnl.ifaddrmsg import ifaddrmsg
+
+    msg = ifaddrmsg(wire.address_message(9, add, family, 42, address))
+    msg.decode()
+    assert msg["header"]["type"] == (wire.RTM_NEWADDR if add else wire.RTM_DELADDR)
+    assert msg["header"]["sequence_number"] == 9
+    assert msg["header"]["flags"] & wire.NLM_F_ACK
+    af = socket.AF_INET if family == 4 else socket.AF_INET6
+    assert (msg["family"], msg["prefixlen"], msg["index"]) == (af, 32 if family == 4 else 128, 42)
+    assert msg.get_attr("IFA_LOCAL") == address and msg.get_attr("IFA_ADDRESS") == address

@@ -20,7 +20,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-NETLINK_GENERIC = 16
+NETLINK_ROUTE, NETLINK_GENERIC = 0, 16
 SOL_NETLINK = 270
 NETLINK_CAP_ACK = 10  # acks of failed requests without a copy of the request
 SO_RCVBUFFORCE = 33
@@ -50,7 +50,7 @@ def parse_acks(data: bytes) -> Iterator[tuple[int, int]]:
         offset += (length + 3) & ~3
 
 
-def describe_errors(failed: list[tuple[str, int]], limit: int = 20) -> str:
+def describe_errors(failed: list[tuple[object, int]], limit: int = 20) -> str:
     """One line per failed request (the object it named and the errno), the first `limit`."""
     lines = [f"{what}: {errno.errorcode.get(code, str(code))} ({os.strerror(code)})"
              for what, code in failed[:limit]]  # fmt: skip
@@ -61,17 +61,18 @@ def describe_errors(failed: list[tuple[str, int]], limit: int = 20) -> str:
 
 @dataclass
 class Chunker:
-    """Queued requests: (sequence number, encoded message, what it does), cut into chunks."""
+    """Queued requests: (sequence number, encoded message, what it does: str() says it), cut
+    into chunks."""
 
     limit: int = CHUNK_BYTES
     max_requests: int = CHUNK_REQUESTS
-    pending: list[tuple[int, bytes, str]] = field(default_factory=list)
+    pending: list[tuple[int, bytes, object]] = field(default_factory=list)
 
-    def chunks(self) -> Iterator[list[tuple[int, bytes, str]]]:
+    def chunks(self) -> Iterator[list[tuple[int, bytes, object]]]:
         """The queued requests in chunks; the queue is empty from the first one on (a chunk
         that fails to go out is not sent again by a later flush)."""
         pending, self.pending = self.pending, []
-        chunk: list[tuple[int, bytes, str]] = []
+        chunk: list[tuple[int, bytes, object]] = []
         size = 0
         for item in pending:
             if chunk and (size + len(item[1]) > self.limit or len(chunk) >= self.max_requests):
@@ -84,10 +85,10 @@ class Chunker:
 
 
 class RawNetlink:
-    """A generic netlink socket that sends a chunk of requests and reads their acks."""
+    """A netlink socket (generic, or NETLINK_ROUTE): a chunk of requests out, their acks in."""
 
-    def __init__(self) -> None:
-        self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_GENERIC)
+    def __init__(self, protocol: int = NETLINK_GENERIC) -> None:
+        self._sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, protocol)
         self._sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
         try:  # past net.core.rmem_max (needs CAP_NET_ADMIN, which the agent has)
             self._sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, RECEIVE_BUFFER)
@@ -99,7 +100,7 @@ class RawNetlink:
     def close(self) -> None:
         self._sock.close()
 
-    def exchange(self, chunk: list[tuple[int, bytes, str]]) -> list[tuple[str, int]]:
+    def exchange(self, chunk: list[tuple[int, bytes, object]]) -> list[tuple[object, int]]:
         """Send the chunk in one write; the (what, errno) of each request that failed."""
         self._sock.sendto(b"".join(message for _, message, _ in chunk), (0, 0))
         waiting = {seq: what for seq, _, what in chunk}

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import errno
+import functools
 import socket
 import subprocess
 import sys
@@ -11,7 +13,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from . import wire
-from .batch import Chunker, RawNetlink, describe_errors
+from .batch import NETLINK_ROUTE, Chunker, RawNetlink, describe_errors
 from .model import PROTOCOLS, VirtualKey, VirtualServer
 
 DUMMY = "kube-ipvs0"
@@ -70,6 +72,24 @@ def _service(key: VirtualKey, vs: VirtualServer | None = None):
     return IPVSService(**fields)
 
 
+@functools.lru_cache(maxsize=4096)
+def _service_key_attrs(key: VirtualKey) -> bytes:
+    """A virtual server's key attributes (every request about one of its real servers)."""
+    return wire.service_attrs(key)
+
+
+class _RealServerRequest(NamedTuple):
+    """What a real-server request does, made a sentence only if it fails (cheap to queue)."""
+
+    verb: str
+    address: str
+    port: int
+    key: VirtualKey
+
+    def __str__(self) -> str:
+        return f"{self.verb} real server {self.address}:{self.port} of {_name(self.key)}"
+
+
 def _name(key: VirtualKey) -> str:
     address = f"[{key.address}]" if key.family == 6 else key.address
     return f"{key.protocol} {address}:{key.port}"
@@ -101,7 +121,7 @@ class Ipvs:
         if self._raw is not None:
             self._raw.close()
 
-    def _request(self, cmd: int, attrs: bytes, what: str) -> None:
+    def _request(self, cmd: int, attrs: bytes, what: object) -> None:
         self._seq = self._seq % 0x7FFFFFFF + 1
         self._queue.pending.append((self._seq, wire.message(self._family, self._seq, cmd, attrs),
                                     what))  # fmt: skip
@@ -116,7 +136,7 @@ class Ipvs:
             return
         if self._raw is None:
             self._raw = RawNetlink()
-        failed: list[tuple[str, int]] = []
+        failed: list[tuple[object, int]] = []
         for chunk in self._queue.chunks():
             failed += self._raw.exchange(chunk)
         if failed:
@@ -136,8 +156,8 @@ class Ipvs:
 
     def _dest_request(self, cmd: int, key: VirtualKey, address: str, port: int, weight: int,
                       what: str) -> None:  # fmt: skip
-        attrs = wire.service_attrs(key) + wire.dest_attrs(key.family, address, port, weight)
-        self._request(cmd, attrs, f"{what} real server {address}:{port} of {_name(key)}")
+        attrs = _service_key_attrs(key) + wire.dest_attrs(key.family, address, port, weight)
+        self._request(cmd, attrs, _RealServerRequest(what, address, port, key))
 
     def set_dest(self, key: VirtualKey, address: str, port: int, weight: int, new: bool) -> None:
         if new:
@@ -191,19 +211,29 @@ def ensure_dummy() -> int:
 
 
 def bind(address_changes: Iterable[tuple[bool, int, str]]) -> None:
-    """(add?, family, address) on the dummy interface (/32 or /128, as upstream)."""
+    """(add?, family, address) on the dummy interface (/32 or /128, as upstream), sent in
+    batches (an address already there, or already gone, is fine)."""
     from pyroute2 import IPRoute
-    from pyroute2.netlink.exceptions import NetlinkError
 
+    changes = list(address_changes)
+    if not changes:
+        return
     with IPRoute() as ipr:
-        index = ipr.link_lookup(ifname=DUMMY)[0]
-        for add, family, address in address_changes:
-            try:
-                ipr.addr("add" if add else "del", index=index, address=address,
-                         prefixlen=32 if family == 4 else 128)  # fmt: skip
-            except NetlinkError as exc:  # EEXIST on add, EADDRNOTAVAIL on delete
-                if exc.code not in (17, 99):
-                    raise
+        index = int(ipr.link_lookup(ifname=DUMMY)[0])
+    queue = Chunker()
+    for seq, (add, family, address) in enumerate(changes, start=1):
+        what = f"{'add' if add else 'delete'} address {address} of {DUMMY}"
+        queue.pending.append((seq, wire.address_message(seq, add, family, index, address), what))
+    raw = RawNetlink(NETLINK_ROUTE)
+    failed: list[tuple[object, int]] = []
+    try:
+        for chunk in queue.chunks():
+            failed += [(what, code) for what, code in raw.exchange(chunk)
+                       if code not in (errno.EEXIST, errno.EADDRNOTAVAIL)]  # fmt: skip
+    finally:
+        raw.close()
+    if failed:
+        raise KernelError(describe_errors(failed))
 
 
 def bound_addresses() -> set[tuple[int, str]]:
