@@ -47,12 +47,24 @@ def main() -> int:
     parser.add_argument("--services", type=int, default=1000)
     parser.add_argument("--modes", default="ipvs,iptables,nftables")
     parser.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true",
+                        help="print the costliest functions of each mode")  # fmt: skip
     args = parser.parse_args()
     if args.in_netns:
         try:
-            print(json.dumps(run_mode(args.modes, args.services)), flush=True)
+            if args.profile:
+                import cProfile
+                import pstats
+
+                profiler = cProfile.Profile()
+                result = profiler.runcall(run_mode, args.modes, args.services)
+                pstats.Stats(profiler, stream=sys.stderr).sort_stats("cumulative").print_stats(25)
+            else:
+                result = run_mode(args.modes, args.services)
+            print(json.dumps(result), flush=True)
         except Exception as exc:
-            print(json.dumps({"mode": args.modes, "error": str(exc)[:300]}), flush=True)
+            error = f"{type(exc).__name__}: {exc}"[:300]
+            print(json.dumps({"mode": args.modes, "error": error}), flush=True)
         return 0
     for mode in args.modes.split(","):
         netns = f"kpxbench-{mode}"
@@ -61,7 +73,7 @@ def main() -> int:
         subprocess.run(["ip", "-n", netns, "link", "set", "lo", "up"], check=True)
         try:
             argv = [sys.executable, __file__, "--in-netns", "--modes", mode]
-            argv += ["--services", str(args.services)]
+            argv += ["--services", str(args.services)] + (["--profile"] if args.profile else [])
             subprocess.run(["ip", "netns", "exec", netns, *argv], check=False)
         finally:
             subprocess.run(["ip", "netns", "del", netns], check=False)

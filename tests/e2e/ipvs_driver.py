@@ -2,7 +2,9 @@
 
 Run as `python3 ipvs_driver.py MODE` inside the node's netns; each line on stdin is a JSON step
 {"services": [...], "changed": [keys] | null, "settings": {...}, "cleanup": bool,
-"remove_other_modes": bool}; the driver applies it and answers one JSON line on stdout.
+"remove_other_modes": bool}, or {"case": NAME, "world": {...}} for a case of the shared
+semantics matrix (tests/unit/semantics.py: its ports and settings, a full sync); the driver
+applies it and answers one JSON line on stdout.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import sys
 from ipaddress import ip_network
+from pathlib import Path
 from typing import Any
 
 from kpx_agent import backends
@@ -66,6 +69,17 @@ def _settings(raw: dict[str, Any]) -> ProxySettings:
     )
 
 
+def _matrix_case(name: str, world: dict[str, Any]) -> tuple[ProxySettings, Any]:
+    """The settings and node-local state of one case of the shared semantics matrix."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    import semantics
+
+    w = semantics.World(**world)
+    case = next(c for c in semantics.CASES if c.name == name)
+    settings = semantics.settings_of(case, w)
+    return settings, local_state(semantics.node_of(w), settings, case.ports(w))
+
+
 def main() -> None:
     mode, node_name, node_ip = sys.argv[1:4]
     module: Any = backends.load(mode)
@@ -77,6 +91,12 @@ def main() -> None:
         try:
             if step.get("cleanup"):
                 module.cleanup()
+            if "case" in step:
+                settings, state = _matrix_case(step["case"], step["world"])
+                if backend is None:
+                    backend = module.create(settings)
+                backend.settings = settings
+                backend.sync(state, None)
             if "services" in step:
                 settings = _settings(step.get("settings", {}))
                 if backend is None:

@@ -1,4 +1,6 @@
-"""Runs the IPVS kernel tests inside a `proxy-vm` guest (this host's kernel has no IPVS).
+"""Runs the IPVS kernel tests inside a `proxy-vm` guest (this host's kernel has no IPVS):
+tests/e2e/test_ipvs_kernel.py and the ipvs column of the semantics matrix
+(tests/e2e/test_ipvs_semantics_matrix.py).
 
 Skipped, saying why, only where qemu cannot run (not installed, or not root); a failure or a
 skip inside the guest fails here. The guest image is built on first use (minutes, cached in
@@ -7,6 +9,7 @@ skip inside the guest fails here. The guest image is built on first use (minutes
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -14,14 +17,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
+from kpx_api import ProxyConfiguration
+from kpx_cluster.controlplane import Cluster
 from kpx_cluster.vm import image as vm_image
 from kpx_cluster.vm.machine import Guest
+from kpx_operator.builders import BuildOptions, Owner, agent_children
+from kpx_operator.names import AGENT_SERVICE_ACCOUNT
 
 REPO = Path(__file__).resolve().parents[2]
-KERNEL_TESTS = "tests/e2e/test_ipvs_kernel.py"
+KERNEL_TESTS = ("tests/e2e/test_ipvs_kernel.py", "tests/e2e/test_ipvs_semantics_matrix.py")
 #: One guest pytest run per test function (each within the per-test timeout).
-GUEST_TESTS = re.findall(r"^def (test_\w+)\(", (REPO / KERNEL_TESTS).read_text(), re.MULTILINE)
+GUEST_TESTS = [
+    f"{path}::{name}"
+    for path in KERNEL_TESTS
+    for name in re.findall(r"^def (test_\w+)\(", (REPO / path).read_text(), re.MULTILINE)
+]
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None,
@@ -59,12 +71,72 @@ def test_guest_has_ipvs_and_the_tools(guest: Guest) -> None:
     assert "-amd64" in out
 
 
-@pytest.mark.parametrize("name", GUEST_TESTS)
-def test_ipvs_kernel_tests_pass_in_the_guest(guest: Guest, name: str) -> None:
+@pytest.mark.parametrize("test", GUEST_TESTS)
+def test_ipvs_kernel_tests_pass_in_the_guest(guest: Guest, test: str) -> None:
     code, out = run_in_guest(
         guest,
-        ["python3", "-m", "pytest", f"{KERNEL_TESTS}::{name}", "-q", "-p", "no:cacheprovider",
-         "-rsx"],
+        ["python3", "-m", "pytest", test, "-q", "-p", "no:cacheprovider", "-rsx"],
     )  # fmt: skip
+    assert code == 0, out[-6000:]
+    assert " skipped" not in out, out[-3000:]
+
+
+EXAMPLE = REPO / "examples" / "proxyconfig-ipvs.yaml"
+EXAMPLE_TEST = "tests/e2e/test_ipvs_example_kernel.py"
+MANIFESTS = REPO / "operator" / "manifests"
+
+
+def _agent_identity(cluster: Cluster) -> tuple[list[str], list[dict[str, object]]]:
+    """The agents' ServiceAccount and RBAC as installed with the operator; returns a token
+    and the objects this test created (to delete after: a later install owns them)."""
+    docs = [d for f in ("namespace.yaml", "serviceaccount.yaml", "agent-rbac.yaml")
+            for d in yaml.safe_load_all((MANIFESTS / f).read_text()) if d]  # fmt: skip
+    docs = [d for d in docs if d["kind"] != "ServiceAccount"
+            or d["metadata"]["name"] == AGENT_SERVICE_ACCOUNT]  # fmt: skip
+    created = []
+    for doc in docs:
+        meta = doc["metadata"]
+        where = ["-n", meta["namespace"]] if "namespace" in meta else []
+        found = cluster.kubectl("get", doc["kind"], meta["name"], *where, check=False)
+        if found.returncode != 0:
+            cluster.kubectl("apply", "-f", "-", input=json.dumps(doc))
+            if doc["kind"] != "Namespace":
+                created.append(doc)
+    token = cluster.kubectl("create", "token", AGENT_SERVICE_ACCOUNT, "-n", "kpx-system",
+                            "--duration=1h").stdout.strip()  # fmt: skip
+    return [token], created
+
+
+def test_the_ipvs_example_deploys_agents_that_proxy_traffic(cluster: Cluster, guest: Guest) -> None:
+    """The operator's rendering of examples/proxyconfig-ipvs.yaml (ConfigMap, DaemonSet) runs
+    in the guest as the DaemonSet's pod would (tests/e2e/test_ipvs_example_kernel.py)."""
+    pxc = ProxyConfiguration.model_validate(yaml.safe_load(EXAMPLE.read_text()))
+    opts = BuildOptions(apiserver_endpoint=f"127.0.0.1:{cluster.apiserver_port}")
+    config_map, daemonset = agent_children(Owner(pxc.metadata["name"], "uid-1"), pxc.spec, opts)
+    work = Path("/dev/shm/kpx") / f"ipvs-example-{os.getpid()}"  # shared with the guest
+    shutil.rmtree(work, ignore_errors=True)
+    files = work / "configmaps" / config_map["metadata"]["name"]
+    files.mkdir(parents=True)
+    for key, text in config_map["data"].items():
+        (files / key).write_text(text)
+    (work / "daemonset.json").write_text(json.dumps(daemonset))
+    [token], created = _agent_identity(cluster)
+    sa = work / "serviceaccount"
+    sa.mkdir()
+    (sa / "token").write_text(token)
+    shutil.copy(cluster.ca_file, sa / "ca.crt")
+    try:
+        code, out = run_in_guest(
+            guest,
+            ["env", f"KPX_IPVS_EXAMPLE_DIR={work}", f"KUBECONFIG={cluster.kubeconfig}",
+             "python3", "-m", "pytest", EXAMPLE_TEST, "-q", "-p", "no:cacheprovider", "-rsx"],
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        for doc in reversed(created):
+            meta = doc["metadata"]
+            where = ["-n", meta["namespace"]] if "namespace" in meta else []
+            cluster.kubectl("delete", doc["kind"], meta["name"], *where, "--wait=false",
+                            check=False)  # fmt: skip
     assert code == 0, out[-6000:]
     assert " skipped" not in out, out[-3000:]

@@ -231,6 +231,57 @@ def test_exclude_cidrs_are_left_alone_by_a_full_sync(topology: Topology) -> None
     assert "192.168.50.1:80" in listing and "192.168.60.1:80" not in listing
 
 
+SCTP_SERVER = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_SCTP)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", 8080))
+s.listen(16)
+print("ready", flush=True)
+while True:
+    conn, peer = s.accept()
+    conn.sendall(sys.argv[1].encode() + b" " + peer[0].encode())
+    conn.close()
+"""
+
+SCTP_CLIENT = """
+import collections, json, socket, sys
+seen = collections.Counter()
+for _ in range(int(sys.argv[3])):
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_SCTP)
+    s.settimeout(3)
+    try:
+        s.connect((sys.argv[1], int(sys.argv[2])))
+        seen[s.recv(100).decode().split()[0]] += 1
+    except OSError as exc:
+        seen[type(exc).__name__] += 1
+    finally:
+        s.close()
+print(json.dumps(seen))
+"""
+
+
+def test_sctp_virtual_server_carries_associations_to_both_endpoints(topology: Topology) -> None:
+    n1, _n2, b1, b2, client = setup(topology)
+    for pod in (b1, b2):
+        server = topology.run(pod, [sys.executable, "-c", SCTP_SERVER, pod.name],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
+    driver = Driver(topology, n1, "ipvs")
+    sctp = {"key": ["d", "sctp", "sctp"], "port": 9, "cluster_ips": [VIP],
+            "endpoints": [[b1.ipv4, 8080, True], [b2.ipv4, 8080]]}  # fmt: skip
+    driver.step(services=[sctp])
+    listing = ipvsadm(topology, n1, "-Ln")
+    assert f"SCTP {VIP}:9 rr" in " ".join(listing.split()) and "Masq" in listing, listing
+    run = topology.exec(client, [sys.executable, "-c", SCTP_CLIENT, VIP, "9", "8"], timeout=120)
+    seen = json.loads(run.stdout.strip() or "{}")
+    assert set(seen) == {"b1", "b2"} and sum(seen.values()) == 8, (seen, run.stderr)
+    # A removed SCTP endpoint leaves at once (no graceful drain, as upstream: TCP only).
+    answer = driver.step(services=[{**sctp, "endpoints": [[b1.ipv4, 8080, True]]}],
+                         changed=[["d", "sctp", "sctp"]])  # fmt: skip
+    assert answer["draining"] == 0 and b2.ipv4 not in ipvsadm(topology, n1, "-Ln")
+
+
 # ---- what ipvs mode does differently (documented in backends/ipvs/README.md) ----------------
 
 

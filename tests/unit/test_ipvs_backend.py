@@ -17,6 +17,8 @@ from kpx_agent.backends.ipvs.backend import IpvsBackend
 from kpx_agent.backends.ipvs.model import (
     CLUSTER_IPS,
     DROP,
+    FIREWALL,
+    FIREWALL_ALLOW,
     MASQ_IPS,
     VirtualKey,
     VirtualServer,
@@ -94,6 +96,9 @@ def test_node_port_addresses_scheduler_and_local_policies() -> None:
          'iifname != "cbr0" meta mark'),
         (ProxySettings(detect_local=DetectLocal(DetectLocalMode.INTERFACE_NAME_PREFIX, "veth")),
          'iifname != "veth*" meta mark'),
+        # Nothing tells local pods apart: only the node's own traffic from a Service IP (as
+        # upstream's ipvs mode), not everything.
+        (ProxySettings(), "ip saddr . meta l4proto . th dport @cluster-ips meta mark set"),
     ],
 )  # fmt: skip
 def test_helper_table_masquerades_what_is_not_from_a_local_pod(
@@ -103,6 +108,23 @@ def test_helper_table_masquerades_what_is_not_from_a_local_pod(
     assert match in text
     assert "meta mark & 0x4000 == 0x4000 masquerade" in text
     assert "add element ip kpx-ipvs cluster-ips { 10.96.0.10 . tcp . 80 }" in text
+
+
+def test_load_balancer_source_ranges_let_only_their_sources_through() -> None:
+    port = web(E1, load_balancer_ips=(IP.of("192.0.2.21"),),
+               load_balancer_source_ranges=(ip_network("10.0.0.0/8"), ip_network("10.1.0.0/16"),
+                                            ip_network("fd00::/8")))  # fmt: skip
+    plan = plan_port(port, NODE, SETTINGS)
+    assert plan.elements[FIREWALL] == {(4, "192.0.2.21", "tcp", 80)}
+    # Merged (an interval set refuses overlaps) and of the port's family only.
+    assert plan.elements[FIREWALL_ALLOW] == {(4, "192.0.2.21", "tcp", 80, "10.0.0.0/8")}
+    text = base_table(4, SETTINGS, NODE, plan.elements)
+    assert "add element ip kpx-ipvs firewall-allow { 192.0.2.21 . tcp . 80 . 10.0.0.0/8 }" in text
+    assert (
+        "@firewall-ips ip daddr . meta l4proto . th dport . ip saddr != @firewall-allow drop"
+        in (text)
+    )
+    assert FIREWALL not in plan_port(web(E1), NODE, SETTINGS).elements
 
 
 class FakeIpvs:
@@ -137,8 +159,15 @@ class FakeIpvs:
         self.calls.append(("delete_dest", key.address, address))
         del self.dests[key][(address, port)]
 
-    def connections(self, key: VirtualKey) -> dict[tuple[str, int], int]:
-        return {d: self.conns.get((key, d), 0) for d in self.dests[key]}
+    def flush(self) -> None:
+        """The fake applies each change at once: nothing is queued."""
+
+    def discard(self) -> None:
+        self.calls.append(("discard",))
+
+    def real_servers(self, key: VirtualKey) -> dict[tuple[str, int], kernel.RealServer]:
+        return {d: kernel.RealServer(w, self.conns.get((key, d), 0))
+                for d, w in self.dests[key].items()}  # fmt: skip
 
 
 @pytest.fixture
@@ -228,6 +257,41 @@ def test_a_removed_tcp_real_server_drains_at_weight_0_then_leaves(fake: FakeIpvs
     fake.conns.clear()
     b.sync(state(web(E1)), [])
     assert fake.dests[vip] == {("10.244.1.2", 8080): 1} and b.draining() == {}
+
+
+def test_a_full_sync_serves_again_what_an_earlier_run_left_draining(fake: FakeIpvs) -> None:
+    vip = VirtualKey(4, "tcp", "10.96.0.10", 80)
+    b = backend_for(fake)
+    b.sync(state(web(E1, E2)), None)
+    fake.conns[(vip, ("10.244.2.2", 8080))] = 1
+    b.sync(state(web(E1)), [key("web")])
+    assert fake.dests[vip][("10.244.2.2", 8080)] == 0
+    # A new backend (an agent restart: no record of what drains) wants E2 back, and a full
+    # sync without E1 leaves E1 draining at weight 0, not deleted with its connection.
+    fake.conns[(vip, ("10.244.1.2", 8080))] = 1
+    again = backend_for(fake)
+    again.sync(state(web(E2)), None)
+    assert fake.dests[vip] == {("10.244.1.2", 8080): 0, ("10.244.2.2", 8080): 1}
+    assert again.draining()[vip] == {("10.244.1.2", 8080)}
+
+
+def test_a_failed_sync_drops_what_it_queued_and_the_next_is_full(
+    fake: FakeIpvs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    b = backend_for(fake)
+    b.sync(state(web(E1)), None)
+
+    def refuse(script: str) -> None:
+        raise kernel.KernelError("nft: refused")
+
+    monkeypatch.setattr(kernel, "run_nft", refuse)
+    with pytest.raises(backend_mod.BackendError, match="refused"):
+        b.sync(state(web(E1, E2)), [key("web")])
+    assert fake.calls[-1] == ("discard",)
+    monkeypatch.setattr(kernel, "run_nft", fake.nft.append)
+    fake.calls.clear()
+    b.sync(state(web(E1, E2)), [key("web")])  # a delta asked for; a full sync done
+    assert ("set_service", "10.96.0.10", "80") in fake.calls
 
 
 def test_a_full_sync_removes_strangers_but_not_excluded_ones(fake: FakeIpvs) -> None:

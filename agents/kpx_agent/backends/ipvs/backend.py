@@ -9,6 +9,10 @@ A removed real server is not deleted at once: its weight drops to 0 (no new conn
 leaves at a later sync once IPVS counts no connection on it (upstream's graceful termination);
 UDP and SCTP real servers leave at once, as upstream.
 
+Changes to virtual and real servers are queued and sent in batches (kernel.Ipvs.flush: many
+requests per netlink round trip, one ack each); a failure names every object whose request the
+kernel refused.
+
 A full sync (first sync, node or settings change, after a failure) reconciles with the kernel:
 it reads the virtual servers and bound addresses back and removes what is not wanted (virtual
 servers inside spec.ipvs.excludeCIDRs are left alone), and swaps the helper table in one nft
@@ -60,12 +64,15 @@ class IpvsBackend:
                 self._full_sync(state)
             else:
                 self._partial_sync(state, changed)
+            assert self._ipvs is not None
+            self._ipvs.flush()  # the queued changes, in batches; raises naming what failed
             self._finish_draining()
-        except BackendError:
-            self._node = None
-            raise
         except Exception as exc:
             self._node = None  # the next sync is a full one and repairs what was half applied
+            if self._ipvs is not None:
+                self._ipvs.discard()  # what this sync queued and did not send
+            if isinstance(exc, BackendError):
+                raise
             raise BackendError(f"ipvs sync failed: {exc}") from exc
 
     def cleanup(self) -> None:
@@ -107,8 +114,10 @@ class IpvsBackend:
             bound.update(plan.bound)
             for name, members in plan.elements.items():
                 elements.setdefault(name, Counter()).update(members)
-        # Virtual servers: remove what is not wanted, then make every wanted one right.
+        # Virtual servers: read what is there first (the changes are then sent in batches),
+        # remove what is not wanted, then make every wanted one right.
         present = set(ipvs.services())
+        haves = {key: ipvs.real_servers(key) for key in present & wanted.keys()}
         for key in present - wanted.keys():
             if not excluded(key.address, self.settings.ipvs.exclude_cidrs):
                 ipvs.delete_service(key)
@@ -116,7 +125,10 @@ class IpvsBackend:
         for key, vs in wanted.items():
             if key in present:
                 ipvs.set_service(vs)
-                have = ipvs.connections(key)
+                have = haves[key]
+                # What an earlier run left at weight 0 (draining, or this backend's record
+                # lost with a restart) drains on, or serves again if wanted.
+                self._draining[key] = {s for s, real in have.items() if real.weight == 0}
                 self._update_real_servers(vs, set(have), vs.real_servers)
             else:
                 self._add_virtual_server(vs)
@@ -221,15 +233,16 @@ class IpvsBackend:
         if not self._draining or self._ipvs is None:
             return
         for vkey in list(self._draining):
-            connections = self._ipvs.connections(vkey)
+            have = self._ipvs.real_servers(vkey)
             servers = self._draining[vkey]
             for server in sorted(servers):
-                if connections.get(server, 0) == 0:
-                    if server in connections:
+                if server not in have or have[server].connections == 0:
+                    if server in have:
                         self._ipvs.delete_dest(vkey, *server)
                     servers.discard(server)
             if not servers:
                 del self._draining[vkey]
+        self._ipvs.flush()
 
     def draining(self) -> dict[VirtualKey, set[tuple[str, int]]]:
         """The real servers waiting for their connections to end (weight 0)."""
@@ -249,6 +262,7 @@ def cleanup(exclude_cidrs: Iterable[object] = ()) -> None:
             for key in list(ipvs.services()):
                 if not excluded(key.address, networks):  # type: ignore[arg-type]
                     ipvs.delete_service(key)
+            ipvs.flush()
         finally:
             ipvs.close()
     kernel.delete_dummy()

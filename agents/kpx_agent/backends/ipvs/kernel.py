@@ -3,23 +3,38 @@
 
 from __future__ import annotations
 
+import errno
+import functools
 import socket
 import subprocess
+import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
+from . import wire
+from .batch import NETLINK_ROUTE, Chunker, RawNetlink, describe_errors
 from .model import PROTOCOLS, VirtualKey, VirtualServer
 
 DUMMY = "kube-ipvs0"
 TABLE = "kpx-ipvs"
 #: IP_VS_CONN_F_MASQ: NAT (pyroute2's IPVSDest defaults to 3, direct routing).
 FWD_NAT = 0
+#: An IPv6 virtual server's netmask is a prefix length (128) in a host-order u32, as ipvsadm
+#: sends it (the kernel refuses a full IPv6 service without it: EINVAL); pyroute2 encodes the
+#: attribute as an IPv4 address, so the u32's bytes are given as one.
+V6_NETMASK = socket.inet_ntoa((128).to_bytes(4, sys.byteorder))
 _FAMILY = {4: socket.AF_INET, 6: socket.AF_INET6}
 _PROTOCOL_NAME = {number: name for name, number in PROTOCOLS.items()}
 
 
 class KernelError(RuntimeError):
     pass
+
+
+class RealServer(NamedTuple):
+    weight: int
+    connections: int  # active plus inactive
 
 
 def _ipvs():
@@ -49,15 +64,35 @@ def _service(key: VirtualKey, vs: VirtualServer | None = None):
         "protocol": PROTOCOLS[key.protocol],
     }
     if key.family == 6:
-        fields["netmask"] = None
+        fields["netmask"] = V6_NETMASK
     if vs is not None:
         fields["sched_name"] = vs.scheduler
         fields["timeout"] = vs.persistence
         fields["flags"] = {"flags": 0x0001 if vs.persistence else 0, "mask": 0xFFFF}
-    service = IPVSService(**fields)
-    if key.family == 6:
-        service.pop("netmask", None)
-    return service
+    return IPVSService(**fields)
+
+
+@functools.lru_cache(maxsize=4096)
+def _service_key_attrs(key: VirtualKey) -> bytes:
+    """A virtual server's key attributes (every request about one of its real servers)."""
+    return wire.service_attrs(key)
+
+
+class _RealServerRequest(NamedTuple):
+    """What a real-server request does, made a sentence only if it fails (cheap to queue)."""
+
+    verb: str
+    address: str
+    port: int
+    key: VirtualKey
+
+    def __str__(self) -> str:
+        return f"{self.verb} real server {self.address}:{self.port} of {_name(self.key)}"
+
+
+def _name(key: VirtualKey) -> str:
+    address = f"[{key.address}]" if key.family == 6 else key.address
+    return f"{key.protocol} {address}:{key.port}"
 
 
 def _dest(address: str, port: int, weight: int):
@@ -67,33 +102,77 @@ def _dest(address: str, port: int, weight: int):
 
 
 class Ipvs:
-    """One netlink socket to IPVS, for the life of the backend."""
+    """IPVS over netlink, for the life of the backend: pyroute2's socket resolves the family
+    and reads (dumps); changes are requests (wire.py) queued and sent in batches (batch.py)
+    by `flush`, which every read does first and the backend does at the end of a
+    sync. A failed request does not stop the others: `flush` raises one KernelError naming
+    every object whose request failed."""
 
     def __init__(self) -> None:
         self._sock = _ipvs()
+        self._family = int(self._sock.prid)
+        self._raw: RawNetlink | None = None
+        self._queue = Chunker()
+        self._seq = 0
 
     def close(self) -> None:
+        self._queue.pending.clear()
         self._sock.close()
+        if self._raw is not None:
+            self._raw.close()
+
+    def _request(self, cmd: int, attrs: bytes, what: object) -> None:
+        self._seq = self._seq % 0x7FFFFFFF + 1
+        self._queue.pending.append((self._seq, wire.message(self._family, self._seq, cmd, attrs),
+                                    what))  # fmt: skip
+
+    def discard(self) -> None:
+        """Forget the queued changes (a sync failed before sending them: the next is full)."""
+        self._queue.pending.clear()
+
+    def flush(self) -> None:
+        """Send every queued change; KernelError lists those the kernel refused."""
+        if not self._queue.pending:
+            return
+        if self._raw is None:
+            self._raw = RawNetlink()
+        failed: list[tuple[object, int]] = []
+        for chunk in self._queue.chunks():
+            failed += self._raw.exchange(chunk)
+        if failed:
+            raise KernelError(describe_errors(failed))
 
     def add_service(self, vs: VirtualServer) -> None:
-        self._sock.service("add", service=_service(vs.key, vs))
+        self._request(wire.NEW_SERVICE, wire.service_attrs(vs.key, vs),
+                      f"add virtual server {_name(vs.key)}")  # fmt: skip
 
     def set_service(self, vs: VirtualServer) -> None:
-        self._sock.service("set", service=_service(vs.key, vs))
+        self._request(wire.SET_SERVICE, wire.service_attrs(vs.key, vs),
+                      f"change virtual server {_name(vs.key)}")  # fmt: skip
 
     def delete_service(self, key: VirtualKey) -> None:
-        self._sock.service("del", service=_service(key))
+        self._request(wire.DEL_SERVICE, wire.service_attrs(key),
+                      f"delete virtual server {_name(key)}")  # fmt: skip
+
+    def _dest_request(self, cmd: int, key: VirtualKey, address: str, port: int, weight: int,
+                      what: str) -> None:  # fmt: skip
+        attrs = _service_key_attrs(key) + wire.dest_attrs(key.family, address, port, weight)
+        self._request(cmd, attrs, _RealServerRequest(what, address, port, key))
 
     def set_dest(self, key: VirtualKey, address: str, port: int, weight: int, new: bool) -> None:
-        self._sock.dest("add" if new else "set", service=_service(key),
-                        dest=_dest(address, port, weight))  # fmt: skip
+        if new:
+            self._dest_request(wire.NEW_DEST, key, address, port, weight, "add")
+        else:
+            self._dest_request(wire.SET_DEST, key, address, port, weight,
+                               f"set weight {weight} of")  # fmt: skip
 
     def delete_dest(self, key: VirtualKey, address: str, port: int) -> None:
-        self._sock.dest("del", service=_service(key), dest=_dest(address, port, 0))
+        self._dest_request(wire.DEL_DEST, key, address, port, 0, "delete")
 
     def services(self) -> Iterator[VirtualKey]:
         from pyroute2 import IPVSService
 
+        self.flush()
         for message in self._sock.service("dump"):
             s = IPVSService.from_message(message)
             family = 6 if s.get("af") == socket.AF_INET6 else 4
@@ -102,15 +181,17 @@ class Ipvs:
             yield VirtualKey(family, _PROTOCOL_NAME.get(s["protocol"], "?"), str(s["addr"]),
                              int(s["port"]))  # fmt: skip
 
-    def connections(self, key: VirtualKey) -> dict[tuple[str, int], int]:
-        """Active plus inactive connections of each real server of `key`."""
-        out: dict[tuple[str, int], int] = {}
+    def real_servers(self, key: VirtualKey) -> dict[tuple[str, int], RealServer]:
+        """The real servers of `key`: weight, and active plus inactive connections."""
+        self.flush()
+        out: dict[tuple[str, int], RealServer] = {}
         for message in self._sock.dest("dump", service=_service(key)):
             attrs = dict(message.get("IPVS_CMD_ATTR_DEST")["attrs"])
             conns = int(attrs.get("IPVS_DEST_ATTR_ACTIVE_CONNS", 0)) + int(
                 attrs.get("IPVS_DEST_ATTR_INACT_CONNS", 0)
             )
-            out[(str(attrs["IPVS_DEST_ATTR_ADDR"]), int(attrs["IPVS_DEST_ATTR_PORT"]))] = conns
+            server = (str(attrs["IPVS_DEST_ATTR_ADDR"]), int(attrs["IPVS_DEST_ATTR_PORT"]))
+            out[server] = RealServer(int(attrs.get("IPVS_DEST_ATTR_WEIGHT", 0)), conns)
         return out
 
 
@@ -130,19 +211,29 @@ def ensure_dummy() -> int:
 
 
 def bind(address_changes: Iterable[tuple[bool, int, str]]) -> None:
-    """(add?, family, address) on the dummy interface (/32 or /128, as upstream)."""
+    """(add?, family, address) on the dummy interface (/32 or /128, as upstream), sent in
+    batches (an address already there, or already gone, is fine)."""
     from pyroute2 import IPRoute
-    from pyroute2.netlink.exceptions import NetlinkError
 
+    changes = list(address_changes)
+    if not changes:
+        return
     with IPRoute() as ipr:
-        index = ipr.link_lookup(ifname=DUMMY)[0]
-        for add, family, address in address_changes:
-            try:
-                ipr.addr("add" if add else "del", index=index, address=address,
-                         prefixlen=32 if family == 4 else 128)  # fmt: skip
-            except NetlinkError as exc:  # EEXIST on add, EADDRNOTAVAIL on delete
-                if exc.code not in (17, 99):
-                    raise
+        index = int(ipr.link_lookup(ifname=DUMMY)[0])
+    queue = Chunker()
+    for seq, (add, family, address) in enumerate(changes, start=1):
+        what = f"{'add' if add else 'delete'} address {address} of {DUMMY}"
+        queue.pending.append((seq, wire.address_message(seq, add, family, index, address), what))
+    raw = RawNetlink(NETLINK_ROUTE)
+    failed: list[tuple[object, int]] = []
+    try:
+        for chunk in queue.chunks():
+            failed += [(what, code) for what, code in raw.exchange(chunk)
+                       if code not in (errno.EEXIST, errno.EADDRNOTAVAIL)]  # fmt: skip
+    finally:
+        raw.close()
+    if failed:
+        raise KernelError(describe_errors(failed))
 
 
 def bound_addresses() -> set[tuple[int, str]]:

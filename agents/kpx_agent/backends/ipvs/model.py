@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
-from ipaddress import ip_address
+from ipaddress import collapse_addresses, ip_address
 
 from ...localnet import Endpoint, IPNetwork, NodeInfo, ProxySettings, ServicePort
 
@@ -58,6 +58,8 @@ CLUSTER_IPS = "cluster-ips"  # marked for masquerade unless from a local pod
 MASQ_IPS = "masquerade-ips"  # always marked (external traffic, ETP Cluster)
 HAIRPIN = "hairpin"  # endpoint . proto . port . endpoint: a pod reaching itself
 DROP = "drop-ports"  # traffic policy Local with no endpoint here: dropped, not rejected
+FIREWALL = "firewall-ips"  # load-balancer IPs with loadBalancerSourceRanges
+FIREWALL_ALLOW = "firewall-allow"  # address . proto . port . source range: let through
 
 
 def excluded(address: str, networks: tuple[IPNetwork, ...]) -> bool:
@@ -109,6 +111,13 @@ def plan_port(port: ServicePort, node: NodeInfo, settings: ProxySettings) -> Por
             plan.add(MASQ_IPS, (family, address, protocol, vport))
         if not port.external_endpoints and port.drop_when_no_external_endpoints:
             plan.add(DROP, (family, address, protocol, vport))
+    if port.load_balancer_source_ranges:
+        ranges = [n for n in port.load_balancer_source_ranges if n.version == family]
+        for ip in port.load_balancer_ips:
+            plan.add(FIREWALL, (family, ip, protocol, port.port))
+            # Overlapping ranges would conflict in an interval set: merge them first.
+            for net in collapse_addresses(ranges):  # type: ignore[type-var]
+                plan.add(FIREWALL_ALLOW, (family, ip, protocol, port.port, str(net)))
     for endpoint in {*port.cluster_endpoints, *port.external_endpoints}:
         plan.add(HAIRPIN, (family, str(endpoint.ip), protocol, endpoint.port, str(endpoint.ip)))
     return plan

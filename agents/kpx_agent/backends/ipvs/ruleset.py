@@ -10,29 +10,34 @@ from collections.abc import Iterable, Mapping
 
 from ...localnet import DetectLocalMode, NodeInfo, ProxySettings
 from .kernel import TABLE
-from .model import CLUSTER_IPS, DROP, HAIRPIN, MASQ_IPS, Element
+from .model import CLUSTER_IPS, DROP, FIREWALL, FIREWALL_ALLOW, HAIRPIN, MASQ_IPS, Element
 
 NFT_FAMILY = {4: "ip", 6: "ip6"}
 _ADDR = {4: "ipv4_addr", 6: "ipv6_addr"}
 
 
-def _nonlocal_match(family: int, settings: ProxySettings, node: NodeInfo) -> str:
-    """The match for traffic not from a local pod (it is masqueraded to cluster IPs)."""
-    if settings.masquerade_all:
-        return ""
-    detect = settings.detect_local
+def _cluster_ip_masquerade(family: int, settings: ProxySettings, node: NodeInfo) -> str:
+    """The rule marking traffic to cluster IPs for masquerade, as upstream's ipvs mode: all of
+    it with masqueradeAll; else what is not from a local pod (detectLocal); with nothing to
+    tell local pods apart, only what the node sends from a Service IP (the source address the
+    node picks for a cluster IP bound on kube-ipvs0 is that IP itself)."""
     fam = NFT_FAMILY[family]
+    mark = f"meta mark set meta mark | 0x{settings.masquerade_mark:x}"
+    lookup = f"{fam} daddr . meta l4proto . th dport @{CLUSTER_IPS}"
+    if settings.masquerade_all:
+        return f"{lookup} {mark}"
+    detect = settings.detect_local
     if detect.mode is DetectLocalMode.BRIDGE_INTERFACE:
-        return f'iifname != "{detect.interface}" '
+        return f'{lookup} iifname != "{detect.interface}" {mark}'
     if detect.mode is DetectLocalMode.INTERFACE_NAME_PREFIX:
-        return f'iifname != "{detect.interface}*" '
+        return f'{lookup} iifname != "{detect.interface}*" {mark}'
     networks = settings.cluster_cidrs
     if detect.mode is DetectLocalMode.NODE_CIDR:
         networks = node.pod_cidrs
     mine = [str(n) for n in networks if n.version == family]
     if not mine:
-        return ""  # nothing tells local pods apart: masquerade everything, as masqueradeAll
-    return f"{fam} saddr != {{ {', '.join(mine)} }} "
+        return f"{fam} saddr . meta l4proto . th dport @{CLUSTER_IPS} {mark}"
+    return f"{lookup} {fam} saddr != {{ {', '.join(mine)} }} {mark}"
 
 
 def element_text(element: Element) -> str:
@@ -55,9 +60,10 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo,
         f"  set {MASQ_IPS} {{ type {key}; }}",
         f"  set {HAIRPIN} {{ type {key} . {addr}; }}",
         f"  set {DROP} {{ type {key}; }}",
+        f"  set {FIREWALL} {{ type {key}; }}",
+        f"  set {FIREWALL_ALLOW} {{ type {key} . {addr}; flags interval; }}",
         "  chain services {",
-        f"    {fam} daddr . meta l4proto . th dport @{CLUSTER_IPS} "
-        f"{_nonlocal_match(family, settings, node)}meta mark set meta mark | {mark}",
+        f"    {_cluster_ip_masquerade(family, settings, node)}",
         f"    {fam} daddr . meta l4proto . th dport @{MASQ_IPS} meta mark set meta mark | {mark}",
         "  }",
         "  chain prerouting {",
@@ -77,10 +83,14 @@ def base_table(family: int, settings: ProxySettings, node: NodeInfo,
         "  chain filter-input {",
         "    type filter hook input priority -110; policy accept;",
         f"    {fam} daddr . meta l4proto . th dport @{DROP} drop",
+        f"    {fam} daddr . meta l4proto . th dport @{FIREWALL} "
+        f"{fam} daddr . meta l4proto . th dport . {fam} saddr != @{FIREWALL_ALLOW} drop",
         "  }",
         "  chain filter-output {",
         "    type filter hook output priority -110; policy accept;",
         f"    {fam} daddr . meta l4proto . th dport @{DROP} drop",
+        f"    {fam} daddr . meta l4proto . th dport @{FIREWALL} "
+        f"{fam} daddr . meta l4proto . th dport . {fam} saddr != @{FIREWALL_ALLOW} drop",
         "  }",
         "}",
     ]

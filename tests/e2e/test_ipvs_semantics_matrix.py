@@ -1,0 +1,68 @@
+"""The ipvs column of the shared semantics matrix (tests/unit/semantics.py), in a kernel with IPVS.
+
+The same cases, topology, packets and judgement as tests/e2e/test_semantics_matrix_kernel.py
+(nftables and iptables), with the ipvs backend synced in n1's netns by one long-lived driver
+(tests/e2e/ipvs_driver.py: the guest is emulated, a Python start per case would cost seconds).
+Where ipvs mode differs as upstream documents it, IPVS_OUTCOMES gives the outcome expected
+instead, each naming its item of "What ipvs mode does not do" in
+agents/kpx_agent/backends/ipvs/README.md; every other case must pass as in the other modes.
+
+This host's kernel has no IPVS: the test skips here and runs inside a `proxy-vm` guest, started
+by tests/e2e/test_ipvs_in_vm.py, which fails if it fails or skips there. To run some cases
+only (when debugging): KPX_MATRIX_CASES=name,name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from test_ipvs_kernel import Driver, pytestmark  # noqa: F401  (skipped where no IPVS)
+from test_semantics_matrix_kernel import Net, destination, net, observed_ok  # noqa: F401
+
+from kpx_cluster.probe import probe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from semantics import CASES, Outcome, World, verdict
+
+#: Cases whose ipvs outcome differs from the other modes, as documented (README item).
+IPVS_OUTCOMES: dict[str, tuple[str, Callable[[World], set[Outcome]]]] = {
+    # 1. No externalTrafficPolicy Local short circuit: with no endpoint on this node, a pod or
+    #    the node reaching the load-balancer or external IP is dropped like outside traffic.
+    "etp-local-short-circuit-pod": ("1", verdict("drop")),
+    "etp-local-short-circuit-pod-external-ip": ("1", verdict("drop")),
+    "etp-local-short-circuit-node": ("1", verdict("drop")),
+}
+
+
+def test_semantics_matrix_in_ipvs_mode(net: Net) -> None:  # noqa: F811
+    assert IPVS_OUTCOMES.keys() <= {c.name for c in CASES}, "a difference names no case"
+    driver = Driver(net.topo, net.n1, "ipvs")
+    world = dataclasses.asdict(net.world)
+    failures = []
+    only = set(filter(None, os.environ.get("KPX_MATRIX_CASES", "").split(",")))
+    for case in CASES:
+        if only and case.name not in only:
+            continue
+        driver.step(case=case.name, world=world)
+        allowed = (IPVS_OUTCOMES[case.name][1] if case.name in IPVS_OUTCOMES else case.allowed)(
+            net.world
+        )
+        quiet = {o.verdict for o in allowed} <= {"drop"} or all(o.dnat is None for o in allowed)
+        result = probe(
+            net.topo,
+            net.sender(case.sender),
+            destination(net, case),
+            case.port,
+            "tcp",
+            count=2 if quiet else 6,
+            timeout=0.5 if quiet else 1,
+        )
+        problem = observed_ok(net, case, allowed, result)
+        if problem:
+            failures.append(f"{case.name}: {problem}: {result}")
+    driver.step(cleanup=True)
+    assert not failures, "\n".join(failures)
