@@ -16,31 +16,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kpx_api.constants import AGENT_EVENT_SOURCE, MODE_PREFLIGHT
+from kpx_api.constants import MODE_PREFLIGHT
 from kpx_api.preflight import Dropped, DroppedSetting, ModeCheck, parse_report
 
 from .admission import node_list
-from .agent_reports import _stamp
+from .agent_reports import latest_reports, live_agents
 
 
 def preflight_reports(
     pods: Iterable[Mapping[str, Any]], events: Iterable[Mapping[str, Any]]
 ) -> dict[str, dict[str, ModeCheck]]:
-    live: dict[str, str] = {}
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        node = str((pod.get("spec") or {}).get("nodeName") or "")
-        if node and not meta.get("deletionTimestamp") and meta.get("uid"):
-            live[str(meta["uid"])] = node
-    latest: dict[str, Mapping[str, Any]] = {}
-    for event in events:
-        if (event.get("source") or {}).get("component") != AGENT_EVENT_SOURCE:
-            continue
-        if event.get("reason") != MODE_PREFLIGHT:
-            continue
-        uid = str((event.get("involvedObject") or {}).get("uid") or "")
-        if uid in live and (uid not in latest or _stamp(event) >= _stamp(latest[uid])):
-            latest[uid] = event
+    live = live_agents(pods, scheduled_only=True)
+    latest = latest_reports(events, live, (MODE_PREFLIGHT,))
     return {live[uid]: parse_report(str(e.get("message") or "")) for uid, e in latest.items()}
 
 

@@ -19,7 +19,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
 from kpx_api.constants import (
-    AGENT_EVENT_SOURCE,
     FIRST_SYNC_VERIFIED,
     KUBE_PROXY_RULES_REMOVED,
     LEFTOVERS_NOT_REMOVED,
@@ -27,7 +26,7 @@ from kpx_api.constants import (
 )
 from kpx_api.takeover import KUBE_PROXY_OFF_LABEL, TakeoverNode, TakeoverPhase, TakeoverStatus
 
-from .agent_reports import _stamp
+from .agent_reports import _stamp, agent_event_pod, live_agents
 
 Phase = TakeoverPhase
 KUBE_PROXY_NAMESPACE: Final = "kube-system"
@@ -69,19 +68,12 @@ def node_phases(
     pods: Iterable[Mapping[str, Any]], events: Iterable[Mapping[str, Any]]
 ) -> dict[str, tuple[Phase, str]]:
     """node -> (phase, message of the Event that set it) for every node with a live agent Pod."""
-    live: dict[str, str] = {}
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        node = str((pod.get("spec") or {}).get("nodeName") or "")
-        if node and not meta.get("deletionTimestamp") and meta.get("uid"):
-            live[str(meta["uid"])] = node
+    live = live_agents(pods, scheduled_only=True)
     best: dict[str, tuple[int, tuple[str, int], Phase, str]] = {}
     for event in events:
-        if (event.get("source") or {}).get("component") != AGENT_EVENT_SOURCE:
-            continue
+        uid = agent_event_pod(event)
         phase = _phase_of(event)
-        uid = str((event.get("involvedObject") or {}).get("uid") or "")
-        if phase is None or uid not in live:
+        if uid is None or phase is None or uid not in live:
             continue
         entry = (_RANK[phase], _stamp(event), phase, str(event.get("message") or ""))
         if uid not in best or entry[:2] > best[uid][:2]:

@@ -21,9 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from test_ipvs_kernel import Driver, pytestmark  # noqa: F401  (skipped where no IPVS)
-from test_semantics_matrix_kernel import Net, destination, net, observed_ok  # noqa: F401
-
-from kpx_cluster.probe import probe
+from test_semantics_matrix_kernel import Net, net, probe_case  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from semantics import CASES, Outcome, World, verdict
@@ -51,18 +49,8 @@ def test_semantics_matrix_in_ipvs_mode(net: Net) -> None:  # noqa: F811
         allowed = (IPVS_OUTCOMES[case.name][1] if case.name in IPVS_OUTCOMES else case.allowed)(
             net.world
         )
-        quiet = {o.verdict for o in allowed} <= {"drop"} or all(o.dnat is None for o in allowed)
-        result = probe(
-            net.topo,
-            net.sender(case.sender),
-            destination(net, case),
-            case.port,
-            "tcp",
-            count=2 if quiet else 6,
-            timeout=0.5 if quiet else 1,
-        )
-        problem = observed_ok(net, case, allowed, result)
+        problem = probe_case(net, case, allowed)
         if problem:
-            failures.append(f"{case.name}: {problem}: {result}")
+            failures.append(problem)
     driver.step(cleanup=True)
     assert not failures, "\n".join(failures)

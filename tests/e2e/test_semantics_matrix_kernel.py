@@ -129,25 +129,31 @@ def observed_ok(net: Net, case: Case, allowed: set[Outcome], result: ProbeResult
     return ""
 
 
+def probe_case(net: Net, case: Case, allowed: set[Outcome]) -> str | None:
+    """Send the case's probe and judge it: None when what the endpoints saw is allowed, else
+    what went wrong (shared with the ipvs column, tests/e2e/test_ipvs_semantics_matrix.py)."""
+    quiet = {o.verdict for o in allowed} <= {"drop"} or all(o.dnat is None for o in allowed)
+    result = probe(
+        net.topo,
+        net.sender(case.sender),
+        destination(net, case),
+        case.port,
+        "tcp",
+        count=2 if quiet else 6,
+        timeout=0.5 if quiet else 1,
+    )
+    problem = observed_ok(net, case, allowed, result)
+    return f"{case.name}: {problem}: {result}" if problem else None
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_semantics_matrix_in_the_kernel(net: Net, mode: str) -> None:
     world = dataclasses.asdict(net.world)
     failures = []
     for case in CASES:
         net.run({"step": "sync", "mode": mode, "world": world, "case": case.name})
-        allowed = case.allowed(net.world)
-        quiet = {o.verdict for o in allowed} <= {"drop"} or all(o.dnat is None for o in allowed)
-        result = probe(
-            net.topo,
-            net.sender(case.sender),
-            destination(net, case),
-            case.port,
-            "tcp",
-            count=2 if quiet else 6,
-            timeout=0.5 if quiet else 1,
-        )
-        problem = observed_ok(net, case, allowed, result)
+        problem = probe_case(net, case, case.allowed(net.world))
         if problem:
-            failures.append(f"{case.name}: {problem}: {result}")
+            failures.append(problem)
     net.run({"step": "cleanup", "mode": mode})
     assert not failures, "\n".join(failures)
