@@ -254,8 +254,9 @@ def up_to_date(image: Image, directory: Path, digest: str) -> bool:
 
 
 def build_all(root: Path = REPO_ROOT, directory: Path | None = None) -> list[tuple[Image, Path]]:
-    """Build every image whose archive is missing or stale; return (image, archive) for all."""
-    directory = directory or images_dir()
+    """Build every image whose archive is missing or stale; return (image, archive) for all.
+    Into `directory`, else archives_dir() ($KPX_IMAGES_DIR: a work tree's own archives)."""
+    directory = directory or archives_dir()
     directory.mkdir(parents=True, exist_ok=True)
     digest = inputs_digest(root)
     built = []
@@ -271,7 +272,7 @@ def build_all(root: Path = REPO_ROOT, directory: Path | None = None) -> list[tup
 
 def missing(root: Path = REPO_ROOT, directory: Path | None = None) -> bool:
     """True when an image's archive is absent or stale (what `make test` checks first)."""
-    directory = directory or images_dir()
+    directory = directory or archives_dir()
     digest = inputs_digest(root)
     return not all(up_to_date(i, directory, digest) for i in images(project_version(root)))
 
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="print the images' references and archives as JSON")
     args = parser.parse_args(argv)
     if args.command == "list":
-        directory = images_dir()
+        directory = archives_dir()
         listing = [
             {"ref": i.ref, "archive": str(i.archive(directory))} for i in images(project_version())
         ]
