@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import re
 import time
 from collections.abc import Callable, Collection, Coroutine
 from datetime import UTC, datetime
@@ -47,6 +48,22 @@ def sync_failure_due(
     ((error, time), None after a success): a new error at once, the same one once per
     `interval`."""
     return told is None or told[0] != error or now - told[1] >= interval
+
+
+_NFT_LOCATION = re.compile(r"/dev/stdin:\d+:\d+(-\d+)?: ")
+
+
+def brief_error(error: str, limit: int = 600) -> str:
+    """A backend's error for an Event: each distinct line once (nft repeats its complaint per
+    statement, with a location and a line of carets under it), joined by " | ", at most
+    `limit` characters."""
+    lines: list[str] = []
+    for raw in error.splitlines():
+        line = _NFT_LOCATION.sub("", raw.strip())
+        if line and set(line) - {"^", "~", " "} and line not in lines:
+            lines.append(line)
+    text = " | ".join(lines)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Agent:
@@ -268,6 +285,7 @@ class Agent:
         """A Warning Event SyncFailed with the kernel's error: when the error is new, else at
         most once per SYNC_FAILURE_REPORT_INTERVAL (the sync is retried every 1-30 s)."""
         now = time.monotonic()
+        error = brief_error(error)
         if not sync_failure_due(self._sync_failure_told, error, now):
             return
         self._sync_failure_told = (error, now)
