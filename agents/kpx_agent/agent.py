@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import gc
 import logging
+import re
 import time
 from collections.abc import Callable, Collection, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kpx_api.constants import FIRST_SYNC_VERIFIED
+from kpx_api.constants import FIRST_SYNC_VERIFIED, SYNC_FAILED
 from kpx_api.errors import ConfigError
 from kpx_kube import Client, collector
 from kpx_kube.reflector import Reflector, Resource
@@ -35,6 +36,34 @@ from .state_api.server import StateServer, parse_address
 
 log = logging.getLogger(__name__)
 CONFIG_POLL_SECONDS = 2.0
+#: A sync failure with the same error is reported as an Event at most this often (s).
+SYNC_FAILURE_REPORT_INTERVAL = 60.0
+
+
+def sync_failure_due(
+    told: tuple[str, float] | None, error: str, now: float,
+    interval: float = SYNC_FAILURE_REPORT_INTERVAL,
+) -> bool:  # fmt: skip
+    """Whether a sync failure with `error` is reported now, the last report being `told`
+    ((error, time), None after a success): a new error at once, the same one once per
+    `interval`."""
+    return told is None or told[0] != error or now - told[1] >= interval
+
+
+_NFT_LOCATION = re.compile(r"/dev/stdin:\d+:\d+(-\d+)?: ")
+
+
+def brief_error(error: str, limit: int = 600) -> str:
+    """A backend's error for an Event: each distinct line once (nft repeats its complaint per
+    statement, with a location and a line of carets under it), joined by " | ", at most
+    `limit` characters."""
+    lines: list[str] = []
+    for raw in error.splitlines():
+        line = _NFT_LOCATION.sub("", raw.strip())
+        if line and set(line) - {"^", "~", " "} and line not in lines:
+            lines.append(line)
+    text = " | ".join(lines)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Agent:
@@ -63,6 +92,8 @@ class Agent:
         self.conntrack_paths = conntrack_paths or conntrack_sysctl.ConntrackPaths()
         self.pod = pod_events.PodRef.from_env()
         self._conntrack_failed = False
+        #: (error, monotonic time) of the last SyncFailed Event (rate limit).
+        self._sync_failure_told: tuple[str, float] | None = None
         self._conntrack_task: asyncio.Task[None] | None = None  # a reload's apply
         self.metrics = AgentMetrics()
         self.state = ClusterState()
@@ -231,6 +262,7 @@ class Agent:
             self._synced_once = True
             if outcome.ok:
                 retry_delay = 0.0
+                self._sync_failure_told = None
                 self.health.updated()
                 if self.state.has_changes():  # recorded while this sync ran: still pending
                     self.health.queued_update()
@@ -247,6 +279,19 @@ class Agent:
             else:
                 retry_delay = min(max(retry_delay * 2, 1.0), 30.0)
                 self.state.touch_all()
+                await self._report_sync_failure(outcome.error)
+
+    async def _report_sync_failure(self, error: str) -> None:
+        """A Warning Event SyncFailed with the kernel's error: when the error is new, else at
+        most once per SYNC_FAILURE_REPORT_INTERVAL (the sync is retried every 1-30 s)."""
+        now = time.monotonic()
+        error = brief_error(error)
+        if not sync_failure_due(self._sync_failure_told, error, now):
+            return
+        self._sync_failure_told = (error, now)
+        await self._report("Warning", SYNC_FAILED,
+                           f"mode {self.settings.mode}: sync failed, keeping the previous rules "
+                           f"and retrying: {error or 'unknown error'}")  # fmt: skip
 
     async def _verify_first_sync(self) -> None:
         """After a successful full sync: set `first_sync_verified` if the backend finds its

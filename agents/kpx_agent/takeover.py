@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from kpx_api.constants import LEFTOVERS_REMOVED, OTHER_MODE_RULES
+
 log = logging.getLogger(__name__)
 
 #: (event type "Normal"/"Warning", reason, message): an Event about the agent's Pod.
@@ -151,7 +153,8 @@ def other_mode_leftovers(
 ) -> list[Leftover]:
     """The rules of every kpx mode but `mode` (a mode switch leaves the old mode's behind):
     each removed by `removers[other]` when given (ipvs: only what a kpx agent made, not
-    upstream kube-proxy's virtual servers), else by that backend's public `cleanup()`."""
+    upstream kube-proxy's virtual servers), else by that backend's public `cleanup()`. Each
+    removal is reported as an Event LeftoversRemoved ("removed the rules of kpx mode M")."""
 
     def remover(other: str) -> Callable[[], None]:
         if removers and other in removers:
@@ -165,7 +168,9 @@ def other_mode_leftovers(
         return remove
 
     return [
-        Leftover(other, f"the rules of kpx mode {other}", remover(other))
+        Leftover(
+            other, f"{OTHER_MODE_RULES}{other}", remover(other), removed_reason=LEFTOVERS_REMOVED
+        )
         for other in modes
         if other != mode
     ]

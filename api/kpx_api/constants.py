@@ -27,6 +27,14 @@ CONNTRACK_NOT_APPLIED: Final = "ConntrackNotApplied"
 CONNTRACK_APPLIED: Final = "ConntrackApplied"
 #: An agent could not remove another proxy's rules from its node (it retries; takeover.py).
 LEFTOVERS_NOT_REMOVED: Final = "LeftoversNotRemoved"
+#: The agent removed another kpx mode's rules from its node after its first verified sync
+#: (the message names the mode: "removed the rules of kpx mode iptables").
+LEFTOVERS_REMOVED: Final = "LeftoversRemoved"
+#: How an agent names another kpx mode's rules in those messages (then the mode).
+OTHER_MODE_RULES: Final = "the rules of kpx mode "
+#: A sync failed to program the kernel (the message carries the error); the agent keeps the
+#: previous rules and retries. Recorded when the error changes, at most once a minute otherwise.
+SYNC_FAILED: Final = "SyncFailed"
 #: spec.takeover.fromKubeProxy: the agent waits for kube-proxy's Pod to leave its node, then
 #: removes kube-proxy's rules there.
 WAITING_FOR_KUBE_PROXY: Final = "WaitingForKubeProxy"

@@ -93,6 +93,9 @@ class ConditionType(StrEnum):
     DEPRECATED = "Deprecated"
     #: Present once agents report which modes their nodes can run, or while a switch is held.
     PREFLIGHT = "Preflight"
+    #: Present while and after a change of spec.mode (status.modeSwitch): False names a stuck
+    #: node, why and what to do.
+    MODE_SWITCH = "ModeSwitch"
 
 
 class ConditionStatus(StrEnum):
@@ -156,6 +159,48 @@ class Condition(KpxModel):
     )
 
 
+class ModeSwitchPhase(StrEnum):
+    """Where a node is in a change of spec.mode (from its agent Pod and that Pod's Events)."""
+
+    PENDING = "Pending"  # its agent runs the old mode (or none runs yet)
+    SWITCHING = "Switching"  # an agent of the new mode runs; not verified, or the old rules stay
+    SWITCHED = "Switched"  # it verified its first sync and removed the old mode's rules
+    STUCK = "Stuck"  # an agent of the new mode has not verified a sync for too long
+
+
+class ModeSwitchNode(KpxModel):
+    """One node's progress in a change of spec.mode."""
+
+    name: DNSSubdomain = Field(description="The node.")
+    phase: ModeSwitchPhase = Field(description="Pending, Switching, Switched or Stuck.")
+    message: Annotated[str, Text(max_length=1024, message="")] = Field(
+        default="", description="Why it is in this phase (for Stuck: the agent's error)."
+    )
+
+
+class ModeSwitchStatus(KpxModel):
+    """A change of spec.mode: per-node phase while it runs, a summary at the end."""
+
+    from_mode: Mode = Field(description="The mode the agents ran before the change.")
+    to_mode: Mode = Field(description="spec.mode: the mode the nodes move to.")
+    started_at: Timestamp = Field(description="When the operator applied the new mode.")
+    finished_at: Timestamp | None = Field(
+        default=None, description="When every node was Switched (absent while it runs)."
+    )
+    nodes: Annotated[list[ModeSwitchNode], Field(max_length=5000)] = Field(
+        default_factory=list,
+        description="Each node with an agent of this configuration, by name (at most 5000, "
+        "the furthest behind first).",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    switched: int = Field(default=0, ge=0, strict=True, description="Nodes Switched.")
+    summary: Annotated[str, Text(max_length=1024, message="")] = Field(
+        default="",
+        description='How many nodes are in each phase, e.g. "2 of 3 nodes '
+        'switched from iptables to nftables (1 Stuck)".',
+    )
+
+
 class ProxyConfigurationStatus(KpxModel):
     """Observed state, written by the operator."""
 
@@ -188,6 +233,11 @@ class ProxyConfigurationStatus(KpxModel):
     takeover: TakeoverStatus | None = Field(
         default=None,
         description="spec.takeover.fromKubeProxy: each node's progress (docs/migrating.md).",
+    )
+    mode_switch: ModeSwitchStatus | None = Field(
+        default=None,
+        description="The last change of spec.mode: each node's phase while it runs, and a "
+        "summary once it finished (docs/migrating.md). Kept until the next change.",
     )
     kopf: dict[str, Any] | None = Field(
         default=None,

@@ -491,6 +491,11 @@ class RefusalResult:
     #: (seconds after the patch, the agents' states, the ProxyConfiguration's Ready status)
     #: at each change while the refusal was held
     timeline: list[tuple[float, dict[str, str], str]] = field(default_factory=list)
+    #: status.modeSwitch and condition ModeSwitch at the end of the refusal, and status.modeSwitch
+    #: once it finished after the lift (or as it was when the wait for it timed out)
+    mode_switch: dict[str, Any] = field(default_factory=dict)
+    mode_switch_condition: dict[str, Any] = field(default_factory=dict)
+    mode_switch_after: dict[str, Any] = field(default_factory=dict)
 
     def traffic_failures(self) -> list[str]:
         probe = SwitchResult(self.old, self.new, 0, 0.0, self.loads, {})
@@ -551,6 +556,12 @@ def switch_with_refusal(
             ready: dict[str, Any] = next(
                 (c for c in status.get("conditions", []) if c["type"] == "Ready"), {}
             )
+            switch_then = dict(status.get("modeSwitch") or {})
+            switch_cond: dict[str, Any] = next(
+                (c for c in status.get("conditions", []) if c["type"] == "ModeSwitch"), {}
+            )
+            log(f"status.modeSwitch: {switch_then.get('summary')}; ModeSwitch condition "
+                f"{switch_cond.get('reason')}: {switch_cond.get('message')}")  # fmt: skip
             agents = _agent_states(env)
             kept = bool(mode_rules(env.topo, node, old))
             log(f"after {hold_for:.0f}s: agents {agents}; Ready condition {ready}; "
@@ -564,9 +575,29 @@ def switch_with_refusal(
             log(f"rolled out {after_lift}s after the refusal was lifted")
         except TimeoutError as err:
             log(str(err))
+        switch_after = mode_switch_finished(env, 60, log)
         time.sleep(opts.settle)
     finally:
         loads = _stop_load(started, opts.timeout)
     summary = {k: status.get(k) for k in ("mode", "readyNodes", "desiredNodes") if k in status}
     return RefusalResult(old, new, node.name, hold_for, agents, ready, summary, kept, after_lift,
-                         loads, timeline)  # fmt: skip
+                         loads, timeline, switch_then, switch_cond, switch_after)  # fmt: skip
+
+
+def mode_switch_finished(
+    env: MigrationEnv, timeout: float, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """status.modeSwitch once it says finished (the last node's LeftoversRemoved may come a
+    pass after the rollout is Ready), or as it is when `timeout` s passed."""
+
+    def finished() -> dict[str, Any] | None:
+        got = dict(env.json("get", "pxc", env.pxc).get("status", {}).get("modeSwitch") or {})
+        return got if got.get("finishedAt") else None
+
+    try:
+        got = wait_until(finished, timeout, "status.modeSwitch finished")
+    except TimeoutError as err:
+        log(str(err))
+        return dict(env.json("get", "pxc", env.pxc).get("status", {}).get("modeSwitch") or {})
+    log(f"status.modeSwitch: {got.get('summary')}")
+    return got

@@ -30,6 +30,7 @@ from kpx_api import (
 from kpx_api.agentconfig import AgentConfiguration, parse_agent_config_text
 from kpx_api.constants import AGENT_EVENT_SOURCE
 from kpx_api.preflight import dropped_settings
+from kpx_api.proxyconfiguration import ModeSwitchStatus
 from kpx_api.takeover import KUBE_PROXY_OFF_LABEL, TakeoverStatus
 
 from .admission import Admission, IPVSPolicy, PxcInfo, admit, conflict_message
@@ -44,6 +45,8 @@ from .builders import (
     child_refs,
     cleanup_daemonset,
 )
+from .mode_switch import node_phases as switch_phases
+from .mode_switch import stuck, switch_status, track
 from .names import AGENT_APP, child_names, selector_labels
 from .preflight import Preflight, assess, preflight_reports
 from .preflight import condition as condition_of
@@ -228,6 +231,8 @@ class Reconciler:
             takeover: TakeoverStatus | None = None
             preflight: Preflight | None = None
             previous = self._status.get(uid) or parse_status(body.get("status"))
+            # Kept as last written when this pass fails before it is followed.
+            mode_switch: ModeSwitchStatus | None = previous.mode_switch if previous else None
             try:
                 if spec is not None and admission.deploy:
                     self._cleared.discard(uid)
@@ -257,6 +262,16 @@ class Reconciler:
                         ds = applied.obj  # the DaemonSet comes last
                     if reports is not None and not spec.conntrack.leaves_node_alone():
                         problems = conntrack_problems(*reports)
+                    mode_switch = track(
+                        previous.mode_switch if previous else None,
+                        str(current.mode) if current else None,
+                        str(spec.mode),
+                        bool(preflight.held),
+                        self.clock(),
+                    )
+                    if mode_switch is not None and reports is not None:
+                        mode_switch = self._follow_switch(uid, generation, mode_switch,
+                                                          reports, nodes, emit)  # fmt: skip
                     if reports is not None and spec.takeover.from_kube_proxy:
                         takeover = await self._take_over(uid, spec, reports, nodes, previous,
                                                          emit)  # fmt: skip
@@ -283,7 +298,7 @@ class Reconciler:
             self._announce(uid, generation, mode, admission, emit)
             observed = Observed(generation, mode, admission, ds, error=error, invalid=invalid,
                                 conntrack_problems=problems, takeover=takeover,
-                                preflight=preflight)  # fmt: skip
+                                preflight=preflight, mode_switch=mode_switch)  # fmt: skip
             status = compute_status(observed, previous, self.clock())
             if not is_current(body.get("status"), status):
                 try:
@@ -293,6 +308,36 @@ class Reconciler:
                     return status
             self._status[uid] = status
             return status
+
+    def _follow_switch(
+        self,
+        uid: str,
+        generation: int,
+        switch: ModeSwitchStatus,
+        reports: tuple[list[Obj], list[Obj]],
+        nodes: Mapping[str, Mapping[str, str]],
+        emit: EventFn,
+    ) -> ModeSwitchStatus:
+        """status.modeSwitch for this pass: each node's phase; a Warning Event ModeSwitchStuck
+        once per set of stuck nodes (and generation), a Normal ModeSwitchFinished at the end."""
+        if switch.finished_at is not None:
+            return switch
+        now = self.clock()
+        phases = switch_phases(*reports, str(switch.from_mode), str(switch.to_mode), now)
+        status = switch_status(switch, phases, nodes.keys(), now)
+        blocked = stuck(status)
+        key = f"{generation}/" + ",".join(n.name for n in blocked)
+        if blocked and self._once(uid, "switch-stuck", key):
+            first = blocked[0]
+            emit("Warning", "ModeSwitchStuck",
+                 f"the switch to mode {status.to_mode} is stuck on node {first.name}: "
+                 f"{first.message}. Fix the node, or set spec.mode back to "
+                 f"{status.from_mode}")  # fmt: skip
+        elif not blocked:
+            self._told.pop((uid, "switch-stuck"), None)
+        if status.finished_at is not None:
+            emit("Normal", "ModeSwitchFinished", status.summary)
+        return status
 
     async def _agent_reports(
         self, name: str, spec: ProxyConfigurationSpec

@@ -20,10 +20,12 @@ from kpx_api import (
     ProxyConfigurationStatus,
     no_backend_message,
 )
+from kpx_api.proxyconfiguration import ModeSwitchStatus
 from kpx_api.takeover import TakeoverStatus
 
 from .admission import Admission, conflict_message
 from .agent_reports import NodeProblem, conntrack_message
+from .mode_switch import condition as mode_switch_condition
 from .preflight import Preflight
 from .preflight import condition as preflight_condition
 
@@ -91,6 +93,8 @@ class Observed:
     takeover: TakeoverStatus | None = None
     #: Which nodes cannot run spec.mode, a held mode switch (preflight.py); None: unknown.
     preflight: Preflight | None = None
+    #: The last change of spec.mode (mode_switch.py); None: none since the agents were deployed.
+    mode_switch: ModeSwitchStatus | None = None
 
 
 def _cond(type_: ConditionType, status: ConditionStatus, reason: str, message: str) -> CondTuple:
@@ -198,6 +202,11 @@ def compute_status(
     said = preflight_condition(obs.preflight) if obs.preflight is not None else None
     if said is not None and obs.invalid is None and obs.admission.deploy:
         found.append((ConditionType.PREFLIGHT, ConditionStatus(said[0]), said[1], said[2]))
+    deployed = obs.invalid is None and obs.admission.deploy
+    if obs.mode_switch is not None and deployed:
+        switch = mode_switch_condition(obs.mode_switch)
+        found.append((ConditionType.MODE_SWITCH, ConditionStatus(switch[0]), switch[1],
+                      switch[2]))  # fmt: skip
     for type_, status, reason, message in found:
         before = previous.condition(type_) if previous is not None else None
         since = before.last_transition_time if before and before.status == status else now
@@ -211,7 +220,6 @@ def compute_status(
                 observed_generation=obs.generation,
             )
         )
-    deployed = obs.invalid is None and obs.admission.deploy
     rollout = (
         Rollout.from_daemonset(obs.daemonset) if deployed and obs.daemonset is not None else None
     )
@@ -223,6 +231,7 @@ def compute_status(
         ready_nodes=rollout.ready_current if rollout else 0,
         deprecated=obs.mode == Mode.IPVS,
         takeover=obs.takeover if deployed else None,
+        mode_switch=obs.mode_switch if deployed else None,
     )
 
 

@@ -26,11 +26,13 @@ from kpx_cluster.migration import (
     MigrationEnv,
     migration_cluster,
     mode_rules,
+    mode_switch_finished,
     preflight_load,
     switch,
     switch_with_refusal,
     table_row,
 )
+from kpx_cluster.migration_revert import revert_while_stuck
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 
@@ -74,6 +76,14 @@ def test_iptables_to_nftables_under_load_fails_nothing_and_leaves_nothing(
     for node in env.nodes:
         assert mode_rules(env.topo, node, "nftables"), f"{node.name}: no kpx nftables table"
         assert mode_rules(env.topo, node, "iptables") == []
+    # status.modeSwitch ends with every node Switched and a summary.
+    done = mode_switch_finished(env, 60)
+    assert (done.get("fromMode"), done.get("toMode")) == ("iptables", "nftables"), done
+    assert {n["name"]: n["phase"] for n in done.get("nodes", [])} == {
+        n.name: "Switched" for n in env.nodes
+    }, done
+    assert done.get("switched") == len(env.nodes) and done.get("finishedAt"), done
+    assert done["summary"].startswith("3 of 3 nodes switched from iptables to nftables in "), done
 
 
 def test_a_node_whose_new_agent_cannot_program_stops_the_rollout_and_keeps_serving(
@@ -86,13 +96,51 @@ def test_a_node_whose_new_agent_cannot_program_stops_the_rollout_and_keeps_servi
     if not env.rolled_out("iptables"):  # the module's first test left it in nftables
         switch(env, "nftables", "iptables", LoadOptions(warmup=0.5, settle=0.5))
     refused = env.nodes[1]
-    result = switch_with_refusal(env, "iptables", "nftables", refused, hold_for=40.0)
+    result = switch_with_refusal(env, "iptables", "nftables", refused, hold_for=55.0)
     assert result.traffic_failures() == [], "\n".join(result.traffic_failures())
     # The refused node's new agent runs but is not Ready; its old rules still serve.
     assert result.agents[refused.name] == "nftables not ready", result.timeline
     assert result.old_rules_kept
     # The rollout stopped there: the ProxyConfiguration is not Ready in the new mode.
     assert result.ready_condition.get("status") != "True", result.ready_condition
+    # status.modeSwitch says which node, why (the kernel's error, from the agent's SyncFailed)
+    # and the others' phases; condition ModeSwitch says what to do.
+    phases = {n["name"]: n for n in result.mode_switch.get("nodes", [])}
+    assert phases[refused.name]["phase"] == "Stuck", result.mode_switch
+    assert "Operation not permitted" in phases[refused.name]["message"], result.mode_switch
+    others = {n: p["phase"] for n, p in phases.items() if n != refused.name}
+    assert set(others) == {n.name for n in env.nodes} - {refused.name}, result.mode_switch
+    assert set(others.values()) <= {"Switched", "Pending"}, result.mode_switch
+    assert result.mode_switch.get("finishedAt") is None
+    cond = result.mode_switch_condition
+    assert (cond.get("status"), cond.get("reason")) == ("False", "NodeStuck"), cond
+    assert f"stuck on node {refused.name}" in cond["message"], cond
+    assert "set spec.mode back to iptables" in cond["message"], cond
     # Once the kernel accepts the agent's rules, the rollout completes.
     assert result.after_lift is not None, result.timeline
     assert env.leftovers("iptables") == {}
+    after = result.mode_switch_after
+    assert after.get("finishedAt"), after
+    assert {n["phase"] for n in after["nodes"]} == {"Switched"}, after
+    assert after["summary"].startswith("3 of 3 nodes switched from iptables to nftables"), after
+
+
+def test_setting_the_mode_back_rolls_a_stuck_node_back_and_it_keeps_serving(
+    env: MigrationEnv,
+) -> None:
+    """The way out the ModeSwitch condition names: while a node is Stuck in the switch to
+    nftables, spec.mode is set back to iptables. Every node serves in iptables again (the stuck
+    node too, while its kernel still refuses nftables), no traffic fails, and once the refusal
+    is lifted the switch back finishes with every node Switched."""
+    if not env.rolled_out("iptables"):
+        switch(env, "nftables", "iptables", LoadOptions(warmup=0.5, settle=0.5))
+    refused = env.nodes[2]
+    result = revert_while_stuck(env, "iptables", "nftables", refused)
+    assert result.traffic_failures() == [], "\n".join(result.traffic_failures())
+    assert result.rolled_back_after is not None, result.back
+    assert (result.back.get("fromMode"), result.back.get("toMode")) == ("nftables", "iptables")
+    # Every node runs a Ready iptables agent again, although the refusal still held.
+    assert env.rolled_out("iptables")
+    assert result.finished.get("finishedAt"), result.finished
+    assert {n["phase"] for n in result.finished["nodes"]} == {"Switched"}, result.finished
+    assert env.leftovers("nftables") == {}

@@ -184,3 +184,22 @@ def test_other_mode_leftovers_use_a_given_remover_instead_of_the_full_cleanup() 
                                          removers):  # fmt: skip
         leftover.remove()
     assert calls == ["cleanup iptables", "kpx's ipvs state only"]
+
+
+def test_removing_another_modes_rules_is_reported_naming_the_mode() -> None:
+    """status.modeSwitch counts a node Switched on this Event (the message names the mode)."""
+    reports: list[tuple[str, str, str]] = []
+    registry = CollectorRegistry()
+
+    async def report(type_: str, reason: str, message: str) -> None:
+        reports.append((type_, reason, message))
+
+    async def scenario() -> None:
+        verified = asyncio.Event()
+        verified.set()
+        leftovers = other_mode_leftovers("nftables", ["nftables", "iptables"], lambda m: None,
+                                         {"iptables": lambda: None})  # fmt: skip
+        await asyncio.wait_for(LeftoverRemoval(leftovers, registry, report).run(verified), 2)
+
+    asyncio.run(scenario())
+    assert reports == [("Normal", "LeftoversRemoved", "removed the rules of kpx mode iptables")]

@@ -1,0 +1,231 @@
+"""Pure: status.modeSwitch, a change of spec.mode node by node, and condition ModeSwitch.
+
+* `track`: whether a switch runs (or ran) and from which mode, from the status it last wrote
+  and the mode in effect (the agents' ConfigMap as last applied) before this pass applies
+  spec.mode.
+* `node_phases`: each node's phase, from its *current* agent Pod (the mode in its command) and
+  the Events that Pod recorded about itself:
+  - Pending: the node's agent runs the old mode (or none runs there now);
+  - Switching: an agent of the new mode runs and has not verified its first sync yet, or has
+    and has not removed the old mode's rules yet (LeftoversNotRemoved: retried);
+  - Switched: it verified its first sync (FirstSyncVerified) and removed the old mode's rules
+    (LeftoversRemoved naming the old mode);
+  - Stuck: an agent of the new mode has run `stuck_after` seconds without a verified sync (so
+    it is not Ready, and the DaemonSet's rolling update does not move past it); the message
+    says why: the agent's latest SyncFailed (the kernel's error), or its container's state.
+* `switch_status`: status.modeSwitch (per-node phase, counts, a summary; finishedAt once every
+  node is Switched).
+* `condition`: ModeSwitch's (status, reason, message): False `NodeStuck` naming the node, the
+  agent's error and what to do; False `Switching` while it runs; True `Switched` after.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from datetime import datetime
+from typing import Any, Final
+
+from kpx_api.constants import (
+    FIRST_SYNC_VERIFIED,
+    LEFTOVERS_NOT_REMOVED,
+    LEFTOVERS_REMOVED,
+    OTHER_MODE_RULES,
+    SYNC_FAILED,
+)
+from kpx_api.proxyconfiguration import ModeSwitchNode, ModeSwitchPhase, ModeSwitchStatus
+
+from .admission import node_list
+from .agent_reports import latest_reports, live_agents
+from .builders import AGENT_CONTAINER
+
+Phase = ModeSwitchPhase
+#: Seconds an agent of the new mode may run without a verified sync before its node is Stuck.
+STUCK_AFTER: Final = 20.0
+#: status.modeSwitch.nodes holds at most this many (the CRD's maxItems).
+MAX_LISTED: Final = 5000
+_RANK: Final = {Phase.STUCK: 0, Phase.PENDING: 1, Phase.SWITCHING: 2, Phase.SWITCHED: 3}
+_REPORTS: Final = (FIRST_SYNC_VERIFIED, LEFTOVERS_REMOVED, LEFTOVERS_NOT_REMOVED, SYNC_FAILED)
+
+
+def track(
+    previous: ModeSwitchStatus | None, in_effect: str | None, mode: str, held: bool, now: datetime
+) -> ModeSwitchStatus | None:
+    """The switch this pass reports on (None: none ran since the operator deployed the agents).
+    `in_effect`: the mode of the agents' ConfigMap before this pass (None: none yet); `held`:
+    preflight holds the switch (nothing new is applied)."""
+    if in_effect and in_effect != mode and not held:
+        if previous is not None and previous.to_mode == mode and previous.finished_at is None:
+            return previous  # applied before, and the apply is being retried
+        return ModeSwitchStatus(from_mode=in_effect, to_mode=mode, started_at=now)
+    if previous is not None and (held or previous.to_mode == in_effect):
+        return previous
+    return None
+
+
+def pod_mode(pod: Mapping[str, Any]) -> str:
+    """The mode an agent Pod runs (`proxy-agent --mode M` in its agent container)."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        if container.get("name") != AGENT_CONTAINER:
+            continue
+        command = [str(c) for c in container.get("command") or []]
+        for flag, value in itertools.pairwise(command):
+            if flag == "--mode":
+                return value
+    return ""
+
+
+def _parse_time(text: object) -> datetime | None:
+    if not text:
+        return None
+    try:
+        return datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+
+
+def _container_trouble(pod: Mapping[str, Any]) -> str:
+    """What the kubelet says of the agent container when it is not running (CrashLoopBackOff,
+    ImagePullBackOff, ...), or ""."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        if status.get("name") != AGENT_CONTAINER:
+            continue
+        waiting = (status.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason"):
+            detail = f": {waiting['message']}" if waiting.get("message") else ""
+            return f"container {waiting['reason']}{detail}"
+    return ""
+
+
+def _names_mode(event: Mapping[str, Any], mode: str) -> bool:
+    message = str(event.get("message") or "")
+    return message.endswith(f"{OTHER_MODE_RULES}{mode}") or f"{OTHER_MODE_RULES}{mode} " in message
+
+
+def node_phases(
+    pods: Iterable[Mapping[str, Any]],
+    events: Iterable[Mapping[str, Any]],
+    from_mode: str,
+    to_mode: str,
+    now: datetime,
+    stuck_after: float = STUCK_AFTER,
+) -> dict[str, tuple[Phase, str]]:
+    """node -> (phase, message) for every node with a live agent Pod."""
+    pods = list(pods)
+    live = live_agents(pods, scheduled_only=True)
+    by_uid = {str((p.get("metadata") or {}).get("uid")): p for p in pods}
+    events = list(events)
+    verified = latest_reports(events, live, (FIRST_SYNC_VERIFIED,))
+    failed = latest_reports(events, live, (SYNC_FAILED,))
+    removed = latest_reports(
+        (e for e in events if _names_mode(e, from_mode)), live,
+        (LEFTOVERS_REMOVED, LEFTOVERS_NOT_REMOVED),
+    )  # fmt: skip
+    out: dict[str, tuple[Phase, str]] = {}
+    for uid, node in live.items():
+        pod = by_uid[uid]
+        mode = pod_mode(pod)
+        if mode != to_mode:
+            out[node] = (Phase.PENDING, f"its agent runs mode {mode or 'unknown'}")
+            continue
+        if uid in verified:
+            leftovers = removed.get(uid)
+            if leftovers is not None and leftovers.get("reason") == LEFTOVERS_REMOVED:
+                out[node] = (Phase.SWITCHED, f"mode {to_mode} verified, the {from_mode} rules "
+                             "removed")  # fmt: skip
+            elif leftovers is not None:
+                out[node] = (Phase.SWITCHING, str(leftovers.get("message") or ""))
+            else:
+                out[node] = (Phase.SWITCHING, f"mode {to_mode} verified; removing the "
+                             f"{from_mode} rules")  # fmt: skip
+            continue
+        started = _parse_time((pod.get("status") or {}).get("startTime")) or _parse_time(
+            (pod.get("metadata") or {}).get("creationTimestamp")
+        )
+        age = (now - started).total_seconds() if started else 0.0
+        if age < stuck_after:
+            out[node] = (Phase.SWITCHING, f"its {to_mode} agent started, first sync not "
+                         "verified yet")  # fmt: skip
+            continue
+        why = (
+            str(failed[uid].get("message") or "") if uid in failed
+            else _container_trouble(pod) or "no error reported"
+        )  # fmt: skip
+        out[node] = (Phase.STUCK, f"its {to_mode} agent has run {age:.0f}s without a verified "
+                     f"sync (not Ready): {why}")  # fmt: skip
+    return out
+
+
+def switch_status(
+    switch: ModeSwitchStatus,
+    phases: Mapping[str, tuple[Phase, str]],
+    nodes: Iterable[str],
+    now: datetime,
+) -> ModeSwitchStatus:
+    """status.modeSwitch for a running `switch`: the phases of the nodes with an agent, and
+    Pending for the other nodes it listed before that still exist (their agent is being
+    replaced); a node Switched before stays Switched while its agent restarts. finishedAt
+    once every node is Switched; a finished switch is returned as it is."""
+    if switch.finished_at is not None:
+        return switch
+    exists = set(nodes)
+    merged = dict(phases)
+    for before in switch.nodes:
+        if before.name in merged or before.name not in exists:
+            continue
+        if before.phase is Phase.SWITCHED:
+            merged[before.name] = (before.phase, before.message)
+        else:
+            merged[before.name] = (Phase.PENDING, "no agent runs on it now (being replaced)")
+    listed = sorted(
+        (ModeSwitchNode(name=n, phase=p, message=m[:1024]) for n, (p, m) in merged.items()),
+        key=lambda n: (_RANK[n.phase], n.name),
+    )[:MAX_LISTED]
+    counts: dict[Phase, int] = {}
+    for phase, _ in merged.values():
+        counts[phase] = counts.get(phase, 0) + 1
+    switched = counts.get(Phase.SWITCHED, 0)
+    done = bool(merged) and switched == len(merged)
+    summary = (
+        f"{switched} of {len(merged)} nodes switched from {switch.from_mode} to {switch.to_mode}"
+    )
+    others = [f"{counts[p]} {p.value}" for p in sorted(counts, key=_RANK.__getitem__)
+              if p is not Phase.SWITCHED]  # fmt: skip
+    if others:
+        summary += f" ({', '.join(others)})"
+    if done:
+        seconds = (now - switch.started_at).total_seconds()
+        summary += f" in {seconds:.0f}s"
+    return ModeSwitchStatus(
+        from_mode=switch.from_mode,
+        to_mode=switch.to_mode,
+        started_at=switch.started_at,
+        finished_at=now if done else None,
+        nodes=sorted(listed, key=lambda n: n.name),
+        switched=switched,
+        summary=summary,
+    )
+
+
+def stuck(status: ModeSwitchStatus) -> list[ModeSwitchNode]:
+    return [n for n in status.nodes if n.phase is Phase.STUCK]
+
+
+def condition(status: ModeSwitchStatus) -> tuple[str, str, str]:
+    """(status True/False, reason, message) of condition ModeSwitch."""
+    if status.finished_at is not None:
+        return ("True", "Switched", status.summary)
+    nodes = stuck(status)
+    if not nodes:
+        return ("False", "Switching", status.summary)
+    names = node_list(n.name for n in nodes)
+    where = f"node {names}" if len(nodes) == 1 else f"nodes {names}"
+    old, new = status.from_mode, status.to_mode
+    return (
+        "False",
+        "NodeStuck",
+        f"the switch to mode {new} is stuck on {where}: {nodes[0].message}. The rollout "
+        f"stops there (its agent is not Ready) and the node keeps serving on its {old} rules. "
+        f"Fix the node (the agent retries by itself), or set spec.mode back to {old}: the "
+        f"agents then roll back to {old}, that node first. {status.summary}",
+    )

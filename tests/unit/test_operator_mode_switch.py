@@ -1,0 +1,211 @@
+"""status.modeSwitch and condition ModeSwitch: each node's phase in a change of spec.mode from
+its current agent Pod and that Pod's Events, a summary, a stuck node named with the agent's
+error and what to do - the pure parts, and the reconcile pass against an in-memory apiserver."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from test_operator_reconciler import NS, Events, FakeApi, agent_event, body, reconciler, run
+
+from kpx_api.proxyconfiguration import ModeSwitchNode, ModeSwitchPhase, ModeSwitchStatus
+from kpx_operator.mode_switch import condition, node_phases, pod_mode, switch_status, track
+
+P = ModeSwitchPhase
+NOW = datetime(2026, 1, 1, tzinfo=UTC)
+EPERM = "mode nftables: sync failed, keeping the previous rules and retrying: nft: Operation " \
+    "not permitted"  # fmt: skip
+
+
+def pod(uid: str, node: str, mode: str, started_ago: float = 5.0, **status: Any) -> dict[str, Any]:
+    start = (NOW - timedelta(seconds=started_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"kind": "Pod", "metadata": {"name": f"kpx-agent-default-{uid}", "uid": uid,
+            "namespace": NS, "labels": {"app.kubernetes.io/name": "kpx-agent",
+                                        "app.kubernetes.io/instance": "default"}},
+            "spec": {"nodeName": node, "containers": [
+                {"name": "agent", "command": ["proxy-agent", "--mode", mode, "--config", "f"]}]},
+            "status": {"startTime": start, **status}}  # fmt: skip
+
+
+T1, T2 = "2026-01-01T00:00:01Z", "2026-01-01T00:00:02Z"
+REMOVED = "removed the rules of kpx mode iptables"
+
+
+def test_each_node_phase_from_its_current_agent() -> None:
+    crash = {"containerStatuses": [{"name": "agent", "state": {"waiting": {
+        "reason": "CrashLoopBackOff", "message": "back-off 40s"}}}]}  # fmt: skip
+    pods = [
+        pod("u1", "n1", "iptables"),  # the old mode's agent
+        pod("u2", "n2", "nftables"),  # started 5 s ago, not verified yet
+        pod("u3", "n3", "nftables"),  # verified, the iptables rules not removed yet
+        pod("u4", "n4", "nftables"),  # verified, the iptables rules removed
+        pod("u5", "n5", "nftables", started_ago=30),  # the kernel refuses its rules
+        pod("u6", "n6", "nftables", started_ago=30, **crash),
+        pod("u7", "n7", "nftables"),  # removed ipvs's rules only: not yet iptables's
+    ]
+    events = [
+        agent_event("u3", "FirstSyncVerified", T1),
+        agent_event(
+            "u3",
+            "LeftoversNotRemoved",
+            T2,
+            "could not remove the rules of kpx mode iptables (retrying): lock",
+        ),
+        agent_event("u4", "FirstSyncVerified", T1),
+        agent_event("u4", "LeftoversRemoved", T2, REMOVED),
+        agent_event("u5", "SyncFailed", T1, "an older error"),
+        agent_event("u5", "SyncFailed", T2, EPERM),
+        agent_event("u7", "FirstSyncVerified", T1),
+        agent_event("u7", "LeftoversRemoved", T2, "removed the rules of kpx mode ipvs"),
+        # A Pod that is gone no longer counts.
+        agent_event("u-old", "LeftoversRemoved", T2, REMOVED),
+    ]
+    phases = node_phases(pods, events, "iptables", "nftables", NOW)
+    assert {n: p for n, (p, _) in phases.items()} == {
+        "n1": P.PENDING, "n2": P.SWITCHING, "n3": P.SWITCHING, "n4": P.SWITCHED,
+        "n5": P.STUCK, "n6": P.STUCK, "n7": P.SWITCHING,
+    }  # fmt: skip
+    assert phases["n1"][1] == "its agent runs mode iptables"
+    assert "(retrying): lock" in phases["n3"][1]
+    assert phases["n5"][1] == (
+        f"its nftables agent has run 30s without a verified sync (not Ready): {EPERM}"
+    )
+    assert phases["n6"][1].endswith("container CrashLoopBackOff: back-off 40s")
+    # The same Pods with a longer threshold: nobody is stuck yet.
+    patient = node_phases(pods, events, "iptables", "nftables", NOW, stuck_after=60)
+    assert patient["n5"][0] is P.SWITCHING
+
+
+def test_pod_mode_reads_the_agent_command() -> None:
+    assert pod_mode(pod("u", "n", "ipvs")) == "ipvs"
+    assert pod_mode({"spec": {"containers": [{"name": "other", "command": ["--mode", "x"]}]}}) == ""
+
+
+def test_a_switch_starts_when_the_mode_in_effect_differs_and_is_kept_until_the_next() -> None:
+    assert track(None, None, "nftables", False, NOW) is None  # first deployment
+    assert track(None, "nftables", "nftables", False, NOW) is None  # no switch ever
+    assert track(None, "iptables", "nftables", True, NOW) is None  # held by preflight
+    started = track(None, "iptables", "nftables", False, NOW)
+    assert started is not None
+    assert (started.from_mode, started.to_mode, started.started_at) == (
+        "iptables", "nftables", NOW)  # fmt: skip
+    # Applied: the ConfigMap says nftables from now on; the same switch is followed.
+    later = NOW + timedelta(seconds=10)
+    assert track(started, "nftables", "nftables", False, later) is started
+    # The apply failed and is retried: still the same switch.
+    assert track(started, "iptables", "nftables", False, later) is started
+    # spec.mode set back mid-way: a new switch, from the mode in effect.
+    back = track(started, "nftables", "iptables", False, later)
+    assert back is not None and (back.from_mode, back.to_mode) == ("nftables", "iptables")
+    assert back.started_at == later
+
+
+def test_the_summary_counts_phases_and_the_end_is_stamped() -> None:
+    switch = ModeSwitchStatus(from_mode="iptables", to_mode="nftables", started_at=NOW)
+    later = NOW + timedelta(seconds=42)
+    running = switch_status(switch, {"a": (P.SWITCHED, ""), "b": (P.STUCK, "why"),
+                                     "c": (P.PENDING, "")}, ["a", "b", "c"], later)  # fmt: skip
+    assert running.summary == "1 of 3 nodes switched from iptables to nftables (1 Stuck, 1 Pending)"
+    assert running.switched == 1 and running.finished_at is None
+    assert [n.name for n in running.nodes] == ["a", "b", "c"]
+    # b's agent is being replaced (no Pod now): Pending; a's restarts: it stays Switched; a
+    # node that left the cluster is dropped.
+    between = switch_status(running, {"c": (P.SWITCHED, "")}, ["a", "b", "c"], later)
+    assert {n.name: n.phase for n in between.nodes} == {
+        "a": P.SWITCHED, "b": P.PENDING, "c": P.SWITCHED}  # fmt: skip
+    assert switch_status(running, {}, ["a"], later).nodes == [
+        ModeSwitchNode(name="a", phase=P.SWITCHED, message="")]  # fmt: skip
+    done = switch_status(running, {n: (P.SWITCHED, "") for n in "abc"}, ["a", "b", "c"], later)
+    assert done.finished_at == later
+    assert done.summary == "3 of 3 nodes switched from iptables to nftables in 42s"
+    assert condition(done) == ("True", "Switched", done.summary)
+    # A finished switch stays as it is.
+    assert switch_status(done, {"a": (P.STUCK, "")}, ["a"], later) is done
+    # No agent at all is no finished switch.
+    assert switch_status(switch, {}, [], later).finished_at is None
+
+
+def test_a_stuck_node_is_named_with_the_agents_error_and_what_to_do() -> None:
+    switch = ModeSwitchStatus(from_mode="iptables", to_mode="nftables", started_at=NOW)
+    status = switch_status(switch, {"a": (P.SWITCHED, ""), "b": (P.STUCK, EPERM)}, "ab", NOW)
+    state, reason, message = condition(status)
+    assert (state, reason) == ("False", "NodeStuck")
+    assert message.startswith(f"the switch to mode nftables is stuck on node b: {EPERM}.")
+    assert "keeps serving on its iptables rules" in message
+    assert "set spec.mode back to iptables" in message
+    assert condition(switch_status(switch, {"a": (P.SWITCHING, "")}, "a", NOW))[1] == "Switching"
+
+
+def test_reconcile_follows_a_switch_warns_once_about_a_stuck_node_and_reports_the_end() -> None:
+    api, events = FakeApi(), Events()
+    r = reconciler(api)
+    ipt = body(mode="iptables", iptables={"syncPeriod": "30s"}, generation=1)
+    del ipt["spec"]["nftables"]
+    status = run(r.reconcile(ipt, [], {"a": {}, "b": {}}, events))
+    assert status.mode_switch is None and status.condition("ModeSwitch") is None
+    for uid, node in (("a1", "a"), ("b1", "b")):
+        api.objs[("Pod", NS, uid)] = pod(uid, node, "iptables")
+    nodes: dict[str, dict[str, str]] = {"a": {}, "b": {}}
+
+    nft = body(generation=2)
+    status = run(r.reconcile(nft, [], nodes, events))
+    switch = status.mode_switch
+    assert switch is not None and (switch.from_mode, switch.to_mode) == ("iptables", "nftables")
+    assert {n.name: n.phase for n in switch.nodes} == {"a": P.PENDING, "b": P.PENDING}
+    assert switch.summary == "0 of 2 nodes switched from iptables to nftables (2 Pending)"
+    assert status.condition("ModeSwitch").reason == "Switching"
+
+    # a switched; b's new agent cannot program its kernel.
+    del api.objs[("Pod", NS, "a1")], api.objs[("Pod", NS, "b1")]
+    api.objs[("Pod", NS, "a2")] = pod("a2", "a", "nftables")
+    api.objs[("Pod", NS, "b2")] = pod("b2", "b", "nftables", started_ago=30)
+    for name, event in {
+        "e1": agent_event("a2", "FirstSyncVerified", T1),
+        "e2": agent_event("a2", "LeftoversRemoved", T2, REMOVED),
+        "e3": agent_event("b2", "SyncFailed", T1, EPERM),
+    }.items():
+        api.objs[("Event", NS, name)] = event
+    for _ in range(2):
+        status = run(r.reconcile(nft, [], nodes, events))
+    switch = status.mode_switch
+    assert {n.name: n.phase for n in switch.nodes} == {"a": P.SWITCHED, "b": P.STUCK}
+    assert switch.summary == "1 of 2 nodes switched from iptables to nftables (1 Stuck)"
+    cond = status.condition("ModeSwitch")
+    assert (cond.status, cond.reason) == ("False", "NodeStuck")
+    assert "stuck on node b" in cond.message and "Operation not permitted" in cond.message
+    warnings = [m for t, r_, m in events if r_ == "ModeSwitchStuck"]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "the switch to mode nftables is stuck on node b: its nftables agent"
+    )
+    assert api.statuses[-1]["modeSwitch"]["nodes"][1]["phase"] == "Stuck"
+
+    # The node is fixed: its agent verifies and removes the iptables rules.
+    api.objs[("Event", NS, "e4")] = agent_event("b2", "FirstSyncVerified", "2026-01-01T00:00:03Z")
+    api.objs[("Event", NS, "e5")] = agent_event("b2", "LeftoversRemoved", "2026-01-01T00:00:04Z",
+                                                REMOVED)  # fmt: skip
+    status = run(r.reconcile(nft, [], nodes, events))
+    switch = status.mode_switch
+    assert switch.finished_at is not None and switch.switched == 2
+    assert switch.summary == "2 of 2 nodes switched from iptables to nftables in 0s"
+    assert status.condition("ModeSwitch").status == "True"
+    run(r.reconcile(nft, [], nodes, events))
+    assert events.reasons().count("ModeSwitchFinished") == 1
+    assert events.reasons().count("ModeSwitchStuck") == 1
+
+
+def test_setting_the_mode_back_mid_switch_starts_a_switch_back() -> None:
+    api, events = FakeApi(), Events()
+    r = reconciler(api)
+    ipt = body(mode="iptables", iptables={"syncPeriod": "30s"}, generation=1)
+    del ipt["spec"]["nftables"]
+    run(r.reconcile(ipt, [], {}, events))
+    api.objs[("Pod", NS, "b2")] = pod("b2", "b", "nftables", started_ago=30)
+    status = run(r.reconcile(body(generation=2), [], {"b": {}}, events))
+    assert status.mode_switch.nodes[0].phase is P.STUCK
+    back = dict(ipt, metadata={**ipt["metadata"], "generation": 3})
+    status = run(r.reconcile(back, [], {"b": {}}, events))
+    switch = status.mode_switch
+    assert (switch.from_mode, switch.to_mode) == ("nftables", "iptables")
+    # b still runs the nftables agent (the DaemonSet replaces it next): Pending.
+    assert switch.nodes[0].phase is P.PENDING
