@@ -7,12 +7,13 @@ from the built images under runc: `make image`, or $KPX_IMAGES_DIR) in mode ipta
 simulated nodes; backends (one per node) behind two ClusterIP Services and a NodePort. A load
 client in a pod netns on every node opens a new TCP connection every 15 ms, round-robin over the
 three ClusterIPs and the NodePort on each node's address, exchanges a UDP datagram every 20 ms
-the same way, and holds two connections open exchanging a line every 100 ms. First (on three
-other nodes) upstream kube-proxy v1.36.2 in iptables mode is taken over by kpx in nftables mode
-(`kpx_cluster.migration_takeover`, takeover.fromKubeProxy and moveKubeProxyOff). Then spec.mode
-goes iptables -> nftables, and nftables -> iptables; each switch waits until every node runs a
-Ready agent of the new mode, the ProxyConfiguration is Ready in it and no node has the old mode's
-rules left (`kpx_cluster.migration`). Prints the table and writes bench/results/migration.md.
+the same way, and holds two connections open exchanging a line every 100 ms. First, on three
+other nodes, upstream kube-proxy v1.36.2 in iptables mode, then in nftables mode, is taken over
+by kpx in nftables mode (`kpx_cluster.migration_takeover`: takeover.fromKubeProxy and
+moveKubeProxyOff). Then spec.mode goes iptables -> nftables, and nftables -> iptables; each
+switch waits until every node runs a Ready agent of the new mode, the ProxyConfiguration is
+Ready in it and no node has the old mode's rules left (`kpx_cluster.migration`). Prints the
+table and writes bench/results/migration.md.
 Exit status 1 when a switch failed a connection, lost an exchange, broke a held connection or
 left a rule behind.
 """
@@ -45,6 +46,8 @@ from kpx_cluster.migration_takeover import kube_proxy_cluster, take_over
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SWITCHES = (("iptables", "nftables"), ("nftables", "iptables"))
+#: upstream kube-proxy's modes taken over (by kpx in nftables)
+KUBE_PROXY_MODES = ("iptables", "nftables")
 
 
 def refusal_report(r: RefusalResult) -> list[str]:
@@ -94,11 +97,12 @@ def report(results: list[SwitchResult], opts: LoadOptions, nodes: int) -> str:
         "0.9 s (a retransmitted SYN or datagram). Rollout: from the patch of spec.mode until "
         "every node runs a Ready agent of the new mode, the ProxyConfiguration is Ready in it "
         "and no node has a rule, chain or table of the old mode. 'kube-proxy iptables -> "
-        "nftables': three nodes served by upstream kube-proxy v1.36.2 (iptables mode, the "
-        "node simulator's kube-system/kube-proxy DaemonSet) when kpx is installed with "
-        "mode nftables and takeover {fromKubeProxy, moveKubeProxyOff}; its rollout: from the "
-        "install until every node runs a Ready agent, no kube-proxy Pod, status.takeover "
-        "KubeProxyRulesRemoved everywhere and no kube-proxy chain or table on any node.",
+        "nftables' (and 'kube-proxy nftables'): three nodes served by upstream kube-proxy "
+        "v1.36.2 (the node simulator's kube-system/kube-proxy DaemonSet) when kpx is "
+        "installed with mode nftables and takeover {fromKubeProxy, moveKubeProxyOff}; its "
+        "rollout: from the install until every node runs a Ready agent, no kube-proxy Pod, "
+        "status.takeover KubeProxyRulesRemoved everywhere and no kube-proxy chain or table "
+        "on any node.",
         "",
         TABLE_HEAD,
         *(table_row(r) for r in results),
@@ -138,7 +142,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(bench_cluster("bench-migration"))
         if not args.no_takeover:
-            results.append(takeover_run(cluster, opts, args.nodes))
+            results += [takeover_run(cluster, opts, args.nodes, m) for m in KUBE_PROXY_MODES]
         if args.only_takeover:
             stack.close()
             return finish(results, None, opts, args)
@@ -161,14 +165,14 @@ def main() -> int:
     return finish(results, refusal, opts, args)
 
 
-def takeover_run(cluster: Cluster, opts: LoadOptions, nodes: int) -> SwitchResult:
-    """Three nodes served by upstream kube-proxy (iptables) taken over by kpx (nftables)."""
-    with kube_proxy_cluster(cluster, "iptables", nodes=nodes, log=log) as env:
+def takeover_run(cluster: Cluster, opts: LoadOptions, nodes: int, mode: str) -> SwitchResult:
+    """Three nodes served by upstream kube-proxy in `mode` taken over by kpx (nftables)."""
+    with kube_proxy_cluster(cluster, mode, nodes=nodes, log=log) as env:
         exit_on_sigterm()  # the Topology installed its own handlers
         broken = [f for s in preflight_load(env) for f in (s.tcp.failures + s.udp.failures)]
         if broken:
             raise SystemExit(f"the load fails through kube-proxy before the takeover: {broken[:5]}")
-        result = take_over(env, "iptables", opts, log=log)
+        result = take_over(env, mode, opts, log=log)
         log(table_row(result))
         return result
 
