@@ -77,7 +77,8 @@ bench: setup
 	$(PYTHON) bench/compare.py $(if $(N),--services $(N),)
 	$(PYTHON) bench/state_api.py $(if $(N),--services $(N),)
 
-## bench-migration: spec.mode iptables -> nftables -> iptables on three simulated nodes under
-## constant load (new TCP connections, UDP, held connections); table in bench/results/migration.md
+## bench-migration: upstream kube-proxy (iptables, nftables) -> kpx nftables, then spec.mode
+## iptables -> nftables -> iptables, on three simulated nodes under constant load (new TCP
+## connections, UDP, held connections); table in bench/results/migration.md
 bench-migration: setup image
 	$(PYTHON) bench/migration.py

@@ -7,10 +7,13 @@ from the built images under runc: `make image`, or $KPX_IMAGES_DIR) in mode ipta
 simulated nodes; backends (one per node) behind two ClusterIP Services and a NodePort. A load
 client in a pod netns on every node opens a new TCP connection every 15 ms, round-robin over the
 three ClusterIPs and the NodePort on each node's address, exchanges a UDP datagram every 20 ms
-the same way, and holds two connections open exchanging a line every 100 ms. Then spec.mode goes
-iptables -> nftables, and nftables -> iptables; each switch waits until every node runs a Ready
-agent of the new mode, the ProxyConfiguration is Ready in it and no node has the old mode's
-rules left (`kpx_cluster.migration`). Prints the table and writes bench/results/migration.md.
+the same way, and holds two connections open exchanging a line every 100 ms. First, on three
+other nodes, upstream kube-proxy v1.36.2 in iptables mode, then in nftables mode, is taken over
+by kpx in nftables mode (`kpx_cluster.migration_takeover`: takeover.fromKubeProxy and
+moveKubeProxyOff). Then spec.mode goes iptables -> nftables, and nftables -> iptables; each
+switch waits until every node runs a Ready agent of the new mode, the ProxyConfiguration is
+Ready in it and no node has the old mode's rules left (`kpx_cluster.migration`). Prints the
+table and writes bench/results/migration.md.
 Exit status 1 when a switch failed a connection, lost an exchange, broke a held connection or
 left a rule behind.
 """
@@ -18,6 +21,7 @@ left a rule behind.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import sys
 import time
@@ -26,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import bench_cluster, exit_on_sigterm, log
+from kpx_cluster.controlplane import Cluster
 from kpx_cluster.migration import (
     TABLE_HEAD,
     LoadOptions,
@@ -37,9 +42,12 @@ from kpx_cluster.migration import (
     switch_with_refusal,
     table_row,
 )
+from kpx_cluster.migration_takeover import kube_proxy_cluster, take_over
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SWITCHES = (("iptables", "nftables"), ("nftables", "iptables"))
+#: upstream kube-proxy's modes taken over (by kpx in nftables)
+KUBE_PROXY_MODES = ("iptables", "nftables")
 
 
 def refusal_report(r: RefusalResult) -> list[str]:
@@ -88,7 +96,13 @@ def report(results: list[SwitchResult], opts: LoadOptions, nodes: int) -> str:
         f"fails without an answer within {opts.timeout:.0f} s; 'slow' answered after more than "
         "0.9 s (a retransmitted SYN or datagram). Rollout: from the patch of spec.mode until "
         "every node runs a Ready agent of the new mode, the ProxyConfiguration is Ready in it "
-        "and no node has a rule, chain or table of the old mode.",
+        "and no node has a rule, chain or table of the old mode. 'kube-proxy iptables -> "
+        "nftables' (and 'kube-proxy nftables'): three nodes served by upstream kube-proxy "
+        "v1.36.2 (the node simulator's kube-system/kube-proxy DaemonSet) when kpx is "
+        "installed with mode nftables and takeover {fromKubeProxy, moveKubeProxyOff}; its "
+        "rollout: from the install until every node runs a Ready agent, no kube-proxy Pod, "
+        "status.takeover KubeProxyRulesRemoved everywhere and no kube-proxy chain or table "
+        "on any node.",
         "",
         TABLE_HEAD,
         *(table_row(r) for r in results),
@@ -115,16 +129,26 @@ def main() -> int:
     parser.add_argument("--no-inject", action="store_true",
                         help="skip the switch with nftables refused on one node")  # fmt: skip
     parser.add_argument("--hold-refusal", type=float, default=90.0)
+    parser.add_argument("--no-takeover", action="store_true",
+                        help="skip the takeover from upstream kube-proxy")  # fmt: skip
+    parser.add_argument("--only-takeover", action="store_true",
+                        help="only the takeover from upstream kube-proxy")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "migration.md")
     args = parser.parse_args()
     opts = LoadOptions(interval=args.interval, udp_interval=args.udp_interval, holds=args.holds)
     exit_on_sigterm()
     results: list[SwitchResult] = []
     refusal: RefusalResult | None = None
-    with (
-        bench_cluster("bench-migration") as cluster,
-        migration_cluster(cluster, SWITCHES[0][0], nodes=args.nodes, log=log) as env,
-    ):
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(bench_cluster("bench-migration"))
+        if not args.no_takeover:
+            results += [takeover_run(cluster, opts, args.nodes, m) for m in KUBE_PROXY_MODES]
+        if args.only_takeover:
+            stack.close()
+            return finish(results, None, opts, args)
+        env = stack.enter_context(
+            migration_cluster(cluster, SWITCHES[0][0], nodes=args.nodes, log=log)
+        )
         exit_on_sigterm()  # the Topology installed its own handlers
         baseline = preflight_load(env)
         broken = [f for s in baseline for f in (s.tcp.failures + s.udp.failures)]
@@ -138,6 +162,27 @@ def main() -> int:
         if not args.no_inject:
             refusal = switch_with_refusal(env, "iptables", "nftables", env.nodes[1],
                                           args.hold_refusal, opts, log=log)  # fmt: skip
+    return finish(results, refusal, opts, args)
+
+
+def takeover_run(cluster: Cluster, opts: LoadOptions, nodes: int, mode: str) -> SwitchResult:
+    """Three nodes served by upstream kube-proxy in `mode` taken over by kpx (nftables)."""
+    with kube_proxy_cluster(cluster, mode, nodes=nodes, log=log) as env:
+        exit_on_sigterm()  # the Topology installed its own handlers
+        broken = [f for s in preflight_load(env) for f in (s.tcp.failures + s.udp.failures)]
+        if broken:
+            raise SystemExit(f"the load fails through kube-proxy before the takeover: {broken[:5]}")
+        result = take_over(env, mode, opts, log=log)
+        log(table_row(result))
+        return result
+
+
+def finish(
+    results: list[SwitchResult],
+    refusal: RefusalResult | None,
+    opts: LoadOptions,
+    args: argparse.Namespace,
+) -> int:
     text = report(results, opts, args.nodes)
     if refusal is not None:
         text += "\n".join(refusal_report(refusal)) + "\n"

@@ -22,7 +22,7 @@ from . import conntrack_sysctl, pod_events
 from . import settings as settings_mod
 from .backends.base import Backend
 from .cluster_state import ClusterState
-from .http_endpoints import health_app, metrics_app, serve
+from .http_endpoints import RetryingServer, health_app, metrics_app
 from .localnet import NodeLocalState, ServicePortKey
 from .metrics import AgentMetrics
 from .optout import exclusion_field_selector
@@ -164,12 +164,17 @@ class Agent:
 
     async def run(self) -> None:
         runners = [
-            await serve(health_app(self.health, self.metrics), *self.settings.healthz),
-            await serve(
+            RetryingServer(
+                health_app(self.health, self.metrics), *self.settings.healthz, "healthz"
+            ),
+            RetryingServer(
                 metrics_app(self.metrics.registry, self._publish_watch_metrics),
                 *self.settings.metrics,
+                "metrics",
             ),
         ]
+        for runner in runners:
+            await runner.start()
         tasks: list[asyncio.Task[None]] = []
         try:
             if self.state_server is not None:

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import errno
 import json
+import logging
 from collections.abc import Callable
 
 from aiohttp import web
@@ -11,6 +15,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from .metrics import AgentMetrics
 from .proxy_health import ProxyHealth
+
+log = logging.getLogger(__name__)
+#: Upstream kube-proxy retries a healthz or metrics server that failed (its address in use)
+#: every 5 s, unless bindAddressHardFail (cmd/kube-proxy/app/server.go, serveHealthz).
+BIND_RETRY = 5.0
 
 
 def health_app(health: ProxyHealth, metrics: AgentMetrics) -> web.Application:
@@ -65,3 +74,60 @@ async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner
+
+
+class RetryingServer:
+    """`app` on host:port, bound as soon as the address is free: while another process holds
+    it (upstream kube-proxy on the same node until a takeover moved it off, its healthz on
+    0.0.0.0:10256 and metrics on 127.0.0.1:10249 as ours by default), a warning, then a new
+    try every `retry` seconds in the background, as upstream kube-proxy does. Any other bind
+    error is raised by `start`."""
+
+    def __init__(
+        self, app: web.Application, host: str, port: int, what: str, retry: float = BIND_RETRY
+    ) -> None:
+        self.app, self.host, self.port, self.what, self.retry = app, host, port, what, retry
+        self.runner: web.AppRunner | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def serving(self) -> bool:
+        return self.runner is not None
+
+    async def _try(self) -> bool:
+        runner = web.AppRunner(self.app, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.host, self.port).start()
+        except OSError as err:
+            await runner.cleanup()
+            if err.errno != errno.EADDRINUSE:
+                raise
+            return False
+        self.runner = runner
+        return True
+
+    async def start(self) -> None:
+        if await self._try():
+            return
+        log.warning("%s: %s:%d is in use (upstream kube-proxy?), retrying every %.0fs",
+                    self.what, self.host, self.port, self.retry)  # fmt: skip
+        self._task = asyncio.create_task(self._retry_loop())
+
+    async def _retry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.retry)
+            try:
+                if await self._try():
+                    log.info("%s: serving on %s:%d", self.what, self.host, self.port)
+                    return
+            except OSError as err:
+                log.error("%s: cannot bind %s:%d: %s", self.what, self.host, self.port, err)
+
+    async def cleanup(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.runner is not None:
+            await self.runner.cleanup()

@@ -1,0 +1,151 @@
+"""Upstream kube-proxy as kubeadm deploys it, for the node simulator (issue #18).
+
+`objects(mode, apiserver_port, node_selector)` is what kubeadm creates for kube-proxy, with the
+pinned binary: the ServiceAccount `kube-system/kube-proxy` bound to the bootstrap ClusterRole
+`system:node-proxier`, the ConfigMap `kube-system/kube-proxy` (`config.conf`, a
+KubeProxyConfiguration, and `kubeconfig.conf`) and the DaemonSet `kube-system/kube-proxy`
+(hostNetwork, `--config=/var/lib/kube-proxy/config.conf --hostname-override=$(NODE_NAME)`).
+
+The container's image is `IMAGE` (registry.k8s.io/kube-proxy at the pinned version), which the
+node simulator runs as a host process (`host_images`, see docs/node-simulator.md): its command
+is the kube-proxy binary `make setup` built from the pinned Kubernetes module
+(`binaries.kubernetes_binary("kube-proxy")`) instead of the image's `/usr/local/bin/kube-proxy`,
+and it uses the host's iptables, nft and conntrack. Two differences from kubeadm's, both because
+the process runtime maps mount paths in argv and workingDir but not inside files:
+`clientConnection.kubeconfig` is `kubeconfig.conf`, relative to the working directory
+`/var/lib/kube-proxy`, and the kubeconfig names the token and CA by paths relative to itself
+(`../kube-proxy-token/...`, a projected volume mounted at `/var/lib/kube-proxy-token`), where
+kubeadm's uses the ServiceAccount mount's absolute paths. Both resolve the same on a real node.
+The server is the apiserver on the node's loopback, as the simulator exposes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+import yaml
+
+from .binaries import KUBERNETES_VERSION, kubernetes_binary
+
+NAME: Final = "kube-proxy"
+NAMESPACE: Final = "kube-system"
+LABELS: Final = {"k8s-app": "kube-proxy"}
+IMAGE: Final = f"registry.k8s.io/kube-proxy:{KUBERNETES_VERSION}"
+CONFIG_DIR: Final = "/var/lib/kube-proxy"
+TOKEN_DIR: Final = "/var/lib/kube-proxy-token"  # noqa: S105 - a path
+Obj = dict[str, Any]
+
+
+def config(mode: str, cluster_cidr: str) -> Obj:
+    """The KubeProxyConfiguration (kubeadm's defaults, `mode` and `clusterCIDR` set). The
+    conntrack sizes and timeouts are left to the kernel (0): nf_conntrack_max is global, the
+    simulated nodes share the host's kernel."""
+    return {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "bindAddress": "0.0.0.0",  # noqa: S104 - kubeadm's
+        "clientConnection": {"kubeconfig": "kubeconfig.conf"},
+        "clusterCIDR": cluster_cidr,
+        "conntrack": {
+            "maxPerCore": 0,
+            "tcpEstablishedTimeout": "0s",
+            "tcpCloseWaitTimeout": "0s",
+        },
+        "mode": mode,
+    }
+
+
+def kubeconfig(apiserver_port: int) -> Obj:
+    token = TOKEN_DIR.rsplit("/", 1)[1]
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "default", "cluster": {
+            "certificate-authority": f"../{token}/ca.crt",
+            "server": f"https://127.0.0.1:{apiserver_port}"}}],
+        "contexts": [{"name": "default", "context": {
+            "cluster": "default", "namespace": "default", "user": "default"}}],
+        "current-context": "default",
+        "users": [{"name": "default", "user": {"tokenFile": f"../{token}/token"}}],
+    }  # fmt: skip
+
+
+def objects(
+    mode: str,
+    apiserver_port: int,
+    node_selector: Mapping[str, str],
+    cluster_cidr: str = "10.244.0.0/16",
+) -> list[Obj]:
+    """ServiceAccount, ClusterRoleBinding, ConfigMap and DaemonSet of kube-proxy in `mode`
+    (iptables or nftables) on the nodes matching `node_selector`."""
+    if mode not in ("iptables", "nftables"):
+        raise ValueError(f"kube-proxy mode {mode!r}: iptables or nftables")
+    meta = {"name": NAME, "namespace": NAMESPACE, "labels": dict(LABELS)}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": "kubeadm:node-proxier"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": "system:node-proxier"},
+            "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": NAMESPACE}],
+        },
+        {
+            "apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "data": {
+                "config.conf": yaml.safe_dump(config(mode, cluster_cidr), sort_keys=False),
+                "kubeconfig.conf": yaml.safe_dump(kubeconfig(apiserver_port), sort_keys=False),
+            },
+        },
+        {
+            "apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": meta,
+            "spec": {
+                "selector": {"matchLabels": dict(LABELS)},
+                "updateStrategy": {"type": "RollingUpdate"},
+                "template": {
+                    "metadata": {"labels": dict(LABELS)},
+                    "spec": {
+                        "hostNetwork": True,
+                        "priorityClassName": "system-node-critical",
+                        "serviceAccountName": NAME,
+                        "automountServiceAccountToken": False,
+                        "nodeSelector": {"kubernetes.io/os": "linux", **node_selector},
+                        "tolerations": [{"operator": "Exists"}],
+                        "terminationGracePeriodSeconds": 1,
+                        "containers": [{
+                            "name": NAME,
+                            "image": IMAGE,
+                            "command": [str(kubernetes_binary("kube-proxy")),
+                                        f"--config={CONFIG_DIR}/config.conf",
+                                        "--hostname-override=$(NODE_NAME)"],
+                            "workingDir": CONFIG_DIR,
+                            "env": [{"name": "NODE_NAME",
+                                     "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
+                            "securityContext": {"privileged": True},
+                            "volumeMounts": [
+                                {"name": "kube-proxy", "mountPath": CONFIG_DIR},
+                                {"name": "kube-proxy-token", "mountPath": TOKEN_DIR,
+                                 "readOnly": True},
+                                {"name": "xtables-lock", "mountPath": "/run/xtables.lock"},
+                                {"name": "lib-modules", "mountPath": "/lib/modules",
+                                 "readOnly": True},
+                            ],
+                        }],
+                        "volumes": [
+                            {"name": "kube-proxy", "configMap": {"name": NAME}},
+                            {"name": "kube-proxy-token", "projected": {"sources": [
+                                {"serviceAccountToken": {"path": "token",
+                                                         "expirationSeconds": 3607}},
+                                {"configMap": {"name": "kube-root-ca.crt",
+                                               "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                            ]}},
+                            {"name": "xtables-lock", "hostPath": {"path": "/run/xtables.lock",
+                                                                  "type": "FileOrCreate"}},
+                            {"name": "lib-modules", "hostPath": {"path": "/lib/modules"}},
+                        ],
+                    },
+                },
+            },
+        },
+    ]  # fmt: skip
