@@ -51,11 +51,13 @@ def remove_kpx_ipvs_leftovers(
     try:
         servers: dict[VirtualKey, list[tuple[str, int]]] = {}
         if ipvs is not None:
-            servers = {key: list(ipvs.connections(key)) for key in ipvs.services()}
+            servers = {key: list(ipvs.real_servers(key)) for key in list(ipvs.services())}
         decided = plan_cleanup(marks, kube_proxy_ipvs_mode_here(), servers,
                                kernel.bound_addresses(), exclude_cidrs)  # fmt: skip
         for key in decided.virtual_servers:
             ipvs.delete_service(key)
+        if ipvs is not None:
+            ipvs.flush()  # deletions are queued requests: send them (KernelError names failures)
     finally:
         if ipvs is not None:
             ipvs.close()

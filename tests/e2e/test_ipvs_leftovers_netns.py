@@ -58,12 +58,20 @@ if kube_proxy:
     subprocess.run(["iptables-restore", "--noflush"], check=True, text=True,
                    input="*filter\\n:KUBE-IPVS-FILTER - [0:0]\\nCOMMIT\\n")
 
+# Stands in for kernel.Ipvs (no ip_vs here): the same methods, deletions recorded and
+# counted as sent only by flush, as the real one queues them.
 class RecordingIpvs:
-    deleted = []
-    def services(self): return list(servers)
-    def connections(self, key): return {s: 0 for s in servers[key]}
-    def delete_service(self, key): self.deleted.append(key)
-    def close(self): pass
+    deleted, queued = [], []
+    def services(self): return iter(list(servers))
+    def real_servers(self, key): return {s: None for s in servers[key]}
+    def delete_service(self, key): self.queued.append(key)
+    def flush(self): self.deleted.extend(self.queued); self.queued.clear()
+    def close(self): self.queued.clear()
+
+from kpx_agent.backends.ipvs.kernel import Ipvs
+missing = [m for m, v in vars(RecordingIpvs).items()
+           if callable(v) and not callable(getattr(Ipvs, m, None))]
+assert not missing, f"the stand-in has methods the real Ipvs lacks: {missing}"
 
 fake = RecordingIpvs()
 remove_kpx_ipvs_leftovers(open_ipvs=lambda: fake)
