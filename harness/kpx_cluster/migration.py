@@ -234,9 +234,37 @@ def _crd_established(cluster: Cluster) -> bool:
     return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
 
-def _namespace_settled(cluster: Cluster, ns: str) -> bool:
-    got = cluster.kubectl("get", "namespace", ns, check=False)
-    return got.returncode != 0 or "Terminating" not in got.stdout
+def apply_kpx(cluster: Cluster, label: dict[str, str], pxc: dict[str, Any]) -> None:
+    """The CRDs, the operator's manifests (its Deployment on the nodes labelled `label`) and
+    the ProxyConfiguration `pxc`."""
+    cluster.wait_namespace_settled(NS)
+    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    # (not `kubectl wait`: on a fresh control plane the CRD may have no conditions yet,
+    # which it reports as an error)
+    wait_until(lambda: _crd_established(cluster), 60, "the CRD Established")
+    cluster.kubectl("apply", "-k", str(REPO / "operator" / "manifests"))
+    cluster.kubectl("-n", NS, "patch", "deploy", "kpx-operator", "--type=merge", "-p",
+                    json.dumps({"spec": {"template": {"spec": {
+                        "nodeSelector": label}}}}))  # fmt: skip
+    _apply(cluster, pxc)
+
+
+def remove_kpx(cluster: Cluster, pxc: str, app_ns: str) -> None:
+    """The ProxyConfiguration, the app's namespace, the operator and its manifests."""
+    for args in (
+        ("delete", "pxc", pxc, "--ignore-not-found", "--timeout=120s"),
+        ("delete", "namespace", app_ns, "--ignore-not-found", "--wait=false"),
+        ("-n", NS, "delete", "deploy", "kpx-operator", "--ignore-not-found"),
+        ("delete", "-k", str(REPO / "operator" / "manifests"), "--ignore-not-found",
+         "--wait=false"),
+    ):  # fmt: skip
+        cluster.kubectl(*args, check=False, timeout=150)
+
+
+def wait_backends_ready(env: MigrationEnv, nodes: int) -> None:
+    wait_until(lambda: env.json("-n", env.app_ns, "get", "deploy", "web")
+               .get("status", {}).get("readyReplicas") == nodes,
+               120, "the backends ready")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -252,34 +280,16 @@ def migration_cluster(
         sim = NodeSimulator(cluster, topo, pod_apiserver_access=True, runtime="runc", images=store)
         try:
             sim_nodes = [sim.add_node(f"m{run}-{i}", labels=label) for i in range(1, nodes + 1)]
-            wait_until(lambda: _namespace_settled(cluster, NS), 180, f"namespace {NS} settled")
-            cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-            # (not `kubectl wait`: on a fresh control plane the CRD may have no conditions yet,
-            # which it reports as an error)
-            wait_until(lambda: _crd_established(cluster), 60, "the CRD Established")
-            cluster.kubectl("apply", "-k", str(REPO / "operator" / "manifests"))
-            cluster.kubectl("-n", NS, "patch", "deploy", "kpx-operator", "--type=merge", "-p",
-                            json.dumps({"spec": {"template": {"spec": {
-                                "nodeSelector": label}}}}))  # fmt: skip
-            _apply(cluster, _proxy_configuration(pxc, mode, label))
+            apply_kpx(cluster, label, _proxy_configuration(pxc, mode, label))
             _app(cluster, app_ns, label, nodes)
             clients = [topo.add_pod(node, f"load-{i}") for i, node in enumerate(sim_nodes)]
             env = MigrationEnv(cluster, topo, sim, sim_nodes, clients, pxc, app_ns, label)
             log(f"waiting for kpx ({mode}) on {nodes} nodes and the backends")
             wait_until(lambda: env.rolled_out(mode), 240, f"{pxc} Ready in {mode}")
-            wait_until(lambda: env.json("-n", app_ns, "get", "deploy", "web")
-                       .get("status", {}).get("readyReplicas") == nodes,
-                       120, "the backends ready")  # fmt: skip
+            wait_backends_ready(env, nodes)
             yield env
         finally:
-            for args in (
-                ("delete", "pxc", pxc, "--ignore-not-found", "--timeout=120s"),
-                ("delete", "namespace", app_ns, "--ignore-not-found", "--wait=false"),
-                ("-n", NS, "delete", "deploy", "kpx-operator", "--ignore-not-found"),
-                ("delete", "-k", str(REPO / "operator" / "manifests"), "--ignore-not-found",
-                 "--wait=false"),
-            ):  # fmt: skip
-                cluster.kubectl(*args, check=False, timeout=150)
+            remove_kpx(cluster, pxc, app_ns)
             sim.stop(delete_nodes=True)
 
 

@@ -16,7 +16,6 @@ returns a `migration.SwitchResult` ("kube-proxy iptables -> nftables": a row of
 from __future__ import annotations
 
 import contextlib
-import json
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -25,19 +24,18 @@ from typing import Any
 from . import upstream_kube_proxy
 from .controlplane import Cluster
 from .migration import (
-    NS,
-    REPO,
     LoadOptions,
     MigrationEnv,
     SwitchResult,
     _app,
     _apply,
-    _crd_established,
-    _namespace_settled,
     _proxy_configuration,
     _start_load,
     _stop_load,
+    apply_kpx,
     preflight_load,
+    remove_kpx,
+    wait_backends_ready,
     wait_until,
 )
 from .netns import Node, Topology
@@ -149,20 +147,11 @@ def kube_proxy_cluster(
             log(f"waiting for kube-proxy ({kube_proxy_mode}) on {nodes} nodes and the backends")
             wait_until(lambda: list(kube_proxy_pods(env).values()) == [True] * nodes, 120,
                        "kube-proxy Ready on every node")  # fmt: skip
-            wait_until(lambda: env.json("-n", app_ns, "get", "deploy", "web")
-                       .get("status", {}).get("readyReplicas") == nodes,
-                       120, "the backends ready")  # fmt: skip
+            wait_backends_ready(env, nodes)
             wait_until(lambda: _serves(env), 90, "kube-proxy serving every target")
             yield env
         finally:
-            for args in (
-                ("delete", "pxc", pxc, "--ignore-not-found", "--timeout=120s"),
-                ("delete", "namespace", app_ns, "--ignore-not-found", "--wait=false"),
-                ("-n", NS, "delete", "deploy", "kpx-operator", "--ignore-not-found"),
-                ("delete", "-k", str(REPO / "operator" / "manifests"), "--ignore-not-found",
-                 "--wait=false"),
-            ):  # fmt: skip
-                cluster.kubectl(*args, check=False, timeout=150)
+            remove_kpx(cluster, pxc, app_ns)
             _delete_kube_proxy(cluster)
             sim.stop(delete_nodes=True)
 
@@ -179,17 +168,9 @@ def _serves(env: MigrationEnv) -> bool:
 def install_kpx(env: MigrationEnv, mode: str = "nftables") -> None:
     """The CRDs, the operator's manifests (its Deployment on `env`'s nodes) and the
     ProxyConfiguration in `mode` taking the nodes over from kube-proxy and moving it off."""
-    cluster = env.cluster
-    wait_until(lambda: _namespace_settled(cluster, NS), 180, f"namespace {NS} settled")
-    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    wait_until(lambda: _crd_established(cluster), 60, "the CRD Established")
-    cluster.kubectl("apply", "-k", str(REPO / "operator" / "manifests"))
-    cluster.kubectl("-n", NS, "patch", "deploy", "kpx-operator", "--type=merge", "-p",
-                    json.dumps({"spec": {"template": {"spec": {
-                        "nodeSelector": env.label}}}}))  # fmt: skip
     pxc: dict[str, Any] = _proxy_configuration(env.pxc, mode, env.label)
     pxc["spec"]["takeover"] = {"fromKubeProxy": True, "moveKubeProxyOff": True}
-    _apply(cluster, pxc)
+    apply_kpx(env.cluster, env.label, pxc)
 
 
 def take_over(
