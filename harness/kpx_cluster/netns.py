@@ -87,6 +87,12 @@ class Node:
     fabric_if: str
     bridge: str = "cbr0"
 
+    @property
+    def gateway_mac(self) -> str:
+        """cbr0's MAC: 0a:58 and the IPv4 gateway's octets (as kubenet and the CNI bridge
+        plugin derive it), locally administered and unique per node."""
+        return "0a:58:" + ":".join(f"{int(o):02x}" for o in self.gateway_v4.split("."))
+
 
 @dataclass(frozen=True)
 class Pod:
@@ -442,7 +448,11 @@ class Topology:
             _run_ip(["addr", "add", f"{node.ipv4}/24", "dev", node.fabric_if], ns)
             _run_ip(["addr", "add", f"{node.ipv6}/64", "dev", node.fabric_if, "nodad"], ns)
             _run_ip(["link", "set", node.fabric_if, "up"], ns)
-            _run_ip(["link", "add", "cbr0", "type", "bridge", "mcast_snooping", "0"], ns)
+            # A fixed MAC (as kubenet gave cbr0): a bridge without one takes its lowest port's,
+            # so it changed whenever a pod came or went, and pods that had the old one in their
+            # neighbor cache lost whatever they sent the gateway to be routed.
+            _run_ip(["link", "add", "cbr0", "address", node.gateway_mac, "type", "bridge",
+                     "mcast_snooping", "0"], ns)  # fmt: skip
             _run_ip(["addr", "add", f"{node.gateway_v4}/24", "dev", "cbr0"], ns)
             _run_ip(["addr", "add", f"{node.gateway_v6}/64", "dev", "cbr0", "nodad"], ns)
             _run_ip(["link", "set", "cbr0", "up"], ns)

@@ -96,6 +96,34 @@ def test_names_addresses_and_routes(topology: Topology) -> None:
     assert topology.exec(n1, bnf, check=True).stdout.strip() == "1"
 
 
+def _mac(topology: Topology, target: Target, dev: str) -> str:
+    out = topology.exec(target, ["ip", "-o", "link", "show", dev], check=True).stdout
+    return out.split("link/ether")[1].split()[0]
+
+
+def test_pod_gateway_mac_survives_pods_coming_and_going(topology: Topology) -> None:
+    """A Linux bridge without a MAC of its own takes its lowest port's, so it changed whenever a
+    pod came or went; pods kept the old gateway MAC in their neighbor cache (confirmed by their
+    working connections), and whatever they sent the gateway to be routed (not DNATed on the
+    node, e.g. to another node's NodePort) was flooded to the bridge's ports and lost. cbr0 has a
+    fixed MAC, as kubenet's had."""
+    a, b = two_nodes(topology)
+    n1 = a.node
+    gateway_mac = _mac(topology, n1, "cbr0")
+    assert_only(probe(topology, a, b.ipv4, PORT, "tcp", timeout=2), "b", a.ipv4, 1)
+    # a pod whose port has the lowest possible MAC joins cbr0 ...
+    c = topology.add_pod(n1, "c")
+    topology.exec(n1, ["ip", "link", "set", c.host_if, "address", "02:00:00:00:00:01"], check=True)
+    assert _mac(topology, n1, "cbr0") == gateway_mac
+    assert_only(probe(topology, a, b.ipv4, PORT, "tcp", timeout=2), "b", a.ipv4, 1)
+    # ... and leaves (as the node simulator removes a pod: its netns deleted)
+    subprocess.run(["ip", "netns", "del", c.netns], check=True)
+    assert _mac(topology, n1, "cbr0") == gateway_mac
+    neigh = topology.exec(a, ["ip", "neigh", "show", n1.gateway_v4], check=True).stdout
+    assert gateway_mac in neigh, neigh
+    assert_only(probe(topology, a, b.ipv4, PORT, "tcp", count=3, timeout=2), "b", a.ipv4, 3)
+
+
 def test_closed_port_is_refused_not_timeout(topology: Topology) -> None:
     a, b = two_nodes(topology)
     for dst in (b.ipv4, b.ipv6):
