@@ -162,3 +162,21 @@ def ipvs_mode_chains(table: str, save_text: str) -> set[str]:
     """The chains of kube-proxy's ipvs mode declared in `table` of `iptables-save` output."""
     chains, _rules = _parse(save_text, table)
     return set(IPVS_MODE_CHAINS.intersection(chains))
+
+
+#: The ipsets of upstream kube-proxy's ipvs mode (pkg/proxy/ipvs/ipset.go, v1.36 and older
+#: releases); the IPv6 proxier names its own with "KUBE-6-" for "KUBE-".
+_IPSET_STEMS: Final = (
+    "LOOP-BACK", "CLUSTER-IP", "EXTERNAL-IP", "EXTERNAL-IP-LOCAL", "LOAD-BALANCER",
+    "LOAD-BALANCER-LOCAL", "LOAD-BALANCER-FW", "LOAD-BALANCER-SOURCE-IP",
+    "LOAD-BALANCER-SOURCE-CIDR", "LOAD-BALANCER-MASQ", "NODE-PORT-TCP", "NODE-PORT-LOCAL-TCP",
+    "NODE-PORT-UDP", "NODE-PORT-LOCAL-UDP", "NODE-PORT-SCTP-HASH", "NODE-PORT-LOCAL-SCTP-HASH",
+    "HEALTH-CHECK-NODE-PORT", "IPVS-IPS", "MASQ-ALL", "CLUSTER-CIDR", "SERVICE-ACCESS",
+)  # fmt: skip
+IPSETS: Final = frozenset(f"KUBE-{infix}{stem}" for stem in _IPSET_STEMS for infix in ("", "6-"))
+
+
+def ipsets_to_destroy(names: Iterable[str]) -> list[str]:
+    """Pure: which of a node's ipset names are kube-proxy's (exact names, never a prefix:
+    an ipset of someone else's that starts with KUBE- stays)."""
+    return sorted(set(names) & IPSETS)

@@ -5,9 +5,10 @@
   agent's Role `kpx-agent-takeover` in kube-system grants `list pods` there and nothing else).
 * `remove_kube_proxy_leftovers`: kube-proxy's iptables chains and jumps (nat, filter, mangle;
   IPv4 and IPv6; in each iptables variant installed - nf_tables and legacy - since either may
-  hold them), its `ip`/`ip6 kube-proxy` nftables tables, and optionally its IPVS virtual
-  servers and kube-ipvs0. What is whose is decided by kube_proxy_leftovers.py (pure); this
-  module only runs the tools, with argument lists.
+  hold them), its `ip`/`ip6 kube-proxy` nftables tables, its ipvs mode's ipsets (once the
+  rules using them are gone), and optionally its IPVS virtual servers and kube-ipvs0. What is
+  whose is decided by kube_proxy_leftovers.py (pure); this module only runs the tools, with
+  argument lists, and netlink for the ipsets.
 
 The agent calls the removal after its own first verified sync and only once no kube-proxy Pod
 runs on the node (takeover.py), so the two never remove each other's rules while both run.
@@ -15,6 +16,7 @@ runs on the node (takeover.py), so the two never remove each other's rules while
 
 from __future__ import annotations
 
+import errno
 import logging
 import shutil
 import subprocess
@@ -100,6 +102,48 @@ def remove_nft_leftovers() -> list[str]:
     return tables
 
 
+#: The kernel's answer to destroying an ipset that a rule still uses (IPSET_ERR_BUSY).
+_IPSET_BUSY: Final = 4100
+
+
+def remove_ipset_leftovers() -> list[str]:
+    """Destroy kube-proxy's ipvs-mode ipsets (after its iptables rules, which use them, are
+    gone); one that a rule of someone else's still uses stays, as such a chain does. Returns
+    the names destroyed. A kernel without ipset support has none to destroy."""
+    from pyroute2 import IPSet
+    from pyroute2.netlink.exceptions import NetlinkError
+
+    try:
+        ipset = IPSet()
+    except (OSError, NetlinkError) as exc:
+        log.debug("no ipset support here: %s", exc)
+        return []
+    destroyed: list[str] = []
+    try:
+        try:
+            names = [str(m.get_attr("IPSET_ATTR_SETNAME")) for m in ipset.list()]
+        except NetlinkError as exc:
+            log.debug("ipset list: %s", exc)
+            return []
+        for name in plan.ipsets_to_destroy(names):
+            try:
+                ipset.destroy(name)
+            except NetlinkError as exc:
+                if exc.code == _IPSET_BUSY:
+                    log.warning("kept kube-proxy's ipset %s: a rule of someone else's uses it",
+                                name)  # fmt: skip
+                    continue
+                if exc.code == errno.ENOENT:
+                    continue
+                raise TakeoverError(f"ipset destroy {name}: {exc}") from exc
+            destroyed.append(name)
+    finally:
+        ipset.close()
+    if destroyed:
+        log.info("removed kube-proxy's ipsets: %s", ", ".join(destroyed))
+    return destroyed
+
+
 def remove_ipvs_leftovers() -> None:
     """IPVS virtual servers and kube-ipvs0 (kube-proxy's ipvs mode owns every virtual server
     outside its excludeCIDRs and binds their addresses to kube-ipvs0): the ipvs backend's full
@@ -130,6 +174,7 @@ def kube_proxy_ipvs_mode_here() -> bool:
 def remove_kube_proxy_leftovers(include_ipvs: bool) -> None:
     remove_iptables_leftovers()
     remove_nft_leftovers()
+    remove_ipset_leftovers()
     if include_ipvs:
         remove_ipvs_leftovers()
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from kpx_agent.kube_proxy_leftovers import (
+    IPSETS,
     describe,
+    ipsets_to_destroy,
     nft_script,
     nft_tables_to_delete,
     plan_table,
@@ -112,3 +114,31 @@ def test_kube_proxy_pods_are_those_of_its_daemonset_not_finished() -> None:
     terminating["metadata"]["deletionTimestamp"] = "2026-11-24T12:00:00Z"
     assert kube_proxy_pods([terminating]) == ["kube-proxy-x"]  # still programming, maybe
     assert kube_proxy_pods([]) == []
+
+
+def test_kube_proxys_ipsets_are_its_exact_names_in_both_families() -> None:
+    names = [
+        "KUBE-CLUSTER-IP",
+        "KUBE-6-CLUSTER-IP",
+        "KUBE-NODE-PORT-LOCAL-SCTP-HASH",
+        "KUBE-6-IPVS-IPS",
+        "KUBE-CLUSTER-IP-EXTRA",
+        "KUBE-SITE",
+        "cni-hostport",
+        "kpx",
+    ]
+    assert ipsets_to_destroy(names) == [
+        "KUBE-6-CLUSTER-IP",
+        "KUBE-6-IPVS-IPS",
+        "KUBE-CLUSTER-IP",
+        "KUBE-NODE-PORT-LOCAL-SCTP-HASH",
+    ]
+    assert ipsets_to_destroy([]) == []
+    # as upstream v1.36 names them (pkg/proxy/ipvs/ipset.go), IPv4 and IPv6
+    assert {
+        "KUBE-LOOP-BACK",
+        "KUBE-6-LOOP-BACK",
+        "KUBE-HEALTH-CHECK-NODE-PORT",
+        "KUBE-LOAD-BALANCER-SOURCE-CIDR",
+        "KUBE-6-NODE-PORT-UDP",
+    } <= IPSETS
