@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from .binaries import cache_dir
+from .binaries import KUBERNETES_VERSION, MissingBinary, cache_dir, kubernetes_binary
 
 REPO_ROOT: Final = Path(__file__).resolve().parents[2]
 CONTAINERFILE: Final = Path("images/Containerfile")
@@ -33,6 +33,10 @@ CONTEXT_PATHS: Final = ("images", "api", "agents", "operator")
 BASE_IMAGE: Final = "docker.io/library/debian:bookworm-slim"
 BASE_SUITE: Final = "bookworm"
 REGISTRY: Final = "ghcr.io/kpx"
+#: Upstream kube-proxy's image, for the migration tests: not a kpx image, and not in the kpx
+#: images' context (Containerfile.dockerignore leaves its folder out).
+KUBE_PROXY_CONTAINERFILE: Final = Path("images/upstream-kube-proxy/Containerfile")
+KUBE_PROXY_REF: Final = f"registry.k8s.io/kube-proxy:{KUBERNETES_VERSION}"
 
 
 @dataclass(frozen=True)
@@ -210,8 +214,21 @@ def _ca_secret() -> list[str]:
     return ["--secret", f"id=ca-certificates,src={default}"] if default.is_file() else []
 
 
-def build(image: Image, out: Path, root: Path = REPO_ROOT, base: str = BASE_IMAGE) -> None:
-    """Build `image`'s target with buildah (cached layers) and write its OCI archive."""
+def build(
+    image: Image,
+    out: Path,
+    root: Path = REPO_ROOT,
+    base: str = BASE_IMAGE,
+    containerfile: Path | None = None,
+    context: Path | None = None,
+) -> None:
+    """Build `image` with buildah (cached layers) and write its OCI archive: the kpx images'
+    target of images/Containerfile, or `containerfile` in `context` (no target)."""
+    if containerfile is None:
+        source = ["--file", str(root / CONTAINERFILE), "--ignorefile", str(root / IGNOREFILE),
+                  "--target", image.target, str(root)]  # fmt: skip
+    else:
+        source = ["--file", str(containerfile), str(context)]
     _run(
         [
             "buildah",
@@ -225,15 +242,9 @@ def build(image: Image, out: Path, root: Path = REPO_ROOT, base: str = BASE_IMAG
             "--build-arg",
             f"BASE={base}",
             *_ca_secret(),
-            "--file",
-            str(root / CONTAINERFILE),
-            "--ignorefile",
-            str(root / IGNOREFILE),
-            "--target",
-            image.target,
             "--tag",
             image.ref,
-            str(root),
+            *source,
         ],
         stdout=subprocess.DEVNULL,
     )
@@ -270,6 +281,56 @@ def build_all(root: Path = REPO_ROOT, directory: Path | None = None) -> list[tup
     return built
 
 
+def kube_proxy_image() -> Image:
+    return Image("kube-proxy", "", KUBE_PROXY_REF)
+
+
+def _kube_proxy_inputs(root: Path) -> dict[str, Path]:
+    """The kube-proxy image's build context: name in the context -> file."""
+    return {
+        "Containerfile": root / KUBE_PROXY_CONTAINERFILE,
+        "iptables-wrapper": root / "images" / "iptables-wrapper",
+        "kube-proxy": kubernetes_binary("kube-proxy"),
+    }
+
+
+def kube_proxy_digest(root: Path = REPO_ROOT, base: str = BASE_IMAGE) -> str:
+    digest = hashlib.sha256(f"base {base}\n".encode())
+    for name, file in sorted(_kube_proxy_inputs(root).items()):
+        digest.update(f"{name} {file.stat().st_mode & 0o111:o}\n".encode())
+        digest.update(hashlib.sha256(file.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def build_kube_proxy(root: Path = REPO_ROOT, directory: Path | None = None) -> Path:
+    """Upstream kube-proxy's image from the pinned binary (MissingBinary before `make setup`
+    built it), unless its archive is up to date; returns the archive."""
+    directory = directory or archives_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    image = kube_proxy_image()
+    archive = image.archive(directory)
+    digest = kube_proxy_digest(root)
+    if not up_to_date(image, directory, digest):
+        ensure_base()
+        with tempfile.TemporaryDirectory(prefix="kpx-kube-proxy-") as tmp:
+            context = Path(tmp)
+            for name, file in _kube_proxy_inputs(root).items():
+                (context / name).write_bytes(file.read_bytes())
+                (context / name).chmod(file.stat().st_mode & 0o777)
+            build(image, archive, root, containerfile=context / "Containerfile", context=context)
+        _stamp(archive).write_text(digest + "\n")
+    return archive
+
+
+def kube_proxy_missing(root: Path = REPO_ROOT, directory: Path | None = None) -> bool:
+    directory = directory or archives_dir()
+    try:
+        digest = kube_proxy_digest(root)
+    except MissingBinary:
+        return True
+    return not up_to_date(kube_proxy_image(), directory, digest)
+
+
 def missing(root: Path = REPO_ROOT, directory: Path | None = None) -> bool:
     """True when an image's archive is absent or stale (what `make test` checks first)."""
     directory = directory or archives_dir()
@@ -292,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for image, archive in build_all():
         print(f"image: {image.ref} {archive}")
+    try:
+        print(f"image: {KUBE_PROXY_REF} {build_kube_proxy()}")
+    except MissingBinary as err:  # `make image` before `make setup`: only the migration tests
+        print(f"images: not building {KUBE_PROXY_REF}: {err}")  # need it
     return 0
 
 

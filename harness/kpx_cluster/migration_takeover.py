@@ -1,16 +1,16 @@
 """Taking three simulated nodes over from upstream kube-proxy, under load (issue #18).
 
 `kube_proxy_cluster(cluster, kube_proxy_mode)`: three simulated nodes served by upstream
-kube-proxy (the pinned binary, run by the node simulator as the kube-system/kube-proxy
-DaemonSet: `kpx_cluster.upstream_kube_proxy`) in `kube_proxy_mode`, the backends, Services and
-load clients of `kpx_cluster.migration`, and no kpx yet. `take_over(env)` starts the same load,
-installs kpx as a user would (the CRDs, the operator's manifests, the operator and the agents
-from the images under runc) with a ProxyConfiguration in mode nftables and
-`takeover: {fromKubeProxy: true, moveKubeProxyOff: true}`, waits until every node runs a Ready
-agent, no node runs kube-proxy's Pod, status.takeover says KubeProxyRulesRemoved for every
-node and no node has a rule or table of kube-proxy's (`kube_proxy_rules`), stops the load and
-returns a `migration.SwitchResult` ("kube-proxy iptables -> nftables": a row of
-`make bench-migration`'s table).
+kube-proxy (the image `make image` builds from the pinned binary, run under runc by the node
+simulator as the kube-system/kube-proxy DaemonSet: `kpx_cluster.upstream_kube_proxy`) in
+`kube_proxy_mode`, the backends, Services and load clients of `kpx_cluster.migration`, and no
+kpx yet. `take_over(env)` starts the same load, installs kpx as a user would (the CRDs, the
+operator's manifests, the operator and the agents from the images under runc) with a
+ProxyConfiguration in mode nftables and `takeover: {fromKubeProxy: true, moveKubeProxyOff:
+true}`, waits until every node runs a Ready agent, no node runs kube-proxy's Pod,
+status.takeover says KubeProxyRulesRemoved for every node and no node has a rule or table of
+kube-proxy's (`kube_proxy_rules`), stops the load and returns a `migration.SwitchResult`
+("kube-proxy iptables -> nftables": a row of `make bench-migration`'s table).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from .migration import (
 )
 from .netns import Node, Topology
 from .nodesim import NodeSimulator
-from .nodesim.runc import HARNESS_IMAGES, built_images
+from .nodesim.runc import built_images
 
 #: The kubelet's KUBE-* chains: they stay. Every other KUBE-* chain counts as kube-proxy's (an
 #: oracle of its own, broader than the agent's list in kpx_agent/kube_proxy_leftovers.py).
@@ -133,9 +133,10 @@ def kube_proxy_cluster(
     label = {"kpx.dev/e2e-takeover": run}
     pxc, app_ns = f"takeover-{run}", f"kpx-takeover-{run}"
     store = built_images()
+    if upstream_kube_proxy.IMAGE not in store.refs:
+        raise RuntimeError(f"{upstream_kube_proxy.IMAGE} is not built: run `make image`")
     with Topology() as topo:
-        sim = NodeSimulator(cluster, topo, pod_apiserver_access=True, runtime="runc", images=store,
-                            host_images=HARNESS_IMAGES | {upstream_kube_proxy.IMAGE})  # fmt: skip
+        sim = NodeSimulator(cluster, topo, pod_apiserver_access=True, runtime="runc", images=store)
         try:
             sim_nodes = [sim.add_node(f"t{run}-{i}", labels=label) for i in range(1, nodes + 1)]
             _delete_kube_proxy(cluster)  # a former run's

@@ -197,11 +197,13 @@ class SecurityError(ValueError):
     """A securityContext the kubelet refuses (CreateContainerConfigError)."""
 
 
-def capabilities(sc: SecurityContext) -> list[str]:
-    """The container's capability set: everything when privileged, else the runtime's default
-    set less `drop` (ALL drops every one) plus `add`."""
+def capabilities(sc: SecurityContext, bounding: Iterable[str] | None = None) -> list[str]:
+    """The container's capability set: when privileged, every one the runtime itself may give
+    (`bounding`: its own bounding set, as containerd gives a privileged container the
+    capabilities it has; None: all), else the runtime's default set less `drop` (ALL drops
+    every one) plus `add`."""
     if sc.privileged:
-        return sorted(_ALL_CAPS)
+        return sorted(_ALL_CAPS if bounding is None else _ALL_CAPS & set(bounding))
     dropped = {_cap(c) for c in sc.caps_drop}
     kept = set() if "CAP_ALL" in dropped else set(DEFAULT_CAPS) - dropped
     return sorted(kept | {_cap(c) for c in sc.caps_add})
@@ -212,8 +214,8 @@ def _cap(name: str) -> str:
     return name if name.startswith("CAP_") else f"CAP_{name}"
 
 
-#: Every capability (one word each: more readable than 41 quoted strings).
-_ALL_CAPS: Final = frozenset(
+#: Every capability, by number (one word each: more readable than 41 quoted strings).
+_CAPS_BY_NUMBER: Final = tuple(
     _cap(c)
     for c in (  # noqa: SIM905
         "CHOWN DAC_OVERRIDE DAC_READ_SEARCH FOWNER FSETID KILL SETGID SETUID SETPCAP "
@@ -224,6 +226,21 @@ _ALL_CAPS: Final = frozenset(
         "CHECKPOINT_RESTORE"
     ).split()
 )
+_ALL_CAPS: Final = frozenset(_CAPS_BY_NUMBER)
+
+
+def caps_of_mask(mask: int) -> frozenset[str]:
+    """The capabilities of a mask as /proc/PID/status prints it (CapBnd: hex, bit N = cap N)."""
+    return frozenset(c for n, c in enumerate(_CAPS_BY_NUMBER) if mask >> n & 1)
+
+
+def own_bounding_set() -> frozenset[str]:
+    """This process's bounding set (runc gives a container no more; asking for more fails
+    with "unable to apply caps: operation not permitted")."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapBnd:"):
+            return caps_of_mask(int(line.split()[1], 16))
+    return _ALL_CAPS
 
 
 def user_of(sc: SecurityContext, image: ImageConfig) -> tuple[int, int]:
@@ -258,13 +275,14 @@ def runtime_spec(
     mounts: Iterable[Mount] = (),
     hostname: str = "container",
     cwd: str | None = None,
+    bounding: Iterable[str] | None = None,
 ) -> Obj:
     """The OCI runtime config.json of one container. `netns`: a network namespace path to join,
     or None for the host's (hostNetwork)."""
     if not argv:
         raise SecurityError("no command: the image has no entrypoint or cmd and the pod none")
     uid, gid = user_of(sc, image)
-    caps = capabilities(sc)
+    caps = capabilities(sc, bounding)
     image_env = dict(e.split("=", 1) for e in image.env if "=" in e)
     namespaces: list[Obj] = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
     if netns is not None:

@@ -6,17 +6,18 @@ pinned binary: the ServiceAccount `kube-system/kube-proxy` bound to the bootstra
 KubeProxyConfiguration, and `kubeconfig.conf`) and the DaemonSet `kube-system/kube-proxy`
 (hostNetwork, `--config=/var/lib/kube-proxy/config.conf --hostname-override=$(NODE_NAME)`).
 
-The container's image is `IMAGE` (registry.k8s.io/kube-proxy at the pinned version), which the
-node simulator runs as a host process (`host_images`, see docs/node-simulator.md): its command
-is the kube-proxy binary `make setup` built from the pinned Kubernetes module
-(`binaries.kubernetes_binary("kube-proxy")`) instead of the image's `/usr/local/bin/kube-proxy`,
-and it uses the host's iptables, nft and conntrack. Two differences from kubeadm's, both because
-the process runtime maps mount paths in argv and workingDir but not inside files:
-`clientConnection.kubeconfig` is `kubeconfig.conf`, relative to the working directory
-`/var/lib/kube-proxy`, and the kubeconfig names the token and CA by paths relative to itself
-(`../kube-proxy-token/...`, a projected volume mounted at `/var/lib/kube-proxy-token`), where
-kubeadm's uses the ServiceAccount mount's absolute paths. Both resolve the same on a real node.
-The server is the apiserver on the node's loopback, as the simulator exposes it.
+The container's image is `IMAGE` (registry.k8s.io/kube-proxy at the pinned version), which
+`make image` builds from the kube-proxy binary `make setup` compiled from the pinned Kubernetes
+module (`images.build_kube_proxy`, images/upstream-kube-proxy/Containerfile: the binary at
+/usr/local/bin/kube-proxy with iptables, nft, conntrack and ipset, as upstream's image); the
+node simulator runs it under runc, privileged, in the node's netns. Two differences from
+kubeadm's, kept from when it ran as a host process (the process runtime maps mount paths in argv
+and workingDir but not inside files): `clientConnection.kubeconfig` is `kubeconfig.conf`,
+relative to the working directory `/var/lib/kube-proxy`, and the kubeconfig names the token and
+CA by paths relative to itself (`../kube-proxy-token/...`, a projected volume mounted at
+`/var/lib/kube-proxy-token`), where kubeadm's uses the ServiceAccount mount's absolute paths.
+Both resolve the same on a real node. The server is the apiserver on the node's loopback, as
+the simulator exposes it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Final
 
 import yaml
 
-from .binaries import KUBERNETES_VERSION, kubernetes_binary
+from .binaries import KUBERNETES_VERSION
 
 NAME: Final = "kube-proxy"
 NAMESPACE: Final = "kube-system"
@@ -116,7 +117,7 @@ def objects(
                         "containers": [{
                             "name": NAME,
                             "image": IMAGE,
-                            "command": [str(kubernetes_binary("kube-proxy")),
+                            "command": ["/usr/local/bin/kube-proxy",
                                         f"--config={CONFIG_DIR}/config.conf",
                                         "--hostname-override=$(NODE_NAME)"],
                             "workingDir": CONFIG_DIR,

@@ -1,21 +1,21 @@
 """Issue #18, proof under load: upstream kube-proxy -> kpx nftables on three simulated nodes.
 
-Upstream kube-proxy v1.36.2 (the binary `make setup` builds from the pinned Kubernetes module)
-serves the three nodes in iptables mode, run by the node simulator as the kube-system/kube-proxy
-DaemonSet kubeadm deploys (`kpx_cluster.upstream_kube_proxy`); backends on every node serve two
-ClusterIP Services and a NodePort, and a load client in a pod netns on every node opens a new
-TCP connection every 15 ms, exchanges a UDP datagram every 20 ms and holds two connections open
-(`kpx_cluster.migration`). Then kpx is installed from its manifests (the operator and the agents
-from the built images under runc) with a ProxyConfiguration in mode nftables and
-`takeover: {fromKubeProxy: true, moveKubeProxyOff: true}`: on each node the agent programs and
-verifies nftables (while kube-proxy still holds the health and metrics ports: the agent retries
-binding them, as upstream does), the operator labels the node and keeps kube-proxy's DaemonSet
-off it, the agent removes kube-proxy's rules once its Pod is gone
-(`kpx_cluster.migration_takeover`). Not one new connection may fail, not one UDP exchange be
-lost, every held connection must survive; afterwards no node runs kube-proxy, no node has one of
-kube-proxy's chains (the kubelet's KUBE-FIREWALL and co. may stay) or an `ip kube-proxy` table,
-and status.takeover says every node was taken over. `make bench-migration` prints the same run
-as a row of its table.
+Upstream kube-proxy v1.36.2 (its image, which `make image` builds from the binary `make setup`
+compiles from the pinned Kubernetes module) serves the three nodes in iptables mode, run under
+runc by the node simulator as the kube-system/kube-proxy DaemonSet kubeadm deploys
+(`kpx_cluster.upstream_kube_proxy`); backends on every node serve two ClusterIP Services and a
+NodePort, and a load client in a pod netns on every node opens a new TCP connection every 15 ms,
+exchanges a UDP datagram every 20 ms and holds two connections open (`kpx_cluster.migration`).
+Then kpx is installed from its manifests (the operator and the agents from the built images
+under runc) with a ProxyConfiguration in mode nftables and `takeover: {fromKubeProxy: true,
+moveKubeProxyOff: true}`: on each node the agent programs and verifies nftables (while
+kube-proxy still holds the health and metrics ports: the agent retries binding them, as upstream
+does), the operator labels the node and keeps kube-proxy's DaemonSet off it, the agent removes
+kube-proxy's rules once its Pod is gone (`kpx_cluster.migration_takeover`). Not one new
+connection may fail, not one UDP exchange be lost, every held connection must survive;
+afterwards no node runs kube-proxy, no node has one of kube-proxy's chains (the kubelet's
+KUBE-FIREWALL and co. may stay) or an `ip kube-proxy` table, and status.takeover says every node
+was taken over. `make bench-migration` prints the same run as a row of its table.
 """
 
 from __future__ import annotations

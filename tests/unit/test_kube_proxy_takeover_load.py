@@ -50,7 +50,7 @@ def test_the_daemonset_runs_the_pinned_binary_as_kubeadm_configures_it() -> None
     ds = objs["DaemonSet"]["spec"]["template"]["spec"]
     (container,) = ds["containers"]
     assert container["image"] == "registry.k8s.io/kube-proxy:v1.36.2"
-    assert container["command"][0].endswith("/v1.36.2/kube-proxy")
+    assert container["command"][0] == "/usr/local/bin/kube-proxy"  # the image's, as kubeadm's
     assert container["command"][1:] == [
         "--config=/var/lib/kube-proxy/config.conf",
         "--hostname-override=$(NODE_NAME)",

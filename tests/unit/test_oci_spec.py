@@ -43,6 +43,15 @@ def test_default_capabilities_less_drops_and_privileged_gets_all() -> None:
     assert "CAP_NET_RAW" not in caps and "CAP_NET_ADMIN" in caps and "CAP_CHOWN" in caps
     privileged = oci.capabilities(SecurityContext(privileged=True, caps_drop=("ALL",)))
     assert {"CAP_SYS_ADMIN", "CAP_NET_ADMIN", "CAP_BPF"} <= set(privileged)
+    # ... every one the runtime has: runc refuses more than its own bounding set (here a
+    # machine whose CapBnd lacks CAP_SYS_RESOURCE, bit 24: 000001fffeffffff)
+    bounding = oci.caps_of_mask(0x1FFFEFFFFFF)
+    assert "CAP_SYS_RESOURCE" not in bounding and len(bounding) == 40
+    assert "CAP_CHECKPOINT_RESTORE" in bounding and "CAP_CHOWN" in bounding
+    limited = oci.capabilities(SecurityContext(privileged=True), bounding)
+    assert set(limited) == bounding
+    caps = spec(sc=SecurityContext(privileged=True), netns=None, bounding=bounding)["process"]
+    assert caps["capabilities"]["bounding"] == sorted(bounding)
     # Privileged: no masked /proc paths and no seccomp filter.
     full = spec(sc=SecurityContext(privileged=True, seccomp_runtime_default=True), netns=None)
     assert "maskedPaths" not in full["linux"] and "seccomp" not in full["linux"]

@@ -77,7 +77,8 @@ _unpack_lock = threading.Lock()
 
 
 def built_images() -> oci.ImageStore:
-    """The store of the images `make image` built (operator and agent, this version); a
+    """The store of the images `make image` built (operator and agent, this version, and
+    upstream kube-proxy's when built: `images.build_kube_proxy`); a
     RuntimeError naming `make image` when they are missing or stale. $KPX_IMAGES_DIR, when
     set, names another directory of archives (`images.build_all(directory=...)` writes one:
     several work trees on one machine then do not rebuild each other's images)."""
@@ -88,6 +89,8 @@ def built_images() -> oci.ImageStore:
     store = oci.ImageStore(directory / "rootfs")
     for image in images.images(images.project_version()):
         store.load(image.archive(directory))
+    if not images.kube_proxy_missing(directory=directory):  # for the migration tests
+        store.load(images.kube_proxy_image().archive(directory))
     return store
 
 
@@ -146,6 +149,7 @@ class RuncContainer:
         spec = oci.runtime_spec(
             image.rootfs, argv, env, image.config, sc,
             netns=netns.path(netns_name), mounts=volume_mounts, hostname=hostname, cwd=cwd,
+            bounding=oci.own_bounding_set(),
         )  # fmt: skip
         shutil.rmtree(self.bundle.path, ignore_errors=True)
         self.bundle.path.mkdir(parents=True)
