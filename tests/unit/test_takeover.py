@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kpx_agent.localnet import ProxySettings
+from kpx_agent.proxy_health import ProxyHealth
 from kpx_agent.takeover import Leftover, LeftoverRemoval, other_mode_leftovers
 
 
@@ -152,15 +153,22 @@ def test_the_agent_cli_wires_removal_after_the_first_sync(mode: str, takeover: b
             self.settings = type("S", (), {"mode": mode, "takeover_from_kube_proxy": takeover,
                                            "proxy": ProxySettings()})()  # fmt: skip
             self.metrics = type("M", (), {"registry": CollectorRegistry()})()
-            self.companions: list[object] = []
             self.first_sync_verified = asyncio.Event()
+            self.health = ProxyHealth(60.0)
+            self.leftover_removal: object = None
+            self.leftovers_of: object = None
 
         async def report_event(self, type_: str, reason: str, message: str) -> None:
             return None
 
     agent = FakeAgent()
     removal = cli.leftover_removal(agent)  # type: ignore[arg-type]
-    assert len(agent.companions) == 1
+    assert agent.leftover_removal is removal and agent.leftovers_of is not None
+    # Not Ready until the other kpx modes' rules are gone (kube-proxy's do not count).
+    assert agent.health.leftovers_pending == (
+        ", ".join(f"the rules of kpx mode {m}" for m in ("nftables", "iptables", "ipvs",
+                                                          "external") if m != mode)
+        + " not removed yet")  # fmt: skip
     assert mode not in removal.pending and {"iptables", "nftables", "ipvs"} - {mode} <= set(
         removal.pending
     )
