@@ -71,8 +71,8 @@ def revert_while_stuck(
     assert new == "nftables", "the injection refuses nftables"
     opts = opts or LoadOptions()
     assert env.rolled_out(old), f"not serving in {old} on every node before the switch"
-    # The user's way out when nothing rolls the node back by itself.
-    env.patch_mode_switch(rollbackOnFailure=False)
+    # The user's way out when nothing rolls the node back by itself (Stuck after 10 s).
+    env.patch_mode_switch(progressDeadlineSeconds=10, rollbackOnFailure=False)
     started = _start_load(env, opts)
     rolled_back_after: float | None = None
     try:
@@ -99,5 +99,5 @@ def revert_while_stuck(
         time.sleep(opts.settle)
     finally:
         loads = _stop_load(started, opts.timeout)
-        env.patch_mode_switch(rollbackOnFailure=None)
+        env.patch_mode_switch(progressDeadlineSeconds=None, rollbackOnFailure=None)
     return RevertResult(old, new, node.name, stuck, rolled_back_after, back, finished, loads)
