@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .migration import (
+    BACKEND_PORT,
     NS,
     TCP_PORT,
     LoadOptions,
@@ -70,6 +71,14 @@ class RollbackResult:
     def traffic_failures(self) -> list[str]:
         return SwitchResult(self.old, self.new, 0, 0.0, self.loads, {}).failures()
 
+    def traffic(self) -> str:
+        """The load's figures, as the bench's table counts them."""
+        r = SwitchResult(self.old, self.new, len(self.loads), 0.0, self.loads, {})
+        return (f"{r.total('tcp', 'tried')} new TCP connections / {r.total('tcp', 'failed')} "
+                f"failed, {r.total('udp', 'tried')} UDP exchanges / {r.total('udp', 'failed')} "
+                f"lost, {r.held_survived} of {r.held} held connections survived, over "
+                f"{r.load_seconds:.0f}s")  # fmt: skip
+
 
 def _mode_switch(env: MigrationEnv) -> dict[str, Any]:
     return dict(env.json("get", "pxc", env.pxc).get("status", {}).get("modeSwitch") or {})
@@ -102,7 +111,7 @@ def _late_service(env: MigrationEnv) -> str:
         "apiVersion": "v1", "kind": "Service",
         "metadata": {"name": LATE_SERVICE, "namespace": env.app_ns},
         "spec": {"selector": {"app": "web"}, "ports": [
-            {"name": "tcp", "port": TCP_PORT, "targetPort": 8080, "protocol": "TCP"}]},
+            {"name": "tcp", "port": TCP_PORT, "targetPort": BACKEND_PORT, "protocol": "TCP"}]},
     })  # fmt: skip
     return str(wait_until(lambda: env.service(LATE_SERVICE).get("spec", {}).get("clusterIP"),
                           30, "the late Service's ClusterIP"))  # fmt: skip

@@ -100,6 +100,7 @@ def test_a_node_whose_new_agent_cannot_program_is_rolled_back_stops_the_rollout_
         switch(env, "nftables", "iptables", LoadOptions(warmup=0.5, settle=0.5))
     refused = env.nodes[1]
     result = switch_with_rollback(env, "iptables", "nftables", refused, deadline=10)
+    print(result.traffic())
     assert result.traffic_failures() == [], "\n".join(result.traffic_failures())
     # The node's agent rolled back after the deadline (10 s from its start) and said why.
     assert result.rolled_back_after is not None, result.at_rollback
