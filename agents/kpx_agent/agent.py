@@ -362,7 +362,9 @@ class Agent:
         """Go back to the rollback mode, in process (between syncs: nothing programs now):
         its backend from now on, a full sync of it next (its rules are still in the kernel:
         nothing removed them), what this mode left removed once that sync is verified, not
-        Ready for good. Whether it rolled back (False: no backend for it, keep trying)."""
+        Ready for good. Whether it rolled back (False: not due; or the rollback mode's backend
+        could not be made, said in the log and in /readyz, and not tried again: this mode keeps
+        retrying, not Ready)."""
         rollback = self.settings.rollback
         running_for = time.monotonic() - self._started
         if not rollback_due(rollback, self.first_sync_verified.is_set(), bool(self.rolled_back),
