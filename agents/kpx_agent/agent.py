@@ -353,6 +353,12 @@ class Agent:
             removal = self.leftover_removal
             self._removal_task = asyncio.create_task(removal.run(self.first_sync_verified))
 
+    def switching_from(self) -> set[str]:
+        """The mode a running switch comes from (the configuration's rollback), whose rules'
+        removal readiness waits for; none after a rollback (not Ready anyway)."""
+        rollback = self.settings.rollback
+        return {rollback.settings.mode} if rollback is not None and not self.rolled_back else set()
+
     def _rollback_left(self) -> float | None:
         """Seconds until this agent rolls back (0: now), None when it will not."""
         return seconds_left(self.settings.rollback, self.first_sync_verified.is_set(),

@@ -260,8 +260,9 @@ def kube_proxy_leftover(agent: Agent, settings: AgentSettings) -> Leftover:
 
 def leftover_removal(agent: Agent) -> LeftoverRemoval:
     """Make-before-break (takeover.py): once the agent's first sync is verified, remove the
-    other modes' rules from this node, retrying what fails; the agent is not Ready until the
-    other kpx modes' are gone. After a rollback, the same for the rollback mode."""
+    other modes' rules from this node, retrying what fails; during a switch of mode the agent
+    is not Ready until the old mode's are gone. After a rollback, the same for the rollback
+    mode."""
 
     def leftovers_of(settings: AgentSettings) -> list[Leftover]:
         removers = other_mode_removers(settings.proxy.ipvs.exclude_cidrs)
@@ -271,12 +272,9 @@ def leftover_removal(agent: Agent) -> LeftoverRemoval:
             leftovers.append(kube_proxy_leftover(agent, settings))
         return leftovers
 
-    def pending(why: str) -> None:
-        agent.health.leftovers_pending = why
-
     removal = LeftoverRemoval(leftovers_of(agent.settings), agent.metrics.registry,
-                              agent.report_event, failed_reason=LEFTOVERS_NOT_REMOVED,
-                              on_pending=pending)  # fmt: skip
+                              agent.report_event, failed_reason=LEFTOVERS_NOT_REMOVED)  # fmt: skip
+    agent.health.leftovers_pending = lambda: removal.blocking(agent.switching_from())
     agent.leftover_removal = removal
     agent.leftovers_of = leftovers_of
     return removal

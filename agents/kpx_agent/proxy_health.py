@@ -14,9 +14,9 @@ only read it. Upstream's rules (pkg/proxy/healthcheck/proxier_health.go, v1.36):
   tainted `ToBeDeletedByClusterAutoscaler`), so load balancers drain it; `/livez` ignores that.
 
 kpx adds `/readyz` (upstream has none), the DaemonSet's readiness probe: `/healthz`'s answer,
-and 503 until this agent's first full sync was programmed and found in the kernel, and the
-rules of the other kpx modes were removed from its node (a mode switch's old rules: the next
-batch waits for the removal, which may fail and is retried), and for good once the agent
+and 503 until this agent's first full sync was programmed and found in the kernel, and during
+a switch of mode until the old mode's rules were removed from its node (the next batch waits
+for the removal, which may fail and is retried), and for good once the agent
 rolled its node back to the mode before a switch (rollback.py). So a Ready agent pod serves
 its node alone, and a mode switch or an upgrade (a DaemonSet rolling update) does not move on
 from a node whose new agent cannot program its kernel (it keeps serving on the rules it had,
@@ -63,8 +63,9 @@ class ProxyHealth:
         self.oldest_pending: float | None = None
         self.node_eligible = True
         self.first_sync_verified = False
-        #: Why the other modes' rules are not removed yet ("" once they are).
-        self.leftovers_pending = ""
+        #: Why the old mode's rules are not removed yet ("" once they are, or none to wait for;
+        #: the agent's leftover removal tells).
+        self.leftovers_pending: Callable[[], str] = lambda: ""
         #: The rollback's reason once the agent went back to the mode before a switch.
         self.rolled_back = ""
 
@@ -106,8 +107,8 @@ class ProxyHealth:
             f"rolled back: {self.rolled_back}" if self.rolled_back
             else "" if self.first_sync_verified else "first sync not verified yet"
         )  # fmt: skip
-        if not why and self.leftovers_pending:
-            why = self.leftovers_pending
+        if not why:
+            why = self.leftovers_pending()
         if why:
             body["notReady"] = why
             return 503, body

@@ -22,10 +22,11 @@ ERROR_LIMIT = 400
 def rollback_due(
     rollback: RollbackSettings | None, verified: bool, rolled_back: bool, running_for: float
 ) -> bool:
-    """Whether the agent goes back now: a rollback is configured, it is not back already, its
-    first sync is not verified, and it has run (s) at least the deadline."""
+    """Whether the agent goes back now: a rollback is configured and enabled, it is not back
+    already, its first sync is not verified, and it has run (s) at least the deadline."""
     return (
         rollback is not None
+        and rollback.enabled
         and not verified
         and not rolled_back
         and running_for >= rollback.deadline
@@ -36,7 +37,7 @@ def seconds_left(
     rollback: RollbackSettings | None, verified: bool, rolled_back: bool, running_for: float
 ) -> float | None:
     """How long until `rollback_due` turns true (None: it will not, as things stand)."""
-    if rollback is None or verified or rolled_back:
+    if rollback is None or not rollback.enabled or verified or rolled_back:
         return None
     return max(0.0, rollback.deadline - running_for)
 

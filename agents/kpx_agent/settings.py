@@ -41,6 +41,9 @@ class RollbackSettings:
 
     settings: AgentSettings
     deadline: float
+    #: Roll back; False: only the mode the switch comes from (readiness waits for its
+    #: rules' removal).
+    enabled: bool = True
 
 
 def _detect_local(config: AgentConfiguration) -> DetectLocal:
@@ -100,7 +103,11 @@ def _rollback(config: AgentConfiguration) -> RollbackSettings | None:
     fallback = config.rollback_config()
     if fallback is None or config.rollback is None:
         return None
-    return RollbackSettings(resolve(fallback), float(config.rollback.progress_deadline_seconds))
+    return RollbackSettings(
+        resolve(fallback),
+        float(config.rollback.progress_deadline_seconds),
+        config.rollback.enabled,
+    )
 
 
 def load(

@@ -16,18 +16,19 @@ kube-proxy no longer runs on this node"): until it holds, the removal is not att
 is checked again every `poll` seconds. kpx_leftovers_pending{leftovers} is 1 until a kind is
 removed.
 
-The other kpx modes' rules gate the agent's readiness (`Leftover.gates_readiness`,
-`on_pending`): its Pod turns Ready only once they are gone, so a mode switch's next batch
-waits for the previous one's removal, and a removal that keeps failing stops the rollout
-(saying why). Upstream kube-proxy's rules do not: they wait for kube-proxy to leave the node,
-which may take the user's action.
+During a switch of mode, the old mode's rules gate the agent's readiness (`blocking`, with the
+mode the agent's configuration says the switch comes from): its Pod turns Ready only once they
+are gone, so the switch's next batch waits for the previous one's removal, and a removal that
+keeps failing stops the rollout (saying why). Other kinds do not: a long-gone mode's rules an
+agent may not even be able to read in its Pod (legacy iptables without NET_RAW), upstream
+kube-proxy's, which wait for kube-proxy to leave the node.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -53,8 +54,6 @@ class Leftover:
     removed_reason: str | None = None
     waiting_reason: str | None = None
     waiting_message: str = ""
-    #: The agent is not Ready while this is pending (the other kpx modes' rules).
-    gates_readiness: bool = False
 
 
 class LeftoverRemoval:
@@ -68,14 +67,10 @@ class LeftoverRemoval:
         first_delay: float = 1.0,
         max_delay: float = 60.0,
         poll: float = 5.0,
-        on_pending: Callable[[str], None] | None = None,
     ) -> None:
         self.pending: dict[str, Leftover] = {leftover.name: leftover for leftover in leftovers}
         self.report = report
-        #: Told why the agent must not be Ready yet ("": nothing gating is pending), whenever
-        #: that changes (the agent's /readyz).
-        self.on_pending = on_pending
-        self._errors: dict[str, str] = {}
+        self._errors: dict[str, str] = {}  # the last error of each pending kind
         self.failed_reason = failed_reason
         self.first_delay = first_delay
         self.max_delay = max_delay
@@ -96,7 +91,6 @@ class LeftoverRemoval:
         )
         for name in self.pending:
             self.pending_gauge.labels(name).set(1)
-        self._notify()
 
     def reset(self, leftovers: Iterable[Leftover]) -> None:
         """Remove these instead (an agent that rolled back to another mode); `run` again."""
@@ -108,21 +102,17 @@ class LeftoverRemoval:
         self._failure_reported.clear()
         for name in self.pending:
             self.pending_gauge.labels(name).set(1)
-        self._notify()
 
-    def blocking(self) -> str:
-        """Why the agent must not be Ready yet, "" when no gating leftover is pending."""
-        gating = [(n, lo) for n, lo in self.pending.items() if lo.gates_readiness]
+    def blocking(self, kinds: Collection[str]) -> str:
+        """Why the agent must not be Ready yet: which of `kinds` is still pending, with the
+        error of its last attempt; "" when none is."""
+        gating = [(n, lo) for n, lo in self.pending.items() if n in kinds]
         for name, leftover in gating:
             if name in self._errors:
                 return f"could not remove {leftover.description} (retrying): {self._errors[name]}"
         if gating:
             return ", ".join(lo.description for _, lo in gating) + " not removed yet"
         return ""
-
-    def _notify(self) -> None:
-        if self.on_pending is not None:
-            self.on_pending(self.blocking())
 
     async def run(self, verified: asyncio.Event) -> None:
         """After `verified` is set (the agent's first verified sync), remove every leftover,
@@ -164,7 +154,6 @@ class LeftoverRemoval:
             except Exception as exc:
                 failed = True
                 self._errors[name] = str(exc)
-                self._notify()
                 self.failures.labels(name).inc()
                 log.warning("could not remove %s (will retry): %s", leftover.description, exc)
                 if name not in self._failure_reported:
@@ -176,7 +165,6 @@ class LeftoverRemoval:
                 continue
             del self.pending[name]
             self._errors.pop(name, None)
-            self._notify()
             self.pending_gauge.labels(name).set(0)
             log.info("removed %s (if there were any)", leftover.description)
             if leftover.removed_reason:
@@ -217,7 +205,6 @@ def other_mode_leftovers(
             f"{OTHER_MODE_RULES}{other}",
             remover(other),
             removed_reason=LEFTOVERS_REMOVED,
-            gates_readiness=True,
         )
         for other in modes
         if other != mode

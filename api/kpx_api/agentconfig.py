@@ -32,12 +32,19 @@ if TYPE_CHECKING:  # the operator's side: the agent never builds the CRD's model
 
 
 class Rollback(KpxModel):
-    """While the operator switches spec.mode: the mode this agent's node goes back to when the
-    agent has no verified first sync in its own mode within `progressDeadlineSeconds` (the
-    operator renders it from spec.modeSwitch and the configuration in effect before the
-    switch; docs/migrating.md)."""
+    """While the operator switches spec.mode: the mode the switch comes from, which this
+    agent's node goes back to when the agent has no verified first sync in its own mode within
+    `progressDeadlineSeconds` (if `enabled`), and whose rules the agent's readiness waits to
+    see removed (the operator renders it from spec.modeSwitch and the configuration in effect
+    before the switch; docs/migrating.md)."""
 
     mode: Mode = Field(description="The mode to go back to (the one before the switch).")
+    enabled: bool = Field(
+        default=True,
+        strict=True,
+        description="Roll back (spec.modeSwitch.rollbackOnFailure); false: the agent keeps "
+        "retrying its own mode, and the block only names the mode the switch comes from.",
+    )
     nftables: NFTablesSettings | None = Field(default=None, description="Its settings.")
     iptables: IPTablesSettings | None = Field(default=None, description="Its settings.")
     ipvs: IPVSSettings | None = Field(default=None, description="Its settings.")
@@ -80,8 +87,8 @@ class AgentConfiguration(ProxySettings):
 
     rollback: Rollback | None = Field(
         default=None,
-        description="Only while the operator switches spec.mode (and spec.modeSwitch."
-        "rollbackOnFailure): where this agent goes back to if it cannot program its mode.",
+        description="Only while the operator switches spec.mode: the mode it comes from, where "
+        "this agent goes back to if it cannot program its own (spec.modeSwitch).",
     )
 
     @classmethod

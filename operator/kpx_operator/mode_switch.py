@@ -19,7 +19,9 @@
     roll back (rollbackOnFailure false: `stuck_after` is the deadline; with it, the deadline
     and ROLLBACK_GRACE more: an agent that cannot start cannot roll back); the message says
     why: the agent's latest SyncFailed (the kernel's error), or its container's state.
-* `rollback`: the `rollback` block of the agents' configuration while a switch runs.
+* `rollback`: the `rollback` block of the agents' configuration while a switch runs (the old
+  mode: where to go back to, if enabled, and whose rules' removal the agents' readiness waits
+  for).
 * `switch_status`: status.modeSwitch (per-node phase, counts, a summary; finishedAt once every
   node is Switched).
 * `condition`: ModeSwitch's (status, reason, message): False `NodeRolledBack` or `NodeStuck`
@@ -96,16 +98,18 @@ def rollback(
     switch: ModeSwitchStatus | None,
     in_effect: AgentConfiguration | None,
 ) -> Rollback | None:
-    """The agents' `rollback` while `switch` runs towards spec.mode (None otherwise, with
-    rollbackOnFailure false, or unless both modes have a kernel backend: an external backend is
-    a container the new pod template no longer has). The old mode's settings are those in
+    """The agents' `rollback` while `switch` runs towards spec.mode, `enabled` with
+    rollbackOnFailure (None otherwise, or unless both modes have a kernel backend: an external
+    backend is a container the new pod template no longer has). Also with rollbackOnFailure
+    false it names the old mode: the agents' readiness waits for its rules' removal. The old
+    mode's settings are those in
     effect before the switch: the spec may hold only the new mode's block, so they come from
     the agents' configuration as last applied (`in_effect`: the old mode's, or the rollback
     block of a pass that already applied the switch), else that mode's defaults."""
     if switch is None or switch.finished_at is not None or switch.to_mode != spec.mode:
         return None
     old = Mode(switch.from_mode)
-    if not spec.mode_switch.rollback_on_failure or {old, spec.mode} - KERNEL_BACKEND_MODES:
+    if {old, spec.mode} - KERNEL_BACKEND_MODES:
         return None
     block: object
     if in_effect is not None and in_effect.mode == old:
@@ -117,7 +121,7 @@ def rollback(
     if isinstance(block, IPVSSettings):  # accepted when it ran
         block = block.model_copy(update={"acknowledge_deprecation": True})
     return Rollback.model_validate({
-        "mode": old, str(old): block,
+        "mode": old, str(old): block, "enabled": spec.mode_switch.rollback_on_failure,
         "progressDeadlineSeconds": spec.mode_switch.progress_deadline_seconds,
     })  # fmt: skip
 

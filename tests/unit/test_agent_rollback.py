@@ -24,6 +24,9 @@ def _rollback(deadline: float = 30.0) -> RollbackSettings:
 
 def test_the_rollback_is_due_at_the_deadline_without_a_verified_sync_and_only_once() -> None:
     rb = _rollback(30.0)
+    off = RollbackSettings(rb.settings, 30.0, enabled=False)
+    assert not rollback_due(off, verified=False, rolled_back=False, running_for=99)
+    assert seconds_left(off, False, False, 1.0) is None
     assert not rollback_due(rb, verified=False, rolled_back=False, running_for=29.9)
     assert rollback_due(rb, verified=False, rolled_back=False, running_for=30.0)
     assert not rollback_due(rb, verified=True, rolled_back=False, running_for=99)
@@ -70,10 +73,10 @@ def test_readiness_waits_for_the_leftovers_and_ends_for_good_with_a_rollback() -
     code, body = health.readyz()
     assert code == 503 and body["notReady"] == "first sync not verified yet"
     health.verified_first_sync()
-    health.leftovers_pending = "the rules of kpx mode iptables not removed yet"
+    health.leftovers_pending = lambda: "the rules of kpx mode iptables not removed yet"
     code, body = health.readyz()
     assert code == 503 and body["notReady"] == "the rules of kpx mode iptables not removed yet"
-    health.leftovers_pending = ""
+    health.leftovers_pending = lambda: ""
     code, body = health.readyz()
     assert code == 200 and "notReady" not in body
     health.rolled_back = "nftables never synced within 30s: EPERM; serving with iptables again"
@@ -83,7 +86,7 @@ def test_readiness_waits_for_the_leftovers_and_ends_for_good_with_a_rollback() -
     assert health.healthz()[0] == 200
 
 
-def test_the_removal_tells_why_the_agent_is_not_ready_until_the_gating_leftovers_are_gone() -> None:
+def test_the_removal_tells_why_the_agent_is_not_ready_until_the_old_modes_rules_are_gone() -> None:
     told: list[str] = []
     attempts = {"n": 0}
 
@@ -92,20 +95,30 @@ def test_the_removal_tells_why_the_agent_is_not_ready_until_the_gating_leftovers
         if attempts["n"] < 3:
             raise RuntimeError("xtables lock held")
 
-    gate = Leftover("iptables", "the rules of kpx mode iptables", flaky, gates_readiness=True)
+    gate = Leftover("iptables", "the rules of kpx mode iptables", flaky)
     other = Leftover("kube-proxy", "upstream kube-proxy's rules", lambda: None,
                      ready=lambda: _false())  # fmt: skip
+    switch_from = {"iptables"}
 
     async def scenario() -> None:
         verified = asyncio.Event()
-        verified.set()
         removal = LeftoverRemoval([gate, other], CollectorRegistry(), first_delay=0.01,
-                                  poll=0.01, on_pending=told.append)  # fmt: skip
+                                  poll=0.01)  # fmt: skip
         task = asyncio.create_task(removal.run(verified))
-        await asyncio.sleep(0.3)
+        told.append(removal.blocking(switch_from))
+        verified.set()
+        for _ in range(500):
+            await asyncio.sleep(0.002)
+            now = removal.blocking(switch_from)
+            if now != told[-1]:
+                told.append(now)
+            if not now:
+                break
+        await asyncio.sleep(0.05)
         task.cancel()
         # kube-proxy's rules wait (its Pod still runs) and do not hold readiness.
-        assert "kube-proxy" in removal.pending and removal.blocking() == ""
+        assert "kube-proxy" in removal.pending and removal.blocking(switch_from) == ""
+        assert removal.blocking({"kube-proxy"}) == "upstream kube-proxy's rules not removed yet"
 
     asyncio.run(scenario())
     assert told[0] == "the rules of kpx mode iptables not removed yet"
@@ -118,17 +131,13 @@ async def _false() -> bool:
 
 
 def test_a_removal_is_reset_to_another_modes_leftovers_after_a_rollback() -> None:
-    told: list[str] = []
     registry = CollectorRegistry()
     removal = LeftoverRemoval(
-        [Leftover("iptables", "the rules of kpx mode iptables", lambda: None,
-                  gates_readiness=True)],
-        registry, on_pending=told.append,
-    )  # fmt: skip
-    removal.reset([Leftover("nftables", "the rules of kpx mode nftables", lambda: None,
-                            gates_readiness=True)])  # fmt: skip
+        [Leftover("iptables", "the rules of kpx mode iptables", lambda: None)], registry
+    )
+    removal.reset([Leftover("nftables", "the rules of kpx mode nftables", lambda: None)])
     assert set(removal.pending) == {"nftables"}
-    assert told[-1] == "the rules of kpx mode nftables not removed yet"
+    assert removal.blocking({"nftables"}) == "the rules of kpx mode nftables not removed yet"
     assert registry.get_sample_value("kpx_leftovers_pending", {"leftovers": "nftables"}) == 1
     assert registry.get_sample_value("kpx_leftovers_pending", {"leftovers": "iptables"}) is None
 
@@ -184,10 +193,11 @@ def test_the_agent_rolls_back_in_process_and_keeps_the_old_modes_settings_live(
         config_path=path,
         backend_for=backend_for,
     )  # type: ignore[arg-type]
-    agent.leftovers_of = lambda s: [Leftover(m, f"the rules of kpx mode {m}", lambda: None,
-                                             gates_readiness=True)
+    agent.leftovers_of = lambda s: [Leftover(m, f"the rules of kpx mode {m}", lambda: None)
                                     for m in ("nftables", "iptables") if m != s.mode]  # fmt: skip
     agent.leftover_removal = LeftoverRemoval(agent.leftovers_of(settings), agent.metrics.registry)
+    # During the switch the old mode's rules hold readiness.
+    assert agent.switching_from() == {"iptables"}
 
     async def scenario() -> None:
         agent._start_leftover_removal()
@@ -219,6 +229,7 @@ def test_the_agent_rolls_back_in_process_and_keeps_the_old_modes_settings_live(
     assert agent.metrics.registry.get_sample_value(
         "kpx_rolled_back", {"mode": "nftables", "to": "iptables"}) == 1  # fmt: skip
     assert agent.proxier.prepare().full  # the rollback mode's rules are programmed in full
+    assert agent.switching_from() == set()
 
     # The operator changes the old mode's settings (spec unchanged otherwise): applied live.
     path.write_text(config.format(bit=11))

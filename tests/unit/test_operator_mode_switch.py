@@ -285,7 +285,7 @@ def test_the_rollback_block_carries_the_old_modes_settings_in_effect_during_the_
     before = _config("iptables", masqueradeBit=9, localhostNodePorts=False)
     back = rollback(spec, switch, before)
     assert back is not None and back.to_dict() == {
-        "mode": "iptables", "progressDeadlineSeconds": 12,
+        "mode": "iptables", "enabled": True, "progressDeadlineSeconds": 12,
         "iptables": {"masqueradeBit": 9, "masqueradeAll": False, "localhostNodePorts": False,
                      "syncPeriod": "30s", "minSyncPeriod": "1s"},
     }  # fmt: skip
@@ -298,8 +298,11 @@ def test_the_rollback_block_carries_the_old_modes_settings_in_effect_during_the_
     # No rollback: no switch, a finished one, rollbackOnFailure false, an external mode.
     assert rollback(spec, None, before) is None
     assert rollback(spec, switch.model_copy(update={"finished_at": NOW}), before) is None
+    # rollbackOnFailure false: the block still names the old mode (readiness waits for its
+    # rules' removal), not enabled.
     off = parse_spec({"mode": "nftables", "modeSwitch": {"rollbackOnFailure": False}})
-    assert rollback(off, switch, before) is None
+    named = rollback(off, switch, before)
+    assert named is not None and (named.mode, named.enabled) == ("iptables", False)
     ext = ModeSwitchStatus(from_mode="external", to_mode="nftables", started_at=NOW)
     assert rollback(spec, ext, None) is None
     # The switch is to another mode than the spec's (the spec changed again): none.

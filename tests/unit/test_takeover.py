@@ -164,11 +164,12 @@ def test_the_agent_cli_wires_removal_after_the_first_sync(mode: str, takeover: b
     agent = FakeAgent()
     removal = cli.leftover_removal(agent)  # type: ignore[arg-type]
     assert agent.leftover_removal is removal and agent.leftovers_of is not None
-    # Not Ready until the other kpx modes' rules are gone (kube-proxy's do not count).
-    assert agent.health.leftovers_pending == (
-        ", ".join(f"the rules of kpx mode {m}" for m in ("nftables", "iptables", "ipvs",
-                                                          "external") if m != mode)
-        + " not removed yet")  # fmt: skip
+    # During a switch from ipvs, not Ready until ipvs's rules are gone; the other kinds (and
+    # kube-proxy's) do not count, nor anything outside a switch.
+    agent.switching_from = lambda: {"ipvs"}  # type: ignore[attr-defined]
+    assert agent.health.leftovers_pending() == "the rules of kpx mode ipvs not removed yet"
+    agent.switching_from = lambda: set()  # type: ignore[attr-defined]
+    assert agent.health.leftovers_pending() == ""
     assert mode not in removal.pending and {"iptables", "nftables", "ipvs"} - {mode} <= set(
         removal.pending
     )
