@@ -61,8 +61,9 @@ def refusal_report(r: RefusalResult) -> list[str]:
         "",
         f"On {r.refused_node} a process owns the table `ip kpx` (`flags owner`: the kernel "
         "refuses any other socket's change to it, EPERM), so the new agent there cannot "
-        f"program nftables. spec.mode was patched under the same load and watched for "
-        f"{r.held_for:.0f} s, then the refusal was lifted.",
+        f"program nftables. spec.mode was patched under the same load (with "
+        "spec.modeSwitch.rollbackOnFailure false: the node is Stuck, its agent retries) and "
+        f"watched for {r.held_for:.0f} s, then the refusal was lifted.",
         "",
         f"- agents after {r.held_for:.0f} s: "
         + ", ".join(f"{n}: {s}" for n, s in r.agents.items()),

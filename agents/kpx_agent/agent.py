@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kpx_api.constants import FIRST_SYNC_VERIFIED, SYNC_FAILED
+from kpx_api.constants import FIRST_SYNC_VERIFIED, ROLLED_BACK, SYNC_FAILED
 from kpx_api.errors import ConfigError
 from kpx_kube import Client, collector
 from kpx_kube.reflector import Reflector, Resource
@@ -29,10 +29,12 @@ from .optout import exclusion_field_selector
 from .proxier import Proxier
 from .proxy_health import ProxyHealth, health_timeout
 from .resources import NAMESPACES_RESOURCE, NODES_RESOURCE, SERVICES_RESOURCE, SLICES_RESOURCE
+from .rollback import rollback_due, rolled_back_message, seconds_left
 from .service_health import HealthCheckServers, health_targets
 from .settings import AgentSettings
 from .state_api.publisher import Publisher
 from .state_api.server import StateServer, parse_address
+from .takeover import Leftover, LeftoverRemoval
 
 log = logging.getLogger(__name__)
 CONFIG_POLL_SECONDS = 2.0
@@ -76,6 +78,7 @@ class Agent:
         config_path: Path | None = None,
         overrides: dict[str, object] | None = None,
         conntrack_paths: conntrack_sysctl.ConntrackPaths | None = None,
+        backend_for: Callable[[AgentSettings], Backend] | None = None,
     ) -> None:
         self.settings = settings
         self.node_name = node_name
@@ -89,6 +92,20 @@ class Agent:
         #: Coroutines run beside the sync loop, from the start to the stop of `run`.
         self.companions: list[Callable[[], Coroutine[Any, Any, None]]] = []
         self.overrides = overrides or {}
+        #: A backend for a mode's settings (the CLI's, through the backend registry: the agent
+        #: core imports no mode's code): what a rollback runs.
+        self.backend_for = backend_for
+        #: Make-before-break (takeover.py): removes what other proxies left, once
+        #: `first_sync_verified` is set; `leftovers_of` gives what to remove for a mode's
+        #: settings (after a rollback: the rollback mode's). Set by the CLI.
+        self.leftover_removal: LeftoverRemoval | None = None
+        self.leftovers_of: Callable[[AgentSettings], list[Leftover]] | None = None
+        self._removal_task: asyncio.Task[None] | None = None
+        #: The RolledBack message once this agent went back to the mode before a switch.
+        self.rolled_back = ""
+        #: The latest sync error (brief), for the RolledBack message.
+        self._last_error = ""
+        self._started = time.monotonic()
         self.conntrack_paths = conntrack_paths or conntrack_sysctl.ConntrackPaths()
         self.pod = pod_events.PodRef.from_env()
         self._conntrack_failed = False
@@ -175,8 +192,10 @@ class Agent:
         ]
         for runner in runners:
             await runner.start()
+        self._started = time.monotonic()
         tasks: list[asyncio.Task[None]] = []
         try:
+            self._start_leftover_removal()
             if self.state_server is not None:
                 await self.state_server.start()
             tasks += [asyncio.create_task(companion()) for companion in self.companions]
@@ -209,6 +228,8 @@ class Agent:
             self.state.on_queued = self._queued
             await self._sync_loop((services, slices))
         finally:
+            if self._removal_task is not None:
+                tasks.append(self._removal_task)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -228,9 +249,15 @@ class Agent:
             timeout = max(0.0, next_resync - time.monotonic())
             if retry_delay:
                 timeout = min(timeout, retry_delay)
+            left = self._rollback_left()
+            if left is not None:
+                timeout = min(timeout, left)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
             self._wake.clear()
+            if self._rollback_left() == 0.0 and await self._roll_back():
+                retry_delay = 0.0
+                next_resync = time.monotonic() + self.settings.sync_period
             now = time.monotonic()
             if now >= next_resync:
                 # The node-local state only changes through recorded changes, so there is
@@ -284,6 +311,7 @@ class Agent:
             else:
                 retry_delay = min(max(retry_delay * 2, 1.0), 30.0)
                 self.state.touch_all()
+                self._last_error = brief_error(outcome.error)
                 await self._report_sync_failure(outcome.error)
 
     async def _report_sync_failure(self, error: str) -> None:
@@ -307,12 +335,81 @@ class Agent:
             self.proxier.request_full_sync()
             self._wake.set()
             return
+        self.first_sync_verified.set()
+        if self.rolled_back:
+            # Not Ready for good (rolled back); no FirstSyncVerified: the node did not switch.
+            log.info("mode %s (rolled back) verified: its rules are programmed",
+                     self.settings.mode)  # fmt: skip
+            return
         log.info("first sync verified: own rules programmed")
         self.health.verified_first_sync()
-        self.first_sync_verified.set()
         await self._report("Normal", FIRST_SYNC_VERIFIED,
                            f"mode {self.settings.mode}: own rules programmed and found in the "
                            "kernel; this agent serves its node")  # fmt: skip
+
+    # -- rollback (rollback.py) -----------------------------------------------------------------
+    def _start_leftover_removal(self) -> None:
+        if self.leftover_removal is not None:
+            removal = self.leftover_removal
+            self._removal_task = asyncio.create_task(removal.run(self.first_sync_verified))
+
+    def switching_from(self) -> set[str]:
+        """The mode a running switch comes from (the configuration's rollback), whose rules'
+        removal readiness waits for; none after a rollback (not Ready anyway)."""
+        rollback = self.settings.rollback
+        return {rollback.settings.mode} if rollback is not None and not self.rolled_back else set()
+
+    def _rollback_left(self) -> float | None:
+        """Seconds until this agent rolls back (0: now), None when it will not."""
+        return seconds_left(self.settings.rollback, self.first_sync_verified.is_set(),
+                            bool(self.rolled_back), time.monotonic() - self._started)  # fmt: skip
+
+    async def _roll_back(self) -> bool:
+        """Go back to the rollback mode, in process (between syncs: nothing programs now):
+        its backend from now on, a full sync of it next (its rules are still in the kernel:
+        nothing removed them), what this mode left removed once that sync is verified, not
+        Ready for good. Whether it rolled back (False: not due; or the rollback mode's backend
+        could not be made, said in the log and in /readyz, and not tried again: this mode keeps
+        retrying, not Ready)."""
+        rollback = self.settings.rollback
+        running_for = time.monotonic() - self._started
+        if not rollback_due(rollback, self.first_sync_verified.is_set(), bool(self.rolled_back),
+                            running_for) or rollback is None:  # fmt: skip
+            return False
+        failed, to = self.settings.mode, rollback.settings.mode
+        message = rolled_back_message(failed, rollback.deadline, self._last_error, to)
+        try:
+            if self.backend_for is None:
+                raise RuntimeError("this agent cannot start another mode's backend")
+            backend = self.backend_for(rollback.settings)
+        except Exception as exc:
+            log.error("cannot roll back to mode %s: %s", to, exc)
+            self.rolled_back = f"{failed} never synced and rolling back to {to} failed: {exc}"
+            self.health.rolled_back = self.rolled_back
+            return False
+        log.warning("rolling back: %s", message)
+        self.rolled_back = message
+        self.health.rolled_back = message
+        self.metrics.rolled_back.labels(failed, to).set(1)
+        self.backend = backend
+        self.proxier.backend = backend
+        self.settings = rollback.settings
+        self.health.timeout = health_timeout(self.settings.sync_period)
+        self._sync_failure_told = None
+        self.proxier.request_full_sync(f"rolled back to mode {to}")
+        # Make-before-break again, for the rollback mode: what `failed` left goes once the
+        # rollback mode's rules are verified in the kernel.
+        if self._removal_task is not None:
+            self._removal_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._removal_task
+            self._removal_task = None
+        self.first_sync_verified = asyncio.Event()
+        if self.leftover_removal is not None and self.leftovers_of is not None:
+            self.leftover_removal.reset(self.leftovers_of(self.settings))
+            self._start_leftover_removal()
+        await self._report("Warning", ROLLED_BACK, message)
+        return True
 
     # -- live configuration --------------------------------------------------------------------
     def _stamp(self) -> bytes:
@@ -341,7 +438,17 @@ class Agent:
             self.metrics.config_reload_failures.inc()
             log.error("configuration change refused, keeping the previous one: %s", exc)
             return False
-        if new.mode != self.settings.mode:
+        if self.rolled_back:
+            # Serving the rollback mode: its settings come from the configuration's rollback
+            # (or from the configuration itself once spec.mode is set back to it).
+            fallback = new if new.mode == self.settings.mode else (
+                new.rollback.settings if new.rollback is not None else None)  # fmt: skip
+            if fallback is None or fallback.mode != self.settings.mode:
+                log.info("configuration changed; rolled back to mode %s, keeping its settings",
+                         self.settings.mode)  # fmt: skip
+                return False
+            new = fallback
+        elif new.mode != self.settings.mode:
             self.metrics.config_reload_failures.inc()
             log.error(
                 "mode changed to %s: that needs a new agent; keeping %s",

@@ -45,6 +45,7 @@ from .kube_proxy_takeover import (
 from .localnet import IPNetwork
 from .metrics import AgentMetrics
 from .proxy_health import ProxyHealth
+from .settings import AgentSettings
 from .takeover import Leftover, LeftoverRemoval, other_mode_leftovers
 
 log = logging.getLogger("kpx_agent")
@@ -237,10 +238,10 @@ def remove_other_modes(mode: str) -> None:
             log.warning("could not remove %s: %s", leftover.description, exc)
 
 
-def kube_proxy_leftover(agent: Agent) -> Leftover:
+def kube_proxy_leftover(agent: Agent, settings: AgentSettings) -> Leftover:
     """spec.takeover.fromKubeProxy: upstream kube-proxy's rules, removed once its DaemonSet's
-    Pod is gone from this node (IPVS too, unless this agent is in mode ipvs itself)."""
-    include_ipvs = agent.settings.mode != "ipvs"
+    Pod is gone from this node (IPVS too, unless the agent runs mode ipvs itself)."""
+    include_ipvs = settings.mode != "ipvs"
 
     async def gone() -> bool:
         return not await kube_proxy_runs_here(agent.client, agent.node_name)
@@ -259,16 +260,34 @@ def kube_proxy_leftover(agent: Agent) -> Leftover:
 
 def leftover_removal(agent: Agent) -> LeftoverRemoval:
     """Make-before-break (takeover.py): once the agent's first sync is verified, remove the
-    other modes' rules from this node, retrying what fails."""
-    removers = other_mode_removers(agent.settings.proxy.ipvs.exclude_cidrs)
-    leftovers = other_mode_leftovers(agent.settings.mode, backends.REGISTRY, backends.load,
-                                     removers)  # fmt: skip
-    if agent.settings.takeover_from_kube_proxy:
-        leftovers.append(kube_proxy_leftover(agent))
-    removal = LeftoverRemoval(leftovers, agent.metrics.registry, agent.report_event,
-                              failed_reason=LEFTOVERS_NOT_REMOVED)  # fmt: skip
-    agent.companions.append(lambda: removal.run(agent.first_sync_verified))
+    other modes' rules from this node, retrying what fails; during a switch of mode the agent
+    is not Ready until the old mode's are gone. After a rollback, the same for the rollback
+    mode."""
+
+    def leftovers_of(settings: AgentSettings) -> list[Leftover]:
+        removers = other_mode_removers(settings.proxy.ipvs.exclude_cidrs)
+        leftovers = other_mode_leftovers(settings.mode, backends.REGISTRY, backends.load,
+                                         removers)  # fmt: skip
+        if settings.takeover_from_kube_proxy:
+            leftovers.append(kube_proxy_leftover(agent, settings))
+        return leftovers
+
+    removal = LeftoverRemoval(leftovers_of(agent.settings), agent.metrics.registry,
+                              agent.report_event, failed_reason=LEFTOVERS_NOT_REMOVED)  # fmt: skip
+    agent.health.leftovers_pending = lambda: removal.blocking(agent.switching_from())
+    agent.leftover_removal = removal
+    agent.leftovers_of = leftovers_of
     return removal
+
+
+def backend_for(paths: NodePaths) -> Callable[[AgentSettings], Any]:
+    """A backend for a mode's settings, from the registry (what a rollback runs)."""
+
+    def create(settings: AgentSettings) -> Any:
+        module: Any = backends.load(settings.mode)
+        return module.create(settings.proxy, paths)
+
+    return create
 
 
 async def _run_until_signal(agent: Agent) -> None:
@@ -322,16 +341,18 @@ def main(argv: list[str] | None = None) -> int:
     except KubeconfigError as exc:
         print(f"proxy-agent: credentials: {exc}", file=sys.stderr)
         return 2
+    paths = NodePaths(route_localnet=args.route_localnet_file)
     agent = Agent(
         settings,
         args.node_name,
         Client(creds, user_agent="kpx-agent", watch_idle_timeout=args.watch_idle_timeout),
-        module.create(settings.proxy, NodePaths(route_localnet=args.route_localnet_file)),
+        module.create(settings.proxy, paths),
         config_path=args.config,
         overrides=_overrides(args),
         conntrack_paths=conntrack_sysctl.ConntrackPaths(
             args.conntrack_sysctl_dir, args.conntrack_hashsize_file
         ),
+        backend_for=backend_for(paths),
     )
     # Make-before-break: the other modes' rules stay until this agent's own are in.
     leftover_removal(agent)

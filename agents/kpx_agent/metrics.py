@@ -116,6 +116,13 @@ class AgentMetrics:
             ["code"],
             registry=r,
         )
+        self.rolled_back = Gauge(
+            "kpx_rolled_back",
+            "1 while this agent serves with the mode before a switch (to) because its own "
+            "(mode) had no verified sync within the deadline (docs/migrating.md)",
+            ["mode", "to"],
+            registry=r,
+        )
         self.config_reload_failures = Counter(
             "kpx_config_reload_failures_total",
             "Configuration file changes rejected; the previous configuration stays",

@@ -14,10 +14,14 @@ only read it. Upstream's rules (pkg/proxy/healthcheck/proxier_health.go, v1.36):
   tainted `ToBeDeletedByClusterAutoscaler`), so load balancers drain it; `/livez` ignores that.
 
 kpx adds `/readyz` (upstream has none), the DaemonSet's readiness probe: `/healthz`'s answer,
-and 503 until this agent's first full sync was programmed and found in the kernel. So a Ready
-agent pod serves its node, and a mode switch or an upgrade (a DaemonSet rolling update) does not
-move on from a node whose new agent cannot program its kernel (it keeps serving on the rules it
-had, which are removed only after a verified sync).
+and 503 until this agent's first full sync was programmed and found in the kernel, and during
+a switch of mode until the old mode's rules were removed from its node (the next batch waits
+for the removal, which may fail and is retried), and for good once the agent
+rolled its node back to the mode before a switch (rollback.py). So a Ready agent pod serves
+its node alone, and a mode switch or an upgrade (a DaemonSet rolling update) does not move on
+from a node whose new agent cannot program its kernel (it keeps serving on the rules it had,
+which are removed only after a verified sync) or cannot remove the old rules. The body says
+why in `notReady`.
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ class ProxyHealth:
         self.oldest_pending: float | None = None
         self.node_eligible = True
         self.first_sync_verified = False
+        #: Why the old mode's rules are not removed yet ("" once they are, or none to wait for;
+        #: the agent's leftover removal tells).
+        self.leftovers_pending: Callable[[], str] = lambda: ""
+        #: The rollback's reason once the agent went back to the mode before a switch.
+        self.rolled_back = ""
 
     def queued_update(self) -> None:
         """A change is waiting to be programmed (a later one keeps the oldest time)."""
@@ -90,10 +99,20 @@ class ProxyHealth:
         return (200 if ok else 503), body
 
     def readyz(self) -> tuple[int, dict[str, object]]:
-        """/readyz: `/healthz`, and not before the first verified sync."""
+        """/readyz: `/healthz`, and not before the first verified sync and the removal of the
+        other modes' rules, nor after a rollback."""
         code, body = self.healthz()
         body["firstSyncVerified"] = self.first_sync_verified
-        return (code if self.first_sync_verified else 503), body
+        why = (
+            f"rolled back: {self.rolled_back}" if self.rolled_back
+            else "" if self.first_sync_verified else "first sync not verified yet"
+        )  # fmt: skip
+        if not why:
+            why = self.leftovers_pending()
+        if why:
+            body["notReady"] = why
+            return 503, body
+        return code, body
 
     def livez(self) -> tuple[int, dict[str, object]]:
         """/livez: the proxy's own health; a node being drained is still alive."""

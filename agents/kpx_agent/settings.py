@@ -30,6 +30,20 @@ class AgentSettings:
     state_api: str | None = None
     #: spec.takeover.fromKubeProxy: remove upstream kube-proxy's rules (kube_proxy_takeover.py).
     takeover_from_kube_proxy: bool = False
+    #: While the operator switches modes: where to go back to (rollback.py), else None.
+    rollback: RollbackSettings | None = None
+
+
+@dataclass(frozen=True)
+class RollbackSettings:
+    """The configuration's `rollback`: the mode to go back to, resolved as a whole
+    configuration of its own (the shared settings, its mode block), and the deadline (s)."""
+
+    settings: AgentSettings
+    deadline: float
+    #: Roll back; False: only the mode the switch comes from (readiness waits for its
+    #: rules' removal).
+    enabled: bool = True
 
 
 def _detect_local(config: AgentConfiguration) -> DetectLocal:
@@ -81,6 +95,18 @@ def resolve(config: AgentConfiguration) -> AgentSettings:
             else None
         ),
         takeover_from_kube_proxy=config.takeover.from_kube_proxy,
+        rollback=_rollback(config),
+    )
+
+
+def _rollback(config: AgentConfiguration) -> RollbackSettings | None:
+    fallback = config.rollback_config()
+    if fallback is None or config.rollback is None:
+        return None
+    return RollbackSettings(
+        resolve(fallback),
+        float(config.rollback.progress_deadline_seconds),
+        config.rollback.enabled,
     )
 
 

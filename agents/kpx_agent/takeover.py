@@ -15,13 +15,20 @@ keeps serving. A leftover may also have a precondition (`Leftover.ready`, e.g. "
 kube-proxy no longer runs on this node"): until it holds, the removal is not attempted and
 is checked again every `poll` seconds. kpx_leftovers_pending{leftovers} is 1 until a kind is
 removed.
+
+During a switch of mode, the old mode's rules gate the agent's readiness (`blocking`, with the
+mode the agent's configuration says the switch comes from): its Pod turns Ready only once they
+are gone, so the switch's next batch waits for the previous one's removal, and a removal that
+keeps failing stops the rollout (saying why). Other kinds do not: a long-gone mode's rules an
+agent may not even be able to read in its Pod (legacy iptables without NET_RAW), upstream
+kube-proxy's, which wait for kube-proxy to leave the node.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -63,6 +70,7 @@ class LeftoverRemoval:
     ) -> None:
         self.pending: dict[str, Leftover] = {leftover.name: leftover for leftover in leftovers}
         self.report = report
+        self._errors: dict[str, str] = {}  # the last error of each pending kind
         self.failed_reason = failed_reason
         self.first_delay = first_delay
         self.max_delay = max_delay
@@ -83,6 +91,28 @@ class LeftoverRemoval:
         )
         for name in self.pending:
             self.pending_gauge.labels(name).set(1)
+
+    def reset(self, leftovers: Iterable[Leftover]) -> None:
+        """Remove these instead (an agent that rolled back to another mode); `run` again."""
+        for name in self.pending:
+            self.pending_gauge.remove(name)
+        self.pending = {leftover.name: leftover for leftover in leftovers}
+        self._errors.clear()
+        self._waiting_reported.clear()
+        self._failure_reported.clear()
+        for name in self.pending:
+            self.pending_gauge.labels(name).set(1)
+
+    def blocking(self, kinds: Collection[str]) -> str:
+        """Why the agent must not be Ready yet: which of `kinds` is still pending, with the
+        error of its last attempt; "" when none is."""
+        gating = [(n, lo) for n, lo in self.pending.items() if n in kinds]
+        for name, leftover in gating:
+            if name in self._errors:
+                return f"could not remove {leftover.description} (retrying): {self._errors[name]}"
+        if gating:
+            return ", ".join(lo.description for _, lo in gating) + " not removed yet"
+        return ""
 
     async def run(self, verified: asyncio.Event) -> None:
         """After `verified` is set (the agent's first verified sync), remove every leftover,
@@ -123,6 +153,7 @@ class LeftoverRemoval:
                 await asyncio.to_thread(leftover.remove)
             except Exception as exc:
                 failed = True
+                self._errors[name] = str(exc)
                 self.failures.labels(name).inc()
                 log.warning("could not remove %s (will retry): %s", leftover.description, exc)
                 if name not in self._failure_reported:
@@ -133,6 +164,7 @@ class LeftoverRemoval:
                     )  # fmt: skip
                 continue
             del self.pending[name]
+            self._errors.pop(name, None)
             self.pending_gauge.labels(name).set(0)
             log.info("removed %s (if there were any)", leftover.description)
             if leftover.removed_reason:
@@ -169,7 +201,10 @@ def other_mode_leftovers(
 
     return [
         Leftover(
-            other, f"{OTHER_MODE_RULES}{other}", remover(other), removed_reason=LEFTOVERS_REMOVED
+            other,
+            f"{OTHER_MODE_RULES}{other}",
+            remover(other),
+            removed_reason=LEFTOVERS_REMOVED,
         )
         for other in modes
         if other != mode

@@ -10,15 +10,67 @@ import os
 from typing import TYPE_CHECKING, Any, Literal, Self
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from kpx_api.constants import AGENT_CONFIG_KIND, API_VERSION
 from kpx_api.errors import ConfigError, FieldError
-from kpx_api.modes import ACKNOWLEDGE_IPVS_MESSAGE, SETTINGS_CLASS, IPVSSettings, Mode
+from kpx_api.modes import (
+    ACKNOWLEDGE_IPVS_MESSAGE,
+    KERNEL_BACKEND_MODES,
+    SETTINGS_CLASS,
+    IPTablesSettings,
+    IPVSSettings,
+    Mode,
+    ModeSettings,
+    NFTablesSettings,
+)
 from kpx_api.proxysettings import ProxySettings
+from kpx_api.validation import KpxModel
 
 if TYPE_CHECKING:  # the operator's side: the agent never builds the CRD's models
     from kpx_api.proxyconfiguration import ProxyConfigurationSpec
+
+
+class Rollback(KpxModel):
+    """While the operator switches spec.mode: the mode the switch comes from, which this
+    agent's node goes back to when the agent has no verified first sync in its own mode within
+    `progressDeadlineSeconds` (if `enabled`), and whose rules the agent's readiness waits to
+    see removed (the operator renders it from spec.modeSwitch and the configuration in effect
+    before the switch; docs/migrating.md)."""
+
+    mode: Mode = Field(description="The mode to go back to (the one before the switch).")
+    enabled: bool = Field(
+        default=True,
+        strict=True,
+        description="Roll back (spec.modeSwitch.rollbackOnFailure); false: the agent keeps "
+        "retrying its own mode, and the block only names the mode the switch comes from.",
+    )
+    nftables: NFTablesSettings | None = Field(default=None, description="Its settings.")
+    iptables: IPTablesSettings | None = Field(default=None, description="Its settings.")
+    ipvs: IPVSSettings | None = Field(default=None, description="Its settings.")
+    progress_deadline_seconds: int = Field(
+        ge=5, le=3600, strict=True,
+        description="Seconds without a verified first sync in the agent's own mode after "
+        "which it goes back to `mode`.",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _one_kernel_mode(self) -> Rollback:
+        if self.mode not in KERNEL_BACKEND_MODES:
+            raise ValueError(f"rollback.mode must be a kernel mode, not {self.mode}")
+        others = [str(m) for m in KERNEL_BACKEND_MODES if m is not self.mode
+                  and getattr(self, str(m)) is not None]  # fmt: skip
+        if others:
+            raise ValueError(f"rollback has settings of {', '.join(sorted(others))} but its "
+                             f"mode is {self.mode}")  # fmt: skip
+        return self
+
+    def mode_settings(self) -> ModeSettings:
+        """The settings of `mode`: its block, or that block's defaults."""
+        block: ModeSettings | None = getattr(self, str(self.mode))
+        if block is None:
+            block = SETTINGS_CLASS[self.mode]()  # type: ignore[call-arg]  # a kernel mode
+        return block
 
 
 class AgentConfiguration(ProxySettings):
@@ -31,6 +83,12 @@ class AgentConfiguration(ProxySettings):
     )
     kind: Literal["AgentConfiguration"] = Field(
         default=AGENT_CONFIG_KIND, description="Always AgentConfiguration."
+    )
+
+    rollback: Rollback | None = Field(
+        default=None,
+        description="Only while the operator switches spec.mode: the mode it comes from, where "
+        "this agent goes back to if it cannot program its own (spec.modeSwitch).",
     )
 
     @classmethod
@@ -57,20 +115,38 @@ class AgentConfiguration(ProxySettings):
             block = IPVSSettings(acknowledge_deprecation=True)
         return cls.model_validate({"mode": selected, str(selected): block})
 
+    def rollback_config(self) -> AgentConfiguration | None:
+        """The configuration of the rollback mode (this one's shared settings, the rollback's
+        mode and block, no rollback of its own); None without a rollback."""
+        if self.rollback is None:
+            return None
+        values: dict[str, Any] = {name: getattr(self, name) for name in ProxySettings.model_fields}
+        for mode in Mode:
+            values[str(mode)] = None
+        values["mode"] = self.rollback.mode
+        values[str(self.rollback.mode)] = self.rollback.mode_settings()
+        if isinstance(values[str(self.rollback.mode)], IPVSSettings):
+            values["ipvs"] = values["ipvs"].model_copy(update={"acknowledge_deprecation": True})
+        return AgentConfiguration.model_validate(values)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict, apiVersion and kind first."""
         data = super().to_dict()
         return {"apiVersion": data.pop("apiVersion"), "kind": data.pop("kind"), **data}
 
 
-def agent_config_from_spec(spec: ProxyConfigurationSpec) -> AgentConfiguration:
-    """The agents' configuration for a ProxyConfiguration spec.
+def agent_config_from_spec(
+    spec: ProxyConfigurationSpec, rollback: Rollback | None = None
+) -> AgentConfiguration:
+    """The agents' configuration for a ProxyConfiguration spec (and, during a switch of
+    mode, where to go back to).
 
     Copies the shared settings and the selected mode's block, filled with its defaults when
     the spec leaves it out, so the file states every value the agent uses.
     """
     values: dict[str, Any] = {name: getattr(spec, name) for name in ProxySettings.model_fields}
     values[str(spec.mode)] = spec.mode_settings()
+    values["rollback"] = rollback
     return AgentConfiguration.model_validate(values)
 
 

@@ -42,5 +42,8 @@ KUBE_PROXY_RULES_REMOVED: Final = "KubeProxyRulesRemoved"
 #: The agent's first full sync is programmed and verified in the kernel: it serves its node
 #: (spec.takeover.moveKubeProxyOff: the operator may then move kube-proxy off that node).
 FIRST_SYNC_VERIFIED: Final = "FirstSyncVerified"
+#: During a switch of mode (its configuration's `rollback`): the agent had no verified sync in
+#: its mode within the deadline and went back to the old mode (Warning; the message says why).
+ROLLED_BACK: Final = "RolledBack"
 #: Which modes the agent's node can run (kpx_api.preflight: the message's format).
 MODE_PREFLIGHT: Final = "ModePreflight"

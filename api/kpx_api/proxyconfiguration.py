@@ -21,6 +21,8 @@ from kpx_api.takeover import TakeoverStatus
 from kpx_api.validation import KpxModel, SetList, Text
 
 DEFAULT_PRIORITY_CLASS: Final = "system-node-critical"
+#: spec.modeSwitch.progressDeadlineSeconds by default.
+DEFAULT_PROGRESS_DEADLINE: Final = 30
 
 IMAGE_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._/:@-]*$"
 Image = Annotated[
@@ -35,7 +37,8 @@ Image = Annotated[
 
 
 class ModeSwitch(KpxModel):
-    """What the user accepts to lose when spec.mode changes."""
+    """A change of spec.mode: what the user accepts to lose, and what happens to a node that
+    cannot run the new mode."""
 
     accept_dropped: Annotated[list[DroppedSetting], Field(max_length=8), SetList()] = Field(
         default_factory=list,
@@ -45,6 +48,26 @@ class ModeSwitch(KpxModel):
         "While the agents' configuration in effect has one that the new mode drops and it is "
         "not listed here, the operator does not apply the new spec (the agents keep the old "
         "mode) and condition Preflight says what to accept.",
+    )
+    progress_deadline_seconds: int = Field(
+        default=DEFAULT_PROGRESS_DEADLINE,
+        ge=5,
+        le=3600,
+        strict=True,
+        description="Seconds an agent of the new mode may run on a node without a verified "
+        "first sync (its rules programmed and found in the kernel) before that node is judged "
+        "failed: its agent rolls it back to the old mode (rollbackOnFailure), and "
+        "status.modeSwitch shows it RolledBack, or Stuck without rollback.",
+    )
+    rollback_on_failure: bool = Field(
+        default=True,
+        strict=True,
+        description="A node whose agent of the new mode has no verified sync within "
+        "progressDeadlineSeconds goes back to the old mode: that agent stops programming the "
+        "new mode, programs the old mode's rules (which stayed in place) from then on, "
+        "removes what the new mode left, and stays not Ready, so the rollout stops there. "
+        "It stays so until its Pod is replaced (fix the node and delete the Pod, or set "
+        "spec.mode back). false: the node is reported Stuck and keeps retrying the new mode.",
     )
 
 
@@ -166,15 +189,18 @@ class ModeSwitchPhase(StrEnum):
     SWITCHING = "Switching"  # an agent of the new mode runs; not verified, or the old rules stay
     SWITCHED = "Switched"  # it verified its first sync and removed the old mode's rules
     STUCK = "Stuck"  # an agent of the new mode has not verified a sync for too long
+    ROLLED_BACK = "RolledBack"  # its agent of the new mode went back to the old mode
 
 
 class ModeSwitchNode(KpxModel):
     """One node's progress in a change of spec.mode."""
 
     name: DNSSubdomain = Field(description="The node.")
-    phase: ModeSwitchPhase = Field(description="Pending, Switching, Switched or Stuck.")
+    phase: ModeSwitchPhase = Field(description="Pending, Switching, Switched, Stuck or RolledBack.")
     message: Annotated[str, Text(max_length=1024, message="")] = Field(
-        default="", description="Why it is in this phase (for Stuck: the agent's error)."
+        default="",
+        description="Why it is in this phase (for Stuck and RolledBack: the agent's error, and "
+        "what to do).",
     )
 
 

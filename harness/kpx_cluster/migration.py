@@ -113,6 +113,11 @@ class MigrationEnv:
                 out[node.name] = found
         return out
 
+    def patch_mode_switch(self, **fields: object) -> None:
+        """spec.modeSwitch's fields (camelCase; None: back to the default)."""
+        patch = {"spec": {"modeSwitch": fields}}
+        self.cluster.kubectl("patch", "pxc", self.pxc, "--type=merge", "-p", json.dumps(patch))
+
     def patch_mode(self, old: str, new: str) -> None:
         """spec.mode to `new`, and the old mode's block to the new one's (only the block of the
         selected mode may be set)."""
@@ -541,10 +546,13 @@ def switch_with_refusal(
     log: Callable[[str], None] = print,
 ) -> RefusalResult:
     """Under load: refuse nftables on `node`, patch spec.mode, watch for `hold_for` s what the
-    rollout and the traffic do, lift the refusal and wait for the rollout to finish."""
+    rollout and the traffic do, lift the refusal and wait for the rollout to finish. Without
+    rollback (spec.modeSwitch.rollbackOnFailure false for the run: the node is Stuck and its
+    agent retries; `kpx_cluster.migration_rollback` runs the same with the rollback)."""
     assert new == "nftables", "the injection refuses nftables"
     opts = opts or LoadOptions()
     assert env.rolled_out(old), f"not serving in {old} on every node before the switch"
+    env.patch_mode_switch(rollbackOnFailure=False)
     started = _start_load(env, opts)
     after_lift: float | None = None
     try:
@@ -589,6 +597,7 @@ def switch_with_refusal(
         time.sleep(opts.settle)
     finally:
         loads = _stop_load(started, opts.timeout)
+        env.patch_mode_switch(rollbackOnFailure=None)
     summary = {k: status.get(k) for k in ("mode", "readyNodes", "desiredNodes") if k in status}
     return RefusalResult(old, new, node.name, hold_for, agents, ready, summary, kept, after_lift,
                          loads, timeline, switch_then, switch_cond, switch_after)  # fmt: skip

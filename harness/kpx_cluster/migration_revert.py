@@ -1,11 +1,12 @@
 """Setting spec.mode back while a node is stuck in a switch: the agents roll back, that node too.
 
-`revert_while_stuck` (under the load of `kpx_cluster.migration`): refuse nftables on one node
-(`nft_refused`), switch spec.mode to nftables, wait until status.modeSwitch shows that node
-Stuck, then set spec.mode back, and wait until every node serves in the old mode again - all
-while the refusal holds - then lift it and wait for the switch back to finish (its last step on
-the refused node, removing the nftables leftovers, waits for the lift: the refusing table is
-not the agent's to remove).
+`revert_while_stuck` (under the load of `kpx_cluster.migration`), with
+spec.modeSwitch.rollbackOnFailure false (so the node is Stuck, not rolled back by its agent):
+refuse nftables on one node (`nft_refused`), switch spec.mode to nftables, wait until
+status.modeSwitch shows that node Stuck, then set spec.mode back, and wait until every node
+serves in the old mode again - all while the refusal holds (the refusing table is owned by
+the refusing process, not an nftables leftover of kpx's: the agents leave it) - then lift it
+and wait for the switch back to finish.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def revert_while_stuck(
     assert new == "nftables", "the injection refuses nftables"
     opts = opts or LoadOptions()
     assert env.rolled_out(old), f"not serving in {old} on every node before the switch"
+    # The user's way out when nothing rolls the node back by itself (Stuck after 10 s).
+    env.patch_mode_switch(progressDeadlineSeconds=10, rollbackOnFailure=False)
     started = _start_load(env, opts)
     rolled_back_after: float | None = None
     try:
@@ -96,4 +99,5 @@ def revert_while_stuck(
         time.sleep(opts.settle)
     finally:
         loads = _stop_load(started, opts.timeout)
+        env.patch_mode_switch(progressDeadlineSeconds=None, rollbackOnFailure=None)
     return RevertResult(old, new, node.name, stuck, rolled_back_after, back, finished, loads)

@@ -19,7 +19,7 @@ from kpx_api import (
     dump_agent_config,
     parse_bind_address,
 )
-from kpx_api.agentconfig import AgentConfiguration
+from kpx_api.agentconfig import AgentConfiguration, Rollback
 from kpx_api.constants import API_VERSION, KIND
 
 from . import __version__
@@ -55,9 +55,13 @@ AGENT_RULES: Final[tuple[Obj, ...]] = (
 #: that feed its rules (a change triggers a full resync). Any other field (mode, bind
 #: addresses, conntrack, detectLocal, and fields added later) is read at start only, so a
 #: change to it changes the pod template and rolls the agents.
+#: `rollback` is live too: the operator adds it when a switch of mode starts (when the mode,
+#: and so the pod template, changes anyway) and removes it when the switch ends, which must not
+#: roll every agent a second time.
 LIVE_FIELDS: Final = frozenset(
-    {"nftables", "iptables", "ipvs", "namespaceOptOut", "clusterCIDRs", "nodePortAddresses"}
-)
+    {"nftables", "iptables", "ipvs", "namespaceOptOut", "clusterCIDRs", "nodePortAddresses",
+     "rollback"}
+)  # fmt: skip
 
 #: Capabilities instead of `privileged`: nftables needs NET_ADMIN; iptables-restore and
 #: ipvs (which uses iptables and ipset too) need NET_RAW as well.
@@ -148,9 +152,12 @@ def _meta(owner: Owner, name: str, app: str, namespace: str | None = None) -> Ob
 # -- configuration -------------------------------------------------------------------------------
 
 
-def agent_config(spec: ProxyConfigurationSpec) -> AgentConfiguration:
-    """The agents' configuration file, validated by the models the agent uses."""
-    return agent_config_from_spec(spec)
+def agent_config(
+    spec: ProxyConfigurationSpec, rollback: Rollback | None = None
+) -> AgentConfiguration:
+    """The agents' configuration file, validated by the models the agent uses; `rollback`
+    while a switch of mode runs (mode_switch.rollback)."""
+    return agent_config_from_spec(spec, rollback)
 
 
 def restart_hash(config: AgentConfiguration) -> str:
@@ -164,12 +171,14 @@ def restart_hash(config: AgentConfiguration) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def config_map(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> Obj:
+def config_map(
+    owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions, rollback: Rollback | None = None
+) -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(owner, child_names(owner.name).agent, AGENT_APP, opts.namespace),
-        "data": {CONFIG_KEY: dump_agent_config(agent_config(spec))},
+        "data": {CONFIG_KEY: dump_agent_config(agent_config(spec, rollback))},
     }
 
 
@@ -467,11 +476,14 @@ def cleanup_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOpt
     }
 
 
-def agent_children(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> list[Obj]:
+def agent_children(
+    owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions, rollback: Rollback | None = None
+) -> list[Obj]:
     """Everything the agents need, in apply order (the configuration before the pods). Their
-    ServiceAccount and RBAC are installed with the operator."""
+    ServiceAccount and RBAC are installed with the operator. `rollback`: in the configuration
+    while a switch of mode runs (it does not change the pod template)."""
     return [
-        config_map(owner, spec, opts),
+        config_map(owner, spec, opts, rollback),
         agent_daemonset(owner, spec, opts),
     ]
 

@@ -10,13 +10,23 @@
     and has not removed the old mode's rules yet (LeftoversNotRemoved: retried);
   - Switched: it verified its first sync (FirstSyncVerified) and removed the old mode's rules
     (LeftoversRemoved naming the old mode);
+  - RolledBack: the agent of the new mode had no verified sync within
+    spec.modeSwitch.progressDeadlineSeconds and went back to the old mode (its Event
+    RolledBack; it stays not Ready, so the rollout stops there); the message is the agent's
+    and what to do;
   - Stuck: an agent of the new mode has run `stuck_after` seconds without a verified sync (so
-    it is not Ready, and the DaemonSet's rolling update does not move past it); the message
-    says why: the agent's latest SyncFailed (the kernel's error), or its container's state.
+    it is not Ready, and the DaemonSet's rolling update does not move past it) and did not
+    roll back (rollbackOnFailure false: `stuck_after` is the deadline; with it, the deadline
+    and ROLLBACK_GRACE more: an agent that cannot start cannot roll back); the message says
+    why: the agent's latest SyncFailed (the kernel's error), or its container's state.
+* `rollback`: the `rollback` block of the agents' configuration while a switch runs (the old
+  mode: where to go back to, if enabled, and whose rules' removal the agents' readiness waits
+  for).
 * `switch_status`: status.modeSwitch (per-node phase, counts, a summary; finishedAt once every
   node is Switched).
-* `condition`: ModeSwitch's (status, reason, message): False `NodeStuck` naming the node, the
-  agent's error and what to do; False `Switching` while it runs; True `Switched` after.
+* `condition`: ModeSwitch's (status, reason, message): False `NodeRolledBack` or `NodeStuck`
+  naming the node, the agent's error and what to do; False `Switching` while it runs; True
+  `Switched` after.
 """
 
 from __future__ import annotations
@@ -26,26 +36,40 @@ from collections.abc import Iterable, Mapping
 from datetime import datetime
 from typing import Any, Final
 
+from kpx_api.agentconfig import AgentConfiguration, Rollback
 from kpx_api.constants import (
     FIRST_SYNC_VERIFIED,
     LEFTOVERS_NOT_REMOVED,
     LEFTOVERS_REMOVED,
     OTHER_MODE_RULES,
+    ROLLED_BACK,
     SYNC_FAILED,
 )
-from kpx_api.proxyconfiguration import ModeSwitchNode, ModeSwitchPhase, ModeSwitchStatus
+from kpx_api.modes import KERNEL_BACKEND_MODES, SETTINGS_CLASS, IPVSSettings, Mode
+from kpx_api.proxyconfiguration import (
+    DEFAULT_PROGRESS_DEADLINE,
+    ModeSwitchNode,
+    ModeSwitchPhase,
+    ModeSwitchStatus,
+    ProxyConfigurationSpec,
+)
 
 from .admission import node_list
 from .agent_reports import latest_reports, live_agents
 from .builders import AGENT_CONTAINER
 
 Phase = ModeSwitchPhase
-#: Seconds an agent of the new mode may run without a verified sync before its node is Stuck.
-STUCK_AFTER: Final = 20.0
+#: Seconds an agent of the new mode may run without a verified sync before its node is Stuck
+#: (spec.modeSwitch.progressDeadlineSeconds by default).
+STUCK_AFTER: Final = float(DEFAULT_PROGRESS_DEADLINE)
+#: With rollbackOnFailure, Stuck only this long after the deadline: the agent counts the
+#: deadline from its own start, which comes after the Pod's (image, container), and reports its
+#: rollback at once; an agent still not rolled back then could not (it does not run).
+ROLLBACK_GRACE: Final = 15.0
 #: status.modeSwitch.nodes holds at most this many (the CRD's maxItems).
 MAX_LISTED: Final = 5000
-_RANK: Final = {Phase.STUCK: 0, Phase.PENDING: 1, Phase.SWITCHING: 2, Phase.SWITCHED: 3}
-_REPORTS: Final = (FIRST_SYNC_VERIFIED, LEFTOVERS_REMOVED, LEFTOVERS_NOT_REMOVED, SYNC_FAILED)
+_RANK: Final = {Phase.ROLLED_BACK: 0, Phase.STUCK: 0, Phase.PENDING: 1, Phase.SWITCHING: 2,
+                Phase.SWITCHED: 3}  # fmt: skip
 
 
 def track(
@@ -61,6 +85,45 @@ def track(
     if previous is not None and (held or previous.to_mode == in_effect):
         return previous
     return None
+
+
+def stuck_after(spec: ProxyConfigurationSpec) -> float:
+    """Seconds without a verified sync after which a node of the switch is Stuck."""
+    deadline = float(spec.mode_switch.progress_deadline_seconds)
+    return deadline + ROLLBACK_GRACE if spec.mode_switch.rollback_on_failure else deadline
+
+
+def rollback(
+    spec: ProxyConfigurationSpec,
+    switch: ModeSwitchStatus | None,
+    in_effect: AgentConfiguration | None,
+) -> Rollback | None:
+    """The agents' `rollback` while `switch` runs towards spec.mode, `enabled` with
+    rollbackOnFailure (None otherwise, or unless both modes have a kernel backend: an external
+    backend is a container the new pod template no longer has). Also with rollbackOnFailure
+    false it names the old mode: the agents' readiness waits for its rules' removal. The old
+    mode's settings are those in
+    effect before the switch: the spec may hold only the new mode's block, so they come from
+    the agents' configuration as last applied (`in_effect`: the old mode's, or the rollback
+    block of a pass that already applied the switch), else that mode's defaults."""
+    if switch is None or switch.finished_at is not None or switch.to_mode != spec.mode:
+        return None
+    old = Mode(switch.from_mode)
+    if {old, spec.mode} - KERNEL_BACKEND_MODES:
+        return None
+    block: object
+    if in_effect is not None and in_effect.mode == old:
+        block = in_effect.mode_settings()
+    elif in_effect is not None and in_effect.rollback and in_effect.rollback.mode == old:
+        block = in_effect.rollback.mode_settings()
+    else:
+        block = SETTINGS_CLASS[old]()  # type: ignore[call-arg]  # a kernel mode
+    if isinstance(block, IPVSSettings):  # accepted when it ran
+        block = block.model_copy(update={"acknowledge_deprecation": True})
+    return Rollback.model_validate({
+        "mode": old, str(old): block, "enabled": spec.mode_switch.rollback_on_failure,
+        "progressDeadlineSeconds": spec.mode_switch.progress_deadline_seconds,
+    })  # fmt: skip
 
 
 def pod_mode(pod: Mapping[str, Any]) -> str:
@@ -117,6 +180,7 @@ def node_phases(
     events = list(events)
     verified = latest_reports(events, live, (FIRST_SYNC_VERIFIED,))
     failed = latest_reports(events, live, (SYNC_FAILED,))
+    rolled_back = latest_reports(events, live, (ROLLED_BACK,))
     removed = latest_reports(
         (e for e in events if _names_mode(e, from_mode)), live,
         (LEFTOVERS_REMOVED, LEFTOVERS_NOT_REMOVED),
@@ -127,6 +191,13 @@ def node_phases(
         mode = pod_mode(pod)
         if mode != to_mode:
             out[node] = (Phase.PENDING, f"its agent runs mode {mode or 'unknown'}")
+            continue
+        if uid in rolled_back:
+            why = str(rolled_back[uid].get("message") or "")
+            out[node] = (Phase.ROLLED_BACK, f"{why}. Its agent stays not Ready, so the "
+                         "rollout stops here. Fix the node, then delete its agent Pod (the new "
+                         f"one tries {to_mode} again), or set spec.mode back to "
+                         f"{from_mode}")  # fmt: skip
             continue
         if uid in verified:
             leftovers = removed.get(uid)
@@ -211,16 +282,30 @@ def stuck(status: ModeSwitchStatus) -> list[ModeSwitchNode]:
     return [n for n in status.nodes if n.phase is Phase.STUCK]
 
 
+def rolled_back(status: ModeSwitchStatus) -> list[ModeSwitchNode]:
+    return [n for n in status.nodes if n.phase is Phase.ROLLED_BACK]
+
+
 def condition(status: ModeSwitchStatus) -> tuple[str, str, str]:
     """(status True/False, reason, message) of condition ModeSwitch."""
     if status.finished_at is not None:
         return ("True", "Switched", status.summary)
+    old, new = status.from_mode, status.to_mode
+    back = rolled_back(status)
+    if back:
+        names = node_list(n.name for n in back)
+        where = f"node {names}" if len(back) == 1 else f"nodes {names}"
+        return (
+            "False",
+            "NodeRolledBack",
+            f"the switch to mode {new} failed on {where}, which went back to {old}: "
+            f"{back[0].message}. {status.summary}",
+        )
     nodes = stuck(status)
     if not nodes:
         return ("False", "Switching", status.summary)
     names = node_list(n.name for n in nodes)
     where = f"node {names}" if len(nodes) == 1 else f"nodes {names}"
-    old, new = status.from_mode, status.to_mode
     return (
         "False",
         "NodeStuck",

@@ -46,7 +46,7 @@ from .builders import (
     cleanup_daemonset,
 )
 from .mode_switch import node_phases as switch_phases
-from .mode_switch import stuck, switch_status, track
+from .mode_switch import rollback, rolled_back, stuck, stuck_after, switch_status, track
 from .names import AGENT_APP, child_names, selector_labels
 from .preflight import Preflight, assess, preflight_reports
 from .preflight import condition as condition_of
@@ -246,6 +246,15 @@ class Reconciler:
                         spec.mode_switch.accept_dropped,
                         str(current.mode) if current else "",
                     )
+                    # The switch this pass reports on, known before the apply: while it
+                    # runs, the agents' configuration says where to go back to.
+                    mode_switch = track(
+                        previous.mode_switch if previous else None,
+                        str(current.mode) if current else None,
+                        str(spec.mode),
+                        bool(preflight.held),
+                        self.clock(),
+                    )
                     if preflight.held:
                         # The switch waits for spec.modeSwitch.acceptDropped: nothing new is
                         # applied, the agents keep the mode in effect.
@@ -256,21 +265,15 @@ class Reconciler:
                         ds = await self.api.get("DaemonSet", child_names(name).agent,
                                                 opts.namespace)  # fmt: skip
                     else:
-                        for obj in agent_children(owner, spec, opts):
+                        back = rollback(spec, mode_switch, current)
+                        for obj in agent_children(owner, spec, opts, back):
                             applied = await self.api.apply(obj)
                             self._note(obj, applied, emit)
                         ds = applied.obj  # the DaemonSet comes last
                     if reports is not None and not spec.conntrack.leaves_node_alone():
                         problems = conntrack_problems(*reports)
-                    mode_switch = track(
-                        previous.mode_switch if previous else None,
-                        str(current.mode) if current else None,
-                        str(spec.mode),
-                        bool(preflight.held),
-                        self.clock(),
-                    )
                     if mode_switch is not None and reports is not None:
-                        mode_switch = self._follow_switch(uid, generation, mode_switch,
+                        mode_switch = self._follow_switch(uid, generation, mode_switch, spec,
                                                           reports, nodes, emit)  # fmt: skip
                     if reports is not None and spec.takeover.from_kube_proxy:
                         takeover = await self._take_over(uid, spec, reports, nodes, previous,
@@ -314,17 +317,28 @@ class Reconciler:
         uid: str,
         generation: int,
         switch: ModeSwitchStatus,
+        spec: ProxyConfigurationSpec,
         reports: tuple[list[Obj], list[Obj]],
         nodes: Mapping[str, Mapping[str, str]],
         emit: EventFn,
     ) -> ModeSwitchStatus:
         """status.modeSwitch for this pass: each node's phase; a Warning Event ModeSwitchStuck
-        once per set of stuck nodes (and generation), a Normal ModeSwitchFinished at the end."""
+        once per set of stuck nodes (and generation), ModeSwitchRolledBack once per set of
+        rolled-back nodes, a Normal ModeSwitchFinished at the end."""
         if switch.finished_at is not None:
             return switch
         now = self.clock()
-        phases = switch_phases(*reports, str(switch.from_mode), str(switch.to_mode), now)
+        phases = switch_phases(*reports, str(switch.from_mode), str(switch.to_mode), now,
+                               stuck_after(spec))  # fmt: skip
         status = switch_status(switch, phases, nodes.keys(), now)
+        back = rolled_back(status)
+        key = f"{generation}/" + ",".join(n.name for n in back)
+        if back and self._once(uid, "switch-rolled-back", key):
+            emit("Warning", "ModeSwitchRolledBack",
+                 f"node {back[0].name} went back to mode {status.from_mode}: "
+                 f"{back[0].message}")  # fmt: skip
+        elif not back:
+            self._told.pop((uid, "switch-rolled-back"), None)
         blocked = stuck(status)
         key = f"{generation}/" + ",".join(n.name for n in blocked)
         if blocked and self._once(uid, "switch-stuck", key):

@@ -180,6 +180,9 @@ def test_agent_removes_kube_proxys_rules_only_after_its_pod_left_the_node(
                             "--grace-period=0", "--ignore-not-found", check=False)  # fmt: skip
         wait_until(lambda: not upstream(), 30, 0.5,
                    message=lambda: f"kube-proxy's rules stay:\n{agent.log_tail()}")  # fmt: skip
-        assert agent.metric("kpx_leftovers_pending", leftovers="kube-proxy") == 0
+        # The gauge is set once the whole removal returned (its IPVS step comes after the
+        # iptables rules are gone).
+        wait_until(lambda: agent.metric("kpx_leftovers_pending", leftovers="kube-proxy") == 0,
+                   10, 0.2, message=agent.log_tail)  # fmt: skip
         save = env.topology.exec(env.n1, ["iptables-legacy-save"], check=True).stdout
         assert "KUBE-FIREWALL" in save and "CNI-HOSTPORT-DNAT" in save

@@ -29,10 +29,10 @@ from kpx_cluster.migration import (
     mode_switch_finished,
     preflight_load,
     switch,
-    switch_with_refusal,
     table_row,
 )
 from kpx_cluster.migration_revert import revert_while_stuck
+from kpx_cluster.migration_rollback import switch_with_rollback
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 
@@ -86,49 +86,59 @@ def test_iptables_to_nftables_under_load_fails_nothing_and_leaves_nothing(
     assert done["summary"].startswith("3 of 3 nodes switched from iptables to nftables in "), done
 
 
-def test_a_node_whose_new_agent_cannot_program_stops_the_rollout_and_keeps_serving(
+def test_a_node_whose_new_agent_cannot_program_is_rolled_back_stops_the_rollout_and_serves(
     env: MigrationEnv,
 ) -> None:
-    """nftables refused on one node (another socket owns the table `ip kpx`): its new agent
-    never has a verified sync, so it is not Ready (/readyz), the DaemonSet's rolling update does
-    not move past it, and that node keeps serving on its iptables rules; once the refusal is
-    lifted the rollout completes. No traffic fails meanwhile."""
+    """nftables refused on one node (another socket owns the table `ip kpx`) for longer than
+    spec.modeSwitch.progressDeadlineSeconds (10 s): its new agent never has a verified sync, so
+    it rolls the node back to iptables by itself - it programs the iptables rules (which it
+    never removed) from then on, live - and stays not Ready, so the DaemonSet's rolling update
+    stops there; status.modeSwitch shows the node RolledBack, with why and what to do. A
+    Service created after the rollback is served on that node through its iptables rules. No
+    traffic fails meanwhile. Deleting the Pod once the node is fixed completes the switch."""
     if not env.rolled_out("iptables"):  # the module's first test left it in nftables
         switch(env, "nftables", "iptables", LoadOptions(warmup=0.5, settle=0.5))
     refused = env.nodes[1]
-    result = switch_with_refusal(env, "iptables", "nftables", refused, hold_for=55.0)
+    result = switch_with_rollback(env, "iptables", "nftables", refused, deadline=10)
+    print(result.traffic())
     assert result.traffic_failures() == [], "\n".join(result.traffic_failures())
-    # The refused node's new agent runs but is not Ready; its old rules still serve.
-    assert result.agents[refused.name] == "nftables not ready", result.timeline
-    assert result.old_rules_kept
-    # The rollout stopped there: the ProxyConfiguration is not Ready in the new mode.
-    assert result.ready_condition.get("status") != "True", result.ready_condition
-    # status.modeSwitch says which node, why (the kernel's error, from the agent's SyncFailed)
-    # and the others' phases; condition ModeSwitch says what to do.
-    phases = {n["name"]: n for n in result.mode_switch.get("nodes", [])}
-    assert phases[refused.name]["phase"] == "Stuck", result.mode_switch
-    assert "Operation not permitted" in phases[refused.name]["message"], result.mode_switch
-    others = {n: p["phase"] for n, p in phases.items() if n != refused.name}
-    assert set(others) == {n.name for n in env.nodes} - {refused.name}, result.mode_switch
-    assert set(others.values()) <= {"Switched", "Pending"}, result.mode_switch
-    assert result.mode_switch.get("finishedAt") is None
-    cond = result.mode_switch_condition
-    assert (cond.get("status"), cond.get("reason")) == ("False", "NodeStuck"), cond
-    assert f"stuck on node {refused.name}" in cond["message"], cond
-    assert "set spec.mode back to iptables" in cond["message"], cond
-    # Once the kernel accepts the agent's rules, the rollout completes.
-    assert result.after_lift is not None, result.timeline
+    # The node's agent rolled back after the deadline (10 s from its start) and said why.
+    assert result.rolled_back_after is not None, result.at_rollback
+    assert result.event.startswith("nftables never synced within 10s: "), result.event
+    assert "Operation not permitted" in result.event, result.event
+    assert result.event.endswith("; serving with iptables again"), result.event
+    phases = {n["name"]: n for n in result.at_rollback.get("nodes", [])}
+    assert phases[refused.name]["phase"] == "RolledBack", result.at_rollback
+    assert "delete its agent Pod" in phases[refused.name]["message"], result.at_rollback
+    assert "set spec.mode back to iptables" in phases[refused.name]["message"]
+    cond = result.condition
+    assert (cond.get("status"), cond.get("reason")) == ("False", "NodeRolledBack"), cond
+    assert f"failed on node {refused.name}, which went back to iptables" in cond["message"], cond
+    # The rollout stopped there: the node's nftables agent is not Ready, the other nodes did
+    # not move while it was rolled back.
+    assert result.agents_then[refused.name] == "nftables not ready", result.agents_then
+    assert result.agents_held == result.agents_then, (result.agents_then, result.agents_held)
+    held = {n["name"]: n["phase"] for n in result.held.get("nodes", [])}
+    others = {n: p for n, p in held.items() if n != refused.name}
+    assert held[refused.name] == "RolledBack" and set(others.values()) <= {"Switched", "Pending"}
+    assert result.held.get("finishedAt") is None
+    # Live, not frozen: a Service created after the rollback answers on that node, through
+    # its iptables rules (nftables is refused there).
+    assert result.late_served_after is not None, result.late_ip
+    assert result.late_probe is not None and result.late_probe.failed == 0, result.late_probe
+    assert result.late_in_old_rules, result.late_ip
+    # Fixed and its Pod deleted: the node switches, and so do the others.
+    assert result.recovered_after is not None
     assert env.leftovers("iptables") == {}
-    after = result.mode_switch_after
-    assert after.get("finishedAt"), after
-    assert {n["phase"] for n in after["nodes"]} == {"Switched"}, after
-    assert after["summary"].startswith("3 of 3 nodes switched from iptables to nftables"), after
+    assert result.finished.get("finishedAt"), result.finished
+    assert {n["phase"] for n in result.finished["nodes"]} == {"Switched"}, result.finished
 
 
 def test_setting_the_mode_back_rolls_a_stuck_node_back_and_it_keeps_serving(
     env: MigrationEnv,
 ) -> None:
-    """The way out the ModeSwitch condition names: while a node is Stuck in the switch to
+    """The way out the ModeSwitch condition names when nothing rolls a node back
+    (spec.modeSwitch.rollbackOnFailure false): while a node is Stuck in the switch to
     nftables, spec.mode is set back to iptables. Every node serves in iptables again (the stuck
     node too, while its kernel still refuses nftables), no traffic fails, and once the refusal
     is lifted the switch back finishes with every node Switched."""

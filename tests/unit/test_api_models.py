@@ -70,7 +70,7 @@ DEFAULT_SPEC: dict[str, Any] = {
     "resources": {"requests": {}, "limits": {}},
     # No image: the operator's (its release's agent) unless the spec sets one.
     "maxUnavailable": 1,
-    "modeSwitch": {"acceptDropped": []},
+    "modeSwitch": {"acceptDropped": [], "progressDeadlineSeconds": 30, "rollbackOnFailure": True},
 }
 
 

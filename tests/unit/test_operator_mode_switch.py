@@ -9,8 +9,24 @@ from typing import Any
 
 from test_operator_reconciler import NS, Events, FakeApi, agent_event, body, reconciler, run
 
-from kpx_api.proxyconfiguration import ModeSwitchNode, ModeSwitchPhase, ModeSwitchStatus
-from kpx_operator.mode_switch import condition, node_phases, pod_mode, switch_status, track
+from kpx_api.agentconfig import AgentConfiguration, parse_agent_config_text
+from kpx_api.proxyconfiguration import (
+    ModeSwitchNode,
+    ModeSwitchPhase,
+    ModeSwitchStatus,
+    parse_spec,
+)
+from kpx_operator.builders import RESTART_HASH_ANNOTATION
+from kpx_operator.mode_switch import (
+    ROLLBACK_GRACE,
+    condition,
+    node_phases,
+    pod_mode,
+    rollback,
+    stuck_after,
+    switch_status,
+    track,
+)
 
 P = ModeSwitchPhase
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -148,7 +164,8 @@ def test_reconcile_follows_a_switch_warns_once_about_a_stuck_node_and_reports_th
         api.objs[("Pod", NS, uid)] = pod(uid, node, "iptables")
     nodes: dict[str, dict[str, str]] = {"a": {}, "b": {}}
 
-    nft = body(generation=2)
+    # Without rollback: a node that cannot program is Stuck after the deadline (30 s).
+    nft = body(generation=2, modeSwitch={"rollbackOnFailure": False})
     status = run(r.reconcile(nft, [], nodes, events))
     switch = status.mode_switch
     assert switch is not None and (switch.from_mode, switch.to_mode) == ("iptables", "nftables")
@@ -201,7 +218,8 @@ def test_setting_the_mode_back_mid_switch_starts_a_switch_back() -> None:
     del ipt["spec"]["nftables"]
     run(r.reconcile(ipt, [], {}, events))
     api.objs[("Pod", NS, "b2")] = pod("b2", "b", "nftables", started_ago=30)
-    status = run(r.reconcile(body(generation=2), [], {"b": {}}, events))
+    nft = body(generation=2, modeSwitch={"rollbackOnFailure": False})
+    status = run(r.reconcile(nft, [], {"b": {}}, events))
     assert status.mode_switch.nodes[0].phase is P.STUCK
     back = dict(ipt, metadata={**ipt["metadata"], "generation": 3})
     status = run(r.reconcile(back, [], {"b": {}}, events))
@@ -209,3 +227,152 @@ def test_setting_the_mode_back_mid_switch_starts_a_switch_back() -> None:
     assert (switch.from_mode, switch.to_mode) == ("nftables", "iptables")
     # b still runs the nftables agent (the DaemonSet replaces it next): Pending.
     assert switch.nodes[0].phase is P.PENDING
+
+
+ROLLED_BACK = ("nftables never synced within 30s: nft: Operation not permitted; serving with "
+               "iptables again")  # fmt: skip
+
+
+def test_a_node_whose_agent_rolled_back_is_named_with_its_reason_and_what_to_do() -> None:
+    pods = [pod(u, n, "nftables", started_ago=40) for u, n in (("u1", "n1"), ("u2", "n2"))]
+    events = [
+        agent_event("u1", "SyncFailed", T1, EPERM),
+        agent_event("u1", "RolledBack", T2, ROLLED_BACK),
+        agent_event("u2", "SyncFailed", T1, EPERM),  # past the deadline, not rolled back
+    ]
+    phases = node_phases(pods, events, "iptables", "nftables", NOW, stuck_after=45)
+    assert phases["n1"][0] is P.ROLLED_BACK
+    assert phases["n1"][1].startswith(ROLLED_BACK + ". Its agent stays not Ready")
+    assert "delete its agent Pod" in phases["n1"][1]
+    assert "set spec.mode back to iptables" in phases["n1"][1]
+    # Within the grace the agent gets to roll back by itself: not Stuck yet.
+    assert phases["n2"][0] is P.SWITCHING
+    assert node_phases(pods, events, "iptables", "nftables", NOW, stuck_after=30)["n2"][0] is (
+        P.STUCK)  # fmt: skip
+    switch = ModeSwitchStatus(from_mode="iptables", to_mode="nftables", started_at=NOW)
+    status = switch_status(switch, {"a": (P.SWITCHED, ""), "b": phases["n1"], "c": (P.PENDING, "")},
+                           "abc", NOW)  # fmt: skip
+    assert status.summary == (
+        "1 of 3 nodes switched from iptables to nftables (1 RolledBack, 1 Pending)"
+    )
+    assert status.nodes[1].phase is P.ROLLED_BACK and status.finished_at is None
+    state, reason, message = condition(status)
+    assert (state, reason) == ("False", "NodeRolledBack")
+    assert message.startswith(
+        f"the switch to mode nftables failed on node b, which went back to iptables: {ROLLED_BACK}"
+    )
+
+
+def test_the_deadline_and_the_grace_come_from_the_spec() -> None:
+    spec = parse_spec({"mode": "nftables", "modeSwitch": {"progressDeadlineSeconds": 10}})
+    assert stuck_after(spec) == 10 + ROLLBACK_GRACE
+    off = parse_spec(
+        {
+            "mode": "nftables",
+            "modeSwitch": {"progressDeadlineSeconds": 10, "rollbackOnFailure": False},
+        }
+    )
+    assert stuck_after(off) == 10
+
+
+def _config(mode: str, **block: Any) -> AgentConfiguration:
+    return AgentConfiguration.model_validate({"mode": mode, mode: block})
+
+
+def test_the_rollback_block_carries_the_old_modes_settings_in_effect_during_the_switch() -> None:
+    spec = parse_spec({"mode": "nftables", "modeSwitch": {"progressDeadlineSeconds": 12}})
+    switch = ModeSwitchStatus(from_mode="iptables", to_mode="nftables", started_at=NOW)
+    before = _config("iptables", masqueradeBit=9, localhostNodePorts=False)
+    back = rollback(spec, switch, before)
+    assert back is not None and back.to_dict() == {
+        "mode": "iptables", "enabled": True, "progressDeadlineSeconds": 12,
+        "iptables": {"masqueradeBit": 9, "masqueradeAll": False, "localhostNodePorts": False,
+                     "syncPeriod": "30s", "minSyncPeriod": "1s"},
+    }  # fmt: skip
+    # The next pass reads the ConfigMap it wrote (mode nftables): the same block, from there.
+    applied = AgentConfiguration.model_validate({"mode": "nftables", "rollback": back.to_dict()})
+    assert rollback(spec, switch, applied) == back
+    # Nothing known of the old mode: its defaults.
+    fresh = rollback(spec, switch, None)
+    assert fresh is not None and fresh.iptables is not None and fresh.iptables.masquerade_bit == 14
+    # No rollback: no switch, a finished one, rollbackOnFailure false, an external mode.
+    assert rollback(spec, None, before) is None
+    assert rollback(spec, switch.model_copy(update={"finished_at": NOW}), before) is None
+    # rollbackOnFailure false: the block still names the old mode (readiness waits for its
+    # rules' removal), not enabled.
+    off = parse_spec({"mode": "nftables", "modeSwitch": {"rollbackOnFailure": False}})
+    named = rollback(off, switch, before)
+    assert named is not None and (named.mode, named.enabled) == ("iptables", False)
+    ext = ModeSwitchStatus(from_mode="external", to_mode="nftables", started_at=NOW)
+    assert rollback(spec, ext, None) is None
+    # The switch is to another mode than the spec's (the spec changed again): none.
+    other = ModeSwitchStatus(from_mode="nftables", to_mode="iptables", started_at=NOW)
+    assert rollback(spec, other, before) is None
+    # From ipvs: its block, accepted as it ran.
+    ipvs = ModeSwitchStatus(from_mode="ipvs", to_mode="nftables", started_at=NOW)
+    got = rollback(spec, ipvs, _config("ipvs", acknowledgeDeprecation=True, scheduler="lc"))
+    assert got is not None and got.ipvs is not None and str(got.ipvs.scheduler) == "lc"
+    rolled = AgentConfiguration.model_validate({"mode": "nftables", "rollback": got.to_dict()})
+    assert rolled.rollback_config() is not None
+
+
+def _agent_config(api: Any) -> AgentConfiguration:
+    cm = api.objs[("ConfigMap", NS, "kpx-agent-default")]
+    return parse_agent_config_text(cm["data"]["config.yaml"])
+
+
+def _template_hash(api: Any) -> str:
+    ds = api.objs[("DaemonSet", NS, "kpx-agent-default")]
+    return str(ds["spec"]["template"]["metadata"]["annotations"][RESTART_HASH_ANNOTATION])
+
+
+def test_reconcile_renders_the_rollback_while_the_switch_runs_without_rolling_the_agents_twice(
+) -> None:  # fmt: skip
+    api, events = FakeApi(), Events()
+    r = reconciler(api)
+    ipt = body(mode="iptables", iptables={"syncPeriod": "30s", "masqueradeBit": 10}, generation=1)
+    del ipt["spec"]["nftables"]
+    run(r.reconcile(ipt, [], {"a": {}}, events))
+    assert _agent_config(api).rollback is None
+    old_hash = _template_hash(api)
+    api.objs[("Pod", NS, "a1")] = pod("a1", "a", "iptables")
+
+    nft = body(generation=2, modeSwitch={"progressDeadlineSeconds": 10})
+    run(r.reconcile(nft, [], {"a": {}}, events))
+    during = _agent_config(api)
+    assert during.mode == "nftables" and during.rollback is not None
+    assert (during.rollback.mode, during.rollback.progress_deadline_seconds) == ("iptables", 10)
+    assert during.rollback.iptables is not None and during.rollback.iptables.masquerade_bit == 10
+    switching_hash = _template_hash(api)
+    assert switching_hash != old_hash  # the mode changed: the agents roll
+    # The next pass keeps it (from the ConfigMap it wrote).
+    run(r.reconcile(nft, [], {"a": {}}, events))
+    assert _agent_config(api).rollback == during.rollback
+
+    # a's agent rolled back: the switch goes on (not finished), the rollback stays, and the
+    # ProxyConfiguration gets one Warning.
+    del api.objs[("Pod", NS, "a1")]
+    api.objs[("Pod", NS, "a2")] = pod("a2", "a", "nftables", started_ago=12)
+    api.objs[("Event", NS, "e1")] = agent_event("a2", "RolledBack", T1, ROLLED_BACK)
+    for _ in range(2):
+        status = run(r.reconcile(nft, [], {"a": {}}, events))
+    assert status.mode_switch.nodes[0].phase is P.ROLLED_BACK
+    cond = status.condition("ModeSwitch")
+    assert (cond.status, cond.reason) == ("False", "NodeRolledBack")
+    warned = [m for _, reason, m in events if reason == "ModeSwitchRolledBack"]
+    assert len(warned) == 1 and warned[0].startswith(
+        f"node a went back to mode iptables: {ROLLED_BACK}"
+    )
+    assert _agent_config(api).rollback is not None
+
+    # The node is fixed and its Pod deleted: the new agent switches; once the switch finished,
+    # the next pass drops the rollback without changing the pod template.
+    del api.objs[("Pod", NS, "a2")], api.objs[("Event", NS, "e1")]
+    api.objs[("Pod", NS, "a3")] = pod("a3", "a", "nftables")
+    api.objs[("Event", NS, "e2")] = agent_event("a3", "FirstSyncVerified", T1)
+    api.objs[("Event", NS, "e3")] = agent_event("a3", "LeftoversRemoved", T2, REMOVED)
+    status = run(r.reconcile(nft, [], {"a": {}}, events))
+    assert status.mode_switch.finished_at is not None
+    run(r.reconcile(nft, [], {"a": {}}, events))
+    assert _agent_config(api).rollback is None
+    assert _template_hash(api) == switching_hash

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kpx_agent.localnet import ProxySettings
+from kpx_agent.proxy_health import ProxyHealth
 from kpx_agent.takeover import Leftover, LeftoverRemoval, other_mode_leftovers
 
 
@@ -152,15 +153,23 @@ def test_the_agent_cli_wires_removal_after_the_first_sync(mode: str, takeover: b
             self.settings = type("S", (), {"mode": mode, "takeover_from_kube_proxy": takeover,
                                            "proxy": ProxySettings()})()  # fmt: skip
             self.metrics = type("M", (), {"registry": CollectorRegistry()})()
-            self.companions: list[object] = []
             self.first_sync_verified = asyncio.Event()
+            self.health = ProxyHealth(60.0)
+            self.leftover_removal: object = None
+            self.leftovers_of: object = None
 
         async def report_event(self, type_: str, reason: str, message: str) -> None:
             return None
 
     agent = FakeAgent()
     removal = cli.leftover_removal(agent)  # type: ignore[arg-type]
-    assert len(agent.companions) == 1
+    assert agent.leftover_removal is removal and agent.leftovers_of is not None
+    # During a switch from ipvs, not Ready until ipvs's rules are gone; the other kinds (and
+    # kube-proxy's) do not count, nor anything outside a switch.
+    agent.switching_from = lambda: {"ipvs"}  # type: ignore[attr-defined]
+    assert agent.health.leftovers_pending() == "the rules of kpx mode ipvs not removed yet"
+    agent.switching_from = lambda: set()  # type: ignore[attr-defined]
+    assert agent.health.leftovers_pending() == ""
     assert mode not in removal.pending and {"iptables", "nftables", "ipvs"} - {mode} <= set(
         removal.pending
     )

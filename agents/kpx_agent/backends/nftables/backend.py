@@ -288,8 +288,19 @@ class NftablesBackend:
 
 
 def cleanup() -> None:
-    """Remove every table this backend owns."""
-    kernel.delete_tables(kernel.our_tables())
+    """Remove every table this backend made. A table of its name that carries `flags owner`
+    stays: it belongs to a running process (the kernel refuses anyone else's change to it and
+    removes it when that process's socket closes), and this backend never makes one."""
+    tables = kernel.our_tables()
+    try:
+        kernel.delete_tables(tables)
+    except BackendError:
+        owned = {t for t in tables if kernel.owned_by_a_process(t)}
+        if not owned:
+            raise
+        log.warning("left table %s: owned by a running process, not this backend's",
+                    ", ".join(sorted(owned)))  # fmt: skip
+        kernel.delete_tables(tables - owned)
 
 
 __all__ = ["FAMILIES", "BackendError", "NftablesBackend", "cleanup", "n"]

@@ -187,6 +187,27 @@ def our_tables() -> set[str]:
     return wanted & found
 
 
+def carries_owner_flag(listing: str) -> bool:
+    """Whether `nft -t list table` output shows `flags owner` on the table (before its first
+    chain, set or map)."""
+    for line in listing.splitlines()[1:]:
+        words = line.strip().replace(",", " ").split()
+        if words[:1] in (["chain"], ["set"], ["map"], ["flowtable"], ["}"]):
+            return False
+        if words[:1] == ["flags"] and "owner" in words[1:]:
+            return True
+    return False
+
+
+def owned_by_a_process(table: str) -> bool:
+    """Whether the table ('family name') carries `flags owner`: it belongs to a running
+    process's netlink socket, which alone may change it, and goes when that socket closes.
+    kpx never makes such a table."""
+    proc = subprocess.run([NFT, "-t", "list", "table", *table.split()], capture_output=True,
+                          text=True, check=False)  # fmt: skip
+    return proc.returncode == 0 and carries_owner_flag(proc.stdout)
+
+
 def delete_tables(tables: set[str]) -> None:
     if tables:
         run_script([f"delete table {t}\n" for t in sorted(tables)])
