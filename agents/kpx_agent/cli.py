@@ -255,6 +255,10 @@ def kube_proxy_leftover(agent: Agent, settings: AgentSettings) -> Leftover:
         waiting_reason=WAITING_FOR_KUBE_PROXY,
         waiting_message=f"a Pod of {KUBE_PROXY_NAMESPACE}/{KUBE_PROXY_DAEMONSET} runs on this "
         "node: its rules are removed once it is gone (both proxies serve meanwhile)",
+        rearm=True,
+        returned_reason=WAITING_FOR_KUBE_PROXY,
+        returned_message=f"a Pod of {KUBE_PROXY_NAMESPACE}/{KUBE_PROXY_DAEMONSET} runs on this "
+        "node again: its rules are removed again once it is gone (both proxies serve meanwhile)",
     )
 
 

@@ -54,6 +54,12 @@ class Leftover:
     removed_reason: str | None = None
     waiting_reason: str | None = None
     waiting_message: str = ""
+    #: After its removal, keep checking `ready` (every `watch_poll` s): once it has failed
+    #: (the other proxy came back: a kubeadm upgrade re-creates kube-proxy's DaemonSet) and
+    #: then holds again (it left), remove this kind again.
+    rearm: bool = False
+    returned_reason: str | None = None
+    returned_message: str = ""
 
 
 class LeftoverRemoval:
@@ -67,8 +73,12 @@ class LeftoverRemoval:
         first_delay: float = 1.0,
         max_delay: float = 60.0,
         poll: float = 5.0,
+        watch_poll: float = 60.0,
     ) -> None:
         self.pending: dict[str, Leftover] = {leftover.name: leftover for leftover in leftovers}
+        #: removed kinds that may come back (`Leftover.rearm`) -> whether they are back
+        self.watching: dict[str, tuple[Leftover, bool]] = {}
+        self.watch_poll = watch_poll
         self.report = report
         self._errors: dict[str, str] = {}  # the last error of each pending kind
         self.failed_reason = failed_reason
@@ -97,6 +107,7 @@ class LeftoverRemoval:
         for name in self.pending:
             self.pending_gauge.remove(name)
         self.pending = {leftover.name: leftover for leftover in leftovers}
+        self.watching.clear()
         self._errors.clear()
         self._waiting_reported.clear()
         self._failure_reported.clear()
@@ -119,16 +130,47 @@ class LeftoverRemoval:
         retrying failures, until none is pending."""
         await verified.wait()
         delay = self.first_delay
-        while self.pending:
+        while self.pending or self.watching:
+            if not self.pending:
+                log.info("no leftovers of other proxies remain to be removed")
+                while self.watching and not self.pending:
+                    await asyncio.sleep(self.watch_poll)
+                    await self.check_returned()
+                delay = self.first_delay
+                continue
             failed = await self.attempt()
             if not self.pending:
-                break
+                continue
             if failed:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.max_delay)
             else:  # only preconditions outstanding
                 await asyncio.sleep(self.poll)
         log.info("no leftovers of other proxies remain to be removed")
+
+    async def check_returned(self) -> None:
+        """For each removed kind that may come back: has it (its precondition fails), and has
+        it left again since (it holds)? Then it is pending again."""
+        for name, (leftover, back) in list(self.watching.items()):
+            if leftover.ready is None:
+                continue
+            try:
+                ready = await leftover.ready()
+            except Exception as exc:  # an unreachable apiserver: ask again later
+                log.debug("%s: cannot tell whether it came back: %s", name, exc)
+                continue
+            if not ready and not back:
+                self.watching[name] = (leftover, True)
+                log.info("%s: %s", leftover.description, leftover.returned_message)
+                if leftover.returned_reason:
+                    await self._report("Normal", leftover.returned_reason,
+                                       leftover.returned_message)  # fmt: skip
+            elif ready and back:
+                del self.watching[name]
+                self.pending[name] = leftover
+                self._waiting_reported.discard(name)
+                self._failure_reported.discard(name)
+                self.pending_gauge.labels(name).set(1)
 
     async def attempt(self) -> bool:
         """One pass over the pending leftovers; whether any removal failed."""
@@ -166,6 +208,8 @@ class LeftoverRemoval:
             del self.pending[name]
             self._errors.pop(name, None)
             self.pending_gauge.labels(name).set(0)
+            if leftover.rearm:
+                self.watching[name] = (leftover, False)
             log.info("removed %s (if there were any)", leftover.description)
             if leftover.removed_reason:
                 await self._report("Normal", leftover.removed_reason,

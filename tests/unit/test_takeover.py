@@ -119,6 +119,55 @@ def test_a_precondition_holds_the_removal_back_until_it_holds() -> None:
     assert reports == ["WaitingForKubeProxy", "KubeProxyRulesRemoved"]  # waiting told once
 
 
+def test_a_proxy_that_comes_back_and_leaves_again_has_its_rules_removed_again() -> None:
+    """kube-proxy's rules go once it left; a kubeadm upgrade re-creates its DaemonSet, so it
+    runs here again (and programs its rules again): once it has left again, they go again."""
+    gone = {"kube-proxy": True}
+    removed: list[str] = []
+    reports: list[tuple[str, str]] = []
+    registry = CollectorRegistry()
+
+    async def ready() -> bool:
+        return gone["kube-proxy"]
+
+    async def report(type_: str, reason: str, message: str) -> None:
+        reports.append((reason, message))
+
+    leftover = Leftover(
+        "kube-proxy", "upstream's rules", lambda: removed.append("kube-proxy"), ready,
+        removed_reason="KubeProxyRulesRemoved", waiting_reason="WaitingForKubeProxy",
+        waiting_message="kube-proxy still runs here", rearm=True,
+        returned_reason="WaitingForKubeProxy", returned_message="kube-proxy runs here again",
+    )  # fmt: skip
+
+    async def scenario() -> None:
+        verified = asyncio.Event()
+        verified.set()
+        removal = LeftoverRemoval([leftover], registry, report, poll=0.01, watch_poll=0.01)
+        task = asyncio.create_task(removal.run(verified))
+        await asyncio.sleep(0.1)
+        assert removed == ["kube-proxy"] and not task.done()  # removed once, still watching
+        assert sample(registry, "kpx_leftovers_pending", "kube-proxy") == 0
+        gone["kube-proxy"] = False  # back
+        await asyncio.sleep(0.1)
+        assert removed == ["kube-proxy"]  # never while it runs
+        assert [r for r, _ in reports] == ["KubeProxyRulesRemoved", "WaitingForKubeProxy"]
+        gone["kube-proxy"] = True  # left again
+        await asyncio.sleep(0.1)
+        assert removed == ["kube-proxy", "kube-proxy"]
+        assert sample(registry, "kpx_leftovers_pending", "kube-proxy") == 0
+        await asyncio.sleep(0.1)
+        assert removed == ["kube-proxy", "kube-proxy"]  # not again while it stays away
+        task.cancel()
+
+    asyncio.run(scenario())
+    assert reports == [
+        ("KubeProxyRulesRemoved", "removed upstream's rules"),
+        ("WaitingForKubeProxy", "kube-proxy runs here again"),
+        ("KubeProxyRulesRemoved", "removed upstream's rules"),
+    ]
+
+
 def test_a_precondition_that_cannot_be_checked_is_retried() -> None:
     calls: list[int] = []
     registry = CollectorRegistry()
