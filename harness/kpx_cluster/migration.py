@@ -586,13 +586,8 @@ def switch_with_refusal(
                 f"{old} rules on {node.name}: {'kept' if kept else 'gone'}")  # fmt: skip
         t_lift = time.monotonic()
         log(f"refusal lifted on {node.name}")
-        try:
-            wait_until(lambda: env.rolled_out(new) and not env.leftovers(old), timeout,
-                       f"{new} on every node after the refusal was lifted")  # fmt: skip
-            after_lift = round(time.monotonic() - t_lift, 1)
-            log(f"rolled out {after_lift}s after the refusal was lifted")
-        except TimeoutError as err:
-            log(str(err))
+        after_lift = wait_rolled_out(env, old, new, t_lift, "after the refusal was lifted",
+                                     timeout, log)  # fmt: skip
         switch_after = mode_switch_finished(env, 60, log)
         time.sleep(opts.settle)
     finally:
@@ -601,6 +596,28 @@ def switch_with_refusal(
     summary = {k: status.get(k) for k in ("mode", "readyNodes", "desiredNodes") if k in status}
     return RefusalResult(old, new, node.name, hold_for, agents, ready, summary, kept, after_lift,
                          loads, timeline, switch_then, switch_cond, switch_after)  # fmt: skip
+
+
+def wait_rolled_out(
+    env: MigrationEnv,
+    old: str,
+    new: str,
+    since: float,
+    what: str,
+    timeout: float,
+    log: Callable[[str], None] = print,
+) -> float | None:
+    """Wait until every node runs a Ready agent of `new` and none has `old`'s rules; the
+    seconds since `since` (time.monotonic()), or None (logged) when it did not happen."""
+    try:
+        wait_until(lambda: env.rolled_out(new) and not env.leftovers(old), timeout,
+                   f"{new} on every node {what}")  # fmt: skip
+    except TimeoutError as err:
+        log(str(err))
+        return None
+    took = round(time.monotonic() - since, 1)
+    log(f"rolled out {took}s {what}")
+    return took
 
 
 def mode_switch_finished(

@@ -30,6 +30,7 @@ from .migration import (
     mode_rules,
     mode_switch_finished,
     nft_refused,
+    wait_rolled_out,
     wait_until,
 )
 from .migration_load import Summary
@@ -181,13 +182,8 @@ def switch_with_rollback(
         t2 = time.monotonic()
         pod = _agent_pod(env, node.name)["metadata"]["name"]
         env.cluster.kubectl("-n", NS, "delete", "pod", pod, "--wait=false")
-        try:
-            wait_until(lambda: env.rolled_out(new) and not env.leftovers(old), timeout,
-                       f"{new} on every node after the Pod was replaced")  # fmt: skip
-            recovered_after = round(time.monotonic() - t2, 1)
-            log(f"rolled out {recovered_after}s after the Pod was deleted")
-        except TimeoutError as err:
-            log(str(err))
+        recovered_after = wait_rolled_out(env, old, new, t2, "after the Pod was replaced",
+                                          timeout, log)  # fmt: skip
         finished = mode_switch_finished(env, 60, log)
         time.sleep(opts.settle)
     finally:
