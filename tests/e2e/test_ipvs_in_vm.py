@@ -1,6 +1,8 @@
 """Runs the IPVS kernel tests inside a `proxy-vm` guest (this host's kernel has no IPVS):
-tests/e2e/test_ipvs_kernel.py and the ipvs column of the semantics matrix
-(tests/e2e/test_ipvs_semantics_matrix.py).
+tests/e2e/test_ipvs_kernel.py, the ipvs column of the semantics matrix
+(tests/e2e/test_ipvs_semantics_matrix.py), the ipvs example (test_ipvs_example_kernel.py) and
+the ipvs -> nftables switch under load (test_ipvs_to_nftables_under_load.py; those two reach
+the session's local control plane through the kubeconfig, which proxy-vm relays).
 
 Skipped, saying why, only where qemu cannot run (not installed, or not root); a failure or a
 skip inside the guest fails here. The guest image is built on first use (minutes, cached in
