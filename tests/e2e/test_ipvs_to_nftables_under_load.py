@@ -41,13 +41,13 @@ What it asserts, and why not more:
   bound the connection), and nftables' DNAT acts only on a connection's first packet: once
   kpx's virtual servers are gone (IPVS expires connections whose real server is gone,
   expire_nodest_conn=1, set by the ipvs mode as upstream's), nothing translates that
-  connection as before. Measured (three runs, 2026-11-25): 2 of 4 held connections reset in
-  each, each during the removal of the IPVS state on its client's node (within 1.5 s of the
-  agent's "removed 13 virtual servers and kube-ipvs0"), the other two kept working on the
-  same endpoint. Which survive was not random: in each run the connections to one endpoint were
-  reset on both nodes and those to the other survived; how those packets found their endpoint
-  again is not established. Keeping kpx's virtual servers until their connections end (as
-  upstream's graceful termination keeps a removed real server) would keep them all; not built
+  connection as before. Measured (2026-11-25): a broken one is reset by the endpoint during
+  the removal of the IPVS state on its client's node (within 1.5 s of the agent's "removed 13
+  virtual servers and kube-ipvs0"); the others keep working on the same endpoint. Over seven
+  runs 4, 4, 3, 2, 2, 2 and 1 of 4 survived: what one would see if the connection's next
+  packet went to an endpoint chosen anew (1 in 2 here), which is our reading, not traced in
+  the kernel. Keeping kpx's virtual servers until their connections end (as upstream's
+  graceful termination keeps a removed real server) would keep them all; not built
   (docs/migrating.md).
 """
 
@@ -205,13 +205,20 @@ def stamp(what: str) -> None:
     print(STAMPS[-1], flush=True)
 
 
-def keep_for_debugging(loads: Sequence[Summary]) -> None:
-    """With KPX_IPVS_MIGRATION_DEBUG=DIR: the agents' logs and the load's summaries there."""
+def keep_for_debugging(topo: Topology, loads: Sequence[Summary]) -> None:
+    """With KPX_IPVS_MIGRATION_DEBUG=DIR: the agents' logs, the load's summaries, the kernel
+    log and every netns' conntrack and TCP counters there."""
     where = os.environ.get("KPX_IPVS_MIGRATION_DEBUG")
     if not where:
         return
     out = Path(where)
     out.mkdir(parents=True, exist_ok=True)
+    counters = []
+    for target in [*topo.nodes.values(), *topo.pods.values()]:
+        for argv in (["conntrack", "-S"], ["nstat", "-asz"]):
+            got = topo.exec(target, argv)
+            counters.append(f"== {target.name}: {' '.join(argv)}\n{got.stdout}{got.stderr}")
+    (out / "counters.txt").write_text("\n".join(counters))
     for i, agent in enumerate(STARTED):
         (out / f"agent-{i}-{agent.node.name}.log").write_text(agent.log())
     for i, summary in enumerate(loads):
@@ -376,7 +383,7 @@ def test_ipvs_to_nftables_node_by_node_under_load(env: Env) -> None:
     leftovers = {n.name: found for n in env.nodes if (found := ipvs_leftovers(env.topo, n))}
     result = SwitchResult("ipvs", "nftables", NODES, round(duration, 1), loads, leftovers,
                           node_ready)  # fmt: skip
-    keep_for_debugging(loads)
+    keep_for_debugging(env.topo, loads)
     print(table_row(result))
     window = switch_at - LOAD_STARTED[started[-1][1]]
     print(f"failures in the control window (steady ipvs, the {window:.0f} s before the first "
