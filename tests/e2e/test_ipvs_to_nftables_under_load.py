@@ -35,7 +35,8 @@ What it asserts, and why not more:
   Nearly all are to ClusterIPs, not the NodePort; the cause is not found (the kernel logs no
   "table full" once the conntrack table is sized as on a node). So this row is not a
   zero-failure proof; the iptables and nftables rows are.
-- a held connection survives, or is reset by the endpoint after its node's ipvs agent stopped.
+- a held connection survives, or is reset by the endpoint, not before its node's new agent had
+  a verified sync.
   IPVS keeps an established connection's translation in its own connection table (with
   net.ipv4.vs.conntrack=1 it rewrites the conntrack entry's reply tuple; netfilter NAT never
   bound the connection), and nftables' DNAT acts only on a connection's first packet: once
@@ -186,6 +187,7 @@ def ready(topo: Topology, agent: AgentProcess) -> bool:
 STARTED: list[AgentProcess] = []
 #: each load client's output file -> when it started (s after T0)
 LOAD_STARTED: dict[Path, float] = {}
+LOAD_WALL: dict[Path, float] = {}  # the same, wall clock
 WARMUP = float(os.environ.get("KPX_IPVS_MIGRATION_WARMUP", "10"))
 
 
@@ -198,6 +200,15 @@ def start(topo: Topology, kubeconfig: Path, node: Node, mode: str) -> AgentProce
 
 
 STAMPS: list[str] = []
+
+
+def verified_at(agent: AgentProcess) -> float:
+    """When the agent logged its first verified sync (its log's clock is this machine's)."""
+    for line in agent.log().splitlines():
+        if "first sync verified" in line:
+            stamp_, _, millis = line[:23].partition(",")
+            return time.mktime(time.strptime(stamp_, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
+    raise AssertionError(f"{agent.node.name}: no verified sync logged:\n{agent.log_tail()}")
 
 
 def stamp(what: str) -> None:
@@ -315,6 +326,7 @@ def start_load(env: Env, holds: int = HOLDS) -> list[tuple[subprocess.Popen[byte
                                   stdin=subprocess.PIPE)  # fmt: skip
         stamp(f"load client {client.name} started")
         LOAD_STARTED[out] = time.monotonic() - T0
+        LOAD_WALL[out] = time.time()
         started.append((proc, out))
     return started
 
@@ -349,7 +361,6 @@ def test_ipvs_to_nftables_node_by_node_under_load(env: Env) -> None:
 
     started = start_load(env)
     node_ready: dict[str, float] = {}
-    moved: dict[str, float] = {}  # node -> when its ipvs agent stopped (s after T0)
     try:
         time.sleep(WARMUP)  # a control window: steady ipvs on every node
         t0 = time.monotonic()
@@ -357,7 +368,6 @@ def test_ipvs_to_nftables_node_by_node_under_load(env: Env) -> None:
             # The rolling update on this node: the old pod goes (SIGTERM: its rules stay),
             # the new one starts; the next node moves once it is Ready and the old mode gone.
             env.agents.pop(node.name).stop(timeout=30)
-            moved[node.name] = time.monotonic() - T0
             stamp(f"{node.name}: ipvs agent stopped")
             agent = start(env.topo, env.kubeconfig, node, "nftables")
             env.agents[node.name] = agent
@@ -406,11 +416,13 @@ def test_ipvs_to_nftables_node_by_node_under_load(env: Env) -> None:
         tried, failed = result.total(kind, "tried"), result.total(kind, "failed")
         assert failed <= BACKGROUND * tried, "\n".join(result.failures())
     # A held connection through IPVS survives its node's switch or is reset by the endpoint
-    # once the IPVS state is gone (the module docstring says why); never before its node moved.
+    # once the IPVS state goes (the module docstring says why): never before the new agent on
+    # its node had a verified sync (make-before-break: IPVS served it until then).
     for (_, out), summary, node in zip(started, loads, env.nodes, strict=True):
+        verified = verified_at(env.agents[node.name])
         for held in summary.held:
             if held.survived:
                 continue
-            broke_at = LOAD_STARTED[out] + float(held.error.split("s:", 1)[0])
+            broke_at = LOAD_WALL[out] + float(held.error.split("s:", 1)[0])
             assert "ConnectionResetError" in held.error, held
-            assert broke_at > moved[node.name], (held, moved)
+            assert broke_at > verified - 0.5, (held, node.name, broke_at, verified)
