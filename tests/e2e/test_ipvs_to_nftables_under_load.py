@@ -43,9 +43,9 @@ What it asserts, and why not more:
   kpx's virtual servers are gone (IPVS expires connections whose real server is gone,
   expire_nodest_conn=1, set by the ipvs mode as upstream's), nothing translates that
   connection as before. Measured (2026-11-25): a broken one is reset by the endpoint during
-  the removal of the IPVS state on its client's node (within 1.5 s of the agent's "removed 13
-  virtual servers and kube-ipvs0"); the others keep working on the same endpoint. Over seven
-  runs 4, 4, 3, 2, 2, 2 and 1 of 4 survived: what one would see if the connection's next
+  the removal of the IPVS state on its client's node (in the runs checked, within 1.5 s of the
+  agent's "removed 13 virtual servers and kube-ipvs0"); the others keep working on the same
+  endpoint. Over eight runs 4, 4, 3, 2, 2, 2, 1 and 1 of 4 survived: as if the connection's next
   packet went to an endpoint chosen anew (1 in 2 here), which is our reading, not traced in
   the kernel. Keeping kpx's virtual servers until their connections end (as upstream's
   graceful termination keeps a removed real server) would keep them all; not built
