@@ -94,7 +94,9 @@ NODES = 2
 TCP_PORT, UDP_PORT, HOLD_PORT = 80, 53, 81
 BACKEND_PORT, BACKEND_HOLD_PORT = 8080, 7070
 SERVICES = (("svc-a", "ClusterIP"), ("svc-b", "ClusterIP"), ("svc-np", "NodePort"))
-#: The load, per client: the same as `make bench-migration`'s (migration.LoadOptions).
+#: The load, per client: lighter than `make bench-migration`'s 15 and 20 ms (the module
+#: docstring says why); KPX_IPVS_MIGRATION_INTERVAL, _UDP_INTERVAL and _WARMUP (the control
+#: window, s) override them for experiments, KPX_IPVS_MIGRATION_DEBUG=DIR keeps what was seen.
 INTERVAL = float(os.environ.get("KPX_IPVS_MIGRATION_INTERVAL", "0.05"))
 UDP_INTERVAL = float(os.environ.get("KPX_IPVS_MIGRATION_UDP_INTERVAL", "0.05"))
 #: The share of new connections or UDP exchanges that may fail (the guest's background).
@@ -124,8 +126,8 @@ def node_host_conntrack_table() -> None:
     nf_conntrack_max 131,072 for 2 CPUs, hashsize a quarter) is global to the host, so the
     agents in the simulated nodes' netns cannot set it. This guest is the nodes' host (a
     throwaway VM, `-snapshot`): set it here, as on a node. The guest's default for 1 GiB (7,680)
-    is smaller than the flows this load keeps in the table (TIME_WAIT 120 s): the kernel then
-    drops new flows ("nf_conntrack: table full"), in any mode."""
+    is smaller than the flows the bench's rate keeps in the table (TIME_WAIT 120 s); a full
+    table makes the kernel drop new flows, in any mode."""
     if "init=/sbin/kpx-init" not in Path("/proc/cmdline").read_text():
         return  # not the proxy-vm guest: the host's settings are not this test's to change
     wanted = conntrack_max(32768, 131072, os.cpu_count() or 1)
