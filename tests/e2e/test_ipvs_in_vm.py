@@ -1,6 +1,8 @@
 """Runs the IPVS kernel tests inside a `proxy-vm` guest (this host's kernel has no IPVS):
-tests/e2e/test_ipvs_kernel.py and the ipvs column of the semantics matrix
-(tests/e2e/test_ipvs_semantics_matrix.py).
+tests/e2e/test_ipvs_kernel.py, the ipvs column of the semantics matrix
+(tests/e2e/test_ipvs_semantics_matrix.py), the ipvs example (test_ipvs_example_kernel.py) and
+the ipvs -> nftables switch under load (test_ipvs_to_nftables_under_load.py; those two reach
+the session's local control plane through the kubeconfig, which proxy-vm relays).
 
 Skipped, saying why, only where qemu cannot run (not installed, or not root); a failure or a
 skip inside the guest fails here. The guest image is built on first use (minutes, cached in
@@ -140,3 +142,22 @@ def test_the_ipvs_example_deploys_agents_that_proxy_traffic(cluster: Cluster, gu
                             check=False)  # fmt: skip
     assert code == 0, out[-6000:]
     assert " skipped" not in out, out[-3000:]
+
+
+MIGRATION_TEST = "tests/e2e/test_ipvs_to_nftables_under_load.py"
+
+
+def test_ipvs_to_nftables_under_load_in_the_guest(cluster: Cluster, guest: Guest) -> None:
+    """Issue #18's proof under load for ipvs -> nftables (the guest half reaches the local
+    control plane through the kubeconfig proxy-vm relays); prints its table row."""
+    debug = [f"{k}={v}" for k, v in os.environ.items() if k.startswith("KPX_IPVS_MIGRATION_")]
+    code, out = run_in_guest(
+        guest,
+        ["env", f"KUBECONFIG={cluster.kubeconfig}", *debug, "python3", "-m", "pytest",
+         MIGRATION_TEST, "-q", "-s", "-p", "no:cacheprovider", "-rsx"],
+    )  # fmt: skip
+    rows = [line for line in out.splitlines() if line.startswith("| ipvs -> nftables |")]
+    print("\n".join(rows))
+    assert code == 0, out[-6000:]
+    assert " skipped" not in out, out[-3000:]
+    assert rows, out[-3000:]
