@@ -13,9 +13,10 @@ from typing import Any
 
 from .backends.ipvs import kernel
 from .backends.ipvs.model import VirtualKey
-from .ipvs_leftovers import TABLE, IpvsCleanup, KpxMarks, parse_marks, plan_cleanup
+from .ipvs_leftovers import TABLE, IpvsCleanup, KpxMarks, draining, parse_marks, plan_cleanup
 from .kube_proxy_takeover import kube_proxy_ipvs_mode_here
 from .localnet import IPNetwork
+from .takeover import Draining
 
 log = logging.getLogger(__name__)
 _NFT_FAMILY = {4: "ip", 6: "ip6"}
@@ -50,17 +51,30 @@ def remove_kpx_ipvs_leftovers(
     ipvs = open_ipvs()
     try:
         servers: dict[VirtualKey, list[tuple[str, int]]] = {}
+        connections: dict[VirtualKey, int] = {}
         if ipvs is not None:
-            servers = {key: list(ipvs.real_servers(key)) for key in list(ipvs.services())}
+            for key in list(ipvs.services()):
+                reals = ipvs.real_servers(key)
+                servers[key] = list(reals)
+                connections[key] = sum(r.connections for r in reals.values())
         decided = plan_cleanup(marks, kube_proxy_ipvs_mode_here(), servers,
                                kernel.bound_addresses(), exclude_cidrs)  # fmt: skip
-        for key in decided.virtual_servers:
+        now, later = draining(decided.virtual_servers, connections)
+        for key in now:
             ipvs.delete_service(key)
         if ipvs is not None:
             ipvs.flush()  # deletions are queued requests: send them (KernelError names failures)
     finally:
         if ipvs is not None:
             ipvs.close()
+    if later:
+        log.info("kpx ipvs mode's leftovers: removed %d virtual servers, %d still carry "
+                 "connections (kept, with kube-ipvs0 and the kpx-ipvs tables)", len(now),
+                 len(later))  # fmt: skip
+        raise Draining(
+            f"{len(later)} of kpx's IPVS virtual servers still carry connections "
+            f"({connections[later[0]]} through {later[0]}, ...): kept until they end"
+        )
     if decided.dummy:
         kernel.delete_dummy()
     for family in decided.tables:

@@ -21,6 +21,12 @@ kube_proxy_takeover.py) nor anyone else's. So:
    Anything else (someone's virtual server on a node address, say) stays.
 3. kube-ipvs0 then goes, and the helper tables last, so that a removal that fails halfway
    keeps the mark that makes the retry find the rest.
+4. Drain: a virtual server of kpx's that IPVS still has connections through (active or
+   inactive, `draining`) stays, with kube-ipvs0 and the tables, until they have ended or
+   expired (the ipvs timeouts). The new mode's rules already take every new connection (its
+   DNAT comes first, in prerouting); those established through IPVS have their translation
+   in IPVS's own connection table only, so removing their virtual server or its address
+   would reset them.
 """
 
 from __future__ import annotations
@@ -122,3 +128,14 @@ def plan_cleanup(
         ):
             mine.append(key)
     return IpvsCleanup(tuple(sorted(mine)), True, tables, "a kpx ipvs agent's state")
+
+
+def draining(
+    virtual_servers: Iterable[VirtualKey], connections: Mapping[VirtualKey, int]
+) -> tuple[list[VirtualKey], list[VirtualKey]]:
+    """Pure: (removable now, draining): which of kpx's virtual servers IPVS still has
+    connections through (`connections`: active plus inactive, per virtual server)."""
+    now, later = [], []
+    for key in virtual_servers:
+        (later if connections.get(key, 0) > 0 else now).append(key)
+    return now, later

@@ -33,9 +33,16 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from kpx_api.constants import LEFTOVERS_REMOVED, OTHER_MODE_RULES
+from kpx_api.constants import LEFTOVERS_DRAINING, LEFTOVERS_REMOVED, OTHER_MODE_RULES
 
 log = logging.getLogger(__name__)
+
+
+class Draining(Exception):
+    """Raised by a removal that did what it could and waits for connections through the rest
+    to end (kpx's IPVS virtual servers): not a failure; tried again every `drain_poll` s.
+    The old rules no longer take new connections then, so it does not hold readiness."""
+
 
 #: (event type "Normal"/"Warning", reason, message): an Event about the agent's Pod.
 Report = Callable[[str, str, str], Awaitable[None]]
@@ -74,11 +81,14 @@ class LeftoverRemoval:
         max_delay: float = 60.0,
         poll: float = 5.0,
         watch_poll: float = 60.0,
+        drain_poll: float = 15.0,
     ) -> None:
         self.pending: dict[str, Leftover] = {leftover.name: leftover for leftover in leftovers}
         #: removed kinds that may come back (`Leftover.rearm`) -> whether they are back
         self.watching: dict[str, tuple[Leftover, bool]] = {}
         self.watch_poll = watch_poll
+        self.drain_poll = drain_poll
+        self._draining: dict[str, str] = {}  # kinds whose removal waits for connections
         self.report = report
         self._errors: dict[str, str] = {}  # the last error of each pending kind
         self.failed_reason = failed_reason
@@ -108,6 +118,7 @@ class LeftoverRemoval:
             self.pending_gauge.remove(name)
         self.pending = {leftover.name: leftover for leftover in leftovers}
         self.watching.clear()
+        self._draining.clear()
         self._errors.clear()
         self._waiting_reported.clear()
         self._failure_reported.clear()
@@ -117,7 +128,8 @@ class LeftoverRemoval:
     def blocking(self, kinds: Collection[str]) -> str:
         """Why the agent must not be Ready yet: which of `kinds` is still pending, with the
         error of its last attempt; "" when none is."""
-        gating = [(n, lo) for n, lo in self.pending.items() if n in kinds]
+        gating = [(n, lo) for n, lo in self.pending.items()
+                  if n in kinds and n not in self._draining]  # fmt: skip
         for name, leftover in gating:
             if name in self._errors:
                 return f"could not remove {leftover.description} (retrying): {self._errors[name]}"
@@ -144,6 +156,8 @@ class LeftoverRemoval:
             if failed:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.max_delay)
+            elif any(name in self._draining for name in self.pending):
+                await asyncio.sleep(self.drain_poll)
             else:  # only preconditions outstanding
                 await asyncio.sleep(self.poll)
         log.info("no leftovers of other proxies remain to be removed")
@@ -193,6 +207,14 @@ class LeftoverRemoval:
                     continue
             try:
                 await asyncio.to_thread(leftover.remove)
+            except Draining as exc:
+                if name not in self._draining:
+                    log.info("%s: draining: %s", leftover.description, exc)
+                    await self._report("Normal", LEFTOVERS_DRAINING,
+                                       f"{leftover.description}: {exc}")  # fmt: skip
+                self._draining[name] = str(exc)
+                self._errors.pop(name, None)
+                continue
             except Exception as exc:
                 failed = True
                 self._errors[name] = str(exc)
@@ -207,6 +229,7 @@ class LeftoverRemoval:
                 continue
             del self.pending[name]
             self._errors.pop(name, None)
+            self._draining.pop(name, None)
             self.pending_gauge.labels(name).set(0)
             if leftover.rearm:
                 self.watching[name] = (leftover, False)

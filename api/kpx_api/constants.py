@@ -30,6 +30,9 @@ LEFTOVERS_NOT_REMOVED: Final = "LeftoversNotRemoved"
 #: The agent removed another kpx mode's rules from its node after its first verified sync
 #: (the message names the mode: "removed the rules of kpx mode iptables").
 LEFTOVERS_REMOVED: Final = "LeftoversRemoved"
+#: An agent removed what it could of another kpx mode's rules; the rest (kpx's IPVS virtual
+#: servers) waits for the connections through it to end (takeover.Draining).
+LEFTOVERS_DRAINING: Final = "LeftoversDraining"
 #: How an agent names another kpx mode's rules in those messages (then the mode).
 OTHER_MODE_RULES: Final = "the rules of kpx mode "
 #: A sync failed to program the kernel (the message carries the error); the agent keeps the

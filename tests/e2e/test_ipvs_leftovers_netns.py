@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import pytest
 
@@ -28,7 +29,8 @@ from kpx_agent.backends.ipvs.ruleset import base_table
 from kpx_agent.ipvs_cleanup import remove_kpx_ipvs_leftovers
 from kpx_agent.localnet import *
 
-kpx, kube_proxy = json.loads(sys.argv[1])
+kpx, kube_proxy, busy = json.loads(sys.argv[1])
+state = {"drained": False}
 node = NodeInfo("n1", (IP.of("192.168.1.10"),))
 settings = ProxySettings()
 ep = Endpoint(IP.of("10.244.1.5"), 8080, True)
@@ -63,35 +65,58 @@ if kube_proxy:
 class RecordingIpvs:
     deleted, queued = [], []
     def services(self): return iter(list(servers))
-    def real_servers(self, key): return {s: None for s in servers[key]}
+    def real_servers(self, key):
+        conns = 3 if key.address == busy and not state["drained"] else 0
+        return {s: RealServer(1, conns) for s in servers[key]}
     def delete_service(self, key): self.queued.append(key)
-    def flush(self): self.deleted.extend(self.queued); self.queued.clear()
+    def flush(self):
+        self.deleted.extend(self.queued)
+        for key in self.queued:
+            servers.pop(key)
+        self.queued.clear()
     def close(self): self.queued.clear()
 
-from kpx_agent.backends.ipvs.kernel import Ipvs
+from kpx_agent.backends.ipvs.kernel import Ipvs, RealServer
 missing = [m for m, v in vars(RecordingIpvs).items()
            if callable(v) and not callable(getattr(Ipvs, m, None))]
 assert not missing, f"the stand-in has methods the real Ipvs lacks: {missing}"
 
+def seen():
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
+    tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+    return links, tables
+
+from kpx_agent.takeover import Draining
+kpx_servers = sorted(f"{k.protocol}/{k.address}:{k.port}" for k in servers
+                     if not k.address.startswith("192.168.60."))
 fake = RecordingIpvs()
-remove_kpx_ipvs_leftovers(open_ipvs=lambda: fake)
-links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
-tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+draining = None
+try:
+    remove_kpx_ipvs_leftovers(open_ipvs=lambda: fake)
+except Draining as exc:  # connections through one: the rest goes, it stays (with the mark)
+    links, tables = seen()
+    draining = {"why": str(exc), "deleted": sorted(f"{k.address}:{k.port}" for k in fake.deleted),
+                "dummy": "kube-ipvs0" in links, "kpx_table": "kpx-ipvs" in tables}
+    state["drained"] = True  # they ended: the next try takes the rest
+    remove_kpx_ipvs_leftovers(open_ipvs=lambda: fake)
+links, tables = seen()
 print(json.dumps({
-    "kpx": sorted(f"{k.protocol}/{k.address}:{k.port}" for k in servers
-                  if not k.address.startswith("192.168.60.")),
+    "draining": draining,
+    "kpx": kpx_servers,
     "deleted": sorted(f"{k.protocol}/{k.address}:{k.port}" for k in fake.deleted),
     "dummy": "kube-ipvs0" in links, "kpx_table": "kpx-ipvs" in tables,
 }))
 """
 
 
-def run(topology: Topology, name: str, kpx: bool, kube_proxy: bool) -> dict[str, object]:
+def run(
+    topology: Topology, name: str, kpx: bool, kube_proxy: bool, busy: str = ""
+) -> dict[str, Any]:
     node = topology.add_node(name)
-    result = topology.exec(node, [sys.executable, "-c", SCENARIO, json.dumps([kpx, kube_proxy])],
-                           timeout=60)  # fmt: skip
+    args = json.dumps([kpx, kube_proxy, busy])
+    result = topology.exec(node, [sys.executable, "-c", SCENARIO, args], timeout=60)
     assert result.returncode == 0, result.stderr
-    out: dict[str, object] = json.loads(result.stdout.splitlines()[-1])
+    out: dict[str, Any] = json.loads(result.stdout.splitlines()[-1])
     return out
 
 
@@ -111,3 +136,16 @@ def test_upstream_kube_proxys_ipvs_state_is_left_for_the_takeover(topology: Topo
 def test_with_kube_proxys_ipvs_mode_on_the_node_only_kpxs_table_goes(topology: Topology) -> None:
     out = run(topology, "n1", kpx=True, kube_proxy=True)
     assert out["deleted"] == [] and out["dummy"] is True and out["kpx_table"] is False, out
+
+
+def test_a_virtual_server_with_connections_drains_before_it_goes(topology: Topology) -> None:
+    """IPVS still carries connections through kpx's 10.96.0.10:80 (established before the new
+    mode's rules took new ones): it stays, with kube-ipvs0 and the kpx-ipvs table (the mark a
+    later try needs), the rest goes; once its connections ended, the next try takes it all."""
+    out = run(topology, "n1", kpx=True, kube_proxy=False, busy="10.96.0.10")
+    draining = out["draining"]
+    assert draining is not None, out
+    assert "still carry connections" in draining["why"], draining
+    assert "10.96.0.10:80" not in draining["deleted"] and "10.96.0.11:80" in draining["deleted"]
+    assert draining["dummy"] is True and draining["kpx_table"] is True, draining
+    assert out["deleted"] == out["kpx"] and out["dummy"] is False and not out["kpx_table"], out

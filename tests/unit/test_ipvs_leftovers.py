@@ -8,7 +8,7 @@ import json
 from ipaddress import ip_network
 
 from kpx_agent.backends.ipvs.model import VirtualKey, plan_port
-from kpx_agent.ipvs_leftovers import KpxMarks, parse_marks, plan_cleanup
+from kpx_agent.ipvs_leftovers import KpxMarks, draining, parse_marks, plan_cleanup
 from kpx_agent.kube_proxy_leftovers import ipvs_mode_chains
 from kpx_agent.localnet import (
     IP,
@@ -135,3 +135,10 @@ def test_kube_proxys_ipvs_mode_is_recognised_by_its_own_chains() -> None:
     assert ipvs_mode_chains("filter", ipvs_mode) == {"KUBE-IPVS-FILTER"}
     assert ipvs_mode_chains("nat", ipvs_mode) == set()
     assert ipvs_mode_chains("nat", iptables_mode) == set()
+
+
+def test_virtual_servers_with_connections_drain_before_they_go() -> None:
+    a, b, c = (VirtualKey(4, "TCP", f"10.96.0.{i}", 80) for i in (1, 2, 3))
+    # b has connections through it (active or inactive), c none known
+    assert draining([a, b, c], {a: 0, b: 3}) == ([a, c], [b])
+    assert draining([], {a: 1}) == ([], [])

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from kpx_agent.localnet import ProxySettings
 from kpx_agent.proxy_health import ProxyHealth
-from kpx_agent.takeover import Leftover, LeftoverRemoval, other_mode_leftovers
+from kpx_agent.takeover import Draining, Leftover, LeftoverRemoval, other_mode_leftovers
 
 
 def sample(registry: CollectorRegistry, name: str, leftovers: str) -> float | None:
@@ -261,3 +261,37 @@ def test_removing_another_modes_rules_is_reported_naming_the_mode() -> None:
 
     asyncio.run(scenario())
     assert reports == [("Normal", "LeftoversRemoved", "removed the rules of kpx mode iptables")]
+
+
+def test_a_draining_removal_is_retried_without_failing_or_holding_readiness() -> None:
+    """kpx's IPVS virtual servers with connections through them stay until those end: the
+    removal says so (Draining), which is no failure, is reported once, does not hold the
+    agent's readiness during a switch, and is tried again until it completes."""
+    left = {"connections": 2}
+    reports: list[tuple[str, str]] = []
+    registry = CollectorRegistry()
+
+    def remove() -> None:
+        if left["connections"]:
+            left["connections"] -= 1
+            raise Draining("1 of kpx's IPVS virtual servers still carry connections")
+
+    async def report(type_: str, reason: str, message: str) -> None:
+        reports.append((type_, reason))
+
+    async def scenario() -> LeftoverRemoval:
+        verified = asyncio.Event()
+        verified.set()
+        removal = LeftoverRemoval([Leftover("ipvs", "the rules of kpx mode ipvs", remove)],
+                                  registry, report, drain_poll=0.05)  # fmt: skip
+        task = asyncio.create_task(removal.run(verified))
+        await asyncio.sleep(0.02)
+        assert "ipvs" in removal.pending and removal.blocking({"ipvs"}) == ""
+        await asyncio.wait_for(task, 2)
+        return removal
+
+    removal = asyncio.run(scenario())
+    assert left["connections"] == 0 and not removal.pending
+    assert reports == [("Normal", "LeftoversDraining")]
+    assert sample(registry, "kpx_leftover_removal_failures_total", "ipvs") in (None, 0.0)
+    assert sample(registry, "kpx_leftovers_pending", "ipvs") == 0
