@@ -135,7 +135,8 @@ def draining(
 ) -> tuple[list[VirtualKey], list[VirtualKey]]:
     """Pure: (removable now, draining): which of kpx's virtual servers IPVS still has
     connections through (`connections`: active plus inactive, per virtual server)."""
-    now, later = [], []
+    now: list[VirtualKey] = []
+    later: list[VirtualKey] = []
     for key in virtual_servers:
         (later if connections.get(key, 0) > 0 else now).append(key)
     return now, later
