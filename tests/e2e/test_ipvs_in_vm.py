@@ -157,6 +157,10 @@ def test_ipvs_to_nftables_under_load_in_the_guest(cluster: Cluster, guest: Guest
          MIGRATION_TEST, "-q", "-s", "-p", "no:cacheprovider", "-rsx"],
     )  # fmt: skip
     rows = [line for line in out.splitlines() if line.startswith("| ipvs -> nftables |")]
+    told = ("held ", "failures in the control window")
+    print("\n".join(line for line in out.splitlines()
+                    if line.startswith(told) or "ipvs leftovers removed" in line
+                    or "draining" in line))  # fmt: skip
     print("\n".join(rows))
     assert code == 0, out[-6000:]
     assert " skipped" not in out, out[-3000:]
