@@ -56,7 +56,7 @@ def remove_kpx_ipvs_leftovers(
             for key in list(ipvs.services()):
                 reals = ipvs.real_servers(key)
                 servers[key] = list(reals)
-                connections[key] = sum(r.connections for r in reals.values())
+                connections[key] = sum(r.active for r in reals.values())
         decided = plan_cleanup(marks, kube_proxy_ipvs_mode_here(), servers,
                                kernel.bound_addresses(), exclude_cidrs)  # fmt: skip
         now, later = draining(decided.virtual_servers, connections)
@@ -69,11 +69,11 @@ def remove_kpx_ipvs_leftovers(
             ipvs.close()
     if later:
         log.info("kpx ipvs mode's leftovers: removed %d virtual servers, %d still carry "
-                 "connections (kept, with kube-ipvs0 and the kpx-ipvs tables)", len(now),
-                 len(later))  # fmt: skip
+                 "established connections (kept, with kube-ipvs0 and the kpx-ipvs tables)",
+                 len(now), len(later))  # fmt: skip
         raise Draining(
-            f"{len(later)} of kpx's IPVS virtual servers still carry connections "
-            f"({connections[later[0]]} through {later[0]}, ...): kept until they end"
+            f"{len(later)} of kpx's IPVS virtual servers still carry established "
+            f"connections ({connections[later[0]]} through {later[0]}, ...): kept until they end"
         )
     if decided.dummy:
         kernel.delete_dummy()

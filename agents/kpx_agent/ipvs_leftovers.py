@@ -21,12 +21,13 @@ kube_proxy_takeover.py) nor anyone else's. So:
    Anything else (someone's virtual server on a node address, say) stays.
 3. kube-ipvs0 then goes, and the helper tables last, so that a removal that fails halfway
    keeps the mark that makes the retry find the rest.
-4. Drain: a virtual server of kpx's that IPVS still has connections through (active or
-   inactive, `draining`) stays, with kube-ipvs0 and the tables, until they have ended or
-   expired (the ipvs timeouts). The new mode's rules already take every new connection (its
-   DNAT comes first, in prerouting); those established through IPVS have their translation
-   in IPVS's own connection table only, so removing their virtual server or its address
-   would reset them.
+4. Drain: a virtual server of kpx's that IPVS still has established connections through
+   (IPVS's active count, `draining`) stays, with kube-ipvs0 and the tables, until they have
+   ended. Closing TCP connections (TIME_WAIT, 2 min in IPVS) and UDP flows are not waited
+   for, as upstream's graceful termination does not wait for UDP. The new mode's rules
+   already take every new connection (its DNAT comes first, in prerouting); those
+   established through IPVS have their translation in IPVS's own connection table only, so
+   removing their virtual server or its address would reset them.
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def draining(
     virtual_servers: Iterable[VirtualKey], connections: Mapping[VirtualKey, int]
 ) -> tuple[list[VirtualKey], list[VirtualKey]]:
     """Pure: (removable now, draining): which of kpx's virtual servers IPVS still has
-    connections through (`connections`: active plus inactive, per virtual server)."""
+    established connections through (`connections`: IPVS's active count per virtual
+    server)."""
     now: list[VirtualKey] = []
     later: list[VirtualKey] = []
     for key in virtual_servers:

@@ -67,7 +67,7 @@ class RecordingIpvs:
     def services(self): return iter(list(servers))
     def real_servers(self, key):
         conns = 3 if key.address == busy and not state["drained"] else 0
-        return {s: RealServer(1, conns) for s in servers[key]}
+        return {s: RealServer(1, conns, conns) for s in servers[key]}
     def delete_service(self, key): self.queued.append(key)
     def flush(self):
         self.deleted.extend(self.queued)
@@ -145,7 +145,7 @@ def test_a_virtual_server_with_connections_drains_before_it_goes(topology: Topol
     out = run(topology, "n1", kpx=True, kube_proxy=False, busy="10.96.0.10")
     draining = out["draining"]
     assert draining is not None, out
-    assert "still carry connections" in draining["why"], draining
+    assert "still carry established connections" in draining["why"], draining
     assert "10.96.0.10:80" not in draining["deleted"] and "10.96.0.11:80" in draining["deleted"]
     assert draining["dummy"] is True and draining["kpx_table"] is True, draining
     assert out["deleted"] == out["kpx"] and out["dummy"] is False and not out["kpx_table"], out

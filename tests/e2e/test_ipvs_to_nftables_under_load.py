@@ -43,11 +43,10 @@ What it asserts, and why not more:
   connections through them resets those (measured before the drain was built, 2026-11-25:
   over eight runs 4, 4, 3, 2, 2, 2, 1 and 1 of 4 held connections survived, each broken one
   reset by the endpoint during its node's IPVS removal). So the new agent drains: it removes
-  at once the virtual servers IPVS has no connection through, keeps the others (with
-  kube-ipvs0 and the `kpx-ipvs` table) and tries again every 15 s until their connections
-  ended or expired (ipvs_leftovers.draining; Event LeftoversDraining). The ipvs agents here set
-  short FIN and UDP timeouts (`IPVS_TIMEOUTS`), so that once the load stops the drain ends
-  within TIME_WAIT's fixed 2 min; the test waits for it.
+  at once the virtual servers IPVS has no established connection through, keeps the others
+  (with kube-ipvs0 and the `kpx-ipvs` table) and tries again every 15 s until those ended
+  (ipvs_leftovers.draining; Event LeftoversDraining). Once the load stops (its held
+  connections close) the drain ends; the test waits for it.
 """
 
 from __future__ import annotations
@@ -191,10 +190,9 @@ WARMUP = float(os.environ.get("KPX_IPVS_MIGRATION_WARMUP", "10"))
 
 
 #: The ipvs agents' IPVS timeouts after a FIN and for UDP (spec.ipvs tcpFinTimeout and
-#: udpTimeout): short, so that the drain below ends soon after the load; TIME_WAIT stays the
-#: kernel's fixed 2 min.
+#: udpTimeout): short, as a node's would be set; the drain waits only for established ones.
 IPVS_TIMEOUTS = {"tcpFinTimeout": "5s", "udpTimeout": "5s"}
-#: The drain after the load: TIME_WAIT (120 s), the agent's drain poll (15 s), emulation.
+#: The drain after the load: the agent's drain poll (15 s), emulation.
 DRAIN = 300.0
 
 

@@ -35,6 +35,7 @@ class KernelError(RuntimeError):
 class RealServer(NamedTuple):
     weight: int
     connections: int  # active plus inactive
+    active: int = 0  # established (TCP): IPVS's ActiveConn
 
 
 def _ipvs():
@@ -187,11 +188,10 @@ class Ipvs:
         out: dict[tuple[str, int], RealServer] = {}
         for message in self._sock.dest("dump", service=_service(key)):
             attrs = dict(message.get("IPVS_CMD_ATTR_DEST")["attrs"])
-            conns = int(attrs.get("IPVS_DEST_ATTR_ACTIVE_CONNS", 0)) + int(
-                attrs.get("IPVS_DEST_ATTR_INACT_CONNS", 0)
-            )
+            active = int(attrs.get("IPVS_DEST_ATTR_ACTIVE_CONNS", 0))
+            conns = active + int(attrs.get("IPVS_DEST_ATTR_INACT_CONNS", 0))
             server = (str(attrs["IPVS_DEST_ATTR_ADDR"]), int(attrs["IPVS_DEST_ATTR_PORT"]))
-            out[server] = RealServer(int(attrs.get("IPVS_DEST_ATTR_WEIGHT", 0)), conns)
+            out[server] = RealServer(int(attrs.get("IPVS_DEST_ATTR_WEIGHT", 0)), conns, active)
         return out
 
 
