@@ -24,13 +24,7 @@ def rollback_due(
 ) -> bool:
     """Whether the agent goes back now: a rollback is configured and enabled, it is not back
     already, its first sync is not verified, and it has run (s) at least the deadline."""
-    return (
-        rollback is not None
-        and rollback.enabled
-        and not verified
-        and not rolled_back
-        and running_for >= rollback.deadline
-    )
+    return seconds_left(rollback, verified, rolled_back, running_for) == 0.0
 
 
 def seconds_left(

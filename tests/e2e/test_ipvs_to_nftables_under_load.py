@@ -81,7 +81,7 @@ from agent_harness import (
 from test_ipvs_kernel import pytestmark  # noqa: F401  (skipped where no IPVS)
 
 from kpx_agent.conntrack_sysctl import conntrack_max
-from kpx_cluster.migration import SwitchResult, table_row
+from kpx_cluster.migration import SwitchResult, _stop_load, table_row
 from kpx_cluster.migration_load import Summary
 from kpx_cluster.netns import Node, Pod, Topology, wait_for_line
 from kpx_kube import from_kubeconfig
@@ -331,14 +331,7 @@ def start_load(env: Env, holds: int = HOLDS) -> list[tuple[subprocess.Popen[byte
 
 
 def stop_load(started: Sequence[tuple[subprocess.Popen[bytes], Path]]) -> list[Summary]:
-    for proc, _ in started:
-        assert proc.stdin is not None
-        proc.stdin.close()
-    summaries = []
-    for proc, out in started:
-        proc.wait(timeout=TIMEOUT + 60)
-        summaries.append(Summary.from_json(out.read_text()))
-    return summaries
+    return _stop_load(started, TIMEOUT + 45)  # the migration harness's: stdin closed, JSON read
 
 
 def test_ipvs_to_nftables_node_by_node_under_load(env: Env) -> None:
