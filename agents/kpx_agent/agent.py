@@ -15,10 +15,10 @@ from typing import Any
 
 from kpx_api.constants import FIRST_SYNC_VERIFIED, ROLLED_BACK, SYNC_FAILED
 from kpx_api.errors import ConfigError
-from kpx_kube import Client, collector
+from kpx_kube import AlreadyExists, ApiError, Client, collector
 from kpx_kube.reflector import Reflector, Resource
 
-from . import conntrack_sysctl, pod_events
+from . import conntrack_sysctl, pod_events, service_problems
 from . import settings as settings_mod
 from .backends.base import Backend
 from .cluster_state import ClusterState
@@ -111,11 +111,15 @@ class Agent:
         self._conntrack_failed = False
         #: (error, monotonic time) of the last SyncFailed Event (rate limit).
         self._sync_failure_told: tuple[str, float] | None = None
+        #: Reasons the service-problems metric has shown (set back to 0 when none is left).
+        self._problem_reasons: set[str] = set()
         self._conntrack_task: asyncio.Task[None] | None = None  # a reload's apply
         self.metrics = AgentMetrics()
         self.state = ClusterState()
         self.proxier = Proxier(self.state, backend, node_name, settings.optout, self.metrics)
         self.health_check_servers = HealthCheckServers()
+        #: New Service problems (service_problems.py) waiting to be posted as Events.
+        self._problem_events: asyncio.Queue[service_problems.ServiceProblem] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._config_stamp = self._stamp()
         self.health = ProxyHealth(health_timeout(settings.sync_period))
@@ -199,6 +203,7 @@ class Agent:
             if self.state_server is not None:
                 await self.state_server.start()
             tasks += [asyncio.create_task(companion()) for companion in self.companions]
+            tasks.append(asyncio.create_task(self._post_problem_events()))
             await self.apply_conntrack()
             namespaces = self._reflector(NAMESPACES_RESOURCE)
             node = self._reflector(
@@ -292,6 +297,7 @@ class Agent:
                 if first:
                     gc.freeze()
             self._synced_once = True
+            self._queue_problem_events()
             if outcome.ok:
                 retry_delay = 0.0
                 self._sync_failure_told = None
@@ -313,6 +319,36 @@ class Agent:
                 self.state.touch_all()
                 self._last_error = brief_error(outcome.error)
                 await self._report_sync_failure(outcome.error)
+
+    def _queue_problem_events(self) -> None:
+        """Publish the Service problems' metric, and queue the new ones for their Events."""
+        book = self.proxier.problems
+        counts = book.counts()
+        for reason in (*counts, *self._problem_reasons):
+            self.metrics.service_problems.labels(reason).set(counts.get(reason, 0))
+        self._problem_reasons |= set(counts)
+        for problem in book.take_new():
+            log.warning(
+                "service %s/%s: %s: %s",
+                problem.namespace, problem.name, problem.reason, problem.message,
+            )  # fmt: skip
+            self._problem_events.put_nowait(problem)
+
+    async def _post_problem_events(self) -> None:
+        """Post queued Service problems as Warning Events, one at a time, off the sync loop.
+        AlreadyExists: another node reported the same problem first (the name is derived from
+        it), which is the point."""
+        while True:
+            problem = await self._problem_events.get()
+            body = service_problems.event_body(problem, self.node_name, datetime.now(UTC))
+            path = f"/api/v1/namespaces/{problem.namespace}/events"
+            try:
+                await self.client.create(path, body)
+            except AlreadyExists:
+                pass
+            except ApiError as exc:  # a refusal, or Unreachable: the log line above stays
+                log.warning("event %s on service %s/%s not recorded: %s",
+                            problem.reason, problem.namespace, problem.name, exc)  # fmt: skip
 
     async def _report_sync_failure(self, error: str) -> None:
         """A Warning Event SyncFailed with the kernel's error: when the error is new, else at

@@ -90,6 +90,13 @@ class AgentMetrics:
             ["resource"],
             registry=r,
         )
+        self.service_problems = Gauge(
+            "kpx_service_problems",
+            "Services the agent programs only in part or not at all, by reason "
+            "(each also a Warning Event on the Service)",
+            ["reason"],
+            registry=r,
+        )
         self.excluded_namespaces = Gauge(
             "kpx_opted_out_namespaces", "Namespaces not proxied (opt-out)", registry=r
         )

@@ -21,6 +21,7 @@ from .localnet import NodeLocalState, Protocol, ProxySettings, ServicePort, Serv
 from .metrics import AgentMetrics
 from .node_local import node_facts, node_info, service_ports, uses_topology
 from .optout import excluded_namespaces
+from .service_problems import ProblemBook
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ class Proxier:
     # Called after each successful sync with the state and what changed (None: a full sync),
     # as the backend got them: the node-local state API publishes there (state_api).
     on_synced: Callable[[NodeLocalState, Collection[ServicePortKey] | None], None] | None = None
+    # Services left out of the dataplane (in whole or in part), by the place that decided it:
+    # the agent reports new ones as Warning Events on the Service (service_problems.py).
+    problems: ProblemBook = field(default_factory=ProblemBook)
 
     def __post_init__(self) -> None:
         self.local = NodeLocalState(node=node_info(None, self.node_name))

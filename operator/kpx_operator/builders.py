@@ -48,6 +48,7 @@ AGENT_RULES: Final[tuple[Obj, ...]] = (
      "verbs": ["get", "list", "watch"]},
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
      "verbs": ["get", "list", "watch"]},
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 )  # fmt: skip
 
 #: Fields of the agent's configuration file that the agent reloads while running (its
