@@ -189,7 +189,9 @@ class Agent:
                 health_app(self.health, self.metrics), *self.settings.healthz, "healthz"
             ),
             RetryingServer(
-                metrics_app(self.metrics.registry, self._publish_watch_metrics),
+                metrics_app(
+                    self.metrics.registry, self._publish_watch_metrics, lambda: self.backend.mode
+                ),
                 *self.settings.metrics,
                 "metrics",
             ),

@@ -36,14 +36,17 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, order=True)
 class FlowFilter:
     """Delete UDP entries to `dst` (or to any address, for a NodePort) on `port`: only those
-    DNATed to `dnat_to`, or with `not_nated` only those that were not DNATed (the reply comes
-    from `dst` itself; for a NodePort, from `port` itself)."""
+    DNATed to `dnat_to` (and, when `dnat_port` is set, to that port of it: the same pod with
+    another targetPort is another endpoint, as upstream tells them apart), or with `not_nated`
+    only those that were not DNATed (the reply comes from `dst` itself; for a NodePort, from
+    `port` itself)."""
 
     family: int
     port: int
     dst: IPAddress | None = None
     dnat_to: IPAddress | None = None
     not_nated: bool = False
+    dnat_port: int = 0
 
     def argv(self) -> list[str]:
         args = ["conntrack", "-D", "-f", "ipv4" if self.family == 4 else "ipv6", "-p", "udp"]
@@ -52,6 +55,9 @@ class FlowFilter:
         args += ["--orig-port-dst", str(self.port)]
         if self.dnat_to is not None:
             args += ["--dst-nat", str(self.dnat_to)]
+            if self.dnat_port:
+                # A DNATed entry's reply comes from the endpoint's address and port.
+                args += ["--reply-port-src", str(self.dnat_port)]
         if self.not_nated:
             # A NodePort entry DNATed to an endpoint whose port equals the NodePort is
             # deleted too (only the port tells them apart without the node's addresses).
@@ -69,10 +75,12 @@ def _targets(sp: ServicePort) -> list[tuple[IPAddress | None, int]]:
     return vips
 
 
-def _endpoint_ips(sp: ServicePort | None) -> set[IPAddress]:
+def _endpoints(sp: ServicePort | None) -> set[tuple[IPAddress, int]]:
+    """The (address, port) pairs a port DNATs to: an endpoint is both (upstream's
+    cleanup compares IP:port, so a targetPort change on the same pods is a change)."""
     if sp is None:
         return set()
-    return {e.ip for e in (*sp.cluster_endpoints, *sp.external_endpoints)}
+    return {(e.ip, e.port) for e in (*sp.cluster_endpoints, *sp.external_endpoints)}
 
 
 def stale_flows(old: ServicePort | None, new: ServicePort | None) -> list[FlowFilter]:
@@ -81,11 +89,11 @@ def stale_flows(old: ServicePort | None, new: ServicePort | None) -> list[FlowFi
     if port is None or port.protocol is not Protocol.UDP:
         return []
     out: set[FlowFilter] = set()
-    gone = _endpoint_ips(old) - _endpoint_ips(new)
-    for ep in gone:
+    gone = _endpoints(old) - _endpoints(new)
+    for ep, ep_port in gone:
         for dst, p in _targets(old or port):
-            out.add(FlowFilter(port.family, p, dst, ep))
-    if new is not None and not _endpoint_ips(old) and _endpoint_ips(new):
+            out.add(FlowFilter(port.family, p, dst, ep, dnat_port=ep_port))
+    if new is not None and not _endpoints(old) and _endpoints(new):
         for dst, p in _targets(new):
             out.add(FlowFilter(port.family, p, dst, not_nated=True))
     return sorted(out, key=lambda f: (f.family, f.port, str(f.dst), str(f.dnat_to)))

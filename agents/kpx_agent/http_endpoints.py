@@ -1,5 +1,5 @@
-"""kube-proxy compatible health (/healthz, /livez), readiness (/readyz, kpx's own) and metrics
-(/metrics) endpoints."""
+"""kube-proxy compatible health (/healthz, /livez), readiness (/readyz, kpx's own), metrics
+(/metrics) and mode (/proxyMode) endpoints."""
 
 from __future__ import annotations
 
@@ -57,15 +57,24 @@ def health_app(health: ProxyHealth, metrics: AgentMetrics) -> web.Application:
     return app
 
 
-def metrics_app(registry: CollectorRegistry, before: Callable[[], None]) -> web.Application:
+def metrics_app(
+    registry: CollectorRegistry, before: Callable[[], None], mode: Callable[[], str]
+) -> web.Application:
+    """/metrics, and /proxyMode: the mode the agent programs, as text, as upstream serves it
+    on its metrics address (sig-network's "should check kube-proxy urls" reads it)."""
+
     async def metrics(_: web.Request) -> web.Response:
         before()
         return web.Response(
             body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
+    async def proxy_mode(_: web.Request) -> web.Response:
+        return web.Response(text=mode(), headers={"X-Content-Type-Options": "nosniff"})
+
     app = web.Application()
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/proxyMode", proxy_mode)
     return app
 
 

@@ -27,7 +27,9 @@ def health_targets(state: NodeLocalState) -> dict[int, HealthTarget]:
     """healthCheckNodePort -> the Service it reports on, with its local endpoint count.
 
     A dual-stack pod has an address per family: count per family and report the larger count
-    (as upstream does), so one pod counts once.
+    (as upstream does), so one pod counts once. Only ready endpoints count, as upstream's
+    LocalReadyEndpoints: a node whose local endpoints are all terminating (still serving, used
+    as the fallback) answers 503, so load balancers move its traffic elsewhere.
     """
     names: dict[int, tuple[str, str]] = {}
     local: dict[tuple[int, int], set[str]] = {}
@@ -37,7 +39,7 @@ def health_targets(state: NodeLocalState) -> dict[int, HealthTarget]:
             continue
         names.setdefault(port, (sp.key.namespace, sp.key.name))
         local.setdefault((port, sp.family), set()).update(
-            e.ip for e in sp.external_endpoints if e.local
+            e.ip for e in sp.external_endpoints if e.local and sp.conditions_of(e.ip).ready
         )
     return {
         port: HealthTarget(

@@ -376,6 +376,8 @@ def test_healthz_and_sync_metrics(agent_env: AgentEnv, agent_ns: str) -> None:
     status, body = agent.http_get(agent.healthz, "/healthz")
     assert status == 200, body
     assert '"lastUpdated": "2' in body, body
+    # As upstream's metrics address (sig-network's "should check kube-proxy urls").
+    assert agent.http_get(agent.metrics_address, "/proxyMode") == (200, "nftables")
     text = agent.metrics()
     syncs = metric(text, "kubeproxy_sync_proxy_rules_duration_seconds_count")
     assert syncs is not None and syncs >= 1, "no sync duration observed"

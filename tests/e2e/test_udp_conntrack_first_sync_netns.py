@@ -123,3 +123,52 @@ def test_the_former_filter_loses_the_answer_in_flight(
     topo, n1, client, _ = net
     everything = [FlowFilter(4, PORT, IP.of(VIP))]
     assert _exchange_with_cleanup(topo, n1, client, everything).startswith("lost")
+
+
+SEND_FROM = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", int(sys.argv[3])))
+s.sendto(b"q", (sys.argv[1], int(sys.argv[2])))
+"""
+
+OTHER_TARGET_PORT = """table ip kpx-ct-port {{
+  chain pre {{
+    type nat hook prerouting priority -101; policy accept;
+    ip daddr {vip} udp dport {port} udp sport {sport} dnat to {backend}:{backend_port}
+  }}
+}}
+"""
+
+
+def test_target_port_change_deletes_only_the_entries_to_the_old_port(
+    net: tuple[Topology, Node, Pod, Pod],
+) -> None:
+    """The same pod, its targetPort changed from 5353 to 6363: the entry DNATed to :5353 goes
+    (the client would keep sending to the old port until it expires), one DNATed to :6363
+    stays. Real DNATed entries: the client sends from port 41000 (DNATed to :5353 by the
+    module's rule) and from 41001 (DNATed to :6363 by a rule of this test)."""
+    topo, n1, client, backend = net
+    rules = OTHER_TARGET_PORT.format(vip=VIP, port=PORT, sport=41001, backend=backend.ipv4,
+                                     backend_port=6363)  # fmt: skip
+    topo.exec(n1, ["nft", "-f", "-"], input=rules, check=True)
+    try:
+        for sport in (41000, 41001):
+            topo.exec(client, [sys.executable, "-c", SEND_FROM, VIP, str(PORT), str(sport)],
+                      check=True)  # fmt: skip
+
+        def port(target: int) -> ServicePort:
+            ep = Endpoint(IP.of(backend.ipv4), target)
+            key = ServicePortKey("kube-system", "dns", "dns", Protocol.UDP, 4)
+            return ServicePort(key, PORT, cluster_ips=(IP.of(VIP),), cluster_endpoints=(ep,),
+                               external_endpoints=(ep,))  # fmt: skip
+
+        before = topo.exec(n1, ["conntrack", "-L", "-p", "udp", "--orig-dst", VIP]).stdout
+        assert "sport=41000" in before and "sport=41001" in before, before
+        for flow in stale_flows(port(BACKEND_PORT), port(6363)):
+            topo.exec(n1, flow.argv())
+        left = topo.exec(n1, ["conntrack", "-L", "-p", "udp", "--orig-dst", VIP]).stdout
+        assert "sport=41000 " not in left, f"the entry to the old target port stayed: {left}"
+        assert "sport=41001 " in left, f"the entry to the new target port went too: {left}"
+    finally:
+        topo.exec(n1, ["nft", "delete", "table", "ip", "kpx-ct-port"])

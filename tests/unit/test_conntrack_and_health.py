@@ -8,6 +8,7 @@ from kpx_agent.conntrack import FlowFilter, stale_flows
 from kpx_agent.localnet import (
     IP,
     Endpoint,
+    EndpointConditions,
     NodeInfo,
     NodeLocalState,
     Protocol,
@@ -34,13 +35,25 @@ def test_removed_endpoint_deletes_flows_dnated_to_it() -> None:
     old = dns(Endpoint(EP1, 5353), Endpoint(EP2, 5353), node_port=30053)
     new = dns(Endpoint(EP2, 5353), node_port=30053)
     assert stale_flows(old, new) == [
-        FlowFilter(4, 53, VIP, EP1),
-        FlowFilter(4, 30053, None, EP1),
+        FlowFilter(4, 53, VIP, EP1, dnat_port=5353),
+        FlowFilter(4, 30053, None, EP1, dnat_port=5353),
     ]
-    assert FlowFilter(4, 53, VIP, EP1).argv() == [
+    assert FlowFilter(4, 53, VIP, EP1, dnat_port=5353).argv() == [
         "conntrack", "-D", "-f", "ipv4", "-p", "udp",
         "--orig-dst", "10.96.0.53", "--orig-port-dst", "53", "--dst-nat", "10.244.1.2",
+        "--reply-port-src", "5353",
     ]  # fmt: skip
+
+
+def test_target_port_change_on_the_same_pod_deletes_the_flows_to_the_old_port() -> None:
+    """The same pod behind another targetPort is another endpoint (sig-network's "Conntrack
+    should be able to cleanup conntrack entries when UDP service target port changes")."""
+    old = dns(Endpoint(EP1, 5353), node_port=30053)
+    new = dns(Endpoint(EP1, 6363), node_port=30053)
+    assert stale_flows(old, new) == [
+        FlowFilter(4, 53, VIP, EP1, dnat_port=5353),
+        FlowFilter(4, 30053, None, EP1, dnat_port=5353),
+    ]
 
 
 def test_zero_to_some_endpoints_deletes_the_flows_to_the_vip_that_were_not_dnated() -> None:
@@ -61,7 +74,9 @@ def test_zero_to_some_endpoints_deletes_the_flows_to_the_vip_that_were_not_dnate
 
 
 def test_deleted_service_and_unchanged_and_tcp() -> None:
-    assert stale_flows(dns(Endpoint(EP1, 5353)), None) == [FlowFilter(4, 53, VIP, EP1)]
+    assert stale_flows(dns(Endpoint(EP1, 5353)), None) == [
+        FlowFilter(4, 53, VIP, EP1, dnat_port=5353)
+    ]
     assert stale_flows(dns(Endpoint(EP1, 5353)), dns(Endpoint(EP1, 5353))) == []
     tcp = dns(Endpoint(EP1, 5353), proto=Protocol.TCP)
     assert stale_flows(tcp, None) == []
@@ -78,6 +93,19 @@ def test_health_targets_count_local_external_endpoints() -> None:
     state = NodeLocalState(NodeInfo("n1"), {key: sp, key6: sp6})
     # One dual-stack pod: an address per family, one endpoint.
     assert health_targets(state) == {32000: HealthTarget("shop", "web", 1)}
+
+
+def test_health_targets_count_only_ready_local_endpoints() -> None:
+    """Only serving-terminating local endpoints (the fallback): 503, as upstream (sig-network's
+    "should fail health check node port if there are only terminating endpoints")."""
+    key = ServicePortKey("shop", "web", "http", Protocol.TCP, 4)
+    terminating = EndpointConditions(ready=False, serving=True, terminating=True)
+    sp = ServicePort(key, 80, node_port=30080, external_endpoints=(Endpoint(EP1, 8080, True),),
+                     health_check_node_port=32000, external_masquerade=False,
+                     endpoint_conditions=((EP1, terminating),))  # fmt: skip
+    (target,) = health_targets(NodeLocalState(NodeInfo("n1"), {key: sp})).values()
+    assert target == HealthTarget("shop", "web", 0)
+    assert response(target)[0] == 503
     status, headers, body = response(HealthTarget("shop", "web", 2))
     assert status == 200 and headers["X-Load-Balancing-Endpoint-Weight"] == "2"
     assert json.loads(body)["localEndpoints"] == 2
