@@ -10,9 +10,10 @@ plugins, or in-cluster) are kpx_kube's; kopf's login handler uses the same `Cred
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from kpx_api.constants import GROUP, PLURAL, VERSION
 from kpx_kube import ApiError, Client, Credentials, Reply, from_kubeconfig, in_cluster
@@ -20,10 +21,18 @@ from kpx_kube.kinds import BUILTIN, Kind
 
 from .names import FIELD_MANAGER
 
-__all__ = ["ApiError", "ApiServer", "Applied", "Credentials", "Reply", "from_kubeconfig",
-           "in_cluster"]  # fmt: skip
+__all__ = ["ApiError", "ApiServer", "Applied", "Credentials", "NotLeader", "Reply",
+           "from_kubeconfig", "in_cluster"]  # fmt: skip
 
 Obj = dict[str, Any]
+T = TypeVar("T")
+
+
+class NotLeader(ApiError):
+    """A write refused before it was sent: this replica's leadership ran out (leader.py)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(0, "NotLeader", f"not the leader any more: {what} not written")
 
 
 #: Every kind the operator reads or writes (no RBAC kinds: the agents' ServiceAccount, role and
@@ -59,6 +68,23 @@ class ApiServer:
     def __init__(self, creds: Credentials, *, timeout: float = 30.0) -> None:
         self.creds = creds
         self.client = Client(creds, user_agent=FIELD_MANAGER, timeout=timeout, connections=8)
+        #: With leader election: the seconds this replica may still write
+        #: (`LeaderElector.lease_left`). Every write but the Lease's own is refused (NotLeader)
+        #: once it is 0, and cut off when it runs out in flight. None: no election, no fence.
+        self.fence: Callable[[], float] | None = None
+
+    async def _write(self, kind: str, what: str, call: Awaitable[T]) -> T:
+        if self.fence is None or kind == "Lease":
+            return await call
+        left = self.fence()
+        if left <= 0:
+            if asyncio.iscoroutine(call):
+                call.close()  # never started: nothing was sent
+            raise NotLeader(f"{kind} {what}")
+        try:
+            return await asyncio.wait_for(call, left)
+        except TimeoutError:
+            raise NotLeader(f"{kind} {what} (cut off in flight)") from None
 
     async def close(self) -> None:
         await self.client.close()
@@ -72,13 +98,17 @@ class ApiServer:
         params: Mapping[str, str] | None = None,
     ) -> Reply:
         """One request; (status, JSON body); raises the ApiError of a non-2xx status."""
-        return await self.client.request(method, path, body=body, params=params)
+        call = self.client.request(method, path, body=body, params=params)
+        if method in ("GET", "HEAD"):
+            return await call
+        return await self._write("request", f"{method} {path}", call)
 
     async def apply(self, obj: Mapping[str, Any]) -> Applied:
         """Server-side apply `obj` as kpx-operator, taking over conflicting fields (force)."""
         meta = obj["metadata"]
         path = object_path(str(obj["kind"]), meta["name"], meta.get("namespace"))
-        status, out = await self.client.apply(path, obj, field_manager=FIELD_MANAGER, force=True)
+        call = self.client.apply(path, obj, field_manager=FIELD_MANAGER, force=True)
+        status, out = await self._write(str(obj["kind"]), meta["name"], call)
         return Applied(out, created=status == 201)
 
     async def get(self, kind: str, name: str, namespace: str | None = None) -> Obj | None:
@@ -108,27 +138,31 @@ class ApiServer:
         propagation: str = "Background",
     ) -> bool:
         """Delete; True when the object existed (and is now gone or going)."""
-        return await self.client.delete(object_path(kind, name, namespace),
-                                        propagation=propagation, missing_ok=True)  # fmt: skip
+        path = object_path(kind, name, namespace)
+        call = self.client.delete(path, propagation=propagation, missing_ok=True)
+        return await self._write(kind, name, call)
 
     async def patch(
         self, kind: str, name: str, namespace: str | None, body: Mapping[str, Any]
     ) -> Obj:
         """JSON merge patch of an object the operator does not own (a Node's label, the
         kube-proxy DaemonSet's affinity): only the fields in `body` change."""
-        return await self.client.patch(object_path(kind, name, namespace), body)
+        call = self.client.patch(object_path(kind, name, namespace), body)
+        return await self._write(kind, name, call)
 
     async def patch_status(self, kind: str, name: str, status: Mapping[str, Any]) -> Obj:
         """JSON merge patch of .status through the status subresource."""
-        return await self.client.patch_status(object_path(kind, name), status)
+        call = self.client.patch_status(object_path(kind, name), status)
+        return await self._write(kind, f"{name} status", call)
 
     async def create(self, obj: Mapping[str, Any]) -> Obj:
         meta = obj["metadata"]
-        return await self.client.create(object_path(str(obj["kind"]), None,
-                                                    meta.get("namespace")), obj)  # fmt: skip
+        path = object_path(str(obj["kind"]), None, meta.get("namespace"))
+        name = str(meta.get("name") or meta.get("generateName"))
+        return await self._write(str(obj["kind"]), name, self.client.create(path, obj))
 
     async def replace(self, obj: Mapping[str, Any]) -> Obj:
         """PUT: fails with Conflict when metadata.resourceVersion is stale."""
         meta = obj["metadata"]
         path = object_path(str(obj["kind"]), meta["name"], meta.get("namespace"))
-        return await self.client.replace(path, obj)
+        return await self._write(str(obj["kind"]), meta["name"], self.client.replace(path, obj))

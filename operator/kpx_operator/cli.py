@@ -204,12 +204,13 @@ async def run(args: argparse.Namespace) -> int:
     elector = (
         LeaderElector(api, args.namespace, LEASE_NAME, identity) if args.leader_elect else None
     )
+    if elector is not None:
+        api.fence = elector.lease_left  # no write past the leadership's deadline
     health = await _serve_health(args.health_address, elector)
     try:
         await wait_for_crd(api)
         if elector is not None:
             await elector.acquire()
-        stop = asyncio.Event()
         operator = asyncio.create_task(
             kopf.operator(
                 registry=registry,
@@ -217,16 +218,18 @@ async def run(args: argparse.Namespace) -> int:
                 clusterwide=True,
                 standalone=True,
                 identity=identity,  # type: ignore[arg-type]  # kopf: NewType of str
-                stop_flag=stop,
             )
         )
         lost = asyncio.create_task(elector.hold()) if elector is not None else None
         await asyncio.wait({t for t in (operator, lost) if t}, return_when="FIRST_COMPLETED")
         if lost is not None and lost.done():
+            # At the write deadline, before another replica can take the Lease: the apply
+            # edge refuses every write from now on, and kopf (whose own patches do not go
+            # through it) is cancelled at once rather than given time to finish its work.
             log.error("not the leader any more: stopping")
-            stop.set()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(operator, timeout=20)
+            operator.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await operator
             return 1
         if lost is not None:
             lost.cancel()

@@ -7,11 +7,19 @@ seconds by the candidate's own clock (so clock skew between nodes does not matte
 that cannot renew within `renew_deadline` stops (the process exits and restarts as a
 candidate), which is shorter than the lease duration: it stops acting before anyone else
 starts.
+
+Fencing: the leader may write only until `renew_deadline` after the *start* of its last
+successful renewal (`lease_left`). A candidate that saw that renewal saw it after it started, so
+it takes over `lease_duration` (> `renew_deadline`) after it at the earliest. Every renewal
+attempt is cut off at that deadline (a hung request cannot stretch it), `hold` returns at the
+deadline, and the operator's apply edge refuses writes past it (`ApiServer.fence`). A leader
+that was frozen (SIGSTOP, a paused VM) wakes up past its deadline and writes nothing more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -93,6 +101,15 @@ class LeaderElector:
         self.is_leader = False
         self._seen: tuple[str, str] | None = None  # (holder, renewTime) last observed
         self._seen_at = 0.0
+        # Monotonic time until which this replica may write: the start of its last successful
+        # acquire or renewal plus renew_deadline.
+        self._valid_until = 0.0
+
+    def lease_left(self) -> float:
+        """Seconds this replica may still write as the leader (0: it must not write)."""
+        if not self.is_leader:
+            return 0.0
+        return max(0.0, self._valid_until - self.clock())
 
     def _lease(self, record: LeaseRecord | None, now: str) -> dict[str, Any]:
         ours = record is not None and record.holder == self.identity
@@ -118,10 +135,12 @@ class LeaderElector:
     async def try_acquire_or_renew(self) -> bool:
         """One attempt; True when we hold the Lease afterwards."""
         now = datetime.now(UTC).strftime(MICRO_TIME)
+        started = self.clock()
         try:
             lease = await self.api.get("Lease", self.name, self.namespace)
             if lease is None:
                 await self.api.create(self._lease(None, now))
+                self._valid_until = started + self.renew_deadline
                 return True
             record = LeaseRecord.from_lease(lease)
             if (record.holder, record.renew_time) != self._seen:
@@ -129,6 +148,7 @@ class LeaderElector:
             if not can_take(record, self.identity, self._seen_at, self.clock()):
                 return False
             await self.api.replace(self._lease(record, now))
+            self._valid_until = started + self.renew_deadline
             return True
         except ApiError as exc:
             if exc.status != 409:  # 409: someone else wrote first
@@ -145,16 +165,20 @@ class LeaderElector:
         log.info("leading as %s", self.identity)
 
     async def hold(self) -> None:
-        """Renew until a renewal fails for `renew_deadline` seconds; then return (lost)."""
-        last_ok = self.clock()
+        """Renew every `retry_period` until the write deadline (`lease_left`) passes without a
+        successful renewal; then return (lost). An attempt still running at the deadline is
+        cancelled."""
         while True:
-            await asyncio.sleep(self.retry_period)
-            if await self.try_acquire_or_renew():
-                last_ok = self.clock()
-            elif self.clock() - last_ok >= self.renew_deadline:
+            left = self.lease_left()
+            if left > 0:
+                await asyncio.sleep(min(self.retry_period, left))
+                left = self.lease_left()
+            if left <= 0:
                 self.is_leader = False
                 log.error("lost the lease %s/%s", self.namespace, self.name)
                 return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.try_acquire_or_renew(), left)
 
     async def release(self) -> None:
         """Give the Lease up (on a clean exit) so another replica takes over at once."""

@@ -38,7 +38,7 @@ MANIFESTS = REPO / "operator" / "manifests"
 EXAMPLES = REPO / "examples"
 NS = "kpx-system"
 NODE = "op-e2e-node"  # labelled kpx.dev/pool=b: selected by "default" and by "e2e-pool-b"
-OUR_PXCS = ("default", "ipvs-pool", "e2e-pool-b", "e2e-empty", "e2e-killed")
+OUR_PXCS = ("default", "ipvs-pool", "e2e-pool-b", "e2e-empty", "e2e-killed", "e2e-fenced")
 
 T = TypeVar("T")
 Obj = dict[str, Any]
@@ -516,6 +516,42 @@ def test_killed_in_the_middle_of_a_reconcile_converges(env: Env) -> None:
 
     wait_until(current, 30, "status of the current generation")
     env.kubectl("delete", "proxyconfiguration", "e2e-killed", "--timeout=60s")
+
+
+def test_a_frozen_leader_does_not_write_when_it_wakes_up(env: Env) -> None:
+    """SIGSTOP the leader (a paused VM, a stalled node): the standby takes over once the Lease
+    expires. The frozen one denies ipvs, the new one allows it; the frozen one had a resync
+    timer (every 2 s) running on an ipvs configuration, which on waking up would deny it again
+    (delete its DaemonSet, write IPVSDenied). It must write nothing: it wakes up long past its
+    write deadline, steps down and exits to restart as a candidate."""
+    for op in env.operators:
+        op.stop()
+    frozen = env.start_operator("--ipvs-policy=deny")
+    wait_until(frozen.is_leader, 40, "the deny replica leads")
+    env.apply(pxc_body("e2e-fenced", mode="ipvs", nodeSelector={"kpx.dev/pool": "none"},
+                       ipvs={"acknowledgeDeprecation": True}))  # fmt: skip
+
+    def reason() -> str:
+        return str((env.condition("e2e-fenced", "Degraded") or {}).get("reason", ""))
+
+    wait_until(lambda: reason() == "IPVSDenied", 30, "the frozen-to-be leader denies ipvs")
+    standby = env.start_operator("--ipvs-policy=allow")
+    frozen.proc.send_signal(signal.SIGSTOP)
+    try:
+        wait_until(standby.is_leader, 40, "the standby leads after the Lease expired")
+        ds = wait_until(lambda: env.get("daemonset", "kpx-agent-e2e-fenced", NS), 30, "DaemonSet")
+        wait_until(lambda: reason() not in ("", "IPVSDenied"), 30, "the new leader's status")
+    finally:
+        frozen.proc.send_signal(signal.SIGCONT)
+    assert frozen.proc.wait(30) != 0, "the woken leader went on instead of stepping down"
+    for _ in range(12):  # 3 s: several of the new leader's resyncs
+        time.sleep(0.25)
+        after = env.get("daemonset", "kpx-agent-e2e-fenced", NS)
+        assert after is not None, "the woken leader deleted the new leader's DaemonSet"
+        assert after["metadata"]["uid"] == ds["metadata"]["uid"]
+        assert reason() != "IPVSDenied", "the woken leader wrote its own status"
+    assert standby.is_leader(), "the new leader lost the Lease to the woken one"
+    env.kubectl("delete", "proxyconfiguration", "e2e-fenced", "--timeout=60s")
 
 
 def kpx_tables(topology: Any, node: Any) -> set[str]:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import ssl
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
-from kpx_operator.apiserver import ApiError
+from kpx_operator.apiserver import ApiError, ApiServer, Credentials, NotLeader
 from kpx_operator.leader import LeaderElector, LeaseRecord, can_take
 
 
@@ -130,5 +131,108 @@ def test_leader_steps_down_when_it_cannot_renew() -> None:
         await asyncio.wait_for(a.hold(), timeout=5)
         ticker.cancel()
         assert not a.is_leader
+
+    asyncio.run(scenario())
+
+
+# ---- fencing: no write past the leadership's deadline ---------------------------------------
+
+
+class SlowLeases(Leases):
+    """Each request takes `delay` seconds of the fake clock (a slow apiserver)."""
+
+    def __init__(self, clock: Clock, delay: float) -> None:
+        super().__init__()
+        self.clock, self.delay = clock, delay
+
+    async def replace(self, obj: Mapping[str, Any]) -> Any:
+        self.clock.now += self.delay
+        return await super().replace(obj)
+
+
+def test_the_write_deadline_counts_from_the_start_of_the_last_renewal() -> None:
+    """A candidate saw the renewal after it started, so it may take over lease_duration after
+    that start: the leader's deadline (renew_deadline) counts from the start too."""
+
+    async def scenario() -> None:
+        clock = Clock()
+        store = SlowLeases(clock, delay=3)
+        a = elector(store, "a", clock)
+        await a.acquire()  # create: no delay
+        assert a.lease_left() == 10
+        clock.now += 5
+        assert await a.try_acquire_or_renew()  # replace: 3 s
+        assert a.lease_left() == 7
+        clock.now += 7
+        assert a.lease_left() == 0
+        b = elector(store, "b", clock)
+        assert not await b.try_acquire_or_renew()  # a still writes nothing: b must wait
+
+    asyncio.run(scenario())
+
+
+def test_a_hung_renewal_is_cut_off_at_the_deadline() -> None:
+    """A renewal that never answers must not stretch the leadership (requests time out after
+    30 s, the lease is 15 s): hold returns at the deadline, not after the request."""
+
+    class Hung(Leases):
+        hung = False
+
+        async def get(self, kind: str, name: str, namespace: str | None = None) -> Any:
+            if self.hung:
+                await asyncio.Event().wait()
+            return await super().get(kind, name, namespace)
+
+    async def scenario() -> None:
+        store = Hung()
+        a = LeaderElector(store, "kpx-system", "kpx-operator", "a", retry_period=0.05,
+                          renew_deadline=0.5, lease_duration=1)  # fmt: skip
+        await a.acquire()
+        store.hung = True
+        await asyncio.wait_for(a.hold(), timeout=5)
+        assert not a.is_leader and a.lease_left() == 0
+
+    asyncio.run(scenario())
+
+
+class Recording:
+    """kpx_kube's client as the apply edge calls it: records what would have been sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    async def apply(self, path: str, obj: Any, **_: Any) -> tuple[int, dict[str, Any]]:
+        self.sent.append(f"apply {path}")
+        return 200, dict(obj)
+
+    async def replace(self, path: str, obj: Any) -> dict[str, Any]:
+        self.sent.append(f"replace {path}")
+        return dict(obj)
+
+
+def test_a_frozen_leader_writes_nothing_when_it_wakes_up() -> None:
+    """SIGSTOPped past its deadline: every write but the Lease's is refused before it is sent."""
+
+    async def scenario() -> None:
+        store, clock = Leases(), Clock()
+        a = elector(store, "a", clock)
+        await a.acquire()
+        api = ApiServer(Credentials("https://127.0.0.1:1", ssl.create_default_context()))
+        recording = Recording()
+        api.client = recording  # type: ignore[assignment]
+        api.fence = a.lease_left
+        cm = {"apiVersion": "v1", "kind": "ConfigMap",
+              "metadata": {"name": "kpx-agent-default", "namespace": "kpx-system"}}  # fmt: skip
+        await api.apply(cm)
+        assert recording.sent == [
+            "apply /api/v1/namespaces/kpx-system/configmaps/kpx-agent-default"
+        ]
+        clock.now += 60  # frozen, then woken up
+        with pytest.raises(NotLeader):
+            await api.apply(cm)
+        lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                 "metadata": {"name": "kpx-operator", "namespace": "kpx-system"}}  # fmt: skip
+        await api.replace(lease)  # the Lease itself is how it finds out: never fenced
+        assert len(recording.sent) == 2 and recording.sent[1].startswith("replace ")
 
     asyncio.run(scenario())
