@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
 import os
+import socket
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -26,6 +28,15 @@ from . import exec_plugin, tls
 from .kubeconfig import Cluster, ExecConfig, KubeconfigError, Material, parse
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+#: The apiserver's own addresses (host:port, comma-separated), tried before
+#: KUBERNETES_SERVICE_HOST: the kpx operator sets it on the agents from the `kubernetes`
+#: Service's EndpointSlice, so an agent never needs a Service VIP (which only a proxy on the
+#: node answers) to reach the apiserver.
+APISERVER_ENDPOINTS_ENV = "KPX_APISERVER_ENDPOINTS"
+#: How long a candidate address may take to accept a TCP connection at start.
+PROBE_TIMEOUT = 1.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -157,13 +168,61 @@ def from_kubeconfig(path: Path, context: str | None = None) -> Credentials:
     )
 
 
-def in_cluster(env: Mapping[str, str] = os.environ) -> Credentials:
-    """The pod's service account: KUBERNETES_SERVICE_HOST/PORT, the mounted CA and projected
-    token (KPX_SERVICEACCOUNT_DIR: where they are mounted when not at the standard path)."""
+def split_host_port(endpoint: str) -> tuple[str, int]:
+    """`host:port`, `[v6]:port` -> (host, port); ValueError naming the entry otherwise."""
+    host, sep, port = endpoint.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{APISERVER_ENDPOINTS_ENV}: {endpoint!r} is not host:port")
+    return host, int(port)
+
+
+def apiserver_candidates(env: Mapping[str, str]) -> list[tuple[str, int]]:
+    """Where to reach the apiserver, in order: the addresses in KPX_APISERVER_ENDPOINTS, then
+    KUBERNETES_SERVICE_HOST/PORT (the `kubernetes` Service, as the kubelet sets it)."""
+    out = [split_host_port(e) for e in env.get(APISERVER_ENDPOINTS_ENV, "").split(",") if e.strip()]
     host = env.get("KUBERNETES_SERVICE_HOST")
-    if not host:
+    if host:
+        out.append((host.strip("[]"), int(env.get("KUBERNETES_SERVICE_PORT", "443"))))
+    return list(dict.fromkeys(out))
+
+
+def tcp_reachable(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_TIMEOUT):
+            return True
+    except OSError:
+        return False
+
+
+def choose_endpoint(
+    candidates: list[tuple[str, int]], reachable: Callable[[str, int], bool]
+) -> tuple[str, int]:
+    """The first candidate that accepts a connection; the first one when none does (the client
+    then retries it as usual). One candidate is taken without a probe."""
+    if len(candidates) > 1:
+        for host, port in candidates:
+            if reachable(host, port):
+                return host, port
+            log.warning("apiserver at %s:%d does not answer; trying the next address", host, port)
+    return candidates[0]
+
+
+def in_cluster(
+    env: Mapping[str, str] = os.environ,
+    reachable: Callable[[str, int], bool] = tcp_reachable,
+) -> Credentials:
+    """The pod's service account: the mounted CA and projected token (KPX_SERVICEACCOUNT_DIR:
+    where they are mounted when not at the standard path), and the first apiserver address
+    that answers of KPX_APISERVER_ENDPOINTS and KUBERNETES_SERVICE_HOST/PORT."""
+    try:
+        candidates = apiserver_candidates(env)
+    except ValueError as exc:
+        raise KubeconfigError(str(exc)) from None
+    if not candidates:
         raise KubeconfigError("not in a cluster (no KUBERNETES_SERVICE_HOST): give a kubeconfig")
-    port = env.get("KUBERNETES_SERVICE_PORT", "443")
+    host, port_number = choose_endpoint(candidates, reachable)
+    port = str(port_number)
     if ":" in host:
         host = f"[{host}]"
     sa = Path(env.get("KPX_SERVICEACCOUNT_DIR", SA_DIR))

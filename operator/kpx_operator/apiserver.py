@@ -40,6 +40,8 @@ class NotLeader(ApiError):
 #: table of the built-in kinds, and the operator's own CRD.
 KINDS: Final[dict[str, Kind]] = {
     **{k: BUILTIN[k] for k in ("ConfigMap", "Pod", "Event", "DaemonSet", "Lease")},
+    # The apiserver's own addresses for the agents (default/kubernetes, get only).
+    "EndpointSlice": BUILTIN["EndpointSlice"],
     "ProxyConfiguration": Kind(f"{GROUP}/{VERSION}", "ProxyConfiguration", PLURAL, False),
     # spec.takeover.moveKubeProxyOff: the label on Nodes, kube-system/kube-proxy's affinity.
     "Node": BUILTIN["Node"],

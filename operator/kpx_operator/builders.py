@@ -21,6 +21,7 @@ from kpx_api import (
 )
 from kpx_api.agentconfig import AgentConfiguration, Rollback
 from kpx_api.constants import API_VERSION, KIND
+from kpx_kube.credentials import APISERVER_ENDPOINTS_ENV
 
 from . import __version__
 from .names import (
@@ -120,6 +121,10 @@ class BuildOptions:
     #: in KUBERNETES_SERVICE_HOST does not answer yet, so a cluster without kube-proxy needs
     #: the real address. None: the kubelet's default (the kubernetes Service).
     apiserver_endpoint: str | None = None
+    #: Without `apiserver_endpoint`: the apiserver's own addresses (host:port) from the
+    #: `kubernetes` EndpointSlice (apiserver_endpoints.py), which the agents try before the
+    #: Service VIP (KPX_APISERVER_ENDPOINTS).
+    apiserver_endpoints: tuple[str, ...] = ()
     #: The agents' image unless spec.image overrides it: the agent of the operator's release
     #: (--agent-image, set by the chart and the manifests), so upgrading the operator rolls
     #: the agents to the same version.
@@ -284,7 +289,9 @@ def _pod_env() -> list[Obj]:
 
 def _apiserver_env(opts: BuildOptions) -> list[Obj]:
     if opts.apiserver_endpoint is None:
-        return []
+        if not opts.apiserver_endpoints:
+            return []
+        return [{"name": APISERVER_ENDPOINTS_ENV, "value": ",".join(opts.apiserver_endpoints)}]
     host, _, port = opts.apiserver_endpoint.rpartition(":")
     return [
         {"name": "KUBERNETES_SERVICE_HOST", "value": host.strip("[]")},

@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -36,6 +36,7 @@ from kpx_api.takeover import KUBE_PROXY_OFF_LABEL, TakeoverStatus
 from .admission import Admission, IPVSPolicy, PxcInfo, admit, conflict_message
 from .agent_reports import NodeProblem, conntrack_problems
 from .apiserver import ApiError, Applied
+from .apiserver_endpoints import REFRESH_SECONDS, SLICE_NAME, SLICE_NAMESPACE, endpoints_of
 from .builders import (
     CONFIG_KEY,
     BuildOptions,
@@ -142,8 +143,38 @@ class Reconciler:
         self._status: dict[str, ProxyConfigurationStatus] = {}  # uid -> last written
         self._told: dict[tuple[str, str], str] = {}  # (uid, topic) -> what we last said
         self._cleared: set[str] = set()  # uids whose children were removed (not deployed)
+        #: The apiserver's addresses for the agents, and when they were read (`clock`).
+        self._apiserver: tuple[tuple[str, ...], float] | None = None
 
     # -- helpers ---------------------------------------------------------------------------------
+    async def _options(self) -> BuildOptions:
+        """The build options, with the apiserver's own addresses for the agents unless
+        --apiserver-endpoint names one (read at most every REFRESH_SECONDS; on a failed read
+        the last known addresses stay, so the agents' pod template does not flap)."""
+        opts = self.config.build
+        if opts.apiserver_endpoint is not None:
+            return opts
+        now = self.clock().timestamp()
+        if self._apiserver is None or now - self._apiserver[1] >= REFRESH_SECONDS:
+            known = self._apiserver[0] if self._apiserver else ()
+            try:
+                found = endpoints_of(
+                    await self.api.get("EndpointSlice", SLICE_NAME, SLICE_NAMESPACE)
+                )
+            except ApiError as exc:
+                keep = ", ".join(known) or "the kubernetes Service"
+                log.warning("the apiserver's addresses (EndpointSlice %s/%s): %s; the agents "
+                            "keep %s", SLICE_NAMESPACE, SLICE_NAME, exc, keep)  # fmt: skip
+                found = known
+            if not found and not known:
+                log.warning(
+                    "the apiserver publishes no address the agents can use: they reach it "
+                    "through the kubernetes Service, which needs a proxy on the node (set "
+                    "--apiserver-endpoint for clusters without kube-proxy)"
+                )
+            self._apiserver = (found, now)
+        return replace(opts, apiserver_endpoints=self._apiserver[0])
+
     def _lock(self, uid: str) -> asyncio.Lock:
         return self._locks.setdefault(uid, asyncio.Lock())
 
@@ -224,7 +255,7 @@ class Reconciler:
             generation = int(meta.get("generation") or 0)
             spec, invalid, admission = self._decide(body, pxcs, nodes)
             owner = Owner(name, uid)
-            opts = self.config.build
+            opts = await self._options()
             error: str | None = None
             ds: Obj | None = None
             problems: tuple[NodeProblem, ...] = ()
@@ -504,7 +535,7 @@ class Reconciler:
         meta = body.get("metadata") or {}
         uid, name = str(meta.get("uid")), str(meta.get("name"))
         self._deleting.add(uid)
-        opts = self.config.build
+        opts = await self._options()
         names = child_names(name)
         async with self._lock(uid):
             spec, _, admission = self._decide(body, pxcs, nodes)

@@ -440,7 +440,7 @@ class AgentProcess:
 def start_agent(
     topology: Topology,
     node: Node,
-    kubeconfig: Path,
+    kubeconfig: Path | None,
     *,
     mode: str = "nftables",
     config: Path | None = None,
@@ -448,12 +448,15 @@ def start_agent(
     extra_args: Sequence[str] = (),
     wait: bool = True,
     timeout: float = 30.0,
+    env_extra: Mapping[str, str] | None = None,
 ) -> AgentProcess:
     """Start `proxy-agent` in `node`'s netns (its output in a log file under the topology's
     temporary directory); with `wait`, return once the first sync is done and /healthz
-    answers 200."""
+    answers 200. Without a kubeconfig the agent uses in-cluster credentials (`env_extra`
+    says where: KUBERNETES_SERVICE_HOST, KPX_SERVICEACCOUNT_DIR, ...)."""
     argv = [sys.executable, "-m", "kpx_agent.cli", "--mode", mode, "--node-name", node.name]
-    argv += ["--kubeconfig", str(kubeconfig)]
+    if kubeconfig is not None:
+        argv += ["--kubeconfig", str(kubeconfig)]
     for cidr in cluster_cidrs:
         argv += ["--cluster-cidr", cidr]
     if config is not None:
@@ -466,6 +469,7 @@ def start_agent(
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (AGENT_PYTHONPATH, env.get("PYTHONPATH", "")) if p
     )
+    env.update(env_extra or {})
     with log_path.open("wb") as log:
         proc = topology.run(
             node, argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env

@@ -274,6 +274,9 @@ def test_release_namespace_everywhere(helm_env: dict[str, str]) -> None:
             # spec.takeover: the agents list kube-proxy's Pods where they are, the operator
             # patches kube-proxy's DaemonSet (moveKubeProxyOff).
             assert obj["metadata"]["namespace"] == "kube-system", key(obj)
+        elif obj["metadata"]["name"] == "kpx-operator-apiserver":
+            # The apiserver's addresses: the kubernetes Service's EndpointSlice.
+            assert obj["metadata"]["namespace"] == "default", key(obj)
         elif obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ProxyConfiguration"):
             assert obj["metadata"]["namespace"] == "proxy", key(obj)
         for subject in obj.get("subjects", []):

@@ -19,7 +19,7 @@ import yaml
 from kpx_cluster.pki import CertificateAuthority
 from kpx_kube import ApiError, KubeconfigError, from_kubeconfig, in_cluster
 from kpx_kube import Client as KubeClient
-from kpx_kube.credentials import Credentials
+from kpx_kube.credentials import Credentials, apiserver_candidates
 from kpx_kube.exec_plugin import ExecPluginError, exec_info, parse_credential
 from kpx_kube.kubeconfig import Cluster, ExecConfig, parse
 
@@ -231,6 +231,36 @@ def test_in_cluster_reads_the_projected_token_again(tmp_path: Path) -> None:
     assert asyncio.run(creds.auth()).token == "rotated"
     with pytest.raises(KubeconfigError, match="not in a cluster"):
         in_cluster({})
+
+
+def test_in_cluster_prefers_the_apiserver_addresses_to_the_service_vip(tmp_path: Path) -> None:
+    """After a node reboot without kube-proxy nothing answers the `kubernetes` Service IP until
+    the agent programmed it: the agent must reach the apiserver at its own addresses."""
+    ca = CertificateAuthority(tmp_path / "pki")
+    (tmp_path / "sa").mkdir()
+    (tmp_path / "sa" / "ca.crt").write_bytes(ca.pair.cert.read_bytes())
+    (tmp_path / "sa" / "token").write_text("t")
+    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443",
+           "KPX_APISERVER_ENDPOINTS": "192.0.2.10:6443,[2001:db8::10]:6443",
+           "KPX_SERVICEACCOUNT_DIR": str(tmp_path / "sa")}  # fmt: skip
+    assert apiserver_candidates(env) == [
+        ("192.0.2.10", 6443), ("2001:db8::10", 6443), ("10.96.0.1", 443),
+    ]  # fmt: skip
+    tried: list[tuple[str, int]] = []
+
+    def only_v6(host: str, port: int) -> bool:
+        tried.append((host, port))
+        return host == "2001:db8::10"
+
+    assert in_cluster(env, only_v6).server == "https://[2001:db8::10]:6443"
+    assert tried == [("192.0.2.10", 6443), ("2001:db8::10", 6443)]
+    # Nothing answers: the first address (the client retries it), never an exception.
+    assert in_cluster(env, lambda h, p: False).server == "https://192.0.2.10:6443"
+    # One candidate: no probe at all.
+    alone = {k: v for k, v in env.items() if k != "KPX_APISERVER_ENDPOINTS"}
+    assert in_cluster(alone, lambda h, p: pytest.fail("probed")).server == "https://10.96.0.1:443"
+    with pytest.raises(KubeconfigError, match="KPX_APISERVER_ENDPOINTS: 'nope' is not host:port"):
+        in_cluster({**env, "KPX_APISERVER_ENDPOINTS": "nope"})
 
 
 # -- the exec credential cache, with a real plugin process ----------------------------------------

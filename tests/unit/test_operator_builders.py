@@ -399,6 +399,17 @@ def test_operator_may_touch_only_kube_proxys_daemonset_in_kube_system() -> None:
     ]  # fmt: skip
 
 
+def test_operator_may_read_only_the_kubernetes_endpointslice_in_default() -> None:
+    """The apiserver's addresses for the agents: get default/kubernetes, nothing else there."""
+    in_default = [
+        (o, r) for o, r in _operator_rules() if o["metadata"].get("namespace") == "default"
+    ]
+    assert [r for _, r in in_default] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+         "resourceNames": ["kubernetes"], "verbs": ["get"]}
+    ]  # fmt: skip
+
+
 def _grants(rules: Iterable[Obj]) -> set[tuple[str, str, str]]:
     return {
         (group, resource, verb)
@@ -420,7 +431,8 @@ def _operator_rules() -> list[tuple[Obj, Obj]]:
         in o["subjects"]
     }
     assert bound == {("ClusterRole", "kpx-operator"), ("Role", "kpx-operator"),
-                     ("Role", "kpx-operator-takeover")}  # fmt: skip
+                     ("Role", "kpx-operator-takeover"),
+                     ("Role", "kpx-operator-apiserver")}  # fmt: skip
     return [(o, r) for o, r in _rules(_manifests()) if (o["kind"], o["metadata"]["name"]) in bound]
 
 
