@@ -110,6 +110,8 @@ def _named(doc: Mapping[str, Any], section: str, inner: str) -> dict[str, Mappin
     for i, entry in enumerate(entries):
         if not isinstance(entry, Mapping) or not entry.get("name"):
             raise KubeconfigError(f"{section}[{i}].name: missing")
+        if not isinstance(entry["name"], str):
+            raise KubeconfigError(f"{section}[{i}].name: a string is needed")
         body = entry.get(inner) or {}
         if not isinstance(body, Mapping):
             raise KubeconfigError(f"{section}[{entry['name']}].{inner}: a mapping is needed")
@@ -172,17 +174,19 @@ def parse(doc: Any, base_dir: Path, context: str | None = None) -> Context:
     name = context or doc.get("current-context")
     if not name:
         raise KubeconfigError("current-context: not set (and no context was asked for)")
+    if not isinstance(name, str):
+        raise KubeconfigError(f"current-context: a context name is needed, got {name!r}")
     if name not in contexts:
         what = "context" if context else "current-context"
         raise KubeconfigError(f"{what}: no context named {name!r} in contexts")
     ctx = contexts[name]
     cluster_name, user_name = ctx.get("cluster"), ctx.get("user")
     clusters = _named(doc, "clusters", "cluster")
-    if cluster_name not in clusters:
+    if not isinstance(cluster_name, str) or cluster_name not in clusters:
         raise KubeconfigError(f"contexts[{name}].context.cluster: no cluster named "
                               f"{cluster_name!r} in clusters")  # fmt: skip
     users = _named(doc, "users", "user")
-    if user_name and user_name not in users:
+    if user_name and (not isinstance(user_name, str) or user_name not in users):
         raise KubeconfigError(f"contexts[{name}].context.user: no user named {user_name!r} "
                               "in users")  # fmt: skip
     return Context(
