@@ -25,11 +25,13 @@ from . import kernel, netlink_batch
 from . import names as n
 from .element_book import ElementBook, Plan
 from .ruleset import (
+    MERGED_SETS,
     ChainDef,
     PortRender,
     base_table,
     endpoint_chain,
     endpoint_chain_counts,
+    kernel_pairs,
     render_port,
 )
 from .schema import Element, Pair
@@ -60,7 +62,9 @@ class NftablesBackend:
         self._run_transactions = run_transactions
         self._present_families = present_families
         self._load_elements = load_elements
-        self._books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
+        self._books: dict[int, ElementBook[ServicePortKey]] = {
+            f: ElementBook(MERGED_SETS) for f in FAMILIES
+        }
         self._chains: dict[int, set[tuple[str, int]]] = {f: set() for f in FAMILIES}
         self._port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
             f: {} for f in FAMILIES
@@ -82,7 +86,7 @@ class NftablesBackend:
             self._partial_sync(state, changed)
 
     def _full_sync(self, state: NodeLocalState) -> None:
-        plans: dict[int, Plan[ServicePortKey]] = {f: Plan() for f in FAMILIES}
+        plans: dict[int, Plan[ServicePortKey]] = {f: Plan(merge=MERGED_SETS) for f in FAMILIES}
         chains: dict[int, set[tuple[str, int]]] = {f: set() for f in FAMILIES}
         port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
             f: {} for f in FAMILIES
@@ -108,7 +112,9 @@ class NftablesBackend:
                 time.monotonic() - started,
             )
         t0 = time.monotonic()
-        books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
+        books: dict[int, ElementBook[ServicePortKey]] = {
+            f: ElementBook(MERGED_SETS) for f in FAMILIES
+        }
         for fam in FAMILIES:
             books[fam].commit(plans[fam])
             self._log_conflicts(plans[fam])
@@ -161,6 +167,15 @@ class NftablesBackend:
                         bulk.setdefault(set_name, []).extend(pairs)
                     else:
                         txn.add_elements(set_name, pairs)
+                yield txn
+            # What several Services share (merged across owners), once all have claimed.
+            txn = Transaction(fam)
+            merged: dict[str, list[Pair]] = {}
+            for set_name, element_key, value in plans[fam].merged_elements():
+                merged.setdefault(set_name, []).append((element_key, value))
+            for set_name, pairs in sorted(merged.items()):
+                txn.add_elements(set_name, kernel_pairs(set_name, pairs))
+            if txn:
                 yield txn
 
     def _partial_sync(self, state: NodeLocalState, changed: Collection[ServicePortKey]) -> None:
@@ -236,9 +251,16 @@ class NftablesBackend:
     ) -> None:
         for dispatch_map, count in sorted(chains):
             txn.add_endpoint_chain(*endpoint_chain(fam, dispatch_map, count))
-        for set_name, keys in sorted(plan.delete.items()):
-            txn.delete_elements(set_name, keys)
-        for set_name, pairs in sorted(plan.add.items()):
+        adds: dict[str, list[Pair]] = {}
+        for set_name in sorted(plan.delete.keys() | plan.add.keys()):
+            replaced = [(k, plan.replaced[(set_name, k)]) for k in plan.delete.get(set_name, ())]
+            old = kernel_pairs(set_name, replaced)
+            new = kernel_pairs(set_name, plan.add.get(set_name, ()))
+            if set_name in MERGED_SETS:  # a value replaced: only the kernel elements it changes
+                old, new = [p for p in old if p not in new], [p for p in new if p not in old]
+            txn.delete_elements(set_name, [key for key, _ in old])
+            adds[set_name] = new
+        for set_name, pairs in adds.items():
             txn.add_elements(set_name, pairs)
 
     def _apply(self, transactions: Iterable[Transaction]) -> None:

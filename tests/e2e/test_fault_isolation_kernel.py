@@ -1,0 +1,75 @@
+"""No single Service takes the dataplane down, in a real kernel (fresh network namespaces).
+
+The poison pair: two Services on one load-balancer IP and port with overlapping
+loadBalancerSourceRanges (10.0.0.0/8 and 10.244.0.0/16), the second arriving in a later
+partial sync (a second tenant). The kernel refuses overlapping intervals in one set, so this
+once made every sync fail until the pair was deleted. Now a third Service created afterwards is
+programmed and answers, and the load balancer answers the sources both Services allow."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from kpx_cluster.netns import Node, Pod, Topology
+from kpx_cluster.probe import probe
+
+pytestmark = pytest.mark.netns
+
+LB = "192.0.2.50"
+C_VIP = "10.96.0.52"
+
+# Runs inside n1's netns: argv = mode, b1, b2, n1, load-balancer IP, the later cluster IP.
+POISON_PAIR = """
+import sys
+from ipaddress import ip_network as net
+from kpx_agent.localnet import *
+from kpx_agent.node_local import local_state
+from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.nftables.backend import NftablesBackend
+ip = IP.of
+mode, b1, b2, n1, lb, c_vip = sys.argv[1:7]
+eps = (Endpoint(ip(b1), 8080, True), Endpoint(ip(b2), 8080))
+def port(name, vip, **kw):
+    key = ServicePortKey("d", name, "", Protocol.TCP, 4)
+    return ServicePort(key, 80, cluster_ips=(ip(vip),), cluster_endpoints=eps,
+                       external_endpoints=eps, **kw)
+a = port("a", "10.96.0.50", load_balancer_ips=(ip(lb),),
+         load_balancer_source_ranges=(net("10.0.0.0/8"),))
+b = port("b", "10.96.0.51", load_balancer_ips=(ip(lb),),
+         load_balancer_source_ranges=(net("10.244.0.0/16"),))
+c = port("c", c_vip)
+settings = ProxySettings(cluster_cidrs=(net("10.244.0.0/16"),))
+backend = {"nftables": NftablesBackend, "iptables": IptablesBackend}[mode](settings)
+state = local_state(NodeInfo("n1", (ip(n1),)), settings, [a])
+backend.sync(state, None)
+for later in (b, c):
+    state.services[later.key] = later
+    backend.sync(state, [later.key])
+print("synced")
+"""
+
+
+def setup(topology: Topology) -> tuple[Node, Pod, Pod, Pod]:
+    n1, n2 = topology.add_node("n1"), topology.add_node("n2")
+    b1, b2 = topology.add_pod(n1, "b1"), topology.add_pod(n2, "b2")
+    client = topology.add_pod(n1, "client")
+    for pod in (b1, b2):
+        topology.run_ready(
+            pod,
+            topology.python_argv("kpx_cluster.echo_server", "--name", pod.name, "--port", "8080"),
+        )
+    return n1, b1, b2, client
+
+
+@pytest.mark.parametrize("mode", ["nftables", "iptables"])
+def test_poison_pair_in_later_syncs_blocks_nothing(topology: Topology, mode: str) -> None:
+    n1, b1, b2, client = setup(topology)
+    argv = [sys.executable, "-c", POISON_PAIR, mode, b1.ipv4, b2.ipv4, n1.ipv4, LB, C_VIP]
+    result = topology.exec(n1, argv)
+    assert result.returncode == 0 and "synced" in result.stdout, result.stderr
+    later = probe(topology, client, C_VIP, 80, "tcp", count=10, timeout=1)
+    assert later.failed == 0 and later.backends == {"b1", "b2"}, later
+    shared = probe(topology, client, LB, 80, "tcp", count=10, timeout=1)
+    assert shared.failed == 0 and shared.backends, shared
