@@ -73,3 +73,46 @@ def test_poison_pair_in_later_syncs_blocks_nothing(topology: Topology, mode: str
     assert later.failed == 0 and later.backends == {"b1", "b2"}, later
     shared = probe(topology, client, LB, 80, "tcp", count=10, timeout=1)
     assert shared.failed == 0 and shared.backends, shared
+
+
+# The ipvs mode's helper nftables table, in a real kernel; IPVS itself is faked (this kernel
+# may have none: test_ipvs_kernel.py runs in a proxy-vm guest). Runs inside n1's netns.
+IPVS_HELPER = """
+from ipaddress import ip_network as net
+from kpx_agent.localnet import *
+from kpx_agent.backends.ipvs import kernel
+from kpx_agent.backends.ipvs.backend import IpvsBackend
+ip = IP.of
+
+class NoIpvs:
+    def services(self): return []
+    def __getattr__(self, name): return lambda *args, **kw: {}
+
+for name in ("write_sysctl", "set_timeouts", "ensure_dummy", "bind"):
+    setattr(kernel, name, lambda *args: None)
+kernel.bound_addresses = lambda: set()
+def port(name, vip, node_port, **kw):
+    key = ServicePortKey("d", name, "", Protocol.TCP, 4)
+    return ServicePort(key, 80, cluster_ips=(ip(vip),), node_port=node_port, **kw)
+lb = {"load_balancer_ips": (ip("192.0.2.50"),)}
+a = port("a", "10.96.0.50", 30050, load_balancer_source_ranges=(net("10.0.0.0/8"),), **lb)
+b = port("b", "10.96.0.51", 30051, load_balancer_source_ranges=(net("10.244.0.0/16"),), **lb)
+c = port("c", "10.96.0.52", 30052)
+backend = IpvsBackend(ProxySettings(), ipvs_factory=NoIpvs)
+state = NodeLocalState(NodeInfo("n1", ()), {a.key: a})
+backend.sync(state, None)
+for later in (b, c):
+    state.services[later.key] = later
+    backend.sync(state, [later.key])
+print("synced")
+"""
+
+
+def test_poison_pair_in_later_syncs_in_the_ipvs_helper_table(topology: Topology) -> None:
+    n1 = topology.add_node("n1")
+    result = topology.exec(n1, [sys.executable, "-c", IPVS_HELPER])
+    assert result.returncode == 0 and "synced" in result.stdout, result.stderr
+    listed = topology.exec(n1, ["nft", "list", "table", "ip", "kpx-ipvs"], check=True).stdout
+    assert "10.96.0.52 . tcp . 80" in listed, listed  # the later Service is programmed
+    assert "192.0.2.50 . tcp . 80 . 10.244.0.0/16" in listed, listed  # what both allow
+    assert "10.0.0.0/8" not in listed, listed
