@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 from ...localnet import NodeLocalState, ProxySettings, ServicePortKey
-from ..base import BackendError
+from ..base import Backend, BackendError
 from . import kernel
 from . import names as n
 from .chain_book import ChainBook, ChainPlan
@@ -35,7 +35,7 @@ Save = Callable[[int, str], str]  # (family, table) -> iptables-save output
 ChainExists = Callable[[int, str, str], bool]  # (family, table, chain)
 
 
-class IptablesBackend:
+class IptablesBackend(Backend):
     mode = "iptables"
 
     def __init__(

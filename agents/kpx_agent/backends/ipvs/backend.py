@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Collection, Iterable
 
 from ...localnet import IPNetwork, NodeInfo, NodeLocalState, ProxySettings, ServicePortKey
-from ..base import BackendError
+from ..base import Backend, BackendError
 from . import kernel
 from .model import (
     FIREWALL_ALLOW,
@@ -46,7 +46,7 @@ FAMILIES = (4, 6)
 GRACEFUL_PROTOCOLS = ("tcp",)
 
 
-class IpvsBackend:
+class IpvsBackend(Backend):
     mode = "ipvs"
 
     def __init__(self, settings: ProxySettings, ipvs_factory=kernel.Ipvs) -> None:

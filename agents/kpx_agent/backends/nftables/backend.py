@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 
 from ...localnet import NodeLocalState, ProxySettings, ServicePort, ServicePortKey
-from ..base import BackendError
+from ..base import Backend, BackendError
 from . import kernel, netlink_batch
 from . import names as n
 from .element_book import ElementBook, Plan
@@ -44,7 +44,7 @@ FAMILIES = (4, 6)
 STREAM_CHUNK = 1000
 
 
-class NftablesBackend:
+class NftablesBackend(Backend):
     mode = "nftables"
 
     def __init__(
@@ -54,12 +54,17 @@ class NftablesBackend:
         present_families: Callable[[], set[int]] = kernel.present_families,
         load_elements: Callable[[netlink_batch.Elements], None] = kernel.load_elements,
         run_transactions: Callable[[Iterable[Transaction]], None] | None = None,
+        check_script: Callable[[Iterable[str]], str | None] = kernel.check_script,
+        check_transactions: Callable[[Iterable[Transaction]], str | None] | None = None,
     ) -> None:
-        """`run_script` applies nft text; `run_transactions`, when given, takes the typed
-        transactions instead (the kernel fake in the tests applies them as they are)."""
+        """`run_script` applies nft text and `check_script` asks nft's check mode about it;
+        `run_transactions` and `check_transactions`, when given, take the typed transactions
+        instead (the kernel fake in the tests applies them as they are)."""
         self.settings = settings
         self._run = run_script
         self._run_transactions = run_transactions
+        self._check = check_script
+        self._check_transactions = check_transactions
         self._present_families = present_families
         self._load_elements = load_elements
         self._books: dict[int, ElementBook[ServicePortKey]] = {
@@ -177,6 +182,20 @@ class NftablesBackend:
                 txn.add_elements(set_name, kernel_pairs(set_name, pairs))
             if txn:
                 yield txn
+
+    def check(self, state: NodeLocalState) -> str | None:
+        """Whether the kernel accepts `state` as both tables, swapped whole (the full sync's
+        transaction, every element in nft text), asked in nft's check mode: nothing changes,
+        and this backend's record neither."""
+        plans: dict[int, Plan[ServicePortKey]] = {f: Plan(merge=MERGED_SETS) for f in FAMILIES}
+        chains: dict[int, set[tuple[str, int]]] = {f: set() for f in FAMILIES}
+        port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
+            f: {} for f in FAMILIES
+        }
+        transactions = self._full_script(state, plans, chains, port_chains, {})
+        if self._check_transactions is not None:
+            return self._check_transactions(transactions)
+        return self._check(txn.render() for txn in transactions)
 
     def _partial_sync(self, state: NodeLocalState, changed: Collection[ServicePortKey]) -> None:
         plans: dict[int, Plan[ServicePortKey]] = {}

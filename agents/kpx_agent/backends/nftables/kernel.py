@@ -60,6 +60,20 @@ def run_script(parts: Iterable[str]) -> None:
             raise BackendError(f"nft rejected the transaction (exit {status}): {message}")
 
 
+def check_script(parts: Iterable[str]) -> str | None:
+    """Whether the kernel accepts the concatenated `parts` as one transaction, asked in nft's
+    check mode (`nft --check`: the kernel validates the whole batch and applies nothing).
+    None when it does, else nft's message."""
+    try:
+        proc = subprocess.run([NFT, "--check", "-f", "-"], input="".join(parts),
+                              capture_output=True, text=True, check=False)  # fmt: skip
+    except OSError as exc:
+        raise BackendError(f"cannot run {NFT}: {exc}") from exc
+    if proc.returncode == 0:
+        return None
+    return proc.stderr.strip()[:2000] or f"nft --check exited {proc.returncode}"
+
+
 def _close(stream: IO[bytes]) -> None:
     with contextlib.suppress(BrokenPipeError):
         stream.close()
