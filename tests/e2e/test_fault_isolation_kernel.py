@@ -116,3 +116,71 @@ def test_poison_pair_in_later_syncs_in_the_ipvs_helper_table(topology: Topology)
     assert "10.96.0.52 . tcp . 80" in listed, listed  # the later Service is programmed
     assert "192.0.2.50 . tcp . 80 . 10.244.0.0/16" in listed, listed  # what both allow
     assert "10.0.0.0/8" not in listed, listed
+
+
+# The proxier with the nftables backend in n1's netns; the Service "poison" renders, in IPv6
+# only, a dispatch to a chain that does not exist (the kernel refuses it: ENOENT) - a stand-in
+# for any element the kernel refuses. argv = b1, b2.
+REFUSED = """
+import sys
+from kpx_agent.backends.nftables import backend as nft_backend
+from kpx_agent.backends.nftables import names as n
+from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.schema import Goto
+from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+from kpx_agent.localnet import ProxySettings
+from kpx_agent.metrics import AgentMetrics
+from kpx_agent.proxier import DATAPLANE, Proxier
+from kpx_api.proxysettings import NamespaceOptOut
+from ipaddress import ip_network
+
+render_port = nft_backend.render_port
+def poisoned(sp):
+    out = render_port(sp)
+    if sp.key.name == "poison" and sp.family == 6:
+        out.elements.append((n.SERVICE_IPS, (sp.cluster_ips[0], sp.protocol, 81), Goto("nowhere")))
+    return out
+nft_backend.render_port = poisoned
+
+b1, b2 = sys.argv[1:3]
+def service(name, *ips):
+    fams = ["IPv6" if ":" in ip else "IPv4" for ip in ips]
+    return {"metadata": {"namespace": "d", "name": name},
+            "spec": {"clusterIPs": list(ips), "ipFamilies": fams,
+                     "ports": [{"port": 80, "protocol": "TCP", "targetPort": 8080}]}}
+def slice_of(name):
+    return {"metadata": {"namespace": "d", "name": name + "-1",
+                         "labels": {"kubernetes.io/service-name": name}},
+            "addressType": "IPv4", "ports": [{"port": 8080, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [b1]}, {"addresses": [b2]}]}
+state = ClusterState()
+for kind in (SERVICES, SLICES, NAMESPACES, NODES):
+    state.replace(kind, [])
+settings = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))
+proxier = Proxier(state, NftablesBackend(settings), "n1", NamespaceOptOut(), AgentMetrics())
+proxier.delete_flows = lambda flows: 0
+state.upsert(SERVICES, service("a", "10.96.0.60"))
+state.upsert(SLICES, slice_of("a"))
+assert proxier.sync().ok
+state.upsert(SERVICES, service("poison", "10.96.0.61", "fd00:96::61"))
+state.upsert(SLICES, slice_of("poison"))
+state.upsert(SERVICES, service("c", "10.96.0.62"))
+state.upsert(SLICES, slice_of("c"))
+outcome = proxier.sync()
+assert outcome.ok, outcome
+print(sorted((p.name, p.reason, p.message) for p in proxier.problems.of(DATAPLANE)))
+"""
+
+
+def test_a_service_the_kernel_refuses_is_left_out_and_the_rest_programmed(
+    topology: Topology,
+) -> None:
+    n1, b1, b2, client = setup(topology)
+    result = topology.exec(n1, [sys.executable, "-c", REFUSED, b1.ipv4, b2.ipv4])
+    assert result.returncode == 0, result.stderr
+    assert "('poison', 'RefusedByKernel', 'IPv6 not programmed" in result.stdout, result.stdout
+    for vip in ("10.96.0.60", "10.96.0.61", "10.96.0.62"):  # the culprit's IPv4 too
+        answered = probe(topology, client, vip, 80, "tcp", count=6, timeout=1)
+        assert answered.failed == 0 and answered.backends, (vip, answered)
+    listed = topology.exec(n1, ["nft", "list", "map", "ip6", "kpx", "service-ips"]).stdout
+    assert "fd00:96::61" not in listed, listed
