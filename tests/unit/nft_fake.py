@@ -80,6 +80,8 @@ class FakeNftables:
         self.transactions = 0
         # Keys the kernel refuses in any set (a poison element): an address, a port, ...
         self.refuse: set[object] = set()
+        # Families whose every transaction the kernel refuses (say, no IPv6 NAT in it).
+        self.broken_families: set[int] = set()
 
     # -- the backend's kernel interface (NftablesBackend's injectable callables)
 
@@ -89,6 +91,8 @@ class FakeNftables:
     def run_transactions(self, transactions: Iterable[Transaction]) -> None:
         staged = copy.deepcopy(self.tables)
         for txn in transactions:
+            if txn.family in self.broken_families and txn.ops:
+                raise FakeError(f"family {txn.family}: refused (EOPNOTSUPP)")
             for op in txn.ops:
                 if op.kind == "add_elements":
                     self._refused(op.args[1])  # type: ignore[arg-type]

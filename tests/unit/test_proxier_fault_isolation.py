@@ -120,3 +120,25 @@ def test_a_fault_no_service_causes_is_a_failed_sync_as_before() -> None:
     outcome = proxier.sync()
     assert not outcome.ok and refused(proxier) == set()
     assert cluster_ips(fake) == {"10.96.0.10"}  # the last good rules stay
+
+
+def test_a_family_the_kernel_refuses_whole_does_not_stop_the_other() -> None:
+    """A fault in the IPv6 table no Service causes (say, a kernel without IPv6 NAT): the
+    sync fails and is retried, but IPv4's changes are in the kernel, in full and partial
+    syncs."""
+    state, fake, proxier = setup()
+    state.upsert(SERVICES, service("a", "10.96.0.10", "fd00:96::10"))
+    assert proxier.sync().ok
+    fake.broken_families = {6}
+    state.upsert(SERVICES, service("b", "10.96.0.11", "fd00:96::11"))
+    outcome = proxier.sync()
+    assert not outcome.ok and not outcome.full and "IPv6" in outcome.error
+    assert cluster_ips(fake) == {"10.96.0.10", "10.96.0.11"}
+    assert cluster_ips(fake, 6) == {"fd00:96::10"}  # the last good IPv6 rules stay
+    state.upsert(SERVICES, service("c", "10.96.0.12", "fd00:96::12"))
+    outcome = proxier.sync()
+    assert not outcome.ok and outcome.full and refused(proxier) == set()
+    assert cluster_ips(fake) == {"10.96.0.10", "10.96.0.11", "10.96.0.12"}
+    fake.broken_families = set()
+    assert proxier.sync().ok
+    assert cluster_ips(fake, 6) == {"fd00:96::10", "fd00:96::11", "fd00:96::12"}

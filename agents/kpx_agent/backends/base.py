@@ -36,7 +36,9 @@ class Backend(Protocol):
 
         `changed` lists the service ports that may differ from the last successful sync; None
         asks for a full sync (first sync, after a failure, after node or settings changes).
-        Must be atomic: on error nothing of this sync is applied and BackendError is raised.
+        Atomic per IP family: on error BackendError is raised, and a family whose change
+        failed keeps its last good rules (the other family's may be applied: one family's
+        fault does not stop the other's programming).
         """
 
     def cleanup(self) -> None:

@@ -1,5 +1,9 @@
 """The nftables backend: one table per IP family, changed by element deltas.
 
+Each family's table is changed by its own nft transaction: one the kernel refuses leaves that
+family's last good rules in place and the other family's change applied (the sync still fails,
+and the next one is a full one).
+
 A full sync swaps each table atomically (used at start, which takes over a previous agent's
 rules without a gap, after a failure, and when the node or settings change). Every other sync
 sends only the elements that changed, computed against the backend's own record, so it never
@@ -85,6 +89,7 @@ class NftablesBackend(Backend):
         return self._synced and self._present_families() == set(FAMILIES)
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
+        self._last_sent = []
         if changed is None or not self._synced:
             self._full_sync(state)
         else:
@@ -100,32 +105,51 @@ class NftablesBackend(Backend):
         present = self._present_families()
         loaded: dict[int, dict[str, list[Pair]]] = {f: {} for f in FAMILIES if f not in present}
         self.last_loaded = loaded
-        t0 = time.monotonic()
-        self._apply(self._full_script(state, plans, chains, port_chains, loaded))
-        log.debug("full sync: rendered and applied the nft part in %.3f s", time.monotonic() - t0)
-        started = time.monotonic()
-        try:
-            self._load_elements(loaded)
-        except BackendError:
-            self._synced = False  # the tables exist now, empty: the next full sync swaps them
-            raise
-        if loaded:
-            log.info(
-                "%s: no table in the kernel: %d elements loaded by netlink (%.3f s)",
-                ", ".join(f"{n.FAMILIES[f]} {n.TABLE}" for f in loaded),
-                sum(len(pairs) for sets in loaded.values() for pairs in sets.values()),
-                time.monotonic() - started,
-            )
-        t0 = time.monotonic()
-        books: dict[int, ElementBook[ServicePortKey]] = {
-            f: ElementBook(MERGED_SETS) for f in FAMILIES
-        }
+        by_family = self._by_family(state)
+        refused: list[str] = []
         for fam in FAMILIES:
-            books[fam].commit(plans[fam])
+            # Each family is its own transaction: one the kernel refuses leaves the other's in.
+            t0 = time.monotonic()
+            try:
+                txns = self._family_script(
+                    fam, state, by_family[fam], plans, chains, port_chains, loaded
+                )
+                self._apply(txns)
+                log.debug("full sync: IPv%d's nft part in %.3f s", fam, time.monotonic() - t0)
+                self._load_family(fam, loaded)
+            except BackendError as exc:
+                refused.append(f"IPv{fam}: {exc}")
+                continue
+            book: ElementBook[ServicePortKey] = ElementBook(MERGED_SETS)
+            book.commit(plans[fam])
             self._log_conflicts(plans[fam])
-        log.debug("full sync: record committed in %.3f s", time.monotonic() - t0)
-        self._books, self._chains, self._synced = books, chains, True
-        self._port_chains = port_chains
+            self._books[fam], self._chains[fam] = book, chains[fam]
+            self._port_chains[fam] = port_chains[fam]
+        # A family refused keeps its last good rules; the next sync swaps both again.
+        self._synced = not refused
+        if refused:
+            raise BackendError("; ".join(refused))
+
+    def _load_family(self, fam: int, loaded: dict[int, dict[str, list[Pair]]]) -> None:
+        """The netlink part of a family's full sync (none where its table was there)."""
+        if fam not in loaded:
+            return
+        started = time.monotonic()
+        self._load_elements({fam: loaded[fam]})
+        log.info(
+            "%s %s: no table in the kernel: %d elements loaded by netlink (%.3f s)",
+            n.FAMILIES[fam],
+            n.TABLE,
+            sum(len(pairs) for pairs in loaded[fam].values()),
+            time.monotonic() - started,
+        )
+
+    @staticmethod
+    def _by_family(state: NodeLocalState) -> dict[int, list[ServicePort]]:
+        by_family: dict[int, list[ServicePort]] = {f: [] for f in FAMILIES}
+        for key, sp in state.services.items():
+            by_family[key.family].append(sp)
+        return by_family
 
     def _full_script(
         self,
@@ -135,53 +159,66 @@ class NftablesBackend(Backend):
         port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]],
         loaded: dict[int, dict[str, list[Pair]]],
     ) -> Iterator[Transaction]:
-        """The full sync's transaction, one part per chunk of service ports, rendered as nft
-        reads it (and filling in the plans and chains it programs, and for the families in
-        `loaded`, the elements left out of it for the netlink load)."""
-        by_family: dict[int, list[ServicePort]] = {f: [] for f in FAMILIES}
-        for key, sp in state.services.items():
-            by_family[key.family].append(sp)
+        """Both families' full sync transactions, one after the other (`check` asks about
+        them together)."""
+        by_family = self._by_family(state)
         for fam in FAMILIES:
+            yield from self._family_script(
+                fam, state, by_family[fam], plans, chains, port_chains, loaded
+            )
+
+    def _family_script(
+        self,
+        fam: int,
+        state: NodeLocalState,
+        ports: list[ServicePort],
+        plans: dict[int, Plan[ServicePortKey]],
+        chains: dict[int, set[tuple[str, int]]],
+        port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]],
+        loaded: dict[int, dict[str, list[Pair]]],
+    ) -> Iterator[Transaction]:
+        """A family's full sync transaction, one part per chunk of service ports, rendered as
+        nft reads it (and filling in the plans and chains it programs, and for the families
+        in `loaded`, the elements left out of it for the netlink load)."""
+        txn = Transaction(fam)
+        txn.replace_table(base_table(self.settings, state.facts[fam]))
+        yield txn
+        for start in range(0, len(ports), STREAM_CHUNK):
             txn = Transaction(fam)
-            txn.replace_table(base_table(self.settings, state.facts[fam]))
+            claimed: list[Element] = []
+            for sp in ports[start : start + STREAM_CHUNK]:
+                render = render_port(sp)
+                if render.chains:
+                    port_chains[fam][sp.key] = render.chains
+                    for name, chain in render.chains.items():
+                        txn.add_port_chain(name, chain.sets, chain.rules)
+                claimed += plans[fam].claim_fresh(sp.key, render.elements)
+            new_chains = endpoint_chain_counts(claimed) - chains[fam]
+            chains[fam] |= new_chains
+            for dispatch_map, count in sorted(new_chains):
+                txn.add_endpoint_chain(*endpoint_chain(fam, dispatch_map, count))
+            by_set: dict[str, list[Pair]] = {}
+            for set_name, element_key, value in claimed:
+                pairs = by_set.get(set_name)
+                if pairs is None:
+                    pairs = by_set[set_name] = []
+                pairs.append((element_key, value))
+            bulk = loaded.get(fam)
+            for set_name, pairs in sorted(by_set.items()):
+                if bulk is not None and netlink_batch.loadable(set_name):
+                    bulk.setdefault(set_name, []).extend(pairs)
+                else:
+                    txn.add_elements(set_name, pairs)
             yield txn
-            ports = by_family[fam]
-            for start in range(0, len(ports), STREAM_CHUNK):
-                txn = Transaction(fam)
-                claimed: list[Element] = []
-                for sp in ports[start : start + STREAM_CHUNK]:
-                    render = render_port(sp)
-                    if render.chains:
-                        port_chains[fam][sp.key] = render.chains
-                        for name, chain in render.chains.items():
-                            txn.add_port_chain(name, chain.sets, chain.rules)
-                    claimed += plans[fam].claim_fresh(sp.key, render.elements)
-                new_chains = endpoint_chain_counts(claimed) - chains[fam]
-                chains[fam] |= new_chains
-                for dispatch_map, count in sorted(new_chains):
-                    txn.add_endpoint_chain(*endpoint_chain(fam, dispatch_map, count))
-                by_set: dict[str, list[Pair]] = {}
-                for set_name, element_key, value in claimed:
-                    pairs = by_set.get(set_name)
-                    if pairs is None:
-                        pairs = by_set[set_name] = []
-                    pairs.append((element_key, value))
-                bulk = loaded.get(fam)
-                for set_name, pairs in sorted(by_set.items()):
-                    if bulk is not None and netlink_batch.loadable(set_name):
-                        bulk.setdefault(set_name, []).extend(pairs)
-                    else:
-                        txn.add_elements(set_name, pairs)
-                yield txn
-            # What several Services share (merged across owners), once all have claimed.
-            txn = Transaction(fam)
-            merged: dict[str, list[Pair]] = {}
-            for set_name, element_key, value in plans[fam].merged_elements():
-                merged.setdefault(set_name, []).append((element_key, value))
-            for set_name, pairs in sorted(merged.items()):
-                txn.add_elements(set_name, kernel_pairs(set_name, pairs))
-            if txn:
-                yield txn
+        # What several Services share (merged across owners), once all have claimed.
+        txn = Transaction(fam)
+        merged: dict[str, list[Pair]] = {}
+        for set_name, element_key, value in plans[fam].merged_elements():
+            merged.setdefault(set_name, []).append((element_key, value))
+        for set_name, pairs in sorted(merged.items()):
+            txn.add_elements(set_name, kernel_pairs(set_name, pairs))
+        if txn:
+            yield txn
 
     def check(self, state: NodeLocalState) -> str | None:
         """Whether the kernel accepts `state` as both tables, swapped whole (the full sync's
@@ -230,9 +267,14 @@ class NftablesBackend(Backend):
             plans[fam] = plan
             pre.ops += post.ops
             script.append(pre)
-        if not script:
-            return
-        self._apply(script)
+        refused: list[str] = []
+        for txn in script:
+            # Each family is its own transaction: one the kernel refuses leaves the other's in.
+            try:
+                self._apply([txn])
+            except BackendError as exc:
+                refused.append(f"IPv{txn.family}: {exc}")
+                del plans[txn.family]
         for fam, plan in plans.items():
             self._books[fam].commit(plan)
             self._chains[fam] |= new_chains[fam]
@@ -242,6 +284,8 @@ class NftablesBackend(Backend):
                     self._port_chains[fam][key] = new
                 else:
                     self._port_chains[fam].pop(key, None)
+        if refused:
+            raise BackendError("; ".join(refused))  # and the next sync is a full one
 
     @staticmethod
     def _diff_port_chains(
@@ -285,8 +329,7 @@ class NftablesBackend(Backend):
     def _apply(self, transactions: Iterable[Transaction]) -> None:
         # What was sent, for logs and tests: the nft text as it was rendered for nft (no
         # second rendering), or the transactions themselves where they are applied typed.
-        sent: list[str | Transaction] = []
-        self._last_sent = sent
+        sent = self._last_sent
         try:
             if self._run_transactions is not None:
 
