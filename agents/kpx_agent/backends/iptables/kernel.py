@@ -29,6 +29,8 @@ def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProce
         )
     except FileNotFoundError as exc:
         raise BackendError(f"{argv[0]} is not installed") from exc
+    except OSError as exc:  # no pid left (EAGAIN under pids.max), ENOSPC, ...
+        raise BackendError(f"cannot run {argv[0]}: {exc}") from exc
     except subprocess.TimeoutExpired as exc:
         raise BackendError(f"{argv[0]} did not finish within {TIMEOUT:.0f}s") from exc
 

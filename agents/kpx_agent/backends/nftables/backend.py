@@ -86,7 +86,13 @@ class NftablesBackend(Backend):
 
     def programmed(self) -> bool:
         """True while the kernel still has our tables (someone may flush the ruleset)."""
-        return self._synced and self._present_families() == set(FAMILIES)
+        if not self._synced:
+            return False
+        try:
+            return self._present_families() == set(FAMILIES)
+        except BackendError as exc:
+            log.warning("cannot ask the kernel for our tables: %s", exc)
+            return False
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
         self._last_sent = []
