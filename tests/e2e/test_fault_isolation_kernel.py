@@ -184,3 +184,37 @@ def test_a_service_the_kernel_refuses_is_left_out_and_the_rest_programmed(
         assert answered.failed == 0 and answered.backends, (vip, answered)
     listed = topology.exec(n1, ["nft", "list", "map", "ip6", "kpx", "service-ips"]).stdout
     assert "fd00:96::61" not in listed, listed
+
+
+CHECK_MODES = """
+from ipaddress import ip_network as net
+from kpx_agent.localnet import *
+from kpx_agent.node_local import local_state
+from kpx_agent.backends.iptables import kernel as ipt_kernel
+from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.nftables.backend import NftablesBackend
+ip = IP.of
+key = ServicePortKey("d", "a", "", Protocol.TCP, 4)
+ports = [ServicePort(key, 80, cluster_ips=(ip("10.96.0.70"),))]
+settings = ProxySettings(cluster_cidrs=(net("10.244.0.0/16"),))
+for backend in (NftablesBackend(settings), IptablesBackend(settings)):
+    state = local_state(NodeInfo("n1", ()), settings, ports)
+    assert backend.check(state) is None, backend.mode
+bad = "*nat\\n:KPX-A - [0:0]\\n-A KPX-A -m nosuchmatch -j ACCEPT\\nCOMMIT\\n"
+refused = ipt_kernel.restore_test(4, bad)
+assert refused and "nosuchmatch" in refused, refused
+print("checked")
+"""
+
+
+def test_check_modes_answer_and_apply_nothing(topology: Topology) -> None:
+    """nft --check and iptables-restore --test: a good ruleset is accepted, a bad one refused
+    with the tool's message, and nothing is applied either way. (iptables-restore 1.8's
+    --test checks what the tool itself refuses, a rule it cannot parse or an extension it
+    cannot load; not a jump to a missing chain, which only the kernel refuses.)"""
+    n1 = topology.add_node("n1")
+    result = topology.exec(n1, [sys.executable, "-c", CHECK_MODES])
+    assert result.returncode == 0 and "checked" in result.stdout, result.stderr
+    assert "kpx" not in topology.exec(n1, ["nft", "list", "tables"], check=True).stdout
+    saved = topology.exec(n1, ["iptables-save"], check=True).stdout
+    assert "KPX-" not in saved, saved

@@ -7,8 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from backend_samples import SETTINGS
+from ipt_fake import FakeIptables
 from nft_fake import FakeNftables
 
+from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
@@ -142,3 +144,29 @@ def test_a_family_the_kernel_refuses_whole_does_not_stop_the_other() -> None:
     fake.broken_families = set()
     assert proxier.sync().ok
     assert cluster_ips(fake, 6) == {"fd00:96::10", "fd00:96::11", "fd00:96::12"}
+
+
+def test_iptables_mode_leaves_out_a_service_iptables_restore_refuses() -> None:
+    state = ClusterState()
+    for kind in (SERVICES, SLICES, NAMESPACES, NODES):
+        state.replace(kind, [])
+    fake = FakeIptables()
+    fake.refuse = {str(POISON)}
+    backend = IptablesBackend(
+        SETTINGS,
+        restore=fake.restore,
+        save=fake.save,
+        chain_exists=fake.chain_exists,
+        ensure_sysctl=lambda path, value: None,
+        check_restore=fake.restore_test,
+    )
+    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics())
+    proxier.delete_flows = lambda filters: 0
+    state.upsert(SERVICES, service("a", "10.96.0.10"))
+    assert proxier.sync().ok
+    state.upsert(SERVICES, service("poison", str(POISON)))
+    state.upsert(SERVICES, service("b", "10.96.0.11"))
+    assert proxier.sync().ok
+    saved = fake.save(4, "nat") + fake.save(4, "filter")
+    assert "10.96.0.10" in saved and "10.96.0.11" in saved and str(POISON) not in saved
+    assert refused(proxier) == {"poison"}

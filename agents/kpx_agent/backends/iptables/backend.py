@@ -33,6 +33,7 @@ Restore = Callable[[int, str], None]  # (family, script)
 EnsureSysctl = Callable[[Path, int], None]  # (sysctl file, value)
 Save = Callable[[int, str], str]  # (family, table) -> iptables-save output
 ChainExists = Callable[[int, str, str], bool]  # (family, table, chain)
+CheckRestore = Callable[[int, str], str | None]  # (family, script) -> refused: why
 
 
 class IptablesBackend(Backend):
@@ -46,8 +47,10 @@ class IptablesBackend(Backend):
         chain_exists: ChainExists = kernel.chain_exists,
         ensure_sysctl: EnsureSysctl = kernel.ensure_sysctl,
         route_localnet_file: Path = kernel.ROUTE_LOCALNET_FILE,
+        check_restore: CheckRestore = kernel.restore_test,
     ) -> None:
         self.settings = settings
+        self._check_restore = check_restore
         self._ensure_sysctl = ensure_sysctl
         self._route_localnet_file = route_localnet_file
         self._restore = restore
@@ -90,9 +93,29 @@ class IptablesBackend(Backend):
     # -- syncs
 
     def _full_sync(self, state: NodeLocalState) -> None:
-        settings = self.settings
-        if settings.localhost_node_ports:
+        if self.settings.localhost_node_ports:
             self._allow_localhost_node_ports()
+        books, units = self._full_units(state)
+        self._books = None  # until every table is in
+        self.last_scripts = units
+        for fam, script in units:
+            self._restore(fam, script)
+        self._books = books
+
+    def check(self, state: NodeLocalState) -> str | None:
+        """Whether the kernel accepts `state` as a full sync's restore scripts, asked with
+        `*-restore --test` (reads our tables' current chains, applies nothing)."""
+        for fam, script in self._full_units(state)[1]:
+            refused = self._check_restore(fam, script)
+            if refused is not None:
+                return f"IPv{fam}: {refused}"
+        return None
+
+    def _full_units(
+        self, state: NodeLocalState
+    ) -> tuple[dict[int, ChainBook], list[tuple[int, str]]]:
+        """A full sync's record, and its scripts: one per family and table."""
+        settings = self.settings
         books: dict[int, ChainBook] = {}
         units: list[tuple[int, str]] = []
         for fam in FAMILIES:
@@ -122,11 +145,7 @@ class IptablesBackend(Backend):
                         ),
                     )
                 )
-        self._books = None  # until every table is in
-        self.last_scripts = units
-        for fam, script in units:
-            self._restore(fam, script)
-        self._books = books
+        return books, units
 
     def _partial_sync(
         self,

@@ -44,6 +44,15 @@ def restore(family: int, script: str) -> None:
         )
 
 
+def restore_test(family: int, script: str) -> str | None:
+    """Whether (ip6)iptables-restore accepts `script`, asked with `--test` (nothing is
+    applied): None when it does, else its message."""
+    proc = _run([n.RESTORE[family], *WAIT, "--noflush", "--test"], script)
+    if proc.returncode == 0:
+        return None
+    return proc.stderr.strip()[:2000] or f"{n.RESTORE[family]} --test exited {proc.returncode}"
+
+
 def save(family: int, table: str) -> str:
     """The output of (ip6)iptables-save for one table."""
     proc = _run([n.SAVE[family], "-t", table])
