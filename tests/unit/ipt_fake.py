@@ -47,6 +47,8 @@ class FakeIptables:
         self.runs = 0
         # Text the kernel refuses in any rule (a poison rule): an address, a port, ...
         self.refuse: set[str] = set()
+        # Families whose every run the tool fails (say, no ip6tables in this kernel).
+        self.broken_families: set[int] = set()
 
     # -- the backend's kernel interface
 
@@ -63,6 +65,8 @@ class FakeIptables:
         return None
 
     def restore(self, family: int, script: str) -> None:
+        if family in self.broken_families:
+            raise FakeError(f"IPv{family}: refused (EAFNOSUPPORT)")
         lines = [ln for ln in script.splitlines() if ln.strip() and not ln.startswith("#")]
         staged: dict[str, Table] = {}
         current: Table | None = None

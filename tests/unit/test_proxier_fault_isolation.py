@@ -146,12 +146,11 @@ def test_a_family_the_kernel_refuses_whole_does_not_stop_the_other() -> None:
     assert cluster_ips(fake, 6) == {"fd00:96::10", "fd00:96::11", "fd00:96::12"}
 
 
-def test_iptables_mode_leaves_out_a_service_iptables_restore_refuses() -> None:
+def iptables_setup() -> tuple[ClusterState, FakeIptables, Proxier]:
     state = ClusterState()
     for kind in (SERVICES, SLICES, NAMESPACES, NODES):
         state.replace(kind, [])
     fake = FakeIptables()
-    fake.refuse = {str(POISON)}
     backend = IptablesBackend(
         SETTINGS,
         restore=fake.restore,
@@ -162,11 +161,38 @@ def test_iptables_mode_leaves_out_a_service_iptables_restore_refuses() -> None:
     )
     proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics())
     proxier.delete_flows = lambda filters: 0
+    return state, fake, proxier
+
+
+def saved(fake: FakeIptables, family: int) -> str:
+    return fake.save(family, "nat") + fake.save(family, "filter")
+
+
+def test_iptables_mode_leaves_out_a_service_iptables_restore_refuses() -> None:
+    state, fake, proxier = iptables_setup()
+    fake.refuse = {str(POISON)}
     state.upsert(SERVICES, service("a", "10.96.0.10"))
     assert proxier.sync().ok
     state.upsert(SERVICES, service("poison", str(POISON)))
     state.upsert(SERVICES, service("b", "10.96.0.11"))
     assert proxier.sync().ok
-    saved = fake.save(4, "nat") + fake.save(4, "filter")
-    assert "10.96.0.10" in saved and "10.96.0.11" in saved and str(POISON) not in saved
+    rules = saved(fake, 4)
+    assert "10.96.0.10" in rules and "10.96.0.11" in rules and str(POISON) not in rules
     assert refused(proxier) == {"poison"}
+
+
+def test_iptables_mode_a_family_refused_whole_does_not_stop_the_other() -> None:
+    state, fake, proxier = iptables_setup()
+    state.upsert(SERVICES, service("a", "10.96.0.10", "fd00:96::10"))
+    assert proxier.sync().ok
+    fake.broken_families = {6}
+    state.upsert(SERVICES, service("b", "10.96.0.11", "fd00:96::11"))
+    outcome = proxier.sync()
+    assert not outcome.ok and not outcome.full and "IPv6" in outcome.error
+    assert "10.96.0.11" in saved(fake, 4) and "fd00:96::11" not in saved(fake, 6)
+    state.upsert(SERVICES, service("c", "10.96.0.12", "fd00:96::12"))
+    outcome = proxier.sync()
+    assert not outcome.ok and outcome.full
+    assert "10.96.0.12" in saved(fake, 4) and "fd00:96::10" in saved(fake, 6)
+    fake.broken_families = set()
+    assert proxier.sync().ok and "fd00:96::12" in saved(fake, 6)

@@ -8,8 +8,9 @@ record (`chain_book.py`), so it never reads the kernel back. Other software's ch
 are never named in a script, so `--noflush` leaves them alone.
 
 Each (family, table) is its own `*-restore` run, atomic on its own. If a later run of a
-partial sync fails, the runs before it are reverted from the record; the next sync is a full
-one in any case.
+partial sync fails, the runs of that family before it are reverted from the record; the other
+family's change still goes in (one family's fault does not stop the other's programming), and
+the next sync is a full one in any case.
 """
 
 from __future__ import annotations
@@ -98,8 +99,16 @@ class IptablesBackend(Backend):
         books, units = self._full_units(state)
         self._books = None  # until every table is in
         self.last_scripts = units
+        refused: dict[int, str] = {}
         for fam, script in units:
-            self._restore(fam, script)
+            if fam in refused:
+                continue  # one family's fault does not stop the other's programming
+            try:
+                self._restore(fam, script)
+            except BackendError as exc:
+                refused[fam] = f"IPv{fam}: {exc}"
+        if refused:
+            raise BackendError("; ".join(refused.values()))
         self._books = books
 
     def check(self, state: NodeLocalState) -> str | None:
@@ -171,16 +180,26 @@ class IptablesBackend(Backend):
             for table in plan.tables():
                 units.append((fam, table, table_script(table, plan.table_changes(table))))
         self.last_scripts = [(fam, script) for fam, _, script in units]
-        done: list[tuple[int, str]] = []
-        for fam, table, script in units:
-            try:
-                self._restore(fam, script)
-            except BackendError:
-                self._revert(books, plans, done)
-                raise
-            done.append((fam, table))
+        refused: list[str] = []
+        for fam in list(plans):
+            # Each family on its own: a refused table reverts its family's tables before it,
+            # and the other family's change still goes in.
+            done: list[tuple[int, str]] = []
+            for f, table, script in units:
+                if f != fam:
+                    continue
+                try:
+                    self._restore(fam, script)
+                except BackendError as exc:
+                    self._revert(books, {fam: plans.pop(fam)}, done)
+                    refused.append(f"IPv{fam}: {exc}")
+                    break
+                done.append((fam, table))
         for fam, plan in plans.items():
             books[fam].commit(plan)
+        if refused:
+            self._books = None  # the next sync is a full one
+            raise BackendError("; ".join(refused))
 
     def _allow_localhost_node_ports(self) -> None:
         """route_localnet=1 in this network namespace, so that NodePorts DNATed from
