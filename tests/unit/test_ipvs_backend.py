@@ -365,3 +365,20 @@ def test_two_services_on_one_lb_port_share_the_ranges_both_allow(fake: FakeIpvs)
     assert allow_set(fake.nft[-2:]) == {"192.0.2.21 . tcp . 80 . 10.1.0.0/16"}  # the same
     backend.sync(state(a), [b.key])
     assert allow_set(fake.nft) == {"192.0.2.21 . tcp . 80 . 10.0.0.0/8"}
+
+
+def test_a_helper_table_family_the_kernel_refuses_does_not_stop_the_other(
+    fake: FakeIpvs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse_ipv4(script: str) -> None:
+        if " ip kpx-ipvs" in script:
+            raise kernel.KernelError("nft: Error: Could not process rule: Operation not supported")
+        fake.nft.append(script)
+
+    monkeypatch.setattr(kernel, "run_nft", refuse_ipv4)
+    six = ServicePort(ServicePortKey("d", "web6", "", Protocol.TCP, 6), 80,
+                      cluster_ips=(IP.of("fd00:96::10"),), cluster_endpoints=(),
+                      external_endpoints=())  # fmt: skip
+    with pytest.raises(backend_mod.BackendError, match="IPv4 helper table"):
+        IpvsBackend(SETTINGS, ipvs_factory=lambda: _Adapter(fake)).sync(state(web(E1), six), None)
+    assert any("fd00:96::10 . tcp . 80" in script for script in fake.nft)  # IPv6's went in

@@ -156,8 +156,7 @@ class IpvsBackend(Backend):
         kernel.bind([(True, f, a) for f, a in bound.keys() - have_bound]
                     + [(False, f, a) for f, a in have_bound - bound.keys()])  # fmt: skip
         # The helper table, swapped in one transaction per family.
-        for family in FAMILIES:
-            kernel.run_nft(base_table(family, self.settings, state.node, elements))
+        _run_per_family({f: base_table(f, self.settings, state.node, elements) for f in FAMILIES})
         self._plans, self._bound, self._elements = plans, bound, elements
         self._firewall = firewall
         self._node = state.node
@@ -231,10 +230,12 @@ class IpvsBackend(Backend):
                 adds.setdefault(FIREWALL_ALLOW, set()).update(now - was)
         if bind:
             kernel.bind(bind)
+        scripts: dict[int, str] = {}
         for family in FAMILIES:
             lines = element_lines("delete", family, deletes) + element_lines("add", family, adds)
             if lines:
-                kernel.run_nft("\n".join(lines) + "\n")
+                scripts[family] = "\n".join(lines) + "\n"
+        _run_per_family(scripts)
 
     # ---- virtual and real servers ---------------------------------------------------------------
 
@@ -283,6 +284,19 @@ class IpvsBackend(Backend):
     def draining(self) -> dict[VirtualKey, set[tuple[str, int]]]:
         """The real servers waiting for their connections to end (weight 0)."""
         return {k: set(v) for k, v in self._draining.items()}
+
+
+def _run_per_family(scripts: dict[int, str]) -> None:
+    """Each family's helper-table script, one nft transaction each: a family the kernel
+    refuses does not stop the other's; then BackendError names what was refused."""
+    refused: list[str] = []
+    for family, script in scripts.items():
+        try:
+            kernel.run_nft(script)
+        except kernel.KernelError as exc:
+            refused.append(f"IPv{family} helper table: {exc}")
+    if refused:
+        raise BackendError("; ".join(refused))
 
 
 def cleanup(exclude_cidrs: Iterable[object] = ()) -> None:
