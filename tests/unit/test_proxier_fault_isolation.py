@@ -4,6 +4,7 @@ mode), against the nftables kernel fake taught to refuse an element."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from backend_samples import SETTINGS
@@ -13,6 +14,7 @@ from nft_fake import FakeNftables
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.transaction import Transaction
 from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.localnet import IP, Protocol
 from kpx_agent.metrics import AgentMetrics
@@ -34,11 +36,23 @@ def service(name: str, *cluster_ips: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def setup() -> tuple[ClusterState, FakeNftables, Proxier]:
+class WatchedKernel(FakeNftables):
+    """The fake, noting what the kernel held at each check the proxier's search made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held_at_checks: list[str] = []
+
+    def check_transactions(self, transactions: Iterable[Transaction]) -> str | None:
+        self.held_at_checks.append(self.dump())
+        return super().check_transactions(transactions)
+
+
+def setup() -> tuple[ClusterState, WatchedKernel, Proxier]:
     state = ClusterState()
     for kind in (SERVICES, SLICES, NAMESPACES, NODES):
         state.replace(kind, [])
-    fake = FakeNftables()
+    fake = WatchedKernel()
     fake.refuse = {POISON, POISON6}
     backend = NftablesBackend(
         SETTINGS,
@@ -66,11 +80,14 @@ def test_a_refused_service_in_a_partial_sync_is_left_out_and_the_rest_programmed
     state, fake, proxier = setup()
     state.upsert(SERVICES, service("a", "10.96.0.10"))
     assert proxier.sync().ok
+    before = fake.dump()
     state.upsert(SERVICES, service("poison", str(POISON)))
     state.upsert(SERVICES, service("b", "10.96.0.11"))
     assert proxier.sync().ok
     assert cluster_ips(fake) == {"10.96.0.10", "10.96.0.11"}
     assert refused(proxier) == {"poison"}
+    # The search changed nothing in the kernel: every check found it as before the sync.
+    assert fake.held_at_checks and set(fake.held_at_checks) == {before}
     # Later changes reach the kernel; the culprit stays out without being searched again.
     transactions = fake.transactions
     state.upsert(SERVICES, service("c", "10.96.0.12"))
