@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -99,11 +100,36 @@ def stale_flows(old: ServicePort | None, new: ServicePort | None) -> list[FlowFi
     return sorted(out, key=lambda f: (f.family, f.port, str(f.dst), str(f.dnat_to)))
 
 
-def delete_flows(filters: Iterable[FlowFilter]) -> int:
-    """Run the deletions; returns how many failed (other than 'nothing matched')."""
+#: Seconds one `conntrack -D` may take, and all of one sync's deletions together: the cleanup
+#: runs after each sync, before the next one, so it must not hold the dataplane up.
+CALL_TIMEOUT = 5.0
+BUDGET = 30.0
+
+
+def delete_flows(filters: Iterable[FlowFilter], budget: float = BUDGET) -> int:
+    """Run the deletions; returns how many failed (other than 'nothing matched'). Never
+    raises: a `conntrack` tool that cannot be run (missing, no pid left) fails them all at
+    once, and what the time budget leaves undone counts as failed; both are logged."""
+    flows = list(filters)
+    deadline = time.monotonic() + budget
     failures = 0
-    for flow in filters:
-        proc = subprocess.run(flow.argv(), capture_output=True, text=True, check=False)
+    for done, flow in enumerate(flows):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            log.warning("conntrack cleanup: %d deletions left undone after %.0f s",
+                        len(flows) - done, budget)  # fmt: skip
+            return failures + len(flows) - done
+        try:
+            proc = subprocess.run(flow.argv(), capture_output=True, text=True, check=False,
+                                  timeout=min(CALL_TIMEOUT, left))  # fmt: skip
+        except subprocess.TimeoutExpired:
+            failures += 1
+            log.warning("conntrack cleanup failed (%s): timed out", flow)
+            continue
+        except OSError as exc:
+            log.warning("conntrack cleanup not done: cannot run conntrack (%s); %d deletions"
+                        " left undone", exc, len(flows) - done)  # fmt: skip
+            return failures + len(flows) - done
         # conntrack exits 1 with "0 flow entries have been deleted" when nothing matched.
         if proc.returncode != 0 and "0 flow entries" not in proc.stderr:
             failures += 1

@@ -7,6 +7,7 @@ single EndpointSlice change costs the same at 10 or 10,000 Services.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -14,16 +15,24 @@ from dataclasses import dataclass, field
 from kpx_api.proxysettings import NamespaceOptOut
 
 from . import conntrack
-from .backends.base import Backend, BackendError
+from .backends.base import Backend, BackendError, CheckUnsupported
 from .cluster_state import ClusterState, Key
 from .conntrack import FlowFilter, stale_flows
+from .fault_isolation import find_culprits
 from .localnet import NodeLocalState, Protocol, ProxySettings, ServicePort, ServicePortKey
 from .metrics import AgentMetrics
 from .node_local import node_facts, node_info, service_ports, uses_topology
 from .optout import excluded_namespaces
-from .service_problems import ProblemBook
+from .service_problems import REFUSED_BY_KERNEL, ProblemBook, ServiceProblem
 
 log = logging.getLogger(__name__)
+#: The problem source of the Services the kernel refused (`problems`).
+DATAPLANE = "dataplane"
+Part = tuple[str, str, int]  # (namespace, name, IP family): one Service in one family
+
+
+def part_of(key: ServicePortKey) -> Part:
+    return (key.namespace, key.name, key.family)
 
 
 @dataclass
@@ -70,6 +79,10 @@ class Proxier:
     # Services left out of the dataplane (in whole or in part), by the place that decided it:
     # the agent reports new ones as Warning Events on the Service (service_problems.py).
     problems: ProblemBook = field(default_factory=ProblemBook)
+    # Services (in one IP family: the other is programmed) left out of the dataplane because
+    # the kernel refused their rules, with the kernel's reason: tried again when they change,
+    # and at every full sync.
+    _refused: dict[Part, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         self.local = NodeLocalState(node=node_info(None, self.node_name))
@@ -174,6 +187,10 @@ class Proxier:
         changed = self._recompute(None if everything else services)
         full = bool(self._full_reasons)
         if full:
+            self._refused.clear()  # everything is tried again
+        for key in changed:
+            self._refused.pop(part_of(key), None)
+        if full:
             log.debug("full sync: %s", ", ".join(dict.fromkeys(self._full_reasons)))
         self._full_reasons = []
         self.metrics.service_changes.inc(len(changed))
@@ -189,9 +206,19 @@ class Proxier:
             # Nothing to program (a Node heartbeat, a Service update no rule depends on): no
             # kernel work, and not counted as a sync.
             return SyncOutcome(True, False, 0, time.monotonic() - pending.start)
+        state = self.programmable()
         try:
-            self.backend.sync(self.local, None if full else changed)
+            try:
+                self.backend.sync(state, None if full else changed)
+            except BackendError as exc:
+                if not self._isolate(exc, full, changed):
+                    raise
+                # The kernel accepts the rest: program it (the backend swaps its tables
+                # after a refused sync, whatever it is asked).
+                state, full = self.programmable(), True
+                self.backend.sync(state, None)
         except BackendError as exc:
+            self._report_refused()
             self._full_reasons.append("the last sync failed")
             self.metrics.sync_failures.inc()
             self.metrics.kpx_sync_failures.labels(self.backend.mode).inc()
@@ -200,8 +227,9 @@ class Proxier:
             return SyncOutcome(
                 False, full, len(changed), time.monotonic() - pending.start, str(exc)
             )
+        self._report_refused()
         if self.on_synced is not None:
-            self.on_synced(self.local, None if full else changed)
+            self.on_synced(state, None if full else changed)
         self._clean_conntrack()
         if full:
             log.info(
@@ -226,9 +254,80 @@ class Proxier:
     def sync(self) -> SyncOutcome:
         return self.program(self.prepare())
 
+    def programmable(self) -> NodeLocalState:
+        """The node-local state without the Services the kernel refused."""
+        if not self._refused:
+            return self.local
+        local, refused = self.local, self._refused
+        services = {k: sp for k, sp in local.services.items() if part_of(k) not in refused}
+        return NodeLocalState(local.node, services, local.facts)
+
+    def _isolate(
+        self, error: BackendError, full: bool, changed: Collection[ServicePortKey]
+    ) -> bool:
+        """After a refused sync: find the Services without which the kernel accepts the rest
+        (asked in the backend's check mode, nothing programmed changes), and leave them out.
+        Each IP family of a Service is searched apart (a dual-stack Service whose IPv6 rules
+        are refused keeps its IPv4 ones). A partial sync searches the Services it changed,
+        the others first (the kernel holds them already); a full sync searches every Service.
+        False when nothing was found to leave out (the fault is elsewhere, or the backend
+        cannot check)."""
+        state = self.programmable()
+        ports: dict[Part, list[ServicePortKey]] = {}
+        for key in state.services:
+            ports.setdefault(part_of(key), []).append(key)
+        touched = {part_of(k) for k in changed}
+        suspects = sorted(ports) if full else sorted(touched & ports.keys())
+        good = [] if full else sorted(ports.keys() - touched)
+
+        def check(included: Collection[Part]) -> str | None:
+            services = {k: state.services[k] for svc in included for k in ports[svc]}
+            return self.backend.check(NodeLocalState(state.node, services, state.facts))
+
+        started = time.monotonic()
+        try:
+            search = find_culprits(suspects, check, good)
+        except CheckUnsupported:
+            return False
+        except BackendError as exc:
+            log.error("could not ask the kernel which Service it refuses: %s", exc)
+            return False
+        log.info(
+            "sync refused (%s): %d checks in %.3f s found %s",
+            str(error).splitlines()[0][:300] if str(error) else "no message",
+            search.checks,
+            time.monotonic() - started,
+            ", ".join(f"{ns}/{name} (IPv{fam})" for ns, name, fam in search.culprits)
+            or "no Service to leave out",
+        )
+        if not search.isolated or not search.culprits:
+            return False
+        for (ns, name, fam), reason in search.culprits.items():
+            log.error("Service %s/%s left out in IPv%d: the kernel refuses its rules: %s",
+                      ns, name, fam, reason)  # fmt: skip
+        self._refused.update(search.culprits)
+        return True
+
+    def _report_refused(self) -> None:
+        self.problems.replace(
+            DATAPLANE,
+            (
+                ServiceProblem(ns, name, REFUSED_BY_KERNEL, refused_message(family, reason))
+                for (ns, name, family), reason in self._refused.items()
+            ),
+        )
+
     def periodic_check(self) -> None:
         """At each syncPeriod: if the kernel lost our rules (a flushed ruleset), rebuild them."""
         programmed = getattr(self.backend, "programmed", None)
         if programmed is not None and not programmed():
             log.warning("our rules are gone from the kernel; reprogramming everything")
             self.request_full_sync("rules gone from the kernel")
+
+
+def refused_message(family: int, reason: str) -> str:
+    """The problem's message: the family left out and the kernel's reason, its first line
+    (nft adds the offending line of its input after it)."""
+    first = reason.strip().splitlines()[0] if reason.strip() else "no reason given"
+    first = re.sub(r"^/dev/stdin:[0-9:-]+: ", "", first)  # where in nft's input: per node
+    return f"IPv{family} not programmed on this node: the kernel refuses its rules: {first[:500]}"

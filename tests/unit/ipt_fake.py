@@ -45,10 +45,28 @@ class FakeIptables:
             for table, chains in BUILTIN.items()
         }
         self.runs = 0
+        # Text the kernel refuses in any rule (a poison rule): an address, a port, ...
+        self.refuse: set[str] = set()
+        # Families whose every run the tool fails (say, no ip6tables in this kernel).
+        self.broken_families: set[int] = set()
 
     # -- the backend's kernel interface
 
+    def restore_test(self, family: int, script: str) -> str | None:
+        """iptables-restore --test: what `restore` would say, applying nothing."""
+        tables, runs = self.tables, self.runs
+        self.tables = {k: {c: list(r) for c, r in t.items()} for k, t in tables.items()}
+        try:
+            self.restore(family, script)
+        except FakeError as exc:
+            return str(exc)
+        finally:
+            self.tables, self.runs = tables, runs
+        return None
+
     def restore(self, family: int, script: str) -> None:
+        if family in self.broken_families:
+            raise FakeError(f"IPv{family}: refused (EAFNOSUPPORT)")
         lines = [ln for ln in script.splitlines() if ln.strip() and not ln.startswith("#")]
         staged: dict[str, Table] = {}
         current: Table | None = None
@@ -68,6 +86,8 @@ class FakeIptables:
                 chain = line[1:].split()[0]
                 current[chain] = []
             else:
+                if any(word in line for word in self.refuse):
+                    raise FakeError(f"{line}: refused (EINVAL)")
                 self._edit(current, line)
         if current is not None:
             raise FakeError("no COMMIT")

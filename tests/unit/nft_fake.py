@@ -78,6 +78,10 @@ class FakeNftables:
     def __init__(self) -> None:
         self.tables: dict[int, FakeTable] = {}
         self.transactions = 0
+        # Keys the kernel refuses in any set (a poison element): an address, a port, ...
+        self.refuse: set[object] = set()
+        # Families whose every transaction the kernel refuses (say, no IPv6 NAT in it).
+        self.broken_families: set[int] = set()
 
     # -- the backend's kernel interface (NftablesBackend's injectable callables)
 
@@ -87,12 +91,32 @@ class FakeNftables:
     def run_transactions(self, transactions: Iterable[Transaction]) -> None:
         staged = copy.deepcopy(self.tables)
         for txn in transactions:
+            if txn.family in self.broken_families and txn.ops:
+                raise FakeError(f"family {txn.family}: refused (EOPNOTSUPP)")
             for op in txn.ops:
+                if op.kind == "add_elements":
+                    self._refused(op.args[1])  # type: ignore[arg-type]
                 _apply(staged, txn.family, op)
         for table in staged.values():
             _check_rules(table)
         self.tables = staged
         self.transactions += 1
+
+    def _refused(self, pairs: Iterable[tuple[Key, Value]]) -> None:
+        for key, _ in pairs:
+            if self.refuse & set(key):
+                raise FakeError(f"element {key!r}: refused (EINVAL)")
+
+    def check_transactions(self, transactions: Iterable[Transaction]) -> str | None:
+        """nft --check: what `run_transactions` would say, applying nothing."""
+        tables, count = self.tables, self.transactions
+        try:
+            self.run_transactions(transactions)
+        except FakeError as exc:
+            return str(exc)
+        finally:
+            self.tables, self.transactions = tables, count
+        return None
 
     def load_elements(self, elements: netlink_batch.Elements) -> None:
         staged = copy.deepcopy(self.tables)
@@ -100,6 +124,7 @@ class FakeNftables:
             for set_name, pairs in sets.items():
                 if not netlink_batch.loadable(set_name):
                     raise FakeError(f"set {set_name}: cannot be loaded over netlink")
+                self._refused(pairs)
                 _add_elements(_table(staged, family), set_name, list(pairs))
         self.tables = staged
 

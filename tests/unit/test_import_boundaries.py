@@ -138,8 +138,13 @@ print(count)
 # What a backend may import of the agent: the node-local model's data types, the backend
 # contract, and its own package. Never the model's internals (node_local, detect_local,
 # cluster_state, proxier, ...): everything it needs of the node is decided there and handed
-# over in localnet's types (NodeLocalState, NodeFacts).
-BACKEND_MAY_IMPORT = ("kpx_agent.localnet", "kpx_agent.backends.base")
+# over in localnet's types (NodeLocalState, NodeFacts). What several modes render alike from
+# those types (the source ranges Services share) is one pure module next to the contract.
+BACKEND_MAY_IMPORT = (
+    "kpx_agent.localnet",
+    "kpx_agent.backends.base",
+    "kpx_agent.backends.source_ranges",
+)
 
 
 def backend_imports_outside(path: Path, root: Path = BACKENDS) -> set[str]:

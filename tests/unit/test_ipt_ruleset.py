@@ -143,21 +143,21 @@ def test_no_change_sends_nothing() -> None:
     assert len(kernel.scripts) == 4
 
 
-def test_failed_restore_reverts_and_forces_a_full_sync() -> None:
+def test_failed_restore_reverts_its_family_and_forces_a_full_sync() -> None:
+    """A partial sync whose IPv4 nat restore fails (after IPv4 filter): the IPv4 filter table
+    it had changed is put back as it was; IPv6's change still goes in; the next sync is full."""
     backend, kernel, state = synced()
-    nat4_before = backend._books[4].table_chains("nat") if backend._books else {}
     web, web6 = state.services[key("web")], state.services[key("web6", family=6)]
-    state.services[web.key] = dataclasses.replace(web, cluster_endpoints=web.cluster_endpoints[1:])
+    state.services[web.key] = dataclasses.replace(web, cluster_endpoints=(), external_endpoints=())
     del state.services[web6.key]
-    kernel.fail_on = {6}  # the IPv6 nat restore of the partial sync (after IPv4 nat)
-    with pytest.raises(BackendError):
+    kernel.fail_on = {6}  # the full sync's 4 runs, then IPv4 filter (5), IPv4 nat (6)
+    with pytest.raises(BackendError, match="IPv4"):
         backend.sync(state, [web.key, web6.key])
-    # The IPv4 table it had changed is put back as it was: same chains, old content.
-    undo = kernel.scripts[-1]
-    assert undo[0] == 4
-    svc = n.svc_chain(web.key)
-    assert f"-A {svc} -m statistic --mode random --probability 0.5000000000" in undo[1]
-    assert all(f"-A {chain} " in undo[1] for chain in declared(undo[1]) if chain in nat4_before)
+    runs = [(f, s.splitlines()[0]) for f, s in kernel.scripts[4:]]
+    assert runs == [(4, "*filter"), (4, "*nat"), (4, "*filter"), (6, "*nat")]
+    rejected = "-d 10.96.0.10/32 -p tcp -m tcp --dport 80 -j REJECT"
+    assert rejected in kernel.scripts[4][1] and rejected not in kernel.scripts[6][1]  # undone
+    assert "-X " + n.svc_chain(web6.key) in kernel.scripts[7][1]  # IPv6's change went in
     assert not backend.programmed()
     kernel.fail_on = set()
     kernel.scripts.clear()

@@ -22,6 +22,7 @@ from kpx_agent.backends.ipvs.model import (
     MASQ_IPS,
     VirtualKey,
     VirtualServer,
+    allowed_elements,
     plan_port,
 )
 from kpx_agent.backends.ipvs.ruleset import base_table
@@ -117,8 +118,11 @@ def test_load_balancer_source_ranges_let_only_their_sources_through() -> None:
     plan = plan_port(port, NODE, SETTINGS)
     assert plan.elements[FIREWALL] == {(4, "192.0.2.21", "tcp", 80)}
     # Merged (an interval set refuses overlaps) and of the port's family only.
-    assert plan.elements[FIREWALL_ALLOW] == {(4, "192.0.2.21", "tcp", 80, "10.0.0.0/8")}
-    text = base_table(4, SETTINGS, NODE, plan.elements)
+    vip = (4, "192.0.2.21", "tcp", 80)
+    assert plan.firewall == {vip: (ip_network("10.0.0.0/8"),)}
+    allowed = allowed_elements(vip, plan.firewall.values())
+    assert allowed == {(4, "192.0.2.21", "tcp", 80, "10.0.0.0/8")}
+    text = base_table(4, SETTINGS, NODE, {**plan.elements, FIREWALL_ALLOW: allowed})
     assert "add element ip kpx-ipvs firewall-allow { 192.0.2.21 . tcp . 80 . 10.0.0.0/8 }" in text
     assert (
         "@firewall-ips ip daddr . meta l4proto . th dport . ip saddr != @firewall-allow drop"
@@ -326,3 +330,55 @@ def test_the_backend_module_is_registered_and_gated() -> None:
     module: Any = backends.load("ipvs")
     assert module.create(SETTINGS).mode == "ipvs"
     assert backend_mod.cleanup is module.cleanup
+
+
+def allow_set(scripts: list[str]) -> set[str]:
+    """The firewall-allow elements after the helper-table scripts, in order (a full sync's
+    table swap starts from none)."""
+    have: set[str] = set()
+    for script in scripts:
+        for line in script.splitlines():
+            if line == "delete table ip kpx-ipvs":
+                have = set()
+            words = line.split(" ", 5)
+            if words[1:4] == ["element", "ip", "kpx-ipvs"] and words[4] == "firewall-allow":
+                found = {e.strip() for e in words[5].strip("{} ").split(",")}
+                have = have | found if words[0] == "add" else have - found
+    return have
+
+
+def test_two_services_on_one_lb_port_share_the_ranges_both_allow(fake: FakeIpvs) -> None:
+    """Overlapping ranges of two Services on one address and port, the second in a later
+    partial sync: the kernel would refuse both in its interval set; the helper table holds
+    what both allow, and the wider Service's ranges once the narrower one is gone."""
+    lb = {"load_balancer_ips": (IP.of("192.0.2.21"),)}
+    a = web(E1, load_balancer_source_ranges=(ip_network("10.0.0.0/8"),), **lb)
+    b = ServicePort(**{**_fields(a), "key": key("b"), "cluster_ips": (IP.of("10.96.0.11"),),
+                       "node_port": 30081,
+                       "load_balancer_source_ranges": (ip_network("10.1.0.0/16"),)})  # fmt: skip
+    backend = backend_for(fake)
+    backend.sync(state(a), None)
+    assert allow_set(fake.nft) == {"192.0.2.21 . tcp . 80 . 10.0.0.0/8"}
+    backend.sync(state(a, b), [b.key])
+    assert allow_set(fake.nft) == {"192.0.2.21 . tcp . 80 . 10.1.0.0/16"}
+    IpvsBackend(SETTINGS, ipvs_factory=lambda: _Adapter(FakeIpvs())).sync(state(b, a), None)
+    assert allow_set(fake.nft[-2:]) == {"192.0.2.21 . tcp . 80 . 10.1.0.0/16"}  # the same
+    backend.sync(state(a), [b.key])
+    assert allow_set(fake.nft) == {"192.0.2.21 . tcp . 80 . 10.0.0.0/8"}
+
+
+def test_a_helper_table_family_the_kernel_refuses_does_not_stop_the_other(
+    fake: FakeIpvs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse_ipv4(script: str) -> None:
+        if " ip kpx-ipvs" in script:
+            raise kernel.KernelError("nft: Error: Could not process rule: Operation not supported")
+        fake.nft.append(script)
+
+    monkeypatch.setattr(kernel, "run_nft", refuse_ipv4)
+    six = ServicePort(ServicePortKey("d", "web6", "", Protocol.TCP, 6), 80,
+                      cluster_ips=(IP.of("fd00:96::10"),), cluster_endpoints=(),
+                      external_endpoints=())  # fmt: skip
+    with pytest.raises(backend_mod.BackendError, match="IPv4 helper table"):
+        IpvsBackend(SETTINGS, ipvs_factory=lambda: _Adapter(fake)).sync(state(web(E1), six), None)
+    assert any("fd00:96::10 . tcp . 80" in script for script in fake.nft)  # IPv6's went in

@@ -66,3 +66,22 @@ def test_uncommitted_plan_leaves_the_record_as_the_kernel_has_it() -> None:
     assert sorted(book.elements()) == [("m", "k1", "v1")]
     again = book.plan({"a": None})
     assert again.delete == {"m": ["k1"]}
+
+
+def test_a_merged_set_holds_one_value_per_key_combined_across_owners() -> None:
+    """Owners of one key in a merged set do not conflict: the kernel gets the merge of their
+    values (here the smallest), whatever the order of their claims; a deletion carries the
+    value it replaces."""
+    book: ElementBook[str] = ElementBook({"fw": min})
+    book.commit(book.plan({"a": [("fw", ("vip",), (8,))]}))
+    plan = book.plan({"b": [("fw", ("vip",), (16,))]})
+    assert not plan and not plan.conflicts  # min(8, 16): the kernel's value stays
+    book.commit(plan)
+    plan = book.plan({"a": None})  # the owner of the smaller value goes
+    assert plan.delete == {"fw": [("vip",)]} and plan.replaced == {("fw", ("vip",)): (8,)}
+    assert plan.add == {"fw": [(("vip",), (16,))]}
+    book.commit(plan)
+    assert list(book.elements()) == [("fw", ("vip",), (16,))]
+    fresh: ElementBook[str] = ElementBook(book.merge)
+    full = fresh.plan({"b": [("fw", ("vip",), (16,))], "a": [("fw", ("vip",), (8,))]})
+    assert full.add == {"fw": [(("vip",), (8,))]} and not full.conflicts

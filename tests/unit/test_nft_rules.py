@@ -119,10 +119,7 @@ def test_endpoints_carrying_more_fields_render_the_same() -> None:
     """The backend reads an endpoint's address, port and locality by name: an endpoint that
     carries more (conditions, hints) renders the golden ruleset unchanged, affinity chain
     names included."""
-    scripts: list[str] = []
-    NftablesBackend(
-        SETTINGS,
-        run_script=lambda parts: scripts.append("".join(parts)),
-        present_families=lambda: {4, 6},
-    ).sync(with_richer_endpoints(sample_state()), None)
-    assert scripts[-1] == (GOLDEN / "full_sync.nft").read_text()
+    backend = NftablesBackend(SETTINGS, run_script=lambda parts: [*parts],
+                              present_families=lambda: {4, 6})  # fmt: skip
+    backend.sync(with_richer_endpoints(sample_state()), None)
+    assert backend.last_script == (GOLDEN / "full_sync.nft").read_text()

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kpx_agent.backends.base import BackendError
+from kpx_agent.backends.base import Backend, BackendError
 from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.conntrack import FlowFilter
 from kpx_agent.localnet import (
@@ -23,7 +23,7 @@ from kpx_agent.proxier import Proxier
 from kpx_api.proxysettings import NamespaceOptOut
 
 
-class RecordingBackend:
+class RecordingBackend(Backend):
     mode = "test"
 
     def __init__(self) -> None:

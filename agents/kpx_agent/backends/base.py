@@ -23,6 +23,10 @@ class BackendError(RuntimeError):
     """Programming the kernel failed; the last good rules are still in place."""
 
 
+class CheckUnsupported(BackendError):
+    """The backend cannot ask the kernel about a ruleset without applying it."""
+
+
 class Backend(Protocol):
     mode: str
     settings: ProxySettings  # replaced on a live configuration change (then a full sync)
@@ -32,8 +36,19 @@ class Backend(Protocol):
 
         `changed` lists the service ports that may differ from the last successful sync; None
         asks for a full sync (first sync, after a failure, after node or settings changes).
-        Must be atomic: on error nothing of this sync is applied and BackendError is raised.
+        Atomic per IP family: on error BackendError is raised, and a family whose change
+        failed keeps its last good rules (the other family's may be applied: one family's
+        fault does not stop the other's programming).
         """
 
     def cleanup(self) -> None:
         """Remove everything this backend ever programmed on this node."""
+
+    def check(self, state: NodeLocalState) -> str | None:
+        """Whether the kernel would accept `state` as this backend's whole ruleset, asked in
+        the kernel's check mode: nothing is applied and nothing programmed changes. None when
+        it would; else the kernel's reason. The proxier asks this only after a refused sync,
+        to find the Services that cause it (`fault_isolation.py`). May raise BackendError
+        when the kernel cannot be asked at all. The default: this backend has no check mode
+        (CheckUnsupported): then no Service is left out and the whole sync is retried."""
+        raise CheckUnsupported(f"the {self.mode} backend cannot check a ruleset")

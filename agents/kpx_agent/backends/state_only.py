@@ -8,11 +8,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from ..localnet import NodeLocalState, ProxySettings, ServicePortKey
-from .base import NodePaths
+from .base import Backend, NodePaths
 
 
 @dataclass
-class StateOnlyBackend:
+class StateOnlyBackend(Backend):
     settings: ProxySettings
     mode: str = "external"
 

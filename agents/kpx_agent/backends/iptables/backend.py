@@ -8,8 +8,9 @@ record (`chain_book.py`), so it never reads the kernel back. Other software's ch
 are never named in a script, so `--noflush` leaves them alone.
 
 Each (family, table) is its own `*-restore` run, atomic on its own. If a later run of a
-partial sync fails, the runs before it are reverted from the record; the next sync is a full
-one in any case.
+partial sync fails, the runs of that family before it are reverted from the record; the other
+family's change still goes in (one family's fault does not stop the other's programming), and
+the next sync is a full one in any case.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 from ...localnet import NodeLocalState, ProxySettings, ServicePortKey
-from ..base import BackendError
+from ..base import Backend, BackendError
 from . import kernel
 from . import names as n
 from .chain_book import ChainBook, ChainPlan
@@ -33,9 +34,10 @@ Restore = Callable[[int, str], None]  # (family, script)
 EnsureSysctl = Callable[[Path, int], None]  # (sysctl file, value)
 Save = Callable[[int, str], str]  # (family, table) -> iptables-save output
 ChainExists = Callable[[int, str, str], bool]  # (family, table, chain)
+CheckRestore = Callable[[int, str], str | None]  # (family, script) -> refused: why
 
 
-class IptablesBackend:
+class IptablesBackend(Backend):
     mode = "iptables"
 
     def __init__(
@@ -46,8 +48,10 @@ class IptablesBackend:
         chain_exists: ChainExists = kernel.chain_exists,
         ensure_sysctl: EnsureSysctl = kernel.ensure_sysctl,
         route_localnet_file: Path = kernel.ROUTE_LOCALNET_FILE,
+        check_restore: CheckRestore = kernel.restore_test,
     ) -> None:
         self.settings = settings
+        self._check_restore = check_restore
         self._ensure_sysctl = ensure_sysctl
         self._route_localnet_file = route_localnet_file
         self._restore = restore
@@ -90,9 +94,37 @@ class IptablesBackend:
     # -- syncs
 
     def _full_sync(self, state: NodeLocalState) -> None:
-        settings = self.settings
-        if settings.localhost_node_ports:
+        if self.settings.localhost_node_ports:
             self._allow_localhost_node_ports()
+        books, units = self._full_units(state)
+        self._books = None  # until every table is in
+        self.last_scripts = units
+        refused: dict[int, str] = {}
+        for fam, script in units:
+            if fam in refused:
+                continue  # one family's fault does not stop the other's programming
+            try:
+                self._restore(fam, script)
+            except BackendError as exc:
+                refused[fam] = f"IPv{fam}: {exc}"
+        if refused:
+            raise BackendError("; ".join(refused.values()))
+        self._books = books
+
+    def check(self, state: NodeLocalState) -> str | None:
+        """Whether the kernel accepts `state` as a full sync's restore scripts, asked with
+        `*-restore --test` (reads our tables' current chains, applies nothing)."""
+        for fam, script in self._full_units(state)[1]:
+            refused = self._check_restore(fam, script)
+            if refused is not None:
+                return f"IPv{fam}: {refused}"
+        return None
+
+    def _full_units(
+        self, state: NodeLocalState
+    ) -> tuple[dict[int, ChainBook], list[tuple[int, str]]]:
+        """A full sync's record, and its scripts: one per family and table."""
+        settings = self.settings
         books: dict[int, ChainBook] = {}
         units: list[tuple[int, str]] = []
         for fam in FAMILIES:
@@ -122,11 +154,7 @@ class IptablesBackend:
                         ),
                     )
                 )
-        self._books = None  # until every table is in
-        self.last_scripts = units
-        for fam, script in units:
-            self._restore(fam, script)
-        self._books = books
+        return books, units
 
     def _partial_sync(
         self,
@@ -152,16 +180,26 @@ class IptablesBackend:
             for table in plan.tables():
                 units.append((fam, table, table_script(table, plan.table_changes(table))))
         self.last_scripts = [(fam, script) for fam, _, script in units]
-        done: list[tuple[int, str]] = []
-        for fam, table, script in units:
-            try:
-                self._restore(fam, script)
-            except BackendError:
-                self._revert(books, plans, done)
-                raise
-            done.append((fam, table))
+        refused: list[str] = []
+        for fam in list(plans):
+            # Each family on its own: a refused table reverts its family's tables before it,
+            # and the other family's change still goes in.
+            done: list[tuple[int, str]] = []
+            for f, table, script in units:
+                if f != fam:
+                    continue
+                try:
+                    self._restore(fam, script)
+                except BackendError as exc:
+                    self._revert(books, {fam: plans.pop(fam)}, done)
+                    refused.append(f"IPv{fam}: {exc}")
+                    break
+                done.append((fam, table))
         for fam, plan in plans.items():
             books[fam].commit(plan)
+        if refused:
+            self._books = None  # the next sync is a full one
+            raise BackendError("; ".join(refused))
 
     def _allow_localhost_node_ports(self) -> None:
         """route_localnet=1 in this network namespace, so that NodePorts DNATed from

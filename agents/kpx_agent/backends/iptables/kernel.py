@@ -29,6 +29,8 @@ def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProce
         )
     except FileNotFoundError as exc:
         raise BackendError(f"{argv[0]} is not installed") from exc
+    except OSError as exc:  # no pid left (EAGAIN under pids.max), ENOSPC, ...
+        raise BackendError(f"cannot run {argv[0]}: {exc}") from exc
     except subprocess.TimeoutExpired as exc:
         raise BackendError(f"{argv[0]} did not finish within {TIMEOUT:.0f}s") from exc
 
@@ -40,6 +42,15 @@ def restore(family: int, script: str) -> None:
         raise BackendError(
             f"{n.RESTORE[family]} failed ({proc.returncode}): {proc.stderr.strip()[:2000]}"
         )
+
+
+def restore_test(family: int, script: str) -> str | None:
+    """Whether (ip6)iptables-restore accepts `script`, asked with `--test` (nothing is
+    applied): None when it does, else its message."""
+    proc = _run([n.RESTORE[family], *WAIT, "--noflush", "--test"], script)
+    if proc.returncode == 0:
+        return None
+    return proc.stderr.strip()[:2000] or f"{n.RESTORE[family]} --test exited {proc.returncode}"
 
 
 def save(family: int, table: str) -> str:

@@ -26,10 +26,19 @@ import logging
 from collections import Counter
 from collections.abc import Collection, Iterable
 
-from ...localnet import NodeInfo, NodeLocalState, ProxySettings, ServicePortKey
-from ..base import BackendError
+from ...localnet import IPNetwork, NodeInfo, NodeLocalState, ProxySettings, ServicePortKey
+from ..base import Backend, BackendError
 from . import kernel
-from .model import Element, PortPlan, VirtualKey, VirtualServer, excluded, plan_port
+from .model import (
+    FIREWALL_ALLOW,
+    Element,
+    PortPlan,
+    VirtualKey,
+    VirtualServer,
+    allowed_elements,
+    excluded,
+    plan_port,
+)
 from .ruleset import base_table, element_lines
 
 log = logging.getLogger(__name__)
@@ -37,7 +46,7 @@ FAMILIES = (4, 6)
 GRACEFUL_PROTOCOLS = ("tcp",)
 
 
-class IpvsBackend:
+class IpvsBackend(Backend):
     mode = "ipvs"
 
     def __init__(self, settings: ProxySettings, ipvs_factory=kernel.Ipvs) -> None:
@@ -47,6 +56,8 @@ class IpvsBackend:
         self._plans: dict[ServicePortKey, PortPlan] = {}
         self._bound: Counter[tuple[int, str]] = Counter()
         self._elements: dict[str, Counter[Element]] = {}
+        # The source ranges of each load-balancer address and port, by Service port.
+        self._firewall: dict[Element, dict[ServicePortKey, tuple[IPNetwork, ...]]] = {}
         self._draining: dict[VirtualKey, set[tuple[str, int]]] = {}
         self._node: NodeInfo | None = None
         self._settings_synced: ProxySettings | None = None
@@ -80,6 +91,7 @@ class IpvsBackend:
         self._plans.clear()
         self._bound.clear()
         self._elements.clear()
+        self._firewall.clear()
         self._draining.clear()
         self._node = None
 
@@ -109,11 +121,18 @@ class IpvsBackend:
         wanted: dict[VirtualKey, VirtualServer] = {}
         bound: Counter[tuple[int, str]] = Counter()
         elements: dict[str, Counter[Element]] = {}
-        for plan in plans.values():
+        firewall: dict[Element, dict[ServicePortKey, tuple[IPNetwork, ...]]] = {}
+        for owner, plan in plans.items():
             wanted.update(plan.virtual_servers)
             bound.update(plan.bound)
             for name, members in plan.elements.items():
                 elements.setdefault(name, Counter()).update(members)
+            for vip, ranges in plan.firewall.items():
+                firewall.setdefault(vip, {})[owner] = ranges
+        allowed = Counter(e for vip, by in firewall.items()
+                          for e in allowed_elements(vip, by.values()))  # fmt: skip
+        if allowed:
+            elements[FIREWALL_ALLOW] = allowed
         # Virtual servers: read what is there first (the changes are then sent in batches),
         # remove what is not wanted, then make every wanted one right.
         present = set(ipvs.services())
@@ -137,9 +156,9 @@ class IpvsBackend:
         kernel.bind([(True, f, a) for f, a in bound.keys() - have_bound]
                     + [(False, f, a) for f, a in have_bound - bound.keys()])  # fmt: skip
         # The helper table, swapped in one transaction per family.
-        for family in FAMILIES:
-            kernel.run_nft(base_table(family, self.settings, state.node, elements))
+        _run_per_family({f: base_table(f, self.settings, state.node, elements) for f in FAMILIES})
         self._plans, self._bound, self._elements = plans, bound, elements
+        self._firewall = firewall
         self._node = state.node
         self._settings_synced = self.settings
 
@@ -152,6 +171,7 @@ class IpvsBackend:
         bind: list[tuple[bool, int, str]] = []
         adds: dict[str, set[Element]] = {}
         deletes: dict[str, set[Element]] = {}
+        allowed_before: dict[Element, set[Element]] = {}
         for key in changed:
             old = self._plans.get(key, empty)
             port = state.services.get(key)
@@ -189,16 +209,33 @@ class IpvsBackend:
                     if not book[element]:
                         adds.setdefault(name, set()).add(element)
                     book[element] += 1
+            for vip in old.firewall.keys() | new.firewall.keys():
+                owners = self._firewall.setdefault(vip, {})
+                if vip not in allowed_before:
+                    allowed_before[vip] = allowed_elements(vip, owners.values())
+                owners.pop(key, None)
+                if vip in new.firewall:
+                    owners[key] = new.firewall[vip]
+                elif not owners:
+                    del self._firewall[vip]
             if port:
                 self._plans[key] = new
             else:
                 self._plans.pop(key, None)
+        for vip, was in allowed_before.items():
+            now = allowed_elements(vip, self._firewall.get(vip, {}).values())
+            if was - now:
+                deletes.setdefault(FIREWALL_ALLOW, set()).update(was - now)
+            if now - was:
+                adds.setdefault(FIREWALL_ALLOW, set()).update(now - was)
         if bind:
             kernel.bind(bind)
+        scripts: dict[int, str] = {}
         for family in FAMILIES:
             lines = element_lines("delete", family, deletes) + element_lines("add", family, adds)
             if lines:
-                kernel.run_nft("\n".join(lines) + "\n")
+                scripts[family] = "\n".join(lines) + "\n"
+        _run_per_family(scripts)
 
     # ---- virtual and real servers ---------------------------------------------------------------
 
@@ -247,6 +284,19 @@ class IpvsBackend:
     def draining(self) -> dict[VirtualKey, set[tuple[str, int]]]:
         """The real servers waiting for their connections to end (weight 0)."""
         return {k: set(v) for k, v in self._draining.items()}
+
+
+def _run_per_family(scripts: dict[int, str]) -> None:
+    """Each family's helper-table script, one nft transaction each: a family the kernel
+    refuses does not stop the other's; then BackendError names what was refused."""
+    refused: list[str] = []
+    for family, script in scripts.items():
+        try:
+            kernel.run_nft(script)
+        except kernel.KernelError as exc:
+            refused.append(f"IPv{family} helper table: {exc}")
+    if refused:
+        raise BackendError("; ".join(refused))
 
 
 def cleanup(exclude_cidrs: Iterable[object] = ()) -> None:

@@ -8,10 +8,12 @@ elements of the helper nftables table's sets (masquerade marks, hairpin, drops I
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from ipaddress import collapse_addresses, ip_address
+from ipaddress import ip_address
 
 from ...localnet import Endpoint, IPNetwork, NodeInfo, ProxySettings, ServicePort
+from ..source_ranges import common_ranges, merged
 
 PROTOCOLS = {"tcp": socket.IPPROTO_TCP, "udp": socket.IPPROTO_UDP, "sctp": socket.IPPROTO_SCTP}
 #: ip_vs_svc flags: IP_VS_SVC_F_PERSISTENT (session affinity ClientIP).
@@ -48,6 +50,10 @@ class PortPlan:
     virtual_servers: dict[VirtualKey, VirtualServer] = field(default_factory=dict)
     bound: set[tuple[int, str]] = field(default_factory=set)  # (family, address) on the dummy
     elements: dict[str, set[Element]] = field(default_factory=dict)
+    # The source ranges allowed per load-balancer (family, address, protocol, port): the
+    # `firewall-allow` elements are those every Service on the address and port allows
+    # (`allowed_elements`), never one Service's alone.
+    firewall: dict[Element, tuple[IPNetwork, ...]] = field(default_factory=dict)
 
     def add(self, set_name: str, element: Element) -> None:
         self.elements.setdefault(set_name, set()).add(element)
@@ -60,6 +66,13 @@ HAIRPIN = "hairpin"  # endpoint . proto . port . endpoint: a pod reaching itself
 DROP = "drop-ports"  # traffic policy Local with no endpoint here: dropped, not rejected
 FIREWALL = "firewall-ips"  # load-balancer IPs with loadBalancerSourceRanges
 FIREWALL_ALLOW = "firewall-allow"  # address . proto . port . source range: let through
+
+
+def allowed_elements(vip: Element, each: Iterable[Iterable[IPNetwork]]) -> set[Element]:
+    """The `firewall-allow` elements of one load-balancer address and port, from the ranges of
+    every Service port on it (`source_ranges.common_ranges`: overlapping ranges of two
+    Services would make the kernel refuse the set)."""
+    return {(*vip, str(net)) for net in common_ranges(each)}
 
 
 def excluded(address: str, networks: tuple[IPNetwork, ...]) -> bool:
@@ -112,12 +125,10 @@ def plan_port(port: ServicePort, node: NodeInfo, settings: ProxySettings) -> Por
         if not port.external_endpoints and port.drop_when_no_external_endpoints:
             plan.add(DROP, (family, address, protocol, vport))
     if port.load_balancer_source_ranges:
-        ranges = [n for n in port.load_balancer_source_ranges if n.version == family]
+        ranges = merged(n for n in port.load_balancer_source_ranges if n.version == family)
         for ip in port.load_balancer_ips:
             plan.add(FIREWALL, (family, ip, protocol, port.port))
-            # Overlapping ranges would conflict in an interval set: merge them first.
-            for net in collapse_addresses(ranges):  # type: ignore[type-var]
-                plan.add(FIREWALL_ALLOW, (family, ip, protocol, port.port, str(net)))
+            plan.firewall[(family, ip, protocol, port.port)] = ranges
     for endpoint in {*port.cluster_endpoints, *port.external_endpoints}:
         plan.add(HAIRPIN, (family, str(endpoint.ip), protocol, endpoint.port, str(endpoint.ip)))
     return plan

@@ -1,5 +1,9 @@
 """The nftables backend: one table per IP family, changed by element deltas.
 
+Each family's table is changed by its own nft transaction: one the kernel refuses leaves that
+family's last good rules in place and the other family's change applied (the sync still fails,
+and the next one is a full one).
+
 A full sync swaps each table atomically (used at start, which takes over a previous agent's
 rules without a gap, after a failure, and when the node or settings change). Every other sync
 sends only the elements that changed, computed against the backend's own record, so it never
@@ -20,16 +24,18 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 
 from ...localnet import NodeLocalState, ProxySettings, ServicePort, ServicePortKey
-from ..base import BackendError
+from ..base import Backend, BackendError
 from . import kernel, netlink_batch
 from . import names as n
 from .element_book import ElementBook, Plan
 from .ruleset import (
+    MERGED_SETS,
     ChainDef,
     PortRender,
     base_table,
     endpoint_chain,
     endpoint_chain_counts,
+    kernel_pairs,
     render_port,
 )
 from .schema import Element, Pair
@@ -42,7 +48,7 @@ FAMILIES = (4, 6)
 STREAM_CHUNK = 1000
 
 
-class NftablesBackend:
+class NftablesBackend(Backend):
     mode = "nftables"
 
     def __init__(
@@ -52,15 +58,22 @@ class NftablesBackend:
         present_families: Callable[[], set[int]] = kernel.present_families,
         load_elements: Callable[[netlink_batch.Elements], None] = kernel.load_elements,
         run_transactions: Callable[[Iterable[Transaction]], None] | None = None,
+        check_script: Callable[[Iterable[str]], str | None] = kernel.check_script,
+        check_transactions: Callable[[Iterable[Transaction]], str | None] | None = None,
     ) -> None:
-        """`run_script` applies nft text; `run_transactions`, when given, takes the typed
-        transactions instead (the kernel fake in the tests applies them as they are)."""
+        """`run_script` applies nft text and `check_script` asks nft's check mode about it;
+        `run_transactions` and `check_transactions`, when given, take the typed transactions
+        instead (the kernel fake in the tests applies them as they are)."""
         self.settings = settings
         self._run = run_script
         self._run_transactions = run_transactions
+        self._check = check_script
+        self._check_transactions = check_transactions
         self._present_families = present_families
         self._load_elements = load_elements
-        self._books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
+        self._books: dict[int, ElementBook[ServicePortKey]] = {
+            f: ElementBook(MERGED_SETS) for f in FAMILIES
+        }
         self._chains: dict[int, set[tuple[str, int]]] = {f: set() for f in FAMILIES}
         self._port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
             f: {} for f in FAMILIES
@@ -73,16 +86,23 @@ class NftablesBackend:
 
     def programmed(self) -> bool:
         """True while the kernel still has our tables (someone may flush the ruleset)."""
-        return self._synced and self._present_families() == set(FAMILIES)
+        if not self._synced:
+            return False
+        try:
+            return self._present_families() == set(FAMILIES)
+        except BackendError as exc:
+            log.warning("cannot ask the kernel for our tables: %s", exc)
+            return False
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
+        self._last_sent = []
         if changed is None or not self._synced:
             self._full_sync(state)
         else:
             self._partial_sync(state, changed)
 
     def _full_sync(self, state: NodeLocalState) -> None:
-        plans: dict[int, Plan[ServicePortKey]] = {f: Plan() for f in FAMILIES}
+        plans: dict[int, Plan[ServicePortKey]] = {f: Plan(merge=MERGED_SETS) for f in FAMILIES}
         chains: dict[int, set[tuple[str, int]]] = {f: set() for f in FAMILIES}
         port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
             f: {} for f in FAMILIES
@@ -91,30 +111,51 @@ class NftablesBackend:
         present = self._present_families()
         loaded: dict[int, dict[str, list[Pair]]] = {f: {} for f in FAMILIES if f not in present}
         self.last_loaded = loaded
-        t0 = time.monotonic()
-        self._apply(self._full_script(state, plans, chains, port_chains, loaded))
-        log.debug("full sync: rendered and applied the nft part in %.3f s", time.monotonic() - t0)
-        started = time.monotonic()
-        try:
-            self._load_elements(loaded)
-        except BackendError:
-            self._synced = False  # the tables exist now, empty: the next full sync swaps them
-            raise
-        if loaded:
-            log.info(
-                "%s: no table in the kernel: %d elements loaded by netlink (%.3f s)",
-                ", ".join(f"{n.FAMILIES[f]} {n.TABLE}" for f in loaded),
-                sum(len(pairs) for sets in loaded.values() for pairs in sets.values()),
-                time.monotonic() - started,
-            )
-        t0 = time.monotonic()
-        books: dict[int, ElementBook[ServicePortKey]] = {f: ElementBook() for f in FAMILIES}
+        by_family = self._by_family(state)
+        refused: list[str] = []
         for fam in FAMILIES:
-            books[fam].commit(plans[fam])
+            # Each family is its own transaction: one the kernel refuses leaves the other's in.
+            t0 = time.monotonic()
+            try:
+                txns = self._family_script(
+                    fam, state, by_family[fam], plans, chains, port_chains, loaded
+                )
+                self._apply(txns)
+                log.debug("full sync: IPv%d's nft part in %.3f s", fam, time.monotonic() - t0)
+                self._load_family(fam, loaded)
+            except BackendError as exc:
+                refused.append(f"IPv{fam}: {exc}")
+                continue
+            book: ElementBook[ServicePortKey] = ElementBook(MERGED_SETS)
+            book.commit(plans[fam])
             self._log_conflicts(plans[fam])
-        log.debug("full sync: record committed in %.3f s", time.monotonic() - t0)
-        self._books, self._chains, self._synced = books, chains, True
-        self._port_chains = port_chains
+            self._books[fam], self._chains[fam] = book, chains[fam]
+            self._port_chains[fam] = port_chains[fam]
+        # A family refused keeps its last good rules; the next sync swaps both again.
+        self._synced = not refused
+        if refused:
+            raise BackendError("; ".join(refused))
+
+    def _load_family(self, fam: int, loaded: dict[int, dict[str, list[Pair]]]) -> None:
+        """The netlink part of a family's full sync (none where its table was there)."""
+        if fam not in loaded:
+            return
+        started = time.monotonic()
+        self._load_elements({fam: loaded[fam]})
+        log.info(
+            "%s %s: no table in the kernel: %d elements loaded by netlink (%.3f s)",
+            n.FAMILIES[fam],
+            n.TABLE,
+            sum(len(pairs) for pairs in loaded[fam].values()),
+            time.monotonic() - started,
+        )
+
+    @staticmethod
+    def _by_family(state: NodeLocalState) -> dict[int, list[ServicePort]]:
+        by_family: dict[int, list[ServicePort]] = {f: [] for f in FAMILIES}
+        for key, sp in state.services.items():
+            by_family[key.family].append(sp)
+        return by_family
 
     def _full_script(
         self,
@@ -124,44 +165,80 @@ class NftablesBackend:
         port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]],
         loaded: dict[int, dict[str, list[Pair]]],
     ) -> Iterator[Transaction]:
-        """The full sync's transaction, one part per chunk of service ports, rendered as nft
-        reads it (and filling in the plans and chains it programs, and for the families in
-        `loaded`, the elements left out of it for the netlink load)."""
-        by_family: dict[int, list[ServicePort]] = {f: [] for f in FAMILIES}
-        for key, sp in state.services.items():
-            by_family[key.family].append(sp)
+        """Both families' full sync transactions, one after the other (`check` asks about
+        them together)."""
+        by_family = self._by_family(state)
         for fam in FAMILIES:
+            yield from self._family_script(
+                fam, state, by_family[fam], plans, chains, port_chains, loaded
+            )
+
+    def _family_script(
+        self,
+        fam: int,
+        state: NodeLocalState,
+        ports: list[ServicePort],
+        plans: dict[int, Plan[ServicePortKey]],
+        chains: dict[int, set[tuple[str, int]]],
+        port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]],
+        loaded: dict[int, dict[str, list[Pair]]],
+    ) -> Iterator[Transaction]:
+        """A family's full sync transaction, one part per chunk of service ports, rendered as
+        nft reads it (and filling in the plans and chains it programs, and for the families
+        in `loaded`, the elements left out of it for the netlink load)."""
+        txn = Transaction(fam)
+        txn.replace_table(base_table(self.settings, state.facts[fam]))
+        yield txn
+        for start in range(0, len(ports), STREAM_CHUNK):
             txn = Transaction(fam)
-            txn.replace_table(base_table(self.settings, state.facts[fam]))
+            claimed: list[Element] = []
+            for sp in ports[start : start + STREAM_CHUNK]:
+                render = render_port(sp)
+                if render.chains:
+                    port_chains[fam][sp.key] = render.chains
+                    for name, chain in render.chains.items():
+                        txn.add_port_chain(name, chain.sets, chain.rules)
+                claimed += plans[fam].claim_fresh(sp.key, render.elements)
+            new_chains = endpoint_chain_counts(claimed) - chains[fam]
+            chains[fam] |= new_chains
+            for dispatch_map, count in sorted(new_chains):
+                txn.add_endpoint_chain(*endpoint_chain(fam, dispatch_map, count))
+            by_set: dict[str, list[Pair]] = {}
+            for set_name, element_key, value in claimed:
+                pairs = by_set.get(set_name)
+                if pairs is None:
+                    pairs = by_set[set_name] = []
+                pairs.append((element_key, value))
+            bulk = loaded.get(fam)
+            for set_name, pairs in sorted(by_set.items()):
+                if bulk is not None and netlink_batch.loadable(set_name):
+                    bulk.setdefault(set_name, []).extend(pairs)
+                else:
+                    txn.add_elements(set_name, pairs)
             yield txn
-            ports = by_family[fam]
-            for start in range(0, len(ports), STREAM_CHUNK):
-                txn = Transaction(fam)
-                claimed: list[Element] = []
-                for sp in ports[start : start + STREAM_CHUNK]:
-                    render = render_port(sp)
-                    if render.chains:
-                        port_chains[fam][sp.key] = render.chains
-                        for name, chain in render.chains.items():
-                            txn.add_port_chain(name, chain.sets, chain.rules)
-                    claimed += plans[fam].claim_fresh(sp.key, render.elements)
-                new_chains = endpoint_chain_counts(claimed) - chains[fam]
-                chains[fam] |= new_chains
-                for dispatch_map, count in sorted(new_chains):
-                    txn.add_endpoint_chain(*endpoint_chain(fam, dispatch_map, count))
-                by_set: dict[str, list[Pair]] = {}
-                for set_name, element_key, value in claimed:
-                    pairs = by_set.get(set_name)
-                    if pairs is None:
-                        pairs = by_set[set_name] = []
-                    pairs.append((element_key, value))
-                bulk = loaded.get(fam)
-                for set_name, pairs in sorted(by_set.items()):
-                    if bulk is not None and netlink_batch.loadable(set_name):
-                        bulk.setdefault(set_name, []).extend(pairs)
-                    else:
-                        txn.add_elements(set_name, pairs)
-                yield txn
+        # What several Services share (merged across owners), once all have claimed.
+        txn = Transaction(fam)
+        merged: dict[str, list[Pair]] = {}
+        for set_name, element_key, value in plans[fam].merged_elements():
+            merged.setdefault(set_name, []).append((element_key, value))
+        for set_name, pairs in sorted(merged.items()):
+            txn.add_elements(set_name, kernel_pairs(set_name, pairs))
+        if txn:
+            yield txn
+
+    def check(self, state: NodeLocalState) -> str | None:
+        """Whether the kernel accepts `state` as both tables, swapped whole (the full sync's
+        transaction, every element in nft text), asked in nft's check mode: nothing changes,
+        and this backend's record neither."""
+        plans: dict[int, Plan[ServicePortKey]] = {f: Plan(merge=MERGED_SETS) for f in FAMILIES}
+        chains: dict[int, set[tuple[str, int]]] = {f: set() for f in FAMILIES}
+        port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
+            f: {} for f in FAMILIES
+        }
+        transactions = self._full_script(state, plans, chains, port_chains, {})
+        if self._check_transactions is not None:
+            return self._check_transactions(transactions)
+        return self._check(txn.render() for txn in transactions)
 
     def _partial_sync(self, state: NodeLocalState, changed: Collection[ServicePortKey]) -> None:
         plans: dict[int, Plan[ServicePortKey]] = {}
@@ -196,9 +273,14 @@ class NftablesBackend:
             plans[fam] = plan
             pre.ops += post.ops
             script.append(pre)
-        if not script:
-            return
-        self._apply(script)
+        refused: list[str] = []
+        for txn in script:
+            # Each family is its own transaction: one the kernel refuses leaves the other's in.
+            try:
+                self._apply([txn])
+            except BackendError as exc:
+                refused.append(f"IPv{txn.family}: {exc}")
+                del plans[txn.family]
         for fam, plan in plans.items():
             self._books[fam].commit(plan)
             self._chains[fam] |= new_chains[fam]
@@ -208,6 +290,8 @@ class NftablesBackend:
                     self._port_chains[fam][key] = new
                 else:
                     self._port_chains[fam].pop(key, None)
+        if refused:
+            raise BackendError("; ".join(refused))  # and the next sync is a full one
 
     @staticmethod
     def _diff_port_chains(
@@ -236,16 +320,22 @@ class NftablesBackend:
     ) -> None:
         for dispatch_map, count in sorted(chains):
             txn.add_endpoint_chain(*endpoint_chain(fam, dispatch_map, count))
-        for set_name, keys in sorted(plan.delete.items()):
-            txn.delete_elements(set_name, keys)
-        for set_name, pairs in sorted(plan.add.items()):
+        adds: dict[str, list[Pair]] = {}
+        for set_name in sorted(plan.delete.keys() | plan.add.keys()):
+            replaced = [(k, plan.replaced[(set_name, k)]) for k in plan.delete.get(set_name, ())]
+            old = kernel_pairs(set_name, replaced)
+            new = kernel_pairs(set_name, plan.add.get(set_name, ()))
+            if set_name in MERGED_SETS:  # a value replaced: only the kernel elements it changes
+                old, new = [p for p in old if p not in new], [p for p in new if p not in old]
+            txn.delete_elements(set_name, [key for key, _ in old])
+            adds[set_name] = new
+        for set_name, pairs in adds.items():
             txn.add_elements(set_name, pairs)
 
     def _apply(self, transactions: Iterable[Transaction]) -> None:
         # What was sent, for logs and tests: the nft text as it was rendered for nft (no
         # second rendering), or the transactions themselves where they are applied typed.
-        sent: list[str | Transaction] = []
-        self._last_sent = sent
+        sent = self._last_sent
         try:
             if self._run_transactions is not None:
 

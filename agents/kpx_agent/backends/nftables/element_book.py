@@ -2,14 +2,17 @@
 
 Each element belongs to one or more owners (service ports). A shared element (a hairpin pair
 used by two Services) stays while any owner wants it; a key claimed by two owners with different
-values (two Services on one external IP and port) keeps the first claim. Updates are planned
-against the record without changing it, and committed only once the kernel accepted them, so a
-failed transaction leaves the record equal to what the kernel still has.
+values (two Services on one external IP and port) keeps the first claim. In a *merged* set the
+owners' values of one key are combined instead (`merge`: one function per set name, of the
+values in claim order), so the kernel gets one value per key whatever the order of the claims
+(the allowed source ranges of a load-balancer IP and port: see `ruleset.common_ranges`).
+Updates are planned against the record without changing it, and committed only once the kernel
+accepted them, so a failed transaction leaves the record equal to what the kernel still has.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -17,6 +20,7 @@ from .schema import Element, Key, Value
 
 Owner = TypeVar("Owner")
 ElementKey = tuple[str, Key]  # (set name, typed key)
+Merge = Callable[[Sequence[Value]], Value]  # the owners' values of one key -> the kernel's
 
 
 @dataclass
@@ -26,6 +30,9 @@ class Plan(Generic[Owner]):
     delete: dict[str, list[Key]] = field(default_factory=dict)
     add: dict[str, list[tuple[Key, Value]]] = field(default_factory=dict)
     conflicts: list[tuple[ElementKey, Owner]] = field(default_factory=list)
+    # The value each deleted key had in the kernel (to delete what a merged value expands to).
+    replaced: dict[ElementKey, Value] = field(default_factory=dict)
+    merge: Mapping[str, Merge] = field(default_factory=dict)
     _owners: dict[ElementKey, list[tuple[Owner, Value]]] = field(default_factory=dict)
     _contrib: dict[Owner, tuple[Element, ...] | None] = field(default_factory=dict)
 
@@ -36,10 +43,12 @@ class Plan(Generic[Owner]):
         """For a plan against an empty record, one owner at a time (so a full sync can stream
         its elements): take the owner's elements and return those whose key nobody claimed
         before. A key claimed again stays with its first claim (a different value is a
-        conflict)."""
+        conflict). Elements of merged sets are never returned: `merged_elements` has them
+        once every owner has claimed."""
         new = tuple(elements) if elements is not None else ()
         self._contrib[owner] = new if elements is not None else None
         staged = self._owners
+        merge = self.merge
         first: list[Element] = []
         for element in new:
             ek = element[:2]
@@ -47,26 +56,47 @@ class Plan(Generic[Owner]):
             value = element[2]
             if lst is None:
                 staged[ek] = [(owner, value)]
-                first.append(element)
+                if ek[0] not in merge:
+                    first.append(element)
                 continue
-            if lst[0][1] != value:
+            if lst[0][1] != value and ek[0] not in merge:
                 self.conflicts.append((ek, owner))
             lst.append((owner, value))
         return first
 
+    def merged_elements(self) -> list[Element]:
+        """The merged sets' elements of a plan made by `claim_fresh` (a full sync's)."""
+        merge = self.merge
+        return [
+            (set_name, key, merge[set_name]([v for _, v in lst]))
+            for (set_name, key), lst in self._owners.items()
+            if set_name in merge and lst
+        ]
+
+    def effective(self, set_name: str, owners: Sequence[tuple[Owner, Value]]) -> Value:
+        """The value the kernel holds for a key with these owners (in claim order)."""
+        if set_name in self.merge:
+            return self.merge[set_name]([v for _, v in owners])
+        return owners[0][1]
+
 
 class ElementBook(Generic[Owner]):
-    def __init__(self) -> None:
+    def __init__(self, merge: Mapping[str, Merge] | None = None) -> None:
         self._owners: dict[ElementKey, list[tuple[Owner, Value]]] = {}
         self._contrib: dict[Owner, tuple[Element, ...]] = {}
+        self.merge: Mapping[str, Merge] = merge or {}
+
+    def new_plan(self) -> Plan[Owner]:
+        return Plan(merge=self.merge)
 
     def __len__(self) -> int:
         return len(self._owners)
 
     def elements(self) -> Iterator[Element]:
-        """The effective elements (first owner's value wins), for a full sync."""
+        """The effective elements (first owner's value wins, or the merged value)."""
+        plan = self.new_plan()
         for (set_name, key), owners in self._owners.items():
-            yield set_name, key, owners[0][1]
+            yield set_name, key, plan.effective(set_name, owners)
 
     def contribution(self, owner: Owner) -> tuple[Element, ...]:
         return self._contrib.get(owner, ())
@@ -78,7 +108,8 @@ class ElementBook(Generic[Owner]):
         """What changes in the kernel if each owner's elements become `updates[owner]`."""
         if not self._owners:
             return self._plan_fresh(updates)
-        plan: Plan[Owner] = Plan()
+        plan = self.new_plan()
+        merge = self.merge
         staged = plan._owners
         for owner, new_elems in updates.items():
             old = self._contrib.get(owner, ())
@@ -96,26 +127,29 @@ class ElementBook(Generic[Owner]):
                     continue
                 ek = (set_name, key)
                 lst = staged.setdefault(ek, list(self._owners.get(ek, ())))
-                if lst and lst[0][1] != value and lst[0][0] != owner:
+                if lst and lst[0][1] != value and lst[0][0] != owner and set_name not in merge:
                     plan.conflicts.append((ek, owner))
                 lst.append((owner, value))
         for ek, lst in staged.items():
             before = self._owners.get(ek)
-            old_value = before[0][1] if before else None
             set_name, key = ek
-            if before and (not lst or lst[0][1] != old_value):
+            old_value = plan.effective(set_name, before) if before else None
+            new_value = plan.effective(set_name, lst) if lst else None
+            if before and (not lst or new_value != old_value):
                 plan.delete.setdefault(set_name, []).append(key)
-            if lst and (not before or lst[0][1] != old_value):
-                plan.add.setdefault(set_name, []).append((key, lst[0][1]))
+                plan.replaced[ek] = old_value
+            if lst and (not before or new_value != old_value):
+                plan.add.setdefault(set_name, []).append((key, new_value))
         return plan
 
-    @staticmethod
-    def _plan_fresh(updates: Mapping[Owner, Iterable[Element] | None]) -> Plan[Owner]:
+    def _plan_fresh(self, updates: Mapping[Owner, Iterable[Element] | None]) -> Plan[Owner]:
         """The same plan for an empty record (a full sync), without the diffing."""
-        plan: Plan[Owner] = Plan()
+        plan = self.new_plan()
         for owner, new_elems in updates.items():
             for set_name, key, value in plan.claim_fresh(owner, new_elems):
                 plan.add.setdefault(set_name, []).append((key, value))
+        for set_name, key, value in plan.merged_elements():
+            plan.add.setdefault(set_name, []).append((key, value))
         return plan
 
     def commit(self, plan: Plan[Owner]) -> None:

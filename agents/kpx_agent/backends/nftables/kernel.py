@@ -38,15 +38,23 @@ def run_script(parts: Iterable[str]) -> None:
     # nft writes its errors only after reading all input, but a file (not a pipe) for them
     # rules out any deadlock between our writes and its output.
     with tempfile.TemporaryFile() as errors:
-        proc = subprocess.Popen(
-            [NFT, "-f", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errors
-        )
+        try:
+            proc = subprocess.Popen(
+                [NFT, "-f", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errors
+            )
+        except OSError as exc:  # no nft, no pid left (EAGAIN under pids.max), ENOSPC, ...
+            raise BackendError(f"cannot run {NFT}: {exc}") from exc
         assert proc.stdin is not None
         try:
             for part in parts:
                 proc.stdin.write(part.encode())
         except BrokenPipeError:
             pass  # nft exited early; its status and message say why
+        except OSError as exc:
+            proc.kill()  # before stdin closes: an unfinished transaction must never commit
+            proc.wait()
+            _close(proc.stdin)
+            raise BackendError(f"cannot write to {NFT}: {exc}") from exc
         except BaseException:
             proc.kill()  # before stdin closes: an unfinished transaction must never commit
             proc.wait()
@@ -58,6 +66,16 @@ def run_script(parts: Iterable[str]) -> None:
             errors.seek(0)
             message = errors.read().decode(errors="replace").strip()[:2000]
             raise BackendError(f"nft rejected the transaction (exit {status}): {message}")
+
+
+def check_script(parts: Iterable[str]) -> str | None:
+    """Whether the kernel accepts the concatenated `parts` as one transaction, asked in nft's
+    check mode (`nft --check`: the kernel validates the whole batch and applies nothing).
+    None when it does, else nft's message."""
+    proc = _run([NFT, "--check", "-f", "-"], "".join(parts))
+    if proc.returncode == 0:
+        return None
+    return proc.stderr.strip()[:2000] or f"nft --check exited {proc.returncode}"
 
 
 def _close(stream: IO[bytes]) -> None:
@@ -78,10 +96,15 @@ def present_families() -> set[int]:
 
 def _check_flush(families: Iterable[str]) -> bool:
     script = "".join(f"flush chain {fam} {n.TABLE} {n.NAT_OUTPUT}\n" for fam in families)
-    proc = subprocess.run(
-        [NFT, "--check", "-f", "-"], input=script, capture_output=True, text=True, check=False
-    )
-    return proc.returncode == 0
+    return _run([NFT, "--check", "-f", "-"], script).returncode == 0
+
+
+def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run nft to completion; BackendError when it cannot be run at all."""
+    try:
+        return subprocess.run(argv, input=stdin, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise BackendError(f"cannot run {argv[0]}: {exc}") from exc
 
 
 SOL_NETLINK = 270
@@ -118,7 +141,10 @@ class _Sender:
         self._thread = threading.Thread(target=self._run, name="nft-netlink", daemon=True)
 
     def __enter__(self) -> _Sender:
-        self._thread.start()
+        try:
+            self._thread.start()
+        except RuntimeError as exc:  # "can't start new thread": no pid left (pids.max)
+            raise BackendError(f"netlink element batch: {exc}") from exc
         return self
 
     def send(self, batch: Batch) -> bool:
@@ -179,7 +205,7 @@ def _exchange(sock: socket.socket, data: bytes, expected: int) -> dict[int, int]
 def our_tables() -> set[str]:
     """Which of our tables exist, as 'family name' strings (lists them: slow at scale, for
     cleanup only)."""
-    proc = subprocess.run([NFT, "list", "tables"], capture_output=True, text=True, check=False)
+    proc = _run([NFT, "list", "tables"])
     if proc.returncode != 0:
         raise BackendError(f"nft list tables failed: {proc.stderr.strip()}")
     wanted = {f"{fam} {n.TABLE}" for fam in n.FAMILIES.values()}
@@ -203,8 +229,7 @@ def owned_by_a_process(table: str) -> bool:
     """Whether the table ('family name') carries `flags owner`: it belongs to a running
     process's netlink socket, which alone may change it, and goes when that socket closes.
     kpx never makes such a table."""
-    proc = subprocess.run([NFT, "-t", "list", "table", *table.split()], capture_output=True,
-                          text=True, check=False)  # fmt: skip
+    proc = _run([NFT, "-t", "list", "table", *table.split()])
     return proc.returncode == 0 and carries_owner_flag(proc.stdout)
 
 

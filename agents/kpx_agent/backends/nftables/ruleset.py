@@ -13,9 +13,9 @@ ints, networks) and the validated detectLocal interface name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from ipaddress import IPv4Network, IPv6Network, collapse_addresses
+from ipaddress import IPv4Network, IPv6Network
 
 from ...localnet import (
     Endpoint,
@@ -25,8 +25,10 @@ from ...localnet import (
     ProxySettings,
     ServicePort,
 )
+from ..source_ranges import common_ranges, merged
 from . import names as n
 from . import rules as r
+from .element_book import Merge
 from .rules import L4PROTO, PORT_KEY, Rule, rule
 from .schema import (
     TABLE_CHAINS,
@@ -34,7 +36,9 @@ from .schema import (
     Element,
     Goto,
     Key,
+    Pair,
     SetDecl,
+    Value,
     affinity_set,
     endpoint_map,
     table_set,
@@ -122,13 +126,6 @@ def _dispatch_to(
     ]
 
 
-def _merged(nets: tuple[IPNetwork, ...]) -> list[IPNetwork]:
-    """The same addresses with overlaps merged (one family per service port)."""
-    v4 = [x for x in nets if isinstance(x, IPv4Network)]
-    v6 = [x for x in nets if isinstance(x, IPv6Network)]
-    return [*collapse_addresses(v4), *collapse_addresses(v6)]
-
-
 def render_port(sp: ServicePort) -> PortRender:
     """The elements (and affinity chains) one service port contributes to its family's table."""
     out = PortRender()
@@ -151,9 +148,11 @@ def render_port(sp: ServicePort) -> PortRender:
         if sp.load_balancer_source_ranges:
             key = (ip, proto, port)
             out.elements.append((n.FIREWALL_IPS, key, None))
-            # Overlapping ranges would conflict in an interval set: merge them first.
-            for net in _merged(sp.load_balancer_source_ranges):
-                out.elements.append((n.FIREWALL_ALLOW, (*key, net), None))
+            # One element of the backend's record per address and port, its value all the
+            # ranges (overlaps merged: they would conflict in an interval set); the kernel's
+            # elements are `firewall_allow_pairs` of it, once merged with other Services'.
+            ranges = merged(sp.load_balancer_source_ranges)
+            out.elements.append((n.FIREWALL_ALLOW, key, ranges))
     if sp.node_port:
         key = (proto, sp.node_port)
         if sp.external_masquerade:
@@ -169,6 +168,28 @@ def render_port(sp: ServicePort) -> PortRender:
 
 def port_elements(sp: ServicePort) -> list[Element]:
     return render_port(sp).elements
+
+
+def firewall_ranges(values: Sequence[Value]) -> Value:
+    """The `firewall-allow` value of an address and port several Services claim: the ranges
+    they all allow (`source_ranges.common_ranges`)."""
+    return common_ranges(_networks(v) for v in values)
+
+
+#: Sets whose record holds one value per key merged across its owners (`element_book`).
+MERGED_SETS: Mapping[str, Merge] = {n.FIREWALL_ALLOW: firewall_ranges}
+
+
+def kernel_pairs(set_name: str, pairs: Iterable[Pair]) -> list[Pair]:
+    """The kernel's elements of a set for the record's: a `firewall-allow` record element
+    (address, protocol, port) -> ranges is one interval element per range."""
+    if set_name != n.FIREWALL_ALLOW:
+        return list(pairs)
+    return [((*key, net), None) for key, ranges in pairs for net in _networks(ranges)]
+
+
+def _networks(value: Value) -> list[IPNetwork]:
+    return [x for x in value or () if isinstance(x, IPv4Network | IPv6Network)]
 
 
 _DISPATCH_MAPS = frozenset(n.ENDPOINT_CHAIN_PREFIX)  # values: Goto(chain)

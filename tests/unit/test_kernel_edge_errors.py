@@ -1,0 +1,102 @@
+"""Errors from spawning the kernel tools (a missing binary, ENOSPC, EAGAIN under pids.max)
+are failed syncs, never an agent exit: each kernel edge turns them into BackendError, the
+proxier keeps the last good rules and retries; conntrack cleanup logs and goes on."""
+
+from __future__ import annotations
+
+import errno
+import subprocess
+from typing import Any
+
+import pytest
+from backend_samples import SETTINGS
+
+from kpx_agent import conntrack
+from kpx_agent.backends.base import BackendError
+from kpx_agent.backends.iptables import kernel as ipt_kernel
+from kpx_agent.backends.nftables import kernel as nft_kernel
+from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+from kpx_agent.conntrack import FlowFilter
+from kpx_agent.localnet import IP
+from kpx_agent.metrics import AgentMetrics
+from kpx_agent.proxier import Proxier
+from kpx_api.proxysettings import NamespaceOptOut
+
+
+def cannot_spawn(*args: Any, **kwargs: Any) -> Any:
+    raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+
+def test_nft_that_cannot_be_spawned_is_a_backend_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(subprocess, "Popen", cannot_spawn)
+    monkeypatch.setattr(subprocess, "run", cannot_spawn)
+    with pytest.raises(BackendError, match="Resource temporarily unavailable"):
+        nft_kernel.run_script(["add table ip kpx\n"])
+    with pytest.raises(BackendError, match="Resource temporarily unavailable"):
+        nft_kernel.present_families()
+    with pytest.raises(BackendError, match="Resource temporarily unavailable"):
+        nft_kernel.check_script(["add table ip kpx\n"])
+
+
+def test_a_missing_nft_binary_is_a_backend_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nft_kernel, "NFT", "/nonexistent/nft")
+    with pytest.raises(BackendError, match="nft"):
+        nft_kernel.run_script(["add table ip kpx\n"])
+    with pytest.raises(BackendError):
+        nft_kernel.our_tables()
+
+
+def test_iptables_restore_that_cannot_be_spawned_is_a_backend_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(subprocess, "run", cannot_spawn)
+    with pytest.raises(BackendError, match="Resource temporarily unavailable"):
+        ipt_kernel.restore(4, "*nat\nCOMMIT\n")
+
+
+def test_the_proxier_turns_it_into_a_failed_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = ClusterState()
+    for kind in (SERVICES, SLICES, NAMESPACES, NODES):
+        state.replace(kind, [])
+    spec = {"clusterIPs": ["10.96.0.10"], "ports": [{"port": 80}]}
+    state.upsert(SERVICES, {"metadata": {"namespace": "d", "name": "a"}, "spec": spec})
+    proxier = Proxier(state, NftablesBackend(SETTINGS), "n1", NamespaceOptOut(), AgentMetrics())
+    monkeypatch.setattr(subprocess, "Popen", cannot_spawn)
+    monkeypatch.setattr(subprocess, "run", cannot_spawn)
+    outcome = proxier.sync()
+    assert not outcome.ok and "Resource temporarily unavailable" in outcome.error
+    assert proxier.metrics.sync_failures._value.get() == 1
+    assert proxier.sync().full  # retried, in full (both tools still fail: nothing ran)
+
+
+def test_conntrack_cleanup_without_the_binary_logs_and_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    calls: list[list[str]] = []
+
+    def missing(argv: list[str], **kwargs: Any) -> Any:
+        calls.append(argv)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", argv[0])
+
+    monkeypatch.setattr(subprocess, "run", missing)
+    flows = [FlowFilter(4, 53, IP.of("10.96.0.10"), IP.of(f"10.244.1.{i}")) for i in range(5)]
+    assert conntrack.delete_flows(flows) == 5  # all failed, none raised
+    assert len(calls) == 1  # not tried again for each flow once the tool is missing
+    assert "conntrack" in caplog.text
+
+
+def test_conntrack_cleanup_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each deletion has a timeout, and all of them a budget: what it leaves is undone."""
+    timeouts: list[float] = []
+
+    def hangs(argv: list[str], **kwargs: Any) -> Any:
+        timeouts.append(kwargs["timeout"])
+        raise subprocess.TimeoutExpired(argv, kwargs["timeout"])
+
+    monkeypatch.setattr(subprocess, "run", hangs)
+    flows = [FlowFilter(4, 53, IP.of("10.96.0.10"), IP.of(f"10.244.1.{i}")) for i in range(5)]
+    assert conntrack.delete_flows(flows) == 5
+    assert len(timeouts) == 5 and all(0 < t <= conntrack.CALL_TIMEOUT for t in timeouts)
+    timeouts.clear()
+    assert conntrack.delete_flows(flows, budget=0) == 5 and timeouts == []
