@@ -20,6 +20,7 @@ from .admission import IPVSPolicy
 from .apiserver import ApiError, ApiServer, Credentials, from_kubeconfig, in_cluster
 from .builders import DEFAULT_AGENT_IMAGE, BuildOptions
 from .handlers import register
+from .kopf_storage import DigestDiffBaseStorage
 from .leader import LeaderElector, default_identity
 from .names import DEFAULT_NAMESPACE, FIELD_MANAGER, FINALIZER, LEASE_NAME
 from .reconciler import OperatorConfig, Reconciler
@@ -126,11 +127,10 @@ def operator_settings() -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     settings.persistence.finalizer = FINALIZER
     # kopf's own bookkeeping lives in status.kopf, which the CRD keeps (preserve-unknown-
-    # fields); the objects carry no kopf annotations.
+    # fields); the objects carry no kopf annotations. Its "last handled" state is a digest,
+    # not a copy of the spec (kopf_storage.py).
     settings.persistence.progress_storage = kopf.StatusProgressStorage(field="status.kopf.progress")
-    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage(
-        field="status.kopf.last-handled-configuration"
-    )
+    settings.persistence.diffbase_storage = DigestDiffBaseStorage()
     # Events: the ones the reconciler posts, and kopf's warnings/errors; not a Normal event
     # per timer tick.
     settings.posting.level = logging.WARNING

@@ -264,6 +264,10 @@ def test_status_has_generation_and_conditions(env: Env, leader: Operator) -> Non
     assert conds["Deprecated"]["status"] == "False"
     assert (st["mode"], st["deprecated"], st["readyNodes"]) == ("nftables", False, 0)
     assert "kopf" in st  # kopf's bookkeeping is kept in status.kopf, not in annotations
+    # ...and it is small: a digest of what was handled, never a copy of the spec.
+    assert "last-handled-configuration" not in st["kopf"]
+    assert str(st["kopf"].get("last-handled-digest", "")).startswith("sha256:")
+    assert "nftables" not in json.dumps(st["kopf"])
     annotations = (env.get("proxyconfiguration", "default") or {})["metadata"].get("annotations")
     assert not any("kopf" in k for k in annotations or {})
 
