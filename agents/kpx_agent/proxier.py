@@ -21,9 +21,13 @@ from .localnet import NodeLocalState, Protocol, ProxySettings, ServicePort, Serv
 from .metrics import AgentMetrics
 from .node_local import node_facts, node_info, service_ports, uses_topology
 from .optout import excluded_namespaces
-from .service_problems import ProblemBook
+from .service_problems import ProblemBook, ServiceProblem
+from .vip_claims import VipClaims, creation_time
 
 log = logging.getLogger(__name__)
+
+#: The problem book's source for what the node-local model leaves out.
+MODEL_PROBLEMS = "model"
 
 
 @dataclass
@@ -70,6 +74,13 @@ class Proxier:
     # Services left out of the dataplane (in whole or in part), by the place that decided it:
     # the agent reports new ones as Warning Events on the Service (service_problems.py).
     problems: ProblemBook = field(default_factory=ProblemBook)
+    # The model's ports before the VIP claims decide (`local.services` holds them after).
+    _raw: dict[ServicePortKey, ServicePort] = field(default_factory=dict, init=False)
+    _claims: VipClaims = field(default_factory=VipClaims, init=False)
+    # The model's problems of each port (source MODEL_PROBLEMS in the book).
+    _clashes: dict[ServicePortKey, tuple[ServiceProblem, ...]] = field(
+        default_factory=dict, init=False
+    )
 
     def __post_init__(self) -> None:
         self.local = NodeLocalState(node=node_info(None, self.node_name))
@@ -114,34 +125,68 @@ class Proxier:
         return set()
 
     def _recompute(self, services: set[Key] | None) -> set[ServicePortKey]:
-        """Refresh the node-local state for these Services (None: all); the ports that changed."""
-        st, local = self.state, self.local
-        node = local.node
+        """Refresh the node-local state for these Services (None: all); the ports that changed.
+
+        The model's ports (`_raw`) go through the VIP claims (vip_claims.py) before they are
+        programmed: a port whose VIP another port won is programmed without it, and every
+        claimant of a VIP whose winner may have changed is resolved again."""
+        st = self.state
+        node = self.local.node
         keys = set(st.services) | set(self._ports_of) if services is None else services
-        changed: set[ServicePortKey] = set()
+        claims, raw = self._claims, self._raw
+        dependants: set[ServicePortKey] = set()
         for svc in keys:
             old = self._ports_of.pop(svc, [])
             obj = st.services.get(svc)
             ports = []
+            created = 0.0
             if obj is not None and uses_topology(obj):
                 self._topology_users.add(svc)
             else:
                 self._topology_users.discard(svc)
             if obj is not None and svc[0] not in self.excluded:
                 ports = service_ports(obj, st.slices_of(svc), node)
+                created = creation_time((obj.get("metadata") or {}).get("creationTimestamp"))
             new_keys = [p.key for p in ports]
             for key in old:
                 if key not in new_keys:
-                    self._remember_udp(key)
-                    local.services.pop(key, None)
-                    changed.add(key)
+                    raw.pop(key, None)
+                    dependants |= claims.update(key, None)
             for port in ports:
-                if local.services.get(port.key) != port:
-                    self._remember_udp(port.key)
-                    local.services[port.key] = port
-                    changed.add(port.key)
+                if raw.get(port.key) != port:
+                    raw[port.key] = port
+                    dependants |= claims.update(port.key, port, created)
             if new_keys:
                 self._ports_of[svc] = new_keys
+        return self._resolve(dependants)
+
+    def _resolve(self, keys: set[ServicePortKey]) -> set[ServicePortKey]:
+        """Program these ports as their claims decide; the ports that changed."""
+        local, changed = self.local, set()
+        problems_changed = False
+        for key in keys:
+            port = self._raw.get(key)
+            problems: tuple[ServiceProblem, ...] = ()
+            if port is None:
+                if key in local.services:
+                    self._remember_udp(key)
+                    del local.services[key]
+                    changed.add(key)
+            else:
+                port, problems = self._claims.resolve(port)
+                if local.services.get(key) != port:
+                    self._remember_udp(key)
+                    local.services[key] = port
+                    changed.add(key)
+            if problems:
+                problems_changed |= self._clashes.get(key) != problems
+                self._clashes[key] = problems
+            elif self._clashes.pop(key, None) is not None:
+                problems_changed = True
+        if problems_changed:
+            self.problems.replace(
+                MODEL_PROBLEMS, (p for found in self._clashes.values() for p in found)
+            )
         return changed
 
     def _remember_udp(self, key: ServicePortKey) -> None:

@@ -326,3 +326,24 @@ def test_the_backend_module_is_registered_and_gated() -> None:
     module: Any = backends.load("ipvs")
     assert module.create(SETTINGS).mode == "ipvs"
     assert backend_mod.cleanup is module.cleanup
+
+
+@pytest.mark.parametrize("claimant_first", [True, False])
+def test_a_clashing_external_ip_leaves_the_victims_virtual_server_to_the_victim(
+    fake: FakeIpvs, claimant_first: bool
+) -> None:
+    """The model decides VIP clashes (vip_claims.py): an externalIP equal to another Service's
+    ClusterIP does not replace that ClusterIP's real servers, whatever came first."""
+    from test_vip_claims import BY_EXTERNAL, VICTIM, endpoints, proxier_with
+
+    from kpx_agent.cluster_state import SERVICES, SLICES
+
+    state, proxier = proxier_with(backend_for(fake))
+    state.upsert(SERVICES, BY_EXTERNAL)
+    state.upsert(SLICES, endpoints("a", "by-external", "10.244.2.7"))
+    if claimant_first:
+        assert proxier.sync().ok
+    state.upsert(SERVICES, VICTIM)
+    state.upsert(SLICES, endpoints("z", "victim", "10.244.2.2"))
+    assert proxier.sync().ok
+    assert fake.dests[VirtualKey(4, "tcp", "10.96.0.10", 80)] == {("10.244.2.2", 8080): 1}
