@@ -19,7 +19,7 @@ from .cluster_state import ClusterState, Key
 from .conntrack import FlowFilter, stale_flows
 from .localnet import NodeLocalState, Protocol, ProxySettings, ServicePort, ServicePortKey
 from .metrics import AgentMetrics
-from .node_local import node_facts, node_info, service_ports, uses_topology
+from .node_local import node_facts, node_info, service_model, uses_topology
 from .optout import excluded_namespaces
 from .service_problems import ProblemBook, ServiceProblem
 from .vip_claims import VipClaims, creation_time
@@ -77,10 +77,15 @@ class Proxier:
     # The model's ports before the VIP claims decide (`local.services` holds them after).
     _raw: dict[ServicePortKey, ServicePort] = field(default_factory=dict, init=False)
     _claims: VipClaims = field(default_factory=VipClaims, init=False)
-    # The model's problems of each port (source MODEL_PROBLEMS in the book).
+    # The model's problems (source MODEL_PROBLEMS in the book): VIP clashes of each port, and
+    # what the model left out of each Service (service_model).
     _clashes: dict[ServicePortKey, tuple[ServiceProblem, ...]] = field(
         default_factory=dict, init=False
     )
+    _service_problems: dict[Key, tuple[ServiceProblem, ...]] = field(
+        default_factory=dict, init=False
+    )
+    _problems_changed: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.local = NodeLocalState(node=node_info(None, self.node_name))
@@ -138,14 +143,15 @@ class Proxier:
         for svc in keys:
             old = self._ports_of.pop(svc, [])
             obj = st.services.get(svc)
-            ports = []
+            ports: list[ServicePort] = []
             created = 0.0
             if obj is not None and uses_topology(obj):
                 self._topology_users.add(svc)
             else:
                 self._topology_users.discard(svc)
+            problems: tuple[ServiceProblem, ...] = ()
             if obj is not None and svc[0] not in self.excluded:
-                ports = service_ports(obj, st.slices_of(svc), node)
+                ports, problems = service_model(obj, st.slices_of(svc), node)
                 created = creation_time((obj.get("metadata") or {}).get("creationTimestamp"))
             new_keys = [p.key for p in ports]
             for key in old:
@@ -158,12 +164,28 @@ class Proxier:
                     dependants |= claims.update(port.key, port, created)
             if new_keys:
                 self._ports_of[svc] = new_keys
-        return self._resolve(dependants)
+            if problems:
+                self._problems_changed |= self._service_problems.get(svc) != problems
+                self._service_problems[svc] = problems
+            elif self._service_problems.pop(svc, None) is not None:
+                self._problems_changed = True
+        changed = self._resolve(dependants)
+        if self._problems_changed:
+            self._problems_changed = False
+            self.problems.replace(
+                MODEL_PROBLEMS,
+                (
+                    p
+                    for book in (self._clashes, self._service_problems)
+                    for found in book.values()
+                    for p in found
+                ),
+            )
+        return changed
 
     def _resolve(self, keys: set[ServicePortKey]) -> set[ServicePortKey]:
         """Program these ports as their claims decide; the ports that changed."""
         local, changed = self.local, set()
-        problems_changed = False
         for key in keys:
             port = self._raw.get(key)
             problems: tuple[ServiceProblem, ...] = ()
@@ -179,14 +201,10 @@ class Proxier:
                     local.services[key] = port
                     changed.add(key)
             if problems:
-                problems_changed |= self._clashes.get(key) != problems
+                self._problems_changed |= self._clashes.get(key) != problems
                 self._clashes[key] = problems
             elif self._clashes.pop(key, None) is not None:
-                problems_changed = True
-        if problems_changed:
-            self.problems.replace(
-                MODEL_PROBLEMS, (p for found in self._clashes.values() for p in found)
-            )
+                self._problems_changed = True
         return changed
 
     def _remember_udp(self, key: ServicePortKey) -> None:
