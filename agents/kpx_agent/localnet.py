@@ -246,6 +246,9 @@ class ProxySettings:
     conntrack_tcp_be_liberal: bool = False
     # mode ipvs only: spec.ipvs.
     ipvs: IPVSOptions = IPVSOptions()
+    # externalIPs.allowedCIDRs: the networks spec.externalIPs may be in; empty: the model's
+    # default (external_ips.py). The model applies it; backends never read it.
+    external_ip_networks: tuple[IPNetwork, ...] = ()
 
     @property
     def masquerade_mark(self) -> int:

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from .detect_local import local_pods
+from .external_ips import ExternalIPPolicy
 from .kube_cidr import parse_cidr_sloppy
 from .localnet import (
     IP,
@@ -31,7 +32,7 @@ from .localnet import (
     ServicePort,
     ServicePortKey,
 )
-from .service_problems import SOURCE_RANGES_UNUSABLE, ServiceProblem
+from .service_problems import EXTERNAL_IP_REFUSED, SOURCE_RANGES_UNUSABLE, ServiceProblem
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ _PROTOCOLS = {"TCP": Protocol.TCP, "UDP": Protocol.UDP, "SCTP": Protocol.SCTP}
 _FAMILY_OF_SLICE = {"IPv4": 4, "IPv6": 6}
 
 Obj = Mapping[str, Any]
+#: The externalIPs policy with nothing known of the node or the apiserver (tools and tests).
+DEFAULT_EXTERNAL_IPS = ExternalIPPolicy()
 
 
 def _ip(value: object) -> IPAddress | None:
@@ -351,12 +354,47 @@ def _closed_problem(
     )
 
 
-def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[ServicePort]:
+def service_ports(
+    service: Obj,
+    slices: Iterable[Obj],
+    node: NodeInfo,
+    external_ips: ExternalIPPolicy = DEFAULT_EXTERNAL_IPS,
+) -> list[ServicePort]:
     """The node-local ServicePorts of one Service: one per (port, IP family)."""
-    return service_model(service, slices, node).ports
+    return service_model(service, slices, node, external_ips).ports
 
 
-def service_model(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> ServiceModel:
+def _external_ips(
+    namespace: str, name: str, spec: Obj, policy: ExternalIPPolicy, problems: set[ServiceProblem]
+) -> list[IPAddress]:
+    """spec.externalIPs that parse and that the policy allows (external_ips.py); the others
+    are reported."""
+    allowed = []
+    for value in spec.get("externalIPs") or []:
+        ip = _ip(value)
+        if ip is None:
+            continue
+        why = policy.refusal(ip)
+        if why is None:
+            allowed.append(ip)
+        else:
+            problems.add(
+                ServiceProblem(
+                    namespace,
+                    name,
+                    EXTERNAL_IP_REFUSED,
+                    f"externalIP {ip} is not programmed: {why}",
+                )
+            )
+    return allowed
+
+
+def service_model(
+    service: Obj,
+    slices: Iterable[Obj],
+    node: NodeInfo,
+    external_ips: ExternalIPPolicy = DEFAULT_EXTERNAL_IPS,
+) -> ServiceModel:
     """The node-local ServicePorts of one Service (one per port and IP family), and the
     problems of what is left out of them."""
     if not is_proxied(service):
@@ -369,7 +407,8 @@ def service_model(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> Servic
     external_capable = svc_type in ("NodePort", "LoadBalancer")
 
     cluster_ips = [ip for v in spec.get("clusterIPs") or [spec.get("clusterIP")] if (ip := _ip(v))]
-    external_ips = [ip for v in spec.get("externalIPs") or [] if (ip := _ip(v))]
+    problems: set[ServiceProblem] = set()
+    allowed_external = _external_ips(namespace, name, spec, external_ips, problems)
     lb_ips: list[IPAddress] = []
     if svc_type == "LoadBalancer":
         for ing in (status.get("loadBalancer") or {}).get("ingress") or []:
@@ -377,7 +416,6 @@ def service_model(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> Servic
             if ing.get("ip") and ing.get("ipMode") != "Proxy" and (ip := _ip(ing["ip"])):
                 lb_ips.append(ip)
     source_ranges, unusable_ranges, ranges_listed = _source_ranges(namespace, name, spec)
-    problems: set[ServiceProblem] = set()
     etp_local = external_capable and spec.get("externalTrafficPolicy") == "Local"
     itp_local = spec.get("internalTrafficPolicy") == "Local"
     affinity = _affinity_timeout(spec)
@@ -424,7 +462,7 @@ def service_model(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> Servic
                     key=key,
                     port=port,
                     cluster_ips=fam_cluster,
-                    external_ips=tuple(ip for ip in external_ips if ip.version == family),
+                    external_ips=tuple(ip for ip in allowed_external if ip.version == family),
                     load_balancer_ips=tuple(fam_lb),
                     node_port=_port(p.get("nodePort")) if external_capable else 0,
                     cluster_endpoints=cluster_eps,

@@ -17,6 +17,7 @@ from . import conntrack
 from .backends.base import Backend, BackendError
 from .cluster_state import ClusterState, Key
 from .conntrack import FlowFilter, stale_flows
+from .external_ips import APISERVER_SERVICE, ExternalIPPolicy, apiserver_addresses
 from .localnet import NodeLocalState, Protocol, ProxySettings, ServicePort, ServicePortKey
 from .metrics import AgentMetrics
 from .node_local import node_facts, node_info, service_model, uses_topology
@@ -60,6 +61,10 @@ class Proxier:
     _ports_of: dict[Key, list[ServicePortKey]] = field(default_factory=dict, init=False)
     # Services that read the node's zone (topology hints, trafficDistribution).
     _topology_users: set[Key] = field(default_factory=set, init=False)
+    # Services with spec.externalIPs (recomputed when the externalIPs policy changes), and
+    # the policy they were computed with (external_ips.py).
+    _external_ip_users: set[Key] = field(default_factory=set, init=False)
+    _external_ips: ExternalIPPolicy = field(default_factory=ExternalIPPolicy, init=False)
     # Why the next sync must be a full one (empty: a partial sync will do). The only record
     # of it: backends do a full sync exactly when asked to (`changed` None).
     _full_reasons: list[str] = field(default_factory=lambda: ["first sync"], init=False)
@@ -129,6 +134,19 @@ class Proxier:
             return set(self._topology_users)
         return set()
 
+    def _refresh_external_ips(self) -> set[Key]:
+        """Recompute the externalIPs policy (settings, this node's addresses, the apiserver's
+        endpoints); when it changed, the Services with externalIPs to recompute."""
+        policy = ExternalIPPolicy(
+            allowed=self.backend.settings.external_ip_networks,
+            node_addresses=frozenset(self.local.node.addresses),
+            apiserver_addresses=apiserver_addresses(self.state.slices_of(APISERVER_SERVICE)),
+        )
+        if policy == self._external_ips:
+            return set()
+        self._external_ips = policy
+        return set(self._external_ip_users)
+
     def _recompute(self, services: set[Key] | None) -> set[ServicePortKey]:
         """Refresh the node-local state for these Services (None: all); the ports that changed.
 
@@ -150,8 +168,12 @@ class Proxier:
             else:
                 self._topology_users.discard(svc)
             problems: tuple[ServiceProblem, ...] = ()
+            if obj is not None and (obj.get("spec") or {}).get("externalIPs"):
+                self._external_ip_users.add(svc)
+            else:
+                self._external_ip_users.discard(svc)
             if obj is not None and svc[0] not in self.excluded:
-                ports, problems = service_model(obj, st.slices_of(svc), node)
+                ports, problems = service_model(obj, st.slices_of(svc), node, self._external_ips)
                 created = creation_time((obj.get("metadata") or {}).get("creationTimestamp"))
             new_keys = [p.key for p in ports]
             for key in old:
@@ -234,6 +256,7 @@ class Proxier:
             # not a recompute (no ServicePort depends on the node's addresses).
             services |= self._node_changed()
         self._refresh_facts()
+        services |= self._refresh_external_ips()
         changed = self._recompute(None if everything else services)
         full = bool(self._full_reasons)
         if full:

@@ -53,6 +53,7 @@ DEFAULT_SPEC: dict[str, Any] = {
     "clusterCIDRs": [],
     "nodePortAddresses": [],
     "detectLocal": {"mode": "ClusterCIDR"},
+    "externalIPs": {"allowedCIDRs": []},
     "healthzBindAddress": "0.0.0.0:10256",
     "metricsBindAddress": "127.0.0.1:10249",
     "namespaceOptOut": {

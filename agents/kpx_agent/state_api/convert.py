@@ -102,6 +102,8 @@ NOT_SERVED: Final[dict[type, dict[str, str]]] = {
     ProxySettings: {
         "ipvs": "the ipvs backend's own tuning (scheduler, IPVS timeouts, strictARP, "
         "excludeCIDRs): an out-of-tree backend is not IPVS",
+        "external_ip_networks": "applied by the model: ServicePort.external_ips holds only "
+        "the addresses it allows",
     },
 }
 #: localnet types the state API does not serve, each with why.
