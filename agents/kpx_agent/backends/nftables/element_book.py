@@ -2,7 +2,8 @@
 
 Each element belongs to one or more owners (service ports). A shared element (a hairpin pair
 used by two Services) stays while any owner wants it; a key claimed by two owners with different
-values (two Services on one external IP and port) keeps the first claim. Updates are planned
+values keeps the first claim and is logged (the model settles VIP clashes before a backend sees
+them, vip_claims.py, so service ports never claim one VIP twice). Updates are planned
 against the record without changing it, and committed only once the kernel accepted them, so a
 failed transaction leaves the record equal to what the kernel still has.
 """
