@@ -253,7 +253,8 @@ class Proxier:
         services = changes.services | extra.services
         if changes.node or extra.node:
             # After `everything` is decided: a new node address needs a full kernel sync,
-            # not a recompute (no ServicePort depends on the node's addresses).
+            # not a recompute (the only ServicePorts that depend on the node's addresses, those
+            # with externalIPs, are recomputed by _refresh_external_ips).
             services |= self._node_changed()
         self._refresh_facts()
         services |= self._refresh_external_ips()
