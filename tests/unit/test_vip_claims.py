@@ -243,3 +243,29 @@ def test_the_victims_vip_goes_to_the_victim(make: Any, claimant: Any, partial: b
     state.upsert(SLICES, endpoints("z", "victim", VICTIM_EP))
     assert proxier.sync().ok
     assert fake.trace(to_victim()) == {Outcome("accept", (VICTIM_EP, 8080), False)}
+
+
+def test_the_claims_decide_alike_in_every_order_of_updates() -> None:
+    """The index alone, fed in every order (no set order involved): the same winners."""
+    vip = IP.of(VICTIM_VIP)
+    ports = [
+        ServicePort(key("z", "victim"), 80, cluster_ips=(vip,)),
+        ServicePort(key("a", "lb"), 80, load_balancer_ips=(vip,)),
+        ServicePort(key("a", "ext-old"), 80, external_ips=(vip, IP.of("192.0.2.1"))),
+        ServicePort(key("a", "ext-new"), 80, external_ips=(IP.of("192.0.2.1"),)),
+    ]
+    created = {"victim": 3.0, "lb": 1.0, "ext-old": 1.0, "ext-new": 2.0}
+    results = set()
+    for order in itertools.permutations(ports):
+        claims = VipClaims()
+        for port in order:
+            claims.update(port.key, port, created[port.key.name])
+        resolved = tuple(claims.resolve(p)[0] for p in ports)
+        results.add(resolved)
+    (only,) = results
+    assert [p.cluster_ips + p.load_balancer_ips + p.external_ips for p in only] == [
+        (vip,),
+        (),
+        (IP.of("192.0.2.1"),),
+        (),
+    ]
