@@ -127,6 +127,13 @@ def test_load_balancer_source_ranges_let_only_their_sources_through() -> None:
     assert FIREWALL not in plan_port(web(E1), NODE, SETTINGS).elements
 
 
+def test_a_load_balancer_with_no_usable_source_range_lets_no_source_through() -> None:
+    port = web(E1, load_balancer_ips=(IP.of("192.0.2.21"),), load_balancer_closed=True)
+    plan = plan_port(port, NODE, SETTINGS)
+    assert plan.elements[FIREWALL] == {(4, "192.0.2.21", "tcp", 80)}
+    assert FIREWALL_ALLOW not in plan.elements  # an empty allow set: every source is dropped
+
+
 class FakeIpvs:
     def __init__(self) -> None:
         self.services: dict[VirtualKey, VirtualServer] = {}
