@@ -131,6 +131,10 @@ class ServicePort:
     drop_when_no_external_endpoints: bool = False
     affinity_timeout: int = 0  # seconds; 0 = no session affinity
     load_balancer_source_ranges: tuple[IPNetwork, ...] = ()
+    # The Service lists loadBalancerSourceRanges but none usable in this family (unparsable,
+    # or all of the other family): no source may reach the load-balancer IPs (fail closed).
+    # Backends filter load-balancer traffic when this is set or the ranges are non-empty.
+    load_balancer_closed: bool = False
     health_check_node_port: int = 0
     # externalTrafficPolicy Local only: the endpoints for traffic to the external addresses
     # (NodePort, external IPs, load-balancer IPs) that comes from a local pod (detectLocal) or
@@ -146,6 +150,12 @@ class ServicePort:
     @property
     def family(self) -> int:
         return self.key.family
+
+    @property
+    def load_balancer_firewall(self) -> bool:
+        """Whether traffic to the load-balancer IPs is filtered by source (only
+        `load_balancer_source_ranges` pass; none when `load_balancer_closed`)."""
+        return self.load_balancer_closed or bool(self.load_balancer_source_ranges)
 
     def conditions_of(self, ip: IPAddress) -> EndpointConditions:
         """The conditions of one of this port's endpoints."""
@@ -236,6 +246,9 @@ class ProxySettings:
     conntrack_tcp_be_liberal: bool = False
     # mode ipvs only: spec.ipvs.
     ipvs: IPVSOptions = IPVSOptions()
+    # externalIPs.allowedCIDRs: the networks spec.externalIPs may be in; empty: the model's
+    # default (external_ips.py). The model applies it; backends never read it.
+    external_ip_networks: tuple[IPNetwork, ...] = ()
 
     @property
     def masquerade_mark(self) -> int:

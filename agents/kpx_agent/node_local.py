@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from .detect_local import local_pods
+from .external_ips import ExternalIPPolicy
+from .kube_cidr import parse_cidr_sloppy
 from .localnet import (
     IP,
     Endpoint,
@@ -30,6 +32,7 @@ from .localnet import (
     ServicePort,
     ServicePortKey,
 )
+from .service_problems import EXTERNAL_IP_REFUSED, SOURCE_RANGES_UNUSABLE, ServiceProblem
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,8 @@ _PROTOCOLS = {"TCP": Protocol.TCP, "UDP": Protocol.UDP, "SCTP": Protocol.SCTP}
 _FAMILY_OF_SLICE = {"IPv4": 4, "IPv6": 6}
 
 Obj = Mapping[str, Any]
+#: The externalIPs policy with nothing known of the node or the apiserver (tools and tests).
+DEFAULT_EXTERNAL_IPS = ExternalIPPolicy()
 
 
 def _ip(value: object) -> IPAddress | None:
@@ -304,10 +309,96 @@ def is_proxied(service: Obj) -> bool:
     return bool(ips) and ips[0] not in (None, "", "None")
 
 
-def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[ServicePort]:
+class ServiceModel(NamedTuple):
+    """What the model makes of one Service: its ports, and what it leaves out (problems)."""
+
+    ports: list[ServicePort]
+    problems: tuple[ServiceProblem, ...] = ()
+
+
+def _source_ranges(namespace: str, name: str, spec: Obj) -> tuple[list[IPNetwork], list[str], bool]:
+    """spec.loadBalancerSourceRanges read as Kubernetes reads them (kube_cidr): the usable
+    ranges, the entries that are not, and whether the Service lists any entry at all."""
+    listed = spec.get("loadBalancerSourceRanges") or []
+    usable: list[IPNetwork] = []
+    unusable: list[str] = []
+    for entry in listed:
+        try:
+            usable.append(parse_cidr_sloppy(str(entry).strip()))
+        except ValueError:
+            unusable.append(str(entry))
+    if unusable:
+        log.warning(
+            "%s/%s: ignoring loadBalancerSourceRanges entries that are not CIDRs: %s",
+            namespace,
+            name,
+            ", ".join(map(repr, unusable)),
+        )
+    return usable, unusable, bool(listed)
+
+
+def _closed_problem(
+    namespace: str, name: str, family: int, lb_ips: list[IPAddress], unusable: list[str]
+) -> ServiceProblem:
+    why = (
+        "its entries " + ", ".join(map(repr, unusable)) + " are not CIDRs"
+        if unusable
+        else f"it lists no IPv{family} range"
+    )
+    return ServiceProblem(
+        namespace,
+        name,
+        SOURCE_RANGES_UNUSABLE,
+        f"loadBalancerSourceRanges has no usable IPv{family} range ({why}): traffic to the "
+        f"load-balancer IPs {', '.join(lb_ips)} is dropped from every source",
+    )
+
+
+def service_ports(
+    service: Obj,
+    slices: Iterable[Obj],
+    node: NodeInfo,
+    external_ips: ExternalIPPolicy = DEFAULT_EXTERNAL_IPS,
+) -> list[ServicePort]:
     """The node-local ServicePorts of one Service: one per (port, IP family)."""
+    return service_model(service, slices, node, external_ips).ports
+
+
+def _external_ips(
+    namespace: str, name: str, spec: Obj, policy: ExternalIPPolicy, problems: set[ServiceProblem]
+) -> list[IPAddress]:
+    """spec.externalIPs that parse and that the policy allows (external_ips.py); the others
+    are reported."""
+    allowed = []
+    for value in spec.get("externalIPs") or []:
+        ip = _ip(value)
+        if ip is None:
+            continue
+        why = policy.refusal(ip)
+        if why is None:
+            allowed.append(ip)
+        else:
+            problems.add(
+                ServiceProblem(
+                    namespace,
+                    name,
+                    EXTERNAL_IP_REFUSED,
+                    f"externalIP {ip} is not programmed: {why}",
+                )
+            )
+    return allowed
+
+
+def service_model(
+    service: Obj,
+    slices: Iterable[Obj],
+    node: NodeInfo,
+    external_ips: ExternalIPPolicy = DEFAULT_EXTERNAL_IPS,
+) -> ServiceModel:
+    """The node-local ServicePorts of one Service (one per port and IP family), and the
+    problems of what is left out of them."""
     if not is_proxied(service):
-        return []
+        return ServiceModel([])
     meta = service.get("metadata") or {}
     spec = service.get("spec") or {}
     status = service.get("status") or {}
@@ -316,16 +407,15 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
     external_capable = svc_type in ("NodePort", "LoadBalancer")
 
     cluster_ips = [ip for v in spec.get("clusterIPs") or [spec.get("clusterIP")] if (ip := _ip(v))]
-    external_ips = [ip for v in spec.get("externalIPs") or [] if (ip := _ip(v))]
+    problems: set[ServiceProblem] = set()
+    allowed_external = _external_ips(namespace, name, spec, external_ips, problems)
     lb_ips: list[IPAddress] = []
     if svc_type == "LoadBalancer":
         for ing in (status.get("loadBalancer") or {}).get("ingress") or []:
             # ipMode Proxy: the load balancer proxies; traffic never carries the LB IP here.
             if ing.get("ip") and ing.get("ipMode") != "Proxy" and (ip := _ip(ing["ip"])):
                 lb_ips.append(ip)
-    source_ranges = [
-        n for r in spec.get("loadBalancerSourceRanges") or [] if (n := _net(r)) is not None
-    ]
+    source_ranges, unusable_ranges, ranges_listed = _source_ranges(namespace, name, spec)
     etp_local = external_capable and spec.get("externalTrafficPolicy") == "Local"
     itp_local = spec.get("internalTrafficPolicy") == "Local"
     affinity = _affinity_timeout(spec)
@@ -335,6 +425,12 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
     result: list[ServicePort] = []
     for family in sorted({ip.version for ip in cluster_ips}):
         fam_cluster = tuple(ip for ip in cluster_ips if ip.version == family)
+        fam_ranges = tuple(n for n in source_ranges if n.version == family)
+        fam_lb = [ip for ip in lb_ips if ip.version == family]
+        # Fail closed: ranges listed, none usable in this family -> no source gets in.
+        closed = ranges_listed and not fam_ranges
+        if closed and fam_lb:
+            problems.add(_closed_problem(namespace, name, family, fam_lb, unusable_ranges))
         for p in spec.get("ports") or []:
             protocol = _PROTOCOLS.get(str(p.get("protocol") or "TCP"))
             port = _port(p.get("port"))
@@ -366,8 +462,8 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
                     key=key,
                     port=port,
                     cluster_ips=fam_cluster,
-                    external_ips=tuple(ip for ip in external_ips if ip.version == family),
-                    load_balancer_ips=tuple(ip for ip in lb_ips if ip.version == family),
+                    external_ips=tuple(ip for ip in allowed_external if ip.version == family),
+                    load_balancer_ips=tuple(fam_lb),
                     node_port=_port(p.get("nodePort")) if external_capable else 0,
                     cluster_endpoints=cluster_eps,
                     external_endpoints=external_eps,
@@ -377,9 +473,8 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
                     drop_when_no_cluster_endpoints=itp_local and bool(usable_all),
                     drop_when_no_external_endpoints=etp_local and bool(usable_all),
                     affinity_timeout=affinity,
-                    load_balancer_source_ranges=tuple(
-                        n for n in source_ranges if n.version == family
-                    ),
+                    load_balancer_source_ranges=fam_ranges,
+                    load_balancer_closed=closed,
                     health_check_node_port=hc_port,
                     short_circuit_endpoints=short_circuit,
                     endpoint_conditions=(
@@ -389,4 +484,4 @@ def service_ports(service: Obj, slices: Iterable[Obj], node: NodeInfo) -> list[S
                     ),
                 )
             )
-    return result
+    return ServiceModel(result, tuple(sorted(problems)))

@@ -18,12 +18,14 @@ from . import conntrack
 from .backends.base import Backend, BackendError, CheckUnsupported
 from .cluster_state import ClusterState, Key
 from .conntrack import FlowFilter, stale_flows
+from .external_ips import APISERVER_SERVICE, ExternalIPPolicy, apiserver_addresses
 from .fault_isolation import find_culprits
 from .localnet import NodeLocalState, Protocol, ProxySettings, ServicePort, ServicePortKey
 from .metrics import AgentMetrics
-from .node_local import node_facts, node_info, service_ports, uses_topology
+from .node_local import node_facts, node_info, service_model, uses_topology
 from .optout import excluded_namespaces
 from .service_problems import REFUSED_BY_KERNEL, ProblemBook, ServiceProblem
+from .vip_claims import VipClaims, creation_time
 
 log = logging.getLogger(__name__)
 #: The problem source of the Services the kernel refused (`problems`).
@@ -33,6 +35,10 @@ Part = tuple[str, str, int]  # (namespace, name, IP family): one Service in one 
 
 def part_of(key: ServicePortKey) -> Part:
     return (key.namespace, key.name, key.family)
+
+
+#: The problem book's source for what the node-local model leaves out.
+MODEL_PROBLEMS = "model"
 
 
 @dataclass
@@ -65,6 +71,10 @@ class Proxier:
     _ports_of: dict[Key, list[ServicePortKey]] = field(default_factory=dict, init=False)
     # Services that read the node's zone (topology hints, trafficDistribution).
     _topology_users: set[Key] = field(default_factory=set, init=False)
+    # Services with spec.externalIPs (recomputed when the externalIPs policy changes), and
+    # the policy they were computed with (external_ips.py).
+    _external_ip_users: set[Key] = field(default_factory=set, init=False)
+    _external_ips: ExternalIPPolicy = field(default_factory=ExternalIPPolicy, init=False)
     # Why the next sync must be a full one (empty: a partial sync will do). The only record
     # of it: backends do a full sync exactly when asked to (`changed` None).
     _full_reasons: list[str] = field(default_factory=lambda: ["first sync"], init=False)
@@ -83,6 +93,18 @@ class Proxier:
     # the kernel refused their rules, with the kernel's reason: tried again when they change,
     # and at every full sync.
     _refused: dict[Part, str] = field(default_factory=dict, init=False)
+    # The model's ports before the VIP claims decide (`local.services` holds them after).
+    _raw: dict[ServicePortKey, ServicePort] = field(default_factory=dict, init=False)
+    _claims: VipClaims = field(default_factory=VipClaims, init=False)
+    # The model's problems (source MODEL_PROBLEMS in the book): VIP clashes of each port, and
+    # what the model left out of each Service (service_model).
+    _clashes: dict[ServicePortKey, tuple[ServiceProblem, ...]] = field(
+        default_factory=dict, init=False
+    )
+    _service_problems: dict[Key, tuple[ServiceProblem, ...]] = field(
+        default_factory=dict, init=False
+    )
+    _problems_changed: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.local = NodeLocalState(node=node_info(None, self.node_name))
@@ -126,35 +148,99 @@ class Proxier:
             return set(self._topology_users)
         return set()
 
+    def _refresh_external_ips(self) -> set[Key]:
+        """Recompute the externalIPs policy (settings, this node's addresses, the apiserver's
+        endpoints); when it changed, the Services with externalIPs to recompute."""
+        policy = ExternalIPPolicy(
+            allowed=self.backend.settings.external_ip_networks,
+            node_addresses=frozenset(self.local.node.addresses),
+            apiserver_addresses=apiserver_addresses(self.state.slices_of(APISERVER_SERVICE)),
+        )
+        if policy == self._external_ips:
+            return set()
+        self._external_ips = policy
+        return set(self._external_ip_users)
+
     def _recompute(self, services: set[Key] | None) -> set[ServicePortKey]:
-        """Refresh the node-local state for these Services (None: all); the ports that changed."""
-        st, local = self.state, self.local
-        node = local.node
+        """Refresh the node-local state for these Services (None: all); the ports that changed.
+
+        The model's ports (`_raw`) go through the VIP claims (vip_claims.py) before they are
+        programmed: a port whose VIP another port won is programmed without it, and every
+        claimant of a VIP whose winner may have changed is resolved again."""
+        st = self.state
+        node = self.local.node
         keys = set(st.services) | set(self._ports_of) if services is None else services
-        changed: set[ServicePortKey] = set()
+        claims, raw = self._claims, self._raw
+        dependants: set[ServicePortKey] = set()
         for svc in keys:
             old = self._ports_of.pop(svc, [])
             obj = st.services.get(svc)
-            ports = []
+            ports: list[ServicePort] = []
+            created = 0.0
             if obj is not None and uses_topology(obj):
                 self._topology_users.add(svc)
             else:
                 self._topology_users.discard(svc)
+            problems: tuple[ServiceProblem, ...] = ()
+            if obj is not None and (obj.get("spec") or {}).get("externalIPs"):
+                self._external_ip_users.add(svc)
+            else:
+                self._external_ip_users.discard(svc)
             if obj is not None and svc[0] not in self.excluded:
-                ports = service_ports(obj, st.slices_of(svc), node)
+                ports, problems = service_model(obj, st.slices_of(svc), node, self._external_ips)
+                created = creation_time((obj.get("metadata") or {}).get("creationTimestamp"))
             new_keys = [p.key for p in ports]
             for key in old:
                 if key not in new_keys:
-                    self._remember_udp(key)
-                    local.services.pop(key, None)
-                    changed.add(key)
+                    raw.pop(key, None)
+                    dependants |= claims.update(key, None)
             for port in ports:
-                if local.services.get(port.key) != port:
-                    self._remember_udp(port.key)
-                    local.services[port.key] = port
-                    changed.add(port.key)
+                if raw.get(port.key) != port:
+                    raw[port.key] = port
+                    dependants |= claims.update(port.key, port, created)
             if new_keys:
                 self._ports_of[svc] = new_keys
+            if problems:
+                self._problems_changed |= self._service_problems.get(svc) != problems
+                self._service_problems[svc] = problems
+            elif self._service_problems.pop(svc, None) is not None:
+                self._problems_changed = True
+        changed = self._resolve(dependants)
+        if self._problems_changed:
+            self._problems_changed = False
+            self.problems.replace(
+                MODEL_PROBLEMS,
+                (
+                    p
+                    for book in (self._clashes, self._service_problems)
+                    for found in book.values()
+                    for p in found
+                ),
+            )
+        return changed
+
+    def _resolve(self, keys: set[ServicePortKey]) -> set[ServicePortKey]:
+        """Program these ports as their claims decide; the ports that changed."""
+        local, changed = self.local, set()
+        for key in keys:
+            port = self._raw.get(key)
+            problems: tuple[ServiceProblem, ...] = ()
+            if port is None:
+                if key in local.services:
+                    self._remember_udp(key)
+                    del local.services[key]
+                    changed.add(key)
+            else:
+                port, problems = self._claims.resolve(port)
+                if local.services.get(key) != port:
+                    self._remember_udp(key)
+                    local.services[key] = port
+                    changed.add(key)
+            if problems:
+                self._problems_changed |= self._clashes.get(key) != problems
+                self._clashes[key] = problems
+            elif self._clashes.pop(key, None) is not None:
+                self._problems_changed = True
         return changed
 
     def _remember_udp(self, key: ServicePortKey) -> None:
@@ -181,9 +267,11 @@ class Proxier:
         services = changes.services | extra.services
         if changes.node or extra.node:
             # After `everything` is decided: a new node address needs a full kernel sync,
-            # not a recompute (no ServicePort depends on the node's addresses).
+            # not a recompute (the only ServicePorts that depend on the node's addresses, those
+            # with externalIPs, are recomputed by _refresh_external_ips).
             services |= self._node_changed()
         self._refresh_facts()
+        services |= self._refresh_external_ips()
         changed = self._recompute(None if everything else services)
         full = bool(self._full_reasons)
         if full:

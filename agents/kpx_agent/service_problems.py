@@ -29,6 +29,7 @@ VIP_CLASH: Final = "VIPClash"
 SOURCE_RANGES_UNUSABLE: Final = "LoadBalancerSourceRangesUnusable"
 REFUSED_BY_KERNEL: Final = "RefusedByKernel"
 QUARANTINED: Final = "Quarantined"
+EXTERNAL_IP_REFUSED: Final = "ExternalIPRefused"
 
 
 @dataclass(frozen=True, order=True)

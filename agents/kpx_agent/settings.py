@@ -84,6 +84,7 @@ def resolve(config: AgentConfiguration) -> AgentSettings:
             localhost_node_ports=localhost_node_ports,
             conntrack_tcp_be_liberal=config.conntrack.tcp_be_liberal,
             ipvs=_ipvs_options(config),
+            external_ip_networks=tuple(parse_cidr(c) for c in config.external_ips.allowed_cidrs),
         ),
         optout=config.namespace_opt_out,
         healthz=parse_bind_address(config.healthz_bind_address),

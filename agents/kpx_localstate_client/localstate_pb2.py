@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"kpx/localstate/v1/localstate.proto\x12\x11kpx.localstate.v1\"J\n\x0cWatchRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\x04\x12\x13\n\x0bwant_deltas\x18\x03 \x01(\x08\"\xc0\x02\n\rWatchResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\x04\x12\x0c\n\x04\x66ull\x18\x03 \x01(\x08\x12)\n\x04node\x18\x04 \x01(\x0b\x32\x1b.kpx.localstate.v1.NodeInfo\x12\x32\n\x08settings\x18\x05 \x01(\x0b\x32 .kpx.localstate.v1.ProxySettings\x12\x35\n\rservice_ports\x18\x06 \x03(\x0b\x32\x1e.kpx.localstate.v1.ServicePort\x12\x32\n\x07\x64\x65leted\x18\x07 \x03(\x0b\x32!.kpx.localstate.v1.ServicePortKey\x12\x30\n\nnode_facts\x18\x08 \x03(\x0b\x32\x1c.kpx.localstate.v1.NodeFacts\"\x83\x01\n\x0eServicePortKey\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tport_name\x18\x03 \x01(\t\x12-\n\x08protocol\x18\x04 \x01(\x0e\x32\x1b.kpx.localstate.v1.Protocol\x12\x0e\n\x06\x66\x61mily\x18\x05 \x01(\r\"h\n\x08\x45ndpoint\x12\n\n\x02ip\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\r\n\x05local\x18\x03 \x01(\x08\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x0f\n\x07serving\x18\x05 \x01(\x08\x12\x13\n\x0bterminating\x18\x06 \x01(\x08\"\xa8\x04\n\x0bServicePort\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kpx.localstate.v1.ServicePortKey\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x13\n\x0b\x63luster_ips\x18\x03 \x03(\t\x12\x14\n\x0c\x65xternal_ips\x18\x04 \x03(\t\x12\x19\n\x11load_balancer_ips\x18\x05 \x03(\t\x12\x11\n\tnode_port\x18\x06 \x01(\r\x12\x36\n\x11\x63luster_endpoints\x18\x07 \x03(\x0b\x32\x1b.kpx.localstate.v1.Endpoint\x12\x37\n\x12\x65xternal_endpoints\x18\x08 \x03(\x0b\x32\x1b.kpx.localstate.v1.Endpoint\x12\x1b\n\x13\x65xternal_masquerade\x18\t \x01(\x08\x12&\n\x1e\x64rop_when_no_cluster_endpoints\x18\n \x01(\x08\x12\'\n\x1f\x64rop_when_no_external_endpoints\x18\x0b \x01(\x08\x12 \n\x18\x61\x66\x66inity_timeout_seconds\x18\x0c \x01(\r\x12#\n\x1bload_balancer_source_ranges\x18\r \x03(\t\x12\x1e\n\x16health_check_node_port\x18\x0e \x01(\r\x12<\n\x17short_circuit_endpoints\x18\x0f \x03(\x0b\x32\x1b.kpx.localstate.v1.Endpoint\"L\n\x08NodeInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\x0c\n\x04zone\x18\x03 \x01(\t\x12\x11\n\tpod_cidrs\x18\x04 \x03(\t\"R\n\x0b\x44\x65tectLocal\x12\x30\n\x04mode\x18\x01 \x01(\x0e\x32\".kpx.localstate.v1.DetectLocalMode\x12\x11\n\tinterface\x18\x02 \x01(\t\"\x19\n\x08Networks\x12\r\n\x05\x63idrs\x18\x01 \x03(\t\"J\n\tLocalPods\x12\x10\n\x08networks\x18\x01 \x03(\t\x12\x11\n\tinterface\x18\x02 \x01(\t\x12\x18\n\x10interface_prefix\x18\x03 \x01(\t\"\xa4\x01\n\tNodeFacts\x12\x0e\n\x06\x66\x61mily\x18\x01 \x01(\r\x12\x37\n\x12node_port_networks\x18\x02 \x01(\x0b\x32\x1b.kpx.localstate.v1.Networks\x12\x30\n\nlocal_pods\x18\x03 \x01(\x0b\x32\x1c.kpx.localstate.v1.LocalPods\x12\x1c\n\x14localhost_node_ports\x18\x04 \x01(\x08\"\xe8\x01\n\rProxySettings\x12\x16\n\x0emasquerade_bit\x18\x01 \x01(\r\x12\x16\n\x0emasquerade_all\x18\x02 \x01(\x08\x12\x15\n\rcluster_cidrs\x18\x03 \x03(\t\x12\x1a\n\x12node_port_networks\x18\x04 \x03(\t\x12\x34\n\x0c\x64\x65tect_local\x18\x05 \x01(\x0b\x32\x1e.kpx.localstate.v1.DetectLocal\x12\x1c\n\x14localhost_node_ports\x18\x06 \x01(\x08\x12 \n\x18\x63onntrack_tcp_be_liberal\x18\x07 \x01(\x08*@\n\x08Protocol\x12\x18\n\x14PROTOCOL_UNSPECIFIED\x10\x00\x12\x07\n\x03TCP\x10\x01\x12\x07\n\x03UDP\x10\x02\x12\x08\n\x04SCTP\x10\x03*\x86\x01\n\x0f\x44\x65tectLocalMode\x12!\n\x1d\x44\x45TECT_LOCAL_MODE_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x43LUSTER_CIDR\x10\x01\x12\r\n\tNODE_CIDR\x10\x02\x12\x14\n\x10\x42RIDGE_INTERFACE\x10\x03\x12\x19\n\x15INTERFACE_NAME_PREFIX\x10\x04\x32\\\n\nLocalState\x12N\n\x05Watch\x12\x1f.kpx.localstate.v1.WatchRequest\x1a .kpx.localstate.v1.WatchResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"kpx/localstate/v1/localstate.proto\x12\x11kpx.localstate.v1\"J\n\x0cWatchRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\x04\x12\x13\n\x0bwant_deltas\x18\x03 \x01(\x08\"\xc0\x02\n\rWatchResponse\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08revision\x18\x02 \x01(\x04\x12\x0c\n\x04\x66ull\x18\x03 \x01(\x08\x12)\n\x04node\x18\x04 \x01(\x0b\x32\x1b.kpx.localstate.v1.NodeInfo\x12\x32\n\x08settings\x18\x05 \x01(\x0b\x32 .kpx.localstate.v1.ProxySettings\x12\x35\n\rservice_ports\x18\x06 \x03(\x0b\x32\x1e.kpx.localstate.v1.ServicePort\x12\x32\n\x07\x64\x65leted\x18\x07 \x03(\x0b\x32!.kpx.localstate.v1.ServicePortKey\x12\x30\n\nnode_facts\x18\x08 \x03(\x0b\x32\x1c.kpx.localstate.v1.NodeFacts\"\x83\x01\n\x0eServicePortKey\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tport_name\x18\x03 \x01(\t\x12-\n\x08protocol\x18\x04 \x01(\x0e\x32\x1b.kpx.localstate.v1.Protocol\x12\x0e\n\x06\x66\x61mily\x18\x05 \x01(\r\"h\n\x08\x45ndpoint\x12\n\n\x02ip\x18\x01 \x01(\t\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\r\n\x05local\x18\x03 \x01(\x08\x12\r\n\x05ready\x18\x04 \x01(\x08\x12\x0f\n\x07serving\x18\x05 \x01(\x08\x12\x13\n\x0bterminating\x18\x06 \x01(\x08\"\xc6\x04\n\x0bServicePort\x12.\n\x03key\x18\x01 \x01(\x0b\x32!.kpx.localstate.v1.ServicePortKey\x12\x0c\n\x04port\x18\x02 \x01(\r\x12\x13\n\x0b\x63luster_ips\x18\x03 \x03(\t\x12\x14\n\x0c\x65xternal_ips\x18\x04 \x03(\t\x12\x19\n\x11load_balancer_ips\x18\x05 \x03(\t\x12\x11\n\tnode_port\x18\x06 \x01(\r\x12\x36\n\x11\x63luster_endpoints\x18\x07 \x03(\x0b\x32\x1b.kpx.localstate.v1.Endpoint\x12\x37\n\x12\x65xternal_endpoints\x18\x08 \x03(\x0b\x32\x1b.kpx.localstate.v1.Endpoint\x12\x1b\n\x13\x65xternal_masquerade\x18\t \x01(\x08\x12&\n\x1e\x64rop_when_no_cluster_endpoints\x18\n \x01(\x08\x12\'\n\x1f\x64rop_when_no_external_endpoints\x18\x0b \x01(\x08\x12 \n\x18\x61\x66\x66inity_timeout_seconds\x18\x0c \x01(\r\x12#\n\x1bload_balancer_source_ranges\x18\r \x03(\t\x12\x1e\n\x16health_check_node_port\x18\x0e \x01(\r\x12<\n\x17short_circuit_endpoints\x18\x0f \x03(\x0b\x32\x1b.kpx.localstate.v1.Endpoint\x12\x1c\n\x14load_balancer_closed\x18\x10 \x01(\x08\"L\n\x08NodeInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\taddresses\x18\x02 \x03(\t\x12\x0c\n\x04zone\x18\x03 \x01(\t\x12\x11\n\tpod_cidrs\x18\x04 \x03(\t\"R\n\x0b\x44\x65tectLocal\x12\x30\n\x04mode\x18\x01 \x01(\x0e\x32\".kpx.localstate.v1.DetectLocalMode\x12\x11\n\tinterface\x18\x02 \x01(\t\"\x19\n\x08Networks\x12\r\n\x05\x63idrs\x18\x01 \x03(\t\"J\n\tLocalPods\x12\x10\n\x08networks\x18\x01 \x03(\t\x12\x11\n\tinterface\x18\x02 \x01(\t\x12\x18\n\x10interface_prefix\x18\x03 \x01(\t\"\xa4\x01\n\tNodeFacts\x12\x0e\n\x06\x66\x61mily\x18\x01 \x01(\r\x12\x37\n\x12node_port_networks\x18\x02 \x01(\x0b\x32\x1b.kpx.localstate.v1.Networks\x12\x30\n\nlocal_pods\x18\x03 \x01(\x0b\x32\x1c.kpx.localstate.v1.LocalPods\x12\x1c\n\x14localhost_node_ports\x18\x04 \x01(\x08\"\xe8\x01\n\rProxySettings\x12\x16\n\x0emasquerade_bit\x18\x01 \x01(\r\x12\x16\n\x0emasquerade_all\x18\x02 \x01(\x08\x12\x15\n\rcluster_cidrs\x18\x03 \x03(\t\x12\x1a\n\x12node_port_networks\x18\x04 \x03(\t\x12\x34\n\x0c\x64\x65tect_local\x18\x05 \x01(\x0b\x32\x1e.kpx.localstate.v1.DetectLocal\x12\x1c\n\x14localhost_node_ports\x18\x06 \x01(\x08\x12 \n\x18\x63onntrack_tcp_be_liberal\x18\x07 \x01(\x08*@\n\x08Protocol\x12\x18\n\x14PROTOCOL_UNSPECIFIED\x10\x00\x12\x07\n\x03TCP\x10\x01\x12\x07\n\x03UDP\x10\x02\x12\x08\n\x04SCTP\x10\x03*\x86\x01\n\x0f\x44\x65tectLocalMode\x12!\n\x1d\x44\x45TECT_LOCAL_MODE_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x43LUSTER_CIDR\x10\x01\x12\r\n\tNODE_CIDR\x10\x02\x12\x14\n\x10\x42RIDGE_INTERFACE\x10\x03\x12\x19\n\x15INTERFACE_NAME_PREFIX\x10\x04\x32\\\n\nLocalState\x12N\n\x05Watch\x12\x1f.kpx.localstate.v1.WatchRequest\x1a .kpx.localstate.v1.WatchResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kpx.localstate.v1.localstate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOL']._serialized_start=1918
-  _globals['_PROTOCOL']._serialized_end=1982
-  _globals['_DETECTLOCALMODE']._serialized_start=1985
-  _globals['_DETECTLOCALMODE']._serialized_end=2119
+  _globals['_PROTOCOL']._serialized_start=1948
+  _globals['_PROTOCOL']._serialized_end=2012
+  _globals['_DETECTLOCALMODE']._serialized_start=2015
+  _globals['_DETECTLOCALMODE']._serialized_end=2149
   _globals['_WATCHREQUEST']._serialized_start=57
   _globals['_WATCHREQUEST']._serialized_end=131
   _globals['_WATCHRESPONSE']._serialized_start=134
@@ -44,19 +44,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENDPOINT']._serialized_start=590
   _globals['_ENDPOINT']._serialized_end=694
   _globals['_SERVICEPORT']._serialized_start=697
-  _globals['_SERVICEPORT']._serialized_end=1249
-  _globals['_NODEINFO']._serialized_start=1251
-  _globals['_NODEINFO']._serialized_end=1327
-  _globals['_DETECTLOCAL']._serialized_start=1329
-  _globals['_DETECTLOCAL']._serialized_end=1411
-  _globals['_NETWORKS']._serialized_start=1413
-  _globals['_NETWORKS']._serialized_end=1438
-  _globals['_LOCALPODS']._serialized_start=1440
-  _globals['_LOCALPODS']._serialized_end=1514
-  _globals['_NODEFACTS']._serialized_start=1517
-  _globals['_NODEFACTS']._serialized_end=1681
-  _globals['_PROXYSETTINGS']._serialized_start=1684
-  _globals['_PROXYSETTINGS']._serialized_end=1916
-  _globals['_LOCALSTATE']._serialized_start=2121
-  _globals['_LOCALSTATE']._serialized_end=2213
+  _globals['_SERVICEPORT']._serialized_end=1279
+  _globals['_NODEINFO']._serialized_start=1281
+  _globals['_NODEINFO']._serialized_end=1357
+  _globals['_DETECTLOCAL']._serialized_start=1359
+  _globals['_DETECTLOCAL']._serialized_end=1441
+  _globals['_NETWORKS']._serialized_start=1443
+  _globals['_NETWORKS']._serialized_end=1468
+  _globals['_LOCALPODS']._serialized_start=1470
+  _globals['_LOCALPODS']._serialized_end=1544
+  _globals['_NODEFACTS']._serialized_start=1547
+  _globals['_NODEFACTS']._serialized_end=1711
+  _globals['_PROXYSETTINGS']._serialized_start=1714
+  _globals['_PROXYSETTINGS']._serialized_end=1946
+  _globals['_LOCALSTATE']._serialized_start=2151
+  _globals['_LOCALSTATE']._serialized_end=2243
 # @@protoc_insertion_point(module_scope)

@@ -92,7 +92,7 @@ class Endpoint(_message.Message):
     def __init__(self, ip: _Optional[str] = ..., port: _Optional[int] = ..., local: _Optional[bool] = ..., ready: _Optional[bool] = ..., serving: _Optional[bool] = ..., terminating: _Optional[bool] = ...) -> None: ...
 
 class ServicePort(_message.Message):
-    __slots__ = ("key", "port", "cluster_ips", "external_ips", "load_balancer_ips", "node_port", "cluster_endpoints", "external_endpoints", "external_masquerade", "drop_when_no_cluster_endpoints", "drop_when_no_external_endpoints", "affinity_timeout_seconds", "load_balancer_source_ranges", "health_check_node_port", "short_circuit_endpoints")
+    __slots__ = ("key", "port", "cluster_ips", "external_ips", "load_balancer_ips", "node_port", "cluster_endpoints", "external_endpoints", "external_masquerade", "drop_when_no_cluster_endpoints", "drop_when_no_external_endpoints", "affinity_timeout_seconds", "load_balancer_source_ranges", "health_check_node_port", "short_circuit_endpoints", "load_balancer_closed")
     KEY_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_IPS_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class ServicePort(_message.Message):
     LOAD_BALANCER_SOURCE_RANGES_FIELD_NUMBER: _ClassVar[int]
     HEALTH_CHECK_NODE_PORT_FIELD_NUMBER: _ClassVar[int]
     SHORT_CIRCUIT_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_BALANCER_CLOSED_FIELD_NUMBER: _ClassVar[int]
     key: ServicePortKey
     port: int
     cluster_ips: _containers.RepeatedScalarFieldContainer[str]
@@ -123,7 +124,8 @@ class ServicePort(_message.Message):
     load_balancer_source_ranges: _containers.RepeatedScalarFieldContainer[str]
     health_check_node_port: int
     short_circuit_endpoints: _containers.RepeatedCompositeFieldContainer[Endpoint]
-    def __init__(self, key: _Optional[_Union[ServicePortKey, _Mapping]] = ..., port: _Optional[int] = ..., cluster_ips: _Optional[_Iterable[str]] = ..., external_ips: _Optional[_Iterable[str]] = ..., load_balancer_ips: _Optional[_Iterable[str]] = ..., node_port: _Optional[int] = ..., cluster_endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., external_endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., external_masquerade: _Optional[bool] = ..., drop_when_no_cluster_endpoints: _Optional[bool] = ..., drop_when_no_external_endpoints: _Optional[bool] = ..., affinity_timeout_seconds: _Optional[int] = ..., load_balancer_source_ranges: _Optional[_Iterable[str]] = ..., health_check_node_port: _Optional[int] = ..., short_circuit_endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ...) -> None: ...
+    load_balancer_closed: bool
+    def __init__(self, key: _Optional[_Union[ServicePortKey, _Mapping]] = ..., port: _Optional[int] = ..., cluster_ips: _Optional[_Iterable[str]] = ..., external_ips: _Optional[_Iterable[str]] = ..., load_balancer_ips: _Optional[_Iterable[str]] = ..., node_port: _Optional[int] = ..., cluster_endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., external_endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., external_masquerade: _Optional[bool] = ..., drop_when_no_cluster_endpoints: _Optional[bool] = ..., drop_when_no_external_endpoints: _Optional[bool] = ..., affinity_timeout_seconds: _Optional[int] = ..., load_balancer_source_ranges: _Optional[_Iterable[str]] = ..., health_check_node_port: _Optional[int] = ..., short_circuit_endpoints: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ..., load_balancer_closed: _Optional[bool] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("name", "addresses", "zone", "pod_cidrs")

@@ -21,7 +21,7 @@ from kpx_api.modes import (
     NFTablesSettings,
 )
 from kpx_api.names import DNSLabel
-from kpx_api.networks import BindAddress, ClusterCIDRs, NodePortAddresses, parse_cidr
+from kpx_api.networks import CIDR, BindAddress, ClusterCIDRs, NodePortAddresses, parse_cidr
 from kpx_api.selectors import LabelSelector
 from kpx_api.stateapi import StateAPI
 from kpx_api.takeover import Takeover
@@ -216,6 +216,21 @@ _NOT_SELECTED = (
 )
 
 
+class ExternalIPs(KpxModel):
+    """Which addresses Services may claim in spec.externalIPs on the nodes (upstream only
+    documents restricting them, with admission control)."""
+
+    allowed_cidrs: Annotated[list[CIDR], Field(max_length=64), SetList()] = Field(
+        default_factory=list,
+        alias="allowedCIDRs",
+        description="Networks spec.externalIPs entries may be in: an entry outside all of them "
+        "is not programmed (Warning Event ExternalIPRefused on the Service). Empty: any "
+        "address but the node's own addresses and the apiserver's (the endpoints of "
+        "default/kubernetes). Loopback, link-local, multicast and unspecified addresses are "
+        "refused in either case.",
+    )
+
+
 class ProxySettings(KpxModel):
     """What the agents do on every node: the mode, its settings, and the shared settings."""
 
@@ -284,6 +299,11 @@ class ProxySettings(KpxModel):
     detect_local: DetectLocal = Field(
         default_factory=DetectLocal,
         description="How the agents recognise traffic from pods of their own node.",
+    )
+    external_ips: ExternalIPs = Field(
+        default_factory=ExternalIPs,
+        alias="externalIPs",
+        description="Which addresses Services' spec.externalIPs may use (docs/api.md).",
     )
     healthz_bind_address: BindAddress = Field(
         default="0.0.0.0:10256",

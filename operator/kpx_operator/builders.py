@@ -62,7 +62,7 @@ AGENT_RULES: Final[tuple[Obj, ...]] = (
 #: roll every agent a second time.
 LIVE_FIELDS: Final = frozenset(
     {"nftables", "iptables", "ipvs", "namespaceOptOut", "clusterCIDRs", "nodePortAddresses",
-     "rollback"}
+     "externalIPs", "rollback"}
 )  # fmt: skip
 
 #: Capabilities instead of `privileged`: nftables needs NET_ADMIN; iptables-restore and

@@ -124,6 +124,11 @@ ACK: dict[str, Any] = {"acknowledgeDeprecation": True}
 # (case id, spec, field path below spec that the apiserver's error names)
 INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("mode-enum", {"mode": "userspace"}, "mode"),
+    (
+        "external-ips-cidr",
+        {**NFT, "externalIPs": {"allowedCIDRs": ["192.0.2.1"]}},
+        "externalIPs.allowedCIDRs[0]",
+    ),
     ("mode-missing", {"nftables": {}}, "mode"),
     ("unknown-field", {**NFT, "proxyMode": "x"}, "proxyMode"),
     ("unknown-nested", {**NFT, "nftables": {"masqBit": 1}}, "nftables.masqBit"),

@@ -678,6 +678,74 @@ def test_load_balancer_source_ranges_apply_to_node_originated_traffic(
         assert_dropped(env, lb[family], 80, proto, source=env.n2)
 
 
+def test_load_balancer_source_ranges_of_one_family_close_the_other(
+    env: AgentEnv, agent_ns: str
+) -> None:
+    """Ranges listed for IPv4 only: the IPv6 load-balancer IP is closed to every source (the
+    model fails closed: no usable range in a family), not opened; IPv4 admits its range. The
+    Service gets a Warning Event LoadBalancerSourceRangesUnusable."""
+    lb = lb_ips()
+    make_service(
+        env,
+        agent_ns,
+        "fw-v4-only",
+        on(env, "b1", "b2"),
+        type="LoadBalancer",
+        extra_spec={"loadBalancerSourceRanges": [f"{env.client.ipv4}/32"]},
+    )
+    set_lb_ingress(env, agent_ns, "fw-v4-only", [lb[4], lb[6]])
+    for proto in PROTOS:
+        assert_reaches(env, lb[4], 80, proto, BOTH)
+        assert_dropped(env, lb[6], 80, proto)
+    wait_until(
+        lambda: (
+            ("Warning", "LoadBalancerSourceRangesUnusable")
+            in event_reasons(env, agent_ns, "fw-v4-only")
+        ),
+        30,
+        0.5,
+        "no LoadBalancerSourceRangesUnusable Event",
+    )
+
+
+def event_reasons(env: AgentEnv, ns: str, name: str) -> set[tuple[str, str]]:
+    """(type, reason) of the Events about the Service `ns/name`."""
+    events = env.kube.client.get(f"/api/v1/namespaces/{ns}/events")
+    return {
+        (str(e.get("type")), str(e.get("reason")))
+        for e in events.get("items") or []
+        if (e.get("involvedObject") or {}).get("name") == name
+    }
+
+
+# ---- 6b. VIP clashes (CVE-2020-8554) -------------------------------------------------------------
+
+
+def test_an_external_ip_equal_to_a_cluster_ip_does_not_take_it(
+    env: AgentEnv, agent_ns: str
+) -> None:
+    """A Service that names another Service's ClusterIP in its externalIPs (older than the
+    victim, and sorting first) does not take the victim's traffic on any node: the ClusterIP
+    wins, and the claimant gets a Warning Event VIPClash."""
+    vips = static_cluster_ips()
+    make_service(env, agent_ns, "a-claimant", on(env, "b2"), families=(4,),
+                 ip_family_policy="SingleStack", external_ips=[vips[4]])  # fmt: skip
+    for proto in PROTOS:  # the claimant is programmed first, on its own
+        assert_reaches(env, vips[4], 80, proto, {"b2"})
+    make_service(env, agent_ns, "z-victim", on(env, "b1"), families=(4,),
+                 ip_family_policy="SingleStack",
+                 extra_spec={"clusterIP": vips[4], "clusterIPs": [vips[4]]})  # fmt: skip
+    for proto in PROTOS:
+        assert_reaches(env, vips[4], 80, proto, {"b1"})
+        assert_reaches(env, vips[4], 80, proto, {"b1"}, source=env.pods["client2"])
+    wait_until(
+        lambda: ("Warning", "VIPClash") in event_reasons(env, agent_ns, "a-claimant"),
+        30,
+        0.5,
+        "no VIPClash Event",
+    )
+
+
 # ---- 7. dual-stack -------------------------------------------------------------------------------
 
 

@@ -203,6 +203,12 @@ CASES: list[Case] = [
          ip_network("10.242.0.0/24"),))], "ext", "lb", 80, to("b1", "b2", masq=True)),
     Case("lb-source-range-drops-others", lambda w: [lb(w, load_balancer_source_ranges=(
          ip_network("198.51.100.0/24"),))], "ext", "lb", 80, verdict("drop")),
+    # Ranges listed but none usable in this family (the model's fail closed): every source
+    # is dropped, none let through.
+    Case("lb-source-ranges-none-usable-drops", lambda w: [lb(w, load_balancer_closed=True)],
+         "ext", "lb", 80, verdict("drop")),
+    Case("lb-source-ranges-none-usable-drops-pods", lambda w: [lb(w, load_balancer_closed=True)],
+         "client", "lb", 80, verdict("drop")),
     # externalTrafficPolicy Local: external traffic to local endpoints only, source kept;
     # local pods and the node itself short-circuit to every endpoint.
     Case("etp-local-external-keeps-source", lambda w: [etp_local(w, (ep(w.b1, True),))], "ext",

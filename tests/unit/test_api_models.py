@@ -53,6 +53,7 @@ DEFAULT_SPEC: dict[str, Any] = {
     "clusterCIDRs": [],
     "nodePortAddresses": [],
     "detectLocal": {"mode": "ClusterCIDR"},
+    "externalIPs": {"allowedCIDRs": []},
     "healthzBindAddress": "0.0.0.0:10256",
     "metricsBindAddress": "127.0.0.1:10249",
     "namespaceOptOut": {
@@ -364,6 +365,12 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "CIDR",
     ),
     (
+        "external-ips-cidr",
+        {**NFT, "externalIPs": {"allowedCIDRs": ["192.0.2.1"]}},
+        "externalIPs.allowedCIDRs[0]",
+        "CIDR",
+    ),
+    (
         "namespace-name",
         {**NFT, "namespaceOptOut": {"namespaces": ["Bad_NS"]}},
         "namespaceOptOut.namespaces[0]",
@@ -586,6 +593,7 @@ VALID: list[tuple[str, dict[str, Any]]] = [
     ("dual-stack", {**NFT, "clusterCIDRs": ["10.244.0.0/16", "fd00:10:244::/56"]}),
     ("v6-only", {**NFT, "clusterCIDRs": ["fd00::/8"]}),
     ("nodeport-cidrs", {**NFT, "nodePortAddresses": ["10.0.0.0/8", "fd00::/64"]}),
+    ("external-ips", {**NFT, "externalIPs": {"allowedCIDRs": ["192.0.2.0/24", "2001:db8::/64"]}}),
     ("bind-v6", {**NFT, "healthzBindAddress": "[::]:10256", "metricsBindAddress": "[fd00::1]:1"}),
     ("percent", {**NFT, "maxUnavailable": "100%"}),
     ("int", {**NFT, "maxUnavailable": 5}),

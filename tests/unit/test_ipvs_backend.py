@@ -131,6 +131,13 @@ def test_load_balancer_source_ranges_let_only_their_sources_through() -> None:
     assert FIREWALL not in plan_port(web(E1), NODE, SETTINGS).elements
 
 
+def test_a_load_balancer_with_no_usable_source_range_lets_no_source_through() -> None:
+    port = web(E1, load_balancer_ips=(IP.of("192.0.2.21"),), load_balancer_closed=True)
+    plan = plan_port(port, NODE, SETTINGS)
+    assert plan.elements[FIREWALL] == {(4, "192.0.2.21", "tcp", 80)}
+    assert FIREWALL_ALLOW not in plan.elements  # an empty allow set: every source is dropped
+
+
 class FakeIpvs:
     def __init__(self) -> None:
         self.services: dict[VirtualKey, VirtualServer] = {}
@@ -382,3 +389,24 @@ def test_a_helper_table_family_the_kernel_refuses_does_not_stop_the_other(
     with pytest.raises(backend_mod.BackendError, match="IPv4 helper table"):
         IpvsBackend(SETTINGS, ipvs_factory=lambda: _Adapter(fake)).sync(state(web(E1), six), None)
     assert any("fd00:96::10 . tcp . 80" in script for script in fake.nft)  # IPv6's went in
+
+
+@pytest.mark.parametrize("claimant_first", [True, False])
+def test_a_clashing_external_ip_leaves_the_victims_virtual_server_to_the_victim(
+    fake: FakeIpvs, claimant_first: bool
+) -> None:
+    """The model decides VIP clashes (vip_claims.py): an externalIP equal to another Service's
+    ClusterIP does not replace that ClusterIP's real servers, whatever came first."""
+    from test_vip_claims import BY_EXTERNAL, VICTIM, endpoints, proxier_with
+
+    from kpx_agent.cluster_state import SERVICES, SLICES
+
+    state, proxier = proxier_with(backend_for(fake))
+    state.upsert(SERVICES, BY_EXTERNAL)
+    state.upsert(SLICES, endpoints("a", "by-external", "10.244.2.7"))
+    if claimant_first:
+        assert proxier.sync().ok
+    state.upsert(SERVICES, VICTIM)
+    state.upsert(SLICES, endpoints("z", "victim", "10.244.2.2"))
+    assert proxier.sync().ok
+    assert fake.dests[VirtualKey(4, "tcp", "10.96.0.10", 80)] == {("10.244.2.2", 8080): 1}

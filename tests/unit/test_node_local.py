@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from kpx_agent.localnet import IP, NodeInfo, Protocol, ServicePort
-from kpx_agent.node_local import is_proxied, node_info, service_ports
+from kpx_agent.node_local import is_proxied, node_info, service_model, service_ports
+from kpx_agent.service_problems import SOURCE_RANGES_UNUSABLE
 
 NODE = NodeInfo(name="n1", zone="zone-a")
 
@@ -418,3 +419,52 @@ def test_node_info_reads_addresses_zone_and_pod_cidrs() -> None:
     assert info.zone == "zone-a"
     assert [str(c) for c in info.pod_cidrs] == ["10.244.1.0/24", "fd00:244:1::/64"]
     assert node_info(None, "n1") == NodeInfo(name="n1")
+
+
+LB = {"type": "LoadBalancer", "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.21"}]}}}
+LB_DUAL = {
+    "type": "LoadBalancer",
+    "clusterIPs": ["10.96.0.10", "fd00:96::10"],
+    "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.21"}, {"ip": "2001:db8::21"}]}},
+}
+
+
+@pytest.mark.parametrize(
+    ("ranges", "want"),
+    [
+        (["010.0.0.0/8"], ["10.0.0.0/8"]),
+        (["::ffff:10.0.0.0/104"], ["10.0.0.0/8"]),
+        ([" 10.0.0.0/8 ", "bogus"], ["10.0.0.0/8"]),
+    ],
+)
+def test_source_ranges_read_as_kubernetes_does(ranges: list[str], want: list[str]) -> None:
+    model = service_model(svc(loadBalancerSourceRanges=ranges, **LB), [], NODE)
+    (port,) = model.ports
+    assert port.load_balancer_source_ranges == tuple(ip_network(w) for w in want)
+    assert not port.load_balancer_closed and port.load_balancer_firewall
+    assert model.problems == ()
+
+
+def test_source_ranges_none_usable_close_the_load_balancer() -> None:
+    model = service_model(svc(loadBalancerSourceRanges=["bogus", "10.0.0.0/40"], **LB), [], NODE)
+    (port,) = model.ports
+    assert port.load_balancer_closed and port.load_balancer_firewall
+    assert port.load_balancer_source_ranges == ()
+    (problem,) = model.problems
+    assert problem.reason == SOURCE_RANGES_UNUSABLE
+    assert "'bogus'" in problem.message and "192.0.2.21" in problem.message
+
+
+def test_source_ranges_of_one_family_close_the_other() -> None:
+    model = service_model(svc(loadBalancerSourceRanges=["10.0.0.0/8"], **LB_DUAL), [], NODE)
+    ports = {p.key.family: p for p in model.ports}
+    assert not ports[4].load_balancer_closed
+    assert ports[6].load_balancer_closed and ports[6].load_balancer_source_ranges == ()
+    (problem,) = model.problems
+    assert "IPv6" in problem.message and "2001:db8::21" in problem.message
+
+
+def test_no_source_ranges_leave_the_load_balancer_open() -> None:
+    model = service_model(svc(**LB_DUAL), [], NODE)
+    assert not any(p.load_balancer_firewall for p in model.ports)
+    assert model.problems == ()

@@ -162,13 +162,13 @@ def count_recomputes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     import kpx_agent.proxier as proxier_mod
 
     seen: list[str] = []
-    real = proxier_mod.service_ports
+    real = proxier_mod.service_model
 
-    def counting(obj: Any, slices: Any, node_info: Any) -> Any:
+    def counting(obj: Any, slices: Any, node_info: Any, external_ips: Any) -> Any:
         seen.append(obj["metadata"]["name"])
-        return real(obj, slices, node_info)
+        return real(obj, slices, node_info, external_ips)
 
-    monkeypatch.setattr(proxier_mod, "service_ports", counting)
+    monkeypatch.setattr(proxier_mod, "service_model", counting)
     return seen
 
 

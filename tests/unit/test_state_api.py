@@ -113,6 +113,7 @@ def full_port(i: int = 1) -> ServicePort:
         drop_when_no_external_endpoints=True,
         affinity_timeout=10800,
         load_balancer_source_ranges=(ip_network("203.0.113.0/24"),),
+        load_balancer_closed=True,
         health_check_node_port=31000,
         short_circuit_endpoints=(Endpoint(IP.of("10.1.0.3"), 8080),),
         endpoint_conditions=((IP.of("10.1.0.2"), terminating),),

@@ -57,6 +57,7 @@ FIELDS: Final[dict[type, dict[str, str]]] = {
         "drop_when_no_external_endpoints": "drop_when_no_external_endpoints",
         "affinity_timeout": "affinity_timeout_seconds",
         "load_balancer_source_ranges": "load_balancer_source_ranges",
+        "load_balancer_closed": "load_balancer_closed",
         "health_check_node_port": "health_check_node_port",
         "short_circuit_endpoints": "short_circuit_endpoints",
     },
@@ -101,6 +102,8 @@ NOT_SERVED: Final[dict[type, dict[str, str]]] = {
     ProxySettings: {
         "ipvs": "the ipvs backend's own tuning (scheduler, IPVS timeouts, strictARP, "
         "excludeCIDRs): an out-of-tree backend is not IPVS",
+        "external_ip_networks": "applied by the model: ServicePort.external_ips holds only "
+        "the addresses it allows",
     },
 }
 #: localnet types the state API does not serve, each with why.
@@ -169,6 +172,7 @@ def port_to_proto(port: ServicePort) -> pb.ServicePort:
         drop_when_no_external_endpoints=port.drop_when_no_external_endpoints,
         affinity_timeout_seconds=port.affinity_timeout,
         load_balancer_source_ranges=[str(n) for n in port.load_balancer_source_ranges],
+        load_balancer_closed=port.load_balancer_closed,
         health_check_node_port=port.health_check_node_port,
         short_circuit_endpoints=_endpoints(port.short_circuit_endpoints, unusual),
     )
@@ -257,6 +261,7 @@ def port_from_proto(msg: pb.ServicePort) -> ServicePort:
         drop_when_no_external_endpoints=msg.drop_when_no_external_endpoints,
         affinity_timeout=msg.affinity_timeout_seconds,
         load_balancer_source_ranges=tuple(ip_network(n) for n in msg.load_balancer_source_ranges),
+        load_balancer_closed=msg.load_balancer_closed,
         health_check_node_port=msg.health_check_node_port,
         short_circuit_endpoints=_endpoints_back(msg.short_circuit_endpoints),
         endpoint_conditions=_conditions_back(

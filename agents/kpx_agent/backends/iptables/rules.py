@@ -204,7 +204,7 @@ def port_rules(sp: ServicePort, settings: ProxySettings, local: LocalPods) -> Po
     short_via_svc = use_svc and short_eps == cluster_eps
     use_short = use_ext and bool(short_eps) and not short_via_svc
     fw_ranges = sp.load_balancer_source_ranges
-    use_fw = use_ext and bool(lb_ips) and bool(sp.load_balancer_source_ranges)
+    use_fw = use_ext and bool(lb_ips) and sp.load_balancer_firewall
 
     svc, ext, fw, short = n.port_chains(key)
     own: dict[ChainId, Rules] = {}
@@ -269,7 +269,7 @@ def port_rules(sp: ServicePort, settings: ProxySettings, local: LocalPods) -> Po
             services.append(Rule((*comment, Destination(ip), match), jump(fw if use_fw else ext)))
         if not external_eps:
             reject.append(Rule((*comment, Destination(ip), match), no_external))
-        if sp.load_balancer_source_ranges:
+        if sp.load_balancer_firewall:
             # Allowed sources were DNATed by KPX-FW (or meet KPX-REJECT when there are no
             # endpoints); whatever still has the load-balancer IP as destination is dropped.
             firewall += [

@@ -172,22 +172,30 @@ class IpvsBackend(Backend):
         adds: dict[str, set[Element]] = {}
         deletes: dict[str, set[Element]] = {}
         allowed_before: dict[Element, set[Element]] = {}
+        olds = {key: self._plans.get(key, empty) for key in changed}
+        news = {}
         for key in changed:
-            old = self._plans.get(key, empty)
             port = state.services.get(key)
-            new = plan_port(port, state.node, self.settings) if port else empty
-            for vkey in old.virtual_servers.keys() - new.virtual_servers.keys():
-                ipvs.delete_service(vkey)
-                self._draining.pop(vkey, None)
-            for vkey, vs in new.virtual_servers.items():
-                before = old.virtual_servers.get(vkey)
-                if before is None:
-                    self._add_virtual_server(vs)
-                    continue
-                if (before.scheduler, before.persistence) != (vs.scheduler, vs.persistence):
-                    ipvs.set_service(vs)
-                if before.real_servers != vs.real_servers:
-                    self._update_real_servers(vs, set(before.real_servers), vs.real_servers)
+            news[key] = plan_port(port, state.node, self.settings) if port else empty
+        # Virtual servers across all the changed ports at once: one that moves from one port to
+        # another in this sync (the model gave a clashing VIP to another Service) is updated,
+        # not deleted after (or added before) the other port's change.
+        old_vs = {k: vs for plan in olds.values() for k, vs in plan.virtual_servers.items()}
+        new_vs = {k: vs for plan in news.values() for k, vs in plan.virtual_servers.items()}
+        for vkey in old_vs.keys() - new_vs.keys():
+            ipvs.delete_service(vkey)
+            self._draining.pop(vkey, None)
+        for vkey, vs in new_vs.items():
+            before = old_vs.get(vkey)
+            if before is None:
+                self._add_virtual_server(vs)
+                continue
+            if (before.scheduler, before.persistence) != (vs.scheduler, vs.persistence):
+                ipvs.set_service(vs)
+            if before.real_servers != vs.real_servers:
+                self._update_real_servers(vs, set(before.real_servers), vs.real_servers)
+        for key in changed:
+            old, new, port = olds[key], news[key], state.services.get(key)
             for address in old.bound - new.bound:
                 self._bound[address] -= 1
                 if self._bound[address] <= 0:

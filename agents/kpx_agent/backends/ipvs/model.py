@@ -124,7 +124,7 @@ def plan_port(port: ServicePort, node: NodeInfo, settings: ProxySettings) -> Por
             plan.add(MASQ_IPS, (family, address, protocol, vport))
         if not port.external_endpoints and port.drop_when_no_external_endpoints:
             plan.add(DROP, (family, address, protocol, vport))
-    if port.load_balancer_source_ranges:
+    if port.load_balancer_firewall:
         ranges = merged(n for n in port.load_balancer_source_ranges if n.version == family)
         for ip in port.load_balancer_ips:
             plan.add(FIREWALL, (family, ip, protocol, port.port))

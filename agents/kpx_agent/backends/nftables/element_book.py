@@ -2,12 +2,14 @@
 
 Each element belongs to one or more owners (service ports). A shared element (a hairpin pair
 used by two Services) stays while any owner wants it; a key claimed by two owners with different
-values (two Services on one external IP and port) keeps the first claim. In a *merged* set the
-owners' values of one key are combined instead (`merge`: one function per set name, of the
-values in claim order), so the kernel gets one value per key whatever the order of the claims
-(the allowed source ranges of a load-balancer IP and port: see `ruleset.common_ranges`).
-Updates are planned against the record without changing it, and committed only once the kernel
-accepted them, so a failed transaction leaves the record equal to what the kernel still has.
+values (two Services on one external IP and port) keeps the first claim and is logged (the model
+settles VIP clashes before a backend sees them, vip_claims.py, so service ports never claim one
+VIP twice). In a *merged* set the owners' values of one key are combined instead (`merge`: one
+function per set name, of the values in claim order), so the kernel gets one value per key
+whatever the order of the claims (the allowed source ranges of a load-balancer IP and port: see
+`ruleset.common_ranges`). Updates are planned against the record without changing it, and
+committed only once the kernel accepted them, so a failed transaction leaves the record equal
+to what the kernel still has.
 """
 
 from __future__ import annotations

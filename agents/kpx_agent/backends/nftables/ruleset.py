@@ -145,7 +145,7 @@ def render_port(sp: ServicePort) -> PortRender:
             out.elements.append((n.SHORT_CIRCUIT_IP_KEYS, key, None))
             _dispatch_to(out, sp, key, short_circuit, n.SHORT_CIRCUIT_IPS)
     for ip in sp.load_balancer_ips:
-        if sp.load_balancer_source_ranges:
+        if sp.load_balancer_firewall:
             key = (ip, proto, port)
             out.elements.append((n.FIREWALL_IPS, key, None))
             # One element of the backend's record per address and port, its value all the
