@@ -13,13 +13,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import compact
+from .compact import TRIGGER_ANNOTATION
 from .node_local import SERVICE_NAME_LABEL
 
 Obj = Mapping[str, Any]
 Key = tuple[str, str]  # (namespace, name)
 
 SERVICES, SLICES, NAMESPACES, NODES = "services", "endpointslices", "namespaces", "nodes"
-TRIGGER_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
 
 
 def _key(obj: Obj) -> Key:
@@ -94,13 +95,16 @@ class ClusterState:
             self._changes.node = True
 
     def upsert(self, kind: str, obj: Obj) -> None:
+        """Record an object as it is now. Services and EndpointSlices are kept with only the
+        fields the agent reads (compact.py): an update of anything else records nothing."""
         if kind == SERVICES:
             key = _key(obj)
-            if self.services.get(key) != obj:
-                self.services[key] = obj
+            svc = compact.service(obj)
+            if self.services.get(key) != svc:
+                self.services[key] = svc
                 self._touch(key)
         elif kind == SLICES:
-            self._upsert_slice(obj)
+            self._upsert_slice(compact.endpoint_slice(obj))
         elif kind == NAMESPACES:
             self.namespaces[_key(obj)[1]] = dict((obj.get("metadata") or {}).get("labels") or {})
         elif kind == NODES:

@@ -1,0 +1,92 @@
+"""The store keeps only the fields the agent reads (compact.py): the model decides the same from
+the compact objects as from the whole ones, and a change of anything else records nothing."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+from test_node_local import NODE, ROWS, ep, eps, svc
+
+from kpx_agent import compact
+from kpx_agent.cluster_state import SERVICES, SLICES, ClusterState
+from kpx_agent.node_local import service_model
+
+FAT_METADATA = {
+    "uid": "0e3c6c39-8d5c-4b1d-9b5a-0c1f6f3f7a11",
+    "resourceVersion": "123456",
+    "generation": 3,
+    "creationTimestamp": "2026-11-26T10:00:00Z",
+    "managedFields": [{"manager": "kubectl", "operation": "Apply", "fieldsV1": {"f:spec": {}}}],
+    "labels": {"app": "web", "team": "shop"},
+    "annotations": {
+        "kubectl.kubernetes.io/last-applied-configuration": "{" + "x" * 2000 + "}",
+        "service.kubernetes.io/topology-mode": "Auto",
+    },
+}
+
+
+def fat(obj: dict[str, Any]) -> dict[str, Any]:
+    """`obj` as the apiserver sends it: bookkeeping, labels, annotations, targetRefs."""
+    out = copy.deepcopy(obj)
+    meta = out.setdefault("metadata", {})
+    for k, v in FAT_METADATA.items():
+        if isinstance(v, dict):
+            meta[k] = {**v, **meta.get(k, {})}
+        else:
+            meta.setdefault(k, v)
+    if "spec" in out:
+        out["spec"].setdefault("selector", {"app": "web"})
+        out["spec"].setdefault("sessionAffinity", "None")
+    for endpoint in out.get("endpoints") or []:
+        endpoint["targetRef"] = {"kind": "Pod", "name": "web-1", "uid": "u", "resourceVersion": "1"}
+    return out
+
+
+CASES = [(row.service, row.slices) for row in ROWS] + [
+    (svc(labels={"service.kubernetes.io/service-proxy-name": "other"}), [eps(ep("10.244.1.2"))]),
+    (svc(annotations={"service.kubernetes.io/topology-mode": "Auto"}), [eps(ep("10.244.1.2"))]),
+]
+
+
+@pytest.mark.parametrize(
+    ("service", "slices"), CASES, ids=[r.name for r in ROWS] + ["proxy-name", "topology"]
+)
+def test_the_model_decides_the_same_from_the_compact_objects(
+    service: dict[str, Any], slices: list[dict[str, Any]]
+) -> None:
+    whole = service_model(fat(service), [fat(s) for s in slices], NODE)
+    kept = service_model(
+        compact.service(fat(service)), [compact.endpoint_slice(fat(s)) for s in slices], NODE
+    )
+    assert kept == whole
+
+
+def test_what_the_store_keeps_is_what_is_read() -> None:
+    service = compact.service(fat(svc()))
+    assert service["metadata"] == {
+        "name": "web", "namespace": "default", "creationTimestamp": "2026-11-26T10:00:00Z",
+        "annotations": {"service.kubernetes.io/topology-mode": "Auto"},
+    }  # fmt: skip
+    assert "selector" not in service["spec"]
+    (endpoint,) = compact.endpoint_slice(fat(eps(ep("10.244.1.2"))))["endpoints"]
+    assert "targetRef" not in endpoint
+
+
+def test_an_update_of_a_field_nobody_reads_records_no_change() -> None:
+    state = ClusterState()
+    obj = fat(svc())
+    state.upsert(SERVICES, obj)
+    state.upsert(SLICES, fat(eps(ep("10.244.1.2"))))
+    state.take_changes()
+    relabelled = copy.deepcopy(obj)
+    relabelled["metadata"]["resourceVersion"] = "123457"
+    relabelled["metadata"]["labels"]["team"] = "payments"
+    relabelled["metadata"]["annotations"]["kubectl.kubernetes.io/last-applied-configuration"] = "{}"
+    state.upsert(SERVICES, relabelled)
+    assert not state.has_changes()
+    moved = copy.deepcopy(relabelled)
+    moved["spec"]["ports"][0]["port"] = 81
+    state.upsert(SERVICES, moved)
+    assert state.take_changes().services == {("default", "web")}
