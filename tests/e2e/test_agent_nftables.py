@@ -477,8 +477,9 @@ def test_change_the_kernel_refuses_makes_the_agent_unhealthy_until_programmed(
     """Another process holds a table named like the agent's with the `owner` flag: the
     kernel refuses every change to it from anyone else (EPERM) until its owner goes. A
     Service change then cannot be programmed: /healthz and /livez stay 200 while it is not
-    late, turn 503 once it waited the timeout (2 x syncPeriod), and are 200 again once the
-    owner is gone and the agent's retry programmed it."""
+    late, turn 503 once it waited the timeout (2 x syncPeriod) while /alivez (the liveness
+    probe) stays 200, and are 200 again once the owner is gone and the agent's retry programmed
+    it."""
     topo, n2 = agent_env.topology, agent_env.n2
     config = write_agent_config(topo.tmpdir / "sync-2s.yaml", sync_period="2s")
     agent = agent_env.start_agent("n2", config=config)
@@ -512,6 +513,8 @@ def test_change_the_kernel_refuses_makes_the_agent_unhealthy_until_programmed(
         assert unhealthy_after >= 2 * SHORT_SYNC_PERIOD, f"503 after {unhealthy_after:.1f}s"
         assert body["nodeEligible"] is True, body  # the proxy's own health, not the node's
         assert health_of(agent, "/livez")[0] == 503
+        # The liveness probe's endpoint: a restart would not program it either.
+        assert health_of(agent, "/alivez")[0] == 200
         assert "sync failed" in agent.log(), agent.log_tail()
 
         holder.stdin.close()  # the owner goes, and its table with it
