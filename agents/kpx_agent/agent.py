@@ -292,7 +292,8 @@ class Agent:
             if now >= next_resync:
                 # The node-local state only changes through recorded changes, so there is
                 # nothing to recompute; what can change behind our back is the kernel.
-                self.proxier.periodic_check()
+                # Reading the kernel back (the drift check) may take a while at scale.
+                self.proxier.repair(await asyncio.to_thread(self.proxier.check_kernel))
                 next_resync = now + self.settings.sync_period
                 if not self.state.has_changes() and not retry_delay:
                     # The periodic resync found the kernel as programmed: a successful

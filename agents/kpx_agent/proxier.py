@@ -7,6 +7,7 @@ single EndpointSlice change costs the same at 10 or 10,000 Services.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from kpx_api.proxysettings import NamespaceOptOut
 
 from . import conntrack
-from .backends.base import Backend, BackendError
+from .backends.base import Backend, BackendError, DriftCheck
 from .cluster_state import ClusterState, Key
 from .conntrack import FlowFilter, stale_flows
 from .localnet import NodeLocalState, Protocol, ProxySettings, ServicePort, ServicePortKey
@@ -24,6 +25,18 @@ from .optout import excluded_namespaces
 from .service_problems import ProblemBook
 
 log = logging.getLogger(__name__)
+
+
+#: A full sync is forced this often (seconds), as upstream's proxies do (FullSyncPeriod,
+#: an hour), plus up to FULL_SYNC_JITTER of it, so the nodes of a cluster do not all do theirs
+#: at the same moment.
+FULL_SYNC_PERIOD = 3600.0
+FULL_SYNC_JITTER = 0.1
+
+
+def full_sync_interval(rand: float) -> float:
+    """Seconds to the next forced full sync, for a random number in [0, 1)."""
+    return FULL_SYNC_PERIOD * (1.0 + FULL_SYNC_JITTER * rand)
 
 
 @dataclass
@@ -70,6 +83,10 @@ class Proxier:
     # Services left out of the dataplane (in whole or in part), by the place that decided it:
     # the agent reports new ones as Warning Events on the Service (service_problems.py).
     problems: ProblemBook = field(default_factory=ProblemBook)
+    # The periodic check's clock and jitter source (forced full syncs).
+    clock: Callable[[], float] = field(default=time.monotonic)
+    rand: Callable[[], float] = field(default=random.random)
+    _full_sync_due: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.local = NodeLocalState(node=node_info(None, self.node_name))
@@ -226,9 +243,38 @@ class Proxier:
     def sync(self) -> SyncOutcome:
         return self.program(self.prepare())
 
-    def periodic_check(self) -> None:
-        """At each syncPeriod: if the kernel lost our rules (a flushed ruleset), rebuild them."""
+    def check_kernel(self) -> list[str]:
+        """At each syncPeriod: why the next sync must be a full one, which rewrites everything
+        the backend owns ([]: it need not): our rules are gone from the kernel (a flushed
+        ruleset), the backend's drift check found them changed behind our back (a deleted
+        element, a flushed chain, another process's edit), or a forced full sync is due (every
+        FULL_SYNC_PERIOD, jittered, as upstream's hourly one). Touches the backend only, not
+        the cluster state: may run in a worker thread, between syncs."""
         programmed = getattr(self.backend, "programmed", None)
         if programmed is not None and not programmed():
-            log.warning("our rules are gone from the kernel; reprogramming everything")
-            self.request_full_sync("rules gone from the kernel")
+            return ["rules gone from the kernel"]
+        reasons = []
+        if isinstance(self.backend, DriftCheck):
+            why = self.backend.drifted()
+            if why:
+                reasons.append(f"drift: {why}")
+        now = self.clock()
+        if self._full_sync_due is None:
+            self._full_sync_due = now + full_sync_interval(self.rand())
+        elif now >= self._full_sync_due:
+            self._full_sync_due = now + full_sync_interval(self.rand())
+            reasons.append("periodic full sync")
+        return reasons
+
+    def repair(self, reasons: Iterable[str]) -> None:
+        """Ask for the full sync `check_kernel` found needed (the event loop)."""
+        for reason in reasons:
+            if reason == "periodic full sync":
+                log.info("periodic full sync")
+            else:
+                log.warning("%s; rewriting everything we own", reason)
+            self.request_full_sync(reason)
+
+    def periodic_check(self) -> None:
+        """`check_kernel`, then `repair` (in one thread)."""
+        self.repair(self.check_kernel())

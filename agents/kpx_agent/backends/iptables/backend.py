@@ -10,6 +10,11 @@ are never named in a script, so `--noflush` leaves them alone.
 Each (family, table) is its own `*-restore` run, atomic on its own. If a later run of a
 partial sync fails, the runs before it are reverted from the record; the next sync is a full
 one in any case.
+
+Drift (`drifted`, asked at every syncPeriod): `iptables-save` of each table, our chains and
+jump rules in it compared with the record (rules are written as iptables-save prints them); a
+deleted rule, a flushed or deleted chain, a rule another process added to one of ours, a jump
+rule gone: the agent's next sync is a full one, which rewrites them all.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from . import kernel
 from . import names as n
 from .chain_book import ChainBook, ChainPlan
 from .rules import PortLines, fixed_chains, port_rules, shared_frames
-from .script import SavedTable, cleanup_script, jump_edits, parse_save, table_script
+from .script import SavedTable, cleanup_script, drift, jump_edits, parse_save, table_script
 
 log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
@@ -55,6 +60,8 @@ class IptablesBackend:
         self._chain_exists = chain_exists
         # None: what the kernel holds is not known (never synced, or a sync failed).
         self._books: dict[int, ChainBook] | None = None
+        # The jump rules each family's last full sync left in the built-in chains.
+        self._jumps: dict[int, tuple[n.Jump, ...]] = {}
         self.last_scripts: list[tuple[int, str]] = []  # (family, script) of the last sync
 
     # -- the Backend protocol
@@ -79,6 +86,23 @@ class IptablesBackend:
             return all(self._chain_exists(fam, n.NAT, n.MARK_MASQ) for fam in FAMILIES)
         except BackendError:
             return False
+
+    def drifted(self) -> str:
+        """What of ours differs in the kernel from the record ("": nothing); see the module
+        docstring."""
+        if self._books is None:
+            return ""  # the next sync is a full one anyway
+        for fam, book in self._books.items():
+            for table in n.TABLES:
+                try:
+                    text = self._save(fam, table)
+                except BackendError as exc:
+                    log.warning("drift check: %s", exc)
+                    return ""
+                why = drift(text, table, book.table_chains(table), self._jumps.get(fam, ()))
+                if why:
+                    return f"IPv{fam} {table}: {why}"
+        return ""
 
     def element_count(self) -> int:
         """Rules in our chains (the agent reports it as programmed elements)."""
@@ -108,6 +132,7 @@ class IptablesBackend:
             }
             book.commit(book.plan(updates))
             books[fam] = book
+            self._jumps[fam] = n.jumps(facts.localhost_node_ports)
             for table in n.TABLES:
                 saved = parse_save(self._save(fam, table)).get(table, SavedTable())
                 wanted = book.table_chains(table)

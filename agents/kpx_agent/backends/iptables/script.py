@@ -81,6 +81,52 @@ def parse_save(text: str) -> dict[str, SavedTable]:
     return tables
 
 
+def drift(
+    text: str, table: str, chains: Mapping[str, Lines], wanted_jumps: Sequence[n.Jump]
+) -> str:
+    """What of ours differs in `iptables-save -t TABLE` output from what we programmed: our
+    chains (`chains`, each rule as iptables-save prints it) and our jump rules in the built-in
+    chains ("": nothing). Other software's chains and rules are not compared."""
+    found: dict[str, list[str]] = {}
+    jumps: dict[str, list[str]] = {}
+    builtin: set[str] = set()
+    current = ""
+    for line in text.splitlines():
+        if line.startswith("*"):
+            current = line[1:].strip()
+        elif current != table:
+            continue
+        elif line.startswith(":"):
+            parts = line[1:].split()
+            if len(parts) >= 2 and parts[1] != "-":
+                builtin.add(parts[0])
+            elif parts and n.is_ours(parts[0]):
+                found.setdefault(parts[0], [])
+        elif line.startswith("-A "):
+            parts = line.split(" ", 2)
+            body = parts[2] if len(parts) == 3 else ""
+            if n.is_ours(parts[1]):
+                found.setdefault(parts[1], []).append(body)
+            elif parts[1] in builtin and _has_our_comment(body):
+                jumps.setdefault(parts[1], []).append(body)
+    for chain in sorted(chains.keys() - found.keys()):
+        return f"chain {chain} is missing"
+    for chain in sorted(found.keys() - chains.keys()):
+        return f"chain {chain} is not ours to have"
+    for chain, rules in sorted(chains.items()):
+        if found[chain] != list(rules):
+            have = len(found[chain])
+            return f"chain {chain} differs from what we wrote ({have} rules, {len(rules)} written)"
+    wanted: dict[str, list[str]] = {}
+    for t, chain, matches, target in wanted_jumps:
+        if t == table:
+            wanted.setdefault(chain, []).append(n.jump_rule(matches, target).text)
+    for chain in sorted(wanted.keys() | jumps.keys()):
+        if wanted.get(chain, []) != jumps.get(chain, []):
+            return f"our jump rules in {chain} differ"
+    return ""
+
+
 def jump_edits(
     table: str, saved: SavedTable, wanted_jumps: Sequence[n.Jump] = n.JUMPS
 ) -> list[str]:
