@@ -39,23 +39,32 @@ def test_a_rule_deleted_behind_our_back_is_drift_and_a_full_sync_repairs_it() ->
     fake, backend, state = synced()
     expected = fake.dump()
     chain = svc_chain(fake)
-    del fake.tables[(4, "nat")][chain][0]
-    assert backend.drifted() == f"IPv4 nat: chain {chain} differs from what we wrote " + (
-        f"({len(fake.tables[(4, 'nat')][chain])} rules, "
-        f"{len(fake.tables[(4, 'nat')][chain]) + 1} written)"
+    rules = fake.tables[(4, "nat")][chain]
+    del rules[0]
+    assert backend.drifted() == (
+        f"IPv4 nat: chain {chain} has {len(rules)} rules, not the {len(rules) + 1} written"
     )
     backend.sync(state, None)
     assert fake.dump() == expected and backend.drifted() == ""
+
+
+def test_a_rule_replaced_in_place_after_the_first_check_is_drift() -> None:
+    fake, backend, state = synced()
+    assert backend.drifted() == ""  # the digest of our chains as the sync left them
+    fake.tables[(4, "nat")][svc_chain(fake)][0] = "-j RETURN"
+    assert backend.drifted() == "IPv4 nat: a rule of ours was changed behind our back"
+    backend.sync(state, None)
+    assert backend.drifted() == "" and backend.drifted() == ""
 
 
 def test_a_flushed_chain_a_foreign_rule_a_lost_jump_are_drift() -> None:
     fake, backend, state = synced()
     chain = svc_chain(fake, 6)
     fake.tables[(6, "nat")][chain].clear()
-    assert backend.drifted().startswith(f"IPv6 nat: chain {chain} differs")
+    assert backend.drifted().startswith(f"IPv6 nat: chain {chain} has 0 rules")
     backend.sync(state, None)
     fake.tables[(4, "nat")][svc_chain(fake)].append("-j ACCEPT")
-    assert "differs" in backend.drifted()
+    assert "rules, not the" in backend.drifted()
     backend.sync(state, None)
     prerouting = fake.tables[(4, "nat")]["PREROUTING"]
     prerouting.remove(next(r for r in prerouting if n.COMMENT in r))

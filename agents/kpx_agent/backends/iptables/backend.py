@@ -11,10 +11,14 @@ Each (family, table) is its own `*-restore` run, atomic on its own. If a later r
 partial sync fails, the runs before it are reverted from the record; the next sync is a full
 one in any case.
 
-Drift (`drifted`, asked at every syncPeriod): `iptables-save` of each table, our chains and
-jump rules in it compared with the record (rules are written as iptables-save prints them); a
-deleted rule, a flushed or deleted chain, a rule another process added to one of ours, a jump
-rule gone: the agent's next sync is a full one, which rewrites them all.
+Drift (`drifted`, asked at every syncPeriod): `iptables-save` of each table, and our chains
+and jump rules in it compared with the record: every chain there and no other of ours, each
+with as many rules as written (iptables-save spells rules its own way, so they are counted,
+not compared), our jump rules as written. A digest of them is taken at the first check after
+each sync, and a later check that finds another one finds a rule changed in place. A deleted
+rule, a flushed or deleted chain, a rule another process added to one of ours, a jump rule
+gone, a rule replaced: the agent's next sync is a full one, which rewrites them all. (A rule
+replaced in place between a sync and the next check is found by the hourly full sync only.)
 """
 
 from __future__ import annotations
@@ -29,7 +33,15 @@ from . import kernel
 from . import names as n
 from .chain_book import ChainBook, ChainPlan
 from .rules import PortLines, fixed_chains, port_rules, shared_frames
-from .script import SavedTable, cleanup_script, drift, jump_edits, parse_save, table_script
+from .script import (
+    SavedTable,
+    cleanup_script,
+    jump_edits,
+    parse_save,
+    saved_chains,
+    structure_drift,
+    table_script,
+)
 
 log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
@@ -62,6 +74,9 @@ class IptablesBackend:
         self._books: dict[int, ChainBook] | None = None
         # The jump rules each family's last full sync left in the built-in chains.
         self._jumps: dict[int, tuple[n.Jump, ...]] = {}
+        # Digests of our chains per (family, table), taken at the first drift check after our
+        # last sync (None: none since).
+        self._baseline: dict[tuple[int, str], bytes] | None = None
         self.last_scripts: list[tuple[int, str]] = []  # (family, script) of the last sync
 
     # -- the Backend protocol
@@ -71,6 +86,7 @@ class IptablesBackend:
             self._full_sync(state)
         else:
             self._partial_sync(state, self._books, changed)
+        self._baseline = None
 
     def cleanup(self) -> None:
         cleanup(self._restore, self._save)
@@ -92,16 +108,25 @@ class IptablesBackend:
         docstring."""
         if self._books is None:
             return ""  # the next sync is a full one anyway
+        digests: dict[tuple[int, str], bytes] = {}
         for fam, book in self._books.items():
             for table in n.TABLES:
                 try:
-                    text = self._save(fam, table)
+                    saved = saved_chains(self._save(fam, table), table)
                 except BackendError as exc:
                     log.warning("drift check: %s", exc)
                     return ""
-                why = drift(text, table, book.table_chains(table), self._jumps.get(fam, ()))
+                chains = book.table_chains(table)
+                why = structure_drift(saved, table, chains, self._jumps.get(fam, ()))
                 if why:
                     return f"IPv{fam} {table}: {why}"
+                digests[(fam, table)] = saved.digest()
+        if self._baseline is None:
+            self._baseline = digests
+            return ""
+        for (fam, table), digest in sorted(digests.items()):
+            if digest != self._baseline.get((fam, table)):
+                return f"IPv{fam} {table}: a rule of ours was changed behind our back"
         return ""
 
     def element_count(self) -> int:
