@@ -536,6 +536,40 @@ def test_change_the_kernel_refuses_makes_the_agent_unhealthy_until_programmed(
         assert run_cleanup(topo, n2).returncode == 0
 
 
+def test_an_element_deleted_behind_the_agents_back_is_restored_within_sync_periods(
+    agent_env: AgentEnv, agent_ns: str
+) -> None:
+    """Someone deletes the Service's element from the agent's dispatch map (its traffic then
+    goes nowhere): the agent's periodic check finds its table changed (the ruleset generation
+    moved, the digest of its table differs) and its full sync puts the element back, without
+    any change of the Service."""
+    topo, n2 = agent_env.topology, agent_env.n2
+    config = write_agent_config(topo.tmpdir / "drift-2s.yaml", sync_period="2s")
+    agent = agent_env.start_agent("n2", config=config)
+    try:
+        svc = make_service(agent_env, agent_ns, "drifted", TCP_UDP[:1])
+        element = f"{svc.ip()} . tcp . 80"
+
+        def dispatched() -> bool:
+            listing = topo.exec(n2, ["nft", "list", "map", "ip", "kpx", "service-ips"])
+            return element in listing.stdout
+
+        wait_until(dispatched, 20.0, message=lambda: f"never programmed:\n{agent.log_tail()}")
+        time.sleep(2.5 * SHORT_SYNC_PERIOD)  # a periodic check with the element in place
+        topo.exec(n2, ["nft", f"delete element ip kpx service-ips {{ {element} }}"], check=True)
+        assert not dispatched()
+        wait_until(
+            dispatched,
+            10 * SHORT_SYNC_PERIOD,
+            interval=0.3,
+            message=lambda: f"not restored:\n{agent.log_tail()}",
+        )
+        assert "table changed behind our back" in agent.log(), agent.log_tail()
+    finally:
+        assert agent.stop() == 0, agent.log_tail()
+        assert run_cleanup(topo, n2).returncode == 0
+
+
 # ---- 10-11: the agent's life cycle ---------------------------------------------------------------
 
 
