@@ -39,6 +39,18 @@ def full_sync_interval(rand: float) -> float:
     return FULL_SYNC_PERIOD * (1.0 + FULL_SYNC_JITTER * rand)
 
 
+@dataclass(frozen=True)
+class KernelFinding:
+    """Why the periodic check asks for a full sync: `kind` (GONE, DRIFT, PERIODIC: the label
+    of kpx_forced_full_syncs_total) and what was found."""
+
+    kind: str
+    detail: str
+
+
+GONE, DRIFT, PERIODIC = "rules_gone", "drift", "periodic"
+
+
 @dataclass
 class SyncOutcome:
     ok: bool
@@ -243,7 +255,7 @@ class Proxier:
     def sync(self) -> SyncOutcome:
         return self.program(self.prepare())
 
-    def check_kernel(self) -> list[str]:
+    def check_kernel(self) -> list[KernelFinding]:
         """At each syncPeriod: why the next sync must be a full one, which rewrites everything
         the backend owns ([]: it need not): our rules are gone from the kernel (a flushed
         ruleset), the backend's drift check found them changed behind our back (a deleted
@@ -252,29 +264,26 @@ class Proxier:
         the cluster state: may run in a worker thread, between syncs."""
         programmed = getattr(self.backend, "programmed", None)
         if programmed is not None and not programmed():
-            return ["rules gone from the kernel"]
-        reasons = []
+            return [KernelFinding(GONE, "our rules are gone from the kernel")]
+        found = []
         if isinstance(self.backend, DriftCheck):
             why = self.backend.drifted()
             if why:
-                reasons.append(f"drift: {why}")
+                found.append(KernelFinding(DRIFT, why))
         now = self.clock()
         if self._full_sync_due is None:
             self._full_sync_due = now + full_sync_interval(self.rand())
         elif now >= self._full_sync_due:
             self._full_sync_due = now + full_sync_interval(self.rand())
-            reasons.append("periodic full sync")
-        return reasons
+            found.append(KernelFinding(PERIODIC, "periodic full sync"))
+        return found
 
-    def repair(self, reasons: Iterable[str]) -> None:
-        """Ask for the full sync `check_kernel` found needed (the event loop)."""
-        for reason in reasons:
-            if reason == "periodic full sync":
+    def repair(self, found: Iterable[KernelFinding]) -> None:
+        """Ask for the full syncs `check_kernel` found needed (the event loop)."""
+        for finding in found:
+            if finding.kind == PERIODIC:
                 log.info("periodic full sync")
             else:
-                log.warning("%s; rewriting everything we own", reason)
-            self.request_full_sync(reason)
-
-    def periodic_check(self) -> None:
-        """`check_kernel`, then `repair` (in one thread)."""
-        self.repair(self.check_kernel())
+                log.warning("%s; rewriting everything we own", finding.detail)
+            self.metrics.forced_full_syncs.labels(finding.kind).inc()
+            self.request_full_sync(f"{finding.kind}: {finding.detail}")

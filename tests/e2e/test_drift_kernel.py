@@ -62,21 +62,24 @@ for name in ("web", "sticky"):
 proxier = Proxier(state, Backend(ProxySettings()), "n1", NamespaceOptOut(), AgentMetrics())
 proxier.delete_flows = lambda flows: 0
 assert proxier.sync().full
-result = {"after the first sync": {"reasons": proxier.check_kernel()}}
+def check():
+    return [f"{found.kind}: {found.detail}" for found in proxier.check_kernel()]
+result = {"after the first sync": {"reasons": check()}}
 # The agent's own partial sync (a new endpoint) is not drift either.
 state.upsert(SLICES, slice_("web", "IPv4", "10.244.1.2", "10.244.2.2", "10.244.3.2"))
 outcome = proxier.sync()
 assert outcome.ok and not outcome.full, outcome
-result["after a partial sync"] = {"reasons": proxier.check_kernel()}
+result["after a partial sync"] = {"reasons": check()}
 # What the repairs are compared with: the kernel after a full sync of this state.
 proxier.request_full_sync("test")
 assert proxier.sync().full
-assert proxier.check_kernel() == []  # a syncPeriod passes
+assert check() == []  # a syncPeriod passes
 programmed = ours()
 for label, damage in steps:
     subprocess.run(damage, check=True, capture_output=True, text=True)
-    reasons = proxier.check_kernel()
-    proxier.repair(reasons)
+    findings = proxier.check_kernel()
+    reasons = [f"{found.kind}: {found.detail}" for found in findings]
+    proxier.repair(findings)
     if state.has_changes():
         assert proxier.sync().ok
     now = ours()
@@ -85,7 +88,7 @@ for label, damage in steps:
         import difflib
         print("\\n".join(difflib.unified_diff(programmed.splitlines(), now.splitlines())),
               file=sys.stderr)
-    assert proxier.check_kernel() == [], label  # repaired: nothing found again
+    assert check() == [], label  # repaired: nothing found again
 print(json.dumps(result))
 """
 

@@ -19,7 +19,7 @@ from kpx_agent.localnet import (
     ServicePortKey,
 )
 from kpx_agent.metrics import AgentMetrics
-from kpx_agent.proxier import Proxier
+from kpx_agent.proxier import DRIFT, PERIODIC, KernelFinding, Proxier
 from kpx_api.proxysettings import NamespaceOptOut
 
 
@@ -337,11 +337,15 @@ def test_drift_found_at_the_periodic_check_makes_the_next_sync_full() -> None:
     assert proxier.check_kernel() == []
     assert not state.has_changes()
     backend.drift = "our ip table changed behind our back"
-    reasons = proxier.check_kernel()
-    assert reasons == ["drift: our ip table changed behind our back"]
-    proxier.repair(reasons)
+    found = proxier.check_kernel()
+    assert found == [KernelFinding(DRIFT, "our ip table changed behind our back")]
+    proxier.repair(found)
     assert state.has_changes()
+    assert proxier.metrics.forced_full_syncs.labels(DRIFT)._value.get() == 1
     assert proxier.sync().full and backend.calls[-1] == ({"a/web/tcp"}, True)
+
+
+PERIODIC_SYNC = KernelFinding(PERIODIC, "periodic full sync")
 
 
 def test_a_full_sync_is_forced_every_hour_with_jitter() -> None:
@@ -354,10 +358,10 @@ def test_a_full_sync_is_forced_every_hour_with_jitter() -> None:
     now[0] = 3600.0 + 179.0
     assert proxier.check_kernel() == []
     now[0] = 3600.0 + 180.0
-    assert proxier.check_kernel() == ["periodic full sync"]
-    proxier.repair(["periodic full sync"])
+    assert proxier.check_kernel() == [PERIODIC_SYNC]
+    proxier.repair([PERIODIC_SYNC])
     assert proxier.sync().full
     now[0] += 3779.0
     assert proxier.check_kernel() == []
     now[0] += 1.0
-    assert proxier.check_kernel() == ["periodic full sync"]
+    assert proxier.check_kernel() == [PERIODIC_SYNC]
