@@ -128,3 +128,15 @@ def test_a_generation_that_cannot_be_read_is_no_drift() -> None:
     backend.sync(sample_state(), None)
     fake.edit(delete_vip)
     assert backend.drifted() == ""  # not known: the hourly full sync still comes
+
+
+def test_a_sync_that_sends_nothing_keeps_the_digest() -> None:
+    """A partial sync with nothing to program commits nothing: the digest taken before still
+    describes the tables, so a later foreign change is still compared with it."""
+    fake, backend, state, digests = synced()
+    assert backend.drifted() == ""
+    reads = digests.reads
+    backend.sync(state, [key("web")])  # unchanged: no transaction
+    fake.edit()
+    assert backend.drifted() == ""  # verified against the digest, not "cannot tell"
+    assert digests.reads == reads + 2

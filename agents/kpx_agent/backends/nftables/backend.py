@@ -105,7 +105,10 @@ class NftablesBackend:
             self._full_sync(state)
         else:
             self._partial_sync(state, changed)
-        self._gen, self._baseline = self._read_generation(), None
+        after = self._read_generation()
+        if after is None or after != before:  # we committed: the digest is of the past
+            self._baseline = None
+        self._gen = after
         if full:
             self._foreign = False  # everything we own was just rewritten
 
