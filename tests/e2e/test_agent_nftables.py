@@ -541,8 +541,8 @@ def test_an_element_deleted_behind_the_agents_back_is_restored_within_sync_perio
 ) -> None:
     """Someone deletes the Service's element from the agent's dispatch map (its traffic then
     goes nowhere): the agent's periodic check finds its table changed (the ruleset generation
-    moved, the digest of its table differs) and its full sync puts the element back, without
-    any change of the Service."""
+    moved, and the digest of its table differs or cannot be compared) and its full sync puts
+    the element back, without any change of the Service."""
     topo, n2 = agent_env.topology, agent_env.n2
     config = write_agent_config(topo.tmpdir / "drift-2s.yaml", sync_period="2s")
     agent = agent_env.start_agent("n2", config=config)
@@ -564,7 +564,9 @@ def test_an_element_deleted_behind_the_agents_back_is_restored_within_sync_perio
             interval=0.3,
             message=lambda: f"not restored:\n{agent.log_tail()}",
         )
-        assert "table changed behind our back" in agent.log(), agent.log_tail()
+        # Found as drift: its table changed, or (when the agent itself committed since its
+        # last check) another writer's commit it cannot tell from a change of its table.
+        assert (agent.metric("kpx_forced_full_syncs_total", reason="drift") or 0) >= 1
     finally:
         assert agent.stop() == 0, agent.log_tail()
         assert run_cleanup(topo, n2).returncode == 0
