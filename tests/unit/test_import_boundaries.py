@@ -136,10 +136,13 @@ print(count)
 
 
 # What a backend may import of the agent: the node-local model's data types, the backend
-# contract, and its own package. Never the model's internals (node_local, detect_local,
-# cluster_state, proxier, ...): everything it needs of the node is decided there and handed
-# over in localnet's types (NodeLocalState, NodeFacts).
-BACKEND_MAY_IMPORT = ("kpx_agent.localnet", "kpx_agent.backends.base")
+# contract, the kernel's ruleset generation id (nf_generation: the kernel's, not a mode's; the
+# nftables and iptables drift checks ask it), and its own package. Never the model's internals
+# (node_local, detect_local, cluster_state, proxier, ...): everything it needs of the node is
+# decided there and handed over in localnet's types (NodeLocalState, NodeFacts).
+BACKEND_MAY_IMPORT = (
+    "kpx_agent.localnet", "kpx_agent.backends.base", "kpx_agent.backends.nf_generation",
+)  # fmt: skip
 
 
 def backend_imports_outside(path: Path, root: Path = BACKENDS) -> set[str]:

@@ -11,18 +11,44 @@ from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.localnet import NodeLocalState
 
 
-def synced() -> tuple[FakeIptables, IptablesBackend, NodeLocalState]:
+class Generation:
+    """The nftables ruleset generation id as iptables-nft moves it (None: legacy iptables)."""
+
+    def __init__(self, fake: FakeIptables | None) -> None:
+        self.fake = fake
+        self.foreign = 0  # commits of other writers
+
+    def __call__(self) -> int | None:
+        return None if self.fake is None else self.fake.runs + self.foreign
+
+
+class CountingSave:
+    def __init__(self, fake: FakeIptables) -> None:
+        self.fake = fake
+        self.calls = 0
+
+    def __call__(self, family: int, table: str) -> str:
+        self.calls += 1
+        return self.fake.save(family, table)
+
+
+def synced(
+    nft_flavour: bool = False,
+) -> tuple[FakeIptables, IptablesBackend, NodeLocalState, Generation, CountingSave]:
     fake = FakeIptables()
+    generation = Generation(fake if nft_flavour else None)
+    save = CountingSave(fake)
     backend = IptablesBackend(
         SETTINGS,
         restore=fake.restore,
-        save=fake.save,
+        save=save,
         chain_exists=fake.chain_exists,
         ensure_sysctl=lambda path, value: None,
+        generation=generation,
     )
     state = sample_state()
     backend.sync(state, None)
-    return fake, backend, state
+    return fake, backend, state, generation, save
 
 
 def svc_chain(fake: FakeIptables, family: int = 4) -> str:
@@ -31,12 +57,12 @@ def svc_chain(fake: FakeIptables, family: int = 4) -> str:
 
 
 def test_a_freshly_synced_kernel_is_not_drift() -> None:
-    _, backend, _ = synced()
+    _, backend, _, _, _ = synced()
     assert backend.drifted() == ""
 
 
 def test_a_rule_deleted_behind_our_back_is_drift_and_a_full_sync_repairs_it() -> None:
-    fake, backend, state = synced()
+    fake, backend, state, _, _ = synced()
     expected = fake.dump()
     chain = svc_chain(fake)
     rules = fake.tables[(4, "nat")][chain]
@@ -49,7 +75,7 @@ def test_a_rule_deleted_behind_our_back_is_drift_and_a_full_sync_repairs_it() ->
 
 
 def test_a_rule_replaced_in_place_after_the_first_check_is_drift() -> None:
-    fake, backend, state = synced()
+    fake, backend, state, _, _ = synced()
     assert backend.drifted() == ""  # the digest of our chains as the sync left them
     fake.tables[(4, "nat")][svc_chain(fake)][0] = "-j RETURN"
     assert backend.drifted() == "IPv4 nat: a rule of ours was changed behind our back"
@@ -58,7 +84,7 @@ def test_a_rule_replaced_in_place_after_the_first_check_is_drift() -> None:
 
 
 def test_a_flushed_chain_a_foreign_rule_a_lost_jump_are_drift() -> None:
-    fake, backend, state = synced()
+    fake, backend, state, _, _ = synced()
     chain = svc_chain(fake, 6)
     fake.tables[(6, "nat")][chain].clear()
     assert backend.drifted().startswith(f"IPv6 nat: chain {chain} has 0 rules")
@@ -74,7 +100,34 @@ def test_a_flushed_chain_a_foreign_rule_a_lost_jump_are_drift() -> None:
 
 
 def test_other_softwares_chains_and_rules_are_not_drift() -> None:
-    fake, backend, _ = synced()
+    fake, backend, _, _, _ = synced()
     fake.tables[(4, "nat")]["CNI-HOSTPORT"] = ["-j RETURN"]
     fake.tables[(4, "nat")]["PREROUTING"].append("-j CNI-HOSTPORT")
     assert backend.drifted() == ""
+
+
+def test_with_iptables_nft_an_unmoved_generation_reads_nothing_back() -> None:
+    """iptables-nft: every restore is an nftables commit. While the generation id has not
+    moved since the chains were verified, the check runs no iptables-save; once another writer
+    committed, it reads them back again (and finds the change)."""
+    fake, backend, _, generation, save = synced(nft_flavour=True)
+    assert backend.drifted() == ""  # verified: the digest is taken
+    saves = save.calls
+    assert backend.drifted() == "" and backend.drifted() == ""
+    assert save.calls == saves  # nothing committed: nothing read
+    generation.foreign += 1  # another writer's commit, elsewhere
+    assert backend.drifted() == ""
+    assert save.calls > saves
+    saves = save.calls
+    assert backend.drifted() == "" and save.calls == saves  # that generation is verified now
+    fake.tables[(4, "nat")][svc_chain(fake)][0] = "-j RETURN"
+    generation.foreign += 1
+    assert backend.drifted() == "IPv4 nat: a rule of ours was changed behind our back"
+
+
+def test_legacy_iptables_reads_back_at_every_check() -> None:
+    _, backend, _, _, save = synced(nft_flavour=False)
+    backend.drifted()
+    saves = save.calls
+    backend.drifted()
+    assert save.calls == saves + 4  # no generation to tell: both tables of both families

@@ -19,6 +19,9 @@ each sync, and a later check that finds another one finds a rule changed in plac
 rule, a flushed or deleted chain, a rule another process added to one of ours, a jump rule
 gone, a rule replaced: the agent's next sync is a full one, which rewrites them all. (A rule
 replaced in place between a sync and the next check is found by the hourly full sync only.)
+With iptables-nft, every restore is an nftables transaction: while the ruleset's generation id
+(`backends.nf_generation`) has not moved since the chains were last verified, the check reads
+nothing back (`iptables-save` of a table costs about 0.6 s of CPU at 10,000 Services).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ class IptablesBackend:
         chain_exists: ChainExists = kernel.chain_exists,
         ensure_sysctl: EnsureSysctl = kernel.ensure_sysctl,
         route_localnet_file: Path = kernel.ROUTE_LOCALNET_FILE,
+        generation: Callable[[], int | None] = kernel.nft_generation,
     ) -> None:
         self.settings = settings
         self._ensure_sysctl = ensure_sysctl
@@ -77,16 +81,24 @@ class IptablesBackend:
         # Digests of our chains per (family, table), taken at the first drift check after our
         # last sync (None: none since).
         self._baseline: dict[tuple[int, str], bytes] | None = None
+        # The nftables ruleset generation id after our last sync or check (None: legacy
+        # iptables, or not known): while it does not move, nothing changed.
+        self._generation = generation
+        self._gen: int | None = None
         self.last_scripts: list[tuple[int, str]] = []  # (family, script) of the last sync
 
     # -- the Backend protocol
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
+        before = self._generation()
         if changed is None or self._books is None:
             self._full_sync(state)
         else:
             self._partial_sync(state, self._books, changed)
-        self._baseline = None
+        after = self._generation()
+        if after is None or after != before:  # we committed: the digest is of the past
+            self._baseline = None
+        self._gen = after
 
     def cleanup(self) -> None:
         cleanup(self._restore, self._save)
@@ -108,6 +120,9 @@ class IptablesBackend:
         docstring."""
         if self._books is None:
             return ""  # the next sync is a full one anyway
+        gen = self._generation()
+        if gen is not None and gen == self._gen and self._baseline is not None:
+            return ""  # no nftables commit at all since our chains were last verified
         digests: dict[tuple[int, str], bytes] = {}
         for fam, book in self._books.items():
             for table in n.TABLES:
@@ -123,10 +138,11 @@ class IptablesBackend:
                 digests[(fam, table)] = saved.digest()
         if self._baseline is None:
             self._baseline = digests
-            return ""
         for (fam, table), digest in sorted(digests.items()):
             if digest != self._baseline.get((fam, table)):
                 return f"IPv{fam} {table}: a rule of ours was changed behind our back"
+        if gen is not None and self._generation() == gen:  # nothing committed while we read
+            self._gen = gen
         return ""
 
     def element_count(self) -> int:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 
 from ...localnet import NodeLocalState, ProxySettings, ServicePort, ServicePortKey
 from ..base import BackendError
-from . import kernel, netlink_batch, netlink_query
+from . import kernel, netlink_batch
 from . import names as n
 from .element_book import ElementBook, Plan
 from .ruleset import (
@@ -117,7 +117,7 @@ class NftablesBackend:
     def _read_generation(self) -> int | None:
         try:
             return self._generation()
-        except (OSError, ValueError, netlink_query.NetlinkError) as exc:
+        except (OSError, ValueError) as exc:
             log.debug("cannot read the ruleset generation: %s", exc)
             return None
 

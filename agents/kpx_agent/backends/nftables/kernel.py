@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import IO
 
 from ..base import BackendError
+from ..nf_generation import read as read_generation
 from . import names as n
 from . import netlink_query as q
 from .netlink_batch import (
@@ -218,11 +219,8 @@ def delete_tables(tables: set[str]) -> None:
 
 
 def generation() -> int:
-    """The ruleset's generation id (NFT_MSG_GETGEN): bumped by every committed nftables
-    transaction, anyone's. One small netlink request at any ruleset size. Raises OSError when
-    the kernel cannot be asked."""
-    with contextlib.closing(_socket()) as sock:
-        return q.generation_of(_ask(sock, q.generation_request()))
+    """The ruleset's generation id (`backends.nf_generation`)."""
+    return read_generation()
 
 
 def table_digest(family: int) -> bytes:

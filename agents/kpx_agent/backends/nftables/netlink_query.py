@@ -1,19 +1,14 @@
 """Questions to nf_tables over netlink, and reading their answers (pure: bytes in, bytes out).
 
-Two questions back the backend's drift check (`backend.NftablesBackend.drifted`):
-
-- the ruleset's generation id (NFT_MSG_GETGEN): the kernel bumps it on every committed
-  nftables transaction, anyone's (iptables-nft, a CNI plugin, `nft`), so an id unchanged since
-  the agent's own last commit means nothing changed at all; one request, one small answer, at
-  any ruleset size;
-- a digest of one table as the kernel dumps it: its sets (definitions), its rules, and the
-  elements of its sets (NFT_MSG_GETSET, GETRULE, GETSETELEM dumps), leaving out the sets the
-  data path itself updates (session affinity: their elements come and go with traffic). What
-  is hashed is each answer's payload after its headers (the netlink header carries the
-  socket's port id, the nfgenmsg header the generation), and for elements the element
-  attributes only, in the order dumped, so where the kernel cut the dump into messages does
-  not matter. Another writer's commit elsewhere does not change it; a deleted or added
-  element, a flushed chain, a rule added to one of our chains does.
+It backs the backend's drift check (`backend.NftablesBackend.drifted`), once the ruleset's
+generation id (`backends.nf_generation`) moved: a digest of one table as the kernel dumps it,
+its sets (definitions), its rules, and the elements of its sets (NFT_MSG_GETSET, GETRULE,
+GETSETELEM dumps), leaving out the sets the data path itself updates (session affinity: their
+elements come and go with traffic). What is hashed is each answer's payload after its headers
+(the netlink header carries the socket's port id, the nfgenmsg header the generation), and for
+elements the element attributes only, in the order dumped, so where the kernel cut the dump
+into messages does not matter. Another writer's commit elsewhere does not change it; a deleted
+or added element, a flushed chain, a rule added to one of our chains does.
 """
 
 from __future__ import annotations
@@ -31,12 +26,9 @@ NFT_MSG_NEWSET = 9
 NFT_MSG_GETSET = 10
 NFT_MSG_NEWSETELEM = 12
 NFT_MSG_GETSETELEM = 13
-NFT_MSG_NEWGEN = 15
-NFT_MSG_GETGEN = 16
 NLMSG_DONE = 3
 NLM_F_MULTI = 0x2
 NLM_F_DUMP = 0x300
-NFTA_GEN_ID = 1
 NFTA_RULE_TABLE = 1
 NFTA_SET_TABLE = 1
 NFTA_SET_NAME = 2
@@ -54,10 +46,6 @@ def _kind(msg: int) -> int:
 
 def _string(kind: int, text: str) -> bytes:
     return _attr(kind, text.encode() + b"\0")
-
-
-def generation_request(seq: int = 1) -> bytes:
-    return _message(_kind(NFT_MSG_GETGEN), NLM_F_REQUEST, seq, 0, b"", 0)
 
 
 def rules_request(family: int, table: str, seq: int = 1) -> bytes:
@@ -120,17 +108,6 @@ def check(message: Message) -> None:
         (error,) = struct.unpack_from("=i", message.body, 0)
         if error:
             raise NetlinkError(-error)
-
-
-def generation_of(answer: Iterable[Message]) -> int:
-    """The generation id in the answer to `generation_request`."""
-    for message in answer:
-        check(message)
-        if message.kind == _kind(NFT_MSG_NEWGEN):
-            for kind, payload in attributes(message.body[4:]):
-                if kind == NFTA_GEN_ID:
-                    return int(struct.unpack(">I", payload[:4])[0])
-    raise ValueError("no generation id in the answer")
 
 
 def set_names(answer: Iterable[Message]) -> list[str]:
