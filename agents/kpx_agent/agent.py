@@ -8,7 +8,7 @@ import gc
 import logging
 import re
 import time
-from collections.abc import Callable, Collection, Coroutine
+from collections.abc import Callable, Collection, Coroutine, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -68,6 +68,23 @@ def brief_error(error: str, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+Watch = tuple[Reflector, "asyncio.Task[None]"]
+
+
+def dead_watches(watches: Iterable[Watch]) -> list[str]:
+    """What is wrong with each watch that is dead: its reflector's task ended (it never should),
+    or its view may be wrong after an unexpected error until it listed again (Reflector.failure)."""
+    dead: list[str] = []
+    for reflector, task in watches:
+        kind = reflector.resource.kind
+        if task.done():
+            exc = None if task.cancelled() else task.exception()
+            dead.append(f"{kind}: watch stopped" + (f": {exc!r}" if exc is not None else ""))
+        elif reflector.failure:
+            dead.append(f"{kind}: {reflector.failure}")
+    return dead
+
+
 class Agent:
     def __init__(
         self,
@@ -123,6 +140,9 @@ class Agent:
         self._wake = asyncio.Event()
         self._config_stamp = self._stamp()
         self.health = ProxyHealth(health_timeout(settings.sync_period))
+        #: Every reflector with its task: a dead one fails the health endpoints.
+        self.watches: list[Watch] = []
+        self.health.dead_watches = lambda: dead_watches(self.watches)
         self.state_server: StateServer | None = None
         if settings.state_api is not None:
             self.state_server = StateServer(Publisher(), parse_address(settings.state_api))
@@ -211,13 +231,13 @@ class Agent:
             node = self._reflector(
                 NODES_RESOURCE, f"metadata.name={self.node_name}", self._on_node_event
             )
-            tasks += [asyncio.create_task(r.run()) for r in (namespaces, node)]
+            tasks += self._start_watches(namespaces, node)
             await asyncio.gather(namespaces.synced.wait(), node.synced.wait())
             # Know the opted-out namespaces before the first list, so it already leaves them out.
             self.proxier.update_excluded()
             services = self._excluding_reflector(SERVICES_RESOURCE)
             slices = self._excluding_reflector(SLICES_RESOURCE)
-            tasks += [asyncio.create_task(r.run()) for r in (services, slices)]
+            tasks += self._start_watches(services, slices)
             await asyncio.gather(services.synced.wait(), slices.synced.wait())
             # The initial objects live as long as the agent: keep the collector off them
             # (no collect() first: at 10,000 Services that alone takes a noticeable while).
@@ -247,6 +267,11 @@ class Agent:
                 await self.state_server.stop()
             await self.client.close()
 
+    def _start_watches(self, *reflectors: Reflector) -> list[asyncio.Task[None]]:
+        started = [(r, asyncio.create_task(r.run())) for r in reflectors]
+        self.watches += started
+        return [task for _, task in started]
+
     # -- the sync loop -------------------------------------------------------------------------
     async def _sync_loop(self, excluding: tuple[Reflector, ...]) -> None:
         last_start = 0.0
@@ -269,7 +294,8 @@ class Agent:
             if now >= next_resync:
                 # The node-local state only changes through recorded changes, so there is
                 # nothing to recompute; what can change behind our back is the kernel.
-                self.proxier.periodic_check()
+                # Reading the kernel back (the drift check) may take a while at scale.
+                self.proxier.repair(await asyncio.to_thread(self.proxier.check_kernel))
                 next_resync = now + self.settings.sync_period
                 if not self.state.has_changes() and not retry_delay:
                     # The periodic resync found the kernel as programmed: a successful

@@ -1,5 +1,5 @@
-"""kube-proxy compatible health (/healthz, /livez), readiness (/readyz, kpx's own), metrics
-(/metrics) and mode (/proxyMode) endpoints."""
+"""kube-proxy compatible health (/healthz, /livez), readiness (/readyz, kpx's own), liveness for
+the kubelet (/alivez, kpx's own), metrics (/metrics) and mode (/proxyMode) endpoints."""
 
 from __future__ import annotations
 
@@ -23,29 +23,29 @@ BIND_RETRY = 5.0
 
 
 def health_app(health: ProxyHealth, metrics: AgentMetrics) -> web.Application:
-    """/healthz and /livez over `health`, counted by status code as upstream does; /readyz
-    (not counted: upstream has no such endpoint)."""
-
-    def answer(code: int, body: dict[str, object], counter: Counter) -> web.Response:
-        counter.labels(str(code)).inc()
-        return web.Response(
-            status=code,
-            text=json.dumps(body),
-            content_type="application/json",
-            headers={"X-Content-Type-Options": "nosniff"},
-        )
+    """/healthz and /livez over `health`, counted by status code as upstream does; /readyz and
+    /alivez (not counted: upstream has no such endpoints)."""
 
     async def healthz(_: web.Request) -> web.Response:
         return answer(*health.healthz(), metrics.healthz_total)
 
-    async def readyz(_: web.Request) -> web.Response:
-        code, body = health.readyz()
+    def plain(code: int, body: dict[str, object]) -> web.Response:
         return web.Response(
             status=code,
             text=json.dumps(body),
             content_type="application/json",
             headers={"X-Content-Type-Options": "nosniff"},
         )
+
+    async def readyz(_: web.Request) -> web.Response:
+        return plain(*health.readyz())
+
+    async def alivez(_: web.Request) -> web.Response:
+        return plain(*health.alivez())
+
+    def answer(code: int, body: dict[str, object], counter: Counter) -> web.Response:
+        counter.labels(str(code)).inc()
+        return plain(code, body)
 
     async def livez(_: web.Request) -> web.Response:
         return answer(*health.livez(), metrics.livez_total)
@@ -54,6 +54,7 @@ def health_app(health: ProxyHealth, metrics: AgentMetrics) -> web.Application:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/livez", livez)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/alivez", alivez)
     return app
 
 

@@ -66,6 +66,13 @@ class AgentMetrics:
             ["mode"],
             registry=r,
         )
+        self.forced_full_syncs = Counter(
+            "kpx_forced_full_syncs_total",
+            "Full syncs the periodic check asked for, by why: rules_gone, drift (changed "
+            "behind the agent's back), periodic (hourly)",
+            ["reason"],
+            registry=r,
+        )
         self.services = Gauge(
             "kpx_service_ports", "Service ports in the node-local state", registry=r
         )

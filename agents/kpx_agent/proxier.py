@@ -7,6 +7,7 @@ single EndpointSlice change costs the same at 10 or 10,000 Services.
 from __future__ import annotations
 
 import logging
+import random
 import re
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 from kpx_api.proxysettings import NamespaceOptOut
 
 from . import conntrack
-from .backends.base import Backend, BackendError, CheckUnsupported
+from .backends.base import Backend, BackendError, CheckUnsupported, DriftCheck
 from .cluster_state import ClusterState, Key
 from .conntrack import FlowFilter, stale_flows
 from .external_ips import APISERVER_SERVICE, ExternalIPPolicy, apiserver_addresses
@@ -39,6 +40,30 @@ def part_of(key: ServicePortKey) -> Part:
 
 #: The problem book's source for what the node-local model leaves out.
 MODEL_PROBLEMS = "model"
+
+
+#: A full sync is forced this often (seconds), as upstream's proxies do (FullSyncPeriod,
+#: an hour), plus up to FULL_SYNC_JITTER of it, so the nodes of a cluster do not all do theirs
+#: at the same moment.
+FULL_SYNC_PERIOD = 3600.0
+FULL_SYNC_JITTER = 0.1
+
+
+def full_sync_interval(rand: float) -> float:
+    """Seconds to the next forced full sync, for a random number in [0, 1)."""
+    return FULL_SYNC_PERIOD * (1.0 + FULL_SYNC_JITTER * rand)
+
+
+@dataclass(frozen=True)
+class KernelFinding:
+    """Why the periodic check asks for a full sync: `kind` (GONE, DRIFT, PERIODIC: the label
+    of kpx_forced_full_syncs_total) and what was found."""
+
+    kind: str
+    detail: str
+
+
+GONE, DRIFT, PERIODIC = "rules_gone", "drift", "periodic"
 
 
 @dataclass
@@ -105,6 +130,10 @@ class Proxier:
         default_factory=dict, init=False
     )
     _problems_changed: bool = field(default=False, init=False)
+    # The periodic check's clock and jitter source (forced full syncs).
+    clock: Callable[[], float] = field(default=time.monotonic)
+    rand: Callable[[], float] = field(default=random.random)
+    _full_sync_due: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.local = NodeLocalState(node=node_info(None, self.node_name))
@@ -405,12 +434,38 @@ class Proxier:
             ),
         )
 
-    def periodic_check(self) -> None:
-        """At each syncPeriod: if the kernel lost our rules (a flushed ruleset), rebuild them."""
+    def check_kernel(self) -> list[KernelFinding]:
+        """At each syncPeriod: why the next sync must be a full one, which rewrites everything
+        the backend owns ([]: it need not): our rules are gone from the kernel (a flushed
+        ruleset), the backend's drift check found them changed behind our back (a deleted
+        element, a flushed chain, another process's edit), or a forced full sync is due (every
+        FULL_SYNC_PERIOD, jittered, as upstream's hourly one). Touches the backend only, not
+        the cluster state: may run in a worker thread, between syncs."""
         programmed = getattr(self.backend, "programmed", None)
         if programmed is not None and not programmed():
-            log.warning("our rules are gone from the kernel; reprogramming everything")
-            self.request_full_sync("rules gone from the kernel")
+            return [KernelFinding(GONE, "our rules are gone from the kernel")]
+        found = []
+        if isinstance(self.backend, DriftCheck):
+            why = self.backend.drifted()
+            if why:
+                found.append(KernelFinding(DRIFT, why))
+        now = self.clock()
+        if self._full_sync_due is None:
+            self._full_sync_due = now + full_sync_interval(self.rand())
+        elif now >= self._full_sync_due:
+            self._full_sync_due = now + full_sync_interval(self.rand())
+            found.append(KernelFinding(PERIODIC, "periodic full sync"))
+        return found
+
+    def repair(self, found: Iterable[KernelFinding]) -> None:
+        """Ask for the full syncs `check_kernel` found needed (the event loop)."""
+        for finding in found:
+            if finding.kind == PERIODIC:
+                log.info("periodic full sync")
+            else:
+                log.warning("%s; rewriting everything we own", finding.detail)
+            self.metrics.forced_full_syncs.labels(finding.kind).inc()
+            self.request_full_sync(f"{finding.kind}: {finding.detail}")
 
 
 def refused_message(family: int, reason: str) -> str:

@@ -13,6 +13,15 @@ only read it. Upstream's rules (pkg/proxy/healthcheck/proxier_health.go, v1.36):
 - `/healthz` is also unhealthy while this node is not eligible for traffic (being deleted, or
   tainted `ToBeDeletedByClusterAutoscaler`), so load balancers drain it; `/livez` ignores that.
 
+kpx adds a dead watch (a reflector whose view may be wrong after an unexpected error, until it
+listed again, or whose task ended): `/healthz` and `/livez` answer 503 while one is dead, with
+`deadWatches` in the body (the agent would program a frozen view).
+
+kpx adds `/alivez` (upstream has none), the DaemonSet's liveness probe: 503 only for what a
+restart fixes (a dead watch; an event loop that is stuck does not answer at all). Not for a
+change the kernel keeps refusing (a poison object): a restart fixes nothing there, and every
+agent restarting at once is a relist of everything by every node.
+
 kpx adds `/readyz` (upstream has none), the DaemonSet's readiness probe: `/healthz`'s answer,
 and 503 until this agent's first full sync was programmed and found in the kernel, and during
 a switch of mode until the old mode's rules were removed from its node (the next batch waits
@@ -68,6 +77,8 @@ class ProxyHealth:
         self.leftovers_pending: Callable[[], str] = lambda: ""
         #: The rollback's reason once the agent went back to the mode before a switch.
         self.rolled_back = ""
+        #: What is wrong with each dead watch (none: every watch is running); the agent's.
+        self.dead_watches: Callable[[], list[str]] = list
 
     def queued_update(self) -> None:
         """A change is waiting to be programmed (a later one keeps the oldest time)."""
@@ -93,9 +104,12 @@ class ProxyHealth:
     def healthz(self) -> tuple[int, dict[str, object]]:
         """/healthz: (status code, JSON body) with upstream's fields."""
         now = self.clock()
-        ok = self.healthy(now) and self.node_eligible
+        dead = self.dead_watches()
+        ok = self.healthy(now) and self.node_eligible and not dead
         body: dict[str, object] = self._times(ok, now)
         body["nodeEligible"] = self.node_eligible
+        if dead:
+            body["deadWatches"] = dead
         return (200 if ok else 503), body
 
     def readyz(self) -> tuple[int, dict[str, object]]:
@@ -117,8 +131,21 @@ class ProxyHealth:
     def livez(self) -> tuple[int, dict[str, object]]:
         """/livez: the proxy's own health; a node being drained is still alive."""
         now = self.clock()
-        ok = self.healthy(now)
-        return (200 if ok else 503), self._times(ok, now)
+        dead = self.dead_watches()
+        ok = self.healthy(now) and not dead
+        body = self._times(ok, now)
+        if dead:
+            body["deadWatches"] = dead
+        return (200 if ok else 503), body
+
+    def alivez(self) -> tuple[int, dict[str, object]]:
+        """/alivez (the liveness probe): 503 only for what a restart fixes, a dead watch; not
+        for a change that waits (the kernel refusing it is not fixed by a restart)."""
+        dead = self.dead_watches()
+        body: dict[str, object] = {"currentTime": rfc3339(self.clock())}
+        if dead:
+            body["deadWatches"] = dead
+        return (503 if dead else 200), body
 
     def _times(self, ok: bool, now: float) -> dict[str, object]:
         # Upstream reports lastUpdated = now while healthy (older clients read it as "the

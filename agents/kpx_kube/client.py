@@ -29,7 +29,15 @@ import orjson
 
 from . import collector, request
 from .credentials import Auth, Credentials
-from .errors import ApiError, NotFound, Unreachable, WatchIdle, from_response, from_status
+from .errors import (
+    ApiError,
+    NotFound,
+    Unreachable,
+    WatchIdle,
+    from_response,
+    from_status,
+    retry_after,
+)
 from .exec_plugin import ExecPluginError
 from .kinds import BUILTIN, prefix_of
 from .kubeconfig import KubeconfigError
@@ -115,10 +123,13 @@ class Client:
         return request.build(method, path, user_agent=self.user_agent, token=auth.token,
                              compression=self.creds.compression, **kw)  # fmt: skip
 
-    def _refused(self, req: request.Request, status: int, body: bytes, auth: Auth) -> ApiError:
+    def _refused(
+        self, req: request.Request, status: int, body: bytes, auth: Auth, wait: str | None
+    ) -> ApiError:
+        """The error of an answer that is not 2xx (`wait`: its Retry-After header)."""
         if status == 401:  # an exec plugin's credential is run again for the next request
             self.creds.invalidate(auth)
-        return from_response(status, body, req.what)
+        return from_response(status, body, req.what, retry_after(status, wait))
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -147,11 +158,11 @@ class Client:
                 ssl=auth.ssl,
             ) as resp:
                 raw = await resp.read()
-                status = resp.status
+                status, wait = resp.status, resp.headers.get("Retry-After")
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise Unreachable(f"{req.what}: {exc!r}") from exc
         if not 200 <= status < 300:
-            raise self._refused(req, status, raw, auth)
+            raise self._refused(req, status, raw, auth, wait)
         try:
             doc = orjson.loads(raw) if raw else {}
         except orjson.JSONDecodeError as exc:
@@ -267,11 +278,12 @@ class Client:
             ) as resp:
                 body = await resp.read()
                 status, encoding = resp.status, resp.headers.get("Content-Encoding", "identity")
+                wait = resp.headers.get("Retry-After")
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise Unreachable(f"{req.what}: {exc!r}") from exc
         self.bytes_received[resource] += len(body)
         if status != 200:
-            raise self._refused(req, status, body, auth)
+            raise self._refused(req, status, body, auth, wait)
         received = time.monotonic()
         with collector.paused():
             data: Obj = orjson.loads(body)
@@ -299,7 +311,9 @@ class Client:
                 ssl=auth.ssl,
             ) as resp:
                 if resp.status != 200:
-                    raise self._refused(req, resp.status, await resp.read(), auth)
+                    body = await resp.read()
+                    wait = resp.headers.get("Retry-After")
+                    raise self._refused(req, resp.status, body, auth, wait)
                 # One JSON document per line; lines can be large (a big EndpointSlice), so
                 # split the stream here rather than use the reader's bounded readline().
                 pending = b""
@@ -318,8 +332,8 @@ class Client:
                     for line in lines:
                         if not line.strip():
                             continue
-                        event: Obj = orjson.loads(line)
-                        if event.get("type") != "BOOKMARK":
+                        event: Obj = orjson.loads(line)  # not a dict: the reflector says
+                        if not isinstance(event, dict) or event.get("type") != "BOOKMARK":
                             self.objects_received[resource] += 1
                         yield event
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:

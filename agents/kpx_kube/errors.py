@@ -4,7 +4,8 @@ An error answer of the apiserver is a `metav1.Status` (`reason`, `message`, `cod
 `from_response` turns it into the class of its HTTP status (`NotFound`, `Conflict`, ...), so
 callers write `except NotFound:` instead of comparing numbers. `status` 0 means there was no
 answer: the apiserver could not be reached, or this client could not obtain its credentials
-(`Unreachable`).
+(`Unreachable`). An answer's `Retry-After` header (429 and 5xx, in whole seconds, as client-go
+reads it) is kept on the error as `retry_after`.
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ class ApiError(RuntimeError):
 
     status: int = 0
 
-    def __init__(self, status: int, reason: str = "", message: str = "") -> None:
+    def __init__(
+        self, status: int, reason: str = "", message: str = "", retry_after: float | None = None
+    ) -> None:
         self.status = status
         self.reason = reason
         self.message = message
+        #: The answer's Retry-After (seconds), when it had one.
+        self.retry_after = retry_after
         text = f"{reason or 'Error'} ({status}): {message}" if status else message
         super().__init__(text)
 
@@ -104,27 +109,44 @@ def error_class(status: int, reason: str = "") -> type[ApiError]:
     return _BY_STATUS.get(status, ApiError)
 
 
-def make_error(status: int, reason: str = "", message: str = "") -> ApiError:
+def make_error(
+    status: int, reason: str = "", message: str = "", retry_after: float | None = None
+) -> ApiError:
     """An error of the class its status says, e.g. make_error(404, "NotFound", "...")."""
-    return error_class(status, reason)(status, reason, message)
+    return error_class(status, reason)(status, reason, message, retry_after)
 
 
-def from_status(doc: Any, status: int | None = None) -> ApiError:
+def retry_after(status: int, header: str | None) -> float | None:
+    """The seconds a `Retry-After` header asks to wait, on a 429 or 5xx answer; None without
+    one. As client-go (rest.checkWait): whole seconds only; a date or garbage counts as none."""
+    if header is None or not (status == 429 or status >= 500):
+        return None
+    try:
+        seconds = int(header.strip())
+    except ValueError:
+        return None
+    return float(seconds) if seconds >= 0 else None
+
+
+def from_status(doc: Any, status: int | None = None, retry_after: float | None = None) -> ApiError:
     """A metav1.Status document (an error answer, or a watch's ERROR event object) -> error."""
     if not isinstance(doc, dict):
         doc = {}
     code = status if status is not None else int(doc.get("code") or 0)
-    return make_error(code, str(doc.get("reason") or ""), str(doc.get("message") or ""))
+    reason, message = str(doc.get("reason") or ""), str(doc.get("message") or "")
+    return make_error(code, reason, message, retry_after)
 
 
-def from_response(status: int, body: bytes, what: str = "") -> ApiError:
+def from_response(
+    status: int, body: bytes, what: str = "", retry_after: float | None = None
+) -> ApiError:
     """An error answer (its HTTP status and raw body) -> error; `what` (e.g. "GET /api/v1/x")
-    prefixes the message when the body is not a Status."""
+    prefixes the message when the body is not a Status; `retry_after` from its header."""
     try:
         doc = orjson.loads(body) if body else {}
     except orjson.JSONDecodeError:
         doc = None
     if isinstance(doc, dict) and doc.get("kind") == "Status":
-        return from_status(doc, status)
+        return from_status(doc, status, retry_after)
     text = body[:500].decode(errors="replace").strip()
-    return make_error(status, "", f"{what}: {text}" if what else text)
+    return make_error(status, "", f"{what}: {text}" if what else text, retry_after)

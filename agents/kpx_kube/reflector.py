@@ -1,12 +1,27 @@
 """List+watch of one resource, in the manner of client-go's reflector.
 
 A full list (paginated) replaces the store's view; a watch from the list's resourceVersion then
-streams changes, with bookmarks so a reconnect resumes where it stopped. 410 Gone means the
-resourceVersion is too old: list again. A watch silent for the client's idle timeout (a
-half-open connection: the apiserver's host lost, a NAT entry dropped) is dropped and resumed at
-once from the last resourceVersion on a new connection. Any other error: reconnect with capped,
-jittered backoff.
-The store sees nothing of a list until the whole list has arrived.
+streams changes, with bookmarks so a reconnect resumes where it stopped. The store sees nothing
+of a list until the whole list has arrived.
+
+When a watch ends, as client-go (tools/cache/reflector.go) does:
+
+- the server ended a watch that lasted (its timeoutSeconds): watch again at once, from the last
+  resourceVersion; the wait before the next retry starts over;
+- the server closed a watch at once (under a second, no event: client-go's "very short
+  watch"): wait (`backoff`: 800 ms doubling up to 30 s, jittered), then watch again;
+- 410 Gone (the resourceVersion is older than the server keeps): wait as above, then list
+  again, consistently (so every agent that lost its watch at the same moment does not relist
+  at the same moment);
+- silent for the client's idle timeout (a half-open connection: the apiserver's host lost, a
+  NAT entry dropped): dropped and resumed at once from the last resourceVersion;
+- refused with a `Retry-After` (429 from API Priority and Fairness, or a 5xx): wait as long
+  as it says, then retry; any other refusal or a lost connection: wait as above, then resume
+  from the last resourceVersion;
+- anything unexpected (an event that is not an object, a line that is not JSON, a store that
+  fails on an object): logged, `failure` says it, and the reflector lists again after a wait
+  (its view may have missed or mangled an event). `failure` stays set until a list succeeds:
+  the agent's health fails while it is set (a dead watch).
 
 Each object is slimmed before it is stored (`slim`: managedFields and the last-applied
 annotation dropped; what costs memory at scale and no reader of a reflector needs).
@@ -18,11 +33,12 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .client import Client, event_error
+from .backoff import Backoff
+from .client import event_error
 from .errors import ApiError, Gone, WatchIdle
 
 log = logging.getLogger(__name__)
@@ -35,6 +51,20 @@ class Resource:
     kind: str  # the store's name for it (and the client's counters'), e.g. services
     path: str  # e.g. /api/v1/services
     label_selector: str = ""
+
+
+class ListWatch(Protocol):
+    """What a reflector asks the apiserver (`client.Client`)."""
+
+    async def list(self, resource: str, path: str, params: Mapping[str, str]) -> dict[str, Any]: ...
+    def watch(
+        self, resource: str, path: str, params: Mapping[str, str]
+    ) -> AsyncIterator[dict[str, Any]]: ...
+
+
+#: A watch the server ends sooner than this without an event was closed at once (client-go's
+#: "very short watch"): the next one waits.
+SHORT_WATCH = 1.0
 
 
 class Sink(Protocol):
@@ -68,15 +98,22 @@ class _Gone(_Relist):
     """The watch cannot resume from its resourceVersion (410 Gone): list again, consistently."""
 
 
+class BadEvent(ValueError):
+    """A watch event this reflector cannot read (not an object, or its object is not one)."""
+
+
 class Reflector:
     def __init__(
         self,
-        client: Client,
+        client: ListWatch,
         resource: Resource,
         sink: Sink,
         field_selector: Callable[[], str] = lambda: "",
         on_event: Callable[[], None] = lambda: None,
         page_size: int = 5000,
+        backoff: Backoff | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
         self.resource = resource
@@ -89,6 +126,14 @@ class Reflector:
         self._restart = asyncio.Event()
         self._selector_in_use = ""
         self._rv = ""  # the last resourceVersion seen (a list's, an event's or a bookmark's)
+        self.backoff = backoff or Backoff()
+        self.sleep = sleep
+        self.clock = clock
+        self._events = 0  # events (bookmarks too) the current watch delivered
+        #: Why this reflector's view may be wrong ("" once a list succeeded after it): an
+        #: unexpected error, after which it lists again. The agent's health fails meanwhile.
+        self.failure = ""
+        self.failures = 0  # unexpected errors so far
 
     def restart(self) -> None:
         """List again (e.g. because the field selector changed)."""
@@ -137,6 +182,7 @@ class Reflector:
 
     async def _watch(self, rv: str) -> str:
         self._rv = rv
+        self._events = 0
         params = {
             **self._params(),
             "resourceVersion": rv,
@@ -144,51 +190,79 @@ class Reflector:
             "timeoutSeconds": str(random.randint(300, 600)),  # noqa: S311 - jitter only
         }
         async for event in self.client.watch(self.resource.kind, self.resource.path, params):
+            if not isinstance(event, dict):
+                raise BadEvent(f"a watch event that is not an object: {event!r:.200}")
             error = event_error(event)
             if error is not None:
                 if isinstance(error, Gone):
                     raise _Gone()
                 raise error
-            etype, obj = event.get("type"), slim(event.get("object") or {})
+            etype, raw = event.get("type"), event.get("object")
+            if not isinstance(raw, dict):
+                raise BadEvent(f"a {etype} event whose object is not an object: {raw!r:.200}")
+            obj = slim(raw)
             rv = self._rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
+            self._events += 1
             if etype in ("ADDED", "MODIFIED"):
                 self.sink.upsert(self.resource.kind, obj)
             elif etype == "DELETED":
                 self.sink.delete(self.resource.kind, obj)
-            else:
-                continue  # BOOKMARK: only the resourceVersion moves on
+            elif etype == "BOOKMARK":
+                continue  # only the resourceVersion moves on
+            else:  # as client-go: said, and skipped
+                log.warning("%s: watch event of unknown type %r skipped", self.resource.kind, etype)
+                continue
             self.on_event()
         return rv
 
     async def run(self) -> None:
-        backoff = 0.5
         rv = ""
         gone = False  # the last watch ended with 410 Gone: the next list must be consistent
         while True:
+            wait = 0.0
             try:
                 if not rv or self._restart.is_set():
                     rv = await self._list(consistent=gone)
                     gone = False
+                    self.failure = ""
+                started = self.clock()
                 rv = await self._watch_until_restart(rv)
-                backoff = 0.5
+                if self._events == 0 and self.clock() - started < SHORT_WATCH:
+                    wait = self.backoff.next()
+                    log.warning("%s: the watch was closed at once; watching again in %.1fs",
+                                self.resource.kind, wait)  # fmt: skip
+                else:
+                    self.backoff.reset()
             except WatchIdle as idle:
                 rv = self._rv  # where the silent watch stopped: resume there, no relist
                 log.debug("%s: watch %s; resuming from resourceVersion %s",
                           self.resource.kind, idle, rv)  # fmt: skip
             except _Gone:
                 rv, gone = "", True
+                wait = self.backoff.next()
+                log.info("%s: watch expired (410 Gone); listing again in %.1fs",
+                         self.resource.kind, wait)  # fmt: skip
             except _Relist:
                 rv = ""
             except asyncio.CancelledError:
                 raise
-            except (ApiError, OSError, ValueError, TimeoutError) as exc:
+            except (ApiError, OSError, TimeoutError) as exc:
                 if rv and self._rv:
                     rv = self._rv  # a broken watch resumes after the last event it delivered
                 if isinstance(exc, Gone):
                     rv, gone = "", True
-                log.warning("%s: %s; retrying in %.1fs", self.resource.kind, exc, backoff)
-                await asyncio.sleep(backoff * (0.5 + random.random()))  # noqa: S311
-                backoff = min(backoff * 2, 30.0)
+                told = exc.retry_after if isinstance(exc, ApiError) else None
+                wait = told if told is not None else self.backoff.next()
+                log.warning("%s: %s; retrying in %.1fs", self.resource.kind, exc, wait)
+            except Exception as exc:  # a bad event, a failing store: list again
+                rv = ""
+                self.failures += 1
+                self.failure = f"{type(exc).__name__}: {exc}"[:500]
+                wait = self.backoff.next()
+                log.exception("%s: unexpected error, listing again in %.1fs",
+                              self.resource.kind, wait)  # fmt: skip
+            if wait > 0:
+                await self.sleep(wait)
 
     async def _watch_until_restart(self, rv: str) -> str:
         """Watch; a restart request while the stream is idle ends it too."""

@@ -376,8 +376,10 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
             failureThreshold=2,
             timeoutSeconds=2,
         ),
+        # /alivez: fails only for what a restart fixes (a dead watch), not for a change the
+        # kernel keeps refusing (/livez, upstream's): that would restart every agent at once.
         "livenessProbe": _http_probe(
-            "/livez",
+            "/alivez",
             spec.healthz_bind_address,
             initialDelaySeconds=15,
             periodSeconds=10,

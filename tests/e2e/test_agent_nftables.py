@@ -479,8 +479,9 @@ def test_change_the_kernel_refuses_makes_the_agent_unhealthy_until_programmed(
     """Another process holds a table named like the agent's with the `owner` flag: the
     kernel refuses every change to it from anyone else (EPERM) until its owner goes. A
     Service change then cannot be programmed: /healthz and /livez stay 200 while it is not
-    late, turn 503 once it waited the timeout (2 x syncPeriod), and are 200 again once the
-    owner is gone and the agent's retry programmed it."""
+    late, turn 503 once it waited the timeout (2 x syncPeriod) while /alivez (the liveness
+    probe) stays 200, and are 200 again once the owner is gone and the agent's retry programmed
+    it."""
     topo, n2 = agent_env.topology, agent_env.n2
     config = write_agent_config(topo.tmpdir / "sync-2s.yaml", sync_period="2s")
     agent = agent_env.start_agent("n2", config=config)
@@ -514,6 +515,8 @@ def test_change_the_kernel_refuses_makes_the_agent_unhealthy_until_programmed(
         assert unhealthy_after >= 2 * SHORT_SYNC_PERIOD, f"503 after {unhealthy_after:.1f}s"
         assert body["nodeEligible"] is True, body  # the proxy's own health, not the node's
         assert health_of(agent, "/livez")[0] == 503
+        # The liveness probe's endpoint: a restart would not program it either.
+        assert health_of(agent, "/alivez")[0] == 200
         assert "sync failed" in agent.log(), agent.log_tail()
 
         holder.stdin.close()  # the owner goes, and its table with it
@@ -531,6 +534,42 @@ def test_change_the_kernel_refuses_makes_the_agent_unhealthy_until_programmed(
     finally:
         if holder is not None and holder.poll() is None:
             holder.kill()
+        assert agent.stop() == 0, agent.log_tail()
+        assert run_cleanup(topo, n2).returncode == 0
+
+
+def test_an_element_deleted_behind_the_agents_back_is_restored_within_sync_periods(
+    agent_env: AgentEnv, agent_ns: str
+) -> None:
+    """Someone deletes the Service's element from the agent's dispatch map (its traffic then
+    goes nowhere): the agent's periodic check finds its table changed (the ruleset generation
+    moved, and the digest of its table differs or cannot be compared) and its full sync puts
+    the element back, without any change of the Service."""
+    topo, n2 = agent_env.topology, agent_env.n2
+    config = write_agent_config(topo.tmpdir / "drift-2s.yaml", sync_period="2s")
+    agent = agent_env.start_agent("n2", config=config)
+    try:
+        svc = make_service(agent_env, agent_ns, "drifted", TCP_UDP[:1])
+        element = f"{svc.ip()} . tcp . 80"
+
+        def dispatched() -> bool:
+            listing = topo.exec(n2, ["nft", "list", "map", "ip", "kpx", "service-ips"])
+            return element in listing.stdout
+
+        wait_until(dispatched, 20.0, message=lambda: f"never programmed:\n{agent.log_tail()}")
+        time.sleep(2.5 * SHORT_SYNC_PERIOD)  # a periodic check with the element in place
+        topo.exec(n2, ["nft", f"delete element ip kpx service-ips {{ {element} }}"], check=True)
+        assert not dispatched()
+        wait_until(
+            dispatched,
+            10 * SHORT_SYNC_PERIOD,
+            interval=0.3,
+            message=lambda: f"not restored:\n{agent.log_tail()}",
+        )
+        # Found as drift: its table changed, or (when the agent itself committed since its
+        # last check) another writer's commit it cannot tell from a change of its table.
+        assert (agent.metric("kpx_forced_full_syncs_total", reason="drift") or 0) >= 1
+    finally:
         assert agent.stop() == 0, agent.log_tail()
         assert run_cleanup(topo, n2).returncode == 0
 

@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ MODE_SETTINGS: dict[str, dict[str, Any]] = {
 
 OBJECT_KINDS = {
     "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment",
-    "ProxyConfiguration",
+    "ProxyConfiguration", "FlowSchema", "PriorityLevelConfiguration",
 }  # fmt: skip
 
 Obj = dict[str, Any]
@@ -218,3 +219,62 @@ def test_notes_warn_about_pod_security(helm: Helm, cluster: Cluster, level: str 
         assert f"kubectl label namespace {name} {LABEL}=privileged --overwrite" in out.stdout
     finally:
         cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+FLOW_CONTROL_KINDS = ("FlowSchema", "PriorityLevelConfiguration")
+
+
+def test_flow_control_classifies_the_agents_requests(
+    helm: Helm, cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """The chart's FlowSchema and PriorityLevelConfiguration, applied to the apiserver: a
+    request as the agents' ServiceAccount (with its own token, as an agent makes it) is
+    classified by them, as the apiserver's API Priority and Fairness headers say; before
+    them, by the built-in service-accounts FlowSchema, shared with every tenant."""
+    objects = [d for d in yaml.safe_load_all(helm.template(namespace, {})) if d]
+    wanted = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", *FLOW_CONTROL_KINDS}
+    agent = [o for o in objects if o["kind"] in wanted and o["metadata"]["name"] == "kpx-agent"]
+    assert {o["kind"] for o in agent} == wanted
+    first = [o for o in agent if o["kind"] not in FLOW_CONTROL_KINDS]
+    flow = [o for o in agent if o["kind"] in FLOW_CONTROL_KINDS]
+
+    def apply(objs: list[Obj]) -> None:
+        manifest = "\n---\n".join(yaml.safe_dump(o) for o in objs)
+        cluster.kubectl("apply", "--server-side", "--field-manager=kpx-chart-e2e", "-f", "-",
+                        input=manifest)  # fmt: skip
+
+    def uid(kind: str, name: str) -> str:
+        out = cluster.kubectl("get", kind, name, "-o", "jsonpath={.metadata.uid}")
+        return out.stdout.strip()
+
+    try:
+        apply(first)
+        token = cluster.kubectl("create", "token", "kpx-agent", "-n", namespace).stdout.strip()
+        bare = tmp_path / "no-credentials.kubeconfig"
+        bare.write_text("apiVersion: v1\nkind: Config\n")
+
+        def classified() -> str:
+            """kubectl's log of the answer's headers (-v=8), for a request as the agent."""
+            out = cluster.kubectl(
+                f"--server={cluster.server}", f"--certificate-authority={cluster.ca_file}",
+                f"--token={token}", "get", "services", "-A", "--chunk-size=1", "-v=8",
+                kubeconfig=bare,
+            )  # fmt: skip
+            return out.stderr
+
+        before = classified()
+        assert uid("flowschema", "service-accounts") in before, before
+        apply(flow)
+        schema = uid("flowschema", "kpx-agent")
+        level = uid("prioritylevelconfiguration", "kpx-agent")
+        deadline = time.monotonic() + 60  # the apiserver's APF controller picks them up
+        seen = before
+        while schema not in seen and time.monotonic() < deadline:
+            time.sleep(0.5)
+            seen = classified()
+        assert schema in seen and level in seen, seen
+    finally:
+        for obj in reversed(agent):
+            cluster.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"],
+                            *(["-n", namespace] if obj["kind"] == "ServiceAccount" else []),
+                            "--ignore-not-found", check=False)  # fmt: skip

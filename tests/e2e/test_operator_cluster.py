@@ -238,7 +238,7 @@ def test_idle_agents_stay_ready_and_are_not_restarted_by_their_probes(env: Env) 
     """syncPeriod 5s (a live setting; health timeout 2 x 5s): with nothing to program for
     80 s (16 syncPeriods, and longer than the 60 s after which idle agents used to report
     unhealthy), every agent pod stays Ready (readiness probe: /healthz) and is never
-    restarted (liveness probe: /livez), as upstream kube-proxy in a quiet cluster."""
+    restarted (liveness probe: /alivez), as upstream kube-proxy in a quiet cluster."""
     wait_until(lambda: env.ready("nftables"), 120, "default Ready")
     reloads = _reloads(env)
     assert len(reloads) == 3, reloads

@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 import ipaddress
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network
 
@@ -82,6 +82,9 @@ class FakeNftables:
         self.refuse: set[object] = set()
         # Families whose every transaction the kernel refuses (say, no IPv6 NAT in it).
         self.broken_families: set[int] = set()
+        # The ruleset's generation id: every committed transaction or load bumps it (`edit`
+        # does for a change made behind the backend's back).
+        self.generation = 0
 
     # -- the backend's kernel interface (NftablesBackend's injectable callables)
 
@@ -101,6 +104,7 @@ class FakeNftables:
             _check_rules(table)
         self.tables = staged
         self.transactions += 1
+        self.generation += 1
 
     def _refused(self, pairs: Iterable[tuple[Key, Value]]) -> None:
         for key, _ in pairs:
@@ -127,10 +131,38 @@ class FakeNftables:
                 self._refused(pairs)
                 _add_elements(_table(staged, family), set_name, list(pairs))
         self.tables = staged
+        self.generation += 1
 
     def flush(self) -> None:
         """Someone flushed the ruleset."""
         self.tables = {}
+        self.generation += 1
+
+    def current_generation(self) -> int:
+        return self.generation
+
+    def edit(self, change: Callable[[dict[int, FakeTable]], object] = lambda tables: None) -> None:
+        """Another writer's transaction: `change` edits the tables (none: a commit elsewhere),
+        and the generation moves on."""
+        change(self.tables)
+        self.generation += 1
+
+    def digest(self, family: int) -> bytes:
+        """A digest of one family's table as the backend's drift check reads it: its sets,
+        chains and rules, and the elements of the sets the data path does not update."""
+        table = self.tables.get(family)
+        if table is None:
+            return b"absent"
+        lines = []
+        for name in sorted(table.sets):
+            fake = table.sets[name]
+            elements = [] if fake.decl.dynamic_timeout else sorted(
+                element_text(k, v) for k, v in fake.elements.items()
+            )  # fmt: skip
+            lines.append(f"set {name} {fake.decl.body(family)} {elements}")
+        for name in sorted(table.chains):
+            lines.append(f"chain {name} {table.chains[name].hook} {table.chains[name].rules}")
+        return "\n".join(lines).encode()
 
     # -- state
 

@@ -267,6 +267,26 @@ def test_no_namespace_object(helm_env: dict[str, str]) -> None:
     assert all(o["kind"] != "Namespace" for o in render(helm_env))
 
 
+CLUSTER_SCOPED = (
+    "ClusterRole", "ClusterRoleBinding", "ProxyConfiguration", "FlowSchema",
+    "PriorityLevelConfiguration",
+)  # fmt: skip
+
+
+def test_flow_control_can_be_left_out_or_tuned(helm_env: dict[str, str]) -> None:
+    kinds = {o["kind"] for o in render(helm_env)}
+    assert {"FlowSchema", "PriorityLevelConfiguration"} <= kinds
+    tuned = {"flowControl": {"create": True, "nominalConcurrencyShares": 10,
+                             "matchingPrecedence": 700}}  # fmt: skip
+    objs = render(helm_env, tuned)
+    assert the(objs, "FlowSchema")["spec"]["matchingPrecedence"] == 700
+    level = the(objs, "PriorityLevelConfiguration")["spec"]["limited"]
+    assert level["nominalConcurrencyShares"] == 10
+    off = render(helm_env, {"flowControl": {"create": False, "nominalConcurrencyShares": 40,
+                                            "matchingPrecedence": 850}})  # fmt: skip
+    assert not {"FlowSchema", "PriorityLevelConfiguration"} & {o["kind"] for o in off}
+
+
 def test_release_namespace_everywhere(helm_env: dict[str, str]) -> None:
     objs = render(helm_env, namespace="proxy")
     for obj in objs:
@@ -277,10 +297,13 @@ def test_release_namespace_everywhere(helm_env: dict[str, str]) -> None:
         elif obj["metadata"]["name"] == "kpx-operator-apiserver":
             # The apiserver's addresses: the kubernetes Service's EndpointSlice.
             assert obj["metadata"]["namespace"] == "default", key(obj)
-        elif obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ProxyConfiguration"):
+        elif obj["kind"] not in CLUSTER_SCOPED:
             assert obj["metadata"]["namespace"] == "proxy", key(obj)
         for subject in obj.get("subjects", []):
             assert subject["namespace"] == "proxy"
+        for rule in obj["spec"]["rules"] if obj["kind"] == "FlowSchema" else []:
+            for subject in rule["subjects"]:
+                assert subject["serviceAccount"] == {"name": "kpx-agent", "namespace": "proxy"}
     command = the(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command == ["proxy-operator", "--namespace", "proxy", *AGENT_IMAGE_FLAG]
 
@@ -499,6 +522,8 @@ UNKNOWN = "additional properties '{}' not allowed"
         ({"operator": {"resources": {"requests": {"cpu": "lots"}}}}, "/requests/cpu", "lots"),
         ({"proxyConfiguration": {"name": "Default"}}, "/proxyConfiguration/name", "Default"),
         ({"agent": {}}, "", UNKNOWN.format("agent")),
+        ({"flowControl": {"enabled": True}}, "/flowControl", UNKNOWN.format("enabled")),
+        ({"flowControl": {"matchingPrecedence": 0}}, "/flowControl/matchingPrecedence", "0"),
     ],
 )
 def test_schema_rejects(helm_env: dict[str, str], values: Obj, where: str, what: str) -> None:

@@ -136,13 +136,16 @@ print(count)
 
 
 # What a backend may import of the agent: the node-local model's data types, the backend
-# contract, and its own package. Never the model's internals (node_local, detect_local,
-# cluster_state, proxier, ...): everything it needs of the node is decided there and handed
-# over in localnet's types (NodeLocalState, NodeFacts). What several modes render alike from
-# those types (the source ranges Services share) is one pure module next to the contract.
+# contract, the kernel's ruleset generation id (nf_generation: the kernel's, not a mode's; the
+# nftables and iptables drift checks ask it), and its own package. Never the model's internals
+# (node_local, detect_local, cluster_state, proxier, ...): everything it needs of the node is
+# decided there and handed over in localnet's types (NodeLocalState, NodeFacts). What several
+# modes render alike from those types (the source ranges Services share) is one pure module
+# next to the contract.
 BACKEND_MAY_IMPORT = (
     "kpx_agent.localnet",
     "kpx_agent.backends.base",
+    "kpx_agent.backends.nf_generation",
     "kpx_agent.backends.source_ranges",
 )
 
@@ -217,6 +220,8 @@ NOT_APISERVER = {
     "harness/kpx_cluster/controlplane.py": {"urllib.request"},
     # the operator's own /healthz
     "tests/e2e/test_operator.py": {"urllib.request"},
+    # a fake apiserver (an aiohttp.web server) that answers kpx_kube's client with 429
+    "tests/unit/test_reflector_retries.py": {"aiohttp"},
 }
 
 

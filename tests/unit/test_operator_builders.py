@@ -143,7 +143,7 @@ def test_agent_daemonset_runs_the_agent_with_least_privilege(mode: str) -> None:
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 10256}
-    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": 10256}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/alivez", "port": 10256}
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == spec.max_unavailable
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
     assert pod.get("nodeSelector", {}) == spec.node_selector

@@ -19,7 +19,7 @@ from kpx_agent.localnet import (
     ServicePortKey,
 )
 from kpx_agent.metrics import AgentMetrics
-from kpx_agent.proxier import Proxier
+from kpx_agent.proxier import DRIFT, PERIODIC, KernelFinding, Proxier
 from kpx_api.proxysettings import NamespaceOptOut
 
 
@@ -313,3 +313,55 @@ def test_queued_hook_runs_for_every_recorded_change() -> None:
     proxier.sync()
     state.upsert(NODES, node())  # the same Node again (a re-list): nothing recorded
     assert len(queued) == 4 and not state.has_changes()
+
+
+class DriftingBackend(RecordingBackend):
+    """A backend with the drift check (backends.base.DriftCheck): says what `drift` holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drift = ""
+
+    def drifted(self) -> str:
+        return self.drift
+
+
+def test_drift_found_at_the_periodic_check_makes_the_next_sync_full() -> None:
+    state = ClusterState()
+    for kind in (SERVICES, SLICES, NAMESPACES, NODES):
+        state.replace(kind, [])
+    backend = DriftingBackend()
+    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics())
+    state.upsert(SERVICES, service("a", "web"))
+    proxier.sync()
+    assert proxier.check_kernel() == []
+    assert not state.has_changes()
+    backend.drift = "our ip table changed behind our back"
+    found = proxier.check_kernel()
+    assert found == [KernelFinding(DRIFT, "our ip table changed behind our back")]
+    proxier.repair(found)
+    assert state.has_changes()
+    assert proxier.metrics.forced_full_syncs.labels(DRIFT)._value.get() == 1
+    assert proxier.sync().full and backend.calls[-1] == ({"a/web/tcp"}, True)
+
+
+PERIODIC_SYNC = KernelFinding(PERIODIC, "periodic full sync")
+
+
+def test_a_full_sync_is_forced_every_hour_with_jitter() -> None:
+    _, _, proxier, _ = setup()
+    now = [0.0]
+    proxier.clock = lambda: now[0]
+    proxier.rand = lambda: 0.5
+    proxier.sync()
+    assert proxier.check_kernel() == []  # the first check schedules it: 3600 s + 5% jitter
+    now[0] = 3600.0 + 179.0
+    assert proxier.check_kernel() == []
+    now[0] = 3600.0 + 180.0
+    assert proxier.check_kernel() == [PERIODIC_SYNC]
+    proxier.repair([PERIODIC_SYNC])
+    assert proxier.sync().full
+    now[0] += 3779.0
+    assert proxier.check_kernel() == []
+    now[0] += 1.0
+    assert proxier.check_kernel() == [PERIODIC_SYNC]

@@ -131,3 +131,27 @@ def test_readyz_waits_for_the_first_verified_sync_then_follows_healthz() -> None
     # ... and a node that is not eligible for traffic.
     h.sync_node(node(deleting=True))
     assert h.readyz()[0] == 503
+
+
+def test_a_dead_watch_fails_healthz_livez_and_alivez() -> None:
+    h, _ = health()
+    dead: list[str] = []
+    h.dead_watches = lambda: list(dead)
+    assert [h.healthz()[0], h.livez()[0], h.alivez()[0]] == [200, 200, 200]
+    dead.append("services: BadEvent: ...")
+    for code, body in (h.healthz(), h.livez(), h.alivez()):
+        assert code == 503
+        assert body["deadWatches"] == ["services: BadEvent: ..."]
+    dead.clear()  # the reflector listed again
+    assert [h.healthz()[0], h.livez()[0], h.alivez()[0]] == [200, 200, 200]
+
+
+def test_alivez_ignores_a_change_the_kernel_keeps_refusing_and_a_draining_node() -> None:
+    """A poison object: the change waits for ever. /livez says so (upstream's semantics), the
+    liveness probe's /alivez does not: a restart would not program it either."""
+    h, clock = health(timeout=60.0)
+    h.queued_update()
+    clock.now += 3600
+    h.sync_node(node(deleting=True))
+    assert h.livez()[0] == 503 and h.healthz()[0] == 503
+    assert h.alivez() == (200, {"currentTime": rfc3339(clock.now)})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ..localnet import NodeLocalState, ProxySettings, ServicePortKey
 
@@ -52,3 +52,15 @@ class Backend(Protocol):
         when the kernel cannot be asked at all. The default: this backend has no check mode
         (CheckUnsupported): then no Service is left out and the whole sync is retried."""
         raise CheckUnsupported(f"the {self.mode} backend cannot check a ruleset")
+
+
+@runtime_checkable
+class DriftCheck(Protocol):
+    """A backend that can tell, cheaply, that the kernel no longer holds what it programmed (a
+    deleted element, a flushed chain, another process's edit): the agent asks at every
+    syncPeriod and repairs by a full sync, which rewrites everything the backend owns."""
+
+    def drifted(self) -> str:
+        """Why the kernel differs from the last successful sync ("": as far as the check
+        tells, it does not). Runs between syncs, possibly in a worker thread."""
+        ...

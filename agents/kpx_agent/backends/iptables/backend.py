@@ -11,6 +11,18 @@ Each (family, table) is its own `*-restore` run, atomic on its own. If a later r
 partial sync fails, the runs of that family before it are reverted from the record; the other
 family's change still goes in (one family's fault does not stop the other's programming), and
 the next sync is a full one in any case.
+
+Drift (`drifted`, asked at every syncPeriod): `iptables-save` of each table, and our chains
+and jump rules in it compared with the record: every chain there and no other of ours, each
+with as many rules as written (iptables-save spells rules its own way, so they are counted,
+not compared), our jump rules as written. A digest of them is taken at the first check after
+each sync, and a later check that finds another one finds a rule changed in place. A deleted
+rule, a flushed or deleted chain, a rule another process added to one of ours, a jump rule
+gone, a rule replaced: the agent's next sync is a full one, which rewrites them all. (A rule
+replaced in place between a sync and the next check is found by the hourly full sync only.)
+With iptables-nft, every restore is an nftables transaction: while the ruleset's generation id
+(`backends.nf_generation`) has not moved since the chains were last verified, the check reads
+nothing back (reading back costs seconds at 10,000 Services: README.md).
 """
 
 from __future__ import annotations
@@ -25,7 +37,15 @@ from . import kernel
 from . import names as n
 from .chain_book import ChainBook, ChainPlan
 from .rules import PortLines, fixed_chains, port_rules, shared_frames
-from .script import SavedTable, cleanup_script, jump_edits, parse_save, table_script
+from .script import (
+    SavedTable,
+    cleanup_script,
+    jump_edits,
+    parse_save,
+    saved_chains,
+    structure_drift,
+    table_script,
+)
 
 log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
@@ -49,6 +69,7 @@ class IptablesBackend(Backend):
         ensure_sysctl: EnsureSysctl = kernel.ensure_sysctl,
         route_localnet_file: Path = kernel.ROUTE_LOCALNET_FILE,
         check_restore: CheckRestore = kernel.restore_test,
+        generation: Callable[[], int | None] = kernel.nft_generation,
     ) -> None:
         self.settings = settings
         self._check_restore = check_restore
@@ -59,15 +80,29 @@ class IptablesBackend(Backend):
         self._chain_exists = chain_exists
         # None: what the kernel holds is not known (never synced, or a sync failed).
         self._books: dict[int, ChainBook] | None = None
+        # The jump rules each family's last full sync left in the built-in chains.
+        self._jumps: dict[int, tuple[n.Jump, ...]] = {}
+        # Digests of our chains per (family, table), taken at the first drift check after our
+        # last sync (None: none since).
+        self._baseline: dict[tuple[int, str], bytes] | None = None
+        # The nftables ruleset generation id after our last sync or check (None: legacy
+        # iptables, or not known): while it does not move, nothing changed.
+        self._generation = generation
+        self._gen: int | None = None
         self.last_scripts: list[tuple[int, str]] = []  # (family, script) of the last sync
 
     # -- the Backend protocol
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
+        before = self._generation()
         if changed is None or self._books is None:
             self._full_sync(state)
         else:
             self._partial_sync(state, self._books, changed)
+        after = self._generation()
+        if after is None or after != before:  # we committed: the digest is of the past
+            self._baseline = None
+        self._gen = after
 
     def cleanup(self) -> None:
         cleanup(self._restore, self._save)
@@ -83,6 +118,36 @@ class IptablesBackend(Backend):
             return all(self._chain_exists(fam, n.NAT, n.MARK_MASQ) for fam in FAMILIES)
         except BackendError:
             return False
+
+    def drifted(self) -> str:
+        """What of ours differs in the kernel from the record ("": nothing); see the module
+        docstring."""
+        if self._books is None:
+            return ""  # the next sync is a full one anyway
+        gen = self._generation()
+        if gen is not None and gen == self._gen and self._baseline is not None:
+            return ""  # no nftables commit at all since our chains were last verified
+        digests: dict[tuple[int, str], bytes] = {}
+        for fam, book in self._books.items():
+            for table in n.TABLES:
+                try:
+                    saved = saved_chains(self._save(fam, table), table)
+                except BackendError as exc:
+                    log.warning("drift check: %s", exc)
+                    return ""
+                chains = book.table_chains(table)
+                why = structure_drift(saved, table, chains, self._jumps.get(fam, ()))
+                if why:
+                    return f"IPv{fam} {table}: {why}"
+                digests[(fam, table)] = saved.digest()
+        if self._baseline is None:
+            self._baseline = digests
+        for (fam, table), digest in sorted(digests.items()):
+            if digest != self._baseline.get((fam, table)):
+                return f"IPv{fam} {table}: a rule of ours was changed behind our back"
+        if gen is not None and self._generation() == gen:  # nothing committed while we read
+            self._gen = gen
+        return ""
 
     def element_count(self) -> int:
         """Rules in our chains (the agent reports it as programmed elements)."""
@@ -140,6 +205,7 @@ class IptablesBackend(Backend):
             }
             book.commit(book.plan(updates))
             books[fam] = book
+            self._jumps[fam] = n.jumps(facts.localhost_node_ports)
             for table in n.TABLES:
                 saved = parse_save(self._save(fam, table)).get(table, SavedTable())
                 wanted = book.table_chains(table)

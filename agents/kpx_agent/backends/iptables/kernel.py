@@ -8,12 +8,14 @@ ignores it).
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import subprocess
 from pathlib import Path
 
 from ..base import BackendError
+from ..nf_generation import read as read_generation
 from . import names as n
 
 log = logging.getLogger(__name__)
@@ -86,3 +88,27 @@ def ensure_sysctl(target: Path, value: int) -> None:
     if current != str(value):
         target.write_text(f"{value}\n")
         log.info("set %s to %d (was %s)", target, value, current)
+
+
+@functools.cache
+def nf_tables_flavour() -> bool:
+    """Whether this node's iptables is the nf_tables flavour (`iptables -V` says so): its every
+    restore is then an nftables transaction, which moves the ruleset's generation id."""
+    try:
+        proc = _run([n.LIST[4], "-V"])
+    except BackendError:
+        return False
+    return "nf_tables" in proc.stdout
+
+
+def nft_generation() -> int | None:
+    """The nftables ruleset generation id (`backends.nf_generation`) where iptables is the
+    nf_tables flavour; None where it is legacy (its changes do not move it) or the kernel
+    cannot be asked."""
+    if not nf_tables_flavour():
+        return None
+    try:
+        return read_generation()
+    except OSError as exc:
+        log.debug("cannot read the ruleset generation: %s", exc)
+        return None

@@ -12,6 +12,7 @@ removes, when nothing jumps to them any more. Chains it does not name are left a
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
@@ -79,6 +80,77 @@ def parse_save(text: str) -> dict[str, SavedTable]:
             if len(parts) == 3 and parts[1] in current.builtin and _has_our_comment(parts[2]):
                 current.jumps.append((parts[1], parts[2]))
     return tables
+
+
+@dataclass
+class SavedChains:
+    """Our chains' rules (chain -> rule bodies, in order) and our jump rules (built-in chain
+    -> bodies) in `iptables-save -t TABLE` output."""
+
+    rules: dict[str, list[str]] = field(default_factory=dict)
+    jumps: dict[str, list[str]] = field(default_factory=dict)
+
+    def digest(self) -> bytes:
+        """A digest of all of it (rules as iptables-save prints them)."""
+        h = hashlib.sha256()
+        for part in (self.rules, self.jumps):
+            for chain in sorted(part):
+                h.update(f"\0{chain}\0".encode())
+                h.update("\n".join(part[chain]).encode())
+        return h.digest()
+
+
+def saved_chains(text: str, table: str) -> SavedChains:
+    """Our chains and jump rules in `table`'s part of iptables-save output."""
+    saved = SavedChains()
+    builtin: set[str] = set()
+    current = ""
+    for line in text.splitlines():
+        if line.startswith("*"):
+            current = line[1:].strip()
+        elif current != table:
+            continue
+        elif line.startswith(":"):
+            parts = line[1:].split()
+            if len(parts) >= 2 and parts[1] != "-":
+                builtin.add(parts[0])
+            elif parts and n.is_ours(parts[0]):
+                saved.rules.setdefault(parts[0], [])
+        elif line.startswith("-A "):
+            parts = line.split(" ", 2)
+            body = parts[2] if len(parts) == 3 else ""
+            if n.is_ours(parts[1]):
+                saved.rules.setdefault(parts[1], []).append(body)
+            elif parts[1] in builtin and _has_our_comment(body):
+                saved.jumps.setdefault(parts[1], []).append(body)
+    return saved
+
+
+def structure_drift(
+    saved: SavedChains, table: str, chains: Mapping[str, Lines], wanted_jumps: Sequence[n.Jump]
+) -> str:
+    """How our chains in the kernel (`saved`) differ from the record in shape ("": they do
+    not): a chain missing or not ours to have, a chain with more or fewer rules than we
+    wrote, our jump rules not as we left them. (Our rules' text is ours, not iptables-save's
+    spelling, so rules are counted here, not compared; a digest taken while the kernel held
+    our last sync finds a rule changed in place.)"""
+    for chain in sorted(chains.keys() - saved.rules.keys()):
+        return f"chain {chain} is missing"
+    for chain in sorted(saved.rules.keys() - chains.keys()):
+        return f"chain {chain} is not ours to have"
+    for chain, rules in sorted(chains.items()):
+        if len(saved.rules[chain]) != len(rules):
+            return (
+                f"chain {chain} has {len(saved.rules[chain])} rules, not the {len(rules)} written"
+            )
+    wanted: dict[str, list[str]] = {}
+    for t, chain, matches, target in wanted_jumps:
+        if t == table:
+            wanted.setdefault(chain, []).append(n.jump_rule(matches, target).text)
+    for chain in sorted(wanted.keys() | saved.jumps.keys()):
+        if wanted.get(chain, []) != saved.jumps.get(chain, []):
+            return f"our jump rules in {chain} differ"
+    return ""
 
 
 def jump_edits(

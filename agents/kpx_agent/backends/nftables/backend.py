@@ -15,6 +15,17 @@ changes no traffic), then netlink batches add the elements, with about a tenth o
 the dispatch maps last (a Service starts to be served once all it dispatches to is there).
 Where the table exists, the swap stays one nft transaction, elements included, so the old
 rules serve until the new ones are complete.
+
+Drift (`drifted`, asked at every syncPeriod): the kernel's ruleset generation id moves with
+every committed nftables transaction, anyone's. The backend reads it before and after each of
+its own syncs; unchanged since its last commit means nothing at all changed (one netlink
+request). When another writer committed (iptables-nft, a CNI plugin, someone with `nft`), the
+backend compares a digest of its own tables (`netlink_query`: sets, rules, elements; not the
+dynamic affinity sets) with the digest it took while the kernel held exactly its last commit:
+equal, the other writer's change was elsewhere; different, or no such digest since its last
+sync (it and another writer both committed since the last check), a full sync rewrites
+everything. That digest is taken at a check that found the generation unchanged since the
+backend's last commit (one dump of its tables per syncPeriod in which it committed).
 """
 
 from __future__ import annotations
@@ -60,6 +71,8 @@ class NftablesBackend(Backend):
         run_transactions: Callable[[Iterable[Transaction]], None] | None = None,
         check_script: Callable[[Iterable[str]], str | None] = kernel.check_script,
         check_transactions: Callable[[Iterable[Transaction]], str | None] | None = None,
+        generation: Callable[[], int] = kernel.generation,
+        table_digest: Callable[[int], bytes] = kernel.table_digest,
     ) -> None:
         """`run_script` applies nft text and `check_script` asks nft's check mode about it;
         `run_transactions` and `check_transactions`, when given, take the typed transactions
@@ -83,6 +96,14 @@ class NftablesBackend(Backend):
         self._synced = False
         self._last_sent: list[str | Transaction] = []
         self.last_loaded: dict[int, dict[str, list[Pair]]] = {}
+        # Drift (see the module docstring): the generation id after our last commit (None:
+        # unknown), whether another writer committed since, and the digest of our tables taken
+        # while they held exactly our last commit (None: none since that commit).
+        self._generation = generation
+        self._table_digest = table_digest
+        self._gen: int | None = None
+        self._foreign = False
+        self._baseline: dict[int, bytes] | None = None
 
     def programmed(self) -> bool:
         """True while the kernel still has our tables (someone may flush the ruleset)."""
@@ -96,10 +117,63 @@ class NftablesBackend(Backend):
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
         self._last_sent = []
+        full = changed is None or not self._synced
+        before = self._read_generation()
+        if before is None or before != self._gen:
+            self._foreign = True  # someone committed since our last commit (or unknown)
         if changed is None or not self._synced:
             self._full_sync(state)
         else:
             self._partial_sync(state, changed)
+        after = self._read_generation()
+        if after is None or after != before:  # we committed: the digest is of the past
+            self._baseline = None
+        self._gen = after
+        if full:
+            self._foreign = False  # everything we own was just rewritten
+
+    # -- drift
+
+    def _read_generation(self) -> int | None:
+        try:
+            return self._generation()
+        except (OSError, ValueError) as exc:
+            log.debug("cannot read the ruleset generation: %s", exc)
+            return None
+
+    def _digests(self) -> dict[int, bytes] | None:
+        try:
+            return {f: self._table_digest(f) for f in FAMILIES}
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read our tables back for the drift check: %s", exc)
+            return None
+
+    def drifted(self) -> str:
+        """Why our tables may differ from our last commit ("": they do not); see the module
+        docstring."""
+        if not self._synced:
+            return ""  # the next sync is a full one anyway
+        gen = self._read_generation()
+        if gen is None:
+            return ""  # the kernel cannot be asked; a sync would say more
+        if gen == self._gen and not self._foreign:
+            if self._baseline is None:
+                baseline = self._digests()
+                if baseline is not None and self._read_generation() == gen:  # none meanwhile
+                    self._baseline = baseline
+            return ""
+        if self._baseline is None:
+            return "another writer committed to nftables since our last change"
+        now = self._digests()
+        if now is None:
+            return ""
+        changed = [n.FAMILIES[f] for f in FAMILIES if now[f] != self._baseline[f]]
+        if changed:
+            return f"our {' and '.join(changed)} table changed behind our back"
+        # Another writer's commit, elsewhere: the tables are still ours as we left them.
+        if self._read_generation() == gen:
+            self._gen, self._foreign = gen, False
+        return ""
 
     def _full_sync(self, state: NodeLocalState) -> None:
         plans: dict[int, Plan[ServicePortKey]] = {f: Plan(merge=MERGED_SETS) for f in FAMILIES}

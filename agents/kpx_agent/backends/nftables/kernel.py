@@ -1,5 +1,6 @@
 """The nftables backend's only I/O: `nft` run with an argument list and a script on stdin,
-and element batches sent on an nf_tables netlink socket."""
+element batches sent on an nf_tables netlink socket, and questions asked on one (the ruleset's
+generation id, a digest of our table)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,19 @@ from collections.abc import Iterable
 from typing import IO
 
 from ..base import BackendError
+from ..nf_generation import read as read_generation
 from . import names as n
+from . import netlink_query as q
 from .netlink_batch import (
     NETLINK_NETFILTER,
+    NFPROTO,
     Batch,
     Elements,
     batch_problem,
     encode_batches,
     parse_acks,
 )
+from .schema import declaration
 
 NFT = "nft"
 
@@ -236,3 +241,50 @@ def owned_by_a_process(table: str) -> bool:
 def delete_tables(tables: set[str]) -> None:
     if tables:
         run_script([f"delete table {t}\n" for t in sorted(tables)])
+
+
+def generation() -> int:
+    """The ruleset's generation id (`backends.nf_generation`)."""
+    return read_generation()
+
+
+def table_digest(family: int) -> bytes:
+    """A digest of our table of `family` (4, 6) as the kernel holds it: its sets, rules, and
+    the elements of the sets the data path does not update (netlink_query.TableDigest). A
+    table that cannot be dumped (absent) gives a digest of the error."""
+    digest = q.TableDigest()
+    proto = NFPROTO[family]
+    try:
+        with contextlib.closing(_socket()) as sock:
+            digest.add_section("sets")
+            sets = list(_ask(sock, q.sets_request(proto, n.TABLE)))
+            for message in sets:
+                digest.add(message)
+            digest.add_section("rules")
+            for message in _ask(sock, q.rules_request(proto, n.TABLE)):
+                digest.add(message)
+            for name in sorted(q.set_names(sets)):
+                decl = declaration(name)
+                if decl is not None and decl.dynamic_timeout:
+                    continue  # the data path adds and expires these elements
+                digest.add_section(name)
+                for message in _ask(sock, q.elements_request(proto, n.TABLE, name)):
+                    digest.add(message)
+    except q.NetlinkError as exc:
+        return f"error {exc.errno}".encode()
+    return digest.digest()
+
+
+def _ask(sock: socket.socket, request: bytes) -> list[q.Message]:
+    """Send one request; every message of its answer (a dump's up to its end). Raises
+    NetlinkError when the kernel refused it."""
+    sock.sendto(request, (0, 0))
+    answer: list[q.Message] = []
+    while True:
+        for message in q.messages(sock.recv(1 << 20)):
+            q.check(message)
+            if q.is_done(message) or message.kind == q.NLMSG_ERROR:
+                return answer
+            answer.append(message)
+            if not message.flags & q.NLM_F_MULTI:
+                return answer

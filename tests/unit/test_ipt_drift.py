@@ -1,0 +1,133 @@
+"""The iptables backend's drift check against the kernel fake: iptables-save of each table,
+our chains and jump rules compared with the record; a full sync repairs what differs."""
+
+from __future__ import annotations
+
+from backend_samples import SETTINGS, sample_state
+from ipt_fake import FakeIptables
+
+from kpx_agent.backends.iptables import names as n
+from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.localnet import NodeLocalState
+
+
+class Generation:
+    """The nftables ruleset generation id as iptables-nft moves it (None: legacy iptables)."""
+
+    def __init__(self, fake: FakeIptables | None) -> None:
+        self.fake = fake
+        self.foreign = 0  # commits of other writers
+
+    def __call__(self) -> int | None:
+        return None if self.fake is None else self.fake.runs + self.foreign
+
+
+class CountingSave:
+    def __init__(self, fake: FakeIptables) -> None:
+        self.fake = fake
+        self.calls = 0
+
+    def __call__(self, family: int, table: str) -> str:
+        self.calls += 1
+        return self.fake.save(family, table)
+
+
+def synced(
+    nft_flavour: bool = False,
+) -> tuple[FakeIptables, IptablesBackend, NodeLocalState, Generation, CountingSave]:
+    fake = FakeIptables()
+    generation = Generation(fake if nft_flavour else None)
+    save = CountingSave(fake)
+    backend = IptablesBackend(
+        SETTINGS,
+        restore=fake.restore,
+        save=save,
+        chain_exists=fake.chain_exists,
+        ensure_sysctl=lambda path, value: None,
+        generation=generation,
+    )
+    state = sample_state()
+    backend.sync(state, None)
+    return fake, backend, state, generation, save
+
+
+def svc_chain(fake: FakeIptables, family: int = 4) -> str:
+    nat = fake.tables[(family, "nat")]
+    return next(c for c in sorted(nat) if c.startswith(n.SVC_PREFIX) and nat[c])
+
+
+def test_a_freshly_synced_kernel_is_not_drift() -> None:
+    _, backend, _, _, _ = synced()
+    assert backend.drifted() == ""
+
+
+def test_a_rule_deleted_behind_our_back_is_drift_and_a_full_sync_repairs_it() -> None:
+    fake, backend, state, _, _ = synced()
+    expected = fake.dump()
+    chain = svc_chain(fake)
+    rules = fake.tables[(4, "nat")][chain]
+    del rules[0]
+    assert backend.drifted() == (
+        f"IPv4 nat: chain {chain} has {len(rules)} rules, not the {len(rules) + 1} written"
+    )
+    backend.sync(state, None)
+    assert fake.dump() == expected and backend.drifted() == ""
+
+
+def test_a_rule_replaced_in_place_after_the_first_check_is_drift() -> None:
+    fake, backend, state, _, _ = synced()
+    assert backend.drifted() == ""  # the digest of our chains as the sync left them
+    fake.tables[(4, "nat")][svc_chain(fake)][0] = "-j RETURN"
+    assert backend.drifted() == "IPv4 nat: a rule of ours was changed behind our back"
+    backend.sync(state, None)
+    assert backend.drifted() == "" and backend.drifted() == ""
+
+
+def test_a_flushed_chain_a_foreign_rule_a_lost_jump_are_drift() -> None:
+    fake, backend, state, _, _ = synced()
+    chain = svc_chain(fake, 6)
+    fake.tables[(6, "nat")][chain].clear()
+    assert backend.drifted().startswith(f"IPv6 nat: chain {chain} has 0 rules")
+    backend.sync(state, None)
+    fake.tables[(4, "nat")][svc_chain(fake)].append("-j ACCEPT")
+    assert "rules, not the" in backend.drifted()
+    backend.sync(state, None)
+    prerouting = fake.tables[(4, "nat")]["PREROUTING"]
+    prerouting.remove(next(r for r in prerouting if n.COMMENT in r))
+    assert backend.drifted() == "IPv4 nat: our jump rules in PREROUTING differ"
+    backend.sync(state, None)
+    assert backend.drifted() == ""
+
+
+def test_other_softwares_chains_and_rules_are_not_drift() -> None:
+    fake, backend, _, _, _ = synced()
+    fake.tables[(4, "nat")]["CNI-HOSTPORT"] = ["-j RETURN"]
+    fake.tables[(4, "nat")]["PREROUTING"].append("-j CNI-HOSTPORT")
+    assert backend.drifted() == ""
+
+
+def test_with_iptables_nft_an_unmoved_generation_reads_nothing_back() -> None:
+    """iptables-nft: every restore is an nftables commit. While the generation id has not
+    moved since the chains were verified, the check runs no iptables-save; once another writer
+    committed, it reads them back again (and finds the change)."""
+    fake, backend, _, generation, save = synced(nft_flavour=True)
+    assert backend.drifted() == ""  # verified: the digest is taken
+    saves = save.calls
+    assert backend.drifted() == "" and backend.drifted() == ""
+    assert save.calls == saves  # nothing committed: nothing read
+    generation.foreign += 1  # another writer's commit, elsewhere
+    assert backend.drifted() == ""
+    assert save.calls > saves
+    saves = save.calls
+    assert backend.drifted() == "" and save.calls == saves  # that generation is verified now
+    fake.tables[(4, "nat")][svc_chain(fake)][0] = "-j RETURN"
+    generation.foreign += 1
+    assert backend.drifted() == "IPv4 nat: a rule of ours was changed behind our back"
+
+
+def test_legacy_iptables_reads_back_at_every_check() -> None:
+    _, backend, _, _, save = synced(nft_flavour=False)
+    backend.drifted()
+    saves = save.calls
+    backend.drifted()
+    assert save.calls == saves + 4  # no generation to tell: both tables of both families

@@ -1,0 +1,142 @@
+"""The nftables backend's drift check against the kernel fake: the generation id says whether
+anyone committed since the backend's last commit; a digest of its own tables, whether another
+writer's commit touched them; and a full sync repairs what was changed behind its back."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from backend_samples import SETTINGS, key, sample_state
+from nft_fake import FakeNftables, FakeTable
+
+from kpx_agent.backends.nftables import names as n
+from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.localnet import IP, NodeLocalState, Protocol
+
+VIP = (IP.of("10.96.0.10"), Protocol.TCP, 80)
+
+
+class Digests:
+    """The fake's digest, counting how often the tables were read back."""
+
+    def __init__(self, fake: FakeNftables) -> None:
+        self.fake = fake
+        self.reads = 0
+
+    def __call__(self, family: int) -> bytes:
+        self.reads += 1
+        return self.fake.digest(family)
+
+
+def synced() -> tuple[FakeNftables, NftablesBackend, NodeLocalState, Digests]:
+    fake = FakeNftables()
+    digests = Digests(fake)
+    backend = NftablesBackend(
+        SETTINGS,
+        run_transactions=fake.run_transactions,
+        present_families=fake.present_families,
+        load_elements=fake.load_elements,
+        generation=fake.current_generation,
+        table_digest=digests,
+    )
+    state = sample_state()
+    backend.sync(state, None)
+    return fake, backend, state, digests
+
+
+def delete_vip(tables: dict[int, FakeTable]) -> None:
+    del tables[4].sets[n.CLUSTER_IPS].elements[VIP]
+
+
+def test_an_untouched_kernel_is_not_drift_and_is_read_back_once() -> None:
+    _, backend, _, digests = synced()
+    assert backend.drifted() == ""
+    assert digests.reads == 2  # the digest of both tables, taken while they hold our commit
+    assert backend.drifted() == "" and backend.drifted() == ""
+    assert digests.reads == 2  # generation unchanged: nothing read back again
+
+
+def test_an_element_deleted_behind_our_back_is_drift_and_a_full_sync_repairs_it() -> None:
+    fake, backend, state, _ = synced()
+    expected = fake.dump()
+    assert backend.drifted() == ""
+    fake.edit(delete_vip)
+    assert "ip table changed behind our back" in backend.drifted()
+    backend.sync(state, None)  # what the agent's periodic check then asks for
+    assert fake.dump() == expected
+    assert backend.drifted() == ""
+
+
+def test_a_flushed_chain_is_drift() -> None:
+    fake, backend, _, _ = synced()
+    assert backend.drifted() == ""
+    chain = next(c for c in fake.tables[6].chains.values() if c.rules)
+    fake.edit(lambda _: chain.rules.clear())
+    assert "ip6 table changed" in backend.drifted()
+
+
+def test_another_writers_commit_elsewhere_is_not_drift() -> None:
+    fake, backend, _, digests = synced()
+    assert backend.drifted() == ""
+    fake.edit()  # e.g. iptables-nft or a CNI plugin committed to its own table
+    assert backend.drifted() == ""
+    reads = digests.reads
+    assert backend.drifted() == "" and digests.reads == reads  # that generation is known now
+
+
+def test_our_commit_and_another_writers_before_a_check_cannot_be_told_apart() -> None:
+    """The backend committed (its digest of the tables is gone with it) and so did another
+    writer before the check: the tables cannot be verified, so the agent rewrites them."""
+    fake, backend, state, _ = synced()
+    assert backend.drifted() == ""
+    web = state.services[key("web")]
+    state.services[web.key] = dataclasses.replace(web, cluster_endpoints=web.cluster_endpoints[:1])
+    backend.sync(state, [web.key])
+    fake.edit()
+    assert "another writer committed" in backend.drifted()
+
+
+def test_a_change_behind_our_back_before_our_next_partial_sync_is_still_found() -> None:
+    """The damage comes first, then the backend's own partial sync (which moves the generation
+    on too): the generation it saw before its commit tells it someone else committed."""
+    fake, backend, state, _ = synced()
+    expected_vip = fake.elements(4, n.CLUSTER_IPS)[VIP]
+    assert backend.drifted() == ""
+    fake.edit(delete_vip)
+    web6 = state.services[key("web6", family=6)]
+    state.services[web6.key] = dataclasses.replace(web6, port=81)
+    backend.sync(state, [web6.key])  # a partial sync of another Service
+    assert backend.drifted() != ""
+    backend.sync(state, None)
+    assert fake.elements(4, n.CLUSTER_IPS)[VIP] == expected_vip
+
+
+def test_a_generation_that_cannot_be_read_is_no_drift() -> None:
+    fake = FakeNftables()
+
+    def unreadable() -> int:
+        raise PermissionError(1, "Operation not permitted")
+
+    backend = NftablesBackend(
+        SETTINGS,
+        run_transactions=fake.run_transactions,
+        present_families=fake.present_families,
+        load_elements=fake.load_elements,
+        generation=unreadable,
+        table_digest=fake.digest,
+    )
+    backend.sync(sample_state(), None)
+    fake.edit(delete_vip)
+    assert backend.drifted() == ""  # not known: the hourly full sync still comes
+
+
+def test_a_sync_that_sends_nothing_keeps_the_digest() -> None:
+    """A partial sync with nothing to program commits nothing: the digest taken before still
+    describes the tables, so a later foreign change is still compared with it."""
+    fake, backend, state, digests = synced()
+    assert backend.drifted() == ""
+    reads = digests.reads
+    backend.sync(state, [key("web")])  # unchanged: no transaction
+    fake.edit()
+    assert backend.drifted() == ""  # verified against the digest, not "cannot tell"
+    assert digests.reads == reads + 2
