@@ -305,10 +305,12 @@ class Agent:
             wait = last_start + self.settings.min_sync_period - now
             if wait > 0:
                 await asyncio.sleep(wait)
+            before = self.proxier.excluded
             if self.proxier.update_excluded():
-                log.info("opted-out namespaces now: %s", sorted(self.proxier.excluded))
-                for reflector in excluding:
-                    reflector.restart()
+                after = self.proxier.excluded
+                log.info("opted-out namespaces now: %s", sorted(after))
+                for reflector in excluding:  # no relist: only these namespaces move
+                    reflector.reselect(included=before - after, excluded=after - before)
             if not self.state.has_changes() and not retry_delay:
                 continue
             last_start = time.monotonic()

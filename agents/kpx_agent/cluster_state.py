@@ -145,6 +145,14 @@ class ClusterState:
         elif kind == NODES:
             self._set_node(None)
 
+    def forget_namespaces(self, kind: str, namespaces: Iterable[str]) -> None:
+        """Drop the Services or EndpointSlices of these namespaces (opted out: the watches do
+        not send them any more, and the model leaves them out)."""
+        gone = set(namespaces)
+        current = self.services if kind == SERVICES else self.slices if kind == SLICES else {}
+        for key in [k for k in current if k[0] in gone]:
+            self.delete(kind, current[key])
+
     def replace(self, kind: str, objs: Iterable[Obj]) -> None:
         """A full list arrived: make the store equal to it, recording only real differences."""
         objs = list(objs)

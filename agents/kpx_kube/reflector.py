@@ -23,6 +23,12 @@ When a watch ends, as client-go (tools/cache/reflector.go) does:
   (its view may have missed or mangled an event). `failure` stays set until a list succeeds:
   the agent's health fails while it is set (a dead watch).
 
+A new field selector that only lets more or fewer namespaces through (`reselect`: the agent's
+namespace opt-out) costs no list of everything: the watch is resumed from its resourceVersion
+with the new selector, the namespaces it now lets through are listed alone (and merged into
+the store), and the store forgets the namespaces it now leaves out. After a jittered wait, so
+the agents of a cluster do not all ask at once when one namespace's label changes.
+
 Each object is slimmed before it is stored (`slim`: managedFields and the last-applied
 annotation dropped; what costs memory at scale and no reader of a reflector needs).
 """
@@ -73,6 +79,7 @@ class Sink(Protocol):
     def replace(self, kind: str, objs: Iterable[Obj]) -> None: ...
     def upsert(self, kind: str, obj: Obj) -> None: ...
     def delete(self, kind: str, obj: Obj) -> None: ...
+    def forget_namespaces(self, kind: str, namespaces: Iterable[str]) -> None: ...
 
 
 LAST_APPLIED = "kubectl.kubernetes.io/last-applied-configuration"
@@ -94,6 +101,10 @@ class _Relist(Exception):
     """The watch must start over (a new field selector): list again."""
 
 
+class _Reselect(Exception):
+    """The field selector changed (`reselect`): resume with it, no relist."""
+
+
 class _Gone(_Relist):
     """The watch cannot resume from its resourceVersion (410 Gone): list again, consistently."""
 
@@ -111,6 +122,7 @@ class Reflector:
         field_selector: Callable[[], str] = lambda: "",
         on_event: Callable[[], None] = lambda: None,
         page_size: int = 5000,
+        reselect_jitter: float = 2.0,
         backoff: Backoff | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
@@ -124,6 +136,13 @@ class Reflector:
         self.synced = asyncio.Event()
         self.lists = 0
         self._restart = asyncio.Event()
+        # A new selector to resume with (`reselect`), the namespaces it now lets through (to
+        # list alone) and those it now leaves out (to forget).
+        self._reselect = asyncio.Event()
+        self._include: set[str] = set()
+        self._exclude: set[str] = set()
+        self.reselect_jitter = reselect_jitter
+        self.namespace_lists = 0
         self._selector_in_use = ""
         self._rv = ""  # the last resourceVersion seen (a list's, an event's or a bookmark's)
         self.backoff = backoff or Backoff()
@@ -136,8 +155,42 @@ class Reflector:
         self.failures = 0  # unexpected errors so far
 
     def restart(self) -> None:
-        """List again (e.g. because the field selector changed)."""
+        """List again."""
         self._restart.set()
+
+    def reselect(self, included: Iterable[str] = (), excluded: Iterable[str] = ()) -> None:
+        """The field selector changed only in which namespaces it lets through: `included`
+        now pass and did not, `excluded` do not any more. Resume the watch with it from where
+        it is (no list of everything); list the included namespaces alone; forget the
+        excluded ones' objects."""
+        included, excluded = set(included), set(excluded)
+        self._include = (self._include - excluded) | included
+        self._exclude = (self._exclude - included) | excluded
+        self._reselect.set()
+
+    def _namespaced_path(self, namespace: str) -> str:
+        """The resource's path within one namespace (/api/v1/namespaces/NS/services)."""
+        prefix, _, plural = self.resource.path.rpartition("/")
+        return f"{prefix}/namespaces/{namespace}/{plural}"
+
+    async def _apply_reselect(self) -> None:
+        """Take the new selector: forget what it leaves out, list what it lets in (each
+        namespace alone, merged into the store). A failed list keeps the rest pending."""
+        await self.sleep(random.uniform(0, self.reselect_jitter))  # noqa: S311 - jitter only
+        self._reselect.clear()
+        self._selector_in_use = self.field_selector()
+        if self._exclude:
+            self.sink.forget_namespaces(self.resource.kind, sorted(self._exclude))
+            self._exclude.clear()
+        for namespace in sorted(self._include):
+            items, _ = await self._pages(self._namespaced_path(namespace), consistent=False)
+            for item in items:
+                self.sink.upsert(self.resource.kind, item)
+            self._include.discard(namespace)
+            self.namespace_lists += 1
+            log.info("%s: namespace %s listed alone (%d objects): the selector lets it through",
+                     self.resource.kind, namespace, len(items))  # fmt: skip
+        self.on_event()
 
     def _params(self) -> dict[str, str]:
         params: dict[str, str] = {}
@@ -147,25 +200,33 @@ class Reflector:
             params["fieldSelector"] = self._selector_in_use
         return params
 
+    async def _pages(self, path: str, consistent: bool) -> tuple[list[Obj], Obj]:
+        """Every page of a list of `path` with the selectors in use: the items (slimmed) and
+        the last page's metadata."""
+        items: list[Obj] = []
+        params = {**self._params(), "limit": str(self.page_size)}
+        if not consistent:
+            params["resourceVersion"] = "0"
+        while True:
+            data = await self.client.list(self.resource.kind, path, params)
+            items.extend(slim(item) for item in data.get("items") or [])
+            meta = data.get("metadata") or {}
+            if not meta.get("continue"):
+                return items, meta
+            params["continue"] = str(meta["continue"])
+            params.pop("resourceVersion", None)  # the token carries it; both are refused
+
     async def _list(self, consistent: bool = False) -> str:
         """List everything. By default from the apiserver's watch cache (resourceVersion=0,
         as client-go's reflectors do): no etcd read, and what the cache lacks the watch that
         follows brings. After 410 Gone, a consistent list, so the view never goes back."""
         self._restart.clear()
+        self._reselect.clear()
+        self._include.clear()
+        self._exclude.clear()
         self._selector_in_use = self.field_selector()
-        items: list[Obj] = []
         started = time.monotonic()
-        params = {**self._params(), "limit": str(self.page_size)}
-        if not consistent:
-            params["resourceVersion"] = "0"
-        while True:
-            data = await self.client.list(self.resource.kind, self.resource.path, params)
-            items.extend(slim(item) for item in data.get("items") or [])
-            meta = data.get("metadata") or {}
-            if not meta.get("continue"):
-                break
-            params["continue"] = str(meta["continue"])
-            params.pop("resourceVersion", None)  # the token carries it; both are refused
+        items, meta = await self._pages(self.resource.path, consistent)
         received = time.monotonic()
         self.sink.replace(self.resource.kind, items)
         self.lists += 1
@@ -225,6 +286,8 @@ class Reflector:
                     rv = await self._list(consistent=gone)
                     gone = False
                     self.failure = ""
+                elif self._reselect.is_set() or self._include:
+                    await self._apply_reselect()
                 started = self.clock()
                 rv = await self._watch_until_restart(rv)
                 if self._events == 0 and self.clock() - started < SHORT_WATCH:
@@ -242,6 +305,8 @@ class Reflector:
                 wait = self.backoff.next()
                 log.info("%s: watch expired (410 Gone); listing again in %.1fs",
                          self.resource.kind, wait)  # fmt: skip
+            except _Reselect:
+                rv = self._rv  # resume where the watch was, with the new selector
             except _Relist:
                 rv = ""
             except asyncio.CancelledError:
@@ -268,12 +333,16 @@ class Reflector:
         """Watch; a restart request while the stream is idle ends it too."""
         watch = asyncio.create_task(self._watch(rv))
         restart = asyncio.create_task(self._restart.wait())
+        reselect = asyncio.create_task(self._reselect.wait())
+        tasks = (watch, restart, reselect)
         try:
-            done, _ = await asyncio.wait({watch, restart}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             if watch in done:
                 return watch.result()
-            raise _Relist()
+            if restart in done:
+                raise _Relist()
+            raise _Reselect()
         finally:
-            for task in (watch, restart):
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(watch, restart, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
