@@ -25,6 +25,7 @@ from .localnet import NodeLocalState, Protocol, ProxySettings, ServicePort, Serv
 from .metrics import AgentMetrics
 from .node_local import node_facts, node_info, service_model, uses_topology
 from .optout import excluded_namespaces
+from .quarantine import MAX_SERVICE_COST, quarantine
 from .service_problems import REFUSED_BY_KERNEL, ProblemBook, ServiceProblem
 from .vip_claims import VipClaims, creation_time
 
@@ -114,6 +115,8 @@ class Proxier:
     # Services left out of the dataplane (in whole or in part), by the place that decided it:
     # the agent reports new ones as Warning Events on the Service (service_problems.py).
     problems: ProblemBook = field(default_factory=ProblemBook)
+    # What one Service may cost in one IP family before it is quarantined (quarantine.py).
+    max_service_cost: int = MAX_SERVICE_COST
     # Services (in one IP family: the other is programmed) left out of the dataplane because
     # the kernel refused their rules, with the kernel's reason: tried again when they change,
     # and at every full sync.
@@ -217,6 +220,8 @@ class Proxier:
                 self._external_ip_users.discard(svc)
             if obj is not None and svc[0] not in self.excluded:
                 ports, problems = service_model(obj, st.slices_of(svc), node, self._external_ips)
+                ports, too_big = quarantine(svc[0], svc[1], ports, self.max_service_cost)
+                problems += too_big
                 created = creation_time((obj.get("metadata") or {}).get("creationTimestamp"))
             new_keys = [p.key for p in ports]
             for key in old:
