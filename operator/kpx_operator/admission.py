@@ -6,11 +6,13 @@ nothing: its agents would only exit at start, over and over.
 
 Two ProxyConfigurations whose node selectors select the same node would run two agents on it,
 programming the same kernel. That is a conflict: both report it (Degraded, naming the nodes),
-and of each conflicting pair the older one (creationTimestamp, then name) keeps its agents
-while the newer one deploys nothing. The rule is pairwise, so the outcome never depends on
-which other objects happen to be blocked: a configuration runs iff it shares no node with an
-older one. Configurations that the ipvs policy denies, or whose mode has no backend, deploy
-nothing and so conflict with nobody.
+and of each conflicting pair the older one (creationTimestamp, then name) keeps the contested
+nodes while the newer one keeps them out of its agents (`Admission.kept_out`): its agents on
+its other nodes keep running. A conflict never removes running agents elsewhere (issue #22: a
+relabelled or new node must not cost a configuration its agents everywhere). The rule is
+pairwise, so the outcome never depends on which other objects happen to be in conflict: a
+configuration runs on the nodes it shares with no older one. Configurations that the ipvs
+policy denies, or whose mode has no backend, deploy nothing and so conflict with nobody.
 """
 
 from __future__ import annotations
@@ -87,8 +89,13 @@ class Admission:
 
     @property
     def blocked_by(self) -> tuple[Overlap, ...]:
-        """The overlaps with older configurations: any of them blocks this one."""
+        """The overlaps with older configurations: their nodes are kept out of this one."""
         return tuple(o for o in self.overlaps if o.other_is_older)
+
+    @property
+    def kept_out(self) -> tuple[str, ...]:
+        """The nodes this configuration's agents stay off (an older one selects them too)."""
+        return tuple(sorted({n for o in self.blocked_by for n in o.nodes}))
 
 
 def denied(mode: str, policy: IPVSPolicy) -> bool:
@@ -119,8 +126,7 @@ def admit(
         shared = sorted(n for n in mine if other.selects(nodes[n]))
         if shared:
             overlaps.append(Overlap(other.name, tuple(shared), other.age_key < me.age_key))
-    blocked = any(o.other_is_older for o in overlaps)
-    return Admission(deploy=not blocked, deprecated=deprecated, overlaps=tuple(overlaps))
+    return Admission(deploy=True, deprecated=deprecated, overlaps=tuple(overlaps))
 
 
 def node_list(nodes: Iterable[str]) -> str:
@@ -136,12 +142,14 @@ def conflict_message(admission: Admission) -> str:
     """For the Degraded condition and the events: who overlaps on which nodes, who runs."""
     parts = []
     for o in admission.overlaps:
-        who = "older, keeps its agents" if o.other_is_older else "newer, deploys nothing"
+        who = "older, runs there" if o.other_is_older else "newer, stays off them"
         nodes = f"node {o.nodes[0]} is" if len(o.nodes) == 1 else f"nodes {node_list(o.nodes)} are"
         parts.append(f"{nodes} also selected by ProxyConfiguration {o.other} ({who})")
+    out = admission.kept_out
     verdict = (
-        "this one deploys nothing until the node selectors are disjoint"
-        if admission.blocked_by
+        f"this one keeps its agents off {'node' if len(out) == 1 else 'nodes'} "
+        f"{node_list(out)} until the node selectors are disjoint (its other nodes keep theirs)"
+        if out
         else "this one keeps its agents"
     )
     return "; ".join(parts) + f": {verdict}"

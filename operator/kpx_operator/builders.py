@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -234,6 +235,23 @@ def _placement(spec: ProxyConfigurationSpec) -> Obj:
     return pod
 
 
+def kept_out_affinity(nodes: Iterable[str]) -> Obj:
+    """The pod spec's `affinity` keeping the pods off `nodes` by name (a node an older
+    ProxyConfiguration selects too: admission.Admission.kept_out), or {} for none. The
+    DaemonSet controller then runs no pod there and removes one that runs there."""
+    names = sorted(set(nodes))
+    if not names:
+        return {}
+    term = {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": names}]}
+    return {
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+            }
+        }
+    }
+
+
 def _xtables(mode: Mode) -> tuple[list[Obj], list[Obj]]:
     """(volumes, mounts) for the node's xtables lock in the modes that run iptables."""
     if mode not in XTABLES_MODES:
@@ -332,8 +350,11 @@ def _external_backend(
     return volumes, mounts, flags, [sidecar]
 
 
-def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> Obj:
-    """The agents: one per selected node, `proxy-agent --mode M --config FILE`."""
+def agent_daemonset(
+    owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions, kept_out: Iterable[str] = ()
+) -> Obj:
+    """The agents: one per selected node, `proxy-agent --mode M --config FILE`; none on the
+    nodes `kept_out` (an older configuration selects them too)."""
     name = child_names(owner.name).agent
     xt_volumes, xt_mounts = _xtables(spec.mode)
     ct_volumes, ct_mounts, ct_flags = _conntrack_access(spec)
@@ -408,6 +429,7 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
                     # Installed with the operator (names.AGENT_SERVICE_ACCOUNT), not created by it.
                     "serviceAccountName": AGENT_SERVICE_ACCOUNT,
                     **_placement(spec),
+                    **kept_out_affinity(kept_out),
                     **_pull_secrets(opts),
                     "terminationGracePeriodSeconds": 30,
                     "containers": [container, *sidecars],
@@ -424,9 +446,12 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
     }
 
 
-def cleanup_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> Obj:
+def cleanup_daemonset(
+    owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions, kept_out: Iterable[str] = ()
+) -> Obj:
     """The short-lived cleanup: on each node the agents ran on, remove the mode's rules, then
-    turn Ready (answer /healthz) so the operator knows that node is clean."""
+    turn Ready (answer /healthz) so the operator knows that node is clean. Not on the nodes
+    `kept_out` (an older configuration's agents run there)."""
     xt_volumes, xt_mounts = _xtables(spec.mode)
     container: Obj = {
         "name": CLEANUP_CONTAINER,
@@ -453,6 +478,7 @@ def cleanup_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOpt
         # The cleanup does not talk to the apiserver: no token in the pod.
         "automountServiceAccountToken": False,
         **_placement(spec),
+        **kept_out_affinity(kept_out),
         **_pull_secrets(opts),
         "terminationGracePeriodSeconds": 5,
         "containers": [container],
@@ -478,14 +504,19 @@ def cleanup_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOpt
 
 
 def agent_children(
-    owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions, rollback: Rollback | None = None
+    owner: Owner,
+    spec: ProxyConfigurationSpec,
+    opts: BuildOptions,
+    rollback: Rollback | None = None,
+    kept_out: Iterable[str] = (),
 ) -> list[Obj]:
     """Everything the agents need, in apply order (the configuration before the pods). Their
     ServiceAccount and RBAC are installed with the operator. `rollback`: in the configuration
-    while a switch of mode runs (it does not change the pod template)."""
+    while a switch of mode runs (it does not change the pod template). `kept_out`: nodes the
+    agents stay off (a conflict with an older configuration)."""
     return [
         config_map(owner, spec, opts, rollback),
-        agent_daemonset(owner, spec, opts),
+        agent_daemonset(owner, spec, opts, kept_out),
     ]
 
 

@@ -266,7 +266,8 @@ class Reconciler:
                                                 opts.namespace)  # fmt: skip
                     else:
                         back = rollback(spec, mode_switch, current)
-                        for obj in agent_children(owner, spec, opts, back):
+                        children = agent_children(owner, spec, opts, back, admission.kept_out)
+                        for obj in children:
                             applied = await self.api.apply(obj)
                             self._note(obj, applied, emit)
                         ds = applied.obj  # the DaemonSet comes last
@@ -279,11 +280,11 @@ class Reconciler:
                         takeover = await self._take_over(uid, spec, reports, nodes, previous,
                                                          emit)  # fmt: skip
                 else:
+                    # Never because of a conflict: that keeps only the contested nodes out.
                     why = (
                         "the spec is invalid" if invalid
                         else "mode ipvs is denied" if admission.ipvs_denied
-                        else "its mode has no backend in the agent" if admission.no_backend
-                        else "its nodes are taken by an older ProxyConfiguration"
+                        else "its mode has no backend in the agent"
                     )  # fmt: skip
                     if uid not in self._cleared:  # once, not on every timer tick
                         await self._delete(child_refs(name, opts), emit, why)
@@ -530,7 +531,7 @@ class Reconciler:
                 if not timed_out:
                     raise NotYet("waiting for the agents to stop", delay=2)
             owner = Owner(name, uid)
-            applied = await self.api.apply(cleanup_daemonset(owner, spec, opts))
+            applied = await self.api.apply(cleanup_daemonset(owner, spec, opts, admission.kept_out))
             if applied.created:
                 emit("Normal", "CleanupStarted",
                      f"Removing the {spec.mode} rules from every node (DaemonSet "

@@ -343,10 +343,23 @@ def test_overlapping_node_selectors_are_a_conflict(env: Env, leader: Operator) -
 
     newer = wait_until(lambda: conflict("e2e-pool-b"), 30, "newer Degraded")
     older = wait_until(lambda: conflict("default"), 30, "older Degraded")
-    assert "deploys nothing" in newer["message"] and "keeps its agents" in older["message"]
+    assert f"keeps its agents off node {NODE}" in newer["message"], newer
+    assert "this one keeps its agents" in older["message"], older
     assert env.get("daemonset", "kpx-agent-default", NS) is not None  # the older one runs
-    assert env.get("daemonset", "kpx-agent-e2e-pool-b", NS) is None
-    # Deleting the newer one needs no cleanup (nothing of it ran) and clears the conflict.
+    # Issue #22: the newer one keeps its DaemonSet and ConfigMap (agents on its other nodes
+    # would keep running); the DaemonSet controller keeps its Pods off the contested node.
+    ds = wait_until(lambda: env.get("daemonset", "kpx-agent-e2e-pool-b", NS), 30, "newer's DS")
+    assert env.get("configmap", "kpx-agent-e2e-pool-b", NS) is not None
+    terms = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]  # fmt: skip
+    assert terms == [{"matchFields": [{"key": "metadata.name", "operator": "NotIn",
+                                       "values": [NODE]}]}]  # fmt: skip
+    # The DaemonSet controller agrees: no node for it.
+    wait_until(lambda: ((env.get("daemonset", "kpx-agent-e2e-pool-b", NS) or {}).get("status")
+                        or {}).get("observedGeneration"), 30, "DS observed")  # fmt: skip
+    ds = env.get("daemonset", "kpx-agent-e2e-pool-b", NS) or {}
+    assert ds["status"].get("desiredNumberScheduled", 0) == 0, ds["status"]
+    # Deleting the newer one (its cleanup keeps off the contested node) clears the conflict.
     env.kubectl("delete", "proxyconfiguration", "e2e-pool-b", "--timeout=30s")
     wait_until(lambda: (env.condition("default", "Degraded") or {}).get("status") == "False",
                30, "conflict cleared")  # fmt: skip

@@ -263,14 +263,42 @@ def test_refused_apply_is_reported_in_the_status() -> None:
     assert "forbidden" in degraded.message
 
 
-def test_conflict_loser_deploys_nothing() -> None:
+def node_affinity_out(api: FakeApi, name: str = "kpx-agent-default") -> list[str]:
+    """The nodes the agent DaemonSet's required node affinity keeps its Pods off."""
+    pod = api.objs[("DaemonSet", NS, name)]["spec"]["template"]["spec"]
+    terms = (((pod.get("affinity") or {}).get("nodeAffinity") or {})
+             .get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get(
+                 "nodeSelectorTerms") or []  # fmt: skip
+    kept_out = [[v for f in t.get("matchFields") or []
+                 if f["key"] == "metadata.name" and f["operator"] == "NotIn" for v in f["values"]]
+                for t in terms]  # fmt: skip
+    assert all(k == kept_out[0] for k in kept_out)  # in every term (terms are ORed)
+    return kept_out[0] if kept_out else []
+
+
+def test_a_conflict_never_removes_running_agents_it_keeps_the_contested_nodes_out() -> None:
+    """Issue #22: a new or relabelled node that an older configuration also selects used to
+    cost the newer one its DaemonSet and ConfigMap (agents gone everywhere, no cleanup)."""
     api, events = FakeApi(), Events()
-    older = PxcInfo("aaa", "uid-aaa", "2025-01-01T00:00:00Z", "nftables")
-    status = run(reconciler(api).reconcile(body(), [older], {"n1": {}}, events))
-    assert api.objs == {}
-    assert status.condition("Degraded").reason == "NodeConflict"
-    assert "node n1" in status.condition("Degraded").message
+    r, pxc = reconciler(api), body()
+    nodes: dict[str, dict[str, str]] = {"n1": {}, "n2": {}}
+    run(r.reconcile(pxc, [], nodes, events))
+    assert node_affinity_out(api) == []
+    # An older configuration selects n1 too (it was relabelled).
+    older = PxcInfo("aaa", "uid-aaa", "2025-01-01T00:00:00Z", "nftables", (("pool", "a"),))
+    nodes["n1"] = {"pool": "a"}
+    status = run(r.reconcile(pxc, [older], nodes, events))
+    assert kinds(api) == AGENT_KINDS and not api.deletes
+    assert node_affinity_out(api) == ["n1"]
+    degraded = status.condition("Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "NodeConflict")
+    assert "node n1" in degraded.message and "ProxyConfiguration aaa" in degraded.message
     assert ("Warning", "NodeConflict") in [e[:2] for e in events]
+    # The conflict ends: n1 comes back.
+    nodes["n1"] = {}
+    status = run(r.reconcile(pxc, [older], nodes, events))
+    assert node_affinity_out(api) == [] and kinds(api) == AGENT_KINDS
+    assert status.condition("Degraded").status == "False"
 
 
 def test_deletion_stops_agents_then_cleans_then_removes_everything() -> None:
@@ -315,11 +343,14 @@ def test_deletion_gives_up_after_the_timeout() -> None:
     assert warning[1] == "CleanupTimedOut" and "1 of 3" in warning[2]
 
 
-def test_blocked_configuration_is_deleted_without_cleanup() -> None:
+def test_a_configuration_in_conflict_cleans_only_its_own_nodes() -> None:
     api, events = FakeApi(), Events()
     older = PxcInfo("aaa", "uid-aaa", "2025-01-01T00:00:00Z", "nftables")
-    run(reconciler(api).finalize(body(), [older], {"n1": {}}, 0, events))
-    assert api.objs == {} and "CleanupStarted" not in events.reasons()
+    api.ds_status["kpx-cleanup-default"] = {"desiredNumberScheduled": 1, "numberReady": 0}
+    with pytest.raises(NotYet):
+        run(reconciler(api).finalize(body(), [older], {"n1": {}}, 0, events))
+    cleanup = api.objs[("DaemonSet", NS, "kpx-cleanup-default")]
+    assert node_affinity_out(api, "kpx-cleanup-default") == ["n1"], cleanup
 
 
 def agent_pod(uid: str, node: str) -> dict[str, Any]:
