@@ -21,9 +21,9 @@ from kpx_api import (
     parse_bind_address,
 )
 from kpx_api.agentconfig import AgentConfiguration, Rollback
-from kpx_api.constants import API_VERSION, KIND
 
 from . import __version__
+from .cleanup import CLEANUP_LABEL
 from .names import (
     AGENT_APP,
     AGENT_SERVICE_ACCOUNT,
@@ -34,6 +34,7 @@ from .names import (
     DEFAULT_NAMESPACE,
     RESTART_HASH_ANNOTATION,
     child_names,
+    instance,
     labels,
     selector_labels,
 )
@@ -129,25 +130,15 @@ class BuildOptions:
     image_pull_secrets: tuple[str, ...] = ()
 
 
-def owner_reference(owner: Owner) -> Obj:
-    """A controller reference to the ProxyConfiguration (cluster-scoped owners may own
-    namespaced children); blocks the owner's foreground deletion until the child is gone."""
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "name": owner.name,
-        "uid": owner.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
 def _meta(owner: Owner, name: str, app: str, namespace: str | None = None) -> Obj:
+    """Name, namespace and labels. No ownerReference: the operator's finalizer alone decides
+    what deleting the ProxyConfiguration does (spec.deletionPolicy); with one, a garbage
+    collector cascade (a foreground deletion, as Argo CD prunes by default) would delete the
+    agents before the operator could orphan them or clean their nodes one by one."""
     meta: Obj = {"name": name}
     if namespace is not None:
         meta["namespace"] = namespace
     meta["labels"] = labels(owner.name, app)
-    meta["ownerReferences"] = [owner_reference(owner)]
     return meta
 
 
@@ -446,12 +437,10 @@ def agent_daemonset(
     }
 
 
-def cleanup_daemonset(
-    owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions, kept_out: Iterable[str] = ()
-) -> Obj:
-    """The short-lived cleanup: on each node the agents ran on, remove the mode's rules, then
-    turn Ready (answer /healthz) so the operator knows that node is clean. Not on the nodes
-    `kept_out` (an older configuration's agents run there)."""
+def cleanup_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> Obj:
+    """The short-lived cleanup (spec.deletionPolicy Cleanup): on each node the operator labels
+    cleanup.CLEANUP_LABEL (one by one, once the node's agent is gone), remove the mode's rules,
+    then turn Ready (answer /healthz) so the operator knows that node is clean."""
     xt_volumes, xt_mounts = _xtables(spec.mode)
     container: Obj = {
         "name": CLEANUP_CONTAINER,
@@ -478,23 +467,20 @@ def cleanup_daemonset(
         # The cleanup does not talk to the apiserver: no token in the pod.
         "automountServiceAccountToken": False,
         **_placement(spec),
-        **kept_out_affinity(kept_out),
         **_pull_secrets(opts),
         "terminationGracePeriodSeconds": 5,
         "containers": [container],
     }
     if xt_volumes:
         pod_spec["volumes"] = xt_volumes
+    pod_spec["nodeSelector"] = {**pod_spec.get("nodeSelector", {}),
+                                CLEANUP_LABEL: instance(owner.name)}  # fmt: skip
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
         "metadata": _meta(owner, child_names(owner.name).cleanup, CLEANUP_APP, opts.namespace),
         "spec": {
             "selector": {"matchLabels": selector_labels(owner.name, CLEANUP_APP)},
-            "updateStrategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxUnavailable": "100%"},
-            },
             "template": {
                 "metadata": {"labels": labels(owner.name, CLEANUP_APP)},
                 "spec": pod_spec,
