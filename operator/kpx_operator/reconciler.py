@@ -602,7 +602,8 @@ class Reconciler:
         if last is None or last[0] != key:
             self._progress[uid] = (key, runtime)
         elif not step.finished and runtime - last[1] >= self.config.cleanup_timeout:
-            await self._give_up(name, spec, step, agent_pods, emit)
+            await self._give_up(name, spec, step, emit)
+            await self._finish_cleanup(name, states, emit)
             return
         await self._take(name, step, agent_pods, emit)
         if not step.finished:
@@ -631,14 +632,10 @@ class Reconciler:
             await self.api.patch("Node", node, None, marks_patch(deleting=inst, cleanup=inst))
 
     async def _give_up(
-        self, name: str, spec: ProxyConfigurationSpec, step: Plan, agent_pods: list[Obj],
-        emit: EventFn,
-    ) -> None:  # fmt: skip
-        """No progress for cleanup_timeout: the agents left stop (their rules stay), and the
-        Warning names the nodes that keep their rules."""
-        ns = self.config.build.namespace
-        for pod in agent_pods:
-            await self.api.delete("Pod", str(pod["metadata"]["name"]), ns)
+        self, name: str, spec: ProxyConfigurationSpec, step: Plan, emit: EventFn
+    ) -> None:
+        """No progress for cleanup_timeout: the Warning names the nodes that keep their rules
+        (their agents stop in _finish_cleanup)."""
         left = sorted([*step.waiting, *step.pending])
         stuck = "; ".join(f"{n}: {why}" for n, why in sorted(step.waiting.items())[:5])
         emit("Warning", "CleanupTimedOut",
@@ -646,12 +643,15 @@ class Reconciler:
              f"{step.total} node(s) clean; the {spec.mode} rules stay on {node_list(left)} "
              f"(their agents stopped; run `proxy-agent cleanup --mode {spec.mode}` there)"
              + (f". Waiting: {stuck}" if stuck else ""))  # fmt: skip
-        states = dict.fromkeys(left, NodeState())
-        await self._finish_cleanup(name, states, emit)
 
     async def _finish_cleanup(
         self, name: str, states: Mapping[str, NodeState], emit: EventFn
     ) -> None:
+        """The end of a Cleanup: any agent Pod left stops (one never scheduled, or on a node
+        given up: its rules stay), the children go, and the nodes lose the cleanup labels."""
+        ns = self.config.build.namespace
+        for pod in await self.api.list("Pod", ns, label_selector=_selector(name, AGENT_APP)):
+            await self.api.delete("Pod", str(pod["metadata"]["name"]), ns)
         await self._delete(child_refs(name, self.config.build), emit,
                            "its ProxyConfiguration is gone")  # fmt: skip
         for node in sorted(states):

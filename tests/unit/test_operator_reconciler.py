@@ -400,19 +400,30 @@ def test_cleanup_goes_node_by_node_at_max_unavailable() -> None:
 
 def test_cleanup_gives_up_after_no_progress_for_the_timeout() -> None:
     api, events = FakeApi(), Events()
-    pxc = body(deletionPolicy="Cleanup")
+    pxc = body(deletionPolicy="Cleanup", maxUnavailable=1)
     r = reconciler(api, cleanup_timeout=60)
-    agents_on(api, "n1")
-    run(r.reconcile(pxc, [], {"n1": {}}, events))
-    for t in (0, 2, 4, 61):  # n1's cleanup Pod never turns Ready
+    agents_on(api, "n1", "n2")
+    never = agent_pod("u-pending", "")  # never scheduled: no node, no rules
+    api.objs[("Pod", NS, never["metadata"]["name"])] = never
+    nodes: dict[str, dict[str, str]] = {"n1": {}, "n2": {}}
+    run(r.reconcile(pxc, [], nodes, events))
+    for t in (0, 2):  # n1: agent stopped, then labelled for the cleanup
         with pytest.raises(NotYet):
-            run(r.finalize(pxc, [], {"n1": {}}, t, events))
-    run(r.finalize(pxc, [], {"n1": {}}, 66, events))
-    assert not any(k in ("DaemonSet", "ConfigMap", "Pod") for k, _, _ in api.objs)
-    assert node_labels(api, "n1") == {}
+            run(r.finalize(pxc, [], nodes, t, events))
+    cleanup_pods_turn_ready(api)  # n1 clean; n2's cleanup Pod will never turn Ready
+    for t in (4, 6, 8, 65):  # no progress since 6
+        with pytest.raises(NotYet):
+            run(r.finalize(pxc, [], nodes, t, events))
+        if t == 6:
+            cleanup_pods_turn_ready(api)  # only n1's
+            del api.objs[("Pod", NS, "kpx-cleanup-default-n2")]
+    run(r.finalize(pxc, [], nodes, 66, events))
+    assert not any(k in ("DaemonSet", "ConfigMap") for k, _, _ in api.objs)
+    assert agent_nodes(api) == set() and ("Pod", NS, never["metadata"]["name"]) not in api.objs
+    assert node_labels(api, "n1") == {} and node_labels(api, "n2") == {}
     (warning,) = [e for e in events if e[0] == "Warning"]
-    assert warning[1] == "CleanupTimedOut" and "0 of 1 node(s) clean" in warning[2]
-    assert "stay on n1" in warning[2] and "its cleanup Pod is not Ready" in warning[2]
+    assert warning[1] == "CleanupTimedOut" and "1 of 2 node(s) clean" in warning[2]
+    assert "stay on n2" in warning[2] and "its cleanup Pod is not Ready" in warning[2]
 
 
 def test_a_configuration_in_conflict_cleans_only_its_own_nodes() -> None:
