@@ -8,8 +8,9 @@ no kube-proxy binary) whose "rules" are an `ip kube-proxy` nftables table put on
 the test. Node by node: the agent's first verified sync (Event FirstSyncVerified) -> the
 operator labels the node and has patched kube-proxy's affinity -> the DaemonSet controller
 takes kube-proxy's Pod off the node -> the agent sees it gone and removes kube-proxy's table
-(KubeProxyRulesRemoved) -> status.takeover says so. Deleting the ProxyConfiguration removes the
-labels, so the DaemonSet controller puts kube-proxy back on both nodes.
+(KubeProxyRulesRemoved) -> status.takeover says so. Deleting the ProxyConfiguration
+(deletionPolicy Cleanup) removes the labels node by node, so the DaemonSet controller puts
+kube-proxy back on both nodes, and then removes kpx's rules there.
 """
 
 from __future__ import annotations
