@@ -24,6 +24,8 @@ from typing import Any, Final
 
 from kpx_api import MODES_WITH_BACKEND, Mode
 
+from .names import LABEL_INSTANCE
+
 #: Node lists in messages are cut after this many names.
 MAX_LISTED_NODES: Final = 10
 
@@ -75,6 +77,8 @@ class Overlap:
     other: str
     nodes: tuple[str, ...]
     other_is_older: bool
+    #: `other` was deleted with deletionPolicy Orphan: its agents still run on `nodes`.
+    orphaned: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,9 +112,12 @@ def admit(
     nodes: Mapping[str, Mapping[str, str]],
     policy: IPVSPolicy,
     backends: Collection[str] = MODES_WITH_BACKEND,
+    orphaned: Mapping[str, Collection[str]] | None = None,
 ) -> Admission:
     """Whether `me` may deploy, given every ProxyConfiguration (`others` may include `me`),
-    the nodes (name -> labels), the ipvs policy and the modes the agent has a backend for."""
+    the nodes (name -> labels), the ipvs policy, the modes the agent has a backend for, and
+    the nodes where agents of deleted configurations still run (`orphaned_agents`): those
+    are kept out as if an older configuration selected them."""
     deprecated = me.mode == Mode.IPVS
     if denied(me.mode, policy):
         return Admission(deploy=False, deprecated=deprecated, ipvs_denied=True)
@@ -126,7 +133,27 @@ def admit(
         shared = sorted(n for n in mine if other.selects(nodes[n]))
         if shared:
             overlaps.append(Overlap(other.name, tuple(shared), other.age_key < me.age_key))
+    for other_name, held in sorted((orphaned or {}).items()):
+        shared = sorted(n for n in mine if n in held)
+        if shared:
+            overlaps.append(Overlap(other_name, tuple(shared), True, orphaned=True))
     return Admission(deploy=True, deprecated=deprecated, overlaps=tuple(overlaps))
+
+
+def orphaned_agents(
+    pods: Iterable[Mapping[str, Any]], configurations: Collection[str]
+) -> dict[str, tuple[str, ...]]:
+    """instance -> the nodes its agent Pods run on, for the agent Pods (label
+    app.kubernetes.io/name=kpx-agent) whose app.kubernetes.io/instance is no ProxyConfiguration
+    of `configurations` (instance label values): what deletionPolicy Orphan left running."""
+    out: dict[str, set[str]] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        inst = str((meta.get("labels") or {}).get(LABEL_INSTANCE) or "")
+        node = str((pod.get("spec") or {}).get("nodeName") or "")
+        if inst and node and inst not in configurations and not meta.get("deletionTimestamp"):
+            out.setdefault(inst, set()).add(node)
+    return {inst: tuple(sorted(held)) for inst, held in sorted(out.items())}
 
 
 def node_list(nodes: Iterable[str]) -> str:
@@ -142,8 +169,13 @@ def conflict_message(admission: Admission) -> str:
     """For the Degraded condition and the events: who overlaps on which nodes, who runs."""
     parts = []
     for o in admission.overlaps:
-        who = "older, runs there" if o.other_is_older else "newer, stays off them"
         nodes = f"node {o.nodes[0]} is" if len(o.nodes) == 1 else f"nodes {node_list(o.nodes)} are"
+        if o.orphaned:
+            parts.append(f"{nodes} still served by the agents of ProxyConfiguration {o.other}, "
+                         "deleted with deletionPolicy Orphan (delete its DaemonSet to free "
+                         "them)")  # fmt: skip
+            continue
+        who = "older, runs there" if o.other_is_older else "newer, stays off them"
         parts.append(f"{nodes} also selected by ProxyConfiguration {o.other} ({who})")
     out = admission.kept_out
     verdict = (

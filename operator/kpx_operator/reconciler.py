@@ -35,7 +35,15 @@ from kpx_api.proxyconfiguration import DeletionPolicy, ModeSwitchStatus
 from kpx_api.scheduling import resolve_int_or_percent
 from kpx_api.takeover import KUBE_PROXY_OFF_LABEL, TakeoverStatus
 
-from .admission import Admission, IPVSPolicy, PxcInfo, admit, conflict_message, node_list
+from .admission import (
+    Admission,
+    IPVSPolicy,
+    PxcInfo,
+    admit,
+    conflict_message,
+    node_list,
+    orphaned_agents,
+)
 from .agent_reports import NodeProblem, conntrack_problems
 from .apiserver import ApiError, Applied
 from .builders import (
@@ -59,7 +67,7 @@ from .cleanup import (
 )
 from .mode_switch import node_phases as switch_phases
 from .mode_switch import rollback, rolled_back, stuck, stuck_after, switch_status, track
-from .names import AGENT_APP, CLEANUP_APP, child_names, instance, selector_labels
+from .names import AGENT_APP, CLEANUP_APP, LABEL_NAME, child_names, instance, selector_labels
 from .preflight import Preflight, assess, preflight_reports
 from .preflight import condition as condition_of
 from .status import (
@@ -181,14 +189,30 @@ class Reconciler:
                       if k[2] not in (names.agent, names.cleanup)}  # fmt: skip
 
     def _decide(
-        self, body: Mapping[str, Any], pxcs: Iterable[PxcInfo], nodes: Mapping[str, Any]
+        self,
+        body: Mapping[str, Any],
+        pxcs: Iterable[PxcInfo],
+        nodes: Mapping[str, Any],
+        orphaned: Mapping[str, tuple[str, ...]] | None = None,
     ) -> tuple[ProxyConfigurationSpec | None, str | None, Admission]:
         me = PxcInfo.from_body(body)
         try:
             spec = parse_spec(body.get("spec") or {})
         except ConfigError as exc:
             return None, str(exc), Admission(deploy=False, deprecated=me.mode == "ipvs")
-        return spec, None, admit(me, pxcs, nodes, self.config.ipvs_policy, self.config.backends)
+        return spec, None, admit(me, pxcs, nodes, self.config.ipvs_policy, self.config.backends,
+                                 orphaned)  # fmt: skip
+
+    async def _orphaned(self, name: str, pxcs: Iterable[PxcInfo]) -> dict[str, tuple[str, ...]]:
+        """The nodes where agents of deleted configurations (deletionPolicy Orphan) still run,
+        by instance ({} when the Pods cannot be read: logged)."""
+        ns = self.config.build.namespace
+        try:
+            pods = await self.api.list("Pod", ns, label_selector=f"{LABEL_NAME}={AGENT_APP}")
+        except ApiError as exc:
+            log.warning("%s: cannot list the agent Pods: %s", name, exc)
+            return {}
+        return orphaned_agents(pods, {instance(p.name) for p in pxcs} | {instance(name)})
 
     def _note(self, obj: Mapping[str, Any], applied: Applied, emit: EventFn) -> None:
         """Events for what an apply changed: created, updated, or a hand edit undone."""
@@ -239,7 +263,9 @@ class Reconciler:
             if uid in self._deleting or meta.get("deletionTimestamp"):
                 return None
             generation = int(meta.get("generation") or 0)
-            spec, invalid, admission = self._decide(body, pxcs, nodes)
+            pxcs = list(pxcs)
+            orphaned = await self._orphaned(name, pxcs)
+            spec, invalid, admission = self._decide(body, pxcs, nodes, orphaned)
             owner = Owner(name, uid)
             opts = self.config.build
             error: str | None = None

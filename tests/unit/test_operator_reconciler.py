@@ -426,6 +426,26 @@ def test_cleanup_gives_up_after_no_progress_for_the_timeout() -> None:
     assert "stay on n2" in warning[2] and "its cleanup Pod is not Ready" in warning[2]
 
 
+def test_the_nodes_of_orphaned_agents_are_kept_out_of_another_configuration() -> None:
+    """deletionPolicy Orphan leaves agents running: a configuration created later (another
+    name) that selects their nodes must not put a second agent there."""
+    api, events = FakeApi(), Events()
+    orphan = agent_pod("u-old", "n1")
+    orphan["metadata"]["labels"]["app.kubernetes.io/instance"] = "old"
+    api.objs[("Pod", NS, "kpx-agent-old-x")] = orphan
+    nodes: dict[str, dict[str, str]] = {"n1": {}, "n2": {}}
+    status = run(reconciler(api).reconcile(body(), [], nodes, events))
+    assert node_affinity_out(api) == ["n1"]
+    degraded = status.condition("Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "NodeConflict")
+    assert "node n1" in degraded.message and "old" in degraded.message
+    assert "deletionPolicy Orphan" in degraded.message
+    # Its own agents (the same instance, e.g. adopted after a re-creation) are no conflict.
+    orphan["metadata"]["labels"]["app.kubernetes.io/instance"] = "default"
+    status = run(reconciler(api).reconcile(body(), [], nodes, events))
+    assert node_affinity_out(api) == [] and status.condition("Degraded").status == "False"
+
+
 def test_a_configuration_in_conflict_cleans_only_its_own_nodes() -> None:
     api, events = FakeApi(), Events()
     older = PxcInfo("aaa", "uid-aaa", "2025-01-01T00:00:00Z", "nftables", (("pool", "a"),))
