@@ -11,6 +11,7 @@ from kpx_operator.admission import (
     admit,
     conflict_message,
     node_list,
+    orphaned_agents,
 )
 
 NODES = {
@@ -139,3 +140,23 @@ def test_messages_name_the_nodes_and_who_runs() -> None:
     assert "newer, stays off them" in conflict_message(admit(OLD_ALL, [POOL_A], NODES,
                                                              IPVSPolicy.WARN))  # fmt: skip
     assert node_list([f"n{i}" for i in range(12)]).endswith("n9 and 2 more")
+
+
+def agent(instance: str, node: str, terminating: bool = False) -> dict[str, object]:
+    meta: dict[str, object] = {"labels": {"app.kubernetes.io/name": "kpx-agent",
+                                          "app.kubernetes.io/instance": instance}}  # fmt: skip
+    if terminating:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "spec": {"nodeName": node}}
+
+
+def test_orphaned_agents_hold_their_nodes_against_every_configuration() -> None:
+    pods = [agent("gone", "a1"), agent("gone", "b1"), agent("pool-a", "a2"),
+            agent("leaving", "a2", terminating=True), agent("pending", "")]  # fmt: skip
+    orphaned = orphaned_agents(pods, {"pool-a", "everything"})
+    assert orphaned == {"gone": ("a1", "b1")}
+    # Even the oldest configuration keeps those nodes out; only its own are shared.
+    adm = admit(OLD_ALL, [OLD_ALL], NODES, IPVSPolicy.WARN, orphaned=orphaned)
+    assert adm.kept_out == ("a1", "b1")
+    assert [(o.other, o.orphaned) for o in adm.overlaps] == [("gone", True)]
+    assert "deleted with deletionPolicy Orphan" in conflict_message(adm)
