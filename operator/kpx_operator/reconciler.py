@@ -167,6 +167,8 @@ class Reconciler:
         self._cleared: set[str] = set()  # uids whose children were removed (not deployed)
         #: uid -> (where a Cleanup deletion stood, `runtime` when it last moved)
         self._progress: dict[str, tuple[object, float]] = {}
+        #: uids whose agents' DaemonSet this process deleted (a Cleanup under way)
+        self._agents_stopped: set[str] = set()
 
     # -- helpers ---------------------------------------------------------------------------------
     def _lock(self, uid: str) -> asyncio.Lock:
@@ -543,9 +545,10 @@ class Reconciler:
             if spec.deletion_policy is DeletionPolicy.ORPHAN:
                 await self._orphan(name, spec, emit)
             else:
-                await self._clean_node_by_node(uid, name, spec, nodes, runtime, emit)
+                await self._clean_node_by_node(uid, name, spec, admission, nodes, runtime, emit)
             self._forget(uid, name)
             self._progress.pop(uid, None)
+            self._agents_stopped.discard(uid)
 
     async def _orphan(self, name: str, spec: ProxyConfigurationSpec, emit: EventFn) -> None:
         """deletionPolicy Orphan: the agents' DaemonSet and ConfigMap stay (they carry no
@@ -575,6 +578,7 @@ class Reconciler:
         uid: str,
         name: str,
         spec: ProxyConfigurationSpec,
+        admission: Admission,
         nodes: Mapping[str, Mapping[str, str]],
         runtime: float,
         emit: EventFn,
@@ -582,7 +586,10 @@ class Reconciler:
         """deletionPolicy Cleanup (cleanup.py): the agents' DaemonSet goes first with its Pods
         orphaned (they keep serving), then each node in turn, `spec.maxUnavailable` at a time:
         kube-proxy back and Ready (moveKubeProxyOff), its agent stopped, its rules removed by
-        the cleanup DaemonSet's Pod there."""
+        the cleanup DaemonSet's Pod there. When there was no DaemonSet to delete and there is
+        no agent Pod and no node in its turn (the DaemonSet deleted by hand: its agents left
+        their rules), the nodes spec.nodeSelector selects (but the contested ones) are
+        cleaned."""
         opts = self.config.build
         ns = opts.namespace
         names = child_names(name)
@@ -591,6 +598,7 @@ class Reconciler:
         if agents is not None and not (agents.get("metadata") or {}).get("deletionTimestamp"):
             # Orphan propagation: the Pods stay, and are stopped one node at a time below.
             await self.api.delete("DaemonSet", names.agent, ns, propagation="Orphan")
+            self._agents_stopped.add(uid)
             emit("Normal", "StoppingAgents",
                  f"Deleting DaemonSet {ns}/{names.agent} (its Pods stay), then cleaning the "
                  f"nodes {spec.max_unavailable} at a time")  # fmt: skip
@@ -620,6 +628,10 @@ class Reconciler:
                     label_selector=",".join(f"{k}={v}" for k, v in match.items()),
                 )  # fmt: skip
         states = node_states(inst, agent_pods, cleanup_pods, marked, kube_proxy_pods, nodes)
+        if agents is None and not states and uid not in self._agents_stopped:
+            selected = PxcInfo.from_body({"spec": {"nodeSelector": spec.node_selector}})
+            states = {n: NodeState() for n, labels in sorted(nodes.items())
+                      if selected.selects(labels) and n not in admission.kept_out}  # fmt: skip
         window = resolve_int_or_percent(spec.max_unavailable, max(1, len(states)))
         step = plan(states, window, wait_for_kube_proxy=wait_for_kube_proxy)
         # Progress: a node clean, or a step taken. No progress for cleanup_timeout: give up.

@@ -446,6 +446,28 @@ def test_the_nodes_of_orphaned_agents_are_kept_out_of_another_configuration() ->
     assert node_affinity_out(api) == [] and status.condition("Degraded").status == "False"
 
 
+def test_cleanup_without_agents_left_cleans_the_selected_nodes() -> None:
+    """The agents' DaemonSet was deleted by hand before the deletion: their rules stay on the
+    nodes (a stopped agent leaves them), so the selected nodes are cleaned all the same."""
+    api, events = FakeApi(), Events()
+    nodes: dict[str, dict[str, str]] = {"n1": {}, "n2": {}}
+    for node in nodes:
+        api.objs[("Node", None, node)] = {"kind": "Node", "metadata": {"name": node}}
+    pxc = body(deletionPolicy="Cleanup", maxUnavailable="100%")
+    with pytest.raises(NotYet):
+        run(reconciler(api).finalize(pxc, [], nodes, 0, events))
+    assert [node_labels(api, n).get("proxy.kpx.dev/cleanup") for n in nodes] == ["default"] * 2
+    # With its DaemonSet, the nodes are those its agents run on: here none (say, tainted).
+    api, r = FakeApi(), reconciler(FakeApi())
+    r.api = api
+    for node in nodes:
+        api.objs[("Node", None, node)] = {"kind": "Node", "metadata": {"name": node}}
+    run(r.reconcile(pxc, [], nodes, events))
+    run(r.finalize(pxc, [], nodes, 0, events))  # done at once: nothing to clean
+    assert [node_labels(api, n) for n in nodes] == [{}, {}]
+    assert not {k for k, _ in kinds(api)} & {"DaemonSet", "ConfigMap"}
+
+
 def test_a_configuration_in_conflict_cleans_only_its_own_nodes() -> None:
     api, events = FakeApi(), Events()
     older = PxcInfo("aaa", "uid-aaa", "2025-01-01T00:00:00Z", "nftables", (("pool", "a"),))
