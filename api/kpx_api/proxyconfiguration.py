@@ -71,6 +71,18 @@ class ModeSwitch(KpxModel):
     )
 
 
+class DeletionPolicy(StrEnum):
+    """What deleting the ProxyConfiguration does to its agents and their rules."""
+
+    #: The agents' DaemonSet and ConfigMap are left in place, without an owner: the agents keep
+    #: serving Services, their rules stay (the safe default: a prune or a wrong
+    #: `kubectl delete` is no outage).
+    ORPHAN = "Orphan"
+    #: The agents are stopped and their rules removed, node by node (maxUnavailable at a time;
+    #: with takeover.moveKubeProxyOff, once kube-proxy is back and Ready on the node).
+    CLEANUP = "Cleanup"
+
+
 class ProxyConfigurationSpec(ProxySettings):
     """Desired state: the proxy mode and its settings, and where the agents run."""
 
@@ -104,6 +116,15 @@ class ProxyConfigurationSpec(ProxySettings):
     mode_switch: ModeSwitch = Field(
         default_factory=ModeSwitch,
         description="A change of mode that drops settings in effect (docs/migrating.md).",
+    )
+    deletion_policy: DeletionPolicy = Field(
+        default=DeletionPolicy.ORPHAN,
+        description="What deleting this ProxyConfiguration does. Orphan (default): its agents' "
+        "DaemonSet and ConfigMap stay, without an owner, so the agents keep serving Services "
+        "(re-creating a ProxyConfiguration of the same name adopts them). Cleanup: the agents "
+        "stop and their rules are removed node by node, maxUnavailable nodes at a time; with "
+        "takeover.moveKubeProxyOff, a node's rules go only once kube-proxy is Ready there "
+        "again (docs/operator.md, Deletion).",
     )
 
 

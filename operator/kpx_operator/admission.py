@@ -6,11 +6,13 @@ nothing: its agents would only exit at start, over and over.
 
 Two ProxyConfigurations whose node selectors select the same node would run two agents on it,
 programming the same kernel. That is a conflict: both report it (Degraded, naming the nodes),
-and of each conflicting pair the older one (creationTimestamp, then name) keeps its agents
-while the newer one deploys nothing. The rule is pairwise, so the outcome never depends on
-which other objects happen to be blocked: a configuration runs iff it shares no node with an
-older one. Configurations that the ipvs policy denies, or whose mode has no backend, deploy
-nothing and so conflict with nobody.
+and of each conflicting pair the older one (creationTimestamp, then name) keeps the contested
+nodes while the newer one keeps them out of its agents (`Admission.kept_out`): its agents on
+its other nodes keep running. A conflict never removes running agents elsewhere (issue #22: a
+relabelled or new node must not cost a configuration its agents everywhere). The rule is
+pairwise, so the outcome never depends on which other objects happen to be in conflict: a
+configuration runs on the nodes it shares with no older one. Configurations that the ipvs
+policy denies, or whose mode has no backend, deploy nothing and so conflict with nobody.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from enum import StrEnum
 from typing import Any, Final
 
 from kpx_api import MODES_WITH_BACKEND, Mode
+
+from .names import LABEL_INSTANCE
 
 #: Node lists in messages are cut after this many names.
 MAX_LISTED_NODES: Final = 10
@@ -73,6 +77,8 @@ class Overlap:
     other: str
     nodes: tuple[str, ...]
     other_is_older: bool
+    #: `other` was deleted with deletionPolicy Orphan: its agents still run on `nodes`.
+    orphaned: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,8 +93,13 @@ class Admission:
 
     @property
     def blocked_by(self) -> tuple[Overlap, ...]:
-        """The overlaps with older configurations: any of them blocks this one."""
+        """The overlaps with older configurations: their nodes are kept out of this one."""
         return tuple(o for o in self.overlaps if o.other_is_older)
+
+    @property
+    def kept_out(self) -> tuple[str, ...]:
+        """The nodes this configuration's agents stay off (an older one selects them too)."""
+        return tuple(sorted({n for o in self.blocked_by for n in o.nodes}))
 
 
 def denied(mode: str, policy: IPVSPolicy) -> bool:
@@ -101,9 +112,12 @@ def admit(
     nodes: Mapping[str, Mapping[str, str]],
     policy: IPVSPolicy,
     backends: Collection[str] = MODES_WITH_BACKEND,
+    orphaned: Mapping[str, Collection[str]] | None = None,
 ) -> Admission:
     """Whether `me` may deploy, given every ProxyConfiguration (`others` may include `me`),
-    the nodes (name -> labels), the ipvs policy and the modes the agent has a backend for."""
+    the nodes (name -> labels), the ipvs policy, the modes the agent has a backend for, and
+    the nodes where agents of deleted configurations still run (`orphaned_agents`): those
+    are kept out as if an older configuration selected them."""
     deprecated = me.mode == Mode.IPVS
     if denied(me.mode, policy):
         return Admission(deploy=False, deprecated=deprecated, ipvs_denied=True)
@@ -119,8 +133,27 @@ def admit(
         shared = sorted(n for n in mine if other.selects(nodes[n]))
         if shared:
             overlaps.append(Overlap(other.name, tuple(shared), other.age_key < me.age_key))
-    blocked = any(o.other_is_older for o in overlaps)
-    return Admission(deploy=not blocked, deprecated=deprecated, overlaps=tuple(overlaps))
+    for other_name, held in sorted((orphaned or {}).items()):
+        shared = sorted(n for n in mine if n in held)
+        if shared:
+            overlaps.append(Overlap(other_name, tuple(shared), True, orphaned=True))
+    return Admission(deploy=True, deprecated=deprecated, overlaps=tuple(overlaps))
+
+
+def orphaned_agents(
+    pods: Iterable[Mapping[str, Any]], configurations: Collection[str]
+) -> dict[str, tuple[str, ...]]:
+    """instance -> the nodes its agent Pods run on, for the agent Pods (label
+    app.kubernetes.io/name=kpx-agent) whose app.kubernetes.io/instance is no ProxyConfiguration
+    of `configurations` (instance label values): what deletionPolicy Orphan left running."""
+    out: dict[str, set[str]] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        inst = str((meta.get("labels") or {}).get(LABEL_INSTANCE) or "")
+        node = str((pod.get("spec") or {}).get("nodeName") or "")
+        if inst and node and inst not in configurations and not meta.get("deletionTimestamp"):
+            out.setdefault(inst, set()).add(node)
+    return {inst: tuple(sorted(held)) for inst, held in sorted(out.items())}
 
 
 def node_list(nodes: Iterable[str]) -> str:
@@ -136,12 +169,19 @@ def conflict_message(admission: Admission) -> str:
     """For the Degraded condition and the events: who overlaps on which nodes, who runs."""
     parts = []
     for o in admission.overlaps:
-        who = "older, keeps its agents" if o.other_is_older else "newer, deploys nothing"
         nodes = f"node {o.nodes[0]} is" if len(o.nodes) == 1 else f"nodes {node_list(o.nodes)} are"
+        if o.orphaned:
+            parts.append(f"{nodes} still served by the agents of ProxyConfiguration {o.other}, "
+                         "deleted with deletionPolicy Orphan (delete its DaemonSet to free "
+                         "them)")  # fmt: skip
+            continue
+        who = "older, runs there" if o.other_is_older else "newer, stays off them"
         parts.append(f"{nodes} also selected by ProxyConfiguration {o.other} ({who})")
+    out = admission.kept_out
     verdict = (
-        "this one deploys nothing until the node selectors are disjoint"
-        if admission.blocked_by
+        f"this one keeps its agents off {'node' if len(out) == 1 else 'nodes'} "
+        f"{node_list(out)} until the node selectors are disjoint (its other nodes keep theirs)"
+        if out
         else "this one keeps its agents"
     )
     return "; ".join(parts) + f": {verdict}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -20,10 +21,10 @@ from kpx_api import (
     parse_bind_address,
 )
 from kpx_api.agentconfig import AgentConfiguration, Rollback
-from kpx_api.constants import API_VERSION, KIND
 from kpx_kube.credentials import APISERVER_ENDPOINTS_ENV
 
 from . import __version__
+from .cleanup import CLEANUP_LABEL
 from .names import (
     AGENT_APP,
     AGENT_SERVICE_ACCOUNT,
@@ -34,6 +35,7 @@ from .names import (
     DEFAULT_NAMESPACE,
     RESTART_HASH_ANNOTATION,
     child_names,
+    instance,
     labels,
     selector_labels,
 )
@@ -133,25 +135,15 @@ class BuildOptions:
     image_pull_secrets: tuple[str, ...] = ()
 
 
-def owner_reference(owner: Owner) -> Obj:
-    """A controller reference to the ProxyConfiguration (cluster-scoped owners may own
-    namespaced children); blocks the owner's foreground deletion until the child is gone."""
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "name": owner.name,
-        "uid": owner.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
 def _meta(owner: Owner, name: str, app: str, namespace: str | None = None) -> Obj:
+    """Name, namespace and labels. No ownerReference: the operator's finalizer alone decides
+    what deleting the ProxyConfiguration does (spec.deletionPolicy); with one, a garbage
+    collector cascade (a foreground deletion, as Argo CD prunes by default) would delete the
+    agents before the operator could orphan them or clean their nodes one by one."""
     meta: Obj = {"name": name}
     if namespace is not None:
         meta["namespace"] = namespace
     meta["labels"] = labels(owner.name, app)
-    meta["ownerReferences"] = [owner_reference(owner)]
     return meta
 
 
@@ -237,6 +229,23 @@ def _placement(spec: ProxyConfigurationSpec) -> Obj:
     if spec.tolerations:
         pod["tolerations"] = [t.to_dict() for t in spec.tolerations]
     return pod
+
+
+def kept_out_affinity(nodes: Iterable[str]) -> Obj:
+    """The pod spec's `affinity` keeping the pods off `nodes` by name (a node an older
+    ProxyConfiguration selects too: admission.Admission.kept_out), or {} for none. The
+    DaemonSet controller then runs no pod there and removes one that runs there."""
+    names = sorted(set(nodes))
+    if not names:
+        return {}
+    term = {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": names}]}
+    return {
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+            }
+        }
+    }
 
 
 def _xtables(mode: Mode) -> tuple[list[Obj], list[Obj]]:
@@ -339,8 +348,11 @@ def _external_backend(
     return volumes, mounts, flags, [sidecar]
 
 
-def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> Obj:
-    """The agents: one per selected node, `proxy-agent --mode M --config FILE`."""
+def agent_daemonset(
+    owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions, kept_out: Iterable[str] = ()
+) -> Obj:
+    """The agents: one per selected node, `proxy-agent --mode M --config FILE`; none on the
+    nodes `kept_out` (an older configuration selects them too)."""
     name = child_names(owner.name).agent
     xt_volumes, xt_mounts = _xtables(spec.mode)
     ct_volumes, ct_mounts, ct_flags = _conntrack_access(spec)
@@ -417,6 +429,7 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
                     # Installed with the operator (names.AGENT_SERVICE_ACCOUNT), not created by it.
                     "serviceAccountName": AGENT_SERVICE_ACCOUNT,
                     **_placement(spec),
+                    **kept_out_affinity(kept_out),
                     **_pull_secrets(opts),
                     "terminationGracePeriodSeconds": 30,
                     "containers": [container, *sidecars],
@@ -434,8 +447,9 @@ def agent_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptio
 
 
 def cleanup_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions) -> Obj:
-    """The short-lived cleanup: on each node the agents ran on, remove the mode's rules, then
-    turn Ready (answer /healthz) so the operator knows that node is clean."""
+    """The short-lived cleanup (spec.deletionPolicy Cleanup): on each node the operator labels
+    cleanup.CLEANUP_LABEL (one by one, once the node's agent is gone), remove the mode's rules,
+    then turn Ready (answer /healthz) so the operator knows that node is clean."""
     xt_volumes, xt_mounts = _xtables(spec.mode)
     container: Obj = {
         "name": CLEANUP_CONTAINER,
@@ -468,16 +482,14 @@ def cleanup_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOpt
     }
     if xt_volumes:
         pod_spec["volumes"] = xt_volumes
+    pod_spec["nodeSelector"] = {**pod_spec.get("nodeSelector", {}),
+                                CLEANUP_LABEL: instance(owner.name)}  # fmt: skip
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
         "metadata": _meta(owner, child_names(owner.name).cleanup, CLEANUP_APP, opts.namespace),
         "spec": {
             "selector": {"matchLabels": selector_labels(owner.name, CLEANUP_APP)},
-            "updateStrategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxUnavailable": "100%"},
-            },
             "template": {
                 "metadata": {"labels": labels(owner.name, CLEANUP_APP)},
                 "spec": pod_spec,
@@ -487,14 +499,19 @@ def cleanup_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOpt
 
 
 def agent_children(
-    owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOptions, rollback: Rollback | None = None
+    owner: Owner,
+    spec: ProxyConfigurationSpec,
+    opts: BuildOptions,
+    rollback: Rollback | None = None,
+    kept_out: Iterable[str] = (),
 ) -> list[Obj]:
     """Everything the agents need, in apply order (the configuration before the pods). Their
     ServiceAccount and RBAC are installed with the operator. `rollback`: in the configuration
-    while a switch of mode runs (it does not change the pod template)."""
+    while a switch of mode runs (it does not change the pod template). `kept_out`: nodes the
+    agents stay off (a conflict with an older configuration)."""
     return [
         config_map(owner, spec, opts, rollback),
-        agent_daemonset(owner, spec, opts),
+        agent_daemonset(owner, spec, opts, kept_out),
     ]
 
 

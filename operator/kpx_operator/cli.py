@@ -104,7 +104,8 @@ def parser() -> argparse.ArgumentParser:
         "--cleanup-timeout",
         type=float,
         default=300.0,
-        help="seconds a deletion waits for every node to report clean (default 300)",
+        help="seconds a deletionPolicy Cleanup deletion waits without progress (no node "
+        "turning clean) before it gives up on the nodes left (default 300)",
     )
     p.add_argument(
         "--leader-elect",

@@ -3,9 +3,10 @@
 `Reconciler.reconcile` runs on every spec change and on a timer (so a deleted or hand-edited
 child comes back): decide (admission), apply or remove the children, observe the DaemonSet,
 compute the status and write it when it changed. `Reconciler.finalize` runs when a
-ProxyConfiguration is deleted: stop the agents, clean their rules off every node with a
-short-lived DaemonSet, remove everything. Both are idempotent, so an operator killed half-way
-simply does the rest on its next pass. Passes for one object never overlap (a lock per uid).
+ProxyConfiguration is deleted: with spec.deletionPolicy Orphan (the default) the agents keep
+running; with Cleanup they stop and their rules go node by node (cleanup.py). Both are
+idempotent, so an operator killed half-way simply does the rest on its next pass. Passes for
+one object never overlap (a lock per uid).
 """
 
 from __future__ import annotations
@@ -30,10 +31,19 @@ from kpx_api import (
 from kpx_api.agentconfig import AgentConfiguration, parse_agent_config_text
 from kpx_api.constants import AGENT_EVENT_SOURCE
 from kpx_api.preflight import dropped_settings
-from kpx_api.proxyconfiguration import ModeSwitchStatus
+from kpx_api.proxyconfiguration import DeletionPolicy, ModeSwitchStatus
+from kpx_api.scheduling import resolve_int_or_percent
 from kpx_api.takeover import KUBE_PROXY_OFF_LABEL, TakeoverStatus
 
-from .admission import Admission, IPVSPolicy, PxcInfo, admit, conflict_message
+from .admission import (
+    Admission,
+    IPVSPolicy,
+    PxcInfo,
+    admit,
+    conflict_message,
+    node_list,
+    orphaned_agents,
+)
 from .agent_reports import NodeProblem, conntrack_problems
 from .apiserver import ApiError, Applied
 from .apiserver_endpoints import REFRESH_SECONDS, SLICE_NAME, SLICE_NAMESPACE, endpoints_of
@@ -46,16 +56,25 @@ from .builders import (
     child_refs,
     cleanup_daemonset,
 )
+from .cleanup import (
+    CLEANUP_LABEL,
+    DELETING_LABEL,
+    NodeState,
+    Plan,
+    marks_patch,
+    node_states,
+    plan,
+    waiting_summary,
+)
 from .mode_switch import node_phases as switch_phases
 from .mode_switch import rollback, rolled_back, stuck, stuck_after, switch_status, track
-from .names import AGENT_APP, child_names, selector_labels
+from .names import AGENT_APP, CLEANUP_APP, LABEL_NAME, child_names, instance, selector_labels
 from .preflight import Preflight, assess, preflight_reports
 from .preflight import condition as condition_of
 from .status import (
     IPVS_DENIED_MESSAGE,
     NFTABLES_ADVICE,
     Observed,
-    Rollout,
     compute_status,
     is_current,
     parse_status,
@@ -112,8 +131,8 @@ class OperatorConfig:
     ipvs_policy: IPVSPolicy = IPVSPolicy.WARN
     #: The modes the agent has a backend for (deploy nothing for the others).
     backends: frozenset[str] = MODES_WITH_BACKEND
-    #: Seconds a deletion waits for the nodes to report clean before it gives up (and
-    #: leaves the rules of the unreachable nodes in place).
+    #: Seconds a Cleanup deletion waits without progress (no node turning clean, no step
+    #: taken) before it gives up, leaving the rules of the nodes not clean in place.
     cleanup_timeout: float = 300.0
 
 
@@ -123,6 +142,10 @@ def _ref(kind: str, name: str, namespace: str | None) -> str:
 
 def _digest(obj: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _selector(pxc_name: str, app: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(pxc_name, app).items())
 
 
 def _now() -> datetime:
@@ -145,6 +168,10 @@ class Reconciler:
         self._cleared: set[str] = set()  # uids whose children were removed (not deployed)
         #: The apiserver's addresses for the agents, and when they were read (`clock`).
         self._apiserver: tuple[tuple[str, ...], float] | None = None
+        #: uid -> (where a Cleanup deletion stood, `runtime` when it last moved)
+        self._progress: dict[str, tuple[object, float]] = {}
+        #: uids whose agents' DaemonSet this process deleted (a Cleanup under way)
+        self._agents_stopped: set[str] = set()
 
     # -- helpers ---------------------------------------------------------------------------------
     async def _options(self) -> BuildOptions:
@@ -195,14 +222,30 @@ class Reconciler:
                       if k[2] not in (names.agent, names.cleanup)}  # fmt: skip
 
     def _decide(
-        self, body: Mapping[str, Any], pxcs: Iterable[PxcInfo], nodes: Mapping[str, Any]
+        self,
+        body: Mapping[str, Any],
+        pxcs: Iterable[PxcInfo],
+        nodes: Mapping[str, Any],
+        orphaned: Mapping[str, tuple[str, ...]] | None = None,
     ) -> tuple[ProxyConfigurationSpec | None, str | None, Admission]:
         me = PxcInfo.from_body(body)
         try:
             spec = parse_spec(body.get("spec") or {})
         except ConfigError as exc:
             return None, str(exc), Admission(deploy=False, deprecated=me.mode == "ipvs")
-        return spec, None, admit(me, pxcs, nodes, self.config.ipvs_policy, self.config.backends)
+        return spec, None, admit(me, pxcs, nodes, self.config.ipvs_policy, self.config.backends,
+                                 orphaned)  # fmt: skip
+
+    async def _orphaned(self, name: str, pxcs: Iterable[PxcInfo]) -> dict[str, tuple[str, ...]]:
+        """The nodes where agents of deleted configurations (deletionPolicy Orphan) still run,
+        by instance ({} when the Pods cannot be read: logged)."""
+        ns = self.config.build.namespace
+        try:
+            pods = await self.api.list("Pod", ns, label_selector=f"{LABEL_NAME}={AGENT_APP}")
+        except ApiError as exc:
+            log.warning("%s: cannot list the agent Pods: %s", name, exc)
+            return {}
+        return orphaned_agents(pods, {instance(p.name) for p in pxcs} | {instance(name)})
 
     def _note(self, obj: Mapping[str, Any], applied: Applied, emit: EventFn) -> None:
         """Events for what an apply changed: created, updated, or a hand edit undone."""
@@ -253,7 +296,9 @@ class Reconciler:
             if uid in self._deleting or meta.get("deletionTimestamp"):
                 return None
             generation = int(meta.get("generation") or 0)
-            spec, invalid, admission = self._decide(body, pxcs, nodes)
+            pxcs = list(pxcs)
+            orphaned = await self._orphaned(name, pxcs)
+            spec, invalid, admission = self._decide(body, pxcs, nodes, orphaned)
             owner = Owner(name, uid)
             opts = await self._options()
             error: str | None = None
@@ -297,7 +342,8 @@ class Reconciler:
                                                 opts.namespace)  # fmt: skip
                     else:
                         back = rollback(spec, mode_switch, current)
-                        for obj in agent_children(owner, spec, opts, back):
+                        children = agent_children(owner, spec, opts, back, admission.kept_out)
+                        for obj in children:
                             applied = await self.api.apply(obj)
                             self._note(obj, applied, emit)
                         ds = applied.obj  # the DaemonSet comes last
@@ -310,11 +356,11 @@ class Reconciler:
                         takeover = await self._take_over(uid, spec, reports, nodes, previous,
                                                          emit)  # fmt: skip
                 else:
+                    # Never because of a conflict: that keeps only the contested nodes out.
                     why = (
                         "the spec is invalid" if invalid
                         else "mode ipvs is denied" if admission.ipvs_denied
-                        else "its mode has no backend in the agent" if admission.no_backend
-                        else "its nodes are taken by an older ProxyConfiguration"
+                        else "its mode has no backend in the agent"
                     )  # fmt: skip
                     if uid not in self._cleared:  # once, not on every timer tick
                         await self._delete(child_refs(name, opts), emit, why)
@@ -482,23 +528,6 @@ class Reconciler:
                      f"serves (retrying): {exc}")  # fmt: skip
             return []
 
-    async def _move_kube_proxy_back(
-        self, name: str, nodes: Mapping[str, Mapping[str, str]], emit: EventFn
-    ) -> None:
-        """Before the agents of `name` stop: remove KUBE_PROXY_OFF_LABEL from their nodes, so
-        that the kube-proxy DaemonSet comes back to them (raises ApiError: the deletion is
-        retried)."""
-        ns = self.config.build.namespace
-        selector = ",".join(f"{k}={v}" for k, v in selector_labels(name, AGENT_APP).items())
-        pods = await self.api.list("Pod", ns, label_selector=selector)
-        mine = {str((p.get("spec") or {}).get("nodeName") or "") for p in pods}
-        for node in sorted(n for n in mine if KUBE_PROXY_OFF_LABEL in (nodes.get(n) or {})):
-            await self.api.patch("Node", node, None, node_label_patch(node, False))
-            emit("Normal", "KubeProxyMovedBack",
-                 f"node {node}: label {KUBE_PROXY_OFF_LABEL} removed, so "
-                 f"{KUBE_PROXY_NAMESPACE}/{KUBE_PROXY_DAEMONSET} comes back to it before "
-                 "the kpx agent there stops")  # fmt: skip
-
     def _announce(
         self, uid: str, generation: int, mode: str, adm: Admission, emit: EventFn
     ) -> None:
@@ -529,53 +558,173 @@ class Reconciler:
         runtime: float,
         emit: EventFn,
     ) -> None:
-        """Stop the agents, clean every node, remove the children. Raises NotYet while it
-        waits; after `cleanup_timeout` seconds (`runtime`: since the deletion began) it stops
-        waiting, says how many nodes reported clean, and finishes."""
+        """What spec.deletionPolicy says: Orphan leaves the agents running (their DaemonSet and
+        ConfigMap stay); Cleanup stops them and removes their rules node by node. Raises
+        NotYet while it waits; a Cleanup that makes no progress for `cleanup_timeout` seconds
+        stops waiting, says which nodes keep their rules, and finishes."""
         meta = body.get("metadata") or {}
         uid, name = str(meta.get("uid")), str(meta.get("name"))
         self._deleting.add(uid)
         opts = await self._options()
-        names = child_names(name)
         async with self._lock(uid):
             spec, _, admission = self._decide(body, pxcs, nodes)
             if spec is None or not admission.deploy:
-                # Nothing of ours runs on the nodes (and on contested nodes the rules belong to
-                # the older configuration's agents): no cleanup.
+                # Nothing of ours runs on the nodes: nothing to keep, nothing to clean.
                 await self._delete(child_refs(name, opts), emit, "its ProxyConfiguration is gone")
                 self._forget(uid, name)
                 return
-            timed_out = runtime >= self.config.cleanup_timeout
-            agents = await self.api.get("DaemonSet", names.agent, opts.namespace)
-            if agents is not None:
-                if not (agents.get("metadata") or {}).get("deletionTimestamp"):
-                    if spec.takeover.move_kube_proxy_off:
-                        await self._move_kube_proxy_back(name, nodes, emit)
-                    # Foreground: the DaemonSet goes only once its pods are gone, so no agent
-                    # rewrites rules after the cleanup removed them.
-                    await self.api.delete("DaemonSet", names.agent, opts.namespace,
-                                          propagation="Foreground")  # fmt: skip
-                    emit("Normal", "StoppingAgents",
-                         f"Deleting DaemonSet {opts.namespace}/{names.agent}, then cleaning "
-                         "the nodes")  # fmt: skip
-                if not timed_out:
-                    raise NotYet("waiting for the agents to stop", delay=2)
-            owner = Owner(name, uid)
-            applied = await self.api.apply(cleanup_daemonset(owner, spec, opts))
-            if applied.created:
-                emit("Normal", "CleanupStarted",
-                     f"Removing the {spec.mode} rules from every node (DaemonSet "
-                     f"{opts.namespace}/{names.cleanup})")  # fmt: skip
-            r = Rollout.from_daemonset(applied.obj)
-            if r.complete:
-                emit("Normal", "CleanupDone", f"Removed the {spec.mode} rules from "
-                     f"{r.desired} node(s)")  # fmt: skip
-            elif not timed_out:
-                raise NotYet(f"cleanup: {r.ready} of {r.desired} nodes clean", delay=2)
+            if spec.deletion_policy is DeletionPolicy.ORPHAN:
+                await self._orphan(name, spec, emit)
             else:
-                emit("Warning", "CleanupTimedOut",
-                     f"After {self.config.cleanup_timeout:.0f}s only {r.ready} of {r.desired} "
-                     f"node(s) report clean; the {spec.mode} rules stay on the others "
-                     f"(run `proxy-agent cleanup --mode {spec.mode}` there)")  # fmt: skip
-            await self._delete(child_refs(name, opts), emit, "its ProxyConfiguration is gone")
+                await self._clean_node_by_node(uid, name, spec, admission, nodes, runtime, emit)
             self._forget(uid, name)
+            self._progress.pop(uid, None)
+            self._agents_stopped.discard(uid)
+
+    async def _orphan(self, name: str, spec: ProxyConfigurationSpec, emit: EventFn) -> None:
+        """deletionPolicy Orphan: the agents' DaemonSet and ConfigMap stay (they carry no
+        ownerReference, so no garbage collection follows), the agents keep serving; only a
+        cleanup DaemonSet of an interrupted Cleanup goes. An Event says how to remove them."""
+        opts = self.config.build
+        names = child_names(name)
+        await self._delete([ChildRef("DaemonSet", names.cleanup, opts.namespace)], emit,
+                           "deletionPolicy is Orphan")  # fmt: skip
+        agents = await self.api.get("DaemonSet", names.agent, opts.namespace)
+        if agents is None:
+            return
+        ds = f"DaemonSet {opts.namespace}/{names.agent}"
+        message = (
+            f"spec.deletionPolicy is Orphan: {ds} and its ConfigMap are left in place, so "
+            f"its agents keep serving Services and their {spec.mode} rules stay on the nodes. "
+            "To remove them later: re-create this ProxyConfiguration (it adopts them) with "
+            "spec.deletionPolicy: Cleanup, then delete it; or delete the DaemonSet and the "
+            f"ConfigMap (the agents stop and leave their rules) and run `proxy-agent cleanup "
+            f"--mode {spec.mode}` on each node"
+        )
+        log.info("%s: %s", name, message)
+        emit("Normal", "AgentsOrphaned", message)
+
+    async def _clean_node_by_node(
+        self,
+        uid: str,
+        name: str,
+        spec: ProxyConfigurationSpec,
+        admission: Admission,
+        nodes: Mapping[str, Mapping[str, str]],
+        runtime: float,
+        emit: EventFn,
+    ) -> None:
+        """deletionPolicy Cleanup (cleanup.py): the agents' DaemonSet goes first with its Pods
+        orphaned (they keep serving), then each node in turn, `spec.maxUnavailable` at a time:
+        kube-proxy back and Ready (moveKubeProxyOff), its agent stopped, its rules removed by
+        the cleanup DaemonSet's Pod there. When there was no DaemonSet to delete and there is
+        no agent Pod and no node in its turn (the DaemonSet deleted by hand: its agents left
+        their rules), the nodes spec.nodeSelector selects (but the contested ones) are
+        cleaned."""
+        opts = self.config.build
+        ns = opts.namespace
+        names = child_names(name)
+        inst = instance(name)
+        agents = await self.api.get("DaemonSet", names.agent, ns)
+        if agents is not None and not (agents.get("metadata") or {}).get("deletionTimestamp"):
+            # Orphan propagation: the Pods stay, and are stopped one node at a time below.
+            await self.api.delete("DaemonSet", names.agent, ns, propagation="Orphan")
+            self._agents_stopped.add(uid)
+            emit("Normal", "StoppingAgents",
+                 f"Deleting DaemonSet {ns}/{names.agent} (its Pods stay), then cleaning the "
+                 f"nodes {spec.max_unavailable} at a time")  # fmt: skip
+        applied = await self.api.apply(cleanup_daemonset(Owner(name, uid), spec, opts))
+        if applied.created:
+            emit("Normal", "CleanupStarted",
+                 f"Removing the {spec.mode} rules node by node (DaemonSet "
+                 f"{ns}/{names.cleanup})")  # fmt: skip
+        agent_pods = await self.api.list("Pod", ns, label_selector=_selector(name, AGENT_APP))
+        cleanup_pods = await self.api.list("Pod", ns,
+                                           label_selector=_selector(name, CLEANUP_APP))  # fmt: skip
+        marked = [
+            n
+            for label in (DELETING_LABEL, CLEANUP_LABEL)
+            for n in await self.api.list("Node", label_selector=f"{label}={inst}")
+        ]
+        wait_for_kube_proxy, kube_proxy_pods = False, []
+        if spec.takeover.move_kube_proxy_off:
+            kube_proxy = await self.api.get("DaemonSet", KUBE_PROXY_DAEMONSET,
+                                            KUBE_PROXY_NAMESPACE)  # fmt: skip
+            if kube_proxy is not None:
+                wait_for_kube_proxy = True
+                match = ((kube_proxy.get("spec") or {}).get("selector") or {}).get(
+                    "matchLabels") or {}  # fmt: skip
+                kube_proxy_pods = await self.api.list(
+                    "Pod", KUBE_PROXY_NAMESPACE,
+                    label_selector=",".join(f"{k}={v}" for k, v in match.items()),
+                )  # fmt: skip
+        states = node_states(inst, agent_pods, cleanup_pods, marked, kube_proxy_pods, nodes)
+        if agents is None and not states and uid not in self._agents_stopped:
+            selected = PxcInfo.from_body({"spec": {"nodeSelector": spec.node_selector}})
+            states = {n: NodeState() for n, labels in sorted(nodes.items())
+                      if selected.selects(labels) and n not in admission.kept_out}  # fmt: skip
+        window = resolve_int_or_percent(spec.max_unavailable, max(1, len(states)))
+        step = plan(states, window, wait_for_kube_proxy=wait_for_kube_proxy)
+        # Progress: a node clean, or a step taken. No progress for cleanup_timeout: give up.
+        key = (len(step.done), tuple(sorted(step.waiting.items())))
+        last = self._progress.get(uid)
+        if last is None or last[0] != key:
+            self._progress[uid] = (key, runtime)
+        elif not step.finished and runtime - last[1] >= self.config.cleanup_timeout:
+            await self._give_up(name, spec, step, emit)
+            await self._finish_cleanup(name, states, emit)
+            return
+        await self._take(name, step, agent_pods, emit)
+        if not step.finished:
+            raise NotYet(f"cleanup: {waiting_summary(step)}", delay=2)
+        emit("Normal", "CleanupDone", f"Removed the {spec.mode} rules from "
+             f"{len(step.done)} node(s), {window} at a time")  # fmt: skip
+        await self._finish_cleanup(name, states, emit)
+
+    async def _take(self, name: str, step: Plan, agent_pods: list[Obj], emit: EventFn) -> None:
+        """The actions of one pass of a node-by-node cleanup."""
+        inst = instance(name)
+        ns = self.config.build.namespace
+        for node in step.begin:
+            await self.api.patch("Node", node, None, marks_patch(deleting=inst))
+        for node in step.move_back:
+            await self.api.patch("Node", node, None, node_label_patch(node, False))
+            emit("Normal", "KubeProxyMovedBack",
+                 f"node {node}: label {KUBE_PROXY_OFF_LABEL} removed, so "
+                 f"{KUBE_PROXY_NAMESPACE}/{KUBE_PROXY_DAEMONSET} comes back to it; its kpx "
+                 "rules go once kube-proxy is Ready there")  # fmt: skip
+        for node in step.stop_agent:
+            for pod in agent_pods:
+                if (pod.get("spec") or {}).get("nodeName") == node:
+                    await self.api.delete("Pod", str(pod["metadata"]["name"]), ns)
+        for node in step.clean:
+            await self.api.patch("Node", node, None, marks_patch(deleting=inst, cleanup=inst))
+
+    async def _give_up(
+        self, name: str, spec: ProxyConfigurationSpec, step: Plan, emit: EventFn
+    ) -> None:
+        """No progress for cleanup_timeout: the Warning names the nodes that keep their rules
+        (their agents stop in _finish_cleanup)."""
+        left = sorted([*step.waiting, *step.pending])
+        stuck = "; ".join(f"{n}: {why}" for n, why in sorted(step.waiting.items())[:5])
+        emit("Warning", "CleanupTimedOut",
+             f"No progress for {self.config.cleanup_timeout:.0f}s: {len(step.done)} of "
+             f"{step.total} node(s) clean; the {spec.mode} rules stay on {node_list(left)} "
+             f"(their agents stopped; run `proxy-agent cleanup --mode {spec.mode}` there)"
+             + (f". Waiting: {stuck}" if stuck else ""))  # fmt: skip
+
+    async def _finish_cleanup(
+        self, name: str, states: Mapping[str, NodeState], emit: EventFn
+    ) -> None:
+        """The end of a Cleanup: any agent Pod left stops (one never scheduled, or on a node
+        given up: its rules stay), the children go, and the nodes lose the cleanup labels."""
+        ns = self.config.build.namespace
+        for pod in await self.api.list("Pod", ns, label_selector=_selector(name, AGENT_APP)):
+            await self.api.delete("Pod", str(pod["metadata"]["name"]), ns)
+        await self._delete(child_refs(name, self.config.build), emit,
+                           "its ProxyConfiguration is gone")  # fmt: skip
+        for node in sorted(states):
+            try:
+                await self.api.patch("Node", node, None, marks_patch())
+            except ApiError as exc:  # a node deleted meanwhile
+                log.info("%s: cannot remove the cleanup labels of node %s: %s", name, node, exc)

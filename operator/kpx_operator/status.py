@@ -137,15 +137,6 @@ def conditions_for(obs: Observed) -> list[CondTuple]:
             _cond(degraded, TRUE, "ModeNotImplemented", message),
             *out,
         ]
-    if not adm.deploy:
-        message = conflict_message(adm)
-        return [
-            _cond(ready, FALSE, "NodeConflict", message),
-            _cond(progressing, FALSE, "NodeConflict", message),
-            _cond(degraded, TRUE, "NodeConflict", message),
-            *out,
-        ]
-
     if obs.error is not None:
         out.insert(0, _cond(degraded, TRUE, "ReconcileFailed", obs.error))
     elif obs.conntrack_problems:
@@ -173,6 +164,11 @@ def conditions_for(obs: Observed) -> list[CondTuple]:
         ]
     if r.desired == 0:
         message = "no node matches spec.nodeSelector and spec.tolerations: no agent runs"
+        if adm.kept_out:
+            message = (
+                "no agent runs: its nodes match spec.nodeSelector and spec.tolerations but "
+                "older ProxyConfigurations run there (NodeConflict)"
+            )
         return [
             _cond(ready, FALSE, "NoMatchingNodes", message),
             _cond(progressing, FALSE, "NoMatchingNodes", message),

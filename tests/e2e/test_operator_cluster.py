@@ -454,7 +454,38 @@ def test_deleted_daemonset_returns(env: Env) -> None:
     wait_until(lambda: env.ready(mode), 120, "agents Ready again")
 
 
+def test_an_orphaning_delete_keeps_the_agents_and_service_traffic(env: Env) -> None:
+    """Issue #22: deleting used to stop every agent and flush every node's rules within
+    seconds. With spec.deletionPolicy Orphan (the default), deleted as Argo CD prunes
+    (foreground propagation), the agents keep running and serving, their rules stay; a
+    re-created ProxyConfiguration of the same name adopts them without restarting them."""
+    if env.pxc()["spec"]["mode"] not in ("nftables", "iptables"):  # rules in the kernel
+        env.patch_pxc({"spec": {"mode": "nftables", "external": None}})
+    spec = env.pxc()["spec"]
+    mode = str(spec["mode"])
+    wait_until(lambda: env.ready(mode), 180, f"{mode} agents Ready")
+    wait_until(lambda: env.probe().failed == 0, 30, "traffic before the deletion")
+    before_agents, before_rules = env.agents(), {n.name: kpx_rules(env, n) for n in env.nodes}
+    assert len(before_agents) == 3 and all(any(r.values()) for r in before_rules.values())
+    env.cluster.kubectl("delete", "pxc", "default", "--cascade=foreground", "--timeout=60s",
+                        timeout=90)  # fmt: skip
+    assert env.json("get", "pxc", "default") == {}
+    assert env.json("-n", NS, "get", "ds", "kpx-agent-default")  # not garbage-collected
+    assert env.agents() == before_agents  # the same Pods, not restarted
+    assert {n.name: kpx_rules(env, n) for n in env.nodes} == before_rules
+    result = env.probe()
+    assert result.failed == 0 and result.backends, result
+    # Adopted: the same name, now with Cleanup for the test that follows.
+    _apply(env.cluster, {"apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyConfiguration",
+                         "metadata": {"name": "default"},
+                         "spec": {**spec, "deletionPolicy": "Cleanup"}})  # fmt: skip
+    wait_until(lambda: env.ready(mode), 120, "the re-created configuration Ready")
+    assert env.agents() == before_agents
+
+
 def test_delete_leaves_no_rules_on_any_node(env: Env) -> None:
+    if env.pxc()["spec"].get("deletionPolicy") != "Cleanup":  # this test run alone
+        env.patch_pxc({"spec": {"deletionPolicy": "Cleanup"}})
     env.cluster.kubectl("delete", "pxc", "default", "--timeout=150s", timeout=180)
     for node in env.nodes:
         assert kpx_rules(env, node) == {"nftables": False, "iptables": False}, node.name

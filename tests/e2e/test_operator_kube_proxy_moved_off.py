@@ -8,8 +8,9 @@ no kube-proxy binary) whose "rules" are an `ip kube-proxy` nftables table put on
 the test. Node by node: the agent's first verified sync (Event FirstSyncVerified) -> the
 operator labels the node and has patched kube-proxy's affinity -> the DaemonSet controller
 takes kube-proxy's Pod off the node -> the agent sees it gone and removes kube-proxy's table
-(KubeProxyRulesRemoved) -> status.takeover says so. Deleting the ProxyConfiguration removes the
-labels, so the DaemonSet controller puts kube-proxy back on both nodes.
+(KubeProxyRulesRemoved) -> status.takeover says so. Deleting the ProxyConfiguration
+(deletionPolicy Cleanup) removes the labels node by node, so the DaemonSet controller puts
+kube-proxy back on both nodes, and then removes kpx's rules there.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def test_kube_proxy_moves_off_node_by_node_and_comes_back_on_deletion(env: Env) 
                 topo.exec(node, ["nft", "add", "table", "ip", "kube-proxy"], check=True)
 
             takeover_spec = {"fromKubeProxy": True, "moveKubeProxyOff": True}
-            env.apply(pxc_body(PXC, mode="nftables", nodeSelector=label, takeover=takeover_spec))
+            env.apply(pxc_body(PXC, mode="nftables", nodeSelector=label, takeover=takeover_spec,
+                               deletionPolicy="Cleanup"))  # fmt: skip
 
             def taken_over() -> Obj | None:
                 st = (env.get("proxyconfiguration", PXC) or {}).get("status") or {}
@@ -122,12 +124,19 @@ def test_kube_proxy_moves_off_node_by_node_and_comes_back_on_deletion(env: Env) 
             assert (preflight["status"], preflight["reason"]) == ("True", "ModeCanRun"), preflight
             assert "(2)" in preflight["message"], preflight
 
-            # Deletion: the labels go first, kube-proxy comes back to both nodes.
-            env.kubectl("delete", "proxyconfiguration", PXC, "--timeout=120s")
+            # Deletion (deletionPolicy Cleanup): node by node, the label goes, kube-proxy comes
+            # back and turns Ready, and only then the node's agent stops and its rules go.
+            env.kubectl("delete", "proxyconfiguration", PXC, "--timeout=180s")
             for name in names:
                 node_labels = (env.get("node", name) or {})["metadata"].get("labels") or {}
                 assert KUBE_PROXY_OFF_LABEL not in node_labels, node_labels
+                assert not {k for k in node_labels if k.startswith("proxy.kpx.dev/")}
             wait_until(lambda: names <= kube_proxy_nodes(env), 90, "kube-proxy back on both")
+            for node in nodes:
+                assert kpx_tables(topo, node) == set(), node.name
+            said = [e["reason"] for e in env.events(PXC)]
+            assert said.count("KubeProxyMovedBack") == 2, said  # one per node
+            assert "CleanupDone" in said, said
             assert sim.refused == []
         finally:
             env.kubectl("patch", "proxyconfiguration", PXC, "--type=merge",

@@ -72,6 +72,7 @@ DEFAULT_SPEC: dict[str, Any] = {
     # No image: the operator's (its release's agent) unless the spec sets one.
     "maxUnavailable": 1,
     "modeSwitch": {"acceptDropped": [], "progressDeadlineSeconds": 30, "rollbackOnFailure": True},
+    "deletionPolicy": "Orphan",  # the safe default: deleting leaves the agents running
 }
 
 
@@ -578,6 +579,7 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
     ),
     ("image", {**NFT, "image": "has space"}, "image", "image reference"),
     ("image-empty", {**NFT, "image": ""}, "image", "must not be empty"),
+    ("deletion-policy", {**NFT, "deletionPolicy": "Delete"}, "deletionPolicy", "Orphan"),
 ]
 
 

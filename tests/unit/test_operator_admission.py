@@ -11,6 +11,7 @@ from kpx_operator.admission import (
     admit,
     conflict_message,
     node_list,
+    orphaned_agents,
 )
 
 NODES = {
@@ -36,36 +37,43 @@ NO_IPVS = frozenset({Mode.NFTABLES, Mode.IPTABLES})
 
 
 @pytest.mark.parametrize(
-    ("me", "others", "policy", "deploy", "overlaps"),
+    ("me", "others", "policy", "kept_out", "overlaps"),
     [
         # Disjoint pools: no conflict.
-        (POOL_A, [POOL_A, POOL_B], IPVSPolicy.WARN, True, []),
-        # The newer one deploys nothing; both see the conflict with the node names.
-        (POOL_A, [OLD_ALL, POOL_A], IPVSPolicy.WARN, False, [("everything", ("a1", "a2"), True)]),
-        (OLD_ALL, [OLD_ALL, POOL_A], IPVSPolicy.WARN, True, [("pool-a", ("a1", "a2"), False)]),
-        # Pairwise: gpu overlaps pool-a (older) on a2 only, and is blocked even though pool-a
-        # is itself blocked by everything.
-        (GPU, [OLD_ALL, POOL_A, GPU], IPVSPolicy.WARN, False,
+        (POOL_A, [POOL_A, POOL_B], IPVSPolicy.WARN, (), []),
+        # The newer one keeps the contested nodes out; both see the conflict with the names.
+        (POOL_A, [OLD_ALL, POOL_A], IPVSPolicy.WARN, ("a1", "a2"),
+         [("everything", ("a1", "a2"), True)]),
+        (OLD_ALL, [OLD_ALL, POOL_A], IPVSPolicy.WARN, (), [("pool-a", ("a1", "a2"), False)]),
+        # Pairwise: gpu overlaps pool-a (older) on a2 only, and keeps a2 out even though
+        # pool-a itself keeps it out (everything is older still).
+        (GPU, [OLD_ALL, POOL_A, GPU], IPVSPolicy.WARN, ("a2",),
          [("everything", ("a2",), True), ("pool-a", ("a2",), True)]),
+        # Only the contested node: the newer one's other nodes stay in.
+        (pxc("a-and-b", "2026-02-01T00:00:00Z"), [POOL_A, pxc("a-and-b", "2026-02-01T00:00:00Z")],
+         IPVSPolicy.WARN, ("a1", "a2"), [("pool-a", ("a1", "a2"), True)]),
         # Same creation time: the name decides (pool-a < pool-b); here they are disjoint anyway.
-        (POOL_B, [POOL_A, POOL_B], IPVSPolicy.WARN, True, []),
+        (POOL_B, [POOL_A, POOL_B], IPVSPolicy.WARN, (), []),
         # A denied ipvs configuration deploys nothing, so it conflicts with nobody.
-        (POOL_A, [IPVS_A, POOL_A], IPVSPolicy.DENY, True, []),
+        (POOL_A, [IPVS_A, POOL_A], IPVSPolicy.DENY, (), []),
         # An allowed ipvs configuration (ipvs has its backend) is a real conflict.
-        (POOL_A, [IPVS_A, POOL_A], IPVSPolicy.ALLOW, False, [("ipvs-a", ("a1", "a2"), True)]),
+        (POOL_A, [IPVS_A, POOL_A], IPVSPolicy.ALLOW, ("a1", "a2"),
+         [("ipvs-a", ("a1", "a2"), True)]),
         # A selector that selects no existing node conflicts with nobody.
-        (pxc("none", "2026-02-01T00:00:00Z", pool="z"), [OLD_ALL], IPVSPolicy.WARN, True, []),
+        (pxc("none", "2026-02-01T00:00:00Z", pool="z"), [OLD_ALL], IPVSPolicy.WARN, (), []),
     ],
 )  # fmt: skip
 def test_admission(
     me: PxcInfo,
     others: list[PxcInfo],
     policy: IPVSPolicy,
-    deploy: bool,
+    kept_out: tuple[str, ...],
     overlaps: list[tuple[str, tuple[str, ...], bool]],
 ) -> None:
     adm = admit(me, others, NODES, policy)
-    assert adm.deploy is deploy
+    # A conflict never stops a configuration from deploying (issue #22): it keeps nodes out.
+    assert adm.deploy is True
+    assert adm.kept_out == kept_out
     assert [(o.other, o.nodes, o.other_is_older) for o in adm.overlaps] == overlaps
 
 
@@ -84,7 +92,7 @@ def test_ipvs_policy(policy: IPVSPolicy, deploy: bool, denied: bool) -> None:
 
 def test_with_an_ipvs_backend_an_allowed_ipvs_configuration_conflicts() -> None:
     adm = admit(POOL_A, [IPVS_A, POOL_A], NODES, IPVSPolicy.ALLOW, ALL_BACKENDS)
-    assert not adm.deploy
+    assert adm.deploy and adm.kept_out == ("a1", "a2")
     assert [(o.other, o.nodes, o.other_is_older) for o in adm.overlaps] == [
         ("ipvs-a", ("a1", "a2"), True)
     ]
@@ -126,6 +134,29 @@ def test_messages_name_the_nodes_and_who_runs() -> None:
     adm = admit(POOL_A, [OLD_ALL, POOL_A], NODES, IPVSPolicy.WARN)
     message = conflict_message(adm)
     assert "nodes a1, a2 are also selected by ProxyConfiguration everything" in message
-    assert "older, keeps its agents" in message
-    assert message.endswith("this one deploys nothing until the node selectors are disjoint")
+    assert "(older, runs there)" in message
+    assert message.endswith("this one keeps its agents off nodes a1, a2 until the node "
+                            "selectors are disjoint (its other nodes keep theirs)")  # fmt: skip
+    assert "newer, stays off them" in conflict_message(admit(OLD_ALL, [POOL_A], NODES,
+                                                             IPVSPolicy.WARN))  # fmt: skip
     assert node_list([f"n{i}" for i in range(12)]).endswith("n9 and 2 more")
+
+
+def agent(instance: str, node: str, terminating: bool = False) -> dict[str, object]:
+    meta: dict[str, object] = {"labels": {"app.kubernetes.io/name": "kpx-agent",
+                                          "app.kubernetes.io/instance": instance}}  # fmt: skip
+    if terminating:
+        meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": meta, "spec": {"nodeName": node}}
+
+
+def test_orphaned_agents_hold_their_nodes_against_every_configuration() -> None:
+    pods = [agent("gone", "a1"), agent("gone", "b1"), agent("pool-a", "a2"),
+            agent("leaving", "a2", terminating=True), agent("pending", "")]  # fmt: skip
+    orphaned = orphaned_agents(pods, {"pool-a", "everything"})
+    assert orphaned == {"gone": ("a1", "b1")}
+    # Even the oldest configuration keeps those nodes out; only its own are shared.
+    adm = admit(OLD_ALL, [OLD_ALL], NODES, IPVSPolicy.WARN, orphaned=orphaned)
+    assert adm.kept_out == ("a1", "b1")
+    assert [(o.other, o.orphaned) for o in adm.overlaps] == [("gone", True)]
+    assert "deleted with deletionPolicy Orphan" in conflict_message(adm)

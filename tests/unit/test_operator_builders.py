@@ -186,20 +186,14 @@ def test_image_pull_secrets_reach_agent_and_cleanup_pods() -> None:
         assert pod_spec(ds)["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
 
 
-def test_every_child_is_owned_and_labelled() -> None:
+def test_every_child_is_labelled_and_owned_by_no_one() -> None:
+    """No ownerReference (issue #22): a garbage collector cascade, such as the foreground
+    deletion Argo CD prunes with, would delete the agents before the operator applies
+    spec.deletionPolicy (Orphan keeps them, Cleanup goes node by node)."""
     owner, spec = example("nftables")
     for obj in all_children(owner, spec):
         meta = obj["metadata"]
-        assert meta["ownerReferences"] == [
-            {
-                "apiVersion": "proxy.kpx.dev/v1alpha1",
-                "kind": "ProxyConfiguration",
-                "name": "default",
-                "uid": UID,
-                "controller": True,
-                "blockOwnerDeletion": True,
-            }
-        ]
+        assert "ownerReferences" not in meta
         assert meta["labels"]["app.kubernetes.io/instance"] == "default"
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "kpx-operator"
         assert meta["labels"]["app.kubernetes.io/name"] in ("kpx-agent", "kpx-cleanup")
@@ -218,8 +212,11 @@ def test_cleanup_daemonset_cleans_the_same_nodes_and_reports_readiness() -> None
         "proxy-agent", "cleanup", "--mode", "ipvs", "--then-serve-healthz", "0.0.0.0:10256",
     ]  # fmt: skip
     assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": 10256}
-    for key in ("nodeSelector", "tolerations", "hostNetwork", "priorityClassName"):
+    for key in ("tolerations", "hostNetwork", "priorityClassName"):
         assert cleanup[key] == agents[key]
+    # The agents' nodes, and of those only the ones the operator labelled, one by one.
+    assert cleanup["nodeSelector"] == {**agents["nodeSelector"],
+                                       "proxy.kpx.dev/cleanup": "ipvs-pool"}  # fmt: skip
     assert cleanup["automountServiceAccountToken"] is False
     assert "serviceAccountName" not in cleanup
     # Its pods never match the agents' selector (two DaemonSets must not share pods).
@@ -389,13 +386,15 @@ def test_operator_manifests_grant_no_wildcard_and_no_secrets() -> None:
 
 
 def test_operator_may_touch_only_kube_proxys_daemonset_in_kube_system() -> None:
-    """spec.takeover.moveKubeProxyOff: get and patch kube-system/kube-proxy, nothing else."""
+    """spec.takeover.moveKubeProxyOff: get and patch kube-system/kube-proxy, and list Pods
+    (a Cleanup deletion waits for kube-proxy's Pod to be Ready on a node), nothing else."""
     in_kube_system = [
         (o, r) for o, r in _operator_rules() if o["metadata"].get("namespace") == "kube-system"
     ]
     assert [r for _, r in in_kube_system] == [
         {"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": ["kube-proxy"],
-         "verbs": ["get", "patch"]}
+         "verbs": ["get", "patch"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
     ]  # fmt: skip
 
 

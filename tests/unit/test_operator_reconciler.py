@@ -111,7 +111,9 @@ class FakeApi:
             for key, value in patch.items():
                 if value is None:
                     into.pop(key, None)
-                elif isinstance(value, Mapping) and isinstance(into.get(key), dict):
+                elif isinstance(value, Mapping):  # RFC 7386: nulls of a new object drop too
+                    if not isinstance(into.get(key), dict):
+                        into[key] = {}
                     merge(into[key], value)
                 else:
                     into[key] = copy.deepcopy(value)
@@ -263,63 +265,225 @@ def test_refused_apply_is_reported_in_the_status() -> None:
     assert "forbidden" in degraded.message
 
 
-def test_conflict_loser_deploys_nothing() -> None:
-    api, events = FakeApi(), Events()
-    older = PxcInfo("aaa", "uid-aaa", "2025-01-01T00:00:00Z", "nftables")
-    status = run(reconciler(api).reconcile(body(), [older], {"n1": {}}, events))
-    assert api.objs == {}
-    assert status.condition("Degraded").reason == "NodeConflict"
-    assert "node n1" in status.condition("Degraded").message
-    assert ("Warning", "NodeConflict") in [e[:2] for e in events]
+def node_affinity_out(api: FakeApi, name: str = "kpx-agent-default") -> list[str]:
+    """The nodes the agent DaemonSet's required node affinity keeps its Pods off."""
+    pod = api.objs[("DaemonSet", NS, name)]["spec"]["template"]["spec"]
+    terms = (((pod.get("affinity") or {}).get("nodeAffinity") or {})
+             .get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get(
+                 "nodeSelectorTerms") or []  # fmt: skip
+    kept_out = [[v for f in t.get("matchFields") or []
+                 if f["key"] == "metadata.name" and f["operator"] == "NotIn" for v in f["values"]]
+                for t in terms]  # fmt: skip
+    assert all(k == kept_out[0] for k in kept_out)  # in every term (terms are ORed)
+    return kept_out[0] if kept_out else []
 
 
-def test_deletion_stops_agents_then_cleans_then_removes_everything() -> None:
+def test_a_conflict_never_removes_running_agents_it_keeps_the_contested_nodes_out() -> None:
+    """Issue #22: a new or relabelled node that an older configuration also selects used to
+    cost the newer one its DaemonSet and ConfigMap (agents gone everywhere, no cleanup)."""
     api, events = FakeApi(), Events()
     r, pxc = reconciler(api), body()
-    run(r.reconcile(pxc, [], {}, events))
-    api.stuck.add("kpx-agent-default")
-    with pytest.raises(NotYet, match="agents to stop"):
-        run(r.finalize(pxc, [], {}, 0, events))
-    assert api.deletes == [("DaemonSet", "kpx-agent-default", "Foreground")]
-    with pytest.raises(NotYet):  # still terminating: not deleted twice
-        run(r.finalize(pxc, [], {}, 5, events))
-    assert len(api.deletes) == 1
-    api.stuck.clear()
-    del api.objs[("DaemonSet", NS, "kpx-agent-default")]
-    api.ds_status["kpx-cleanup-default"] = {
-        "desiredNumberScheduled": 2, "updatedNumberScheduled": 2, "numberReady": 1,
-    }  # fmt: skip
-    with pytest.raises(NotYet, match="1 of 2 nodes clean"):
-        run(r.finalize(pxc, [], {}, 10, events))
-    cleanup = api.objs[("DaemonSet", NS, "kpx-cleanup-default")]
-    command = cleanup["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert command[:4] == ["proxy-agent", "cleanup", "--mode", "nftables"]
-    api.ds_status["kpx-cleanup-default"]["numberReady"] = 2
-    run(r.finalize(pxc, [], {}, 15, events))
-    assert api.objs == {}
-    assert "CleanupDone" in events.reasons()
-    # The timer may still fire once: it must not bring the agents back.
-    run(r.reconcile(pxc, [], {}, events))
-    assert api.objs == {}
+    nodes: dict[str, dict[str, str]] = {"n1": {}, "n2": {}}
+    run(r.reconcile(pxc, [], nodes, events))
+    assert node_affinity_out(api) == []
+    # An older configuration selects n1 too (it was relabelled).
+    older = PxcInfo("aaa", "uid-aaa", "2025-01-01T00:00:00Z", "nftables", (("pool", "a"),))
+    nodes["n1"] = {"pool": "a"}
+    status = run(r.reconcile(pxc, [older], nodes, events))
+    assert kinds(api) == AGENT_KINDS and not api.deletes
+    assert node_affinity_out(api) == ["n1"]
+    degraded = status.condition("Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "NodeConflict")
+    assert "node n1" in degraded.message and "ProxyConfiguration aaa" in degraded.message
+    assert ("Warning", "NodeConflict") in [e[:2] for e in events]
+    # The conflict ends: n1 comes back.
+    nodes["n1"] = {}
+    status = run(r.reconcile(pxc, [older], nodes, events))
+    assert node_affinity_out(api) == [] and kinds(api) == AGENT_KINDS
+    assert status.condition("Degraded").status == "False"
 
 
-def test_deletion_gives_up_after_the_timeout() -> None:
+def test_an_orphaning_delete_leaves_the_agents_running() -> None:
+    """Issue #22: deleting used to stop every agent and flush every node's rules at once. With
+    spec.deletionPolicy Orphan (the default) nothing is stopped, deleted or cleaned."""
     api, events = FakeApi(), Events()
-    r, pxc = reconciler(api, cleanup_timeout=60), body()
-    api.ds_status["kpx-cleanup-default"] = {"desiredNumberScheduled": 3, "numberReady": 1}
-    with pytest.raises(NotYet):
-        run(r.finalize(pxc, [], {}, 59, events))
-    run(r.finalize(pxc, [], {}, 61, events))
-    assert api.objs == {}
+    r, pxc = reconciler(api), body()
+    run(r.reconcile(pxc, [], {"n1": {}}, events))
+    before = copy.deepcopy(api.objs)
+    run(r.finalize(pxc, [], {"n1": {}}, 0, events))
+    assert api.deletes == [] and api.objs == before
+    assert kinds(api) == AGENT_KINDS  # no cleanup DaemonSet either
+    # No ownerReference: no garbage collector cascade (Argo CD prunes with foreground
+    # propagation) deletes them behind the operator's back.
+    assert all("ownerReferences" not in o["metadata"] for o in api.objs.values())
+    (said,) = [e for e in events if e[1] == "AgentsOrphaned"]
+    assert "kpx-system/kpx-agent-default" in said[2]
+    assert "proxy-agent cleanup --mode nftables" in said[2] and "Cleanup" in said[2]
+    # The timer may still fire once: it changes nothing.
+    run(r.reconcile(pxc, [], {"n1": {}}, events))
+    assert api.objs == before
+
+
+def agents_on(api: FakeApi, *nodes: str) -> None:
+    for node in nodes:
+        pod = agent_pod(f"u-{node}", node)
+        api.objs[("Pod", NS, pod["metadata"]["name"])] = pod
+        api.objs[("Node", None, node)] = {"kind": "Node", "metadata": {"name": node}}
+
+
+def node_labels(api: FakeApi, node: str) -> dict[str, str]:
+    return dict(api.objs[("Node", None, node)]["metadata"].get("labels") or {})
+
+
+def agent_nodes(api: FakeApi) -> set[str]:
+    return {
+        o["spec"]["nodeName"]
+        for (k, _, _), o in api.objs.items()
+        if k == "Pod" and o["metadata"]["labels"]["app.kubernetes.io/name"] == "kpx-agent"
+    }
+
+
+def cleanup_pods_turn_ready(api: FakeApi) -> None:
+    """What the cleanup DaemonSet does: a Ready Pod on each node it selects."""
+    for (kind, _, name), node in list(api.objs.items()):
+        if kind == "Node" and (node["metadata"].get("labels") or {}).get(
+                "proxy.kpx.dev/cleanup") == "default":  # fmt: skip
+            api.objs[("Pod", NS, f"kpx-cleanup-default-{name}")] = {
+                "kind": "Pod",
+                "metadata": {"name": f"kpx-cleanup-default-{name}", "namespace": NS,
+                             "labels": {"app.kubernetes.io/name": "kpx-cleanup",
+                                        "app.kubernetes.io/instance": "default"}},
+                "spec": {"nodeName": name},
+                "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+            }  # fmt: skip
+
+
+def test_cleanup_goes_node_by_node_at_max_unavailable() -> None:
+    """Issue #22: the cleanup DaemonSet used to run on every node at once (maxUnavailable
+    100%). Now a node's agent stops and its rules go only when its turn comes; the others
+    keep serving meanwhile."""
+    api, events = FakeApi(), Events()
+    pxc = body(deletionPolicy="Cleanup", maxUnavailable=1)
+    r = reconciler(api)
+    nodes: dict[str, dict[str, str]] = {"n1": {}, "n2": {}, "n3": {}}
+    run(r.reconcile(pxc, [], nodes, events))
+    agents_on(api, "n1", "n2", "n3")
+    order: list[str] = []  # nodes in the order their rules go
+    for t in range(0, 40, 2):
+        try:
+            run(r.finalize(pxc, [], nodes, t, events))
+        except NotYet:
+            pass
+        else:
+            break
+        if t == 0:  # the DaemonSet goes first, its Pods stay
+            assert ("DaemonSet", "kpx-agent-default", "Orphan") in api.deletes
+            cleanup = api.objs[("DaemonSet", NS, "kpx-cleanup-default")]
+            selector = cleanup["spec"]["template"]["spec"]["nodeSelector"]
+            assert selector == {"proxy.kpx.dev/cleanup": "default"}
+        cleaning = [n for n in nodes if node_labels(api, n).get("proxy.kpx.dev/cleanup")]
+        order += [n for n in cleaning if n not in order]
+        # One node at a time without its agent, until it is clean.
+        stopped = {"n1", "n2", "n3"} - agent_nodes(api)
+        clean = {o["spec"]["nodeName"] for (k, _, n), o in api.objs.items()
+                 if k == "Pod" and n.startswith("kpx-cleanup-")}  # fmt: skip
+        assert len(stopped - clean) <= 1, (t, stopped, clean)
+        cleanup_pods_turn_ready(api)
+    else:
+        raise AssertionError("the cleanup did not finish")
+    assert order == ["n1", "n2", "n3"]
+    assert [n for n in nodes if node_labels(api, n)] == []  # its labels are removed
+    assert not any(k in ("DaemonSet", "ConfigMap") for k, _, _ in api.objs)
+    assert ("Normal", "CleanupDone") in [e[:2] for e in events]
+    assert "3 node(s), 1 at a time" in next(e for e in events if e[1] == "CleanupDone")[2]
+
+
+def test_cleanup_gives_up_after_no_progress_for_the_timeout() -> None:
+    api, events = FakeApi(), Events()
+    pxc = body(deletionPolicy="Cleanup", maxUnavailable=1)
+    r = reconciler(api, cleanup_timeout=60)
+    agents_on(api, "n1", "n2")
+    never = agent_pod("u-pending", "")  # never scheduled: no node, no rules
+    api.objs[("Pod", NS, never["metadata"]["name"])] = never
+    nodes: dict[str, dict[str, str]] = {"n1": {}, "n2": {}}
+    run(r.reconcile(pxc, [], nodes, events))
+    for t in (0, 2):  # n1: agent stopped, then labelled for the cleanup
+        with pytest.raises(NotYet):
+            run(r.finalize(pxc, [], nodes, t, events))
+    cleanup_pods_turn_ready(api)  # n1 clean; n2's cleanup Pod will never turn Ready
+    for t in (4, 6, 8, 65):  # no progress since 6
+        with pytest.raises(NotYet):
+            run(r.finalize(pxc, [], nodes, t, events))
+        if t == 6:
+            cleanup_pods_turn_ready(api)  # only n1's
+            del api.objs[("Pod", NS, "kpx-cleanup-default-n2")]
+    run(r.finalize(pxc, [], nodes, 66, events))
+    assert not any(k in ("DaemonSet", "ConfigMap") for k, _, _ in api.objs)
+    assert agent_nodes(api) == set() and ("Pod", NS, never["metadata"]["name"]) not in api.objs
+    assert node_labels(api, "n1") == {} and node_labels(api, "n2") == {}
     (warning,) = [e for e in events if e[0] == "Warning"]
-    assert warning[1] == "CleanupTimedOut" and "1 of 3" in warning[2]
+    assert warning[1] == "CleanupTimedOut" and "1 of 2 node(s) clean" in warning[2]
+    assert "stay on n2" in warning[2] and "its cleanup Pod is not Ready" in warning[2]
 
 
-def test_blocked_configuration_is_deleted_without_cleanup() -> None:
+def test_the_nodes_of_orphaned_agents_are_kept_out_of_another_configuration() -> None:
+    """deletionPolicy Orphan leaves agents running: a configuration created later (another
+    name) that selects their nodes must not put a second agent there."""
     api, events = FakeApi(), Events()
-    older = PxcInfo("aaa", "uid-aaa", "2025-01-01T00:00:00Z", "nftables")
-    run(reconciler(api).finalize(body(), [older], {"n1": {}}, 0, events))
-    assert api.objs == {} and "CleanupStarted" not in events.reasons()
+    orphan = agent_pod("u-old", "n1")
+    orphan["metadata"]["labels"]["app.kubernetes.io/instance"] = "old"
+    api.objs[("Pod", NS, "kpx-agent-old-x")] = orphan
+    nodes: dict[str, dict[str, str]] = {"n1": {}, "n2": {}}
+    status = run(reconciler(api).reconcile(body(), [], nodes, events))
+    assert node_affinity_out(api) == ["n1"]
+    degraded = status.condition("Degraded")
+    assert (degraded.status, degraded.reason) == ("True", "NodeConflict")
+    assert "node n1" in degraded.message and "old" in degraded.message
+    assert "deletionPolicy Orphan" in degraded.message
+    # Its own agents (the same instance, e.g. adopted after a re-creation) are no conflict.
+    orphan["metadata"]["labels"]["app.kubernetes.io/instance"] = "default"
+    status = run(reconciler(api).reconcile(body(), [], nodes, events))
+    assert node_affinity_out(api) == [] and status.condition("Degraded").status == "False"
+
+
+def test_cleanup_without_agents_left_cleans_the_selected_nodes() -> None:
+    """The agents' DaemonSet was deleted by hand before the deletion: their rules stay on the
+    nodes (a stopped agent leaves them), so the selected nodes are cleaned all the same."""
+    api, events = FakeApi(), Events()
+    nodes: dict[str, dict[str, str]] = {"n1": {}, "n2": {}}
+    for node in nodes:
+        api.objs[("Node", None, node)] = {"kind": "Node", "metadata": {"name": node}}
+    pxc = body(deletionPolicy="Cleanup", maxUnavailable="100%")
+    with pytest.raises(NotYet):
+        run(reconciler(api).finalize(pxc, [], nodes, 0, events))
+    assert [node_labels(api, n).get("proxy.kpx.dev/cleanup") for n in nodes] == ["default"] * 2
+    # With its DaemonSet, the nodes are those its agents run on: here none (say, tainted).
+    api, r = FakeApi(), reconciler(FakeApi())
+    r.api = api
+    for node in nodes:
+        api.objs[("Node", None, node)] = {"kind": "Node", "metadata": {"name": node}}
+    run(r.reconcile(pxc, [], nodes, events))
+    run(r.finalize(pxc, [], nodes, 0, events))  # done at once: nothing to clean
+    assert [node_labels(api, n) for n in nodes] == [{}, {}]
+    assert not {k for k, _ in kinds(api)} & {"DaemonSet", "ConfigMap"}
+
+
+def test_a_configuration_in_conflict_cleans_only_its_own_nodes() -> None:
+    api, events = FakeApi(), Events()
+    older = PxcInfo("aaa", "uid-aaa", "2025-01-01T00:00:00Z", "nftables", (("pool", "a"),))
+    nodes = {"n1": {"pool": "a"}, "n2": {}}
+    pxc = body(deletionPolicy="Cleanup", maxUnavailable="100%")
+    run(reconciler(api).reconcile(pxc, [older], nodes, events))
+    agents_on(api, "n2")  # the DaemonSet controller kept n1 out
+    api.objs[("Node", None, "n1")] = {
+        "kind": "Node",
+        "metadata": {"name": "n1", "labels": nodes["n1"]},
+    }
+    with pytest.raises(NotYet):
+        run(reconciler(api).finalize(pxc, [older], nodes, 0, events))
+    assert node_labels(api, "n1") == {"pool": "a"}  # the older one's node: untouched
+    assert node_labels(api, "n2") == {"proxy.kpx.dev/deleting": "default"}
+    assert agent_nodes(api) == set()
 
 
 def agent_pod(uid: str, node: str) -> dict[str, Any]:

@@ -19,7 +19,10 @@ GEN = 3
 DEPLOY = Admission(deploy=True)
 DENIED = Admission(deploy=False, deprecated=True, ipvs_denied=True)
 NO_BACKEND = Admission(deploy=False, deprecated=True, no_backend=True)
-BLOCKED = Admission(deploy=False, overlaps=(Overlap("older", ("node-1", "node-2"), True),))
+#: Every node of this one is selected by an older configuration too: its agents stay off them.
+BLOCKED = Admission(deploy=True, overlaps=(Overlap("older", ("node-1", "node-2"), True),))
+#: Two of its three nodes are contested: its agents keep running on the third.
+PARTLY = Admission(deploy=True, overlaps=(Overlap("older", ("node-1",), True),))
 WINNER = Admission(deploy=True, overlaps=(Overlap("newer", ("node-1",), False),))
 
 
@@ -119,12 +122,20 @@ ROWS = {
         desired=0, ready=0, mode=None,
         in_message={"Degraded": "mode ipvs has no backend", "Ready": "nothing is deployed"},
     ),
-    "blocked by an older configuration": Row(
-        obs(BLOCKED, None),
-        {"Ready": ("False", "NodeConflict"), "Progressing": ("False", "NodeConflict"),
+    "every node kept by an older configuration": Row(
+        obs(BLOCKED, ds(0, 0, 0)),
+        {"Ready": ("False", "NoMatchingNodes"), "Progressing": ("False", "NoMatchingNodes"),
          "Degraded": ("True", "NodeConflict"), "Deprecated": SUPPORTED},
-        desired=0, ready=0, mode=None,
-        in_message={"Degraded": "node-1, node-2"},
+        desired=0, ready=0, mode="nftables",
+        in_message={"Degraded": "keeps its agents off nodes node-1, node-2",
+                    "Ready": "older ProxyConfigurations run there"},
+    ),
+    "newer side of a conflict keeps its other nodes": Row(
+        obs(PARTLY, ds(2, 2, 2)),
+        {"Ready": ("True", "AllAgentsReady"), "Progressing": ("False", "RolloutComplete"),
+         "Degraded": ("True", "NodeConflict"), "Deprecated": SUPPORTED},
+        desired=2, ready=2, mode="nftables",
+        in_message={"Degraded": "keeps its agents off node node-1 until"},
     ),
     "older side of a conflict keeps running": Row(
         obs(WINNER, ds(2, 2, 2)),

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from test_operator_reconciler import (
     NS,
     Events,
     FakeApi,
+    NotYet,
     agent_event,
     agent_pod,
     body,
@@ -152,7 +154,8 @@ def cluster() -> tuple[FakeApi, dict[str, dict[str, str]]]:
     api.objs[("DaemonSet", "kube-system", "kube-proxy")] = kube_proxy_ds()
     nodes: dict[str, dict[str, str]] = {"n1": {}, "n2": {}}
     for uid, node in (("u1", "n1"), ("u2", "n2")):
-        api.objs[("Pod", NS, uid)] = agent_pod(uid, node)
+        pod = agent_pod(uid, node)
+        api.objs[("Pod", NS, pod["metadata"]["name"])] = pod
         api.objs[("Node", None, node)] = {"kind": "Node", "metadata": {"name": node}}
     return api, nodes
 
@@ -217,17 +220,48 @@ def test_a_missing_kube_proxy_daemonset_is_said_once() -> None:
     assert events.reasons().count("KubeProxyNotFound") == 1 and api.patches == []
 
 
-def test_deleting_the_configuration_moves_kube_proxy_back_first() -> None:
+def kube_proxy_pod(node: str, ready: bool) -> dict[str, Any]:
+    return {"kind": "Pod", "metadata": {"name": f"kube-proxy-{node}", "namespace": "kube-system",
+                                        "labels": {"k8s-app": "kube-proxy"}},
+            "spec": {"nodeName": node},
+            "status": {"conditions": [{"type": "Ready", "status": str(ready)}]}}  # fmt: skip
+
+
+def test_a_cleanup_removes_a_nodes_rules_only_once_kube_proxy_is_ready_there() -> None:
+    """Issue #22: deleting used to move kube-proxy back to every node and stop every agent at
+    once, without waiting for kube-proxy to serve."""
     api, nodes = cluster()
+    api.objs[("DaemonSet", "kube-system", "kube-proxy")]["spec"]["selector"] = {
+        "matchLabels": {"k8s-app": "kube-proxy"}}  # fmt: skip
     events = Events()
     r = reconciler(api)
-    run(r.reconcile(body(takeover=TAKEOVER), [], nodes, events))
-    api.objs[("Node", None, "n1")]["metadata"]["labels"] = {KUBE_PROXY_OFF_LABEL: "true"}
-    nodes["n1"] = {KUBE_PROXY_OFF_LABEL: "true"}
-    try:
-        run(r.finalize(body(takeover=TAKEOVER), [], nodes, 0, events))
-    except Exception as exc:  # NotYet: waits for the agents to stop
-        assert "waiting" in str(exc)
-    assert api.objs[("Node", None, "n1")]["metadata"]["labels"] == {}
-    assert "KubeProxyMovedBack" in events.reasons()
-    assert events.reasons().index("KubeProxyMovedBack") < events.reasons().index("StoppingAgents")
+    pxc = body(takeover=TAKEOVER, deletionPolicy="Cleanup", maxUnavailable=1)
+    run(r.reconcile(pxc, [], nodes, events))
+    for node in ("n1", "n2"):
+        api.objs[("Node", None, node)]["metadata"]["labels"] = {KUBE_PROXY_OFF_LABEL: "true"}
+        nodes[node] = {KUBE_PROXY_OFF_LABEL: "true"}
+
+    def step(t: int) -> None:
+        with pytest.raises(NotYet):
+            run(r.finalize(pxc, [], nodes, t, events))
+
+    def agents() -> set[str]:
+        return {o["spec"]["nodeName"] for (k, ns, _), o in api.objs.items()
+                if k == "Pod" and ns == NS}  # fmt: skip
+
+    def labels(node: str) -> dict[str, str]:
+        return dict(api.objs[("Node", None, node)]["metadata"].get("labels") or {})
+
+    step(0)  # n1's turn: kube-proxy comes back there, n2 keeps kube-proxy off
+    assert KUBE_PROXY_OFF_LABEL not in labels("n1") and KUBE_PROXY_OFF_LABEL in labels("n2")
+    assert agents() == {"n1", "n2"} and "KubeProxyMovedBack" in events.reasons()
+    api.objs[("Pod", "kube-system", "kube-proxy-n1")] = kube_proxy_pod("n1", False)
+    step(2)
+    step(4)  # kube-proxy not Ready on n1: its agent keeps serving, its rules stay
+    assert agents() == {"n1", "n2"} and "proxy.kpx.dev/cleanup" not in labels("n1")
+    api.objs[("Pod", "kube-system", "kube-proxy-n1")] = kube_proxy_pod("n1", True)
+    step(6)  # Ready: n1's agent stops
+    assert agents() == {"n2"} and "proxy.kpx.dev/cleanup" not in labels("n1")
+    step(8)  # gone: n1's rules go
+    assert labels("n1")["proxy.kpx.dev/cleanup"] == "default"
+    assert KUBE_PROXY_OFF_LABEL in labels("n2")  # still n2's agent's, one node at a time
