@@ -3,7 +3,8 @@ SHELL := /bin/bash
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 APT_PACKAGES := nftables iptables conntrack etcd-server iproute2 socat procps curl kmod \
-	mmdebstrap buildah umoci skopeo runc
+	mmdebstrap buildah umoci skopeo runc \
+	containernetworking-plugins busybox-static gcc libc6-dev
 # proxy-vm (a qemu guest with IPVS for the ipvs kernel tests), installed without recommends
 VM_APT_PACKAGES := qemu-system-x86 mmdebstrap e2fsprogs
 N ?=
@@ -39,7 +40,8 @@ setup-python:
 	$(PYTHON) toolchain/setup-python.py
 
 setup-kubernetes:
-	toolchain/build-kubernetes.sh kube-apiserver kube-controller-manager kube-scheduler kubectl kube-proxy
+	toolchain/build-kubernetes.sh kube-apiserver kube-controller-manager kube-scheduler kubectl kube-proxy \
+	  kubelet
 
 setup-helm:
 	toolchain/build-helm.sh
