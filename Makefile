@@ -9,10 +9,10 @@ APT_PACKAGES := nftables iptables conntrack etcd-server iproute2 socat procps cu
 VM_APT_PACKAGES := qemu-system-x86 mmdebstrap e2fsprogs
 N ?=
 
-.PHONY: setup setup-apt setup-python setup-kubernetes setup-helm setup-vm image test test-unit lint crds demo demo-down bench bench-migration
+.PHONY: setup setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm image test test-unit lint crds demo demo-down bench bench-migration
 
 ## setup: install everything a fresh machine needs (idempotent: a second run installs and builds nothing)
-setup: setup-apt setup-python setup-kubernetes setup-helm setup-vm
+setup: setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm
 
 setup-apt:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -46,10 +46,16 @@ setup-kubernetes:
 setup-helm:
 	toolchain/build-helm.sh
 
+## setup-coredns: CoreDNS from its Go module (toolchain/coredns), the real nodes' cluster DNS
+setup-coredns:
+	toolchain/build-coredns.sh
+
 ## image: the operator and agent images (images/Containerfile) as OCI archives in the cache;
-## prints `image: REF ARCHIVE` per image; builds nothing when no input changed (docs/images.md)
-image: setup-apt
+## prints `image: REF ARCHIVE` per image; builds nothing when no input changed (docs/images.md);
+## then the real nodes' pause, busybox and CoreDNS images (docs/real-kubelets.md)
+image: setup-apt setup-coredns
 	PYTHONPATH=harness $(PYTHON) -m kpx_cluster.images build
+	PYTHONPATH=harness $(PYTHON) -m kpx_cluster.kubelets.static_images
 
 ## test: the whole suite (unit, kernel-in-netns, and e2e against a real apiserver); needs root
 test: setup image

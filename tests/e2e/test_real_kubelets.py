@@ -2,10 +2,10 @@
 
 Two real nodes (kubelet v1.36.2 + containerd + Debian's CNI plugins, each in its own network
 and mount namespace) and the control plane in a netns of its own: both Nodes become Ready, a
-busybox pod runs on each (its image imported, never pulled), each pod reaches the other across
-the nodes (through `kubectl exec`, so the apiserver dials the kubelet from its netns), and `down`
-leaves no process, netns, link, mount or cgroup behind, with the host's routes and ruleset as
-they were.
+busybox pod runs on each (its image imported, never pulled), cluster DNS answers, each pod
+reaches the other across the nodes (through `kubectl exec`, so the apiserver dials the kubelet
+from its netns), and `down` leaves no process, netns, link, mount or cgroup behind, with the
+host's routes and ruleset as they were.
 """
 
 from __future__ import annotations
@@ -216,6 +216,22 @@ def test_a_node_netns_reaches_the_other_nodes_pod(
         capture_output=True, text=True, timeout=30, check=False,
     )  # fmt: skip
     assert got.stdout.strip() == "web-node-2", got.stderr
+
+
+def test_cluster_dns_answers_a_pod_from_its_own_pod(
+    real: RealCluster, pods: dict[str, dict[str, Any]]
+) -> None:
+    """CoreDNS (kube-system/coredns, built here) runs on a node and answers a pod for the
+    kubernetes Service's name, asked at its pod IP (the kube-dns Service's address needs a
+    service proxy: tests/e2e/test_real_kubelets_kpx.py)."""
+    got = real.cluster.kubectl("-n", "kube-system", "get", "pods", "-l", "k8s-app=kube-dns",
+                               "-o", "json")  # fmt: skip
+    (dns_pod,) = json.loads(got.stdout)["items"]
+    answer = real.cluster.kubectl(
+        "-n", NAMESPACE, "exec", "web-node-1", "--", "nslookup",
+        "kubernetes.default.svc.cluster.local", dns_pod["status"]["podIP"],
+    ).stdout  # fmt: skip
+    assert "10.96.0.1" in answer, answer
 
 
 def test_node_mounts_stay_in_the_nodes(real: RealCluster, before: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 manifests (its Deployment from the project's image) and examples/proxyconfig.yaml applied with
 kubectl; the operator makes the agents' DaemonSet, whose pods (the project's agent image,
 imported into each node's containerd) program nftables in the node network namespaces; a
-ClusterIP Service answers a client pod with both backends, on two nodes.
+ClusterIP Service answers a client pod with both backends, on two nodes, and cluster DNS (CoreDNS
+behind the kube-dns Service, through kpx) names it.
 
 Needs `make image` (the archives are imported, never pulled).
 """
@@ -187,3 +188,17 @@ def test_a_cluster_ip_service_answers_a_pod_from_backends_on_both_nodes(
         return seen == {"web-node-1", "web-node-2"}
 
     wait_until(both_backends_answer, 60, f"both backends through {vip}:80 (seen {seen})")
+
+
+def test_cluster_dns_names_the_service_through_kpx(installed: RealCluster) -> None:
+    """The pod's resolver is the kube-dns Service (10.96.0.10), which kpx proxies to CoreDNS:
+    the Service's name resolves to its ClusterIP."""
+    rc = installed
+    vip = get(rc, "-n", APP, "svc", "web")["spec"]["clusterIP"]
+
+    def resolved() -> str | None:
+        got = rc.cluster.kubectl("-n", APP, "exec", "client", "--", "nslookup",
+                                 "web.app.svc.cluster.local", check=False)  # fmt: skip
+        return got.stdout if got.returncode == 0 and vip in got.stdout else None
+
+    wait_until(resolved, 30, f"web.app.svc.cluster.local -> {vip}")

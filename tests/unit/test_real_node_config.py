@@ -10,7 +10,7 @@ import tarfile
 import tomllib
 from pathlib import Path
 
-from kpx_cluster.kubelets import config, static_images
+from kpx_cluster.kubelets import config, dns, static_images
 
 PLAN = config.NodePlan(
     name="node-1",
@@ -129,3 +129,20 @@ def test_busybox_layer_links_each_applet_to_the_one_binary() -> None:
     assert by_path["usr/bin/wget"].link == "/bin/busybox"
     assert by_path["usr"].data is None and by_path["usr/bin"].data is None
     assert by_path["tmp"].mode == 0o1777
+
+
+def test_cluster_dns_is_the_kubelets_and_forwards_nowhere() -> None:
+    objects = {o["kind"]: o for o in dns.dns_objects("10.242.0.1", "6443")}
+    assert objects["Service"]["spec"]["clusterIP"] == config.CLUSTER_DNS
+    assert "forward" not in dns.COREFILE  # no query leaves the machine
+    assert f"kubernetes {config.CLUSTER_DOMAIN} " in dns.COREFILE
+    container = objects["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == dns.COREDNS_IMAGE
+    assert container["imagePullPolicy"] == "Never"
+    # the apiserver's real address: the kubernetes Service answers only once a proxy runs
+    assert {"name": "KUBERNETES_SERVICE_HOST", "value": "10.242.0.1"} in container["env"]
+
+
+def test_coredns_version_is_the_toolchain_pin() -> None:
+    go_mod = (Path(__file__).parents[2] / "toolchain" / "coredns" / "go.mod").read_text()
+    assert f"require github.com/coredns/coredns {dns.COREDNS_VERSION}\n" in go_mod

@@ -40,6 +40,7 @@ from .config import (
     node_object,
     supervisor_spec,
 )
+from .dns import dns_objects
 
 CONTROL_PLANE = "control-plane"
 
@@ -79,13 +80,17 @@ class RealCluster:
         nodes: int = 2,
         root: Path = DEFAULT_ROOT,
         archives: Sequence[Path] = (),
+        dns: bool = True,
     ) -> None:
+        """`archives`: OCI archives imported on every node besides pause and busybox (and
+        CoreDNS with `dns`: cluster DNS, kube-system/coredns behind kube-dns 10.96.0.10)."""
         if not 1 <= nodes <= 200:
             raise ValueError("between 1 and 200 nodes")
         self.name = name
         self.root = root
         self.node_count = nodes
         self.archives = list(archives)
+        self.dns = dns
         self.topology: Topology | None = None
         self.cluster = Cluster(name, root)  # replaced by the netns one in up()
         self.plans: dict[str, NodePlan] = {}
@@ -121,10 +126,13 @@ class RealCluster:
             self.cluster = Cluster(self.name, self.root, netns=cp.netns, advertise=cp.ipv4)
             self.cluster.up()
             self._save_state()
-            archives = [*static_images.ensure(log=lambda _: None), *self.archives]
+            wanted = (*static_images.STATIC_IMAGES, *((static_images.COREDNS,) if self.dns else ()))
+            archives = [*static_images.ensure(log=lambda _: None, wanted=wanted), *self.archives]
             for name in self.node_names:
                 self._start_node(name, archives)
             self.wait_ready(timeout)
+            if self.dns:
+                self._start_dns(timeout)
         except BaseException:
             self.down()
             raise
@@ -194,6 +202,15 @@ class RealCluster:
             except netns_toolkit.TopologyError as exc:
                 raise NodeStartFailed(f"node {name}: {exc}; see {plan.log_dir}") from exc
         self._supervisors[name] = proc
+
+    def _start_dns(self, timeout: float) -> None:
+        host, port = self.cluster.cluster_server.removeprefix("https://").rsplit(":", 1)
+        objects = {"apiVersion": "v1", "kind": "List", "items": dns_objects(host, port)}
+        self.cluster.kubectl("apply", "-f", "-", input=json.dumps(objects))
+        self.cluster.kubectl(
+            "-n", "kube-system", "rollout", "status", "deploy/coredns", f"--timeout={timeout:.0f}s",
+            timeout=timeout + 10,
+        )  # fmt: skip
 
     def nodes(self) -> dict[str, dict[str, Any]]:
         got = self.cluster.kubectl("get", "nodes", "-o", "json")

@@ -1,7 +1,8 @@
 """Images the real nodes need besides the project's own, built here and never pulled: `pause`
-(a static C program, compiled with Debian's gcc) and `busybox` (Debian's static busybox with a
-link per applet), each written directly as a single-layer OCI archive whose index carries the
-`io.containerd.image.name` annotation, so `ctr -n k8s.io images import` names it.
+(a static C program, compiled with Debian's gcc), `busybox` (Debian's static busybox with a
+link per applet) and `coredns` (toolchain/build-coredns.sh's binary), each written directly
+as a single-layer OCI archive whose index carries the `io.containerd.image.name` annotation,
+so `ctr -n k8s.io images import` names it.
 
 Archives are cached beside the project's images (PROXY_CACHE_DIR/images), keyed by a digest of
 their inputs: a second `ensure` with no change builds nothing. Archives are byte-for-byte
@@ -13,7 +14,9 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import subprocess
+import sys
 import tarfile
 import tempfile
 from collections.abc import Callable
@@ -21,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ..binaries import cache_dir
+from ..binaries import MissingBinary, cache_dir
 from .config import PAUSE_IMAGE
+from .dns import COREDNS_IMAGE, COREDNS_VERSION
 
 BUSYBOX_IMAGE: Final = "registry.k8s.io/e2e-test-images/busybox:1.37.0-1"
 BUSYBOX_BINARY: Final = Path("/bin/busybox")  # Debian's busybox-static
@@ -203,6 +207,25 @@ def _busybox_archive() -> bytes:
     )
 
 
+def coredns_binary() -> Path:
+    path = cache_dir() / "bin" / f"coredns-{COREDNS_VERSION}" / "coredns"
+    if not os.access(path, os.X_OK):
+        raise MissingBinary(
+            f"coredns {COREDNS_VERSION} is not built ({path} missing): run `make setup` "
+            "(or toolchain/build-coredns.sh)"
+        )
+    return path
+
+
+def _coredns_inputs() -> bytes:
+    return hashlib.sha256(coredns_binary().read_bytes()).digest()
+
+
+def _coredns_archive() -> bytes:
+    entries = [Entry("coredns", coredns_binary().read_bytes(), 0o755), Entry("etc", None, 0o755)]
+    return oci_archive(COREDNS_IMAGE, layer_tar(entries), {"Entrypoint": ["/coredns"]})
+
+
 def _gcc_version() -> bytes:
     done = subprocess.run(["gcc", "--version"], capture_output=True, check=True)
     return bytes(done.stdout)
@@ -212,18 +235,23 @@ STATIC_IMAGES: Final = (
     StaticImage("pause", PAUSE_IMAGE, lambda: PAUSE_C.encode() + _gcc_version(), _pause_archive),
     StaticImage("busybox", BUSYBOX_IMAGE, BUSYBOX_BINARY.read_bytes, _busybox_archive),
 )
+COREDNS: Final = StaticImage("coredns", COREDNS_IMAGE, _coredns_inputs, _coredns_archive)
 
 
 def images_dir() -> Path:
     return cache_dir() / "images"
 
 
-def ensure(directory: Path | None = None, log: Callable[[str], None] = print) -> list[Path]:
+def ensure(
+    directory: Path | None = None,
+    log: Callable[[str], None] = print,
+    wanted: tuple[StaticImage, ...] = (*STATIC_IMAGES, COREDNS),
+) -> list[Path]:
     """Build each static image's archive unless the cached one has the same inputs."""
     directory = directory or images_dir()
     directory.mkdir(parents=True, exist_ok=True)
     out = []
-    for image in STATIC_IMAGES:
+    for image in wanted:
         archive = image.archive(directory)
         stamp = archive.with_name(archive.name + ".inputs")
         digest = hashlib.sha256(_FORMAT.encode() + image.ref.encode() + image.inputs()).hexdigest()
@@ -233,5 +261,21 @@ def ensure(directory: Path | None = None, log: Callable[[str], None] = print) ->
             tmp.replace(archive)
             stamp.write_text(digest + "\n")
             log(f"image: {image.ref} {archive} (built)")
+        else:
+            log(f"image: {image.ref} {archive}")
         out.append(archive)
     return out
+
+
+def main() -> int:
+    """`make image`: build (or find up to date) the real nodes' images."""
+    try:
+        ensure()
+    except MissingBinary as exc:
+        print(f"static images: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
