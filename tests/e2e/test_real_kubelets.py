@@ -23,7 +23,7 @@ import pytest
 
 from kpx_cluster import netns
 from kpx_cluster.controlplane import DEFAULT_ROOT
-from kpx_cluster.kubelets import cgroups
+from kpx_cluster.kubelets import cgroups, static_images
 from kpx_cluster.kubelets.cluster import RealCluster
 from kpx_cluster.kubelets.static_images import BUSYBOX_IMAGE
 
@@ -98,7 +98,8 @@ def before() -> dict[str, Any]:
 def real(before: dict[str, Any]) -> Iterator[RealCluster]:
     if os.geteuid() != 0:
         pytest.fail("real nodes need root (namespaces, cgroups, mounts)", pytrace=False)
-    rc = RealCluster(NAME, nodes=2)
+    archives = static_images.ensure(log=lambda _: None, wanted=(static_images.AGNHOST,))
+    rc = RealCluster(NAME, nodes=2, archives=archives)
     rc.up(timeout=120)
     try:
         yield rc
@@ -232,6 +233,38 @@ def test_cluster_dns_answers_a_pod_from_its_own_pod(
         "kubernetes.default.svc.cluster.local", dns_pod["status"]["podIP"],
     ).stdout  # fmt: skip
     assert "10.96.0.1" in answer, answer
+
+
+def test_agnhost_serves_its_hostname_to_a_pod_on_the_other_node(
+    real: RealCluster, pods: dict[str, dict[str, Any]]
+) -> None:
+    """The e2e suite's agnhost image (built here from the pinned release) runs `netexec`."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "netexec", "namespace": NAMESPACE},
+        "spec": {
+            "nodeName": "node-2",
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "agnhost",
+                "image": static_images.AGNHOST_IMAGE,
+                "imagePullPolicy": "Never",
+                "args": ["netexec", "--http-port=8080", "--udp-port=-1"],
+                "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
+            }],
+        },
+    }  # fmt: skip
+    real.cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    real.cluster.kubectl("-n", NAMESPACE, "wait", "--for=condition=Ready", "pod/netexec",
+                         "--timeout=60s", timeout=70)  # fmt: skip
+    ip = _pods(real)["netexec"]["status"]["podIP"]
+    got = real.cluster.kubectl(
+        "-n", NAMESPACE, "exec", "web-node-1", "--", "timeout", "10", "wget", "-qO-",
+        f"http://{ip}:8080/hostname",
+    )  # fmt: skip
+    assert got.stdout.strip() == "netexec"
 
 
 def test_node_mounts_stay_in_the_nodes(real: RealCluster, before: dict[str, Any]) -> None:

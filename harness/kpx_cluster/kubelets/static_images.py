@@ -1,6 +1,8 @@
 """Images the real nodes need besides the project's own, built here and never pulled: `pause`
 (a static C program, compiled with Debian's gcc), `busybox` (Debian's static busybox with a
-link per applet) and `coredns` (toolchain/build-coredns.sh's binary), each written directly
+link per applet), `coredns` (toolchain/build-coredns.sh's binary) and `agnhost` (the e2e
+suite's test image: toolchain/build-kubernetes.sh's agnhost over the busybox layer's files,
+not imported unless asked for), each written directly
 as a single-layer OCI archive whose index carries the `io.containerd.image.name` annotation,
 so `ctr -n k8s.io images import` names it.
 
@@ -24,12 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ..binaries import MissingBinary, cache_dir
+from ..binaries import MissingBinary, cache_dir, kubernetes_binary
 from .config import PAUSE_IMAGE
 from .dns import COREDNS_IMAGE, COREDNS_VERSION
 
 BUSYBOX_IMAGE: Final = "registry.k8s.io/e2e-test-images/busybox:1.37.0-1"
 BUSYBOX_BINARY: Final = Path("/bin/busybox")  # Debian's busybox-static
+#: k8s.io/kubernetes/test/images/agnhost/VERSION of the pinned release (what e2e.test names)
+AGNHOST_IMAGE: Final = "registry.k8s.io/e2e-test-images/agnhost:2.63.0"
 _FORMAT: Final = "1"  # bump when the archive layout below changes
 
 PAUSE_C: Final = r"""
@@ -226,6 +230,21 @@ def _coredns_archive() -> bytes:
     return oci_archive(COREDNS_IMAGE, layer_tar(entries), {"Entrypoint": ["/coredns"]})
 
 
+def _agnhost_inputs() -> bytes:
+    binary = kubernetes_binary("agnhost")
+    return hashlib.sha256(binary.read_bytes()).digest() + BUSYBOX_BINARY.read_bytes()
+
+
+def _agnhost_archive() -> bytes:
+    listed = subprocess.run(
+        [str(BUSYBOX_BINARY), "--list-full"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    entries = busybox_entries(BUSYBOX_BINARY.read_bytes(), listed)
+    entries.append(Entry("agnhost", kubernetes_binary("agnhost").read_bytes(), 0o755))
+    config = {"Entrypoint": ["/agnhost"], "Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
+    return oci_archive(AGNHOST_IMAGE, layer_tar(entries), config)
+
+
 def _gcc_version() -> bytes:
     done = subprocess.run(["gcc", "--version"], capture_output=True, check=True)
     return bytes(done.stdout)
@@ -236,6 +255,7 @@ STATIC_IMAGES: Final = (
     StaticImage("busybox", BUSYBOX_IMAGE, BUSYBOX_BINARY.read_bytes, _busybox_archive),
 )
 COREDNS: Final = StaticImage("coredns", COREDNS_IMAGE, _coredns_inputs, _coredns_archive)
+AGNHOST: Final = StaticImage("agnhost", AGNHOST_IMAGE, _agnhost_inputs, _agnhost_archive)
 
 
 def images_dir() -> Path:
@@ -245,7 +265,7 @@ def images_dir() -> Path:
 def ensure(
     directory: Path | None = None,
     log: Callable[[str], None] = print,
-    wanted: tuple[StaticImage, ...] = (*STATIC_IMAGES, COREDNS),
+    wanted: tuple[StaticImage, ...] = (*STATIC_IMAGES, COREDNS, AGNHOST),
 ) -> list[Path]:
     """Build each static image's archive unless the cached one has the same inputs."""
     directory = directory or images_dir()
