@@ -400,6 +400,7 @@ class Topology:
         self._exposed: dict[int, Path] = {}  # node-side port -> unix socket of the host relay
         self._lock = threading.RLock()
         self._closed = False
+        self._cleanup_hooks: list[Callable[[], object]] = []
         _register(self)
 
     # -- context manager
@@ -728,9 +729,21 @@ class Topology:
 
     # -- cleanup
 
+    def on_cleanup(self, hook: Callable[[], object]) -> None:
+        """Run `hook` first thing in `cleanup` (also on exit and on SIGTERM/SIGINT), once: for
+        what the topology's users made beyond its processes (cgroups, a control plane)."""
+        with self._lock:
+            self._cleanup_hooks.append(hook)
+
     def cleanup(self) -> None:
         """Kill every process we started, delete every netns and temporary path. Idempotent."""
         with self._lock:
+            hooks, self._cleanup_hooks = self._cleanup_hooks, []
+            for hook in hooks:
+                try:
+                    hook()
+                except Exception:
+                    log.exception("a cleanup hook of topology %s failed", self.prefix)
             self._closed = True
             procs, self._procs = self._procs, []
             for proc in procs:

@@ -121,6 +121,9 @@ class RealCluster:
     def up(self, timeout: float = 180.0) -> None:
         """Control plane, nodes, then wait until every Node is Ready."""
         self.topology = Topology()
+        # Also when the process ends without `down` (exit, SIGTERM, SIGINT): the topology's
+        # cleanup stops the nodes and the control plane first.
+        self.topology.on_cleanup(self._stop_nodes_and_control_plane)
         try:
             cp = self.topology.add_node(CONTROL_PLANE)
             self.cluster = Cluster(self.name, self.root, netns=cp.netns, advertise=cp.ipv4)
@@ -241,7 +244,15 @@ class RealCluster:
     def down(self) -> list[str]:
         """Stop every node (kubelet, containerd, pods: all in the node's cgroups), the control
         plane, and remove every netns, cgroup and file; returns what was still left (empty
-        when clean)."""
+        when clean). Idempotent."""
+        left = self._stop_nodes_and_control_plane()
+        if self.topology is not None:
+            prefix = self.topology.prefix
+            self.topology.cleanup()
+            left += cgroups.leftovers(prefix) + netns_toolkit.leftovers(prefix)
+        return left
+
+    def _stop_nodes_and_control_plane(self) -> list[str]:
         for proc in self._supervisors.values():
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -255,10 +266,6 @@ class RealCluster:
             for plan in self.plans.values():
                 left += cgroups.remove(plan.cgroup)
         self.cluster.down()
-        if self.topology is not None:
-            prefix = self.topology.prefix
-            self.topology.cleanup()
-            left += cgroups.leftovers(prefix) + netns_toolkit.leftovers(prefix)
         return left
 
 
