@@ -131,8 +131,11 @@ class RealCluster:
             self._save_state()
             wanted = (*static_images.STATIC_IMAGES, *((static_images.COREDNS,) if self.dns else ()))
             archives = [*static_images.ensure(log=lambda _: None, wanted=wanted), *self.archives]
+            # All nodes start at once (each imports its images), then each is waited for.
             for name in self.node_names:
                 self._start_node(name, archives)
+            for name in self.node_names:
+                self._wait_supervisor(name)
             self.wait_ready(timeout)
             if self.dns:
                 self._start_dns(timeout)
@@ -194,17 +197,20 @@ class RealCluster:
             sys.executable, "-m", "kpx_cluster.kubelets.supervisor", str(plan.spec_file),
         ]  # fmt: skip
         with (plan.log_dir / "supervisor.log").open("ab") as log:
-            try:
-                proc = self.topology.run_ready(
-                    None,
-                    argv,
-                    timeout=180,
-                    stderr=log,
-                    preexec_fn=_join_cgroup_fn(plan.runtime_cgroup),
-                )
-            except netns_toolkit.TopologyError as exc:
-                raise NodeStartFailed(f"node {name}: {exc}; see {plan.log_dir}") from exc
-        self._supervisors[name] = proc
+            self._supervisors[name] = self.topology.run_host(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                preexec_fn=_join_cgroup_fn(plan.runtime_cgroup),
+            )
+
+    def _wait_supervisor(self, name: str, timeout: float = 180) -> None:
+        """Until node `name`'s supervisor says `ready` (containerd up, images imported, the
+        kubelet started)."""
+        try:
+            netns_toolkit.wait_for_line(self._supervisors[name], "ready", timeout)
+        except netns_toolkit.TopologyError as exc:
+            raise NodeStartFailed(f"node {name}: {exc}; see {self.plans[name].log_dir}") from exc
 
     def _start_dns(self, timeout: float) -> None:
         host, port = self.cluster.cluster_server.removeprefix("https://").rsplit(":", 1)
