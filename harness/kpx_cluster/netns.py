@@ -258,6 +258,22 @@ def leftovers(prefix: str | None = None) -> list[str]:
     return found
 
 
+def remove_leftovers(prefix: str) -> list[str]:
+    """Remove what a Topology with `prefix` left when its process died without cleanup: kill
+    the processes it started and those in its network namespaces, delete the namespaces and
+    its temporary paths. Returns `leftovers(prefix)` afterwards (empty when clean)."""
+    if not PREFIX_RE.fullmatch(prefix):
+        raise ValueError(f"not a topology prefix: {prefix!r}")
+    _kill_pids(set(_marked_pids(prefix)) - {os.getpid()}, grace=2.0)
+    for ns in _netns_list():
+        if ns.startswith(prefix):
+            _kill_pids(set(_netns_pids(ns)) - {os.getpid()}, grace=2.0)
+            _run_ip(["netns", "del", ns], check=False)
+    for path in Path("/tmp").glob(f"{prefix}*"):
+        shutil.rmtree(path, ignore_errors=True)
+    return leftovers(prefix)
+
+
 def python_env(base: Mapping[str, str] | None = None, prefix: str | None = None) -> dict[str, str]:
     """A copy of `base` (default os.environ) with the harness on PYTHONPATH and the kpx mark."""
     env = dict(os.environ if base is None else base)

@@ -276,13 +276,9 @@ class RealCluster:
 
 
 def sweep(prefix: str) -> list[str]:
-    """Remove what a RealCluster with topology `prefix` left (its process died unclean)."""
+    """Remove what a RealCluster with topology `prefix` left (its process died unclean): every
+    process in its nodes' cgroups and the cgroups, then the topology's processes, namespaces
+    and paths. Returns what is still left (empty when clean)."""
     for top in cgroups.leftovers(prefix):
         cgroups.remove(Path(top).name)
-    stray = netns_toolkit._marked_pids(prefix)
-    netns_toolkit._kill_pids(stray, grace=2.0)
-    for ns in netns_toolkit._netns_list():
-        if ns.startswith(prefix):
-            netns_toolkit._kill_pids(netns_toolkit._netns_pids(ns), grace=2.0)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-    return cgroups.leftovers(prefix) + netns_toolkit.leftovers(prefix)
+    return cgroups.leftovers(prefix) + netns_toolkit.remove_leftovers(prefix)
