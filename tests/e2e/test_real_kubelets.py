@@ -10,6 +10,7 @@ host's routes and ruleset as they were.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -177,33 +178,25 @@ def test_a_pod_runs_on_each_node_with_an_address_of_its_pod_cidr(
         pod = pods[f"web-{name}"]
         plan = real.plans[name]
         assert pod["spec"]["nodeName"] == name
-        ips = [entry["ip"] for entry in pod["status"]["podIPs"]]
-        net4 = plan.pod_cidr_v4.rsplit(".", 1)[0] + "."
-        assert ips[0].startswith(net4), (ips, plan.pod_cidr_v4)
+        v4, v6 = (ipaddress.ip_address(entry["ip"]) for entry in pod["status"]["podIPs"])
+        assert v4 in ipaddress.ip_network(plan.pod_cidr_v4)
+        assert v6 in ipaddress.ip_network(plan.pod_cidr_v6)
 
 
 def test_pods_reach_each_other_across_nodes(
     real: RealCluster, pods: dict[str, dict[str, Any]]
 ) -> None:
     """From inside each pod (kubectl exec: the apiserver, in its netns, dials the kubelet),
-    an HTTP request to the other node's pod, by its pod IP, answers with that pod's name.
+    an HTTP request to the other node's pod, by its IPv4 and its IPv6 address, answers with
+    that pod's name.
     (No `wget -T`: Debian's static busybox 1.35 crashes on it.)"""
     one, two = (f"web-{n}" for n in real.node_names)
     for client, server in ((one, two), (two, one)):
-        ip = pods[server]["status"]["podIP"]
-        got = real.cluster.kubectl(
-            "-n",
-            NAMESPACE,
-            "exec",
-            client,
-            "--",
-            "timeout",
-            "10",
-            "wget",
-            "-qO-",
-            f"http://{ip}:8080/",
-        )
-        assert got.stdout.strip() == server
+        v4, v6 = (entry["ip"] for entry in pods[server]["status"]["podIPs"])
+        for ip in (v4, f"[{v6}]"):
+            got = real.cluster.kubectl("-n", NAMESPACE, "exec", client, "--", "timeout", "10",
+                                       "wget", "-qO-", f"http://{ip}:8080/")  # fmt: skip
+            assert got.stdout.strip() == server, ip
 
 
 def test_a_node_netns_reaches_the_other_nodes_pod(

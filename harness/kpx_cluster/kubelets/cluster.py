@@ -28,7 +28,7 @@ import yaml
 
 from .. import netns as netns_toolkit
 from ..binaries import kubernetes_binary
-from ..controlplane import DEFAULT_ROOT, Cluster
+from ..controlplane import DEFAULT_ROOT, AlreadyRunning, Cluster
 from ..netns import Topology
 from . import cgroups, static_images
 from .config import (
@@ -120,6 +120,10 @@ class RealCluster:
     # -- up ------------------------------------------------------------------------------------
     def up(self, timeout: float = 180.0) -> None:
         """Control plane, nodes, then wait until every Node is Ready."""
+        if Cluster(self.name, self.root).is_running():  # not ours: a failed up must not stop it
+            raise AlreadyRunning(
+                f"cluster {self.name!r} already runs; `proxy-cluster down` stops it"
+            )
         self.topology = Topology()
         # Also when the process ends without `down` (exit, SIGTERM, SIGINT): the topology's
         # cleanup stops the nodes and the control plane first.
