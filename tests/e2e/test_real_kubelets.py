@@ -26,6 +26,7 @@ from kpx_cluster import netns
 from kpx_cluster.controlplane import DEFAULT_ROOT
 from kpx_cluster.kubelets import cgroups, static_images
 from kpx_cluster.kubelets.cluster import RealCluster
+from kpx_cluster.kubelets.config import KUBELET_SYSCTLS
 from kpx_cluster.kubelets.static_images import BUSYBOX_IMAGE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
@@ -54,6 +55,10 @@ def host_network_state() -> dict[str, str]:
         "nftables": _out("nft", "-s", "list", "ruleset"),
         "iptables": "\n".join(iptables),
     }
+
+
+def host_sysctls() -> dict[str, str]:
+    return {key: Path("/proc/sys", key).read_text() for key in KUBELET_SYSCTLS}
 
 
 NODE_PATHS = ("/run", "/var/lib", "/var/log", "/proc/sys/")
@@ -92,7 +97,11 @@ NAME = f"real-{os.getpid()}"
 @pytest.fixture(scope="module")
 def before() -> dict[str, Any]:
     """The host as it was before the cluster: its network state and the mounts."""
-    return {"network": host_network_state(), "mounts": host_mounts(DEFAULT_ROOT / NAME)}
+    return {
+        "network": host_network_state(),
+        "mounts": host_mounts(DEFAULT_ROOT / NAME),
+        "sysctls": host_sysctls(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +267,27 @@ def test_agnhost_serves_its_hostname_to_a_pod_on_the_other_node(
         f"http://{ip}:8080/hostname",
     )  # fmt: skip
     assert got.stdout.strip() == "netexec"
+
+
+def test_no_namespace_of_the_cluster_routes_off_the_machine(real: RealCluster) -> None:
+    """The control plane's and every node's netns have no route but the fabric, the pod CIDRs
+    and the Service CIDRs: an address elsewhere (here a documentation address and the host's
+    own default gateway) is unroutable where a packet to it starts."""
+    gateway = _out("ip", "-4", "route", "show", "default").split()
+    elsewhere = ["198.51.100.7", *gateway[2:3]]
+    for ns in [str(real.cluster.netns), *(p.netns for p in real.plans.values())]:
+        for address in elsewhere:
+            got = subprocess.run(["ip", "-n", ns, "route", "get", address],
+                                 capture_output=True, text=True, check=False)  # fmt: skip
+            assert got.returncode != 0 and "unreachable" in got.stderr, (ns, address, got)
+
+
+def test_the_hosts_kernel_settings_stay_as_they_were(
+    real: RealCluster, before: dict[str, Any]
+) -> None:
+    """The kubelets set vm.overcommit_memory, kernel.panic, ... at start: on files over those
+    /proc/sys entries in their own mount namespaces, never on the host's."""
+    assert host_sysctls() == before["sysctls"]
 
 
 def test_node_mounts_stay_in_the_nodes(real: RealCluster, before: dict[str, Any]) -> None:
