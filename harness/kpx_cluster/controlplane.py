@@ -431,13 +431,14 @@ class Cluster:
         return ctx
 
     def _healthy(self, comp: Component) -> bool:
-        if comp.netns is not None:
-            netns = comp.netns
+        if comp.netns is not None:  # dialled from a thread inside the component's netns
             try:
-                return call_in_netns(netns, lambda: self._healthy(Component(**{
-                    **comp.__dict__, "netns": None})))  # fmt: skip
+                return call_in_netns(comp.netns, lambda: self._dial_health(comp))
             except OSError:
                 return False  # the netns is gone
+        return self._dial_health(comp)
+
+    def _dial_health(self, comp: Component) -> bool:
         try:
             with urllib.request.urlopen(  # noqa: S310 - loopback URL built by us
                 comp.health_url, timeout=2, context=self._ssl_context(comp)
