@@ -208,6 +208,19 @@ def test_pods_reach_each_other_across_nodes(
             assert got.stdout.strip() == server, ip
 
 
+def test_the_apiservers_pod_proxy_reaches_a_pod_on_each_node(
+    real: RealCluster, pods: dict[str, dict[str, Any]]
+) -> None:
+    """The apiserver dials pods from its own netns (routes to every pod CIDR): its pod proxy,
+    which Kubernetes' e2e suite uses, answers for a pod on each node."""
+    for name in real.node_names:
+        pod = f"web-{name}"
+        got = real.cluster.kubectl(
+            "get", "--raw", f"/api/v1/namespaces/{NAMESPACE}/pods/{pod}:8080/proxy/"
+        )
+        assert got.stdout.strip() == pod
+
+
 def test_a_node_netns_reaches_the_other_nodes_pod(
     real: RealCluster, pods: dict[str, dict[str, Any]]
 ) -> None:
