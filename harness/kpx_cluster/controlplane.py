@@ -228,10 +228,20 @@ class Cluster:
         )
         kcm_kc = self._component_kubeconfig(ca, local, "system:kube-controller-manager")
         sched_kc = self._component_kubeconfig(ca, local, "system:kube-scheduler")
-        # The apiserver's client certificate towards kubelets (logs, exec, port-forward).
-        kubelet_client = ca.issue(
-            "apiserver-kubelet-client", "kube-apiserver-kubelet-client", orgs=("system:masters",)
-        )
+        # Towards real kubelets (logs, exec, port-forward): a client certificate they accept,
+        # and their fabric address.
+        kubelet_flags: list[str] = []
+        if in_netns:
+            kubelet_client = ca.issue(
+                "apiserver-kubelet-client",
+                "kube-apiserver-kubelet-client",
+                orgs=("system:masters",),
+            )
+            kubelet_flags = [
+                f"--kubelet-client-certificate={kubelet_client.cert}",
+                f"--kubelet-client-key={kubelet_client.key}",
+                "--kubelet-preferred-address-types=InternalIP",
+            ]
 
         etcd_data = self.state_dir / "etcd"
         etcd_url = self.etcd_url
@@ -264,9 +274,7 @@ class Cluster:
                 f"--bind-address={'0.0.0.0' if in_netns else '127.0.0.1'}",  # noqa: S104
                 f"--advertise-address={advertise}",
                 f"--secure-port={api_port}",
-                f"--kubelet-client-certificate={kubelet_client.cert}",
-                f"--kubelet-client-key={kubelet_client.key}",
-                "--kubelet-preferred-address-types=InternalIP",
+                *kubelet_flags,
                 f"--tls-cert-file={serving.cert}",
                 f"--tls-private-key-file={serving.key}",
                 f"--client-ca-file={ca.pair.cert}",
