@@ -3,15 +3,16 @@ SHELL := /bin/bash
 PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 APT_PACKAGES := nftables iptables conntrack etcd-server iproute2 socat procps curl kmod \
-	mmdebstrap buildah umoci skopeo runc
+	mmdebstrap buildah umoci skopeo runc \
+	containernetworking-plugins busybox-static gcc libc6-dev
 # proxy-vm (a qemu guest with IPVS for the ipvs kernel tests), installed without recommends
 VM_APT_PACKAGES := qemu-system-x86 mmdebstrap e2fsprogs
 N ?=
 
-.PHONY: setup setup-apt setup-python setup-kubernetes setup-helm setup-vm image test test-unit lint crds demo demo-down bench bench-migration
+.PHONY: setup setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm image test test-unit lint crds demo demo-down bench bench-migration
 
 ## setup: install everything a fresh machine needs (idempotent: a second run installs and builds nothing)
-setup: setup-apt setup-python setup-kubernetes setup-helm setup-vm
+setup: setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm
 
 setup-apt:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -39,15 +40,22 @@ setup-python:
 	$(PYTHON) toolchain/setup-python.py
 
 setup-kubernetes:
-	toolchain/build-kubernetes.sh kube-apiserver kube-controller-manager kube-scheduler kubectl kube-proxy
+	toolchain/build-kubernetes.sh kube-apiserver kube-controller-manager kube-scheduler kubectl kube-proxy \
+	  kubelet agnhost
 
 setup-helm:
 	toolchain/build-helm.sh
 
+## setup-coredns: CoreDNS from its Go module (toolchain/coredns), the real nodes' cluster DNS
+setup-coredns:
+	toolchain/build-coredns.sh
+
 ## image: the operator and agent images (images/Containerfile) as OCI archives in the cache;
-## prints `image: REF ARCHIVE` per image; builds nothing when no input changed (docs/images.md)
-image: setup-apt
+## prints `image: REF ARCHIVE` per image; builds nothing when no input changed (docs/images.md);
+## then the real nodes' pause, busybox and CoreDNS images (docs/real-kubelets.md)
+image: setup-apt setup-coredns
 	PYTHONPATH=harness $(PYTHON) -m kpx_cluster.images build
+	PYTHONPATH=harness $(PYTHON) -m kpx_cluster.kubelets.static_images
 
 ## test: the whole suite (unit, kernel-in-netns, and e2e against a real apiserver); needs root
 test: setup image

@@ -31,6 +31,7 @@ for c in "${components[@]}"; do
   fi
   case "$c" in
     kubectl) pkg=k8s.io/kubernetes/cmd/kubectl ;;
+    agnhost) pkg=k8s.io/kubernetes/test/images/agnhost ;;  # the e2e suite's test image
     *) pkg=k8s.io/kubernetes/cmd/$c ;;
   esac
   echo "building $c $version (this takes minutes on a small machine)..."

@@ -3,6 +3,11 @@
 Everything listens on loopback with free ports; etcd's data and all state live under one
 directory on tmpfs (/dev/shm) so WAL fsyncs never stall. The same class is the `proxy-cluster`
 command and the pytest fixture.
+
+With `netns` (the real-kubelet cluster, docs/real-kubelets.md), every component runs in that
+network namespace instead, the apiserver on 0.0.0.0:6443 advertising `advertise` (the address
+kubelets and pods dial), and a pair of relays (a unix socket between them) makes it reachable
+on the host's loopback for kubectl and the tests: no host process dials a node or pod address.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +29,7 @@ from typing import Any
 
 from .binaries import etcd_binary, kubernetes_binary
 from .kubeconfig import write_kubeconfig
+from .netns import call_in_netns, enter_netns, python_env
 from .pki import CertificateAuthority, KeyPair, service_account_keys
 
 DEFAULT_ROOT = Path("/dev/shm/kpx")
@@ -78,13 +85,25 @@ class Component:
     pid: int
     binary: str
     health_url: str
+    netns: str | None = None  # where health_url is dialled (None: the host)
 
 
 class Cluster:
     """One local control plane, identified by its name and state directory."""
 
-    def __init__(self, name: str = "kpx", root: Path = DEFAULT_ROOT) -> None:
+    def __init__(
+        self,
+        name: str = "kpx",
+        root: Path = DEFAULT_ROOT,
+        *,
+        netns: str | None = None,
+        advertise: str | None = None,
+    ) -> None:
+        if (netns is None) != (advertise is None):
+            raise ValueError("netns and advertise go together")
         self.name = name
+        self.netns = netns
+        self.advertise = advertise
         self.state_dir = root / name
         self.pki_dir = self.state_dir / "pki"
         self.log_dir = self.state_dir / "logs"
@@ -106,6 +125,13 @@ class Cluster:
     @property
     def server(self) -> str:
         return str(self._load_state()["server"])
+
+    @property
+    def cluster_server(self) -> str:
+        """The apiserver's URL for kubelets and pods (its advertised address); the host URL
+        `server` without a netns."""
+        state = self._load_state()
+        return str(state.get("clusterServer", state["server"]))
 
     @property
     def etcd_url(self) -> str:
@@ -158,14 +184,24 @@ class Cluster:
     def _start_all(self, started: list[Component], timeout: float) -> None:
         ca = CertificateAuthority(self.pki_dir)
         sa = service_account_keys(self.pki_dir)
-        api_port, etcd_port, etcd_peer = free_port(), free_port(), free_port()
-        kcm_port, sched_port = free_port(), free_port()
-        server = f"https://127.0.0.1:{api_port}"
+        in_netns = self.netns is not None
+        host_port = free_port()
+        if in_netns:  # the netns is ours alone: the well-known ports
+            api_port, etcd_port, etcd_peer, kcm_port, sched_port = 6443, 2379, 2380, 10257, 10259
+        else:
+            api_port, etcd_port, etcd_peer = host_port, free_port(), free_port()
+            kcm_port, sched_port = free_port(), free_port()
+        # `server`: for the host (through the relays with a netns); `local`: for the components.
+        server = f"https://127.0.0.1:{host_port}"
+        local = f"https://127.0.0.1:{api_port}"
+        advertise = self.advertise or "127.0.0.1"
         self._save(
             {
                 "server": server,
-                "apiserverPort": api_port,
+                "clusterServer": f"https://{advertise}:{api_port}" if in_netns else server,
+                "apiserverPort": host_port,
                 "etcdURL": f"http://127.0.0.1:{etcd_port}",
+                "netns": self.netns,
                 "components": [],
             }
         )
@@ -174,6 +210,7 @@ class Cluster:
             "apiserver",
             "kube-apiserver",
             hosts=(
+                *((advertise,) if in_netns else ()),
                 "127.0.0.1",
                 "::1",
                 "localhost",
@@ -189,8 +226,22 @@ class Cluster:
         write_kubeconfig(
             self.kubeconfig, server=server, ca=ca.pair.cert, user="admin", client=admin
         )
-        kcm_kc = self._component_kubeconfig(ca, server, "system:kube-controller-manager")
-        sched_kc = self._component_kubeconfig(ca, server, "system:kube-scheduler")
+        kcm_kc = self._component_kubeconfig(ca, local, "system:kube-controller-manager")
+        sched_kc = self._component_kubeconfig(ca, local, "system:kube-scheduler")
+        # Towards real kubelets (logs, exec, port-forward): a client certificate they accept,
+        # and their fabric address.
+        kubelet_flags: list[str] = []
+        if in_netns:
+            kubelet_client = ca.issue(
+                "apiserver-kubelet-client",
+                "kube-apiserver-kubelet-client",
+                orgs=("system:masters",),
+            )
+            kubelet_flags = [
+                f"--kubelet-client-certificate={kubelet_client.cert}",
+                f"--kubelet-client-key={kubelet_client.key}",
+                "--kubelet-preferred-address-types=InternalIP",
+            ]
 
         etcd_data = self.state_dir / "etcd"
         etcd_url = self.etcd_url
@@ -220,9 +271,10 @@ class Cluster:
             [
                 str(kubernetes_binary("kube-apiserver")),
                 f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={'0.0.0.0' if in_netns else '127.0.0.1'}",  # noqa: S104
+                f"--advertise-address={advertise}",
                 f"--secure-port={api_port}",
+                *kubelet_flags,
                 f"--tls-cert-file={serving.cert}",
                 f"--tls-private-key-file={serving.key}",
                 f"--client-ca-file={ca.pair.cert}",
@@ -237,9 +289,11 @@ class Cluster:
                 "--profiling=false",
                 "--event-ttl=1h",
             ],
-            f"{server}/readyz",
+            f"{local}/readyz",
         )
         self._wait(started[-1], timeout)
+        if in_netns:
+            self._start_relays(started, api_port, host_port, timeout)
 
         self._spawn(
             started,
@@ -259,9 +313,9 @@ class Cluster:
                 f"--service-cluster-ip-range={','.join(SERVICE_CIDRS)}",
                 "--leader-elect=false",
                 "--profiling=false",
-                # No kubelet renews node leases here: the node lifecycle controller would taint
-                # every simulated node and evict its pods.
-                "--controllers=*,-node-lifecycle-controller",
+                # Without real kubelets no one renews node leases: the node lifecycle
+                # controller would taint every simulated node and evict its pods.
+                "--controllers=*" if in_netns else "--controllers=*,-node-lifecycle-controller",
             ],
             f"https://127.0.0.1:{kcm_port}/healthz",
         )
@@ -283,6 +337,35 @@ class Cluster:
         for comp in started[-2:]:
             self._wait(comp, timeout)
 
+    def _start_relays(
+        self, started: list[Component], api_port: int, host_port: int, timeout: float
+    ) -> None:
+        """apiserver (in the netns) <- unix socket <- the host's 127.0.0.1:`host_port`."""
+        sock = self.state_dir / "apiserver.sock"
+        relay = [sys.executable, "-m", "kpx_cluster.relay"]
+        readyz = f"https://127.0.0.1:{host_port}/readyz"
+        self._spawn(
+            started,
+            "apiserver-relay-netns",
+            [*relay, "unix-to-tcp", "--unix", str(sock), "--to", f"127.0.0.1:{api_port}"],
+            readyz,
+            checked_from_host=True,
+        )
+        deadline = time.monotonic() + timeout
+        while not sock.exists():
+            if time.monotonic() > deadline or not _pid_alive(started[-1].pid, sys.executable):
+                raise StartupFailed(f"no relay socket {sock}; see {self.log_dir}")
+            time.sleep(0.05)
+        self._spawn(
+            started,
+            "apiserver-relay-host",
+            [*relay, "tcp-to-unix", "--listen", f"127.0.0.1:{host_port}", "--unix", str(sock)],
+            readyz,
+            runs_on_host=True,
+            checked_from_host=True,
+        )
+        self._wait(started[-1], timeout)
+
     def _component_kubeconfig(self, ca: CertificateAuthority, server: str, user: str) -> Path:
         stem = user.split(":")[-1]
         pair = ca.issue(stem, user)
@@ -294,15 +377,32 @@ class Cluster:
             client=pair,
         )
 
-    def client_kubeconfig(self, user: str, groups: tuple[str, ...], path: Path) -> Path:
-        """A kubeconfig for a user authenticated by a client certificate (e.g. a node)."""
+    def client_kubeconfig(
+        self, user: str, groups: tuple[str, ...], path: Path, *, server: str | None = None
+    ) -> Path:
+        """A kubeconfig for a user authenticated by a client certificate (e.g. a node), for
+        the host's URL of the apiserver unless `server` is given (e.g. `cluster_server`)."""
         ca = CertificateAuthority(self.pki_dir)
         stem = "user-" + "".join(ch if ch.isalnum() else "-" for ch in user)
         pair: KeyPair = ca.issue(stem, user, orgs=groups)
-        return write_kubeconfig(path, server=self.server, ca=self.ca_file, user=user, client=pair)
+        return write_kubeconfig(
+            path, server=server or self.server, ca=self.ca_file, user=user, client=pair
+        )
 
-    def _spawn(self, started: list[Component], name: str, argv: list[str], health: str) -> None:
+    def _spawn(
+        self,
+        started: list[Component],
+        name: str,
+        argv: list[str],
+        health: str,
+        *,
+        runs_on_host: bool = False,
+        checked_from_host: bool = False,
+    ) -> None:
+        """Start a component in the cluster's netns (if any) unless `runs_on_host`; its health
+        URL is dialled from there too unless `checked_from_host`."""
         log = (self.log_dir / f"{name}.log").open("ab")
+        into = None if runs_on_host else self.netns
         proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
@@ -310,9 +410,12 @@ class Cluster:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=self.state_dir,
+            env=python_env() if argv[0] == sys.executable else None,
+            preexec_fn=(lambda: enter_netns(into)) if into else None,
         )
         log.close()
-        started.append(Component(name, proc.pid, argv[0], health))
+        check_in = None if checked_from_host else self.netns
+        started.append(Component(name, proc.pid, argv[0], health, check_in))
         state = self._load_state()
         state["components"] = [c.__dict__ for c in started]
         self._save(state)
@@ -336,6 +439,14 @@ class Cluster:
         return ctx
 
     def _healthy(self, comp: Component) -> bool:
+        if comp.netns is not None:  # dialled from a thread inside the component's netns
+            try:
+                return call_in_netns(comp.netns, lambda: self._dial_health(comp))
+            except OSError:
+                return False  # the netns is gone
+        return self._dial_health(comp)
+
+    def _dial_health(self, comp: Component) -> bool:
         try:
             with urllib.request.urlopen(  # noqa: S310 - loopback URL built by us
                 comp.health_url, timeout=2, context=self._ssl_context(comp)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import ipaddress
 import logging
 import os
@@ -29,11 +30,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ PREFIX_RE = re.compile(r"kpx[0-9a-f]{6}")
 NAME_RE = re.compile(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?")
 DEFAULT_SERVICE_CIDRS: tuple[str, ...] = ("10.96.0.0/16", "fd00:96::/112")
 IFNAMSIZ = 15
+T = TypeVar("T")
 
 # Sysctls for every node / pod netns. Ratelimits are off so that tests counting ICMP errors
 # (port unreachable, reject) see one per probe; DAD is off so addresses are usable at once.
@@ -116,6 +118,46 @@ def netns_of(target: Target) -> str:
     if isinstance(target, Node | Pod):
         return target.netns
     return target
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def enter_netns(netns: str) -> None:
+    """Move the calling thread into network namespace `netns` (a name under /run/netns).
+
+    Network namespaces are per thread: in a fresh thread (see `call_in_netns`) this changes
+    only that thread; in `preexec_fn` it puts a child process in `netns` before it execs, so the
+    child's pid is the program's own (no wrapper such as ``ip netns exec``)."""
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({netns}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def call_in_netns(netns: str, fn: Callable[[], T]) -> T:
+    """Run `fn` in a new thread inside network namespace `netns`; return what it returns (or
+    raise what it raised). Sockets `fn` opens live in `netns`."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            enter_netns(netns)
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"in-{netns}", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    value: T = box["value"]
+    return value
 
 
 def _run_ip(args: Sequence[str], netns: str | None = None, check: bool = True) -> str:
@@ -214,6 +256,22 @@ def leftovers(prefix: str | None = None) -> list[str]:
     tmp = Path("/tmp")
     found.extend(f"path {path}" for path in sorted(tmp.glob("kpx*")) if _matches(path.name, prefix))
     return found
+
+
+def remove_leftovers(prefix: str) -> list[str]:
+    """Remove what a Topology with `prefix` left when its process died without cleanup: kill
+    the processes it started and those in its network namespaces, delete the namespaces and
+    its temporary paths. Returns `leftovers(prefix)` afterwards (empty when clean)."""
+    if not PREFIX_RE.fullmatch(prefix):
+        raise ValueError(f"not a topology prefix: {prefix!r}")
+    _kill_pids(set(_marked_pids(prefix)) - {os.getpid()}, grace=2.0)
+    for ns in _netns_list():
+        if ns.startswith(prefix):
+            _kill_pids(set(_netns_pids(ns)) - {os.getpid()}, grace=2.0)
+            _run_ip(["netns", "del", ns], check=False)
+    for path in Path("/tmp").glob(f"{prefix}*"):
+        shutil.rmtree(path, ignore_errors=True)
+    return leftovers(prefix)
 
 
 def python_env(base: Mapping[str, str] | None = None, prefix: str | None = None) -> dict[str, str]:
@@ -358,6 +416,7 @@ class Topology:
         self._exposed: dict[int, Path] = {}  # node-side port -> unix socket of the host relay
         self._lock = threading.RLock()
         self._closed = False
+        self._cleanup_hooks: list[Callable[[], object]] = []
         _register(self)
 
     # -- context manager
@@ -686,9 +745,21 @@ class Topology:
 
     # -- cleanup
 
+    def on_cleanup(self, hook: Callable[[], object]) -> None:
+        """Run `hook` first thing in `cleanup` (also on exit and on SIGTERM/SIGINT), once: for
+        what the topology's users made beyond its processes (cgroups, a control plane)."""
+        with self._lock:
+            self._cleanup_hooks.append(hook)
+
     def cleanup(self) -> None:
         """Kill every process we started, delete every netns and temporary path. Idempotent."""
         with self._lock:
+            hooks, self._cleanup_hooks = self._cleanup_hooks, []
+            for hook in hooks:
+                try:
+                    hook()
+                except Exception:
+                    log.exception("a cleanup hook of topology %s failed", self.prefix)
             self._closed = True
             procs, self._procs = self._procs, []
             for proc in procs:

@@ -1,0 +1,113 @@
+"""A real node's first process, run inside the node's network namespace and a fresh mount
+namespace (``nsenter --net=... unshare --mount --propagation private``):
+
+    python -m kpx_cluster.kubelets.supervisor NODE_SPEC.json
+
+It makes the node's mounts (see config.node_mounts), starts containerd, imports the images
+(``ctr -n k8s.io images import``: never pulled), starts the kubelet, prints ``ready`` and then
+waits. On SIGTERM it stops the kubelet and then containerd; pods and shims are ended by the
+harness through the node's cgroups. When a daemon exits on its own, so does the supervisor.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+IMPORT = ("images", "import", "--all-platforms", "--digests", "--snapshotter=overlayfs")
+
+
+class Supervisor:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.log_dir = Path(spec["logDir"])
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.stopping = False
+
+    def _mount(self) -> None:
+        for m in self.spec["mounts"]:
+            if m["fstype"]:
+                argv = ["mount", "-t", m["fstype"], m["source"], m["target"]]
+            else:
+                argv = ["mount", "--bind", m["source"], m["target"]]
+            subprocess.run(argv, check=True, capture_output=True)
+
+    def _start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        with (self.log_dir / f"{name}.log").open("ab") as log:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        self.procs[name] = proc
+        return proc
+
+    def _ctr(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        argv = ["ctr", f"--address={self.spec['containerdSocket']}", "--namespace=k8s.io", *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+
+    def _wait_containerd(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while self._ctr("version", timeout=10).returncode != 0:
+            if self.procs["containerd"].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"containerd did not start; see {self.log_dir}/containerd.log")
+            time.sleep(0.1)
+
+    def start(self) -> None:
+        self._mount()
+        self._start("containerd", self.spec["containerd"])
+        self._wait_containerd()
+        for archive in self.spec["archives"]:
+            done = self._ctr(*IMPORT, archive)
+            if done.returncode != 0:
+                raise RuntimeError(f"ctr import {archive}: {done.stderr.strip()}")
+        self._start("kubelet", self.spec["kubelet"])
+
+    def stop(self) -> None:
+        self.stopping = True
+        for name in ("kubelet", "containerd"):
+            proc = self.procs.get(name)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def wait(self) -> int:
+        while not self.stopping:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    print(f"{name} exited {proc.returncode}", file=sys.stderr, flush=True)
+                    self.stop()
+                    return 1
+            time.sleep(0.5)
+        return 0
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    sup = Supervisor(spec)
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        sup.stop()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    try:
+        sup.start()
+    except Exception as exc:
+        print(f"node {spec['node']}: {exc}", file=sys.stderr, flush=True)
+        sup.stop()
+        return 1
+    print("ready", flush=True)
+    return sup.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

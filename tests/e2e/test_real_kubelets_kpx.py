@@ -1,0 +1,204 @@
+"""kpx as users run it, on real kubelets: no kube-proxy; the CRD, the operator's shipped
+manifests (its Deployment from the project's image) and examples/proxyconfig.yaml applied with
+kubectl; the operator makes the agents' DaemonSet, whose pods (the project's agent image,
+imported into each node's containerd) program nftables in the node network namespaces; a
+ClusterIP Service answers a client pod with both backends, on two nodes, and cluster DNS (CoreDNS
+behind the kube-dns Service, through kpx) names it.
+
+Needs `make image` (the archives are imported, never pulled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import yaml
+
+from kpx_cluster import images
+from kpx_cluster.kubelets.cluster import RealCluster
+from kpx_cluster.kubelets.static_images import BUSYBOX_IMAGE
+
+pytestmark = [pytest.mark.e2e, pytest.mark.netns]
+REPO = Path(__file__).resolve().parents[2]
+NS = "kpx-system"
+APP = "app"
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.5)
+
+
+def get(rc: RealCluster, *args: str) -> dict[str, Any]:
+    out = rc.cluster.kubectl("get", *args, "-o", "json", check=False)
+    return dict(json.loads(out.stdout)) if out.returncode == 0 else {}
+
+
+def busybox_pod(name: str, node: str, labels: dict[str, str], serve: bool) -> dict[str, Any]:
+    script = (
+        "mkdir -p /tmp/w && echo $HOSTNAME > /tmp/w/index.html && exec httpd -f -p 8080 -h /tmp/w"
+        if serve
+        else "exec sleep 3600"
+    )
+    container: dict[str, Any] = {
+        "name": "main",
+        "image": BUSYBOX_IMAGE,
+        "imagePullPolicy": "Never",
+        "command": ["sh", "-c", script],
+    }
+    if serve:
+        container["readinessProbe"] = {"tcpSocket": {"port": 8080}, "periodSeconds": 1}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": APP, "labels": labels},
+        "spec": {
+            "nodeName": node,
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [container],
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[RealCluster]:
+    if os.geteuid() != 0:
+        pytest.fail("real nodes need root (namespaces, cgroups, mounts)", pytrace=False)
+    directory = images.archives_dir()
+    if images.missing(directory=directory):
+        pytest.fail("the kpx images are missing or stale: run `make image`", pytrace=False)
+    archives = [i.archive(directory) for i in images.images(images.project_version())]
+    rc = RealCluster(f"kpx-real-{os.getpid()}", nodes=2, archives=archives)
+    rc.up(timeout=180)
+    try:
+        yield rc
+    finally:
+        assert rc.down() == []
+
+
+@pytest.fixture(scope="module")
+def installed(real: RealCluster) -> RealCluster:
+    """CRD, the operator's manifests (pointed at the apiserver's real address: no proxy answers
+    the kubernetes Service before the agents run), the default ProxyConfiguration."""
+    kubectl = real.cluster.kubectl
+    endpoint = real.cluster.cluster_server.removeprefix("https://")
+    host, port = endpoint.rsplit(":", 1)
+    kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    kubectl("wait", "--for=condition=Established", "--timeout=60s",
+            "crd/proxyconfigurations.proxy.kpx.dev")  # fmt: skip
+    manifests = kubectl("kustomize", str(REPO / "operator" / "manifests")).stdout
+    docs = [d for d in yaml.safe_load_all(manifests) if d]
+    for doc in docs:
+        if doc["kind"] == "Deployment" and doc["metadata"]["name"] == "kpx-operator":
+            container = doc["spec"]["template"]["spec"]["containers"][0]
+            container["env"] += [
+                {"name": "KUBERNETES_SERVICE_HOST", "value": host},
+                {"name": "KUBERNETES_SERVICE_PORT", "value": port},
+            ]
+            container["command"] += ["--apiserver-endpoint", endpoint]
+    kubectl("apply", "--server-side", "-f", "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))  # fmt: skip
+    example = yaml.safe_load((REPO / "examples" / "proxyconfig.yaml").read_text())
+    # the harness's pod CIDRs (10.244.<i>.0/24, fd00:244:<i>::/64)
+    example["spec"]["clusterCIDRs"] = ["10.244.0.0/16", "fd00:244::/48"]
+    kubectl("apply", "--server-side", "-f", "-", input=json.dumps(example))
+    return real
+
+
+def pxc_ready(rc: RealCluster) -> dict[str, Any] | None:
+    pxc = get(rc, "pxc", "default")
+    status = pxc.get("status", {})
+    ready = any(
+        c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])
+    )
+    return status if ready and status.get("readyNodes") == 2 else None
+
+
+def test_the_operator_runs_the_agents_on_both_real_nodes(installed: RealCluster) -> None:
+    status = wait_until(lambda: pxc_ready(installed), 180, "ProxyConfiguration Ready on 2 nodes")
+    assert status["mode"] == "nftables"
+    agents = get(installed, "-n", NS, "pods", "-l", "app.kubernetes.io/name=kpx-agent")["items"]
+    assert sorted(p["spec"]["nodeName"] for p in agents) == ["node-1", "node-2"]
+    for pod in agents:
+        assert pod["status"]["phase"] == "Running"
+        assert pod["spec"]["containers"][0]["image"].startswith("ghcr.io/kpx/kpx-agent:")
+    # the agents' rules are in the node network namespaces (the agents are hostNetwork pods)
+    for plan in installed.plans.values():
+        tables = subprocess.run(
+            ["ip", "netns", "exec", plan.netns, "nft", "list", "tables"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert "table ip kpx" in tables, tables
+    # no kube-proxy anywhere
+    assert not [
+        p for p in get(installed, "pods", "-A")["items"] if "kube-proxy" in p["metadata"]["name"]
+    ]
+
+
+def test_a_cluster_ip_service_answers_a_pod_from_backends_on_both_nodes(
+    installed: RealCluster,
+) -> None:
+    wait_until(lambda: pxc_ready(installed), 180, "ProxyConfiguration Ready on 2 nodes")
+    rc = installed
+    rc.cluster.create_namespace(APP)
+    pods = [busybox_pod(f"web-{n}", n, {"app": "web"}, serve=True) for n in rc.node_names]
+    pods.append(busybox_pod("client", "node-1", {"app": "client"}, serve=False))
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web", "namespace": APP},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]},
+    }
+    rc.cluster.kubectl("apply", "-f", "-",
+                       input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                         "items": [*pods, service]}))  # fmt: skip
+
+    def all_ready() -> bool:
+        items = get(rc, "-n", APP, "pods")["items"]
+        return len(items) == 3 and all(
+            any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get(
+                "conditions", []))
+            for p in items
+        )  # fmt: skip
+
+    wait_until(all_ready, 90, "the backends and the client Ready")
+    vip = get(rc, "-n", APP, "svc", "web")["spec"]["clusterIP"]
+    seen: set[str] = set()
+
+    def both_backends_answer() -> bool:
+        got = rc.cluster.kubectl("-n", APP, "exec", "client", "--", "timeout", "5",
+                                 "wget", "-qO-", f"http://{vip}/", check=False)  # fmt: skip
+        if got.returncode == 0:
+            seen.add(got.stdout.strip())
+        return seen == {"web-node-1", "web-node-2"}
+
+    wait_until(both_backends_answer, 60, f"both backends through {vip}:80 (seen {seen})")
+
+
+def test_cluster_dns_names_the_service_through_kpx(installed: RealCluster) -> None:
+    """The pod's resolver is the kube-dns Service (10.96.0.10), which kpx proxies to CoreDNS:
+    the Service's name resolves to its ClusterIP."""
+    rc = installed
+    vip = get(rc, "-n", APP, "svc", "web")["spec"]["clusterIP"]
+
+    def resolved() -> str | None:
+        got = rc.cluster.kubectl("-n", APP, "exec", "client", "--", "nslookup",
+                                 "web.app.svc.cluster.local", check=False)  # fmt: skip
+        return got.stdout if got.returncode == 0 and vip in got.stdout else None
+
+    wait_until(resolved, 30, f"web.app.svc.cluster.local -> {vip}")
