@@ -1,0 +1,467 @@
+"""The faults of the table (docs/chaos.md says what each proves).
+
+Processes of the simulated pods run under runc: `pod_pids` finds the container's processes (the
+descendants of its `runc run`), which is what a SIGKILL or SIGSTOP of a kubelet's container
+reaches. Kernel faults run `nft` inside one node's netns through the topology, never in the
+host's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kpx_cluster.migration import NS, MigrationEnv, wait_until
+from kpx_cluster.netns import Node
+
+from .runner import Change, Ctx, Fault
+
+OPERATOR_LABEL = "app.kubernetes.io/name=kpx-operator"
+GONE = re.compile(r"\b410\b|Gone|[Ee]xpired")
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        out.setdefault(ppid, []).append(int(entry.name))
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    tree, out, todo = _children(), [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def pod_pids(env: MigrationEnv, namespace: str, name: str) -> list[int]:
+    """The processes of pod `namespace/name`'s containers (under runc: below `runc run`)."""
+    found = env.sim.pod(namespace, name)
+    if found is None:
+        return []
+    return [p for top in found.pids.values() for p in descendants(top)]
+
+
+def agent_pod(env: MigrationEnv, node: Node) -> str:
+    for pod in env.agent_pods():
+        if pod["spec"]["nodeName"] == node.name and not pod["metadata"].get("deletionTimestamp"):
+            return str(pod["metadata"]["name"])
+    raise RuntimeError(f"no agent pod on {node.name}")
+
+
+def signal_all(pids: list[int], sig: int) -> int:
+    sent = 0
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+            sent += 1
+    return sent
+
+
+def restart_count(env: MigrationEnv, namespace: str, name: str) -> int:
+    pod = env.json("-n", namespace, "get", "pod", name)
+    return sum(int(c.get("restartCount", 0)) for c in pod.get("status", {}).get(
+        "containerStatuses", []))  # fmt: skip
+
+
+# ---- agents -------------------------------------------------------------------------------
+
+
+class AgentKill(Fault):
+    """SIGKILL the agent's processes on one node (or all at once); the simulated kubelet
+    restarts the container. `times` > 1: killed again each time it is back (a container the
+    OOM killer kills in a loop: the same SIGKILL, without the memory pressure)."""
+
+    strict = True  # the kernel keeps the rules: no packet may notice
+
+    def __init__(self, which: str = "one", times: int = 1) -> None:
+        self.which, self.times = which, times
+        if times > 1:
+            self.name = f"agent OOM-killed in a loop ({times}x, one node)"
+            self.how = (f"SIGKILL of the agent container's processes, again as soon as it is "
+                        f"restarted, {times} times")  # fmt: skip
+        else:
+            self.name = f"agent SIGKILL, {'one node' if which == 'one' else 'all nodes at once'}"
+            self.how = "SIGKILL of the agent container's processes (runc), the kubelet restarts it"
+
+    def touches(self, env: MigrationEnv) -> list[Node]:
+        return env.nodes[1:2] if self.which == "one" else list(env.nodes)
+
+    def settled(self, ctx: Ctx) -> bool:
+        return ctx.env.rolled_out("nftables")
+
+    def _kill(self, ctx: Ctx) -> list[tuple[str, int]]:
+        killed = []
+        for node in self.touches(ctx.env):
+            pod = agent_pod(ctx.env, node)
+            before = restart_count(ctx.env, NS, pod)
+            pids = pod_pids(ctx.env, NS, pod)
+            if not pids:
+                raise RuntimeError(f"no process of {pod}")
+            signal_all(pids, signal.SIGKILL)
+            killed.append((pod, before))
+        return killed
+
+    def inject(self, ctx: Ctx) -> None:
+        self.killed = self._kill(ctx)
+
+    def hold(self, ctx: Ctx) -> None:
+        for i in range(self.times):
+            for pod, before in self.killed:
+                wait_until(lambda p=pod, b=before: restart_count(ctx.env, NS, p) > b  # type: ignore[misc]
+                           and pod_pids(ctx.env, NS, p), 120, f"{pod} restarted")  # fmt: skip
+            if i + 1 < self.times:
+                self.killed = self._kill(ctx)
+        ctx.notes.append(f"agent restarted {self.times} time(s) on "
+                         f"{self.touches_label(ctx.env)}")  # fmt: skip
+
+
+# ---- control plane ------------------------------------------------------------------------
+
+
+class ApiserverDown(Fault):
+    name = "apiserver stopped 60 s"
+    change_at = "heal"
+    strict = True
+
+    def __init__(self, seconds: float = 60.0) -> None:
+        self.seconds = seconds
+        self.how = (f"kube-apiserver SIGTERM, started again after {seconds:.0f} s; a Service "
+                    "created the moment it answers")  # fmt: skip
+        self.argv: list[str] = []
+
+    def inject(self, ctx: Ctx) -> None:
+        self.argv = ctx.env.cluster.stop_component("kube-apiserver")
+
+    def hold(self, ctx: Ctx) -> None:
+        time.sleep(ctx.seconds(self.seconds))
+
+    def heal(self, ctx: Ctx) -> None:
+        if self.argv:
+            ctx.env.cluster.start_component("kube-apiserver", self.argv)
+            self.argv = []
+
+    def cleanup(self, ctx: Ctx) -> None:
+        self.heal(ctx)
+
+
+class CompactionBurst(Fault):
+    """`count` Services created in one burst while etcd is compacted every 0.2 s."""
+
+    strict = True
+
+    def __init__(self, count: int = 60) -> None:
+        self.count = count
+        self.name = "etcd compaction during a burst"
+        self.how = (f"{count} Services created in a burst, etcd compacted to its head every "
+                    "0.2 s meanwhile")  # fmt: skip
+        self.compactions = 0
+        self.stop = threading.Event()
+
+    def _compact(self, ctx: Ctx) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(Exception):
+                ctx.env.cluster.compact_etcd()
+                self.compactions += 1
+            self.stop.wait(0.2)
+
+    def inject(self, ctx: Ctx) -> None:
+        self.thread = threading.Thread(target=self._compact, args=(ctx,), daemon=True)
+        self.thread.start()
+
+    def changes(self, ctx: Ctx) -> list[Change]:
+        return [ctx.service(f"burst-{ctx.run}-{i}") for i in range(self.count)]
+
+    def heal(self, ctx: Ctx) -> None:
+        self.stop.set()
+        self.thread.join()
+        gone = 0
+        for pod in ctx.env.agent_pods():
+            found = ctx.env.sim.pod(NS, pod["metadata"]["name"])
+            for log in found.logs.values() if found else []:
+                with contextlib.suppress(OSError):
+                    text = log.read_text(errors="replace")
+                    gone += sum(1 for line in text.splitlines() if GONE.search(line))
+        ctx.notes.append(f"{self.compactions} compactions during the burst; agents' log lines "
+                         f"naming 410/Gone/expired (whole run so far): {gone}")  # fmt: skip
+
+    def cleanup(self, ctx: Ctx) -> None:
+        self.stop.set()
+
+
+# ---- one node's network and kernel ---------------------------------------------------------
+
+
+def kpx_tables(ctx: Ctx, node: Node) -> list[tuple[str, str]]:
+    out = ctx.env.topo.exec(node, ["nft", "list", "tables"], check=True).stdout
+    return [(w[1], w[2]) for w in (line.split() for line in out.splitlines())
+            if len(w) == 3 and w[2] == "kpx"]  # fmt: skip
+
+
+class ApiserverDropped(Fault):
+    """One node's packets to and from the apiserver dropped (nft in that node's netns)."""
+
+    def __init__(self, seconds: float = 60.0) -> None:
+        self.seconds = seconds
+        self.name = "one node's packets to the apiserver dropped 60 s"
+        self.how = (f"nft table `inet chaos` in the node's netns drops TCP to and from the "
+                    f"apiserver's port for {seconds:.0f} s")  # fmt: skip
+
+    def touches(self, env: MigrationEnv) -> list[Node]:
+        return env.nodes[2:3]
+
+    def inject(self, ctx: Ctx) -> None:
+        port = ctx.env.sim.apiserver_port
+        rules = ("table inet chaos {\n chain out {\n  type filter hook output priority -300;\n"
+                 f"  tcp dport {port} drop\n  tcp sport {port} drop\n }}\n}}\n")  # fmt: skip
+        ctx.env.topo.exec(self.touches(ctx.env)[0], ["nft", "-f", "-"], input=rules, check=True)
+
+    def hold(self, ctx: Ctx) -> None:
+        time.sleep(ctx.seconds(self.seconds))
+
+    def heal(self, ctx: Ctx) -> None:
+        ctx.env.topo.exec(self.touches(ctx.env)[0], ["nft", "delete", "table", "inet", "chaos"])
+
+    def cleanup(self, ctx: Ctx) -> None:
+        self.heal(ctx)
+
+
+class NftFlush(Fault):
+    name = "foreign `nft flush table` (one node)"
+
+    def __init__(self) -> None:
+        self.how = "`nft flush table` of every kpx table in one node's netns"
+
+    def touches(self, env: MigrationEnv) -> list[Node]:
+        return env.nodes[0:1]
+
+    def inject(self, ctx: Ctx) -> None:
+        node = self.touches(ctx.env)[0]
+        tables = kpx_tables(ctx, node)
+        if not tables:
+            raise RuntimeError(f"no kpx table on {node.name}")
+        for family, name in tables:
+            ctx.env.topo.exec(node, ["nft", "flush", "table", family, name], check=True)
+        ctx.notes.append("flushed " + ", ".join(f"{f} {n}" for f, n in tables))
+
+
+def _elem_key(elem: Any) -> str:
+    key = elem[0] if isinstance(elem, list) else elem
+    if isinstance(key, dict) and "elem" in key:
+        key = key["elem"]["val"]
+    if isinstance(key, dict) and "concat" in key:
+        return " . ".join(str(k) for k in key["concat"])
+    return str(key)
+
+
+class NftElementDeleted(Fault):
+    name = "one nft element deleted (one node)"
+
+    def __init__(self) -> None:
+        self.how = "`nft delete element` of svc-a's ClusterIP entry in one node's kpx table"
+
+    def touches(self, env: MigrationEnv) -> list[Node]:
+        return env.nodes[0:1]
+
+    def inject(self, ctx: Ctx) -> None:
+        node = self.touches(ctx.env)[0]
+        ip = ctx.env.service("svc-a")["spec"]["clusterIP"]
+        for family, table in kpx_tables(ctx, node):
+            if family != "ip":
+                continue
+            raw = ctx.env.topo.exec(node, ["nft", "-j", "list", "table", family, table],
+                                    check=True).stdout  # fmt: skip
+            for obj in json.loads(raw)["nftables"]:
+                body = obj.get("map") or obj.get("set")
+                for elem in (body or {}).get("elem", []):
+                    key = _elem_key(elem)
+                    if ip in key.split(" . "):
+                        what = f"{family} {table} {body['name']} {{ {key} }}"
+                        ctx.env.topo.exec(node, ["nft", "delete", "element", *what.split()],
+                                          check=True)  # fmt: skip
+                        ctx.notes.append(f"deleted element {what}")
+                        return
+        raise RuntimeError(f"no element naming {ip} on {node.name}")
+
+
+# ---- objects ------------------------------------------------------------------------------
+
+
+class PoisonPair(Fault):
+    name = "the poison pair"
+    how = ("two LoadBalancer Services, same LB IP and port, sourceRanges 10.0.0.0/8 and "
+           "10.1.0.0/16; then an unrelated Service")  # fmt: skip
+    strict = True
+
+    def inject(self, ctx: Ctx) -> None:
+        for i, cidr in enumerate(("10.0.0.0/8", "10.1.0.0/16")):
+            name = f"poison-{ctx.run}-{i}"
+            ctx.service(name, type="LoadBalancer", loadBalancerSourceRanges=[cidr])
+            status = {"status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.77"}]}}}
+            ctx.kubectl("-n", ctx.env.app_ns, "patch", "svc", name, "--subresource=status",
+                        "--type=merge", "-p", json.dumps(status))  # fmt: skip
+        time.sleep(2)  # the pair reaches the agents before the unrelated Service
+
+
+class OptOutFlap(Fault):
+    """A namespace's opt-out label set and removed every second."""
+
+    strict = True
+
+    def __init__(self, seconds: float = 30.0) -> None:
+        self.seconds = seconds
+        self.name = "namespace opt-out flapping every second"
+        self.how = (f"label networking.k8s.io/kube-proxy=disabled on a namespace set and removed "
+                    f"every second for {seconds:.0f} s, ending removed")  # fmt: skip
+
+    def changes(self, ctx: Ctx) -> list[Change]:
+        ns = f"chaos-flap-{ctx.run}"
+        self.ns = ns
+        ctx.kubectl("create", "namespace", ns)
+        ctx.created.append(("namespace", "", ns))
+        change = ctx.service("flap", namespace=ns, selector=False)
+        pods = ctx.env.json("-n", ctx.env.app_ns, "get", "pods", "-l", "app=web")["items"]
+        slice_ = {
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "flap-1", "namespace": ns, "labels": {
+                "kubernetes.io/service-name": "flap",
+                "endpointslice.kubernetes.io/managed-by": "chaos.kpx.dev"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "tcp", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [{"addresses": [p["status"]["podIP"]], "conditions": {"ready": True}}
+                          for p in pods if p.get("status", {}).get("podIP")],
+        }  # fmt: skip
+        ctx.kubectl("create", "-f", "-", input=json.dumps(slice_))
+        return [change, ctx.service(f"chaos-{ctx.run}")]
+
+    def inject(self, ctx: Ctx) -> None:
+        pass
+
+    def hold(self, ctx: Ctx) -> None:
+        end = time.monotonic() + ctx.seconds(self.seconds)
+        flips = 0
+        while time.monotonic() < end:
+            value = "networking.k8s.io/kube-proxy=disabled" if flips % 2 == 0 else (
+                "networking.k8s.io/kube-proxy-")  # fmt: skip
+            ctx.kubectl("label", "namespace", self.ns, value, "--overwrite")
+            flips += 1
+            time.sleep(1)
+        ctx.kubectl("label", "namespace", self.ns, "networking.k8s.io/kube-proxy-", check=False)
+        ctx.notes.append(f"{flips} label flips")
+
+
+class PxcDeleted(Fault):
+    name = "ProxyConfiguration deleted"
+    how = "`kubectl delete pxc`, applied again 10 s after it is gone"
+
+    def __init__(self, seconds: float = 10.0) -> None:
+        self.seconds = seconds
+        self.saved: dict[str, Any] = {}
+
+    def touches(self, env: MigrationEnv) -> list[Node]:
+        return list(env.nodes)
+
+    def inject(self, ctx: Ctx) -> None:
+        pxc = ctx.env.json("get", "pxc", ctx.env.pxc)
+        self.saved = {"apiVersion": pxc["apiVersion"], "kind": pxc["kind"],
+                      "metadata": {"name": ctx.env.pxc}, "spec": pxc["spec"]}  # fmt: skip
+        t0 = time.monotonic()
+        ctx.env.cluster.kubectl("delete", "pxc", ctx.env.pxc, "--timeout=150s", timeout=180)
+        ctx.notes.append(f"deletion took {time.monotonic() - t0:.1f} s")
+
+    def hold(self, ctx: Ctx) -> None:
+        time.sleep(ctx.seconds(self.seconds))
+        rules = {n.name: bool(kpx_tables(ctx, n)) for n in ctx.env.nodes}
+        ctx.notes.append("kpx tables while deleted: " + ", ".join(
+            f"{n} {'kept' if r else 'gone'}" for n, r in rules.items()))  # fmt: skip
+
+    def heal(self, ctx: Ctx) -> None:
+        if self.saved:
+            ctx.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(self.saved))
+            self.saved = {}
+
+    def settled(self, ctx: Ctx) -> bool:
+        return ctx.env.rolled_out("nftables")
+
+    def cleanup(self, ctx: Ctx) -> None:
+        self.heal(ctx)
+
+
+class OperatorLeader(Fault):
+    """The operator's leader SIGKILLed (or SIGSTOPped `seconds`) right after a change that
+    rolls the agents' DaemonSet (spec.resources.requests.cpu)."""
+
+    strict = True
+
+    def __init__(self, sig: str = "kill", seconds: float = 30.0) -> None:
+        self.sig, self.seconds = sig, seconds
+        verb = "SIGKILLed" if sig == "kill" else f"SIGSTOPped {seconds:.0f} s"
+        self.name = f"operator leader {verb} mid-rollout"
+        self.how = (f"spec.resources.requests.cpu changed (the agents roll), then the Lease "
+                    f"holder's processes {verb}")  # fmt: skip
+        self.pids: list[int] = []
+
+    def _leader(self, ctx: Ctx) -> str:
+        lease = ctx.env.json("-n", NS, "get", "lease", "kpx-operator")
+        holder = str(lease.get("spec", {}).get("holderIdentity") or "")
+        return holder.rsplit("_", 1)[0]
+
+    def inject(self, ctx: Ctx) -> None:
+        pxc = ctx.env.json("get", "pxc", ctx.env.pxc)
+        cpu = pxc["spec"].get("resources", {}).get("requests", {}).get("cpu", "50m")
+        self.cpu = "51m" if cpu != "51m" else "52m"
+        self.generation = int(pxc["metadata"]["generation"]) + 1
+        leader = self._leader(ctx)
+        ctx.kubectl(
+            "patch",
+            "pxc",
+            ctx.env.pxc,
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"resources": {"requests": {"cpu": self.cpu}}}}),
+        )
+        time.sleep(1)
+        self.pids = pod_pids(ctx.env, NS, leader)
+        if not self.pids:
+            raise RuntimeError(f"no process of the leader {leader}")
+        sig = signal.SIGKILL if self.sig == "kill" else signal.SIGSTOP
+        signal_all(self.pids, sig)
+        ctx.notes.append(f"leader {leader} {self.sig} 1 s after the patch")
+
+    def hold(self, ctx: Ctx) -> None:
+        if self.sig == "stop":
+            time.sleep(ctx.seconds(self.seconds))
+
+    def heal(self, ctx: Ctx) -> None:
+        if self.sig == "stop" and self.pids:
+            signal_all(self.pids, signal.SIGCONT)
+            self.pids = []
+
+    def settled(self, ctx: Ctx) -> bool:
+        pods = ctx.env.agent_pods()
+        cpus = {c.get("resources", {}).get("requests", {}).get("cpu")
+                for p in pods for c in p["spec"]["containers"]}  # fmt: skip
+        st = ctx.env.json("get", "pxc", ctx.env.pxc).get("status", {})
+        return (
+            cpus == {self.cpu}
+            and ctx.env.rolled_out("nftables")
+            and int(st.get("observedGeneration", 0)) >= self.generation
+        )
+
+    def cleanup(self, ctx: Ctx) -> None:
+        self.heal(ctx)
