@@ -49,10 +49,8 @@ def rows() -> list[Fault | NotBuilt]:
         f.OptOutFlap(30),
         f.OperatorLeader("kill"),
         f.OperatorLeader("stop", 30),
-        NotBuilt("object bomb (one Service, thousands of endpoints and ports)",
-                 "not built yet"),
-        NotBuilt("node reboot with kube-proxy gone",
-                 "the node simulator cannot reboot a node (its netns, pods and conntrack stay)"),
+        f.ObjectBomb(2000, 50),
+        f.NodeReboot(),
         f.PxcDeleted(10),
     ]  # fmt: skip
 

@@ -10,73 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from kpx_cluster.migration import NS, MigrationEnv, wait_until
 from kpx_cluster.netns import Node
 
+from .procs import agent_pod, pod_pids, restart_count, signal_all
 from .runner import Change, Ctx, Fault
 
 OPERATOR_LABEL = "app.kubernetes.io/name=kpx-operator"
 GONE = re.compile(r"\b410\b|Gone|[Ee]xpired")
-
-
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        out.setdefault(ppid, []).append(int(entry.name))
-    return out
-
-
-def descendants(pid: int) -> list[int]:
-    tree, out, todo = _children(), [], [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def pod_pids(env: MigrationEnv, namespace: str, name: str) -> list[int]:
-    """The processes of pod `namespace/name`'s containers (under runc: below `runc run`)."""
-    found = env.sim.pod(namespace, name)
-    if found is None:
-        return []
-    return [p for top in found.pids.values() for p in descendants(top)]
-
-
-def agent_pod(env: MigrationEnv, node: Node) -> str:
-    for pod in env.agent_pods():
-        if pod["spec"]["nodeName"] == node.name and not pod["metadata"].get("deletionTimestamp"):
-            return str(pod["metadata"]["name"])
-    raise RuntimeError(f"no agent pod on {node.name}")
-
-
-def signal_all(pids: list[int], sig: int) -> int:
-    sent = 0
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-            sent += 1
-    return sent
-
-
-def restart_count(env: MigrationEnv, namespace: str, name: str) -> int:
-    pod = env.json("-n", namespace, "get", "pod", name)
-    return sum(int(c.get("restartCount", 0)) for c in pod.get("status", {}).get(
-        "containerStatuses", []))  # fmt: skip
 
 
 # ---- agents -------------------------------------------------------------------------------
@@ -465,3 +412,81 @@ class OperatorLeader(Fault):
 
     def cleanup(self, ctx: Ctx) -> None:
         self.heal(ctx)
+
+
+class NodeReboot(Fault):
+    """A node's reboot, as far as the simulator goes: its agent frozen (SIGSTOP), the node
+    netns's whole ruleset flushed and its conntrack table emptied, then the agent SIGKILLed
+    (the kubelet starts it again). No kube-proxy runs on the node: only kpx can put the
+    rules back. Not simulated: the node's pods and its kubelet keep running."""
+
+    name = "node reboot (rules wiped, kube-proxy gone)"
+    how = ("agent SIGSTOPped, `nft flush ruleset` and `conntrack -F` in the node's netns, agent "
+           "SIGKILLed and restarted")  # fmt: skip
+
+    def touches(self, env: MigrationEnv) -> list[Node]:
+        return env.nodes[1:2]
+
+    def inject(self, ctx: Ctx) -> None:
+        node = self.touches(ctx.env)[0]
+        pod = agent_pod(ctx.env, node)
+        self.pod, self.before = pod, restart_count(ctx.env, NS, pod)
+        pids = pod_pids(ctx.env, NS, pod)
+        signal_all(pids, signal.SIGSTOP)
+        try:
+            ctx.env.topo.exec(node, ["nft", "flush", "ruleset"], check=True)
+            ctx.env.topo.exec(node, ["conntrack", "-F"])
+        finally:
+            signal_all(pids, signal.SIGKILL)
+
+    def hold(self, ctx: Ctx) -> None:
+        wait_until(lambda: restart_count(ctx.env, NS, self.pod) > self.before, 120,
+                   f"{self.pod} restarted")  # fmt: skip
+
+    def settled(self, ctx: Ctx) -> bool:
+        return ctx.env.rolled_out("nftables")
+
+
+class ObjectBomb(Fault):
+    """One selectorless Service with `ports` ports and `endpoints` endpoints (EndpointSlices
+    of 1000, addresses nobody answers on: no traffic goes to it), then an unrelated Service."""
+
+    strict = True
+
+    def __init__(self, endpoints: int = 2000, ports: int = 50) -> None:
+        self.endpoints, self.ports = endpoints, ports
+        self.name = "object bomb"
+        self.how = (f"one Service with {ports} ports and {endpoints} endpoints "
+                    f"({ports * endpoints} endpoint-ports), then an unrelated Service")  # fmt: skip
+
+    def inject(self, ctx: Ctx) -> None:
+        ns, name = ctx.env.app_ns, f"bomb-{ctx.run}"
+        ports = [{"name": f"p{i}", "port": 10000 + i, "targetPort": 20000 + i,
+                  "protocol": "TCP"} for i in range(self.ports)]  # fmt: skip
+        svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
+               "spec": {"ports": ports}}  # fmt: skip
+        ctx.kubectl("create", "-f", "-", input=json.dumps(svc))
+        ctx.created.append(("service", ns, name))
+        items = []
+        for s in range(0, self.endpoints, 1000):
+            addresses = [f"10.250.{i // 250}.{i % 250 + 1}"
+                         for i in range(s, min(s + 1000, self.endpoints))]  # fmt: skip
+            items.append({
+                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+                "metadata": {"name": f"{name}-{s // 1000}", "namespace": ns, "labels": {
+                    "kubernetes.io/service-name": name,
+                    "endpointslice.kubernetes.io/managed-by": "chaos.kpx.dev"}},
+                "addressType": "IPv4",
+                "ports": [{"name": f"p{i}", "port": 20000 + i, "protocol": "TCP"}
+                          for i in range(self.ports)],
+                "endpoints": [{"addresses": [a], "conditions": {"ready": True}}
+                              for a in addresses],
+            })  # fmt: skip
+            ctx.created.append(("endpointslice", ns, f"{name}-{s // 1000}"))
+        ctx.kubectl(
+            "create",
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}),
+        )
+        time.sleep(2)  # the bomb reaches the agents before the unrelated Service

@@ -34,6 +34,7 @@ from kpx_cluster.migration import (
 from kpx_cluster.netns import Node
 from kpx_cluster.nodesim import netns as sim_netns
 
+from .procs import restart_agent
 from .table import RowResult, account
 
 Log = Callable[[str], None]
@@ -173,6 +174,32 @@ def healthy(env: MigrationEnv, timeout: float, log: Log) -> None:
     wait_until(lambda: not unanswered(env, targets), timeout, "the Services answer everywhere")
 
 
+def repair(
+    env: MigrationEnv,
+    fault: Fault,
+    ctx: Ctx,
+    targets: Sequence[tuple[str, str, int]],
+    opts: Options,
+    log: Log,
+) -> None:
+    """After a row that did not converge: restart the agents of the nodes it touches (what an
+    operator of the cluster would do), so the next rows start healthy; noted in the row."""
+    nodes = fault.touches(env)
+    if not nodes:
+        return
+    t0 = time.monotonic()
+    for node in nodes:
+        restart_agent(env, node)
+    try:
+        wait_until(lambda: not unanswered(env, targets), opts.converge_timeout, "repaired")
+        took = f"everything answered {time.monotonic() - t0:.1f} s later"
+    except TimeoutError:
+        took = f"still not answered {opts.converge_timeout:.0f} s later"
+    names = ", ".join(n.name for n in nodes)
+    ctx.notes.append(f"to go on, the suite restarted the agent on {names}: {took}")
+    log(f"   {ctx.notes[-1]}")
+
+
 def run_row(env: MigrationEnv, fault: Fault | NotBuilt, opts: Options, log: Log) -> RowResult:
     if isinstance(fault, NotBuilt):
         return RowResult(fault.name, "", "", not_built=fault.reason)
@@ -191,9 +218,9 @@ def run_row(env: MigrationEnv, fault: Fault | NotBuilt, opts: Options, log: Log)
         if fault.change_at == "inject":
             changes = fault.changes(ctx)
         fault.hold(ctx)
-        t_heal = time.monotonic()
         fault.heal(ctx)
-        log(f"   healed after {t_heal - t0:.1f}s")
+        t_heal = time.monotonic()  # (a restarted apiserver: once it answers)
+        log(f"   healed {t_heal - t0:.1f}s after the injection")
         if fault.change_at == "heal":
             changes = fault.changes(ctx)
         row.changes = len(changes)
@@ -216,6 +243,7 @@ def run_row(env: MigrationEnv, fault: Fault | NotBuilt, opts: Options, log: Log)
                              f"{', '.join(missing[:8])}")  # fmt: skip
             base = ("svc-a@", "svc-np@")
             row.lost = [m for m in missing if "@" in m and not m.startswith(base)]
+            repair(env, fault, ctx, targets, opts, log)
         time.sleep(opts.settle)
     except Exception as err:  # the row records it, the suite goes on
         row.error = f"{type(err).__name__}: {err}"
