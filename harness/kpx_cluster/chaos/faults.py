@@ -23,7 +23,7 @@ from .procs import agent_pod, pod_pids, restart_count, signal_all
 from .runner import Change, Ctx, Fault
 
 OPERATOR_LABEL = "app.kubernetes.io/name=kpx-operator"
-GONE = re.compile(r"\b410\b|Gone|[Ee]xpired")
+GONE = re.compile(r"\b410\b|Gone|[Ee]xpired|too old")
 
 
 # ---- agents -------------------------------------------------------------------------------
@@ -108,17 +108,22 @@ class ApiserverDown(Fault):
 
 
 class CompactionBurst(Fault):
-    """`count` Services created in one burst while etcd is compacted every 0.2 s."""
+    """`count` Services created in one burst while etcd is compacted every 0.2 s; then the
+    apiserver restarted (its watch cache starts at etcd's head): every watch resumes from a
+    compacted revision and gets 410 Gone."""
 
     strict = True
 
     def __init__(self, count: int = 60) -> None:
         self.count = count
         self.name = "etcd compaction during a burst"
-        self.how = (f"{count} Services created in a burst, etcd compacted to its head every "
-                    "0.2 s meanwhile")  # fmt: skip
+        self.how = (
+            f"{count} Services created in one burst, etcd compacted to its head every 0.2 s "
+            "meanwhile, then the apiserver restarted (watches resume: 410)"
+        )
         self.compactions = 0
         self.stop = threading.Event()
+        self.argv: list[str] = []
 
     def _compact(self, ctx: Ctx) -> None:
         while not self.stop.is_set():
@@ -127,16 +132,7 @@ class CompactionBurst(Fault):
                 self.compactions += 1
             self.stop.wait(0.2)
 
-    def inject(self, ctx: Ctx) -> None:
-        self.thread = threading.Thread(target=self._compact, args=(ctx,), daemon=True)
-        self.thread.start()
-
-    def changes(self, ctx: Ctx) -> list[Change]:
-        return [ctx.service(f"burst-{ctx.run}-{i}") for i in range(self.count)]
-
-    def heal(self, ctx: Ctx) -> None:
-        self.stop.set()
-        self.thread.join()
+    def _gone_lines(self, ctx: Ctx) -> int:
         gone = 0
         for pod in ctx.env.agent_pods():
             found = ctx.env.sim.pod(NS, pod["metadata"]["name"])
@@ -144,11 +140,35 @@ class CompactionBurst(Fault):
                 with contextlib.suppress(OSError):
                     text = log.read_text(errors="replace")
                     gone += sum(1 for line in text.splitlines() if GONE.search(line))
-        ctx.notes.append(f"{self.compactions} compactions during the burst; agents' log lines "
-                         f"naming 410/Gone/expired (whole run so far): {gone}")  # fmt: skip
+        return gone
+
+    def inject(self, ctx: Ctx) -> None:
+        self.gone_before = self._gone_lines(ctx)
+        self.thread = threading.Thread(target=self._compact, args=(ctx,), daemon=True)
+        self.thread.start()
+
+    def changes(self, ctx: Ctx) -> list[Change]:
+        return ctx.services([f"burst-{ctx.run}-{i}" for i in range(self.count)])
+
+    def heal(self, ctx: Ctx) -> None:
+        time.sleep(0.5)
+        self.argv = ctx.env.cluster.stop_component("kube-apiserver")
+        self.stop.set()
+        self.thread.join()
+        ctx.env.cluster.compact_etcd()
+        ctx.env.cluster.start_component("kube-apiserver", self.argv)
+        self.argv = []
+
+    def after(self, ctx: Ctx) -> None:
+        gone = self._gone_lines(ctx) - self.gone_before
+        ctx.notes.append(f"{self.compactions + 1} compactions; agents' log lines naming "
+                         f"410, Gone, expired or too old: {gone}")  # fmt: skip
 
     def cleanup(self, ctx: Ctx) -> None:
         self.stop.set()
+        if self.argv:
+            ctx.env.cluster.start_component("kube-apiserver", self.argv)
+            self.argv = []
 
 
 # ---- one node's network and kernel ---------------------------------------------------------
@@ -190,6 +210,7 @@ class ApiserverDropped(Fault):
 
 class NftFlush(Fault):
     name = "foreign `nft flush table` (one node)"
+    change_at = "after"
 
     def __init__(self) -> None:
         self.how = "`nft flush table` of every kpx table in one node's netns"
@@ -218,9 +239,12 @@ def _elem_key(elem: Any) -> str:
 
 class NftElementDeleted(Fault):
     name = "one nft element deleted (one node)"
+    change_at = "after"
 
     def __init__(self) -> None:
-        self.how = "`nft delete element` of svc-a's ClusterIP entry in one node's kpx table"
+        self.how = (
+            "`nft delete element` of svc-a's ClusterIP entries (service-ips) in one node's netns"
+        )
 
     def touches(self, env: MigrationEnv) -> list[Node]:
         return env.nodes[0:1]
@@ -233,16 +257,19 @@ class NftElementDeleted(Fault):
                 continue
             raw = ctx.env.topo.exec(node, ["nft", "-j", "list", "table", family, table],
                                     check=True).stdout  # fmt: skip
-            for obj in json.loads(raw)["nftables"]:
-                body = obj.get("map") or obj.get("set")
-                for elem in (body or {}).get("elem", []):
-                    key = _elem_key(elem)
-                    if ip in key.split(" . "):
-                        what = f"{family} {table} {body['name']} {{ {key} }}"
-                        ctx.env.topo.exec(node, ["nft", "delete", "element", *what.split()],
-                                          check=True)  # fmt: skip
-                        ctx.notes.append(f"deleted element {what}")
-                        return
+            # the verdict map that dispatches a ClusterIP to its Service's chain (service-ips)
+            # first: deleting a set's element (the masquerade marks) would break nothing
+            maps = [o["map"] for o in json.loads(raw)["nftables"] if "map" in o]
+            maps.sort(key=lambda m: m["name"] != "service-ips")
+            for body in maps:
+                keys = [k for k in map(_elem_key, body.get("elem", [])) if ip in k.split(" . ")]
+                if not keys:
+                    continue
+                what = f"{family} {table} {body['name']} {{ {', '.join(keys)} }}"
+                ctx.env.topo.exec(node, ["nft", "delete", "element", *what.split()],
+                                  check=True)  # fmt: skip
+                ctx.notes.append(f"deleted `{what}`")
+                return
         raise RuntimeError(f"no element naming {ip} on {node.name}")
 
 

@@ -79,18 +79,34 @@ class Ctx:
         self, name: str, namespace: str | None = None, selector: bool = True, **spec: Any
     ) -> Change:
         """Create a ClusterIP Service on the backends (TCP 80 -> 8080); its Change."""
+        return self.services([name], namespace, selector, **spec)[0]
+
+    def services(
+        self,
+        names: Sequence[str],
+        namespace: str | None = None,
+        selector: bool = True,
+        **spec: Any,
+    ) -> list[Change]:
+        """`service` for each name, in one `kubectl create` of a List (a burst)."""
         ns = namespace or self.env.app_ns
-        body: dict[str, Any] = {
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": name, "namespace": ns},
-            "spec": {"ports": [{"name": "tcp", "port": TCP_PORT, "targetPort": 8080,
-                                "protocol": "TCP"}], **spec},
-        }  # fmt: skip
-        if selector:
-            body["spec"]["selector"] = {"app": "web"}
-        out = json.loads(self.kubectl("create", "-o", "json", "-f", "-", input=json.dumps(body)))
-        self.created.append(("service", ns, name))
-        return Change(name, ns, out["spec"]["clusterIP"])
+        items = []
+        for name in names:
+            body: dict[str, Any] = {
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {"ports": [{"name": "tcp", "port": TCP_PORT, "targetPort": 8080,
+                                    "protocol": "TCP"}], **spec},
+            }  # fmt: skip
+            if selector:
+                body["spec"]["selector"] = {"app": "web"}
+            items.append(body)
+        self.created += [("service", ns, name) for name in names]
+        listing = {"apiVersion": "v1", "kind": "List", "items": items}
+        out = json.loads(self.kubectl("create", "-o", "json", "-f", "-",
+                                      input=json.dumps(listing)))  # fmt: skip
+        got = out["items"] if out.get("kind") == "List" else [out]
+        return [Change(o["metadata"]["name"], ns, o["spec"]["clusterIP"]) for o in got]
 
 
 class Fault:
@@ -128,6 +144,9 @@ class Fault:
     def settled(self, ctx: Ctx) -> bool:
         """Besides every change answering everywhere: what convergence also needs."""
         return True
+
+    def after(self, ctx: Ctx) -> None:
+        """Once converged (or not): notes on what happened."""
 
     def cleanup(self, ctx: Ctx) -> None:
         """After the row, whatever happened (the heal may not have run)."""
@@ -172,6 +191,31 @@ def healthy(env: MigrationEnv, timeout: float, log: Log) -> None:
     wait_until(lambda: env.rolled_out("nftables"), timeout, "every agent and the pxc Ready")
     targets = base_targets(env)
     wait_until(lambda: not unanswered(env, targets), timeout, "the Services answer everywhere")
+
+
+def converge(
+    env: MigrationEnv,
+    fault: Fault,
+    ctx: Ctx,
+    targets: Sequence[tuple[str, str, int]],
+    opts: Options,
+) -> tuple[float | None, list[str]]:
+    """Seconds until every target answers from every node and the fault is settled (None:
+    not within the timeout), and what did not answer."""
+    t0 = time.monotonic()
+    missing: list[str] = []
+
+    def done() -> bool:
+        missing[:] = unanswered(env, targets)
+        if not missing and not fault.settled(ctx):
+            missing.append(f"{fault.name}: not settled")
+        return not missing
+
+    try:
+        wait_until(done, opts.converge_timeout, "every change answered everywhere")
+    except TimeoutError:
+        return None, missing
+    return round(time.monotonic() - t0, 1), []
 
 
 def repair(
@@ -223,23 +267,26 @@ def run_row(env: MigrationEnv, fault: Fault | NotBuilt, opts: Options, log: Log)
         log(f"   healed {t_heal - t0:.1f}s after the injection")
         if fault.change_at == "heal":
             changes = fault.changes(ctx)
-        row.changes = len(changes)
+        if fault.change_at != "after":
+            row.changes = len(changes)
         targets = [(c.name, c.ip, c.port) for c in changes] + base_targets(env)
-        missing: list[str] = []
-
-        def converged() -> bool:
-            missing[:] = unanswered(env, targets)
-            if not missing and not fault.settled(ctx):
-                missing.append(f"{fault.name}: not settled")
-            return not missing
-
-        try:
-            wait_until(converged, opts.converge_timeout, "every change answered everywhere")
-            row.converged = round(time.monotonic() - t_heal, 1)
-            log(f"   converged {row.converged}s after the heal")
-        except TimeoutError:
-            log(f"   not converged after {opts.converge_timeout:.0f}s: {missing}")
-            row.notes.append(f"not answered {opts.converge_timeout:.0f} s after the heal: "
+        row.converged, missing = converge(env, fault, ctx, targets, opts)
+        log(f"   converged {row.converged}s after the heal" if row.converged is not None
+            else f"   not converged after {opts.converge_timeout:.0f}s: {missing}")  # fmt: skip
+        fault.after(ctx)
+        if fault.change_at == "after" and row.converged is not None:
+            # kpx repaired on its own: now the change, which must reach every node too
+            changes = fault.changes(ctx)
+            row.changes = len(changes)
+            targets = [(c.name, c.ip, c.port) for c in changes]
+            took, missing = converge(env, fault, ctx, targets, opts)
+            ctx.notes.append(
+                f"the change made after the repair answered everywhere {took} s later"
+                if took is not None
+                else "the change made after the repair never answered everywhere"
+            )
+        if missing:
+            ctx.notes.append(f"not answered {opts.converge_timeout:.0f} s after the heal: "
                              f"{', '.join(missing[:8])}")  # fmt: skip
             base = ("svc-a@", "svc-np@")
             row.lost = [m for m in missing if "@" in m and not m.startswith(base)]
