@@ -100,3 +100,15 @@ def test_rendering() -> None:
         "- apiserver stopped 60 s:",
         "  - goal missed: 1 of 50 UDP exchanges lost (others)",
     ]
+
+
+def test_kubectl_create_output_one_object_after_another_or_a_list() -> None:
+    from kpx_cluster.chaos.runner import json_objects
+
+    one, two = {"kind": "Service", "n": 1}, {"kind": "Service", "n": 2}
+    assert list(json_objects('{"kind": "Service", "n": 1}\n{"kind": "Service", "n": 2}\n')) == [
+        one,
+        two,
+    ]
+    assert list(json_objects('{"kind": "List", "items": [{"kind": "Service", "n": 1}]}')) == [one]
+    assert list(json_objects("  \n")) == []

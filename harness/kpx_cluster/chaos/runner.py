@@ -19,7 +19,7 @@ import secrets
 import socket
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,10 +103,22 @@ class Ctx:
             items.append(body)
         self.created += [("service", ns, name) for name in names]
         listing = {"apiVersion": "v1", "kind": "List", "items": items}
-        out = json.loads(self.kubectl("create", "-o", "json", "-f", "-",
-                                      input=json.dumps(listing)))  # fmt: skip
-        got = out["items"] if out.get("kind") == "List" else [out]
+        text = self.kubectl("create", "-o", "json", "-f", "-", input=json.dumps(listing))
+        got = list(json_objects(text))
         return [Change(o["metadata"]["name"], ns, o["spec"]["clusterIP"]) for o in got]
+
+
+def json_objects(text: str) -> Iterator[dict[str, Any]]:
+    """The objects of `kubectl create -o json` (one per object created, one after another; a
+    List's items when it prints a List)."""
+    decoder, at = json.JSONDecoder(), 0
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at >= len(text):
+            return
+        obj, at = decoder.raw_decode(text, at)
+        yield from (obj["items"] if obj.get("kind") == "List" else [obj])
 
 
 class Fault:
