@@ -155,13 +155,15 @@ class CompactionBurst(Fault):
         self.argv = ctx.env.cluster.stop_component("kube-apiserver")
         self.stop.set()
         self.thread.join()
-        ctx.env.cluster.compact_etcd()
+        with contextlib.suppress(OSError):  # 400: no write since the last compaction
+            ctx.env.cluster.compact_etcd()
+            self.compactions += 1
         ctx.env.cluster.start_component("kube-apiserver", self.argv)
         self.argv = []
 
     def after(self, ctx: Ctx) -> None:
         gone = self._gone_lines(ctx) - self.gone_before
-        ctx.notes.append(f"{self.compactions + 1} compactions; agents' log lines naming "
+        ctx.notes.append(f"{self.compactions} compactions; agents' log lines naming "
                          f"410, Gone, expired or too old: {gone}")  # fmt: skip
 
     def cleanup(self, ctx: Ctx) -> None:
