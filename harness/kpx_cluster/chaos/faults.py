@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import signal
 import threading
 import time
@@ -20,10 +19,9 @@ from kpx_cluster.migration import NS, MigrationEnv, wait_until
 from kpx_cluster.netns import Node
 
 from .procs import agent_pod, pod_pids, restart_count, signal_all
-from .runner import Change, Ctx, Fault
+from .runner import Change, Ctx, Fault, answers, json_objects
 
 OPERATOR_LABEL = "app.kubernetes.io/name=kpx-operator"
-GONE = re.compile(r"\b410\b|Gone|[Ee]xpired|too old")
 
 
 # ---- agents -------------------------------------------------------------------------------
@@ -132,18 +130,9 @@ class CompactionBurst(Fault):
                 self.compactions += 1
             self.stop.wait(0.2)
 
-    def _gone_lines(self, ctx: Ctx) -> int:
-        gone = 0
-        for pod in ctx.env.agent_pods():
-            found = ctx.env.sim.pod(NS, pod["metadata"]["name"])
-            for log in found.logs.values() if found else []:
-                with contextlib.suppress(OSError):
-                    text = log.read_text(errors="replace")
-                    gone += sum(1 for line in text.splitlines() if GONE.search(line))
-        return gone
-
     def inject(self, ctx: Ctx) -> None:
-        self.gone_before = self._gone_lines(ctx)
+        listed = ctx.env.json("-n", ctx.env.app_ns, "get", "services")
+        self.rv_before = str(listed.get("metadata", {}).get("resourceVersion", ""))
         self.thread = threading.Thread(target=self._compact, args=(ctx,), daemon=True)
         self.thread.start()
 
@@ -162,9 +151,15 @@ class CompactionBurst(Fault):
         self.argv = []
 
     def after(self, ctx: Ctx) -> None:
-        gone = self._gone_lines(ctx) - self.gone_before
-        ctx.notes.append(f"{self.compactions} compactions; agents' log lines naming "
-                         f"410, Gone, expired or too old: {gone}")  # fmt: skip
+        """What a watch resuming from before the burst gets now (an agent's reflector lists
+        again on 410 without a log line, so its log cannot say)."""
+        path = (f"/api/v1/namespaces/{ctx.env.app_ns}/services?watch=1&"
+                f"resourceVersion={self.rv_before}&timeoutSeconds=1")  # fmt: skip
+        out = ctx.env.cluster.kubectl("get", "--raw", path, check=False).stdout
+        codes = [str(o.get("object", {}).get("code")) for o in json_objects(out)
+                 if o.get("type") == "ERROR"]  # fmt: skip
+        ctx.notes.append(f"{self.compactions} compactions; a watch resuming from before the "
+                         f"burst then gets: {', '.join(codes) or 'no error'}")  # fmt: skip
 
     def cleanup(self, ctx: Ctx) -> None:
         self.stop.set()
@@ -201,7 +196,26 @@ class ApiserverDropped(Fault):
         ctx.env.topo.exec(self.touches(ctx.env)[0], ["nft", "-f", "-"], input=rules, check=True)
 
     def hold(self, ctx: Ctx) -> None:
-        time.sleep(ctx.seconds(self.seconds))
+        """Meanwhile: when the change answers on the other nodes, and whether on the cut-off
+        one (it should not: its agent cannot hear of it)."""
+        t0 = time.monotonic()
+        end = t0 + ctx.seconds(self.seconds)
+        cut = self.touches(ctx.env)[0]
+        others = [c for c in ctx.env.clients if c.node != cut]
+        mine = next(c for c in ctx.env.clients if c.node == cut)
+        seen: float | None = None
+        leaked = False
+        while time.monotonic() < end:
+            ok = all(answers(c.netns, ch.ip, ch.port) for c in others for ch in ctx.changes)
+            if ok and seen is None:
+                seen = time.monotonic() - t0
+            leaked = leaked or all(answers(mine.netns, ch.ip, ch.port) for ch in ctx.changes)
+            time.sleep(1)
+        ctx.notes.append(
+            (f"the change answered on the other nodes {seen:.1f} s after it was made"
+             if seen is not None else "the change did not answer on the other nodes meanwhile")
+            + f"; on {cut.name}: {'it did (!)' if leaked else 'not before the heal'}"
+        )  # fmt: skip
 
     def heal(self, ctx: Ctx) -> None:
         ctx.env.topo.exec(self.touches(ctx.env)[0], ["nft", "delete", "table", "inet", "chaos"])

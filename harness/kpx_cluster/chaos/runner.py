@@ -68,6 +68,8 @@ class Ctx:
     run: str = field(default_factory=lambda: secrets.token_hex(2))
     created: list[tuple[str, str, str]] = field(default_factory=list)  # (kind, namespace, name)
     notes: list[str] = field(default_factory=list)
+    #: the changes made while the fault holds (set by run_row)
+    changes: list[Change] = field(default_factory=list)
 
     def seconds(self, s: float) -> float:
         return max(1.0, s * self.opts.scale)
@@ -272,7 +274,7 @@ def run_row(env: MigrationEnv, fault: Fault | NotBuilt, opts: Options, log: Log)
         t0 = time.monotonic()
         fault.inject(ctx)
         if fault.change_at == "inject":
-            changes = fault.changes(ctx)
+            changes = ctx.changes = fault.changes(ctx)
         fault.hold(ctx)
         fault.heal(ctx)
         t_heal = time.monotonic()  # (a restarted apiserver: once it answers)
