@@ -86,9 +86,10 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--only", action="append", default=[],
                         help="run only the rows whose name contains this (repeatable)")  # fmt: skip
+    parser.add_argument("--converge-timeout", type=float, default=180.0)
     parser.add_argument("--out", type=Path, default=RESULTS / "chaos.md")
     args = parser.parse_args()
-    opts = Options(load=LoadOptions(), scale=args.scale)
+    opts = Options(load=LoadOptions(), scale=args.scale, converge_timeout=args.converge_timeout)
     selected = [r for r in rows() if not args.only or any(o in r.name for o in args.only)]
     exit_on_sigterm()
     results: list[RowResult] = []

@@ -205,6 +205,8 @@ def healthy(env: MigrationEnv, timeout: float, log: Log) -> None:
     wait_until(lambda: env.rolled_out("nftables"), timeout, "every agent and the pxc Ready")
     targets = base_targets(env)
     wait_until(lambda: not unanswered(env, targets), timeout, "the Services answer everywhere")
+    if clean_after(env, targets, timeout) is None:
+        raise TimeoutError(f"new connections still fail somewhere after {timeout:.0f}s")
 
 
 def converge(
@@ -256,6 +258,32 @@ def repair(
     names = ", ".join(n.name for n in nodes)
     ctx.notes.append(f"to go on, the suite restarted the agent on {names}: {took}")
     log(f"   {ctx.notes[-1]}")
+    clean = clean_after(env, targets, opts.converge_timeout)
+    ctx.notes.append(
+        f"after that, rounds of {CLEAN_ROUND} new connections per node and target had failures "
+        + (f"for {clean:.1f} s more" if clean is not None else
+           f"still after {opts.converge_timeout:.0f} s")
+        + " (the next row starts once a round has none)"
+    )  # fmt: skip
+    log(f"   {ctx.notes[-1]}")
+
+
+#: new connections per client and target in one round of `clean_after`
+CLEAN_ROUND = 40
+
+
+def clean_after(
+    env: MigrationEnv, targets: Sequence[tuple[str, str, int]], timeout: float
+) -> float | None:
+    """Seconds until a round of `CLEAN_ROUND` new connections from every node to every
+    target all answer (None: not within `timeout`). A node repaired can still fail some new
+    connections for a while; the next row must not count them."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if not unanswered(env, list(targets) * CLEAN_ROUND):
+            return round(time.monotonic() - t0, 1)
+        time.sleep(1)
+    return None
 
 
 def run_row(env: MigrationEnv, fault: Fault | NotBuilt, opts: Options, log: Log) -> RowResult:
