@@ -260,10 +260,9 @@ def repair(
     log(f"   {ctx.notes[-1]}")
     clean = clean_after(env, targets, opts.converge_timeout)
     ctx.notes.append(
-        f"after that, rounds of {CLEAN_ROUND} new connections per node and target had failures "
-        + (f"for {clean:.1f} s more" if clean is not None else
-           f"still after {opts.converge_timeout:.0f} s")
-        + " (the next row starts once a round has none)"
+        f"then a round of {CLEAN_ROUND} new connections per node and Service all answered "
+        + (f"{clean:.1f} s later" if clean is not None else
+           f"not within {opts.converge_timeout:.0f} s")
     )  # fmt: skip
     log(f"   {ctx.notes[-1]}")
 
