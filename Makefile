@@ -86,6 +86,6 @@ bench-migration: setup image
 ## chaos: the fault table (docs/chaos.md): faults injected under constant load on three simulated
 ## nodes (agents killed, apiserver stopped, foreign nft changes, poison pair, ...); prints the
 ## table, writes bench/results/chaos.md, exits 1 when a row misses its goal. Not part of `make
-## test`; about 30 minutes
+## test`; about 15 minutes
 chaos: setup image
 	$(PYTHON) bench/chaos.py
