@@ -9,7 +9,7 @@ APT_PACKAGES := nftables iptables conntrack etcd-server iproute2 socat procps cu
 VM_APT_PACKAGES := qemu-system-x86 mmdebstrap e2fsprogs
 N ?=
 
-.PHONY: setup setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm image test test-unit lint crds demo demo-down bench bench-migration
+.PHONY: setup setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm image test test-unit lint crds demo demo-down bench bench-migration chaos
 
 ## setup: install everything a fresh machine needs (idempotent: a second run installs and builds nothing)
 setup: setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm
@@ -90,3 +90,10 @@ bench: setup
 ## connections, UDP, held connections); table in bench/results/migration.md
 bench-migration: setup image
 	$(PYTHON) bench/migration.py
+
+## chaos: the fault table (docs/chaos.md): faults injected under constant load on three simulated
+## nodes (agents killed, apiserver stopped, foreign nft changes, poison pair, ...); prints the
+## table, writes bench/results/chaos.md, exits 1 when a row misses its goal. Not part of `make
+## test`; about 15 minutes
+chaos: setup image
+	$(PYTHON) bench/chaos.py

@@ -493,6 +493,30 @@ class Cluster:
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(comp.pid, os.WNOHANG)
 
+    def stop_component(self, name: str) -> list[str]:
+        """Stop one running component (SIGTERM, then SIGKILL after 10 s) and return its argv,
+        for `start_component` (the fault-injection suite stops the apiserver for a while)."""
+        comp = next(c for c in self._components() if c.name == name)
+        argv = [a.decode() for a in Path(f"/proc/{comp.pid}/cmdline").read_bytes().split(b"\0")]
+        self._stop([comp])
+        return [a for a in argv if a] if argv else []
+
+    def start_component(self, name: str, argv: list[str], timeout: float = 120.0) -> None:
+        """Start component `name` again with `argv` (from `stop_component`) and wait for its
+        health check; the state file records its new pid."""
+        comps = self._components()
+        index = next(i for i, c in enumerate(comps) if c.name == name)
+        log = (self.log_dir / f"{name}.log").open("ab")
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=self.state_dir)  # fmt: skip
+        log.close()
+        comps[index] = Component(name, proc.pid, argv[0], comps[index].health_url)
+        state = self._load_state()
+        state["components"] = [c.__dict__ for c in comps]
+        self._save(state)
+        self._wait(comps[index], timeout)
+
     def _remove_state(self) -> None:
         subprocess.run(["rm", "-rf", "--one-file-system", str(self.state_dir)], check=False)
 

@@ -47,6 +47,12 @@ class Tries:
     backends: dict[str, int] = field(default_factory=dict)
     #: (seconds since the start, target, reason) of the first failures
     failures: list[tuple[float, str, str]] = field(default_factory=list)
+    #: target -> [tried, failed] (the fault-injection suite splits by the node a target is on)
+    targets: dict[str, list[int]] = field(default_factory=dict)
+
+    def start(self, target: str) -> None:
+        self.tried += 1
+        self.targets.setdefault(target, [0, 0])[0] += 1
 
     def answer(self, name: str, took: float) -> None:
         self.backends[name] = self.backends.get(name, 0) + 1
@@ -55,6 +61,7 @@ class Tries:
 
     def fail(self, at: float, target: str, reason: str) -> None:
         self.failed += 1
+        self.targets.setdefault(target, [0, 0])[1] += 1
         if len(self.failures) < 50:
             self.failures.append((round(at, 3), target, reason))
 
@@ -163,10 +170,10 @@ class Client:
         while not self.stopping.is_set():
             target = targets[i % len(targets)]
             if kind == "tcp":
-                self.tcp.tried += 1
+                self.tcp.start(target)
                 self.spawn(self.tcp_try(target))
             else:
-                self.udp.tried += 1
+                self.udp.start(target)
                 self.spawn(self.udp_try(target))
             i += 1
             next_at += interval

@@ -1,0 +1,112 @@
+"""The fault table (issue #22): faults injected under load on three simulated nodes.
+
+    python3 bench/chaos.py [--scale 1.0] [--only NAME ...] [--out bench/results/chaos.md]
+
+A fresh local control plane; kpx installed from its manifests in mode nftables (the operator
+and the agents from the built images under runc: `make image`) on three simulated nodes, the
+backends and Services of `kpx_cluster.migration`. For each row (`kpx_cluster.chaos`): the load
+client on every node (new TCP connections and UDP exchanges to the ClusterIPs and the NodePort on
+every node, held connections), the fault injected, a Service created while it holds (or at its
+heal when the fault takes the apiserver away), the fault healed, then the seconds until every
+change and the base Services answer from every node. Prints the table and writes
+bench/results/chaos.md. `--scale` multiplies the faults' durations (development: 0.2).
+Exit status 1 when a row misses its goal (docs/chaos.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import bench_cluster, exit_on_sigterm, log
+from kpx_cluster.chaos import faults as f
+from kpx_cluster.chaos.runner import Fault, NotBuilt, Options, run_row
+from kpx_cluster.chaos.table import RowResult, details, exit_status, render
+from kpx_cluster.migration import LoadOptions, migration_cluster
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def rows() -> list[Fault | NotBuilt]:
+    return [
+        f.AgentKill("one"),
+        f.AgentKill("all"),
+        f.AgentKill("one", times=5),
+        f.ApiserverDown(60),
+        f.NftFlush(),
+        f.NftElementDeleted(),
+        NotBuilt("foreign `iptables -F` (one node)",
+                 "the suite runs kpx in nftables mode, where iptables holds no kpx rule"),
+        f.PoisonPair(),
+        f.CompactionBurst(60),
+        f.ApiserverDropped(60),
+        f.OptOutFlap(30),
+        f.OperatorLeader("kill"),
+        f.OperatorLeader("stop", 30),
+        f.ObjectBomb(2000, 50),
+        f.NodeReboot(),
+        f.PxcDeleted(10),
+    ]  # fmt: skip
+
+
+def report(results: list[RowResult], opts: Options, nodes: int, seconds: float) -> str:
+    lo = opts.load
+    problems = details(results)
+    return "\n".join([
+        "# Fault table (bench/chaos.py, `make chaos`)",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, {nodes} "
+        f"simulated nodes, kpx in nftables mode, operator and agents from the images under "
+        f"runc; faults' durations x{opts.scale:g}; {seconds / 60:.0f} min in all.",
+        f"Load per node: a new TCP connection every {lo.interval * 1000:.0f} ms and a UDP "
+        f"exchange every {lo.udp_interval * 1000:.0f} ms, over 2 ClusterIPs, a NodePort's "
+        f"ClusterIP and the NodePort on every node's address; {lo.holds} held connections. "
+        f"A try fails without an answer within {lo.timeout:.0f} s. 'touched': tries from a "
+        "client on a node the fault touches or to a NodePort on such a node. Converged: "
+        "seconds from the heal until the Services created during the fault and the base "
+        "Services answer from every node (docs/chaos.md).",
+        "",
+        render(results),
+        "",
+        "Notes:" if problems else "No notes.",
+        *problems,
+        "",
+    ])  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--only", action="append", default=[],
+                        help="run only the rows whose name contains this (repeatable)")  # fmt: skip
+    parser.add_argument("--converge-timeout", type=float, default=180.0)
+    parser.add_argument("--out", type=Path, default=RESULTS / "chaos.md")
+    args = parser.parse_args()
+    opts = Options(load=LoadOptions(), scale=args.scale, converge_timeout=args.converge_timeout)
+    selected = [r for r in rows() if not args.only or any(o in r.name for o in args.only)]
+    exit_on_sigterm()
+    results: list[RowResult] = []
+    t0 = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        cluster = stack.enter_context(bench_cluster("bench-chaos"))
+        env = stack.enter_context(migration_cluster(cluster, "nftables", args.nodes, log=log))
+        exit_on_sigterm()  # the Topology installed its own handlers
+        for fault in selected:
+            results.append(run_row(env, fault, opts, log))
+            log(render(results[-1:]).splitlines()[-1])
+    text = report(results, opts, args.nodes, time.monotonic() - t0)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    return exit_status(results)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
