@@ -364,8 +364,10 @@ class AgentProcess:
                 os.killpg(self.proc.pid, sig)  # its own session: only the agent's group
         return self.proc.wait(timeout=timeout)
 
-    def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM: a clean stop (the rules stay for the next agent); the exit code."""
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM: a clean stop (the rules stay for the next agent); the exit code. Within the
+        kubelet's default grace period (terminationGracePeriodSeconds, 30 s), as on a node: a
+        sync running in a worker thread when the signal comes finishes first."""
         return self._signal(signal.SIGTERM, timeout)
 
     def kill(self) -> int:
