@@ -10,7 +10,7 @@ from backend_samples import SETTINGS, key, sample_state
 from nft_fake import FakeNftables, FakeTable
 
 from kpx_agent.backends.nftables import names as n
-from kpx_agent.backends.nftables.backend import AMBIGUOUS_REPAIR_INTERVAL, NftablesBackend
+from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.localnet import IP, NodeLocalState, Protocol
 
 VIP = (IP.of("10.96.0.10"), Protocol.TCP, 80)
@@ -93,36 +93,6 @@ def test_our_commit_and_another_writers_before_a_check_cannot_be_told_apart() ->
     state.services[web.key] = dataclasses.replace(web, cluster_endpoints=web.cluster_endpoints[:1])
     backend.sync(state, [web.key])
     fake.edit()
-    assert "another writer committed" in backend.drifted()
-
-
-def test_a_busy_node_is_rewritten_at_most_once_per_interval() -> None:
-    """Both the agent and another writer commit between every two checks (pods churn): the
-    first such check rewrites everything, the next ones within AMBIGUOUS_REPAIR_INTERVAL take
-    the tables as they are as the reference, and damage after that is still found."""
-    fake, backend, state, _ = synced()
-    now = [1000.0]
-    backend._clock = lambda: now[0]
-    web = state.services[key("web")]
-
-    def churn(n: int) -> None:
-        state.services[web.key] = dataclasses.replace(
-            web, cluster_endpoints=web.cluster_endpoints[: 1 + n % 2]
-        )
-        backend.sync(state, [web.key])
-        fake.edit()
-
-    churn(0)
-    assert "another writer committed" in backend.drifted()
-    for i in range(1, 4):
-        now[0] += 30
-        churn(i)
-        assert backend.drifted() == ""
-    fake.edit(delete_vip)  # no commit of ours since the reference: damage is found at once
-    assert "changed behind our back" in backend.drifted()
-    backend.sync(state, None)
-    now[0] += AMBIGUOUS_REPAIR_INTERVAL
-    churn(5)
     assert "another writer committed" in backend.drifted()
 
 

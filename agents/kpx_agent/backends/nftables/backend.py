@@ -26,11 +26,6 @@ equal, the other writer's change was elsewhere; different, or no such digest sin
 sync (it and another writer both committed since the last check), a full sync rewrites
 everything. That digest is taken at a check that found the generation unchanged since the
 backend's last commit (one dump of its tables per syncPeriod in which it committed).
-The "no digest since its last sync" case is frequent on a busy node (pods churn: the agent
-and the CNI plugin both commit every few seconds) and a full sync costs seconds at 10,000
-Services, so it rewrites everything at most once per AMBIGUOUS_REPAIR_INTERVAL; in between
-the tables as they are become the new reference (a change behind our back in that window is
-repaired by the hourly full sync, or by the next ambiguous one).
 """
 
 from __future__ import annotations
@@ -56,10 +51,6 @@ from .ruleset import (
 )
 from .schema import Element, Pair
 from .transaction import Transaction
-
-#: Seconds between two full syncs for a check that cannot tell another writer's commit from
-#: drift (see the module docstring).
-AMBIGUOUS_REPAIR_INTERVAL = 600.0
 
 log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
@@ -113,9 +104,6 @@ class NftablesBackend(Backend):
         self._gen: int | None = None
         self._foreign = False
         self._baseline: dict[int, bytes] | None = None
-        # When a check last could not tell another writer's commit from drift (monotonic).
-        self._ambiguous_at: float | None = None
-        self._clock = time.monotonic
 
     def programmed(self) -> bool:
         """True while the kernel still has our tables (someone may flush the ruleset)."""
@@ -175,14 +163,7 @@ class NftablesBackend(Backend):
                     self._baseline = baseline
             return ""
         if self._baseline is None:
-            at = self._clock()
-            if self._ambiguous_at is None or at - self._ambiguous_at >= AMBIGUOUS_REPAIR_INTERVAL:
-                self._ambiguous_at = at
-                return "another writer committed to nftables since our last change"
-            baseline = self._digests()
-            if baseline is not None and self._read_generation() == gen:
-                self._baseline, self._gen, self._foreign = baseline, gen, False
-            return ""
+            return "another writer committed to nftables since our last change"
         now = self._digests()
         if now is None:
             return ""
