@@ -97,15 +97,11 @@ def slim(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-class _Relist(Exception):
-    """The watch must start over (a new field selector): list again."""
-
-
 class _Reselect(Exception):
     """The field selector changed (`reselect`): resume with it, no relist."""
 
 
-class _Gone(_Relist):
+class _Gone(Exception):
     """The watch cannot resume from its resourceVersion (410 Gone): list again, consistently."""
 
 
@@ -135,7 +131,6 @@ class Reflector:
         self.page_size = page_size
         self.synced = asyncio.Event()
         self.lists = 0
-        self._restart = asyncio.Event()
         # A new selector to resume with (`reselect`), the namespaces it now lets through (to
         # list alone) and those it now leaves out (to forget).
         self._reselect = asyncio.Event()
@@ -153,10 +148,6 @@ class Reflector:
         #: unexpected error, after which it lists again. The agent's health fails meanwhile.
         self.failure = ""
         self.failures = 0  # unexpected errors so far
-
-    def restart(self) -> None:
-        """List again."""
-        self._restart.set()
 
     def reselect(self, included: Iterable[str] = (), excluded: Iterable[str] = ()) -> None:
         """The field selector changed only in which namespaces it lets through: `included`
@@ -220,7 +211,6 @@ class Reflector:
         """List everything. By default from the apiserver's watch cache (resourceVersion=0,
         as client-go's reflectors do): no etcd read, and what the cache lacks the watch that
         follows brings. After 410 Gone, a consistent list, so the view never goes back."""
-        self._restart.clear()
         self._reselect.clear()
         self._include.clear()
         self._exclude.clear()
@@ -282,14 +272,14 @@ class Reflector:
         while True:
             wait = 0.0
             try:
-                if not rv or self._restart.is_set():
+                if not rv:
                     rv = await self._list(consistent=gone)
                     gone = False
                     self.failure = ""
                 elif self._reselect.is_set() or self._include:
                     await self._apply_reselect()
                 started = self.clock()
-                rv = await self._watch_until_restart(rv)
+                rv = await self._watch_until_reselect(rv)
                 if self._events == 0 and self.clock() - started < SHORT_WATCH:
                     wait = self.backoff.next()
                     log.warning("%s: the watch was closed at once; watching again in %.1fs",
@@ -307,8 +297,6 @@ class Reflector:
                          self.resource.kind, wait)  # fmt: skip
             except _Reselect:
                 rv = self._rv  # resume where the watch was, with the new selector
-            except _Relist:
-                rv = ""
             except asyncio.CancelledError:
                 raise
             except (ApiError, OSError, TimeoutError) as exc:
@@ -329,18 +317,15 @@ class Reflector:
             if wait > 0:
                 await self.sleep(wait)
 
-    async def _watch_until_restart(self, rv: str) -> str:
-        """Watch; a restart request while the stream is idle ends it too."""
+    async def _watch_until_reselect(self, rv: str) -> str:
+        """Watch; a new selector (`reselect`) while the stream is idle ends it too."""
         watch = asyncio.create_task(self._watch(rv))
-        restart = asyncio.create_task(self._restart.wait())
         reselect = asyncio.create_task(self._reselect.wait())
-        tasks = (watch, restart, reselect)
+        tasks = (watch, reselect)
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             if watch in done:
                 return watch.result()
-            if restart in done:
-                raise _Relist()
             raise _Reselect()
         finally:
             for task in tasks:

@@ -200,7 +200,10 @@ def test_a_silent_watch_is_resumed_without_a_relist(cluster: Cluster, kube: Kube
         task = asyncio.create_task(reflector.run())
         try:
             await asyncio.wait_for(reflector.synced.wait(), 10)
-            await asyncio.sleep(3.5)  # three idle timeouts
+            for _ in range(150):  # three idle timeouts (1 s each, plus each resume's time)
+                if client.watch_idle_timeouts["configmaps"] >= 3:
+                    break
+                await asyncio.sleep(0.1)
             await asyncio.to_thread(
                 kube.apply,
                 {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "late",
