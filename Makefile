@@ -41,7 +41,7 @@ setup-python:
 
 setup-kubernetes:
 	toolchain/build-kubernetes.sh kube-apiserver kube-controller-manager kube-scheduler kubectl kube-proxy \
-	  kubelet agnhost
+	  kubelet agnhost e2e.test ginkgo
 
 setup-helm:
 	toolchain/build-helm.sh
