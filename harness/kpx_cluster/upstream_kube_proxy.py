@@ -57,14 +57,15 @@ def config(mode: str, cluster_cidr: str) -> Obj:
     }
 
 
-def kubeconfig(apiserver_port: int) -> Obj:
+def kubeconfig(apiserver_port: int, server: str = "") -> Obj:
+    """`server` (an https URL) replaces the node's loopback (the simulator's apiserver)."""
     token = TOKEN_DIR.rsplit("/", 1)[1]
     return {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "default", "cluster": {
             "certificate-authority": f"../{token}/ca.crt",
-            "server": f"https://127.0.0.1:{apiserver_port}"}}],
+            "server": server or f"https://127.0.0.1:{apiserver_port}"}}],
         "contexts": [{"name": "default", "context": {
             "cluster": "default", "namespace": "default", "user": "default"}}],
         "current-context": "default",
@@ -77,12 +78,15 @@ def objects(
     apiserver_port: int,
     node_selector: Mapping[str, str],
     cluster_cidr: str = "10.244.0.0/16",
+    server: str = "",
 ) -> list[Obj]:
     """ServiceAccount, ClusterRoleBinding, ConfigMap and DaemonSet of kube-proxy in `mode`
-    (iptables or nftables) on the nodes matching `node_selector`."""
+    (iptables or nftables) on the nodes matching `node_selector`; `server`: the apiserver's
+    URL when it is not on the node's loopback (real nodes)."""
     if mode not in ("iptables", "nftables"):
         raise ValueError(f"kube-proxy mode {mode!r}: iptables or nftables")
     meta = {"name": NAME, "namespace": NAMESPACE, "labels": dict(LABELS)}
+    kubeconfig_text = yaml.safe_dump(kubeconfig(apiserver_port, server), sort_keys=False)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
         {
@@ -96,7 +100,7 @@ def objects(
             "apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
             "data": {
                 "config.conf": yaml.safe_dump(config(mode, cluster_cidr), sort_keys=False),
-                "kubeconfig.conf": yaml.safe_dump(kubeconfig(apiserver_port), sort_keys=False),
+                "kubeconfig.conf": kubeconfig_text,
             },
         },
         {

@@ -24,7 +24,7 @@ import pytest
 
 from kpx_cluster import netns
 from kpx_cluster.controlplane import DEFAULT_ROOT
-from kpx_cluster.kubelets import cgroups, static_images
+from kpx_cluster.kubelets import cgroups, debian_images, static_images
 from kpx_cluster.kubelets.cluster import RealCluster
 from kpx_cluster.kubelets.config import KUBELET_SYSCTLS
 from kpx_cluster.kubelets.static_images import BUSYBOX_IMAGE
@@ -108,7 +108,7 @@ def before() -> dict[str, Any]:
 def real(before: dict[str, Any]) -> Iterator[RealCluster]:
     if os.geteuid() != 0:
         pytest.fail("real nodes need root (namespaces, cgroups, mounts)", pytrace=False)
-    archives = static_images.ensure(log=lambda _: None, wanted=(static_images.AGNHOST,))
+    archives = static_images.ensure(log=lambda _: None, wanted=(debian_images.AGNHOST,))
     rc = RealCluster(NAME, nodes=2, archives=archives)
     rc.up(timeout=120)
     try:

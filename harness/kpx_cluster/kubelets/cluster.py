@@ -197,7 +197,7 @@ class RealCluster:
         cgroups.create(plan.runtime_cgroup)
         argv = [
             "nsenter", f"--net=/run/netns/{plan.netns}",
-            "unshare", "--mount", "--propagation", "private", "--",
+            "unshare", "--mount", "--uts", "--propagation", "private", "--",
             sys.executable, "-m", "kpx_cluster.kubelets.supervisor", str(plan.spec_file),
         ]  # fmt: skip
         with (plan.log_dir / "supervisor.log").open("ab") as log:

@@ -1,8 +1,6 @@
 """Images the real nodes need besides the project's own, built here and never pulled: `pause`
 (a static C program, compiled with Debian's gcc), `busybox` (Debian's static busybox with a
-link per applet), `coredns` (toolchain/build-coredns.sh's binary) and `agnhost` (the e2e
-suite's test image: toolchain/build-kubernetes.sh's agnhost over the busybox layer's files,
-not imported unless asked for), each written directly
+link per applet) and `coredns` (toolchain/build-coredns.sh's binary), each written directly
 as a single-layer OCI archive whose index carries the `io.containerd.image.name` annotation,
 so `ctr -n k8s.io images import` names it.
 
@@ -26,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ..binaries import MissingBinary, cache_dir, kubernetes_binary
+from ..binaries import MissingBinary, cache_dir
 from .config import PAUSE_IMAGE
 from .dns import COREDNS_IMAGE, COREDNS_VERSION
 
@@ -230,21 +228,6 @@ def _coredns_archive() -> bytes:
     return oci_archive(COREDNS_IMAGE, layer_tar(entries), {"Entrypoint": ["/coredns"]})
 
 
-def _agnhost_inputs() -> bytes:
-    binary = kubernetes_binary("agnhost")
-    return hashlib.sha256(binary.read_bytes()).digest() + BUSYBOX_BINARY.read_bytes()
-
-
-def _agnhost_archive() -> bytes:
-    listed = subprocess.run(
-        [str(BUSYBOX_BINARY), "--list-full"], capture_output=True, text=True, check=True
-    ).stdout.split()
-    entries = busybox_entries(BUSYBOX_BINARY.read_bytes(), listed)
-    entries.append(Entry("agnhost", kubernetes_binary("agnhost").read_bytes(), 0o755))
-    config = {"Entrypoint": ["/agnhost"], "Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
-    return oci_archive(AGNHOST_IMAGE, layer_tar(entries), config)
-
-
 def _gcc_version() -> bytes:
     done = subprocess.run(["gcc", "--version"], capture_output=True, check=True)
     return bytes(done.stdout)
@@ -255,7 +238,6 @@ STATIC_IMAGES: Final = (
     StaticImage("busybox", BUSYBOX_IMAGE, BUSYBOX_BINARY.read_bytes, _busybox_archive),
 )
 COREDNS: Final = StaticImage("coredns", COREDNS_IMAGE, _coredns_inputs, _coredns_archive)
-AGNHOST: Final = StaticImage("agnhost", AGNHOST_IMAGE, _agnhost_inputs, _agnhost_archive)
 
 
 def images_dir() -> Path:
@@ -265,7 +247,7 @@ def images_dir() -> Path:
 def ensure(
     directory: Path | None = None,
     log: Callable[[str], None] = print,
-    wanted: tuple[StaticImage, ...] = (*STATIC_IMAGES, COREDNS, AGNHOST),
+    wanted: tuple[StaticImage, ...] = (*STATIC_IMAGES, COREDNS),
 ) -> list[Path]:
     """Build each static image's archive unless the cached one has the same inputs."""
     directory = directory or images_dir()
@@ -288,9 +270,13 @@ def ensure(
 
 
 def main() -> int:
-    """`make image`: build (or find up to date) the real nodes' images."""
+    """`make image`: build (or find up to date) the real nodes' images, and the e2e suite's
+    (kubelets.debian_images)."""
+    from .debian_images import DEBIAN_IMAGES  # it builds on this module
+
     try:
         ensure()
+        ensure(wanted=DEBIAN_IMAGES)
     except MissingBinary as exc:
         print(f"static images: {exc}", file=sys.stderr)
         return 1

@@ -1,18 +1,22 @@
 """A real node's first process, run inside the node's network namespace and a fresh mount
-namespace (``nsenter --net=... unshare --mount --propagation private``):
+namespace and a UTS namespace of its own (``nsenter --net=... unshare --mount --uts --propagation
+private``):
 
     python -m kpx_cluster.kubelets.supervisor NODE_SPEC.json
 
-It makes the node's mounts (see config.node_mounts), starts containerd, imports the images
-(``ctr -n k8s.io images import``: never pulled), starts the kubelet, prints ``ready`` and then
-waits. On SIGTERM it stops the kubelet and then containerd; pods and shims are ended by the
-harness through the node's cgroups. When a daemon exits on its own, so does the supervisor.
+It names the UTS namespace after the node (hostNetwork pods share it: their `hostname` is the
+node's name, as on a real machine), makes the node's mounts (see config.node_mounts), starts
+containerd, imports the images (``ctr -n k8s.io images import``: never pulled), starts the
+kubelet, prints ``ready`` and then waits. On SIGTERM it stops the kubelet and then containerd;
+pods and shims are ended by the harness through the node's cgroups. When a daemon exits on its
+own, so does the supervisor.
 """
 
 from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -56,6 +60,7 @@ class Supervisor:
             time.sleep(0.1)
 
     def start(self) -> None:
+        socket.sethostname(self.spec["node"])
         self._mount()
         self._start("containerd", self.spec["containerd"])
         self._wait_containerd()
