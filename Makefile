@@ -9,7 +9,10 @@ APT_PACKAGES := nftables iptables conntrack etcd-server iproute2 socat procps cu
 VM_APT_PACKAGES := qemu-system-x86 mmdebstrap e2fsprogs
 N ?=
 
-.PHONY: setup setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm image test test-unit lint crds demo demo-down bench bench-migration chaos
+CONFORMANCE_SUITE ?= proxy
+CONFORMANCE_TARGETS ?= kpx/nftables,kube-proxy/nftables,kpx/iptables,kube-proxy/iptables
+
+.PHONY: conformance setup setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm image test test-unit lint crds demo demo-down bench bench-migration chaos
 
 ## setup: install everything a fresh machine needs (idempotent: a second run installs and builds nothing)
 setup: setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm
@@ -73,6 +76,12 @@ lint:
 crds:
 	$(PYTHON) -m kpx_api.crdgen --out crds/
 	$(PYTHON) charts/sync_from_crds.py
+
+## conformance: Kubernetes' own [sig-network] e2e specs (e2e.test) against kpx and upstream
+## kube-proxy, nftables and iptables, on real kubelets; prints the table (docs/conformance.md)
+conformance: setup image
+	PYTHONPATH=harness $(PYTHON) -m kpx_cluster.conformance --suite $(CONFORMANCE_SUITE) \
+	  --targets $(CONFORMANCE_TARGETS) --record bench/results/conformance.md
 
 demo: setup image
 	$(PYTHON) -m kpx_cluster.demo up

@@ -1,9 +1,12 @@
-"""`make demo`: a local cluster, three simulated nodes with kpx agents, and a demo app.
+"""`make demo`: a local cluster of three real kubelet nodes, the kpx operator and agents from
+the project's images, and a demo app.
 
-`up` starts a background process (`serve`) that owns the nodes (network namespaces), the
-agents and the demo backends, waits until it reports ready, then shows traffic through the
-Service IP. `down` stops that process (which removes every namespace and process it made) and
-the control plane.
+`up` starts a background process (`serve`) that owns the nodes (`RealCluster`: the control
+plane, three kubelets with containerd in network namespaces, cluster DNS), installs kpx as a
+user does (the CRD, the operator's manifests, examples/proxyconfig.yaml: `kubelets.install`),
+runs the demo app, waits until everything reports ready, then shows traffic through the
+Service IPs and a NodePort. `down` stops that process, which stops every node and the control
+plane and removes every namespace, cgroup and file; what a killed process left is swept.
 """
 
 from __future__ import annotations
@@ -17,20 +20,23 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from .binaries import kubernetes_bin_dir
 from .controlplane import DEFAULT_ROOT, Cluster
-from .netns import Topology
-from .nodesim import NodeSimulator
-from .nodesim.runc import built_images
+from .kubelets import install
+from .kubelets.cluster import RealCluster, sweep
+from .kubelets.static_images import BUSYBOX_IMAGE
 
-REPO = Path(__file__).resolve().parents[2]
-STATE = DEFAULT_ROOT / "demo"
+#: the cluster's name (`kpx`: the demo's kubeconfig is /dev/shm/kpx/kpx/admin.kubeconfig);
+#: tests run a demo of their own under another name (KPX_DEMO_CLUSTER)
+NAME = os.environ.get("KPX_DEMO_CLUSTER", "kpx")
+STATE = DEFAULT_ROOT / ("demo" if NAME == "kpx" else f"demo-{NAME}")
 READY, FAILED, PIDFILE, LOG = (STATE / f for f in ("ready.json", "failed", "pid", "demo.log"))
-NODES = ("node-1", "node-2", "node-3")
+NODES = 3
 ZONES = {"node-1": "zone-a", "node-2": "zone-a", "node-3": "zone-b"}
+#: each backend answers its pod's name (busybox httpd: the image every node imported)
+SERVE = "mkdir -p /w && echo $POD_NAME > /w/index.html && exec httpd -f -p 8080 -h /w"
 
 DEMO_APP = [
     {"apiVersion": "apps/v1", "kind": "Deployment",
@@ -42,14 +48,14 @@ DEMO_APP = [
              "metadata": {"labels": {"app": "web"}},
              "spec": {
                  "automountServiceAccountToken": False,
+                 "terminationGracePeriodSeconds": 1,
                  "topologySpreadConstraints": [{
                      "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
                      "whenUnsatisfiable": "DoNotSchedule",
                      "labelSelector": {"matchLabels": {"app": "web"}}}],
                  "containers": [{
-                     "name": "web", "image": "kpx-demo/http-backend",
-                     "command": ["python3", "-m", "kpx_cluster.http_backend",
-                                 "--name", "$(POD_NAME)", "--port", "8080"],
+                     "name": "web", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
+                     "command": ["sh", "-c", SERVE],
                      "env": [{"name": "POD_NAME",
                               "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
                      "ports": [{"containerPort": 8080}],
@@ -60,6 +66,12 @@ DEMO_APP = [
      "spec": {"type": "NodePort", "selector": {"app": "web"},
               "ipFamilyPolicy": "PreferDualStack",
               "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}},
+    {"apiVersion": "v1", "kind": "Pod",
+     "metadata": {"name": "client", "namespace": "demo"},
+     "spec": {"nodeName": "node-1", "automountServiceAccountToken": False,
+              "terminationGracePeriodSeconds": 1,
+              "containers": [{"name": "client", "image": BUSYBOX_IMAGE,
+                              "imagePullPolicy": "Never", "command": ["sleep", "86400"]}]}},
 ]  # fmt: skip
 
 
@@ -80,66 +92,58 @@ def _json(cluster: Cluster, *args: str) -> dict[str, Any]:
 def serve() -> None:
     """Build everything, report ready, then hold it until SIGTERM.
 
-    Everything below is what a user does on a real cluster (install the CRD and the operator's
-    manifests, apply a ProxyConfiguration and an app); the node simulator stands in for the
-    kubelets: the operator's Deployment and the agents' DaemonSet run from the images `make
-    image` built, under runc, and the app's backends (kpx-demo/http-backend, no image) run as
-    processes on the simulated nodes.
+    Everything after the nodes is what a user does on a real cluster: install the CRD and the
+    operator's manifests, apply a ProxyConfiguration and an app. The operator's Deployment,
+    the agents' DaemonSet and the app run from images every node imported (never pulled).
     """
-    store = built_images()  # before anything starts: a missing image is the first error
-    cluster = Cluster("kpx")
-    if not cluster.is_running():
-        cluster.up()
-    with Topology() as topo:
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        sim = NodeSimulator(cluster, topo, pod_apiserver_access=True, runtime="runc", images=store)
-        try:
-            nodes = [sim.add_node(n, zone=ZONES[n]) for n in NODES]
-            print("demo: 3 nodes ready", flush=True)
-            cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-            cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                            "crd/proxyconfigurations.proxy.kpx.dev")  # fmt: skip
-            cluster.kubectl("apply", "-k", str(REPO / "operator" / "manifests"))
-            _wait("operator running", lambda: _json(
-                cluster, "-n", "kpx-system", "get", "deploy", "kpx-operator"
-            ).get("status", {}).get("readyReplicas", 0) >= 1)  # fmt: skip
-            cluster.kubectl("apply", "--server-side", "-f",
-                            str(REPO / "examples" / "proxyconfig.yaml"))  # fmt: skip
-
-            def pxc_ready() -> bool:
-                conds = (
-                    _json(cluster, "get", "pxc", "default").get("status", {}).get("conditions", [])
-                )
-                return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
-
-            _wait("ProxyConfiguration default Ready (agents running on every node)", pxc_ready)
-            cluster.create_namespace("demo")
-            cluster.kubectl("apply", "-f", "-",
-                            input=json.dumps({"apiVersion": "v1", "kind": "List",
-                                              "items": DEMO_APP}))  # fmt: skip
-            _wait("demo app ready", lambda: _json(
-                cluster, "-n", "demo", "get", "deploy", "web"
-            ).get("status", {}).get("readyReplicas", 0) == 3)  # fmt: skip
-            client = topo.add_pod(nodes[0], "client")
-            svc = _json(cluster, "-n", "demo", "get", "svc", "web")
-            READY.write_text(json.dumps({
-                "clusterIPs": svc["spec"]["clusterIPs"],
-                "nodePort": svc["spec"]["ports"][0]["nodePort"],
-                "client": client.netns,
-                "nodes": {n.name: {"netns": n.netns, "ip": n.ipv4} for n in nodes},
-            }, indent=2))  # fmt: skip
-            while True:
-                time.sleep(3600)
-        finally:
-            sim.stop()
+    rc = RealCluster(NAME, nodes=NODES, archives=install.archives("kpx"))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    rc.up(timeout=240)
+    try:
+        cluster = rc.cluster
+        print(f"demo: {NODES} nodes Ready", flush=True)
+        for node, zone in ZONES.items():
+            cluster.kubectl("label", "node", node, f"topology.kubernetes.io/zone={zone}")
+        status = install.install_kpx(rc, "nftables")
+        print(f"demo: ProxyConfiguration default Ready on {status['readyNodes']} nodes", flush=True)
+        cluster.create_namespace("demo")
+        cluster.kubectl("apply", "-f", "-",
+                        input=json.dumps({"apiVersion": "v1", "kind": "List",
+                                          "items": DEMO_APP}))  # fmt: skip
+        _wait("demo app ready", lambda: _json(
+            cluster, "-n", "demo", "get", "deploy", "web"
+        ).get("status", {}).get("readyReplicas", 0) == 3)  # fmt: skip
+        _wait("client pod running", lambda: _json(
+            cluster, "-n", "demo", "get", "pod", "client"
+        ).get("status", {}).get("phase") == "Running")  # fmt: skip
+        svc = _json(cluster, "-n", "demo", "get", "svc", "web")
+        READY.write_text(json.dumps({
+            "clusterIPs": svc["spec"]["clusterIPs"],
+            "nodePort": svc["spec"]["ports"][0]["nodePort"],
+            "nodes": {n: {"netns": p.netns, "ip": p.ipv4} for n, p in rc.plans.items()},
+        }, indent=2))  # fmt: skip
+        while True:
+            time.sleep(3600)
+    finally:
+        rc.down()
 
 
 def _curl(netns: str, url: str) -> str:
+    """From a node's network namespace (it routes every node, pod and Service address)."""
     proc = subprocess.run(
         ["ip", "netns", "exec", netns, "curl", "-s", "-g", "--max-time", "2", url],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     return proc.stdout.strip() or f"(no answer: curl exit {proc.returncode})"
+
+
+def _from_client(cluster: Cluster, url: str) -> str:
+    """From the demo's client pod, through kpx on its node (`timeout`, not wget's `-T`: Debian's
+    static busybox 1.35 crashes on `-T`)."""
+    proc = cluster.kubectl(
+        "-n", "demo", "exec", "client", "--", "timeout", "3", "wget", "-qO-", url, check=False
+    )  # fmt: skip
+    return proc.stdout.strip() or f"(no answer: wget exit {proc.returncode})"
 
 
 def _running_pid() -> int | None:
@@ -155,6 +159,10 @@ def up(timeout: float = 240) -> int:
     if _running_pid() is not None and READY.exists():
         print("the demo already runs; `make demo-down` stops it")
         return _show()
+    if Cluster(NAME).is_running():  # not the demo's: never stop someone else's cluster
+        print(f"a cluster named {NAME!r} already runs; stop it first (`proxy-cluster down`)",
+              file=sys.stderr)  # fmt: skip
+        return 1
     STATE.mkdir(parents=True, exist_ok=True)
     for f in (READY, FAILED):
         f.unlink(missing_ok=True)
@@ -164,12 +172,13 @@ def up(timeout: float = 240) -> int:
         stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     PIDFILE.write_text(str(proc.pid))
-    print("starting the control plane, 3 nodes, agents and the demo app...", flush=True)
+    print("starting the control plane, 3 real kubelet nodes, kpx and the demo app...", flush=True)
     deadline = time.monotonic() + timeout
     while not READY.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             print(f"the demo failed to start; see {LOG}", file=sys.stderr)
             print(LOG.read_text()[-3000:], file=sys.stderr)
+            _stop_serve()  # its RealCluster removes what it made
             down()
             return 1
         time.sleep(0.5)
@@ -179,7 +188,7 @@ def up(timeout: float = 240) -> int:
 
 def _show() -> int:
     info = json.loads(READY.read_text())
-    cluster = Cluster("kpx")
+    cluster = Cluster(NAME)
     vip = info["clusterIPs"][0]
     print("\n$ kubectl get proxyconfigurations")
     print(cluster.kubectl("get", "proxyconfigurations").stdout)
@@ -187,13 +196,13 @@ def _show() -> int:
     print(cluster.kubectl("-n", "kpx-system", "get", "daemonsets,pods", "-o", "wide").stdout)
     print("$ kubectl -n demo get pods,svc,endpointslices -o wide")
     print(cluster.kubectl("-n", "demo", "get", "pods,svc,endpointslices", "-o", "wide").stdout)
-    print(f"$ ip netns exec {info['client']} curl -s http://{vip}/    (6 times)")
+    print(f"$ kubectl -n demo exec client -- wget -qO- http://{vip}/    (6 times)")
     for _ in range(6):
-        print("  " + _curl(info["client"], f"http://{vip}/"))
+        print("  " + _from_client(cluster, f"http://{vip}/"))
     if len(info["clusterIPs"]) > 1:
         vip6 = info["clusterIPs"][1]
-        print(f"$ ip netns exec {info['client']} curl -s http://[{vip6}]/")
-        print("  " + _curl(info["client"], f"http://[{vip6}]/"))
+        print(f"$ kubectl -n demo exec client -- wget -qO- http://[{vip6}]/")
+        print("  " + _from_client(cluster, f"http://[{vip6}]/"))
     n2 = info["nodes"]["node-2"]
     node_url = f"http://{info['nodes']['node-1']['ip']}:{info['nodePort']}/"
     print(f"$ ip netns exec {n2['netns']} curl -s {node_url}    (NodePort, from node-2)")
@@ -201,7 +210,7 @@ def _show() -> int:
     print("\nThe cluster keeps running. Explore:")
     print(f"  export PATH={kubernetes_bin_dir()}:$PATH KUBECONFIG={cluster.kubeconfig}")
     print("  kubectl -n demo get svc,endpointslices")
-    print(f"  ip netns exec {info['client']} curl -s http://{vip}/")
+    print(f"  kubectl -n demo exec client -- wget -qO- http://{vip}/")
     print(f"  ip netns exec {info['nodes']['node-1']['netns']} nft list table ip kpx")
     print("  kubectl label namespace demo networking.k8s.io/kube-proxy=disabled  # opt out")
     print("  kubectl get pxc default -o yaml      # status conditions written by the operator")
@@ -210,17 +219,28 @@ def _show() -> int:
     return 0
 
 
-def down() -> int:
+def _stop_serve(timeout: float = 90) -> None:
+    """SIGTERM to `serve`: its RealCluster stops the nodes and the control plane."""
     pid = _running_pid()
     if pid is not None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + timeout
         while _running_pid() is not None and time.monotonic() < deadline:
             time.sleep(0.2)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
-    stopped = Cluster("kpx").down()
+
+
+def down() -> int:
+    _stop_serve()
+    left: list[str] = []
+    state = Cluster(NAME).state_dir / "real-nodes.json"
+    with contextlib.suppress(OSError, ValueError):  # what a killed `serve` left
+        left = sweep(str(json.loads(state.read_text())["prefix"]))
+    stopped = Cluster(NAME).down()
+    if left:
+        print(f"demo: could not remove {left}", file=sys.stderr)
     for f in (READY, FAILED, PIDFILE):
         f.unlink(missing_ok=True)
     print(f"demo stopped; control plane: {', '.join(stopped) or 'was not running'}")

@@ -15,18 +15,16 @@ import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import yaml
 
 from kpx_cluster import images
+from kpx_cluster.kubelets import install
 from kpx_cluster.kubelets.cluster import RealCluster
 from kpx_cluster.kubelets.static_images import BUSYBOX_IMAGE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
-REPO = Path(__file__).resolve().parents[2]
 NS = "kpx-system"
 APP = "app"
 T = TypeVar("T")
@@ -93,40 +91,13 @@ def real() -> Iterator[RealCluster]:
 
 @pytest.fixture(scope="module")
 def installed(real: RealCluster) -> RealCluster:
-    """CRD, the operator's manifests (pointed at the apiserver's real address: no proxy answers
-    the kubernetes Service before the agents run), the default ProxyConfiguration."""
-    kubectl = real.cluster.kubectl
-    endpoint = real.cluster.cluster_server.removeprefix("https://")
-    host, port = endpoint.rsplit(":", 1)
-    kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-    kubectl("wait", "--for=condition=Established", "--timeout=60s",
-            "crd/proxyconfigurations.proxy.kpx.dev")  # fmt: skip
-    manifests = kubectl("kustomize", str(REPO / "operator" / "manifests")).stdout
-    docs = [d for d in yaml.safe_load_all(manifests) if d]
-    for doc in docs:
-        if doc["kind"] == "Deployment" and doc["metadata"]["name"] == "kpx-operator":
-            container = doc["spec"]["template"]["spec"]["containers"][0]
-            container["env"] += [
-                {"name": "KUBERNETES_SERVICE_HOST", "value": host},
-                {"name": "KUBERNETES_SERVICE_PORT", "value": port},
-            ]
-            container["command"] += ["--apiserver-endpoint", endpoint]
-    kubectl("apply", "--server-side", "-f", "-",
-            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": docs}))  # fmt: skip
-    example = yaml.safe_load((REPO / "examples" / "proxyconfig.yaml").read_text())
-    # the harness's pod CIDRs (10.244.<i>.0/24, fd00:244:<i>::/64)
-    example["spec"]["clusterCIDRs"] = ["10.244.0.0/16", "fd00:244::/48"]
-    kubectl("apply", "--server-side", "-f", "-", input=json.dumps(example))
+    """CRD, the operator's manifests and the example ProxyConfiguration (kubelets.install)."""
+    install.install_kpx(real, "nftables")
     return real
 
 
 def pxc_ready(rc: RealCluster) -> dict[str, Any] | None:
-    pxc = get(rc, "pxc", "default")
-    status = pxc.get("status", {})
-    ready = any(
-        c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])
-    )
-    return status if ready and status.get("readyNodes") == 2 else None
+    return install.kpx_ready(rc, "nftables")
 
 
 def test_the_operator_runs_the_agents_on_both_real_nodes(installed: RealCluster) -> None:

@@ -1,10 +1,10 @@
 """The e2e suite's images that need a distribution under them, made from Debian's packages
 (mmdebstrap, no registry): `agnhost` (the suite's test binary, built by `make setup`, over
 what upstream's Alpine image carries: curl, dig, ip, iptables, conntrack, an `nc` with `-v`
-and `-u` (OpenBSD's: Debian's static busybox has the small one), and busybox for every other
-command the specs call, `wget` among them), `glibc-dns-testing` (the DNS specs'
-second querier: `dig`, glibc's `getent`, a shell) and `nginx` (two EndpointSlice/Endpoints
-specs run it as a plain container).
+and `-u` (OpenBSD's: Debian's static busybox has the small one), GNU wget (Debian's static
+busybox 1.35 crashes on `wget -T`, which the specs use), and busybox for every other command),
+`glibc-dns-testing` (the DNS specs' second querier: `dig`, glibc's `getent`, a shell) and
+`nginx` (two EndpointSlice/Endpoints specs run it as a plain container).
 
 Each is one layer, the rootfs mmdebstrap writes, in an OCI archive named as `e2e.test` names
 the image (`e2e.test --list-images`), cached beside the other images and keyed by its recipe:
@@ -54,7 +54,7 @@ BUSYBOX_LINKS: Final = (
 def agnhost_recipe() -> Recipe:
     return Recipe(
         AGNHOST_IMAGE,
-        ("curl", "bind9-dnsutils", "iproute2", "iptables", "conntrack", "netcat-openbsd"),
+        ("curl", "wget", "bind9-dnsutils", "iproute2", "iptables", "conntrack", "netcat-openbsd"),
         {"Entrypoint": ["/agnhost"], "Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]},
         (BUSYBOX_LINKS,),
         ((kubernetes_binary("agnhost"), "/agnhost"), (BUSYBOX_BINARY, "/bin/busybox")),

@@ -17,12 +17,12 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import yaml
 
 from .. import images, upstream_kube_proxy
-from .cluster import RealCluster
+from ..controlplane import Cluster
 
 REPO: Final = Path(__file__).resolve().parents[3]
 KPX_NAMESPACE: Final = "kpx-system"
@@ -30,6 +30,17 @@ KPX_NAMESPACE: Final = "kpx-system"
 CLUSTER_CIDRS: Final = ("10.244.0.0/16", "fd00:244::/48")
 PROXIES: Final = ("kpx", "kube-proxy")
 T = TypeVar("T")
+
+
+class Nodes(Protocol):
+    """A control plane with real nodes (a `RealCluster`, or the demo's view of one that another
+    process owns)."""
+
+    @property
+    def cluster(self) -> Cluster: ...
+
+    @property
+    def node_count(self) -> int: ...
 
 
 class InstallFailed(RuntimeError):
@@ -47,7 +58,7 @@ def wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
         time.sleep(0.5)
 
 
-def get(rc: RealCluster, *args: str) -> dict[str, Any]:
+def get(rc: Nodes, *args: str) -> dict[str, Any]:
     out = rc.cluster.kubectl("get", *args, "-o", "json", check=False)
     return dict(json.loads(out.stdout)) if out.returncode == 0 else {}
 
@@ -66,14 +77,14 @@ def archives(proxy: str) -> list[Path]:
     raise ValueError(f"proxy {proxy!r}: one of {', '.join(PROXIES)}")
 
 
-def _apply(rc: RealCluster, items: list[dict[str, Any]]) -> None:
+def _apply(rc: Nodes, items: list[dict[str, Any]]) -> None:
     rc.cluster.kubectl(
         "apply", "--server-side", "-f", "-",
         input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}),
     )  # fmt: skip
 
 
-def install_kpx(rc: RealCluster, mode: str, timeout: float = 240) -> dict[str, Any]:
+def install_kpx(rc: Nodes, mode: str, timeout: float = 240) -> dict[str, Any]:
     """kpx in `mode`; returns the ProxyConfiguration's status once Ready on every node."""
     kubectl = rc.cluster.kubectl
     endpoint = rc.cluster.cluster_server.removeprefix("https://")
@@ -98,7 +109,7 @@ def install_kpx(rc: RealCluster, mode: str, timeout: float = 240) -> dict[str, A
     return wait_kpx(rc, mode, timeout)
 
 
-def crds_established(rc: RealCluster) -> bool:
+def crds_established(rc: Nodes) -> bool:
     """Every CRD of crds/ Established (`kubectl wait` fails outright on a CRD that has no
     status yet, right after it is created)."""
     names = [
@@ -114,7 +125,7 @@ def crds_established(rc: RealCluster) -> bool:
     return True
 
 
-def kpx_ready(rc: RealCluster, mode: str) -> dict[str, Any] | None:
+def kpx_ready(rc: Nodes, mode: str) -> dict[str, Any] | None:
     status = get(rc, "pxc", "default").get("status", {})
     ready = any(
         c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])
@@ -123,13 +134,13 @@ def kpx_ready(rc: RealCluster, mode: str) -> dict[str, Any] | None:
     return dict(status) if done else None
 
 
-def wait_kpx(rc: RealCluster, mode: str, timeout: float = 240) -> dict[str, Any]:
+def wait_kpx(rc: Nodes, mode: str, timeout: float = 240) -> dict[str, Any]:
     return wait_until(
         lambda: kpx_ready(rc, mode), timeout, f"ProxyConfiguration Ready in {mode} on every node"
     )
 
 
-def install_kube_proxy(rc: RealCluster, mode: str, timeout: float = 180) -> None:
+def install_kube_proxy(rc: Nodes, mode: str, timeout: float = 180) -> None:
     """Upstream kube-proxy's DaemonSet in `mode` (iptables or nftables) on every node."""
     objects = upstream_kube_proxy.objects(
         mode,
@@ -146,7 +157,7 @@ def install_kube_proxy(rc: RealCluster, mode: str, timeout: float = 180) -> None
     )  # fmt: skip
 
 
-def install(rc: RealCluster, proxy: str, mode: str) -> None:
+def install(rc: Nodes, proxy: str, mode: str) -> None:
     if proxy == "kpx":
         install_kpx(rc, mode)
     elif proxy == "kube-proxy":
