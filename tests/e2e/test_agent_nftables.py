@@ -285,7 +285,7 @@ def test_service_without_endpoints_refuses_at_once(agent_env: AgentEnv, agent_ns
 
 def services_received(env: AgentEnv) -> float:
     assert env.agent is not None
-    return env.agent.metric("kpx_watch_received_objects", resource="services") or 0.0
+    return env.agent.metric("kpx_watch_received_objects_total", resource="services") or 0.0
 
 
 def test_opted_out_namespace_is_not_proxied_until_the_label_goes(

@@ -90,9 +90,19 @@ def test_failure_keeps_changes_and_forces_a_full_sync() -> None:
     state.upsert(SERVICES, service("a", "web"))
     proxier.sync()
     backend.fail_next = True
+    backend.mode = "iptables"  # upstream's failure counters are per mode
+    proxier.metrics.serve_mode("iptables")
     state.upsert(SLICES, endpoint_slice("a", "web", "10.244.1.2"))
     outcome = proxier.sync()
-    assert not outcome.ok and proxier.metrics.sync_failures._value.get() == 1
+    assert not outcome.ok
+    sample = proxier.metrics.registry.get_sample_value
+    for family in ("IPv4", "IPv6"):  # the error names no family: both failed
+        assert sample("kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+                      {"ip_family": family}) == 1  # fmt: skip
+        # A partial sync's failure: the next sync is a full one (upstream's fallback).
+        assert sample("kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
+                      {"ip_family": family}) == 1  # fmt: skip
+    assert sample("kpx_sync_failures_total", {"mode": "iptables"}) == 1
     assert proxier.sync().full  # the retry reprograms everything
     assert "10.244.1.2" in str(proxier.local.services)
 
@@ -206,7 +216,7 @@ def test_node_update_that_changes_no_input_costs_nothing(monkeypatch: pytest.Mon
     assert seen == [] and backend.calls == []
     registry = proxier.metrics.registry
     syncs = "kubeproxy_sync_proxy_rules_duration_seconds_count"
-    assert registry.get_sample_value(syncs) == 1  # the first one: heartbeats are no syncs
+    assert registry.get_sample_value(syncs, {"ip_family": "IPv4"}) == 1  # heartbeats: no syncs
 
 
 def test_zone_change_recomputes_only_topology_services_partially(
