@@ -123,7 +123,8 @@ def test_a_running_agent_serves_every_upstream_and_dashboard_metric(
         assert agent is not None
     else:
         config = write_agent_config(agent_env.topology.tmpdir / f"agent-{mode}.yaml", mode)
-        agent = agent_env.start_agent("n2", mode=mode, config=config, wait=ipvs_here)
+        agent = agent_env.start_agent("n2", mode=mode, config=config, wait=ipvs_here,
+                                      extra_args=["--logging-format=json"])  # fmt: skip
         other_agents[mode] = agent
         wait_until(lambda: agent.http_get(agent.metrics_address, "/metrics")[0] == 200,
                    timeout=30, message=agent.log_tail)  # fmt: skip
@@ -149,3 +150,21 @@ def test_a_running_agent_serves_every_upstream_and_dashboard_metric(
     if mode == "iptables":
         rules = agent.metric("kubeproxy_sync_proxy_rules_iptables_total", table="nat")
         assert rules is not None and rules > 0, agent.metrics()
+    if mode != AGENT_MODE:
+        assert_json_log(agent, mode, synced=syncs)
+
+
+def assert_json_log(agent: AgentProcess, mode: str, synced: bool) -> None:
+    """--logging-format=json: every line one object with klog's keys; one line per sync with
+    the mode, the counts and the duration as keys."""
+    records = [json.loads(line) for line in agent.log().splitlines() if line.strip()]
+    assert records and all({"ts", "caller", "msg"} <= r.keys() for r in records), records[:3]
+    syncs = [r for r in records if "durationSeconds" in r]
+    if synced:
+        assert syncs, [r["msg"] for r in records]
+        for r in syncs:
+            assert r["mode"] == mode and r["v"] == 0, r
+            assert isinstance(r["changedServicePorts"], int) and r["servicePorts"] >= 1, r
+        assert any(r["full"] for r in syncs) and any(not r["full"] for r in syncs), syncs
+    else:
+        assert any(r.get("level") == "error" and "sync failed" in r["msg"] for r in records)
