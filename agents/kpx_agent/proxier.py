@@ -356,7 +356,7 @@ class Proxier:
             self.on_synced(state, None if full else changed)
         self._clean_conntrack()
         if full:
-            log.info(
+            log.debug(
                 "full sync of %d service ports: %.3f s (model %.3f s, kernel %.3f s)",
                 len(self.local.services),
                 time.monotonic() - pending.start,
