@@ -446,13 +446,14 @@ class AgentMetrics:
                     self.partial_restore_failures.labels(label).inc()
 
     def conntrack_reconciled(
-        self, duration: float, deleted: Mapping[int, int], failures: int
+        self, families: Iterable[int], duration: float, deleted: Mapping[int, int], failures: int
     ) -> None:
-        """The stale UDP flows' deletion after a sync (upstream's conntrack reconciler)."""
-        for family, label in FAMILY_LABELS.items():
-            self.conntrack_duration.labels(label).observe(duration)
-            if deleted.get(family):
-                self.conntrack_deleted.labels(label).inc(deleted[family])
+        """The stale UDP flows' deletion after a sync (upstream's conntrack reconciler), in
+        `families`; `deleted`: the entries deleted since the start, per family."""
+        for family in sorted(set(families)):
+            self.conntrack_duration.labels(FAMILY_LABELS[family]).observe(duration)
+        for family, count in deleted.items():
+            self.set_counter(self.conntrack_deleted, (FAMILY_LABELS[family],), count)
         if failures:
             self.conntrack_delete_failures.inc(failures)
 

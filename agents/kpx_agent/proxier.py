@@ -293,8 +293,9 @@ class Proxier:
         started = time.monotonic()
         failures = self.delete_flows(flows)
         self.metrics.conntrack_reconciled(
-            time.monotonic() - started, conntrack.deleted_by_family, failures
-        )
+            (f.family for f in flows), time.monotonic() - started,
+            conntrack.deleted_by_family, failures,
+        )  # fmt: skip
 
     def prepare(self) -> PendingSync:
         """Take the recorded changes and bring the node-local state up to date (event loop)."""
