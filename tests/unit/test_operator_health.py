@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
+from test_chart import helm_env, render, the  # noqa: F401  (helm_env: a fixture)
 
 from kpx_operator.health import LEADING, STANDBY, STOPPED, OperatorHealth
 from kpx_operator.metrics import OperatorMetrics
@@ -103,3 +107,31 @@ def test_handler_runs_are_counted_by_result_with_durations() -> None:
     assert value("process_cpu_seconds_total") > 0
     assert value("process_resident_memory_bytes") > 1e6
     assert value("process_open_fds") > 0
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def operator_container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return dict(container)
+
+
+def assert_probes_and_ports(container: dict[str, Any]) -> None:
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"health": 8080, "metrics": 8081}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+
+
+def test_the_kustomize_deployment_probes_readyz_and_declares_the_metrics_port() -> None:
+    docs = yaml.safe_load_all((REPO / "operator/manifests/deployment.yaml").read_text())
+    (deployment,) = [d for d in docs if d and d["kind"] == "Deployment"]
+    assert_probes_and_ports(operator_container(deployment))
+
+
+def test_the_charts_deployment_probes_readyz_and_declares_the_metrics_port(
+    helm_env: dict[str, str],  # noqa: F811
+) -> None:
+    deployment = the(render(helm_env), "Deployment")
+    assert_probes_and_ports(operator_container(deployment))
