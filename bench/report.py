@@ -63,7 +63,7 @@ class Work:
     children_cpu_s: float = 0.0  # its `nft` / `iptables-restore` children
     full_syncs: float = 0.0
     partial_syncs: float = 0.0
-    service_changes: float = 0.0  # service ports whose state changed (sync metrics)
+    service_changes: float = 0.0  # Service changes seen (..._service_changes_total, both)
 
 
 @dataclass
@@ -369,7 +369,7 @@ def details(size: SizeResult, opts: Options) -> list[str]:
                     f"; {w.events} Node status updates (a heartbeat's: nothing a proxy uses "
                     f"changes): CPU {w.cpu_s:.2f} s (+ {w.children_cpu_s:.2f} s children), "
                     f"{w.full_syncs:.0f} full + {w.partial_syncs:.0f} partial syncs, "
-                    f"{w.service_changes:.0f} service ports changed"
+                    f"{w.service_changes:.0f} Service changes"
                 )
             sync = _sync_summary(r.metrics)
             if sync:

@@ -325,7 +325,7 @@ def _wait_first_sync(run: Running, timeout: float = 300.0) -> float:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         run.check_alive()
-        if (t := run.log_time("full sync of ")) is not None:
+        if (t := run.log_time(": full sync, ")) is not None:
             return t
         time.sleep(0.05)
     raise TimeoutError(f"no full sync; agent log:\n{run.log_tail()}")

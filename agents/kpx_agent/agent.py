@@ -24,7 +24,7 @@ from .backends.base import Backend
 from .cluster_state import ClusterState
 from .http_endpoints import RetryingServer, health_app, metrics_app
 from .localnet import NodeLocalState, ServicePortKey
-from .metrics import AgentMetrics
+from .metrics import FAMILY_LABELS, AgentMetrics, no_local_endpoints, watch_loop
 from .optout import exclusion_field_selector
 from .proxier import Proxier
 from .proxy_health import ProxyHealth, health_timeout
@@ -34,6 +34,7 @@ from .service_health import HealthCheckServers, health_targets
 from .settings import AgentSettings
 from .state_api.publisher import Publisher
 from .state_api.server import StateServer, parse_address
+from .sync_log import log_sync
 from .takeover import Leftover, LeftoverRemoval
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,8 @@ class Agent:
         #: Reasons the service-problems metric has shown (set back to 0 when none is left).
         self._problem_reasons: set[str] = set()
         self._conntrack_task: asyncio.Task[None] | None = None  # a reload's apply
-        self.metrics = AgentMetrics()
+        self.metrics = AgentMetrics(settings.mode)
+        self._count_packets()
         self.state = ClusterState()
         self.proxier = Proxier(self.state, backend, node_name, settings.optout, self.metrics)
         self.health_check_servers = HealthCheckServers()
@@ -176,7 +178,7 @@ class Agent:
     def _queued(self) -> None:
         """A change to program was recorded (upstream's proxier Sync())."""
         self.health.queued_update()
-        self.metrics.last_queued.set_to_current_time()
+        self.metrics.queued()
 
     def _on_node_event(self) -> None:
         self.health.sync_node(self.state.node)
@@ -192,16 +194,29 @@ class Agent:
             on_event=self._wake.set,
         )
 
-    def _publish_watch_metrics(self) -> None:
+    def _count_packets(self) -> None:
+        """Upstream's nfacct packet counters, from the backend's rule counters (iptables)."""
+        self.metrics.packet_counts = getattr(self.backend, "packet_counts", None)
+
+    def _publish_metrics(self) -> None:
+        """Before a scrape (event loop): what is counted elsewhere, into the registry."""
+        m = self.metrics
         for resource, count in self.client.bytes_received.items():
-            self.metrics.watch_bytes.labels(resource).set(count)
+            m.set_counter(m.watch_bytes, (resource,), count)
         for resource, count in self.client.objects_received.items():
-            self.metrics.watch_objects.labels(resource).set(count)
+            m.set_counter(m.watch_objects, (resource,), count)
         for resource, count in self.client.watch_idle_timeouts.items():
-            self.metrics.watch_idle_timeouts.labels(resource).set(count)
+            m.set_counter(m.watch_idle_timeouts, (resource,), count)
         element_count = getattr(self.backend, "element_count", None)
         if element_count is not None:
-            self.metrics.kernel_elements.set(element_count())
+            m.kernel_elements.set(element_count())
+        state = self.state
+        m.set_counter(m.service_changes, (), state.service_events)
+        m.set_counter(m.endpoint_changes, (), state.slice_events)
+        m.service_changes_pending.set(len(state.services_pending))
+        m.endpoint_changes_pending.set(len(state.slices_pending))
+        for (policy, family), count in no_local_endpoints(self.proxier.local).items():
+            m.no_local_endpoints.labels(policy, FAMILY_LABELS[family]).set(count)
 
     async def run(self) -> None:
         runners = [
@@ -210,12 +225,14 @@ class Agent:
             ),
             RetryingServer(
                 metrics_app(
-                    self.metrics.registry, self._publish_watch_metrics, lambda: self.backend.mode
+                    self.metrics.registry, self._publish_metrics, lambda: self.backend.mode
                 ),
                 *self.settings.metrics,
                 "metrics",
             ),
         ]
+        watch_loop(asyncio.get_running_loop())
+        self.client.observer = self.metrics.rest_request
         for runner in runners:
             await runner.start()
         self._started = time.monotonic()
@@ -338,12 +355,8 @@ class Agent:
                     await self.health_check_servers.update(health_targets(self.proxier.local))
                 if outcome.full and not self.first_sync_verified.is_set():
                     await self._verify_first_sync()
-                log.debug(
-                    "synced %d ports (%s) in %.3fs",
-                    outcome.changed_ports,
-                    "full" if outcome.full else "partial",
-                    outcome.duration,
-                )
+                if outcome.full or outcome.changed_ports:
+                    log_sync(self.backend.mode, outcome, len(self.proxier.local.services))
             else:
                 retry_delay = min(max(retry_delay * 2, 1.0), 30.0)
                 self.state.touch_all()
@@ -457,8 +470,10 @@ class Agent:
         self.rolled_back = message
         self.health.rolled_back = message
         self.metrics.rolled_back.labels(failed, to).set(1)
+        self.metrics.serve_mode(to)
         self.backend = backend
         self.proxier.backend = backend
+        self._count_packets()
         self.settings = rollback.settings
         self.health.timeout = health_timeout(self.settings.sync_period)
         self._sync_failure_told = None

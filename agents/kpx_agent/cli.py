@@ -28,6 +28,7 @@ from kpx_kube import (
     KubeconfigError,
     from_kubeconfig,
     in_cluster,
+    logformat,
 )
 
 from . import backends, conntrack_sysctl, preflight
@@ -117,7 +118,7 @@ def _run_parser() -> argparse.ArgumentParser:
         help="serve the node-local state API (gRPC, kpx.localstate.v1) on this unix socket "
         "(or unix:///PATH, or tcp://127.0.0.1:PORT); overrides the configuration's stateAPI",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    logformat.add_arguments(p)
     return p
 
 
@@ -307,16 +308,13 @@ async def _run_until_signal(agent: Agent) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logformat.configure(logformat.early_format(argv), 0)
     if argv[:1] == ["cleanup"]:
         return cleanup(argv[1:])
     if argv[:1] == ["explain-migration"]:
         return explain_migration(argv[1:])
     args = _run_parser().parse_args(argv)
-    if args.verbose:
-        logging.getLogger().setLevel(logging.DEBUG)
+    logformat.configure(args.logging_format, args.verbosity)
     if args.config is None and args.mode is None:
         print("proxy-agent: give --mode, --config, or both", file=sys.stderr)
         return 2

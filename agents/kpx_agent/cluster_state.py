@@ -71,6 +71,13 @@ class ClusterState:
         self._changes = Changes()
         # Called for every change recorded (the agent's health and last-queued metric).
         self.on_queued: Callable[[], None] | None = None
+        # Upstream's change trackers' counts (metrics): every Service and EndpointSlice event
+        # handed to the store (as upstream's OnServiceUpdate/OnEndpointSliceUpdate count them),
+        # and the Services with a recorded change of each kind not yet taken by a sync.
+        self.service_events = 0
+        self.slice_events = 0
+        self.services_pending: set[Key] = set()
+        self.slices_pending: set[Key] = set()
 
     # -- recording -----------------------------------------------------------------------------
     def _queue(self) -> None:
@@ -98,12 +105,15 @@ class ClusterState:
         """Record an object as it is now. Services and EndpointSlices are kept with only the
         fields the agent reads (compact.py): an update of anything else records nothing."""
         if kind == SERVICES:
+            self.service_events += 1
             key = _key(obj)
             svc = compact.service(obj)
             if self.services.get(key) != svc:
                 self.services[key] = svc
                 self._touch(key)
+                self.services_pending.add(key)
         elif kind == SLICES:
+            self.slice_events += 1
             self._upsert_slice(compact.endpoint_slice(obj))
         elif kind == NAMESPACES:
             self.namespaces[_key(obj)[1]] = dict((obj.get("metadata") or {}).get("labels") or {})
@@ -118,11 +128,13 @@ class ClusterState:
         if old is not None and (old_owner := _owner(old)) is not None:
             self.slices_by_service[old_owner].discard(key)
             self._touch(old_owner)
+            self.slices_pending.add(old_owner)
         self.slices[key] = obj
         owner = _owner(obj)
         if owner is not None:
             self.slices_by_service[owner].add(key)
             self._touch(owner)
+            self.slices_pending.add(owner)
             trigger = _trigger_time(obj)
             if trigger is not None:
                 prev = self._changes.trigger_times.get(owner)
@@ -131,15 +143,19 @@ class ClusterState:
     def delete(self, kind: str, obj: Obj) -> None:
         key = _key(obj)
         if kind == SERVICES:
+            self.service_events += 1
             if self.services.pop(key, None) is not None:
                 self._touch(key)
+                self.services_pending.add(key)
         elif kind == SLICES:
+            self.slice_events += 1
             old = self.slices.pop(key, None)
             if old is not None and (owner := _owner(old)) is not None:
                 self.slices_by_service[owner].discard(key)
                 if not self.slices_by_service[owner]:
                     del self.slices_by_service[owner]
                 self._touch(owner)
+                self.slices_pending.add(owner)
         elif kind == NAMESPACES:
             self.namespaces.pop(key[1], None)
         elif kind == NODES:
@@ -177,6 +193,8 @@ class ClusterState:
 
     def take_changes(self) -> Changes:
         changes, self._changes = self._changes, Changes()
+        self.services_pending.clear()
+        self.slices_pending.clear()
         return changes
 
     def has_changes(self) -> bool:

@@ -24,8 +24,10 @@ answered).
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -106,10 +108,17 @@ CALL_TIMEOUT = 5.0
 BUDGET = 30.0
 
 
+#: Conntrack entries `delete_flows` deleted since the agent started, per IP family (as
+#: conntrack reports them: "N flow entries have been deleted"): the metrics read it.
+deleted_by_family: Counter[int] = Counter()
+_DELETED = re.compile(r"(\d+) flow entr(?:y|ies) ha(?:ve|s) been deleted")
+
+
 def delete_flows(filters: Iterable[FlowFilter], budget: float = BUDGET) -> int:
     """Run the deletions; returns how many failed (other than 'nothing matched'). Never
     raises: a `conntrack` tool that cannot be run (missing, no pid left) fails them all at
-    once, and what the time budget leaves undone counts as failed; both are logged."""
+    once, and what the time budget leaves undone counts as failed; both are logged. The
+    entries deleted are counted in `deleted_by_family`."""
     flows = list(filters)
     deadline = time.monotonic() + budget
     failures = 0
@@ -130,6 +139,8 @@ def delete_flows(filters: Iterable[FlowFilter], budget: float = BUDGET) -> int:
             log.warning("conntrack cleanup not done: cannot run conntrack (%s); %d deletions"
                         " left undone", exc, len(flows) - done)  # fmt: skip
             return failures + len(flows) - done
+        if found := _DELETED.search(proc.stderr):
+            deleted_by_family[flow.family] += int(found.group(1))
         # conntrack exits 1 with "0 flow entries have been deleted" when nothing matched.
         if proc.returncode != 0 and "0 flow entries" not in proc.stderr:
             failures += 1

@@ -66,9 +66,9 @@ def metrics_app(
 
     async def metrics(_: web.Request) -> web.Response:
         before()
-        return web.Response(
-            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
-        )
+        # In a worker thread: a collector may ask the kernel (iptables rule counters).
+        body = await asyncio.to_thread(generate_latest, registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def proxy_mode(_: web.Request) -> web.Response:
         return web.Response(text=mode(), headers={"X-Content-Type-Options": "nosniff"})

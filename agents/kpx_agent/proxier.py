@@ -22,7 +22,7 @@ from .conntrack import FlowFilter, stale_flows
 from .external_ips import APISERVER_SERVICE, ExternalIPPolicy, apiserver_addresses
 from .fault_isolation import find_culprits
 from .localnet import NodeLocalState, Protocol, ProxySettings, ServicePort, ServicePortKey
-from .metrics import AgentMetrics
+from .metrics import FAMILY_LABELS, AgentMetrics, failed_families
 from .node_local import node_facts, node_info, service_model, uses_topology
 from .optout import excluded_namespaces
 from .quarantine import MAX_SERVICE_COST, quarantine
@@ -81,7 +81,7 @@ class PendingSync:
     start: float
     full: bool
     changed: set[ServicePortKey]
-    trigger_times: list[float]
+    trigger_times: dict[Key, float]  # the Services' EndpointSlices' trigger times
     prepared: float  # monotonic: when the node-local state was up to date
 
 
@@ -288,8 +288,14 @@ class Proxier:
             for f in stale_flows(before, self.local.services.get(key))
         ]
         self._udp_before.clear()
-        if flows:
-            self.delete_flows(flows)
+        if not flows:
+            return
+        started = time.monotonic()
+        failures = self.delete_flows(flows)
+        self.metrics.conntrack_reconciled(
+            (f.family for f in flows), time.monotonic() - started,
+            conntrack.deleted_by_family, failures,
+        )  # fmt: skip
 
     def prepare(self) -> PendingSync:
         """Take the recorded changes and bring the node-local state up to date (event loop)."""
@@ -315,10 +321,8 @@ class Proxier:
         if full:
             log.debug("full sync: %s", ", ".join(dict.fromkeys(self._full_reasons)))
         self._full_reasons = []
-        self.metrics.service_changes.inc(len(changed))
-        return PendingSync(
-            start, full, changed, list(changes.trigger_times.values()), time.monotonic()
-        )
+        self.metrics.changed_ports.inc(len(changed))
+        return PendingSync(start, full, changed, changes.trigger_times, time.monotonic())
 
     def program(self, pending: PendingSync) -> SyncOutcome:
         """Program the kernel (may run in a worker thread: nothing here touches the cluster
@@ -342,8 +346,7 @@ class Proxier:
         except BackendError as exc:
             self._report_refused()
             self._full_reasons.append("the last sync failed")
-            self.metrics.sync_failures.inc()
-            self.metrics.kpx_sync_failures.labels(self.backend.mode).inc()
+            self.metrics.sync_failed(self.backend.mode, failed_families(str(exc)), not full)
             log.error("sync failed, keeping the previous rules and retrying: %s", exc)
             # Changes are not lost: the next sync is a full one.
             return SyncOutcome(
@@ -354,7 +357,7 @@ class Proxier:
             self.on_synced(state, None if full else changed)
         self._clean_conntrack()
         if full:
-            log.info(
+            log.debug(
                 "full sync of %d service ports: %.3f s (model %.3f s, kernel %.3f s)",
                 len(self.local.services),
                 time.monotonic() - pending.start,
@@ -363,15 +366,30 @@ class Proxier:
             )
         now = time.time()
         duration = time.monotonic() - pending.start
-        self.metrics.sync_duration.observe(duration)
-        (self.metrics.full_sync_duration if full else self.metrics.partial_sync_duration).observe(
-            duration
-        )
-        self.metrics.last_sync.set(now)
+        self.metrics.synced(full, duration, now)
         self.metrics.services.set(len(self.local.services))
-        for trigger in pending.trigger_times:
-            self.metrics.network_programming.observe(max(0.0, now - trigger))
+        self._observe_programming(pending, now)
+        rule_counts = getattr(self.backend, "rule_counts", None)
+        if rule_counts is not None:
+            for (family, table), (total, last) in rule_counts().items():
+                self.metrics.iptables_rules.labels(table, FAMILY_LABELS[family]).set(total)
+                self.metrics.iptables_rules_last.labels(table, FAMILY_LABELS[family]).set(last)
         return SyncOutcome(True, full, len(changed), duration)
+
+    def _observe_programming(self, pending: PendingSync, now: float) -> None:
+        """Network programming latency: for each Service whose EndpointSlices carried a
+        trigger time, from it to now, in each IP family of the ports this sync changed for it
+        (all of them when it changed none: its rules were already right)."""
+        if not pending.trigger_times:
+            return
+        families: dict[Key, set[int]] = {}
+        for key in pending.changed:
+            families.setdefault((key.namespace, key.name), set()).add(key.family)
+        for svc, trigger in pending.trigger_times.items():
+            for family in sorted(families.get(svc) or FAMILY_LABELS):
+                self.metrics.network_programming.labels(FAMILY_LABELS[family]).observe(
+                    max(0.0, now - trigger)
+                )
 
     def sync(self) -> SyncOutcome:
         return self.program(self.prepare())

@@ -10,7 +10,9 @@ the cyclic garbage collector paused (about a million acyclic containers at 10,00
 a watch's stream is split into lines by hand (a line can be bigger than aiohttp's readline
 buffer), and a watch that receives no byte for `watch_idle_timeout` seconds raises
 `WatchIdle` (a half-open connection). Bytes and objects received are counted per resource,
-for metrics. Connections carry TCP keepalive and a user timeout (`tcp`).
+for metrics, and every request is told to `observer` (method, host, status code or
+"<error>", seconds to the answer's headers and body; a watch's to its headers), as client-go
+tells its rest_client_* metrics. Connections carry TCP keepalive and a user timeout (`tcp`).
 
 A 401 makes the credentials run their exec plugin again for the next request.
 """
@@ -21,8 +23,9 @@ import logging
 import socket
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, NamedTuple
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -82,6 +85,8 @@ class Client:
         self.requests_sent = 0  # every request, list page and watch
         self.connections_opened = 0  # TCP connections (each one's socket is made here)
         self._session: aiohttp.ClientSession | None = None
+        #: Told of every request: (method, host, status code or "<error>", seconds).
+        self.observer: Callable[[str, str, str, float], None] | None = None
         self._kinds: dict[tuple[str, str], tuple[str, bool]] = {
             (k.prefix, k.kind): (k.plural, k.namespaced) for k in BUILTIN.values()
         }
@@ -111,6 +116,12 @@ class Client:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def _observe(self, method: str, started: float, status: int | None) -> None:
+        if self.observer is not None:
+            host = urlsplit(self.creds.server).netloc
+            code = "<error>" if status is None else str(status)
+            self.observer(method, host, code, time.monotonic() - started)
 
     async def _auth(self) -> Auth:
         try:
@@ -147,6 +158,7 @@ class Client:
         status, or Unreachable."""
         auth = await self._auth()
         req = self._build(method, path, auth, params=params, body=body, content=content)
+        started = time.monotonic()
         try:
             async with self.session.request(
                 req.method,
@@ -160,7 +172,9 @@ class Client:
                 raw = await resp.read()
                 status, wait = resp.status, resp.headers.get("Retry-After")
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            self._observe(req.method, started, None)
             raise Unreachable(f"{req.what}: {exc!r}") from exc
+        self._observe(req.method, started, status)
         if not 200 <= status < 300:
             raise self._refused(req, status, raw, auth, wait)
         try:
@@ -280,7 +294,9 @@ class Client:
                 status, encoding = resp.status, resp.headers.get("Content-Encoding", "identity")
                 wait = resp.headers.get("Retry-After")
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            self._observe("GET", started, None)
             raise Unreachable(f"{req.what}: {exc!r}") from exc
+        self._observe("GET", started, status)
         self.bytes_received[resource] += len(body)
         if status != 200:
             raise self._refused(req, status, body, auth, wait)
@@ -302,6 +318,8 @@ class Client:
         idle = self.watch_idle_timeout
         auth = await self._auth()
         req = self._build("GET", path, auth, params={**params, "watch": "1"})
+        started = time.monotonic()
+        answered = False
         try:
             async with self.session.get(
                 self.creds.server + req.path,
@@ -310,6 +328,8 @@ class Client:
                 timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=idle),
                 ssl=auth.ssl,
             ) as resp:
+                answered = True
+                self._observe("GET", started, resp.status)
                 if resp.status != 200:
                     body = await resp.read()
                     wait = resp.headers.get("Retry-After")
@@ -337,6 +357,8 @@ class Client:
                             self.objects_received[resource] += 1
                         yield event
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            if not answered:
+                self._observe("GET", started, None)
             raise Unreachable(f"{req.what} (watch): {exc!r}") from exc
 
 

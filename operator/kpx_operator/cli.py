@@ -15,13 +15,16 @@ from aiohttp import web
 
 from kpx_api import parse_bind_address
 from kpx_api.constants import GROUP, PLURAL, VERSION
+from kpx_kube import logformat
 
 from .admission import IPVSPolicy
 from .apiserver import ApiError, ApiServer, Credentials, from_kubeconfig, in_cluster
 from .builders import DEFAULT_AGENT_IMAGE, BuildOptions
 from .handlers import register
+from .health import LEADING, STANDBY, STOPPED, OperatorHealth, probe_loop
 from .kopf_storage import DigestDiffBaseStorage
 from .leader import LeaderElector, default_identity
+from .metrics import CONTENT_TYPE, OperatorMetrics
 from .names import DEFAULT_NAMESPACE, FIELD_MANAGER, FINALIZER, LEASE_NAME
 from .reconciler import OperatorConfig, Reconciler
 
@@ -118,9 +121,24 @@ def parser() -> argparse.ArgumentParser:
         "--health-address",
         type=_bind,
         default="0.0.0.0:8080",
-        help="IP:port of /healthz (liveness, every replica); empty: none (default 0.0.0.0:8080)",
+        help="IP:port of /healthz (liveness: its watch and its leadership) and /readyz "
+        "(readiness), every replica; empty: none (default 0.0.0.0:8080)",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument(
+        "--metrics-address",
+        type=_bind,
+        default="0.0.0.0:8081",
+        help="IP:port of /metrics (Prometheus: reconciles, errors, durations, leadership, "
+        "process); empty: none (default 0.0.0.0:8081)",
+    )
+    p.add_argument(
+        "--health-probe-interval",
+        type=float,
+        default=10.0,
+        help="seconds between the lists of ProxyConfigurations that /healthz's watch check "
+        "makes; 3 failures in a row make /healthz fail (default 10)",
+    )
+    logformat.add_arguments(p)
     return p
 
 
@@ -145,16 +163,36 @@ def operator_settings() -> kopf.OperatorSettings:
     return settings
 
 
-async def _serve_health(address: str, elector: LeaderElector | None) -> web.AppRunner | None:
-    if not address:
-        return None
-
+def health_app(health: OperatorHealth) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
-        leader = elector.is_leader if elector is not None else True
-        return web.json_response({"ok": True, "leader": leader})
+        code, body = health.healthz()
+        return web.json_response(body, status=code)
+
+    async def readyz(_: web.Request) -> web.Response:
+        code, body = health.readyz()
+        return web.json_response(body, status=code)
 
     app = web.Application()
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
+
+
+def metrics_app(metrics: OperatorMetrics, elector: LeaderElector | None) -> web.Application:
+    async def serve_metrics(_: web.Request) -> web.Response:
+        metrics.leader = 1 if elector is None or elector.is_leader else 0
+        return web.Response(
+            body=metrics.exposition().encode(), headers={"Content-Type": CONTENT_TYPE}
+        )
+
+    app = web.Application()
+    app.router.add_get("/metrics", serve_metrics)
+    return app
+
+
+async def _serve(address: str, app: web.Application) -> web.AppRunner | None:
+    if not address:
+        return None
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     host, port = parse_bind_address(address)
@@ -191,12 +229,14 @@ async def run(args: argparse.Namespace) -> int:
         cleanup_timeout=args.cleanup_timeout,
     )
     registry = kopf.OperatorRegistry()
+    metrics = OperatorMetrics()
     register(
         registry,
         Reconciler(api, config),
         creds,
         namespace=args.namespace,
         resync_interval=args.resync_interval,
+        metrics=metrics,
     )
     # One identity for the lease and for kopf: kopf's own default asks the password database
     # for the user's name, which a container running as a uid the image does not list (the
@@ -205,13 +245,28 @@ async def run(args: argparse.Namespace) -> int:
     elector = (
         LeaderElector(api, args.namespace, LEASE_NAME, identity) if args.leader_elect else None
     )
+    health = OperatorHealth(leader_elect=elector is not None)
     if elector is not None:
         api.fence = elector.lease_left  # no write past the leadership's deadline
-    health = await _serve_health(args.health_address, elector)
+        health.lease_left = elector.lease_left
+    servers = [
+        await _serve(args.health_address, health_app(health)),
+        await _serve(args.metrics_address, metrics_app(metrics, elector)),
+    ]
+    probe = asyncio.create_task(
+        probe_loop(
+            health,
+            lambda: api.request("GET", f"/apis/{GROUP}/{VERSION}/{PLURAL}", params={"limit": "1"}),
+            args.health_probe_interval,
+        )
+    )
     try:
         await wait_for_crd(api)
         if elector is not None:
+            health.role = STANDBY
             await elector.acquire()
+        health.role = LEADING
+        ready = asyncio.Event()
         operator = asyncio.create_task(
             kopf.operator(
                 registry=registry,
@@ -219,8 +274,11 @@ async def run(args: argparse.Namespace) -> int:
                 clusterwide=True,
                 standalone=True,
                 identity=identity,  # type: ignore[arg-type]  # kopf: NewType of str
+                ready_flag=ready,
             )
         )
+        operator.add_done_callback(lambda task: _operator_ended(health, task))
+        watching = asyncio.create_task(_watching(health, ready))
         lost = asyncio.create_task(elector.hold()) if elector is not None else None
         await asyncio.wait({t for t in (operator, lost) if t}, return_when="FIRST_COMPLETED")
         if lost is not None and lost.done():
@@ -228,29 +286,45 @@ async def run(args: argparse.Namespace) -> int:
             # edge refuses every write from now on, and kopf (whose own patches do not go
             # through it) is cancelled at once rather than given time to finish its work.
             log.error("not the leader any more: stopping")
+            health.role = STOPPED
             operator.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await operator
             return 1
         if lost is not None:
             lost.cancel()
+        watching.cancel()
         operator.result()
         return 0
     finally:
+        probe.cancel()
         if elector is not None:
             await elector.release()
         await api.close()
-        if health is not None:
-            await health.cleanup()
+        for server in servers:
+            if server is not None:
+                await server.cleanup()
+
+
+async def _watching(health: OperatorHealth, ready: asyncio.Event) -> None:
+    await ready.wait()
+    health.watching = True
+    log.info("watching ProxyConfigurations")
+
+
+def _operator_ended(health: OperatorHealth, task: asyncio.Task[None]) -> None:
+    health.watching = False
+    if task.cancelled():
+        health.operator_ended = "cancelled"
+    else:
+        exc = task.exception()
+        health.operator_ended = repr(exc) if exc is not None else "returned"
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if not args.verbose:
+    logformat.configure(args.logging_format, args.verbosity)
+    if args.verbosity < logformat.DEBUG_VERBOSITY:
         # kopf logs every handler run at INFO (a timer tick every few seconds per object).
         logging.getLogger("kopf").setLevel(logging.WARNING)
     try:

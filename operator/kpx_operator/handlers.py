@@ -21,6 +21,7 @@ from kpx_kube.client import login_session
 
 from .admission import PxcInfo
 from .apiserver import Credentials
+from .metrics import OperatorMetrics
 from .reconciler import EventFn, NotYet, Reconciler
 
 PXC = (GROUP, VERSION, PLURAL)
@@ -74,7 +75,9 @@ def register(
     *,
     namespace: str,
     resync_interval: float = 10.0,
+    metrics: OperatorMetrics | None = None,
 ) -> None:
+    counted = metrics or OperatorMetrics()
     kopf.on.login(registry=registry)(login_handler(credentials, namespace))
 
     @kopf.index("nodes", id=NODE_INDEX, registry=registry)
@@ -85,23 +88,35 @@ def register(
     def kpx_configs(name: str, body: kopf.Body, **_: Any) -> dict[str, PxcInfo]:
         return {name: PxcInfo.from_body(body)}
 
-    async def reconcile(body: kopf.Body, **kwargs: Any) -> None:
-        await reconciler.reconcile(
-            body, _pxcs(kwargs[PXC_INDEX]), _nodes(kwargs[NODE_INDEX]), _emitter(body)
-        )
+    def reconcile_as(handler: str) -> Callable[..., Awaitable[None]]:
+        async def reconcile(body: kopf.Body, **kwargs: Any) -> None:
+            await counted.timed(
+                handler,
+                lambda: reconciler.reconcile(
+                    body, _pxcs(kwargs[PXC_INDEX]), _nodes(kwargs[NODE_INDEX]), _emitter(body)
+                ),
+            )
 
-    kopf.on.update(*PXC, id="reconcile", field="spec", registry=registry)(reconcile)
-    kopf.timer(*PXC, id="resync", interval=resync_interval, registry=registry)(reconcile)
+        return reconcile
+
+    kopf.on.update(*PXC, id="reconcile", field="spec", registry=registry)(reconcile_as("reconcile"))
+    kopf.timer(*PXC, id="resync", interval=resync_interval, registry=registry)(
+        reconcile_as("resync")
+    )
 
     @kopf.on.delete(*PXC, id="cleanup", registry=registry)
     async def cleanup(body: kopf.Body, runtime: Any, **kwargs: Any) -> None:
         try:
-            await reconciler.finalize(
-                body,
-                _pxcs(kwargs[PXC_INDEX]),
-                _nodes(kwargs[NODE_INDEX]),
-                runtime.total_seconds(),
-                _emitter(body),
+            await counted.timed(
+                "cleanup",
+                lambda: reconciler.finalize(
+                    body,
+                    _pxcs(kwargs[PXC_INDEX]),
+                    _nodes(kwargs[NODE_INDEX]),
+                    runtime.total_seconds(),
+                    _emitter(body),
+                ),
+                requeue=(NotYet,),
             )
         except NotYet as wait:
             raise kopf.TemporaryError(str(wait), delay=wait.delay) from None

@@ -294,12 +294,14 @@ def kpx_tables(topology: Topology, target: Target) -> set[str]:
 
 
 def metric(text: str, name: str, **labels: str) -> float | None:
-    """The value of sample `name` with exactly these labels (`le` included for buckets)."""
+    """The sum of the samples `name` that have these labels (`le` included for buckets; the
+    others, such as ip_family, summed over); None when there is none."""
+    found = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == name and dict(sample.labels) == labels:
-                return float(sample.value)
-    return None
+            if sample.name == name and labels.items() <= sample.labels.items():
+                found = (found or 0.0) + float(sample.value)
+    return found
 
 
 # ---- the agent ----------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ def test_blackholed_watch_connection_is_dropped_and_a_later_change_reaches_the_k
     before = env.kube.get("service", "before", agent_ns)["spec"]["clusterIP"]
     wait_until(lambda: before in nft_ruleset(env.topology, env.n1), 10,
                message=lambda: f"first Service never programmed:\n{agent.log_tail()}")  # fmt: skip
-    idle_before = agent.metric("kpx_watch_idle_timeouts", resource="services") or 0.0
+    idle_before = agent.metric("kpx_watch_idle_timeouts_total", resource="services") or 0.0
 
     port = env.cluster.apiserver_port
     added = env.topology.exec(env.n1, ["nft", "-f", "-"], input=blackhole_ruleset(port))
@@ -101,7 +101,7 @@ def test_blackholed_watch_connection_is_dropped_and_a_later_change_reaches_the_k
         # The old connections really were blackholed (the event sent on them was dropped) and
         # still are: the change came over a new connection the agent opened by itself.
         assert dropped_packets(env) > 0
-        idle_after = agent.metric("kpx_watch_idle_timeouts", resource="services") or 0.0
+        idle_after = agent.metric("kpx_watch_idle_timeouts_total", resource="services") or 0.0
         assert idle_after > idle_before
         print(f"change programmed {took:.1f} s after the blackhole (idle timeout {IDLE_TIMEOUT})")
         assert agent.healthz_status() == 200

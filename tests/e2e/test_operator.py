@@ -62,6 +62,7 @@ class Operator:
     proc: subprocess.Popen[bytes]
     health_port: int
     log: Path
+    metrics_port: int = 0
 
     def health(self) -> Obj | None:
         url = f"http://127.0.0.1:{self.health_port}/healthz"
@@ -105,8 +106,8 @@ class Env:
         self.kubectl("apply", "--server-side", "--field-manager=kpx-e2e", "-f", "-",
                      input=json.dumps(obj))  # fmt: skip
 
-    def start_operator(self, *flags: str) -> Operator:
-        port = free_port()
+    def start_operator(self, *flags: str, kubeconfig: Path | None = None) -> Operator:
+        port, metrics_port = free_port(), free_port()
         log = self.workdir / f"operator-{len(self.operators)}.log"
         env = {
             **os.environ,
@@ -118,11 +119,13 @@ class Env:
         with log.open("wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "kpx_operator", "--namespace", NS,
-                 "--kubeconfig", str(self.kubeconfig), "--health-address", f"127.0.0.1:{port}",
+                 "--kubeconfig", str(kubeconfig or self.kubeconfig),
+                 "--health-address", f"127.0.0.1:{port}",
+                 "--metrics-address", f"127.0.0.1:{metrics_port}",
                  "--resync-interval", "2", *flags],
                 stdout=out, stderr=subprocess.STDOUT, env=env,
             )  # fmt: skip
-        op = Operator(proc, port, log)
+        op = Operator(proc, port, log, metrics_port)
         self.operators.append(op)
         wait_until(op.health, 20, f"operator health endpoint (log: {log})")
         return op

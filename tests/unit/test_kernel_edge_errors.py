@@ -66,7 +66,7 @@ def test_the_proxier_turns_it_into_a_failed_sync(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(subprocess, "run", cannot_spawn)
     outcome = proxier.sync()
     assert not outcome.ok and "Resource temporarily unavailable" in outcome.error
-    assert proxier.metrics.sync_failures._value.get() == 1
+    assert proxier.metrics.kpx_sync_failures.labels(proxier.backend.mode)._value.get() == 1
     assert proxier.sync().full  # retried, in full (both tools still fail: nothing ran)
 
 

@@ -3,11 +3,13 @@ happens on failure."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Iterable
 from typing import Any
 
 import pytest
 
+from kpx_agent import conntrack
 from kpx_agent.backends.base import Backend, BackendError
 from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.conntrack import FlowFilter
@@ -90,9 +92,19 @@ def test_failure_keeps_changes_and_forces_a_full_sync() -> None:
     state.upsert(SERVICES, service("a", "web"))
     proxier.sync()
     backend.fail_next = True
+    backend.mode = "iptables"  # upstream's failure counters are per mode
+    proxier.metrics.serve_mode("iptables")
     state.upsert(SLICES, endpoint_slice("a", "web", "10.244.1.2"))
     outcome = proxier.sync()
-    assert not outcome.ok and proxier.metrics.sync_failures._value.get() == 1
+    assert not outcome.ok
+    sample = proxier.metrics.registry.get_sample_value
+    for family in ("IPv4", "IPv6"):  # the error names no family: both failed
+        assert sample("kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+                      {"ip_family": family}) == 1  # fmt: skip
+        # A partial sync's failure: the next sync is a full one (upstream's fallback).
+        assert sample("kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
+                      {"ip_family": family}) == 1  # fmt: skip
+    assert sample("kpx_sync_failures_total", {"mode": "iptables"}) == 1
     assert proxier.sync().full  # the retry reprograms everything
     assert "10.244.1.2" in str(proxier.local.services)
 
@@ -121,6 +133,33 @@ def test_udp_endpoint_removal_cleans_conntrack_after_the_sync() -> None:
     state.upsert(SLICES, endpoint_slice("k", "dns", "10.244.2.2", proto="UDP"))
     proxier.sync()
     assert [str(f.dnat_to) for f in flows] == ["10.244.1.2"]
+
+
+def test_the_conntrack_cleanup_is_upstreams_conntrack_reconciler_in_metrics(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    state, _, proxier, _ = setup()
+    deleted: Counter[int] = Counter()
+    monkeypatch.setattr(conntrack, "deleted_by_family", deleted)
+
+    def delete(filters: Iterable[FlowFilter]) -> int:
+        for f in filters:
+            deleted[f.family] += 3  # as conntrack reported it
+        return 1  # one deletion failed
+
+    proxier.delete_flows = delete
+    state.upsert(SERVICES, service("k", "dns", "UDP"))
+    state.upsert(SLICES, endpoint_slice("k", "dns", "10.244.1.2", "10.244.2.2", proto="UDP"))
+    proxier.sync()
+    state.upsert(SLICES, endpoint_slice("k", "dns", "10.244.2.2", proto="UDP"))
+    proxier.sync()
+    sample = proxier.metrics.registry.get_sample_value
+    runs = "kubeproxy_conntrack_reconciler_sync_duration_seconds_count"
+    assert sample(runs, {"ip_family": "IPv4"}) == 2  # both syncs changed UDP ports
+    assert sample(runs, {"ip_family": "IPv6"}) == 0  # no IPv6 flow to delete
+    total = sample("kubeproxy_conntrack_reconciler_deleted_entries_total", {"ip_family": "IPv4"})
+    assert total == deleted[4] > 0  # the total, not the total added up again
+    assert sample("kpx_conntrack_delete_failures_total") == 2
 
 
 # ---- Node changes cost what they change -----------------------------------------------------
@@ -206,7 +245,7 @@ def test_node_update_that_changes_no_input_costs_nothing(monkeypatch: pytest.Mon
     assert seen == [] and backend.calls == []
     registry = proxier.metrics.registry
     syncs = "kubeproxy_sync_proxy_rules_duration_seconds_count"
-    assert registry.get_sample_value(syncs) == 1  # the first one: heartbeats are no syncs
+    assert registry.get_sample_value(syncs, {"ip_family": "IPv4"}) == 1  # heartbeats: no syncs
 
 
 def test_zone_change_recomputes_only_topology_services_partially(

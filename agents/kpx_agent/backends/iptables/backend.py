@@ -156,6 +156,39 @@ class IptablesBackend(Backend):
     def chain_count(self) -> int:
         return sum(len(b) for b in (self._books or {}).values())
 
+    def rule_counts(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """Per (family, table): the rules in our chains, and the rules the last sync wrote
+        (upstream's kubeproxy_sync_proxy_rules_iptables_total and _last)."""
+        written: dict[tuple[int, str], int] = {}
+        for fam, script in self.last_scripts:
+            table = ""
+            for line in script.splitlines():
+                if line.startswith("*"):
+                    table = line[1:].strip()
+                elif line.startswith("-A ") or line.startswith("-I "):
+                    written[(fam, table)] = written.get((fam, table), 0) + 1
+        return {
+            (fam, table): (
+                sum(len(rules) for rules in book.table_chains(table).values()),
+                written.get((fam, table), 0),
+            )
+            for fam, book in (self._books or {}).items()
+            for table in n.TABLES
+        }
+
+    def packet_counts(self) -> dict[str, float]:
+        """The packet counters of the IPv4 rules that stand for upstream's nfacct counters:
+        conntrack-INVALID packets dropped (KPX-FORWARD), and packets to 127.0.0.0/8 sent to
+        the NodePorts (KPX-SERVICES' localhost rule; 0 without localhost NodePorts)."""
+        invalid = kernel.rule_packets(4, n.FILTER, n.FORWARD, ("DROP", "INVALID"))
+        localhost = 0
+        if self.settings.localhost_node_ports:
+            localhost = kernel.rule_packets(4, n.NAT, n.SERVICES, (n.NODEPORTS, "127.0.0.0/8"))
+        return {
+            "kubeproxy_iptables_ct_state_invalid_dropped_packets_total": invalid,
+            "kubeproxy_iptables_localhost_nodeports_accepted_packets_total": localhost,
+        }
+
     # -- syncs
 
     def _full_sync(self, state: NodeLocalState) -> None:

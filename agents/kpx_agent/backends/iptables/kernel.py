@@ -71,6 +71,21 @@ def chain_exists(family: int, table: str, chain: str) -> bool:
     return proc.returncode == 0
 
 
+def rule_packets(family: int, table: str, chain: str, words: tuple[str, ...]) -> int:
+    """The packet counters, summed, of the rules of `chain` whose listing has all `words`
+    (`iptables -L -v -x`); 0 when the chain cannot be listed."""
+    try:
+        proc = _run([n.LIST[family], *WAIT, "-t", table, "-n", "-v", "-x", "-L", chain])
+    except BackendError:
+        return 0
+    total = 0
+    for line in proc.stdout.splitlines()[2:]:
+        fields = line.split()
+        if fields and fields[0].isdigit() and all(w in fields for w in words):
+            total += int(fields[0])
+    return total
+
+
 def available(family: int) -> bool:
     """Whether this node has the tools for `family` at all."""
     return shutil.which(n.RESTORE[family]) is not None and shutil.which(n.SAVE[family]) is not None
