@@ -9,7 +9,7 @@ APT_PACKAGES := nftables iptables conntrack etcd-server iproute2 socat procps cu
 VM_APT_PACKAGES := qemu-system-x86 mmdebstrap e2fsprogs
 N ?=
 
-.PHONY: setup setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm image test test-unit lint crds demo demo-down bench bench-migration chaos
+.PHONY: setup setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm image test test-unit lint crds chart demo demo-down bench bench-migration chaos
 
 ## setup: install everything a fresh machine needs (idempotent: a second run installs and builds nothing)
 setup: setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm
@@ -73,6 +73,13 @@ lint:
 crds:
 	$(PYTHON) -m kpx_api.crdgen --out crds/
 	$(PYTHON) charts/sync_from_crds.py
+
+## chart: the Helm chart as a chart repository: kpx-<version>.tgz (`helm package`) and index.yaml
+## (`helm repo index`) in $(CHART_OUT) (gitignored); CHART_URL=... sets the repository's URL
+CHART_OUT ?= build/charts
+CHART_URL ?=
+chart: setup-helm
+	$(PYTHON) charts/package.py --out $(CHART_OUT) $(if $(CHART_URL),--url $(CHART_URL))
 
 demo: setup image
 	$(PYTHON) -m kpx_cluster.demo up
