@@ -834,9 +834,9 @@ def test_helm_test_hook(helm_env: dict[str, str]) -> None:
         (kind, "kpx-test") for kind in ("ServiceAccount", "Role", "RoleBinding", "ClusterRole",
                                         "ClusterRoleBinding", "Pod")
     )  # fmt: skip
-    for obj in objs:
+    for obj in objs:  # a passed test leaves nothing (helm uninstall deletes no test hook)
         policy = obj["metadata"]["annotations"]["helm.sh/hook-delete-policy"]
-        assert policy == "before-hook-creation,hook-succeeded"  # a passed test leaves nothing
+        assert policy == "before-hook-creation,hook-succeeded"
     pod = the(objs, "Pod")
     assert pod["spec"]["restartPolicy"] == "Never"
     (container,) = pod["spec"]["containers"]
