@@ -132,6 +132,19 @@ def test_install_helm_test_and_uninstall(real: RealCluster, helm: Callable[..., 
     assert container["command"][-1] == "-v"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"healthz": 10256, "metrics": 10249}
+    # ... and /metrics answers on the node's address, not only on loopback (what Prometheus
+    # scrapes), from the node's own network namespace (no host process dials a node).
+    (plan,) = real.plans.values()
+
+    def metrics() -> str | None:
+        got = subprocess.run(
+            ["ip", "netns", "exec", plan.netns, "curl", "-sf", "--max-time", "3",
+             f"http://{plan.ipv4}:10249/metrics"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        return got.stdout if got.returncode == 0 else None
+
+    assert "# TYPE" in wait_until(metrics, 120, f"/metrics on {plan.ipv4}:10249")
 
     started = time.monotonic()
     tested = helm("test", RELEASE, "--namespace", NS, "--timeout", "5m")
