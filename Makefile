@@ -12,7 +12,7 @@ N ?=
 CONFORMANCE_SUITE ?= proxy
 CONFORMANCE_TARGETS ?= kpx/nftables,kube-proxy/nftables,kpx/iptables,kube-proxy/iptables
 
-.PHONY: conformance setup setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm image test test-unit lint crds demo demo-down bench bench-migration chaos
+.PHONY: conformance setup setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm image test test-unit lint crds chart demo demo-down bench bench-migration chaos
 
 ## setup: install everything a fresh machine needs (idempotent: a second run installs and builds nothing)
 setup: setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm
@@ -82,6 +82,13 @@ crds:
 conformance: setup image
 	PYTHONPATH=harness $(PYTHON) -m kpx_cluster.conformance --suite $(CONFORMANCE_SUITE) \
 	  --targets $(CONFORMANCE_TARGETS) --record bench/results/conformance.md
+
+## chart: the Helm chart as a chart repository: kpx-<version>.tgz (`helm package`) and index.yaml
+## (`helm repo index`) in $(CHART_OUT) (gitignored); CHART_URL=... sets the repository's URL
+CHART_OUT ?= build/charts
+CHART_URL ?=
+chart: setup-helm
+	$(PYTHON) charts/package.py --out $(CHART_OUT) $(if $(CHART_URL),--url $(CHART_URL))
 
 demo: setup image
 	$(PYTHON) -m kpx_cluster.demo up

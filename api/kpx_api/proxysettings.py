@@ -256,9 +256,8 @@ class ProxySettings(KpxModel):
 
     mode: Mode = Field(
         description="Dataplane the agents program: nftables (recommended), iptables, or ipvs "
-        "(deprecated upstream: needs ipvs.acknowledgeDeprecation: true; the agent has no ipvs "
-        "backend yet, so the operator deploys no agents for it and reports Degraded, reason "
-        "ModeNotImplemented), or external (no kernel rules: the agents serve the node-local "
+        "(deprecated upstream: needs ipvs.acknowledgeDeprecation: true; the operator's "
+        "--ipvs-policy may deny it), or external (no kernel rules: the agents serve the node-local "
         "state API to the backend container of spec.external). Required: there is no default."
     )
     nftables: NFTablesSettings | None = Field(
@@ -270,8 +269,7 @@ class ProxySettings(KpxModel):
     ipvs: IPVSSettings | None = Field(
         default=None,
         description="Settings of mode ipvs; acknowledgeDeprecation: true is required to use "
-        "mode ipvs. The agent has no ipvs backend yet: nothing is deployed for mode ipvs, so "
-        "these settings have no effect on any node." + _NOT_SELECTED,
+        "mode ipvs." + _NOT_SELECTED,
     )
     external: ExternalSettings | None = Field(
         default=None,

@@ -7,6 +7,7 @@ I/O. The golden files in tests/unit/golden/operator/ show the full output for ea
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import posixpath
 from collections.abc import Iterable
@@ -133,6 +134,11 @@ class BuildOptions:
     agent_image: str = DEFAULT_AGENT_IMAGE
     #: Secrets (in `namespace`) the agent and cleanup pods pull their image with.
     image_pull_secrets: tuple[str, ...] = ()
+    #: The agents' ServiceAccount (in `namespace`), installed with the operator (--agent-
+    #: service-account; the chart names it after its release's fullname).
+    agent_service_account: str = AGENT_SERVICE_ACCOUNT
+    #: Extra arguments appended to every agent's command line (--agent-arg, e.g. `-v`).
+    agent_args: tuple[str, ...] = ()
 
 
 def _meta(owner: Owner, name: str, app: str, namespace: str | None = None) -> Obj:
@@ -191,6 +197,17 @@ def _http_probe(path: str, bind_address: str, **timing: int) -> Obj:
         # pod, must call that address rather than the pod IP (= the node IP).
         get["host"] = host
     return {"httpGet": get, **timing}
+
+
+def _agent_ports(spec: ProxyConfigurationSpec) -> list[Obj]:
+    """The agent's ports: healthz, and metrics unless /metrics is on loopback only (a port a
+    Prometheus PodMonitor names; 127.0.0.1 or ::1 is reachable from the node alone)."""
+    _, healthz_port = parse_bind_address(spec.healthz_bind_address)
+    ports: list[Obj] = [{"name": "healthz", "containerPort": healthz_port, "protocol": "TCP"}]
+    host, metrics_port = parse_bind_address(spec.metrics_bind_address)
+    if not ipaddress.ip_address(host).is_loopback and metrics_port != healthz_port:
+        ports.append({"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"})
+    return ports
 
 
 def _security_context(mode: Mode) -> Obj:
@@ -358,7 +375,6 @@ def agent_daemonset(
     ct_volumes, ct_mounts, ct_flags = _conntrack_access(spec)
     ln_volumes, ln_mounts, ln_flags = _localnet_access(spec)
     ex_volumes, ex_mounts, ex_flags, sidecars = _external_backend(spec)
-    _, healthz_port = parse_bind_address(spec.healthz_bind_address)
     container: Obj = {
         "name": AGENT_CONTAINER,
         "image": agent_image(spec, opts),
@@ -372,13 +388,14 @@ def agent_daemonset(
             *ct_flags,
             *ln_flags,
             *ex_flags,
+            *opts.agent_args,
         ],
         "env": [
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             *_pod_env(),
             *_apiserver_env(opts),
         ],
-        "ports": [{"name": "healthz", "containerPort": healthz_port, "protocol": "TCP"}],
+        "ports": _agent_ports(spec),
         # /readyz: /healthz, and not before the agent's first verified sync, so a rolling
         # update (mode switch, upgrade) stops at a node whose new agent cannot program it.
         "readinessProbe": _http_probe(
@@ -427,7 +444,7 @@ def agent_daemonset(
                 },
                 "spec": {
                     # Installed with the operator (names.AGENT_SERVICE_ACCOUNT), not created by it.
-                    "serviceAccountName": AGENT_SERVICE_ACCOUNT,
+                    "serviceAccountName": opts.agent_service_account,
                     **_placement(spec),
                     **kept_out_affinity(kept_out),
                     **_pull_secrets(opts),

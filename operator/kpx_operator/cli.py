@@ -25,7 +25,13 @@ from .health import LEADING, STANDBY, STOPPED, OperatorHealth, probe_loop
 from .kopf_storage import DigestDiffBaseStorage
 from .leader import LeaderElector, default_identity
 from .metrics import CONTENT_TYPE, OperatorMetrics
-from .names import DEFAULT_NAMESPACE, FIELD_MANAGER, FINALIZER, LEASE_NAME
+from .names import (
+    AGENT_SERVICE_ACCOUNT,
+    DEFAULT_NAMESPACE,
+    FIELD_MANAGER,
+    FINALIZER,
+    LEASE_NAME,
+)
 from .reconciler import OperatorConfig, Reconciler
 
 log = logging.getLogger("kpx_operator")
@@ -64,8 +70,7 @@ def parser() -> argparse.ArgumentParser:
         choices=[p.value for p in IPVSPolicy],
         default=IPVSPolicy.WARN.value,
         help="mode ipvs (deprecated upstream): allow it, warn (a Warning event; default), or "
-        "deny it (nothing deployed, status Degraded); without an ipvs backend in the agent "
-        "nothing is deployed for ipvs whatever the policy",
+        "deny it (nothing deployed, status Degraded)",
     )
     p.add_argument(
         "--kubeconfig",
@@ -94,6 +99,22 @@ def parser() -> argparse.ArgumentParser:
         metavar="NAME",
         dest="image_pull_secrets",
         help="a Secret of the agents' namespace that their pods pull the image with "
+        "(repeat for several)",
+    )
+    p.add_argument(
+        "--agent-service-account",
+        default=AGENT_SERVICE_ACCOUNT,
+        metavar="NAME",
+        help="ServiceAccount of the agents' pods, in the agents' namespace, installed with "
+        f"the operator (default {AGENT_SERVICE_ACCOUNT})",
+    )
+    p.add_argument(
+        "--agent-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        dest="agent_args",
+        help="an argument appended to every agent's command line, e.g. --agent-arg=-v "
         "(repeat for several)",
     )
     p.add_argument(
@@ -224,6 +245,8 @@ async def run(args: argparse.Namespace) -> int:
             apiserver_endpoint=args.apiserver_endpoint,
             agent_image=args.agent_image,
             image_pull_secrets=tuple(args.image_pull_secrets),
+            agent_service_account=args.agent_service_account,
+            agent_args=tuple(args.agent_args),
         ),
         ipvs_policy=IPVSPolicy(args.ipvs_policy),
         cleanup_timeout=args.cleanup_timeout,

@@ -1,6 +1,8 @@
 """The Helm chart against a real kube-apiserver: what `helm template` renders is accepted as it
 is (server-side dry-run, so the apiserver's own validation of the ProxyConfiguration runs, CEL
-rules included), and `helm install`/`uninstall` work, keeping the ProxyConfiguration.
+rules included; the PodMonitor against a PodMonitor CRD with prometheus-operator's field
+names), `helm install`/`uninstall` work, keeping the ProxyConfiguration and the CRD, and `helm
+upgrade` upgrades the CRD: a field the installed chart's CRD lacked is then served and stored.
 
 (Named test_chart_apiserver.py: pytest needs test file names unique across tests/unit and
 tests/e2e, and tests/unit/test_chart.py exists.)
@@ -12,6 +14,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -41,7 +44,59 @@ MODE_SETTINGS: dict[str, dict[str, Any]] = {
 
 OBJECT_KINDS = {
     "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment",
-    "ProxyConfiguration", "FlowSchema", "PriorityLevelConfiguration",
+    "ProxyConfiguration", "FlowSchema", "PriorityLevelConfiguration", "CustomResourceDefinition",
+    "PodDisruptionBudget", "PodMonitor",
+}  # fmt: skip
+#: The kind the chart's CRD serves, for `helm template` (as on an installed cluster).
+SERVED = ("--api-versions", "proxy.kpx.dev/v1alpha1/ProxyConfiguration")
+
+#: prometheus-operator's PodMonitor, as far as the chart uses it: its group, version, kind and
+#: field names (monitoring.coreos.com/v1, PodMonitorSpec, PodMetricsEndpoint, RelabelConfig,
+#: Duration's pattern), without preserve-unknown-fields, so that a field the real CRD does not
+#: know is refused here too (kubectl's strict field validation).
+DURATION = (
+    "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
+)
+RELABEL: Obj = {"type": "object", "properties": {
+    "action": {"type": "string", "enum": ["replace", "Replace", "keep", "Keep", "drop", "Drop",
+                                          "hashmod", "HashMod", "labelmap", "LabelMap",
+                                          "labeldrop", "LabelDrop", "labelkeep", "LabelKeep",
+                                          "lowercase", "Lowercase", "uppercase", "Uppercase",
+                                          "keepequal", "KeepEqual", "dropequal", "DropEqual"]},
+    "sourceLabels": {"type": "array", "items": {"type": "string"}},
+    "separator": {"type": "string"}, "targetLabel": {"type": "string"},
+    "regex": {"type": "string"}, "modulus": {"type": "integer"},
+    "replacement": {"type": "string"}}}  # fmt: skip
+POD_MONITOR_CRD: Obj = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "podmonitors.monitoring.coreos.com"},
+    "spec": {
+        "group": "monitoring.coreos.com",
+        "scope": "Namespaced",
+        "names": {"kind": "PodMonitor", "listKind": "PodMonitorList", "plural": "podmonitors",
+                  "singular": "podmonitor"},
+        "versions": [{"name": "v1", "served": True, "storage": True, "schema": {
+            "openAPIV3Schema": {"type": "object", "required": ["spec"], "properties": {
+                "spec": {"type": "object", "required": ["selector"], "properties": {
+                    "jobLabel": {"type": "string"},
+                    "selector": {"type": "object", "properties": {
+                        "matchLabels": {"type": "object",
+                                        "additionalProperties": {"type": "string"}},
+                        "matchExpressions": {"type": "array", "items": {
+                            "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}},
+                    "namespaceSelector": {"type": "object", "properties": {
+                        "any": {"type": "boolean"},
+                        "matchNames": {"type": "array", "items": {"type": "string"}}}},
+                    "podMetricsEndpoints": {"type": "array", "items": {
+                        "type": "object", "properties": {
+                            "port": {"type": "string"}, "path": {"type": "string"},
+                            "scheme": {"type": "string", "enum": ["http", "https"]},
+                            "interval": {"type": "string", "pattern": DURATION},
+                            "scrapeTimeout": {"type": "string", "pattern": DURATION},
+                            "relabelings": {"type": "array", "items": RELABEL},
+                            "metricRelabelings": {"type": "array", "items": RELABEL}}}}}}}}}}],
+    },
 }  # fmt: skip
 
 Obj = dict[str, Any]
@@ -81,16 +136,22 @@ class Helm:
         )
 
     def template(self, namespace: str, values: Obj) -> str:
-        out = self.run("template", "kpx", str(CHART), "--namespace", namespace, values=values)
+        out = self.run(
+            "template", "kpx", str(CHART), "--namespace", namespace, "--skip-tests", *SERVED,
+            values=values,
+        )  # fmt: skip
         assert out.returncode == 0, out.stderr
         return out.stdout
 
 
 @pytest.fixture(scope="module")
 def helm(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Helm]:
-    """The cluster with the chart's CRD installed and served."""
-    cluster.kubectl("apply", "--server-side", "-f", str(CHART / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{CRD}")
+    """The cluster with the CRD (crds/, as a user may have applied it) and a PodMonitor CRD
+    installed and served."""
+    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(POD_MONITOR_CRD))
+    for name in (CRD, POD_MONITOR_CRD["metadata"]["name"]):
+        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s", f"crd/{name}")
     yield Helm(cluster, tmp_path_factory.mktemp("helm-home"))
 
 
@@ -134,6 +195,9 @@ def test_rendered_chart_is_accepted(
         maxUnavailable="10%",
     )
     values["operator"] = {"apiserverEndpoint": "192.0.2.10:6443", "ipvsPolicy": "deny"}
+    values["monitoring"] = {"podMonitor": {"enabled": True, "interval": "15s",
+                                           "metricRelabelings": [{"action": "labeldrop",
+                                                                  "regex": "pod"}]}}  # fmt: skip
     manifest = helm.template(namespace, values)
     objects = [d for d in yaml.safe_load_all(manifest) if d]
     assert {o["kind"] for o in objects} == OBJECT_KINDS
@@ -171,17 +235,28 @@ def test_cel_rules_still_apply(
 
 def test_install_and_uninstall(helm: Helm, cluster: Cluster, namespace: str) -> None:
     """A real release: the objects exist, the stored spec is what the models make of it, NOTES
-    say how to check it, and uninstall removes the operator but keeps the ProxyConfiguration."""
+    say how to check it, and uninstall removes the operator but keeps the ProxyConfiguration
+    and the CRD. The CRD was applied before (as from crds/): --take-ownership adopts it."""
     name = f"chart-{RUN}-install"
     release = f"kpx-{RUN}"
     values = values_for("nftables", name, clusterCIDRs=["10.244.0.0/16"])
-    out = helm.run("install", release, str(CHART), "--namespace", namespace, values=values)
+    refused = helm.run("install", release, str(CHART), "--namespace", namespace, values=values)
+    assert refused.returncode != 0
+    assert f'CustomResourceDefinition "{CRD}"' in refused.stderr, refused.stderr
+    assert "cannot be imported into the current release" in refused.stderr
+    helm.run("uninstall", release, "--namespace", namespace, "--ignore-not-found")
+    out = helm.run("install", release, str(CHART), "--namespace", namespace,
+                   "--take-ownership", values=values)  # fmt: skip
     try:
         assert out.returncode == 0, out.stderr
         assert f"kubectl get pxc {name}" in out.stdout, out.stdout
         assert "WARNING" not in out.stdout, out.stdout  # the namespace allows privileged pods
-        for kind in ("deployment", "serviceaccount", "role", "rolebinding"):
+        for kind in ("deployment", "serviceaccount", "role", "rolebinding",
+                     "poddisruptionbudget"):  # fmt: skip
             cluster.kubectl("-n", namespace, "get", kind, "kpx-operator")
+        crd = json.loads(cluster.kubectl("get", "crd", CRD, "-o", "json").stdout)
+        assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == release
+        assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
         for kind in ("clusterrole", "clusterrolebinding"):
             cluster.kubectl("get", kind, "kpx-operator")
         stored = json.loads(cluster.kubectl("get", "pxc", name, "-o", "json").stdout)
@@ -196,6 +271,7 @@ def test_install_and_uninstall(helm: Helm, cluster: Cluster, namespace: str) -> 
         gone = cluster.kubectl("-n", namespace, "get", "deployment", "kpx-operator", check=False)
         assert gone.returncode != 0 and "NotFound" in gone.stderr
         cluster.kubectl("get", "pxc", name)  # kept (helm.sh/resource-policy: keep)
+        cluster.kubectl("get", "crd", CRD)  # kept too (crds.keep)
     finally:
         helm.run("uninstall", release, "--namespace", namespace, "--ignore-not-found")
         cluster.kubectl("delete", "pxc", name, "--ignore-not-found", check=False)
@@ -278,3 +354,101 @@ def test_flow_control_classifies_the_agents_requests(
             cluster.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"],
                             *(["-n", namespace] if obj["kind"] == "ServiceAccount" else []),
                             "--ignore-not-found", check=False)  # fmt: skip
+
+
+# ---- CRD upgrades -------------------------------------------------------------------------------
+
+#: The field the "old" chart's CRD lacks: no default and no CEL rule refers to it.
+NEW_FIELD = "image"
+
+
+def old_chart(tmp_path: Path) -> Path:
+    """This chart as an older version whose CRD lacks spec.<NEW_FIELD>."""
+    old = tmp_path / "kpx-old"
+    shutil.copytree(CHART, old)
+    crd_file = old / "templates" / "crds" / f"{CRD}.yaml"
+    text = crd_file.read_text()
+    # The template's YAML after its two template lines parses once the actions are removed.
+    lines = [ln for ln in text.splitlines() if "{{" not in ln]
+    crd = yaml.safe_load("\n".join(lines))
+    del crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"][NEW_FIELD]  # fmt: skip
+    crd_file.write_text(
+        "{{- if .Values.crds.install }}\n" + yaml.safe_dump(crd, sort_keys=False).replace(
+            "metadata:\n", "metadata:\n  annotations:\n    helm.sh/resource-policy: keep\n", 1
+        ) + "{{- end }}\n"
+    )  # fmt: skip
+    chart = yaml.safe_load((old / "Chart.yaml").read_text())
+    chart["version"] = "0.0.9"
+    (old / "Chart.yaml").write_text(yaml.safe_dump(chart))
+    return old
+
+
+def delete_crd(cluster: Cluster) -> None:
+    cluster.kubectl("delete", "crd", CRD, "--ignore-not-found", "--wait=true", "--timeout=60s")
+
+
+def test_helm_upgrade_upgrades_the_crd(
+    helm: Helm, cluster: Cluster, namespace: str, tmp_path: Path
+) -> None:
+    """From nothing: install a chart whose CRD lacks spec.image (the ProxyConfiguration comes as
+    a post-install hook, once the CRD is served), where the field is unknown; `helm upgrade` to
+    this chart, and the field is served (kubectl explain) and survives a round trip (applied,
+    read back, not pruned); the hook-made ProxyConfiguration is now the release's own."""
+    name = f"chart-{RUN}-crd"
+    probe = f"chart-{RUN}-probe"
+    release = f"kpx-{RUN}-crd"
+    values = values_for("nftables", name)
+    delete_crd(cluster)  # a cluster that never had kpx (the module's fixture applied crds/)
+    try:
+        out = helm.run("install", release, str(old_chart(tmp_path)), "--namespace", namespace,
+                       "--wait=false", values=values)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        stored = json.loads(cluster.kubectl("get", "pxc", name, "-o", "json").stdout)
+        assert stored["metadata"]["annotations"]["helm.sh/hook"] == "post-install"
+        explained = cluster.kubectl("explain", f"proxyconfigurations.spec.{NEW_FIELD}",
+                                    check=False)  # fmt: skip
+        assert explained.returncode != 0, explained.stdout
+        pxc = {"apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyConfiguration",
+               "metadata": {"name": probe},
+               "spec": {"mode": "nftables", "nodeSelector": {"kpx.dev/none": "probe"},
+                        NEW_FIELD: "registry.example/kpx-agent:probe"}}  # fmt: skip
+        unknown = cluster.kubectl("apply", "--server-side", "--field-manager=kpx-chart-e2e",
+                                  "-f", "-", input=json.dumps(pxc), check=False)  # fmt: skip
+        assert (
+            unknown.returncode != 0
+            and f".spec.{NEW_FIELD}: field not declared in schema" in unknown.stderr
+        ), unknown.stdout + unknown.stderr
+
+        out = helm.run("upgrade", release, str(CHART), "--namespace", namespace, values=values)
+        assert out.returncode == 0, out.stderr
+        deadline = time.monotonic() + 60  # the apiserver republishes the CRD's OpenAPI
+        while True:
+            explained = cluster.kubectl("explain", f"proxyconfigurations.spec.{NEW_FIELD}",
+                                        check=False)  # fmt: skip
+            if explained.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert explained.returncode == 0, explained.stderr
+        assert "Container image of the agents" in explained.stdout
+        cluster.kubectl("apply", "--server-side", "--field-manager=kpx-chart-e2e", "-f", "-",
+                        input=json.dumps(pxc))  # fmt: skip
+        back = json.loads(cluster.kubectl("get", "pxc", probe, "-o", "json").stdout)
+        assert back["spec"][NEW_FIELD] == "registry.example/kpx-agent:probe"
+        crd = json.loads(cluster.kubectl("get", "crd", CRD, "-o", "json").stdout)
+        assert crd["metadata"]["labels"]["helm.sh/chart"] == "kpx-0.1.0"
+        manifest = helm.run("get", "manifest", release, "--namespace", namespace).stdout
+        assert f"name: {name}" in manifest  # adopted: an ordinary object of the release now
+        hooks = helm.run("get", "hooks", release, "--namespace", namespace).stdout
+        assert "kind: ProxyConfiguration" not in hooks  # no hook any more
+
+        out = helm.run("uninstall", release, "--namespace", namespace)
+        assert out.returncode == 0, out.stderr
+        cluster.kubectl("get", "crd", CRD)
+        cluster.kubectl("get", "pxc", name)
+    finally:
+        helm.run("uninstall", release, "--namespace", namespace, "--ignore-not-found")
+        for pxc_name in (name, probe):
+            cluster.kubectl("delete", "pxc", pxc_name, "--ignore-not-found", check=False)
+        # Leave the CRD as the module's fixture made it (without the release's ownership).
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))

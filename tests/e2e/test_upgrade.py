@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import pytest
 from agent_harness import wait_until as harness_wait_until
-from test_chart_apiserver import CHART, Helm
+from test_chart_apiserver import CHART, REPO, Helm
 from test_operator_cluster import _start_app
 
 from kpx_cluster.controlplane import Cluster
@@ -99,7 +99,9 @@ def upgrade(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     run = secrets.token_hex(3)
     label = {"kpx.dev/e2e-upgrade": run}
     namespace, release, pxc = f"kpx-upg-{run}", "kpx", f"upg-{run}"
-    cluster.kubectl("apply", "--server-side", "-f", str(CHART / "crds"))
+    # The CRD as another module may have left it (applied from crds/, or kept by a release):
+    # the install takes it over (--take-ownership), then owns and upgrades it.
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     helm = Helm(cluster, tmp_path_factory.mktemp("helm-home"))
     cluster.create_namespace(namespace)
     with Topology() as topo:
@@ -115,7 +117,8 @@ def upgrade(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
         try:
             nodes = [sim.add_node(f"u{run}-{i}", labels=label) for i in (1, 2, 3)]
             out = helm.run("install", release, str(CHART), "--namespace", namespace,
-                           "--wait=false", values=_values(OLD, label, pxc))  # fmt: skip
+                           "--wait=false", "--take-ownership",
+                           values=_values(OLD, label, pxc))  # fmt: skip
             assert out.returncode == 0, out.stderr
             _start_app(cluster, label)
             client = topo.add_pod(nodes[0], "client")

@@ -1,10 +1,12 @@
 """The Helm chart charts/kpx, rendered by the pinned helm (toolchain/build-helm.sh, `make setup`).
 
 With default values the operator's objects are exactly operator/manifests (but the Namespace,
-which belongs to the release, and the labels Helm charts add); the ProxyConfiguration is a
-valid spec for every mode and carries only the selected mode's block; values.schema.json
-rejects what it should with a message naming the value; the chart's CRD and the CRD-derived
-part of its schema are what crds/ gives. helm missing is a failure, never a skip.
+which belongs to the release, the labels Helm charts add, and what only the chart has: the
+templated CRD, the operator's PodDisruptionBudget, the `helm test` hook); the
+ProxyConfiguration is a valid spec for every mode and carries only the selected mode's block;
+values.schema.json rejects what it should with a message naming the value; the chart's CRD
+template and the CRD-derived part of its schema are what crds/ gives; every value is documented
+in docs/helm.md. helm missing is a failure, never a skip.
 """
 
 from __future__ import annotations
@@ -92,14 +94,21 @@ def helm(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+#: The kind the templated CRD makes served: given to `helm template` as an installed cluster
+#: (any upgrade) shows it, so the ProxyConfiguration renders as an ordinary object.
+SERVED = ("--api-versions", "proxy.kpx.dev/v1alpha1/ProxyConfiguration")
+
+
 def template(
     env: dict[str, str],
     values: Obj | None = None,
     *extra: str,
     namespace: str = NAMESPACE,
+    served: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    """`helm template kpx charts/kpx` with these values (as a values file) and extra args."""
-    args = ["template", "kpx", str(CHART), "--namespace", namespace]
+    """`helm template kpx charts/kpx` with these values (as a values file) and extra args;
+    `served`: as on a cluster that serves ProxyConfigurations (the CRD is installed)."""
+    args = ["template", "kpx", str(CHART), "--namespace", namespace, *(SERVED if served else ())]
     if values is not None:
         args += ["--values", "-"]
     return subprocess.run(
@@ -113,11 +122,22 @@ def template(
 
 
 def render(
-    env: dict[str, str], values: Obj | None = None, *extra: str, namespace: str = NAMESPACE
+    env: dict[str, str],
+    values: Obj | None = None,
+    *extra: str,
+    namespace: str = NAMESPACE,
+    served: bool = True,
+    tests: bool = False,
 ) -> list[Obj]:
-    out = template(env, values, *extra, namespace=namespace)
+    """The rendered objects; without the `helm test` hook's unless `tests`."""
+    flags = [*extra, *(() if tests else ("--skip-tests",))]
+    out = template(env, values, *flags, namespace=namespace, served=served)
     assert out.returncode == 0, out.stderr
     return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+#: What the chart renders with default values that operator/manifests has not.
+CHART_ONLY = ("CustomResourceDefinition", "PodDisruptionBudget")
 
 
 def agents_values(mode: str, **common: Any) -> Obj:
@@ -192,15 +212,23 @@ def test_kube_version_constraint(helm_env: dict[str, str]) -> None:
 # ---- one source of truth: the CRD ----------------------------------------------------------------
 
 
-def test_chart_crd_is_the_repos_crd() -> None:
-    """charts/kpx/crds/ holds exactly crds/ (byte for byte): `make crds` writes both."""
-    chart_crds = sorted(p.name for p in (CHART / "crds").iterdir())
-    repo_crds = sorted(p.name for p in (REPO / "crds").glob("*.yaml"))
-    assert chart_crds == repo_crds
-    for name in repo_crds:
-        assert (CHART / "crds" / name).read_bytes() == (REPO / "crds" / name).read_bytes(), (
-            f"charts/kpx/crds/{name} differs from crds/{name}: run `make crds`"
-        )
+def test_chart_crd_is_the_repos_crd(helm_env: dict[str, str]) -> None:
+    """The chart's CRD is a template (templates/crds/, so that `helm upgrade` upgrades it; the
+    chart has no crds/ directory, which Helm never upgrades): rendered, it is crds/'s CRD with
+    the chart's labels and the keep policy."""
+    assert not (CHART / "crds").exists()
+    templates = sorted(p.name for p in sync_from_crds.CRD_TEMPLATES.iterdir())
+    assert templates == sorted(p.name for p in (REPO / "crds").glob("*.yaml"))
+    (crd,) = [o for o in render(helm_env) if o["kind"] == "CustomResourceDefinition"]
+    repo = yaml.safe_load((REPO / "crds" / sync_from_crds.CRD_NAME).read_text())
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert crd["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+    crd["metadata"] = {"name": crd["metadata"]["name"]}
+    assert crd == repo
+    loose = render(helm_env, {"crds": {"install": True, "keep": False}})
+    assert "annotations" not in the(loose, "CustomResourceDefinition")["metadata"]
+    none = render(helm_env, {"crds": {"install": False, "keep": True}})
+    assert "CustomResourceDefinition" not in {o["kind"] for o in none}
 
 
 def test_values_schema_is_in_step_with_the_crd() -> None:
@@ -215,16 +243,21 @@ def test_sync_check_detects_a_stale_chart(tmp_path: Path, monkeypatch: pytest.Mo
     (crds / sync_from_crds.CRD_NAME).write_text(text.replace("default: 14", "default: 15"))
     monkeypatch.setattr(sync_from_crds, "CRDS", crds)
     assert set(sync_from_crds.stale()) == {
-        CHART / "crds" / sync_from_crds.CRD_NAME,
+        sync_from_crds.CRD_TEMPLATES / sync_from_crds.CRD_NAME,
         sync_from_crds.SCHEMA,
     }
+
+
+#: `agents` values that are not spec fields: the operator's flags for the agents, and the
+#: agents' ServiceAccount.
+AGENTS_CHART_ONLY = ("logLevel", "extraArgs", "metricsOnLoopback", "serviceAccount")
 
 
 def test_agents_values_cover_the_whole_spec() -> None:
     """Every spec field has its place in `agents` (mode, a mode's block, or common)."""
     schema = json.loads((CHART / "values.schema.json").read_text())
     defs = schema["definitions"]
-    agents = set(schema["properties"]["agents"]["properties"]) - {"common"}
+    agents = set(schema["properties"]["agents"]["properties"]) - {"common", *AGENTS_CHART_ONLY}
     spec_fields = set(ProxyConfigurationSpec.model_json_schema(by_alias=True)["properties"])
     assert agents | set(defs["crd.common"]["properties"]) == spec_fields
     assert defs["crd.mode"]["enum"] == [m.value for m in Mode]
@@ -255,7 +288,11 @@ def test_values_yaml_comments_show_the_crd_defaults() -> None:
 
 
 def test_operator_objects_are_the_manifests(helm_env: dict[str, str]) -> None:
-    rendered = {key(o): o for o in render(helm_env) if o["kind"] != "ProxyConfiguration"}
+    rendered = {
+        key(o): o
+        for o in render(helm_env)
+        if o["kind"] != "ProxyConfiguration" and o["kind"] not in CHART_ONLY
+    }
     expected = {key(o): o for o in manifests() if o["kind"] != "Namespace"}
     assert sorted(rendered) == sorted(expected)
     for k, obj in rendered.items():
@@ -269,7 +306,7 @@ def test_no_namespace_object(helm_env: dict[str, str]) -> None:
 
 CLUSTER_SCOPED = (
     "ClusterRole", "ClusterRoleBinding", "ProxyConfiguration", "FlowSchema",
-    "PriorityLevelConfiguration",
+    "PriorityLevelConfiguration", "CustomResourceDefinition",
 )  # fmt: skip
 
 
@@ -416,7 +453,7 @@ def test_default_proxyconfiguration(helm_env: dict[str, str]) -> None:
         "app.kubernetes.io/part-of": "kpx",
     }
     assert pxc["spec"] == {"mode": "nftables", "clusterCIDRs": [], "tolerations": [
-        {"operator": "Exists"}]}  # fmt: skip
+        {"operator": "Exists"}], "metricsBindAddress": "0.0.0.0:10249"}  # fmt: skip
     parse_spec(pxc["spec"])
 
 
@@ -450,7 +487,11 @@ def test_examples_as_values(helm_env: dict[str, str], mode: str) -> None:
     values["agents"]["common"].setdefault("tolerations", [])
     pxc = the(render(helm_env, values), "ProxyConfiguration")
     assert pxc["metadata"]["name"] == example["metadata"]["name"]
-    assert pxc["spec"] == {**spec, "tolerations": spec.get("tolerations", [])}
+    assert pxc["spec"] == {
+        **spec,
+        "tolerations": spec.get("tolerations", []),
+        "metricsBindAddress": spec.get("metricsBindAddress", "0.0.0.0:10249"),
+    }
     parse_spec(pxc["spec"])
 
 
@@ -469,6 +510,7 @@ def test_common_settings(helm_env: dict[str, str]) -> None:
         "mode": "nftables",
         "nftables": MODE_SETTINGS["nftables"],
         "tolerations": [{"operator": "Exists"}],
+        "metricsBindAddress": "0.0.0.0:10249",
         **common,
     }
     assert parse_spec(spec).max_unavailable == "10%"
@@ -477,7 +519,8 @@ def test_common_settings(helm_env: dict[str, str]) -> None:
 def test_proxyconfiguration_can_be_left_out(helm_env: dict[str, str]) -> None:
     objs = render(helm_env, {"proxyConfiguration": {"create": False}})
     assert "ProxyConfiguration" not in {o["kind"] for o in objs}
-    assert {o["kind"] for o in objs} == {o["kind"] for o in manifests()} - {"Namespace"}
+    kinds = {o["kind"] for o in manifests()} - {"Namespace"}
+    assert {o["kind"] for o in objs} == kinds | set(CHART_ONLY)
 
 
 def test_keep_on_uninstall_can_be_turned_off(helm_env: dict[str, str]) -> None:
@@ -524,8 +567,34 @@ UNKNOWN = "additional properties '{}' not allowed"
         ({"agent": {}}, "", UNKNOWN.format("agent")),
         ({"flowControl": {"enabled": True}}, "/flowControl", UNKNOWN.format("enabled")),
         ({"flowControl": {"matchingPrecedence": 0}}, "/flowControl/matchingPrecedence", "0"),
+        ({"operator": {"logLevel": "trace"}}, "/operator/logLevel", "'info', 'debug'"),
+        ({"agents": {"logLevel": 4}}, "/agents/logLevel", "string"),
+        ({"operator": {"podDisruptionBudget": {"enabled": True, "minAvailable": 1}}},
+         "/operator/podDisruptionBudget", UNKNOWN.format("minAvailable")),
+        ({"operator": {"podDisruptionBudget": {"enabled": True, "maxUnavailable": "half"}}},
+         "/podDisruptionBudget/maxUnavailable", "half"),
+        ({"operator": {"updateStrategy": {"type": "OnDelete"}}}, "/updateStrategy/type", "one of"),
+        ({"operator": {"affinity": {"nodeAfinity": {}}}}, "/operator/affinity",
+         UNKNOWN.format("nodeAfinity")),
+        ({"operator": {"topologySpreadConstraints": [{"maxSkew": 1}]}},
+         "/topologySpreadConstraints/0", "missing properties"),
+        ({"operator": {"extraEnv": [{"value": "x"}]}}, "/operator/extraEnv/0", "name"),
+        ({"operator": {"extraArgs": "-v"}}, "/operator/extraArgs", "array"),
+        ({"operator": {"podLabels": {"team": 1}}}, "/operator/podLabels/team", "string"),
+        ({"operator": {"serviceAccount": {"name": "Bad_Name"}}}, "/serviceAccount/name",
+         "Bad_Name"),
+        ({"agents": {"metricsOnLoopback": "yes"}}, "/agents/metricsOnLoopback", "boolean"),
+        ({"agents": {"serviceAccount": {"name": "x"}}}, "/agents/serviceAccount",
+         UNKNOWN.format("name")),
+        ({"rbac": {"enabled": True}}, "/rbac", UNKNOWN.format("enabled")),
+        ({"crds": {"upgrade": True}}, "/crds", UNKNOWN.format("upgrade")),
+        ({"fullnameOverride": "Kpx"}, "/fullnameOverride", "Kpx"),
+        ({"monitoring": {"serviceMonitor": {}}}, "/monitoring", UNKNOWN.format("serviceMonitor")),
+        ({"monitoring": {"podMonitor": {"enabled": True, "interval": "often"}}},
+         "/podMonitor/interval", "often"),
+        ({"tests": {"timeoutSeconds": 0}}, "/tests/timeoutSeconds", "0"),
     ],
-)
+)  # fmt: skip
 def test_schema_rejects(helm_env: dict[str, str], values: Obj, where: str, what: str) -> None:
     """helm fails before rendering anything, naming the value (a JSON pointer) and the problem."""
     out = template(helm_env, values)
@@ -542,3 +611,401 @@ def test_schema_error_message_for_a_bad_mode(helm_env: dict[str, str]) -> None:
     out = template(helm_env, {"agents": {"mode": "userspace"}})
     assert "at '/agents/mode'" in out.stderr, out.stderr
     assert "value must be one of 'nftables', 'iptables', 'ipvs'" in out.stderr, out.stderr
+
+
+# ---- CRD upgrades: the ProxyConfiguration on a first install -------------------------------------
+
+
+def test_first_install_creates_the_proxyconfiguration_after_its_crd(
+    helm_env: dict[str, str],
+) -> None:
+    """Helm builds every object of a release before creating any: on a cluster that does not
+    serve ProxyConfigurations yet, the ProxyConfiguration is a post-install hook (created after
+    the CRD) carrying the release's ownership metadata, so the next upgrade adopts it."""
+    pxc = the(render(helm_env, served=False), "ProxyConfiguration")
+    assert pxc["metadata"]["annotations"] == {
+        "helm.sh/resource-policy": "keep",
+        "helm.sh/hook": "post-install",
+        "helm.sh/hook-delete-policy": "hook-failed",
+        "meta.helm.sh/release-name": "kpx",
+        "meta.helm.sh/release-namespace": NAMESPACE,
+    }
+    served = the(render(helm_env), "ProxyConfiguration")
+    assert served["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert served["spec"] == pxc["spec"]
+
+
+# ---- names, ServiceAccounts, RBAC ----------------------------------------------------------------
+
+
+def names(objs: list[Obj]) -> set[tuple[str, str]]:
+    return {key(o) for o in objs}
+
+
+@pytest.mark.parametrize(
+    ("values", "prefix"),
+    [({"nameOverride": "proxy"}, "proxy"), ({"nameOverride": "x", "fullnameOverride": "edge"},
+                                            "edge")],
+)  # fmt: skip
+def test_name_overrides(helm_env: dict[str, str], values: Obj, prefix: str) -> None:
+    objs = render(helm_env, values, tests=True)
+    for obj in objs:
+        if obj["kind"] not in ("ProxyConfiguration", "CustomResourceDefinition"):
+            assert obj["metadata"]["name"].startswith(f"{prefix}-"), key(obj)
+    deployment = the(objs, "Deployment")
+    assert deployment["metadata"]["name"] == f"{prefix}-operator"
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == f"{prefix}-operator"
+    command = pod["containers"][0]["command"]
+    flag = command.index("--agent-service-account")
+    assert command[flag + 1] == f"{prefix}-agent"
+    for obj in objs:
+        for subject in obj.get("subjects", []):
+            if obj["kind"].endswith("Binding"):
+                assert subject["name"] in (
+                    f"{prefix}-operator",
+                    f"{prefix}-agent",
+                    f"{prefix}-test",
+                )
+    (flow,) = [o for o in objs if o["kind"] == "FlowSchema"]
+    assert flow["spec"]["priorityLevelConfiguration"]["name"] == f"{prefix}-agent"
+    sa = flow["spec"]["rules"][0]["subjects"][0]["serviceAccount"]
+    assert sa == {"name": f"{prefix}-agent", "namespace": NAMESPACE}
+    # The operator's default agent ServiceAccount needs no flag (operator/manifests has none).
+    default = operator_container(render(helm_env))["command"]
+    assert "--agent-service-account" not in default
+
+
+def test_service_accounts_and_rbac_switches(helm_env: dict[str, str]) -> None:
+    values = {
+        "rbac": {"create": False},
+        "operator": {"serviceAccount": {"create": False, "name": "existing"}},
+        "agents": {"serviceAccount": {"create": False}},
+    }
+    objs = render(helm_env, values, tests=True)
+    kinds = {o["kind"] for o in objs}
+    assert not kinds & {"Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}
+    # Only the test hook's own ServiceAccount is left.
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"] == ["kpx-test"]
+    pod = the(objs, "Deployment")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "existing"
+    annotated = render(helm_env, {
+        "operator": {"serviceAccount": {"annotations": {"a": "1"}}},
+        "agents": {"serviceAccount": {"annotations": {"b": "2"}}},
+    })  # fmt: skip
+    sas = {o["metadata"]["name"]: o for o in annotated if o["kind"] == "ServiceAccount"}
+    assert sas["kpx-operator"]["metadata"]["annotations"] == {"a": "1"}
+    assert sas["kpx-agent"]["metadata"]["annotations"] == {"b": "2"}
+
+
+# ---- the operator's pods -------------------------------------------------------------------------
+
+
+def test_operator_pod_values(helm_env: dict[str, str]) -> None:
+    spread = [
+        {
+            "maxSkew": 1,
+            "topologyKey": "topology.kubernetes.io/zone",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": {"app.kubernetes.io/name": "kpx-operator"}},
+        }
+    ]
+    values = {
+        "operator": {
+            "logLevel": "debug",
+            "extraArgs": ["--resync-interval", "30"],
+            "extraEnv": [{"name": "TZ", "value": "UTC"}],
+            "podAnnotations": {"example.com/scrape": "true"},
+            "podLabels": {"team": "net", "app.kubernetes.io/name": "ignored"},
+            "affinity": {"podAntiAffinity": None,
+                         "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                             "nodeSelectorTerms": [{"matchExpressions": [{
+                                 "key": "kubernetes.io/os", "operator": "In",
+                                 "values": ["linux"]}]}]}}},
+            "topologySpreadConstraints": spread,
+            "updateStrategy": {"type": "RollingUpdate",
+                               "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}},
+        }
+    }  # fmt: skip
+    deployment = the(render(helm_env, values), "Deployment")
+    template = deployment["spec"]["template"]
+    pod, container = template["spec"], template["spec"]["containers"][0]
+    assert container["command"][-3:] == ["-v", "--resync-interval", "30"]
+    assert container["env"][-1] == {"name": "TZ", "value": "UTC"}
+    assert template["metadata"]["annotations"] == {"example.com/scrape": "true"}
+    assert template["metadata"]["labels"] == {
+        "team": "net", "app.kubernetes.io/name": "kpx-operator", "app.kubernetes.io/part-of": "kpx",
+    }  # fmt: skip
+    assert set(pod["affinity"]) == {"nodeAffinity"}  # null removes the default anti-affinity
+    assert pod["topologySpreadConstraints"] == spread
+    assert deployment["spec"]["strategy"] == values["operator"]["updateStrategy"]
+    default = the(render(helm_env), "Deployment")
+    assert "strategy" not in default["spec"]
+    assert set(default["spec"]["template"]["spec"]["affinity"]) == {"podAntiAffinity"}
+
+
+def test_operator_pod_disruption_budget(helm_env: dict[str, str]) -> None:
+    pdb = the(render(helm_env), "PodDisruptionBudget")
+    assert pdb["metadata"]["name"] == "kpx-operator"
+    assert pdb["spec"] == {
+        "maxUnavailable": 1,
+        "selector": {"matchLabels": {"app.kubernetes.io/name": "kpx-operator"}},
+    }
+    deployment = the(render(helm_env), "Deployment")
+    selector = pdb["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    half = render(
+        helm_env, {"operator": {"podDisruptionBudget": {"enabled": True, "maxUnavailable": "50%"}}}
+    )
+    assert the(half, "PodDisruptionBudget")["spec"]["maxUnavailable"] == "50%"
+    off = render(helm_env, {"operator": {"podDisruptionBudget": {"enabled": False}}})
+    assert "PodDisruptionBudget" not in {o["kind"] for o in off}
+
+
+# ---- the agents: through the operator's flags and the spec ---------------------------------------
+
+
+def test_agents_log_level_and_args_go_through_the_operator(helm_env: dict[str, str]) -> None:
+    values = {"agents": {"logLevel": "debug", "extraArgs": ["--foo", "a b"]}}
+    command = operator_container(render(helm_env, values))["command"]
+    assert command[-3:] == ["--agent-arg=-v", "--agent-arg=--foo", "--agent-arg=a b"]
+    assert not [a for a in operator_container(render(helm_env))["command"] if "agent-arg" in a]
+
+
+@pytest.mark.parametrize(
+    ("agents", "address"),
+    [
+        ({}, "0.0.0.0:10249"),
+        ({"metricsOnLoopback": True}, "127.0.0.1:10249"),
+        ({"metricsOnLoopback": True, "common": {"metricsBindAddress": "0.0.0.0:9100"}},
+         "0.0.0.0:9100"),
+        ({"common": {"metricsBindAddress": "[::1]:10249"}}, "[::1]:10249"),
+    ],
+)  # fmt: skip
+def test_agents_metrics_address(helm_env: dict[str, str], agents: Obj, address: str) -> None:
+    spec = the(render(helm_env, {"agents": agents}), "ProxyConfiguration")["spec"]
+    assert spec["metricsBindAddress"] == address
+    parse_spec(spec)
+
+
+def test_pod_monitor(helm_env: dict[str, str]) -> None:
+    assert "PodMonitor" not in {o["kind"] for o in render(helm_env)}
+    values = {"monitoring": {"podMonitor": {"enabled": True, "labels": {"release": "prom"},
+                                            "interval": "15s",
+                                            "metricRelabelings": [{"action": "labeldrop",
+                                                                   "regex": "pod"}]}}}  # fmt: skip
+    monitor = the(render(helm_env, values), "PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["namespace"] == NAMESPACE
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    # The operator's agent pods: their labels and their port `metrics` (builders._agent_ports).
+    assert monitor["spec"]["selector"] == {"matchLabels": {"app.kubernetes.io/name": "kpx-agent"}}
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics",
+                                                                          "15s")  # fmt: skip
+    assert {"action": "replace", "targetLabel": "job", "replacement": "kube-proxy"} in endpoint[
+        "relabelings"]  # fmt: skip
+    assert endpoint["metricRelabelings"] == [{"action": "labeldrop", "regex": "pod"}]
+    values["agents"] = {"metricsOnLoopback": True}
+    out = template(helm_env, values)
+    assert out.returncode != 0
+    assert "monitoring.podMonitor.enabled" in out.stderr and "metricsOnLoopback" in out.stderr
+
+
+def test_metrics_port_matches_the_pod_monitor() -> None:
+    """The agents' DaemonSet the operator builds from the chart's default spec declares the
+    port the PodMonitor names."""
+    from kpx_operator.builders import BuildOptions, Owner, agent_daemonset
+
+    spec = parse_spec({"mode": "nftables", "metricsBindAddress": "0.0.0.0:10249"})
+    ds = agent_daemonset(Owner("default", "uid"), spec, BuildOptions())
+    ports = ds["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert {"name": "metrics", "containerPort": 10249, "protocol": "TCP"} in ports
+
+
+# ---- helm test -----------------------------------------------------------------------------------
+
+
+def test_helm_test_hook(helm_env: dict[str, str]) -> None:
+    objs = [o for o in render(helm_env, tests=True)
+            if o["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]  # fmt: skip
+    assert sorted(key(o) for o in objs) == sorted(
+        (kind, "kpx-test") for kind in ("ServiceAccount", "Role", "RoleBinding", "ClusterRole",
+                                        "ClusterRoleBinding", "Pod")
+    )  # fmt: skip
+    for obj in objs:  # a passed test leaves nothing (helm uninstall deletes no test hook)
+        policy = obj["metadata"]["annotations"]["helm.sh/hook-delete-policy"]
+        assert policy == "before-hook-creation,hook-succeeded"
+    pod = the(objs, "Pod")
+    assert pod["spec"]["restartPolicy"] == "Never"
+    (container,) = pod["spec"]["containers"]
+    assert container["image"] == "ghcr.io/kpx/kpx-operator:0.1.0"  # already on the nodes
+    assert container["command"][:2] == ["python3", "-c"]
+    assert container["command"][2] == (CHART / "files" / "helm-test.py").read_text()
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert (env["NAMESPACE"], env["DEPLOYMENT"], env["PROXYCONFIGURATION"]) == (
+        NAMESPACE, "kpx-operator", "default")  # fmt: skip
+    # Read-only access to exactly the two objects the test reads.
+    assert the(objs, "Role")["rules"] == [
+        {
+            "apiGroups": ["apps"],
+            "resources": ["deployments"],
+            "resourceNames": ["kpx-operator"],
+            "verbs": ["get"],
+        }
+    ]
+    assert the(objs, "ClusterRole")["rules"] == [{"apiGroups": ["proxy.kpx.dev"],
+                                                   "resources": ["proxyconfigurations"],
+                                                   "resourceNames": ["default"],
+                                                   "verbs": ["get"]}]  # fmt: skip
+    own = render(helm_env, {"tests": {"image": {"repository": "registry.example/py", "tag": "3"}},
+                            "proxyConfiguration": {"create": False}}, tests=True)  # fmt: skip
+    assert the(own, "Pod")["spec"]["containers"][0]["image"] == "registry.example/py:3"
+    assert "ClusterRole" not in {o["kind"] for o in own if o["metadata"]["name"] == "kpx-test"}
+
+
+def _helm_test_module() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("helm_test", CHART / "files" / "helm-test.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_helm_test_checks() -> None:
+    """The test Pod's judgements (files/helm-test.py), on objects as the apiserver returns them."""
+    m = _helm_test_module()
+    deployment = {"metadata": {"generation": 2}, "spec": {"replicas": 2},
+                  "status": {"observedGeneration": 2, "readyReplicas": 2,
+                             "availableReplicas": 2, "updatedReplicas": 2}}  # fmt: skip
+    assert m.deployment_ready(deployment)[0]
+    for field, value in (("readyReplicas", 1), ("availableReplicas", 1), ("updatedReplicas", 1),
+                         ("observedGeneration", 1)):  # fmt: skip
+        stale = copy.deepcopy(deployment)
+        stale["status"][field] = value
+        assert not m.deployment_ready(stale)[0], field
+    pxc = {"metadata": {"generation": 3}, "status": {"conditions": [
+        {"type": "Ready", "status": "True", "reason": "AllAgentsReady", "message": "",
+         "observedGeneration": 3}]}}  # fmt: skip
+    assert m.proxyconfiguration_ready(pxc)[0]
+    old = copy.deepcopy(pxc)
+    old["status"]["conditions"][0]["observedGeneration"] = 2
+    assert not m.proxyconfiguration_ready(old)[0]
+    not_ready = copy.deepcopy(pxc)
+    not_ready["status"]["conditions"][0].update(status="False", reason="RollingOut")
+    ok, said = m.proxyconfiguration_ready(not_ready)
+    assert not ok and "RollingOut" in said
+    assert m.proxyconfiguration_ready({"metadata": {}}) == (False, "no Ready condition yet")
+    assert m.base_url("10.96.0.1", "443") == "https://10.96.0.1:443"
+    assert m.base_url("fd00::1", "443") == "https://[fd00::1]:443"
+
+
+# ---- the text users read -------------------------------------------------------------------------
+
+
+STALE = ("no ipvs backend", "has an ipvs backend", "ModeNotImplemented")
+
+
+def test_no_stale_text_about_ipvs() -> None:
+    """kubectl explain (the CRD's descriptions), values.yaml, the schema and the operator's
+    --help say what is: the agent has an ipvs backend."""
+    from kpx_operator.cli import parser
+
+    texts = {
+        "crds/": (REPO / "crds" / sync_from_crds.CRD_NAME).read_text(),
+        "values.yaml": (CHART / "values.yaml").read_text(),
+        "values.schema.json": (CHART / "values.schema.json").read_text(),
+        "proxy-operator --help": parser().format_help(),
+        "docs/helm.md": (REPO / "docs" / "helm.md").read_text(),
+    }
+    for where, text in texts.items():
+        flat = " ".join(text.split())
+        for phrase in STALE:
+            assert phrase not in flat, f"{where} says {phrase!r}"
+
+
+# ---- docs/helm.md --------------------------------------------------------------------------------
+
+
+#: Values whose content is a Kubernetes (or CRD) object, documented as a whole: the keys of
+#: their defaults (e.g. operator.resources.requests.cpu) are that object's fields.
+OBJECT_VALUES = (
+    "operator.resources", "operator.tolerations", "operator.affinity", "agents.common.tolerations",
+)  # fmt: skip
+
+
+def value_keys(node: Any, prefix: str = "") -> Iterator[str]:
+    """Every value of values.yaml as a dotted path: the leaves (a scalar, a list, an empty map)
+    and OBJECT_VALUES, not the maps that only group them."""
+    if isinstance(node, dict) and node and prefix not in OBJECT_VALUES:
+        for name, child in node.items():
+            yield from value_keys(child, f"{prefix}.{name}" if prefix else name)
+    else:
+        yield prefix
+
+
+def test_docs_document_every_value() -> None:
+    """Every value of values.yaml has a row of its own in docs/helm.md's tables, starting with
+    its full dotted path in backquotes (| `operator.podDisruptionBudget.maxUnavailable` |)."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    docs = (REPO / "docs" / "helm.md").read_text()
+    rows = {m.group(1) for m in re.finditer(r"^\| `([^`]+)`", docs, re.M)}
+    keys = list(value_keys(values))
+    assert [path for path in keys if path not in rows] == []
+    # Not vacuous: the walk reaches nested values and stops at whole objects.
+    assert {"operator.podDisruptionBudget.maxUnavailable", "monitoring.podMonitor.jobName",
+            "agents.common.clusterCIDRs", "operator.resources", "agents.nftables",
+            "operator.podAnnotations", "nameOverride"} <= set(keys)  # fmt: skip
+    assert not [k for k in keys if k.startswith("operator.resources.")]
+
+
+# ---- make chart ----------------------------------------------------------------------------------
+
+
+def test_make_chart_is_a_loadable_chart_repository(
+    helm_env: dict[str, str], tmp_path: Path
+) -> None:
+    """charts/package.py (`make chart`) writes the package and an index; served over HTTP on
+    loopback, it is a chart repository helm adds, pulls from and renders, as the chart itself."""
+    import functools
+    import hashlib
+    import http.server
+    import threading
+
+    sys.path.insert(0, str(REPO / "charts"))
+    import package as chart_package
+
+    out = tmp_path / "repo"
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(http.server.SimpleHTTPRequestHandler, directory=out)
+    )
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    tgz = chart_package.package(out, url=url, helm=helm_binary())
+    assert tgz == out / "kpx-0.1.0.tgz"
+    index = yaml.safe_load((out / "index.yaml").read_text())
+    (entry,) = index["entries"]["kpx"]
+    assert (entry["version"], entry["appVersion"]) == ("0.1.0", "0.1.0")
+    assert entry["urls"] == [f"{url}/kpx-0.1.0.tgz"]
+    assert entry["digest"] == hashlib.sha256(tgz.read_bytes()).hexdigest()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        assert helm(helm_env, "repo", "add", "kpx-test", url).returncode == 0
+        pulled = tmp_path / "pulled"
+        pulled.mkdir()
+        out_pull = helm(helm_env, "pull", "kpx-test/kpx", "--version", "0.1.0", "-d", str(pulled))
+        assert out_pull.returncode == 0, out_pull.stderr
+    finally:
+        server.shutdown()
+        helm(helm_env, "repo", "remove", "kpx-test")
+    packaged = helm(helm_env, "template", "kpx", str(pulled / "kpx-0.1.0.tgz"), "--namespace",
+                    NAMESPACE, *SERVED)  # fmt: skip
+    assert packaged.returncode == 0, packaged.stderr
+    assert packaged.stdout == template(helm_env).stdout
+    # The package holds the test hook's script and no chart crds/ directory.
+    listing = subprocess.run(["tar", "-tzf", str(tgz)], capture_output=True, text=True).stdout
+    assert "kpx/files/helm-test.py" in listing.split()
+    assert not [p for p in listing.split() if p.startswith("kpx/crds/")]

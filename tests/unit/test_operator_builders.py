@@ -186,6 +186,36 @@ def test_image_pull_secrets_reach_agent_and_cleanup_pods() -> None:
         assert pod_spec(ds)["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
 
 
+def test_agent_args_and_service_account_from_the_operator() -> None:
+    """--agent-arg (the chart's agents.logLevel and agents.extraArgs) ends every agent's command
+    line; --agent-service-account (the chart's fullname) names the agents' ServiceAccount."""
+    owner, spec = example("nftables")
+    opts = BuildOptions(agent_args=("-v", "--foo=bar"), agent_service_account="mine-agent")
+    pod = pod_spec(builders.agent_daemonset(owner, spec, opts))
+    assert pod["containers"][0]["command"][-2:] == ["-v", "--foo=bar"]
+    assert pod["serviceAccountName"] == "mine-agent"
+    default = pod_spec(builders.agent_daemonset(owner, spec, OPTS))
+    assert default["containers"][0]["command"][-1] != "-v"
+
+
+@pytest.mark.parametrize(
+    ("metrics", "ports"),
+    [
+        ("127.0.0.1:10249", {"healthz": 10256}),  # loopback: no port for Prometheus to name
+        ("[::1]:10249", {"healthz": 10256}),
+        ("0.0.0.0:10249", {"healthz": 10256, "metrics": 10249}),
+        ("[::]:9100", {"healthz": 10256, "metrics": 9100}),
+        ("10.0.0.1:10249", {"healthz": 10256, "metrics": 10249}),
+    ],
+)
+def test_metrics_port_is_declared_unless_on_loopback(metrics: str, ports: dict[str, int]) -> None:
+    owner, spec = example("nftables")
+    spec = spec_with(spec, metricsBindAddress=metrics)
+    container = pod_spec(builders.agent_daemonset(owner, spec, OPTS))["containers"][0]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == ports
+    assert {p["protocol"] for p in container["ports"]} == {"TCP"}
+
+
 def test_every_child_is_labelled_and_owned_by_no_one() -> None:
     """No ownerReference (issue #22): a garbage collector cascade, such as the foreground
     deletion Argo CD prunes with, would delete the agents before the operator applies

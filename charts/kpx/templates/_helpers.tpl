@@ -28,3 +28,41 @@ Usage: include "kpx.image" (list $ .Values.operator.image)
 {{- printf "%s:%s" $image.repository $tag -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+The prefix of every object's name: fullnameOverride, else nameOverride, else "kpx" (the release
+name is not part of it: kpx runs once per cluster). Objects are <fullname>-operator and
+<fullname>-agent; with neither override, kpx-operator and kpx-agent as in operator/manifests.
+*/}}
+{{- define "kpx.fullname" -}}
+{{- default (default "kpx" .Values.nameOverride) .Values.fullnameOverride | trunc 48 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kpx.operatorName" -}}
+{{- printf "%s-operator" (include "kpx.fullname" .) -}}
+{{- end -}}
+
+{{- define "kpx.agentName" -}}
+{{- printf "%s-agent" (include "kpx.fullname" .) -}}
+{{- end -}}
+
+{{/* The operator's ServiceAccount: operator.serviceAccount.name, else <fullname>-operator. */}}
+{{- define "kpx.operatorServiceAccount" -}}
+{{- default (include "kpx.operatorName" .) .Values.operator.serviceAccount.name -}}
+{{- end -}}
+
+{{/* The agents' ServiceAccount (the operator's --agent-service-account): <fullname>-agent. */}}
+{{- define "kpx.agentServiceAccount" -}}
+{{- include "kpx.agentName" . -}}
+{{- end -}}
+
+{{/*
+The agents' arguments the operator appends to every agent's command (--agent-arg): -v for
+agents.logLevel debug, then agents.extraArgs.
+*/}}
+{{- define "kpx.agentArgs" -}}
+{{- $args := list -}}
+{{- if eq .Values.agents.logLevel "debug" }}{{ $args = append $args "-v" }}{{ end -}}
+{{- range .Values.agents.extraArgs }}{{ $args = append $args . }}{{ end -}}
+{{- toJson $args -}}
+{{- end -}}

@@ -1,0 +1,211 @@
+"""The chart as users run it, on real kubelets (harness/kpx_cluster/kubelets, no kube-proxy):
+`helm install` (the CRD from the chart's template, the ProxyConfiguration after it), the
+operator and the agents from the project's images (imported into each node's containerd, never
+pulled), `helm test` passing (its Pod, on a real kubelet: a Service answers through the agents,
+the operator's Deployment and the ProxyConfiguration are Ready), and after the documented
+removal (deletionPolicy Cleanup, delete the ProxyConfiguration, `helm uninstall`) nothing of the
+release is left: no object, no agent, no rule on the nodes (the operator's Lease, its own
+record, may stay). `helm test` also fails, saying why, while the ProxyConfiguration is not Ready.
+
+Needs `make image` (or archives built for this work tree in $KPX_IMAGES_DIR) and root. About
+3.5 minutes on a shared 2-core machine, with one node: marked `slow` (deselect with
+-m 'not slow'), never skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from kpx_cluster import images
+from kpx_cluster.kubelets.cluster import RealCluster
+
+pytestmark = [pytest.mark.e2e, pytest.mark.netns, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "kpx"
+NS = "kpx-system"
+RELEASE = "kpx"
+PXC = "default"
+T = TypeVar("T")
+#: Kinds the chart (and its test hook) makes, looked for after the uninstall.
+NAMESPACED = (
+    "deployments,daemonsets,pods,configmaps,serviceaccounts,roles,rolebindings,poddisruptionbudgets"
+)
+CLUSTER_WIDE = "clusterroles,clusterrolebindings,flowschemas,prioritylevelconfigurations"
+
+
+def wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(1)
+
+
+def helm_binary() -> Path:
+    go_mod = (REPO / "toolchain" / "helm" / "go.mod").read_text()
+    pinned = re.search(r"^\s*(?:require\s+)?helm\.sh/helm/v3 (v\S+)$", go_mod, re.M)
+    assert pinned is not None
+    cache = Path(os.environ.get("PROXY_CACHE_DIR", Path.home() / ".cache" / "kpx"))
+    path = cache / "bin" / pinned.group(1) / "helm"
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"helm is not built ({path} missing): run `make setup`", pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def real() -> Iterator[RealCluster]:
+    if os.geteuid() != 0:
+        pytest.fail("real nodes need root (namespaces, cgroups, mounts)", pytrace=False)
+    directory = images.archives_dir()
+    if images.missing(directory=directory):
+        pytest.fail("the kpx images are missing or stale: run `make image`", pytrace=False)
+    archives = [i.archive(directory) for i in images.images(images.project_version())]
+    rc = RealCluster(f"kpx-helm-{os.getpid()}", nodes=1, archives=archives)
+    rc.up(timeout=180)
+    try:
+        yield rc
+    finally:
+        assert rc.down() == []
+
+
+@pytest.fixture(scope="module")
+def helm(real: RealCluster, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
+    home = tmp_path_factory.mktemp("helm-home")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HELM_")}
+    for name in ("CONFIG", "CACHE", "DATA"):
+        env[f"HELM_{name}_HOME"] = str(home / name.lower())
+    env["KUBECONFIG"] = str(real.cluster.kubeconfig)
+
+    def run(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(helm_binary()), *args], capture_output=True, text=True,
+                              env=env, timeout=timeout)  # fmt: skip
+
+    return run
+
+
+def get(rc: RealCluster, *args: str) -> dict[str, Any]:
+    out = rc.cluster.kubectl("get", *args, "-o", "json", check=False)
+    return dict(json.loads(out.stdout)) if out.returncode == 0 else {}
+
+
+def names(rc: RealCluster, kinds: str, *args: str) -> list[str]:
+    out = rc.cluster.kubectl("get", kinds, *args, "-o", "name", check=False)
+    return sorted(out.stdout.split())
+
+
+def test_install_helm_test_and_uninstall(real: RealCluster, helm: Callable[..., Any]) -> None:
+    kubectl = real.cluster.kubectl
+    endpoint = real.cluster.cluster_server.removeprefix("https://")
+    kubectl("create", "namespace", NS)
+    kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=privileged")
+    started = time.monotonic()
+    out = helm(
+        "install", RELEASE, str(CHART), "--namespace", NS, "--wait", "--timeout", "5m",
+        "--set", f"operator.apiserverEndpoint={endpoint}",
+        "--set", "agents.common.clusterCIDRs={10.244.0.0/16,fd00:244::/48}",
+        "--set", "agents.logLevel=debug",
+        # What `helm uninstall` then removes: the ProxyConfiguration goes first (Cleanup), and
+        # without keep the CRD goes with the release.
+        "--set", "proxyConfiguration.keepOnUninstall=false", "--set", "crds.keep=false",
+        "--set", "tests.timeoutSeconds=60",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    installed = time.monotonic() - started
+    # The agents run as the chart says: debug logs (--agent-arg=-v), metrics declared.
+    agents = wait_until(
+        lambda: get(real, "-n", NS, "pods", "-l", "app.kubernetes.io/name=kpx-agent")["items"],
+        120, "the agents' pods",
+    )  # fmt: skip
+    (container,) = [c for c in agents[0]["spec"]["containers"] if c["name"] == "agent"]
+    assert container["command"][-1] == "-v"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"healthz": 10256, "metrics": 10249}
+    # ... and /metrics answers on the node's address, not only on loopback (what Prometheus
+    # scrapes), from the node's own network namespace (no host process dials a node).
+    (plan,) = real.plans.values()
+
+    def metrics() -> str | None:
+        got = subprocess.run(
+            ["ip", "netns", "exec", plan.netns, "curl", "-sf", "--max-time", "3",
+             f"http://{plan.ipv4}:10249/metrics"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        return got.stdout if got.returncode == 0 else None
+
+    assert "# TYPE" in wait_until(metrics, 120, f"/metrics on {plan.ipv4}:10249")
+
+    started = time.monotonic()
+    tested = helm("test", RELEASE, "--namespace", NS, "--timeout", "5m")
+    took = time.monotonic() - started
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    said = tested.stdout
+    assert re.search(r"TEST SUITE:\s+kpx-test\n.*\n.*\nPhase:\s+Succeeded", said), said
+    # A passed test leaves nothing (hook-delete-policy hook-succeeded).
+    assert not [n for n in names(real, NAMESPACED, "-n", NS) if "kpx-test" in n]
+    assert not [n for n in names(real, CLUSTER_WIDE) if "kpx-test" in n]
+
+    # The test fails when the ProxyConfiguration is not Ready (its agents kept off every node),
+    # and its Pod then stays with the reason in its log.
+    kubectl("patch", "pxc", PXC, "--type=merge", "-p",
+            '{"spec":{"nodeSelector":{"kpx.dev/none":"x"}}}')  # fmt: skip
+    failed = helm("test", RELEASE, "--namespace", NS, "--timeout", "5m")
+    assert failed.returncode != 0, failed.stdout
+    log = kubectl("logs", "-n", NS, "kpx-test").stdout
+    assert "ok: a Service answers through the agents" in log, log
+    assert f"ok: Deployment {NS}/kpx-operator is Ready" in log, log
+    assert f"FAILED: ProxyConfiguration {PXC} is Ready: Ready=False" in log, log
+    kubectl("patch", "pxc", PXC, "--type=json", "-p",
+            '[{"op":"remove","path":"/spec/nodeSelector/kpx.dev~1none"}]')  # fmt: skip
+    tested = helm("test", RELEASE, "--namespace", NS, "--timeout", "5m")
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+    assert not [n for n in names(real, NAMESPACED, "-n", NS) if "kpx-test" in n]
+    assert not [n for n in names(real, CLUSTER_WIDE) if "kpx-test" in n]
+    print(f"helm install --wait: {installed:.1f} s; helm test: {took:.1f} s")
+
+    # Removal as docs/helm.md says: Cleanup, delete the ProxyConfiguration, uninstall.
+    kubectl("patch", "pxc", PXC, "--type=merge", "-p", '{"spec":{"deletionPolicy":"Cleanup"}}')
+    kubectl("delete", "pxc", PXC, "--timeout=300s")
+    out = helm("uninstall", RELEASE, "--namespace", NS, "--wait", "--timeout", "5m")
+    assert out.returncode == 0, out.stderr
+
+    def left() -> list[str]:
+        """What is left in the namespace but what every namespace has."""
+        defaults = ("configmap/kube-root-ca.crt", "serviceaccount/default")
+        return [n for n in names(real, NAMESPACED, "-n", NS) if n not in defaults]
+
+    try:
+        wait_until(lambda: not left(), 120, f"namespace {NS} empty")
+    except AssertionError:
+        pods = kubectl("get", "pods", "-n", NS, "-o", "wide", check=False).stdout
+        raise AssertionError(f"left in {NS}: {left()}\n{pods}") from None
+    assert names(real, CLUSTER_WIDE, "-l", "app.kubernetes.io/part-of=kpx") == []
+    assert names(real, "clusterroles,clusterrolebindings", "-l",
+                 f"app.kubernetes.io/instance={RELEASE}") == []  # fmt: skip
+    gone = kubectl("get", "crd", "proxyconfigurations.proxy.kpx.dev", check=False)
+    assert gone.returncode != 0 and "NotFound" in gone.stderr
+    for role in ("kpx-agent-takeover", "kpx-operator-takeover"):
+        assert names(real, "roles,rolebindings", "-n", "kube-system", "--field-selector",
+                     f"metadata.name={role}") == []  # fmt: skip
+    # The operator's Lease is the operator's own record, not the chart's: it may stay.
+    assert not [
+        n for n in names(real, "leases", "-n", NS) if n != "lease.coordination.k8s.io/kpx-operator"
+    ]
+    # No kpx rule on the node (the Cleanup removed them before the agents went).
+    for plan in real.plans.values():
+        tables = subprocess.run(
+            ["ip", "netns", "exec", plan.netns, "nft", "list", "tables"],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert "kpx" not in tables, tables
