@@ -197,6 +197,29 @@ def test_ready_and_traffic_flows(env: Env) -> None:
         assert kpx_rules(env, node) == {"nftables": True, "iptables": False}
 
 
+#: What each condition reads on a healthy install (a new user's first `kubectl get pxc -o yaml`).
+HEALTHY = {"Ready": "True", "Progressing": "False", "Degraded": "False", "Deprecated": "False",
+           "Preflight": "True", "ModeSwitch": "True"}  # fmt: skip
+
+
+def test_a_fresh_install_reads_healthy_in_every_condition(env: Env) -> None:
+    """examples/proxyconfig.yaml on nodes whose agents are not in the host's network namespace
+    (as in kind, and as `make demo`): the agents apply spec.conntrack where they can and leave
+    the host-global table size alone; nothing reads Degraded."""
+    wait_until(lambda: env.ready("nftables"), 120, "default Ready on 3 nodes")
+    time.sleep(3)  # the agents' conntrack reports (Events) and the operator's next status
+
+    def unhealthy() -> dict[str, tuple[str, str, str]]:
+        conds = env.pxc().get("status", {}).get("conditions", [])
+        return {c["type"]: (c["status"], c["reason"], c["message"]) for c in conds
+                if HEALTHY.get(c["type"]) != c["status"]}  # fmt: skip
+
+    assert {c["type"] for c in env.pxc()["status"]["conditions"]} >= {"Ready", "Degraded"}
+    assert unhealthy() == {}
+    events = env.json("-n", NS, "get", "events", "--field-selector", "reason=ConntrackNotApplied")
+    assert [e["message"] for e in events.get("items", [])] == []
+
+
 def test_opt_out_change_is_live_without_agent_restarts(env: Env) -> None:
     wait_until(lambda: env.ready("nftables"), 120, "default Ready")
     before = env.agents()
