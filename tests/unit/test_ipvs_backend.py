@@ -117,8 +117,18 @@ def test_spec_ipvs_masquerade_all_and_bit_reach_the_helper_table(masquerade_all:
     """spec.ipvs.masqueradeAll and masqueradeBit (upstream's ipvs mode reads them from its
     iptables block) become the backend's settings: every packet to a cluster IP is marked
     with that bit, or only what detectLocal says is not from a local pod."""
-    config = settings_mod.load("ipvs", None, {"clusterCIDRs": ["10.244.0.0/16"], "ipvs": {
-        "acknowledgeDeprecation": True, "masqueradeAll": masquerade_all, "masqueradeBit": 3}})
+    config = settings_mod.load(
+        "ipvs",
+        None,
+        {
+            "clusterCIDRs": ["10.244.0.0/16"],
+            "ipvs": {
+                "acknowledgeDeprecation": True,
+                "masqueradeAll": masquerade_all,
+                "masqueradeBit": 3,
+            },
+        },
+    )
     proxy = settings_mod.resolve(config).proxy
     assert (proxy.masquerade_all, proxy.masquerade_mark) == (masquerade_all, 0x8)
     text = base_table(4, proxy, NODE, {CLUSTER_IPS: [(4, "10.96.0.10", "tcp", 80)]})
