@@ -95,7 +95,8 @@ def test_ipvs_with_masquerade_all_converts_and_the_apiserver_keeps_it(api: Clust
 
 def test_a_conversion_the_crd_would_refuse_is_refused_before_applying(api: Cluster) -> None:
     doc = {"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
-           "mode": "nftables", "nftables": {"syncPeriod": "10s", "minSyncPeriod": "20s"}}  # fmt: skip
+           "mode": "nftables",
+           "nftables": {"syncPeriod": "10s", "minSyncPeriod": "20s"}}  # fmt: skip
     out = convert(yaml.safe_dump(doc))
     assert out.returncode == 2
     assert "minSyncPeriod must not be greater than syncPeriod" in out.stderr
