@@ -18,7 +18,9 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
+
+import yaml
 
 from .binaries import kubernetes_bin_dir
 from .controlplane import DEFAULT_ROOT, Cluster
@@ -63,6 +65,34 @@ DEMO_APP = [
 ]  # fmt: skip
 
 
+#: What each condition of a ProxyConfiguration reads when all is well.
+HEALTHY: Final = {"Ready": "True", "Progressing": "False", "Degraded": "False",
+                  "Deprecated": "False", "Preflight": "True", "ModeSwitch": "True"}  # fmt: skip
+
+
+def unhealthy_conditions(pxc: dict[str, Any]) -> dict[str, str]:
+    """type -> "status reason: message" of each condition that does not read healthy; every
+    type in HEALTHY but Preflight and ModeSwitch (present only with a reason to be) must be
+    there."""
+    conds = {c["type"]: c for c in (pxc.get("status") or {}).get("conditions") or []}
+    out = {t: "missing" for t in ("Ready", "Progressing", "Degraded", "Deprecated")
+           if t not in conds}  # fmt: skip
+    for type_, c in conds.items():
+        if HEALTHY.get(type_) != c["status"]:
+            out[type_] = f"{c['status']} {c['reason']}: {c.get('message', '')}"
+    return out
+
+
+def proxy_configuration() -> dict[str, Any]:
+    """examples/proxyconfig.yaml with conntrack.maxPerCore 0, as kind gives kube-proxy: the
+    simulated nodes are network namespaces of this one machine (kind's are containers), whose
+    conntrack table size is the machine's own (global, read-only in a node's namespace), so it
+    is left alone; the per-namespace timeouts are applied on each node."""
+    pxc = dict(yaml.safe_load((REPO / "examples" / "proxyconfig.yaml").read_text()))
+    pxc["spec"].setdefault("conntrack", {})["maxPerCore"] = 0
+    return pxc
+
+
 def _wait(what: str, check: Callable[[], bool], timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -103,8 +133,8 @@ def serve() -> None:
             _wait("operator running", lambda: _json(
                 cluster, "-n", "kpx-system", "get", "deploy", "kpx-operator"
             ).get("status", {}).get("readyReplicas", 0) >= 1)  # fmt: skip
-            cluster.kubectl("apply", "--server-side", "-f",
-                            str(REPO / "examples" / "proxyconfig.yaml"))  # fmt: skip
+            cluster.kubectl("apply", "--server-side", "-f", "-",
+                            input=json.dumps(proxy_configuration()))  # fmt: skip
 
             def pxc_ready() -> bool:
                 conds = (
@@ -113,6 +143,8 @@ def serve() -> None:
                 return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
 
             _wait("ProxyConfiguration default Ready (agents running on every node)", pxc_ready)
+            _wait("every condition of ProxyConfiguration default healthy", lambda: not (
+                unhealthy_conditions(_json(cluster, "get", "pxc", "default"))))  # fmt: skip
             cluster.create_namespace("demo")
             cluster.kubectl("apply", "-f", "-",
                             input=json.dumps({"apiVersion": "v1", "kind": "List",
@@ -183,6 +215,13 @@ def _show() -> int:
     vip = info["clusterIPs"][0]
     print("\n$ kubectl get proxyconfigurations")
     print(cluster.kubectl("get", "proxyconfigurations").stdout)
+    print("$ kubectl get pxc default -o yaml    (status.conditions: type, status, reason)")
+    pxc = _json(cluster, "get", "pxc", "default")
+    for cond in (pxc.get("status") or {}).get("conditions") or []:
+        print(f"  {cond['type']:<12} {cond['status']:<6} {cond['reason']}")
+    if bad := unhealthy_conditions(pxc):
+        print(f"  NOT HEALTHY: {bad}")
+    print()
     print("$ kubectl -n kpx-system get daemonsets,pods -o wide")
     print(cluster.kubectl("-n", "kpx-system", "get", "daemonsets,pods", "-o", "wide").stdout)
     print("$ kubectl -n demo get pods,svc,endpointslices -o wide")
