@@ -231,13 +231,16 @@ def convert_kube_proxy_config(argv: list[str]) -> int:
     p.add_argument("--takeover", action="store_true", help="set spec.takeover.fromKubeProxy "
                    "and moveKubeProxyOff: the agents take the nodes over from the running "
                    "kube-proxy node by node (docs/migrating.md)")  # fmt: skip
+    p.add_argument("--to-nftables", action="store_true", help="mode nftables where "
+                   "kube-proxy ran iptables (its settings both modes have are carried; what "
+                   "only iptables does is named)")  # fmt: skip
     args = p.parse_args(argv)
     from .kube_proxy_config import ConversionError, convert, read_document, render
 
     prog = "proxy-agent convert-kube-proxy-config"
     try:
         text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
-        conversion = convert(read_document(text), args.name, args.takeover)
+        conversion = convert(read_document(text), args.name, args.takeover, args.to_nftables)
     except (OSError, ConversionError) as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2

@@ -353,10 +353,37 @@ def _plumbing(doc: Mapping[str, Any], dropped: list[Dropped]) -> None:
         raise ConversionError("mode: kernelspace is kube-proxy's Windows mode; kpx runs on Linux")
 
 
-def convert(doc: Mapping[str, Any], name: str = "default", takeover: bool = False) -> Conversion:
+def _to_nftables(spec: dict[str, Any], source: str, dropped: list[Dropped]) -> None:
+    """Mode nftables in place of kube-proxy's iptables mode (`to_nftables`): the settings both
+    modes have move to the nftables block; what only iptables does is named as lost."""
+    block = spec.pop(source)
+    if block.pop("localhostNodePorts") and (
+        not spec["nodePortAddresses"]
+        or any(a != "primary" and ipaddress.ip_address("127.0.0.1") in ipaddress.ip_network(a)
+               for a in spec["nodePortAddresses"])
+    ):  # fmt: skip
+        dropped.append(Dropped("iptables.localhostNodePorts", "true (kube-proxy's default): "
+                               "its iptables mode answers NodePorts on 127.0.0.1; mode nftables "
+                               "does not (as upstream's nftables mode)", lost=True))  # fmt: skip
+    if not spec["nodePortAddresses"]:
+        dropped.append(Dropped("nodePortAddresses", "empty: in kube-proxy's iptables mode "
+                               "NodePorts answer on every local IP of the node; in mode nftables "
+                               "on its primary IPs only (as upstream's nftables mode): CIDRs in "
+                               "nodePortAddresses choose other addresses", lost=True))  # fmt: skip
+    spec["mode"] = "nftables"
+    spec["nftables"] = block
+
+
+def convert(
+    doc: Mapping[str, Any],
+    name: str = "default",
+    takeover: bool = False,
+    to_nftables: bool = False,
+) -> Conversion:
     """The ProxyConfiguration doing what the KubeProxyConfiguration `doc` did, and what it
-    does not carry. ConversionError names a field that cannot be read; the result is
-    validated against the ProxyConfiguration models (ConversionError if it does not)."""
+    does not carry; with `to_nftables`, in mode nftables where kube-proxy ran iptables.
+    ConversionError names a field that cannot be read; the result is validated against the
+    ProxyConfiguration models (ConversionError if it does not)."""
     _check_known(doc)
     dropped: list[Dropped] = []
     _plumbing(doc, dropped)
@@ -379,6 +406,14 @@ def convert(doc: Mapping[str, Any], name: str = "default", takeover: bool = Fals
         a if a == "primary" else _cidr(str(a), f"nodePortAddresses[{i}]", dropped)
         for i, a in enumerate(addresses)
     ]
+    if to_nftables and mode == "ipvs":
+        raise ConversionError(
+            "mode ipvs cannot be converted to mode nftables in one step: convert it as ipvs, "
+            "then switch modes (`proxy-agent explain-migration --from ipvs --to nftables`, "
+            "docs/migrating.md)"
+        )
+    if to_nftables and mode == "iptables":
+        _to_nftables(spec, mode, dropped)
     spec["detectLocal"] = _detect_local(doc, dropped)
     spec["conntrack"] = _conntrack(doc)
     if spec["conntrack"]["maxPerCore"] > 0:

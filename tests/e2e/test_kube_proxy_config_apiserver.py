@@ -75,6 +75,20 @@ def test_kubeadms_default_configmap_converts_to_a_proxyconfiguration_the_apiserv
     assert spec["takeover"] == {"fromKubeProxy": True, "moveKubeProxyOff": True}
 
 
+def test_to_nftables_names_what_it_changes_and_the_apiserver_keeps_the_result(
+    api: Cluster,
+) -> None:
+    name = f"kpconv-{secrets.token_hex(3)}"
+    out = convert(KUBEADM.read_text(), "--to-nftables", "--takeover", "--name", name)
+    assert out.returncode == 1  # kube-proxy's localhost NodePorts and all-local-IPs NodePorts
+    assert "NOT CARRIED: iptables.localhostNodePorts" in out.stderr
+    assert "NOT CARRIED: nodePortAddresses" in out.stderr
+    pxc = yaml.safe_load(out.stdout)
+    stored = applied(api, pxc)["spec"]
+    assert stored["mode"] == "nftables" and "iptables" not in stored
+    assert {k: stored[k] for k in pxc["spec"]} == pxc["spec"]
+
+
 def test_ipvs_with_masquerade_all_converts_and_the_apiserver_keeps_it(api: Cluster) -> None:
     doc = {"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
            "mode": "ipvs", "clusterCIDR": "10.244.0.0/16,fd00:10:244::/56",

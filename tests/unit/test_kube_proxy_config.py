@@ -261,3 +261,23 @@ def test_cli_prints_the_resource_names_what_is_dropped_and_exits_by_what_is_lost
     bad.write_text("kind: ConfigMap\ndata: {}\n")
     assert main([prog, str(bad)]) == 2
     assert "ConfigMap data has no config.conf" in capsys.readouterr().err
+
+
+def test_to_nftables_carries_the_shared_settings_and_names_what_only_iptables_does() -> None:
+    doc = {**BASE, "iptables": {"masqueradeAll": True, "syncPeriod": "1m0s"},
+           "conntrack": {"maxPerCore": 0}}  # fmt: skip
+    conversion = convert(doc, to_nftables=True)
+    spec = conversion.proxy_configuration["spec"]
+    assert (spec["mode"], "iptables" in spec) == ("nftables", False)
+    assert spec["nftables"] == {"masqueradeBit": 14, "masqueradeAll": True, "syncPeriod": "1m",
+                                "minSyncPeriod": "1s"}  # fmt: skip
+    assert {d.field: d.lost for d in conversion.dropped} == {
+        "iptables.localhostNodePorts": True, "nodePortAddresses": True}  # fmt: skip
+    # Neither applies when NodePorts were on listed, non-loopback addresses only.
+    listed = convert({**doc, "nodePortAddresses": ["192.168.0.0/24"]}, to_nftables=True)
+    assert listed.dropped == []
+    # kube-proxy already in mode nftables: nothing changes.
+    same = convert({**BASE, "mode": "nftables"}, to_nftables=True)
+    assert same.proxy_configuration == convert({**BASE, "mode": "nftables"}).proxy_configuration
+    with pytest.raises(ConversionError, match="convert it as ipvs, then switch modes"):
+        convert({**BASE, "mode": "ipvs"}, to_nftables=True)
