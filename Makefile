@@ -44,7 +44,7 @@ setup-python:
 
 setup-kubernetes:
 	toolchain/build-kubernetes.sh kube-apiserver kube-controller-manager kube-scheduler kubectl kube-proxy \
-	  kubelet agnhost e2e.test ginkgo
+	  kubelet agnhost e2e.test ginkgo regression-issue-74839
 
 setup-helm:
 	toolchain/build-helm.sh

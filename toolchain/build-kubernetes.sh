@@ -34,6 +34,7 @@ for c in "${components[@]}"; do
     agnhost) pkg=k8s.io/kubernetes/test/images/agnhost ;;  # the e2e suite's test image
     e2e.test) pkg=k8s.io/kubernetes/test/e2e ;;  # the e2e suite itself (`make conformance`)
     ginkgo) pkg=github.com/onsi/ginkgo/v2/ginkgo ;;  # runs e2e.test's specs in parallel
+    regression-issue-74839) pkg=k8s.io/kubernetes/test/images/regression-issue-74839 ;;  # a Conntrack spec's image
     *) pkg=k8s.io/kubernetes/cmd/$c ;;
   esac
   echo "building $c $version (this takes minutes on a small machine)..."

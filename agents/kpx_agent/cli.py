@@ -65,7 +65,8 @@ def _run_parser() -> argparse.ArgumentParser:
         prog="proxy-agent",
         description="kpx node agent: proxies Kubernetes Services on this node. "
         "`proxy-agent cleanup --mode MODE` removes the rules of MODE and exits; "
-        "`proxy-agent explain-migration --from ipvs --to nftables` lists what a switch changes.",
+        "`proxy-agent explain-migration --from ipvs --to nftables` lists what a switch changes; "
+        "`proxy-agent convert-kube-proxy-config FILE` converts kube-proxy's configuration.",
     )
     p.add_argument("--mode", choices=MODES, help="dataplane (default: the config file's mode)")
     p.add_argument("--config", type=Path, help="AgentConfiguration file (default: mode defaults)")
@@ -215,6 +216,45 @@ def explain_migration(argv: list[str]) -> int:
     return 0
 
 
+def convert_kube_proxy_config(argv: list[str]) -> int:
+    """Print the ProxyConfiguration doing what a kube-proxy configuration did
+    (kube_proxy_config.py); name on stderr what it does not carry. Exit 1 when a field in use
+    is not carried, 2 on input that cannot be read."""
+    p = argparse.ArgumentParser(
+        prog="proxy-agent convert-kube-proxy-config",
+        description="Convert kube-proxy's configuration (the kube-system/kube-proxy ConfigMap "
+        "of kubeadm, or a bare KubeProxyConfiguration) into a ProxyConfiguration, printed on "
+        "stdout. Every field not carried is named on stderr; the exit status is 1 when one of "
+        "them is in use and kpx does not do what it asked.",
+    )
+    p.add_argument("file", nargs="?", default="-", help="the YAML to read (default: stdin)")
+    p.add_argument("--name", default="default", help="the ProxyConfiguration's name")
+    p.add_argument("--takeover", action="store_true", help="set spec.takeover.fromKubeProxy "
+                   "and moveKubeProxyOff: the agents take the nodes over from the running "
+                   "kube-proxy node by node (docs/migrating.md)")  # fmt: skip
+    p.add_argument("--to-nftables", action="store_true", help="mode nftables where "
+                   "kube-proxy ran iptables (its settings both modes have are carried; what "
+                   "only iptables does is named)")  # fmt: skip
+    args = p.parse_args(argv)
+    from .kube_proxy_config import ConversionError, convert, read_document, render
+
+    prog = "proxy-agent convert-kube-proxy-config"
+    try:
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text()
+        conversion = convert(read_document(text), args.name, args.takeover, args.to_nftables)
+    except (OSError, ConversionError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 2
+    print(render(conversion, "stdin" if args.file == "-" else args.file), end="")
+    for dropped in conversion.dropped:
+        print(f"{prog}: {dropped.render()}", file=sys.stderr)
+    if conversion.lost:
+        print(f"{prog}: {len(conversion.lost)} field(s) in use not carried: review them before "
+              "applying", file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
 def other_mode_removers(
     exclude_cidrs: tuple[IPNetwork, ...] = (),
 ) -> dict[str, Callable[[], None]]:
@@ -313,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         return cleanup(argv[1:])
     if argv[:1] == ["explain-migration"]:
         return explain_migration(argv[1:])
+    if argv[:1] == ["convert-kube-proxy-config"]:
+        return convert_kube_proxy_config(argv[1:])
     args = _run_parser().parse_args(argv)
     logformat.configure(args.logging_format, args.verbosity)
     if args.config is None and args.mode is None:

@@ -154,6 +154,18 @@ class IPVSSettings(KpxModel):
         description="Must be true to use mode ipvs, which is deprecated upstream in favour of "
         "nftables: the apiserver rejects mode ipvs otherwise.",
     )
+    masquerade_bit: int = Field(
+        default=14,
+        ge=0,
+        le=31,
+        strict=True,
+        description=_MASQUERADE_BIT + " (upstream's ipvs mode reads iptables.masqueradeBit).",
+    )
+    masquerade_all: bool = Field(
+        default=False,
+        strict=True,
+        description=_MASQUERADE_ALL + " (upstream's ipvs mode reads iptables.masqueradeAll).",
+    )
     scheduler: IPVSScheduler = Field(
         default=IPVSScheduler.RR,
         description="IPVS scheduler: rr (round robin), wrr (weighted rr), lc (least "

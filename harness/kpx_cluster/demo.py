@@ -20,7 +20,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Final
+
+import yaml
 
 from .binaries import kubernetes_bin_dir
 from .controlplane import DEFAULT_ROOT, Cluster
@@ -31,6 +34,7 @@ from .kubelets.static_images import BUSYBOX_IMAGE
 #: the cluster's name (`kpx`: the demo's kubeconfig is /dev/shm/kpx/kpx/admin.kubeconfig);
 #: tests run a demo of their own under another name (KPX_DEMO_CLUSTER)
 NAME = os.environ.get("KPX_DEMO_CLUSTER", "kpx")
+REPO = Path(__file__).resolve().parents[2]
 STATE = DEFAULT_ROOT / ("demo" if NAME == "kpx" else f"demo-{NAME}")
 READY, FAILED, PIDFILE, LOG = (STATE / f for f in ("ready.json", "failed", "pid", "demo.log"))
 NODES = 3
@@ -75,6 +79,34 @@ DEMO_APP = [
 ]  # fmt: skip
 
 
+#: What each condition of a ProxyConfiguration reads when all is well.
+HEALTHY: Final = {"Ready": "True", "Progressing": "False", "Degraded": "False",
+                  "Deprecated": "False", "Preflight": "True", "ModeSwitch": "True"}  # fmt: skip
+
+
+def unhealthy_conditions(pxc: dict[str, Any]) -> dict[str, str]:
+    """type -> "status reason: message" of each condition that does not read healthy; every
+    type in HEALTHY but Preflight and ModeSwitch (present only with a reason to be) must be
+    there."""
+    conds = {c["type"]: c for c in (pxc.get("status") or {}).get("conditions") or []}
+    out = {t: "missing" for t in ("Ready", "Progressing", "Degraded", "Deprecated")
+           if t not in conds}  # fmt: skip
+    for type_, c in conds.items():
+        if HEALTHY.get(type_) != c["status"]:
+            out[type_] = f"{c['status']} {c['reason']}: {c.get('message', '')}"
+    return out
+
+
+def proxy_configuration() -> dict[str, Any]:
+    """examples/proxyconfig.yaml with conntrack.maxPerCore 0, as kind gives kube-proxy: the
+    nodes are network namespaces of this one machine (kind's are containers), whose conntrack
+    table size is the machine's own (global, read-only in a node's namespace), so it is left
+    alone; the per-namespace timeouts are applied on each node."""
+    pxc = dict(yaml.safe_load((REPO / "examples" / "proxyconfig.yaml").read_text()))
+    pxc["spec"].setdefault("conntrack", {})["maxPerCore"] = 0
+    return pxc
+
+
 def _wait(what: str, check: Callable[[], bool], timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
     while not check():
@@ -104,8 +136,10 @@ def serve() -> None:
         print(f"demo: {NODES} nodes Ready", flush=True)
         for node, zone in ZONES.items():
             cluster.kubectl("label", "node", node, f"topology.kubernetes.io/zone={zone}")
-        status = install.install_kpx(rc, "nftables")
+        status = install.install_kpx(rc, "nftables", proxy_configuration())
         print(f"demo: ProxyConfiguration default Ready on {status['readyNodes']} nodes", flush=True)
+        _wait("every condition of ProxyConfiguration default healthy", lambda: not (
+            unhealthy_conditions(_json(cluster, "get", "pxc", "default"))))  # fmt: skip
         cluster.create_namespace("demo")
         cluster.kubectl("apply", "-f", "-",
                         input=json.dumps({"apiVersion": "v1", "kind": "List",
@@ -192,6 +226,13 @@ def _show() -> int:
     vip = info["clusterIPs"][0]
     print("\n$ kubectl get proxyconfigurations")
     print(cluster.kubectl("get", "proxyconfigurations").stdout)
+    print("$ kubectl get pxc default -o yaml    (status.conditions: type, status, reason)")
+    pxc = _json(cluster, "get", "pxc", "default")
+    for cond in (pxc.get("status") or {}).get("conditions") or []:
+        print(f"  {cond['type']:<12} {cond['status']:<6} {cond['reason']}")
+    if bad := unhealthy_conditions(pxc):
+        print(f"  NOT HEALTHY: {bad}")
+    print()
     print("$ kubectl -n kpx-system get daemonsets,pods -o wide")
     print(cluster.kubectl("-n", "kpx-system", "get", "daemonsets,pods", "-o", "wide").stdout)
     print("$ kubectl -n demo get pods,svc,endpointslices -o wide")

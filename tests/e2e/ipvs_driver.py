@@ -56,6 +56,10 @@ def _port(raw: dict[str, Any]) -> ServicePort:
 
 
 def _settings(raw: dict[str, Any]) -> ProxySettings:
+    if "spec" in raw:  # a ProxyConfiguration's spec fields, resolved as the agent does
+        from kpx_agent import settings as settings_mod
+
+        return settings_mod.resolve(settings_mod.load("ipvs", None, raw["spec"])).proxy
     return ProxySettings(
         cluster_cidrs=(ip_network("10.244.0.0/16"),),
         ipvs=IPVSOptions(

@@ -155,3 +155,14 @@ def test_operator_runs_non_root_on_a_read_only_root(store: oci.ImageStore, tmp_p
     with pytest.raises(oci.SecurityError, match="runAsNonRoot"):
         run(store, tmp_path, OPERATOR.ref, sc,
             pod_sc={**pod["securityContext"], "runAsUser": 0})  # fmt: skip
+
+
+def test_the_agent_image_converts_kube_proxys_configuration(
+    store: oci.ImageStore, tmp_path: Path
+) -> None:
+    """docs/install.md runs the converter from the agent image (its entrypoint is proxy-agent)."""
+    sc = builders._security_context(Mode.NFTABLES)
+    out = run(store, tmp_path, AGENT.ref, sc, args=["convert-kube-proxy-config", "--help"])
+    assert out.returncode == 0, out.stderr
+    assert "usage: proxy-agent convert-kube-proxy-config" in out.stdout
+    assert "--takeover" in out.stdout

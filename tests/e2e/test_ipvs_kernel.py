@@ -132,6 +132,24 @@ def test_affinity_scheduler_timeouts_and_strict_arp(topology: Topology) -> None:
     assert len(sticky.backends) == 1 and sticky.failed == 0, sticky
 
 
+def test_spec_ipvs_masquerade_all_masquerades_a_local_pods_traffic(topology: Topology) -> None:
+    """spec.ipvs.masqueradeAll, resolved from the API as the agent does: without it a pod of
+    the cluster CIDR keeps its source address to a cluster IP; with it, it is masqueraded."""
+    n1, _n2, b1, _b2, client = setup(topology)
+    driver = Driver(topology, n1, "ipvs")
+    for masquerade_all in (False, True):
+        spec = {"clusterCIDRs": ["10.244.0.0/16"], "ipvs": {
+            "acknowledgeDeprecation": True, "masqueradeAll": masquerade_all}}  # fmt: skip
+        driver.step(services=[web(b1)], settings={"spec": spec})
+        seen = probe(topology, client, VIP, 80, "tcp", count=6, timeout=2)
+        assert seen.backends == {"b1"} and seen.failed == 0, seen
+        sources = {s for per in seen.sources.values() for s in per}
+        if masquerade_all:
+            assert sources and client.ipv4 not in sources, seen
+        else:
+            assert sources == {client.ipv4}, seen
+
+
 def test_internal_traffic_policy_local_without_local_endpoint_drops(topology: Topology) -> None:
     n1, _n2, _b1, _b2, client = setup(topology)
     driver = Driver(topology, n1, "ipvs")

@@ -661,10 +661,15 @@ def test_agents_run_on_simulated_nodes_and_deletion_cleans_them(env: Env) -> Non
                 (status,) = pod["status"]["containerStatuses"]
                 assert status["containerID"].startswith("runc://"), status
 
-            # spec.conntrack (the defaults) is applied through the node's directories, which
-            # the simulator's hostPath stand-ins (empty per-node directories) do not hold:
-            # each agent records ConntrackNotApplied on its own Pod (ServiceAccount kpx-agent,
-            # create events only) and the operator turns that into Degraded, naming the nodes.
+            # spec.conntrack asks for a table larger than the host's: nf_conntrack_max is global
+            # to the host and read-only in a node's network namespace, so each agent records
+            # ConntrackNotApplied on its own Pod (ServiceAccount kpx-agent, create events only)
+            # and the operator turns that into Degraded, naming the nodes.
+            host_max = int(Path("/proc/sys/net/netfilter/nf_conntrack_max").read_text())
+            conntrack = {"maxPerCore": 1, "min": host_max * 2}
+            env.kubectl("patch", "proxyconfiguration", "default", "--type=merge",
+                        "-p", json.dumps({"spec": {"conntrack": conntrack}}))  # fmt: skip
+
             def conntrack_reported() -> Obj | None:
                 cond = env.condition("default", "Degraded") or {}
                 named = all(n.name in cond.get("message", "") for n in nodes)
@@ -672,8 +677,11 @@ def test_agents_run_on_simulated_nodes_and_deletion_cleans_them(env: Env) -> Non
 
             degraded = wait_until(conntrack_reported, 60, "Degraded/ConntrackNotApplied")
             assert degraded["status"] == "True"
-            assert "No such file or directory" in degraded["message"]
-            assert (env.condition("default", "Ready") or {}).get("status") == "True"
+            assert "not in the host's network namespace" in degraded["message"]
+            assert f"nf_conntrack_max: wants {host_max * 2} (now {host_max})" in degraded["message"]
+            assert int(Path("/proc/sys/net/netfilter/nf_conntrack_max").read_text()) == host_max
+            wait_until(lambda: (env.condition("default", "Ready") or {}).get("status") == "True",
+                       90, "Ready again after the conntrack change's rollout")  # fmt: skip
             out = env.kubectl("-n", NS, "get", "events", "-o", "json",
                               "--field-selector=reason=ConntrackNotApplied").stdout  # fmt: skip
             reported = json.loads(out)["items"]

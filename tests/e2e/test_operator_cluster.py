@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import yaml
 from agent_harness import wait_until as harness_wait_until
 
+from kpx_cluster import demo
 from kpx_cluster.controlplane import Cluster
 from kpx_cluster.kubeconfig import write_kubeconfig
 from kpx_cluster.netns import Node, Pod, Topology
@@ -122,7 +122,7 @@ def env(cluster: Cluster) -> Iterator[Env]:
             cluster.kubectl("-n", NS, "patch", "deploy", "kpx-operator", "--type=merge", "-p",
                             json.dumps({"spec": {"template": {"spec": {
                                 "nodeSelector": label}}}}))  # fmt: skip
-            example = yaml.safe_load((REPO / "examples" / "proxyconfig.yaml").read_text())
+            example = demo.proxy_configuration()  # examples/proxyconfig.yaml, as `make demo`
             example["spec"]["nodeSelector"] = label
             _apply(cluster, example)
             _start_app(cluster, label)
@@ -195,6 +195,26 @@ def test_ready_and_traffic_flows(env: Env) -> None:
     assert all(name.startswith("web-") for name in result.backends)
     for node in env.nodes:
         assert kpx_rules(env, node) == {"nftables": True, "iptables": False}
+
+
+def test_a_fresh_install_reads_healthy_in_every_condition(env: Env) -> None:
+    """`make demo`'s ProxyConfiguration (examples/proxyconfig.yaml with kind's maxPerCore 0)
+    on nodes that are network namespaces of this machine, as kind's nodes are containers: a
+    new user's first `kubectl get pxc -o yaml` reads healthy in every condition, the agents
+    applied spec.conntrack's timeouts on each node (their own network namespace) and left the
+    machine's alone."""
+    wait_until(lambda: env.ready("nftables"), 120, "default Ready on 3 nodes")
+    time.sleep(3)  # the agents' conntrack reports (Events) and the operator's next status
+    pxc = env.pxc()
+    assert demo.unhealthy_conditions(pxc) == {}
+    assert {c["type"] for c in pxc["status"]["conditions"]} >= {"Ready", "Degraded"}
+    events = env.json("-n", NS, "get", "events", "--field-selector", "reason=ConntrackNotApplied")
+    assert [e["message"] for e in events.get("items", [])] == []
+    established = "/proc/sys/net/netfilter/nf_conntrack_tcp_timeout_established"
+    for node in env.nodes:  # spec.conntrack.tcpEstablishedTimeout: 24h (the default)
+        assert env.topo.exec(node, ["cat", established], check=True).stdout.strip() == "86400"
+    # the test process is in the machine's namespace: not what the agents set there
+    assert Path(established).read_text().strip() != "86400"
 
 
 def test_opt_out_change_is_live_without_agent_restarts(env: Env) -> None:

@@ -120,6 +120,8 @@ def test_mode_is_required() -> None:
             "ipvs",
             {
                 "acknowledgeDeprecation": False,
+                "masqueradeBit": 14,
+                "masqueradeAll": False,
                 "scheduler": "rr",
                 "syncPeriod": "30s",
                 "minSyncPeriod": "0s",

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kpx_agent import settings as settings_mod
 from kpx_agent.backends.ipvs import backend as backend_mod
 from kpx_agent.backends.ipvs import kernel
 from kpx_agent.backends.ipvs.backend import IpvsBackend
@@ -109,6 +110,34 @@ def test_helper_table_masquerades_what_is_not_from_a_local_pod(
     assert match in text
     assert "meta mark & 0x4000 == 0x4000 masquerade" in text
     assert "add element ip kpx-ipvs cluster-ips { 10.96.0.10 . tcp . 80 }" in text
+
+
+@pytest.mark.parametrize("masquerade_all", [True, False])
+def test_spec_ipvs_masquerade_all_and_bit_reach_the_helper_table(masquerade_all: bool) -> None:
+    """spec.ipvs.masqueradeAll and masqueradeBit (upstream's ipvs mode reads them from its
+    iptables block) become the backend's settings: every packet to a cluster IP is marked
+    with that bit, or only what detectLocal says is not from a local pod."""
+    config = settings_mod.load(
+        "ipvs",
+        None,
+        {
+            "clusterCIDRs": ["10.244.0.0/16"],
+            "ipvs": {
+                "acknowledgeDeprecation": True,
+                "masqueradeAll": masquerade_all,
+                "masqueradeBit": 3,
+            },
+        },
+    )
+    proxy = settings_mod.resolve(config).proxy
+    assert (proxy.masquerade_all, proxy.masquerade_mark) == (masquerade_all, 0x8)
+    text = base_table(4, proxy, NODE, {CLUSTER_IPS: [(4, "10.96.0.10", "tcp", 80)]})
+    everything = "ip daddr . meta l4proto . th dport @cluster-ips meta mark set meta mark | 0x8\n"
+    assert (everything in text) is masquerade_all
+    assert ("ip saddr != { 10.244.0.0/16 } meta mark set meta mark | 0x8" in text) is not (
+        masquerade_all
+    )
+    assert "meta mark & 0x8 == 0x8 masquerade" in text
 
 
 def test_load_balancer_source_ranges_let_only_their_sources_through() -> None:

@@ -13,5 +13,6 @@ import (
 	_ "k8s.io/kubernetes/cmd/kubelet/app"
 	_ "k8s.io/kubernetes/test/e2e"
 	_ "k8s.io/kubernetes/test/images/agnhost"
+	_ "k8s.io/kubernetes/test/images/regression-issue-74839"
 	_ "k8s.io/kubectl/pkg/cmd"
 )

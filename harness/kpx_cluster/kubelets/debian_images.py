@@ -1,8 +1,9 @@
 """The e2e suite's images that need a distribution under them, made from Debian's packages
 (mmdebstrap, no registry): `agnhost` (the suite's test binary, built by `make setup`, over
-what upstream's Alpine image carries: curl, dig, ip, iptables, conntrack, an `nc` with `-v`
-and `-u` (OpenBSD's: Debian's static busybox has the small one), GNU wget (Debian's static
-busybox 1.35 crashes on `wget -T`, which the specs use), and busybox for every other command),
+what upstream's Alpine image carries (bash, curl, dig, OpenBSD's `nc`, ip, iperf, porter's TLS
+pair, /coredns, the image's user and group), GNU wget (Debian's static busybox 1.35 crashes on
+`wget -T`, which the specs use) and busybox for every other command),
+`regression-issue-74839` (a Conntrack spec's server),
 `glibc-dns-testing` (the DNS specs' second querier: `dig`, glibc's `getent`, a shell) and
 `nginx` (two EndpointSlice/Endpoints specs run it as a plain container).
 
@@ -22,12 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from ..binaries import kubernetes_binary
-from .static_images import AGNHOST_IMAGE, BUSYBOX_BINARY, StaticImage, oci_archive
+from ..binaries import KUBERNETES_VERSION, kubernetes_binary
+from .static_images import AGNHOST_IMAGE, BUSYBOX_BINARY, StaticImage, coredns_binary, oci_archive
 
 SUITE: Final = "bookworm"
 GLIBC_DNS_TESTING_IMAGE: Final = "registry.k8s.io/e2e-test-images/glibc-dns-testing:2.0.0"
 NGINX_IMAGE: Final = "registry.k8s.io/e2e-test-images/nginx:1.15-4"
+REGRESSION_IMAGE: Final = "registry.k8s.io/e2e-test-images/regression-issue-74839:1.4"
 
 
 @dataclass(frozen=True)
@@ -51,13 +53,55 @@ BUSYBOX_LINKS: Final = (
 )
 
 
+PORTER_DIR: Final = "test/images/agnhost/porter"  # localhost.crt and .key, in the module
+
+
+def _kubernetes_module_file(relative: str) -> Path:
+    """A file of the pinned k8s.io/kubernetes module (downloaded by `make setup`)."""
+    gomodcache = subprocess.run(
+        ["go", "env", "GOMODCACHE"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    return Path(gomodcache) / f"k8s.io/kubernetes@{KUBERNETES_VERSION}" / relative
+
+
 def agnhost_recipe() -> Recipe:
+    """As upstream's Dockerfile (test/images/agnhost): its packages, porter's TLS pair,
+    /coredns, /uploads, the `agnhost-2` link, the user and group the specs look for."""
     return Recipe(
         AGNHOST_IMAGE,
-        ("curl", "wget", "bind9-dnsutils", "iproute2", "iptables", "conntrack", "netcat-openbsd"),
-        {"Entrypoint": ["/agnhost"], "Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]},
-        (BUSYBOX_LINKS,),
-        ((kubernetes_binary("agnhost"), "/agnhost"), (BUSYBOX_BINARY, "/bin/busybox")),
+        ("bash", "curl", "wget", "bind9-dnsutils", "netcat-openbsd", "iproute2", "iperf"),
+        {
+            "Entrypoint": ["/agnhost"],
+            "Cmd": ["pause"],
+            "Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"],
+            "ExposedPorts": {f"{p}/tcp": {} for p in (80, 8080, 8081, 9376, 5000)},
+        },
+        (
+            BUSYBOX_LINKS,
+            "mkdir -p $1/uploads",
+            "ln -s agnhost $1/agnhost-2",
+            "chroot $1 groupadd -g 50000 group-defined-in-image",
+            "chroot $1 useradd -u 1000 -G group-defined-in-image user-defined-in-image",
+        ),
+        (
+            (kubernetes_binary("agnhost"), "/agnhost"),
+            (BUSYBOX_BINARY, "/bin/busybox"),
+            (coredns_binary(), "/coredns"),
+            (_kubernetes_module_file(f"{PORTER_DIR}/localhost.crt"), "/localhost.crt"),
+            (_kubernetes_module_file(f"{PORTER_DIR}/localhost.key"), "/localhost.key"),
+        ),
+    )
+
+
+def regression_issue_74839_recipe() -> Recipe:
+    """The Conntrack spec's "boom server" (test/images/regression-issue-74839) on Debian, as
+    upstream's debian-base."""
+    return Recipe(
+        REGRESSION_IMAGE,
+        (),
+        {"Entrypoint": ["/regression-issue-74839"]},
+        (),
+        ((kubernetes_binary("regression-issue-74839"), "/regression-issue-74839"),),
     )
 
 
@@ -89,7 +133,7 @@ def mmdebstrap_argv(recipe: Recipe, tarball: Path) -> list[str]:
         "--mode=unshare",  # no mounts in the host's namespace
         "--variant=minbase",
         "--hook-dir=/usr/share/mmdebstrap/hooks/merged-usr",
-        f"--include={','.join(recipe.packages)}",
+        *([f"--include={','.join(recipe.packages)}"] if recipe.packages else []),
         "--dpkgopt=path-exclude=/usr/share/doc/*",
         "--dpkgopt=path-exclude=/usr/share/man/*",
         "--dpkgopt=path-exclude=/usr/share/locale/*",
@@ -128,10 +172,15 @@ class _LazyRecipe:
 
 _AGNHOST = _LazyRecipe(agnhost_recipe)
 AGNHOST: Final = StaticImage("agnhost", AGNHOST_IMAGE, _AGNHOST.inputs, _AGNHOST.build)
+_REGRESSION = _LazyRecipe(regression_issue_74839_recipe)
+REGRESSION: Final = StaticImage(
+    "regression-issue-74839", REGRESSION_IMAGE, _REGRESSION.inputs, _REGRESSION.build
+)
 
 
 DEBIAN_IMAGES: Final = (
     AGNHOST,
+    REGRESSION,
     static_image("glibc-dns-testing", GLIBC_DNS_TESTING),
     static_image("nginx", NGINX),
 )

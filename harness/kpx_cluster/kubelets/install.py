@@ -84,8 +84,13 @@ def _apply(rc: Nodes, items: list[dict[str, Any]]) -> None:
     )  # fmt: skip
 
 
-def install_kpx(rc: Nodes, mode: str, timeout: float = 240) -> dict[str, Any]:
-    """kpx in `mode`; returns the ProxyConfiguration's status once Ready on every node."""
+def install_kpx(
+    rc: Nodes, mode: str, pxc: dict[str, Any] | None = None, timeout: float = 240
+) -> dict[str, Any]:
+    """kpx in `mode` with `pxc` (default examples/proxyconfig.yaml with conntrack.maxPerCore
+    0: the nodes share this machine's kernel, whose table size is global, as kind's do); the
+    harness's cluster CIDRs replace the example's. Returns the ProxyConfiguration's status once
+    Ready on every node."""
     kubectl = rc.cluster.kubectl
     endpoint = rc.cluster.cluster_server.removeprefix("https://")
     host, port = endpoint.rsplit(":", 1)
@@ -102,7 +107,9 @@ def install_kpx(rc: Nodes, mode: str, timeout: float = 240) -> dict[str, Any]:
             ]
             container["command"] += ["--apiserver-endpoint", endpoint]
     _apply(rc, docs)
-    example = yaml.safe_load((REPO / "examples" / "proxyconfig.yaml").read_text())
+    example = pxc or yaml.safe_load((REPO / "examples" / "proxyconfig.yaml").read_text())
+    if pxc is None:
+        example["spec"].setdefault("conntrack", {})["maxPerCore"] = 0
     example["spec"]["clusterCIDRs"] = list(CLUSTER_CIDRS)
     example["spec"]["mode"] = mode
     _apply(rc, [example])

@@ -1,7 +1,8 @@
 """Pod volumes of the node simulator: the per-pod directories a kubelet would mount.
 
 There are no mounts: each volume is a directory under the pod's directory (hostPath volumes a
-directory under the node's), and container paths are mapped onto them (see nodesim.env).
+directory under the node's, but for the per-network-namespace sysctls of PER_NETNS_HOST_PATHS),
+and container paths are mapped onto them (see nodesim.env).
 configMap, secret, downwardAPI and projected volumes are written like the kubelet's
 AtomicWriter does: the files live in a timestamped directory that the ``..data`` symlink points
 to, user-visible names are symlinks through ``..data``, and an update swaps ``..data`` with one
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import os
 import secrets
@@ -20,6 +22,7 @@ import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
+from typing import Final
 
 from .api import ApiError, KubeApi, Obj
 
@@ -32,6 +35,19 @@ Payload = dict[str, tuple[bytes, int]]
 """Relative file path -> (content, mode)."""
 
 DEFAULT_MODE = 0o644
+
+
+#: hostPaths whose content is per network namespace, given as the real path: the node's
+#: netfilter sysctls (conntrack timeouts; nf_conntrack_max is read-only outside the host's
+#: namespace), as a hostNetwork pod on a kind node sees them. Writing them changes only the
+#: writer's namespace.
+PER_NETNS_HOST_PATHS: Final = frozenset({"/proc/sys/net/netfilter"})
+#: hostPaths of host-global state (the nf_conntrack module's parameters): a per-node stand-in
+#: holding a copy of these files of the host, so a pod reads the host's values but never
+#: writes them.
+COPIED_HOST_FILES: Final[dict[str, tuple[str, ...]]] = {
+    "/sys/module/nf_conntrack/parameters": ("hashsize",),
+}
 
 
 class VolumeError(RuntimeError):
@@ -251,9 +267,20 @@ class PodVolumes:
         self._prepared = True
 
     def _host_path(self, source: Obj) -> Path:
-        """The per-node stand-in for a hostPath (never the real host path)."""
-        rel = os.path.normpath("/" + str(source["path"])).lstrip("/")  # no escaping via ..
+        """The per-node stand-in for a hostPath (never the real host path), but for the
+        per-network-namespace sysctl directories of PER_NETNS_HOST_PATHS, which are the real
+        path (a process reading it sees its own namespace's: a hostNetwork pod the node's)."""
+        absolute = os.path.normpath("/" + str(source["path"]).lstrip("/"))  # no escaping via ..
+        if absolute in PER_NETNS_HOST_PATHS and Path(absolute).is_dir():
+            return Path(absolute)
+        rel = absolute.lstrip("/")
         mapped = self.node_dir / "hostpath" / rel
+        copied = COPIED_HOST_FILES.get(absolute)
+        if copied is not None and not mapped.exists():
+            mapped.mkdir(parents=True, exist_ok=True)
+            for name in copied:
+                with contextlib.suppress(OSError):  # the module is not loaded: nothing to copy
+                    (mapped / name).write_text((Path(absolute) / name).read_text())
         kind = source.get("type") or ""
         if kind in ("File", "FileOrCreate"):
             mapped.parent.mkdir(parents=True, exist_ok=True)
