@@ -140,6 +140,12 @@ class ConditionType(StrEnum):
     #: Present while and after a change of spec.mode (status.modeSwitch): False names a stuck
     #: node, why and what to do.
     MODE_SWITCH = "ModeSwitch"
+    #: kstatus (sigs.k8s.io/cli-utils): True while the operator works towards the spec (agents
+    #: roll out, a mode switch runs, a failed pass is retried); False otherwise.
+    RECONCILING = "Reconciling"
+    #: kstatus: True when the operator cannot make progress without a change from a person
+    #: (the reason says which); False otherwise.
+    STALLED = "Stalled"
 
 
 class ConditionStatus(StrEnum):
@@ -180,7 +186,10 @@ class Condition(KpxModel):
             pattern=CONDITION_TYPE_PATTERN,
             message="must be a CamelCase condition type such as Ready",
         ),
-    ] = Field(description="Condition type: Ready, Progressing, Degraded, Deprecated or Preflight.")
+    ] = Field(
+        description="Condition type: Ready, Progressing, Degraded, Deprecated, Reconciling, "
+        "Stalled, Preflight or ModeSwitch."
+    )
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: Annotated[
         str,
@@ -256,7 +265,8 @@ class ProxyConfigurationStatus(KpxModel):
     )
     conditions: Annotated[list[Condition], Field(max_length=16)] = Field(
         default_factory=list,
-        description="Ready, Progressing, Degraded and Deprecated conditions, one per type.",
+        description="Ready, Progressing, Degraded, Deprecated, Reconciling and Stalled "
+        "conditions (Preflight and ModeSwitch when they apply), one per type.",
         json_schema_extra={
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["type"],

@@ -72,6 +72,7 @@ from .names import AGENT_APP, CLEANUP_APP, LABEL_NAME, child_names, instance, se
 from .preflight import Preflight, assess, preflight_reports
 from .preflight import condition as condition_of
 from .status import (
+    DEFAULT_PROGRESS_DEADLINE,
     IPVS_DENIED_MESSAGE,
     NFTABLES_ADVICE,
     Observed,
@@ -134,6 +135,9 @@ class OperatorConfig:
     #: Seconds a Cleanup deletion waits without progress (no node turning clean, no step
     #: taken) before it gives up, leaving the rules of the nodes not clean in place.
     cleanup_timeout: float = 300.0
+    #: Seconds a rollout may stay Progressing before condition Stalled says
+    #: ProgressDeadlineExceeded (None: no deadline).
+    progress_deadline: float | None = DEFAULT_PROGRESS_DEADLINE
 
 
 def _ref(kind: str, name: str, namespace: str | None) -> str:
@@ -307,6 +311,18 @@ class Reconciler:
             takeover: TakeoverStatus | None = None
             preflight: Preflight | None = None
             previous = self._status.get(uid) or parse_status(body.get("status"))
+            mode = str((body.get("spec") or {}).get("mode", ""))
+            stored: Mapping[str, Any] | None = body.get("status")
+            if previous is None:
+                # A new object: its status says at once that the operator works on it (kstatus
+                # reads an object without status as Current), before any rollout work.
+                first = compute_status(
+                    Observed(generation, mode, admission, None, invalid=invalid,
+                             progress_deadline=self.config.progress_deadline),
+                    None, self.clock(),
+                )  # fmt: skip
+                if await self._write_status(name, stored, first):
+                    stored, previous = status_patch(first), first
             # Kept as last written when this pass fails before it is followed.
             mode_switch: ModeSwitchStatus | None = previous.mode_switch if previous else None
             try:
@@ -374,20 +390,28 @@ class Reconciler:
                                                 opts.namespace)  # fmt: skip
                     except ApiError:
                         ds = None
-            mode = str((body.get("spec") or {}).get("mode", ""))
             self._announce(uid, generation, mode, admission, emit)
             observed = Observed(generation, mode, admission, ds, error=error, invalid=invalid,
                                 conntrack_problems=problems, takeover=takeover,
-                                preflight=preflight, mode_switch=mode_switch)  # fmt: skip
+                                preflight=preflight, mode_switch=mode_switch,
+                                progress_deadline=self.config.progress_deadline)  # fmt: skip
             status = compute_status(observed, previous, self.clock())
-            if not is_current(body.get("status"), status):
-                try:
-                    await self.api.patch_status("ProxyConfiguration", name, status_patch(status))
-                except ApiError as exc:
-                    log.warning("%s: cannot write the status: %s", name, exc)
-                    return status
-            self._status[uid] = status
+            if await self._write_status(name, stored, status):
+                self._status[uid] = status
             return status
+
+    async def _write_status(
+        self, name: str, stored: Mapping[str, Any] | None, status: ProxyConfigurationStatus
+    ) -> bool:
+        """Writes `status` unless `stored` says the same; False when the write failed (logged:
+        the next pass tries again)."""
+        if not is_current(stored, status):
+            try:
+                await self.api.patch_status("ProxyConfiguration", name, status_patch(status))
+            except ApiError as exc:
+                log.warning("%s: cannot write the status: %s", name, exc)
+                return False
+        return True
 
     def _follow_switch(
         self,
