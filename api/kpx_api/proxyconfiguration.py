@@ -257,6 +257,20 @@ class ModeSwitchStatus(KpxModel):
     )
 
 
+#: status.conditions as the apiserver shows them until the operator writes a status (the CRD's
+#: default, kpx_api.crdgen): kstatus (Flux, kpt) reads an object without conditions as Current,
+#: this one as InProgress. The operator's status always has observedGeneration; this one has not.
+UNSEEN_CONDITIONS: Final = (
+    {
+        "type": "Reconciling",
+        "status": "True",
+        "reason": "NotYetSeen",
+        "message": "the operator has not written a status for this ProxyConfiguration yet",
+        "lastTransitionTime": "1970-01-01T00:00:00Z",
+    },
+)
+
+
 class ProxyConfigurationStatus(KpxModel):
     """Observed state, written by the operator."""
 

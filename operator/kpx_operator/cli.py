@@ -24,7 +24,7 @@ from .kopf_storage import DigestDiffBaseStorage
 from .leader import LeaderElector, default_identity
 from .names import DEFAULT_NAMESPACE, FIELD_MANAGER, FINALIZER, LEASE_NAME
 from .reconciler import OperatorConfig, Reconciler
-from .status import DEFAULT_PROGRESS_DEADLINE
+from .status import DEFAULT_ROLLOUT_DEADLINE
 
 log = logging.getLogger("kpx_operator")
 
@@ -109,12 +109,12 @@ def parser() -> argparse.ArgumentParser:
         "turning clean) before it gives up on the nodes left (default 300)",
     )
     p.add_argument(
-        "--progress-deadline",
+        "--rollout-deadline",
         type=float,
-        default=DEFAULT_PROGRESS_DEADLINE,
+        default=DEFAULT_ROLLOUT_DEADLINE,
         help="seconds an agent rollout may go on before condition Stalled says "
-        "ProgressDeadlineExceeded (kstatus then reads Failed; 0: no deadline; default "
-        f"{DEFAULT_PROGRESS_DEADLINE:g})",
+        "RolloutDeadlineExceeded (kstatus then reads Failed; 0: no deadline; default "
+        f"{DEFAULT_ROLLOUT_DEADLINE:g})",
     )
     p.add_argument(
         "--leader-elect",
@@ -198,7 +198,7 @@ async def run(args: argparse.Namespace) -> int:
         ),
         ipvs_policy=IPVSPolicy(args.ipvs_policy),
         cleanup_timeout=args.cleanup_timeout,
-        progress_deadline=args.progress_deadline or None,
+        rollout_deadline=args.rollout_deadline or None,
     )
     registry = kopf.OperatorRegistry()
     register(

@@ -72,7 +72,7 @@ from .names import AGENT_APP, CLEANUP_APP, LABEL_NAME, child_names, instance, se
 from .preflight import Preflight, assess, preflight_reports
 from .preflight import condition as condition_of
 from .status import (
-    DEFAULT_PROGRESS_DEADLINE,
+    DEFAULT_ROLLOUT_DEADLINE,
     IPVS_DENIED_MESSAGE,
     NFTABLES_ADVICE,
     Observed,
@@ -136,8 +136,8 @@ class OperatorConfig:
     #: taken) before it gives up, leaving the rules of the nodes not clean in place.
     cleanup_timeout: float = 300.0
     #: Seconds a rollout may stay Progressing before condition Stalled says
-    #: ProgressDeadlineExceeded (None: no deadline).
-    progress_deadline: float | None = DEFAULT_PROGRESS_DEADLINE
+    #: RolloutDeadlineExceeded (None: no deadline).
+    rollout_deadline: float | None = DEFAULT_ROLLOUT_DEADLINE
 
 
 def _ref(kind: str, name: str, namespace: str | None) -> str:
@@ -318,7 +318,7 @@ class Reconciler:
                 # reads an object without status as Current), before any rollout work.
                 first = compute_status(
                     Observed(generation, mode, admission, None, invalid=invalid,
-                             progress_deadline=self.config.progress_deadline),
+                             rollout_deadline=self.config.rollout_deadline),
                     None, self.clock(),
                 )  # fmt: skip
                 if await self._write_status(name, stored, first):
@@ -394,7 +394,7 @@ class Reconciler:
             observed = Observed(generation, mode, admission, ds, error=error, invalid=invalid,
                                 conntrack_problems=problems, takeover=takeover,
                                 preflight=preflight, mode_switch=mode_switch,
-                                progress_deadline=self.config.progress_deadline)  # fmt: skip
+                                rollout_deadline=self.config.rollout_deadline)  # fmt: skip
             status = compute_status(observed, previous, self.clock())
             if await self._write_status(name, stored, status):
                 self._status[uid] = status

@@ -48,9 +48,9 @@ IPVS_DENIED_MESSAGE: Final = (
     "mode ipvs is deprecated upstream: use mode nftables (recommended)"
 )
 
-#: Seconds a rollout may stay Progressing before Stalled says ProgressDeadlineExceeded (as a
-#: Deployment's progressDeadlineSeconds; the operator's --progress-deadline).
-DEFAULT_PROGRESS_DEADLINE: Final = 600.0
+#: Seconds a rollout may stay Progressing before Stalled says RolloutDeadlineExceeded (as a
+#: Deployment's progressDeadlineSeconds; the operator's --rollout-deadline).
+DEFAULT_ROLLOUT_DEADLINE: Final = 600.0
 
 #: Degraded reasons that only a person's change ends (each also makes Stalled True; a
 #: NodeConflict only on the side whose agents are kept off nodes).
@@ -116,7 +116,7 @@ class Observed:
     #: The last change of spec.mode (mode_switch.py); None: none since the agents were deployed.
     mode_switch: ModeSwitchStatus | None = None
     #: Seconds Progressing may stay True before Stalled (None: no deadline).
-    progress_deadline: float | None = DEFAULT_PROGRESS_DEADLINE
+    rollout_deadline: float | None = DEFAULT_ROLLOUT_DEADLINE
 
 
 def _cond(type_: ConditionType, status: ConditionStatus, reason: str, message: str) -> CondTuple:
@@ -245,7 +245,7 @@ def kstatus_conditions(
         and now - progressing_since > timedelta(seconds=deadline)
     ):
         stall = (
-            "ProgressDeadlineExceeded",
+            "RolloutDeadlineExceeded",
             f"the rollout has not finished within {deadline:g}s: {progressing[3]}",
         )
     if stall is not None:
@@ -294,7 +294,7 @@ def compute_status(
         if progressing is not None and progressing[1] == TRUE
         else None
     )
-    found += kstatus_conditions(found, progressing_since, now, obs.progress_deadline,
+    found += kstatus_conditions(found, progressing_since, now, obs.rollout_deadline,
                                 bool(obs.admission.kept_out))  # fmt: skip
     for type_, status, reason, message in found:
         conditions.append(
@@ -329,8 +329,10 @@ def status_patch(status: ProxyConfigurationStatus) -> dict[str, Any]:
 
 
 def parse_status(data: Mapping[str, Any] | None) -> ProxyConfigurationStatus | None:
-    """The status as stored (None when absent or unreadable: then every condition is new)."""
-    if not data:
+    """The status as the operator stored it: None when absent, unreadable, or not the
+    operator's (no observedGeneration: the CRD's default, kpx_api.UNSEEN_CONDITIONS, or only
+    kopf's bookkeeping); then every condition is new."""
+    if not data or data.get("observedGeneration") is None:
         return None
     try:
         return ProxyConfigurationStatus.model_validate(dict(data))

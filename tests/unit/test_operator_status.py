@@ -258,20 +258,20 @@ def kstatus_of(status: ProxyConfigurationStatus) -> dict[str, tuple[str, str]]:
 
 
 def test_a_rollout_past_its_deadline_is_stalled_until_it_completes() -> None:
-    rolling = obs(daemonset=ds(2, 2, 1), progress_deadline=60)
+    rolling = obs(daemonset=ds(2, 2, 1), rollout_deadline=60)
     first = compute_status(rolling, None, T0)
     assert kstatus_of(first) == ROLLING
     within = compute_status(rolling, first, T0 + timedelta(seconds=60))
     assert kstatus_of(within) == ROLLING
     late = compute_status(rolling, within, T0 + timedelta(seconds=61))
-    assert kstatus_of(late) == stalled("ProgressDeadlineExceeded")
+    assert kstatus_of(late) == stalled("RolloutDeadlineExceeded")
     assert "60s: 2 of 2 nodes run the current agent, 1 agents ready" in (
         late.condition("Stalled").message  # type: ignore[union-attr]
     )
     done = compute_status(replace(rolling, daemonset=ds(2, 2, 2)), late, T1)
     assert kstatus_of(done) == DONE
     # No deadline: Reconciling for as long as it takes.
-    endless = replace(rolling, progress_deadline=None)
+    endless = replace(rolling, rollout_deadline=None)
     assert kstatus_of(compute_status(endless, first, T1 + timedelta(days=1))) == ROLLING
 
 
@@ -302,3 +302,16 @@ def test_kstatus_conditions_from_preflight_and_mode_switch() -> None:
     got = kstatus_conditions([*base[:2], conntrack], None, T0, 60)  # type: ignore[list-item]
     assert {t: (s, r) for t, s, r, _ in got} == stalled("ConntrackNotApplied")
     assert next(m for t, _, _, m in got if t == "Stalled") == "node-1: read-only"
+
+
+def test_the_crds_default_status_is_not_the_operators() -> None:
+    """Until the operator writes, the apiserver shows the CRD's default status (Reconciling
+    True, NotYetSeen): the operator's first pass treats it as no status at all."""
+    from kpx_api.proxyconfiguration import UNSEEN_CONDITIONS
+    from kpx_operator.status import parse_status
+
+    unseen = {"conditions": [dict(c) for c in UNSEEN_CONDITIONS]}
+    assert parse_status(unseen) is None
+    assert parse_status({**unseen, "kopf": {"last-handled-digest": "sha256:0"}}) is None
+    written = compute_status(obs(daemonset=ds(1, 1, 1)), None, T0)
+    assert parse_status(status_patch(written)) == written
