@@ -226,7 +226,10 @@ def test_children_appear_unowned_and_server_side_applied(env: Env, leader: Opera
         assert obj is not None, (kind, name)
         # No ownerReference: only the finalizer (spec.deletionPolicy) decides their fate.
         assert "ownerReferences" not in obj["metadata"], (kind, obj["metadata"])
-        assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == "default"
+        # Nor app.kubernetes.io/instance: an Argo CD Application tracking by label would
+        # take an object without owner that carries it for its own (test_gitops_kustomization).
+        assert obj["metadata"]["labels"]["proxy.kpx.dev/configuration"] == "default"
+        assert "app.kubernetes.io/instance" not in obj["metadata"]["labels"]
         managers = {(m["manager"], m["operation"]) for m in obj["metadata"]["managedFields"]}
         assert ("kpx-operator", "Apply") in managers, (kind, managers)
     cm = env.get("configmap", "kpx-agent-default", NS)
