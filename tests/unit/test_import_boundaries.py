@@ -220,6 +220,7 @@ NOT_APISERVER = {
     "harness/kpx_cluster/controlplane.py": {"urllib.request"},
     # the operator's own /healthz
     "tests/e2e/test_operator.py": {"urllib.request"},
+    "tests/e2e/operator_process.py": {"urllib.request"},
     # a fake apiserver (an aiohttp.web server) that answers kpx_kube's client with 429
     "tests/unit/test_reflector_retries.py": {"aiohttp"},
 }
