@@ -112,8 +112,9 @@ def parser() -> argparse.ArgumentParser:
         "--rollout-deadline",
         type=float,
         default=DEFAULT_ROLLOUT_DEADLINE,
-        help="seconds an agent rollout may go on before condition Stalled says "
-        "RolloutDeadlineExceeded (kstatus then reads Failed; 0: no deadline; default "
+        help="seconds an agent rollout may go without progress (no node more updated or "
+        "ready) before condition Stalled says RolloutDeadlineExceeded (kstatus then reads "
+        "Failed; 0: no deadline; default "
         f"{DEFAULT_ROLLOUT_DEADLINE:g})",
     )
     p.add_argument(

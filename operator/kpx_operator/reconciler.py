@@ -76,6 +76,7 @@ from .status import (
     IPVS_DENIED_MESSAGE,
     NFTABLES_ADVICE,
     Observed,
+    Rollout,
     compute_status,
     is_current,
     parse_status,
@@ -174,6 +175,9 @@ class Reconciler:
         self._apiserver: tuple[tuple[str, ...], float] | None = None
         #: uid -> (where a Cleanup deletion stood, `runtime` when it last moved)
         self._progress: dict[str, tuple[object, float]] = {}
+        #: uid -> (generation, desired nodes, most updated, most ready, when either grew): the
+        #: last progress of the agents' rollout, for --rollout-deadline
+        self._rollout: dict[str, tuple[int, int, int, int, datetime]] = {}
         #: uids whose agents' DaemonSet this process deleted (a Cleanup under way)
         self._agents_stopped: set[str] = set()
 
@@ -206,6 +210,22 @@ class Reconciler:
             self._apiserver = (found, now)
         return replace(opts, apiserver_endpoints=self._apiserver[0])
 
+    def _last_progress(self, uid: str, generation: int, ds: Obj | None) -> datetime | None:
+        """When the agents' rollout last made progress: a new generation or node count starts
+        one; a node more updated or ready is progress (fewer is none: a crashing agent does
+        not keep the deadline away)."""
+        if ds is None:
+            return None
+        r = Rollout.from_daemonset(ds)
+        mark = self._rollout.get(uid)
+        if mark is None or mark[:2] != (generation, r.desired):
+            mark = (generation, r.desired, r.updated, r.ready, self.clock())
+        elif r.updated > mark[2] or r.ready > mark[3]:
+            mark = (generation, r.desired, max(r.updated, mark[2]), max(r.ready, mark[3]),
+                    self.clock())  # fmt: skip
+        self._rollout[uid] = mark
+        return mark[4]
+
     def _lock(self, uid: str) -> asyncio.Lock:
         return self._locks.setdefault(uid, asyncio.Lock())
 
@@ -218,6 +238,7 @@ class Reconciler:
 
     def _forget(self, uid: str, pxc_name: str) -> None:
         self._status.pop(uid, None)
+        self._rollout.pop(uid, None)
         self._cleared.discard(uid)
         self._locks.pop(uid, None)
         self._told = {k: v for k, v in self._told.items() if k[0] != uid}
@@ -394,7 +415,8 @@ class Reconciler:
             observed = Observed(generation, mode, admission, ds, error=error, invalid=invalid,
                                 conntrack_problems=problems, takeover=takeover,
                                 preflight=preflight, mode_switch=mode_switch,
-                                rollout_deadline=self.config.rollout_deadline)  # fmt: skip
+                                rollout_deadline=self.config.rollout_deadline,
+                                last_progress=self._last_progress(uid, generation, ds))  # fmt: skip
             status = compute_status(observed, previous, self.clock())
             if await self._write_status(name, stored, status):
                 self._status[uid] = status

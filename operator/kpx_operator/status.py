@@ -48,8 +48,8 @@ IPVS_DENIED_MESSAGE: Final = (
     "mode ipvs is deprecated upstream: use mode nftables (recommended)"
 )
 
-#: Seconds a rollout may stay Progressing before Stalled says RolloutDeadlineExceeded (as a
-#: Deployment's progressDeadlineSeconds; the operator's --rollout-deadline).
+#: Seconds a rollout may go without progress (no node more updated or ready) before Stalled says
+#: RolloutDeadlineExceeded (as a Deployment's progressDeadlineSeconds; --rollout-deadline).
 DEFAULT_ROLLOUT_DEADLINE: Final = 600.0
 
 #: Degraded reasons that only a person's change ends (each also makes Stalled True; a
@@ -115,8 +115,11 @@ class Observed:
     preflight: Preflight | None = None
     #: The last change of spec.mode (mode_switch.py); None: none since the agents were deployed.
     mode_switch: ModeSwitchStatus | None = None
-    #: Seconds Progressing may stay True before Stalled (None: no deadline).
+    #: Seconds the rollout may go without progress before Stalled (None: no deadline).
     rollout_deadline: float | None = DEFAULT_ROLLOUT_DEADLINE
+    #: When the rollout last made progress (a node more updated or ready); None: unknown, then
+    #: since Progressing became True.
+    last_progress: datetime | None = None
 
 
 def _cond(type_: ConditionType, status: ConditionStatus, reason: str, message: str) -> CondTuple:
@@ -214,10 +217,10 @@ def kstatus_conditions(
     found: list[CondTuple], progressing_since: datetime | None, now: datetime,
     deadline: float | None, kept_out: bool = False,
 ) -> list[CondTuple]:  # fmt: skip
-    """Reconciling and Stalled (kstatus) from the other conditions; `progressing_since`: when
-    Progressing last became True (None: it is not True); `kept_out`: a conflict keeps this
-    configuration's agents off some of its nodes (the older side of a conflict runs on all its
-    nodes: nothing stalls there)."""
+    """Reconciling and Stalled (kstatus) from the other conditions; `progressing_since`: since
+    when Progressing is True without progress (None: it is not True); `kept_out`: a conflict
+    keeps this configuration's agents off some of its nodes (the older side of a conflict runs
+    on all its nodes: nothing stalls there)."""
     by_type = {c[0]: c for c in found}
     reconciling, stalled = ConditionType.RECONCILING, ConditionType.STALLED
 
@@ -246,7 +249,7 @@ def kstatus_conditions(
     ):
         stall = (
             "RolloutDeadlineExceeded",
-            f"the rollout has not finished within {deadline:g}s: {progressing[3]}",
+            f"the rollout made no progress for {deadline:g}s: {progressing[3]}",
         )
     if stall is not None:
         return [
@@ -289,11 +292,11 @@ def compute_status(
         return before.last_transition_time if before and before.status == status else now
 
     progressing = next((c for c in found if c[0] == ConditionType.PROGRESSING), None)
-    progressing_since = (
-        since(ConditionType.PROGRESSING, TRUE)
-        if progressing is not None and progressing[1] == TRUE
-        else None
-    )
+    progressing_since: datetime | None = None
+    if progressing is not None and progressing[1] == TRUE:
+        progressing_since = since(ConditionType.PROGRESSING, TRUE)
+        if obs.last_progress is not None:
+            progressing_since = max(progressing_since, obs.last_progress)
     found += kstatus_conditions(found, progressing_since, now, obs.rollout_deadline,
                                 bool(obs.admission.kept_out))  # fmt: skip
     for type_, status, reason, message in found:

@@ -243,7 +243,7 @@ def test_phases_read_the_same_in_kstatus_flux_and_argocd(
             assert cond(stuck, "Stalled") == ("True", "RolloutDeadlineExceeded")
             assert cond(stuck, "Ready")[0] == "False"
             h = phase("failing agent", stuck, ("Failed", "Failed", "Degraded"))
-            assert f"within {ROLLOUT_DEADLINE}s" in h.kstatus_message
+            assert f"no progress for {ROLLOUT_DEADLINE}s" in h.kstatus_message
             before = versions.all()[: versions.all().index(stuck)]
             generation = stuck["metadata"]["generation"]
             assert any(

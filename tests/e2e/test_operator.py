@@ -257,11 +257,16 @@ def test_status_has_generation_and_conditions(env: Env, leader: Operator) -> Non
 
     st = wait_until(status, 30, "status with observedGeneration and a desired node")
     conds = {c["type"]: c for c in st["conditions"]}
-    assert set(conds) == {"Ready", "Progressing", "Degraded", "Deprecated"}
+    assert set(conds) == {
+        "Ready", "Progressing", "Degraded", "Deprecated", "Reconciling", "Stalled",
+    }  # fmt: skip
     assert all(c["observedGeneration"] == st["generation"] for c in conds.values())
-    # No kubelet: the agent pod never runs.
+    # No kubelet: the agent pod never runs (kstatus: InProgress, not Current).
     assert (conds["Ready"]["status"], conds["Progressing"]["status"]) == ("False", "True")
     assert conds["Progressing"]["reason"] == "RollingOut"
+    reconciling = conds["Reconciling"]
+    assert (reconciling["status"], reconciling["reason"]) == ("True", "RollingOut")
+    assert conds["Stalled"]["status"] == "False"
     assert conds["Deprecated"]["status"] == "False"
     assert (st["mode"], st["deprecated"], st["readyNodes"]) == ("nftables", False, 0)
     assert "kopf" in st  # kopf's bookkeeping is kept in status.kopf, not in annotations

@@ -265,11 +265,18 @@ def test_a_rollout_past_its_deadline_is_stalled_until_it_completes() -> None:
     assert kstatus_of(within) == ROLLING
     late = compute_status(rolling, within, T0 + timedelta(seconds=61))
     assert kstatus_of(late) == stalled("RolloutDeadlineExceeded")
-    assert "60s: 2 of 2 nodes run the current agent, 1 agents ready" in (
+    assert "no progress for 60s: 2 of 2 nodes run the current agent, 1 agents ready" in (
         late.condition("Stalled").message  # type: ignore[union-attr]
     )
     done = compute_status(replace(rolling, daemonset=ds(2, 2, 2)), late, T1)
     assert kstatus_of(done) == DONE
+    # A rollout that makes progress (a node more ready, as the reconciler tracks it) restarts
+    # the deadline, as a Deployment's does: a long rollout over many nodes is not Stalled.
+    moving = replace(rolling, last_progress=T0 + timedelta(seconds=50))
+    assert kstatus_of(compute_status(moving, within, T0 + timedelta(seconds=61))) == ROLLING
+    assert kstatus_of(compute_status(moving, within, T0 + timedelta(seconds=111))) == stalled(
+        "RolloutDeadlineExceeded"
+    )
     # No deadline: Reconciling for as long as it takes.
     endless = replace(rolling, rollout_deadline=None)
     assert kstatus_of(compute_status(endless, first, T1 + timedelta(days=1))) == ROLLING
