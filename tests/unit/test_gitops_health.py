@@ -92,3 +92,13 @@ def test_lua_literal_keeps_every_character() -> None:
     stalled = [c("Reconciling", "False", "Stalled"), c("Stalled", "True", "InvalidSpec", text)]
     obj = pxc(observedGeneration=2, conditions=stalled)
     assert argocd(obj) == ("Degraded", f"InvalidSpec: {text}")
+
+
+def test_docs_show_the_shipped_snippets() -> None:
+    """docs/gitops.md shows the Flux Kustomization and the argocd-cm snippet as shipped."""
+    repo = Path(__file__).resolve().parents[2]
+    doc = (repo / "docs" / "gitops.md").read_text()
+    for name in ("flux/kustomization.yaml", "argocd/argocd-cm.yaml"):
+        text = (repo / "examples" / "gitops" / name).read_text()
+        body = text[text.index("apiVersion:") :]  # the comments above it stay in the file
+        assert f"```yaml\n{body}```" in doc, f"docs/gitops.md does not show {name} as it is"
