@@ -4,7 +4,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 APT_PACKAGES := nftables iptables conntrack etcd-server iproute2 socat procps curl kmod \
 	mmdebstrap buildah umoci skopeo runc \
-	containernetworking-plugins busybox-static gcc libc6-dev
+	containernetworking-plugins busybox-static gcc libc6-dev lua5.4
 # proxy-vm (a qemu guest with IPVS for the ipvs kernel tests), installed without recommends
 VM_APT_PACKAGES := qemu-system-x86 mmdebstrap e2fsprogs
 N ?=
@@ -12,10 +12,10 @@ N ?=
 CONFORMANCE_SUITE ?= proxy
 CONFORMANCE_TARGETS ?= kpx/nftables,kube-proxy/nftables,kpx/iptables,kube-proxy/iptables
 
-.PHONY: conformance setup setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm image test test-unit lint crds chart demo demo-down bench bench-migration chaos
+.PHONY: conformance setup setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-vm image test test-unit lint crds chart demo demo-down bench bench-migration chaos
 
 ## setup: install everything a fresh machine needs (idempotent: a second run installs and builds nothing)
-setup: setup-apt setup-python setup-kubernetes setup-helm setup-coredns setup-vm
+setup: setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-vm
 
 setup-apt:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -48,6 +48,11 @@ setup-kubernetes:
 
 setup-helm:
 	toolchain/build-helm.sh
+
+## setup-kstatus: the kstatus checker (toolchain/kstatus: sigs.k8s.io/cli-utils' status.Compute and
+## Flux-style CEL health expressions), which tests/e2e/test_gitops_status.py runs on real objects
+setup-kstatus:
+	toolchain/build-kstatus.sh
 
 ## setup-coredns: CoreDNS from its Go module (toolchain/coredns), the real nodes' cluster DNS
 setup-coredns:

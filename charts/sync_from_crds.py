@@ -1,4 +1,5 @@
-"""Keep the kpx chart in step with the generated CRD (crds/, itself generated from api/kpx_api).
+"""Keep the kpx chart (and examples/gitops/crds/) in step with the generated CRD (crds/, itself
+generated from api/kpx_api).
 
     python3 charts/sync_from_crds.py            write crds/*.yaml into charts/kpx/templates/crds/
                                                 as templates, and rewrite the CRD-derived
@@ -30,6 +31,9 @@ REPO = Path(__file__).resolve().parent.parent
 CRDS = REPO / "crds"
 CHART = REPO / "charts" / "kpx"
 SCHEMA = CHART / "values.schema.json"
+#: examples/gitops (a kustomization GitOps tools point at) holds a copy: kustomize loads no file
+#: outside a kustomization's own directory.
+GITOPS = REPO / "examples" / "gitops"
 CRD_NAME = "proxyconfigurations.proxy.kpx.dev.yaml"
 MODES = ("nftables", "iptables", "ipvs", "external")
 PREFIX = "crd."
@@ -147,6 +151,7 @@ def expected() -> dict[Path, str]:
     crd_text = (CRDS / CRD_NAME).read_text(encoding="utf-8")
     return {
         CRD_TEMPLATES / CRD_NAME: crd_template(crd_text),
+        GITOPS / "crds" / CRD_NAME: crd_text,
         SCHEMA: render_schema(SCHEMA.read_text(encoding="utf-8"), crd_text),
     }
 

@@ -27,6 +27,7 @@ from kpx_api.constants import (
     VERSION,
 )
 from kpx_api.proxyconfiguration import (
+    UNSEEN_CONDITIONS,
     ProxyConfiguration,
     ProxyConfigurationSpec,
     ProxyConfigurationStatus,
@@ -87,6 +88,10 @@ def openapi_schema() -> dict[str, Any]:
     spec["description"] = fields["spec"].description
     status = model_schema(ProxyConfigurationStatus)
     status["description"] = fields["status"].description
+    # Until the operator writes a status, the apiserver shows one that says it has not: an
+    # object without conditions reads as Current to kstatus (GitOps tools), this as InProgress.
+    status["default"] = {"conditions": [dict(c) for c in UNSEEN_CONDITIONS]}
+    status["properties"]["conditions"]["default"] = [dict(c) for c in UNSEEN_CONDITIONS]
     schema: dict[str, Any] = {
         "description": " ".join((ProxyConfiguration.__doc__ or "").split()),
         "type": "object",

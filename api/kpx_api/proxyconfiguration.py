@@ -140,6 +140,12 @@ class ConditionType(StrEnum):
     #: Present while and after a change of spec.mode (status.modeSwitch): False names a stuck
     #: node, why and what to do.
     MODE_SWITCH = "ModeSwitch"
+    #: kstatus (sigs.k8s.io/cli-utils): True while the operator works towards the spec (agents
+    #: roll out, a mode switch runs, a failed pass is retried); False otherwise.
+    RECONCILING = "Reconciling"
+    #: kstatus: True when the operator cannot make progress without a change from a person
+    #: (the reason says which); False otherwise.
+    STALLED = "Stalled"
 
 
 class ConditionStatus(StrEnum):
@@ -180,7 +186,10 @@ class Condition(KpxModel):
             pattern=CONDITION_TYPE_PATTERN,
             message="must be a CamelCase condition type such as Ready",
         ),
-    ] = Field(description="Condition type: Ready, Progressing, Degraded, Deprecated or Preflight.")
+    ] = Field(
+        description="Condition type: Ready, Progressing, Degraded, Deprecated, Reconciling, "
+        "Stalled, Preflight or ModeSwitch."
+    )
     status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: Annotated[
         str,
@@ -248,6 +257,20 @@ class ModeSwitchStatus(KpxModel):
     )
 
 
+#: status.conditions as the apiserver shows them until the operator writes a status (the CRD's
+#: default, kpx_api.crdgen): kstatus (Flux, kpt) reads an object without conditions as Current,
+#: this one as InProgress. The operator's status always has observedGeneration; this one has not.
+UNSEEN_CONDITIONS: Final = (
+    {
+        "type": "Reconciling",
+        "status": "True",
+        "reason": "NotYetSeen",
+        "message": "the operator has not written a status for this ProxyConfiguration yet",
+        "lastTransitionTime": "1970-01-01T00:00:00Z",
+    },
+)
+
+
 class ProxyConfigurationStatus(KpxModel):
     """Observed state, written by the operator."""
 
@@ -256,7 +279,8 @@ class ProxyConfigurationStatus(KpxModel):
     )
     conditions: Annotated[list[Condition], Field(max_length=16)] = Field(
         default_factory=list,
-        description="Ready, Progressing, Degraded and Deprecated conditions, one per type.",
+        description="Ready, Progressing, Degraded, Deprecated, Reconciling and Stalled "
+        "conditions (Preflight and ModeSwitch when they apply), one per type.",
         json_schema_extra={
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["type"],

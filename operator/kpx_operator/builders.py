@@ -35,6 +35,7 @@ from .names import (
     CONFIG_KEY,
     DEFAULT_NAMESPACE,
     RESTART_HASH_ANNOTATION,
+    child_labels,
     child_names,
     instance,
     labels,
@@ -149,7 +150,7 @@ def _meta(owner: Owner, name: str, app: str, namespace: str | None = None) -> Ob
     meta: Obj = {"name": name}
     if namespace is not None:
         meta["namespace"] = namespace
-    meta["labels"] = labels(owner.name, app)
+    meta["labels"] = child_labels(owner.name, app)
     return meta
 
 

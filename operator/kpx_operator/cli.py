@@ -33,6 +33,7 @@ from .names import (
     LEASE_NAME,
 )
 from .reconciler import OperatorConfig, Reconciler
+from .status import DEFAULT_ROLLOUT_DEADLINE
 
 log = logging.getLogger("kpx_operator")
 
@@ -130,6 +131,15 @@ def parser() -> argparse.ArgumentParser:
         default=300.0,
         help="seconds a deletionPolicy Cleanup deletion waits without progress (no node "
         "turning clean) before it gives up on the nodes left (default 300)",
+    )
+    p.add_argument(
+        "--rollout-deadline",
+        type=float,
+        default=DEFAULT_ROLLOUT_DEADLINE,
+        help="seconds an agent rollout may go without progress (no node more updated or "
+        "ready) before condition Stalled says RolloutDeadlineExceeded (kstatus then reads "
+        "Failed; 0: no deadline; default "
+        f"{DEFAULT_ROLLOUT_DEADLINE:g})",
     )
     p.add_argument(
         "--leader-elect",
@@ -250,6 +260,7 @@ async def run(args: argparse.Namespace) -> int:
         ),
         ipvs_policy=IPVSPolicy(args.ipvs_policy),
         cleanup_timeout=args.cleanup_timeout,
+        rollout_deadline=args.rollout_deadline or None,
     )
     registry = kopf.OperatorRegistry()
     metrics = OperatorMetrics()

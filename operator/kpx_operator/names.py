@@ -27,6 +27,10 @@ LABEL_NAME: Final = "app.kubernetes.io/name"
 LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
+#: The ProxyConfiguration a child (DaemonSet, ConfigMap) belongs to. Not app.kubernetes.io/instance:
+#: an Argo CD Application that tracks by that label and shares the value would adopt the
+#: children (no ownerReference, so they count as its own top-level resources) and prune them.
+LABEL_CONFIGURATION: Final = "proxy.kpx.dev/configuration"
 MANAGED_BY: Final = "kpx-operator"
 PART_OF: Final = "kpx"
 
@@ -77,9 +81,22 @@ def selector_labels(pxc_name: str, app: str) -> dict[str, str]:
 
 
 def labels(pxc_name: str, app: str) -> dict[str, str]:
-    """The labels of every child (and of the pods)."""
+    """The labels of the pods (the DaemonSet's selector, which is immutable, and more). Pods
+    carry app.kubernetes.io/instance: their ownerReference (the DaemonSet) keeps GitOps tools
+    from taking them for resources of their own."""
     return {
         **selector_labels(pxc_name, app),
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_PART_OF: PART_OF,
+    }
+
+
+def child_labels(pxc_name: str, app: str) -> dict[str, str]:
+    """The labels of every child (DaemonSets, ConfigMaps): without app.kubernetes.io/instance
+    (LABEL_CONFIGURATION says which ProxyConfiguration instead)."""
+    return {
+        LABEL_NAME: app,
+        LABEL_CONFIGURATION: instance(pxc_name),
         LABEL_MANAGED_BY: MANAGED_BY,
         LABEL_PART_OF: PART_OF,
     }

@@ -72,9 +72,11 @@ from .names import AGENT_APP, CLEANUP_APP, LABEL_NAME, child_names, instance, se
 from .preflight import Preflight, assess, preflight_reports
 from .preflight import condition as condition_of
 from .status import (
+    DEFAULT_ROLLOUT_DEADLINE,
     IPVS_DENIED_MESSAGE,
     NFTABLES_ADVICE,
     Observed,
+    Rollout,
     compute_status,
     is_current,
     parse_status,
@@ -134,6 +136,9 @@ class OperatorConfig:
     #: Seconds a Cleanup deletion waits without progress (no node turning clean, no step
     #: taken) before it gives up, leaving the rules of the nodes not clean in place.
     cleanup_timeout: float = 300.0
+    #: Seconds a rollout may stay Progressing before condition Stalled says
+    #: RolloutDeadlineExceeded (None: no deadline).
+    rollout_deadline: float | None = DEFAULT_ROLLOUT_DEADLINE
 
 
 def _ref(kind: str, name: str, namespace: str | None) -> str:
@@ -170,6 +175,9 @@ class Reconciler:
         self._apiserver: tuple[tuple[str, ...], float] | None = None
         #: uid -> (where a Cleanup deletion stood, `runtime` when it last moved)
         self._progress: dict[str, tuple[object, float]] = {}
+        #: uid -> (generation, desired nodes, most updated, most ready, when either grew): the
+        #: last progress of the agents' rollout, for --rollout-deadline
+        self._rollout: dict[str, tuple[int, int, int, int, datetime]] = {}
         #: uids whose agents' DaemonSet this process deleted (a Cleanup under way)
         self._agents_stopped: set[str] = set()
 
@@ -202,6 +210,22 @@ class Reconciler:
             self._apiserver = (found, now)
         return replace(opts, apiserver_endpoints=self._apiserver[0])
 
+    def _last_progress(self, uid: str, generation: int, ds: Obj | None) -> datetime | None:
+        """When the agents' rollout last made progress: a new generation or node count starts
+        one; a node more updated or ready is progress (fewer is none: a crashing agent does
+        not keep the deadline away)."""
+        if ds is None:
+            return None
+        r = Rollout.from_daemonset(ds)
+        mark = self._rollout.get(uid)
+        if mark is None or mark[:2] != (generation, r.desired):
+            mark = (generation, r.desired, r.updated, r.ready, self.clock())
+        elif r.updated > mark[2] or r.ready > mark[3]:
+            mark = (generation, r.desired, max(r.updated, mark[2]), max(r.ready, mark[3]),
+                    self.clock())  # fmt: skip
+        self._rollout[uid] = mark
+        return mark[4]
+
     def _lock(self, uid: str) -> asyncio.Lock:
         return self._locks.setdefault(uid, asyncio.Lock())
 
@@ -214,6 +238,7 @@ class Reconciler:
 
     def _forget(self, uid: str, pxc_name: str) -> None:
         self._status.pop(uid, None)
+        self._rollout.pop(uid, None)
         self._cleared.discard(uid)
         self._locks.pop(uid, None)
         self._told = {k: v for k, v in self._told.items() if k[0] != uid}
@@ -307,6 +332,18 @@ class Reconciler:
             takeover: TakeoverStatus | None = None
             preflight: Preflight | None = None
             previous = self._status.get(uid) or parse_status(body.get("status"))
+            mode = str((body.get("spec") or {}).get("mode", ""))
+            stored: Mapping[str, Any] | None = body.get("status")
+            if previous is None:
+                # A new object: its status says at once that the operator works on it (kstatus
+                # reads an object without status as Current), before any rollout work.
+                first = compute_status(
+                    Observed(generation, mode, admission, None, invalid=invalid,
+                             rollout_deadline=self.config.rollout_deadline),
+                    None, self.clock(),
+                )  # fmt: skip
+                if await self._write_status(name, stored, first):
+                    stored, previous = status_patch(first), first
             # Kept as last written when this pass fails before it is followed.
             mode_switch: ModeSwitchStatus | None = previous.mode_switch if previous else None
             try:
@@ -374,20 +411,29 @@ class Reconciler:
                                                 opts.namespace)  # fmt: skip
                     except ApiError:
                         ds = None
-            mode = str((body.get("spec") or {}).get("mode", ""))
             self._announce(uid, generation, mode, admission, emit)
             observed = Observed(generation, mode, admission, ds, error=error, invalid=invalid,
                                 conntrack_problems=problems, takeover=takeover,
-                                preflight=preflight, mode_switch=mode_switch)  # fmt: skip
+                                preflight=preflight, mode_switch=mode_switch,
+                                rollout_deadline=self.config.rollout_deadline,
+                                last_progress=self._last_progress(uid, generation, ds))  # fmt: skip
             status = compute_status(observed, previous, self.clock())
-            if not is_current(body.get("status"), status):
-                try:
-                    await self.api.patch_status("ProxyConfiguration", name, status_patch(status))
-                except ApiError as exc:
-                    log.warning("%s: cannot write the status: %s", name, exc)
-                    return status
-            self._status[uid] = status
+            if await self._write_status(name, stored, status):
+                self._status[uid] = status
             return status
+
+    async def _write_status(
+        self, name: str, stored: Mapping[str, Any] | None, status: ProxyConfigurationStatus
+    ) -> bool:
+        """Writes `status` unless `stored` says the same; False when the write failed (logged:
+        the next pass tries again)."""
+        if not is_current(stored, status):
+            try:
+                await self.api.patch_status("ProxyConfiguration", name, status_patch(status))
+            except ApiError as exc:
+                log.warning("%s: cannot write the status: %s", name, exc)
+                return False
+        return True
 
     def _follow_switch(
         self,

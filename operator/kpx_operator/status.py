@@ -1,15 +1,23 @@
 """Pure: a ProxyConfiguration's status from what was decided and observed.
 
-Conditions follow the Kubernetes conventions (metav1.Condition): one per type, always all four
-(Ready, Progressing, Degraded, Deprecated), each with the generation it was computed from, and
-a lastTransitionTime that moves only when its status flips.
+Conditions follow the Kubernetes conventions (metav1.Condition): one per type, always these six
+(Ready, Progressing, Degraded, Deprecated, and kstatus' Reconciling and Stalled), each with the
+generation it was computed from, and a lastTransitionTime that moves only when its status flips.
+
+Reconciling and Stalled carry the meaning sigs.k8s.io/cli-utils' kstatus gives them (Flux, kpt
+and `helm --wait` read them): "abnormal-true" conditions, False when all is well. Reconciling is
+True while the operator works towards the spec (agents roll out, a mode switch runs, a failed
+pass is retried); Stalled is True when it cannot make progress without a change from a person
+(an invalid spec, ipvs denied, a mode without backend, a node conflict, conntrack settings the
+agents cannot apply, a held or stuck mode switch, a rollout past its deadline). At most one of
+the two is True: kstatus reads the first True one in list order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Final
 
 from kpx_api import (
@@ -39,6 +47,18 @@ IPVS_DENIED_MESSAGE: Final = (
     "mode ipvs is denied by the operator (--ipvs-policy=deny), so nothing is deployed; "
     "mode ipvs is deprecated upstream: use mode nftables (recommended)"
 )
+
+#: Seconds a rollout may go without progress (no node more updated or ready) before Stalled says
+#: RolloutDeadlineExceeded (as a Deployment's progressDeadlineSeconds; --rollout-deadline).
+DEFAULT_ROLLOUT_DEADLINE: Final = 600.0
+
+#: Degraded reasons that only a person's change ends (each also makes Stalled True; a
+#: NodeConflict only on the side whose agents are kept off nodes).
+NEEDS_A_PERSON: Final = frozenset(
+    {"InvalidSpec", "IPVSDenied", "ModeNotImplemented", "ConntrackNotApplied"}
+)
+#: ModeSwitch reasons of a switch that stopped (the message says what to do).
+SWITCH_STOPPED: Final = frozenset({"NodeRolledBack", "NodeStuck"})
 
 CondTuple = tuple[ConditionType, ConditionStatus, str, str]
 
@@ -95,6 +115,11 @@ class Observed:
     preflight: Preflight | None = None
     #: The last change of spec.mode (mode_switch.py); None: none since the agents were deployed.
     mode_switch: ModeSwitchStatus | None = None
+    #: Seconds the rollout may go without progress before Stalled (None: no deadline).
+    rollout_deadline: float | None = DEFAULT_ROLLOUT_DEADLINE
+    #: When the rollout last made progress (a node more updated or ready); None: unknown, then
+    #: since Progressing became True.
+    last_progress: datetime | None = None
 
 
 def _cond(type_: ConditionType, status: ConditionStatus, reason: str, message: str) -> CondTuple:
@@ -188,6 +213,64 @@ def conditions_for(obs: Observed) -> list[CondTuple]:
     ]
 
 
+def kstatus_conditions(
+    found: list[CondTuple], progressing_since: datetime | None, now: datetime,
+    deadline: float | None, kept_out: bool = False,
+) -> list[CondTuple]:  # fmt: skip
+    """Reconciling and Stalled (kstatus) from the other conditions; `progressing_since`: since
+    when Progressing is True without progress (None: it is not True); `kept_out`: a conflict
+    keeps this configuration's agents off some of its nodes (the older side of a conflict runs
+    on all its nodes: nothing stalls there)."""
+    by_type = {c[0]: c for c in found}
+    reconciling, stalled = ConditionType.RECONCILING, ConditionType.STALLED
+
+    def said(type_: ConditionType, status: ConditionStatus) -> CondTuple | None:
+        c = by_type.get(type_)
+        return c if c is not None and c[1] == status else None
+
+    degraded = said(ConditionType.DEGRADED, TRUE)
+    preflight = said(ConditionType.PREFLIGHT, FALSE)
+    switch = said(ConditionType.MODE_SWITCH, FALSE)
+    progressing = said(ConditionType.PROGRESSING, TRUE)
+    stall: tuple[str, str] | None = None
+    if degraded is not None and (
+        degraded[2] in NEEDS_A_PERSON or (degraded[2] == "NodeConflict" and kept_out)
+    ):
+        stall = (degraded[2], degraded[3])
+    elif preflight is not None:
+        stall = (preflight[2], preflight[3])
+    elif switch is not None and switch[2] in SWITCH_STOPPED:
+        stall = (switch[2], switch[3])
+    elif (
+        progressing is not None
+        and progressing_since is not None
+        and deadline is not None
+        and now - progressing_since > timedelta(seconds=deadline)
+    ):
+        stall = (
+            "RolloutDeadlineExceeded",
+            f"the rollout made no progress for {deadline:g}s: {progressing[3]}",
+        )
+    if stall is not None:
+        return [
+            _cond(reconciling, FALSE, "Stalled", "the operator waits for a change: see Stalled"),
+            _cond(stalled, TRUE, *stall),
+        ]
+    not_stalled = _cond(stalled, FALSE, "AsExpected", "no problem needs a change from a person")
+    if degraded is not None and degraded[2] == "ReconcileFailed":
+        work: tuple[str, str] | None = ("ReconcileFailed", f"retrying: {degraded[3]}")
+    elif progressing is not None:
+        work = (progressing[2], progressing[3])
+    elif switch is not None:
+        work = ("ModeSwitching", switch[3])
+    else:
+        work = None
+    if work is not None:
+        return [_cond(reconciling, TRUE, *work), not_stalled]
+    return [_cond(reconciling, FALSE, "Reconciled", "nothing left to do for this generation"),
+            not_stalled]  # fmt: skip
+
+
 def compute_status(
     obs: Observed, previous: ProxyConfigurationStatus | None, now: datetime
 ) -> ProxyConfigurationStatus:
@@ -203,16 +286,27 @@ def compute_status(
         switch = mode_switch_condition(obs.mode_switch)
         found.append((ConditionType.MODE_SWITCH, ConditionStatus(switch[0]), switch[1],
                       switch[2]))  # fmt: skip
-    for type_, status, reason, message in found:
+
+    def since(type_: ConditionType, status: ConditionStatus) -> datetime:
         before = previous.condition(type_) if previous is not None else None
-        since = before.last_transition_time if before and before.status == status else now
+        return before.last_transition_time if before and before.status == status else now
+
+    progressing = next((c for c in found if c[0] == ConditionType.PROGRESSING), None)
+    progressing_since: datetime | None = None
+    if progressing is not None and progressing[1] == TRUE:
+        progressing_since = since(ConditionType.PROGRESSING, TRUE)
+        if obs.last_progress is not None:
+            progressing_since = max(progressing_since, obs.last_progress)
+    found += kstatus_conditions(found, progressing_since, now, obs.rollout_deadline,
+                                bool(obs.admission.kept_out))  # fmt: skip
+    for type_, status, reason, message in found:
         conditions.append(
             Condition(
                 type=type_,
                 status=status,
                 reason=reason,
                 message=message,
-                last_transition_time=since,
+                last_transition_time=since(type_, status),
                 observed_generation=obs.generation,
             )
         )
@@ -238,8 +332,10 @@ def status_patch(status: ProxyConfigurationStatus) -> dict[str, Any]:
 
 
 def parse_status(data: Mapping[str, Any] | None) -> ProxyConfigurationStatus | None:
-    """The status as stored (None when absent or unreadable: then every condition is new)."""
-    if not data:
+    """The status as the operator stored it: None when absent, unreadable, or not the
+    operator's (no observedGeneration: the CRD's default, kpx_api.UNSEEN_CONDITIONS, or only
+    kopf's bookkeeping); then every condition is new."""
+    if not data or data.get("observedGeneration") is None:
         return None
     try:
         return ProxyConfigurationStatus.model_validate(dict(data))

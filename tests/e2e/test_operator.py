@@ -229,7 +229,10 @@ def test_children_appear_unowned_and_server_side_applied(env: Env, leader: Opera
         assert obj is not None, (kind, name)
         # No ownerReference: only the finalizer (spec.deletionPolicy) decides their fate.
         assert "ownerReferences" not in obj["metadata"], (kind, obj["metadata"])
-        assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == "default"
+        # Nor app.kubernetes.io/instance: an Argo CD Application tracking by label would
+        # take an object without owner that carries it for its own (test_gitops_kustomization).
+        assert obj["metadata"]["labels"]["proxy.kpx.dev/configuration"] == "default"
+        assert "app.kubernetes.io/instance" not in obj["metadata"]["labels"]
         managers = {(m["manager"], m["operation"]) for m in obj["metadata"]["managedFields"]}
         assert ("kpx-operator", "Apply") in managers, (kind, managers)
     cm = env.get("configmap", "kpx-agent-default", NS)
@@ -257,11 +260,16 @@ def test_status_has_generation_and_conditions(env: Env, leader: Operator) -> Non
 
     st = wait_until(status, 30, "status with observedGeneration and a desired node")
     conds = {c["type"]: c for c in st["conditions"]}
-    assert set(conds) == {"Ready", "Progressing", "Degraded", "Deprecated"}
+    assert set(conds) == {
+        "Ready", "Progressing", "Degraded", "Deprecated", "Reconciling", "Stalled",
+    }  # fmt: skip
     assert all(c["observedGeneration"] == st["generation"] for c in conds.values())
-    # No kubelet: the agent pod never runs.
+    # No kubelet: the agent pod never runs (kstatus: InProgress, not Current).
     assert (conds["Ready"]["status"], conds["Progressing"]["status"]) == ("False", "True")
     assert conds["Progressing"]["reason"] == "RollingOut"
+    reconciling = conds["Reconciling"]
+    assert (reconciling["status"], reconciling["reason"]) == ("True", "RollingOut")
+    assert conds["Stalled"]["status"] == "False"
     assert conds["Deprecated"]["status"] == "False"
     assert (st["mode"], st["deprecated"], st["readyNodes"]) == ("nftables", False, 0)
     assert "kopf" in st  # kopf's bookkeeping is kept in status.kopf, not in annotations

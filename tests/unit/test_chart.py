@@ -244,6 +244,7 @@ def test_sync_check_detects_a_stale_chart(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setattr(sync_from_crds, "CRDS", crds)
     assert set(sync_from_crds.stale()) == {
         sync_from_crds.CRD_TEMPLATES / sync_from_crds.CRD_NAME,
+        sync_from_crds.GITOPS / "crds" / sync_from_crds.CRD_NAME,
         sync_from_crds.SCHEMA,
     }
 

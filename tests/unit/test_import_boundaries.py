@@ -222,6 +222,7 @@ NOT_APISERVER = {
     "tests/e2e/test_operator.py": {"urllib.request"},
     # the operator's own /healthz, /readyz and /metrics
     "tests/e2e/test_operator_health.py": {"urllib.request"},
+    "tests/e2e/operator_process.py": {"urllib.request"},
     # a fake apiserver (an aiohttp.web server) that answers kpx_kube's client with 429
     "tests/unit/test_reflector_retries.py": {"aiohttp"},
 }

@@ -219,12 +219,16 @@ def test_metrics_port_is_declared_unless_on_loopback(metrics: str, ports: dict[s
 def test_every_child_is_labelled_and_owned_by_no_one() -> None:
     """No ownerReference (issue #22): a garbage collector cascade, such as the foreground
     deletion Argo CD prunes with, would delete the agents before the operator applies
-    spec.deletionPolicy (Orphan keeps them, Cleanup goes node by node)."""
+    spec.deletionPolicy (Orphan keeps them, Cleanup goes node by node). So no
+    app.kubernetes.io/instance either: an Argo CD Application that tracks by that label and
+    shares its value would take them for its own (top-level, no owner) and prune them."""
     owner, spec = example("nftables")
     for obj in all_children(owner, spec):
         meta = obj["metadata"]
         assert "ownerReferences" not in meta
-        assert meta["labels"]["app.kubernetes.io/instance"] == "default"
+        assert "app.kubernetes.io/instance" not in meta["labels"]
+        assert not (meta.get("annotations") or {}).keys() & {"argocd.argoproj.io/tracking-id"}
+        assert meta["labels"]["proxy.kpx.dev/configuration"] == "default"
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "kpx-operator"
         assert meta["labels"]["app.kubernetes.io/name"] in ("kpx-agent", "kpx-cleanup")
         assert meta["namespace"] == "kpx-system"

@@ -30,6 +30,7 @@ class FakeApi:
         self.ds_status: dict[str, dict[str, Any]] = {}
         self.stuck: set[str] = set()  # DaemonSets whose foreground deletion does not finish
         self.statuses: list[dict[str, Any]] = []
+        self.children_at_status: list[int] = []  # how many objects existed at each status write
         self.deletes: list[tuple[str, str, str]] = []
         self.refuse: ApiError | None = None
         self.lists: list[tuple[str, str, str]] = []
@@ -93,6 +94,7 @@ class FakeApi:
 
     async def patch_status(self, kind: str, name: str, status: Mapping[str, Any]) -> Any:
         self.statuses.append(dict(status))
+        self.children_at_status.append(len(self.objs))
         return {}
 
     async def patch(
@@ -170,19 +172,31 @@ AGENT_KINDS = {  # the agents' ServiceAccount and RBAC are installed with the op
 }
 
 
-def test_first_pass_creates_the_children_and_writes_the_status_once() -> None:
+def conds(status: Mapping[str, Any]) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def test_first_pass_writes_a_status_before_the_children_then_the_status() -> None:
     api, events = FakeApi(), Events()
     api.ds_status["kpx-agent-default"] = {"desiredNumberScheduled": 0}
     r, pxc = reconciler(api), body()
     status = run(r.reconcile(pxc, [], {}, events))
     assert kinds(api) == AGENT_KINDS
     assert events.reasons() == ["Created"] * 2
-    assert len(api.statuses) == 1 and status is not None
+    # The first write comes before any child exists: kstatus reads Reconciling, not Current.
+    assert len(api.statuses) == 2 and api.children_at_status[0] == 0
+    first = conds(api.statuses[0])
+    assert first["Reconciling"] == ("True", "RollingOut")
+    assert first["Stalled"][0] == "False"
+    assert first["Ready"] == ("False", "AgentsNotDeployed")
+    assert api.statuses[0]["observedGeneration"] == 1
+    assert status is not None
     assert status.condition("Ready").reason == "NoMatchingNodes"
+    assert conds(api.statuses[1])["Reconciling"] == ("False", "Reconciled")
     # Same spec, stored status now current: nothing is written, nothing is said.
     pxc["status"] = api.statuses[-1]
     run(r.reconcile(pxc, [], {}, events))
-    assert len(api.statuses) == 1 and len(events) == 2
+    assert len(api.statuses) == 2 and len(events) == 2
 
 
 def test_drift_is_repaired_and_reported() -> None:
