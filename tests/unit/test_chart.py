@@ -795,7 +795,17 @@ def test_pod_monitor(helm_env: dict[str, str]) -> None:
                                             "interval": "15s",
                                             "metricRelabelings": [{"action": "labeldrop",
                                                                    "regex": "pod"}]}}}  # fmt: skip
-    monitor = the(render(helm_env, values), "PodMonitor")
+    monitors = {o["metadata"]["name"]: o for o in render(helm_env, values)
+                if o["kind"] == "PodMonitor"}  # fmt: skip
+    assert set(monitors) == {"kpx-agent", "kpx-operator"}
+    operator = monitors["kpx-operator"]
+    assert operator["spec"]["selector"] == {
+        "matchLabels": {"app.kubernetes.io/name": "kpx-operator"}
+    }
+    (endpoint,) = operator["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("metrics", "/metrics")
+    assert operator["metadata"]["labels"]["release"] == "prom"
+    monitor = monitors["kpx-agent"]
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["namespace"] == NAMESPACE
     assert monitor["metadata"]["labels"]["release"] == "prom"
