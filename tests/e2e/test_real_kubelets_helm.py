@@ -14,7 +14,6 @@ Needs `make image` (or archives built for this work tree in $KPX_IMAGES_DIR) and
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -25,8 +24,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-from kpx_cluster import images
+from kpx_cluster.kubelets import install
 from kpx_cluster.kubelets.cluster import RealCluster
+from kpx_cluster.kubelets.install import get, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -40,17 +40,6 @@ NAMESPACED = (
     "deployments,daemonsets,pods,configmaps,serviceaccounts,roles,rolebindings,poddisruptionbudgets"
 )
 CLUSTER_WIDE = "clusterroles,clusterrolebindings,flowschemas,prioritylevelconfigurations"
-
-
-def wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(1)
 
 
 def helm_binary() -> Path:
@@ -68,10 +57,10 @@ def helm_binary() -> Path:
 def real() -> Iterator[RealCluster]:
     if os.geteuid() != 0:
         pytest.fail("real nodes need root (namespaces, cgroups, mounts)", pytrace=False)
-    directory = images.archives_dir()
-    if images.missing(directory=directory):
-        pytest.fail("the kpx images are missing or stale: run `make image`", pytrace=False)
-    archives = [i.archive(directory) for i in images.images(images.project_version())]
+    try:
+        archives = install.archives("kpx")
+    except install.InstallFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
     rc = RealCluster(f"kpx-helm-{os.getpid()}", nodes=1, archives=archives)
     rc.up(timeout=180)
     try:
@@ -93,11 +82,6 @@ def helm(real: RealCluster, tmp_path_factory: pytest.TempPathFactory) -> Callabl
                               env=env, timeout=timeout)  # fmt: skip
 
     return run
-
-
-def get(rc: RealCluster, *args: str) -> dict[str, Any]:
-    out = rc.cluster.kubectl("get", *args, "-o", "json", check=False)
-    return dict(json.loads(out.stdout)) if out.returncode == 0 else {}
 
 
 def names(rc: RealCluster, kinds: str, *args: str) -> list[str]:

@@ -13,37 +13,20 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import pytest
 
-from kpx_cluster import images
 from kpx_cluster.kubelets import install
 from kpx_cluster.kubelets.cluster import RealCluster
+from kpx_cluster.kubelets.install import get, wait_until
 from kpx_cluster.kubelets.static_images import BUSYBOX_IMAGE
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 NS = "kpx-system"
 APP = "app"
 T = TypeVar("T")
-
-
-def wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = check()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.5)
-
-
-def get(rc: RealCluster, *args: str) -> dict[str, Any]:
-    out = rc.cluster.kubectl("get", *args, "-o", "json", check=False)
-    return dict(json.loads(out.stdout)) if out.returncode == 0 else {}
 
 
 def busybox_pod(name: str, node: str, labels: dict[str, str], serve: bool) -> dict[str, Any]:
@@ -77,10 +60,10 @@ def busybox_pod(name: str, node: str, labels: dict[str, str], serve: bool) -> di
 def real() -> Iterator[RealCluster]:
     if os.geteuid() != 0:
         pytest.fail("real nodes need root (namespaces, cgroups, mounts)", pytrace=False)
-    directory = images.archives_dir()
-    if images.missing(directory=directory):
-        pytest.fail("the kpx images are missing or stale: run `make image`", pytrace=False)
-    archives = [i.archive(directory) for i in images.images(images.project_version())]
+    try:
+        archives = install.archives("kpx")
+    except install.InstallFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
     rc = RealCluster(f"kpx-real-{os.getpid()}", nodes=2, archives=archives)
     rc.up(timeout=180)
     try:
