@@ -16,6 +16,7 @@ from typing import Any
 from kpx_api.constants import FIRST_SYNC_VERIFIED, ROLLED_BACK, SYNC_FAILED
 from kpx_api.errors import ConfigError
 from kpx_kube import AlreadyExists, ApiError, Client, collector
+from kpx_kube.recovery import Recovery
 from kpx_kube.reflector import Reflector, Resource
 
 from . import conntrack_sysctl, pod_events, service_problems
@@ -101,6 +102,9 @@ class Agent:
         self.settings = settings
         self.node_name = node_name
         self.client = client
+        #: one for all reflectors: after an apiserver outage they resume within seconds of its
+        #: return (a probe of /readyz per second at most), spread over up to 2 s
+        self.recovery = Recovery(client.ready)
         self.backend = backend
         self.config_path = config_path
         self._synced_once = False  # until the first sync was attempted
@@ -173,6 +177,7 @@ class Agent:
             self.state,
             field_selector=(lambda: selector),
             on_event=on_event or self._wake.set,
+            recovery=self.recovery,
         )
 
     def _queued(self) -> None:
@@ -192,6 +197,7 @@ class Agent:
             self.state,
             field_selector=lambda: exclusion_field_selector(self.proxier.excluded),
             on_event=self._wake.set,
+            recovery=self.recovery,
         )
 
     def _count_packets(self) -> None:

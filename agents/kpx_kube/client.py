@@ -183,6 +183,28 @@ class Client:
             raise ApiError(status, "BadResponse", f"{req.what}: not JSON: {exc}") from exc
         return Reply(status, doc if isinstance(doc, dict) else {"items": doc})
 
+    async def ready(self, timeout: float = 2.0) -> bool:
+        """The apiserver answers `/readyz` with 200 (it serves, etcd included); any client
+        may read it (system:public-info-viewer). False on any other answer or none."""
+        auth = await self._auth()
+        req = self._build("GET", "/readyz", auth)
+        started = time.monotonic()
+        try:
+            async with self.session.request(
+                req.method,
+                self.creds.server + req.path,
+                headers=req.headers,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+                ssl=auth.ssl,
+            ) as resp:
+                await resp.read()
+                status = resp.status
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            self._observe(req.method, started, None)
+            return False
+        self._observe(req.method, started, status)
+        return status == 200
+
     async def get(self, path: str, params: Mapping[str, str] | None = None) -> Obj:
         return (await self.request("GET", path, params=params)).body
 

@@ -17,7 +17,9 @@ When a watch ends, as client-go (tools/cache/reflector.go) does:
   NAT entry dropped): dropped and resumed at once from the last resourceVersion;
 - refused with a `Retry-After` (429 from API Priority and Fairness, or a 5xx): wait as long
   as it says, then retry; any other refusal or a lost connection: wait as above, then resume
-  from the last resourceVersion;
+  from the last resourceVersion. With a `recovery` (the agent's), that wait ends early once
+  the apiserver answers a probe again, after a random delay of up to 2 s (`recovery`): after
+  an outage the agents resume within seconds, spread out;
 - anything unexpected (an event that is not an object, a line that is not JSON, a store that
   fails on an object): logged, `failure` says it, and the reflector lists again after a wait
   (its view may have missed or mangled an event). `failure` stays set until a list succeeds:
@@ -46,6 +48,7 @@ from typing import Any, Protocol
 from .backoff import Backoff
 from .client import event_error
 from .errors import ApiError, Gone, WatchIdle
+from .recovery import Recovery
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +125,7 @@ class Reflector:
         backoff: Backoff | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
+        recovery: Recovery | None = None,
     ) -> None:
         self.client = client
         self.resource = resource
@@ -141,6 +145,8 @@ class Reflector:
         self._selector_in_use = ""
         self._rv = ""  # the last resourceVersion seen (a list's, an event's or a bookmark's)
         self.backoff = backoff or Backoff()
+        #: cuts a wait after a failed request short once the apiserver answers again
+        self.recovery = recovery
         self.sleep = sleep
         self.clock = clock
         self._events = 0  # events (bookmarks too) the current watch delivered
@@ -271,6 +277,7 @@ class Reflector:
         gone = False  # the last watch ended with 410 Gone: the next list must be consistent
         while True:
             wait = 0.0
+            failed_request = False  # the wait may end as soon as the apiserver answers
             try:
                 if not rv:
                     rv = await self._list(consistent=gone)
@@ -306,6 +313,7 @@ class Reflector:
                     rv, gone = "", True
                 told = exc.retry_after if isinstance(exc, ApiError) else None
                 wait = told if told is not None else self.backoff.next()
+                failed_request = told is None  # Retry-After is honoured to the end
                 log.warning("%s: %s; retrying in %.1fs", self.resource.kind, exc, wait)
             except Exception as exc:  # a bad event, a failing store: list again
                 rv = ""
@@ -314,7 +322,9 @@ class Reflector:
                 wait = self.backoff.next()
                 log.exception("%s: unexpected error, listing again in %.1fs",
                               self.resource.kind, wait)  # fmt: skip
-            if wait > 0:
+            if wait > 0 and failed_request and self.recovery is not None:
+                await self.recovery.wait(wait)
+            elif wait > 0:
                 await self.sleep(wait)
 
     async def _watch_until_reselect(self, rv: str) -> str:

@@ -17,6 +17,13 @@ from kpx_agent.takeover import Leftover, LeftoverRemoval
 from kpx_api.agentconfig import parse_agent_config
 
 
+class _Client:
+    """No apiserver: the agent's reflectors are not run here."""
+
+    async def ready(self) -> bool:
+        return False
+
+
 def _rollback(deadline: float = 30.0) -> RollbackSettings:
     config = parse_agent_config({"mode": "iptables"})
     return RollbackSettings(settings_mod.resolve(config), deadline)
@@ -188,7 +195,7 @@ def test_the_agent_rolls_back_in_process_and_keeps_the_old_modes_settings_live(
     agent = Agent(
         settings,
         "n1",
-        object(),
+        _Client(),
         _Backend("nftables", settings.proxy),  # type: ignore[arg-type]
         config_path=path,
         backend_for=backend_for,
