@@ -323,7 +323,8 @@ class Reflector:
                 log.exception("%s: unexpected error, listing again in %.1fs",
                               self.resource.kind, wait)  # fmt: skip
             if wait > 0 and failed_request and self.recovery is not None:
-                await self.recovery.wait(wait)
+                if await self.recovery.wait(wait):
+                    self.backoff.reset()  # it is back: a 410 next waits 0.8 s, not 30-60
             elif wait > 0:
                 await self.sleep(wait)
 

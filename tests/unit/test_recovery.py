@@ -31,7 +31,7 @@ def test_a_long_wait_ends_within_seconds_of_the_apiserver_coming_back() -> None:
     clock = Clock()
     slept: list[float] = []
     rec = recovery(clock, back_at=clock.now + 5.0, slept=slept)
-    asyncio.run(rec.wait(50.0))
+    assert asyncio.run(rec.wait(50.0)) is True
     # probes every 1.5 s (1 s jittered by half) until one answers at 6 s, then a spread of 1 s
     # (half of 2 s): 7 s instead of 50
     assert clock.now - 1000.0 == pytest.approx(7.0)
@@ -42,7 +42,7 @@ def test_the_wait_keeps_its_length_while_the_apiserver_stays_away() -> None:
     clock = Clock()
     slept: list[float] = []
     rec = recovery(clock, back_at=float("inf"), slept=slept)
-    asyncio.run(rec.wait(10.0))
+    assert asyncio.run(rec.wait(10.0)) is False
     assert clock.now - 1000.0 == pytest.approx(10.0)
     assert rec.early == 0
     assert rec.probes == 6  # one per 1.5 s, none after the deadline
@@ -129,6 +129,33 @@ def test_a_reflector_resumes_within_seconds_after_an_outage() -> None:
     rec = run_with_recovery(Outage(clock, back_at), clock, back_at)
     assert rec.early == 1
     assert 0 <= clock.now - back_at < 4.0
+
+
+class GoneAfterOutage(Outage):
+    """After the outage the first watch gets 410 Gone (a restarted apiserver's watch cache
+    no longer has the resourceVersion); the relist's watch then ends the run."""
+
+    def __init__(self, clock: Clock, back_at: float) -> None:
+        super().__init__(clock, back_at)
+        self.gone_sent = False
+
+    def watch(self, resource: str, path: str, params: Mapping[str, str]) -> AsyncIterator[Obj]:
+        if self.clock.now >= self.back_at and not self.gone_sent:
+            self.gone_sent = True
+            expired = {"type": "ERROR", "object": {"kind": "Status", "code": 410}}
+            return FakeApi([[expired]]).watch(resource, path, params)
+        return super().watch(resource, path, params)
+
+
+def test_a_410_after_the_outage_relists_within_seconds_not_after_the_grown_backoff() -> None:
+    clock = Clock()
+    back_at = clock.now + 40.0
+    api = GoneAfterOutage(clock, back_at)
+    rec = run_with_recovery(api, clock, back_at)
+    assert rec.early == 1 and api.gone_sent
+    assert api.kinds()[-2:] == ["list", "watch"]  # relisted, then watched
+    # the relist waited the backoff's first step (0.8 s, jitter at its top: 1.6 s), not 60 s
+    assert clock.now - back_at < 4.0 + 1.6
 
 
 def test_retry_after_is_honoured_to_the_end() -> None:
