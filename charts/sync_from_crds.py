@@ -105,8 +105,10 @@ def render_schema(current: str, crd_text: str) -> str:
 def expected() -> dict[Path, str]:
     """What each chart file derived from crds/ should contain."""
     crd_text = (CRDS / CRD_NAME).read_text(encoding="utf-8")
+    copies = {CHART / "crds" / f.name: f.read_text(encoding="utf-8")
+              for f in sorted(CRDS.glob("*.yaml"))}  # fmt: skip
     return {
-        CHART / "crds" / CRD_NAME: crd_text,
+        **copies,
         SCHEMA: render_schema(SCHEMA.read_text(encoding="utf-8"), crd_text),
     }
 

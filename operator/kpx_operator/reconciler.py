@@ -299,7 +299,7 @@ class Reconciler:
             pxcs = list(pxcs)
             orphaned = await self._orphaned(name, pxcs)
             spec, invalid, admission = self._decide(body, pxcs, nodes, orphaned)
-            owner = Owner(name, uid)
+            owner = Owner(name, uid, generation)
             opts = await self._options()
             error: str | None = None
             ds: Obj | None = None

@@ -269,7 +269,7 @@ def test_no_namespace_object(helm_env: dict[str, str]) -> None:
 
 CLUSTER_SCOPED = (
     "ClusterRole", "ClusterRoleBinding", "ProxyConfiguration", "FlowSchema",
-    "PriorityLevelConfiguration",
+    "PriorityLevelConfiguration", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
 )  # fmt: skip
 
 

@@ -350,10 +350,18 @@ def test_agent_role_is_exactly_what_the_agent_reads() -> None:
             ("discovery.k8s.io", "endpointslices"),
         )
         for verb in ("get", "list", "watch")
-    } | {("", "events", "create")}  # Warning Events on Services it leaves out
+    } | {("", "events", "create")} | {  # Warning Events on Services it leaves out
+        # Its own node's ProxyNodeState (the admission policy keeps it to its own node).
+        ("proxy.kpx.dev", "proxynodestates", "create"),
+        ("proxy.kpx.dev", "proxynodestates", "get"),
+        ("proxy.kpx.dev", "proxynodestates/status", "get"),
+        ("proxy.kpx.dev", "proxynodestates/status", "patch"),
+    }
     for _, rule in _rules([role]):
-        assert set(rule["verbs"]) <= {"get", "list", "watch", "create"}
-        assert "create" not in rule["verbs"] or rule["resources"] == ["events"]
+        assert set(rule["verbs"]) <= {"get", "list", "watch", "create", "patch"}
+        assert "create" not in rule["verbs"] or rule["resources"] in (
+            ["events"], ["proxynodestates"])  # fmt: skip
+        assert "patch" not in rule["verbs"] or rule["resources"] == ["proxynodestates/status"]
         assert "secrets" not in rule["resources"]
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
 
