@@ -350,8 +350,9 @@ class Reconciler:
                     if reports is not None and not spec.conntrack.leaves_node_alone():
                         problems = conntrack_problems(*reports)
                     if mode_switch is not None and reports is not None:
-                        mode_switch = self._follow_switch(uid, generation, mode_switch, spec,
-                                                          reports, nodes, emit)  # fmt: skip
+                        mode_switch = await self._follow_switch(
+                            uid, generation, mode_switch, spec, reports[0], nodes, emit
+                        )
                     if reports is not None and spec.takeover.from_kube_proxy:
                         takeover = await self._take_over(uid, spec, reports, nodes, previous,
                                                          emit)  # fmt: skip
@@ -389,23 +390,29 @@ class Reconciler:
             self._status[uid] = status
             return status
 
-    def _follow_switch(
+    async def _follow_switch(
         self,
         uid: str,
         generation: int,
         switch: ModeSwitchStatus,
         spec: ProxyConfigurationSpec,
-        reports: tuple[list[Obj], list[Obj]],
+        pods: list[Obj],
         nodes: Mapping[str, Mapping[str, str]],
         emit: EventFn,
     ) -> ModeSwitchStatus:
-        """status.modeSwitch for this pass: each node's phase; a Warning Event ModeSwitchStuck
-        once per set of stuck nodes (and generation), ModeSwitchRolledBack once per set of
-        rolled-back nodes, a Normal ModeSwitchFinished at the end."""
+        """status.modeSwitch for this pass: each node's phase (from the agent Pods and the
+        ProxyNodeStates); a Warning Event ModeSwitchStuck once per set of stuck nodes (and
+        generation), ModeSwitchRolledBack once per set of rolled-back nodes, a Normal
+        ModeSwitchFinished at the end. Unchanged when the ProxyNodeStates cannot be read."""
         if switch.finished_at is not None:
             return switch
+        try:
+            states = await self.api.list("ProxyNodeState")
+        except ApiError as exc:
+            log.warning("cannot read the ProxyNodeStates: %s", exc)
+            return switch
         now = self.clock()
-        phases = switch_phases(*reports, str(switch.from_mode), str(switch.to_mode), now,
+        phases = switch_phases(pods, states, str(switch.from_mode), str(switch.to_mode), now,
                                stuck_after(spec))  # fmt: skip
         status = switch_status(switch, phases, nodes.keys(), now)
         back = rolled_back(status)
