@@ -641,3 +641,16 @@ def test_external_sidecar_follows_the_socket_directory() -> None:
         {"name": "state-api", "mountPath": "/var/run/kpx"}
     ]
     assert pod["containers"][0]["command"][-1] == "/var/run/kpx/s.sock"
+
+
+def test_the_configmap_carries_the_generation_beside_the_configuration() -> None:
+    """The agents report the generation they synced (ProxyNodeState); it changes no pod
+    template (a spec change that only the ConfigMap carries rolls no agent)."""
+    owner, spec = example("nftables")
+    seven = Owner(owner.name, owner.uid, generation=7)
+    data = builders.config_map(seven, spec, OPTS)["data"]
+    assert data["generation"] == "7" and set(data) == {"config.yaml", "generation"}
+    eight = Owner(owner.name, owner.uid, generation=8)
+    ds = [builders.agent_daemonset(o, spec, OPTS) for o in (seven, eight)]
+    assert ds[0]["spec"]["template"] == ds[1]["spec"]["template"]
+    assert "generation" not in builders.config_map(owner, spec, OPTS)["data"]  # unknown: 0
