@@ -64,7 +64,9 @@ class NodeStateWriter:
             if wait is None:
                 continue
             if wait > 0:
-                await asyncio.sleep(wait)  # coalesce: what holds after the wait is written
+                # Coalesce: what holds after the wait is written. A hair past the end of the
+                # interval: a timer may fire a clock tick early, and the gate is strict.
+                await asyncio.sleep(wait + 0.005)
             await self.write_once()
 
     async def write_once(self) -> bool:

@@ -7,11 +7,12 @@ ProxyNodeState (ownerReference)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -236,3 +237,53 @@ def test_deleting_the_node_deletes_its_node_state(env: Env) -> None:
     assert writer.writes == 1 and env.node_state(node) is not None
     env.kubectl("delete", "node", node)
     wait_for(lambda: env.node_state(node) is None, 120, "the garbage collector")
+
+
+def test_the_writer_coalesces_changes_to_one_write_per_period(env: Env) -> None:
+    """The agent's writer loop: 30 changes 0.1 s apart with a 1 s period make at most one
+    write per second of the busy window (plus one), at least 1 s apart, the last one holding
+    the last change; syncs that change nothing but their time make none."""
+    node = f"pns-busy-{RUN}"
+    current = [facts()]
+
+    async def run() -> tuple[int, float, list[float]]:
+        client = Client(from_kubeconfig(env.cluster.kubeconfig))
+        writer = NodeStateWriter(client, node, lambda: current[0], interval=1.0)
+        times: list[float] = []
+        wrote = writer.gate.wrote
+
+        def noted(status: Any, now: float) -> None:
+            times.append(now)
+            wrote(status, now)
+
+        writer.gate.wrote = noted  # type: ignore[method-assign]
+        task = asyncio.create_task(writer.run())
+        try:
+            writer.poke()
+            await asyncio.sleep(1.5)
+            first = writer.writes
+            started = time.monotonic()
+            for i in range(30):
+                current[0] = replace(current[0], endpoints=100 + i)
+                writer.poke()
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.5)
+            busy, window = writer.writes - first, time.monotonic() - started
+            for _ in range(20):  # the same facts, newer syncs
+                current[0] = replace(current[0], last_sync=SyncRecord(datetime.now(UTC), 0.1, True))
+                writer.poke()
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(1.2)
+            assert writer.writes - first == busy, "a sync that changes nothing was written"
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await client.close()
+        return busy, window, times
+
+    busy, window, times = asyncio.run(run())
+    assert 3 <= busy <= int(window) + 1, (busy, window)
+    assert min(b - a for a, b in itertools.pairwise(times)) >= 1.0
+    obj = env.node_state(node)
+    assert obj is not None and obj["status"]["programmed"]["endpoints"] == 129
+    env.kubectl("delete", "proxynodestate", node)
