@@ -97,7 +97,7 @@ NODE_STATE_COLUMNS: list[dict[str, Any]] = [
     {"name": "Last-Sync", "type": "date", "jsonPath": ".status.lastSync.time",
      "description": "When the latest successful sync ended."},
     {"name": "Last-Error", "type": "string", "jsonPath": ".status.lastError.message",
-     "description": "The latest sync error (empty after a successful sync)."},
+     "description": "The latest sync error (kept after a recovery: compare Last-Sync)."},
 ]  # fmt: skip
 
 

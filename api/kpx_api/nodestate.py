@@ -112,7 +112,9 @@ class ProxyNodeStateStatus(KpxModel):
     last_sync: LastSync | None = Field(default=None, description="The latest successful sync.")
     programmed: Programmed | None = Field(default=None, description="What is programmed.")
     last_error: LastError | None = Field(
-        default=None, description="The latest sync error (absent after a successful sync)."
+        default=None,
+        description="The latest sync error, kept after later successful syncs (a lastSync.time "
+        "after its time: the node recovered).",
     )
     leftovers_pending: Annotated[list[PendingLeftover], Field(max_length=8)] = Field(
         default_factory=list,
