@@ -134,6 +134,8 @@ class Agent:
         self.conntrack_paths = conntrack_paths or conntrack_sysctl.ConntrackPaths()
         self.pod = pod_events.PodRef.from_env()
         self._conntrack_failed = False
+        #: What of spec.conntrack is not applied (its ProxyNodeState), "" when all is.
+        self._conntrack_not_applied = ""
         #: (error, monotonic time) of the last SyncFailed Event (rate limit).
         self._sync_failure_told: tuple[str, float] | None = None
         #: Reasons the service-problems metric has shown (set back to 0 when none is left).
@@ -205,6 +207,7 @@ class Agent:
             endpoints=endpoints,
             rules=int(element_count()) if element_count is not None else 0,
             last_error=self._last_error_record,
+            conntrack_not_applied=self._conntrack_not_applied,
             leftovers=removal.pending_messages() if removal is not None else (),
         )
 
@@ -630,6 +633,8 @@ class Agent:
         self.metrics.conntrack_not_applied.set(len(outcome.failures))
         for failure in outcome.failures:
             self.metrics.conntrack_apply_failures.labels(failure.partition(":")[0]).inc()
+        self._conntrack_not_applied = "; ".join(outcome.failures)
+        self._node_state_changed()
         if outcome.failures:
             message = "conntrack settings not applied: " + "; ".join(outcome.failures)
             await self._report("Warning", pod_events.CONNTRACK_NOT_APPLIED, message)

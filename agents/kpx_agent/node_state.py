@@ -61,6 +61,7 @@ class NodeFacts:
     endpoints: int = 0
     rules: int = 0
     last_error: ErrorRecord | None = None
+    conntrack_not_applied: str = ""
     #: (whose rules, why still there) of the leftovers not removed yet
     leftovers: Sequence[tuple[str, str]] = field(default_factory=tuple)
 
@@ -83,6 +84,7 @@ def status_of(facts: NodeFacts) -> dict[str, Any]:
         "programmed": {
             "services": facts.services, "endpoints": facts.endpoints, "rules": facts.rules,
         },
+        "conntrackNotApplied": _brief(facts.conntrack_not_applied),
         "leftoversPending": [{"name": n, "message": _brief(m)} for n, m in facts.leftovers],
         # Absent fields are sent as null: a merge patch then removes what no longer holds.
         "configurationGeneration": facts.generation,

@@ -116,6 +116,11 @@ class ProxyNodeStateStatus(KpxModel):
         description="The latest sync error, kept after later successful syncs (a lastSync.time "
         "after its time: the node recovered).",
     )
+    conntrack_not_applied: Message = Field(
+        default="",
+        description="What of spec.conntrack the agent could not set on its node (empty: all "
+        "of it is applied).",
+    )
     leftovers_pending: Annotated[list[PendingLeftover], Field(max_length=8)] = Field(
         default_factory=list,
         description="Other proxies' rules still on the node, removed after the agent's first "

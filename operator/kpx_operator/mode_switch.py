@@ -40,9 +40,7 @@ from datetime import datetime
 from typing import Any, Final
 
 from kpx_api.agentconfig import AgentConfiguration, Rollback
-from kpx_api.errors import ConfigError
 from kpx_api.modes import KERNEL_BACKEND_MODES, SETTINGS_CLASS, IPVSSettings, Mode
-from kpx_api.nodestate import ProxyNodeStateStatus, parse_node_state_status
 from kpx_api.proxyconfiguration import (
     DEFAULT_PROGRESS_DEADLINE,
     ModeSwitchNode,
@@ -52,7 +50,7 @@ from kpx_api.proxyconfiguration import (
 )
 
 from .admission import node_list
-from .agent_reports import live_agents
+from .agent_reports import live_agents, node_states
 from .builders import AGENT_CONTAINER
 
 Phase = ModeSwitchPhase
@@ -155,27 +153,6 @@ def _container_trouble(pod: Mapping[str, Any]) -> str:
             detail = f": {waiting['message']}" if waiting.get("message") else ""
             return f"container {waiting['reason']}{detail}"
     return ""
-
-
-def node_states(
-    objects: Iterable[Mapping[str, Any]], live: Mapping[str, str]
-) -> dict[str, ProxyNodeStateStatus]:
-    """agent Pod uid -> the status of its node's ProxyNodeState, for each live agent Pod that
-    wrote the ProxyNodeState of its own node (a state written by a Pod that is gone, or that
-    does not parse, does not count)."""
-    out: dict[str, ProxyNodeStateStatus] = {}
-    for obj in objects:
-        name = str((obj.get("metadata") or {}).get("name") or "")
-        try:
-            status = parse_node_state_status(obj.get("status"))
-        except ConfigError:
-            continue
-        if status is None or status.agent_pod is None:
-            continue
-        uid = status.agent_pod.uid
-        if live.get(uid) == name:
-            out[uid] = status
-    return out
 
 
 def node_phases(
