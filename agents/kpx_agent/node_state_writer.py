@@ -55,10 +55,18 @@ class NodeStateWriter:
         """Something the status shows may have changed."""
         self._wake.set()
 
+    async def _poked(self, timeout: float) -> None:
+        """Until poked, or `timeout` s. Not asyncio.wait_for: on Python 3.11 it swallows a
+        cancellation that comes as the poke does, and the agent would never stop this task."""
+        waiter = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({waiter}, timeout=timeout)
+        finally:
+            waiter.cancel()
+
     async def run(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.gate.interval)
+            await self._poked(self.gate.interval)
             self._wake.clear()
             wait = self.gate.wait(status_of(self.facts()), self.clock())
             if wait is None:

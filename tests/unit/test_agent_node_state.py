@@ -76,3 +76,26 @@ def test_the_object_is_owned_by_its_node() -> None:
         {"apiVersion": "v1", "kind": "Node", "name": "n1", "uid": "uid-n1"}
     ]
     assert "ownerReferences" not in node_state_object("n1", None)["metadata"]
+
+
+@pytest.mark.parametrize("ticks", [0, 1, 2, 3])
+def test_the_writer_stops_when_cancelled_as_it_is_poked(ticks: int) -> None:
+    """The agent cancels the writer at shutdown; a poke at that moment must not swallow the
+    cancellation (asyncio.wait_for does on Python 3.11), or the agent never stops."""
+    import asyncio
+
+    from kpx_agent.node_state_writer import NodeStateWriter
+
+    async def scenario() -> None:
+        writer = NodeStateWriter(object(), "n1", lambda: FACTS, interval=30)  # type: ignore[arg-type]
+        writer.gate.wrote(status_of(FACTS), 0.0)  # nothing new to write: no request
+        task = asyncio.create_task(writer.run())
+        await asyncio.sleep(0.01)
+        writer.poke()
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=2)
+        assert task in done and task.cancelled()
+
+    asyncio.run(scenario())
