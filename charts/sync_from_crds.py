@@ -149,9 +149,10 @@ def render_schema(current: str, crd_text: str) -> str:
 def expected() -> dict[Path, str]:
     """What each chart file derived from crds/ should contain."""
     crd_text = (CRDS / CRD_NAME).read_text(encoding="utf-8")
+    copies = {f.name: f.read_text(encoding="utf-8") for f in sorted(CRDS.glob("*.yaml"))}
     return {
-        CRD_TEMPLATES / CRD_NAME: crd_template(crd_text),
-        GITOPS / "crds" / CRD_NAME: crd_text,
+        **{CRD_TEMPLATES / name: crd_template(text) for name, text in copies.items()},
+        **{GITOPS / "crds" / name: text for name, text in copies.items()},
         SCHEMA: render_schema(SCHEMA.read_text(encoding="utf-8"), crd_text),
     }
 

@@ -13,19 +13,26 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kpx_api.constants import FIRST_SYNC_VERIFIED, ROLLED_BACK, SYNC_FAILED
+from kpx_api.constants import (
+    CONFIG_GENERATION_KEY,
+    FIRST_SYNC_VERIFIED,
+    ROLLED_BACK,
+    SYNC_FAILED,
+)
 from kpx_api.errors import ConfigError
 from kpx_kube import AlreadyExists, ApiError, Client, collector
 from kpx_kube.recovery import Recovery
 from kpx_kube.reflector import Reflector, Resource
 
-from . import conntrack_sysctl, pod_events, service_problems
+from . import __version__, conntrack_sysctl, pod_events, service_problems
 from . import settings as settings_mod
 from .backends.base import Backend
 from .cluster_state import ClusterState
 from .http_endpoints import RetryingServer, health_app, metrics_app
 from .localnet import NodeLocalState, ServicePortKey
 from .metrics import FAMILY_LABELS, AgentMetrics, no_local_endpoints, watch_loop
+from .node_state import DEFAULT_WRITE_INTERVAL, ErrorRecord, NodeFacts, SyncRecord
+from .node_state_writer import NodeStateWriter
 from .optout import exclusion_field_selector
 from .proxier import Proxier
 from .proxy_health import ProxyHealth, health_timeout
@@ -98,6 +105,7 @@ class Agent:
         overrides: dict[str, object] | None = None,
         conntrack_paths: conntrack_sysctl.ConntrackPaths | None = None,
         backend_for: Callable[[AgentSettings], Backend] | None = None,
+        node_state_interval: float | None = DEFAULT_WRITE_INTERVAL,
     ) -> None:
         self.settings = settings
         self.node_name = node_name
@@ -131,6 +139,8 @@ class Agent:
         self.conntrack_paths = conntrack_paths or conntrack_sysctl.ConntrackPaths()
         self.pod = pod_events.PodRef.from_env()
         self._conntrack_failed = False
+        #: What of spec.conntrack is not applied (its ProxyNodeState), "" when all is.
+        self._conntrack_not_applied = ""
         #: (error, monotonic time) of the last SyncFailed Event (rate limit).
         self._sync_failure_told: tuple[str, float] | None = None
         #: Reasons the service-problems metric has shown (set back to 0 when none is left).
@@ -153,6 +163,63 @@ class Agent:
         if settings.state_api is not None:
             self.state_server = StateServer(Publisher(), parse_address(settings.state_api))
             self.proxier.on_synced = self._publish_state
+        #: This node's ProxyNodeState (node_state.py): the latest successful sync and error,
+        #: and the configuration generation loaded / synced.
+        self._last_sync: SyncRecord | None = None
+        self._last_error_record: ErrorRecord | None = None
+        self._loaded_generation = self._read_generation()
+        self._synced_generation: int | None = None
+        self.node_state: NodeStateWriter | None = None
+        if node_state_interval is not None:
+            self.node_state = NodeStateWriter(client, node_name, self.node_facts,
+                                              self._node_uid, node_state_interval)  # fmt: skip
+
+    # -- this node's ProxyNodeState -------------------------------------------------------------
+    def _read_generation(self) -> int | None:
+        """The ProxyConfiguration generation beside the configuration file (the operator's
+        ConfigMap key CONFIG_GENERATION_KEY); None without one."""
+        if self.config_path is None:
+            return None
+        try:
+            text = (self.config_path.parent / CONFIG_GENERATION_KEY).read_text().strip()
+        except OSError:
+            return None
+        return int(text) if text.isdigit() else None
+
+    def _node_uid(self) -> str | None:
+        node = self.state.node or {}
+        return str((node.get("metadata") or {}).get("uid") or "") or None
+
+    def node_facts(self) -> NodeFacts:
+        """What this agent has programmed, for its ProxyNodeState."""
+        services = endpoints = 0
+        for port in self.proxier.local.services.values():
+            services += 1
+            if port.external_endpoints == port.cluster_endpoints:
+                endpoints += len(port.cluster_endpoints)
+            else:
+                endpoints += len(set(port.cluster_endpoints) | set(port.external_endpoints))
+        element_count = getattr(self.backend, "element_count", None)
+        removal = self.leftover_removal
+        return NodeFacts(
+            mode=self.settings.mode,
+            agent_version=__version__,
+            pod=(self.pod.name, self.pod.namespace, self.pod.uid) if self.pod else None,
+            generation=self._synced_generation,
+            verified=self.first_sync_verified.is_set(),
+            rolled_back=self.rolled_back,
+            last_sync=self._last_sync,
+            services=services,
+            endpoints=endpoints,
+            rules=int(element_count()) if element_count is not None else 0,
+            last_error=self._last_error_record,
+            conntrack_not_applied=self._conntrack_not_applied,
+            leftovers=removal.pending_messages() if removal is not None else (),
+        )
+
+    def _node_state_changed(self) -> None:
+        if self.node_state is not None:
+            self.node_state.poke()
 
     def _publish_state(
         self, local: NodeLocalState, changed: Collection[ServicePortKey] | None
@@ -249,6 +316,8 @@ class Agent:
                 await self.state_server.start()
             tasks += [asyncio.create_task(companion()) for companion in self.companions]
             tasks.append(asyncio.create_task(self._post_problem_events()))
+            if self.node_state is not None:
+                tasks.append(asyncio.create_task(self.node_state.run()))
             await self.apply_conntrack()
             namespaces = self._reflector(NAMESPACES_RESOURCE)
             node = self._reflector(
@@ -354,6 +423,8 @@ class Agent:
             if outcome.ok:
                 retry_delay = 0.0
                 self._sync_failure_told = None
+                self._last_sync = SyncRecord(datetime.now(UTC), outcome.duration, outcome.full)
+                self._synced_generation = self._loaded_generation
                 self.health.updated()
                 if self.state.has_changes():  # recorded while this sync ran: still pending
                     self.health.queued_update()
@@ -367,7 +438,12 @@ class Agent:
                 retry_delay = min(max(retry_delay * 2, 1.0), 30.0)
                 self.state.touch_all()
                 self._last_error = brief_error(outcome.error)
+                self._last_error_record = ErrorRecord(
+                    f"mode {self.settings.mode}: {self._last_error or 'unknown error'}",
+                    datetime.now(UTC),
+                )
                 await self._report_sync_failure(outcome.error)
+            self._node_state_changed()
 
     def _queue_problem_events(self) -> None:
         """Publish the Service problems' metric, and queue the new ones for their Events."""
@@ -421,6 +497,7 @@ class Agent:
             self._wake.set()
             return
         self.first_sync_verified.set()
+        self._node_state_changed()
         if self.rolled_back:
             # Not Ready for good (rolled back); no FirstSyncVerified: the node did not switch.
             log.info("mode %s (rolled back) verified: its rules are programmed",
@@ -495,6 +572,7 @@ class Agent:
         if self.leftover_removal is not None and self.leftovers_of is not None:
             self.leftover_removal.reset(self.leftovers_of(self.settings))
             self._start_leftover_removal()
+        self._node_state_changed()
         await self._report("Warning", ROLLED_BACK, message)
         return True
 
@@ -503,7 +581,9 @@ class Agent:
         if self.config_path is None:
             return b""
         try:
-            return self.config_path.read_bytes()
+            generation = self.config_path.parent / CONFIG_GENERATION_KEY
+            extra = generation.read_bytes() if generation.exists() else b""
+            return self.config_path.read_bytes() + b"\0" + extra
         except OSError:
             return b""
 
@@ -557,8 +637,12 @@ class Agent:
             self.proxier.request_full_sync()
         self.proxier.optout = new.optout
         self.settings = new
+        self._loaded_generation = self._read_generation()
+        if not self.state.has_changes():  # nothing to sync for it: in effect now
+            self._synced_generation = self._loaded_generation
         log.info("configuration reloaded")
         self._wake.set()
+        self._node_state_changed()
         return True
 
     # -- the node's conntrack settings ---------------------------------------------------------
@@ -570,6 +654,8 @@ class Agent:
         self.metrics.conntrack_not_applied.set(len(outcome.failures))
         for failure in outcome.failures:
             self.metrics.conntrack_apply_failures.labels(failure.partition(":")[0]).inc()
+        self._conntrack_not_applied = "; ".join(outcome.failures)
+        self._node_state_changed()
         if outcome.failures:
             message = "conntrack settings not applied: " + "; ".join(outcome.failures)
             await self._report("Warning", pod_events.CONNTRACK_NOT_APPLIED, message)

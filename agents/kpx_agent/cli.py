@@ -45,6 +45,7 @@ from .kube_proxy_takeover import (
 )
 from .localnet import IPNetwork
 from .metrics import AgentMetrics
+from .node_state import DEFAULT_WRITE_INTERVAL
 from .proxy_health import ProxyHealth
 from .settings import AgentSettings
 from .takeover import Leftover, LeftoverRemoval, other_mode_leftovers
@@ -57,6 +58,16 @@ def _positive_seconds(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text}: a number of seconds above 0 is needed")
+    return value
+
+
+def _non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text}: a number of seconds, 0 or more, is needed")
     return value
 
 
@@ -120,6 +131,14 @@ def _run_parser() -> argparse.ArgumentParser:
         "(or unix:///PATH, or tcp://127.0.0.1:PORT); overrides the configuration's stateAPI",
     )
     logformat.add_arguments(p)
+    p.add_argument(
+        "--node-state-period",
+        type=_non_negative_seconds,
+        default=DEFAULT_WRITE_INTERVAL,
+        metavar="SECONDS",
+        help="write this node's ProxyNodeState when it changes, at most once per SECONDS "
+        f"(default {DEFAULT_WRITE_INTERVAL:g}; 0: never write it)",
+    )
     return p
 
 
@@ -397,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
             args.conntrack_sysctl_dir, args.conntrack_hashsize_file
         ),
         backend_for=backend_for(paths),
+        node_state_interval=args.node_state_period or None,
     )
     # Make-before-break: the other modes' rules stay until this agent's own are in.
     leftover_removal(agent)

@@ -125,6 +125,20 @@ class LeftoverRemoval:
         for name in self.pending:
             self.pending_gauge.labels(name).set(1)
 
+    def pending_messages(self) -> list[tuple[str, str]]:
+        """(name, why still there) of each pending leftover: its last removal error, or that
+        its removal waits."""
+        out = []
+        for name, leftover in sorted(self.pending.items()):
+            if name in self._errors:
+                why = f"could not remove {leftover.description} (retrying): {self._errors[name]}"
+            elif name in self._draining:
+                why = self._draining[name] or "waiting for its connections to end"
+            else:
+                why = f"{leftover.description} not removed yet"
+            out.append((name, why))
+        return out
+
     def blocking(self, kinds: Collection[str]) -> str:
         """Why the agent must not be Ready yet: which of `kinds` is still pending, with the
         error of its last attempt; "" when none is."""

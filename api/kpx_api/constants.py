@@ -50,3 +50,8 @@ FIRST_SYNC_VERIFIED: Final = "FirstSyncVerified"
 ROLLED_BACK: Final = "RolledBack"
 #: Which modes the agent's node can run (kpx_api.preflight: the message's format).
 MODE_PREFLIGHT: Final = "ModePreflight"
+
+#: The agents' ConfigMap carries, beside the configuration file, this key: the
+#: metadata.generation of the ProxyConfiguration it was rendered from (the agent reports the
+#: generation it synced in its ProxyNodeState).
+CONFIG_GENERATION_KEY: Final = "generation"

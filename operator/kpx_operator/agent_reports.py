@@ -1,9 +1,11 @@
-"""Pure: what the node agents report about their own Pods, for the status.
+"""Pure: what the node agents report, for the status.
 
-An agent that cannot apply spec.conntrack on its node records a Warning Event
-`ConntrackNotApplied` about its Pod (and `ConntrackApplied` once a later attempt succeeds).
-A node has a problem while the latest such Event of its *current* agent Pod says so: Events
-of Pods that are gone (replaced by a rollout, deleted) no longer count.
+Each agent writes its node's ProxyNodeState (kpx_api.nodestate); only the state written by
+the node's *current* agent Pod counts (status.agentPod.uid): a state left by a Pod that is
+gone (replaced by a rollout, deleted) does not. An agent that cannot apply spec.conntrack on
+its node says what in status.conntrackNotApplied (and records a Warning Event
+`ConntrackNotApplied` about its Pod, for people). Preflight and the kube-proxy takeover still
+read the agents' Events (`latest_reports`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kpx_api.constants import AGENT_EVENT_SOURCE, CONNTRACK_APPLIED, CONNTRACK_NOT_APPLIED
+from kpx_api.constants import AGENT_EVENT_SOURCE
+from kpx_api.errors import ConfigError
+from kpx_api.nodestate import ProxyNodeStateStatus, parse_node_state_status
 
 from .admission import node_list
 
@@ -63,17 +67,38 @@ def latest_reports(
     return latest
 
 
+def node_states(
+    objects: Iterable[Mapping[str, Any]], live: Mapping[str, str]
+) -> dict[str, ProxyNodeStateStatus]:
+    """agent Pod uid -> the status of its node's ProxyNodeState, for each live agent Pod that
+    wrote the ProxyNodeState of its own node (a state written by a Pod that is gone, or that
+    does not parse, does not count)."""
+    out: dict[str, ProxyNodeStateStatus] = {}
+    for obj in objects:
+        name = str((obj.get("metadata") or {}).get("name") or "")
+        try:
+            status = parse_node_state_status(obj.get("status"))
+        except ConfigError:
+            continue
+        if status is None or status.agent_pod is None:
+            continue
+        uid = status.agent_pod.uid
+        if live.get(uid) == name:
+            out[uid] = status
+    return out
+
+
 def conntrack_problems(
-    pods: Iterable[Mapping[str, Any]], events: Iterable[Mapping[str, Any]]
+    pods: Iterable[Mapping[str, Any]], states: Iterable[Mapping[str, Any]]
 ) -> tuple[NodeProblem, ...]:
-    """The nodes whose current agent Pod last reported ConntrackNotApplied, with its message."""
-    live = live_agents(pods)
-    latest = latest_reports(events, live, (CONNTRACK_NOT_APPLIED, CONNTRACK_APPLIED))
+    """The nodes whose current agent Pod says in its ProxyNodeState that spec.conntrack is
+    not applied, with what."""
+    live = live_agents(pods, scheduled_only=True)
     return tuple(
         sorted(
-            NodeProblem(live[uid] or uid, str(event.get("message") or ""))
-            for uid, event in latest.items()
-            if event.get("reason") == CONNTRACK_NOT_APPLIED
+            NodeProblem(live[uid], f"conntrack settings not applied: {s.conntrack_not_applied}")
+            for uid, s in node_states(states, live).items()
+            if s.conntrack_not_applied
         )
     )
 

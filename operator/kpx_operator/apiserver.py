@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Final, TypeVar
 
 from kpx_api.constants import GROUP, PLURAL, VERSION
+from kpx_api.nodestate import NODE_STATE_KIND, NODE_STATE_PLURAL
 from kpx_kube import ApiError, Client, Credentials, Reply, from_kubeconfig, in_cluster
 from kpx_kube.kinds import BUILTIN, Kind
 
@@ -43,6 +44,8 @@ KINDS: Final[dict[str, Kind]] = {
     # The apiserver's own addresses for the agents (default/kubernetes, get only).
     "EndpointSlice": BUILTIN["EndpointSlice"],
     "ProxyConfiguration": Kind(f"{GROUP}/{VERSION}", "ProxyConfiguration", PLURAL, False),
+    # The agents' reports on their nodes (read during a switch of mode).
+    "ProxyNodeState": Kind(f"{GROUP}/{VERSION}", NODE_STATE_KIND, NODE_STATE_PLURAL, False),
     # spec.takeover.moveKubeProxyOff: the label on Nodes, kube-system/kube-proxy's affinity.
     "Node": BUILTIN["Node"],
 }

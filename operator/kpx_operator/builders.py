@@ -22,6 +22,7 @@ from kpx_api import (
     parse_bind_address,
 )
 from kpx_api.agentconfig import AgentConfiguration, Rollback
+from kpx_api.constants import CONFIG_GENERATION_KEY
 from kpx_kube.credentials import APISERVER_ENDPOINTS_ENV
 
 from . import __version__
@@ -54,6 +55,11 @@ AGENT_RULES: Final[tuple[Obj, ...]] = (
     {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
      "verbs": ["get", "list", "watch"]},
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
+    # Its own node's ProxyNodeState (an admission policy refuses any other node's).
+    {"apiGroups": ["proxy.kpx.dev"], "resources": ["proxynodestates"],
+     "verbs": ["create", "get"]},
+    {"apiGroups": ["proxy.kpx.dev"], "resources": ["proxynodestates/status"],
+     "verbs": ["get", "patch"]},
 )  # fmt: skip
 
 #: Fields of the agent's configuration file that the agent reloads while running (its
@@ -114,6 +120,9 @@ class Owner:
 
     name: str
     uid: str
+    #: Its metadata.generation: in the agents' ConfigMap (CONFIG_GENERATION_KEY), so each
+    #: agent reports which generation it synced (its ProxyNodeState); 0: unknown, left out.
+    generation: int = 0
 
 
 @dataclass(frozen=True)
@@ -183,7 +192,10 @@ def config_map(
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": _meta(owner, child_names(owner.name).agent, AGENT_APP, opts.namespace),
-        "data": {CONFIG_KEY: dump_agent_config(agent_config(spec, rollback))},
+        "data": {
+            CONFIG_KEY: dump_agent_config(agent_config(spec, rollback)),
+            **({CONFIG_GENERATION_KEY: str(owner.generation)} if owner.generation else {}),
+        },
     }
 
 

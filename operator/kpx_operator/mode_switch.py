@@ -4,21 +4,24 @@
   and the mode in effect (the agents' ConfigMap as last applied) before this pass applies
   spec.mode.
 * `node_phases`: each node's phase, from its *current* agent Pod (the mode in its command) and
-  the Events that Pod recorded about itself:
+  the node's ProxyNodeState as that Pod wrote it (status.agentPod.uid: a state written by an
+  agent Pod that is gone no longer counts; kpx_api.nodestate):
   - Pending: the node's agent runs the old mode (or none runs there now);
   - Switching: an agent of the new mode runs and has not verified its first sync yet, or has
-    and has not removed the old mode's rules yet (LeftoversNotRemoved: retried);
-  - Switched: it verified its first sync (FirstSyncVerified) and removed the old mode's rules
-    (LeftoversRemoved naming the old mode);
+    and the old mode's rules are still in status.leftoversPending (with the removal's error);
+  - Switched: it verified its first sync (status.firstSyncVerified) and the old mode's rules
+    are no longer pending;
   - RolledBack: the agent of the new mode had no verified sync within
-    spec.modeSwitch.progressDeadlineSeconds and went back to the old mode (its Event
-    RolledBack; it stays not Ready, so the rollout stops there); the message is the agent's
-    and what to do;
+    spec.modeSwitch.progressDeadlineSeconds and went back to the old mode
+    (status.rolledBack; it stays not Ready, so the rollout stops there); the message is the
+    agent's and what to do;
   - Stuck: an agent of the new mode has run `stuck_after` seconds without a verified sync (so
     it is not Ready, and the DaemonSet's rolling update does not move past it) and did not
     roll back (rollbackOnFailure false: `stuck_after` is the deadline; with it, the deadline
     and ROLLBACK_GRACE more: an agent that cannot start cannot roll back); the message says
-    why: the agent's latest SyncFailed (the kernel's error), or its container's state.
+    why: the agent's status.lastError (the kernel's error), or its container's state.
+  The agents still record Events (FirstSyncVerified, SyncFailed, RolledBack, ...) for people;
+  the operator does not read those.
 * `rollback`: the `rollback` block of the agents' configuration while a switch runs (the old
   mode: where to go back to, if enabled, and whose rules' removal the agents' readiness waits
   for).
@@ -37,14 +40,6 @@ from datetime import datetime
 from typing import Any, Final
 
 from kpx_api.agentconfig import AgentConfiguration, Rollback
-from kpx_api.constants import (
-    FIRST_SYNC_VERIFIED,
-    LEFTOVERS_NOT_REMOVED,
-    LEFTOVERS_REMOVED,
-    OTHER_MODE_RULES,
-    ROLLED_BACK,
-    SYNC_FAILED,
-)
 from kpx_api.modes import KERNEL_BACKEND_MODES, SETTINGS_CLASS, IPVSSettings, Mode
 from kpx_api.proxyconfiguration import (
     DEFAULT_PROGRESS_DEADLINE,
@@ -55,7 +50,7 @@ from kpx_api.proxyconfiguration import (
 )
 
 from .admission import node_list
-from .agent_reports import latest_reports, live_agents
+from .agent_reports import live_agents, node_states
 from .builders import AGENT_CONTAINER
 
 Phase = ModeSwitchPhase
@@ -160,31 +155,20 @@ def _container_trouble(pod: Mapping[str, Any]) -> str:
     return ""
 
 
-def _names_mode(event: Mapping[str, Any], mode: str) -> bool:
-    message = str(event.get("message") or "")
-    return message.endswith(f"{OTHER_MODE_RULES}{mode}") or f"{OTHER_MODE_RULES}{mode} " in message
-
-
 def node_phases(
     pods: Iterable[Mapping[str, Any]],
-    events: Iterable[Mapping[str, Any]],
+    states: Iterable[Mapping[str, Any]],
     from_mode: str,
     to_mode: str,
     now: datetime,
     stuck_after: float = STUCK_AFTER,
 ) -> dict[str, tuple[Phase, str]]:
-    """node -> (phase, message) for every node with a live agent Pod."""
+    """node -> (phase, message) for every node with a live agent Pod; `states`: the
+    ProxyNodeState objects."""
     pods = list(pods)
     live = live_agents(pods, scheduled_only=True)
     by_uid = {str((p.get("metadata") or {}).get("uid")): p for p in pods}
-    events = list(events)
-    verified = latest_reports(events, live, (FIRST_SYNC_VERIFIED,))
-    failed = latest_reports(events, live, (SYNC_FAILED,))
-    rolled_back = latest_reports(events, live, (ROLLED_BACK,))
-    removed = latest_reports(
-        (e for e in events if _names_mode(e, from_mode)), live,
-        (LEFTOVERS_REMOVED, LEFTOVERS_NOT_REMOVED),
-    )  # fmt: skip
+    reported = node_states(states, live)
     out: dict[str, tuple[Phase, str]] = {}
     for uid, node in live.items():
         pod = by_uid[uid]
@@ -192,20 +176,20 @@ def node_phases(
         if mode != to_mode:
             out[node] = (Phase.PENDING, f"its agent runs mode {mode or 'unknown'}")
             continue
-        if uid in rolled_back:
-            why = str(rolled_back[uid].get("message") or "")
-            out[node] = (Phase.ROLLED_BACK, f"{why}. Its agent stays not Ready, so the "
-                         "rollout stops here. Fix the node, then delete its agent Pod (the new "
-                         f"one tries {to_mode} again), or set spec.mode back to "
+        state = reported.get(uid)
+        if state is not None and state.rolled_back:
+            out[node] = (Phase.ROLLED_BACK, f"{state.rolled_back}. Its agent stays not Ready, "
+                         "so the rollout stops here. Fix the node, then delete its agent Pod "
+                         f"(the new one tries {to_mode} again), or set spec.mode back to "
                          f"{from_mode}")  # fmt: skip
             continue
-        if uid in verified:
-            leftovers = removed.get(uid)
-            if leftovers is not None and leftovers.get("reason") == LEFTOVERS_REMOVED:
+        if state is not None and state.first_sync_verified:
+            pending = {p.name: p.message for p in state.leftovers_pending}
+            if from_mode not in pending:
                 out[node] = (Phase.SWITCHED, f"mode {to_mode} verified, the {from_mode} rules "
                              "removed")  # fmt: skip
-            elif leftovers is not None:
-                out[node] = (Phase.SWITCHING, str(leftovers.get("message") or ""))
+            elif pending[from_mode].startswith("could not remove"):
+                out[node] = (Phase.SWITCHING, pending[from_mode])
             else:
                 out[node] = (Phase.SWITCHING, f"mode {to_mode} verified; removing the "
                              f"{from_mode} rules")  # fmt: skip
@@ -219,7 +203,7 @@ def node_phases(
                          "verified yet")  # fmt: skip
             continue
         why = (
-            str(failed[uid].get("message") or "") if uid in failed
+            state.last_error.message if state is not None and state.last_error is not None
             else _container_trouble(pod) or "no error reported"
         )  # fmt: skip
         out[node] = (Phase.STUCK, f"its {to_mode} agent has run {age:.0f}s without a verified "

@@ -324,7 +324,7 @@ class Reconciler:
             pxcs = list(pxcs)
             orphaned = await self._orphaned(name, pxcs)
             spec, invalid, admission = self._decide(body, pxcs, nodes, orphaned)
-            owner = Owner(name, uid)
+            owner = Owner(name, uid, generation)
             opts = await self._options()
             error: str | None = None
             ds: Obj | None = None
@@ -384,11 +384,18 @@ class Reconciler:
                             applied = await self.api.apply(obj)
                             self._note(obj, applied, emit)
                         ds = applied.obj  # the DaemonSet comes last
-                    if reports is not None and not spec.conntrack.leaves_node_alone():
-                        problems = conntrack_problems(*reports)
-                    if mode_switch is not None and reports is not None:
-                        mode_switch = self._follow_switch(uid, generation, mode_switch, spec,
-                                                          reports, nodes, emit)  # fmt: skip
+                    conntrack = not spec.conntrack.leaves_node_alone()
+                    switching = mode_switch is not None and mode_switch.finished_at is None
+                    states = (
+                        await self._node_states()
+                        if reports is not None and (conntrack or switching) else None
+                    )  # fmt: skip
+                    if reports is not None and states is not None and conntrack:
+                        problems = conntrack_problems(reports[0], states)
+                    if mode_switch is not None and reports is not None and states is not None:
+                        mode_switch = self._follow_switch(
+                            uid, generation, mode_switch, spec, reports[0], states, nodes, emit
+                        )
                     if reports is not None and spec.takeover.from_kube_proxy:
                         takeover = await self._take_over(uid, spec, reports, nodes, previous,
                                                          emit)  # fmt: skip
@@ -435,23 +442,33 @@ class Reconciler:
                 return False
         return True
 
+    async def _node_states(self) -> list[Obj] | None:
+        """The ProxyNodeStates the agents wrote (None when they cannot be read)."""
+        try:
+            return await self.api.list("ProxyNodeState")
+        except ApiError as exc:
+            log.warning("cannot read the ProxyNodeStates: %s", exc)
+            return None
+
     def _follow_switch(
         self,
         uid: str,
         generation: int,
         switch: ModeSwitchStatus,
         spec: ProxyConfigurationSpec,
-        reports: tuple[list[Obj], list[Obj]],
+        pods: list[Obj],
+        states: list[Obj],
         nodes: Mapping[str, Mapping[str, str]],
         emit: EventFn,
     ) -> ModeSwitchStatus:
-        """status.modeSwitch for this pass: each node's phase; a Warning Event ModeSwitchStuck
-        once per set of stuck nodes (and generation), ModeSwitchRolledBack once per set of
-        rolled-back nodes, a Normal ModeSwitchFinished at the end."""
+        """status.modeSwitch for this pass: each node's phase (from the agent Pods and the
+        ProxyNodeStates); a Warning Event ModeSwitchStuck once per set of stuck nodes (and
+        generation), ModeSwitchRolledBack once per set of rolled-back nodes, a Normal
+        ModeSwitchFinished at the end."""
         if switch.finished_at is not None:
             return switch
         now = self.clock()
-        phases = switch_phases(*reports, str(switch.from_mode), str(switch.to_mode), now,
+        phases = switch_phases(pods, states, str(switch.from_mode), str(switch.to_mode), now,
                                stuck_after(spec))  # fmt: skip
         status = switch_status(switch, phases, nodes.keys(), now)
         back = rolled_back(status)

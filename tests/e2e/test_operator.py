@@ -151,17 +151,22 @@ def _manifest(name: str) -> str:
 @pytest.fixture(scope="module")
 def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     workdir = tmp_path_factory.mktemp("operator")
-    cluster.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
+    # Both CRDs: the agents report on their nodes in ProxyNodeStates (the operator reads them).
+    cluster.kubectl("apply", "--server-side", "-f", str(CRD_FILE.parent))
 
     def established() -> bool:
-        out = cluster.kubectl("get", "crd", "proxyconfigurations.proxy.kpx.dev", "-o", "json")
-        conds = (json.loads(out.stdout).get("status") or {}).get("conditions") or []
-        return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
+        for crd in ("proxyconfigurations.proxy.kpx.dev", "proxynodestates.proxy.kpx.dev"):
+            out = cluster.kubectl("get", "crd", crd, "-o", "json")
+            conds = (json.loads(out.stdout).get("status") or {}).get("conditions") or []
+            if not any(c["type"] == "Established" and c["status"] == "True" for c in conds):
+                return False
+        return True
 
-    wait_until(established, 60, "CRD established")
+    wait_until(established, 60, "CRDs established")
     cluster.wait_namespace_settled(NS)  # an earlier module may have deleted it
     # Everything the operator ships except its Deployment (no kubelet here to run it).
-    for name in ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "agent-rbac.yaml"):
+    for name in ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "agent-rbac.yaml",
+                 "agent-node-state-policy.yaml"):  # fmt: skip
         cluster.kubectl("apply", "-f", _manifest(name))
     token = cluster.kubectl("-n", NS, "create", "token", "kpx-operator", "--duration=2h")
     token_file = workdir / "operator.token"
@@ -188,7 +193,7 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             cluster.kubectl("delete", "proxyconfiguration", name, "--ignore-not-found",
                             "--wait=false", check=False)  # fmt: skip
         cluster.kubectl("delete", "node", NODE, "--ignore-not-found", "--wait=false", check=False)
-        for name in ("rbac.yaml", "agent-rbac.yaml"):
+        for name in ("rbac.yaml", "agent-rbac.yaml", "agent-node-state-policy.yaml"):
             cluster.kubectl("delete", "-f", _manifest(name), "--ignore-not-found",
                             "--wait=false", check=False)  # fmt: skip
         cluster.kubectl("delete", "namespace", NS, "--ignore-not-found", "--wait=false",

@@ -217,6 +217,41 @@ def test_a_fresh_install_reads_healthy_in_every_condition(env: Env) -> None:
     assert Path(established).read_text().strip() != "86400"
 
 
+def test_each_agent_writes_its_own_node_state(env: Env) -> None:
+    """Each node's agent (its kubelet-mounted token bound to its Pod, the shipped admission
+    policy in force) writes the ProxyNodeState of its node: mode, the generation synced, what
+    it programmed; `kubectl get proxynodestates` shows it."""
+    wait_until(lambda: env.ready("nftables"), 120, "default Ready")
+    generation = env.pxc()["metadata"]["generation"]
+    pods = env.json("-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=kpx-agent")["items"]
+    uid_of = {p["spec"]["nodeName"]: p["metadata"]["uid"] for p in pods
+              if not p["metadata"].get("deletionTimestamp")}  # fmt: skip
+
+    def states() -> dict[str, dict[str, Any]] | None:
+        items = env.json("get", "proxynodestates").get("items") or []
+        got = {i["metadata"]["name"]: i.get("status") or {} for i in items}
+        ok = all(
+            (got.get(n.name) or {}).get("configurationGeneration") == generation
+            and (got.get(n.name) or {}).get("firstSyncVerified")
+            # The other modes' rules go right after the first verified sync: the state says
+            # so at most one write period (10 s) later.
+            and (got.get(n.name) or {}).get("leftoversPending") == []
+            for n in env.nodes
+        )
+        return got if ok else None
+
+    got = wait_until(states, 60, "every node's ProxyNodeState at the current generation")
+    for node in env.nodes:
+        status = got[node.name]
+        assert status["mode"] == "nftables" and status["agentPod"]["uid"] == uid_of[node.name]
+        assert status["programmed"]["services"] > 0 and status["programmed"]["rules"] > 0
+    table = env.cluster.kubectl("get", "proxynodestates").stdout.splitlines()
+    assert table[0].split()[:5] == ["NAME", "MODE", "GENERATION", "AGENT", "VERIFIED"]
+    rows = {line.split()[0]: line.split() for line in table[1:]}
+    for node in env.nodes:
+        assert rows[node.name][1:5] == ["nftables", str(generation), "0.1.0", "true"]
+
+
 def test_opt_out_change_is_live_without_agent_restarts(env: Env) -> None:
     wait_until(lambda: env.ready("nftables"), 120, "default Ready")
     before = env.agents()

@@ -264,3 +264,34 @@ def test_a_table_owned_by_a_running_process_is_told_from_kpxs_own() -> None:
     assert not carries_owner_flag("table ip kpx {\n\tchain c {\n\t\tflags owner\n\t}\n}\n")
     assert not carries_owner_flag("table ip kpx {\n\tchain services {\n\t}\n}\n")
     assert not carries_owner_flag("")
+
+
+def test_the_node_state_reports_the_generation_synced_and_the_rollback(tmp_path: Path) -> None:
+    """Agent.node_facts: the generation beside the configuration counts once synced (at
+    once when the reload needs no sync); after a rollback, the old mode and why."""
+    import time
+
+    from kpx_agent.agent import Agent
+
+    path = tmp_path / "config.yaml"
+    path.write_text("mode: nftables\nrollback:\n  mode: iptables\n  progressDeadlineSeconds: 10\n")
+    (tmp_path / "generation").write_text("3")
+    settings = settings_mod.resolve(settings_mod.load("nftables", path))
+    agent = Agent(settings, "n1", _Client(), _Backend("nftables", settings.proxy),  # type: ignore[arg-type]
+                  config_path=path,
+                  backend_for=lambda s: _Backend(s.mode, s.proxy))  # type: ignore[arg-type,return-value]  # fmt: skip
+    facts = agent.node_facts()
+    assert (facts.mode, facts.generation, facts.verified, facts.rolled_back) == (
+        "nftables", None, False, "")  # fmt: skip
+    assert agent._loaded_generation == 3
+    (tmp_path / "generation").write_text("4")  # a spec change the configuration does not show
+    assert agent.reload_config()
+    assert agent.node_facts().generation == 4
+
+    async def roll_back() -> None:
+        agent._started = time.monotonic() - 11
+        assert await agent._roll_back()
+
+    asyncio.run(roll_back())
+    facts = agent.node_facts()
+    assert facts.mode == "iptables" and facts.rolled_back.startswith("nftables never synced")

@@ -219,14 +219,19 @@ def test_chart_crd_is_the_repos_crd(helm_env: dict[str, str]) -> None:
     assert not (CHART / "crds").exists()
     templates = sorted(p.name for p in sync_from_crds.CRD_TEMPLATES.iterdir())
     assert templates == sorted(p.name for p in (REPO / "crds").glob("*.yaml"))
-    (crd,) = [o for o in render(helm_env) if o["kind"] == "CustomResourceDefinition"]
-    repo = yaml.safe_load((REPO / "crds" / sync_from_crds.CRD_NAME).read_text())
-    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
-    assert crd["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
-    crd["metadata"] = {"name": crd["metadata"]["name"]}
-    assert crd == repo
+    crds = [o for o in render(helm_env) if o["kind"] == "CustomResourceDefinition"]
+    assert len(crds) == len(templates)
+    for crd in crds:
+        name = crd["metadata"]["name"]
+        repo = yaml.safe_load((REPO / "crds" / f"{name}.yaml").read_text())
+        assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+        assert crd["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+        crd["metadata"] = {"name": name}
+        assert crd == repo
     loose = render(helm_env, {"crds": {"install": True, "keep": False}})
-    assert "annotations" not in the(loose, "CustomResourceDefinition")["metadata"]
+    for crd in loose:
+        if crd["kind"] == "CustomResourceDefinition":
+            assert "annotations" not in crd["metadata"]
     none = render(helm_env, {"crds": {"install": False, "keep": True}})
     assert "CustomResourceDefinition" not in {o["kind"] for o in none}
 
@@ -308,6 +313,7 @@ def test_no_namespace_object(helm_env: dict[str, str]) -> None:
 CLUSTER_SCOPED = (
     "ClusterRole", "ClusterRoleBinding", "ProxyConfiguration", "FlowSchema",
     "PriorityLevelConfiguration", "CustomResourceDefinition",
+    "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
 )  # fmt: skip
 
 

@@ -161,3 +161,20 @@ def test_crd_defaults_match_model_defaults(schema: dict[str, Any], path: Path) -
 def test_crd_defaults_of_a_minimal_spec(schema: dict[str, Any], mode: str) -> None:
     stored = apply_defaults({"spec": {"mode": mode}}, schema)
     assert stored["spec"] == ProxyConfigurationSpec.model_validate({"mode": mode}).to_dict()
+
+
+def test_committed_node_state_crd_is_fresh() -> None:
+    """crds/proxynodestates.proxy.kpx.dev.yaml is what the ProxyNodeState models give, with
+    the printer columns that answer mode, generation, agent version and last error."""
+    path = REPO / "crds" / crdgen.NODE_STATE_FILE_NAME
+    assert path.read_text() == crdgen.render_all()[crdgen.NODE_STATE_FILE_NAME], (
+        "crds/ is stale: run `make crds`"
+    )
+    crd = yaml.safe_load(path.read_text())
+    (version,) = crd["spec"]["versions"]
+    assert crd["spec"]["scope"] == "Cluster" and version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["Mode"] == ".status.mode"
+    assert columns["Generation"] == ".status.configurationGeneration"
+    assert columns["Agent"] == ".status.agentVersion"
+    assert columns["Last-Error"] == ".status.lastError.message"

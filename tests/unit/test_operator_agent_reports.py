@@ -16,39 +16,36 @@ def pod(uid: str, node: str, deleting: bool = False) -> dict[str, Any]:
     return {"metadata": meta, "spec": {"nodeName": node}}
 
 
-def event(uid: str, reason: str, at: str, message: str = "m", rv: str = "1",
-          source: str = "kpx-agent") -> dict[str, Any]:  # fmt: skip
-    return {"metadata": {"resourceVersion": rv}, "involvedObject": {"uid": uid},
-            "reason": reason, "message": message, "lastTimestamp": at,
-            "source": {"component": source}}  # fmt: skip
+def state(uid: str, node: str, not_applied: str = "") -> dict[str, Any]:
+    """`node`'s ProxyNodeState as the agent Pod `uid` wrote it."""
+    return {"metadata": {"name": node},
+            "status": {"mode": "nftables", "agentPod": {"name": f"p-{uid}", "uid": uid},
+                       "conntrackNotApplied": not_applied}}  # fmt: skip
 
 
-BAD, GOOD = "ConntrackNotApplied", "ConntrackApplied"
 PODS = [pod("a", "n1"), pod("b", "n2"), pod("c", "n3", deleting=True)]
+SAID = "conntrack settings not applied: "
 
 
 @pytest.mark.parametrize(
-    ("events", "expected"),
+    ("states", "expected"),
     [
         ([], ()),
-        ([event("a", BAD, "t1", "x")], (NodeProblem("n1", "x"),)),
-        # A later success clears it; a later failure brings it back.
-        ([event("a", BAD, "t1"), event("a", GOOD, "t2")], ()),
-        ([event("a", GOOD, "t1"), event("a", BAD, "t2", "y")], (NodeProblem("n1", "y"),)),
-        # Same second: the later resourceVersion wins.
-        ([event("a", BAD, "t1", rv="5"), event("a", GOOD, "t1", rv="7")], ()),
-        # Pods that are gone or going, and events from other components, do not count.
-        ([event("c", BAD, "t1"), event("zz", BAD, "t1")], ()),
-        ([event("a", BAD, "t1", source="kubelet")], ()),
-        ([event("a", "Other", "t1")], ()),
-        ([event("b", BAD, "t1", "q"), event("a", BAD, "t1", "p")],
-         (NodeProblem("n1", "p"), NodeProblem("n2", "q"))),
+        ([state("a", "n1", "x")], (NodeProblem("n1", SAID + "x"),)),
+        ([state("a", "n1", "")], ()),  # applied
+        # Pods that are gone or going, a state about another node, one that does not parse:
+        # they do not count.
+        ([state("c", "n3", "x"), state("zz", "n1", "x")], ()),
+        ([state("b", "n1", "x")], ()),
+        ([{"metadata": {"name": "n1"}, "status": {"mode": "bogus"}}], ()),
+        ([state("b", "n2", "q"), state("a", "n1", "p")],
+         (NodeProblem("n1", SAID + "p"), NodeProblem("n2", SAID + "q"))),
     ],
 )  # fmt: skip
 def test_conntrack_problems(
-    events: list[dict[str, Any]], expected: tuple[NodeProblem, ...]
+    states: list[dict[str, Any]], expected: tuple[NodeProblem, ...]
 ) -> None:
-    assert conntrack_problems(PODS, events) == expected
+    assert conntrack_problems(PODS, states) == expected
 
 
 def test_message_names_the_nodes() -> None:

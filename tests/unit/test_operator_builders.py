@@ -384,10 +384,18 @@ def test_agent_role_is_exactly_what_the_agent_reads() -> None:
             ("discovery.k8s.io", "endpointslices"),
         )
         for verb in ("get", "list", "watch")
-    } | {("", "events", "create")}  # Warning Events on Services it leaves out
+    } | {("", "events", "create")} | {  # Warning Events on Services it leaves out
+        # Its own node's ProxyNodeState (the admission policy keeps it to its own node).
+        ("proxy.kpx.dev", "proxynodestates", "create"),
+        ("proxy.kpx.dev", "proxynodestates", "get"),
+        ("proxy.kpx.dev", "proxynodestates/status", "get"),
+        ("proxy.kpx.dev", "proxynodestates/status", "patch"),
+    }
     for _, rule in _rules([role]):
-        assert set(rule["verbs"]) <= {"get", "list", "watch", "create"}
-        assert "create" not in rule["verbs"] or rule["resources"] == ["events"]
+        assert set(rule["verbs"]) <= {"get", "list", "watch", "create", "patch"}
+        assert "create" not in rule["verbs"] or rule["resources"] in (
+            ["events"], ["proxynodestates"])  # fmt: skip
+        assert "patch" not in rule["verbs"] or rule["resources"] == ["proxynodestates/status"]
         assert "secrets" not in rule["resources"]
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
 
@@ -667,3 +675,16 @@ def test_external_sidecar_follows_the_socket_directory() -> None:
         {"name": "state-api", "mountPath": "/var/run/kpx"}
     ]
     assert pod["containers"][0]["command"][-1] == "/var/run/kpx/s.sock"
+
+
+def test_the_configmap_carries_the_generation_beside_the_configuration() -> None:
+    """The agents report the generation they synced (ProxyNodeState); it changes no pod
+    template (a spec change that only the ConfigMap carries rolls no agent)."""
+    owner, spec = example("nftables")
+    seven = Owner(owner.name, owner.uid, generation=7)
+    data = builders.config_map(seven, spec, OPTS)["data"]
+    assert data["generation"] == "7" and set(data) == {"config.yaml", "generation"}
+    eight = Owner(owner.name, owner.uid, generation=8)
+    ds = [builders.agent_daemonset(o, spec, OPTS) for o in (seven, eight)]
+    assert ds[0]["spec"]["template"] == ds[1]["spec"]["template"]
+    assert "generation" not in builders.config_map(owner, spec, OPTS)["data"]  # unknown: 0

@@ -1,13 +1,14 @@
 """status.modeSwitch and condition ModeSwitch: each node's phase in a change of spec.mode from
-its current agent Pod and that Pod's Events, a summary, a stuck node named with the agent's
-error and what to do - the pure parts, and the reconcile pass against an in-memory apiserver."""
+its current agent Pod and the ProxyNodeState that Pod wrote, a summary, a stuck node named
+with the agent's error and what to do - the pure parts, and the reconcile pass against an
+in-memory apiserver."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from test_operator_reconciler import NS, Events, FakeApi, agent_event, body, reconciler, run
+from test_operator_reconciler import NS, Events, FakeApi, body, reconciler, run
 
 from kpx_api.agentconfig import AgentConfiguration, parse_agent_config_text
 from kpx_api.proxyconfiguration import (
@@ -45,7 +46,35 @@ def pod(uid: str, node: str, mode: str, started_ago: float = 5.0, **status: Any)
 
 
 T1, T2 = "2026-01-01T00:00:01Z", "2026-01-01T00:00:02Z"
-REMOVED = "removed the rules of kpx mode iptables"
+WAITING = "the rules of kpx mode iptables not removed yet"
+
+
+def node_state(
+    uid: str,
+    node: str,
+    *,
+    verified: bool = False,
+    error: str = "",
+    rolled_back: str = "",
+    pending: dict[str, str] | None = None,
+    mode: str = "nftables",
+) -> dict[str, Any]:
+    """The ProxyNodeState of `node` as the agent Pod `uid` wrote it."""
+    status: dict[str, Any] = {
+        "mode": mode, "agentVersion": "0.1.0", "firstSyncVerified": verified,
+        "rolledBack": rolled_back,
+        "agentPod": {"name": f"kpx-agent-default-{uid}", "namespace": NS, "uid": uid},
+        "leftoversPending": [{"name": n, "message": m} for n, m in (pending or {}).items()],
+    }  # fmt: skip
+    if error:
+        status["lastError"] = {"message": error, "time": T1}
+    return {"apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyNodeState",
+            "metadata": {"name": node}, "status": status}  # fmt: skip
+
+
+def put_states(api: FakeApi, *states: dict[str, Any]) -> None:
+    for obj in states:
+        api.objs[("ProxyNodeState", None, obj["metadata"]["name"])] = obj
 
 
 def test_each_node_phase_from_its_current_agent() -> None:
@@ -61,21 +90,22 @@ def test_each_node_phase_from_its_current_agent() -> None:
         pod("u7", "n7", "nftables"),  # removed ipvs's rules only: not yet iptables's
     ]
     events = [
-        agent_event("u3", "FirstSyncVerified", T1),
-        agent_event(
+        node_state("u2", "n2", pending={"iptables": WAITING}),
+        node_state(
             "u3",
-            "LeftoversNotRemoved",
-            T2,
-            "could not remove the rules of kpx mode iptables (retrying): lock",
+            "n3",
+            verified=True,
+            pending={
+                "iptables": "could not remove the rules of kpx mode iptables (retrying): lock"
+            },
         ),
-        agent_event("u4", "FirstSyncVerified", T1),
-        agent_event("u4", "LeftoversRemoved", T2, REMOVED),
-        agent_event("u5", "SyncFailed", T1, "an older error"),
-        agent_event("u5", "SyncFailed", T2, EPERM),
-        agent_event("u7", "FirstSyncVerified", T1),
-        agent_event("u7", "LeftoversRemoved", T2, "removed the rules of kpx mode ipvs"),
-        # A Pod that is gone no longer counts.
-        agent_event("u-old", "LeftoversRemoved", T2, REMOVED),
+        node_state("u4", "n4", verified=True, pending={}),
+        node_state("u5", "n5", error=EPERM, pending={"iptables": WAITING}),
+        node_state("u7", "n7", verified=True, pending={"iptables": WAITING}),
+        # Written by a Pod that is gone, or by an agent about another node: does not count.
+        node_state("u-old", "n1", verified=True),
+        node_state("u6", "n5", verified=True),
+        {"metadata": {"name": "n6"}, "status": {"mode": "not-a-mode"}},  # unparsable
     ]
     phases = node_phases(pods, events, "iptables", "nftables", NOW)
     assert {n: p for n, (p, _) in phases.items()} == {
@@ -177,12 +207,7 @@ def test_reconcile_follows_a_switch_warns_once_about_a_stuck_node_and_reports_th
     del api.objs[("Pod", NS, "a1")], api.objs[("Pod", NS, "b1")]
     api.objs[("Pod", NS, "a2")] = pod("a2", "a", "nftables")
     api.objs[("Pod", NS, "b2")] = pod("b2", "b", "nftables", started_ago=30)
-    for name, event in {
-        "e1": agent_event("a2", "FirstSyncVerified", T1),
-        "e2": agent_event("a2", "LeftoversRemoved", T2, REMOVED),
-        "e3": agent_event("b2", "SyncFailed", T1, EPERM),
-    }.items():
-        api.objs[("Event", NS, name)] = event
+    put_states(api, node_state("a2", "a", verified=True), node_state("b2", "b", error=EPERM))
     for _ in range(2):
         status = run(r.reconcile(nft, [], nodes, events))
     switch = status.mode_switch
@@ -198,9 +223,7 @@ def test_reconcile_follows_a_switch_warns_once_about_a_stuck_node_and_reports_th
     assert api.statuses[-1]["modeSwitch"]["nodes"][1]["phase"] == "Stuck"
 
     # The node is fixed: its agent verifies and removes the iptables rules.
-    api.objs[("Event", NS, "e4")] = agent_event("b2", "FirstSyncVerified", "2026-01-01T00:00:03Z")
-    api.objs[("Event", NS, "e5")] = agent_event("b2", "LeftoversRemoved", "2026-01-01T00:00:04Z",
-                                                REMOVED)  # fmt: skip
+    put_states(api, node_state("b2", "b", verified=True, error=EPERM))
     status = run(r.reconcile(nft, [], nodes, events))
     switch = status.mode_switch
     assert switch.finished_at is not None and switch.switched == 2
@@ -236,9 +259,10 @@ ROLLED_BACK = ("nftables never synced within 30s: nft: Operation not permitted; 
 def test_a_node_whose_agent_rolled_back_is_named_with_its_reason_and_what_to_do() -> None:
     pods = [pod(u, n, "nftables", started_ago=40) for u, n in (("u1", "n1"), ("u2", "n2"))]
     events = [
-        agent_event("u1", "SyncFailed", T1, EPERM),
-        agent_event("u1", "RolledBack", T2, ROLLED_BACK),
-        agent_event("u2", "SyncFailed", T1, EPERM),  # past the deadline, not rolled back
+        node_state(
+            "u1", "n1", error=EPERM, rolled_back=ROLLED_BACK, verified=True, mode="iptables"
+        ),
+        node_state("u2", "n2", error=EPERM),  # past the deadline, not rolled back
     ]
     phases = node_phases(pods, events, "iptables", "nftables", NOW, stuck_after=45)
     assert phases["n1"][0] is P.ROLLED_BACK
@@ -353,7 +377,7 @@ def test_reconcile_renders_the_rollback_while_the_switch_runs_without_rolling_th
     # ProxyConfiguration gets one Warning.
     del api.objs[("Pod", NS, "a1")]
     api.objs[("Pod", NS, "a2")] = pod("a2", "a", "nftables", started_ago=12)
-    api.objs[("Event", NS, "e1")] = agent_event("a2", "RolledBack", T1, ROLLED_BACK)
+    put_states(api, node_state("a2", "a", rolled_back=ROLLED_BACK, mode="iptables"))
     for _ in range(2):
         status = run(r.reconcile(nft, [], {"a": {}}, events))
     assert status.mode_switch.nodes[0].phase is P.ROLLED_BACK
@@ -367,10 +391,9 @@ def test_reconcile_renders_the_rollback_while_the_switch_runs_without_rolling_th
 
     # The node is fixed and its Pod deleted: the new agent switches; once the switch finished,
     # the next pass drops the rollback without changing the pod template.
-    del api.objs[("Pod", NS, "a2")], api.objs[("Event", NS, "e1")]
+    del api.objs[("Pod", NS, "a2")]
     api.objs[("Pod", NS, "a3")] = pod("a3", "a", "nftables")
-    api.objs[("Event", NS, "e2")] = agent_event("a3", "FirstSyncVerified", T1)
-    api.objs[("Event", NS, "e3")] = agent_event("a3", "LeftoversRemoved", T2, REMOVED)
+    put_states(api, node_state("a3", "a", verified=True))
     status = run(r.reconcile(nft, [], {"a": {}}, events))
     assert status.mode_switch.finished_at is not None
     run(r.reconcile(nft, [], {"a": {}}, events))

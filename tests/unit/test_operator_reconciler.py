@@ -514,6 +514,12 @@ def agent_event(pod_uid: str, reason: str, at: str, message: str = "") -> dict[s
             "source": {"component": "kpx-agent"}}  # fmt: skip
 
 
+def node_state(pod_uid: str, node: str, not_applied: str) -> dict[str, Any]:
+    return {"metadata": {"name": node},
+            "status": {"mode": "nftables", "conntrackNotApplied": not_applied,
+                       "agentPod": {"name": f"p-{pod_uid}", "uid": pod_uid}}}  # fmt: skip
+
+
 def test_conntrack_not_applied_on_a_node_is_degraded_until_its_agent_applies_it() -> None:
     api, events = FakeApi(), Events()
     api.ds_status["kpx-agent-default"] = {"desiredNumberScheduled": 2, "numberReady": 2,
@@ -521,19 +527,18 @@ def test_conntrack_not_applied_on_a_node_is_degraded_until_its_agent_applies_it(
     for uid, node in (("u1", "n1"), ("u2", "n2")):
         api.objs[("Pod", NS, uid)] = agent_pod(uid, node)
     failed = "conntrack settings not applied: nf_conntrack_max: cannot set 262144"
-    api.objs[("Event", NS, "a")] = agent_event("u1", "ConntrackNotApplied", "2026-01-01T00:00:01Z",
-                                               failed)  # fmt: skip
-    api.objs[("Event", NS, "gone")] = agent_event("u-old", "ConntrackNotApplied",
-                                                  "2026-01-01T00:00:02Z", "an old pod")  # fmt: skip
+    api.objs[("ProxyNodeState", None, "n1")] = node_state("u1", "n1", "nf_conntrack_max: "
+                                                          "cannot set 262144")  # fmt: skip
+    api.objs[("ProxyNodeState", None, "n2")] = node_state("u-old", "n2", "an old pod")
     r = reconciler(api)
     status = run(r.reconcile(body(), [], {}, events))
     degraded = status.condition("Degraded")
     assert (degraded.status, degraded.reason) == ("True", "ConntrackNotApplied")
     assert degraded.message == f"spec.conntrack is not applied on node n1: {failed}"
     assert status.condition("Ready").status == "True"  # the agents proxy all the same
-    assert ("Event", "", "involvedObject.kind=Pod,source=kpx-agent") in api.lists
+    assert ("ProxyNodeState", "", "") in api.lists
     # The agent on n1 succeeds later: the condition clears.
-    api.objs[("Event", NS, "b")] = agent_event("u1", "ConntrackApplied", "2026-01-01T00:01:00Z")
+    api.objs[("ProxyNodeState", None, "n1")] = node_state("u1", "n1", "")
     status = run(r.reconcile(body(), [], {}, events))
     assert (status.condition("Degraded").status, status.condition("Degraded").reason) == (
         "False", "AsExpected")  # fmt: skip
@@ -544,8 +549,7 @@ def test_conntrack_left_alone_is_no_conntrack_problem() -> None:
     # before spec.conntrack left the node alone no longer degrades.
     api, events = FakeApi(), Events()
     api.objs[("Pod", NS, "u1")] = agent_pod("u1", "n1")
-    api.objs[("Event", NS, "a")] = agent_event("u1", "ConntrackNotApplied", "2026-01-01T00:00:01Z",
-                                               "conntrack settings not applied: x")  # fmt: skip
+    api.objs[("ProxyNodeState", None, "n1")] = node_state("u1", "n1", "x")
     leave_alone = {"maxPerCore": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"}
     status = run(reconciler(api).reconcile(body(conntrack=leave_alone), [], {}, events))
     assert status.condition("Degraded").reason == "AsExpected"

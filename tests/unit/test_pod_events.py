@@ -1,9 +1,11 @@
-"""The Event an agent records about its own Pod (what the operator's status reads)."""
+"""The Event an agent records about its own Pod, and its node's state (what the operator's
+status reads)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from kpx_agent.node_state import NodeFacts, node_state_object, status_of
 from kpx_agent.pod_events import CONNTRACK_NOT_APPLIED, PodRef, event_body
 from kpx_operator.agent_reports import NodeProblem, conntrack_problems
 
@@ -24,6 +26,14 @@ def test_event_about_the_pod_is_what_the_operator_reads() -> None:
                                       "uid": "u1"}  # fmt: skip
     assert body["source"] == {"component": "kpx-agent", "host": "n1"}
     assert body["lastTimestamp"] == "2026-01-01T12:00:00Z" and len(body["message"]) == 1024
-    # The agent's and the operator's halves agree (they share only kpx_api's constants).
+
+
+def test_the_node_state_the_agent_writes_is_what_the_operator_reads() -> None:
+    """The agent's and the operator's halves agree (they share only kpx_api's models)."""
+    facts = NodeFacts(mode="nftables", agent_version="0.1.0",
+                      pod=("kpx-agent-default-x", "kpx-system", "u1"),
+                      conntrack_not_applied="m" * 2000)  # fmt: skip
+    obj = {**node_state_object("n1", "node-uid"), "status": status_of(facts)}
     pods = [{"metadata": {"uid": "u1"}, "spec": {"nodeName": "n1"}}]
-    assert conntrack_problems(pods, [body]) == (NodeProblem("n1", "m" * 1024),)
+    said = "conntrack settings not applied: " + "m" * 1021 + "..."
+    assert conntrack_problems(pods, [obj]) == (NodeProblem("n1", said),)
