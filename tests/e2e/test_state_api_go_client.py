@@ -11,7 +11,7 @@ import os
 import signal
 import stat
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -136,21 +136,33 @@ def test_go_client_copy_equals_a_fresh_full_state_after_changes(
     def names(response: pb.WatchResponse) -> set[tuple[str, str]]:
         return {(k.name, k.port_name) for k in ports_of(response) if k.namespace == ns}
 
-    def settled(expected: set[tuple[str, str]]) -> list[str]:
-        """Empty once the agent's state holds `expected` and the copy equals it."""
+    def port(response: pb.WatchResponse, name: str, port_name: str = "http") -> pb.ServicePort:
+        return ports_of(response)[PortKey(ns, name, port_name, pb.TCP, 4)]
+
+    def endpoints(response: pb.WatchResponse, name: str) -> list[tuple[str, bool, bool]]:
+        return [(e.ip, e.ready, e.terminating) for e in port(response, name).cluster_endpoints]
+
+    def settled(expected: Callable[[pb.WatchResponse], bool]) -> list[str]:
+        """Empty once the agent's state is as `expected` and the copy equals it."""
         copy, fresh = read_dump(dump), fresh_full(socket_path)
-        if names(fresh) != expected:
-            return [f"the agent holds {sorted(names(fresh))}"]
+        try:
+            ready = expected(fresh)
+        except KeyError:  # a port not there yet
+            ready = False
+        if not ready:
+            return [f"the agent holds {sorted(names(fresh))} at revision {fresh.revision}"]
         if copy is None:
             return ["no dump yet"]
         return differences(copy, fresh)
 
-    def settle(what: str, expected: set[tuple[str, str]]) -> None:
+    def settle(what: str, expected: Callable[[pb.WatchResponse], bool]) -> None:
         def why() -> str:
             return f"{what}: {settled(expected)}\n{log.read_text()[-3000:]}"
 
         wait_until(lambda: not settled(expected), 20, interval=0.1, message=why)
 
+    created = {("a", "http"), ("a", "dns"), ("b", "web"), ("c", "http")}
+    final = {("a", "http"), ("a", "dns"), ("a", "metrics"), ("c", "http"), ("d", "http")}
     try:
         wait_until(dump.exists, 15, message=lambda: log.read_text())
         # Create: two Services with slices, a NodePort, one with two slices.
@@ -163,36 +175,35 @@ def test_go_client_copy_equals_a_fresh_full_state_after_changes(
             endpoint_slice("c-1", ns, "c", env.backend_endpoints(4, ("b1",)), [tcp]),
             endpoint_slice("c-2", ns, "c", env.backend_endpoints(4, ("b2",)), [tcp]),
         )  # fmt: skip
-        settle("after the creations", {("a", "http"), ("a", "dns"), ("b", "web"), ("c", "http")})
+        settle("after the creations", lambda r: names(r) == created and len(endpoints(r, "c")) == 2)
         # Update: a port added, a port renumbered, a Service's type changed.
         env.kube.apply(
             service("a", ns, [*a_ports, service_port("metrics", 9090, 9090)]),
             service("c", ns, [service_port("http", 81, 8080)], type="NodePort"),
         )  # fmt: skip
-        # Endpoints churn: readiness flapping faster than the agent's sync period, a
-        # terminating fallback, a slice deleted.
+        settle("after the updates", lambda r: ("a", "metrics") in names(r)
+               and port(r, "c").port == 81 and port(r, "c").node_port > 0)  # fmt: skip
+        # Endpoints churn: readiness flapping faster than the agent's minSyncPeriod, then a
+        # terminating fallback (b1 terminating, b2 ready: only b2), a slice deleted.
         for i in range(6):
             env.kube.apply(a_slice(ready=i % 2 == 1))
         env.kube.apply(a_slice(ready=False, terminating=True))
         env.kube.delete("endpointslice", "c-1", ns)
+        settle("after the endpoints churn", lambda r: endpoints(r, "a") == [(b2.ipv4, True, False)]
+               and endpoints(r, "c") == [(b2.ipv4, True, False)])  # fmt: skip
         # Delete a Service, create another.
         env.kube.delete("service", "b", ns)
         env.kube.apply(
             service("d", ns, [service_port("http", 80, 8080)]),
             endpoint_slice("d-1", ns, "d", env.backend_endpoints(4, ("b1",)), [tcp]),
         )
-        final = {("a", "http"), ("a", "dns"), ("a", "metrics"), ("c", "http"), ("d", "http")}
-        settle("after the updates, the churn and the deletions", final)
+        settle("after the deletion", lambda r: names(r) == final and len(endpoints(r, "d")) == 1)
         copy = read_dump(dump)
         assert copy is not None
-        a_http = ports_of(copy)[PortKey(ns, "a", "http", pb.TCP, 4)]
-        assert [(e.ip, e.ready, e.terminating) for e in a_http.cluster_endpoints] == [
-            (b2.ipv4, True, False)
-        ]
-        assert ports_of(copy)[PortKey(ns, "c", "http", pb.TCP, 4)].node_port > 0
+        assert names(copy) == final
         lines = log.read_text().splitlines()
         assert sum("(full:" in line for line in lines) == 1, lines
-        assert sum("(delta:" in line for line in lines) >= 3, lines
+        assert sum("(delta:" in line for line in lines) >= 4, lines
         # SIGUSR1 prints the same copy on stdout.
         proc.send_signal(signal.SIGUSR1)
         wait_until(lambda: read_dump(stdout) is not None, 5, message=lambda: log.read_text())
@@ -228,3 +239,51 @@ def test_a_socket_in_a_shared_directory_is_refused(env: AgentEnv) -> None:
     assert f"--state-socket {shared}/kpx.sock: {shared} is a shared directory" in agent.log()
     assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
     assert list(shared.iterdir()) == []
+
+
+def test_go_client_takes_a_full_state_over_grpc_default_limit(
+    go_client: Path, tmp_path: Path
+) -> None:
+    """A full state over 4 MiB (one port of 200,000 endpoints: 5.6 MB) reaches the Go client:
+    it raises gRPC's default limit on received messages (grpc.MaxCallRecvMsgSize)."""
+    import asyncio
+    import dataclasses
+
+    from kpx_agent.localnet import IP, Endpoint, NodeInfo, NodeLocalState, Protocol, ProxySettings
+    from kpx_agent.localnet import ServicePort as Port
+    from kpx_agent.localnet import ServicePortKey as Key
+    from kpx_agent.state_api.publisher import Publisher
+    from kpx_agent.state_api.server import Listen, StateServer
+
+    eps = tuple(
+        Endpoint(IP.of(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}"), 8080) for i in range(200_000)
+    )
+    key = Key("ns", "big", "http", Protocol.TCP, 4)
+    port = dataclasses.replace(Port(key=key, port=80), cluster_endpoints=eps)
+    dump = tmp_path / "state.json"
+
+    async def main() -> tuple[int, int]:
+        pub = Publisher()
+        server = StateServer(pub, Listen(path=tmp_path / "run" / "state.sock"))
+        await server.start()
+        pub.publish(NodeLocalState(NodeInfo("n1"), {key: port}), ProxySettings(), None)
+        size = len(pub.answer("", 0, False))
+        server.notify()
+        proc = await asyncio.create_subprocess_exec(
+            str(go_client), "-target", server.listen.target, "-dump", str(dump),
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            for _ in range(300):
+                if (copy := read_dump(dump)) is not None:
+                    return size, len(copy.service_ports[0].cluster_endpoints)
+                await asyncio.sleep(0.1)
+            return size, 0
+        finally:
+            proc.terminate()
+            await proc.wait()
+            await server.stop()
+
+    size, count = asyncio.run(main())
+    assert size > 4 * 1024 * 1024
+    assert count == 200_000

@@ -164,3 +164,30 @@ def test_a_malformed_request_gets_invalid_argument_and_one_log_line(
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert [r.getMessage().split(":")[0] for r in warnings] == ["state API"]
     assert "\n" not in warnings[0].getMessage() and warnings[0].exc_info is None
+
+
+# --- the size of a full state --------------------------------------------------------------------
+
+#: gRPC's default limit on a received message (every language's default: 4 MiB).
+GRPC_DEFAULT_MAX_RECEIVE = 4 * 1024 * 1024
+
+
+def test_a_full_state_at_10000_services_is_over_grpc_default_receive_limit() -> None:
+    """bench/workload.py's 10,000 Services (one TCP port, 10 endpoints each) as one node's
+    state, encoded as the server sends it: about 5.4 MB (docs/state-api.md), over the 4 MiB a
+    client in another language accepts unless it raises its limit."""
+    import sys
+
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    if str(bench) not in sys.path:
+        sys.path.insert(0, str(bench))
+    from kpx_agent.localnet import ProxySettings
+    from workload import node_local_state
+
+    pub = Publisher()
+    pub.publish(node_local_state(10_000), ProxySettings(), None)
+    size = len(pub.answer("", 0, False))
+    assert size > GRPC_DEFAULT_MAX_RECEIVE
+    assert 5_200_000 < size < 5_600_000, size  # the figure in docs/state-api.md
+    per_port = size / 10_000
+    assert GRPC_DEFAULT_MAX_RECEIVE / per_port > 7_500  # over the limit from ~7,800 ports on
