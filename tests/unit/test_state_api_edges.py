@@ -78,6 +78,7 @@ def test_a_shared_temporary_directory_is_refused_and_left_alone(tmp_path: Path) 
 def test_a_directory_of_another_user_is_refused(tmp_path: Path) -> None:
     theirs = tmp_path / "theirs"
     theirs.mkdir()
+    os.chmod(theirs, 0o755)
     os.chown(theirs, 65534, 65534)
     with pytest.raises(SocketDirectoryError, match=r"owned by uid 65534, neither the agent's"):
         prepare_socket_directory(theirs)
