@@ -12,10 +12,10 @@ N ?=
 CONFORMANCE_SUITE ?= proxy
 CONFORMANCE_TARGETS ?= kpx/nftables,kube-proxy/nftables,kpx/iptables,kube-proxy/iptables
 
-.PHONY: conformance setup setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-vm image test test-unit lint crds chart demo demo-down bench bench-migration chaos
+.PHONY: conformance setup setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-go-localstate setup-vm image test test-unit lint crds chart demo demo-down bench bench-migration chaos
 
 ## setup: install everything a fresh machine needs (idempotent: a second run installs and builds nothing)
-setup: setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-vm
+setup: setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-go-localstate setup-vm
 
 setup-apt:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
@@ -57,6 +57,11 @@ setup-kstatus:
 ## setup-coredns: CoreDNS from its Go module (toolchain/coredns), the real nodes' cluster DNS
 setup-coredns:
 	toolchain/build-coredns.sh
+
+## setup-go-localstate: the Go example client of the state API (examples/plugins/go-localstate),
+## which tests/e2e/test_state_api_go_client.py runs against a real agent
+setup-go-localstate:
+	toolchain/build-go-localstate.sh
 
 ## image: the operator and agent images (images/Containerfile) as OCI archives in the cache;
 ## prints `image: REF ARCHIVE` per image; builds nothing when no input changed (docs/images.md);

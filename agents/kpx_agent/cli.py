@@ -48,6 +48,8 @@ from .metrics import AgentMetrics
 from .node_state import DEFAULT_WRITE_INTERVAL
 from .proxy_health import ProxyHealth
 from .settings import AgentSettings
+from .state_api.server import parse_address
+from .state_api.socket_directory import SocketDirectoryError, prepare_socket_directory
 from .takeover import Leftover, LeftoverRemoval, other_mode_leftovers
 
 log = logging.getLogger("kpx_agent")
@@ -169,6 +171,22 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         address = f"unix://{address}" if address.startswith("/") else address
         out["stateAPI"] = {"enabled": True, "address": address}
     return out
+
+
+def _state_socket_problem(settings: AgentSettings, args: argparse.Namespace) -> str | None:
+    """Prepare the state socket's directory (state_api/socket_directory.py) before anything
+    else runs: why it cannot be used, naming the flag or field that gave the path, or None."""
+    if settings.state_api is None:
+        return None
+    path = parse_address(settings.state_api).path
+    if path is None:
+        return None
+    try:
+        prepare_socket_directory(path.parent)
+    except SocketDirectoryError as exc:
+        source = "--state-socket" if args.state_socket else "stateAPI.address"
+        return f"{source} {path}: {exc}"
+    return None
 
 
 def cleanup(argv: list[str]) -> int:
@@ -391,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         # The API accepts the mode (and the operator deploys nothing for it): say why this
         # agent cannot run it rather than fail on a missing module.
         print(f"proxy-agent: {no_backend_message(settings.mode)}", file=sys.stderr)
+        return 2
+    if (problem := _state_socket_problem(settings, args)) is not None:
+        print(f"proxy-agent: {problem}", file=sys.stderr)
         return 2
     if settings.mode == "ipvs":
         log.warning("mode ipvs is deprecated upstream (KEP-5495): plan the move to nftables")

@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, model_validator
 
 from kpx_api.constants import AGENT_CONFIG_KIND, API_VERSION
 from kpx_api.errors import ConfigError, FieldError
+from kpx_api.external import ExternalSettings
 from kpx_api.modes import (
     ACKNOWLEDGE_IPVS_MESSAGE,
     KERNEL_BACKEND_MODES,
@@ -24,7 +25,7 @@ from kpx_api.modes import (
     ModeSettings,
     NFTablesSettings,
 )
-from kpx_api.proxysettings import ProxySettings
+from kpx_api.proxysettings import EXTERNAL_BLOCK_RULE, ProxySettings
 from kpx_api.validation import KpxModel
 
 if TYPE_CHECKING:  # the operator's side: the agent never builds the CRD's models
@@ -85,6 +86,11 @@ class AgentConfiguration(ProxySettings):
         default=AGENT_CONFIG_KIND, description="Always AgentConfiguration."
     )
 
+    # Mode external without an `external` block: the agent runs no backend container (the
+    # operator does, from spec.external), so it needs no image; it reads only the block's sync
+    # periods, whose defaults then apply (mode_settings).
+    __rules__ = tuple(rule for rule in ProxySettings.__rules__ if rule is not EXTERNAL_BLOCK_RULE)
+
     rollback: Rollback | None = Field(
         default=None,
         description="Only while the operator switches spec.mode: the mode it comes from, where "
@@ -100,11 +106,8 @@ class AgentConfiguration(ProxySettings):
         """
         selected = Mode(mode)
         if selected is Mode.EXTERNAL:
-            raise ConfigError(
-                "defaults",
-                [FieldError("external.image", "mode external has no default backend: give a "
-                            "configuration file with external.image")],
-            )  # fmt: skip
+            # The agent serves the state API; the backend container is the operator's.
+            return cls.model_validate({"mode": selected})
         block = SETTINGS_CLASS[selected]()  # type: ignore[call-arg]  # not external (above)
         if isinstance(block, IPVSSettings):
             if not acknowledge_deprecation:
@@ -114,6 +117,14 @@ class AgentConfiguration(ProxySettings):
                 )
             block = IPVSSettings(acknowledge_deprecation=True)
         return cls.model_validate({"mode": selected, str(selected): block})
+
+    def mode_settings(self) -> ModeSettings:
+        """The settings of the selected mode: its block, or that block's defaults (in mode
+        external without a block: ExternalSettings' defaults without a backend image, which
+        the agent never reads)."""
+        if self.mode is Mode.EXTERNAL and self.external is None:
+            return ExternalSettings.model_construct()  # type: ignore[call-arg]  # no image
+        return super().mode_settings()
 
     def rollback_config(self) -> AgentConfiguration | None:
         """The configuration of the rollback mode (this one's shared settings, the rollback's

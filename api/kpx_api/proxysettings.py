@@ -231,6 +231,17 @@ class ExternalIPs(KpxModel):
     )
 
 
+#: spec.external is required with mode external: the operator runs its backend container. The
+#: agent's own configuration (AgentConfiguration) does without: the agent never runs it.
+EXTERNAL_BLOCK_RULE = Rule(
+    cel="self.mode != 'external' || has(self.external)",
+    message="mode external needs spec.external (at least the backend's image)",
+    check=lambda s: s.mode is not Mode.EXTERNAL or s.external is not None,
+    field_path=".external",
+    reason="FieldValueRequired",
+)
+
+
 class ProxySettings(KpxModel):
     """What the agents do on every node: the mode, its settings, and the shared settings."""
 
@@ -245,13 +256,7 @@ class ProxySettings(KpxModel):
             field_path=".ipvs.acknowledgeDeprecation",
             reason="FieldValueRequired",
         ),
-        Rule(
-            cel="self.mode != 'external' || has(self.external)",
-            message="mode external needs spec.external (at least the backend's image)",
-            check=lambda s: s.mode is not Mode.EXTERNAL or s.external is not None,
-            field_path=".external",
-            reason="FieldValueRequired",
-        ),
+        EXTERNAL_BLOCK_RULE,
     )
 
     mode: Mode = Field(

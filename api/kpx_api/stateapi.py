@@ -39,8 +39,9 @@ class StateAPI(KpxModel):
     )
     address: StateAddress = Field(
         default=DEFAULT_STATE_ADDRESS,
-        description="unix:///path (the directory is created 0750 and the socket 0600, owned "
-        "by the agent: only its user can connect), or tcp://127.0.0.1:PORT / tcp://[::1]:PORT "
+        description="unix:///path (the socket is 0600, owned by the agent: only its user can "
+        "connect; a missing directory is created 0750, an existing one is left as it is, a "
+        "shared one such as /tmp is refused), or tcp://127.0.0.1:PORT / tcp://[::1]:PORT "
         "(loopback only; any local process can connect). The agent's --state-socket flag "
         "overrides it.",
     )

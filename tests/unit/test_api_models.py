@@ -28,6 +28,7 @@ from kpx_api import (
     format_duration,
     ip_family,
     load_agent_config,
+    parse_agent_config,
     parse_bind_address,
     parse_cidr,
     parse_duration,
@@ -855,10 +856,14 @@ def test_defaults_for(mode: Mode) -> None:
     assert sum(getattr(config, str(m)) is not None for m in Mode) == 1
 
 
-def test_defaults_for_external_needs_the_backend_image() -> None:
-    """Mode external has no default backend: a configuration file must name it."""
-    with pytest.raises(ConfigError, match=r"external\.image: "):
-        AgentConfiguration.defaults_for("external")
+def test_defaults_for_external_need_no_backend_image() -> None:
+    """The agent runs no backend container in mode external (the operator does): its defaults
+    have no `external` block, and the block's sync periods apply."""
+    config = AgentConfiguration.defaults_for("external")
+    assert config.mode is Mode.EXTERNAL and config.external is None
+    block = config.mode_settings()
+    assert (block.sync_period, block.min_sync_period) == ("30s", "1s")
+    assert parse_agent_config({"mode": "external"}).external is None
 
 
 def test_defaults_for_ipvs_needs_acknowledgement() -> None:

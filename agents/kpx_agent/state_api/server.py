@@ -1,8 +1,11 @@
 """The gRPC edge of the node-local state API: a unix socket (or a loopback TCP port).
 
-The socket's directory is created 0750 and the socket 0600, both owned by the agent: only the
-agent's user (and root) can connect. The socket is bound under a private name and renamed into
-place once its mode is set, so there is no moment where it exists with a wider mode.
+The socket is 0600, owned by the agent: only the agent's user (and root) can connect. Its
+directory, when missing, is created 0750; an existing directory is used as it is (its mode is
+never changed) unless it is shared (socket_directory.py), which is refused. The socket is bound
+under a private name and renamed into place once its mode is set, so there is no moment where it
+exists with a wider mode. A request that is not a WatchRequest is answered INVALID_ARGUMENT and
+logged in one line.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from ipaddress import ip_address
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from kpx_localstate_client import WATCH_METHOD
 from kpx_localstate_client import localstate_pb2 as pb
 
 from .publisher import Publisher
+from .socket_directory import prepare_socket_directory
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +102,19 @@ class StateServer:
 
     # -- the RPC -------------------------------------------------------------------------------
     async def _watch(
-        self, requests: AsyncIterator[pb.WatchRequest], context: aio.ServicerContext
+        self, requests: AsyncIterator[bytes], context: aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         self.clients += 1
         try:
-            async for request in requests:
+            async for raw in requests:
+                try:
+                    request = pb.WatchRequest.FromString(raw)
+                except DecodeError as exc:
+                    log.warning("state API: a client sent a malformed WatchRequest (%s): "
+                                "answered INVALID_ARGUMENT", exc)  # fmt: skip
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"malformed WatchRequest: {exc}"
+                    )
                 while not self.publisher.ready(request.instance_id, request.revision):
                     await self._changed.wait()
                 yield self.publisher.answer(
@@ -118,7 +131,7 @@ class StateServer:
             {
                 METHOD: grpc.stream_stream_rpc_method_handler(
                     self._watch,
-                    request_deserializer=pb.WatchRequest.FromString,
+                    request_deserializer=None,  # bytes: decoded in _watch (INVALID_ARGUMENT)
                     response_serializer=bytes,  # answers are encoded once per revision
                 )
             },
@@ -141,8 +154,7 @@ class StateServer:
         log.info("node-local state API on %s", self.listen.target)
 
     async def _start_unix(self, server: aio.Server, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(path.parent, 0o750)  # noqa: S103  (the agent's group may look, not connect)
+        prepare_socket_directory(path.parent)
         staging = path.parent / f".s{os.getpid()}"
         with contextlib.suppress(FileNotFoundError):
             staging.joinpath(path.name).unlink()
