@@ -3,7 +3,8 @@
 what upstream's Alpine image carries (bash, curl, dig, OpenBSD's `nc`, ip, iperf, porter's TLS
 pair, /coredns, the image's user and group), GNU wget (Debian's static busybox 1.35 crashes on
 `wget -T`, which the specs use) and busybox for every other command),
-`regression-issue-74839` (a Conntrack spec's server),
+`regression-issue-74839` (a Conntrack spec's server), `distroless-iptables` (conntrack and
+iptables, the KubeProxy CLOSE_WAIT spec's host pod),
 `glibc-dns-testing` (the DNS specs' second querier: `dig`, glibc's `getent`, a shell) and
 `nginx` (two EndpointSlice/Endpoints specs run it as a plain container).
 
@@ -30,6 +31,7 @@ SUITE: Final = "bookworm"
 GLIBC_DNS_TESTING_IMAGE: Final = "registry.k8s.io/e2e-test-images/glibc-dns-testing:2.0.0"
 NGINX_IMAGE: Final = "registry.k8s.io/e2e-test-images/nginx:1.15-4"
 REGRESSION_IMAGE: Final = "registry.k8s.io/e2e-test-images/regression-issue-74839:1.4"
+DISTROLESS_IPTABLES_IMAGE: Final = "registry.k8s.io/build-image/distroless-iptables:v0.9.3"
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,14 @@ NGINX: Final = Recipe(
     ),
 )
 
+#: the KubeProxy CLOSE_WAIT spec's host pod: `conntrack -L` (upstream's is distroless with
+#: iptables and conntrack; the spec also runs sh, test, which, grep and sleep in it)
+DISTROLESS_IPTABLES: Final = Recipe(
+    DISTROLESS_IPTABLES_IMAGE,
+    ("conntrack", "iptables"),
+    {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]},
+)
+
 
 def mmdebstrap_argv(recipe: Recipe, tarball: Path) -> list[str]:
     return [
@@ -183,4 +193,5 @@ DEBIAN_IMAGES: Final = (
     REGRESSION,
     static_image("glibc-dns-testing", GLIBC_DNS_TESTING),
     static_image("nginx", NGINX),
+    static_image("distroless-iptables", DISTROLESS_IPTABLES),
 )
