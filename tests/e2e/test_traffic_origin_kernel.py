@@ -289,6 +289,10 @@ def test_localhost_node_ports_nftables_opt_in(net: Net) -> None:
     net.sync("nftables", localhost=True)
     result = probe(net.topo, net.n1, "127.0.0.1", NODE_PORT, "tcp", count=3, timeout=1)
     assert seen_by(result, "b2") == {net.n1.ipv4}, result
+    # externalTrafficPolicy Local with no endpoint on n1: the node's own traffic is
+    # short-circuited to every endpoint, from 127.0.0.1 too.
+    result = probe(net.topo, net.n1, "127.0.0.1", ETP_NODE_PORT, "tcp", count=3, timeout=1)
+    assert seen_by(result, "b2") == {net.n1.ipv4}, result
     assert route_localnet(net) == "1"
     for chain in ("filter-input", "filter-output"):
         listed = net.sh(net.n1, "nft", "list", "chain", "ip", "kpx", chain)
