@@ -364,7 +364,9 @@ def _to_nftables(spec: dict[str, Any], source: str, dropped: list[Dropped]) -> N
     ):  # fmt: skip
         dropped.append(Dropped("iptables.localhostNodePorts", "true (kube-proxy's default): "
                                "its iptables mode answers NodePorts on 127.0.0.1; mode nftables "
-                               "does not (as upstream's nftables mode)", lost=True))  # fmt: skip
+                               "does not by default (as upstream's nftables mode): set "
+                               "nftables.localhostNodePorts: true to keep them (kpx's opt-in, "
+                               "docs/api.md)", lost=True))  # fmt: skip
     if not spec["nodePortAddresses"]:
         dropped.append(Dropped("nodePortAddresses", "empty: in kube-proxy's iptables mode "
                                "NodePorts answer on every local IP of the node; in mode nftables "

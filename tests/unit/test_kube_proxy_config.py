@@ -273,6 +273,8 @@ def test_to_nftables_carries_the_shared_settings_and_names_what_only_iptables_do
                                 "minSyncPeriod": "1s"}  # fmt: skip
     assert {d.field: d.lost for d in conversion.dropped} == {
         "iptables.localhostNodePorts": True, "nodePortAddresses": True}  # fmt: skip
+    (localhost,) = [d for d in conversion.dropped if d.field == "iptables.localhostNodePorts"]
+    assert "set nftables.localhostNodePorts: true to keep them" in localhost.render()
     # Neither applies when NodePorts were on listed, non-loopback addresses only.
     listed = convert({**doc, "nodePortAddresses": ["192.168.0.0/24"]}, to_nftables=True)
     assert listed.dropped == []
