@@ -126,17 +126,18 @@ def test_traced_localhost_node_ports_on_and_off() -> None:
 
 
 def test_route_localnet_goes_to_the_mounted_file(tmp_path: Path) -> None:
-    """In a pod the operator mounts the node's file elsewhere (--route-localnet-file)."""
+    """In a pod the operator mounts the node's file elsewhere (--route-localnet-file, which
+    the agent hands over as NodePaths); one that cannot be written is logged, and the rules
+    still go in."""
     mounted = tmp_path / "route_localnet"
     mounted.write_text("0\n")
-    backend = create(ON, NodePaths(route_localnet=mounted))
-    backend._run = lambda parts: None  # type: ignore[assignment]  # no kernel
-    backend._present_families = lambda: {4, 6}  # type: ignore[method-assign]
-    backend._generation = lambda: 0  # type: ignore[method-assign]
-    backend.sync(sample_state(ON), None)
-    assert mounted.read_text() == "1\n"
-    unreadable = create(ON, NodePaths(route_localnet=tmp_path / "missing"))
-    unreadable._run = lambda parts: None  # type: ignore[assignment]
-    unreadable._present_families = lambda: {4, 6}  # type: ignore[method-assign]
-    unreadable._generation = lambda: 0  # type: ignore[method-assign]
-    unreadable.sync(sample_state(ON), None)  # logged; the rules still go in
+    assert create(ON, NodePaths(route_localnet=mounted))._route_localnet_file == mounted
+    assert create(ON)._route_localnet_file == ROUTE_LOCALNET_FILE
+    for target, written in ((mounted, "1\n"), (tmp_path / "missing", None)):
+        fake = FakeNftables()
+        NftablesBackend(ON, run_transactions=fake.run_transactions,
+                        present_families=fake.present_families,
+                        load_elements=fake.load_elements,
+                        route_localnet_file=target).sync(sample_state(ON), None)  # fmt: skip
+        assert (target.read_text() if target.exists() else None) == written
+        assert fake.elements(4, "nodeport-addresses")  # programmed either way
