@@ -231,6 +231,8 @@ def _mode_block(doc: Mapping[str, Any], mode: str, dropped: list[Dropped]) -> di
         return {
             "masqueradeBit": _int(nft.get("masqueradeBit"), "nftables.masqueradeBit", 14),
             "masqueradeAll": _bool(nft.get("masqueradeAll"), "nftables.masqueradeAll"),
+            # kube-proxy's nftables mode has none; kpx's opt-in, written out as off.
+            "localhostNodePorts": False,
             "syncPeriod": _period(nft, "syncPeriod", 30, "nftables"),
             "minSyncPeriod": _period(nft, "minSyncPeriod", 1, "nftables"),
         }
@@ -373,7 +375,11 @@ def _to_nftables(spec: dict[str, Any], source: str, dropped: list[Dropped]) -> N
                                "on its primary IPs only (as upstream's nftables mode): CIDRs in "
                                "nodePortAddresses choose other addresses", lost=True))  # fmt: skip
     spec["mode"] = "nftables"
-    spec["nftables"] = block
+    # localhostNodePorts written out as off: kpx's opt-in that would keep them (named above).
+    spec["nftables"] = {"masqueradeBit": block["masqueradeBit"],
+                        "masqueradeAll": block["masqueradeAll"], "localhostNodePorts": False,
+                        "syncPeriod": block["syncPeriod"],
+                        "minSyncPeriod": block["minSyncPeriod"]}  # fmt: skip
 
 
 def convert(
