@@ -122,7 +122,8 @@ def _run_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--route-localnet-file",
         type=Path,
-        help="mode iptables with localhost NodePorts: the node's "
+        help="localhost NodePorts (iptables.localhostNodePorts, nftables.localhostNodePorts): "
+        "the node's "
         "net.ipv4.conf.all.route_localnet (default: /proc/sys/net/ipv4/conf/all/route_localnet "
         "of the agent's network namespace; a pod mounts the node's file elsewhere)",
     )

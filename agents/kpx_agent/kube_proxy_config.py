@@ -231,6 +231,8 @@ def _mode_block(doc: Mapping[str, Any], mode: str, dropped: list[Dropped]) -> di
         return {
             "masqueradeBit": _int(nft.get("masqueradeBit"), "nftables.masqueradeBit", 14),
             "masqueradeAll": _bool(nft.get("masqueradeAll"), "nftables.masqueradeAll"),
+            # kube-proxy's nftables mode has none; kpx's opt-in, written out as off.
+            "localhostNodePorts": False,
             "syncPeriod": _period(nft, "syncPeriod", 30, "nftables"),
             "minSyncPeriod": _period(nft, "minSyncPeriod", 1, "nftables"),
         }
@@ -364,14 +366,20 @@ def _to_nftables(spec: dict[str, Any], source: str, dropped: list[Dropped]) -> N
     ):  # fmt: skip
         dropped.append(Dropped("iptables.localhostNodePorts", "true (kube-proxy's default): "
                                "its iptables mode answers NodePorts on 127.0.0.1; mode nftables "
-                               "does not (as upstream's nftables mode)", lost=True))  # fmt: skip
+                               "does not by default (as upstream's nftables mode): set "
+                               "nftables.localhostNodePorts: true to keep them (kpx's opt-in, "
+                               "docs/api.md)", lost=True))  # fmt: skip
     if not spec["nodePortAddresses"]:
         dropped.append(Dropped("nodePortAddresses", "empty: in kube-proxy's iptables mode "
                                "NodePorts answer on every local IP of the node; in mode nftables "
                                "on its primary IPs only (as upstream's nftables mode): CIDRs in "
                                "nodePortAddresses choose other addresses", lost=True))  # fmt: skip
     spec["mode"] = "nftables"
-    spec["nftables"] = block
+    # localhostNodePorts written out as off: kpx's opt-in that would keep them (named above).
+    spec["nftables"] = {"masqueradeBit": block["masqueradeBit"],
+                        "masqueradeAll": block["masqueradeAll"], "localhostNodePorts": False,
+                        "syncPeriod": block["syncPeriod"],
+                        "minSyncPeriod": block["minSyncPeriod"]}  # fmt: skip
 
 
 def convert(

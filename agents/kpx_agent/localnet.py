@@ -238,9 +238,10 @@ class ProxySettings:
     # addresses inside these networks.
     node_port_networks: tuple[IPNetwork, ...] = ()
     detect_local: DetectLocal = DetectLocal()
-    # iptables mode: NodePorts also answer on 127.0.0.0/8 (IPv4; needs route_localnet=1).
-    # True only where iptables.localhostNodePorts is true and nodePortAddresses is empty or
-    # holds a network containing 127.0.0.1 (as upstream); always False in other modes.
+    # NodePorts also answer on 127.0.0.0/8 (IPv4; needs route_localnet=1). True only where the
+    # mode's localhostNodePorts is true (iptables: the default, as upstream; nftables: kpx's
+    # opt-in) and nodePortAddresses is empty or holds a network containing 127.0.0.1; always
+    # False in other modes.
     localhost_node_ports: bool = False
     # conntrack.tcpBeLiberal: then forwarded conntrack-INVALID packets are not dropped.
     conntrack_tcp_be_liberal: bool = False
@@ -283,7 +284,7 @@ class NodeFacts:
     # None while the Node's addresses are unknown: every local address except loopback.
     nodeport_networks: tuple[IPNetwork, ...] | None = None
     local_pods: LocalPods = NOTHING_LOCAL
-    # NodePorts also answer on 127.0.0.0/8 (iptables mode, IPv4 only; see ProxySettings).
+    # NodePorts also answer on 127.0.0.0/8 (IPv4 only; see ProxySettings).
     localhost_node_ports: bool = False
 
 

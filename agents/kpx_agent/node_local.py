@@ -102,8 +102,8 @@ def nodeport_networks(
     the configured nodePortAddresses networks; else the node's own addresses of that family
     ("primary", as upstream: none of that family means no NodePorts in it); else, while the
     Node's addresses are not known at all, None: every local address except loopback
-    (NodePorts on 127.0.0.1 need route_localnet: only the iptables backend adds them, with
-    localhostNodePorts, as upstream)."""
+    (NodePorts on 127.0.0.1 need route_localnet: backends add them with localhostNodePorts,
+    NodeFacts.localhost_node_ports)."""
     if settings.node_port_networks:
         return tuple(net for net in settings.node_port_networks if net.version == family)
     if not node.addresses:
@@ -114,7 +114,8 @@ def nodeport_networks(
 def node_facts(settings: ProxySettings, node: NodeInfo) -> dict[int, NodeFacts]:
     """Everything a backend renders about this node, per family, decided once for all
     modes: the NodePort networks with their fallback, the detectLocal match, and whether
-    NodePorts answer on localhost (iptables mode, IPv4, as upstream)."""
+    NodePorts answer on localhost (IPv4 only: iptables mode as upstream, nftables as kpx's
+    opt-in)."""
     return {
         family: NodeFacts(
             family=family,

@@ -110,6 +110,15 @@ class NFTablesSettings(KpxModel):
 
     masquerade_bit: int = Field(default=14, ge=0, le=31, strict=True, description=_MASQUERADE_BIT)
     masquerade_all: bool = Field(default=False, strict=True, description=_MASQUERADE_ALL)
+    localhost_node_ports: bool = Field(
+        default=False,
+        strict=True,
+        description="Opt-in, beyond upstream's nftables mode: accept NodePort connections to "
+        "127.0.0.1 (IPv4 only; sets the node's route_localnet and drops packets to "
+        "127.0.0.0/8 from outside the node) when nodePortAddresses is empty or holds "
+        "127.0.0.1, as iptables.localhostNodePorts does. A switch from mode iptables with "
+        "localhost NodePorts in effect carries them over when this is true.",
+    )
     sync_period: Duration = Field(default="30s", description=_SYNC_PERIOD)
     min_sync_period: Duration = Field(default="1s", description=_MIN_SYNC_PERIOD)
 

@@ -5,8 +5,9 @@
   own Pod, the operator reads it back): one line per mode, `MODE: ok (DETAIL)` or
   `MODE: no (WHY)`.
 * `dropped_settings`: what a switch from the agents' configuration in effect to another mode
-  loses (settings with no counterpart in the new mode), each with the name the user puts in
-  `spec.modeSwitch.acceptDropped` to let the switch proceed.
+  loses (settings with no counterpart in the new mode, or that the new spec does not carry
+  over), each with the name the user puts in `spec.modeSwitch.acceptDropped` to let the switch
+  proceed.
 """
 
 from __future__ import annotations
@@ -67,10 +68,12 @@ class Dropped:
     detail: str
 
 
-def dropped_settings(current: ProxySettings, new_mode: str) -> list[Dropped]:
-    """What switching from `current` (the agents' configuration in effect) to `new_mode` loses.
-    Nothing when the mode does not change."""
-    old_mode = str(current.mode)
+def dropped_settings(current: ProxySettings, new: ProxySettings) -> list[Dropped]:
+    """What switching from `current` (the agents' configuration in effect) to the spec `new`
+    loses. Nothing when the mode does not change. Localhost NodePorts carry over to mode
+    nftables when `new` has them in effect (nftables.localhostNodePorts: true, and
+    nodePortAddresses allowing 127.0.0.1)."""
+    old_mode, new_mode = str(current.mode), str(new.mode)
     if old_mode == new_mode:
         return []
     out: list[Dropped] = []
@@ -93,8 +96,15 @@ def dropped_settings(current: ProxySettings, new_mode: str) -> list[Dropped]:
                                f"ipvs {', '.join(timeouts)}: mode {new_mode} has no IPVS "
                                "timeouts; connections follow conntrack's "
                                "(spec.conntrack)"))  # fmt: skip
-    if current.localhost_node_ports_in_effect() and new_mode != Mode.IPTABLES:
-        out.append(Dropped(DroppedSetting.LOCALHOST_NODE_PORTS,
-                           "iptables.localhostNodePorts: NodePorts stop answering on "
-                           f"127.0.0.1 (mode {new_mode} has none, as upstream)"))  # fmt: skip
+    if current.localhost_node_ports_in_effect() and not new.localhost_node_ports_in_effect():
+        out.append(Dropped(DroppedSetting.LOCALHOST_NODE_PORTS, _localhost_lost(old_mode, new)))
     return out
+
+
+def _localhost_lost(old_mode: str, new: ProxySettings) -> str:
+    lost = f"{old_mode}.localhostNodePorts: NodePorts stop answering on 127.0.0.1"
+    if new.mode == Mode.NFTABLES:
+        if getattr(new.mode_settings(), "localhost_node_ports", False):
+            return f"{lost} (nodePortAddresses of the new spec leaves 127.0.0.1 out)"
+        return f"{lost} (to carry them over, set nftables.localhostNodePorts: true)"
+    return f"{lost} (mode {new.mode} has none, as upstream)"

@@ -44,7 +44,8 @@ class ModeSwitch(KpxModel):
         default_factory=list,
         description="Settings in effect that the new mode has no counterpart for, accepted as "
         "lost: ipvsScheduler (an ipvs scheduler other than rr), ipvsTimeouts (ipvs tcpTimeout, "
-        "tcpFinTimeout, udpTimeout), localhostNodePorts (iptables NodePorts on 127.0.0.1). "
+        "tcpFinTimeout, udpTimeout), localhostNodePorts (NodePorts on 127.0.0.1; a switch to "
+        "nftables with nftables.localhostNodePorts true carries them over). "
         "While the agents' configuration in effect has one that the new mode drops and it is "
         "not listed here, the operator does not apply the new spec (the agents keep the old "
         "mode) and condition Preflight says what to accept.",

@@ -340,8 +340,9 @@ class ProxySettings(KpxModel):
         return block if block is not None else SETTINGS_CLASS[self.mode]()  # type: ignore[call-arg]
 
     def localhost_node_ports_in_effect(self) -> bool:
-        """Whether IPv4 NodePorts answer on 127.0.0.0/8 (mode iptables only), as upstream:
-        iptables.localhostNodePorts, and nodePortAddresses empty or holding 127.0.0.1."""
+        """Whether IPv4 NodePorts answer on 127.0.0.0/8: the mode's localhostNodePorts
+        (iptables: on by default, as upstream; nftables: an opt-in, off by default; other
+        modes have none), and nodePortAddresses empty or holding 127.0.0.1."""
         block = self.mode_settings()
         if not getattr(block, "localhost_node_ports", False):
             return False

@@ -100,8 +100,8 @@ CONNTRACK_SYSCTLS: Final = ("conntrack-sysctls", "/proc/sys/net/netfilter",
 CONNTRACK_MODULE: Final = ("conntrack-module", "/sys/module/nf_conntrack/parameters",
                            "/host/sys/module/nf_conntrack/parameters")  # fmt: skip
 
-#: Mode iptables with localhost NodePorts in effect: the agent sets the node's
-#: net.ipv4.conf.all.route_localnet (as upstream), through this file only.
+#: Localhost NodePorts in effect (mode iptables, or nftables.localhostNodePorts): the agent
+#: sets the node's net.ipv4.conf.all.route_localnet (as upstream), through this file only.
 ROUTE_LOCALNET: Final = ("route-localnet", "/proc/sys/net/ipv4/conf/all/route_localnet",
                          "/host/proc/sys/net/ipv4/conf/all/route_localnet")  # fmt: skip
 
@@ -303,7 +303,8 @@ def _conntrack_access(spec: ProxyConfigurationSpec) -> tuple[list[Obj], list[Obj
 
 def _localnet_access(spec: ProxyConfigurationSpec) -> tuple[list[Obj], list[Obj], list[str]]:
     """(volumes, mounts, agent flags) for route_localnet, only where localhost NodePorts are
-    in effect (mode iptables, localhostNodePorts, nodePortAddresses allowing 127.0.0.1)."""
+    in effect (mode iptables, or nftables with its opt-in: the mode's localhostNodePorts, and
+    nodePortAddresses allowing 127.0.0.1)."""
     if not spec.localhost_node_ports_in_effect():
         return [], [], []
     name, path, mount = ROUTE_LOCALNET

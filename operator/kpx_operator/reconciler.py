@@ -350,7 +350,7 @@ class Reconciler:
                 if spec is not None and admission.deploy:
                     self._cleared.discard(uid)
                     current = await self._config_in_effect(name)
-                    dropped = dropped_settings(current, str(spec.mode)) if current else []
+                    dropped = dropped_settings(current, spec) if current else []
                     reports = await self._agent_reports(name, spec)
                     preflight = assess(
                         str(spec.mode),

@@ -151,7 +151,8 @@ def test_kube_proxy_moves_off_node_by_node_and_comes_back_on_deletion(env: Env) 
 def test_a_mode_switch_that_drops_a_setting_waits_for_its_acceptance(env: Env) -> None:
     """No agent runs (no node matches): the operator alone, against the real apiserver (the
     CRD validates spec.modeSwitch). iptables answers NodePorts on 127.0.0.1 by default;
-    nftables has none: the switch waits for spec.modeSwitch.acceptDropped."""
+    nftables has none by default: the switch waits for spec.modeSwitch.acceptDropped, or
+    for nftables.localhostNodePorts: true, which carries them over."""
     if not any(op.proc.poll() is None and op.is_leader() for op in env.operators):
         wait_until(env.start_operator().is_leader, 30, "operator leads")
     name = "e2e-held-switch"
@@ -186,6 +187,19 @@ def test_a_mode_switch_that_drops_a_setting_waits_for_its_acceptance(env: Env) -
         env.apply(pxc_body(name, mode="nftables", nodeSelector=selector,
                            modeSwitch={"acceptDropped": ["localhostNodePorts"]}))  # fmt: skip
         wait_until(lambda: mode_in_effect() == "nftables", 30, "the switch proceeds")
+        # Back to iptables (nothing lost), then to nftables with its opt-in
+        # nftables.localhostNodePorts: carried over, nothing to accept.
+        env.apply(pxc_body(name, mode="iptables", nodeSelector=selector))
+        wait_until(lambda: mode_in_effect() == "iptables", 30, "back to iptables")
+        env.apply(pxc_body(name, mode="nftables", nodeSelector=selector,
+                           nftables={"localhostNodePorts": True}))  # fmt: skip
+        wait_until(lambda: mode_in_effect() == "nftables", 30, "carried over, not held")
+        cm = env.get("configmap", config, NS) or {}
+        assert "localhostNodePorts: true" in (cm.get("data") or {}).get("config.yaml", ""), cm
+        ds = env.get("daemonset", config, NS) or {}
+        (agent,) = [c for c in ds["spec"]["template"]["spec"]["containers"]
+                    if "--route-localnet-file" in c["command"]]  # fmt: skip
+        assert agent["command"][1:3] == ["--mode", "nftables"], agent["command"]
     finally:
         env.kubectl("delete", "proxyconfiguration", name, "--ignore-not-found", "--timeout=60s",
                     check=False)  # fmt: skip

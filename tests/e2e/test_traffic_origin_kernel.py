@@ -2,7 +2,8 @@
 n1's netns): detectLocal in every mode (which sources are masqueraded on their way to a
 cluster IP), the externalTrafficPolicy Local short circuit (local pods and the node itself
 reach every cluster endpoint; external traffic is dropped), a FORWARD policy of DROP, and
-localhost NodePorts (iptables only).
+localhost NodePorts (iptables, and nftables with its opt-in nftables.localhostNodePorts: the
+node's 127.0.0.1:<nodePort> answers, a martian to 127.0.0.1 from outside is dropped).
 
 The topology: n1 (the proxy), n2, and n3 (an external host: a node netns with no pods and no
 proxy). Pods: b1 (echo, on n1's cbr0), b2 (echo, on n2), client (on n1's cbr0), rclient (on n1,
@@ -13,6 +14,7 @@ the Service CIDR and the load-balancer range via n1.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -179,24 +181,77 @@ def test_forward_policy_drop(net: Net, mode: str) -> None:
 
 # ---- localhost NodePorts -------------------------------------------------------------------------
 
+MARTIAN_PORT = 5353  # a UDP port on n1's 127.0.0.1 that no Service has
+
+# Runs in n1: a UDP socket on 127.0.0.1:argv[1]; says "got <source>" for the first datagram
+# within argv[2] seconds, or "none".
+LISTEN = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.settimeout(float(sys.argv[2]))
+print("ready", flush=True)
+try:
+    print("got", s.recvfrom(64)[1][0], flush=True)
+except TimeoutError:
+    print("none", flush=True)
+"""
+
+# Runs in n3: a martian, written as a raw Ethernet frame (the kernel's own routing would keep a
+# packet to 127.0.0.1 at home): UDP from n3's address to 127.0.0.1:argv[5], to n1's MAC.
+SEND_MARTIAN = """
+import socket, struct, sys
+iface, src_mac, dst_mac, src, dport = sys.argv[1:6]
+def checksum(data):
+    total = sum(struct.unpack("!%dH" % (len(data) // 2), data))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+payload = b"martian!"
+udp = struct.pack("!HHHH", 40000, int(dport), 8 + len(payload), 0) + payload  # no checksum
+addrs = socket.inet_aton(src) + socket.inet_aton("127.0.0.1")
+head = struct.pack("!BBHHHBBH", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0) + addrs
+head = head[:10] + struct.pack("!H", checksum(head)) + head[12:]
+mac = lambda text: bytes.fromhex(text.replace(":", ""))
+frame = mac(dst_mac) + mac(src_mac) + b"\\x08\\x00" + head + udp
+with socket.socket(socket.AF_PACKET, socket.SOCK_RAW) as sock:
+    sock.bind((iface, 0))
+    for _ in range(3):
+        sock.send(frame)
+print("sent")
+"""
+
 
 def route_localnet(net: Net) -> str:
     return net.sh(net.n1, "sysctl", "-n", "net.ipv4.conf.all.route_localnet").strip()
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_localhost_node_ports(net: Net, mode: str) -> None:
+def martian_reaches_n1(net: Net) -> bool:
+    """Whether a packet from n3 to 127.0.0.1 on n1 (UDP, to a socket bound there) arrives."""
+    mac = {
+        node.name: net.sh(node, "cat", f"/sys/class/net/{node.fabric_if}/address").strip()
+        for node in (net.n1, net.n3)
+    }
+    argv = [sys.executable, "-c", LISTEN, str(MARTIAN_PORT), "2"]
+    listener = net.topo.run(net.n1, argv, stdout=subprocess.PIPE)
+    assert listener.stdout is not None and listener.stdout.readline().strip() == b"ready"
+    sender = [sys.executable, "-c", SEND_MARTIAN, net.n3.fabric_if, mac["n3"], mac["n1"],
+              net.n3.ipv4, str(MARTIAN_PORT)]  # fmt: skip
+    assert "sent" in net.sh(net.n3, *sender)
+    out, _ = listener.communicate(timeout=10)
+    said = out.decode().split()
+    assert said in (["got", net.n3.ipv4], ["none"]), said
+    return said[0] == "got"
+
+
+def test_localhost_node_ports_iptables(net: Net) -> None:
     """iptables with localhostNodePorts: 127.0.0.1:<nodePort> on n1 reaches the endpoint
     (masqueraded), the agent set route_localnet=1 in n1's netns, and the martian guard is
-    hooked in INPUT and OUTPUT. Turned off, or in nftables mode: no 127.0.0.1 NodePorts, and
-    route_localnet is left as it was."""
+    hooked in INPUT and OUTPUT and drops a packet to 127.0.0.1 from outside. Turned off: no
+    127.0.0.1 NodePorts, and route_localnet is left as it was."""
     assert route_localnet(net) == "0"
-    net.sync(mode, localhost=mode == "iptables")
+    net.sync("iptables", localhost=True)
     result = probe(net.topo, net.n1, "127.0.0.1", NODE_PORT, "tcp", count=3, timeout=1)
-    if mode == "nftables":
-        assert result.refused == 3, result  # nothing listens there, nothing DNATs it
-        assert route_localnet(net) == "0"
-        return
     assert seen_by(result, "b2") == {net.n1.ipv4}, result
     assert route_localnet(net) == "1"
     saved = net.sh(net.n1, "iptables-save", "-t", "filter")
@@ -204,10 +259,54 @@ def test_localhost_node_ports(net: Net, mode: str) -> None:
         assert f"-A {chain} -m comment --comment kpx -j KPX-LOCALNET" in saved, saved
     guard = "! -s 127.0.0.0/8 -d 127.0.0.0/8 -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT"
     assert f"-A KPX-LOCALNET {guard} -j DROP" in saved, saved
+    assert not martian_reaches_n1(net)
 
     net.sh(net.n1, "sysctl", "-q", "-w", "net.ipv4.conf.all.route_localnet=0")
-    net.sync(mode, localhost=False)
+    net.sync("iptables", localhost=False)
     result = probe(net.topo, net.n1, "127.0.0.1", NODE_PORT, "tcp", count=3, timeout=1)
     assert result.refused == 3, result
     assert route_localnet(net) == "0"  # not touched
     assert "KPX-LOCALNET" not in net.sh(net.n1, "iptables-save", "-t", "filter")
+
+
+NFT_GUARD = "ip daddr 127.0.0.0/8 ip saddr != 127.0.0.0/8 ct state != { established, related }"
+
+
+def test_localhost_node_ports_nftables_opt_in(net: Net) -> None:
+    """nftables.localhostNodePorts, kpx's opt-in beyond upstream's nftables mode. Off (the
+    default): nothing answers on 127.0.0.1:<nodePort> and route_localnet stays 0. On:
+    127.0.0.1:<nodePort> on n1 reaches the endpoint on n2 (masqueraded to n1's address), the
+    backend set route_localnet=1, and the guard in the input and output hooks drops a
+    packet to 127.0.0.1 from n3. Off again with route_localnet still 1 (the agent leaves it):
+    the same martian arrives, so the guard is what dropped it."""
+    assert route_localnet(net) == "0"
+    net.sync("nftables")  # localhost NodePorts off, the default
+    result = probe(net.topo, net.n1, "127.0.0.1", NODE_PORT, "tcp", count=3, timeout=1)
+    assert result.refused == 3, result  # nothing listens there, nothing DNATs it
+    assert route_localnet(net) == "0"
+    assert NFT_GUARD not in net.sh(net.n1, "nft", "list", "table", "ip", "kpx")
+
+    net.sync("nftables", localhost=True)
+    result = probe(net.topo, net.n1, "127.0.0.1", NODE_PORT, "tcp", count=3, timeout=1)
+    assert seen_by(result, "b2") == {net.n1.ipv4}, result
+    # externalTrafficPolicy Local with no endpoint on n1: the node's own traffic is
+    # short-circuited to every endpoint, from 127.0.0.1 too.
+    result = probe(net.topo, net.n1, "127.0.0.1", ETP_NODE_PORT, "tcp", count=3, timeout=1)
+    assert seen_by(result, "b2") == {net.n1.ipv4}, result
+    assert route_localnet(net) == "1"
+    for chain in ("filter-input", "filter-output"):
+        listed = net.sh(net.n1, "nft", "list", "chain", "ip", "kpx", chain)
+        assert NFT_GUARD in listed and "drop" in listed, listed
+    assert NFT_GUARD not in net.sh(net.n1, "nft", "list", "table", "ip6", "kpx")  # IPv4 only
+    assert not martian_reaches_n1(net)
+    # The node's NodePort on its own address still answers from n3, as before.
+    result = probe(net.topo, net.n3, net.n1.ipv4, NODE_PORT, "tcp", count=3, timeout=1)
+    assert seen_by(result, "b2") == {net.n1.ipv4}, result
+
+    net.sync("nftables", localhost=False)
+    assert route_localnet(net) == "1"  # not touched
+    assert martian_reaches_n1(net)  # the control: without the guard it arrives
+    result = probe(net.topo, net.n1, "127.0.0.1", NODE_PORT, "tcp", count=3, timeout=1)
+    assert result.refused == 3, result
+    net.sh(net.n1, "sysctl", "-q", "-w", "net.ipv4.conf.all.route_localnet=0")
+    assert not martian_reaches_n1(net)  # and the kernel drops it itself once it is 0

@@ -432,11 +432,21 @@ class _Walk(Walk):
                 if hit == negate:
                     return None
             elif word == "ct":
+                # Every traced packet is a new connection's first, DNATed or not by now.
                 w.take()
-                what, state = w.take(), w.take()
-                if what == "state" and state == "new":
-                    continue
-                if what == "status" and state == "dnat" and self.dnat is None:
+                what = w.take()
+                negate = w.take_if("!=")
+                if w.take_if("&"):  # ct status & dnat == 0
+                    flag, _, _ = w.take(), w.take(), w.take()
+                    negate, states = True, [flag]
+                elif w.take_if("{"):  # ct state != { established, related }
+                    states = []
+                    while (state := w.take()) != "}":
+                        states.append(state.rstrip(","))
+                else:
+                    states = [w.take()]
+                held = {"new"} if what == "state" else {"dnat"} if self.dnat else set()
+                if bool(held & set(states)) == negate:
                     return None
             elif word == "meta":  # meta mark ...
                 w.take(), w.take()

@@ -103,6 +103,7 @@ def test_mode_is_required() -> None:
             {
                 "masqueradeBit": 14,
                 "masqueradeAll": False,
+                "localhostNodePorts": False,
                 "syncPeriod": "30s",
                 "minSyncPeriod": "1s",
             },

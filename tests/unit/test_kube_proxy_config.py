@@ -95,8 +95,8 @@ def test_mode_and_its_block_are_carried(mode: str) -> None:
         assert got == {"masqueradeBit": 3, "masqueradeAll": True, "localhostNodePorts": False,
                        "syncPeriod": "1m", "minSyncPeriod": "2s"}  # fmt: skip
     elif mode == "nftables":  # a 0s minSyncPeriod is kube-proxy's "default", 1s
-        assert got == {"masqueradeBit": 5, "masqueradeAll": True, "syncPeriod": "45s",
-                       "minSyncPeriod": "1s"}  # fmt: skip
+        assert got == {"masqueradeBit": 5, "masqueradeAll": True, "localhostNodePorts": False,
+                       "syncPeriod": "45s", "minSyncPeriod": "1s"}  # fmt: skip
     else:
         assert got == {"acknowledgeDeprecation": True, "masqueradeBit": 7, "masqueradeAll": True,
                        "scheduler": "wrr", "syncPeriod": "1m", "minSyncPeriod": "5s",
@@ -269,10 +269,13 @@ def test_to_nftables_carries_the_shared_settings_and_names_what_only_iptables_do
     conversion = convert(doc, to_nftables=True)
     spec = conversion.proxy_configuration["spec"]
     assert (spec["mode"], "iptables" in spec) == ("nftables", False)
-    assert spec["nftables"] == {"masqueradeBit": 14, "masqueradeAll": True, "syncPeriod": "1m",
-                                "minSyncPeriod": "1s"}  # fmt: skip
+    assert spec["nftables"] == {"masqueradeBit": 14, "masqueradeAll": True,
+                                "localhostNodePorts": False,  # the opt-in, written out as off
+                                "syncPeriod": "1m", "minSyncPeriod": "1s"}  # fmt: skip
     assert {d.field: d.lost for d in conversion.dropped} == {
         "iptables.localhostNodePorts": True, "nodePortAddresses": True}  # fmt: skip
+    (localhost,) = [d for d in conversion.dropped if d.field == "iptables.localhostNodePorts"]
+    assert "set nftables.localhostNodePorts: true to keep them" in localhost.render()
     # Neither applies when NodePorts were on listed, non-loopback addresses only.
     listed = convert({**doc, "nodePortAddresses": ["192.168.0.0/24"]}, to_nftables=True)
     assert listed.dropped == []

@@ -615,7 +615,11 @@ ROUTE_LOCALNET_POD = "/host/proc/sys/net/ipv4/conf/all/route_localnet"
         ("iptables", {"iptables": {}, "nodePortAddresses": ["primary"]}, False),
         ("iptables", {"iptables": {}, "nodePortAddresses": ["10.0.0.0/8"]}, False),
         ("iptables", {"iptables": {}, "nodePortAddresses": ["127.0.0.0/8"]}, True),
-        ("nftables", {}, False),  # nftables mode has no localhost NodePorts
+        ("nftables", {}, False),  # off by default in nftables mode (upstream has none)
+        ("nftables", {"nftables": {"localhostNodePorts": False}}, False),
+        # kpx's opt-in, where nodePortAddresses allows 127.0.0.1 (the example has primary).
+        ("nftables", {"nftables": {"localhostNodePorts": True}, "nodePortAddresses": []}, True),
+        ("nftables", {"nftables": {"localhostNodePorts": True}}, False),
     ],
 )
 def test_route_localnet_is_mounted_only_where_localhost_node_ports_work(

@@ -98,3 +98,38 @@ def test_nodes_that_cannot_run_the_mode_are_named() -> None:
     pre = status.condition("Preflight")
     assert (pre.status, pre.reason) == ("False", "NodesCannotRunMode")
     assert pre.message == "mode ipvs cannot run on node n1: ip_vs is not a module of 6.1"
+
+
+def iptables_body(**spec: Any) -> dict[str, Any]:
+    """The default example in mode iptables (localhostNodePorts on by default) with
+    nodePortAddresses empty: localhost NodePorts in effect."""
+    doc = body(mode="iptables", iptables={}, nodePortAddresses=[], **spec)
+    del doc["spec"]["nftables"]
+    return doc
+
+
+def nftables_body(generation: int, **nftables: Any) -> dict[str, Any]:
+    return body(generation=generation, nodePortAddresses=[], nftables=nftables)
+
+
+def test_a_switch_from_iptables_carries_localhost_node_ports_over_when_set() -> None:
+    """iptables -> nftables: held (SettingsNotCarriedOver, naming the nftables setting) while
+    the new spec leaves nftables.localhostNodePorts off; applied with it on, with nothing
+    accepted, and the new agents get the route_localnet file."""
+    api, events = FakeApi(), Events()
+    r = reconciler(api)
+    run(r.reconcile(iptables_body(), [], {}, events))
+    config = lambda: api.objs[("ConfigMap", NS, "kpx-agent-default")]["data"]["config.yaml"]  # noqa: E731
+    assert "mode: iptables" in config()
+    status = run(r.reconcile(nftables_body(2, syncPeriod="30s"), [], {}, events))
+    assert "mode: iptables" in config()  # held
+    pre = status.condition("Preflight")
+    assert (pre.status, pre.reason) == ("False", "SettingsNotCarriedOver")
+    assert "set nftables.localhostNodePorts: true" in pre.message, pre.message
+    assert "acceptDropped: [localhostNodePorts]" in pre.message
+    status = run(r.reconcile(nftables_body(3, localhostNodePorts=True), [], {}, events))
+    assert "mode: nftables" in config() and "localhostNodePorts: true" in config()
+    assert status.condition("Preflight") is None  # nothing held, no agent reported
+    ds = api.objs[("DaemonSet", NS, "kpx-agent-default")]
+    (container,) = ds["spec"]["template"]["spec"]["containers"]
+    assert "--route-localnet-file" in container["command"]

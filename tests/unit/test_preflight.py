@@ -80,15 +80,39 @@ def test_the_report_round_trips_through_an_event_message() -> None:
 def test_dropped_settings_of_a_switch() -> None:
     block = {"acknowledgeDeprecation": True, "scheduler": "lc", "udpTimeout": "30s"}
     ipvs = parse_spec({"mode": "ipvs", "ipvs": block})
-    dropped = dropped_settings(ipvs, "nftables")
+    nftables = parse_spec({"mode": "nftables"})
+    dropped = dropped_settings(ipvs, nftables)
     assert [d.setting for d in dropped] == [DroppedSetting.IPVS_SCHEDULER,
                                             DroppedSetting.IPVS_TIMEOUTS]  # fmt: skip
     assert "udpTimeout=30s" in dropped[1].detail
-    assert dropped_settings(ipvs, "ipvs") == []  # no switch
+    assert dropped_settings(ipvs, ipvs) == []  # no switch
     plain = parse_spec({"mode": "ipvs", "ipvs": {"acknowledgeDeprecation": True}})
-    assert dropped_settings(plain, "nftables") == []  # rr and kernel timeouts: nothing lost
+    assert dropped_settings(plain, nftables) == []  # rr and kernel timeouts: nothing lost
     iptables = parse_spec({"mode": "iptables"})  # localhostNodePorts is on by default
-    assert [d.setting for d in dropped_settings(iptables, "nftables")] == [
-        DroppedSetting.LOCALHOST_NODE_PORTS]  # fmt: skip
+    lost = dropped_settings(iptables, nftables)  # off by default in nftables mode
+    assert [d.setting for d in lost] == [DroppedSetting.LOCALHOST_NODE_PORTS]
+    assert "set nftables.localhostNodePorts: true" in lost[0].detail
     off = parse_spec({"mode": "iptables", "iptables": {"localhostNodePorts": False}})
-    assert dropped_settings(off, "nftables") == []
+    assert dropped_settings(off, nftables) == []
+
+
+def test_localhost_node_ports_carry_over_to_nftables_when_set() -> None:
+    """iptables -> nftables keeps NodePorts on 127.0.0.1 when the new spec turns them on:
+    nothing to accept. Without it, or where the new nodePortAddresses leaves 127.0.0.1 out,
+    they are lost (and must be accepted); ipvs has none."""
+    iptables = parse_spec({"mode": "iptables"})
+    carried = parse_spec({"mode": "nftables", "nftables": {"localhostNodePorts": True}})
+    assert dropped_settings(iptables, carried) == []
+    # Back again: iptables has them on by default.
+    assert dropped_settings(carried, parse_spec({"mode": "iptables"})) == []
+    lost = dropped_settings(carried, parse_spec({"mode": "iptables", "iptables": {
+        "localhostNodePorts": False}}))  # fmt: skip
+    assert [d.setting for d in lost] == [DroppedSetting.LOCALHOST_NODE_PORTS]
+    elsewhere = parse_spec({"mode": "nftables", "nftables": {"localhostNodePorts": True},
+                            "nodePortAddresses": ["10.0.0.0/8"]})  # fmt: skip
+    (held,) = dropped_settings(iptables, elsewhere)
+    assert held.setting is DroppedSetting.LOCALHOST_NODE_PORTS
+    assert "leaves 127.0.0.1 out" in held.detail
+    ipvs = parse_spec({"mode": "ipvs", "ipvs": {"acknowledgeDeprecation": True}})
+    (none,) = dropped_settings(iptables, ipvs)
+    assert "mode ipvs has none" in none.detail

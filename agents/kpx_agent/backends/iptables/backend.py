@@ -33,6 +33,7 @@ from pathlib import Path
 
 from ...localnet import NodeLocalState, ProxySettings, ServicePortKey
 from ..base import Backend, BackendError
+from ..route_localnet import allow
 from . import kernel
 from . import names as n
 from .chain_book import ChainBook, ChainPlan
@@ -305,15 +306,7 @@ class IptablesBackend(Backend):
         127.0.0.0/8 may leave the node (upstream sets it likewise; KPX-LOCALNET drops the
         martians it would let in). Without it, localhost NodePorts do not answer: logged,
         and the rest of the rules are still programmed."""
-        try:
-            self._ensure_sysctl(self._route_localnet_file, 1)
-        except OSError as exc:
-            log.error(
-                "localhostNodePorts: cannot set %s to 1 (%s): NodePorts on 127.0.0.1 will not"
-                " answer; set it on the node, or set iptables.localhostNodePorts: false",
-                self._route_localnet_file,
-                exc,
-            )
+        allow(self._route_localnet_file, "iptables.localhostNodePorts", self._ensure_sysctl)
 
     def _revert(
         self,

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from ..base import BackendError
 from ..nf_generation import read as read_generation
+from ..route_localnet import ROUTE_LOCALNET_FILE as ROUTE_LOCALNET_FILE
+from ..route_localnet import ensure_sysctl as ensure_sysctl
 from . import names as n
 
 log = logging.getLogger(__name__)
@@ -91,18 +93,8 @@ def available(family: int) -> bool:
     return shutil.which(n.RESTORE[family]) is not None and shutil.which(n.SAVE[family]) is not None
 
 
-#: net.ipv4.conf.all.route_localnet of the agent's network namespace (a pod is told where the
-#: node's is mounted: `--route-localnet-file`, since its own /proc/sys is read-only).
-ROUTE_LOCALNET_FILE = PROC_SYS / "net/ipv4/conf/all/route_localnet"
-
-
-def ensure_sysctl(target: Path, value: int) -> None:
-    """Set the sysctl file `target` to `value` if it differs, logging the change; OSError when
-    it cannot be read or written."""
-    current = target.read_text().strip()
-    if current != str(value):
-        target.write_text(f"{value}\n")
-        log.info("set %s to %d (was %s)", target, value, current)
+# ROUTE_LOCALNET_FILE (net.ipv4.conf.all.route_localnet of the agent's network namespace) and
+# ensure_sysctl are imported above from `backends.route_localnet`, shared with nftables mode.
 
 
 @functools.cache

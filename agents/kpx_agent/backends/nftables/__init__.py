@@ -8,9 +8,11 @@ from .backend import NftablesBackend, cleanup
 
 
 def create(settings: ProxySettings, paths: NodePaths | None = None) -> NftablesBackend:
-    """`paths`: accepted for the common signature; nftables mode writes no node file."""
-    del paths
-    return NftablesBackend(settings)
+    """`paths.route_localnet`: where the node's route_localnet is mounted (localhost
+    NodePorts set it); None: this network namespace's own."""
+    if paths is None or paths.route_localnet is None:
+        return NftablesBackend(settings)
+    return NftablesBackend(settings, route_localnet_file=paths.route_localnet)
 
 
 __all__ = ["NftablesBackend", "cleanup", "create"]

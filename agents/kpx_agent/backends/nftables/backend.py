@@ -33,9 +33,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
+from pathlib import Path
 
 from ...localnet import NodeLocalState, ProxySettings, ServicePort, ServicePortKey
 from ..base import Backend, BackendError
+from ..route_localnet import ROUTE_LOCALNET_FILE, EnsureSysctl, allow, ensure_sysctl
 from . import kernel, netlink_batch
 from . import names as n
 from .element_book import ElementBook, Plan
@@ -73,11 +75,15 @@ class NftablesBackend(Backend):
         check_transactions: Callable[[Iterable[Transaction]], str | None] | None = None,
         generation: Callable[[], int] = kernel.generation,
         table_digest: Callable[[int], bytes] = kernel.table_digest,
+        ensure_sysctl: EnsureSysctl = ensure_sysctl,
+        route_localnet_file: Path = ROUTE_LOCALNET_FILE,
     ) -> None:
         """`run_script` applies nft text and `check_script` asks nft's check mode about it;
         `run_transactions` and `check_transactions`, when given, take the typed transactions
         instead (the kernel fake in the tests applies them as they are)."""
         self.settings = settings
+        self._ensure_sysctl = ensure_sysctl
+        self._route_localnet_file = route_localnet_file
         self._run = run_script
         self._run_transactions = run_transactions
         self._check = check_script
@@ -176,6 +182,11 @@ class NftablesBackend(Backend):
         return ""
 
     def _full_sync(self, state: NodeLocalState) -> None:
+        if self.settings.localhost_node_ports:
+            # nftables.localhostNodePorts: route_localnet=1, so that NodePorts DNATed from
+            # 127.0.0.0/8 may leave the node (the input and output hooks drop the martians it
+            # lets in). Without it they do not answer: logged, the rest is programmed.
+            allow(self._route_localnet_file, "nftables.localhostNodePorts", self._ensure_sysctl)
         plans: dict[int, Plan[ServicePortKey]] = {f: Plan(merge=MERGED_SETS) for f in FAMILIES}
         chains: dict[int, set[tuple[str, int]]] = {f: set() for f in FAMILIES}
         port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {

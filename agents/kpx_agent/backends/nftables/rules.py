@@ -114,12 +114,20 @@ class MarkIsSet:
 
 @dataclass(frozen=True, slots=True)
 class CtState:
-    state: str  # "new"
+    """`ct state new`; with several states, `ct state { established, related }`; `negate`d:
+    the packet's state (one of them) is none of these."""
+
+    state: str  # "new", or "established,related"
+    negate: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class CtStatus:
+    """`ct status dnat`: the bit is set; `negate`d, `ct status & dnat == 0` (ct status is a
+    bitmask: `!= dnat` would compare the whole value)."""
+
     status: str  # "dnat"
+    negate: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,8 +298,12 @@ def statement_text(s: Statement) -> str:
     if isinstance(s, MarkIsSet):
         return f"meta mark & {_mark(s.mark)} == {_mark(s.mark)}"
     if isinstance(s, CtState):
-        return f"ct state {s.state}"
+        states = s.state.split(",")
+        value = states[0] if len(states) == 1 else "{ " + ", ".join(states) + " }"
+        return f"ct state {'!= ' if s.negate else ''}{value}"
     if isinstance(s, CtStatus):
+        if s.negate:
+            return f"ct status & {s.status} == 0"
         return f"ct status {s.status}"
     if isinstance(s, RandomIs):
         return f"numgen random mod {s.modulus} == {s.value}"

@@ -245,18 +245,54 @@ class TableDef:
     chains: tuple[ChainSpec, ...]
 
 
-_ANY_BUT_LOOPBACK: dict[int, tuple[IPNetwork, ...]] = {
-    4: tuple(IPv4Network("0.0.0.0/0").address_exclude(IPv4Network("127.0.0.0/8"))),
-    6: (IPv6Network("::/0"),),  # ::1 cannot be DNATed off the node anyway
-}
+_LOOPBACK: dict[int, IPNetwork] = {4: IPv4Network("127.0.0.0/8"), 6: IPv6Network("::1/128")}
+
+
+def _without(net: IPNetwork, hole: IPNetwork) -> tuple[IPNetwork, ...]:
+    """`net` less the addresses of `hole` (same family)."""
+    if not net.overlaps(hole):
+        return (net,)
+    if net.subnet_of(hole):  # type: ignore[arg-type]
+        return ()
+    return tuple(net.address_exclude(hole))  # type: ignore[arg-type]
 
 
 def nodeport_addresses(facts: NodeFacts) -> list[IPNetwork]:
-    """The `nodeport-addresses` elements (NodeFacts.nodeport_networks: None is every
-    local address but loopback)."""
+    """The `nodeport-addresses` elements: NodeFacts.nodeport_networks (None: every local
+    address). IPv4 leaves 127.0.0.0/8 out (as upstream's nftables mode; IPv6 keeps ::1, which
+    cannot be DNATed off the node anyway), except with localhost NodePorts
+    (nftables.localhostNodePorts, IPv4 only): then it is in, as in iptables mode, added to
+    the node's addresses or kept where a configured network holds it."""
     nets = facts.nodeport_networks
-    found: tuple[IPNetwork, ...] = _ANY_BUT_LOOPBACK[facts.family] if nets is None else nets
+    if facts.family == 6:
+        return sorted((IPv6Network("::/0"),) if nets is None else nets, key=str)
+    loopback = _LOOPBACK[4]
+    found: tuple[IPNetwork, ...] = (IPv4Network("0.0.0.0/0"),) if nets is None else nets
+    if facts.localhost_node_ports:
+        if not any(net.overlaps(loopback) for net in found):
+            found = (*found, loopback)
+    else:
+        found = tuple(part for net in found for part in _without(net, loopback))
     return sorted(found, key=str)
+
+
+def localnet_guard(facts: NodeFacts) -> tuple[Rule, ...]:
+    """With localhost NodePorts, route_localnet=1 lets packets from anywhere reach
+    127.0.0.0/8: drop those that do not come from loopback and are neither replies nor DNATed
+    NodePort traffic (the iptables mode's KPX-LOCALNET, upstream's rule,
+    https://issue.k8s.io/90259), in the input and output hooks."""
+    if not facts.localhost_node_ports:
+        return ()
+    loopback = _LOOPBACK[4]
+    return (
+        rule(
+            r.Compare(r.daddr(4), loopback),
+            r.Compare(r.saddr(4), loopback, negate=True),
+            r.CtState("established,related", negate=True),
+            r.CtStatus("dnat", negate=True),
+            r.Verdict.DROP,
+        ),
+    )
 
 
 def local_pod_match(family: int, local: LocalPods, negate: bool = False) -> tuple[r.Statement, ...]:
@@ -355,9 +391,9 @@ def base_table(settings: ProxySettings, facts: NodeFacts) -> TableDef:
                 r.CtStatus("dnat"), r.Lookup((saddr, daddr), table_set(n.HAIRPIN)), r.Masquerade()
             ),
         ),
-        n.FILTER_INPUT: (no_endpoints,),
+        n.FILTER_INPUT: (*localnet_guard(facts), no_endpoints),
         n.FILTER_FORWARD: (no_endpoints,),
-        n.FILTER_OUTPUT: (no_endpoints,),
+        n.FILTER_OUTPUT: (*localnet_guard(facts), no_endpoints),
     }
     chains = tuple(ChainSpec(decl.name, rules[decl.name], decl.hook) for decl in TABLE_CHAINS)
     elements = {
