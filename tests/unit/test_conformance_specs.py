@@ -95,3 +95,10 @@ def test_table_and_regressions_against_the_baseline() -> None:
     )
     assert "| kpx | nftables | 1 | 2 | 1 | 1/1 | 12 min 34 s |" in text
     assert "| kube-proxy | nftables | 3 | 0 | 0 | 1/1 | 1 min 01 s |" in text
+
+
+def test_only_narrows_a_suite_to_a_few_specs_and_keeps_its_skips() -> None:
+    narrow = specs.narrowed(specs.SUITES["proxy"], r"kube-proxy urls|restarting kube-proxy")
+    run, skipped = specs.selected(narrow, LISTED)
+    assert run == [LISTED[7]]
+    assert skipped["disruptive"] == [LISTED[3]]

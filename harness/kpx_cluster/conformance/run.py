@@ -96,8 +96,44 @@ def run_target(
     report_dir = out / target.label
     report_dir.mkdir(parents=True, exist_ok=True)
     log = report_dir / "e2e.log"
-    archives = [*install.archives(target.proxy), *test_images()]
     started = time.monotonic()
+    try:
+        _run_suite(target, suite, selected, procs, report_dir, log)
+    except Exception as exc:  # the target's row says it; the other targets still run
+        print(f"conformance: {target.label}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        (report_dir / "error").write_text(f"{type(exc).__name__}: {exc}\n")
+    (report_dir / "seconds").write_text(f"{time.monotonic() - started:.1f}\n")
+    return read_row(target, selected, out)
+
+
+def read_row(target: Target, selected: list[str], out: Path) -> results.Row:
+    """The row of `target` from its reports in `out` (its JUnit file, wall time, error)."""
+    report_dir = out / target.label
+    junit = report_dir / "junit_01.xml"
+    data = junit.read_bytes() if junit.exists() else b"<testsuites/>"
+    outcome = results.parse_junit(data, selected)
+    error = report_dir / "error"
+    if error.exists():
+        outcome.suite_failures["setup"] = error.read_text().strip()
+    conformance = [s for s in selected if "[Conformance]" in s]
+    passed = set(outcome.passed)
+    seconds_file = report_dir / "seconds"
+    seconds = float(seconds_file.read_text()) if seconds_file.exists() else 0.0
+    return results.Row(
+        target.proxy, target.mode, outcome, seconds,
+        (sum(1 for s in conformance if s in passed), len(conformance)),
+    )  # fmt: skip
+
+
+def _run_suite(
+    target: Target,
+    suite: specs.Suite,
+    selected: list[str],
+    procs: int,
+    report_dir: Path,
+    log: Path,
+) -> None:
+    archives = [*install.archives(target.proxy), *test_images()]
     rc = RealCluster(f"conf-{target.label}-{os.getpid()}", nodes=NODES, archives=archives)
     rc.up(timeout=240)
     try:
@@ -121,15 +157,6 @@ def run_target(
         left = rc.down()
         if left:
             print(f"conformance: {target.label}: down left {left}", file=sys.stderr)
-    junit = report_dir / "junit_01.xml"
-    data = junit.read_bytes() if junit.exists() else b"<testsuites/>"
-    outcome = results.parse_junit(data, selected)
-    conformance = [s for s in selected if "[Conformance]" in s]
-    passed_conf = sum(1 for s in conformance if s in set(outcome.passed))
-    return results.Row(
-        target.proxy, target.mode, outcome, time.monotonic() - started,
-        (passed_conf, len(conformance)),
-    )  # fmt: skip
 
 
 def report(rows: list[results.Row], suite: specs.Suite, skipped: dict[str, list[str]]) -> str:
@@ -183,6 +210,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help="reports directory (default: cache/conformance/)"
     )
+    parser.add_argument(
+        "--only",
+        default="",
+        metavar="REGEX",
+        help="of the suite's specs, run only those whose text matches REGEX",
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: report the targets from the reports already in --out",
+    )
     parser.add_argument("--record", type=Path, default=None,
                         help="also write the report (Markdown) to this file")  # fmt: skip
     args = parser.parse_args(argv)
@@ -193,9 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         parser.error("real nodes need root (namespaces, cgroups, mounts)")
     suite = specs.SUITES[args.suite]
+    if args.only:
+        suite = specs.narrowed(suite, args.only)
     out = args.out or cache_dir() / "conformance" / time.strftime("%Y%m%dT%H%M%S")
     selected, skipped = specs.selected(suite, list_specs())
-    rows = [run_target(t, suite, selected, args.procs, out) for t in targets]
+    if args.report_only:
+        if args.out is None:
+            parser.error("--report-only needs --out (the reports' directory)")
+        rows = [read_row(t, selected, out) for t in targets]
+    else:
+        rows = [run_target(t, suite, selected, args.procs, out) for t in targets]
     text = report(rows, suite, skipped)
     print(text)
     if args.record:

@@ -105,6 +105,13 @@ SUITES: Final = {
 }
 
 
+def narrowed(suite: Suite, only: str) -> Suite:
+    """The specs matching `only` (a regex ginkgo's RE2 reads too), with `suite`'s skips: a
+    re-run of a few of the suite's specs."""
+    return Suite(suite.name, only, suite.skip, suite.skip_groups,
+                 f"{suite.about}; only those matching {only!r}")  # fmt: skip
+
+
 def selected(suite: Suite, specs: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """Of `specs` (full texts), those `suite` runs, and those its focus names but a skip group
     holds back (by group name; a spec lands in the first group that matches)."""

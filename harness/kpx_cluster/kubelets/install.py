@@ -112,6 +112,9 @@ def install_kpx(
         example["spec"].setdefault("conntrack", {})["maxPerCore"] = 0
     example["spec"]["clusterCIDRs"] = list(CLUSTER_CIDRS)
     example["spec"]["mode"] = mode
+    for other in ("nftables", "iptables", "ipvs", "external"):  # one block per mode: the mode's
+        if other != mode:
+            example["spec"].pop(other, None)
     _apply(rc, [example])
     return wait_kpx(rc, mode, timeout)
 
