@@ -38,21 +38,22 @@ TOKEN_DIR: Final = "/var/lib/kube-proxy-token"  # noqa: S105 - a path
 Obj = dict[str, Any]
 
 
-def config(mode: str, cluster_cidr: str) -> Obj:
+def config(mode: str, cluster_cidr: str, conntrack_timeouts: bool = False) -> Obj:
     """The KubeProxyConfiguration (kubeadm's defaults, `mode` and `clusterCIDR` set). The
-    conntrack sizes and timeouts are left to the kernel (0): nf_conntrack_max is global, the
-    simulated nodes share the host's kernel."""
+    conntrack table size is left to the kernel (maxPerCore 0, as kind does): nf_conntrack_max
+    is global, the nodes share the host's kernel. So are the timeouts (0), unless
+    `conntrack_timeouts`: then kube-proxy's defaults (established 24 h, CLOSE_WAIT 1 h), which
+    it sets in the node's own network namespace (real nodes; the KubeProxy CLOSE_WAIT spec)."""
+    conntrack: Obj = {"maxPerCore": 0}
+    if not conntrack_timeouts:
+        conntrack |= {"tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "0s"}
     return {
         "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
         "kind": "KubeProxyConfiguration",
         "bindAddress": "0.0.0.0",  # noqa: S104 - kubeadm's
         "clientConnection": {"kubeconfig": "kubeconfig.conf"},
         "clusterCIDR": cluster_cidr,
-        "conntrack": {
-            "maxPerCore": 0,
-            "tcpEstablishedTimeout": "0s",
-            "tcpCloseWaitTimeout": "0s",
-        },
+        "conntrack": conntrack,
         "mode": mode,
     }
 
@@ -79,6 +80,7 @@ def objects(
     node_selector: Mapping[str, str],
     cluster_cidr: str = "10.244.0.0/16",
     server: str = "",
+    conntrack_timeouts: bool = False,
 ) -> list[Obj]:
     """ServiceAccount, ClusterRoleBinding, ConfigMap and DaemonSet of kube-proxy in `mode`
     (iptables or nftables) on the nodes matching `node_selector`; `server`: the apiserver's
@@ -87,6 +89,7 @@ def objects(
         raise ValueError(f"kube-proxy mode {mode!r}: iptables or nftables")
     meta = {"name": NAME, "namespace": NAMESPACE, "labels": dict(LABELS)}
     kubeconfig_text = yaml.safe_dump(kubeconfig(apiserver_port, server), sort_keys=False)
+    config_text = yaml.safe_dump(config(mode, cluster_cidr, conntrack_timeouts), sort_keys=False)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
         {
@@ -99,7 +102,7 @@ def objects(
         {
             "apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
             "data": {
-                "config.conf": yaml.safe_dump(config(mode, cluster_cidr), sort_keys=False),
+                "config.conf": config_text,
                 "kubeconfig.conf": kubeconfig_text,
             },
         },

@@ -158,6 +158,7 @@ def install_kube_proxy(rc: Nodes, mode: str, timeout: float = 180) -> None:
         {},
         cluster_cidr=",".join(CLUSTER_CIDRS),
         server=rc.cluster.cluster_server,
+        conntrack_timeouts=True,  # each real node is a network namespace of its own
     )
     _apply(rc, objects)
     rc.cluster.kubectl(
