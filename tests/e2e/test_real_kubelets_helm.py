@@ -26,7 +26,7 @@ import pytest
 
 from kpx_cluster.kubelets import install
 from kpx_cluster.kubelets.cluster import RealCluster
-from kpx_cluster.kubelets.install import get, wait_until
+from kpx_cluster.kubelets.install import InstallFailed, get, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -171,7 +171,7 @@ def test_install_helm_test_and_uninstall(real: RealCluster, helm: Callable[..., 
 
     try:
         wait_until(lambda: not left(), 120, f"namespace {NS} empty")
-    except AssertionError:
+    except InstallFailed:
         pods = kubectl("get", "pods", "-n", NS, "-o", "wide", check=False).stdout
         raise AssertionError(f"left in {NS}: {left()}\n{pods}") from None
     assert names(real, CLUSTER_WIDE, "-l", "app.kubernetes.io/part-of=kpx") == []
