@@ -81,7 +81,8 @@ DEMO_APP = [
 
 #: What each condition of a ProxyConfiguration reads when all is well.
 HEALTHY: Final = {"Ready": "True", "Progressing": "False", "Degraded": "False",
-                  "Deprecated": "False", "Preflight": "True", "ModeSwitch": "True"}  # fmt: skip
+                  "Deprecated": "False", "Preflight": "True", "ModeSwitch": "True",
+                  "Reconciling": "False", "Stalled": "False"}  # fmt: skip
 
 
 def unhealthy_conditions(pxc: dict[str, Any]) -> dict[str, str]:
@@ -89,8 +90,8 @@ def unhealthy_conditions(pxc: dict[str, Any]) -> dict[str, str]:
     type in HEALTHY but Preflight and ModeSwitch (present only with a reason to be) must be
     there."""
     conds = {c["type"]: c for c in (pxc.get("status") or {}).get("conditions") or []}
-    out = {t: "missing" for t in ("Ready", "Progressing", "Degraded", "Deprecated")
-           if t not in conds}  # fmt: skip
+    out = {t: "missing" for t in ("Ready", "Progressing", "Degraded", "Deprecated",
+                                  "Reconciling", "Stalled") if t not in conds}  # fmt: skip
     for type_, c in conds.items():
         if HEALTHY.get(type_) != c["status"]:
             out[type_] = f"{c['status']} {c['reason']}: {c.get('message', '')}"
