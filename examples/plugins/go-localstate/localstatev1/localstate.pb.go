@@ -959,8 +959,9 @@ type NodeFacts struct {
 	NodePortNetworks *Networks `protobuf:"bytes,2,opt,name=node_port_networks,json=nodePortNetworks,proto3" json:"node_port_networks,omitempty"`
 	// How traffic from this node's pods is recognised in this family.
 	LocalPods *LocalPods `protobuf:"bytes,3,opt,name=local_pods,json=localPods,proto3" json:"local_pods,omitempty"`
-	// NodePorts also answer on 127.0.0.0/8 (IPv4 in iptables mode with localhostNodePorts, as
-	// upstream; false otherwise).
+	// NodePorts also answer on 127.0.0.0/8 (IPv4 only: iptables mode with localhostNodePorts,
+	// as upstream, or nftables mode with its opt-in nftables.localhostNodePorts; false
+	// otherwise).
 	LocalhostNodePorts bool `protobuf:"varint,4,opt,name=localhost_node_ports,json=localhostNodePorts,proto3" json:"localhost_node_ports,omitempty"`
 	unknownFields      protoimpl.UnknownFields
 	sizeCache          protoimpl.SizeCache
@@ -1038,7 +1039,8 @@ type ProxySettings struct {
 	NodePortNetworks []string `protobuf:"bytes,4,rep,name=node_port_networks,json=nodePortNetworks,proto3" json:"node_port_networks,omitempty"`
 	// How traffic from local pods is recognised.
 	DetectLocal *DetectLocal `protobuf:"bytes,5,opt,name=detect_local,json=detectLocal,proto3" json:"detect_local,omitempty"`
-	// NodePorts also answer on 127.0.0.0/8 (IPv4; iptables mode only).
+	// NodePorts also answer on 127.0.0.0/8 (IPv4; iptables.localhostNodePorts, or
+	// nftables.localhostNodePorts, with nodePortAddresses allowing 127.0.0.1).
 	LocalhostNodePorts bool `protobuf:"varint,6,opt,name=localhost_node_ports,json=localhostNodePorts,proto3" json:"localhost_node_ports,omitempty"`
 	// conntrack.tcpBeLiberal: forwarded conntrack-INVALID packets are not dropped.
 	ConntrackTcpBeLiberal bool `protobuf:"varint,7,opt,name=conntrack_tcp_be_liberal,json=conntrackTcpBeLiberal,proto3" json:"conntrack_tcp_be_liberal,omitempty"`
