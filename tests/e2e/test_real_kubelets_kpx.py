@@ -61,15 +61,11 @@ def real() -> Iterator[RealCluster]:
     if os.geteuid() != 0:
         pytest.fail("real nodes need root (namespaces, cgroups, mounts)", pytrace=False)
     try:
-        archives = install.archives("kpx")
+        install.archives("kpx")
     except install.InstallFailed as exc:
         pytest.fail(str(exc), pytrace=False)
-    rc = RealCluster(f"kpx-real-{os.getpid()}", nodes=2, archives=archives)
-    rc.up(timeout=180)
-    try:
+    with install.nodes_for("kpx", f"kpx-real-{os.getpid()}", nodes=2) as rc:
         yield rc
-    finally:
-        assert rc.down() == []
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,10 @@ Both wait until the proxy runs on every node (`wait_*`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final, Protocol, TypeVar
 
@@ -23,6 +24,7 @@ import yaml
 
 from .. import images, upstream_kube_proxy
 from ..controlplane import Cluster
+from .cluster import RealCluster
 
 REPO: Final = Path(__file__).resolve().parents[3]
 KPX_NAMESPACE: Final = "kpx-system"
@@ -175,3 +177,17 @@ def install(rc: Nodes, proxy: str, mode: str) -> None:
         install_kube_proxy(rc, mode)
     else:
         raise ValueError(f"proxy {proxy!r}: one of {', '.join(PROXIES)}")
+
+
+@contextlib.contextmanager
+def nodes_for(proxy: str, name: str, nodes: int, timeout: float = 180) -> Iterator[RealCluster]:
+    """A RealCluster of `nodes` nodes that imported `proxy`'s images (InstallFailed when they
+    are missing or stale); down on exit, which must leave nothing behind."""
+    rc = RealCluster(name, nodes=nodes, archives=archives(proxy))
+    rc.up(timeout=timeout)
+    try:
+        yield rc
+    finally:
+        left = rc.down()
+        if left:
+            raise AssertionError(f"{name}: down left {left}")
