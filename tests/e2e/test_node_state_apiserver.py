@@ -116,7 +116,20 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                "spec": {"nodeName": node, "serviceAccountName": "kpx-agent",
                         "containers": [{"name": "agent", "image": PAUSE}]}}  # fmt: skip
         cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
-    yield Env(cluster, tmp_path_factory.mktemp("pns"), nodes)
+    env = Env(cluster, tmp_path_factory.mktemp("pns"), nodes)
+    # The apiserver loads a new admission policy and its binding asynchronously: until a
+    # dry-run create by an unbound token is refused, writes would pass unchecked.
+    probe = json.dumps({"apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyNodeState",
+                        "metadata": {"name": f"pns-probe-{RUN}"}})  # fmt: skip
+    unbound = env.token_kubeconfig(None)
+    dry_run = ("create", "--dry-run=server", "-f", "-")
+
+    def refused() -> bool:
+        out = cluster.kubectl(*dry_run, input=probe, check=False, kubeconfig=unbound)
+        return "no node name in the token" in out.stderr
+
+    wait_for(refused, 60, "the admission policy in force")
+    yield env
     cluster.kubectl("delete", "namespace", NS, "--wait=false", check=False)
     for obj in objs:
         if not obj["metadata"].get("namespace") and obj["kind"] != "Namespace":
