@@ -113,9 +113,10 @@ bench: setup
 
 ## bench-migration: upstream kube-proxy (iptables, nftables) -> kpx nftables, then spec.mode
 ## iptables -> nftables -> iptables, on three simulated nodes under constant load (new TCP
-## connections, UDP, held connections); table in bench/results/migration.md
+## connections, UDP, held connections); table in bench/results/migration.md. REAL=1: on three
+## real kubelets (bench/results/migration-real-kubelets.md)
 bench-migration: setup image
-	$(PYTHON) bench/migration.py
+	$(PYTHON) bench/migration.py $(if $(REAL),--real,)
 
 ## chaos: the fault table (docs/chaos.md): faults injected under constant load on three simulated
 ## nodes (agents killed, apiserver stopped, foreign nft changes, poison pair, ...); prints the

@@ -1,6 +1,10 @@
 """Mode switches under constant load on a three-node simulated cluster (issue #18).
 
-    python3 bench/migration.py [--nodes 3] [--interval 0.015] [--holds 2]
+    python3 bench/migration.py [--nodes 3] [--interval 0.015] [--holds 2] [--real]
+
+`--real`: the same runs on real kubelets (`kpx_cluster.migration_real`: a RealCluster per run,
+its own control plane; the backends are real pods), written to
+bench/results/migration-real-kubelets.md.
 
 A fresh local control plane; kpx installed from its manifests (the operator and the agents run
 from the built images under runc: `make image`, or $KPX_IMAGES_DIR) in mode iptables on three
@@ -42,6 +46,7 @@ from kpx_cluster.migration import (
     switch_with_refusal,
     table_row,
 )
+from kpx_cluster.migration_real import real_kube_proxy_cluster, real_migration_cluster
 from kpx_cluster.migration_takeover import kube_proxy_cluster, take_over
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -84,12 +89,17 @@ def refusal_report(r: RefusalResult) -> list[str]:
     ]
 
 
-def report(results: list[SwitchResult], opts: LoadOptions, nodes: int) -> str:
+def report(results: list[SwitchResult], opts: LoadOptions, nodes: int, real: bool) -> str:
+    where = (
+        f"{nodes} real nodes (a kubelet and containerd each), operator and agents from the "
+        "images, backends as real pods."
+        if real
+        else f"{nodes} simulated nodes, operator and agents from the images under runc."
+    )
     lines = [
         "# Mode switches under load (bench/migration.py, `make bench-migration`)",
         "",
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, "
-        f"{nodes} simulated nodes, operator and agents from the images under runc.",
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, " + where,
         f"Load per node (a client pod netns on each): a new TCP connection every "
         f"{opts.interval * 1000:.0f} ms over 2 ClusterIPs, a NodePort's ClusterIP and the "
         f"NodePort on every node's address; a UDP exchange every {opts.udp_interval * 1000:.0f} "
@@ -135,21 +145,27 @@ def main() -> int:
                         help="skip the takeover from upstream kube-proxy")  # fmt: skip
     parser.add_argument("--only-takeover", action="store_true",
                         help="only the takeover from upstream kube-proxy")  # fmt: skip
-    parser.add_argument("--out", type=Path, default=RESULTS / "migration.md")
+    real_help = "on real kubelets (kpx_cluster.migration_real), not the node simulator"
+    parser.add_argument("--real", action="store_true", help=real_help)
+    parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    args.out = args.out or RESULTS / ("migration-real-kubelets.md" if args.real else "migration.md")
     opts = LoadOptions(interval=args.interval, udp_interval=args.udp_interval, holds=args.holds)
     exit_on_sigterm()
     results: list[SwitchResult] = []
     refusal: RefusalResult | None = None
     with contextlib.ExitStack() as stack:
-        cluster = stack.enter_context(bench_cluster("bench-migration"))
+        cluster = None if args.real else stack.enter_context(bench_cluster("bench-migration"))
         if not args.no_takeover:
             results += [takeover_run(cluster, opts, args.nodes, m) for m in KUBE_PROXY_MODES]
         if args.only_takeover:
             stack.close()
             return finish(results, None, opts, args)
+        first = SWITCHES[0][0]
         env = stack.enter_context(
-            migration_cluster(cluster, SWITCHES[0][0], nodes=args.nodes, log=log)
+            real_migration_cluster(first, nodes=args.nodes, log=log)
+            if cluster is None
+            else migration_cluster(cluster, first, nodes=args.nodes, log=log)
         )
         exit_on_sigterm()  # the Topology installed its own handlers
         baseline = preflight_load(env)
@@ -167,9 +183,14 @@ def main() -> int:
     return finish(results, refusal, opts, args)
 
 
-def takeover_run(cluster: Cluster, opts: LoadOptions, nodes: int, mode: str) -> SwitchResult:
-    """Three nodes served by upstream kube-proxy in `mode` taken over by kpx (nftables)."""
-    with kube_proxy_cluster(cluster, mode, nodes=nodes, log=log) as env:
+def takeover_run(cluster: Cluster | None, opts: LoadOptions, nodes: int, mode: str) -> SwitchResult:
+    """Three nodes served by upstream kube-proxy in `mode` taken over by kpx (nftables); on
+    real kubelets when `cluster` is None."""
+    with (
+        real_kube_proxy_cluster(mode, nodes=nodes, log=log)
+        if cluster is None
+        else kube_proxy_cluster(cluster, mode, nodes=nodes, log=log)
+    ) as env:
         exit_on_sigterm()  # the Topology installed its own handlers
         broken = [f for s in preflight_load(env) for f in (s.tcp.failures + s.udp.failures)]
         if broken:
@@ -185,7 +206,7 @@ def finish(
     opts: LoadOptions,
     args: argparse.Namespace,
 ) -> int:
-    text = report(results, opts, args.nodes)
+    text = report(results, opts, args.nodes, args.real)
     if refusal is not None:
         text += "\n".join(refusal_report(refusal)) + "\n"
     print(text)

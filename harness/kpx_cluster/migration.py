@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import yaml
 
 from kpx_cluster.controlplane import Cluster
+from kpx_cluster.kubelets import install as kubelets_install
 from kpx_cluster.migration_load import Summary
 from kpx_cluster.netns import Node, Pod, Topology
 from kpx_cluster.nodesim import NodeSimulator
@@ -60,12 +61,24 @@ def wait_until(check: Callable[[], T | bool | None], timeout: float, what: str) 
 class MigrationEnv:
     cluster: Cluster
     topo: Topology
-    sim: NodeSimulator
+    #: None on real kubelets (`kpx_cluster.migration_real`)
+    sim: NodeSimulator | None
     nodes: list[Node]
     clients: list[Pod]
     pxc: str
     app_ns: str
     label: dict[str, str]
+
+    @property
+    def real_nodes(self) -> bool:
+        """Real kubelets (`kpx_cluster.migration_real`), not the node simulator."""
+        return self.sim is None
+
+    def simulator(self) -> NodeSimulator:
+        """The node simulator (what only it can do: find a pod's processes, its relay port)."""
+        if self.sim is None:
+            raise RuntimeError("this runs on the node simulator, not on real kubelets")
+        return self.sim
 
     def json(self, *args: str) -> dict[str, Any]:
         out = self.cluster.kubectl(*args, "-o", "json", check=False)
@@ -160,7 +173,7 @@ def _apply(cluster: Cluster, obj: dict[str, Any]) -> None:
     cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(obj))
 
 
-def _proxy_configuration(name: str, mode: str, label: dict[str, str]) -> dict[str, Any]:
+def proxy_configuration(name: str, mode: str, label: dict[str, str]) -> dict[str, Any]:
     pxc = yaml.safe_load((REPO / "examples" / "proxyconfig.yaml").read_text())
     pxc["metadata"]["name"] = name
     spec = pxc["spec"]
@@ -177,8 +190,15 @@ REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
 
 def _app(cluster: Cluster, ns: str, label: dict[str, str], replicas: int) -> None:
     cluster.create_namespace(ns)
+    for obj in app_objects(ns, label, replicas):
+        _apply(cluster, obj)
+
+
+def app_objects(ns: str, label: dict[str, str], replicas: int) -> list[dict[str, Any]]:
+    """The backends' Deployment (images `echo` and `python`: the node simulator runs the
+    harness's modules) and the three Services on them."""
     # One backend per node (the scheduler spreads them: a required anti-affinity on hostname).
-    _apply(cluster, {
+    objs: list[dict[str, Any]] = [{
         "apiVersion": "apps/v1", "kind": "Deployment",
         "metadata": {"name": "web", "namespace": ns},
         "spec": {
@@ -216,18 +236,19 @@ def _app(cluster: Cluster, ns: str, label: dict[str, str], replicas: int) -> Non
                 },
             },
         },
-    })  # fmt: skip
+    }]  # fmt: skip
     ports = [
         {"name": "tcp", "port": TCP_PORT, "targetPort": BACKEND_PORT, "protocol": "TCP"},
         {"name": "udp", "port": UDP_PORT, "targetPort": BACKEND_PORT, "protocol": "UDP"},
         {"name": "hold", "port": HOLD_PORT, "targetPort": BACKEND_HOLD_PORT, "protocol": "TCP"},
     ]
     for name, kind in (("svc-a", "ClusterIP"), ("svc-b", "ClusterIP"), ("svc-np", "NodePort")):
-        _apply(cluster, {
+        objs.append({
             "apiVersion": "v1", "kind": "Service",
             "metadata": {"name": name, "namespace": ns},
             "spec": {"type": kind, "selector": {"app": "web"}, "ports": ports},
         })  # fmt: skip
+    return objs
 
 
 def _crd_established(cluster: Cluster) -> bool:
@@ -239,15 +260,22 @@ def _crd_established(cluster: Cluster) -> bool:
     return any(c["type"] == "Established" and c["status"] == "True" for c in conditions)
 
 
-def apply_kpx(cluster: Cluster, label: dict[str, str], pxc: dict[str, Any]) -> None:
+def apply_kpx(
+    cluster: Cluster, label: dict[str, str], pxc: dict[str, Any], real_nodes: bool = False
+) -> None:
     """The CRDs, the operator's manifests (its Deployment on the nodes labelled `label`) and
-    the ProxyConfiguration `pxc`."""
+    the ProxyConfiguration `pxc`. `real_nodes`: the operator is pointed at the apiserver's
+    address, as `kubelets.install` does."""
     cluster.wait_namespace_settled(NS)
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
     # (not `kubectl wait`: on a fresh control plane the CRD may have no conditions yet,
     # which it reports as an error)
     wait_until(lambda: _crd_established(cluster), 60, "the CRD Established")
-    cluster.kubectl("apply", "-k", str(REPO / "operator" / "manifests"))
+    if real_nodes:
+        for doc in kubelets_install.operator_manifests(cluster):
+            _apply(cluster, doc)
+    else:
+        cluster.kubectl("apply", "-k", str(REPO / "operator" / "manifests"))
     cluster.kubectl("-n", NS, "patch", "deploy", "kpx-operator", "--type=merge", "-p",
                     json.dumps({"spec": {"template": {"spec": {
                         "nodeSelector": label}}}}))  # fmt: skip
@@ -285,7 +313,7 @@ def migration_cluster(
         sim = NodeSimulator(cluster, topo, pod_apiserver_access=True, runtime="runc", images=store)
         try:
             sim_nodes = [sim.add_node(f"m{run}-{i}", labels=label) for i in range(1, nodes + 1)]
-            apply_kpx(cluster, label, _proxy_configuration(pxc, mode, label))
+            apply_kpx(cluster, label, proxy_configuration(pxc, mode, label))
             _app(cluster, app_ns, label, nodes)
             clients = [topo.add_pod(node, f"load-{i}") for i, node in enumerate(sim_nodes)]
             env = MigrationEnv(cluster, topo, sim, sim_nodes, clients, pxc, app_ns, label)

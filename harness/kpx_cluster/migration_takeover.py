@@ -23,17 +23,18 @@ from typing import Any
 
 from . import upstream_kube_proxy
 from .controlplane import Cluster
+from .kubelets import install as kubelets_install
 from .migration import (
     LoadOptions,
     MigrationEnv,
     SwitchResult,
     _app,
     _apply,
-    _proxy_configuration,
     _start_load,
     _stop_load,
     apply_kpx,
     preflight_load,
+    proxy_configuration,
     remove_kpx,
     wait_backends_ready,
     wait_until,
@@ -149,7 +150,7 @@ def kube_proxy_cluster(
             wait_until(lambda: list(kube_proxy_pods(env).values()) == [True] * nodes, 120,
                        "kube-proxy Ready on every node")  # fmt: skip
             wait_backends_ready(env, nodes)
-            wait_until(lambda: _serves(env), 90, "kube-proxy serving every target")
+            wait_until(lambda: serves(env), 90, "kube-proxy serving every target")
             yield env
         finally:
             remove_kpx(cluster, pxc, app_ns)
@@ -157,7 +158,7 @@ def kube_proxy_cluster(
             sim.stop(delete_nodes=True)
 
 
-def _serves(env: MigrationEnv) -> bool:
+def serves(env: MigrationEnv) -> bool:
     """A second of the load answers every try, from every node (kube-proxy has synced the
     Services and their endpoints everywhere)."""
     return all(
@@ -169,9 +170,12 @@ def _serves(env: MigrationEnv) -> bool:
 def install_kpx(env: MigrationEnv, mode: str = "nftables") -> None:
     """The CRDs, the operator's manifests (its Deployment on `env`'s nodes) and the
     ProxyConfiguration in `mode` taking the nodes over from kube-proxy and moving it off."""
-    pxc: dict[str, Any] = _proxy_configuration(env.pxc, mode, env.label)
+    pxc: dict[str, Any] = proxy_configuration(env.pxc, mode, env.label)
     pxc["spec"]["takeover"] = {"fromKubeProxy": True, "moveKubeProxyOff": True}
-    apply_kpx(env.cluster, env.label, pxc)
+    if env.real_nodes:  # as kubelets.install installs kpx
+        pxc["spec"]["clusterCIDRs"] = list(kubelets_install.CLUSTER_CIDRS)
+        pxc["spec"].setdefault("conntrack", {})["maxPerCore"] = 0
+    apply_kpx(env.cluster, env.label, pxc, real_nodes=env.real_nodes)
 
 
 def take_over(

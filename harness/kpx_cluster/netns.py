@@ -475,8 +475,10 @@ class Topology:
         if not self._sysctl(netns, settings, check=False):
             log.warning("bridge-nf-call-iptables is not available in %s", netns)
 
-    def add_node(self, name: str) -> Node:
-        """Create node `name`: its netns, fabric link, cbr0 and routes (in all nodes)."""
+    def add_node(self, name: str, pod_hosts_from: int = 2) -> Node:
+        """Create node `name`: its netns, fabric link, cbr0 and routes (in all nodes).
+        `add_pod` gives its pods the addresses from host number `pod_hosts_from` of each pod
+        CIDR on (a real node's CNI hands out those below)."""
         with self._lock:
             self._check_open()
             if not NAME_RE.fullmatch(name) or name in self.nodes:
@@ -522,7 +524,7 @@ class Topology:
                 self._route_pods(node, other)
                 self._route_pods(other, node)
             self.nodes[name] = node
-            self._pod_ips[name] = 1
+            self._pod_ips[name] = pod_hosts_from - 1
             for node_port, sock in self._exposed.items():
                 self._start_node_relay(node, node_port, sock)
             return node

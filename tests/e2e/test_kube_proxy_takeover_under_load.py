@@ -1,33 +1,35 @@
-"""Issue #18, proof under load: upstream kube-proxy -> kpx nftables on three simulated nodes.
+"""Issue #18, proof under load: upstream kube-proxy -> kpx nftables on three real nodes (a kubelet
+and containerd each).
 
 Upstream kube-proxy v1.36.2 (its image, which `make image` builds from the binary `make setup`
-compiles from the pinned Kubernetes module) serves the three nodes in iptables mode, run under
-runc by the node simulator as the kube-system/kube-proxy DaemonSet kubeadm deploys
-(`kpx_cluster.upstream_kube_proxy`); backends on every node serve two ClusterIP Services and a
-NodePort, and a load client in a pod netns on every node opens a new TCP connection every 15 ms,
-exchanges a UDP datagram every 20 ms and holds two connections open (`kpx_cluster.migration`).
-Then kpx is installed from its manifests (the operator and the agents from the built images
-under runc) with a ProxyConfiguration in mode nftables and `takeover: {fromKubeProxy: true,
-moveKubeProxyOff: true}`: on each node the agent programs and verifies nftables (while
-kube-proxy still holds the health and metrics ports: the agent retries binding them, as upstream
-does), the operator labels the node and keeps kube-proxy's DaemonSet off it, the agent removes
-kube-proxy's rules once its Pod is gone (`kpx_cluster.migration_takeover`). Not one new
-connection may fail, not one UDP exchange be lost, every held connection must survive;
-afterwards no node runs kube-proxy, no node has one of kube-proxy's chains (the kubelet's
-KUBE-FIREWALL and co. may stay) or an `ip kube-proxy` table, and status.takeover says every node
-was taken over. `make bench-migration` prints the same run as a row of its table.
+compiles from the pinned Kubernetes module) serves the three nodes in iptables mode, as the
+kube-system/kube-proxy DaemonSet kubeadm deploys (`kpx_cluster.upstream_kube_proxy`); backend
+pods on every node serve two ClusterIP Services and a NodePort, and a load client in a pod
+netns on every node opens a new TCP connection every 15 ms, exchanges a UDP datagram every
+20 ms and holds two connections open (`kpx_cluster.migration_real`). Then kpx is installed from
+its manifests (the operator and the agents from the project's images) with a
+ProxyConfiguration in mode nftables and `takeover: {fromKubeProxy: true, moveKubeProxyOff:
+true}`: on each node the agent programs and verifies nftables (while kube-proxy still holds
+the health and metrics ports: the agent retries binding them, as upstream does), the operator
+labels the node and keeps kube-proxy's DaemonSet off it, the agent removes kube-proxy's rules
+once its Pod is gone (`kpx_cluster.migration_takeover`). Not one new connection may fail, not
+one UDP exchange be lost, every held connection must survive; afterwards no node runs
+kube-proxy, no node has one of kube-proxy's chains (the kubelet's KUBE-FIREWALL and co. may
+stay) or an `ip kube-proxy` table, and status.takeover says every node was taken over.
+`make bench-migration` prints the same run as a row of its table.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
-from kpx_cluster.controlplane import Cluster
+from kpx_cluster.kubelets import install
 from kpx_cluster.migration import LoadOptions, MigrationEnv, mode_rules, preflight_load, table_row
+from kpx_cluster.migration_real import real_kube_proxy_cluster
 from kpx_cluster.migration_takeover import (
-    kube_proxy_cluster,
     kube_proxy_pods,
     kube_proxy_rules,
     take_over,
@@ -38,14 +40,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 
 
 @pytest.fixture(scope="module")
-def env(cluster: Cluster) -> Iterator[MigrationEnv]:
+def env() -> Iterator[MigrationEnv]:
+    if os.geteuid() != 0:
+        pytest.fail("real nodes need root (namespaces, cgroups, mounts)", pytrace=False)
     try:
-        with kube_proxy_cluster(cluster, "iptables") as env:
-            yield env
-    except RuntimeError as err:  # the images are missing or stale
-        if "make image" in str(err):
-            pytest.fail(str(err), pytrace=False)
-        raise
+        install.archives("kpx")  # the images are built and fresh
+        install.archives("kube-proxy")
+    except install.InstallFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with real_kube_proxy_cluster("iptables") as env:
+        yield env
 
 
 def test_taking_over_from_upstream_kube_proxy_under_load_fails_nothing_and_leaves_nothing(

@@ -1,11 +1,12 @@
-"""Issue #18, proof under load: spec.mode iptables -> nftables on three simulated nodes while a
-client on every node keeps opening connections, exchanging UDP and holding connections open.
+"""Issue #18, proof under load: spec.mode iptables -> nftables on three real nodes (a kubelet
+and containerd each, no kube-proxy) while a client on every node keeps opening connections,
+exchanging UDP and holding connections open.
 
-kpx is installed from its manifests (the operator and the agents run from the built images
-under runc) in mode iptables; backends on every node serve two ClusterIP Services and a
-NodePort (`kpx_cluster.migration`). A load client in a pod netns on every node opens a new TCP
-connection every 15 ms (round-robin over the three ClusterIPs and the NodePort on each node's
-address), exchanges a UDP datagram every 20 ms the same way, and holds two connections open.
+kpx is installed from its manifests (the operator and the agents run from the project's images
+on the kubelets) in mode iptables; backend pods on every node serve two ClusterIP Services and
+a NodePort (`kpx_cluster.migration_real`). A load client in a pod netns on every node opens a
+new TCP connection every 15 ms (round-robin over the three ClusterIPs and the NodePort on each
+node's address), exchanges a UDP datagram every 20 ms the same way, and holds two connections open.
 Then spec.mode is patched to nftables: the agents' DaemonSet rolls one node at a time; each new
 agent programs nftables, verifies it, then removes the iptables rules. Not one new connection
 may fail, not one UDP exchange be lost, every held connection must survive, and afterwards no
@@ -16,21 +17,22 @@ runs both directions and prints the table (bench/migration.py).
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Iterator
 
 import pytest
 
-from kpx_cluster.controlplane import Cluster
+from kpx_cluster.kubelets import install
 from kpx_cluster.migration import (
     LoadOptions,
     MigrationEnv,
-    migration_cluster,
     mode_rules,
     mode_switch_finished,
     preflight_load,
     switch,
     table_row,
 )
+from kpx_cluster.migration_real import real_migration_cluster
 from kpx_cluster.migration_revert import revert_while_stuck
 from kpx_cluster.migration_rollback import switch_with_rollback
 
@@ -38,14 +40,15 @@ pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 
 
 @pytest.fixture(scope="module")
-def env(cluster: Cluster) -> Iterator[MigrationEnv]:
+def env() -> Iterator[MigrationEnv]:
+    if os.geteuid() != 0:
+        pytest.fail("real nodes need root (namespaces, cgroups, mounts)", pytrace=False)
     try:
-        with migration_cluster(cluster, "iptables") as env:
-            yield env
-    except RuntimeError as err:  # the images are missing or stale
-        if "make image" in str(err):
-            pytest.fail(str(err), pytrace=False)
-        raise
+        install.archives("kpx")  # the images are built and fresh
+    except install.InstallFailed as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with real_migration_cluster("iptables") as env:
+        yield env
 
 
 def test_iptables_to_nftables_under_load_fails_nothing_and_leaves_nothing(

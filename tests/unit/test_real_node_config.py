@@ -68,9 +68,10 @@ def test_cni_puts_pods_on_cbr0_with_the_node_pod_cidrs_and_no_masquerade() -> No
     assert bridge["type"] == "bridge" and bridge["bridge"] == "cbr0"
     assert bridge["ipMasq"] is False and bridge["hairpinMode"] is True
     ranges = bridge["ipam"]["ranges"]
+    # The CNI hands out host numbers below 200; the harness's client netns take 200 and up.
     assert ranges == [
-        [{"subnet": "10.244.2.0/24", "gateway": "10.244.2.1"}],
-        [{"subnet": "fd00:244:2::/64", "gateway": "fd00:244:2::1"}],
+        [{"subnet": "10.244.2.0/24", "gateway": "10.244.2.1", "rangeEnd": "10.244.2.199"}],
+        [{"subnet": "fd00:244:2::/64", "gateway": "fd00:244:2::1", "rangeEnd": "fd00:244:2::c7"}],
     ]
     assert portmap["type"] == "portmap"
 

@@ -181,7 +181,7 @@ class ApiserverDropped(Fault):
         return env.nodes[2:3]
 
     def inject(self, ctx: Ctx) -> None:
-        port = ctx.env.sim.apiserver_port
+        port = ctx.env.simulator().apiserver_port
         rules = ("table inet chaos {\n chain out {\n  type filter hook output priority -300;\n"
                  f"  tcp dport {port} drop\n  tcp sport {port} drop\n }}\n}}\n")  # fmt: skip
         ctx.env.topo.exec(self.touches(ctx.env)[0], ["nft", "-f", "-"], input=rules, check=True)

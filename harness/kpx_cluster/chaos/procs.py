@@ -36,7 +36,7 @@ def descendants(pid: int) -> list[int]:
 
 def pod_pids(env: MigrationEnv, namespace: str, name: str) -> list[int]:
     """The processes of pod `namespace/name`'s containers (under runc: below `runc run`)."""
-    found = env.sim.pod(namespace, name)
+    found = env.simulator().pod(namespace, name)
     if found is None:
         return []
     return [p for top in found.pids.values() for p in descendants(top)]

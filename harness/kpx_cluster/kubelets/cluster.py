@@ -32,6 +32,7 @@ from ..controlplane import DEFAULT_ROOT, AlreadyRunning, Cluster
 from ..netns import Topology
 from . import cgroups, static_images
 from .config import (
+    HARNESS_POD_HOSTS_FROM,
     KUBELET_SYSCTLS,
     NodePlan,
     cni_conflist,
@@ -153,7 +154,7 @@ class RealCluster:
 
     def _plan(self, name: str) -> NodePlan:
         assert self.topology is not None
-        node = self.topology.add_node(name)
+        node = self.topology.add_node(name, pod_hosts_from=HARNESS_POD_HOSTS_FROM)
         return NodePlan(
             name=name,
             netns=node.netns,

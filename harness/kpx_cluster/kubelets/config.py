@@ -10,6 +10,7 @@ where the host sees it, so the harness can import images with `ctr`.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,11 +223,20 @@ def containerd_config(plan: NodePlan) -> str:
     return "\n".join(lines)
 
 
+#: Host numbers from this one on, in each node's pod CIDRs, are the harness's: its client
+#: network namespaces (`Topology.add_pod`) take them; the CNI hands out those below.
+HARNESS_POD_HOSTS_FROM: Final = 200
+
+
+def _host(cidr: str, n: int) -> str:
+    return str(ipaddress.ip_network(cidr).network_address + n)
+
+
 def cni_conflist(plan: NodePlan) -> dict[str, Any]:
     """The node's CNI network: pods on the node's bridge cbr0 (the Topology made it, with the
     pod CIDRs' gateways), host-local addresses from the node's pod CIDRs, no masquerade (other
     nodes and the control plane route pod CIDRs), hairpin for a pod reaching itself through a
-    Service, portmap for hostPort."""
+    Service, portmap for hostPort. The CNI's range ends below HARNESS_POD_HOSTS_FROM."""
     return {
         "cniVersion": "0.4.0",
         "name": NETWORK_NAME,
@@ -241,8 +251,20 @@ def cni_conflist(plan: NodePlan) -> dict[str, Any]:
                     "type": "host-local",
                     "dataDir": "/var/lib/cni/networks",
                     "ranges": [
-                        [{"subnet": plan.pod_cidr_v4, "gateway": plan.gateway_v4}],
-                        [{"subnet": plan.pod_cidr_v6, "gateway": plan.gateway_v6}],
+                        [
+                            {
+                                "subnet": plan.pod_cidr_v4,
+                                "gateway": plan.gateway_v4,
+                                "rangeEnd": _host(plan.pod_cidr_v4, HARNESS_POD_HOSTS_FROM - 1),
+                            }
+                        ],
+                        [
+                            {
+                                "subnet": plan.pod_cidr_v6,
+                                "gateway": plan.gateway_v6,
+                                "rangeEnd": _host(plan.pod_cidr_v6, HARNESS_POD_HOSTS_FROM - 1),
+                            }
+                        ],
                     ],
                     "routes": [{"dst": "0.0.0.0/0"}, {"dst": "::/0"}],
                 },

@@ -93,22 +93,9 @@ def install_kpx(
     0: the nodes share this machine's kernel, whose table size is global, as kind's do); the
     harness's cluster CIDRs replace the example's. Returns the ProxyConfiguration's status once
     Ready on every node."""
-    kubectl = rc.cluster.kubectl
-    endpoint = rc.cluster.cluster_server.removeprefix("https://")
-    host, port = endpoint.rsplit(":", 1)
-    kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
+    rc.cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
     wait_until(lambda: crds_established(rc), 60, "the CRDs Established")
-    manifests = kubectl("kustomize", str(REPO / "operator" / "manifests")).stdout
-    docs = [d for d in yaml.safe_load_all(manifests) if d]
-    for doc in docs:
-        if doc["kind"] == "Deployment" and doc["metadata"]["name"] == "kpx-operator":
-            container = doc["spec"]["template"]["spec"]["containers"][0]
-            container["env"] += [
-                {"name": "KUBERNETES_SERVICE_HOST", "value": host},
-                {"name": "KUBERNETES_SERVICE_PORT", "value": port},
-            ]
-            container["command"] += ["--apiserver-endpoint", endpoint]
-    _apply(rc, docs)
+    _apply(rc, operator_manifests(rc.cluster))
     example = pxc or yaml.safe_load((REPO / "examples" / "proxyconfig.yaml").read_text())
     if pxc is None:
         example["spec"].setdefault("conntrack", {})["maxPerCore"] = 0
@@ -119,6 +106,30 @@ def install_kpx(
             example["spec"].pop(other, None)
     _apply(rc, [example])
     return wait_kpx(rc, mode, timeout)
+
+
+def apiserver_endpoint(cluster: Cluster) -> str:
+    """host:port of the apiserver as the nodes reach it (no Service VIP)."""
+    return cluster.cluster_server.removeprefix("https://")
+
+
+def operator_manifests(cluster: Cluster) -> list[dict[str, Any]]:
+    """operator/manifests as kustomize renders them, the operator pointed at the apiserver's
+    real address (its env and --apiserver-endpoint, which it hands the agents): with no
+    kube-proxy, nothing answers the `kubernetes` Service VIP until kpx runs."""
+    endpoint = apiserver_endpoint(cluster)
+    host, port = endpoint.rsplit(":", 1)
+    manifests = cluster.kubectl("kustomize", str(REPO / "operator" / "manifests")).stdout
+    docs = [d for d in yaml.safe_load_all(manifests) if d]
+    for doc in docs:
+        if doc["kind"] == "Deployment" and doc["metadata"]["name"] == "kpx-operator":
+            container = doc["spec"]["template"]["spec"]["containers"][0]
+            container["env"] += [
+                {"name": "KUBERNETES_SERVICE_HOST", "value": host},
+                {"name": "KUBERNETES_SERVICE_PORT", "value": port},
+            ]
+            container["command"] += ["--apiserver-endpoint", endpoint]
+    return docs
 
 
 def crds_established(rc: Nodes) -> bool:
@@ -180,10 +191,14 @@ def install(rc: Nodes, proxy: str, mode: str) -> None:
 
 
 @contextlib.contextmanager
-def nodes_for(proxy: str, name: str, nodes: int, timeout: float = 180) -> Iterator[RealCluster]:
-    """A RealCluster of `nodes` nodes that imported `proxy`'s images (InstallFailed when they
-    are missing or stale); down on exit, which must leave nothing behind."""
-    rc = RealCluster(name, nodes=nodes, archives=archives(proxy))
+def nodes_for(
+    proxy: str | tuple[str, ...], name: str, nodes: int, timeout: float = 180
+) -> Iterator[RealCluster]:
+    """A RealCluster of `nodes` nodes that imported the images of `proxy` (one or several;
+    InstallFailed when they are missing or stale); down on exit, which must leave nothing
+    behind."""
+    proxies = (proxy,) if isinstance(proxy, str) else proxy
+    rc = RealCluster(name, nodes=nodes, archives=[a for p in proxies for a in archives(p)])
     rc.up(timeout=timeout)
     try:
         yield rc
