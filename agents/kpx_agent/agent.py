@@ -153,20 +153,24 @@ class Agent:
         self.metrics = AgentMetrics(settings.mode)
         if leftovers_of is not None:
             self.leftover_removal = LeftoverRemoval(
-                leftovers_of(settings), self.metrics.registry, self.report_event,
+                leftovers_of(settings),
+                self.metrics.registry,
+                self.report_event,
                 failed_reason=LEFTOVERS_NOT_REMOVED,
-            )  # fmt: skip
+            )
         self._count_packets()
         self.state = ClusterState()
-        self.proxier = Proxier(self.state, backend, node_name, settings.optout, self.metrics,
-                               settings.proxy)  # fmt: skip
+        self.proxier = Proxier(
+            self.state, backend, node_name, settings.optout, self.metrics, settings.proxy
+        )
         self.health_check_servers = HealthCheckServers()
         #: New Service problems (service_problems.py) waiting to be posted as Events.
         self._problem_events: asyncio.Queue[service_problems.ServiceProblem] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._config_stamp = self._stamp()
-        self.health = ProxyHealth(health_timeout(settings.sync_period),
-                                  leftovers_pending=self._leftovers_pending)  # fmt: skip
+        self.health = ProxyHealth(
+            health_timeout(settings.sync_period), leftovers_pending=self._leftovers_pending
+        )
         #: Every reflector with its task: a dead one fails the health endpoints.
         self.watches: list[Watch] = []
         self.health.dead_watches = lambda: dead_watches(self.watches)
@@ -322,8 +326,9 @@ class Agent:
             self._start_leftover_removal()
             if self.state_server is not None:
                 await self.state_server.start()
-            tasks += [asyncio.create_task(companion(self.report_event))
-                      for companion in self.companions]  # fmt: skip
+            tasks += [
+                asyncio.create_task(companion(self.report_event)) for companion in self.companions
+            ]
             tasks.append(asyncio.create_task(self._post_problem_events()))
             if self.node_state is not None:
                 tasks.append(asyncio.create_task(self.node_state.run()))

@@ -299,8 +299,9 @@ def handover(settings: ProxySettings) -> Handover:
 def remove_other_modes(mode: str) -> None:
     """Remove at once what agents of the other modes left on this node (a failure is logged).
     The agent itself does this only after its first verified sync (`leftovers_for`)."""
-    for leftover in other_mode_leftovers(mode, backends.REGISTRY, backends.load,
-                                         handover(ProxySettings())):  # fmt: skip
+    for leftover in other_mode_leftovers(
+        mode, backends.REGISTRY, backends.load, handover(ProxySettings())
+    ):
         try:
             leftover.remove()
         except Exception as exc:
@@ -339,8 +340,9 @@ def leftovers_for(client: Client, node_name: str) -> Callable[[AgentSettings], l
     the same for the rollback mode's settings."""
 
     def leftovers_of(settings: AgentSettings) -> list[Leftover]:
-        leftovers = other_mode_leftovers(settings.mode, backends.REGISTRY, backends.load,
-                                         handover(settings.proxy))  # fmt: skip
+        leftovers = other_mode_leftovers(
+            settings.mode, backends.REGISTRY, backends.load, handover(settings.proxy)
+        )
         if settings.takeover_from_kube_proxy:
             leftovers.append(kube_proxy_leftover(client, node_name, settings))
         return leftovers

@@ -204,9 +204,12 @@ def test_the_agent_rolls_back_in_process_and_keeps_the_old_modes_settings_live(
         _Backend("nftables", settings.proxy),  # type: ignore[arg-type]
         config_path=path,
         backend_for=backend_for,
-        leftovers_of=lambda s: [Leftover(m, f"the rules of kpx mode {m}", lambda: None)
-                                for m in ("nftables", "iptables") if m != s.mode],
-    )  # type: ignore[arg-type]  # fmt: skip
+        leftovers_of=lambda s: [
+            Leftover(m, f"the rules of kpx mode {m}", lambda: None)
+            for m in ("nftables", "iptables")
+            if m != s.mode
+        ],
+    )  # type: ignore[arg-type]
     # During the switch the old mode's rules hold readiness.
     assert agent.switching_from() == {"iptables"}
 

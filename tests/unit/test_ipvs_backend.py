@@ -348,8 +348,9 @@ def test_a_full_sync_removes_strangers_but_not_excluded_ones(fake: FakeIpvs) -> 
 def test_a_scheduler_change_resyncs_every_virtual_server(fake: FakeIpvs) -> None:
     b = backend_for(fake)
     b.sync(state(web(E1)), None)
-    b.reconfigure(ProxySettings(cluster_cidrs=SETTINGS.cluster_cidrs,
-                                ipvs=IPVSOptions(scheduler="lc")))  # fmt: skip
+    b.reconfigure(
+        ProxySettings(cluster_cidrs=SETTINGS.cluster_cidrs, ipvs=IPVSOptions(scheduler="lc"))
+    )
     b.sync(state(web(E1)), [])  # the agent asks for a delta; new settings force a full sync
     assert {vs.scheduler for vs in fake.services.values()} == {"lc"}
 

@@ -45,8 +45,7 @@ def test_other_mode_leftovers_are_every_mode_but_ours_loaded_only_to_remove() ->
         return StubMode(mode, calls)
 
     handover = Handover(ProxySettings(), lambda: False)
-    leftovers = other_mode_leftovers("nftables", ["nftables", "iptables", "ipvs"], load,
-                                     handover)  # fmt: skip
+    leftovers = other_mode_leftovers("nftables", ["nftables", "iptables", "ipvs"], load, handover)
     assert [x.name for x in leftovers] == ["iptables", "ipvs"] and loaded == []
     for leftover in leftovers:
         leftover.remove()
@@ -68,8 +67,11 @@ def test_the_modes_remove_their_leftovers_as_documented(monkeypatch: pytest.Monk
     calls: list[object] = []
     for module in (kpx_agent.backends.nftables, kpx_agent.backends.iptables):
         monkeypatch.setattr(module, "cleanup", lambda m=module.__name__: calls.append(m))
-    monkeypatch.setattr(kpx_agent.backends.ipvs, "remove_kpx_ipvs_leftovers",
-                        lambda cidrs, probe: calls.append((cidrs, probe)))  # fmt: skip
+    monkeypatch.setattr(
+        kpx_agent.backends.ipvs,
+        "remove_kpx_ipvs_leftovers",
+        lambda cidrs, probe: calls.append((cidrs, probe)),
+    )
     cidrs = (ip_network("10.0.0.0/8"),)
 
     def probe() -> bool:
@@ -78,8 +80,7 @@ def test_the_modes_remove_their_leftovers_as_documented(monkeypatch: pytest.Monk
     handover = Handover(ProxySettings(ipvs=IPVSOptions(exclude_cidrs=cidrs)), probe)
     for mode in ("nftables", "iptables", "ipvs", "external"):
         load(mode).remove_leftovers(handover)
-    assert calls == ["kpx_agent.backends.nftables", "kpx_agent.backends.iptables",
-                     (cidrs, probe)]  # fmt: skip
+    assert calls == ["kpx_agent.backends.nftables", "kpx_agent.backends.iptables", (cidrs, probe)]
 
 
 def test_nothing_is_removed_before_the_first_verified_sync() -> None:
@@ -284,9 +285,12 @@ def test_removing_another_modes_rules_is_reported_naming_the_mode() -> None:
     async def scenario() -> None:
         verified = asyncio.Event()
         verified.set()
-        leftovers = other_mode_leftovers("nftables", ["nftables", "iptables"],
-                                         lambda m: StubMode(m, []),
-                                         Handover(ProxySettings(), lambda: False))  # fmt: skip
+        leftovers = other_mode_leftovers(
+            "nftables",
+            ["nftables", "iptables"],
+            lambda m: StubMode(m, []),
+            Handover(ProxySettings(), lambda: False),
+        )
         await asyncio.wait_for(LeftoverRemoval(leftovers, registry, report).run(verified), 2)
 
     asyncio.run(scenario())
