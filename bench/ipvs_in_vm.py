@@ -24,7 +24,7 @@ from workload import SETTINGS, TARGET_PORT, node_local_state, service_port
 
 
 def run_mode(mode: str, count: int) -> dict[str, Any]:
-    module: Any = backends.load(mode)
+    module = backends.load(mode)
     backend = module.create(SETTINGS)
     state = node_local_state(count)
     node, ports, facts = state.node, dict(state.services), state.facts

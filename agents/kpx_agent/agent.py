@@ -16,6 +16,7 @@ from typing import Any
 from kpx_api.constants import (
     CONFIG_GENERATION_KEY,
     FIRST_SYNC_VERIFIED,
+    LEFTOVERS_NOT_REMOVED,
     ROLLED_BACK,
     SYNC_FAILED,
 )
@@ -43,7 +44,7 @@ from .settings import AgentSettings
 from .state_api.publisher import Publisher
 from .state_api.server import StateServer, parse_address
 from .sync_log import log_sync
-from .takeover import Leftover, LeftoverRemoval
+from .takeover import Leftover, LeftoverRemoval, Report
 
 log = logging.getLogger(__name__)
 CONFIG_POLL_SECONDS = 2.0
@@ -106,6 +107,8 @@ class Agent:
         conntrack_paths: conntrack_sysctl.ConntrackPaths | None = None,
         backend_for: Callable[[AgentSettings], Backend] | None = None,
         node_state_interval: float | None = DEFAULT_WRITE_INTERVAL,
+        leftovers_of: Callable[[AgentSettings], list[Leftover]] | None = None,
+        companions: Iterable[Callable[[Report], Coroutine[Any, Any, None]]] = (),
     ) -> None:
         self.settings = settings
         self.node_name = node_name
@@ -119,17 +122,18 @@ class Agent:
         #: Set once a full sync programmed the kernel without error and the backend then
         #: finds its rules there: what make-before-break waits for (takeover.py).
         self.first_sync_verified = asyncio.Event()
-        #: Coroutines run beside the sync loop, from the start to the stop of `run`.
-        self.companions: list[Callable[[], Coroutine[Any, Any, None]]] = []
+        #: Coroutines run beside the sync loop, from the start to the stop of `run`, each
+        #: given `report_event` (an Event about this agent's Pod).
+        self.companions = list(companions)
         self.overrides = overrides or {}
         #: A backend for a mode's settings (the CLI's, through the backend registry: the agent
         #: core imports no mode's code): what a rollback runs.
         self.backend_for = backend_for
         #: Make-before-break (takeover.py): removes what other proxies left, once
         #: `first_sync_verified` is set; `leftovers_of` gives what to remove for a mode's
-        #: settings (after a rollback: the rollback mode's). Set by the CLI.
+        #: settings (after a rollback: the rollback mode's). None: nothing to remove.
+        self.leftovers_of = leftovers_of
         self.leftover_removal: LeftoverRemoval | None = None
-        self.leftovers_of: Callable[[AgentSettings], list[Leftover]] | None = None
         self._removal_task: asyncio.Task[None] | None = None
         #: The RolledBack message once this agent went back to the mode before a switch.
         self.rolled_back = ""
@@ -147,15 +151,26 @@ class Agent:
         self._problem_reasons: set[str] = set()
         self._conntrack_task: asyncio.Task[None] | None = None  # a reload's apply
         self.metrics = AgentMetrics(settings.mode)
+        if leftovers_of is not None:
+            self.leftover_removal = LeftoverRemoval(
+                leftovers_of(settings),
+                self.metrics.registry,
+                self.report_event,
+                failed_reason=LEFTOVERS_NOT_REMOVED,
+            )
         self._count_packets()
         self.state = ClusterState()
-        self.proxier = Proxier(self.state, backend, node_name, settings.optout, self.metrics)
+        self.proxier = Proxier(
+            self.state, backend, node_name, settings.optout, self.metrics, settings.proxy
+        )
         self.health_check_servers = HealthCheckServers()
         #: New Service problems (service_problems.py) waiting to be posted as Events.
         self._problem_events: asyncio.Queue[service_problems.ServiceProblem] = asyncio.Queue()
         self._wake = asyncio.Event()
         self._config_stamp = self._stamp()
-        self.health = ProxyHealth(health_timeout(settings.sync_period))
+        self.health = ProxyHealth(
+            health_timeout(settings.sync_period), leftovers_pending=self._leftovers_pending
+        )
         #: Every reflector with its task: a dead one fails the health endpoints.
         self.watches: list[Watch] = []
         self.health.dead_watches = lambda: dead_watches(self.watches)
@@ -199,7 +214,6 @@ class Agent:
                 endpoints += len(port.cluster_endpoints)
             else:
                 endpoints += len(set(port.cluster_endpoints) | set(port.external_endpoints))
-        element_count = getattr(self.backend, "element_count", None)
         removal = self.leftover_removal
         return NodeFacts(
             mode=self.settings.mode,
@@ -211,7 +225,7 @@ class Agent:
             last_sync=self._last_sync,
             services=services,
             endpoints=endpoints,
-            rules=int(element_count()) if element_count is not None else 0,
+            rules=int(self.backend.element_count()),
             last_error=self._last_error_record,
             conntrack_not_applied=self._conntrack_not_applied,
             leftovers=removal.pending_messages() if removal is not None else (),
@@ -227,7 +241,7 @@ class Agent:
         """After a successful sync (the proxier's worker thread): a new revision for the
         state API's clients, when anything changed."""
         assert self.state_server is not None
-        if self.state_server.publisher.publish(local, self.backend.settings, changed):
+        if self.state_server.publisher.publish(local, self.proxier.settings, changed):
             self.state_server.notify()
 
     # -- wiring --------------------------------------------------------------------------------
@@ -269,7 +283,7 @@ class Agent:
 
     def _count_packets(self) -> None:
         """Upstream's nfacct packet counters, from the backend's rule counters (iptables)."""
-        self.metrics.packet_counts = getattr(self.backend, "packet_counts", None)
+        self.metrics.packet_counts = self.backend.packet_counts
 
     def _publish_metrics(self) -> None:
         """Before a scrape (event loop): what is counted elsewhere, into the registry."""
@@ -280,9 +294,7 @@ class Agent:
             m.set_counter(m.watch_objects, (resource,), count)
         for resource, count in self.client.watch_idle_timeouts.items():
             m.set_counter(m.watch_idle_timeouts, (resource,), count)
-        element_count = getattr(self.backend, "element_count", None)
-        if element_count is not None:
-            m.kernel_elements.set(element_count())
+        m.kernel_elements.set(self.backend.element_count())
         state = self.state
         m.set_counter(m.service_changes, (), state.service_events)
         m.set_counter(m.endpoint_changes, (), state.slice_events)
@@ -314,7 +326,9 @@ class Agent:
             self._start_leftover_removal()
             if self.state_server is not None:
                 await self.state_server.start()
-            tasks += [asyncio.create_task(companion()) for companion in self.companions]
+            tasks += [
+                asyncio.create_task(companion(self.report_event)) for companion in self.companions
+            ]
             tasks.append(asyncio.create_task(self._post_problem_events()))
             if self.node_state is not None:
                 tasks.append(asyncio.create_task(self.node_state.run()))
@@ -490,8 +504,7 @@ class Agent:
     async def _verify_first_sync(self) -> None:
         """After a successful full sync: set `first_sync_verified` if the backend finds its
         rules in the kernel (backends without that check: the sync's success is the proof)."""
-        programmed = getattr(self.backend, "programmed", None)
-        if programmed is not None and not await asyncio.to_thread(programmed):
+        if not await asyncio.to_thread(self.backend.programmed):
             log.warning("the first sync succeeded but its rules are not in the kernel")
             self.proxier.request_full_sync()
             self._wake.set()
@@ -514,6 +527,11 @@ class Agent:
         if self.leftover_removal is not None:
             removal = self.leftover_removal
             self._removal_task = asyncio.create_task(removal.run(self.first_sync_verified))
+
+    def _leftovers_pending(self) -> str:
+        """Why readiness waits for leftovers: the switch's old mode's rules are still here."""
+        removal = self.leftover_removal
+        return removal.blocking(self.switching_from()) if removal is not None else ""
 
     def switching_from(self) -> set[str]:
         """The mode a running switch comes from (the configuration's rollback), whose rules'
@@ -555,7 +573,7 @@ class Agent:
         self.metrics.rolled_back.labels(failed, to).set(1)
         self.metrics.serve_mode(to)
         self.backend = backend
-        self.proxier.backend = backend
+        self.proxier.backend, self.proxier.settings = backend, rollback.settings.proxy
         self._count_packets()
         self.settings = rollback.settings
         self.health.timeout = health_timeout(self.settings.sync_period)
@@ -633,8 +651,7 @@ class Agent:
         if new.conntrack != self.settings.conntrack:
             self._conntrack_task = asyncio.get_running_loop().create_task(self.apply_conntrack(new))
         if new.proxy != self.settings.proxy:
-            self.backend.settings = new.proxy
-            self.proxier.request_full_sync()
+            self.proxier.reconfigure(new.proxy)
         self.proxier.optout = new.optout
         self.settings = new
         self._loaded_generation = self._read_generation()

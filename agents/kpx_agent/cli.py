@@ -16,7 +16,6 @@ from typing import Any
 
 from kpx_api.constants import (
     KUBE_PROXY_RULES_REMOVED,
-    LEFTOVERS_NOT_REMOVED,
     WAITING_FOR_KUBE_PROXY,
 )
 from kpx_api.errors import ConfigError
@@ -34,23 +33,23 @@ from kpx_kube import (
 from . import backends, conntrack_sysctl, preflight
 from . import settings as settings_mod
 from .agent import Agent
-from .backends.base import NodePaths
+from .backends.base import Backend, Handover, Mode, NodePaths
 from .http_endpoints import health_app, serve
-from .ipvs_cleanup import remove_kpx_ipvs_leftovers
 from .kube_proxy_takeover import (
     KUBE_PROXY_DAEMONSET,
     KUBE_PROXY_NAMESPACE,
+    kube_proxy_ipvs_mode_here,
     kube_proxy_runs_here,
     remove_kube_proxy_leftovers,
 )
-from .localnet import IPNetwork
+from .localnet import ProxySettings
 from .metrics import AgentMetrics
 from .node_state import DEFAULT_WRITE_INTERVAL
 from .proxy_health import ProxyHealth
 from .settings import AgentSettings
 from .state_api.server import parse_address
 from .state_api.socket_directory import SocketDirectoryError, prepare_socket_directory
-from .takeover import Leftover, LeftoverRemoval, other_mode_leftovers
+from .takeover import Leftover, other_mode_leftovers
 
 log = logging.getLogger("kpx_agent")
 MODES = ("nftables", "iptables", "ipvs", "external")
@@ -195,8 +194,7 @@ def cleanup(argv: list[str]) -> int:
     if not has_backend(args.mode):
         print(f"proxy-agent: {no_backend_message(args.mode)}", file=sys.stderr)
         return 2
-    module: Any = backends.load(args.mode)
-    module.cleanup()
+    backends.load(args.mode).cleanup()
     print(f"removed the {args.mode} rules of kpx", flush=True)
     if args.then_serve_healthz:
         host, port = parse_bind_address(args.then_serve_healthz)
@@ -293,37 +291,30 @@ def convert_kube_proxy_config(argv: list[str]) -> int:
     return 0
 
 
-def other_mode_removers(
-    exclude_cidrs: tuple[IPNetwork, ...] = (),
-) -> dict[str, Callable[[], None]]:
-    """Modes whose leftovers are not removed by their backend's full `cleanup()`: ipvs, whose
-    cleanup takes every virtual server and kube-ipvs0 (upstream kube-proxy's too); another
-    mode's agent removes only what a kpx ipvs agent made (ipvs_leftovers.py)."""
-
-    def remove_ipvs() -> None:
-        remove_kpx_ipvs_leftovers(exclude_cidrs)
-
-    return {"ipvs": remove_ipvs}
+def handover(settings: ProxySettings) -> Handover:
+    """What this agent hands a mode whose leftovers it removes (backends.base.Handover)."""
+    return Handover(settings, kube_proxy_ipvs_mode_here)
 
 
 def remove_other_modes(mode: str) -> None:
     """Remove at once what agents of the other modes left on this node (a failure is logged).
-    The agent itself does this only after its first verified sync (`leftover_removal`)."""
-    for leftover in other_mode_leftovers(mode, backends.REGISTRY, backends.load,
-                                         other_mode_removers()):  # fmt: skip
+    The agent itself does this only after its first verified sync (`leftovers_for`)."""
+    for leftover in other_mode_leftovers(
+        mode, backends.REGISTRY, backends.load, handover(ProxySettings())
+    ):
         try:
             leftover.remove()
         except Exception as exc:
             log.warning("could not remove %s: %s", leftover.description, exc)
 
 
-def kube_proxy_leftover(agent: Agent, settings: AgentSettings) -> Leftover:
+def kube_proxy_leftover(client: Client, node_name: str, settings: AgentSettings) -> Leftover:
     """spec.takeover.fromKubeProxy: upstream kube-proxy's rules, removed once its DaemonSet's
     Pod is gone from this node (IPVS too, unless the agent runs mode ipvs itself)."""
     include_ipvs = settings.mode != "ipvs"
 
     async def gone() -> bool:
-        return not await kube_proxy_runs_here(agent.client, agent.node_name)
+        return not await kube_proxy_runs_here(client, node_name)
 
     return Leftover(
         "kube-proxy",
@@ -341,36 +332,55 @@ def kube_proxy_leftover(agent: Agent, settings: AgentSettings) -> Leftover:
     )
 
 
-def leftover_removal(agent: Agent) -> LeftoverRemoval:
-    """Make-before-break (takeover.py): once the agent's first sync is verified, remove the
-    other modes' rules from this node, retrying what fails; during a switch of mode the agent
-    is not Ready until the old mode's are gone. After a rollback, the same for the rollback
-    mode."""
+def leftovers_for(client: Client, node_name: str) -> Callable[[AgentSettings], list[Leftover]]:
+    """Make-before-break (takeover.py): what an agent with a mode's settings removes once its
+    first sync is verified, retrying what fails: the other modes' rules (each loaded from the
+    registry only then), and upstream kube-proxy's with spec.takeover.fromKubeProxy. During a
+    switch of mode the agent is not Ready until the old mode's are gone. After a rollback,
+    the same for the rollback mode's settings."""
 
     def leftovers_of(settings: AgentSettings) -> list[Leftover]:
-        removers = other_mode_removers(settings.proxy.ipvs.exclude_cidrs)
-        leftovers = other_mode_leftovers(settings.mode, backends.REGISTRY, backends.load,
-                                         removers)  # fmt: skip
+        leftovers = other_mode_leftovers(
+            settings.mode, backends.REGISTRY, backends.load, handover(settings.proxy)
+        )
         if settings.takeover_from_kube_proxy:
-            leftovers.append(kube_proxy_leftover(agent, settings))
+            leftovers.append(kube_proxy_leftover(client, node_name, settings))
         return leftovers
 
-    removal = LeftoverRemoval(leftovers_of(agent.settings), agent.metrics.registry,
-                              agent.report_event, failed_reason=LEFTOVERS_NOT_REMOVED)  # fmt: skip
-    agent.health.leftovers_pending = lambda: removal.blocking(agent.switching_from())
-    agent.leftover_removal = removal
-    agent.leftovers_of = leftovers_of
-    return removal
+    return leftovers_of
 
 
-def backend_for(paths: NodePaths) -> Callable[[AgentSettings], Any]:
+def backend_for(paths: NodePaths) -> Callable[[AgentSettings], Backend]:
     """A backend for a mode's settings, from the registry (what a rollback runs)."""
 
-    def create(settings: AgentSettings) -> Any:
-        module: Any = backends.load(settings.mode)
-        return module.create(settings.proxy, paths)
+    def create(settings: AgentSettings) -> Backend:
+        return backends.load(settings.mode).create(settings.proxy, paths)
 
     return create
+
+
+def build_agent(
+    settings: AgentSettings, mode: Mode, args: argparse.Namespace, client: Client
+) -> Agent:
+    """The agent, with everything it runs with: the one place that puts it together. `mode`:
+    the registry's module of `settings.mode`; `args`: the run parser's."""
+    paths = NodePaths(route_localnet=args.route_localnet_file)
+    return Agent(
+        settings,
+        args.node_name,
+        client,
+        mode.create(settings.proxy, paths),
+        config_path=args.config,
+        overrides=_overrides(args),
+        conntrack_paths=conntrack_sysctl.ConntrackPaths(
+            args.conntrack_sysctl_dir, args.conntrack_hashsize_file
+        ),
+        backend_for=backend_for(paths),
+        node_state_interval=args.node_state_period or None,
+        # Make-before-break: the other modes' rules stay until this agent's own are in.
+        leftovers_of=leftovers_for(client, args.node_name),
+        companions=[preflight.report],
+    )
 
 
 async def _run_until_signal(agent: Agent) -> None:
@@ -417,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.mode == "ipvs":
         log.warning("mode ipvs is deprecated upstream (KEP-5495): plan the move to nftables")
     try:
-        module: Any = backends.load(settings.mode)
+        mode = backends.load(settings.mode)
     except KeyError as exc:
         print(f"proxy-agent: {exc.args[0]}", file=sys.stderr)
         return 2
@@ -426,23 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     except KubeconfigError as exc:
         print(f"proxy-agent: credentials: {exc}", file=sys.stderr)
         return 2
-    paths = NodePaths(route_localnet=args.route_localnet_file)
-    agent = Agent(
-        settings,
-        args.node_name,
-        Client(creds, user_agent="kpx-agent", watch_idle_timeout=args.watch_idle_timeout),
-        module.create(settings.proxy, paths),
-        config_path=args.config,
-        overrides=_overrides(args),
-        conntrack_paths=conntrack_sysctl.ConntrackPaths(
-            args.conntrack_sysctl_dir, args.conntrack_hashsize_file
-        ),
-        backend_for=backend_for(paths),
-        node_state_interval=args.node_state_period or None,
-    )
-    # Make-before-break: the other modes' rules stay until this agent's own are in.
-    leftover_removal(agent)
-    agent.companions.append(lambda: preflight.report(agent.report_event))
+    client = Client(creds, user_agent="kpx-agent", watch_idle_timeout=args.watch_idle_timeout)
+    agent = build_agent(settings, mode, args, client)
     # Tens of thousands of long-lived objects arrive at start: with the default thresholds the
     # cyclic collector rescans them over and over (measured: decode 0.87 s -> 0.12 s at 10k).
     gc.set_threshold(100_000, 50, 100)

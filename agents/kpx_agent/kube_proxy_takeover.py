@@ -148,11 +148,10 @@ def remove_ipvs_leftovers() -> None:
     """IPVS virtual servers and kube-ipvs0 (kube-proxy's ipvs mode owns every virtual server
     outside its excludeCIDRs and binds their addresses to kube-ipvs0): the ipvs backend's full
     cleanup, as `proxy-agent cleanup --mode ipvs`. Only this path removes them; another kpx
-    mode's cleanup leaves them (ipvs_cleanup.py)."""
+    mode's agent removes only what a kpx ipvs agent made (the ipvs mode's `remove_leftovers`)."""
     from .backends import load
 
-    module: Any = load("ipvs")
-    module.cleanup()
+    load("ipvs").cleanup()
 
 
 def kube_proxy_ipvs_mode_here() -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from kpx_api.proxysettings import NamespaceOptOut
 
 from . import conntrack
-from .backends.base import Backend, BackendError, CheckUnsupported, DriftCheck
+from .backends.base import Backend, BackendError, CheckUnsupported
 from .cluster_state import ClusterState, Key
 from .conntrack import FlowFilter, stale_flows
 from .external_ips import APISERVER_SERVICE, ExternalIPPolicy, apiserver_addresses
@@ -92,6 +92,9 @@ class Proxier:
     node_name: str
     optout: NamespaceOptOut
     metrics: AgentMetrics
+    # The settings the node-local model and the backend program with (the agent's, replaced
+    # by `reconfigure` on a live change and by a rollback).
+    settings: ProxySettings
     local: NodeLocalState = field(init=False)
     excluded: frozenset[str] = field(default=frozenset(), init=False)
     _ports_of: dict[Key, list[ServicePortKey]] = field(default_factory=dict, init=False)
@@ -104,7 +107,7 @@ class Proxier:
     # Why the next sync must be a full one (empty: a partial sync will do). The only record
     # of it: backends do a full sync exactly when asked to (`changed` None).
     _full_reasons: list[str] = field(default_factory=lambda: ["first sync"], init=False)
-    # The settings the node facts were computed with (the backend's, replaced on reload).
+    # The settings the node facts were computed with.
     _settings: ProxySettings | None = field(default=None, init=False)
     # UDP ports changed since the last successful sync: their state before, for conntrack.
     _udp_before: dict[ServicePortKey, ServicePort | None] = field(default_factory=dict, init=False)
@@ -145,10 +148,17 @@ class Proxier:
         self._full_reasons.append(reason)
         self.state.touch_all()
 
+    def reconfigure(self, settings: ProxySettings) -> None:
+        """A live configuration change: the model and the backend use `settings` from the next
+        sync on, a full one."""
+        self.settings = settings
+        self.backend.reconfigure(settings)
+        self.request_full_sync()
+
     def _refresh_facts(self) -> None:
         """Recompute the node facts the backends render (NodePort networks, local detection)
         from the settings and the node; a change is a reason for a full sync."""
-        settings = self.backend.settings
+        settings = self.settings
         if settings != self._settings:
             if self._settings is not None:
                 self._full_reasons.append("settings changed")
@@ -184,7 +194,7 @@ class Proxier:
         """Recompute the externalIPs policy (settings, this node's addresses, the apiserver's
         endpoints); when it changed, the Services with externalIPs to recompute."""
         policy = ExternalIPPolicy(
-            allowed=self.backend.settings.external_ip_networks,
+            allowed=self.settings.external_ip_networks,
             node_addresses=frozenset(self.local.node.addresses),
             apiserver_addresses=apiserver_addresses(self.state.slices_of(APISERVER_SERVICE)),
         )
@@ -369,11 +379,9 @@ class Proxier:
         self.metrics.synced(full, duration, now)
         self.metrics.services.set(len(self.local.services))
         self._observe_programming(pending, now)
-        rule_counts = getattr(self.backend, "rule_counts", None)
-        if rule_counts is not None:
-            for (family, table), (total, last) in rule_counts().items():
-                self.metrics.iptables_rules.labels(table, FAMILY_LABELS[family]).set(total)
-                self.metrics.iptables_rules_last.labels(table, FAMILY_LABELS[family]).set(last)
+        for (family, table), (total, last) in self.backend.rule_counts().items():
+            self.metrics.iptables_rules.labels(table, FAMILY_LABELS[family]).set(total)
+            self.metrics.iptables_rules_last.labels(table, FAMILY_LABELS[family]).set(last)
         return SyncOutcome(True, full, len(changed), duration)
 
     def _observe_programming(self, pending: PendingSync, now: float) -> None:
@@ -464,14 +472,12 @@ class Proxier:
         element, a flushed chain, another process's edit), or a forced full sync is due (every
         FULL_SYNC_PERIOD, jittered, as upstream's hourly one). Touches the backend only, not
         the cluster state: may run in a worker thread, between syncs."""
-        programmed = getattr(self.backend, "programmed", None)
-        if programmed is not None and not programmed():
+        if not self.backend.programmed():
             return [KernelFinding(GONE, "our rules are gone from the kernel")]
         found = []
-        if isinstance(self.backend, DriftCheck):
-            why = self.backend.drifted()
-            if why:
-                found.append(KernelFinding(DRIFT, why))
+        why = self.backend.drifted()
+        if why:
+            found.append(KernelFinding(DRIFT, why))
         now = self.clock()
         if self._full_sync_due is None:
             self._full_sync_due = now + full_sync_interval(self.rand())

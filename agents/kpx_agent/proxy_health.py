@@ -63,7 +63,12 @@ def health_timeout(sync_period: float) -> float:
 class ProxyHealth:
     """When the agent counts as healthy; see the module docstring."""
 
-    def __init__(self, timeout: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        timeout: float,
+        clock: Callable[[], float] = time.time,
+        leftovers_pending: Callable[[], str] = lambda: "",
+    ) -> None:
         self.timeout = timeout
         self.clock = clock
         # As upstream's sync loop does at its start: a first update that never succeeds
@@ -74,7 +79,7 @@ class ProxyHealth:
         self.first_sync_verified = False
         #: Why the old mode's rules are not removed yet ("" once they are, or none to wait for;
         #: the agent's leftover removal tells).
-        self.leftovers_pending: Callable[[], str] = lambda: ""
+        self.leftovers_pending = leftovers_pending
         #: The rollback's reason once the agent went back to the mode before a switch.
         self.rolled_back = ""
         #: What is wrong with each dead watch (none: every watch is running); the agent's.

@@ -28,20 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kpx_api.constants import LEFTOVERS_DRAINING, LEFTOVERS_REMOVED, OTHER_MODE_RULES
 
+from .backends.base import Draining, Handover, Mode
+
 log = logging.getLogger(__name__)
-
-
-class Draining(Exception):
-    """Raised by a removal that did what it could and waits for connections through the rest
-    to end (kpx's IPVS virtual servers): not a failure; tried again every `drain_poll` s.
-    The old rules no longer take new connections then, so it does not hold readiness."""
 
 
 #: (event type "Normal"/"Warning", reason, message): an Event about the agent's Pod.
@@ -261,22 +257,18 @@ class LeftoverRemoval:
 def other_mode_leftovers(
     mode: str,
     modes: Iterable[str],
-    load: Callable[[str], object],
-    removers: Mapping[str, Callable[[], None]] | None = None,
+    load: Callable[[str], Mode],
+    handover: Handover,
 ) -> list[Leftover]:
     """The rules of every kpx mode but `mode` (a mode switch leaves the old mode's behind):
-    each removed by `removers[other]` when given (ipvs: only what a kpx agent made, not
-    upstream kube-proxy's virtual servers), else by that backend's public `cleanup()`. Each
-    removal is reported as an Event LeftoversRemoved ("removed the rules of kpx mode M")."""
+    each removed by that mode's `remove_leftovers(handover)` (ipvs: only what a kpx agent
+    made, not upstream kube-proxy's virtual servers; the others: their full cleanup), its
+    code loaded only then. Each removal is reported as an Event LeftoversRemoved ("removed
+    the rules of kpx mode M")."""
 
     def remover(other: str) -> Callable[[], None]:
-        if removers and other in removers:
-            return removers[other]
-
         def remove() -> None:
-            module: object = load(other)
-            cleanup: Callable[[], None] = getattr(module, "cleanup")  # noqa: B009
-            cleanup()
+            load(other).remove_leftovers(handover)
 
         return remove
 

@@ -86,7 +86,7 @@ def _matrix_case(name: str, world: dict[str, Any]) -> tuple[ProxySettings, Any]:
 
 def main() -> None:
     mode, node_name, node_ip = sys.argv[1:4]
-    module: Any = backends.load(mode)
+    module = backends.load(mode)
     backend = None
     node = NodeInfo(node_name, (IP.of(node_ip),))
     for line in sys.stdin:
@@ -99,13 +99,13 @@ def main() -> None:
                 settings, state = _matrix_case(step["case"], step["world"])
                 if backend is None:
                     backend = module.create(settings)
-                backend.settings = settings
+                backend.reconfigure(settings)
                 backend.sync(state, None)
             if "services" in step:
                 settings = _settings(step.get("settings", {}))
                 if backend is None:
                     backend = module.create(settings)
-                backend.settings = settings
+                backend.reconfigure(settings)
                 ports = [_port(p) for p in step["services"]]
                 changed = step.get("changed")
                 state = local_state(node, settings, ports)

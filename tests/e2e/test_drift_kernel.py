@@ -59,7 +59,8 @@ state.upsert(SERVICES, service("sticky", "10.96.0.14", "fd00:96::14", sessionAff
 for name in ("web", "sticky"):
     state.upsert(SLICES, slice_(name, "IPv4", "10.244.1.2", "10.244.2.2"))
     state.upsert(SLICES, slice_(name, "IPv6", "fd00:244:1::2"))
-proxier = Proxier(state, Backend(ProxySettings()), "n1", NamespaceOptOut(), AgentMetrics())
+settings = ProxySettings()
+proxier = Proxier(state, Backend(settings), "n1", NamespaceOptOut(), AgentMetrics(), settings)
 proxier.delete_flows = lambda flows: 0
 assert proxier.sync().full
 def check():

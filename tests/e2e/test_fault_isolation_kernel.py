@@ -157,7 +157,8 @@ state = ClusterState()
 for kind in (SERVICES, SLICES, NAMESPACES, NODES):
     state.replace(kind, [])
 settings = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))
-proxier = Proxier(state, NftablesBackend(settings), "n1", NamespaceOptOut(), AgentMetrics())
+backend = NftablesBackend(settings)
+proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), settings)
 proxier.delete_flows = lambda flows: 0
 state.upsert(SERVICES, service("a", "10.96.0.60"))
 state.upsert(SLICES, slice_of("a"))

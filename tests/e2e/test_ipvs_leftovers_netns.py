@@ -26,7 +26,8 @@ import json, subprocess, sys
 from kpx_agent.backends.ipvs import kernel
 from kpx_agent.backends.ipvs.model import VirtualKey, plan_port
 from kpx_agent.backends.ipvs.ruleset import base_table
-from kpx_agent.ipvs_cleanup import remove_kpx_ipvs_leftovers
+from kpx_agent.backends.ipvs.leftover_removal import remove_kpx_ipvs_leftovers
+from kpx_agent.kube_proxy_takeover import kube_proxy_ipvs_mode_here
 from kpx_agent.localnet import *
 
 kpx, kube_proxy, busy = json.loads(sys.argv[1])
@@ -92,13 +93,13 @@ kpx_servers = sorted(f"{k.protocol}/{k.address}:{k.port}" for k in servers
 fake = RecordingIpvs()
 draining = None
 try:
-    remove_kpx_ipvs_leftovers(open_ipvs=lambda: fake)
+    remove_kpx_ipvs_leftovers((), kube_proxy_ipvs_mode_here, open_ipvs=lambda: fake)
 except Draining as exc:  # connections through one: the rest goes, it stays (with the mark)
     links, tables = seen()
     draining = {"why": str(exc), "deleted": sorted(f"{k.address}:{k.port}" for k in fake.deleted),
                 "dummy": "kube-ipvs0" in links, "kpx_table": "kpx-ipvs" in tables}
     state["drained"] = True  # they ended: the next try takes the rest
-    remove_kpx_ipvs_leftovers(open_ipvs=lambda: fake)
+    remove_kpx_ipvs_leftovers((), kube_proxy_ipvs_mode_here, open_ipvs=lambda: fake)
 links, tables = seen()
 print(json.dumps({
     "draining": draining,

@@ -45,7 +45,7 @@ What it asserts, and why not more:
   reset by the endpoint during its node's IPVS removal). So the new agent drains: it removes
   at once the virtual servers IPVS has no established connection through, keeps the others
   (with kube-ipvs0 and the `kpx-ipvs` table) and tries again every 15 s until those ended
-  (ipvs_leftovers.draining; Event LeftoversDraining). Once the load stops (its held
+  (backends/ipvs/leftovers.py, draining; Event LeftoversDraining). Once the load stops (its held
   connections close) the drain ends; the test waits for it.
 """
 

@@ -10,6 +10,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kpx_agent import settings as settings_mod
+from kpx_agent.backends.base import Backend
+from kpx_agent.localnet import ProxySettings
 from kpx_agent.proxy_health import ProxyHealth
 from kpx_agent.rollback import ERROR_LIMIT, rollback_due, rolled_back_message, seconds_left
 from kpx_agent.settings import RollbackSettings
@@ -159,10 +161,13 @@ def test_no_rollback_block_names_a_mode_without_a_kernel_backend(mode: str) -> N
         )
 
 
-class _Backend:
-    def __init__(self, mode: str, settings: object) -> None:
+class _Backend(Backend):
+    def __init__(self, mode: str, settings: ProxySettings) -> None:
         self.mode, self.settings = mode, settings
         self.syncs = 0
+
+    def reconfigure(self, settings: ProxySettings) -> None:
+        self.settings = settings
 
     def sync(self, state: object, changed: object) -> None:
         self.syncs += 1
@@ -199,10 +204,12 @@ def test_the_agent_rolls_back_in_process_and_keeps_the_old_modes_settings_live(
         _Backend("nftables", settings.proxy),  # type: ignore[arg-type]
         config_path=path,
         backend_for=backend_for,
+        leftovers_of=lambda s: [
+            Leftover(m, f"the rules of kpx mode {m}", lambda: None)
+            for m in ("nftables", "iptables")
+            if m != s.mode
+        ],
     )  # type: ignore[arg-type]
-    agent.leftovers_of = lambda s: [Leftover(m, f"the rules of kpx mode {m}", lambda: None)
-                                    for m in ("nftables", "iptables") if m != s.mode]  # fmt: skip
-    agent.leftover_removal = LeftoverRemoval(agent.leftovers_of(settings), agent.metrics.registry)
     # During the switch the old mode's rules hold readiness.
     assert agent.switching_from() == {"iptables"}
 
@@ -226,6 +233,7 @@ def test_the_agent_rolls_back_in_process_and_keeps_the_old_modes_settings_live(
     asyncio.run(scenario())
     assert [b.mode for b in made] == ["iptables"]
     assert agent.backend is made[0] and agent.proxier.backend is made[0]
+    assert agent.proxier.settings is made[0].settings  # the model's settings: the new mode's
     assert agent.settings.mode == "iptables" and agent.settings.proxy.masquerade_bit == 9
     assert agent.rolled_back == (
         "nftables never synced within 10s: nft: Operation not permitted; serving with iptables "
@@ -250,6 +258,7 @@ def test_the_agent_rolls_back_in_process_and_keeps_the_old_modes_settings_live(
     path.write_text("mode: iptables\niptables: {masqueradeBit: 12}\n")
     assert agent.reload_config()
     assert made[0].settings.masquerade_bit == 12  # type: ignore[attr-defined]
+    assert agent.proxier.settings == made[0].settings  # the model and the backend are told
 
 
 def test_a_table_owned_by_a_running_process_is_told_from_kpxs_own() -> None:

@@ -11,6 +11,7 @@ from ipt_fake import FakeIptables
 from nft_fake import FakeNftables
 from semantics import TCP, WORLD, Outcome, Packet
 
+from kpx_agent.backends.base import Backend
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
@@ -72,7 +73,7 @@ def proxier_with(backend: Any) -> tuple[ClusterState, Proxier]:
     state = ClusterState()
     for kind in (SERVICES, SLICES, NAMESPACES, NODES):
         state.replace(kind, [])
-    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics())
+    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), backend.settings)
     proxier.delete_flows = lambda flows: 0
     return state, proxier
 
@@ -160,7 +161,7 @@ def test_policy(policy: ExternalIPPolicy, address: str, refused: str | None) -> 
     assert why == refused if refused is None else refused in (why or "")
 
 
-class NullBackend:
+class NullBackend(Backend):
     mode = "test"
 
     def __init__(self) -> None:
@@ -168,6 +169,12 @@ class NullBackend:
 
     def sync(self, state: object, changed: object) -> None:
         pass
+
+    def cleanup(self) -> None:
+        pass
+
+    def reconfigure(self, settings: ProxySettings) -> None:
+        self.settings = settings
 
 
 def external_ips(proxier: Proxier) -> dict[str, list[str]]:
@@ -193,7 +200,8 @@ def test_refused_addresses_are_reported_and_follow_the_node_and_the_settings() -
     assert {(p.name, p.reason) for p in problems} == {("web", EXTERNAL_IP_REFUSED)}
     assert any(NODE_IP in p.message for p in problems)
     # An allow-list holding the node's network: the list decides.
-    backend.settings = ProxySettings(external_ip_networks=(ip_network("10.242.0.0/16"),))
+    proxier.reconfigure(ProxySettings(external_ip_networks=(ip_network("10.242.0.0/16"),)))
+    assert backend.settings == proxier.settings  # the backend is told, too
     proxier.sync()
     assert external_ips(proxier)["web"] == [NODE_IP]
 

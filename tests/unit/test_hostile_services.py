@@ -129,7 +129,7 @@ def agent() -> tuple[ClusterState, FakeNftables, Proxier]:
         generation=lambda: fake.generation,
         table_digest=fake.digest,
     )
-    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics())
+    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), backend.settings)
     proxier.delete_flows = lambda filters: 0
     proxier.max_service_cost = 6  # small enough that generated Services reach it
     return state, fake, proxier

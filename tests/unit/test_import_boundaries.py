@@ -297,3 +297,257 @@ def test_the_http_client_rule_sees_what_it_must() -> None:
     controlplane = "harness/kpx_cluster/controlplane.py"
     assert http_client_imports("import urllib.request\n", controlplane) == set()
     assert http_client_imports("import aiohttp\n", controlplane) == {"aiohttp"}
+
+
+# -- the mode seam: one typed contract, nothing reaches into a mode -------------------------------
+
+AGENT = ROOT / "agents" / "kpx_agent"
+REGISTRY_FILE = BACKENDS / "__init__.py"
+#: Each mode's module (a package, or a one-file mode such as state_only.py).
+MODE_MODULES = tuple(sorted(REGISTRY.values()))
+
+
+def _module_of(path: Path, folder: str) -> str:
+    """The dotted name of the product module at `path`, under the product folder `folder`."""
+    rel = path.relative_to(ROOT / folder.split("/")[0]).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def imports_into_modes(path: Path, module: str, package: str) -> set[str]:
+    """What the module `module` (file `path`, in `package`) imports of a mode it is not part
+    of; the registry may import any."""
+    if path == REGISTRY_FILE:
+        return set()
+    return {
+        name
+        for name in imported_modules(path, package)
+        for mode in MODE_MODULES
+        if _is(name, mode) and not _is(module, mode)
+    }
+
+
+def test_only_the_registry_imports_into_a_mode() -> None:
+    """A mode's package is reached only through the registry (backends.load, typed as
+    base.Mode): no product module outside it imports its modules, so an agent in one mode
+    loads another mode's code only when it removes that mode's leftovers."""
+    offenders = {}
+    for folder in PRODUCT_FOLDERS:
+        for path in (ROOT / folder).rglob("*.py"):
+            package = ".".join(path.relative_to(ROOT / folder.split("/")[0]).parent.parts)
+            if names := imports_into_modes(path, _module_of(path, folder), package):
+                offenders[str(path.relative_to(ROOT))] = sorted(names)
+    assert not offenders, f"imports into a mode's package from outside it: {offenders}"
+    assert {"kpx_agent.backends.ipvs", "kpx_agent.backends.state_only"} <= set(MODE_MODULES)
+
+
+def test_the_into_a_mode_rule_sees_what_it_must(tmp_path: Path) -> None:
+    """The rule itself: the core importing a mode's module (any form) is refused; a mode
+    importing its own modules, the contract, or the registry importing a mode passes."""
+    core = tmp_path / "cli.py"
+    core.write_text(
+        "from .backends.ipvs.leftovers import plan\nimport kpx_agent.backends.state_only\n"
+        "from .backends import nftables\nfrom .backends.base import Mode\n"
+        "from .backends import load\n"
+    )
+    assert imports_into_modes(core, "kpx_agent.cli", "kpx_agent") == {
+        "kpx_agent.backends.ipvs.leftovers",
+        "kpx_agent.backends.ipvs.leftovers.plan",
+        "kpx_agent.backends.state_only",
+        "kpx_agent.backends.nftables",
+    }
+    own = tmp_path / "leftovers.py"
+    own.write_text("from .model import VirtualKey\nfrom ..base import Draining\n")
+    assert (
+        imports_into_modes(own, "kpx_agent.backends.ipvs.leftovers", "kpx_agent.backends.ipvs")
+        == set()
+    )
+    assert imports_into_modes(REGISTRY_FILE, "kpx_agent.backends", "kpx_agent.backends") == set()
+
+
+def _loose(annotation: ast.expr | None) -> bool:
+    """Whether a type annotation says nothing: Any or object anywhere in it."""
+    if annotation is None:
+        return False
+    for node in ast.walk(annotation):
+        if isinstance(node, ast.Name) and node.id in ("Any", "object"):
+            return True
+        if isinstance(node, ast.Attribute) and node.attr == "Any":
+            return True
+    return False
+
+
+def _is_load(node: ast.AST) -> bool:
+    """A call of the registry's `load` (`load(...)`, `backends.load(...)`)."""
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    if isinstance(func, ast.Name):
+        return func.id == "load"
+    return (
+        isinstance(func, ast.Attribute)
+        and func.attr == "load"
+        and isinstance(func.value, ast.Name)
+        and func.value.id == "backends"
+    )
+
+
+def _loose_signatures(node: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """Any or object in a parameter `load` or named for a backend; in a function named for a
+    backend (and the functions inside it), anywhere in the signature."""
+    named = "backend" in node.name.lower()
+    functions = [
+        fn for fn in ast.walk(node) if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef)
+    ]
+    found = []
+    for fn in functions if named else [node]:
+        for arg in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]:
+            seam = named or arg.arg == "load" or "backend" in arg.arg.lower()
+            if seam and arg.annotation is not None and _loose(arg.annotation):
+                found.append(
+                    f"line {arg.lineno}: {fn.name}({arg.arg}: {ast.unparse(arg.annotation)})"
+                )
+        if named and fn.returns is not None and _loose(fn.returns):
+            found.append(f"line {fn.lineno}: {fn.name} -> {ast.unparse(fn.returns)}")
+    return found
+
+
+def seam_violations(source: str) -> list[str]:
+    """Where a core module (of the agent, outside the mode packages) leaves the typed mode
+    seam: a capability probe (getattr, hasattr, isinstance) on a backend or a loaded mode,
+    or Any/object where a loaded mode or a backend is typed (a variable bound to `load(...)`
+    or named for a backend, a parameter `load` or named for a backend, anything in a
+    function named for a backend)."""
+    tree = ast.parse(source)
+    loaded = {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        and node.value is not None
+        and _is_load(node.value)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name)
+    }
+
+    def seam(expr: ast.expr) -> bool:
+        named = isinstance(expr, ast.Name) and expr.id in loaded
+        return "backend" in ast.unparse(expr).lower() or _is_load(expr) or named
+
+    def probe(node: ast.AST) -> bool:
+        return (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "isinstance")
+            and bool(node.args)
+            and seam(node.args[0])
+        )
+
+    def loose_binding(node: ast.AST) -> bool:
+        if not isinstance(node, ast.AnnAssign) or not _loose(node.annotation):
+            return False
+        return seam(node.target) or (node.value is not None and _is_load(node.value))
+
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if probe(node) or loose_binding(node):
+            found.append(f"line {getattr(node, 'lineno', '?')}: {ast.unparse(node)}")
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            found += _loose_signatures(node)
+    return sorted(set(found))
+
+
+def _core_modules() -> list[Path]:
+    """The agent's modules outside the mode packages (the registry and the contract too)."""
+    return [
+        p
+        for p in AGENT.rglob("*.py")
+        if not any(_is(_module_of(p, "agents/kpx_agent"), m) for m in MODE_MODULES)
+    ]
+
+
+def test_the_mode_seam_is_typed() -> None:
+    """The registry's `load` returns base.Mode (not object or Any), and no core module probes
+    a backend or a mode for a capability or types one loosely: every capability the core uses
+    is a method of base.Backend (with a default), every mode is a base.Mode."""
+    registry = ast.parse(REGISTRY_FILE.read_text())
+    [load] = [n for n in registry.body if isinstance(n, ast.FunctionDef) and n.name == "load"]
+    assert load.returns is not None and ast.unparse(load.returns) == "Mode"
+    paths = _core_modules()
+    assert {"agent.py", "proxier.py", "cli.py", "takeover.py"} <= {p.name for p in paths}
+    assert not any("ipvs" in p.parts for p in paths)
+    offenders = {
+        str(p.relative_to(ROOT)): found for p in paths if (found := seam_violations(p.read_text()))
+    }
+    assert not offenders, f"Any, object or a capability probe on the mode seam: {offenders}"
+
+
+def test_the_seam_rule_sees_what_it_must() -> None:
+    """The rule itself, on what the core did before the seam was typed (each is found), and
+    on the typed forms (none is)."""
+    before = (
+        "def cleanup(args):\n"
+        "    module: Any = backends.load(args.mode)\n"  # 2
+        "    module.cleanup()\n"
+        "def remover(other, load: Callable[[str], object]):\n"  # 4
+        "    module: object = load(other)\n"  # 5
+        "    cleanup = getattr(module, 'cleanup')\n"  # 6
+        "def backend_for(paths) -> Callable[[AgentSettings], Any]:\n"  # 7
+        "    def create(settings: AgentSettings) -> Any:\n"  # 8
+        "        return backends.load(settings.mode).create(settings.proxy, paths)\n"
+        "    return create\n"
+        "class Proxier:\n"
+        "    def check(self):\n"
+        "        programmed = getattr(self.backend, 'programmed', None)\n"  # 13
+        "        if isinstance(self.backend, DriftCheck):\n"  # 14
+        "            pass\n"
+        "        if hasattr(load('ipvs'), 'remove'):\n"  # 16
+        "            pass\n"
+        "def run(backend: typing.Any) -> None:\n"  # 18
+        "    pass\n"
+    )
+    lines = [v.split(":")[0] for v in seam_violations(before)]
+    assert lines == sorted(f"line {n}" for n in (2, 4, 5, 6, 7, 8, 13, 14, 16, 18)), lines
+    after = (
+        "def cleanup(args):\n"
+        "    backends.load(args.mode).cleanup()\n"
+        "def remover(other, load: Callable[[str], Mode]):\n"
+        "    load(other).remove_leftovers(handover)\n"
+        "def backend_for(paths) -> Callable[[AgentSettings], Backend]:\n"
+        "    def create(settings: AgentSettings) -> Backend:\n"
+        "        return backends.load(settings.mode).create(settings.proxy, paths)\n"
+        "    return create\n"
+        "def check(self, overrides: dict[str, Any]):\n"
+        "    if not self.backend.programmed() or isinstance(exc, BackendError):\n"
+        "        value = getattr(block, 'masquerade_bit', 14)\n"
+    )
+    assert seam_violations(after) == []
+
+
+@pytest.mark.parametrize("mode", ["nftables", "iptables", "ipvs"])
+def test_an_agent_built_as_the_cli_builds_it_loads_no_other_modes_code(mode: str) -> None:
+    """cli.build_agent for `mode`, in a fresh interpreter: of the mode packages, only that
+    mode's modules are imported (an nftables agent loads no ipvs code), although the agent's
+    leftover removal lists every other mode (their code is loaded only to remove them)."""
+    script = f"""
+import ssl, sys
+from kpx_agent import cli, settings as settings_mod
+from kpx_agent.backends import load
+from kpx_kube import Client, Credentials
+args = cli._run_parser().parse_args(["--mode", {mode!r}, "--node-name", "n1"])
+settings = settings_mod.resolve(settings_mod.load({mode!r}, None, cli._overrides(args)))
+client = Client(Credentials("https://127.0.0.1:1", ssl.create_default_context()))
+agent = cli.build_agent(settings, load(settings.mode), args, client)
+assert agent.backend.mode == {mode!r}, agent.backend.mode
+print(",".join(sorted(agent.leftover_removal.pending)))
+print(",".join(sorted(m for m in sys.modules if m.startswith("kpx_agent.backends."))))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    pending, modules = (line.split(",") for line in done.stdout.splitlines())
+    assert set(pending) == set(REGISTRY) - {mode}
+    own = f"kpx_agent.backends.{mode}"
+    assert own in modules and f"{own}.backend" in modules  # the check sees a loaded mode
+    others = [m for m in modules for o in MODE_MODULES if _is(m, o) and o != own]
+    assert not others, f"an agent of mode {mode} imported {others}"

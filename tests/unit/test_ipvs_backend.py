@@ -348,8 +348,9 @@ def test_a_full_sync_removes_strangers_but_not_excluded_ones(fake: FakeIpvs) -> 
 def test_a_scheduler_change_resyncs_every_virtual_server(fake: FakeIpvs) -> None:
     b = backend_for(fake)
     b.sync(state(web(E1)), None)
-    b.settings = ProxySettings(cluster_cidrs=SETTINGS.cluster_cidrs,
-                               ipvs=IPVSOptions(scheduler="lc"))  # fmt: skip
+    b.reconfigure(
+        ProxySettings(cluster_cidrs=SETTINGS.cluster_cidrs, ipvs=IPVSOptions(scheduler="lc"))
+    )
     b.sync(state(web(E1)), [])  # the agent asks for a delta; new settings force a full sync
     assert {vs.scheduler for vs in fake.services.values()} == {"lc"}
 
@@ -363,7 +364,7 @@ def test_the_backend_module_is_registered_and_gated() -> None:
     from kpx_api.modes import MODES_WITH_BACKEND, Mode
 
     assert Mode.IPVS in MODES_WITH_BACKEND
-    module: Any = backends.load("ipvs")
+    module = backends.load("ipvs")
     assert module.create(SETTINGS).mode == "ipvs"
     assert backend_mod.cleanup is module.cleanup
 

@@ -1,4 +1,4 @@
-"""ipvs_leftovers.py: another kpx mode's agent removes only the IPVS state a kpx ipvs agent
+"""backends/ipvs/leftovers.py: another kpx mode's agent removes only the IPVS state a kpx ipvs agent
 made; upstream kube-proxy's virtual servers and kube-ipvs0 (and anyone else's) stay, for the
 takeover path."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from ipaddress import ip_network
 
+from kpx_agent.backends.ipvs.leftovers import KpxMarks, draining, parse_marks, plan_cleanup
 from kpx_agent.backends.ipvs.model import VirtualKey, plan_port
-from kpx_agent.ipvs_leftovers import KpxMarks, draining, parse_marks, plan_cleanup
 from kpx_agent.kube_proxy_leftovers import ipvs_mode_chains
 from kpx_agent.localnet import (
     IP,

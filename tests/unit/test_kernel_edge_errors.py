@@ -61,7 +61,9 @@ def test_the_proxier_turns_it_into_a_failed_sync(monkeypatch: pytest.MonkeyPatch
         state.replace(kind, [])
     spec = {"clusterIPs": ["10.96.0.10"], "ports": [{"port": 80}]}
     state.upsert(SERVICES, {"metadata": {"namespace": "d", "name": "a"}, "spec": spec})
-    proxier = Proxier(state, NftablesBackend(SETTINGS), "n1", NamespaceOptOut(), AgentMetrics())
+    proxier = Proxier(
+        state, NftablesBackend(SETTINGS), "n1", NamespaceOptOut(), AgentMetrics(), SETTINGS
+    )
     monkeypatch.setattr(subprocess, "Popen", cannot_spawn)
     monkeypatch.setattr(subprocess, "run", cannot_spawn)
     outcome = proxier.sync()

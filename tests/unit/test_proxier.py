@@ -29,7 +29,6 @@ class RecordingBackend(Backend):
     mode = "test"
 
     def __init__(self) -> None:
-        self.settings = ProxySettings()
         self.calls: list[tuple[set[str], bool]] = []
         self.fail_next = False
 
@@ -41,6 +40,9 @@ class RecordingBackend(Backend):
         self.calls.append((keys, changed is None))
 
     def cleanup(self) -> None:
+        pass
+
+    def reconfigure(self, settings: ProxySettings) -> None:
         pass
 
 
@@ -72,7 +74,7 @@ def setup() -> tuple[ClusterState, RecordingBackend, Proxier, list[FlowFilter]]:
         flows.extend(filters)
         return 0
 
-    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics())
+    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), ProxySettings())
     proxier.delete_flows = record
     return state, backend, proxier, flows
 
@@ -216,7 +218,7 @@ def node_setup(
 ) -> tuple[ClusterState, RecordingBackend, Proxier, list[str]]:
     state, backend, proxier, _ = setup()
     if detect is not None:
-        backend.settings = ProxySettings(detect_local=detect)
+        proxier.settings = ProxySettings(detect_local=detect)
     state.upsert(NODES, node())
     for name in ("web", "api"):
         state.upsert(SERVICES, service("a", name))
@@ -311,7 +313,7 @@ def test_pod_cidr_change_costs_nothing_where_detect_local_does_not_use_it(
 def test_settings_change_is_a_full_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     """The proxier, not the backend, notices new settings (one place decides a full sync)."""
     state, backend, proxier, _ = node_setup(monkeypatch)
-    backend.settings = ProxySettings(masquerade_all=True)
+    proxier.settings = ProxySettings(masquerade_all=True)
     state.touch_all()
     assert proxier.sync().full and backend.calls[-1][1] is True
     assert not proxier.sync().full
@@ -355,7 +357,7 @@ def test_queued_hook_runs_for_every_recorded_change() -> None:
 
 
 class DriftingBackend(RecordingBackend):
-    """A backend with the drift check (backends.base.DriftCheck): says what `drift` holds."""
+    """A backend with a drift check (Backend.drifted): says what `drift` holds."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -370,7 +372,7 @@ def test_drift_found_at_the_periodic_check_makes_the_next_sync_full() -> None:
     for kind in (SERVICES, SLICES, NAMESPACES, NODES):
         state.replace(kind, [])
     backend = DriftingBackend()
-    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics())
+    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), ProxySettings())
     state.upsert(SERVICES, service("a", "web"))
     proxier.sync()
     assert proxier.check_kernel() == []

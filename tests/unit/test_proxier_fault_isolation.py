@@ -61,7 +61,7 @@ def setup() -> tuple[ClusterState, WatchedKernel, Proxier]:
         present_families=fake.present_families,
         load_elements=fake.load_elements,
     )
-    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics())
+    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), backend.settings)
     proxier.delete_flows = lambda filters: 0
     return state, fake, proxier
 
@@ -176,7 +176,7 @@ def iptables_setup() -> tuple[ClusterState, FakeIptables, Proxier]:
         ensure_sysctl=lambda path, value: None,
         check_restore=fake.restore_test,
     )
-    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics())
+    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), backend.settings)
     proxier.delete_flows = lambda filters: 0
     return state, fake, proxier
 

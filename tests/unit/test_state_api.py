@@ -608,9 +608,9 @@ def test_the_proxier_publishes_after_a_successful_sync_only() -> None:
     for kind in (SERVICES, SLICES, NAMESPACES, NODES):
         cluster.replace(kind, [])
     backend = state_only.create(ProxySettings())
-    proxier = Proxier(cluster, backend, "n1", NamespaceOptOut(), AgentMetrics())
+    proxier = Proxier(cluster, backend, "n1", NamespaceOptOut(), AgentMetrics(), backend.settings)
     pub = Publisher()
-    proxier.on_synced = lambda local, changed: pub.publish(local, backend.settings, changed)
+    proxier.on_synced = lambda local, changed: pub.publish(local, proxier.settings, changed)
     proxier.delete_flows = lambda filters: 0
     assert proxier.sync().ok and pub.revision == 1  # the first (empty) state
     svc = {
@@ -724,9 +724,9 @@ def _proxier_on(backend: Any) -> tuple[Any, Any, Publisher]:
     cluster = ClusterState()
     for kind in (SERVICES, SLICES, NAMESPACES, NODES):
         cluster.replace(kind, [])
-    proxier = Proxier(cluster, backend, "n1", NamespaceOptOut(), AgentMetrics())
+    proxier = Proxier(cluster, backend, "n1", NamespaceOptOut(), AgentMetrics(), backend.settings)
     pub = Publisher()
-    proxier.on_synced = lambda local, changed: pub.publish(local, backend.settings, changed)
+    proxier.on_synced = lambda local, changed: pub.publish(local, proxier.settings, changed)
     proxier.delete_flows = lambda filters: 0
     return cluster, proxier, pub
 

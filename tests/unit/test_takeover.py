@@ -4,12 +4,13 @@ counted and retried without stopping anything; a precondition holds a removal ba
 from __future__ import annotations
 
 import asyncio
+import ssl
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from kpx_agent.backends.base import Backend, Handover, NodePaths
 from kpx_agent.localnet import ProxySettings
-from kpx_agent.proxy_health import ProxyHealth
 from kpx_agent.takeover import Draining, Leftover, LeftoverRemoval, other_mode_leftovers
 
 
@@ -17,21 +18,69 @@ def sample(registry: CollectorRegistry, name: str, leftovers: str) -> float | No
     return registry.get_sample_value(name, {"leftovers": leftovers})
 
 
-def test_other_mode_leftovers_are_every_mode_but_ours() -> None:
-    calls: list[str] = []
+class StubMode:
+    """A mode's module (backends.base.Mode) that records what it is asked."""
 
-    class Module:
-        def __init__(self, mode: str) -> None:
-            self.mode = mode
+    def __init__(self, mode: str, calls: list[tuple[str, Handover]]) -> None:
+        self.mode, self.calls = mode, calls
 
-        def cleanup(self) -> None:
-            calls.append(self.mode)
+    def create(self, settings: ProxySettings, paths: NodePaths | None = None) -> Backend:
+        raise AssertionError("a leftover removal creates no backend")
 
-    leftovers = other_mode_leftovers("nftables", ["nftables", "iptables", "ipvs"], Module)
-    assert [x.name for x in leftovers] == ["iptables", "ipvs"]
+    def cleanup(self) -> None:
+        raise AssertionError("another mode's agent removes only leftovers, not everything")
+
+    def remove_leftovers(self, handover: Handover) -> None:
+        self.calls.append((self.mode, handover))
+
+
+def test_other_mode_leftovers_are_every_mode_but_ours_loaded_only_to_remove() -> None:
+    """Each other mode's own `remove_leftovers`, with this agent's handover; a mode's code is
+    loaded only when its leftovers are removed, not when the list is made."""
+    calls: list[tuple[str, Handover]] = []
+    loaded: list[str] = []
+
+    def load(mode: str) -> StubMode:
+        loaded.append(mode)
+        return StubMode(mode, calls)
+
+    handover = Handover(ProxySettings(), lambda: False)
+    leftovers = other_mode_leftovers("nftables", ["nftables", "iptables", "ipvs"], load, handover)
+    assert [x.name for x in leftovers] == ["iptables", "ipvs"] and loaded == []
     for leftover in leftovers:
         leftover.remove()
-    assert calls == ["iptables", "ipvs"]
+    assert loaded == ["iptables", "ipvs"]
+    assert calls == [("iptables", handover), ("ipvs", handover)]
+
+
+def test_the_modes_remove_their_leftovers_as_documented(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nftables and iptables: their full cleanup; ipvs: only what a kpx ipvs agent made, with
+    the removing agent's excludeCIDRs and its probe for kube-proxy's ipvs mode."""
+    from ipaddress import ip_network
+
+    import kpx_agent.backends.iptables
+    import kpx_agent.backends.ipvs
+    import kpx_agent.backends.nftables
+    from kpx_agent.backends import load
+    from kpx_agent.localnet import IPVSOptions
+
+    calls: list[object] = []
+    for module in (kpx_agent.backends.nftables, kpx_agent.backends.iptables):
+        monkeypatch.setattr(module, "cleanup", lambda m=module.__name__: calls.append(m))
+    monkeypatch.setattr(
+        kpx_agent.backends.ipvs,
+        "remove_kpx_ipvs_leftovers",
+        lambda cidrs, probe: calls.append((cidrs, probe)),
+    )
+    cidrs = (ip_network("10.0.0.0/8"),)
+
+    def probe() -> bool:
+        return False
+
+    handover = Handover(ProxySettings(ipvs=IPVSOptions(exclude_cidrs=cidrs)), probe)
+    for mode in ("nftables", "iptables", "ipvs", "external"):
+        load(mode).remove_leftovers(handover)
+    assert calls == ["kpx_agent.backends.nftables", "kpx_agent.backends.iptables", (cidrs, probe)]
 
 
 def test_nothing_is_removed_before_the_first_verified_sync() -> None:
@@ -192,32 +241,30 @@ def test_a_precondition_that_cannot_be_checked_is_retried() -> None:
 
 @pytest.mark.parametrize("takeover", [False, True])
 @pytest.mark.parametrize("mode", ["nftables", "iptables"])
-def test_the_agent_cli_wires_removal_after_the_first_sync(mode: str, takeover: bool) -> None:
-    """cli.leftover_removal: a companion of the agent that waits for its verified sync; with
-    spec.takeover.fromKubeProxy, kube-proxy's rules are one more kind, behind a precondition."""
+def test_the_agent_cli_builds_the_removal_after_the_first_sync(mode: str, takeover: bool) -> None:
+    """cli.build_agent: the agent is built with its leftover removal, a companion that waits
+    for its verified sync; with spec.takeover.fromKubeProxy, kube-proxy's rules are one more
+    kind, behind a precondition. Readiness waits for a switch's old mode only."""
+    import dataclasses
+
     from kpx_agent import cli
+    from kpx_agent import settings as settings_mod
+    from kpx_agent.backends import load
+    from kpx_kube import Client, Credentials
 
-    class FakeAgent:
-        def __init__(self) -> None:
-            self.settings = type("S", (), {"mode": mode, "takeover_from_kube_proxy": takeover,
-                                           "proxy": ProxySettings()})()  # fmt: skip
-            self.metrics = type("M", (), {"registry": CollectorRegistry()})()
-            self.first_sync_verified = asyncio.Event()
-            self.health = ProxyHealth(60.0)
-            self.leftover_removal: object = None
-            self.leftovers_of: object = None
-
-        async def report_event(self, type_: str, reason: str, message: str) -> None:
-            return None
-
-    agent = FakeAgent()
-    removal = cli.leftover_removal(agent)  # type: ignore[arg-type]
-    assert agent.leftover_removal is removal and agent.leftovers_of is not None
+    args = cli._run_parser().parse_args(["--mode", mode, "--node-name", "n1"])
+    settings = settings_mod.resolve(settings_mod.load(mode, None, cli._overrides(args)))
+    settings = dataclasses.replace(settings, takeover_from_kube_proxy=takeover)
+    client = Client(Credentials("https://127.0.0.1:1", ssl.create_default_context()))
+    agent = cli.build_agent(settings, load(mode), args, client)
+    removal = agent.leftover_removal
+    assert removal is not None and agent.leftovers_of is not None
+    assert agent.backend.mode == mode and agent.companions
     # During a switch from ipvs, not Ready until ipvs's rules are gone; the other kinds (and
     # kube-proxy's) do not count, nor anything outside a switch.
-    agent.switching_from = lambda: {"ipvs"}  # type: ignore[attr-defined]
+    agent.switching_from = lambda: {"ipvs"}  # type: ignore[method-assign]
     assert agent.health.leftovers_pending() == "the rules of kpx mode ipvs not removed yet"
-    agent.switching_from = lambda: set()  # type: ignore[attr-defined]
+    agent.switching_from = lambda: set()  # type: ignore[method-assign]
     assert agent.health.leftovers_pending() == ""
     assert mode not in removal.pending and {"iptables", "nftables", "ipvs"} - {mode} <= set(
         removal.pending
@@ -225,23 +272,6 @@ def test_the_agent_cli_wires_removal_after_the_first_sync(mode: str, takeover: b
     assert ("kube-proxy" in removal.pending) is takeover
     if takeover:
         assert removal.pending["kube-proxy"].ready is not None
-
-
-def test_other_mode_leftovers_use_a_given_remover_instead_of_the_full_cleanup() -> None:
-    calls: list[str] = []
-
-    class Module:
-        def __init__(self, mode: str) -> None:
-            self.mode = mode
-
-        def cleanup(self) -> None:
-            calls.append(f"cleanup {self.mode}")
-
-    removers = {"ipvs": lambda: calls.append("kpx's ipvs state only")}
-    for leftover in other_mode_leftovers("nftables", ["nftables", "iptables", "ipvs"], Module,
-                                         removers):  # fmt: skip
-        leftover.remove()
-    assert calls == ["cleanup iptables", "kpx's ipvs state only"]
 
 
 def test_removing_another_modes_rules_is_reported_naming_the_mode() -> None:
@@ -255,8 +285,12 @@ def test_removing_another_modes_rules_is_reported_naming_the_mode() -> None:
     async def scenario() -> None:
         verified = asyncio.Event()
         verified.set()
-        leftovers = other_mode_leftovers("nftables", ["nftables", "iptables"], lambda m: None,
-                                         {"iptables": lambda: None})  # fmt: skip
+        leftovers = other_mode_leftovers(
+            "nftables",
+            ["nftables", "iptables"],
+            lambda m: StubMode(m, []),
+            Handover(ProxySettings(), lambda: False),
+        )
         await asyncio.wait_for(LeftoverRemoval(leftovers, registry, report).run(verified), 2)
 
     asyncio.run(scenario())

@@ -58,7 +58,7 @@ def endpoints(ns: str, svc: str, ip: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-class NullBackend:
+class NullBackend(Backend):
     mode = "test"
 
     def __init__(self) -> None:
@@ -70,12 +70,16 @@ class NullBackend:
     def cleanup(self) -> None:
         pass
 
+    def reconfigure(self, settings: ProxySettings) -> None:
+        self.settings = settings
 
-def proxier_with(backend: Backend | NullBackend) -> tuple[ClusterState, Proxier]:
+
+def proxier_with(backend: Backend) -> tuple[ClusterState, Proxier]:
     state = ClusterState()
     for kind in (SERVICES, SLICES, NAMESPACES, NODES):
         state.replace(kind, [])
-    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics())  # type: ignore[arg-type]
+    settings = backend.settings  # type: ignore[attr-defined]  # each test backend's own
+    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), settings)
     proxier.delete_flows = lambda flows: 0
     return state, proxier
 

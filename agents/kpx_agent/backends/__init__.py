@@ -1,7 +1,11 @@
 """Dataplane backends. Each mode is a package of its own; none imports another.
 
-The registry maps a mode name to the module that provides it; the module is imported only when
-that mode is selected, so an agent in one mode never loads another mode's code.
+The registry maps a mode name to the module that provides it, and `load` returns that module as
+the one typed contract of a mode (`base.Mode`: create its backend, clean up, remove what an
+agent of it left). The module is imported only when that mode is loaded: an agent in one mode
+loads another mode's code only to remove that mode's leftovers (takeover.py), never to start.
+Nothing outside a mode's package imports into it but this registry (tests/unit/
+test_import_boundaries.py).
 """
 
 from __future__ import annotations
@@ -9,10 +13,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .base import Backend
+from .base import Backend, Mode
 
-# mode -> module exposing `create(settings) -> Backend` and `cleanup() -> None`
+if TYPE_CHECKING:
+    # mypy checks that each mode's module is a Mode (nothing is imported at run time).
+    from . import iptables, ipvs, nftables, state_only
+
+    _CHECKED: tuple[Mode, ...] = (nftables, iptables, ipvs, state_only)
+
+# mode -> module of that mode, a `base.Mode`
 REGISTRY: dict[str, str] = {
     "nftables": "kpx_agent.backends.nftables",
     "iptables": "kpx_agent.backends.iptables",
@@ -22,13 +31,19 @@ REGISTRY: dict[str, str] = {
 }
 
 
-def load(mode: str) -> object:
-    """The backend module for `mode` (raises KeyError naming the known modes)."""
+def load(mode: str) -> Mode:
+    """The module of `mode` (raises KeyError naming the known modes, TypeError when the module
+    lacks part of the Mode contract)."""
     try:
-        module = REGISTRY[mode]
+        name = REGISTRY[mode]
     except KeyError:
         raise KeyError(f"unknown mode {mode!r}; known: {', '.join(sorted(REGISTRY))}") from None
-    return importlib.import_module(module)
+    module = importlib.import_module(name)
+    if not isinstance(module, Mode):
+        raise TypeError(
+            f"{name} does not provide the Mode contract (create, cleanup, remove_leftovers)"
+        )
+    return module
 
 
-__all__ = ["REGISTRY", "Backend", "load"]
+__all__ = ["REGISTRY", "Backend", "Mode", "load"]

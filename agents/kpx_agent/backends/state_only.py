@@ -8,13 +8,16 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from ..localnet import NodeLocalState, ProxySettings, ServicePortKey
-from .base import Backend, NodePaths
+from .base import Backend, Handover, NodePaths
 
 
 @dataclass
 class StateOnlyBackend(Backend):
     settings: ProxySettings
     mode: str = "external"
+
+    def reconfigure(self, settings: ProxySettings) -> None:
+        self.settings = settings
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
         """Nothing to program: the proxier's on_synced hook publishes the state."""
@@ -29,3 +32,8 @@ def create(settings: ProxySettings, paths: NodePaths | None = None) -> StateOnly
 
 def cleanup() -> None:
     """Nothing to remove: the external backend cleans up what it programmed."""
+
+
+def remove_leftovers(handover: Handover) -> None:
+    """Nothing to remove: an external backend's rules are its own to remove."""
+    del handover

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...localnet import ProxySettings
-from ..base import NodePaths
+from ..base import Handover, NodePaths
 from .backend import IptablesBackend, cleanup
 
 
@@ -13,4 +13,10 @@ def create(settings: ProxySettings, paths: NodePaths | None = None) -> IptablesB
     return IptablesBackend(settings, route_localnet_file=paths.route_localnet)
 
 
-__all__ = ["IptablesBackend", "cleanup", "create"]
+def remove_leftovers(handover: Handover) -> None:
+    """What a iptables agent left, for an agent of another mode: every iptables rule of kpx."""
+    del handover
+    cleanup()
+
+
+__all__ = ["IptablesBackend", "cleanup", "create", "remove_leftovers"]

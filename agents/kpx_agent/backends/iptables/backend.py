@@ -111,6 +111,9 @@ class IptablesBackend(Backend):
 
     # -- optional hooks the agent uses
 
+    def reconfigure(self, settings: ProxySettings) -> None:
+        self.settings = settings
+
     def programmed(self) -> bool:
         """True while the kernel still has our chains (someone may flush the tables)."""
         if self._books is None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ...localnet import ProxySettings
-from ..base import NodePaths
+from ..base import Handover, NodePaths
 from .backend import IpvsBackend, cleanup
+from .leftover_removal import remove_kpx_ipvs_leftovers
 
 
 def create(settings: ProxySettings, paths: NodePaths | None = None) -> IpvsBackend:
@@ -13,4 +14,13 @@ def create(settings: ProxySettings, paths: NodePaths | None = None) -> IpvsBacke
     return IpvsBackend(settings)
 
 
-__all__ = ["IpvsBackend", "cleanup", "create"]
+def remove_leftovers(handover: Handover) -> None:
+    """What a kpx ipvs agent left, for an agent of another mode: its virtual servers,
+    kube-ipvs0 and helper tables, never upstream kube-proxy's (leftovers.py); the removing
+    agent's excludeCIDRs stay. Its full `cleanup` would take every virtual server."""
+    remove_kpx_ipvs_leftovers(
+        handover.settings.ipvs.exclude_cidrs, handover.kube_proxy_ipvs_mode_here
+    )
+
+
+__all__ = ["IpvsBackend", "cleanup", "create", "remove_leftovers"]

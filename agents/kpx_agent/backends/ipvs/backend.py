@@ -86,6 +86,9 @@ class IpvsBackend(Backend):
                 raise
             raise BackendError(f"ipvs sync failed: {exc}") from exc
 
+    def reconfigure(self, settings: ProxySettings) -> None:
+        self.settings = settings
+
     def cleanup(self) -> None:
         cleanup(self.settings.ipvs.exclude_cidrs)
         self._plans.clear()

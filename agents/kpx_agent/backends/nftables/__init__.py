@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...localnet import ProxySettings
-from ..base import NodePaths
+from ..base import Handover, NodePaths
 from .backend import NftablesBackend, cleanup
 
 
@@ -15,4 +15,10 @@ def create(settings: ProxySettings, paths: NodePaths | None = None) -> NftablesB
     return NftablesBackend(settings, route_localnet_file=paths.route_localnet)
 
 
-__all__ = ["NftablesBackend", "cleanup", "create"]
+def remove_leftovers(handover: Handover) -> None:
+    """What a nftables agent left, for an agent of another mode: every nftables rule of kpx."""
+    del handover
+    cleanup()
+
+
+__all__ = ["NftablesBackend", "cleanup", "create", "remove_leftovers"]

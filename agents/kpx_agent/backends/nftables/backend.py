@@ -111,6 +111,9 @@ class NftablesBackend(Backend):
         self._foreign = False
         self._baseline: dict[int, bytes] | None = None
 
+    def reconfigure(self, settings: ProxySettings) -> None:
+        self.settings = settings
+
     def programmed(self) -> bool:
         """True while the kernel still has our tables (someone may flush the ruleset)."""
         if not self._synced:

@@ -1,7 +1,8 @@
 """The I/O edge of removing what a kpx ipvs agent left on a node (an agent of another mode,
-after its first verified sync): read kpx's helper tables, kube-proxy's ipvs-mode chains, the
-virtual servers and kube-ipvs0's addresses; `ipvs_leftovers.plan_cleanup` (pure) decides what
-is kpx's; remove that. Upstream kube-proxy's IPVS state stays for the takeover path."""
+after its first verified sync: the mode's `remove_leftovers`): read kpx's helper tables, whether
+kube-proxy's ipvs-mode chains are here (the removing agent's probe, `Handover`), the virtual
+servers and kube-ipvs0's addresses; `leftovers.plan_cleanup` (pure) decides what is kpx's;
+remove that. Upstream kube-proxy's IPVS state stays for the takeover path."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
-from .backends.ipvs import kernel
-from .backends.ipvs.model import VirtualKey
-from .ipvs_leftovers import TABLE, IpvsCleanup, KpxMarks, draining, parse_marks, plan_cleanup
-from .kube_proxy_takeover import kube_proxy_ipvs_mode_here
-from .localnet import IPNetwork
-from .takeover import Draining
+from ...localnet import IPNetwork
+from ..base import Draining
+from . import kernel
+from .leftovers import TABLE, IpvsCleanup, KpxMarks, draining, parse_marks, plan_cleanup
+from .model import VirtualKey
 
 log = logging.getLogger(__name__)
 _NFT_FAMILY = {4: "ip", 6: "ip6"}
@@ -41,10 +41,12 @@ def _open_ipvs() -> Any:
 
 
 def remove_kpx_ipvs_leftovers(
-    exclude_cidrs: tuple[IPNetwork, ...] = (),
+    exclude_cidrs: tuple[IPNetwork, ...],
+    kube_proxy_ipvs_mode_here: Callable[[], bool],
     open_ipvs: Callable[[], Any] = _open_ipvs,
 ) -> IpvsCleanup:
-    """Remove the virtual servers, kube-ipvs0 and helper tables a kpx ipvs agent made here."""
+    """Remove the virtual servers, kube-ipvs0 and helper tables a kpx ipvs agent made here
+    (but those in `exclude_cidrs`); none of them when `kube_proxy_ipvs_mode_here()`."""
     marks = read_marks()
     if not marks.families:
         return plan_cleanup(marks, False, {}, ())

@@ -5,7 +5,7 @@ kpx's ipvs mode and upstream kube-proxy's ipvs mode use the same dummy interface
 (`kube-ipvs0`) and neither tags a virtual server. An agent of another kpx mode that removes
 "the ipvs mode's leftovers" after its first verified sync must not take upstream kube-proxy's
 (they go only through the takeover path, once kube-proxy's Pod is gone from the node:
-kube_proxy_takeover.py) nor anyone else's. So:
+kpx_agent/kube_proxy_takeover.py) nor anyone else's. So:
 
 1. The node's virtual servers and kube-ipvs0 may be kpx's only when kpx's helper table
    `kpx-ipvs` (`ip` or `ip6`) is on the node - every kpx ipvs sync writes it - and none of the
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from ipaddress import ip_address
 from typing import Any, Final
 
-from .backends.ipvs.model import CLUSTER_IPS, DROP, HAIRPIN, MASQ_IPS, VirtualKey, excluded
-from .localnet import IPNetwork
+from ...localnet import IPNetwork
+from .model import CLUSTER_IPS, DROP, HAIRPIN, MASQ_IPS, VirtualKey, excluded
 
 TABLE: Final = "kpx-ipvs"
 MARK_SETS: Final = (CLUSTER_IPS, MASQ_IPS, DROP)
