@@ -11,6 +11,13 @@ exits when the queue is empty and the next `submit` starts another.
 Bounded: at most `capacity` filters wait; what a full queue refuses is counted as failed and
 logged, never waited for. A failing deletion (EPERM, no nf_conntrack, a garbled answer, an
 exception of the deleting function itself) is logged and counted; nothing reaches the sync.
+Only the worker reports (the metrics it updates have one writer).
+
+A deletion runs after the sync that called for it, usually at once; behind a long batch it
+may run after a later sync brought the endpoint back, and then deletes that endpoint's flows
+made meanwhile (their next datagram makes a new entry). Deletions still queued when the agent
+exits are lost; the next agent's first sync deletes the not-DNATed entries again, not those
+DNATed to endpoints gone meanwhile (as before: see conntrack.py).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ class ConntrackCleaner:
         self._pending: dict[FlowFilter, None] = {}  # insertion-ordered, each filter once
         self._lock = threading.Condition()
         self._worker: threading.Thread | None = None
-        self._busy = False
+        self._refused = 0  # filters a full queue refused: the worker reports them (one writer)
 
     def submit(self, filters: Iterable[FlowFilter]) -> None:
         """Queue deletions; never blocks and never raises."""
@@ -52,9 +59,10 @@ class ConntrackCleaner:
                 if flow in self._pending:
                     continue
                 if len(self._pending) >= self.capacity:
-                    refused += 1
+                    refused += 1  # the queue is full, so a worker runs and will report it
                     continue
                 self._pending[flow] = None
+            self._refused += refused
             if self._pending and self._worker is None:
                 self._worker = threading.Thread(
                     target=self._run, name="conntrack-cleaner", daemon=True
@@ -63,7 +71,6 @@ class ConntrackCleaner:
         if refused:
             log.warning("conntrack cleanup: queue full (%d filters waiting); %d deletions"
                         " dropped", self.capacity, refused)  # fmt: skip
-            self._safe_report([], 0.0, refused)
 
     def idle(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or running (tests, shutdown); False on timeout."""
@@ -79,6 +86,7 @@ class ConntrackCleaner:
                     return
                 batch = list(self._pending)
                 self._pending.clear()
+                refused, self._refused = self._refused, 0
             started = time.monotonic()
             try:
                 failures = self._delete(batch)
@@ -86,7 +94,7 @@ class ConntrackCleaner:
                 log.exception("conntrack cleanup failed")
                 failures = len(batch)
             families = sorted({f.family for f in batch})
-            self._safe_report(families, time.monotonic() - started, failures)
+            self._safe_report(families, time.monotonic() - started, failures + refused)
 
     def _safe_report(self, families: list[int], duration: float, failures: int) -> None:
         try:

@@ -420,6 +420,7 @@ def test_a_full_queue_drops_and_counts(caplog: pytest.LogCaptureFixture) -> None
     cleaner.submit(flows[1:])
     release.set()
     assert cleaner.idle(10)
+    # 8 filters, at most 1 running and 3 waiting: the other 4 or more refused, reported
     assert sum(reports) >= 4 and "queue full" in caplog.text
 
 
