@@ -26,6 +26,8 @@ and one deletion per entry a filter matches. conntrack_cleaner runs it off the p
 from __future__ import annotations
 
 import errno
+import functools
+import ipaddress
 import logging
 import os
 import socket
@@ -64,10 +66,10 @@ class FlowFilter:
         orig, reply = entry.orig, entry.reply
         if entry.family != self.family or orig.proto != PROTO_UDP or orig.dst_port != self.port:
             return False
-        if self.dst is not None and str(orig.dst) != self.dst:
+        if self.dst is not None and orig.dst != packed(self.dst):
             return False
         if self.dnat_to is not None:
-            if not entry.dnated or str(reply.src) != self.dnat_to:
+            if not entry.dnated or reply.src != packed(self.dnat_to):
                 return False
             # A DNATed entry's reply comes from the endpoint's address and port.
             if self.dnat_port and reply.src_port != self.dnat_port:
@@ -76,9 +78,15 @@ class FlowFilter:
             # A NodePort entry DNATed to an endpoint whose port equals the NodePort is
             # deleted too (only the port tells them apart without the node's addresses).
             if self.dst is not None:
-                return str(reply.src) == self.dst
+                return reply.src == packed(self.dst)
             return reply.src_port == self.port
         return True
+
+
+@functools.lru_cache(maxsize=4096)
+def packed(ip: IPAddress) -> bytes:
+    """An address in network order, as the kernel's entries hold it."""
+    return ipaddress.ip_address(ip).packed
 
 
 def _targets(sp: ServicePort) -> list[tuple[IPAddress | None, int]]:
@@ -197,7 +205,16 @@ def _delete_family(ct: Conntrack, family: int, flows: list[FlowFilter], deadline
     if interrupted:
         # As upstream: what was dumped is still worth cleaning.
         log.info("conntrack cleanup: the IPv%d table changed while it was dumped", family)
-    matched = [e for e in entries if any(f.matches(e) for f in flows)]
+    by_port: dict[int, list[FlowFilter]] = {}
+    for flow in flows:
+        by_port.setdefault(flow.port, []).append(flow)
+    matched = [
+        e
+        for e in entries
+        if e.orig.proto == PROTO_UDP
+        and (candidates := by_port.get(e.orig.dst_port))
+        and any(f.matches(e) for f in candidates)
+    ]
     refused: Counter[int] = Counter()
     for done, entry in enumerate(matched):
         try:

@@ -39,14 +39,14 @@ DNATED = wire.IPS_DST_NAT | wire.IPS_DST_NAT_DONE | 0x8A  # confirmed, seen repl
 
 
 def udp(family: int, src: str, dst: str, sport: int, dport: int) -> Tuple:
-    return Tuple(ip(src), ip(dst), wire.PROTO_UDP, sport, dport)
+    return Tuple(ip(src).packed, ip(dst).packed, wire.PROTO_UDP, sport, dport)
 
 
 def entry(dst: str, dport: int, reply_src: str, reply_sport: int, status: int = DNATED,
           sport: int = 40000, client: str = CLIENT, proto: int = 17) -> Entry:  # fmt: skip
     family = ip(dst).version
-    return Entry(family, Tuple(ip(client), ip(dst), proto, sport, dport),
-                 Tuple(ip(reply_src), ip(client), proto, reply_sport, sport), status,
+    return Entry(family, Tuple(ip(client).packed, ip(dst).packed, proto, sport, dport),
+                 Tuple(ip(reply_src).packed, ip(client).packed, proto, reply_sport, sport), status,
                  id=abs(hash((dst, dport, reply_src, reply_sport, sport))) % 2**32)  # fmt: skip
 
 
@@ -114,8 +114,8 @@ def pyroute2_entry(e: Entry, flags: int = NLM_F_MULTI) -> bytes:
 
     def tuple_attr(t: Tuple) -> dict[str, Any]:
         return {"attrs": [
-            ("CTA_TUPLE_IP", {"attrs": [(f"CTA_IP_{v}_SRC", str(t.src)),
-                                        (f"CTA_IP_{v}_DST", str(t.dst))]}),
+            ("CTA_TUPLE_IP", {"attrs": [(f"CTA_IP_{v}_SRC", str(ip(t.src))),
+                                        (f"CTA_IP_{v}_DST", str(ip(t.dst)))]}),
             ("CTA_TUPLE_PROTO", {"attrs": [("CTA_PROTO_NUM", t.proto),
                                            ("CTA_PROTO_SRC_PORT", t.src_port),
                                            ("CTA_PROTO_DST_PORT", t.dst_port)]}),
@@ -141,8 +141,8 @@ def error_message(code: int, seq: int = 1) -> bytes:
     return struct.pack("=IHHIIi", 36, wire.NLMSG_ERROR, 0, seq, 0, -code) + bytes(16)
 
 
-addresses4 = st.ip_addresses(v=4)
-addresses6 = st.ip_addresses(v=6)
+addresses4 = st.ip_addresses(v=4).map(lambda a: a.packed)
+addresses6 = st.ip_addresses(v=6).map(lambda a: a.packed)
 ports = st.integers(0, 65535)
 
 
@@ -212,20 +212,24 @@ def test_malformed_answers_are_wire_errors_naming_the_place(data: bytes, reason:
 
 
 def test_malformed_attributes_name_the_attribute() -> None:
-    # The IPv4 source address cut to 3 bytes: rebuild the entry's attributes by hand.
+    """Entries rebuilt by hand with one attribute wrong; the other tuple is a good one."""
+    head = b"\x02\x00\x00\x00"  # nfgenmsg, AF_INET
+    reply = wire._nested(wire.CTA_TUPLE_REPLY, wire.tuple_attrs(4, udp(4, EP1, CLIENT, 53, 9)))
     bad_ip = wire._nested(wire.CTA_TUPLE_IP, wire._attr(wire.CTA_IP_V4_SRC, b"\x0a\x00\x00")
                           + wire._attr(wire.CTA_IP_V4_DST, ip(VIP).packed))  # fmt: skip
-    body = b"\x02\x00\x00\x00" + wire._nested(wire.CTA_TUPLE_ORIG, bad_ip)
+    body = head + wire._nested(wire.CTA_TUPLE_ORIG, bad_ip) + reply
     with pytest.raises(WireError, match=r"CTA_TUPLE_ORIG\.CTA_TUPLE_IP\.src: 3 bytes, expected 4"):
         wire.parse_entry(body)
     addrs = wire._attr(1, ip(CLIENT).packed) + wire._attr(2, ip(VIP).packed)
-    no_proto = b"\x02\x00\x00\x00" + wire._nested(
-        wire.CTA_TUPLE_ORIG, wire._nested(wire.CTA_TUPLE_IP, addrs)
-    )
-    with pytest.raises(WireError, match="no protocol number"):
+    no_proto = head + wire._nested(wire.CTA_TUPLE_ORIG, wire._nested(wire.CTA_TUPLE_IP, addrs))
+    with pytest.raises(WireError, match=r"CTA_TUPLE_ORIG: no protocol number"):
+        wire.parse_entry(no_proto + reply)
+    with pytest.raises(WireError, match="no original and reply tuple"):
         wire.parse_entry(no_proto)
+    good_orig = wire._nested(wire.CTA_TUPLE_ORIG, wire.tuple_attrs(4, udp(4, CLIENT, VIP, 9, 53)))
     with pytest.raises(WireError, match=r"CTA_STATUS: 2 bytes, expected 4"):
-        wire.parse_entry(b"\x02\x00\x00\x00" + wire._attr(wire.CTA_STATUS, b"\x00\x01"))
+        wire.parse_entry(head + good_orig + reply + wire._attr(wire.CTA_STATUS, b"\x00\x01"))
+    assert wire.parse_entry(head + good_orig + reply).orig == udp(4, CLIENT, VIP, 9, 53)
 
 
 @FUZZ
