@@ -325,3 +325,56 @@ def test_a_dead_watch_fails_health_until_the_relist() -> None:
     # The wait before the relist; then (the next watch closed at once) a wait after it.
     assert during == [["configmaps: BadEvent: a ADDED event: metadata is not an object: [1]"], []]
     assert after == []
+
+
+def test_the_client_decodes_lines_and_list_bodies_into_the_decoders_errors() -> None:
+    """Regression: a watch line that is not JSON raised orjson's JSONDecodeError out of the
+    client, a list body that is a JSON array an AttributeError (`data.get`) inside it."""
+    import ssl
+
+    from aiohttp import web
+
+    from kpx_kube.client import Client
+    from kpx_kube.credentials import Credentials
+
+    bodies = iter([b"[1, 2]", b"<html>busy</html>"])
+
+    async def list_(request: web.Request) -> web.StreamResponse:
+        if request.query.get("watch") == "1":
+            resp = web.StreamResponse()
+            await resp.prepare(request)
+            await resp.write(b'{"type": "ADDED", "object": {"metadata": {"name": "a"}}}\n')
+            await resp.write(b"garbage\n")
+            await resp.write_eof()
+            return resp
+        return web.Response(body=next(bodies), content_type="application/json")
+
+    async def scenario() -> tuple[Any, str, list[Any], str]:
+        app = web.Application()
+        app.router.add_get("/api/v1/configmaps", list_)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        client = Client(Credentials(f"http://127.0.0.1:{port}", ssl.create_default_context()))
+        try:
+            array = await client.list("configmaps", "/api/v1/configmaps", {})
+            with pytest.raises(BadList) as not_json:
+                await client.list("configmaps", "/api/v1/configmaps", {})
+            seen: list[Any] = []
+            with pytest.raises(BadEvent) as bad_line:
+                async for doc in client.watch("configmaps", "/api/v1/configmaps", {}):
+                    seen.append(doc)
+        finally:
+            await client.close()
+            await runner.cleanup()
+        return array, str(not_json.value), seen, str(bad_line.value)
+
+    array, not_json, seen, bad_line = asyncio.run(scenario())
+    assert array == [1, 2]
+    with pytest.raises(BadList, match="a list answer that is not an object: \\[1, 2\\]"):
+        decode_list(array)
+    assert "a list answer that is not JSON" in not_json and "busy" in not_json
+    assert [decode_event(doc).object["metadata"]["name"] for doc in seen] == ["a"]
+    assert bad_line.startswith("a watch line that is not JSON") and "garbage" in bad_line
