@@ -19,8 +19,9 @@ on the node stays until it expires (nf_conntrack_udp_timeout, or _stream for a f
 answered).
 
 `stale_flows` and `FlowFilter.matches` are pure; `delete_flows` is the I/O edge: over netlink
-(conntrack_wire's messages), as upstream does since v1.31, one dump of the table per IP family
-and one deletion per entry a filter matches. conntrack_cleaner runs it off the programming path.
+(conntrack_wire's messages), as upstream kube-proxy does (vishvananda/netlink), one dump of
+the table per IP family and one deletion per entry a filter matches. conntrack_cleaner runs it
+off the programming path.
 """
 
 from __future__ import annotations
