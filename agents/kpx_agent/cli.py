@@ -29,6 +29,7 @@ from kpx_kube import (
     in_cluster,
     logformat,
 )
+from kpx_kube.watch_events import decode_list
 
 from . import backends, conntrack_sysctl, preflight
 from . import settings as settings_mod
@@ -245,7 +246,7 @@ def explain_migration(argv: list[str]) -> int:
             data = await client.list("services", "/api/v1/services", {})
         finally:
             await client.close()
-        return list(data.get("items") or [])
+        return decode_list(data).items
 
     items = asyncio.run(services())
     print(render(explain(block, items), len(items)), end="")

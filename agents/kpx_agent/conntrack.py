@@ -18,19 +18,28 @@ whole table at every sync): an entry DNATed to an endpoint that went away while 
 on the node stays until it expires (nf_conntrack_udp_timeout, or _stream for a flow that was
 answered).
 
-`stale_flows` is pure; `delete_flows` is the I/O edge (the `conntrack` tool, argument lists).
+`stale_flows` and `FlowFilter.matches` are pure; `delete_flows` is the I/O edge: over netlink
+(conntrack_wire's messages), as upstream kube-proxy does (vishvananda/netlink), one dump of
+the table per IP family and one deletion per entry a filter matches. conntrack_cleaner runs it
+off the programming path.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
+import ipaddress
 import logging
-import re
-import subprocess
+import os
+import socket
 import time
+import typing
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from . import conntrack_wire as wire
+from .conntrack_wire import NETLINK_NETFILTER, PROTO_UDP, Entry, WireError
 from .localnet import IPAddress, Protocol, ServicePort
 
 log = logging.getLogger(__name__)
@@ -51,22 +60,34 @@ class FlowFilter:
     not_nated: bool = False
     dnat_port: int = 0
 
-    def argv(self) -> list[str]:
-        args = ["conntrack", "-D", "-f", "ipv4" if self.family == 4 else "ipv6", "-p", "udp"]
-        if self.dst is not None:
-            args += ["--orig-dst", str(self.dst)]
-        args += ["--orig-port-dst", str(self.port)]
+    def matches(self, entry: Entry) -> bool:
+        """Whether `entry` is one this filter deletes: what `conntrack -D -p udp` matched
+        with the options this filter stood for (--orig-dst, --orig-port-dst; --dst-nat and
+        --reply-port-src; --reply-src, or --reply-port-src for a NodePort)."""
+        orig, reply = entry.orig, entry.reply
+        if entry.family != self.family or orig.proto != PROTO_UDP or orig.dst_port != self.port:
+            return False
+        if self.dst is not None and orig.dst != packed(self.dst):
+            return False
         if self.dnat_to is not None:
-            args += ["--dst-nat", str(self.dnat_to)]
-            if self.dnat_port:
-                # A DNATed entry's reply comes from the endpoint's address and port.
-                args += ["--reply-port-src", str(self.dnat_port)]
+            if not entry.dnated or reply.src != packed(self.dnat_to):
+                return False
+            # A DNATed entry's reply comes from the endpoint's address and port.
+            if self.dnat_port and reply.src_port != self.dnat_port:
+                return False
         if self.not_nated:
             # A NodePort entry DNATed to an endpoint whose port equals the NodePort is
             # deleted too (only the port tells them apart without the node's addresses).
-            args += ["--reply-src", str(self.dst)] if self.dst is not None else [
-                "--reply-port-src", str(self.port)]  # fmt: skip
-        return args
+            if self.dst is not None:
+                return reply.src == packed(self.dst)
+            return reply.src_port == self.port
+        return True
+
+
+@functools.lru_cache(maxsize=4096)
+def packed(ip: IPAddress) -> bytes:
+    """An address in network order, as the kernel's entries hold it."""
+    return ipaddress.ip_address(ip).packed
 
 
 def _targets(sp: ServicePort) -> list[tuple[IPAddress | None, int]]:
@@ -102,47 +123,151 @@ def stale_flows(old: ServicePort | None, new: ServicePort | None) -> list[FlowFi
     return sorted(out, key=lambda f: (f.family, f.port, str(f.dst), str(f.dnat_to)))
 
 
-#: Seconds one `conntrack -D` may take, and all of one sync's deletions together: the cleanup
-#: runs after each sync, before the next one, so it must not hold the dataplane up.
+#: Seconds one netlink answer may take (a datagram of a dump, a deletion's acknowledgement), and
+#: one batch of deletions all together (conntrack_cleaner runs them after the syncs, off the
+#: programming path).
 CALL_TIMEOUT = 5.0
 BUDGET = 30.0
+#: A datagram of a dump's answer: the kernel fills at most 32 KiB at a time.
+_RECEIVE_BYTES = 1 << 16
+ENOENT = errno.ENOENT
 
 
-#: Conntrack entries `delete_flows` deleted since the agent started, per IP family (as
-#: conntrack reports them: "N flow entries have been deleted"): the metrics read it.
+#: Conntrack entries `delete_flows` deleted since the agent started, per IP family (the
+#: kernel's acknowledgements): the metrics read it.
 deleted_by_family: Counter[int] = Counter()
-_DELETED = re.compile(r"(\d+) flow entr(?:y|ies) ha(?:ve|s) been deleted")
 
 
-def delete_flows(filters: Iterable[FlowFilter], budget: float = BUDGET) -> int:
-    """Run the deletions; returns how many failed (other than 'nothing matched'). Never
-    raises: a `conntrack` tool that cannot be run (missing, no pid left) fails them all at
-    once, and what the time budget leaves undone counts as failed; both are logged. The
-    entries deleted are counted in `deleted_by_family`."""
-    flows = list(filters)
-    deadline = time.monotonic() + budget
-    failures = 0
-    for done, flow in enumerate(flows):
+class NetlinkConntrack:
+    """The socket edge: a dump of one family's table and the deletion of one entry, over one
+    NETLINK_NETFILTER socket; the messages are conntrack_wire's."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+        self._seq = 0
+        try:
+            self.sock.bind((0, 0))
+        except OSError:
+            self.sock.close()
+            raise
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _ask(self, request: bytes, deadline: float) -> None:
+        self._wait(deadline)
+        self.sock.sendto(request, (0, 0))
+
+    def _wait(self, deadline: float) -> None:
         left = deadline - time.monotonic()
         if left <= 0:
-            log.warning("conntrack cleanup: %d deletions left undone after %.0f s",
-                        len(flows) - done, budget)  # fmt: skip
-            return failures + len(flows) - done
+            raise TimeoutError("the conntrack cleanup's time budget is spent")
+        self.sock.settimeout(min(CALL_TIMEOUT, left))
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def dump(self, family: int, deadline: float) -> tuple[list[Entry], bool]:
+        """The family's entries, and whether the table changed while it was dumped."""
+        self._ask(wire.dump_request(family, self._next_seq()), deadline)
+        entries: list[Entry] = []
+        interrupted = False
+        while True:
+            self._wait(deadline)
+            part = wire.parse_dump(self.sock.recv(_RECEIVE_BYTES))
+            entries += part.entries
+            interrupted |= part.interrupted
+            if part.done:
+                return entries, interrupted
+
+    def delete(self, entry: Entry, deadline: float) -> int:
+        """Delete one entry: the kernel's errno (0: deleted)."""
+        seq = self._next_seq()
+        self._ask(wire.delete_request(entry, seq), deadline)
+        while True:
+            self._wait(deadline)
+            acks = wire.parse_ack(self.sock.recv(_RECEIVE_BYTES))
+            if seq in acks:
+                return acks[seq]
+
+
+class Conntrack(typing.Protocol):
+    """What `delete_flows` needs of the kernel (NetlinkConntrack; a fake in the tests)."""
+
+    def dump(self, family: int, deadline: float) -> tuple[list[Entry], bool]: ...
+    def delete(self, entry: Entry, deadline: float) -> int: ...
+    def close(self) -> None: ...
+
+
+def _delete_family(ct: Conntrack, family: int, flows: list[FlowFilter], deadline: float) -> int:
+    """Dump the family's table, delete the entries a filter matches; how many failed."""
+    entries, interrupted = ct.dump(family, deadline)
+    if interrupted:
+        # As upstream: what was dumped is still worth cleaning.
+        log.info("conntrack cleanup: the IPv%d table changed while it was dumped", family)
+    by_port: dict[int, list[FlowFilter]] = {}
+    for flow in flows:
+        by_port.setdefault(flow.port, []).append(flow)
+    matched = [
+        e
+        for e in entries
+        if e.orig.proto == PROTO_UDP
+        and (candidates := by_port.get(e.orig.dst_port))
+        and any(f.matches(e) for f in candidates)
+    ]
+    refused: Counter[int] = Counter()
+    for done, entry in enumerate(matched):
         try:
-            proc = subprocess.run(flow.argv(), capture_output=True, text=True, check=False,
-                                  timeout=min(CALL_TIMEOUT, left))  # fmt: skip
-        except subprocess.TimeoutExpired:
-            failures += 1
-            log.warning("conntrack cleanup failed (%s): timed out", flow)
-            continue
-        except OSError as exc:
-            log.warning("conntrack cleanup not done: cannot run conntrack (%s); %d deletions"
-                        " left undone", exc, len(flows) - done)  # fmt: skip
-            return failures + len(flows) - done
-        if found := _DELETED.search(proc.stderr):
-            deleted_by_family[flow.family] += int(found.group(1))
-        # conntrack exits 1 with "0 flow entries have been deleted" when nothing matched.
-        if proc.returncode != 0 and "0 flow entries" not in proc.stderr:
-            failures += 1
-            log.warning("conntrack cleanup failed (%s): %s", flow, proc.stderr.strip())
+            error = ct.delete(entry, deadline)
+        except TimeoutError:
+            log.warning("conntrack cleanup: %d IPv%d deletions left undone (time budget spent)",
+                        len(matched) - done, family)  # fmt: skip
+            return sum(refused.values()) + len(matched) - done
+        if error == 0:
+            deleted_by_family[family] += 1
+        elif error != ENOENT:  # ENOENT: it expired since the dump
+            refused[error] += 1
+    for error, count in sorted(refused.items()):
+        log.warning("conntrack cleanup: the kernel refused %d IPv%d deletions: %s",
+                    count, family, os.strerror(error))  # fmt: skip
+    return sum(refused.values())
+
+
+def delete_flows(
+    filters: Iterable[FlowFilter],
+    budget: float = BUDGET,
+    connect: Callable[[], Conntrack] = NetlinkConntrack,
+) -> int:
+    """Delete the entries the filters match, over netlink (one dump per IP family, then one
+    deletion per entry, as upstream); returns how many deletions failed. Never raises: a
+    socket that cannot be opened or a dump the kernel refuses (no nf_conntrack_netlink, no
+    CAP_NET_ADMIN) or garbles fails all of that family's filters at once, and what the time
+    budget leaves undone counts as failed; all are logged. The entries deleted are counted in
+    `deleted_by_family`."""
+    by_family: dict[int, list[FlowFilter]] = {}
+    for flow in filters:
+        by_family.setdefault(flow.family, []).append(flow)
+    if not by_family:
+        return 0
+    deadline = time.monotonic() + budget
+    try:
+        ct = connect()
+    except OSError as exc:
+        undone = sum(map(len, by_family.values()))
+        log.warning("conntrack cleanup not done: no netlink socket (%s); %d filters left"
+                    " undone", exc, undone)  # fmt: skip
+        return undone
+    failures = 0
+    try:
+        for family, flows in sorted(by_family.items()):
+            try:
+                failures += _delete_family(ct, family, flows, deadline)
+            except (OSError, WireError) as exc:
+                # TimeoutError (the budget, or a dump's answer that did not come) is an OSError.
+                failures += len(flows)
+                log.warning("conntrack cleanup of IPv%d not done (%s); %d filters left undone",
+                            family, exc or type(exc).__name__, len(flows))  # fmt: skip
+    finally:
+        ct.close()
     return failures

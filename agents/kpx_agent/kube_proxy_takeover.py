@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from kpx_kube import Client
+from kpx_kube.watch_events import decode_list
 
 from . import kube_proxy_leftovers as plan
 
@@ -202,7 +203,7 @@ async def kube_proxy_runs_here(client: Client, node_name: str) -> bool:
         f"/api/v1/namespaces/{KUBE_PROXY_NAMESPACE}/pods",
         {"fieldSelector": f"spec.nodeName={node_name}"},
     )
-    names = kube_proxy_pods(list(data.get("items") or []))
+    names = kube_proxy_pods(decode_list(data).items)
     if names:
         log.debug("kube-proxy still runs on %s: %s", node_name, ", ".join(names))
     return bool(names)

@@ -19,6 +19,7 @@ from . import conntrack
 from .backends.base import Backend, BackendError, CheckUnsupported
 from .cluster_state import ClusterState, Key
 from .conntrack import FlowFilter, stale_flows
+from .conntrack_cleaner import ConntrackCleaner
 from .external_ips import APISERVER_SERVICE, ExternalIPPolicy, apiserver_addresses
 from .fault_isolation import find_culprits
 from .localnet import NodeLocalState, Protocol, ProxySettings, ServicePort, ServicePortKey
@@ -111,7 +112,10 @@ class Proxier:
     _settings: ProxySettings | None = field(default=None, init=False)
     # UDP ports changed since the last successful sync: their state before, for conntrack.
     _udp_before: dict[ServicePortKey, ServicePort | None] = field(default_factory=dict, init=False)
+    # Runs the stale-flow deletions (in the conntrack cleaner's thread: off the programming
+    # path); returns how many failed.
     delete_flows: Callable[[Iterable[FlowFilter]], int] = field(default=conntrack.delete_flows)
+    conntrack_cleaner: ConntrackCleaner = field(init=False)
     # Called after each successful sync with the state and what changed (None: a full sync),
     # as the backend got them: the node-local state API publishes there (state_api).
     on_synced: Callable[[NodeLocalState, Collection[ServicePortKey] | None], None] | None = None
@@ -143,6 +147,13 @@ class Proxier:
 
     def __post_init__(self) -> None:
         self.local = NodeLocalState(node=node_info(None, self.node_name))
+        # `delete_flows` looked up at each batch: tests replace it after construction.
+        self.conntrack_cleaner = ConntrackCleaner(
+            lambda flows: self.delete_flows(flows), self._conntrack_reconciled
+        )
+
+    def _conntrack_reconciled(self, families: list[int], duration: float, failures: int) -> None:
+        self.metrics.conntrack_reconciled(families, duration, conntrack.deleted_by_family, failures)
 
     def request_full_sync(self, reason: str = "requested") -> None:
         self._full_reasons.append(reason)
@@ -298,14 +309,8 @@ class Proxier:
             for f in stale_flows(before, self.local.services.get(key))
         ]
         self._udp_before.clear()
-        if not flows:
-            return
-        started = time.monotonic()
-        failures = self.delete_flows(flows)
-        self.metrics.conntrack_reconciled(
-            (f.family for f in flows), time.monotonic() - started,
-            conntrack.deleted_by_family, failures,
-        )  # fmt: skip
+        if flows:
+            self.conntrack_cleaner.submit(flows)  # deleted after this sync, not during it
 
     def prepare(self) -> PendingSync:
         """Take the recorded changes and bring the node-local state up to date (event loop)."""

@@ -45,6 +45,7 @@ from .exec_plugin import ExecPluginError
 from .kinds import BUILTIN, prefix_of
 from .kubeconfig import KubeconfigError
 from .tcp import socket_factory
+from .watch_events import BadList, decode_json, decode_line
 
 log = logging.getLogger(__name__)
 
@@ -299,8 +300,9 @@ class Client:
 
     async def list(
         self, resource: str, path: str, params: Mapping[str, str], *, timeout: float = 120.0
-    ) -> Obj:
-        """One page of a list, decoded with the collector paused; counted under `resource`."""
+    ) -> Any:
+        """One page of a list, decoded with the collector paused; counted under `resource`.
+        BadList when it is not JSON (its shape is checked by watch_events.decode_list)."""
         started = time.monotonic()
         auth = await self._auth()
         req = self._build("GET", path, auth, params=params)
@@ -324,15 +326,16 @@ class Client:
             raise self._refused(req, status, body, auth, wait)
         received = time.monotonic()
         with collector.paused():
-            data: Obj = orjson.loads(body)
+            data = decode_json(body, f"{req.what}: a list answer", BadList)
         log.debug("%s: %d bytes (%s) received in %.3f s, decoded in %.3f s", resource,
                   len(body), encoding, received - started, time.monotonic() - received)  # fmt: skip
-        self.objects_received[resource] += len(data.get("items") or [])
-        return data
+        items = data.get("items") if isinstance(data, dict) else None
+        self.objects_received[resource] += len(items) if isinstance(items, list) else 0
+        return data  # its shape: watch_events.decode_list
 
     async def watch(
         self, resource: str, path: str, params: Mapping[str, str]
-    ) -> AsyncIterator[Obj]:
+    ) -> AsyncIterator[Any]:
         """Watch events ({type, object}) until the server ends the watch. Raises WatchIdle
         after `watch_idle_timeout` seconds without a byte, Unreachable on a broken stream,
         the ApiError of the status if the watch is refused. A watch's ERROR event is yielded
@@ -374,7 +377,7 @@ class Client:
                     for line in lines:
                         if not line.strip():
                             continue
-                        event: Obj = orjson.loads(line)  # not a dict: the reflector says
+                        event = decode_line(line)  # its shape: watch_events.decode_event
                         if not isinstance(event, dict) or event.get("type") != "BOOKMARK":
                             self.objects_received[resource] += 1
                         yield event

@@ -128,11 +128,21 @@ def retry_after(status: int, header: str | None) -> float | None:
     return float(seconds) if seconds >= 0 else None
 
 
+def _code(value: Any) -> int:
+    """A Status's `code` as an HTTP status; 0 (unknown) for anything else than a whole number
+    between 0 and 999 (or its digits)."""
+    if isinstance(value, str) and value.isdecimal() and len(value) <= 3:
+        return int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 999:
+        return value
+    return 0
+
+
 def from_status(doc: Any, status: int | None = None, retry_after: float | None = None) -> ApiError:
     """A metav1.Status document (an error answer, or a watch's ERROR event object) -> error."""
     if not isinstance(doc, dict):
         doc = {}
-    code = status if status is not None else int(doc.get("code") or 0)
+    code = status if status is not None else _code(doc.get("code"))
     reason, message = str(doc.get("reason") or ""), str(doc.get("message") or "")
     return make_error(code, reason, message, retry_after)
 

@@ -20,10 +20,11 @@ When a watch ends, as client-go (tools/cache/reflector.go) does:
   from the last resourceVersion. With a `recovery` (the agent's), that wait ends early once
   the apiserver answers a probe again, after a random delay of up to 2 s (`recovery`): after
   an outage the agents resume within seconds, spread out;
-- anything unexpected (an event that is not an object, a line that is not JSON, a store that
-  fails on an object): logged, `failure` says it, and the reflector lists again after a wait
-  (its view may have missed or mangled an event). `failure` stays set until a list succeeds:
-  the agent's health fails while it is set (a dead watch).
+- anything unexpected (an event or a list the decoder refuses, `watch_events`: a line that is
+  not JSON, an object that is not one, a resourceVersion that is not a string, a bookmark
+  without one; a store that fails on an object): logged, `failure` says it, and the reflector
+  lists again after a wait (its view may have missed or mangled an event). `failure` stays
+  set until a list succeeds: the agent's health fails while it is set (a dead watch).
 
 A new field selector that only lets more or fewer namespaces through (`reselect`: the agent's
 namespace opt-out) costs no list of everything: the watch is resumed from its resourceVersion
@@ -46,9 +47,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .backoff import Backoff
-from .client import event_error
 from .errors import ApiError, Gone, WatchIdle
 from .recovery import Recovery
+from .watch_events import APPLIED, BadEvent, decode_event, decode_list
+
+__all__ = ["BadEvent", "ListWatch", "Reflector", "Resource", "Sink", "slim"]
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +68,8 @@ class Resource:
 class ListWatch(Protocol):
     """What a reflector asks the apiserver (`client.Client`)."""
 
-    async def list(self, resource: str, path: str, params: Mapping[str, str]) -> dict[str, Any]: ...
-    def watch(
-        self, resource: str, path: str, params: Mapping[str, str]
-    ) -> AsyncIterator[dict[str, Any]]: ...
+    async def list(self, resource: str, path: str, params: Mapping[str, str]) -> Any: ...
+    def watch(self, resource: str, path: str, params: Mapping[str, str]) -> AsyncIterator[Any]: ...
 
 
 #: A watch the server ends sooner than this without an event was closed at once (client-go's
@@ -106,10 +107,6 @@ class _Reselect(Exception):
 
 class _Gone(Exception):
     """The watch cannot resume from its resourceVersion (410 Gone): list again, consistently."""
-
-
-class BadEvent(ValueError):
-    """A watch event this reflector cannot read (not an object, or its object is not one)."""
 
 
 class Reflector:
@@ -197,20 +194,19 @@ class Reflector:
             params["fieldSelector"] = self._selector_in_use
         return params
 
-    async def _pages(self, path: str, consistent: bool) -> tuple[list[Obj], Obj]:
+    async def _pages(self, path: str, consistent: bool) -> tuple[list[Obj], str]:
         """Every page of a list of `path` with the selectors in use: the items (slimmed) and
-        the last page's metadata."""
+        the last page's resourceVersion."""
         items: list[Obj] = []
         params = {**self._params(), "limit": str(self.page_size)}
         if not consistent:
             params["resourceVersion"] = "0"
         while True:
-            data = await self.client.list(self.resource.kind, path, params)
-            items.extend(slim(item) for item in data.get("items") or [])
-            meta = data.get("metadata") or {}
-            if not meta.get("continue"):
-                return items, meta
-            params["continue"] = str(meta["continue"])
+            page = decode_list(await self.client.list(self.resource.kind, path, params))
+            items.extend(slim(item) for item in page.items)
+            if not page.continue_token:
+                return items, page.resource_version
+            params["continue"] = page.continue_token
             params.pop("resourceVersion", None)  # the token carries it; both are refused
 
     async def _list(self, consistent: bool = False) -> str:
@@ -222,7 +218,7 @@ class Reflector:
         self._exclude.clear()
         self._selector_in_use = self.field_selector()
         started = time.monotonic()
-        items, meta = await self._pages(self.resource.path, consistent)
+        items, rv = await self._pages(self.resource.path, consistent)
         received = time.monotonic()
         self.sink.replace(self.resource.kind, items)
         self.lists += 1
@@ -235,7 +231,7 @@ class Reflector:
         )
         self.synced.set()
         self.on_event()
-        return str(meta.get("resourceVersion", ""))
+        return rv
 
     async def _watch(self, rv: str) -> str:
         self._rv = rv
@@ -246,28 +242,26 @@ class Reflector:
             "allowWatchBookmarks": "true",
             "timeoutSeconds": str(random.randint(300, 600)),  # noqa: S311 - jitter only
         }
-        async for event in self.client.watch(self.resource.kind, self.resource.path, params):
-            if not isinstance(event, dict):
-                raise BadEvent(f"a watch event that is not an object: {event!r:.200}")
-            error = event_error(event)
-            if error is not None:
-                if isinstance(error, Gone):
+        async for doc in self.client.watch(self.resource.kind, self.resource.path, params):
+            event = decode_event(doc)  # BadEvent: a failure, and a relist (run)
+            if event.error is not None:
+                if isinstance(event.error, Gone):
                     raise _Gone()
-                raise error
-            etype, raw = event.get("type"), event.get("object")
-            if not isinstance(raw, dict):
-                raise BadEvent(f"a {etype} event whose object is not an object: {raw!r:.200}")
-            obj = slim(raw)
-            rv = self._rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
+                raise event.error
+            etype = event.type
             self._events += 1
+            if etype not in APPLIED:  # as client-go: said, and skipped
+                log.warning("%s: watch event of unknown type %r skipped", self.resource.kind,
+                            etype[:100])  # fmt: skip
+                continue
+            obj = slim(event.object)
+            if event.resource_version:
+                rv = self._rv = event.resource_version
             if etype in ("ADDED", "MODIFIED"):
                 self.sink.upsert(self.resource.kind, obj)
             elif etype == "DELETED":
                 self.sink.delete(self.resource.kind, obj)
-            elif etype == "BOOKMARK":
-                continue  # only the resourceVersion moves on
-            else:  # as client-go: said, and skipped
-                log.warning("%s: watch event of unknown type %r skipped", self.resource.kind, etype)
+            else:  # BOOKMARK: only the resourceVersion moves on
                 continue
             self.on_event()
         return rv

@@ -7,7 +7,8 @@ was unrouted or rejected: they blackhole their socket) and keep the flows DNATed
 endpoint. In a node's netns: a ClusterIP DNATed to a backend on another node that answers 1 s
 after each request; the cleanup runs while a request is in flight; the answer must arrive, and
 a not-DNATed entry to the same ClusterIP must be gone. The former filter (every entry to the
-ClusterIP) loses the answer: the control that shows the setup can tell.
+ClusterIP) loses the answer: the control that shows the setup can tell. The deletions are the
+agent's (netlink, `conntrack.delete_flows`); the `conntrack` tool only lists and inserts.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from kpx_agent import conntrack
 from kpx_agent.conntrack import FlowFilter, stale_flows
 from kpx_agent.localnet import IP, Endpoint, Protocol, ServicePort, ServicePortKey
-from kpx_cluster.netns import Node, Pod, Topology
+from kpx_cluster.netns import Node, Pod, Topology, call_in_netns
 
 pytestmark = [pytest.mark.netns]
 
@@ -93,8 +95,7 @@ def _exchange_with_cleanup(topo: Topology, n1: Node, client: Pod,
     time.sleep(0.4)  # the request is DNATed and waits for its answer
     entries = topo.exec(n1, ["conntrack", "-L", "-p", "udp", "--orig-dst", VIP]).stdout
     assert f"src={client.ipv4}" in entries, f"no entry for the request: {entries}"
-    for flow in filters:
-        topo.exec(n1, flow.argv())
+    assert call_in_netns(n1.netns, lambda: conntrack.delete_flows(filters)) == 0
     out, _ = proc.communicate(timeout=10)
     return out.strip()
 
@@ -165,8 +166,8 @@ def test_target_port_change_deletes_only_the_entries_to_the_old_port(
 
         before = topo.exec(n1, ["conntrack", "-L", "-p", "udp", "--orig-dst", VIP]).stdout
         assert "sport=41000" in before and "sport=41001" in before, before
-        for flow in stale_flows(port(BACKEND_PORT), port(6363)):
-            topo.exec(n1, flow.argv())
+        filters = stale_flows(port(BACKEND_PORT), port(6363))
+        assert call_in_netns(n1.netns, lambda: conntrack.delete_flows(filters)) == 0
         left = topo.exec(n1, ["conntrack", "-L", "-p", "udp", "--orig-dst", VIP]).stdout
         assert "sport=41000 " not in left, f"the entry to the old target port stayed: {left}"
         assert "sport=41001 " in left, f"the entry to the new target port went too: {left}"

@@ -1,4 +1,5 @@
-"""Stale UDP conntrack deletions, and healthCheckNodePort answers (pure parts)."""
+"""Stale UDP conntrack deletions, and healthCheckNodePort answers (pure parts). Which entries
+each filter matches: test_conntrack_netlink.py."""
 
 from __future__ import annotations
 
@@ -38,11 +39,6 @@ def test_removed_endpoint_deletes_flows_dnated_to_it() -> None:
         FlowFilter(4, 53, VIP, EP1, dnat_port=5353),
         FlowFilter(4, 30053, None, EP1, dnat_port=5353),
     ]
-    assert FlowFilter(4, 53, VIP, EP1, dnat_port=5353).argv() == [
-        "conntrack", "-D", "-f", "ipv4", "-p", "udp",
-        "--orig-dst", "10.96.0.53", "--orig-port-dst", "53", "--dst-nat", "10.244.1.2",
-        "--reply-port-src", "5353",
-    ]  # fmt: skip
 
 
 def test_target_port_change_on_the_same_pod_deletes_the_flows_to_the_old_port() -> None:
@@ -64,13 +60,6 @@ def test_zero_to_some_endpoints_deletes_the_flows_to_the_vip_that_were_not_dnate
         FlowFilter(4, 53, VIP, not_nated=True),
         FlowFilter(4, 30053, None, not_nated=True),
     ]
-    assert FlowFilter(4, 53, VIP, not_nated=True).argv() == [
-        "conntrack", "-D", "-f", "ipv4", "-p", "udp",
-        "--orig-dst", "10.96.0.53", "--orig-port-dst", "53", "--reply-src", "10.96.0.53",
-    ]  # fmt: skip
-    assert FlowFilter(4, 30053, None, not_nated=True).argv()[-4:] == [
-        "--orig-port-dst", "30053", "--reply-port-src", "30053",
-    ]  # fmt: skip
 
 
 def test_deleted_service_and_unchanged_and_tcp() -> None:

@@ -1,6 +1,7 @@
 """Errors from spawning the kernel tools (a missing binary, ENOSPC, EAGAIN under pids.max)
 are failed syncs, never an agent exit: each kernel edge turns them into BackendError, the
-proxier keeps the last good rules and retries; conntrack cleanup logs and goes on."""
+proxier keeps the last good rules and retries. Conntrack cleanup (netlink, off the programming
+path) logs and goes on: test_conntrack_netlink.py."""
 
 from __future__ import annotations
 
@@ -11,14 +12,11 @@ from typing import Any
 import pytest
 from backend_samples import SETTINGS
 
-from kpx_agent import conntrack
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.iptables import kernel as ipt_kernel
 from kpx_agent.backends.nftables import kernel as nft_kernel
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
-from kpx_agent.conntrack import FlowFilter
-from kpx_agent.localnet import IP
 from kpx_agent.metrics import AgentMetrics
 from kpx_agent.proxier import Proxier
 from kpx_api.proxysettings import NamespaceOptOut
@@ -70,35 +68,3 @@ def test_the_proxier_turns_it_into_a_failed_sync(monkeypatch: pytest.MonkeyPatch
     assert not outcome.ok and "Resource temporarily unavailable" in outcome.error
     assert proxier.metrics.kpx_sync_failures.labels(proxier.backend.mode)._value.get() == 1
     assert proxier.sync().full  # retried, in full (both tools still fail: nothing ran)
-
-
-def test_conntrack_cleanup_without_the_binary_logs_and_goes_on(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    calls: list[list[str]] = []
-
-    def missing(argv: list[str], **kwargs: Any) -> Any:
-        calls.append(argv)
-        raise FileNotFoundError(errno.ENOENT, "No such file or directory", argv[0])
-
-    monkeypatch.setattr(subprocess, "run", missing)
-    flows = [FlowFilter(4, 53, IP.of("10.96.0.10"), IP.of(f"10.244.1.{i}")) for i in range(5)]
-    assert conntrack.delete_flows(flows) == 5  # all failed, none raised
-    assert len(calls) == 1  # not tried again for each flow once the tool is missing
-    assert "conntrack" in caplog.text
-
-
-def test_conntrack_cleanup_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each deletion has a timeout, and all of them a budget: what it leaves is undone."""
-    timeouts: list[float] = []
-
-    def hangs(argv: list[str], **kwargs: Any) -> Any:
-        timeouts.append(kwargs["timeout"])
-        raise subprocess.TimeoutExpired(argv, kwargs["timeout"])
-
-    monkeypatch.setattr(subprocess, "run", hangs)
-    flows = [FlowFilter(4, 53, IP.of("10.96.0.10"), IP.of(f"10.244.1.{i}")) for i in range(5)]
-    assert conntrack.delete_flows(flows) == 5
-    assert len(timeouts) == 5 and all(0 < t <= conntrack.CALL_TIMEOUT for t in timeouts)
-    timeouts.clear()
-    assert conntrack.delete_flows(flows, budget=0) == 5 and timeouts == []

@@ -131,9 +131,11 @@ def test_udp_endpoint_removal_cleans_conntrack_after_the_sync() -> None:
     state.upsert(SERVICES, service("k", "dns", "UDP"))
     state.upsert(SLICES, endpoint_slice("k", "dns", "10.244.1.2", "10.244.2.2", proto="UDP"))
     proxier.sync()
+    assert proxier.conntrack_cleaner.idle(10)
     flows.clear()  # 0 -> 2 endpoints cleaned the VIP's entries; not what this test is about
     state.upsert(SLICES, endpoint_slice("k", "dns", "10.244.2.2", proto="UDP"))
     proxier.sync()
+    assert proxier.conntrack_cleaner.idle(10)
     assert [str(f.dnat_to) for f in flows] == ["10.244.1.2"]
 
 
@@ -153,8 +155,10 @@ def test_the_conntrack_cleanup_is_upstreams_conntrack_reconciler_in_metrics(
     state.upsert(SERVICES, service("k", "dns", "UDP"))
     state.upsert(SLICES, endpoint_slice("k", "dns", "10.244.1.2", "10.244.2.2", proto="UDP"))
     proxier.sync()
+    assert proxier.conntrack_cleaner.idle(10)
     state.upsert(SLICES, endpoint_slice("k", "dns", "10.244.2.2", proto="UDP"))
     proxier.sync()
+    assert proxier.conntrack_cleaner.idle(10)
     sample = proxier.metrics.registry.get_sample_value
     runs = "kubeproxy_conntrack_reconciler_sync_duration_seconds_count"
     assert sample(runs, {"ip_family": "IPv4"}) == 2  # both syncs changed UDP ports

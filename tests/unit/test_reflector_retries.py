@@ -194,9 +194,22 @@ def test_an_event_it_cannot_read_fails_the_reflector_until_a_relist(bad: object)
     assert reflector.failures == 1
 
 
+class FailingStore(Names):
+    def upsert(self, kind: str, obj: Mapping[str, Any]) -> None:
+        raise KeyError("the store cannot take it")
+
+
 def test_a_failing_store_is_a_failure_and_a_relist() -> None:
-    api = FakeApi([[{"type": "ADDED", "object": {"no": "metadata"}}], []])
-    reflector, _ = run(api)
+    api = FakeApi([[{"type": "ADDED", "object": cm("b", "11")}], []])
+    clock = Clock()
+
+    async def sleep(seconds: float) -> None:
+        clock.now += seconds
+
+    reflector = Reflector(api, RES, FailingStore(), sleep=sleep, clock=clock,
+                          backoff=Backoff(clock=clock, rand=lambda: 0.0))  # fmt: skip
+    with pytest.raises(Stop):
+        asyncio.run(reflector.run())
     assert api.kinds()[:3] == ["list", "watch", "list"]
     assert reflector.failures == 1
 
