@@ -37,10 +37,14 @@ GUEST_TESTS = [
     for name in re.findall(r"^def (test_\w+)\(", (REPO / path).read_text(), re.MULTILINE)
 ]
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None,
-    reason="proxy-vm needs root and qemu-system-x86_64 (make setup-vm installs it)",
-)
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.netns,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None,
+        reason="proxy-vm needs root and qemu-system-x86_64 (make setup-vm installs it)",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
