@@ -12,7 +12,7 @@ N ?=
 CONFORMANCE_SUITE ?= proxy
 CONFORMANCE_TARGETS ?= kpx/nftables,kube-proxy/nftables,kpx/iptables,kube-proxy/iptables
 
-.PHONY: conformance setup setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-go-localstate setup-vm image test test-unit lint crds chart demo demo-down bench bench-migration chaos
+.PHONY: conformance setup setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-go-localstate setup-vm image test test-unit test-kernel test-e2e lint crds chart demo demo-down bench bench-migration chaos
 
 ## setup: install everything a fresh machine needs (idempotent: a second run installs and builds nothing)
 setup: setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-go-localstate setup-vm
@@ -74,8 +74,17 @@ image: setup-apt setup-coredns
 test: setup image
 	$(PYTHON) -m pytest
 
+## test-unit: the pure tier, no root, no cluster (seconds)
 test-unit:
 	$(PYTHON) -m pytest tests/unit
+
+## test-kernel: the kernel tier, rules in network namespaces and no apiserver; needs root
+test-kernel: setup image
+	$(PYTHON) -m pytest tests/e2e -m "netns and not e2e"
+
+## test-e2e: the cluster tier, against a real kube-apiserver and etcd (most also need root)
+test-e2e: setup image
+	$(PYTHON) -m pytest tests/e2e -m e2e
 
 lint:
 	$(PYTHON) -m ruff check .

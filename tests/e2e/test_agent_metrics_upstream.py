@@ -23,6 +23,9 @@ from upstream_metrics import (
 
 from kpx_agent.metrics import AgentMetrics, upstream_names
 
+# The reference checks need no cluster; the running agent needs root and the apiserver.
+pytestmark = pytest.mark.e2e
+
 AGENT_MODE = "nftables"
 UPSTREAM = kube_proxy_metrics()
 MODES = ("nftables", "iptables", "ipvs")

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from agent_harness import Kube
 
 from kpx_cluster.controlplane import Cluster
+
+pytestmark = pytest.mark.e2e
 
 
 def test_explain_migration_names_this_clusters_services(

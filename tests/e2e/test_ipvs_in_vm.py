@@ -34,10 +34,14 @@ KERNEL_TESTS = ("tests/e2e/test_ipvs_kernel.py", "tests/e2e/test_ipvs_semantics_
 #: 10 s under emulation, once instead of once per test function.
 GUEST_TIMEOUT = 1500
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None,
-    reason="proxy-vm needs root and qemu-system-x86_64 (make setup-vm installs it)",
-)
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.netns,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("qemu-system-x86_64") is None,
+        reason="proxy-vm needs root and qemu-system-x86_64 (make setup-vm installs it)",
+    ),
+]
 
 
 @pytest.fixture(scope="module")

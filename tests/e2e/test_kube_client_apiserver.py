@@ -198,3 +198,37 @@ def test_the_blocking_client_and_its_batches(cluster: Cluster, ns: str) -> None:
             kube.many([create("m0")])
         with pytest.raises(NotFound):
             kube.get(f"{base}/none")
+
+
+def test_answers_that_are_not_json_are_errors_that_say_so(cluster: Cluster) -> None:
+    """The apiserver answers some paths with plain text: /livez (200 "ok") and a path it does
+    not serve (404 "404 page not found"). A 200 that is not JSON is an ApiError BadResponse
+    naming the request, a refusal that is not a Status is its typed error with the text."""
+    from kpx_kube import ApiError
+
+    async def livez(client: Client) -> Any:
+        return await client.get("/livez")
+
+    with pytest.raises(ApiError) as not_json:
+        run(cluster, livez)
+    assert (not_json.value.status, not_json.value.reason) == (200, "BadResponse")
+    assert "GET /livez: not JSON" in str(not_json.value)
+
+    async def nowhere(client: Client) -> Any:
+        return await client.get("/no-such-path")
+
+    with pytest.raises(NotFound, match=r"/no-such-path: 404 page not found"):
+        run(cluster, nowhere)
+
+
+def test_a_request_past_its_timeout_is_unreachable_not_a_hang(cluster: Cluster) -> None:
+    """A request the apiserver holds open longer than the client's timeout (a watch of 60 s,
+    a timeout of 1 s) ends as Unreachable (status 0) naming the request, which callers retry."""
+
+    async def held(client: Client) -> Any:
+        params = {"watch": "1", "timeoutSeconds": "60"}
+        return await client.request("GET", "/api/v1/namespaces", params=params, timeout=1.0)
+
+    with pytest.raises(Unreachable, match=r"GET /api/v1/namespaces.*Timeout") as late:
+        run(cluster, held)
+    assert late.value.status == 0

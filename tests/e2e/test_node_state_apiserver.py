@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ import yaml
 
 from kpx_agent.node_state import ErrorRecord, NodeFacts, SyncRecord
 from kpx_agent.node_state_writer import COLLECTION, NodeStateWriter
+from kpx_agent.pod_events import PodRef, event_body, post_event
 from kpx_api.nodestate import ProxyNodeStateStatus
 from kpx_cluster.controlplane import Cluster
 from kpx_cluster.kubeconfig import write_kubeconfig
@@ -300,3 +302,47 @@ def test_the_writer_coalesces_changes_to_one_write_per_period(env: Env) -> None:
     obj = env.node_state(node)
     assert obj is not None and obj["status"]["programmed"]["endpoints"] == 129
     env.kubectl("delete", "proxynodestate", node)
+
+
+def test_an_event_the_apiserver_refuses_is_logged_and_the_agent_goes_on(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The agent's Events (pod_events.post_event) refused by the apiserver: by RBAC (a
+    ServiceAccount without `create events`) and for a namespace that is gone. Each is logged
+    with its reason and returns False, never raises; an allowed one is recorded."""
+    a, _ = env.nodes
+    uid = env.kubectl("get", "pod", "-n", NS, f"agent-{a}", "-o", "jsonpath={.metadata.uid}")
+    pod = PodRef(f"agent-{a}", NS, uid.stdout)
+    as_agent = env.token_kubeconfig(f"agent-{a}")
+    env.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": "no-rights", "namespace": NS}}))  # fmt: skip
+    (env.tmp / "no-rights.token").write_text(
+        env.kubectl("-n", NS, "create", "token", "no-rights").stdout.strip()
+    )
+    no_rights = write_kubeconfig(env.tmp / "no-rights.kubeconfig", server=env.cluster.server,
+                                 ca=env.cluster.ca_file, user="no-rights",
+                                 token_file=env.tmp / "no-rights.token")  # fmt: skip
+
+    def post(kubeconfig: Path, pod: PodRef, reason: str) -> bool:
+        async def run() -> bool:
+            client = Client(from_kubeconfig(kubeconfig))
+            try:
+                body = event_body(pod, a, "Warning", reason, "a test", datetime.now(UTC))
+                return await post_event(client, body)
+            finally:
+                await client.close()
+
+        return asyncio.run(run())
+
+    with caplog.at_level(logging.WARNING):
+        assert not post(no_rights, pod, "RefusedByRBAC")
+        assert not post(as_agent, replace(pod, namespace=f"gone-{RUN}"), "NamespaceGone")
+        assert post(as_agent, pod, "Recorded")
+    said = {r.getMessage() for r in caplog.records if "not recorded" in r.getMessage()}
+    assert any(m.startswith("event RefusedByRBAC not recorded") and "forbidden" in m.lower()
+               for m in said), said  # fmt: skip
+    assert any(m.startswith("event NamespaceGone not recorded") for m in said), said
+    reasons = env.kubectl("get", "events", "-n", NS, "-o", "jsonpath={.items[*].reason}")
+    assert "Recorded" in reasons.stdout.split()
+    assert "RefusedByRBAC" not in reasons.stdout.split()

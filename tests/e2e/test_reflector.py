@@ -23,6 +23,8 @@ from kpx_kube.reflector import Reflector, Resource
 # and EndpointSlices are cached; the reflector code is the same for every resource.
 EVENTS = Resource("events", "/api/v1/events")
 
+pytestmark = pytest.mark.e2e
+
 
 class Names:
     """A sink that keeps object names, and counts full lists."""

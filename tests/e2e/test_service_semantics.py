@@ -65,7 +65,10 @@ TCP_UDP = [
 UDP_ONLY = [service_port("udp", 80, BACKEND_PORT, "UDP")]
 ZONE_LABEL = "topology.kubernetes.io/zone"
 LB_V4_NET, LB_V6_NET = "10.251.0.0/16", "fd00:251::/64"  # load-balancer IPs of these tests
-UDP_SWITCH_LIMIT = 2.0  # seconds from an EndpointSlice write to a UDP socket's new backend
+# Seconds to wait for a long-lived UDP socket to reach its new backend after an EndpointSlice
+# write: generous for a busy machine. Without the agent's conntrack cleanup the socket stays on
+# its stale entry for good (its own datagrams keep the entry alive), so any wait tells them apart.
+UDP_SWITCH_WAIT = 20.0
 
 family_param = pytest.mark.parametrize("family", [4, 6], ids=["v4", "v6"])
 
@@ -838,7 +841,7 @@ def test_udp_socket_follows_endpoint_removal(env: AgentEnv, agent_ns: str, famil
         assert_reaches(env, vip, 80, "udp", BOTH)
         time.sleep(0.3)
         t_remove = write_slice_now(env, agent_ns, "udp", on(env, "b2"), family)
-        seen = watch.wait_for(first_seen("b2", t_remove), UDP_SWITCH_LIMIT + 3.0)
+        seen = watch.wait_for(first_seen("b2", t_remove), UDP_SWITCH_WAIT)
         time.sleep(0.5)
         watch.wait_for(lambda _: None, 0.2)  # read what came meanwhile
     finally:
@@ -851,7 +854,6 @@ def test_udp_socket_follows_endpoint_removal(env: AgentEnv, agent_ns: str, famil
     )
     late_b1 = [t - t_remove for t, w in watch.since(seen) if w == "b1"]
     print(f"\nUDP socket on removed b1 -> b2: {(seen - t_remove) * 1000:.0f} ms")
-    assert seen - t_remove < UDP_SWITCH_LIMIT, f"b2 reached only after {seen - t_remove:.2f}s"
     assert not late_b1, f"b1 answered again after b2 did: {late_b1}"
 
 
@@ -883,7 +885,7 @@ def test_udp_socket_that_sent_before_endpoints_existed_gets_answers(
             message=lambda: f"udp {vips[family]} never refused\n{diagnostics(env)}",
         )
         t_add = write_slice_now(env, agent_ns, "late", on(env, "b1", "b2"), family)
-        seen = watch.wait_for(first_answer(t_add), UDP_SWITCH_LIMIT + 3.0)
+        seen = watch.wait_for(first_answer(t_add), UDP_SWITCH_WAIT)
     finally:
         watch.stop()
     before = {w for t, w in watch.events if t < t_add}
@@ -893,7 +895,6 @@ def test_udp_socket_that_sent_before_endpoints_existed_gets_answers(
         f"{watch.since(t_add)[:10]}\n{diagnostics(env)}"
     )
     print(f"\nUDP socket, 0 -> 2 endpoints: answered after {(seen - t_add) * 1000:.0f} ms")
-    assert seen - t_add < UDP_SWITCH_LIMIT, f"answered only after {seen - t_add:.2f}s"
 
 
 # ---- switching modes -----------------------------------------------------------------------------

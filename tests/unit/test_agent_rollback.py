@@ -304,3 +304,49 @@ def test_the_node_state_reports_the_generation_synced_and_the_rollback(tmp_path:
     asyncio.run(roll_back())
     facts = agent.node_facts()
     assert facts.mode == "iptables" and facts.rolled_back.startswith("nftables never synced")
+
+
+def test_a_rollback_that_itself_fails_keeps_the_mode_says_why_and_is_not_tried_again(
+    tmp_path: Path,
+) -> None:
+    """The rollback mode's backend cannot be made (say its kernel module is missing): the agent
+    keeps the failed mode and its backend (which goes on retrying), is not Ready for good with
+    both failures named, and does not try the rollback again."""
+    import time
+
+    from kpx_agent.agent import Agent
+
+    path = tmp_path / "config.yaml"
+    path.write_text("mode: nftables\nrollback:\n  mode: iptables\n  progressDeadlineSeconds: 10\n")
+    settings = settings_mod.resolve(settings_mod.load("nftables", path))
+    tries: list[str] = []
+
+    def backend_for(s: settings_mod.AgentSettings) -> _Backend:
+        tries.append(s.mode)
+        raise OSError("iptables-nft: module ip_tables not found")
+
+    nftables = _Backend("nftables", settings.proxy)
+    agent = Agent(
+        settings, "n1", _Client(), nftables,  # type: ignore[arg-type]
+        config_path=path, backend_for=backend_for,
+    )  # type: ignore[arg-type]  # fmt: skip
+
+    async def scenario() -> None:
+        agent._last_error = "nft: Operation not permitted"
+        agent._started = time.monotonic() - 10
+        assert agent._rollback_left() == 0.0
+        assert not await agent._roll_back()
+        assert not await agent._roll_back()  # not again
+
+    asyncio.run(scenario())
+    assert tries == ["iptables"]
+    assert agent.backend is nftables and agent.proxier.backend is nftables
+    assert agent.settings.mode == "nftables"
+    assert agent.rolled_back == (
+        "nftables never synced and rolling back to iptables failed: "
+        "iptables-nft: module ip_tables not found"
+    )
+    code, body = agent.health.readyz()
+    assert code == 503 and "rolling back to iptables failed" in str(body["notReady"])
+    assert agent.metrics.registry.get_sample_value(
+        "kpx_rolled_back", {"mode": "nftables", "to": "iptables"}) in (None, 0.0)  # fmt: skip

@@ -351,6 +351,44 @@ def test_exec_plugin_missing_gives_the_install_hint(tmp_path: Path) -> None:
     assert err.value.status == 0
 
 
+def exec_kubeconfig(tmp_path: Path, script: str) -> Path:
+    """A kubeconfig whose user runs `script` with this Python as its exec plugin."""
+    config = doc(users=[{"name": "alice", "user": {"exec": {
+        "apiVersion": V1, "command": sys.executable, "args": ["-c", script],
+        "interactiveMode": "Never"}}}],
+        clusters=[{"name": "one", "cluster": {"server": "https://one"}}])  # fmt: skip
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_an_exec_plugin_that_hangs_is_killed_and_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plugin past its time (60 s; 1 s here) is killed, and the error names the user's exec
+    and the time, instead of the agent waiting for it for good."""
+    from kpx_kube import exec_plugin
+
+    monkeypatch.setattr(exec_plugin, "RUN_TIMEOUT", 1.0)
+    pid_file = tmp_path / "plugin.pid"
+    script = (
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(300)"
+    )
+    creds = from_kubeconfig(exec_kubeconfig(tmp_path, script))
+    with pytest.raises(ExecPluginError, match=r"users\[alice\]\.user\.exec: .* took more than 1 s"):
+        asyncio.run(creds.auth())
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # killed and reaped, not left sleeping
+        os.kill(pid, 0)
+
+
+def test_an_exec_plugin_that_fails_gives_its_exit_code_and_stderr(tmp_path: Path) -> None:
+    script = "import sys; sys.stderr.write('no cloud login'); sys.exit(3)"
+    creds = from_kubeconfig(exec_kubeconfig(tmp_path, script))
+    with pytest.raises(ExecPluginError, match=r"exited with 3: no cloud login"):
+        asyncio.run(creds.auth())
+
+
 # -- key material ----------------------------------------------------------------------------------
 
 

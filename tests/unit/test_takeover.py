@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Callable
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -16,6 +17,15 @@ from kpx_agent.takeover import Draining, Leftover, LeftoverRemoval, other_mode_l
 
 def sample(registry: CollectorRegistry, name: str, leftovers: str) -> float | None:
     return registry.get_sample_value(name, {"leftovers": leftovers})
+
+
+async def until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Wait for `condition`, however busy the machine (a behaviour, not a deadline: the
+    timeout only ends a test that would otherwise hang)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.005)
 
 
 class StubMode:
@@ -93,11 +103,13 @@ def test_nothing_is_removed_before_the_first_verified_sync() -> None:
             [Leftover("iptables", "iptables rules", lambda: removed.append("iptables"))], registry
         )
         task = asyncio.create_task(removal.run(verified))
-        await asyncio.sleep(0.05)
+        pending = lambda: sample(registry, "kpx_leftovers_pending", "iptables") == 1  # noqa: E731
+        await until(pending, "the leftovers counted as pending")
+        await asyncio.sleep(0)  # the removal runs up to its wait for the verified sync
         assert removed == []  # the agent's own rules are not in yet
-        assert sample(registry, "kpx_leftovers_pending", "iptables") == 1
+        assert not task.done()
         verified.set()
-        await asyncio.wait_for(task, 2)
+        await asyncio.wait_for(task, 30)
 
     asyncio.run(scenario())
     assert removed == ["iptables"]
@@ -123,7 +135,7 @@ def test_a_failed_removal_is_counted_reported_and_retried() -> None:
         other = Leftover("ipvs", "ipvs rules", lambda: None)
         removal = LeftoverRemoval([Leftover("iptables", "iptables rules", flaky), other],
                                   registry, report, first_delay=0.01)  # fmt: skip
-        await asyncio.wait_for(removal.run(verified), 2)
+        await asyncio.wait_for(removal.run(verified), 30)
 
     asyncio.run(scenario())
     assert len(attempts) == 3
@@ -141,7 +153,10 @@ def test_a_precondition_holds_the_removal_back_until_it_holds() -> None:
     reports: list[str] = []
     registry = CollectorRegistry()
 
+    polls: list[bool] = []
+
     async def ready() -> bool:
+        polls.append(gone["kube-proxy"])
         return gone["kube-proxy"]
 
     async def report(type_: str, reason: str, message: str) -> None:
@@ -158,10 +173,10 @@ def test_a_precondition_holds_the_removal_back_until_it_holds() -> None:
         verified.set()
         removal = LeftoverRemoval([leftover], registry, report, poll=0.01)
         task = asyncio.create_task(removal.run(verified))
-        await asyncio.sleep(0.1)
+        await until(lambda: len(polls) >= 3, "the precondition asked three times")
         assert removed == [] and not task.done()
         gone["kube-proxy"] = True
-        await asyncio.wait_for(task, 2)
+        await asyncio.wait_for(task, 30)
 
     asyncio.run(scenario())
     assert removed == ["kube-proxy"]
@@ -176,11 +191,18 @@ def test_a_proxy_that_comes_back_and_leaves_again_has_its_rules_removed_again() 
     reports: list[tuple[str, str]] = []
     registry = CollectorRegistry()
 
+    polls: list[bool] = []
+
     async def ready() -> bool:
+        polls.append(gone["kube-proxy"])
         return gone["kube-proxy"]
 
     async def report(type_: str, reason: str, message: str) -> None:
         reports.append((reason, message))
+
+    async def polled(times: int) -> None:
+        asked = len(polls) + times
+        await until(lambda: len(polls) >= asked, f"the precondition asked {times} more times")
 
     leftover = Leftover(
         "kube-proxy", "upstream's rules", lambda: removed.append("kube-proxy"), ready,
@@ -194,18 +216,19 @@ def test_a_proxy_that_comes_back_and_leaves_again_has_its_rules_removed_again() 
         verified.set()
         removal = LeftoverRemoval([leftover], registry, report, poll=0.01, watch_poll=0.01)
         task = asyncio.create_task(removal.run(verified))
-        await asyncio.sleep(0.1)
+        await until(lambda: removed == ["kube-proxy"], "the rules removed once")
+        await polled(3)
         assert removed == ["kube-proxy"] and not task.done()  # removed once, still watching
         assert sample(registry, "kpx_leftovers_pending", "kube-proxy") == 0
         gone["kube-proxy"] = False  # back
-        await asyncio.sleep(0.1)
+        await until(lambda: len(reports) == 2, "its return reported")
+        await polled(3)
         assert removed == ["kube-proxy"]  # never while it runs
         assert [r for r, _ in reports] == ["KubeProxyRulesRemoved", "WaitingForKubeProxy"]
         gone["kube-proxy"] = True  # left again
-        await asyncio.sleep(0.1)
-        assert removed == ["kube-proxy", "kube-proxy"]
+        await until(lambda: len(removed) == 2, "the rules removed again")
         assert sample(registry, "kpx_leftovers_pending", "kube-proxy") == 0
-        await asyncio.sleep(0.1)
+        await polled(3)
         assert removed == ["kube-proxy", "kube-proxy"]  # not again while it stays away
         task.cancel()
 
@@ -232,7 +255,7 @@ def test_a_precondition_that_cannot_be_checked_is_retried() -> None:
         verified.set()
         removal = LeftoverRemoval([Leftover("kube-proxy", "x", lambda: None, ready)], registry,
                                   first_delay=0.01)  # fmt: skip
-        await asyncio.wait_for(removal.run(verified), 2)
+        await asyncio.wait_for(removal.run(verified), 30)
         assert not removal.pending
 
     asyncio.run(scenario())
@@ -302,12 +325,15 @@ def test_a_draining_removal_is_retried_without_failing_or_holding_readiness() ->
     removal says so (Draining), which is no failure, is reported once, does not hold the
     agent's readiness during a switch, and is tried again until it completes."""
     left = {"connections": 2}
+    tries: list[int] = []
     reports: list[tuple[str, str]] = []
     registry = CollectorRegistry()
 
     def remove() -> None:
+        tries.append(left["connections"])
         if left["connections"]:
-            left["connections"] -= 1
+            if len(tries) > 1:  # the first connection ends after the test has looked
+                left["connections"] -= 1
             raise Draining("1 of kpx's IPVS virtual servers still carry connections")
 
     async def report(type_: str, reason: str, message: str) -> None:
@@ -319,9 +345,9 @@ def test_a_draining_removal_is_retried_without_failing_or_holding_readiness() ->
         removal = LeftoverRemoval([Leftover("ipvs", "the rules of kpx mode ipvs", remove)],
                                   registry, report, drain_poll=0.05)  # fmt: skip
         task = asyncio.create_task(removal.run(verified))
-        await asyncio.sleep(0.02)
+        await until(lambda: len(tries) == 1, "a first removal that drains")
         assert "ipvs" in removal.pending and removal.blocking({"ipvs"}) == ""
-        await asyncio.wait_for(task, 2)
+        await asyncio.wait_for(task, 30)
         return removal
 
     removal = asyncio.run(scenario())
