@@ -11,8 +11,9 @@ from backend_samples import NODE, SETTINGS, sample_state
 
 from kpx_agent.backends.iptables import names as ipt
 from kpx_agent.backends.iptables.rules import port_rules
+from kpx_agent.backends.kernel.names import NFT_TABLE
+from kpx_agent.backends.kernel.nft_transaction import table_text
 from kpx_agent.backends.nftables.ruleset import base_table
-from kpx_agent.backends.nftables.transaction import table_text
 from kpx_agent.detect_local import NOTHING_LOCAL, LocalPods, local_pods
 from kpx_agent.localnet import DetectLocal, DetectLocalMode, NodeInfo, ProxySettings
 from kpx_agent.node_local import node_facts
@@ -67,7 +68,7 @@ def test_each_mode_renders_its_match_in_both_backends(
     ipt_is: str,
 ) -> None:
     assert local_pods(cfg, node, family) == local
-    table = table_text(base_table(cfg, node_facts(cfg, node)[family]))
+    table = table_text(base_table(cfg, node_facts(cfg, node)[family]), NFT_TABLE)
     assert f"@cluster-ips {nft} meta mark set" in table
     # The short circuit of traffic from local pods, first among the short-circuit rules.
     assert f"{nft.replace('!= ', '')} ip daddr . meta l4proto . th dport vmap" in table
@@ -91,7 +92,7 @@ def test_nothing_to_match_means_nothing_is_local(cfg: ProxySettings, node: NodeI
     """Upstream's no-op detector: no off-cluster masquerade, no pod short circuit; traffic
     from the node itself is still short-circuited (and masqueraded)."""
     assert local_pods(cfg, node, 4) is NOTHING_LOCAL
-    table = table_text(base_table(cfg, node_facts(cfg, node)[4]))
+    table = table_text(base_table(cfg, node_facts(cfg, node)[4]), NFT_TABLE)
     assert "saddr" not in table.split("chain services {")[1].split("}")[0].replace("fib saddr", "")
     assert "fib saddr type local ip daddr . meta l4proto . th dport vmap @short-circuit" in table
     local_etp = next(sp for sp in sample_state().services.values() if sp.key.name == "local")

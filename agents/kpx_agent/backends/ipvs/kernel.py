@@ -12,12 +12,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+from ..kernel.names import IPVS_TABLE, NFT_FAMILIES
 from . import wire
 from .batch import NETLINK_ROUTE, Chunker, RawNetlink, describe_errors
 from .model import PROTOCOLS, VirtualKey, VirtualServer
 
 DUMMY = "kube-ipvs0"
-TABLE = "kpx-ipvs"
+TABLE = IPVS_TABLE
 #: IP_VS_CONN_F_MASQ: NAT (pyroute2's IPVSDest defaults to 3, direct routing).
 FWD_NAT = 0
 #: An IPv6 virtual server's netmask is a prefix length (128) in a host-order u32, as ipvsadm
@@ -268,7 +269,7 @@ def run_nft(script: str) -> None:
 
 
 def delete_tables() -> None:
-    for family in ("ip", "ip6"):
+    for family in NFT_FAMILIES.values():
         subprocess.run(["nft", "delete", "table", family, TABLE], capture_output=True,
                        check=False)  # fmt: skip
 

@@ -1,0 +1,13 @@
+"""The mode-neutral kernel toolkit: what every mode (and the agent's conntrack edge) speaks to
+the kernel in, defined once.
+
+- `names`: every kernel object kpx creates or removes by name (nftables tables and their
+  family keywords, the ipvs helper table);
+- `netlink`: netlink framing (header, attributes, messages, acknowledgements; errors as
+  positive errno values);
+- `nft`: the nftables vocabulary (field kinds, typed elements, `SetDecl`) and a typed
+  transaction `Op`.
+
+Nothing here decides anything about Services or the node: it is the vocabulary, never the
+policy. Any mode may import it; it imports no mode.
+"""
