@@ -40,6 +40,7 @@ from kpx_agent.localnet import (
     ServicePort,
     ServicePortKey,
 )
+from kpx_agent.node_local import local_state, node_facts
 
 NODE = NodeInfo("n1", (IP.of("192.168.0.1"), IP.of("10.1.0.1")))
 SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))
@@ -92,8 +93,8 @@ def test_node_port_addresses_scheduler_and_local_policies() -> None:
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        (SETTINGS, "ip saddr != { 10.244.0.0/16 } meta mark set meta mark | 0x4000"),
-        (ProxySettings(masquerade_all=True), "@cluster-ips meta mark set meta mark | 0x4000"),
+        (SETTINGS, "ip saddr != { 10.244.0.0/16 } meta mark set meta mark | 0x00004000"),
+        (ProxySettings(masquerade_all=True), "@cluster-ips meta mark set meta mark | 0x00004000"),
         (ProxySettings(detect_local=DetectLocal(DetectLocalMode.BRIDGE_INTERFACE, "cbr0")),
          'iifname != "cbr0" meta mark'),
         (ProxySettings(detect_local=DetectLocal(DetectLocalMode.INTERFACE_NAME_PREFIX, "veth")),
@@ -106,9 +107,10 @@ def test_node_port_addresses_scheduler_and_local_policies() -> None:
 def test_helper_table_masquerades_what_is_not_from_a_local_pod(
     settings: ProxySettings, match: str
 ) -> None:
-    text = base_table(4, settings, NODE, {CLUSTER_IPS: [(4, "10.96.0.10", "tcp", 80)]})
+    text = base_table(settings, node_facts(settings, NODE)[4],
+                      {CLUSTER_IPS: [(4, "10.96.0.10", "tcp", 80)]})  # fmt: skip
     assert match in text
-    assert "meta mark & 0x4000 == 0x4000 masquerade" in text
+    assert "meta mark & 0x00004000 == 0x00004000 masquerade" in text
     assert "add element ip kpx-ipvs cluster-ips { 10.96.0.10 . tcp . 80 }" in text
 
 
@@ -131,13 +133,14 @@ def test_spec_ipvs_masquerade_all_and_bit_reach_the_helper_table(masquerade_all:
     )
     proxy = settings_mod.resolve(config).proxy
     assert (proxy.masquerade_all, proxy.masquerade_mark) == (masquerade_all, 0x8)
-    text = base_table(4, proxy, NODE, {CLUSTER_IPS: [(4, "10.96.0.10", "tcp", 80)]})
-    everything = "ip daddr . meta l4proto . th dport @cluster-ips meta mark set meta mark | 0x8\n"
-    assert (everything in text) is masquerade_all
-    assert ("ip saddr != { 10.244.0.0/16 } meta mark set meta mark | 0x8" in text) is not (
-        masquerade_all
+    text = base_table(
+        proxy, node_facts(proxy, NODE)[4], {CLUSTER_IPS: [(4, "10.96.0.10", "tcp", 80)]}
     )
-    assert "meta mark & 0x8 == 0x8 masquerade" in text
+    mark = "meta mark set meta mark | 0x00000008"
+    everything = f"ip daddr . meta l4proto . th dport @cluster-ips {mark}\n"
+    assert (everything in text) is masquerade_all
+    assert (f"ip saddr != {{ 10.244.0.0/16 }} {mark}" in text) is not masquerade_all
+    assert "meta mark & 0x00000008 == 0x00000008 masquerade" in text
 
 
 def test_load_balancer_source_ranges_let_only_their_sources_through() -> None:
@@ -151,7 +154,8 @@ def test_load_balancer_source_ranges_let_only_their_sources_through() -> None:
     assert plan.firewall == {vip: (ip_network("10.0.0.0/8"),)}
     allowed = allowed_elements(vip, plan.firewall.values())
     assert allowed == {(4, "192.0.2.21", "tcp", 80, "10.0.0.0/8")}
-    text = base_table(4, SETTINGS, NODE, {**plan.elements, FIREWALL_ALLOW: allowed})
+    text = base_table(SETTINGS, node_facts(SETTINGS, NODE)[4],
+                      {**plan.elements, FIREWALL_ALLOW: allowed})  # fmt: skip
     assert "add element ip kpx-ipvs firewall-allow { 192.0.2.21 . tcp . 80 . 10.0.0.0/8 }" in text
     assert (
         "@firewall-ips ip daddr . meta l4proto . th dport . ip saddr != @firewall-allow drop"
@@ -246,7 +250,7 @@ def backend_for(fake: FakeIpvs) -> IpvsBackend:
 
 
 def state(*ports: ServicePort) -> NodeLocalState:
-    return NodeLocalState(NODE, {p.key: p for p in ports})
+    return local_state(NODE, SETTINGS, ports)
 
 
 DNS = ServicePort(key("dns", Protocol.UDP), 53, cluster_ips=(IP.of("10.96.0.10"),),

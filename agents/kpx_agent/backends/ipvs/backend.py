@@ -39,7 +39,7 @@ from .model import (
     excluded,
     plan_port,
 )
-from .ruleset import base_table, element_lines
+from .ruleset import element_changes, full_sync
 
 log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
@@ -159,7 +159,9 @@ class IpvsBackend(Backend):
         kernel.bind([(True, f, a) for f, a in bound.keys() - have_bound]
                     + [(False, f, a) for f, a in have_bound - bound.keys()])  # fmt: skip
         # The helper table, swapped in one transaction per family.
-        _run_per_family({f: base_table(f, self.settings, state.node, elements) for f in FAMILIES})
+        _run_per_family(
+            {f: full_sync(self.settings, state.facts[f], elements).render() for f in FAMILIES}
+        )
         self._plans, self._bound, self._elements = plans, bound, elements
         self._firewall = firewall
         self._node = state.node
@@ -241,12 +243,8 @@ class IpvsBackend(Backend):
                 adds.setdefault(FIREWALL_ALLOW, set()).update(now - was)
         if bind:
             kernel.bind(bind)
-        scripts: dict[int, str] = {}
-        for family in FAMILIES:
-            lines = element_lines("delete", family, deletes) + element_lines("add", family, adds)
-            if lines:
-                scripts[family] = "\n".join(lines) + "\n"
-        _run_per_family(scripts)
+        changes = {family: element_changes(family, deletes, adds) for family in FAMILIES}
+        _run_per_family({family: txn.render() for family, txn in changes.items() if txn})
 
     # ---- virtual and real servers ---------------------------------------------------------------
 
