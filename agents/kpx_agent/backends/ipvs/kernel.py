@@ -12,12 +12,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from ..kernel.names import IPVS_TABLE, NFT_FAMILIES
+from ..kernel.names import IPVS_DUMMY, IPVS_TABLE, NFT_FAMILIES
 from . import wire
 from .batch import NETLINK_ROUTE, Chunker, RawNetlink, describe_errors
 from .model import PROTOCOLS, VirtualKey, VirtualServer
 
-DUMMY = "kube-ipvs0"
+DUMMY = IPVS_DUMMY
 TABLE = IPVS_TABLE
 #: IP_VS_CONN_F_MASQ: NAT (pyroute2's IPVSDest defaults to 3, direct routing).
 FWD_NAT = 0

@@ -12,3 +12,6 @@ NFT_ADDR_TYPE: dict[int, str] = {4: "ipv4_addr", 6: "ipv6_addr"}
 NFT_TABLE = "kpx"
 #: The ipvs mode's helper nftables table (one per family): masquerade and drops IPVS cannot say.
 IPVS_TABLE = "kpx-ipvs"
+#: The ipvs mode's dummy interface, holding the addresses of its virtual servers (the name
+#: upstream kube-proxy's ipvs mode uses too).
+IPVS_DUMMY = "kube-ipvs0"
