@@ -13,7 +13,9 @@ deletion is not deleted (the kernel answers ENOENT).
 
 Decoding keeps offsets and raw addresses (network-order bytes): about 17 us per entry here,
 so a table of 100,000 entries is read in under 2 s (the cleanup's 30 s budget bounds larger
-ones). Message layout: include/uapi/linux/netfilter/nfnetlink_conntrack.h. Every nested attribute
+ones). Netlink framing (header, attributes, acks, errors as positive errno) is the kernel
+toolkit's (`backends/kernel/netlink.py`). Message layout:
+include/uapi/linux/netfilter/nfnetlink_conntrack.h. Every nested attribute
 carries NLA_F_NESTED; addresses are in network order, ports, status, id and zone big-endian.
 """
 

@@ -5,8 +5,9 @@ the kernel in, defined once.
   family keywords, the ipvs helper table);
 - `netlink`: netlink framing (header, attributes, messages, acknowledgements; errors as
   positive errno values);
-- `nft`: the nftables vocabulary (field kinds, typed elements, `SetDecl`) and a typed
-  transaction `Op`.
+- `nft_schema`: the nftables vocabulary's data (field kinds, typed elements, `SetDecl`,
+  `ChainDecl`); `nft_rules`: typed rules and their one nft text serializer;
+  `nft_transaction`: a typed transaction (`Op`, one class per operation) and its nft text.
 
 Nothing here decides anything about Services or the node: it is the vocabulary, never the
 policy. Any mode may import it; it imports no mode.
