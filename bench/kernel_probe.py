@@ -39,13 +39,13 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-NETLINK_NETFILTER = 12
+from kpx_agent.backends.kernel import netlink as nl
+from kpx_agent.backends.kernel.names import NFT_FAMILIES
+
 NFNL_SUBSYS_NFTABLES = 10
 NFT_MSG_GETRULE = 7
 NFT_MSG_GETSETELEM = 13
-NLM_F_REQUEST, NLM_F_ACK, NLM_F_DUMP = 0x1, 0x4, 0x300
-NLMSG_ERROR, NLMSG_DONE = 2, 3
-FAMILIES = {"ip": 2, "ip6": 10}
+FAMILIES = {NFT_FAMILIES[4]: socket.AF_INET, NFT_FAMILIES[6]: socket.AF_INET6}
 
 NFTA_RULE_TABLE, NFTA_RULE_CHAIN, NFTA_RULE_EXPRESSIONS = 1, 2, 4
 NFTA_LIST_ELEM = 1
@@ -63,10 +63,7 @@ NFT_REG_VERDICT = 0
 NFT_REG32_00 = 8
 NF_NAT_RANGE_MAP_IPS, NF_NAT_RANGE_PROTO_SPECIFIED = 1, 2
 MAX_DEPTH = 4  # KUBE-SERVICES -> KUBE-SVC -> KUBE-SEP is two jumps
-NLA_F_NESTED = 0x8000
 IPPROTO_TCP = 6
-_HDR = struct.Struct("=IHHII")
-_ATTR = struct.Struct("=HH")
 _BE32 = struct.Struct("!I")
 _BE32S = struct.Struct("!i")
 
@@ -75,18 +72,10 @@ _BE32S = struct.Struct("!i")
 
 
 def _attr(kind: int, payload: bytes, nested: bool = False) -> bytes:
-    head = _ATTR.pack(_ATTR.size + len(payload), kind | (NLA_F_NESTED if nested else 0))
-    return head + payload + b"\0" * (-len(payload) % 4)
+    return nl.nested(kind, payload) if nested else nl.attr(kind, payload)
 
 
-def _attrs(data: bytes) -> Iterator[tuple[int, bytes]]:
-    pos = 0
-    while pos + _ATTR.size <= len(data):
-        length, kind = _ATTR.unpack_from(data, pos)
-        if length < _ATTR.size:
-            return
-        yield kind & ~NLA_F_NESTED, data[pos + _ATTR.size : pos + length]
-        pos += (length + 3) & ~3
+_attrs = nl.attributes
 
 
 def _reg(value: bytes) -> bytes:
@@ -237,7 +226,7 @@ def map_endpoint(data: bytes, addr_off: int, port_off: int | None) -> str:
 
 class Netlink:
     def __init__(self) -> None:
-        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
+        self.sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, nl.NETLINK_NETFILTER)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         self.sock.bind((0, 0))
         self.seq = itertools.count(1)
@@ -246,40 +235,34 @@ class Netlink:
         """Send one nftables request; yield each answer's payload (after nfgenmsg) until the
         ack or DONE. Raises OSError with the kernel's errno on a negative acknowledgement."""
         seq = next(self.seq)
-        body = struct.pack("=BBH", FAMILIES[family], 0, 0) + attrs
         kind = (NFNL_SUBSYS_NFTABLES << 8) | msg
-        self.sock.send(_HDR.pack(_HDR.size + len(body), kind, NLM_F_REQUEST | flags, seq, 0) + body)
+        flags |= nl.NLM_F_REQUEST
+        self.sock.send(nl.nfnl_message(kind, flags, seq, FAMILIES[family], attrs))
         while True:
-            data = self.sock.recv(1 << 20)
-            pos = 0
-            while pos + _HDR.size <= len(data):
-                length, mtype, _flags, mseq, _pid = _HDR.unpack_from(data, pos)
-                payload = data[pos + _HDR.size : pos + length]
-                pos += (length + 3) & ~3
-                if mseq != seq:
+            for message in nl.messages(self.sock.recv(1 << 20)):
+                if message.seq != seq:
                     continue
-                if mtype == NLMSG_DONE:
+                if message.kind == nl.NLMSG_DONE:
                     return
-                if mtype == NLMSG_ERROR:
-                    code = -struct.unpack_from("=i", payload)[0]
-                    if code:
+                if message.kind == nl.NLMSG_ERROR:
+                    if code := nl.error_of(message):
                         raise OSError(code, errno.errorcode.get(code, str(code)))
                     return
-                yield payload[4:]
+                yield message.body[nl.NFGEN.size :]
 
     def rules(self, family: str, table: str, chain: str) -> list[bytes]:
         """The rules of one chain (a dump the kernel filters by table and chain)."""
         attrs = _attr(NFTA_RULE_TABLE, table.encode() + b"\0")
         attrs += _attr(NFTA_RULE_CHAIN, chain.encode() + b"\0")
         try:
-            return list(self.request(NFT_MSG_GETRULE, family, NLM_F_DUMP, attrs))
+            return list(self.request(NFT_MSG_GETRULE, family, nl.NLM_F_DUMP, attrs))
         except OSError as exc:
             if exc.errno == errno.ENOENT:
                 return []
             raise
 
     def elements(
-        self, family: str, table: str, set_name: str, extra: bytes = b"", flags: int = NLM_F_DUMP
+        self, family: str, table: str, set_name: str, extra: bytes = b"", flags: int = nl.NLM_F_DUMP
     ) -> Iterator[tuple[bytes, bytes | Verdict]]:
         """(key, data) of each element of a set or map (data b'' for sets)."""
         attrs = _attr(NFTA_SET_ELEM_LIST_TABLE, table.encode() + b"\0")
@@ -349,7 +332,7 @@ class Netlink:
             NFTA_SET_ELEM_LIST_ELEMENTS, _attr(NFTA_LIST_ELEM, elem, nested=True), nested=True
         )
         try:
-            found = list(self.elements("ip", table, set_name, extra, NLM_F_ACK))
+            found = list(self.elements("ip", table, set_name, extra, nl.NLM_F_ACK))
         except OSError as exc:
             if exc.errno == errno.ENOENT:
                 return "-"

@@ -13,7 +13,9 @@ deletion is not deleted (the kernel answers ENOENT).
 
 Decoding keeps offsets and raw addresses (network-order bytes): about 17 us per entry here,
 so a table of 100,000 entries is read in under 2 s (the cleanup's 30 s budget bounds larger
-ones). Message layout: include/uapi/linux/netfilter/nfnetlink_conntrack.h. Every nested attribute
+ones). Netlink framing (header, attributes, acks, errors as positive errno) is the kernel
+toolkit's (`backends/kernel/netlink.py`). Message layout:
+include/uapi/linux/netfilter/nfnetlink_conntrack.h. Every nested attribute
 carries NLA_F_NESTED; addresses are in network order, ports, status, id and zone big-endian.
 """
 
@@ -21,23 +23,32 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-NETLINK_NETFILTER = 12
+from .backends.kernel.netlink import (
+    NETLINK_NETFILTER,
+    NFGEN,
+    NLM_F_ACK,
+    NLM_F_DUMP,
+    NLM_F_DUMP_INTR,
+    NLM_F_MULTI,
+    NLM_F_REQUEST,
+    NLMSG_DONE,
+    NLMSG_ERROR,
+    Span,
+    WireError,
+    attr,
+    attribute_spans,
+    error_of,
+    messages,
+    nested,
+    nfnl_message,
+)
+
 NFNL_SUBSYS_CTNETLINK = 1
 IPCTNL_MSG_CT_NEW = 0
 IPCTNL_MSG_CT_GET = 1
 IPCTNL_MSG_CT_DELETE = 2
-NLMSG_ERROR = 2
-NLMSG_DONE = 3
-NLM_F_REQUEST = 0x1
-NLM_F_MULTI = 0x2
-NLM_F_ACK = 0x4
-NLM_F_DUMP_INTR = 0x10
-NLM_F_DUMP = 0x300
-NLA_F_NESTED = 0x8000
-NLA_TYPE_MASK = 0x3FFF
 #: enum ctattr_type.
 CTA_TUPLE_ORIG, CTA_TUPLE_REPLY, CTA_STATUS, CTA_ID, CTA_ZONE = 1, 2, 3, 12, 18
 #: enum ctattr_tuple, ctattr_ip, ctattr_l4proto.
@@ -53,12 +64,14 @@ AF = {4: socket.AF_INET, 6: socket.AF_INET6}
 _FAMILY_OF_AF: dict[int, int] = {int(af): family for family, af in AF.items()}
 _ADDRESS_BYTES = {4: 4, 6: 16}
 _SOURCE, _DEST = {4: CTA_IP_V4_SRC, 6: CTA_IP_V6_SRC}, {4: CTA_IP_V4_DST, 6: CTA_IP_V6_DST}
-_HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, seq, port id
-_NFGEN = struct.Struct("=BBH")  # nfgenmsg: family, version, res_id (big-endian, 0 here)
-
-
-class WireError(ValueError):
-    """An answer that is not what ctnetlink sends: says which part and why."""
+__all__ = [
+    "NETLINK_NETFILTER",
+    "NLMSG_DONE",
+    "NLMSG_ERROR",
+    "NLM_F_DUMP_INTR",
+    "NLM_F_MULTI",
+    "WireError",
+]
 
 
 class KernelError(OSError):
@@ -104,19 +117,8 @@ class DumpPart:
 # -- encoding ---------------------------------------------------------------------------------
 
 
-def _attr(kind: int, payload: bytes) -> bytes:
-    length = 4 + len(payload)
-    return struct.pack("=HH", length, kind) + payload + b"\0" * (-length % 4)
-
-
-def _nested(kind: int, payload: bytes) -> bytes:
-    return _attr(NLA_F_NESTED | kind, payload)
-
-
 def _message(msg: int, flags: int, seq: int, family: int, payload: bytes) -> bytes:
-    body = _NFGEN.pack(AF[family], 0, 0) + payload
-    kind = (NFNL_SUBSYS_CTNETLINK << 8) | msg
-    return _HEADER.pack(_HEADER.size + len(body), kind, flags, seq, 0) + body
+    return nfnl_message((NFNL_SUBSYS_CTNETLINK << 8) | msg, flags, seq, AF[family], payload)
 
 
 def _family(family: int) -> int:
@@ -132,81 +134,31 @@ def dump_request(family: int, seq: int = 1) -> bytes:
 
 def tuple_attrs(family: int, t: Tuple) -> bytes:
     """A tuple's two nested attributes (CTA_TUPLE_IP, CTA_TUPLE_PROTO)."""
-    ip = _attr(_SOURCE[family], t.src) + _attr(_DEST[family], t.dst)
+    ip = attr(_SOURCE[family], t.src) + attr(_DEST[family], t.dst)
     proto = (
-        _attr(CTA_PROTO_NUM, bytes([t.proto]))
-        + _attr(CTA_PROTO_SRC_PORT, struct.pack(">H", t.src_port))
-        + _attr(CTA_PROTO_DST_PORT, struct.pack(">H", t.dst_port))
+        attr(CTA_PROTO_NUM, bytes([t.proto]))
+        + attr(CTA_PROTO_SRC_PORT, struct.pack(">H", t.src_port))
+        + attr(CTA_PROTO_DST_PORT, struct.pack(">H", t.dst_port))
     )
-    return _nested(CTA_TUPLE_IP, ip) + _nested(CTA_TUPLE_PROTO, proto)
+    return nested(CTA_TUPLE_IP, ip) + nested(CTA_TUPLE_PROTO, proto)
 
 
 def delete_request(entry: Entry, seq: int = 1) -> bytes:
     """Delete `entry` by its original tuple (and its id and zone, when it has them); the
     kernel acknowledges it (NLM_F_ACK)."""
     family = _family(entry.family)
-    payload = _nested(CTA_TUPLE_ORIG, tuple_attrs(family, entry.orig))
+    payload = nested(CTA_TUPLE_ORIG, tuple_attrs(family, entry.orig))
     if entry.id is not None:
-        payload += _attr(CTA_ID, struct.pack(">I", entry.id))
+        payload += attr(CTA_ID, struct.pack(">I", entry.id))
     if entry.zone:
-        payload += _attr(CTA_ZONE, struct.pack(">H", entry.zone))
+        payload += attr(CTA_ZONE, struct.pack(">H", entry.zone))
     return _message(IPCTNL_MSG_CT_DELETE, NLM_F_REQUEST | NLM_F_ACK, seq, family, payload)
 
 
 # -- decoding ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Message:
-    kind: int
-    flags: int
-    seq: int
-    body: bytes
-    offset: int
-
-
-def _messages(data: bytes) -> Iterator[_Message]:
-    offset = 0
-    while offset < len(data):
-        if len(data) - offset < _HEADER.size:
-            raise WireError(f"netlink message at byte {offset}: {len(data) - offset} bytes,"
-                            f" shorter than its {_HEADER.size}-byte header")  # fmt: skip
-        length, kind, flags, seq, _port = _HEADER.unpack_from(data, offset)
-        if length < _HEADER.size or offset + length > len(data):
-            raise WireError(f"netlink message at byte {offset}: length {length} does not fit"
-                            f" the {len(data) - offset} bytes left")  # fmt: skip
-        yield _Message(kind, flags, seq, data[offset + _HEADER.size : offset + length], offset)
-        offset += (length + 3) & ~3
-
-
-_ATTR = struct.Struct("=HH")
 _BE16, _BE32 = struct.Struct(">H"), struct.Struct(">I")
-Span = tuple[int, int]  # an attribute's payload: data[start:end]
-
-
-def _attributes(data: bytes, span: Span, where: str, part: str = "") -> dict[int, Span]:
-    """The attributes in data[span] by type (without flags): where each one's payload is.
-    Offsets, not copies: a dump holds many entries, each with a dozen attributes. Errors name
-    `where` + `part` (joined only then: this runs a few times per entry)."""
-    found: dict[int, Span] = {}
-    at, end = span
-    while at < end:
-        if end - at < 4:
-            raise WireError(f"{where}{part}: {end - at} stray bytes after the attributes")
-        length, kind = _ATTR.unpack_from(data, at)
-        if length < 4 or at + length > end:
-            raise WireError(f"{where}{part}: attribute {kind & NLA_TYPE_MASK} says length"
-                            f" {length}, {end - at} bytes left")  # fmt: skip
-        found[kind & NLA_TYPE_MASK] = (at + 4, at + length)
-        at += (length + 3) & ~3
-    return found
-
-
-def _error(msg: _Message, what: str) -> int:
-    if len(msg.body) < 4:
-        raise WireError(f"{what} at byte {msg.offset}: {len(msg.body)} bytes, no error code")
-    (error,) = struct.unpack_from("=i", msg.body, 0)
-    return -error
 
 
 def _fixed(span: Span, size: int, where: str, part: str) -> int:
@@ -218,9 +170,9 @@ def _fixed(span: Span, size: int, where: str, part: str) -> int:
 
 def _tuple(data: bytes, span: Span, family: int, entry: str, name: str) -> Tuple:
     where = entry + name  # one join per tuple
-    attrs = _attributes(data, span, where)
+    attrs = attribute_spans(data, span, where)
     ip, l4 = attrs.get(CTA_TUPLE_IP), attrs.get(CTA_TUPLE_PROTO)
-    ips = _attributes(data, ip, where, ".CTA_TUPLE_IP") if ip else {}
+    ips = attribute_spans(data, ip, where, ".CTA_TUPLE_IP") if ip else {}
     src, dst = ips.get(_SOURCE[family]), ips.get(_DEST[family])
     if src is None or dst is None:
         raise WireError(f"{where}: no IPv{family} source and destination address")
@@ -229,7 +181,7 @@ def _tuple(data: bytes, span: Span, family: int, entry: str, name: str) -> Tuple
     src_ip = data[at : at + size]
     at = _fixed(dst, size, where, ".CTA_TUPLE_IP.dst")
     dst_ip = data[at : at + size]
-    l4_attrs = _attributes(data, l4, where, ".CTA_TUPLE_PROTO") if l4 else {}
+    l4_attrs = attribute_spans(data, l4, where, ".CTA_TUPLE_PROTO") if l4 else {}
     num = l4_attrs.get(CTA_PROTO_NUM)
     if num is None:
         raise WireError(f"{where}: no protocol number (CTA_PROTO_NUM)")
@@ -247,12 +199,12 @@ def _tuple(data: bytes, span: Span, family: int, entry: str, name: str) -> Tuple
 
 def parse_entry(body: bytes, where: str = "entry") -> Entry:
     """One IPCTNL_MSG_CT_NEW message's body (nfgenmsg, then the attributes)."""
-    if len(body) < _NFGEN.size:
+    if len(body) < NFGEN.size:
         raise WireError(f"{where}: {len(body)} bytes, shorter than its nfgenmsg header")
     family = _FAMILY_OF_AF.get(body[0])
     if family is None:
         raise WireError(f"{where}: address family {body[0]}, neither AF_INET nor AF_INET6")
-    attrs = _attributes(body, (_NFGEN.size, len(body)), where)
+    attrs = attribute_spans(body, (NFGEN.size, len(body)), where)
     orig, reply = attrs.get(CTA_TUPLE_ORIG), attrs.get(CTA_TUPLE_REPLY)
     if orig is None or reply is None:
         raise WireError(f"{where}: no original and reply tuple")
@@ -274,14 +226,14 @@ def parse_dump(data: bytes) -> DumpPart:
     entries: list[Entry] = []
     done = interrupted = False
     new = (NFNL_SUBSYS_CTNETLINK << 8) | IPCTNL_MSG_CT_NEW
-    for msg in _messages(data):
+    for msg in messages(data):
         interrupted |= bool(msg.flags & NLM_F_DUMP_INTR)
         if msg.kind == NLMSG_ERROR:
-            if errno := _error(msg, "error answer"):
+            if errno := error_of(msg, "error answer"):
                 raise KernelError(errno, "the kernel refused the conntrack dump")
         elif msg.kind == NLMSG_DONE:
             # The done message carries the dump's own error code (0 when it went through).
-            if len(msg.body) >= 4 and (errno := _error(msg, "done message")):
+            if len(msg.body) >= 4 and (errno := error_of(msg, "done message")):
                 raise KernelError(errno, "the conntrack dump ended with an error")
             done = True
         elif msg.kind == new:
@@ -295,9 +247,9 @@ def parse_dump(data: bytes) -> DumpPart:
 def parse_ack(data: bytes) -> dict[int, int]:
     """The acknowledgements in one datagram: errno (0: done) by the request's sequence number."""
     acks: dict[int, int] = {}
-    for msg in _messages(data):
+    for msg in messages(data):
         if msg.kind != NLMSG_ERROR:
             raise WireError(f"message at byte {msg.offset}: type {msg.kind:#x}, not an"
                             " acknowledgement")  # fmt: skip
-        acks[msg.seq] = _error(msg, "acknowledgement")
+        acks[msg.seq] = error_of(msg, "acknowledgement")
     return acks

@@ -82,15 +82,14 @@ from ipaddress import ip_network as net
 from kpx_agent.localnet import *
 from kpx_agent.backends.ipvs import kernel
 from kpx_agent.backends.ipvs.backend import IpvsBackend
+from kpx_agent.backends.ipvs.fake import FakeKernel
+from kpx_agent.node_local import local_state
 ip = IP.of
 
-class NoIpvs:
-    def services(self): return []
-    def __getattr__(self, name): return lambda *args, **kw: {}
+class HelperTableOnly(FakeKernel):  # IPVS, sysctls and the dummy faked; the helper table real
+    def run_nft(self, transaction):
+        kernel.NodeKernel().run_nft(transaction)
 
-for name in ("write_sysctl", "set_timeouts", "ensure_dummy", "bind"):
-    setattr(kernel, name, lambda *args: None)
-kernel.bound_addresses = lambda: set()
 def port(name, vip, node_port, **kw):
     key = ServicePortKey("d", name, "", Protocol.TCP, 4)
     return ServicePort(key, 80, cluster_ips=(ip(vip),), node_port=node_port, **kw)
@@ -98,8 +97,8 @@ lb = {"load_balancer_ips": (ip("192.0.2.50"),)}
 a = port("a", "10.96.0.50", 30050, load_balancer_source_ranges=(net("10.0.0.0/8"),), **lb)
 b = port("b", "10.96.0.51", 30051, load_balancer_source_ranges=(net("10.244.0.0/16"),), **lb)
 c = port("c", "10.96.0.52", 30052)
-backend = IpvsBackend(ProxySettings(), ipvs_factory=NoIpvs)
-state = NodeLocalState(NodeInfo("n1", ()), {a.key: a})
+backend = IpvsBackend(ProxySettings(), HelperTableOnly())
+state = local_state(NodeInfo("n1", ()), ProxySettings(), [a])
 backend.sync(state, None)
 for later in (b, c):
     state.services[later.key] = later

@@ -26,6 +26,7 @@ import json, subprocess, sys
 from kpx_agent.backends.ipvs import kernel
 from kpx_agent.backends.ipvs.model import VirtualKey, plan_port
 from kpx_agent.backends.ipvs.ruleset import base_table
+from kpx_agent.node_local import node_facts
 from kpx_agent.backends.ipvs.leftover_removal import remove_kpx_ipvs_leftovers
 from kpx_agent.kube_proxy_takeover import kube_proxy_ipvs_mode_here
 from kpx_agent.localnet import *
@@ -56,7 +57,7 @@ if kpx:
     for p in plans:
         for name, members in p.elements.items():
             elements.setdefault(name, set()).update(members)
-    kernel.run_nft(base_table(4, settings, node, elements))
+    kernel.run_nft(base_table(settings, node_facts(settings, node)[4], elements))
 if kube_proxy:
     subprocess.run(["iptables-restore", "--noflush"], check=True, text=True,
                    input="*filter\\n:KUBE-IPVS-FILTER - [0:0]\\nCOMMIT\\n")

@@ -27,9 +27,22 @@ from packet_walk import Walk, every_outcome
 from semantics import Outcome, Packet
 
 from kpx_agent.backends.base import BackendError
+from kpx_agent.backends.kernel.nft_transaction import (
+    AddChain,
+    AddElements,
+    AddRule,
+    AddSet,
+    DeleteChain,
+    DeleteElements,
+    DeleteSet,
+    FlushChain,
+    Op,
+    ReplaceTable,
+    TableDef,
+    Transaction,
+)
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables import netlink_batch
-from kpx_agent.backends.nftables.ruleset import TableDef
 from kpx_agent.backends.nftables.schema import (
     Field,
     Goto,
@@ -39,7 +52,6 @@ from kpx_agent.backends.nftables.schema import (
     ValueKind,
     element_text,
 )
-from kpx_agent.backends.nftables.transaction import Op, Transaction
 from kpx_agent.localnet import IP, Protocol
 
 HOOKS = {
@@ -97,8 +109,8 @@ class FakeNftables:
             if txn.family in self.broken_families and txn.ops:
                 raise FakeError(f"family {txn.family}: refused (EOPNOTSUPP)")
             for op in txn.ops:
-                if op.kind == "add_elements":
-                    self._refused(op.args[1])  # type: ignore[arg-type]
+                if isinstance(op, AddElements):
+                    self._refused(list(op.pairs))
                 _apply(staged, txn.family, op)
         for table in staged.values():
             _check_rules(table)
@@ -206,52 +218,43 @@ def _table(tables: dict[int, FakeTable], family: int) -> FakeTable:
 
 
 def _apply(tables: dict[int, FakeTable], family: int, op: Op) -> None:
-    kind, args = op
-    if kind == "replace_table":
-        (definition,) = args
-        assert isinstance(definition, TableDef)
-        tables[family] = _define(definition)
+    if isinstance(op, ReplaceTable):
+        tables[family] = _define(op.table)
         return
     table = _table(tables, family)
-    if kind == "add_set":
-        (decl,) = args
-        assert isinstance(decl, SetDecl)
-        found = table.sets.get(decl.name)
-        if found is not None and found.decl != decl:
-            raise FakeError(f"set {decl.name} exists with another definition")
-        table.sets.setdefault(decl.name, FakeSet(decl))
-    elif kind == "add_chain":
-        table.chains.setdefault(str(args[0]), FakeChain())
-    elif kind == "flush_chain":
-        _chain(table, str(args[0])).rules.clear()
-    elif kind == "add_rule":
-        chain, rule = args
-        _chain(table, str(chain)).rules.append(str(rule))
-    elif kind == "delete_chain":
-        name = str(args[0])
-        _chain(table, name)
-        if _chain_users(table, name):
-            raise FakeError(f"chain {name} is still used (EBUSY)")
-        del table.chains[name]
-    elif kind == "delete_set":
-        name = str(args[0])
-        if name not in table.sets:
-            raise FakeError(f"set {name}: no such set (ENOENT)")
-        if any(f"@{name}" in rule.split() for c in table.chains.values() for rule in c.rules):
-            raise FakeError(f"set {name} is still used by a rule (EBUSY)")
-        del table.sets[name]
-    elif kind == "delete_elements":
-        set_name, keys = args
-        fake = _set(table, str(set_name))
-        for key in keys:  # type: ignore[attr-defined]
-            if key not in fake.elements:
-                raise FakeError(f"set {set_name}: no element {key} (ENOENT)")
-            del fake.elements[key]
-    elif kind == "add_elements":
-        set_name, pairs = args
-        _add_elements(table, str(set_name), list(pairs))  # type: ignore[call-overload]
-    else:
-        raise FakeError(f"unknown operation {kind}")
+    match op:
+        case AddSet(decl):
+            found = table.sets.get(decl.name)
+            if found is not None and found.decl != decl:
+                raise FakeError(f"set {decl.name} exists with another definition")
+            table.sets.setdefault(decl.name, FakeSet(decl))
+        case AddChain(name):
+            table.chains.setdefault(name, FakeChain())
+        case FlushChain(name):
+            _chain(table, name).rules.clear()
+        case AddRule(chain, rule):
+            _chain(table, chain).rules.append(str(rule))
+        case DeleteChain(name):
+            _chain(table, name)
+            if _chain_users(table, name):
+                raise FakeError(f"chain {name} is still used (EBUSY)")
+            del table.chains[name]
+        case DeleteSet(name):
+            if name not in table.sets:
+                raise FakeError(f"set {name}: no such set (ENOENT)")
+            if any(f"@{name}" in rule.split() for c in table.chains.values() for rule in c.rules):
+                raise FakeError(f"set {name} is still used by a rule (EBUSY)")
+            del table.sets[name]
+        case DeleteElements(set_name, keys):
+            fake = _set(table, set_name)
+            for key in keys:
+                if key not in fake.elements:
+                    raise FakeError(f"set {set_name}: no element {key} (ENOENT)")
+                del fake.elements[key]
+        case AddElements(set_name, pairs):
+            _add_elements(table, set_name, list(pairs))
+        case _:
+            raise FakeError(f"unknown operation {op!r}")
 
 
 def _define(definition: TableDef) -> FakeTable:

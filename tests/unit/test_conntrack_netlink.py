@@ -25,6 +25,7 @@ from test_proxier import endpoint_slice, service, setup
 
 from kpx_agent import conntrack
 from kpx_agent import conntrack_wire as wire
+from kpx_agent.backends.kernel import netlink as nl
 from kpx_agent.cluster_state import SERVICES, SLICES
 from kpx_agent.conntrack import FlowFilter
 from kpx_agent.conntrack_cleaner import ConntrackCleaner
@@ -215,21 +216,21 @@ def test_malformed_answers_are_wire_errors_naming_the_place(data: bytes, reason:
 def test_malformed_attributes_name_the_attribute() -> None:
     """Entries rebuilt by hand with one attribute wrong; the other tuple is a good one."""
     head = b"\x02\x00\x00\x00"  # nfgenmsg, AF_INET
-    reply = wire._nested(wire.CTA_TUPLE_REPLY, wire.tuple_attrs(4, udp(4, EP1, CLIENT, 53, 9)))
-    bad_ip = wire._nested(wire.CTA_TUPLE_IP, wire._attr(wire.CTA_IP_V4_SRC, b"\x0a\x00\x00")
-                          + wire._attr(wire.CTA_IP_V4_DST, ip(VIP).packed))  # fmt: skip
-    body = head + wire._nested(wire.CTA_TUPLE_ORIG, bad_ip) + reply
+    reply = nl.nested(wire.CTA_TUPLE_REPLY, wire.tuple_attrs(4, udp(4, EP1, CLIENT, 53, 9)))
+    bad_ip = nl.nested(wire.CTA_TUPLE_IP, nl.attr(wire.CTA_IP_V4_SRC, b"\x0a\x00\x00")
+                          + nl.attr(wire.CTA_IP_V4_DST, ip(VIP).packed))  # fmt: skip
+    body = head + nl.nested(wire.CTA_TUPLE_ORIG, bad_ip) + reply
     with pytest.raises(WireError, match=r"CTA_TUPLE_ORIG\.CTA_TUPLE_IP\.src: 3 bytes, expected 4"):
         wire.parse_entry(body)
-    addrs = wire._attr(1, ip(CLIENT).packed) + wire._attr(2, ip(VIP).packed)
-    no_proto = head + wire._nested(wire.CTA_TUPLE_ORIG, wire._nested(wire.CTA_TUPLE_IP, addrs))
+    addrs = nl.attr(1, ip(CLIENT).packed) + nl.attr(2, ip(VIP).packed)
+    no_proto = head + nl.nested(wire.CTA_TUPLE_ORIG, nl.nested(wire.CTA_TUPLE_IP, addrs))
     with pytest.raises(WireError, match=r"CTA_TUPLE_ORIG: no protocol number"):
         wire.parse_entry(no_proto + reply)
     with pytest.raises(WireError, match="no original and reply tuple"):
         wire.parse_entry(no_proto)
-    good_orig = wire._nested(wire.CTA_TUPLE_ORIG, wire.tuple_attrs(4, udp(4, CLIENT, VIP, 9, 53)))
+    good_orig = nl.nested(wire.CTA_TUPLE_ORIG, wire.tuple_attrs(4, udp(4, CLIENT, VIP, 9, 53)))
     with pytest.raises(WireError, match=r"CTA_STATUS: 2 bytes, expected 4"):
-        wire.parse_entry(head + good_orig + reply + wire._attr(wire.CTA_STATUS, b"\x00\x01"))
+        wire.parse_entry(head + good_orig + reply + nl.attr(wire.CTA_STATUS, b"\x00\x01"))
     assert wire.parse_entry(head + good_orig + reply).orig == udp(4, CLIENT, VIP, 9, 53)
 
 

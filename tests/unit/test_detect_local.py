@@ -1,5 +1,6 @@
-"""detectLocal, decided once (kpx_agent.detect_local) and rendered by both backends: each mode's
-match, the no-op detector, and the settings the agent derives from its configuration file."""
+"""detectLocal, decided once (kpx_agent.detect_local) and rendered by every backend (nftables,
+iptables, the ipvs helper table): each mode's match, the no-op detector, and the settings the
+agent derives from its configuration file."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from backend_samples import NODE, SETTINGS, sample_state
 
 from kpx_agent.backends.iptables import names as ipt
 from kpx_agent.backends.iptables.rules import port_rules
+from kpx_agent.backends.ipvs import ruleset as ipvs_ruleset
+from kpx_agent.backends.kernel.names import NFT_TABLE
+from kpx_agent.backends.kernel.nft_transaction import table_text
 from kpx_agent.backends.nftables.ruleset import base_table
-from kpx_agent.backends.nftables.transaction import table_text
 from kpx_agent.detect_local import NOTHING_LOCAL, LocalPods, local_pods
 from kpx_agent.localnet import DetectLocal, DetectLocalMode, NodeInfo, ProxySettings
 from kpx_agent.node_local import node_facts
@@ -67,7 +70,7 @@ def test_each_mode_renders_its_match_in_both_backends(
     ipt_is: str,
 ) -> None:
     assert local_pods(cfg, node, family) == local
-    table = table_text(base_table(cfg, node_facts(cfg, node)[family]))
+    table = table_text(base_table(cfg, node_facts(cfg, node)[family]), NFT_TABLE)
     assert f"@cluster-ips {nft} meta mark set" in table
     # The short circuit of traffic from local pods, first among the short-circuit rules.
     assert f"{nft.replace('!= ', '')} ip daddr . meta l4proto . th dport vmap" in table
@@ -77,6 +80,32 @@ def test_each_mode_renders_its_match_in_both_backends(
     ext = rules.own[("nat", ipt.ext_chain(local_etp.key))]
     assert svc[0].text == f"{ipt_not} -j KPX-MARK-MASQ"
     assert ext[0].text == f"{ipt_is} -j {ipt.svc_chain(local_etp.key)}"
+    # The ipvs helper table: the same match (networks as a set), from the same facts.
+    helper = ipvs_ruleset.base_table(cfg, node_facts(cfg, node)[family], {})
+    prefix = "ip saddr != "
+    ipvs = f"{prefix}{{ {nft.removeprefix(prefix)} }}" if nft.startswith(prefix) else nft
+    assert f"@cluster-ips {ipvs} meta mark set" in helper
+
+
+def test_node_cidr_is_the_first_pod_cidr_of_the_family_in_every_mode() -> None:
+    """A Node listing two pod CIDRs of one family: upstream kube-proxy (getLocalDetectors,
+    shared by its iptables, ipvs and nftables modes) takes the first of each family, and so
+    does every kpx mode (the ipvs helper table once matched every one of them)."""
+    cfg = settings(DetectLocalMode.NODE_CIDR)
+    first, second = ip_network("10.244.1.0/24"), ip_network("10.244.2.0/24")
+    node = dataclasses.replace(NODE, pod_cidrs=(first, second, ip_network("fd00:244:1::/64")))
+    facts = node_facts(cfg, node)
+    assert facts[4].local_pods.networks == (first,)
+    nft = table_text(base_table(cfg, facts[4]), NFT_TABLE)
+    helper = ipvs_ruleset.base_table(cfg, facts[4], {})
+    local_etp = next(sp for sp in sample_state().services.values() if sp.key.name == "local")
+    svc = port_rules(local_etp, cfg, facts[4].local_pods).own[("nat", ipt.svc_chain(local_etp.key))]
+    assert f"ip saddr != {first} meta mark set" in nft
+    assert f"ip saddr != {{ {first} }} meta mark set" in helper
+    assert svc[0].text == f"! -s {first} -j KPX-MARK-MASQ"
+    assert not any(str(second) in text for text in (nft, helper, svc[0].text))
+    v6 = ipvs_ruleset.base_table(cfg, facts[6], {})
+    assert "ip6 saddr != { fd00:244:1::/64 } meta mark set" in v6
 
 
 @pytest.mark.parametrize(
@@ -91,9 +120,12 @@ def test_nothing_to_match_means_nothing_is_local(cfg: ProxySettings, node: NodeI
     """Upstream's no-op detector: no off-cluster masquerade, no pod short circuit; traffic
     from the node itself is still short-circuited (and masqueraded)."""
     assert local_pods(cfg, node, 4) is NOTHING_LOCAL
-    table = table_text(base_table(cfg, node_facts(cfg, node)[4]))
+    table = table_text(base_table(cfg, node_facts(cfg, node)[4]), NFT_TABLE)
     assert "saddr" not in table.split("chain services {")[1].split("}")[0].replace("fib saddr", "")
     assert "fib saddr type local ip daddr . meta l4proto . th dport vmap @short-circuit" in table
+    # ipvs: only what the node sends from a Service IP (upstream's ipvs fallback).
+    helper = ipvs_ruleset.base_table(cfg, node_facts(cfg, node)[4], {})
+    assert "ip saddr . meta l4proto . th dport @cluster-ips meta mark set" in helper
     local_etp = next(sp for sp in sample_state().services.values() if sp.key.name == "local")
     rules = port_rules(local_etp, cfg, NOTHING_LOCAL)
     assert rules.own[("nat", ipt.svc_chain(local_etp.key))][0].text.startswith("-m statistic")

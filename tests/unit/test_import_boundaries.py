@@ -138,14 +138,17 @@ print(count)
 # What a backend may import of the agent: the node-local model's data types, the backend
 # contract, the kernel's ruleset generation id (nf_generation: the kernel's, not a mode's; the
 # nftables and iptables drift checks ask it), the route_localnet sysctl (the kernel's, which
-# localhost NodePorts need in both modes), and its own package. Never the model's internals
-# (node_local, detect_local, cluster_state, proxier, ...): everything it needs of the node is
-# decided there and handed over in localnet's types (NodeLocalState, NodeFacts). What several
+# localhost NodePorts need in both modes), the mode-neutral kernel toolkit (backends.kernel:
+# kernel object names, netlink framing, the nftables vocabulary), and its own package. Never
+# the model's internals (node_local, detect_local, cluster_state, proxier, ...): everything it
+# needs of the node is decided there and handed over in localnet's types (NodeLocalState,
+# NodeFacts). What several
 # modes render alike from those types (the source ranges Services share) is one pure module
 # next to the contract.
 BACKEND_MAY_IMPORT = (
     "kpx_agent.localnet",
     "kpx_agent.backends.base",
+    "kpx_agent.backends.kernel",
     "kpx_agent.backends.nf_generation",
     "kpx_agent.backends.route_localnet",
     "kpx_agent.backends.source_ranges",

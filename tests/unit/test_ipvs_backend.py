@@ -13,8 +13,8 @@ import pytest
 
 from kpx_agent import settings as settings_mod
 from kpx_agent.backends.ipvs import backend as backend_mod
-from kpx_agent.backends.ipvs import kernel
 from kpx_agent.backends.ipvs.backend import IpvsBackend
+from kpx_agent.backends.ipvs.fake import FakeKernel
 from kpx_agent.backends.ipvs.model import (
     CLUSTER_IPS,
     DROP,
@@ -40,6 +40,7 @@ from kpx_agent.localnet import (
     ServicePort,
     ServicePortKey,
 )
+from kpx_agent.node_local import local_state, node_facts
 
 NODE = NodeInfo("n1", (IP.of("192.168.0.1"), IP.of("10.1.0.1")))
 SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))
@@ -92,8 +93,8 @@ def test_node_port_addresses_scheduler_and_local_policies() -> None:
 @pytest.mark.parametrize(
     ("settings", "match"),
     [
-        (SETTINGS, "ip saddr != { 10.244.0.0/16 } meta mark set meta mark | 0x4000"),
-        (ProxySettings(masquerade_all=True), "@cluster-ips meta mark set meta mark | 0x4000"),
+        (SETTINGS, "ip saddr != { 10.244.0.0/16 } meta mark set meta mark | 0x00004000"),
+        (ProxySettings(masquerade_all=True), "@cluster-ips meta mark set meta mark | 0x00004000"),
         (ProxySettings(detect_local=DetectLocal(DetectLocalMode.BRIDGE_INTERFACE, "cbr0")),
          'iifname != "cbr0" meta mark'),
         (ProxySettings(detect_local=DetectLocal(DetectLocalMode.INTERFACE_NAME_PREFIX, "veth")),
@@ -106,9 +107,10 @@ def test_node_port_addresses_scheduler_and_local_policies() -> None:
 def test_helper_table_masquerades_what_is_not_from_a_local_pod(
     settings: ProxySettings, match: str
 ) -> None:
-    text = base_table(4, settings, NODE, {CLUSTER_IPS: [(4, "10.96.0.10", "tcp", 80)]})
+    text = base_table(settings, node_facts(settings, NODE)[4],
+                      {CLUSTER_IPS: [(4, "10.96.0.10", "tcp", 80)]})  # fmt: skip
     assert match in text
-    assert "meta mark & 0x4000 == 0x4000 masquerade" in text
+    assert "meta mark & 0x00004000 == 0x00004000 masquerade" in text
     assert "add element ip kpx-ipvs cluster-ips { 10.96.0.10 . tcp . 80 }" in text
 
 
@@ -131,13 +133,14 @@ def test_spec_ipvs_masquerade_all_and_bit_reach_the_helper_table(masquerade_all:
     )
     proxy = settings_mod.resolve(config).proxy
     assert (proxy.masquerade_all, proxy.masquerade_mark) == (masquerade_all, 0x8)
-    text = base_table(4, proxy, NODE, {CLUSTER_IPS: [(4, "10.96.0.10", "tcp", 80)]})
-    everything = "ip daddr . meta l4proto . th dport @cluster-ips meta mark set meta mark | 0x8\n"
-    assert (everything in text) is masquerade_all
-    assert ("ip saddr != { 10.244.0.0/16 } meta mark set meta mark | 0x8" in text) is not (
-        masquerade_all
+    text = base_table(
+        proxy, node_facts(proxy, NODE)[4], {CLUSTER_IPS: [(4, "10.96.0.10", "tcp", 80)]}
     )
-    assert "meta mark & 0x8 == 0x8 masquerade" in text
+    mark = "meta mark set meta mark | 0x00000008"
+    everything = f"ip daddr . meta l4proto . th dport @cluster-ips {mark}\n"
+    assert (everything in text) is masquerade_all
+    assert (f"ip saddr != {{ 10.244.0.0/16 }} {mark}" in text) is not masquerade_all
+    assert "meta mark & 0x00000008 == 0x00000008 masquerade" in text
 
 
 def test_load_balancer_source_ranges_let_only_their_sources_through() -> None:
@@ -151,7 +154,8 @@ def test_load_balancer_source_ranges_let_only_their_sources_through() -> None:
     assert plan.firewall == {vip: (ip_network("10.0.0.0/8"),)}
     allowed = allowed_elements(vip, plan.firewall.values())
     assert allowed == {(4, "192.0.2.21", "tcp", 80, "10.0.0.0/8")}
-    text = base_table(4, SETTINGS, NODE, {**plan.elements, FIREWALL_ALLOW: allowed})
+    text = base_table(SETTINGS, node_facts(SETTINGS, NODE)[4],
+                      {**plan.elements, FIREWALL_ALLOW: allowed})  # fmt: skip
     assert "add element ip kpx-ipvs firewall-allow { 192.0.2.21 . tcp . 80 . 10.0.0.0/8 }" in text
     assert (
         "@firewall-ips ip daddr . meta l4proto . th dport . ip saddr != @firewall-allow drop"
@@ -167,192 +171,120 @@ def test_a_load_balancer_with_no_usable_source_range_lets_no_source_through() ->
     assert FIREWALL_ALLOW not in plan.elements  # an empty allow set: every source is dropped
 
 
-class FakeIpvs:
-    def __init__(self) -> None:
-        self.services: dict[VirtualKey, VirtualServer] = {}
-        self.dests: dict[VirtualKey, dict[tuple[str, int], int]] = {}
-        self.conns: dict[tuple[VirtualKey, tuple[str, int]], int] = {}
-        self.calls: list[tuple[str, ...]] = []
-        self.bound: set[tuple[int, str]] = set()  # addresses on the dummy interface
-        self.nft: list[str] = []  # nft scripts run
-
-    def add_service(self, vs: VirtualServer) -> None:
-        self.calls.append(("add_service", vs.key.address, str(vs.key.port)))
-        self.services[vs.key] = vs
-        self.dests[vs.key] = {}
-
-    def set_service(self, vs: VirtualServer) -> None:
-        self.calls.append(("set_service", vs.key.address, str(vs.key.port)))
-        self.services[vs.key] = vs
-
-    def delete_service(self, key: VirtualKey) -> None:
-        self.calls.append(("delete_service", key.address, str(key.port)))
-        del self.services[key]
-        del self.dests[key]
-
-    def set_dest(self, key: VirtualKey, address: str, port: int, weight: int, new: bool) -> None:
-        self.calls.append(("set_dest", key.address, address, str(weight)))
-        assert ((address, port) in self.dests[key]) is not new
-        self.dests[key][(address, port)] = weight
-
-    def delete_dest(self, key: VirtualKey, address: str, port: int) -> None:
-        self.calls.append(("delete_dest", key.address, address))
-        del self.dests[key][(address, port)]
-
-    def flush(self) -> None:
-        """The fake applies each change at once: nothing is queued."""
-
-    def discard(self) -> None:
-        self.calls.append(("discard",))
-
-    def real_servers(self, key: VirtualKey) -> dict[tuple[str, int], kernel.RealServer]:
-        return {d: kernel.RealServer(w, self.conns.get((key, d), 0))
-                for d, w in self.dests[key].items()}  # fmt: skip
-
-
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> FakeIpvs:
-    ipvs = FakeIpvs()
-    bound, nft = ipvs.bound, ipvs.nft
-    monkeypatch.setattr(kernel, "write_sysctl", lambda name, value: True)
-    monkeypatch.setattr(kernel, "set_timeouts", lambda *a: None)
-    monkeypatch.setattr(kernel, "ensure_dummy", lambda: 1)
-    monkeypatch.setattr(kernel, "bound_addresses", lambda: set(bound))
-
-    def bind(changes: Any) -> None:
-        for add, family, address in changes:
-            (bound.add if add else bound.discard)((family, address))
-
-    monkeypatch.setattr(kernel, "bind", bind)
-    monkeypatch.setattr(kernel, "run_nft", nft.append)
-    return ipvs
+def fake() -> FakeKernel:
+    return FakeKernel()
 
 
-class _Adapter:
-    """The backend lists services through a method: give the fake's dict that shape."""
-
-    def __init__(self, fake: FakeIpvs) -> None:
-        self._fake = fake
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._fake, name)
-
-    def services(self) -> list[VirtualKey]:
-        return list(self._fake.services)
-
-
-def backend_for(fake: FakeIpvs) -> IpvsBackend:
-    return IpvsBackend(SETTINGS, ipvs_factory=lambda: _Adapter(fake))
+def backend_for(fake: FakeKernel) -> IpvsBackend:
+    return IpvsBackend(SETTINGS, fake)
 
 
 def state(*ports: ServicePort) -> NodeLocalState:
-    return NodeLocalState(NODE, {p.key: p for p in ports})
+    return local_state(NODE, SETTINGS, ports)
 
 
 DNS = ServicePort(key("dns", Protocol.UDP), 53, cluster_ips=(IP.of("10.96.0.10"),),
                   cluster_endpoints=(E1, E2), external_endpoints=(E1, E2))  # fmt: skip
 
 
-def test_a_change_to_one_port_touches_only_its_virtual_servers(fake: FakeIpvs) -> None:
+def test_a_change_to_one_port_touches_only_its_virtual_servers(fake: FakeKernel) -> None:
     b = backend_for(fake)
     b.sync(state(web(E1, E2), DNS), None)
-    assert len(fake.services) == 4
-    assert all(vs.scheduler == "rr" for vs in fake.services.values())
+    assert len(fake.fake_ipvs.virtual_servers) == 4
+    assert all(vs.scheduler == "rr" for vs in fake.fake_ipvs.virtual_servers.values())
     assert fake.bound == {(4, "10.96.0.10")}
-    fake.calls.clear()
-    nft_before = len(fake.nft)
+    fake.fake_ipvs.calls.clear()
+    nft_before = len(fake.scripts())
     # DNS loses E2: UDP real servers leave at once; web is not touched at all.
     dns_e1 = ServicePort(
         **{**_fields(DNS), "cluster_endpoints": (E1,), "external_endpoints": (E1,)}
     )
     b.sync(state(web(E1, E2), dns_e1), [DNS.key])
-    assert fake.calls == [("delete_dest", "10.96.0.10", "10.244.2.2")]
+    assert fake.fake_ipvs.calls == [("delete_dest", "10.96.0.10", "10.244.2.2")]
     # One nft transaction: E2's UDP hairpin element leaves (its TCP one stays, for web).
-    assert fake.nft[nft_before:] == [
+    assert fake.scripts()[nft_before:] == [
         "delete element ip kpx-ipvs hairpin { 10.244.2.2 . udp . 8080 . 10.244.2.2 }\n"
     ]
     # Removing the whole DNS port removes its virtual server, not the shared address.
-    fake.calls.clear()
+    fake.fake_ipvs.calls.clear()
     b.sync(state(web(E1, E2)), [DNS.key])
-    assert fake.calls == [("delete_service", "10.96.0.10", "53")]
+    assert fake.fake_ipvs.calls == [("delete_service", "10.96.0.10", "53")]
     assert fake.bound == {(4, "10.96.0.10")}
     b.sync(state(), [web(E1, E2).key])
-    assert fake.services == {} and fake.bound == set()
+    assert fake.fake_ipvs.virtual_servers == {} and fake.bound == set()
 
 
-def test_a_removed_tcp_real_server_drains_at_weight_0_then_leaves(fake: FakeIpvs) -> None:
+def test_a_removed_tcp_real_server_drains_at_weight_0_then_leaves(fake: FakeKernel) -> None:
     b = backend_for(fake)
     b.sync(state(web(E1, E2)), None)
     vip = VirtualKey(4, "tcp", "10.96.0.10", 80)
-    fake.conns[(vip, ("10.244.2.2", 8080))] = 3
+    fake.fake_ipvs.conns[(vip, ("10.244.2.2", 8080))] = 3
     b.sync(state(web(E1)), [key("web")])
-    assert fake.dests[vip] == {("10.244.1.2", 8080): 1, ("10.244.2.2", 8080): 0}
+    assert fake.fake_ipvs.dests[vip] == {("10.244.1.2", 8080): 1, ("10.244.2.2", 8080): 0}
     assert b.draining() == {vip: {("10.244.2.2", 8080)}}  # the NodePorts had no connection
     b.sync(state(web(E1)), [])  # still connections: stays at weight 0
-    assert ("10.244.2.2", 8080) in fake.dests[vip]
+    assert ("10.244.2.2", 8080) in fake.fake_ipvs.dests[vip]
     # Back before it drained: it serves again with its weight.
     b.sync(state(web(E1, E2)), [key("web")])
-    assert fake.dests[vip][("10.244.2.2", 8080)] == 1 and b.draining() == {}
+    assert fake.fake_ipvs.dests[vip][("10.244.2.2", 8080)] == 1 and b.draining() == {}
     b.sync(state(web(E1)), [key("web")])
-    fake.conns.clear()
+    fake.fake_ipvs.conns.clear()
     b.sync(state(web(E1)), [])
-    assert fake.dests[vip] == {("10.244.1.2", 8080): 1} and b.draining() == {}
+    assert fake.fake_ipvs.dests[vip] == {("10.244.1.2", 8080): 1} and b.draining() == {}
 
 
-def test_a_full_sync_serves_again_what_an_earlier_run_left_draining(fake: FakeIpvs) -> None:
+def test_a_full_sync_serves_again_what_an_earlier_run_left_draining(fake: FakeKernel) -> None:
     vip = VirtualKey(4, "tcp", "10.96.0.10", 80)
     b = backend_for(fake)
     b.sync(state(web(E1, E2)), None)
-    fake.conns[(vip, ("10.244.2.2", 8080))] = 1
+    fake.fake_ipvs.conns[(vip, ("10.244.2.2", 8080))] = 1
     b.sync(state(web(E1)), [key("web")])
-    assert fake.dests[vip][("10.244.2.2", 8080)] == 0
+    assert fake.fake_ipvs.dests[vip][("10.244.2.2", 8080)] == 0
     # A new backend (an agent restart: no record of what drains) wants E2 back, and a full
     # sync without E1 leaves E1 draining at weight 0, not deleted with its connection.
-    fake.conns[(vip, ("10.244.1.2", 8080))] = 1
+    fake.fake_ipvs.conns[(vip, ("10.244.1.2", 8080))] = 1
     again = backend_for(fake)
     again.sync(state(web(E2)), None)
-    assert fake.dests[vip] == {("10.244.1.2", 8080): 0, ("10.244.2.2", 8080): 1}
+    assert fake.fake_ipvs.dests[vip] == {("10.244.1.2", 8080): 0, ("10.244.2.2", 8080): 1}
     assert again.draining()[vip] == {("10.244.1.2", 8080)}
 
 
 def test_a_failed_sync_drops_what_it_queued_and_the_next_is_full(
-    fake: FakeIpvs, monkeypatch: pytest.MonkeyPatch
+    fake: FakeKernel,
 ) -> None:
     b = backend_for(fake)
     b.sync(state(web(E1)), None)
 
-    def refuse(script: str) -> None:
-        raise kernel.KernelError("nft: refused")
-
-    monkeypatch.setattr(kernel, "run_nft", refuse)
+    fake.refuse_nft = lambda txn: "refused"
     with pytest.raises(backend_mod.BackendError, match="refused"):
         b.sync(state(web(E1, E2)), [key("web")])
-    assert fake.calls[-1] == ("discard",)
-    monkeypatch.setattr(kernel, "run_nft", fake.nft.append)
-    fake.calls.clear()
+    assert fake.fake_ipvs.calls[-1] == ("discard",)
+    fake.refuse_nft = None
+    fake.fake_ipvs.calls.clear()
     b.sync(state(web(E1, E2)), [key("web")])  # a delta asked for; a full sync done
-    assert ("set_service", "10.96.0.10", "80") in fake.calls
+    assert ("set_service", "10.96.0.10", "80") in fake.fake_ipvs.calls
 
 
-def test_a_full_sync_removes_strangers_but_not_excluded_ones(fake: FakeIpvs) -> None:
+def test_a_full_sync_removes_strangers_but_not_excluded_ones(fake: FakeKernel) -> None:
     stranger = VirtualKey(4, "tcp", "192.168.60.1", 80)
     kept = VirtualKey(4, "tcp", "192.168.50.1", 80)
     for k in (stranger, kept):
-        fake.add_service(VirtualServer(k, "rr", 0, frozenset()))
+        fake.fake_ipvs.add_service(VirtualServer(k, "rr", 0, frozenset()))
     settings = ProxySettings(ipvs=IPVSOptions(exclude_cidrs=(ip_network("192.168.50.0/24"),)))
-    b = IpvsBackend(settings, ipvs_factory=lambda: _Adapter(fake))
+    b = IpvsBackend(settings, fake)
     b.sync(state(web(E1)), None)
-    assert kept in fake.services and stranger not in fake.services
+    assert kept in fake.fake_ipvs.virtual_servers and stranger not in fake.fake_ipvs.virtual_servers
 
 
-def test_a_scheduler_change_resyncs_every_virtual_server(fake: FakeIpvs) -> None:
+def test_a_scheduler_change_resyncs_every_virtual_server(fake: FakeKernel) -> None:
     b = backend_for(fake)
     b.sync(state(web(E1)), None)
     b.reconfigure(
         ProxySettings(cluster_cidrs=SETTINGS.cluster_cidrs, ipvs=IPVSOptions(scheduler="lc"))
     )
     b.sync(state(web(E1)), [])  # the agent asks for a delta; new settings force a full sync
-    assert {vs.scheduler for vs in fake.services.values()} == {"lc"}
+    assert {vs.scheduler for vs in fake.fake_ipvs.virtual_servers.values()} == {"lc"}
 
 
 def _fields(port: ServicePort) -> dict[str, Any]:
@@ -384,7 +316,7 @@ def allow_set(scripts: list[str]) -> set[str]:
     return have
 
 
-def test_two_services_on_one_lb_port_share_the_ranges_both_allow(fake: FakeIpvs) -> None:
+def test_two_services_on_one_lb_port_share_the_ranges_both_allow(fake: FakeKernel) -> None:
     """Overlapping ranges of two Services on one address and port, the second in a later
     partial sync: the kernel would refuse both in its interval set; the helper table holds
     what both allow, and the wider Service's ranges once the narrower one is gone."""
@@ -395,35 +327,31 @@ def test_two_services_on_one_lb_port_share_the_ranges_both_allow(fake: FakeIpvs)
                        "load_balancer_source_ranges": (ip_network("10.1.0.0/16"),)})  # fmt: skip
     backend = backend_for(fake)
     backend.sync(state(a), None)
-    assert allow_set(fake.nft) == {"192.0.2.21 . tcp . 80 . 10.0.0.0/8"}
+    assert allow_set(fake.scripts()) == {"192.0.2.21 . tcp . 80 . 10.0.0.0/8"}
     backend.sync(state(a, b), [b.key])
-    assert allow_set(fake.nft) == {"192.0.2.21 . tcp . 80 . 10.1.0.0/16"}
-    IpvsBackend(SETTINGS, ipvs_factory=lambda: _Adapter(FakeIpvs())).sync(state(b, a), None)
-    assert allow_set(fake.nft[-2:]) == {"192.0.2.21 . tcp . 80 . 10.1.0.0/16"}  # the same
+    assert allow_set(fake.scripts()) == {"192.0.2.21 . tcp . 80 . 10.1.0.0/16"}
+    fresh = FakeKernel()
+    IpvsBackend(SETTINGS, fresh).sync(state(b, a), None)
+    assert allow_set(fresh.scripts()[-2:]) == {"192.0.2.21 . tcp . 80 . 10.1.0.0/16"}  # the same
     backend.sync(state(a), [b.key])
-    assert allow_set(fake.nft) == {"192.0.2.21 . tcp . 80 . 10.0.0.0/8"}
+    assert allow_set(fake.scripts()) == {"192.0.2.21 . tcp . 80 . 10.0.0.0/8"}
 
 
 def test_a_helper_table_family_the_kernel_refuses_does_not_stop_the_other(
-    fake: FakeIpvs, monkeypatch: pytest.MonkeyPatch
+    fake: FakeKernel,
 ) -> None:
-    def refuse_ipv4(script: str) -> None:
-        if " ip kpx-ipvs" in script:
-            raise kernel.KernelError("nft: Error: Could not process rule: Operation not supported")
-        fake.nft.append(script)
-
-    monkeypatch.setattr(kernel, "run_nft", refuse_ipv4)
+    fake.refuse_nft = lambda txn: "Operation not supported" if txn.family == 4 else None
     six = ServicePort(ServicePortKey("d", "web6", "", Protocol.TCP, 6), 80,
                       cluster_ips=(IP.of("fd00:96::10"),), cluster_endpoints=(),
                       external_endpoints=())  # fmt: skip
     with pytest.raises(backend_mod.BackendError, match="IPv4 helper table"):
-        IpvsBackend(SETTINGS, ipvs_factory=lambda: _Adapter(fake)).sync(state(web(E1), six), None)
-    assert any("fd00:96::10 . tcp . 80" in script for script in fake.nft)  # IPv6's went in
+        IpvsBackend(SETTINGS, fake).sync(state(web(E1), six), None)
+    assert any("fd00:96::10 . tcp . 80" in script for script in fake.scripts())  # IPv6's went in
 
 
 @pytest.mark.parametrize("claimant_first", [True, False])
 def test_a_clashing_external_ip_leaves_the_victims_virtual_server_to_the_victim(
-    fake: FakeIpvs, claimant_first: bool
+    fake: FakeKernel, claimant_first: bool
 ) -> None:
     """The model decides VIP clashes (vip_claims.py): an externalIP equal to another Service's
     ClusterIP does not replace that ClusterIP's real servers, whatever came first."""
@@ -439,4 +367,4 @@ def test_a_clashing_external_ip_leaves_the_victims_virtual_server_to_the_victim(
     state.upsert(SERVICES, VICTIM)
     state.upsert(SLICES, endpoints("z", "victim", "10.244.2.2"))
     assert proxier.sync().ok
-    assert fake.dests[VirtualKey(4, "tcp", "10.96.0.10", 80)] == {("10.244.2.2", 8080): 1}
+    assert fake.fake_ipvs.dests[VirtualKey(4, "tcp", "10.96.0.10", 80)] == {("10.244.2.2", 8080): 1}

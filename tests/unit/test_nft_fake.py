@@ -12,10 +12,11 @@ import pytest
 from backend_samples import SETTINGS, sample_state
 from nft_fake import FakeError, FakeNftables
 
+from kpx_agent.backends.kernel.nft_rules import Jump, rule
+from kpx_agent.backends.kernel.nft_transaction import AddRule, Transaction
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.schema import Goto, SetDecl
-from kpx_agent.backends.nftables.transaction import Op, Transaction
 from kpx_agent.localnet import IP, Endpoint, NodeLocalState, Protocol, ServicePort
 
 TCP = Protocol.TCP
@@ -37,7 +38,7 @@ def synced() -> tuple[FakeNftables, NftablesBackend, NodeLocalState]:
 
 def refused(fake: FakeNftables, build: Callable[[Transaction], None], reason: str) -> None:
     before = fake.dump()
-    txn = Transaction(4)
+    txn = Transaction(4, n.TABLE)
     build(txn)
     with pytest.raises(FakeError, match=reason):
         fake.run_transactions([txn])
@@ -56,13 +57,13 @@ def test_the_backend_programs_the_fake_cold_and_warm() -> None:
 def test_references_types_and_duplicates_are_checked_as_the_kernel_does() -> None:
     fake, _, _ = synced()
     vip = (ip("10.96.0.99"), TCP, 80)
-    refused(fake, lambda t: t.ops.append(Op("add_rule", ("services", "jump nowhere"))), "nowhere")
+    refused(fake, lambda t: t.ops.append(AddRule("services", rule(Jump("nowhere")))), "nowhere")
     refused(fake, lambda t: t.add_elements("no-such-set", [(vip, None)]), "no such set")
-    # A verdict map looked up as a set: Linux 6.1 refuses the rule (EINVAL).
+    # A verdict map looked up as a set: Linux 6.1 refuses the rule (EINVAL). The typed
+    # vocabulary refuses to build it (test_nft_rules); as text, the fake refuses it too.
     lookup = f"ip daddr . meta l4proto . th dport @{n.SERVICE_IPS} accept"
-    refused(
-        fake, lambda t: t.ops.append(Op("add_rule", ("services", lookup))), "looked up as a set"
-    )
+    text_rule = AddRule("services", lookup)  # type: ignore[arg-type]
+    refused(fake, lambda t: t.ops.append(text_rule), "looked up as a set")
     refused(fake, lambda t: t.add_elements(n.CLUSTER_IPS, [((ip("fd00::1"), TCP, 80), None)]),
             "wrong type")  # fmt: skip
     refused(fake, lambda t: t.add_elements(n.CLUSTER_IPS, [((ip("10.0.0.1"), "tcp", 80), None)]),
@@ -81,7 +82,7 @@ def test_references_types_and_duplicates_are_checked_as_the_kernel_does() -> Non
         "no such set",
     )
     # The same element again, same value: the kernel accepts it (no NLM_F_EXCL).
-    same = Transaction(4)
+    same = Transaction(4, n.TABLE)
     same.add_elements(n.SERVICE_IPS, [(taken, Goto("endpoints-2"))])
     fake.run_transactions([same])
 

@@ -3,10 +3,12 @@ message splitting, and refusal of anything that is not a well-formed element of 
 
 from __future__ import annotations
 
+import errno
 import struct
 
 import pytest
 
+from kpx_agent.backends.kernel.netlink import NLMSG_ERROR
 from kpx_agent.backends.nftables import netlink_batch as nb
 from kpx_agent.backends.nftables.schema import Goto, ValueKind, declaration
 from kpx_agent.localnet import IP, Protocol
@@ -125,13 +127,12 @@ def test_only_exact_match_sets_are_loadable() -> None:
 def test_acks_are_read_by_sequence_number() -> None:
     def error(seq: int, code: int) -> bytes:
         return (
-            struct.pack("=IHHII", 36, nb.NLMSG_ERROR, 0, seq, 0)
-            + struct.pack("=i", code)
-            + bytes(16)
+            struct.pack("=IHHII", 36, NLMSG_ERROR, 0, seq, 0) + struct.pack("=i", code) + bytes(16)
         )
 
     noise = struct.pack("=IHHII", 20, 0x1000, 0, 9, 0) + bytes(4)
-    assert nb.parse_acks(error(1, 0) + noise + error(2, -2)) == [(1, 0), (2, -2)]
+    # the kernel sends the errno negated; the toolkit's one convention gives it positive
+    assert list(nb.parse_acks(error(1, 0) + noise + error(2, -2))) == [(1, 0), (2, 2)]
 
 
 def test_batch_problem_names_the_refused_set_or_missing_acks() -> None:
@@ -142,7 +143,7 @@ def test_batch_problem_names_the_refused_set_or_missing_acks() -> None:
         }
     )
     assert nb.batch_problem(batch, {1: 0, 2: 0}) is None
-    refused = nb.batch_problem(batch, {1: 0, 2: -2})
+    refused = nb.batch_problem(batch, {1: 0, 2: errno.ENOENT})
     assert refused is not None and "ip6 kpx hairpin" in refused and "ENOENT" in refused
     assert nb.batch_problem(batch, {1: 0}) == "the kernel acknowledged 1 of 2 element messages"
 

@@ -8,8 +8,8 @@ from ipaddress import ip_network
 import pytest
 from backend_samples import GOLDEN, NODE, SETTINGS, sample_state, with_richer_endpoints
 
+from kpx_agent.backends.kernel import nft_rules as r
 from kpx_agent.backends.nftables import names as n
-from kpx_agent.backends.nftables import rules as r
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.ruleset import base_table, endpoint_chain
 from kpx_agent.backends.nftables.schema import (

@@ -28,6 +28,7 @@ from collections.abc import Collection, Iterable
 
 from ...localnet import IPNetwork, NodeInfo, NodeLocalState, ProxySettings, ServicePortKey
 from ..base import Backend, BackendError
+from ..kernel.nft_transaction import Transaction
 from . import kernel
 from .model import (
     FIREWALL_ALLOW,
@@ -39,7 +40,7 @@ from .model import (
     excluded,
     plan_port,
 )
-from .ruleset import base_table, element_lines
+from .ruleset import element_changes, full_sync
 
 log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
@@ -49,10 +50,10 @@ GRACEFUL_PROTOCOLS = ("tcp",)
 class IpvsBackend(Backend):
     mode = "ipvs"
 
-    def __init__(self, settings: ProxySettings, ipvs_factory=kernel.Ipvs) -> None:
+    def __init__(self, settings: ProxySettings, node_kernel: kernel.Kernel | None = None) -> None:
         self.settings = settings
-        self._ipvs_factory = ipvs_factory
-        self._ipvs: kernel.Ipvs | None = None
+        self._kernel: kernel.Kernel = node_kernel or kernel.NodeKernel()
+        self._ipvs: kernel.VirtualServers | None = None
         self._plans: dict[ServicePortKey, PortPlan] = {}
         self._bound: Counter[tuple[int, str]] = Counter()
         self._elements: dict[str, Counter[Element]] = {}
@@ -107,16 +108,16 @@ class IpvsBackend(Backend):
             ("net.ipv4.vs.expire_nodest_conn", 1),
             ("net.ipv4.vs.expire_quiescent_template", 1),
         ):
-            kernel.write_sysctl(name, value)
+            self._kernel.write_sysctl(name, value)
         if options.strict_arp:
-            kernel.write_sysctl("net.ipv4.conf.all.arp_ignore", 1)
-            kernel.write_sysctl("net.ipv4.conf.all.arp_announce", 2)
-        kernel.set_timeouts(options.tcp_timeout, options.tcp_fin_timeout, options.udp_timeout)
-        kernel.ensure_dummy()
+            self._kernel.write_sysctl("net.ipv4.conf.all.arp_ignore", 1)
+            self._kernel.write_sysctl("net.ipv4.conf.all.arp_announce", 2)
+        self._kernel.set_timeouts(options.tcp_timeout, options.tcp_fin_timeout, options.udp_timeout)
+        self._kernel.ensure_dummy()
 
     def _full_sync(self, state: NodeLocalState) -> None:
         if self._ipvs is None:
-            self._ipvs = self._ipvs_factory()
+            self._ipvs = self._kernel.ipvs()
         ipvs = self._ipvs
         self._setup_node()
         plans = {key: plan_port(port, state.node, self.settings)
@@ -155,11 +156,11 @@ class IpvsBackend(Backend):
             else:
                 self._add_virtual_server(vs)
         # Addresses on the dummy interface.
-        have_bound = kernel.bound_addresses()
-        kernel.bind([(True, f, a) for f, a in bound.keys() - have_bound]
+        have_bound = self._kernel.bound_addresses()
+        self._kernel.bind([(True, f, a) for f, a in bound.keys() - have_bound]
                     + [(False, f, a) for f, a in have_bound - bound.keys()])  # fmt: skip
         # The helper table, swapped in one transaction per family.
-        _run_per_family({f: base_table(f, self.settings, state.node, elements) for f in FAMILIES})
+        self._run_per_family([full_sync(self.settings, state.facts[f], elements) for f in FAMILIES])
         self._plans, self._bound, self._elements = plans, bound, elements
         self._firewall = firewall
         self._node = state.node
@@ -240,13 +241,21 @@ class IpvsBackend(Backend):
             if now - was:
                 adds.setdefault(FIREWALL_ALLOW, set()).update(now - was)
         if bind:
-            kernel.bind(bind)
-        scripts: dict[int, str] = {}
-        for family in FAMILIES:
-            lines = element_lines("delete", family, deletes) + element_lines("add", family, adds)
-            if lines:
-                scripts[family] = "\n".join(lines) + "\n"
-        _run_per_family(scripts)
+            self._kernel.bind(bind)
+        changes = {family: element_changes(family, deletes, adds) for family in FAMILIES}
+        self._run_per_family([txn for txn in changes.values() if txn])
+
+    def _run_per_family(self, transactions: Iterable[Transaction]) -> None:
+        """Each family's helper-table transaction, one nft transaction each: a family the
+        kernel refuses does not stop the other's; then BackendError names what was refused."""
+        refused: list[str] = []
+        for txn in transactions:
+            try:
+                self._kernel.run_nft(txn)
+            except kernel.KernelError as exc:
+                refused.append(f"IPv{txn.family} helper table: {exc}")
+        if refused:
+            raise BackendError("; ".join(refused))
 
     # ---- virtual and real servers ---------------------------------------------------------------
 
@@ -295,19 +304,6 @@ class IpvsBackend(Backend):
     def draining(self) -> dict[VirtualKey, set[tuple[str, int]]]:
         """The real servers waiting for their connections to end (weight 0)."""
         return {k: set(v) for k, v in self._draining.items()}
-
-
-def _run_per_family(scripts: dict[int, str]) -> None:
-    """Each family's helper-table script, one nft transaction each: a family the kernel
-    refuses does not stop the other's; then BackendError names what was refused."""
-    refused: list[str] = []
-    for family, script in scripts.items():
-        try:
-            kernel.run_nft(script)
-        except kernel.KernelError as exc:
-            refused.append(f"IPv{family} helper table: {exc}")
-    if refused:
-        raise BackendError("; ".join(refused))
 
 
 def cleanup(exclude_cidrs: Iterable[object] = ()) -> None:

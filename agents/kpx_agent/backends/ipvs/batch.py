@@ -8,7 +8,8 @@ virtual server added earlier in a chunk is there for its real servers later in i
 that fails does not stop the ones after it, and each is acked (NLM_F_ACK) with its sequence
 number, by which its error is reported.
 
-The framing here is pure (parse_acks, Chunker); RawNetlink is the thin socket edge.
+The framing is the toolkit's (`kernel.netlink`: acks as positive errno), the chunking pure
+(Chunker); RawNetlink is the thin socket edge.
 """
 
 from __future__ import annotations
@@ -16,17 +17,16 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-NETLINK_ROUTE, NETLINK_GENERIC = 0, 16
+from ..kernel.netlink import NETLINK_GENERIC, NETLINK_ROUTE, parse_acks
+
+__all__ = ["NETLINK_ROUTE", "parse_acks"]
+
 SOL_NETLINK = 270
 NETLINK_CAP_ACK = 10  # acks of failed requests without a copy of the request
 SO_RCVBUFFORCE = 33
-NLMSG_ERROR = 2
-NLMSG_DONE = 3
-_HEADER = struct.Struct("=IHHII")  # len, type, flags, seq, pid
 #: Bytes and requests per send: well under the socket's send buffer, and the acks of one chunk
 #: well under its receive buffer (each ack is a small skb whose true size is about 1 KiB: at
 #: 300 acks in a 208 KiB buffer the kernel drops acks and the socket reports ENOBUFS).
@@ -35,19 +35,6 @@ CHUNK_REQUESTS = 128
 RECEIVE_BUFFER = 1 << 20
 #: Seconds to wait for the acks of a chunk (the kernel acks at once; missing acks: an error).
 ACK_TIMEOUT = 30.0
-
-
-def parse_acks(data: bytes) -> Iterator[tuple[int, int]]:
-    """(sequence number, errno) of each ack or error in a netlink receive buffer (0: success)."""
-    offset = 0
-    while offset + _HEADER.size <= len(data):
-        length, kind, _flags, seq, _pid = _HEADER.unpack_from(data, offset)
-        if length < _HEADER.size:
-            break
-        if kind == NLMSG_ERROR:
-            (code,) = struct.unpack_from("=i", data, offset + _HEADER.size)
-            yield seq, -code
-        offset += (length + 3) & ~3
 
 
 def describe_errors(failed: list[tuple[object, int]], limit: int = 20) -> str:

@@ -1,5 +1,8 @@
 """The ipvs backend's edges: IPVS and links over netlink (pyroute2), the helper nftables table
-(nft), the node sysctls IPVS needs. Nothing here decides anything."""
+(nft), the node sysctls IPVS needs. Nothing here decides anything.
+
+The backend reaches them through one object, `NodeKernel` (its fake, for the tests and for
+anyone embedding the backend, is `fake.FakeKernel`, shaped by the same `Kernel` protocol)."""
 
 from __future__ import annotations
 
@@ -10,14 +13,16 @@ import subprocess
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
+from ..kernel.names import IPVS_DUMMY, IPVS_TABLE, NFT_FAMILIES
+from ..kernel.nft_transaction import Transaction
 from . import wire
 from .batch import NETLINK_ROUTE, Chunker, RawNetlink, describe_errors
 from .model import PROTOCOLS, VirtualKey, VirtualServer
 
-DUMMY = "kube-ipvs0"
-TABLE = "kpx-ipvs"
+DUMMY = IPVS_DUMMY
+TABLE = IPVS_TABLE
 #: IP_VS_CONN_F_MASQ: NAT (pyroute2's IPVSDest defaults to 3, direct routing).
 FWD_NAT = 0
 #: An IPv6 virtual server's netmask is a prefix length (128) in a host-order u32, as ipvsadm
@@ -268,7 +273,7 @@ def run_nft(script: str) -> None:
 
 
 def delete_tables() -> None:
-    for family in ("ip", "ip6"):
+    for family in NFT_FAMILIES.values():
         subprocess.run(["nft", "delete", "table", family, TABLE], capture_output=True,
                        check=False)  # fmt: skip
 
@@ -287,3 +292,59 @@ def set_timeouts(tcp: int, tcp_fin: int, udp: int) -> None:
     if tcp or tcp_fin or udp:
         subprocess.run(["ipvsadm", "--set", str(tcp), str(tcp_fin), str(udp)],
                        check=True, capture_output=True)  # fmt: skip
+
+
+# ---- the backend's one way to the kernel ---------------------------------------------------------
+
+
+class VirtualServers(Protocol):
+    """What the backend asks of IPVS (`Ipvs`, or the fake's `FakeIpvs`)."""
+
+    def discard(self) -> None: ...
+    def flush(self) -> None: ...
+    def add_service(self, vs: VirtualServer) -> None: ...
+    def set_service(self, vs: VirtualServer) -> None: ...
+    def delete_service(self, key: VirtualKey) -> None: ...
+    def set_dest(self, key: VirtualKey, address: str, port: int, weight: int,
+                 new: bool) -> None: ...  # fmt: skip
+    def delete_dest(self, key: VirtualKey, address: str, port: int) -> None: ...
+    def services(self) -> Iterable[VirtualKey]: ...
+    def real_servers(self, key: VirtualKey) -> dict[tuple[str, int], RealServer]: ...
+
+
+class Kernel(Protocol):
+    """Every kernel edge the ipvs backend uses, as one object."""
+
+    def ipvs(self) -> VirtualServers: ...
+    def write_sysctl(self, name: str, value: int) -> bool: ...
+    def set_timeouts(self, tcp: int, tcp_fin: int, udp: int) -> None: ...
+    def ensure_dummy(self) -> int: ...
+    def bound_addresses(self) -> set[tuple[int, str]]: ...
+    def bind(self, address_changes: Iterable[tuple[bool, int, str]]) -> None: ...
+    def run_nft(self, transaction: Transaction) -> None: ...
+
+
+class NodeKernel:
+    """This node's kernel (the functions above); `run_nft` renders the typed transaction for
+    `nft -f`, the one place it becomes text. Raises KernelError where they do."""
+
+    def ipvs(self) -> VirtualServers:
+        return Ipvs()
+
+    def write_sysctl(self, name: str, value: int) -> bool:
+        return write_sysctl(name, value)
+
+    def set_timeouts(self, tcp: int, tcp_fin: int, udp: int) -> None:
+        set_timeouts(tcp, tcp_fin, udp)
+
+    def ensure_dummy(self) -> int:
+        return ensure_dummy()
+
+    def bound_addresses(self) -> set[tuple[int, str]]:
+        return bound_addresses()
+
+    def bind(self, address_changes: Iterable[tuple[bool, int, str]]) -> None:
+        bind(address_changes)
+
+    def run_nft(self, transaction: Transaction) -> None:
+        run_nft(transaction.render())

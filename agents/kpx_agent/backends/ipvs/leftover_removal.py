@@ -14,19 +14,19 @@ from typing import Any
 
 from ...localnet import IPNetwork
 from ..base import Draining
+from ..kernel.names import NFT_FAMILIES
 from . import kernel
 from .leftovers import TABLE, IpvsCleanup, KpxMarks, draining, parse_marks, plan_cleanup
 from .model import VirtualKey
 
 log = logging.getLogger(__name__)
-_NFT_FAMILY = {4: "ip", 6: "ip6"}
 
 
 def read_marks() -> KpxMarks:
     if shutil.which("nft") is None:
         return KpxMarks()
     listings: dict[str, str | None] = {}
-    for family in ("ip", "ip6"):
+    for family in NFT_FAMILIES.values():
         proc = subprocess.run(["nft", "-j", "list", "table", family, TABLE],
                               capture_output=True, text=True, check=False, timeout=120)  # fmt: skip
         listings[family] = proc.stdout if proc.returncode == 0 else None
@@ -80,10 +80,10 @@ def remove_kpx_ipvs_leftovers(
     if decided.dummy:
         kernel.delete_dummy()
     for family in decided.tables:
-        proc = subprocess.run(["nft", "delete", "table", _NFT_FAMILY[family], TABLE],
+        proc = subprocess.run(["nft", "delete", "table", NFT_FAMILIES[family], TABLE],
                               capture_output=True, text=True, check=False, timeout=120)  # fmt: skip
         if proc.returncode != 0:
-            raise RuntimeError(f"nft delete table {_NFT_FAMILY[family]} {TABLE}: {proc.stderr}")
+            raise RuntimeError(f"nft delete table {NFT_FAMILIES[family]} {TABLE}: {proc.stderr}")
     kept = len(servers) - len(decided.virtual_servers)
     log.info("kpx ipvs mode's leftovers: removed %d virtual servers%s (%s); %d left to others",
              len(decided.virtual_servers), " and kube-ipvs0" if decided.dummy else "",

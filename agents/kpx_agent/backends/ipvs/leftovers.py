@@ -39,11 +39,12 @@ from ipaddress import ip_address
 from typing import Any, Final
 
 from ...localnet import IPNetwork
+from ..kernel.names import IPVS_TABLE, NFT_FAMILIES
 from .model import CLUSTER_IPS, DROP, HAIRPIN, MASQ_IPS, VirtualKey, excluded
 
-TABLE: Final = "kpx-ipvs"
+TABLE: Final = IPVS_TABLE
 MARK_SETS: Final = (CLUSTER_IPS, MASQ_IPS, DROP)
-FAMILIES: Final = {"ip": 4, "ip6": 6}
+FAMILIES: Final = {keyword: family for family, keyword in NFT_FAMILIES.items()}
 
 #: (address, protocol, port): an endpoint, or a virtual server's address without family.
 Triple = tuple[str, str, int]

@@ -1,109 +1,144 @@
 """The ipvs backend's helper nftables table: the masquerade and drop rules IPVS cannot express.
 
-Pure text rendering. Every value rendered is typed data from the node-local model (IP, int,
-validated networks and interface names), never raw cluster text.
+Pure, in the kernel toolkit's nftables vocabulary (`kernel.nft_schema`, `kernel.nft_rules`,
+`kernel.nft_transaction`): the sets are `SetDecl`s, the rules typed statements, a sync one
+typed `Transaction` per family, rendered for `nft -f` in one place. What counts as "from a
+local pod" (detectLocal) is the model's decision (`NodeFacts.local_pods`), the same one every
+mode renders; nothing here reads the node or the detectLocal settings.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import cast
 
-from ...localnet import DetectLocalMode, NodeInfo, ProxySettings
-from .kernel import TABLE
+from ...localnet import NodeFacts, ProxySettings
+from ..kernel.names import IPVS_TABLE
+from ..kernel.nft_rules import (
+    DPORT,
+    L4PROTO,
+    IifName,
+    InNetworks,
+    Jump,
+    Lookup,
+    MarkIsSet,
+    MarkOr,
+    Masquerade,
+    Rule,
+    Statement,
+    Verdict,
+    daddr,
+    rule,
+    saddr,
+    vip_key,
+)
+from ..kernel.nft_schema import Field, Key, Pair, SetDecl
+from ..kernel.nft_transaction import ChainSpec, TableDef, Transaction
 from .model import CLUSTER_IPS, DROP, FIREWALL, FIREWALL_ALLOW, HAIRPIN, MASQ_IPS, Element
 
-NFT_FAMILY = {4: "ip", 6: "ip6"}
-_ADDR = {4: "ipv4_addr", 6: "ipv6_addr"}
+A, NET, P, PORT = Field.ADDR, Field.NET, Field.PROTO, Field.PORT
+VPP = (A, P, PORT)
+#: The helper table's sets, in the order the table declares them.
+SETS: tuple[SetDecl, ...] = (
+    SetDecl(CLUSTER_IPS, VPP),
+    SetDecl(MASQ_IPS, VPP),
+    SetDecl(HAIRPIN, (*VPP, A)),
+    SetDecl(DROP, VPP),
+    SetDecl(FIREWALL, VPP),
+    SetDecl(FIREWALL_ALLOW, (*VPP, NET), interval=True),
+)
+_SET = {decl.name: decl for decl in SETS}
+COMMENT = "kpx ipvs mode: masquerade and drops IPVS cannot express"
+SERVICES = "services"
+#: IPVS takes packets at LOCAL_IN (priority 98) and LOCAL_OUT (-99): the filters run before it.
+PRIORITY_NAT_PRE, PRIORITY_NAT_POST, PRIORITY_FILTER = -100, 100, -110
 
 
-def _cluster_ip_masquerade(family: int, settings: ProxySettings, node: NodeInfo) -> str:
+def local_pods_match(facts: NodeFacts) -> tuple[Statement, ...] | None:
+    """The match for traffic that is *not* from a local pod (the model's detectLocal match,
+    negated); None when nothing tells local pods apart."""
+    local = facts.local_pods
+    if local.networks:
+        return (InNetworks(saddr(facts.family), local.networks, negate=True),)
+    if local.interface:
+        return (IifName(local.interface, negate=True),)
+    if local.interface_prefix:
+        return (IifName(f"{local.interface_prefix}*", negate=True),)
+    return None
+
+
+def cluster_ip_masquerade(settings: ProxySettings, facts: NodeFacts) -> Rule:
     """The rule marking traffic to cluster IPs for masquerade, as upstream's ipvs mode: all of
     it with masqueradeAll; else what is not from a local pod (detectLocal); with nothing to
     tell local pods apart, only what the node sends from a Service IP (the source address the
     node picks for a cluster IP bound on kube-ipvs0 is that IP itself)."""
-    fam = NFT_FAMILY[family]
-    mark = f"meta mark set meta mark | 0x{settings.masquerade_mark:x}"
-    lookup = f"{fam} daddr . meta l4proto . th dport @{CLUSTER_IPS}"
+    family, cluster_ips = facts.family, _SET[CLUSTER_IPS]
+    mark = MarkOr(settings.masquerade_mark)
+    lookup = Lookup(vip_key(family), cluster_ips)
     if settings.masquerade_all:
-        return f"{lookup} {mark}"
-    detect = settings.detect_local
-    if detect.mode is DetectLocalMode.BRIDGE_INTERFACE:
-        return f'{lookup} iifname != "{detect.interface}" {mark}'
-    if detect.mode is DetectLocalMode.INTERFACE_NAME_PREFIX:
-        return f'{lookup} iifname != "{detect.interface}*" {mark}'
-    networks = settings.cluster_cidrs
-    if detect.mode is DetectLocalMode.NODE_CIDR:
-        networks = node.pod_cidrs
-    mine = [str(n) for n in networks if n.version == family]
-    if not mine:
-        return f"{fam} saddr . meta l4proto . th dport @{CLUSTER_IPS} {mark}"
-    return f"{lookup} {fam} saddr != {{ {', '.join(mine)} }} {mark}"
+        return rule(lookup, mark)
+    not_local = local_pods_match(facts)
+    if not_local is None:
+        return rule(Lookup((saddr(family), L4PROTO, DPORT), cluster_ips), mark)
+    return rule(lookup, *not_local, mark)
 
 
-def element_text(element: Element) -> str:
-    family, *fields = element
-    del family
-    return " . ".join(str(f) for f in fields)
+def table(settings: ProxySettings, facts: NodeFacts) -> TableDef:
+    """One family's helper table, without elements."""
+    family, mark = facts.family, settings.masquerade_mark
+    vip = vip_key(family)
+    with_source = (*vip, saddr(family))
+    filters = (
+        rule(Lookup(vip, _SET[DROP]), Verdict.DROP),
+        rule(Lookup(vip, _SET[FIREWALL]), Lookup(with_source, _SET[FIREWALL_ALLOW], negate=True),
+             Verdict.DROP),
+    )  # fmt: skip
+    chains = (
+        ChainSpec(SERVICES, (
+            cluster_ip_masquerade(settings, facts),
+            rule(Lookup(vip, _SET[MASQ_IPS]), MarkOr(mark)),
+        )),
+        ChainSpec("prerouting", (rule(Jump(SERVICES)),), ("nat", "prerouting", PRIORITY_NAT_PRE)),
+        ChainSpec("output", (rule(Jump(SERVICES)),), ("nat", "output", PRIORITY_NAT_PRE)),
+        ChainSpec("postrouting", (
+            rule(MarkIsSet(mark), Masquerade(fully_random=False)),
+            rule(Lookup((daddr(family), L4PROTO, DPORT, saddr(family)), _SET[HAIRPIN]),
+                 Masquerade(fully_random=False)),
+        ), ("nat", "postrouting", PRIORITY_NAT_POST)),
+        ChainSpec("filter-input", filters, ("filter", "input", PRIORITY_FILTER)),
+        ChainSpec("filter-output", filters, ("filter", "output", PRIORITY_FILTER)),
+    )  # fmt: skip
+    return TableDef(family, SETS, {}, chains, COMMENT)
 
 
-def base_table(family: int, settings: ProxySettings, node: NodeInfo,
-               elements: Mapping[str, Iterable[Element]]) -> str:  # fmt: skip
-    fam, addr = NFT_FAMILY[family], _ADDR[family]
-    mark = f"0x{settings.masquerade_mark:x}"
-    key = f"{addr} . inet_proto . inet_service"
-    lines = [
-        f"table {fam} {TABLE} {{}}",
-        f"delete table {fam} {TABLE}",
-        f"table {fam} {TABLE} {{",
-        '  comment "kpx ipvs mode: masquerade and drops IPVS cannot express"',
-        f"  set {CLUSTER_IPS} {{ type {key}; }}",
-        f"  set {MASQ_IPS} {{ type {key}; }}",
-        f"  set {HAIRPIN} {{ type {key} . {addr}; }}",
-        f"  set {DROP} {{ type {key}; }}",
-        f"  set {FIREWALL} {{ type {key}; }}",
-        f"  set {FIREWALL_ALLOW} {{ type {key} . {addr}; flags interval; }}",
-        "  chain services {",
-        f"    {_cluster_ip_masquerade(family, settings, node)}",
-        f"    {fam} daddr . meta l4proto . th dport @{MASQ_IPS} meta mark set meta mark | {mark}",
-        "  }",
-        "  chain prerouting {",
-        "    type nat hook prerouting priority -100; policy accept;",
-        "    jump services",
-        "  }",
-        "  chain output {",
-        "    type nat hook output priority -100; policy accept;",
-        "    jump services",
-        "  }",
-        "  chain postrouting {",
-        "    type nat hook postrouting priority 100; policy accept;",
-        f"    meta mark & {mark} == {mark} masquerade",
-        f"    {fam} daddr . meta l4proto . th dport . {fam} saddr @{HAIRPIN} masquerade",
-        "  }",
-        # IPVS takes packets at LOCAL_IN (priority 98) and LOCAL_OUT (-99): run before it.
-        "  chain filter-input {",
-        "    type filter hook input priority -110; policy accept;",
-        f"    {fam} daddr . meta l4proto . th dport @{DROP} drop",
-        f"    {fam} daddr . meta l4proto . th dport @{FIREWALL} "
-        f"{fam} daddr . meta l4proto . th dport . {fam} saddr != @{FIREWALL_ALLOW} drop",
-        "  }",
-        "  chain filter-output {",
-        "    type filter hook output priority -110; policy accept;",
-        f"    {fam} daddr . meta l4proto . th dport @{DROP} drop",
-        f"    {fam} daddr . meta l4proto . th dport @{FIREWALL} "
-        f"{fam} daddr . meta l4proto . th dport . {fam} saddr != @{FIREWALL_ALLOW} drop",
-        "  }",
-        "}",
-    ]
-    lines += element_lines("add", family, elements)
-    return "\n".join(lines) + "\n"
+def _pairs(family: int, members: Iterable[Element]) -> list[Pair]:
+    """The model's elements of one family as typed keys (their fields print as nft reads
+    them: addresses, protocol names, ports, networks)."""
+    return [(cast(Key, tuple(e[1:])), None) for e in members if e[0] == family]
 
 
-def element_lines(verb: str, family: int, elements: Mapping[str, Iterable[Element]]) -> list[str]:
-    fam = NFT_FAMILY[family]
-    out = []
+def full_sync(settings: ProxySettings, facts: NodeFacts,
+              elements: Mapping[str, Iterable[Element]]) -> Transaction:  # fmt: skip
+    """Swap one family's helper table, elements included, in one transaction."""
+    txn = Transaction(facts.family, IPVS_TABLE)
+    txn.replace_table(table(settings, facts))
     for set_name, members in elements.items():
-        texts = [element_text(e) for e in members if e[0] == family]
-        for start in range(0, len(texts), 1000):
-            chunk = ", ".join(texts[start : start + 1000])
-            out.append(f"{verb} element {fam} {TABLE} {set_name} {{ {chunk} }}")
-    return out
+        txn.add_elements(set_name, _pairs(facts.family, members))
+    return txn
+
+
+def element_changes(family: int, deletes: Mapping[str, Iterable[Element]],
+                    adds: Mapping[str, Iterable[Element]]) -> Transaction:  # fmt: skip
+    """One family's element deletions, then additions, as one transaction."""
+    txn = Transaction(family, IPVS_TABLE)
+    for set_name, members in deletes.items():
+        txn.delete_elements(set_name, [key for key, _ in _pairs(family, members)])
+    for set_name, members in adds.items():
+        txn.add_elements(set_name, _pairs(family, members))
+    return txn
+
+
+def base_table(settings: ProxySettings, facts: NodeFacts,
+               elements: Mapping[str, Iterable[Element]]) -> str:  # fmt: skip
+    """The nft text of `full_sync`."""
+    return full_sync(settings, facts, elements).render()

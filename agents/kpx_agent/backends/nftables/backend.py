@@ -37,6 +37,7 @@ from pathlib import Path
 
 from ...localnet import NodeLocalState, ProxySettings, ServicePort, ServicePortKey
 from ..base import Backend, BackendError
+from ..kernel.nft_transaction import Transaction
 from ..route_localnet import ROUTE_LOCALNET_FILE, EnsureSysctl, allow, ensure_sysctl
 from . import kernel, netlink_batch
 from . import names as n
@@ -52,7 +53,6 @@ from .ruleset import (
     render_port,
 )
 from .schema import Element, Pair
-from .transaction import Transaction
 
 log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
@@ -274,11 +274,11 @@ class NftablesBackend(Backend):
         """A family's full sync transaction, one part per chunk of service ports, rendered as
         nft reads it (and filling in the plans and chains it programs, and for the families
         in `loaded`, the elements left out of it for the netlink load)."""
-        txn = Transaction(fam)
+        txn = Transaction(fam, n.TABLE)
         txn.replace_table(base_table(self.settings, state.facts[fam]))
         yield txn
         for start in range(0, len(ports), STREAM_CHUNK):
-            txn = Transaction(fam)
+            txn = Transaction(fam, n.TABLE)
             claimed: list[Element] = []
             for sp in ports[start : start + STREAM_CHUNK]:
                 render = render_port(sp)
@@ -305,7 +305,7 @@ class NftablesBackend(Backend):
                     txn.add_elements(set_name, pairs)
             yield txn
         # What several Services share (merged across owners), once all have claimed.
-        txn = Transaction(fam)
+        txn = Transaction(fam, n.TABLE)
         merged: dict[str, list[Pair]] = {}
         for set_name, element_key, value in plans[fam].merged_elements():
             merged.setdefault(set_name, []).append((element_key, value))
@@ -346,7 +346,7 @@ class NftablesBackend(Backend):
             )
             added = [(s, k, v) for s, pairs in plan.add.items() for k, v in pairs]
             new_chains[fam] = endpoint_chain_counts(added) - self._chains[fam]
-            pre, post = Transaction(fam), Transaction(fam)
+            pre, post = Transaction(fam, n.TABLE), Transaction(fam, n.TABLE)
             owned = self._port_chains[fam]
             chain_updates[fam] = {}
             for key, render in renders.items():

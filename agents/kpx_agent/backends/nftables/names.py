@@ -1,4 +1,5 @@
-"""Every kernel object the nftables backend owns is named here, and nowhere else."""
+"""Every kernel object the nftables backend owns is named here (the table and the family
+keywords in the toolkit's `kernel.names`), and nowhere else."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import base64
 import hashlib
 from collections.abc import Iterable
 
-TABLE = "kpx"
-FAMILIES = {4: "ip", 6: "ip6"}
-ADDR_TYPE = {4: "ipv4_addr", 6: "ipv6_addr"}
-DADDR = {4: "ip daddr", 6: "ip6 daddr"}
-SADDR = {4: "ip saddr", 6: "ip6 saddr"}
+from ..kernel.names import NFT_ADDR_TYPE as ADDR_TYPE
+from ..kernel.names import NFT_FAMILIES as FAMILIES
+from ..kernel.names import NFT_TABLE as TABLE
+
+__all__ = ["ADDR_TYPE", "FAMILIES", "TABLE"]
+
+DADDR = {family: f"{keyword} daddr" for family, keyword in FAMILIES.items()}
+SADDR = {family: f"{keyword} saddr" for family, keyword in FAMILIES.items()}
 
 # Base chains (hooked) and the regular chains they jump to.
 NAT_PREROUTING = "nat-prerouting"

@@ -23,19 +23,26 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from ...localnet import Protocol
+from ..kernel.netlink import (
+    NETLINK_NETFILTER,
+    NLA_F_NESTED,
+    NLM_F_ACK,
+    NLM_F_CREATE,
+    NLM_F_REQUEST,
+    attr,
+    nested,
+    nfnl_message,
+    parse_acks,
+)
 from . import names as n
 from .schema import VERDICT_MAPS, Field, Goto, Key, Pair, ValueKind, declaration
 
-NETLINK_NETFILTER = 12
+__all__ = ["NETLINK_NETFILTER", "parse_acks"]
+
 NFNL_SUBSYS_NFTABLES = 10
 NFT_MSG_NEWSETELEM = 12
 NFNL_MSG_BATCH_BEGIN = 0x10
 NFNL_MSG_BATCH_END = 0x11
-NLMSG_ERROR = 2
-NLM_F_REQUEST = 0x1
-NLM_F_ACK = 0x4
-NLM_F_CREATE = 0x400
-NLA_F_NESTED = 0x8000
 NFTA_SET_ELEM_LIST_TABLE = 1
 NFTA_SET_ELEM_LIST_SET = 2
 NFTA_SET_ELEM_LIST_ELEMENTS = 3
@@ -51,8 +58,6 @@ NFPROTO = {4: socket.AF_INET, 6: socket.AF_INET6}  # NFPROTO_IPV4/6 equal AF_INE
 
 # An attribute's length is 16 bits: a message's element list stays well below 64 KiB.
 MAX_ELEMENTS_BYTES = 48 * 1024
-_HEADER = struct.Struct("=IHHII")  # nlmsghdr
-_NFGEN = struct.Struct("=BBH")  # nfgenmsg
 _PROTOCOLS = {Protocol.TCP: 6, Protocol.UDP: 17, Protocol.SCTP: 132}
 _CHAIN_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,127}")
 ADDR, PROTO, PORT, BUCKET = Field.ADDR, Field.PROTO, Field.PORT, Field.BUCKET
@@ -63,20 +68,6 @@ def loadable(set_name: str) -> bool:
     interval sets, nor the dynamic affinity sets)."""
     decl = declaration(set_name)
     return decl is not None and not decl.interval and not decl.dynamic_timeout
-
-
-def _attr(kind: int, payload: bytes) -> bytes:
-    length = 4 + len(payload)
-    return struct.pack("=HH", length, kind) + payload + b"\0" * (-length % 4)
-
-
-def _nested(kind: int, payload: bytes) -> bytes:
-    return _attr(kind | NLA_F_NESTED, payload)
-
-
-def _message(kind: int, flags: int, seq: int, family: int, payload: bytes, res_id: int) -> bytes:
-    body = _NFGEN.pack(family, 0, socket.htons(res_id)) + payload
-    return _HEADER.pack(_HEADER.size + len(body), kind, flags, seq, 0) + body
 
 
 class _FieldEncoder:
@@ -133,9 +124,9 @@ def _bounded(value: object, top: int) -> int:
 def _verdict(value: object) -> bytes:
     if not isinstance(value, Goto) or not _CHAIN_NAME.fullmatch(value.chain):
         raise ValueError("a verdict must be Goto(<chain>)")
-    code = _attr(NFTA_VERDICT_CODE, struct.pack(">i", NFT_GOTO))
+    code = attr(NFTA_VERDICT_CODE, struct.pack(">i", NFT_GOTO))
     chain = value.chain.encode() + b"\0"
-    return _nested(NFTA_DATA_VERDICT, code + _attr(NFTA_VERDICT_CHAIN, chain))
+    return nested(NFTA_DATA_VERDICT, code + attr(NFTA_VERDICT_CHAIN, chain))
 
 
 def _header(kind: int, payload_length: int) -> bytes:
@@ -302,20 +293,22 @@ class _BatchWriter:
     FLAGS = NLM_F_REQUEST | NLM_F_CREATE | NLM_F_ACK
 
     def __init__(self) -> None:
-        self.out = [_message(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 0, 0, b"", NFNL_SUBSYS_NFTABLES)]
+        self.out = [
+            nfnl_message(NFNL_MSG_BATCH_BEGIN, NLM_F_REQUEST, 0, 0, b"", NFNL_SUBSYS_NFTABLES)
+        ]
         self.messages: dict[int, tuple[int, str]] = {}
         self.elements = 0
 
     def add(self, family: int, set_name: str, encoded: bytes) -> None:
         seq = len(self.messages) + 1
         self.messages[seq] = (family, set_name)
-        head = _attr(NFTA_SET_ELEM_LIST_TABLE, n.TABLE.encode() + b"\0")
-        head += _attr(NFTA_SET_ELEM_LIST_SET, set_name.encode() + b"\0")
-        listed = _nested(NFTA_SET_ELEM_LIST_ELEMENTS, encoded)
-        self.out.append(_message(self.KIND, self.FLAGS, seq, NFPROTO[family], head + listed, 0))
+        head = attr(NFTA_SET_ELEM_LIST_TABLE, n.TABLE.encode() + b"\0")
+        head += attr(NFTA_SET_ELEM_LIST_SET, set_name.encode() + b"\0")
+        listed = nested(NFTA_SET_ELEM_LIST_ELEMENTS, encoded)
+        self.out.append(nfnl_message(self.KIND, self.FLAGS, seq, NFPROTO[family], head + listed))
 
     def close(self) -> Batch:
-        end = _message(NFNL_MSG_BATCH_END, NLM_F_REQUEST, 0, 0, b"", NFNL_SUBSYS_NFTABLES)
+        end = nfnl_message(NFNL_MSG_BATCH_END, NLM_F_REQUEST, 0, 0, b"", NFNL_SUBSYS_NFTABLES)
         return Batch(b"".join([*self.out, end]), self.messages)
 
 
@@ -328,22 +321,6 @@ def _chunks(elements: list[bytes]) -> Iterator[bytes]:
         yield b"".join(elements[start : start + per_run])
 
 
-def parse_acks(data: bytes) -> list[tuple[int, int]]:
-    """(sequence number, error) of each acknowledgement in what the kernel sent back (error 0
-    is success, otherwise a negative errno)."""
-    out = []
-    offset = 0
-    while offset + _HEADER.size <= len(data):
-        length, kind, _flags, seq, _pid = _HEADER.unpack_from(data, offset)
-        if length < _HEADER.size:
-            break
-        if kind == NLMSG_ERROR:
-            (error,) = struct.unpack_from("=i", data, offset + _HEADER.size)
-            out.append((seq, error))
-        offset += (length + 3) & ~3
-    return out
-
-
 def batch_problem(batch: Batch, acks: Mapping[int, int]) -> str | None:
     """What went wrong with a sent batch, from the kernel's acknowledgements (None: every
     message was acknowledged without error, so the transaction committed)."""
@@ -352,9 +329,9 @@ def batch_problem(batch: Batch, acks: Mapping[int, int]) -> str | None:
         seq, code = failed[0]
         family, set_name = batch.messages.get(seq, (0, "?"))
         where = f"{n.FAMILIES.get(family, '?')} {n.TABLE} {set_name}"
-        name = errno.errorcode.get(-code, str(code))
+        name = errno.errorcode.get(code, str(code))
         return (
-            f"the kernel refused the element batch at {where}: {os.strerror(-code)} ({name});"
+            f"the kernel refused the element batch at {where}: {os.strerror(code)} ({name});"
             " none of it was applied"
         )
     if len(acks) < len(batch.messages):

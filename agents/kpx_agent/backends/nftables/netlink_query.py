@@ -14,11 +14,24 @@ or added element, a flushed chain, a rule added to one of our chains does.
 from __future__ import annotations
 
 import hashlib
-import struct
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
 
-from .netlink_batch import NFNL_SUBSYS_NFTABLES, NLM_F_REQUEST, NLMSG_ERROR, _attr, _message
+from ..kernel.netlink import (
+    NLM_F_DUMP,
+    NLM_F_MULTI,
+    NLM_F_REQUEST,
+    NLMSG_DONE,
+    NLMSG_ERROR,
+    Message,
+    attr,
+    attributes,
+    error_of,
+    messages,
+    nfnl_message,
+)
+from .netlink_batch import NFNL_SUBSYS_NFTABLES
+
+__all__ = ["NLMSG_ERROR", "NLM_F_MULTI", "Message", "messages"]
 
 NFT_MSG_NEWRULE = 6
 NFT_MSG_GETRULE = 7
@@ -26,18 +39,12 @@ NFT_MSG_NEWSET = 9
 NFT_MSG_GETSET = 10
 NFT_MSG_NEWSETELEM = 12
 NFT_MSG_GETSETELEM = 13
-NLMSG_DONE = 3
-NLM_F_MULTI = 0x2
-NLM_F_DUMP = 0x300
 NFTA_RULE_TABLE = 1
 NFTA_SET_TABLE = 1
 NFTA_SET_NAME = 2
 NFTA_SET_ELEM_LIST_TABLE = 1
 NFTA_SET_ELEM_LIST_SET = 2
 NFTA_SET_ELEM_LIST_ELEMENTS = 3
-NLA_TYPE_MASK = 0x3FFF
-_HEADER = struct.Struct("=IHHII")  # nlmsghdr
-_BODY = _HEADER.size + 4  # nlmsghdr + nfgenmsg
 
 
 def _kind(msg: int) -> int:
@@ -45,31 +52,24 @@ def _kind(msg: int) -> int:
 
 
 def _string(kind: int, text: str) -> bytes:
-    return _attr(kind, text.encode() + b"\0")
+    return attr(kind, text.encode() + b"\0")
 
 
 def rules_request(family: int, table: str, seq: int = 1) -> bytes:
     """Dump every rule of `table` (family: NFPROTO_IPV4/6)."""
     flags = NLM_F_REQUEST | NLM_F_DUMP
-    return _message(_kind(NFT_MSG_GETRULE), flags, seq, family, _string(NFTA_RULE_TABLE, table), 0)
+    return nfnl_message(_kind(NFT_MSG_GETRULE), flags, seq, family, _string(NFTA_RULE_TABLE, table))
 
 
 def sets_request(family: int, table: str, seq: int = 1) -> bytes:
     flags = NLM_F_REQUEST | NLM_F_DUMP
-    return _message(_kind(NFT_MSG_GETSET), flags, seq, family, _string(NFTA_SET_TABLE, table), 0)
+    return nfnl_message(_kind(NFT_MSG_GETSET), flags, seq, family, _string(NFTA_SET_TABLE, table))
 
 
 def elements_request(family: int, table: str, set_name: str, seq: int = 1) -> bytes:
     payload = _string(NFTA_SET_ELEM_LIST_TABLE, table) + _string(NFTA_SET_ELEM_LIST_SET, set_name)
     flags = NLM_F_REQUEST | NLM_F_DUMP
-    return _message(_kind(NFT_MSG_GETSETELEM), flags, seq, family, payload, 0)
-
-
-@dataclass(frozen=True)
-class Message:
-    kind: int  # nlmsghdr type
-    flags: int
-    body: bytes  # after the netlink header (nfgenmsg first, for nf_tables messages)
+    return nfnl_message(_kind(NFT_MSG_GETSETELEM), flags, seq, family, payload)
 
 
 class NetlinkError(Exception):
@@ -80,34 +80,10 @@ class NetlinkError(Exception):
         self.errno = errno
 
 
-def messages(data: bytes) -> Iterator[Message]:
-    """The netlink messages in one datagram."""
-    offset = 0
-    while offset + _HEADER.size <= len(data):
-        length, kind, flags, _seq, _pid = _HEADER.unpack_from(data, offset)
-        if length < _HEADER.size or offset + length > len(data):
-            raise ValueError(f"truncated netlink message at {offset}")
-        yield Message(kind, flags, data[offset + _HEADER.size : offset + length])
-        offset += (length + 3) & ~3
-
-
-def attributes(data: bytes) -> Iterator[tuple[int, bytes]]:
-    """(type without flags, payload) of each attribute in `data`."""
-    offset = 0
-    while offset + 4 <= len(data):
-        length, kind = struct.unpack_from("=HH", data, offset)
-        if length < 4:
-            raise ValueError(f"bad attribute length {length} at {offset}")
-        yield kind & NLA_TYPE_MASK, data[offset + 4 : offset + length]
-        offset += (length + 3) & ~3
-
-
 def check(message: Message) -> None:
     """Raise NetlinkError for an error answer (an acknowledgement with errno 0 passes)."""
-    if message.kind == NLMSG_ERROR:
-        (error,) = struct.unpack_from("=i", message.body, 0)
-        if error:
-            raise NetlinkError(-error)
+    if message.kind == NLMSG_ERROR and (error := error_of(message)):
+        raise NetlinkError(error)
 
 
 def set_names(answer: Iterable[Message]) -> list[str]:

@@ -25,11 +25,12 @@ from ...localnet import (
     ProxySettings,
     ServicePort,
 )
+from ..kernel import nft_rules as r
+from ..kernel.nft_rules import L4PROTO, PORT_KEY, Rule, rule
+from ..kernel.nft_transaction import ChainSpec, TableDef
 from ..source_ranges import common_ranges, merged
 from . import names as n
-from . import rules as r
 from .element_book import Merge
-from .rules import L4PROTO, PORT_KEY, Rule, rule
 from .schema import (
     TABLE_CHAINS,
     TABLE_SETS,
@@ -223,26 +224,6 @@ def endpoint_chain(family: int, dispatch_map: str, count: int) -> tuple[str, Set
     key = PORT_KEY if dispatch_map in n.NODEPORT_DISPATCH else r.vip_key(family)
     decl = endpoint_map(dispatch_map, count)
     return decl.name, decl, rule(r.DnatMap(family, key, count, decl))
-
-
-@dataclass(frozen=True)
-class ChainSpec:
-    """A chain of the fixed table: base chains have a hook (type, hook, priority)."""
-
-    name: str
-    rules: tuple[Rule, ...]
-    hook: tuple[str, str, int] | None = None  # (type, hook, priority); policy accept
-
-
-@dataclass(frozen=True)
-class TableDef:
-    """A family's table without any Service's elements: its sets (with the elements that
-    depend on the node only) and its fixed chains."""
-
-    family: int
-    sets: tuple[SetDecl, ...]
-    elements: Mapping[str, tuple[Key, ...]]
-    chains: tuple[ChainSpec, ...]
 
 
 _LOOPBACK: dict[int, IPNetwork] = {4: IPv4Network("127.0.0.0/8"), 6: IPv6Network("::1/128")}

@@ -1,13 +1,14 @@
-"""The nftables backend's rules as typed values, and their one serializer to nft text.
+"""nftables rules as typed values, and their one serializer to nft text (the kernel toolkit's:
+the nftables mode's chains and the ipvs mode's helper table are written in it).
 
 A rule is a tuple of statements from the small vocabulary below: the matches, lookups and
-actions the backend's chains use, and nothing else. Statements hold parsed values (a family
+actions kpx's chains use, and nothing else. Statements hold parsed values (a family
 number, `Protocol`s, networks, ints, the `SetDecl` a lookup reads) and never text from the
 cluster; `rule_text` is the only place that turns them into nft syntax (`str(rule)` calls it,
 so a rule prints where nft text is written). Rules go to the kernel only as nft text: netlink
 carries set and map elements (`netlink_batch`), never rules.
 
-A lookup names the declaration of its set (`schema.SetDecl`) rather than a bare name, and
+A lookup names the declaration of its set (`nft_schema.SetDecl`) rather than a bare name, and
 checks that the packet fields it looks up are as many as the set's key fields, and that a
 verdict map is only used as one (Linux 6.1 refuses a verdict map looked up as a set).
 """
@@ -18,8 +19,8 @@ import enum
 from dataclasses import dataclass
 
 from ...localnet import IPAddress, IPNetwork, Protocol
-from . import names as n
-from .schema import SetDecl, ValueKind
+from .names import NFT_FAMILIES
+from .nft_schema import SetDecl, ValueKind
 
 
 class PacketField(enum.Enum):
@@ -39,7 +40,7 @@ class Payload:
     family: int = 0
 
     def __post_init__(self) -> None:
-        if self.field in (PacketField.SADDR, PacketField.DADDR) and self.family not in n.FAMILIES:
+        if self.field in (PacketField.SADDR, PacketField.DADDR) and self.family not in NFT_FAMILIES:
             raise ValueError(f"{self.field.value} needs a family, not {self.family!r}")
 
 
@@ -87,6 +88,19 @@ class Compare:
     field: Payload
     value: IPNetwork | Protocol
     negate: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class InNetworks:
+    """`field { net, ... }` (or `field != { net, ... }`): an address in one of the networks."""
+
+    field: Payload
+    networks: tuple[IPNetwork, ...]
+    negate: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.networks:
+            raise ValueError(f"{self.field.field.value}: no networks to compare with")
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +239,7 @@ class Jump:
 Statement = (
     Lookup
     | Compare
+    | InNetworks
     | IifName
     | FibLocal
     | MarkIsSet
@@ -272,7 +287,7 @@ def rule_text(r: Rule) -> str:
 
 def _payload(p: Payload) -> str:
     if p.field in (PacketField.SADDR, PacketField.DADDR):
-        return f"{n.FAMILIES[p.family]} {p.field.value}"
+        return f"{NFT_FAMILIES[p.family]} {p.field.value}"
     return p.field.value
 
 
@@ -291,6 +306,9 @@ def statement_text(s: Statement) -> str:
     if isinstance(s, Compare):
         value = s.value.value if isinstance(s.value, Protocol) else str(s.value)
         return f"{_payload(s.field)} {'!= ' if s.negate else ''}{value}"
+    if isinstance(s, InNetworks):
+        nets = ", ".join(str(net) for net in s.networks)
+        return f"{_payload(s.field)} {'!= ' if s.negate else ''}{{ {nets} }}"
     if isinstance(s, IifName):
         return f'iifname {"!= " if s.negate else ""}"{s.name}"'
     if isinstance(s, FibLocal):
@@ -317,10 +335,10 @@ def statement_text(s: Statement) -> str:
         return f"{_fields(s.fields)} vmap @{s.map.name}"
     if isinstance(s, Dnat):
         target = f"[{s.address}]" if s.family == 6 else str(s.address)
-        return f"dnat {n.FAMILIES[s.family]} to {target}:{s.port}"
+        return f"dnat {NFT_FAMILIES[s.family]} to {target}:{s.port}"
     if isinstance(s, DnatMap):
         return (
-            f"dnat {n.FAMILIES[s.family]} to {_fields(s.fields)} . numgen random mod"
+            f"dnat {NFT_FAMILIES[s.family]} to {_fields(s.fields)} . numgen random mod"
             f" {s.buckets} map @{s.map.name}"
         )
     if isinstance(s, Masquerade):

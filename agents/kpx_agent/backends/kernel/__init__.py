@@ -1,0 +1,14 @@
+"""The mode-neutral kernel toolkit: what every mode (and the agent's conntrack edge) speaks to
+the kernel in, defined once.
+
+- `names`: every kernel object kpx creates or removes by name (nftables tables and their
+  family keywords, the ipvs helper table);
+- `netlink`: netlink framing (header, attributes, messages, acknowledgements; errors as
+  positive errno values);
+- `nft_schema`: the nftables vocabulary's data (field kinds, typed elements, `SetDecl`,
+  `ChainDecl`); `nft_rules`: typed rules and their one nft text serializer;
+  `nft_transaction`: a typed transaction (`Op`, one class per operation) and its nft text.
+
+Nothing here decides anything about Services or the node: it is the vocabulary, never the
+policy. Any mode may import it; it imports no mode.
+"""
