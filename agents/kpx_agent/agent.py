@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import re
@@ -265,6 +266,7 @@ class Agent:
             field_selector=lambda: exclusion_field_selector(self.proxier.excluded),
             on_event=self._wake.set,
             recovery=self.recovery,
+            shrink=functools.partial(ClusterState.shrink, resource.kind),
         )
 
     def _count_packets(self) -> None:

@@ -80,6 +80,17 @@ class ClusterState:
         self.slices_pending: set[Key] = set()
 
     # -- recording -----------------------------------------------------------------------------
+    @staticmethod
+    def shrink(kind: str, obj: dict[str, Any]) -> Obj:
+        """What the store keeps of an object of `kind` (compact.py for Services and
+        EndpointSlices): a reflector applies it as each object arrives, so a list never holds
+        more than its kept form."""
+        if kind == SERVICES:
+            return compact.service(obj)
+        if kind == SLICES:
+            return compact.endpoint_slice(obj)
+        return obj
+
     def _queue(self) -> None:
         if not self._changes:
             self._changes.queued_at = time.time()

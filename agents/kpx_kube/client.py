@@ -44,6 +44,7 @@ from .errors import (
 from .exec_plugin import ExecPluginError
 from .kinds import BUILTIN, prefix_of
 from .kubeconfig import KubeconfigError
+from .list_body import decode_list
 from .tcp import socket_factory
 
 log = logging.getLogger(__name__)
@@ -298,9 +299,17 @@ class Client:
     # -- the reflector's fast path ------------------------------------------------------------
 
     async def list(
-        self, resource: str, path: str, params: Mapping[str, str], *, timeout: float = 120.0
+        self,
+        resource: str,
+        path: str,
+        params: Mapping[str, str],
+        *,
+        timeout: float = 120.0,
+        item: Callable[[dict[str, Any]], Any] | None = None,
     ) -> Obj:
-        """One page of a list, decoded with the collector paused; counted under `resource`."""
+        """One page of a list, decoded with the collector paused; counted under `resource`.
+        With `item`, each item is decoded alone and replaced by `item`'s result before the
+        next is decoded (list_body: the page's whole tree is never held)."""
         started = time.monotonic()
         auth = await self._auth()
         req = self._build("GET", path, auth, params=params)
@@ -319,14 +328,16 @@ class Client:
             self._observe("GET", started, None)
             raise Unreachable(f"{req.what}: {exc!r}") from exc
         self._observe("GET", started, status)
-        self.bytes_received[resource] += len(body)
+        size = len(body)
+        self.bytes_received[resource] += size
         if status != 200:
             raise self._refused(req, status, body, auth, wait)
         received = time.monotonic()
         with collector.paused():
-            data: Obj = orjson.loads(body)
+            data: Obj = orjson.loads(body) if item is None else decode_list(body, item)
+        del body
         log.debug("%s: %d bytes (%s) received in %.3f s, decoded in %.3f s", resource,
-                  len(body), encoding, received - started, time.monotonic() - received)  # fmt: skip
+                  size, encoding, received - started, time.monotonic() - received)  # fmt: skip
         self.objects_received[resource] += len(data.get("items") or [])
         return data
 

@@ -31,8 +31,11 @@ with the new selector, the namespaces it now lets through are listed alone (and 
 the store), and the store forgets the namespaces it now leaves out. After a jittered wait, so
 the agents of a cluster do not all ask at once when one namespace's label changes.
 
-Each object is slimmed before it is stored (`slim`: managedFields and the last-applied
-annotation dropped; what costs memory at scale and no reader of a reflector needs).
+Each object is shrunk as it arrives, before the next list page or event is read (`shrink`; by
+default `slim`: managedFields and the last-applied annotation dropped, what costs memory at
+scale and no reader of a reflector needs; the agent's store keeps less still). A list thus
+holds its items in their kept form and one decoded page at a time, never the whole raw list,
+and a relist holds the previous view only beside the kept form of the new one.
 """
 
 from __future__ import annotations
@@ -65,7 +68,14 @@ class Resource:
 class ListWatch(Protocol):
     """What a reflector asks the apiserver (`client.Client`)."""
 
-    async def list(self, resource: str, path: str, params: Mapping[str, str]) -> dict[str, Any]: ...
+    async def list(
+        self,
+        resource: str,
+        path: str,
+        params: Mapping[str, str],
+        *,
+        item: Callable[[dict[str, Any]], Any] | None = None,
+    ) -> dict[str, Any]: ...
     def watch(
         self, resource: str, path: str, params: Mapping[str, str]
     ) -> AsyncIterator[dict[str, Any]]: ...
@@ -126,8 +136,10 @@ class Reflector:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
         recovery: Recovery | None = None,
+        shrink: Callable[[dict[str, Any]], Obj] = slim,
     ) -> None:
         self.client = client
+        self.shrink = shrink
         self.resource = resource
         self.sink = sink
         self.field_selector = field_selector
@@ -198,16 +210,18 @@ class Reflector:
         return params
 
     async def _pages(self, path: str, consistent: bool) -> tuple[list[Obj], Obj]:
-        """Every page of a list of `path` with the selectors in use: the items (slimmed) and
-        the last page's metadata."""
+        """Every page of a list of `path` with the selectors in use: the items (shrunk, page
+        by page) and the last page's metadata."""
         items: list[Obj] = []
         params = {**self._params(), "limit": str(self.page_size)}
         if not consistent:
             params["resourceVersion"] = "0"
         while True:
-            data = await self.client.list(self.resource.kind, path, params)
-            items.extend(slim(item) for item in data.get("items") or [])
+            data = await self.client.list(self.resource.kind, path, params, item=self.shrink)
+            # Shrunk as decoded already (a compact object or a slimmed one shrinks to itself).
+            items.extend(self.shrink(item) for item in data.get("items") or [])
             meta = data.get("metadata") or {}
+            del data  # the decoded page goes now, not when the next one has arrived
             if not meta.get("continue"):
                 return items, meta
             params["continue"] = str(meta["continue"])
@@ -257,8 +271,8 @@ class Reflector:
             etype, raw = event.get("type"), event.get("object")
             if not isinstance(raw, dict):
                 raise BadEvent(f"a {etype} event whose object is not an object: {raw!r:.200}")
-            obj = slim(raw)
-            rv = self._rv = str((obj.get("metadata") or {}).get("resourceVersion", rv))
+            rv = self._rv = str((raw.get("metadata") or {}).get("resourceVersion", rv))
+            obj = self.shrink(raw)
             self._events += 1
             if etype in ("ADDED", "MODIFIED"):
                 self.sink.upsert(self.resource.kind, obj)
