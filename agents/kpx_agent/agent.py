@@ -266,7 +266,7 @@ class Agent:
             field_selector=lambda: exclusion_field_selector(self.proxier.excluded),
             on_event=self._wake.set,
             recovery=self.recovery,
-            shrink=functools.partial(ClusterState.shrink, resource.kind),
+            shrink=functools.partial(self.state.shrink, resource.kind),
         )
 
     def _count_packets(self) -> None:

@@ -68,10 +68,10 @@ class WatchedEvents:
         real_list = self.client.list
 
         async def recording_list(
-            resource: str, path: str, params: Mapping[str, str]
+            resource: str, path: str, params: Mapping[str, str], *, item: Any = None
         ) -> dict[str, Any]:
             self.lists.append(dict(params))
-            data = await real_list(resource, path, params)
+            data = await real_list(resource, path, params, item=item)
             after_list(len(self.lists))
             return data
 
