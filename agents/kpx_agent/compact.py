@@ -50,10 +50,15 @@ _SHARED: dict[object, Any] = {}
 _SHARED_MAX: Final = 50_000
 
 
+def _fresh(value: str) -> str:
+    """A new string equal to `value` (any code point, lone surrogates too)."""
+    return value.encode("utf-8", "surrogatepass").decode("utf-8", "surrogatepass")
+
+
 def _text(value: str) -> str:
     """A copy of a string that holds nothing of the decoded original, interned (names,
     namespaces, node names, zones repeat)."""
-    return sys.intern(value.encode().decode())
+    return sys.intern(_fresh(value))
 
 
 def _canonical(value: object) -> object:
@@ -138,7 +143,7 @@ def _endpoint(ep: object) -> object:
         if k in ep:
             value = ep[k]
             if k == "addresses" and isinstance(value, list):  # unique: copied, not interned
-                out[k] = [v.encode().decode() if isinstance(v, str) else v for v in value]
+                out[k] = [_fresh(v) if isinstance(v, str) else v for v in value]
             else:
                 out[k] = _shared(value)
     return out

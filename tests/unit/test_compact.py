@@ -121,3 +121,10 @@ def test_a_relisted_object_equal_to_the_stored_one_is_the_stored_one() -> None:
     changed = state.shrink(SLICES, fat(eps(ep("10.244.1.3"))))
     assert changed is not stored
     assert changed != stored
+
+
+def test_any_string_compacts_lone_surrogates_too() -> None:
+    """A string the JSON decoder may hand over (here a lone surrogate) is copied as it is,
+    never an error that would fail the reflector."""
+    obj = {"metadata": {"name": "a\ud800"}, "endpoints": [{"addresses": ["x\udc00"]}]}
+    assert compact.endpoint_slice(obj) == obj
