@@ -225,7 +225,7 @@ def main() -> int:
                 f"{ENDPOINTS_PER_SERVICE} endpoints (intercept {a:.0f} MB)")  # fmt: skip
     if not args.no_write:
         path = write_json(
-            "agent_memory",
+            "agent_memory.json",
             {
                 "machine": machine_info(),
                 "endpoints_per_service": ENDPOINTS_PER_SERVICE,
