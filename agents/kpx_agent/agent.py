@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import re
@@ -279,6 +280,7 @@ class Agent:
             field_selector=lambda: exclusion_field_selector(self.proxier.excluded),
             on_event=self._wake.set,
             recovery=self.recovery,
+            shrink=functools.partial(self.state.shrink, resource.kind),
         )
 
     def _count_packets(self) -> None:

@@ -80,6 +80,21 @@ class ClusterState:
         self.slices_pending: set[Key] = set()
 
     # -- recording -----------------------------------------------------------------------------
+    def shrink(self, kind: str, obj: dict[str, Any]) -> Obj:
+        """What the store keeps of an object of `kind` (compact.py for Services and
+        EndpointSlices): a reflector applies it as each object arrives, so a list never holds
+        more than its kept form. An object equal to the one stored is the stored one: a
+        relist holds the new list beside the store without a second copy of what did not
+        change."""
+        if kind == SERVICES:
+            new, current = compact.service(obj), self.services
+        elif kind == SLICES:
+            new, current = compact.endpoint_slice(obj), self.slices
+        else:
+            return obj
+        old = current.get(_key(new))
+        return old if old is not None and old == new else new
+
     def _queue(self) -> None:
         if not self._changes:
             self._changes.queued_at = time.time()

@@ -6,10 +6,17 @@ last-applied-configuration, selectors, endpoints' targetRefs) cost memory at eve
 make every update look like a change. What the node-local model and the agent read is listed
 here, once; a field read elsewhere must be added here (tests/unit/test_compact.py runs the
 node-local model's table through it, so a field missing here fails it).
+
+Memory: the compact form holds no object of the decoded original (strings are copied, values
+that many objects repeat, such as an endpoint's conditions or a slice's ports, are one shared
+object), so a decoded list page is freed whole once its items are compacted, instead of
+leaving the heap pinned by a few strings each. The result is read, never changed: shared
+values must not be mutated. A compact object compacts to itself.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
@@ -31,10 +38,64 @@ _SLICE_ANNOTATIONS: Final = (TRIGGER_ANNOTATION,)
 _ENDPOINT: Final = ("addresses", "conditions", "hints", "nodeName", "zone")
 
 
+class Compact(dict[str, Any]):
+    """A Service or EndpointSlice in compact form (what `service` and `endpoint_slice` return)."""
+
+    __slots__ = ()
+
+
+#: Values shared between compact objects, by their canonical form; cleared when full, which
+#: only costs sharing (the objects already made keep theirs).
+_SHARED: dict[object, Any] = {}
+_SHARED_MAX: Final = 50_000
+
+
+def _fresh(value: str) -> str:
+    """A new string equal to `value` (any code point, lone surrogates too)."""
+    return value.encode("utf-8", "surrogatepass").decode("utf-8", "surrogatepass")
+
+
+def _text(value: str) -> str:
+    """A copy of a string that holds nothing of the decoded original, interned (names,
+    namespaces, node names, zones repeat)."""
+    return sys.intern(_fresh(value))
+
+
+def _canonical(value: object) -> object:
+    """A hashable form of a JSON value, telling True from 1."""
+    if isinstance(value, dict):
+        return (dict, tuple((k, _canonical(v)) for k, v in value.items()))
+    if isinstance(value, list):
+        return (list, tuple(_canonical(v) for v in value))
+    return (type(value), value)
+
+
+def _copy(value: Any) -> Any:
+    """A deep copy of a JSON value whose strings are copies (`_text`)."""
+    if isinstance(value, str):
+        return _text(value)
+    if isinstance(value, dict):
+        return {_text(k): _copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _shared(value: Any) -> Any:
+    """One object for every equal value (conditions, port lists, IP families): read-only."""
+    key = _canonical(value)
+    found = _SHARED.get(key)
+    if found is None:
+        if len(_SHARED) >= _SHARED_MAX:
+            _SHARED.clear()
+        found = _SHARED[key] = _copy(value)
+    return found
+
+
 def _pick(source: object, keys: Iterable[str]) -> dict[str, Any]:
     if not isinstance(source, Mapping):
         return {}
-    return {k: source[k] for k in keys if k in source}
+    return {k: _copy(source[k]) for k in keys if k in source}
 
 
 def _metadata(obj: Obj, labels: Iterable[str], annotations: Iterable[str]) -> dict[str, Any]:
@@ -48,16 +109,43 @@ def _metadata(obj: Obj, labels: Iterable[str], annotations: Iterable[str]) -> di
     return out
 
 
+#: Service spec fields whose value many Services repeat (kept once, `_shared`).
+_SERVICE_SPEC_SHARED: Final = frozenset(
+    {"ports", "ipFamilies", "ipFamilyPolicy", "type", "sessionAffinity", "sessionAffinityConfig",
+     "internalTrafficPolicy", "externalTrafficPolicy", "trafficDistribution"}
+)  # fmt: skip
+
+
 def service(obj: Obj) -> dict[str, Any]:
     """A Service with only what the agent reads: identity, creation time, the proxy-name
     label, the topology annotations, the spec (but its selector) and status.loadBalancer."""
-    out: dict[str, Any] = {"metadata": _metadata(obj, _SERVICE_LABELS, _SERVICE_ANNOTATIONS)}
+    if isinstance(obj, Compact):
+        return obj
+    out = Compact(metadata=_metadata(obj, _SERVICE_LABELS, _SERVICE_ANNOTATIONS))
     spec = obj.get("spec")
     if isinstance(spec, Mapping):
-        out["spec"] = {k: v for k, v in spec.items() if k not in _SERVICE_SPEC_UNREAD}
+        out["spec"] = {
+            _text(k): _shared(v) if k in _SERVICE_SPEC_SHARED else _copy(v)
+            for k, v in spec.items()
+            if k not in _SERVICE_SPEC_UNREAD
+        }
     status = obj.get("status")
     if isinstance(status, Mapping) and status.get("loadBalancer"):
-        out["status"] = {"loadBalancer": status["loadBalancer"]}
+        out["status"] = {"loadBalancer": _copy(status["loadBalancer"])}
+    return out
+
+
+def _endpoint(ep: object) -> object:
+    if not isinstance(ep, Mapping):
+        return _copy(ep)
+    out: dict[str, Any] = {}
+    for k in _ENDPOINT:
+        if k in ep:
+            value = ep[k]
+            if k == "addresses" and isinstance(value, list):  # unique: copied, not interned
+                out[k] = [_fresh(v) if isinstance(v, str) else v for v in value]
+            else:
+                out[k] = _shared(value)
     return out
 
 
@@ -65,10 +153,13 @@ def endpoint_slice(obj: Obj) -> dict[str, Any]:
     """An EndpointSlice with only what the agent reads: identity, its Service's name, the
     change-trigger time, the address type, ports and each endpoint's addresses, conditions,
     hints, node and zone (not its targetRef)."""
-    out: dict[str, Any] = {"metadata": _metadata(obj, _SLICE_LABELS, _SLICE_ANNOTATIONS)}
-    out.update(_pick(obj, ("addressType", "ports")))
+    if isinstance(obj, Compact):
+        return obj
+    out = Compact(metadata=_metadata(obj, _SLICE_LABELS, _SLICE_ANNOTATIONS))
+    for k in ("addressType", "ports"):
+        if k in obj:
+            out[k] = _shared(obj[k])
     endpoints = obj.get("endpoints")
     if isinstance(endpoints, list):
-        out["endpoints"] = [_pick(ep, _ENDPOINT) if isinstance(ep, Mapping) else ep
-                            for ep in endpoints]  # fmt: skip
+        out["endpoints"] = [_endpoint(ep) for ep in endpoints]
     return out

@@ -44,6 +44,7 @@ from .errors import (
 from .exec_plugin import ExecPluginError
 from .kinds import BUILTIN, prefix_of
 from .kubeconfig import KubeconfigError
+from .list_body import decode_list as decode_list_body
 from .tcp import socket_factory
 from .watch_events import BadList, decode_json, decode_line
 
@@ -299,10 +300,19 @@ class Client:
     # -- the reflector's fast path ------------------------------------------------------------
 
     async def list(
-        self, resource: str, path: str, params: Mapping[str, str], *, timeout: float = 120.0
+        self,
+        resource: str,
+        path: str,
+        params: Mapping[str, str],
+        *,
+        timeout: float = 120.0,
+        item: Callable[[dict[str, Any]], Any] | None = None,
     ) -> Any:
         """One page of a list, decoded with the collector paused; counted under `resource`.
-        BadList when it is not JSON (its shape is checked by watch_events.decode_list)."""
+        BadList when it is not JSON (its shape is checked by watch_events.decode_list).
+        With `item`, each item is decoded alone and replaced by `item`'s result before the
+        next is decoded (list_body: the page's whole tree is never held); what `item` raises
+        goes to the caller."""
         started = time.monotonic()
         auth = await self._auth()
         req = self._build("GET", path, auth, params=params)
@@ -321,14 +331,22 @@ class Client:
             self._observe("GET", started, None)
             raise Unreachable(f"{req.what}: {exc!r}") from exc
         self._observe("GET", started, status)
-        self.bytes_received[resource] += len(body)
+        size = len(body)
+        self.bytes_received[resource] += size
         if status != 200:
             raise self._refused(req, status, body, auth, wait)
         received = time.monotonic()
         with collector.paused():
-            data = decode_json(body, f"{req.what}: a list answer", BadList)
+            if item is None:
+                data = decode_json(body, f"{req.what}: a list answer", BadList)
+            else:
+                try:
+                    data = decode_list_body(body, item)
+                except orjson.JSONDecodeError as exc:
+                    raise BadList(f"{req.what}: a list answer that is not JSON ({exc})") from None
+        del body
         log.debug("%s: %d bytes (%s) received in %.3f s, decoded in %.3f s", resource,
-                  len(body), encoding, received - started, time.monotonic() - received)  # fmt: skip
+                  size, encoding, received - started, time.monotonic() - received)  # fmt: skip
         items = data.get("items") if isinstance(data, dict) else None
         self.objects_received[resource] += len(items) if isinstance(items, list) else 0
         return data  # its shape: watch_events.decode_list

@@ -32,8 +32,12 @@ with the new selector, the namespaces it now lets through are listed alone (and 
 the store), and the store forgets the namespaces it now leaves out. After a jittered wait, so
 the agents of a cluster do not all ask at once when one namespace's label changes.
 
-Each object is slimmed before it is stored (`slim`: managedFields and the last-applied
-annotation dropped; what costs memory at scale and no reader of a reflector needs).
+Each object is checked (`watch_events.check_object`) and shrunk as it arrives, before the next
+list item or event is read (`shrink`; by default `slim`: managedFields and the last-applied
+annotation dropped, what costs memory at scale and no reader of a reflector needs; the agent's
+store keeps less still). A list thus holds its items in their kept form and one decoded item
+at a time, never the whole raw list, and a relist holds the previous view only beside the kept
+form of the new one.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from typing import Any, Protocol
 from .backoff import Backoff
 from .errors import ApiError, Gone, WatchIdle
 from .recovery import Recovery
-from .watch_events import APPLIED, BadEvent, decode_event, decode_list
+from .watch_events import APPLIED, BadEvent, BadList, check_object, decode_event, decode_list
 
 __all__ = ["BadEvent", "ListWatch", "Reflector", "Resource", "Sink", "slim"]
 
@@ -68,7 +72,14 @@ class Resource:
 class ListWatch(Protocol):
     """What a reflector asks the apiserver (`client.Client`)."""
 
-    async def list(self, resource: str, path: str, params: Mapping[str, str]) -> Any: ...
+    async def list(
+        self,
+        resource: str,
+        path: str,
+        params: Mapping[str, str],
+        *,
+        item: Callable[[dict[str, Any]], Any] | None = None,
+    ) -> Any: ...
     def watch(self, resource: str, path: str, params: Mapping[str, str]) -> AsyncIterator[Any]: ...
 
 
@@ -123,8 +134,10 @@ class Reflector:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
         recovery: Recovery | None = None,
+        shrink: Callable[[dict[str, Any]], Obj] = slim,
     ) -> None:
         self.client = client
+        self.shrink = shrink
         self.resource = resource
         self.sink = sink
         self.field_selector = field_selector
@@ -194,16 +207,26 @@ class Reflector:
             params["fieldSelector"] = self._selector_in_use
         return params
 
+    def _kept(self, obj: Any) -> Obj:
+        """A list item as decoded: checked, then shrunk (BadList when it is not an object
+        with readable metadata)."""
+        check_object(obj, f"a {self.resource.kind} list item", BadList)
+        return self.shrink(obj)
+
     async def _pages(self, path: str, consistent: bool) -> tuple[list[Obj], str]:
-        """Every page of a list of `path` with the selectors in use: the items (slimmed) and
-        the last page's resourceVersion."""
+        """Every page of a list of `path` with the selectors in use: the items (checked and
+        shrunk as each is decoded) and the last page's resourceVersion."""
         items: list[Obj] = []
         params = {**self._params(), "limit": str(self.page_size)}
         if not consistent:
             params["resourceVersion"] = "0"
         while True:
-            page = decode_list(await self.client.list(self.resource.kind, path, params))
-            items.extend(slim(item) for item in page.items)
+            data = await self.client.list(self.resource.kind, path, params, item=self._kept)
+            page = decode_list(data, items_checked=True)
+            del data  # the decoded page goes now, not when the next one has arrived
+            # Checked and shrunk as decoded already by the client; again here for a client
+            # that does not take `item` (a kept object passes and shrinks to itself).
+            items.extend(self._kept(obj) for obj in page.items)
             if not page.continue_token:
                 return items, page.resource_version
             params["continue"] = page.continue_token
@@ -254,7 +277,7 @@ class Reflector:
                 log.warning("%s: watch event of unknown type %r skipped", self.resource.kind,
                             etype[:100])  # fmt: skip
                 continue
-            obj = slim(event.object)
+            obj = self.shrink(event.object)
             if event.resource_version:
                 rv = self._rv = event.resource_version
             if etype in ("ADDED", "MODIFIED"):

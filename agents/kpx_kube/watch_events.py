@@ -130,9 +130,10 @@ def decode_event(doc: Any) -> Event:
     return Event(etype, cast(dict[str, Any], obj), rv)
 
 
-def decode_list(doc: Any) -> ListPage:
-    """One page of a list: its items (each checked as `check_object` does), its
-    resourceVersion and its continue token ("" on the last page)."""
+def decode_list(doc: Any, items_checked: bool = False) -> ListPage:
+    """One page of a list: its items (each checked as `check_object` does, unless the
+    decoding already did: `items_checked`), its resourceVersion and its continue token (""
+    on the last page)."""
     if not isinstance(doc, dict):
         raise BadList(f"a list answer that is not an object: {_show(doc)}")
     meta = doc.get("metadata")
@@ -147,6 +148,6 @@ def decode_list(doc: Any) -> ListPage:
         items = []
     elif not isinstance(items, list):
         raise BadList(f"a list answer whose items are not a list: {_show(items)}")
-    for index, item in enumerate(items):
+    for index, item in enumerate(() if items_checked else items):
         check_object(item, f"a list answer's item {index}", BadList)
     return ListPage(items, rv, token)

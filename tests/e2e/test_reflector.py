@@ -70,10 +70,10 @@ class WatchedEvents:
         real_list = self.client.list
 
         async def recording_list(
-            resource: str, path: str, params: Mapping[str, str]
+            resource: str, path: str, params: Mapping[str, str], *, item: Any = None
         ) -> dict[str, Any]:
             self.lists.append(dict(params))
-            data = await real_list(resource, path, params)
+            data = await real_list(resource, path, params, item=item)
             after_list(len(self.lists))
             return data
 
@@ -228,3 +228,39 @@ def test_a_silent_watch_is_resumed_without_a_relist(cluster: Cluster, kube: Kube
     assert "late" in names.names
     assert idle >= 3
     assert lists == 1
+
+
+def test_the_apiservers_list_bodies_are_decoded_item_by_item(
+    cluster: Cluster, kube: Kube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Services and EndpointSlices as the apiserver lists them (from the watch cache, as the
+    agent's first list, and consistently, as after 410 Gone) have the shape list_body splits:
+    with the whole-body fallback disabled, every item still arrives, each through `item`."""
+    from agent_harness import endpoint_slice, service
+
+    from kpx_kube import list_body
+
+    ns = kube.create_namespace(prefix="split")
+    ports = [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]
+    kube.apply(*(service(f"s{i}", ns, ports) for i in range(3)))
+    kube.apply(*(endpoint_slice(f"s{i}-a", ns, f"s{i}", [{"addresses": [f"10.244.0.{i + 1}"]}],
+                                [("http", 8080, "TCP")]) for i in range(3)))  # fmt: skip
+
+    def refused(body: bytes, item: Any) -> dict[str, Any]:
+        raise AssertionError("the body was decoded whole")
+
+    monkeypatch.setattr(list_body, "_whole", refused)
+
+    async def names(path: str, params: dict[str, str]) -> list[str]:
+        client = KubeClient(from_kubeconfig(cluster.kubeconfig))
+        try:
+            data = await client.list("x", path, params, item=lambda o: o["metadata"]["name"])
+        finally:
+            await client.close()
+        return sorted(data["items"])
+
+    for path in (f"/api/v1/namespaces/{ns}/services",
+                 f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"):  # fmt: skip
+        want = ["s0", "s1", "s2"] if "services" in path else ["s0-a", "s1-a", "s2-a"]
+        assert asyncio.run(names(path, {"resourceVersion": "0", "limit": "500"})) == want
+        assert asyncio.run(names(path, {"limit": "500"})) == want

@@ -12,7 +12,9 @@ from kpx_kube.reflector import Reflector, Resource
 
 
 class Nothing:
-    async def list(self, resource: str, path: str, params: Mapping[str, str]) -> dict[str, Any]:
+    async def list(
+        self, resource: str, path: str, params: Mapping[str, str], *, item: Any = None
+    ) -> dict[str, Any]:
         raise AssertionError("not listed here")
 
     async def watch(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import orjson
 import pytest
 from test_node_local import NODE, ROWS, ep, eps, svc
 
@@ -90,3 +91,40 @@ def test_an_update_of_a_field_nobody_reads_records_no_change() -> None:
     moved["spec"]["ports"][0]["port"] = 81
     state.upsert(SERVICES, moved)
     assert state.take_changes().services == {("default", "web")}
+
+
+def _strings(value: object) -> list[object]:
+    """The string values (not keys: orjson keeps those in a cache of its own)."""
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return [value] if isinstance(value, str) else []
+
+
+@pytest.mark.parametrize("kind", [SERVICES, SLICES])
+def test_the_compact_form_holds_no_string_of_the_decoded_object(kind: str) -> None:
+    """So a decoded list page is freed whole once its items are compacted."""
+    obj = fat(svc()) if kind == SERVICES else fat(eps(ep("10.244.1.2"), ep("10.244.1.3")))
+    whole = orjson.loads(orjson.dumps(obj))  # as decoded: strings of its own
+    kept = ClusterState().shrink(kind, whole)
+    original = {id(s) for s in _strings(whole)}
+    assert not [s for s in _strings(kept) if id(s) in original]
+    assert ClusterState().shrink(kind, kept) is kept  # a compact object compacts to itself
+
+
+def test_a_relisted_object_equal_to_the_stored_one_is_the_stored_one() -> None:
+    state = ClusterState()
+    state.upsert(SLICES, fat(eps(ep("10.244.1.2"))))
+    (stored,) = state.slices.values()
+    assert state.shrink(SLICES, fat(eps(ep("10.244.1.2")))) is stored
+    changed = state.shrink(SLICES, fat(eps(ep("10.244.1.3"))))
+    assert changed is not stored
+    assert changed != stored
+
+
+def test_any_string_compacts_lone_surrogates_too() -> None:
+    """A string the JSON decoder may hand over (here a lone surrogate) is copied as it is,
+    never an error that would fail the reflector."""
+    obj = {"metadata": {"name": "a\ud800"}, "endpoints": [{"addresses": ["x\udc00"]}]}
+    assert compact.endpoint_slice(obj) == obj

@@ -35,7 +35,9 @@ class FakeApi:
         self.calls: list[tuple[str, str, dict[str, str]]] = []
         self.watching = asyncio.Event()
 
-    async def list(self, resource: str, path: str, params: Mapping[str, str]) -> Obj:
+    async def list(
+        self, resource: str, path: str, params: Mapping[str, str], *, item: Any = None
+    ) -> Obj:
         self.calls.append(("list", path, dict(params)))
         left_out = {
             term.split("!=", 1)[1]

@@ -58,7 +58,9 @@ class FakeApi:
         self.lists = list(lists or [])
         self.calls: list[tuple[str, dict[str, str]]] = []
 
-    async def list(self, resource: str, path: str, params: Mapping[str, str]) -> Obj:
+    async def list(
+        self, resource: str, path: str, params: Mapping[str, str], *, item: Any = None
+    ) -> Obj:
         self.calls.append(("list", dict(params)))
         items = self.lists.pop(0) if self.lists else [cm("a", "10")]
         if isinstance(items, Exception):
@@ -168,9 +170,11 @@ def test_an_event_it_cannot_read_fails_the_reflector_until_a_relist(bad: object)
     failures: list[str] = []
     original = api.list
 
-    async def list_(resource: str, path: str, params: Mapping[str, str]) -> Obj:
+    async def list_(
+        resource: str, path: str, params: Mapping[str, str], *, item: Any = None
+    ) -> Obj:
         failures.append(reflector.failure)
-        return await original(resource, path, params)
+        return await original(resource, path, params, item=item)
 
     api.list = list_  # type: ignore[method-assign]
     clock = Clock()
