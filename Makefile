@@ -12,7 +12,7 @@ N ?=
 CONFORMANCE_SUITE ?= proxy
 CONFORMANCE_TARGETS ?= kpx/nftables,kube-proxy/nftables,kpx/iptables,kube-proxy/iptables
 
-.PHONY: conformance setup setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-go-localstate setup-vm image test test-unit test-kernel test-e2e lint crds chart demo demo-down bench bench-migration chaos
+.PHONY: test-long conformance setup setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-go-localstate setup-vm image test test-unit test-kernel test-e2e lint crds chart demo demo-down bench bench-migration chaos
 
 ## setup: install everything a fresh machine needs (idempotent: a second run installs and builds nothing)
 setup: setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-go-localstate setup-vm
@@ -70,9 +70,15 @@ image: setup-apt setup-coredns
 	PYTHONPATH=harness $(PYTHON) -m kpx_cluster.images build
 	PYTHONPATH=harness $(PYTHON) -m kpx_cluster.kubelets.static_images
 
-## test: the whole suite (unit, kernel-in-netns, and e2e against a real apiserver); needs root
+## test: the whole suite (unit, kernel-in-netns, and e2e against a real apiserver) but the
+## `long` load runs; needs root
 test: setup image
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -m "not long"
+
+## test-long: the load runs of minutes each that `make test` leaves out (the ipvs -> nftables
+## switch under load in the IPVS guest)
+test-long: setup image
+	$(PYTHON) -m pytest -m long
 
 ## test-unit: the pure tier, no root, no cluster (seconds)
 test-unit:

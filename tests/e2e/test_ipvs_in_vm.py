@@ -156,6 +156,7 @@ def test_the_ipvs_example_deploys_agents_that_proxy_traffic(cluster: Cluster, gu
 MIGRATION_TEST = "tests/e2e/test_ipvs_to_nftables_under_load.py"
 
 
+@pytest.mark.long  # about 4-5 min under emulation: `make test-long`, not `make test`
 def test_ipvs_to_nftables_under_load_in_the_guest(cluster: Cluster, guest: Guest) -> None:
     """Issue #18's proof under load for ipvs -> nftables (the guest half reaches the local
     control plane through the kubeconfig proxy-vm relays); prints its table row."""

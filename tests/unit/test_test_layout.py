@@ -89,3 +89,12 @@ def test_the_makefile_runs_each_tier_alone() -> None:
     kernel = r"^test-kernel:.*\n\t.*pytest tests/e2e -m \"netns and not e2e\""
     assert re.search(kernel, makefile, re.M)
     assert re.search(r"^test-e2e:.*\n\t.*pytest tests/e2e -m e2e\b", makefile, re.M)
+
+
+def test_make_test_leaves_out_only_the_long_runs_and_test_long_runs_them() -> None:
+    makefile = (TESTS.parent / "Makefile").read_text()
+    assert re.search(r"^test:.*\n\t.*pytest -m \"not long\"$", makefile, re.M)
+    assert re.search(r"^test-long:.*\n\t.*pytest -m long$", makefile, re.M)
+    config = tomllib.loads((TESTS.parent / "pyproject.toml").read_text())
+    markers = config["tool"]["pytest"]["ini_options"]["markers"]
+    assert any(m.startswith("long:") for m in markers)
