@@ -15,8 +15,9 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from test_fuzz_loaders import FUZZ as LOADER_FUZZ
 from test_reflector_retries import RES, Clock, FakeApi, Names, Stop, cm
 
 from kpx_kube.backoff import Backoff
@@ -31,13 +32,7 @@ from kpx_kube.watch_events import (
 )
 
 # Derandomized, as test_fuzz_loaders: the same examples on every run.
-FUZZ = settings(
-    max_examples=300,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+FUZZ = settings(LOADER_FUZZ, max_examples=300)
 
 SCALARS = st.one_of(
     st.none(),
