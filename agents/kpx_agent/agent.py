@@ -29,21 +29,21 @@ from kpx_kube.reflector import Reflector, Resource
 from . import __version__, conntrack_sysctl, pod_events, service_problems
 from . import settings as settings_mod
 from .backends.base import Backend
-from .cluster_state import ClusterState
 from .http_endpoints import RetryingServer, health_app, metrics_app
 from .localnet import NodeLocalState, ServicePortKey
 from .metrics import FAMILY_LABELS, AgentMetrics, no_local_endpoints, watch_loop
 from .node_state import DEFAULT_WRITE_INTERVAL, ErrorRecord, NodeFacts, SyncRecord
 from .node_state_writer import NodeStateWriter
-from .optout import exclusion_field_selector
 from .proxier import Proxier
 from .proxy_health import ProxyHealth, health_timeout
-from .resources import NAMESPACES_RESOURCE, NODES_RESOURCE, SERVICES_RESOURCE, SLICES_RESOURCE
 from .rollback import rollback_due, rolled_back_message, seconds_left
 from .service_health import HealthCheckServers, health_targets
 from .settings import AgentSettings
 from .state_api.publisher import Publisher
 from .state_api.server import StateServer, parse_address
+from .store.cluster_state import ClusterState
+from .store.optout import exclusion_field_selector
+from .store.resources import NAMESPACES_RESOURCE, NODES_RESOURCE, SERVICES_RESOURCE, SLICES_RESOURCE
 from .sync_log import log_sync
 from .takeover import Leftover, LeftoverRemoval, Report
 

@@ -17,7 +17,6 @@ from kpx_api.proxysettings import NamespaceOptOut
 
 from . import conntrack
 from .backends.base import Backend, BackendError, CheckUnsupported
-from .cluster_state import ClusterState, Key
 from .conntrack import FlowFilter, stale_flows
 from .conntrack_cleaner import ConntrackCleaner
 from .external_ips import APISERVER_SERVICE, ExternalIPPolicy, apiserver_addresses
@@ -25,9 +24,10 @@ from .fault_isolation import find_culprits
 from .localnet import NodeLocalState, Protocol, ProxySettings, ServicePort, ServicePortKey
 from .metrics import FAMILY_LABELS, AgentMetrics, failed_families
 from .node_local import node_facts, node_info, service_model, uses_topology
-from .optout import excluded_namespaces
 from .quarantine import MAX_SERVICE_COST, quarantine
 from .service_problems import REFUSED_BY_KERNEL, ProblemBook, ServiceProblem
+from .store.cluster_state import ClusterState, Key
+from .store.optout import excluded_namespaces
 from .vip_claims import VipClaims, creation_time
 
 log = logging.getLogger(__name__)

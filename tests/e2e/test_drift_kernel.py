@@ -19,7 +19,7 @@ pytestmark = pytest.mark.netns
 # found, and whether the full sync it asked for made the agent's rules what they were.
 PROGRAM = """
 import json, subprocess, sys
-from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.localnet import ProxySettings
 from kpx_agent.metrics import AgentMetrics
 from kpx_agent.proxier import Proxier

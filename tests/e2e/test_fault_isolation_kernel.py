@@ -126,7 +126,7 @@ from kpx_agent.backends.nftables import backend as nft_backend
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.schema import Goto
-from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.localnet import ProxySettings
 from kpx_agent.metrics import AgentMetrics
 from kpx_agent.proxier import DATAPLANE, Proxier

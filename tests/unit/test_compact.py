@@ -10,9 +10,9 @@ import orjson
 import pytest
 from test_node_local import NODE, ROWS, ep, eps, svc
 
-from kpx_agent import compact
-from kpx_agent.cluster_state import SERVICES, SLICES, ClusterState
 from kpx_agent.node_local import service_model
+from kpx_agent.store import compact
+from kpx_agent.store.cluster_state import SERVICES, SLICES, ClusterState
 
 FAT_METADATA = {
     "uid": "0e3c6c39-8d5c-4b1d-9b5a-0c1f6f3f7a11",

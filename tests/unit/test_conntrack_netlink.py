@@ -26,11 +26,11 @@ from test_proxier import endpoint_slice, service, setup
 from kpx_agent import conntrack
 from kpx_agent import conntrack_wire as wire
 from kpx_agent.backends.kernel import netlink as nl
-from kpx_agent.cluster_state import SERVICES, SLICES
 from kpx_agent.conntrack import FlowFilter
 from kpx_agent.conntrack_cleaner import ConntrackCleaner
 from kpx_agent.conntrack_wire import Entry, KernelError, Tuple, WireError
 from kpx_agent.localnet import IP
+from kpx_agent.store.cluster_state import SERVICES, SLICES
 
 FUZZ = settings(max_examples=300, derandomize=True, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])  # fmt: skip

@@ -357,7 +357,7 @@ def test_a_clashing_external_ip_leaves_the_victims_virtual_server_to_the_victim(
     ClusterIP does not replace that ClusterIP's real servers, whatever came first."""
     from test_vip_claims import BY_EXTERNAL, VICTIM, endpoints, proxier_with
 
-    from kpx_agent.cluster_state import SERVICES, SLICES
+    from kpx_agent.store.cluster_state import SERVICES, SLICES
 
     state, proxier = proxier_with(backend_for(fake))
     state.upsert(SERVICES, BY_EXTERNAL)

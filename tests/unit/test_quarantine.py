@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from test_proxier import endpoint_slice, service, setup
 
-from kpx_agent.cluster_state import SERVICES, SLICES
 from kpx_agent.localnet import IP, Endpoint, Protocol, ServicePort, ServicePortKey
 from kpx_agent.quarantine import MAX_SERVICE_COST, cost, quarantine
 from kpx_agent.service_problems import QUARANTINED
+from kpx_agent.store.cluster_state import SERVICES, SLICES
 
 
 def port(name: str, family: int, endpoints: int) -> ServicePort:

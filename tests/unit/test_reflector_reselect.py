@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kpx_agent.cluster_state import SERVICES, ClusterState
+from kpx_agent.store.cluster_state import SERVICES, ClusterState
 from kpx_kube.reflector import Reflector, Resource
 
 Obj = dict[str, Any]

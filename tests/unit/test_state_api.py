@@ -599,9 +599,9 @@ def test_the_proxier_publishes_after_a_successful_sync_only() -> None:
     next full sync, after the failure, publishes it)."""
     from kpx_agent.backends import state_only
     from kpx_agent.backends.base import BackendError
-    from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
     from kpx_agent.metrics import AgentMetrics
     from kpx_agent.proxier import Proxier
+    from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
     from kpx_api.proxysettings import NamespaceOptOut
 
     cluster = ClusterState()
@@ -716,9 +716,9 @@ def test_a_terminating_fallback_endpoint_is_served_as_terminating_serving_not_re
 
 
 def _proxier_on(backend: Any) -> tuple[Any, Any, Publisher]:
-    from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
     from kpx_agent.metrics import AgentMetrics
     from kpx_agent.proxier import Proxier
+    from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
     from kpx_api.proxysettings import NamespaceOptOut
 
     cluster = ClusterState()
@@ -741,7 +741,7 @@ def test_conditions_change_no_kernel_rule_but_make_a_revision() -> None:
 
     from kpx_agent.backends.iptables.backend import IptablesBackend
     from kpx_agent.backends.nftables.backend import NftablesBackend
-    from kpx_agent.cluster_state import SERVICES, SLICES
+    from kpx_agent.store.cluster_state import SERVICES, SLICES
 
     nft = FakeNftables()
     ipt = FakeIptables()
@@ -790,7 +790,7 @@ def test_node_facts_are_served_and_follow_the_node() -> None:
     """The decided NodePort networks, local-pod match and localhost NodePorts reach the client
     as the backends get them; a change of the Node's addresses makes a revision."""
     from kpx_agent.backends import state_only
-    from kpx_agent.cluster_state import NODES
+    from kpx_agent.store.cluster_state import NODES
 
     settings = ProxySettings(
         cluster_cidrs=(ip_network("10.1.0.0/16"),),

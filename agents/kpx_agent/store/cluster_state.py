@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..node_local import SERVICE_NAME_LABEL
 from . import compact
 from .compact import TRIGGER_ANNOTATION
-from .node_local import SERVICE_NAME_LABEL
 
 Obj = Mapping[str, Any]
 Key = tuple[str, str]  # (namespace, name)
