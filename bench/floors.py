@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.nftables.backend import NftablesBackend
-from kpx_agent.localnet import NodeLocalState
+from kpx_agent.model.types import NodeLocalState
 from workload import SETTINGS, node_local_state
 
 RESULTS = Path(__file__).parent / "results"

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from kpx_agent import backends
-from kpx_agent.localnet import NodeLocalState
+from kpx_agent.model.types import NodeLocalState
 from workload import SETTINGS, TARGET_PORT, node_local_state, service_port
 
 

@@ -77,7 +77,7 @@ from compare import (  # noqa: E402
     time_to_kernel,
     wait_cold_start,
 )
-from kpx_agent.localnet import IP, Endpoint, ProxySettings  # noqa: E402
+from kpx_agent.model.types import IP, Endpoint, ProxySettings  # noqa: E402
 from kpx_agent.state_api.publisher import Publisher  # noqa: E402
 from kpx_agent.state_api.server import Listen, StateServer  # noqa: E402
 from kpx_cluster.controlplane import Cluster  # noqa: E402

@@ -27,7 +27,8 @@ from benchlib import (
     services_path,
     slices_path,
 )
-from kpx_agent.localnet import (
+from kpx_agent.model.service_ports import node_facts
+from kpx_agent.model.types import (
     IP,
     Endpoint,
     NodeInfo,
@@ -37,7 +38,6 @@ from kpx_agent.localnet import (
     ServicePort,
     ServicePortKey,
 )
-from kpx_agent.node_local import node_facts
 from kpx_cluster.controlplane import Cluster
 from ruleset_readback import Key, Mappings
 

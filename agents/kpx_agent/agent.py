@@ -26,12 +26,13 @@ from kpx_kube import AlreadyExists, ApiError, Client, collector
 from kpx_kube.recovery import Recovery
 from kpx_kube.reflector import Reflector, Resource
 
-from . import __version__, conntrack_sysctl, pod_events, service_problems
+from . import __version__, conntrack_sysctl, pod_events
 from . import settings as settings_mod
 from .backends.base import Backend
 from .http_endpoints import RetryingServer, health_app, metrics_app
-from .localnet import NodeLocalState, ServicePortKey
 from .metrics import FAMILY_LABELS, AgentMetrics, no_local_endpoints, watch_loop
+from .model import service_problems
+from .model.types import NodeLocalState, ServicePortKey
 from .node_state import DEFAULT_WRITE_INTERVAL, ErrorRecord, NodeFacts, SyncRecord
 from .node_state_writer import NodeStateWriter
 from .proxier import Proxier

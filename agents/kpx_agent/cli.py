@@ -43,8 +43,8 @@ from .kube_proxy_takeover import (
     kube_proxy_runs_here,
     remove_kube_proxy_leftovers,
 )
-from .localnet import ProxySettings
 from .metrics import AgentMetrics
+from .model.types import ProxySettings
 from .node_state import DEFAULT_WRITE_INTERVAL
 from .proxy_health import ProxyHealth
 from .settings import AgentSettings

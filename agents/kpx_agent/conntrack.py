@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from . import conntrack_wire as wire
 from .conntrack_wire import NETLINK_NETFILTER, PROTO_UDP, Entry, WireError
-from .localnet import IPAddress, Protocol, ServicePort
+from .model.types import IPAddress, Protocol, ServicePort
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from kpx_api.modes import IPVSSettings, state_server_only
 from kpx_api.networks import parse_bind_address, parse_cidr
 from kpx_api.proxysettings import Conntrack, NamespaceOptOut
 
-from .localnet import DetectLocal, DetectLocalMode, IPVSOptions, ProxySettings
+from .model.types import DetectLocal, DetectLocalMode, IPVSOptions, ProxySettings
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from typing import Any
 
 from kpx_agent import backends
 from kpx_agent.cli import remove_other_modes
-from kpx_agent.localnet import (
+from kpx_agent.model.service_ports import local_state
+from kpx_agent.model.types import (
     IP,
     Endpoint,
     IPVSOptions,
@@ -27,7 +28,6 @@ from kpx_agent.localnet import (
     ServicePort,
     ServicePortKey,
 )
-from kpx_agent.node_local import local_state
 
 
 def _key(raw: list[Any]) -> ServicePortKey:

@@ -19,7 +19,7 @@ import pytest
 
 from kpx_agent import conntrack
 from kpx_agent.conntrack import FlowFilter
-from kpx_agent.localnet import IP
+from kpx_agent.model.types import IP
 from kpx_cluster.netns import Node, Pod, Topology, call_in_netns
 
 pytestmark = [pytest.mark.netns]

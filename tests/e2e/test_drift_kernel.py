@@ -20,7 +20,7 @@ pytestmark = pytest.mark.netns
 PROGRAM = """
 import json, subprocess, sys
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
-from kpx_agent.localnet import ProxySettings
+from kpx_agent.model.types import ProxySettings
 from kpx_agent.metrics import AgentMetrics
 from kpx_agent.proxier import Proxier
 from kpx_api.proxysettings import NamespaceOptOut

@@ -24,8 +24,8 @@ C_VIP = "10.96.0.52"
 POISON_PAIR = """
 import sys
 from ipaddress import ip_network as net
-from kpx_agent.localnet import *
-from kpx_agent.node_local import local_state
+from kpx_agent.model.types import *
+from kpx_agent.model.service_ports import local_state
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.nftables.backend import NftablesBackend
 ip = IP.of
@@ -79,11 +79,11 @@ def test_poison_pair_in_later_syncs_blocks_nothing(topology: Topology, mode: str
 # may have none: test_ipvs_kernel.py runs in a proxy-vm guest). Runs inside n1's netns.
 IPVS_HELPER = """
 from ipaddress import ip_network as net
-from kpx_agent.localnet import *
+from kpx_agent.model.types import *
 from kpx_agent.backends.ipvs import kernel
 from kpx_agent.backends.ipvs.backend import IpvsBackend
 from kpx_agent.backends.ipvs.fake import FakeKernel
-from kpx_agent.node_local import local_state
+from kpx_agent.model.service_ports import local_state
 ip = IP.of
 
 class HelperTableOnly(FakeKernel):  # IPVS, sysctls and the dummy faked; the helper table real
@@ -127,7 +127,7 @@ from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.schema import Goto
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
-from kpx_agent.localnet import ProxySettings
+from kpx_agent.model.types import ProxySettings
 from kpx_agent.metrics import AgentMetrics
 from kpx_agent.proxier import DATAPLANE, Proxier
 from kpx_api.proxysettings import NamespaceOptOut
@@ -188,8 +188,8 @@ def test_a_service_the_kernel_refuses_is_left_out_and_the_rest_programmed(
 
 CHECK_MODES = """
 from ipaddress import ip_network as net
-from kpx_agent.localnet import *
-from kpx_agent.node_local import local_state
+from kpx_agent.model.types import *
+from kpx_agent.model.service_ports import local_state
 from kpx_agent.backends.iptables import kernel as ipt_kernel
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.nftables.backend import NftablesBackend

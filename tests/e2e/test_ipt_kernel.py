@@ -31,10 +31,10 @@ JUMPS = {
 PROGRAM = """
 import sys
 from ipaddress import ip_network as net
-from kpx_agent.localnet import IP
+from kpx_agent.model.types import IP
 ip = IP.of
-from kpx_agent.localnet import *
-from kpx_agent.node_local import local_state
+from kpx_agent.model.types import *
+from kpx_agent.model.service_ports import local_state
 from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup
 
 step, b1, b2, b1v6, b2v6, n1, n1v6, client = sys.argv[1:9]

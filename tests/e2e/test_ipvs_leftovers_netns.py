@@ -26,10 +26,10 @@ import json, subprocess, sys
 from kpx_agent.backends.ipvs import kernel
 from kpx_agent.backends.ipvs.model import VirtualKey, plan_port
 from kpx_agent.backends.ipvs.ruleset import base_table
-from kpx_agent.node_local import node_facts
+from kpx_agent.model.service_ports import node_facts
 from kpx_agent.backends.ipvs.leftover_removal import remove_kpx_ipvs_leftovers
 from kpx_agent.kube_proxy_takeover import kube_proxy_ipvs_mode_here
-from kpx_agent.localnet import *
+from kpx_agent.model.types import *
 
 kpx, kube_proxy, busy = json.loads(sys.argv[1])
 state = {"drained": False}

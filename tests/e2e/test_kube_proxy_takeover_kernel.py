@@ -30,8 +30,8 @@ VIP = "10.96.0.10"
 SERVE = """
 import json, sys
 from ipaddress import ip_network as net
-from kpx_agent.localnet import *
-from kpx_agent.node_local import local_state
+from kpx_agent.model.types import *
+from kpx_agent.model.service_ports import local_state
 from kpx_agent import backends
 spec = json.loads(sys.argv[1])
 ip = IP.of

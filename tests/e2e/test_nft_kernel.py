@@ -56,10 +56,10 @@ def test_backend_programs_real_traffic(topology: Topology) -> None:
     program = f"""
 import sys
 from ipaddress import ip_network
-from kpx_agent.localnet import IP
+from kpx_agent.model.types import IP
 ip = IP.of
-from kpx_agent.localnet import *
-from kpx_agent.node_local import local_state
+from kpx_agent.model.types import *
+from kpx_agent.model.service_ports import local_state
 from kpx_agent.backends.nftables.backend import NftablesBackend
 eps = (Endpoint(ip("{b1.ipv4}"), 8080, True), Endpoint(ip("{b2.ipv4}"), 8080))
 ports = [
@@ -88,10 +88,10 @@ def test_affinity_and_load_balancer_source_ranges(topology: Topology) -> None:
     program = f"""
 import dataclasses
 from ipaddress import ip_network as net
-from kpx_agent.localnet import IP
+from kpx_agent.model.types import IP
 ip = IP.of
-from kpx_agent.localnet import *
-from kpx_agent.node_local import local_state
+from kpx_agent.model.types import *
+from kpx_agent.model.service_ports import local_state
 from kpx_agent.backends.nftables.backend import NftablesBackend
 eps = (Endpoint(ip("{b1.ipv4}"), 8080, True), Endpoint(ip("{b2.ipv4}"), 8080))
 def port(name, vip, **kw):
@@ -157,9 +157,9 @@ def test_a_partial_sync_adds_a_new_endpoint_count(topology: Topology) -> None:
     reaches both backends (TCP and UDP through the same new map)."""
     n1, b1, b2, client = two_nodes_with_backends(topology)
     program = f"""
-from kpx_agent.localnet import *
-from kpx_agent.node_local import local_state
-from kpx_agent.localnet import IP
+from kpx_agent.model.types import *
+from kpx_agent.model.service_ports import local_state
+from kpx_agent.model.types import IP
 from kpx_agent.backends.nftables.backend import NftablesBackend
 ip = IP.of
 b = NftablesBackend(ProxySettings())
@@ -253,7 +253,7 @@ def test_a_refused_element_batch_applies_nothing(topology: Topology) -> None:
     program = """
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.nftables.kernel import load_elements
-from kpx_agent.localnet import IP, Protocol
+from kpx_agent.model.types import IP, Protocol
 try:
     load_elements({4: {"cluster-ips": [((IP.of("10.96.0.1"), Protocol.TCP, 80), None)],
                        "hairpin": [((IP.of("10.244.0.1"), IP.of("10.244.0.1")), None)]}})
@@ -281,7 +281,7 @@ def test_a_refused_batch_stops_the_load_and_keeps_the_batches_before_it(
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.nftables import netlink_batch
 from kpx_agent.backends.nftables.kernel import load_elements
-from kpx_agent.localnet import IP, Protocol
+from kpx_agent.model.types import IP, Protocol
 ips = [((IP.of(f"10.96.{i // 256}.{i % 256}"), Protocol.TCP, 80), None) for i in range(7000)]
 assert netlink_batch.BATCH_ELEMENTS == 5000
 hairpin = [((IP.of("10.244.0.1"), IP.of("10.244.0.1")), None)]

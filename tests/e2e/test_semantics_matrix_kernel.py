@@ -38,7 +38,7 @@ PROGRAM = f"""
 import json, sys
 sys.path.insert(0, {str(UNIT)!r})
 from semantics import CASES, World, node_of, settings_of
-from kpx_agent.node_local import local_state
+from kpx_agent.model.service_ports import local_state
 from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup as ipt_cleanup
 from kpx_agent.backends.nftables.backend import NftablesBackend, cleanup as nft_cleanup
 

@@ -249,9 +249,16 @@ def test_go_client_takes_a_full_state_over_grpc_default_limit(
     import asyncio
     import dataclasses
 
-    from kpx_agent.localnet import IP, Endpoint, NodeInfo, NodeLocalState, Protocol, ProxySettings
-    from kpx_agent.localnet import ServicePort as Port
-    from kpx_agent.localnet import ServicePortKey as Key
+    from kpx_agent.model.types import (
+        IP,
+        Endpoint,
+        NodeInfo,
+        NodeLocalState,
+        Protocol,
+        ProxySettings,
+    )
+    from kpx_agent.model.types import ServicePort as Port
+    from kpx_agent.model.types import ServicePortKey as Key
     from kpx_agent.state_api.publisher import Publisher
     from kpx_agent.state_api.server import Listen, StateServer
 

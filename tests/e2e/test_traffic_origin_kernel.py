@@ -33,8 +33,8 @@ VIP, LB_IP, NODE_PORT, ETP_NODE_PORT = "10.96.0.10", "192.0.2.21", 30080, 30081
 PROGRAM = """
 import json, sys
 from ipaddress import ip_network as net
-from kpx_agent.localnet import *
-from kpx_agent.node_local import local_state
+from kpx_agent.model.types import *
+from kpx_agent.model.service_ports import local_state
 from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup as ipt_cleanup
 from kpx_agent.backends.nftables.backend import NftablesBackend, cleanup as nft_cleanup
 

@@ -22,7 +22,7 @@ import pytest
 
 from kpx_agent import conntrack
 from kpx_agent.conntrack import FlowFilter, stale_flows
-from kpx_agent.localnet import IP, Endpoint, Protocol, ServicePort, ServicePortKey
+from kpx_agent.model.types import IP, Endpoint, Protocol, ServicePort, ServicePortKey
 from kpx_cluster.netns import Node, Pod, Topology, call_in_netns
 
 pytestmark = [pytest.mark.netns]

@@ -8,7 +8,8 @@ from ipaddress import ip_network
 from pathlib import Path
 from typing import NamedTuple
 
-from kpx_agent.localnet import (
+from kpx_agent.model.service_ports import local_state
+from kpx_agent.model.types import (
     IP,
     Endpoint,
     NodeInfo,
@@ -18,7 +19,6 @@ from kpx_agent.localnet import (
     ServicePort,
     ServicePortKey,
 )
-from kpx_agent.node_local import local_state
 
 GOLDEN = Path(__file__).parent / "golden"
 SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"), ip_network("fd00:244::/48")))

@@ -21,7 +21,7 @@ from packet_walk import Walk, every_outcome
 from semantics import Outcome, Packet
 
 from kpx_agent.backends.base import BackendError
-from kpx_agent.localnet import Protocol
+from kpx_agent.model.types import Protocol
 
 BUILTIN = {
     "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),

@@ -52,7 +52,7 @@ from kpx_agent.backends.nftables.schema import (
     ValueKind,
     element_text,
 )
-from kpx_agent.localnet import IP, Protocol
+from kpx_agent.model.types import IP, Protocol
 
 HOOKS = {
     "prerouting": ("filter", "nat"),

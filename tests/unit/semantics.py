@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from ipaddress import ip_network
 
-from kpx_agent.localnet import (
+from kpx_agent.model.types import (
     IP,
     DetectLocal,
     DetectLocalMode,

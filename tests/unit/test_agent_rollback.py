@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from kpx_agent import settings as settings_mod
 from kpx_agent.backends.base import Backend
-from kpx_agent.localnet import ProxySettings
+from kpx_agent.model.types import ProxySettings
 from kpx_agent.proxy_health import ProxyHealth
 from kpx_agent.rollback import ERROR_LIMIT, rollback_due, rolled_back_message, seconds_left
 from kpx_agent.settings import RollbackSettings

@@ -10,7 +10,7 @@ import orjson
 import pytest
 from test_node_local import NODE, ROWS, ep, eps, svc
 
-from kpx_agent.node_local import service_model
+from kpx_agent.model.service_ports import service_model
 from kpx_agent.store import compact
 from kpx_agent.store.cluster_state import SERVICES, SLICES, ClusterState
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from kpx_agent.conntrack import FlowFilter, stale_flows
-from kpx_agent.localnet import (
+from kpx_agent.model.types import (
     IP,
     Endpoint,
     EndpointConditions,

@@ -29,7 +29,7 @@ from kpx_agent.backends.kernel import netlink as nl
 from kpx_agent.conntrack import FlowFilter
 from kpx_agent.conntrack_cleaner import ConntrackCleaner
 from kpx_agent.conntrack_wire import Entry, KernelError, Tuple, WireError
-from kpx_agent.localnet import IP
+from kpx_agent.model.types import IP
 from kpx_agent.store.cluster_state import SERVICES, SLICES
 
 FUZZ = settings(max_examples=300, derandomize=True, deadline=None,

@@ -1,4 +1,4 @@
-"""detectLocal, decided once (kpx_agent.detect_local) and rendered by every backend (nftables,
+"""detectLocal, decided once (kpx_agent.model.detect_local) and rendered by every backend (nftables,
 iptables, the ipvs helper table): each mode's match, the no-op detector, and the settings the
 agent derives from its configuration file."""
 
@@ -16,9 +16,9 @@ from kpx_agent.backends.ipvs import ruleset as ipvs_ruleset
 from kpx_agent.backends.kernel.names import NFT_TABLE
 from kpx_agent.backends.kernel.nft_transaction import table_text
 from kpx_agent.backends.nftables.ruleset import base_table
-from kpx_agent.detect_local import NOTHING_LOCAL, LocalPods, local_pods
-from kpx_agent.localnet import DetectLocal, DetectLocalMode, NodeInfo, ProxySettings
-from kpx_agent.node_local import node_facts
+from kpx_agent.model.detect_local import NOTHING_LOCAL, LocalPods, local_pods
+from kpx_agent.model.service_ports import node_facts
+from kpx_agent.model.types import DetectLocal, DetectLocalMode, NodeInfo, ProxySettings
 from kpx_agent.settings import load, resolve
 
 POD_CIDRS = (ip_network("10.244.1.0/24"), ip_network("fd00:244:1::/64"))

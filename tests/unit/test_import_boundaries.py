@@ -140,13 +140,13 @@ print(count)
 # nftables and iptables drift checks ask it), the route_localnet sysctl (the kernel's, which
 # localhost NodePorts need in both modes), the mode-neutral kernel toolkit (backends.kernel:
 # kernel object names, netlink framing, the nftables vocabulary), and its own package. Never
-# the model's internals (node_local, detect_local, cluster_state, proxier, ...): everything it
-# needs of the node is decided there and handed over in localnet's types (NodeLocalState,
+# the model's internals (model.service_ports, model.detect_local, store, sync, ...): everything
+# it needs of the node is decided there and handed over in model.types (NodeLocalState,
 # NodeFacts). What several
 # modes render alike from those types (the source ranges Services share) is one pure module
 # next to the contract.
 BACKEND_MAY_IMPORT = (
-    "kpx_agent.localnet",
+    "kpx_agent.model.types",
     "kpx_agent.backends.base",
     "kpx_agent.backends.kernel",
     "kpx_agent.backends.nf_generation",
@@ -190,17 +190,17 @@ def test_the_backend_rule_sees_what_it_must(tmp_path: Path) -> None:
     (tmp_path / "nftables").mkdir()
     mode = tmp_path / "nftables" / "x.py"
     mode.write_text(
-        "from ..iptables import names\nfrom ...node_local import local_state\n"
-        "from ...localnet import IP\nfrom ..base import BackendError\nfrom .names import T\n"
+        "from ..iptables import names\nfrom ...model.service_ports import local_state\n"
+        "from ...model.types import IP\nfrom ..base import BackendError\nfrom .names import T\n"
         "from kpx_agent.backends.nftables import schema\nimport kpx_agent.proxier\n"
     )
     one_file = tmp_path / "one_file.py"
-    one_file.write_text("from ..localnet import IP\nfrom .state_only import StateOnly\n")
+    one_file.write_text("from ..model.types import IP\nfrom .state_only import StateOnly\n")
     assert backend_imports_outside(mode, tmp_path) == {
         "kpx_agent.backends.iptables",
         "kpx_agent.backends.iptables.names",
-        "kpx_agent.node_local",
-        "kpx_agent.node_local.local_state",
+        "kpx_agent.model.service_ports",
+        "kpx_agent.model.service_ports.local_state",
         "kpx_agent.proxier",
     }
     assert backend_imports_outside(one_file, tmp_path) == {

@@ -7,7 +7,7 @@ from __future__ import annotations
 from kpx_agent.backends.iptables.chain_book import ChainBook
 from kpx_agent.backends.iptables.rule import Jump, Rule, rule
 from kpx_agent.backends.iptables.rules import PortLines, PortRules
-from kpx_agent.localnet import Protocol, ServicePortKey
+from kpx_agent.model.types import Protocol, ServicePortKey
 
 SHARED = ("nat", "KPX-SERVICES")
 

@@ -8,7 +8,7 @@ from ipt_fake import FakeIptables
 
 from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables.backend import IptablesBackend
-from kpx_agent.localnet import NodeLocalState
+from kpx_agent.model.types import NodeLocalState
 
 
 class Generation:

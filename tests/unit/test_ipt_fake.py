@@ -12,7 +12,7 @@ from test_nft_fake import mutate
 
 from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables.backend import IptablesBackend
-from kpx_agent.localnet import ServicePort
+from kpx_agent.model.types import ServicePort
 
 
 def backend_on(fake: FakeIptables) -> IptablesBackend:

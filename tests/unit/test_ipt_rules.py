@@ -13,8 +13,8 @@ from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables import rule as r
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.iptables.rules import fixed_chains, port_rules, shared_frames
-from kpx_agent.localnet import IP, Protocol
-from kpx_agent.node_local import node_facts
+from kpx_agent.model.service_ports import node_facts
+from kpx_agent.model.types import IP, Protocol
 
 
 @pytest.mark.parametrize(

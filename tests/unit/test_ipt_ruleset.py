@@ -18,8 +18,9 @@ from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup
 from kpx_agent.backends.iptables.rule import Rule, Verdict
 from kpx_agent.backends.iptables.rules import port_rules, probability
-from kpx_agent.detect_local import local_pods
-from kpx_agent.localnet import (
+from kpx_agent.model.detect_local import local_pods
+from kpx_agent.model.service_ports import service_ports
+from kpx_agent.model.types import (
     IP,
     Endpoint,
     NodeInfo,
@@ -29,7 +30,6 @@ from kpx_agent.localnet import (
     ServicePort,
     ServicePortKey,
 )
-from kpx_agent.node_local import service_ports
 
 GOLDEN_DIR = GOLDEN / "iptables"
 LOCAL = local_pods(SETTINGS, NODE, 4)  # the sample's IPv4 detectLocal match (ClusterCIDR)

@@ -27,7 +27,8 @@ from kpx_agent.backends.ipvs.model import (
     plan_port,
 )
 from kpx_agent.backends.ipvs.ruleset import base_table
-from kpx_agent.localnet import (
+from kpx_agent.model.service_ports import local_state, node_facts
+from kpx_agent.model.types import (
     IP,
     DetectLocal,
     DetectLocalMode,
@@ -40,7 +41,6 @@ from kpx_agent.localnet import (
     ServicePort,
     ServicePortKey,
 )
-from kpx_agent.node_local import local_state, node_facts
 
 NODE = NodeInfo("n1", (IP.of("192.168.0.1"), IP.of("10.1.0.1")))
 SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))

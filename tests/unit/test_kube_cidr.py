@@ -6,7 +6,7 @@ from ipaddress import ip_network
 
 import pytest
 
-from kpx_agent.kube_cidr import parse_cidr_sloppy
+from kpx_agent.model.kube_cidr import parse_cidr_sloppy
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from nft_fake import FakeNftables, FakeTable
 
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
-from kpx_agent.localnet import IP, NodeLocalState, Protocol
+from kpx_agent.model.types import IP, NodeLocalState, Protocol
 
 VIP = (IP.of("10.96.0.10"), Protocol.TCP, 80)
 

@@ -17,7 +17,7 @@ from kpx_agent.backends.kernel.nft_transaction import AddRule, Transaction
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.schema import Goto, SetDecl
-from kpx_agent.localnet import IP, Endpoint, NodeLocalState, Protocol, ServicePort
+from kpx_agent.model.types import IP, Endpoint, NodeLocalState, Protocol, ServicePort
 
 TCP = Protocol.TCP
 ip = IP.of

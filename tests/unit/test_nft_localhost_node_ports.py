@@ -18,8 +18,8 @@ from kpx_agent.backends.nftables import create
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.ruleset import base_table, nodeport_addresses
 from kpx_agent.backends.route_localnet import ROUTE_LOCALNET_FILE
-from kpx_agent.localnet import NodeFacts, Protocol, ProxySettings
-from kpx_agent.node_local import node_facts
+from kpx_agent.model.service_ports import node_facts
+from kpx_agent.model.types import NodeFacts, Protocol, ProxySettings
 
 ON = dataclasses.replace(SETTINGS, localhost_node_ports=True)
 LOCAL = frozenset({"10.242.0.1", "127.0.0.1", "fd00:242::1", "::1"})

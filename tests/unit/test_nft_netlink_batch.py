@@ -11,7 +11,7 @@ import pytest
 from kpx_agent.backends.kernel.netlink import NLMSG_ERROR
 from kpx_agent.backends.nftables import netlink_batch as nb
 from kpx_agent.backends.nftables.schema import Goto, ValueKind, declaration
-from kpx_agent.localnet import IP, Protocol
+from kpx_agent.model.types import IP, Protocol
 
 TCP, UDP = Protocol.TCP, Protocol.UDP
 ip = IP.of

@@ -19,8 +19,8 @@ from kpx_agent.backends.nftables.schema import (
     endpoint_map,
     table_set,
 )
-from kpx_agent.localnet import IP, Protocol
-from kpx_agent.node_local import node_facts
+from kpx_agent.model.service_ports import node_facts
+from kpx_agent.model.types import IP, Protocol
 
 CLUSTER_IPS = table_set(n.CLUSTER_IPS)
 SERVICE_IPS = table_set(n.SERVICE_IPS)

@@ -12,7 +12,7 @@ from backend_samples import GOLDEN, SETTINGS, check_golden, key, sample_state
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.schema import Pair, elements_text
-from kpx_agent.localnet import (
+from kpx_agent.model.types import (
     IP,
     Endpoint,
     NodeLocalState,

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from kpx_agent.localnet import IP, NodeInfo, Protocol, ServicePort
-from kpx_agent.node_local import is_proxied, node_info, service_model, service_ports
-from kpx_agent.service_problems import SOURCE_RANGES_UNUSABLE
+from kpx_agent.model.service_ports import is_proxied, node_info, service_model, service_ports
+from kpx_agent.model.service_problems import SOURCE_RANGES_UNUSABLE
+from kpx_agent.model.types import IP, NodeInfo, Protocol, ServicePort
 
 NODE = NodeInfo(name="n1", zone="zone-a")
 

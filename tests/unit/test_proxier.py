@@ -12,14 +12,14 @@ import pytest
 from kpx_agent import conntrack
 from kpx_agent.backends.base import Backend, BackendError
 from kpx_agent.conntrack import FlowFilter
-from kpx_agent.localnet import (
+from kpx_agent.metrics import AgentMetrics
+from kpx_agent.model.types import (
     DetectLocal,
     DetectLocalMode,
     NodeLocalState,
     ProxySettings,
     ServicePortKey,
 )
-from kpx_agent.metrics import AgentMetrics
 from kpx_agent.proxier import DRIFT, PERIODIC, KernelFinding, Proxier
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_api.proxysettings import NamespaceOptOut

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from test_proxier import endpoint_slice, service, setup
 
-from kpx_agent.localnet import IP, Endpoint, Protocol, ServicePort, ServicePortKey
-from kpx_agent.quarantine import MAX_SERVICE_COST, cost, quarantine
-from kpx_agent.service_problems import QUARANTINED
+from kpx_agent.model.quarantine import MAX_SERVICE_COST, cost, quarantine
+from kpx_agent.model.service_problems import QUARANTINED
+from kpx_agent.model.types import IP, Endpoint, Protocol, ServicePort, ServicePortKey
 from kpx_agent.store.cluster_state import SERVICES, SLICES
 
 

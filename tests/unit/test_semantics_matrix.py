@@ -11,7 +11,7 @@ from semantics import CASES, WORLD, Case, Outcome, Packet, node_of, packet, sett
 
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.nftables.backend import NftablesBackend
-from kpx_agent.node_local import local_state
+from kpx_agent.model.service_ports import local_state
 
 
 def nft_outcomes(case: Case, pkt: Packet) -> set[Outcome]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from kpx_agent.service_problems import (
+from kpx_agent.model.service_problems import (
     QUARANTINED,
     VIP_CLASH,
     ProblemBook,

@@ -19,8 +19,8 @@ import grpc
 import pytest
 from grpc import aio
 
-from kpx_agent import localnet
-from kpx_agent.localnet import (
+from kpx_agent.model import types as localnet
+from kpx_agent.model.types import (
     IP,
     DetectLocal,
     DetectLocalMode,
@@ -689,7 +689,7 @@ def _web(*endpoints: tuple[str, dict[str, bool] | None]) -> tuple[dict[str, Any]
 
 
 def test_a_terminating_fallback_endpoint_is_served_as_terminating_serving_not_ready() -> None:
-    from kpx_agent.node_local import service_ports
+    from kpx_agent.model.service_ports import service_ports
 
     # Ready endpoints exist: only they are used, and they are plainly ready.
     svc, slice_ = _web(("10.1.0.1", None), ("10.1.0.2", TERMINATING))

@@ -182,7 +182,7 @@ def test_a_full_state_at_10000_services_is_over_grpc_default_receive_limit() -> 
     bench = Path(__file__).resolve().parents[2] / "bench"
     if str(bench) not in sys.path:
         sys.path.insert(0, str(bench))
-    from kpx_agent.localnet import ProxySettings
+    from kpx_agent.model.types import ProxySettings
     from workload import node_local_state
 
     pub = Publisher()

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kpx_agent.backends.base import Backend, Handover, NodePaths
-from kpx_agent.localnet import ProxySettings
+from kpx_agent.model.types import ProxySettings
 from kpx_agent.takeover import Draining, Leftover, LeftoverRemoval, other_mode_leftovers
 
 
@@ -72,7 +72,7 @@ def test_the_modes_remove_their_leftovers_as_documented(monkeypatch: pytest.Monk
     import kpx_agent.backends.ipvs
     import kpx_agent.backends.nftables
     from kpx_agent.backends import load
-    from kpx_agent.localnet import IPVSOptions
+    from kpx_agent.model.types import IPVSOptions
 
     calls: list[object] = []
     for module in (kpx_agent.backends.nftables, kpx_agent.backends.iptables):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from ..localnet import NodeLocalState, ProxySettings, ServicePortKey
+from ..model.types import NodeLocalState, ProxySettings, ServicePortKey
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from ipaddress import IPv4Network, IPv6Network, collapse_addresses
 
-from ..localnet import IPNetwork
+from ..model.types import IPNetwork
 
 
 def merged(nets: Iterable[IPNetwork]) -> tuple[IPNetwork, ...]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from ..localnet import NodeLocalState, ProxySettings, ServicePortKey
+from ..model.types import NodeLocalState, ProxySettings, ServicePortKey
 from .base import Backend, Handover, NodePaths
 
 

@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from kpx_localstate_client import localstate_pb2 as pb
 
-from ..localnet import (
+from ..model.types import (
     IP,
     READY,
     DetectLocal,

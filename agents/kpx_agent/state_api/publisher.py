@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kpx_localstate_client import localstate_pb2 as pb
 
-from ..localnet import (
+from ..model.types import (
     NodeFacts,
     NodeInfo,
     NodeLocalState,

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..node_local import SERVICE_NAME_LABEL
+from ..model.service_ports import SERVICE_NAME_LABEL
 from . import compact
 from .compact import TRIGGER_ANNOTATION
 

@@ -20,7 +20,11 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
-from ..node_local import SERVICE_NAME_LABEL, SERVICE_PROXY_NAME_LABEL, TOPOLOGY_MODE_ANNOTATIONS
+from ..model.service_ports import (
+    SERVICE_NAME_LABEL,
+    SERVICE_PROXY_NAME_LABEL,
+    TOPOLOGY_MODE_ANNOTATIONS,
+)
 
 Obj = Mapping[str, Any]
 

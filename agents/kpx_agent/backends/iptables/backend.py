@@ -31,7 +31,7 @@ import logging
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ...localnet import NodeLocalState, ProxySettings, ServicePortKey
+from ...model.types import NodeLocalState, ProxySettings, ServicePortKey
 from ..base import Backend, BackendError
 from ..route_localnet import allow
 from . import kernel

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ...localnet import ServicePortKey
+from ...model.types import ServicePortKey
 from .rules import ChainId, Lines, PortLines, Rules, chain_lines
 
 

@@ -6,7 +6,7 @@ import base64
 import hashlib
 from typing import Final
 
-from ...localnet import Endpoint, ServicePortKey
+from ...model.types import Endpoint, ServicePortKey
 from .rule import Comment, CtState, Match, Rule, jump
 
 PREFIX: Final = "KPX-"

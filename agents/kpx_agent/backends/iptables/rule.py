@@ -23,7 +23,7 @@ import re
 from functools import cache
 from typing import ClassVar
 
-from ...localnet import IPAddress, IPNetwork, Protocol
+from ...model.types import IPAddress, IPNetwork, Protocol
 
 
 class Statement:

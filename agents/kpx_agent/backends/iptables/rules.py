@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from ipaddress import ip_network
 
-from ...localnet import (
+from ...model.types import (
     Endpoint,
     LocalPods,
     NodeFacts,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...localnet import ProxySettings
+from ...model.types import ProxySettings
 from ..base import Handover, NodePaths
 from .backend import IpvsBackend, cleanup
 from .leftover_removal import remove_kpx_ipvs_leftovers

@@ -26,7 +26,7 @@ import logging
 from collections import Counter
 from collections.abc import Collection, Iterable
 
-from ...localnet import IPNetwork, NodeInfo, NodeLocalState, ProxySettings, ServicePortKey
+from ...model.types import IPNetwork, NodeInfo, NodeLocalState, ProxySettings, ServicePortKey
 from ..base import Backend, BackendError
 from ..kernel.nft_transaction import Transaction
 from . import kernel

@@ -12,7 +12,7 @@ import subprocess
 from collections.abc import Callable
 from typing import Any
 
-from ...localnet import IPNetwork
+from ...model.types import IPNetwork
 from ..base import Draining
 from ..kernel.names import NFT_FAMILIES
 from . import kernel

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from ipaddress import ip_address
 from typing import Any, Final
 
-from ...localnet import IPNetwork
+from ...model.types import IPNetwork
 from ..kernel.names import IPVS_TABLE, NFT_FAMILIES
 from .model import CLUSTER_IPS, DROP, HAIRPIN, MASQ_IPS, VirtualKey, excluded
 

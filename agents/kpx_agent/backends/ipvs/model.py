@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from ipaddress import ip_address
 
-from ...localnet import Endpoint, IPNetwork, NodeInfo, ProxySettings, ServicePort
+from ...model.types import Endpoint, IPNetwork, NodeInfo, ProxySettings, ServicePort
 from ..source_ranges import common_ranges, merged
 
 PROTOCOLS = {"tcp": socket.IPPROTO_TCP, "udp": socket.IPPROTO_UDP, "sctp": socket.IPPROTO_SCTP}

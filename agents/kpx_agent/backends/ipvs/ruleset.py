@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import cast
 
-from ...localnet import NodeFacts, ProxySettings
+from ...model.types import NodeFacts, ProxySettings
 from ..kernel.names import IPVS_TABLE
 from ..kernel.nft_rules import (
     DPORT,

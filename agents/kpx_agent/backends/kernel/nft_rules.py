@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ...localnet import IPAddress, IPNetwork, Protocol
+from ...model.types import IPAddress, IPNetwork, Protocol
 from .names import NFT_FAMILIES
 from .nft_schema import SetDecl, ValueKind
 

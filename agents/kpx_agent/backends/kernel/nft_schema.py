@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network
 from typing import NamedTuple
 
-from ...localnet import IPAddress, Protocol
+from ...model.types import IPAddress, Protocol
 from .names import NFT_ADDR_TYPE, NFT_FAMILIES
 
 

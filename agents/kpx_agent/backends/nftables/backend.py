@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
-from ...localnet import NodeLocalState, ProxySettings, ServicePort, ServicePortKey
+from ...model.types import NodeLocalState, ProxySettings, ServicePort, ServicePortKey
 from ..base import Backend, BackendError
 from ..kernel.nft_transaction import Transaction
 from ..route_localnet import ROUTE_LOCALNET_FILE, EnsureSysctl, allow, ensure_sysctl

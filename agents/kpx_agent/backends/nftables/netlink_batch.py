@@ -22,7 +22,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from ...localnet import Protocol
+from ...model.types import Protocol
 from ..kernel.netlink import (
     NETLINK_NETFILTER,
     NLA_F_NESTED,

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network
 
-from ...localnet import (
+from ...model.types import (
     Endpoint,
     IPNetwork,
     LocalPods,

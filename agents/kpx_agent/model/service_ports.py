@@ -18,7 +18,8 @@ from typing import Any, NamedTuple
 from .detect_local import local_pods
 from .external_ips import ExternalIPPolicy
 from .kube_cidr import parse_cidr_sloppy
-from .localnet import (
+from .service_problems import EXTERNAL_IP_REFUSED, SOURCE_RANGES_UNUSABLE, ServiceProblem
+from .types import (
     IP,
     Endpoint,
     EndpointConditions,
@@ -32,7 +33,6 @@ from .localnet import (
     ServicePort,
     ServicePortKey,
 )
-from .service_problems import EXTERNAL_IP_REFUSED, SOURCE_RANGES_UNUSABLE, ServiceProblem
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from datetime import datetime
 from typing import NamedTuple
 
-from .localnet import IPAddress, Protocol, ServicePort, ServicePortKey
 from .service_problems import VIP_CLASH, ServiceProblem
+from .types import IPAddress, Protocol, ServicePort, ServicePortKey
 
 
 class VipKind(enum.IntEnum):

@@ -16,7 +16,7 @@ nothing is short-circuited as coming from a pod (traffic from the node itself st
 
 from __future__ import annotations
 
-from .localnet import NOTHING_LOCAL, DetectLocalMode, LocalPods, NodeInfo, ProxySettings
+from .types import NOTHING_LOCAL, DetectLocalMode, LocalPods, NodeInfo, ProxySettings
 
 __all__ = ["NOTHING_LOCAL", "LocalPods", "local_pods"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Final
 
-from .localnet import ServicePort
 from .service_problems import QUARANTINED, ServiceProblem
+from .types import ServicePort
 
 MAX_SERVICE_COST: Final = 100_000
 

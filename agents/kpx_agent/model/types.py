@@ -199,7 +199,7 @@ class DetectLocal:
     """The detectLocal setting, parsed: the mode and, for the interface modes, the interface
     name or prefix (checked again here: it is rendered into rules). The networks of the
     CIDR modes are not here: ClusterCIDR uses ProxySettings.cluster_cidrs, NodeCIDR the
-    Node's pod CIDRs (NodeInfo.pod_cidrs); `kpx_agent.detect_local` combines them."""
+    Node's pod CIDRs (NodeInfo.pod_cidrs); `kpx_agent.model.detect_local` combines them."""
 
     mode: DetectLocalMode = DetectLocalMode.CLUSTER_CIDR
     interface: str = ""  # bridge name (BridgeInterface) or name prefix (InterfaceNamePrefix)
@@ -276,7 +276,7 @@ NOTHING_LOCAL = LocalPods()
 @dataclass(frozen=True, slots=True)
 class NodeFacts:
     """What a backend renders about its node in one IP family, decided by the model
-    (`kpx_agent.node_local.node_facts`) once for every mode. When these change, the
+    (`kpx_agent.model.service_ports.node_facts`) once for every mode. When these change, the
     proxier asks for a full sync; a backend never compares node or settings itself."""
 
     family: int

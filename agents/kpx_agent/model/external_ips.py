@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .localnet import IP, IPAddress, IPNetwork
+from .types import IP, IPAddress, IPNetwork
 
 APISERVER_SERVICE = ("default", "kubernetes")
 
