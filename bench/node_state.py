@@ -1,13 +1,14 @@
 """ProxyNodeState writes at scale: 1,000 simulated agents against a real apiserver.
 
-Every simulated node runs the agent's real writer (kpx_agent.node_state_writer.NodeStateWriter
-with its WriteGate, the code the agent runs) in one process, all through one HTTPS client
-(`--connections` in flight) to a fresh local control plane with the ProxyNodeState CRD. Each
-node's facts change as a real agent's do, on sync events that come to every node (each agent
-programs every Service): a cluster-wide change every `--change-period` seconds reaches each
-node after its own delay (0-500 ms, as the agents' watches and minSyncPeriod spread them),
-and each node then records a sync (new time and duration) and pokes its writer. Scenarios,
-`--seconds` each (after a warm-up that creates the objects):
+Every simulated node runs the agent's real writer
+(kpx_agent.observability.node_state_writer.NodeStateWriter with its WriteGate, the code the
+agent runs) in one process, all through one HTTPS client (`--connections` in flight) to a fresh
+local control plane with the ProxyNodeState CRD. Each node's facts change as a real agent's do,
+on sync events that come to every node (each agent programs every Service): a cluster-wide
+change every `--change-period` seconds reaches each node after its own delay (0-500 ms, as the
+agents' watches and minSyncPeriod spread them), and each node then records a sync (new time and
+duration) and pokes its writer. Scenarios, `--seconds` each (after a warm-up that creates the
+objects):
 
 1. quiet: syncs with no change of what the status shows (an endpoint replaced by another: the
    counts stay): only the sync time changes, which is no news: no write is expected;
@@ -51,8 +52,8 @@ from benchlib import (  # noqa: E402
     proc_cpu_seconds,
     write_json,
 )
-from kpx_agent.node_state import ErrorRecord, NodeFacts, SyncRecord  # noqa: E402
-from kpx_agent.node_state_writer import NodeStateWriter  # noqa: E402
+from kpx_agent.observability.node_state import ErrorRecord, NodeFacts, SyncRecord  # noqa: E402
+from kpx_agent.observability.node_state_writer import NodeStateWriter  # noqa: E402
 from kpx_kube import Client, from_kubeconfig  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"

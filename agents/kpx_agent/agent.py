@@ -26,27 +26,29 @@ from kpx_kube import AlreadyExists, ApiError, Client, collector
 from kpx_kube.recovery import Recovery
 from kpx_kube.reflector import Reflector, Resource
 
-from . import __version__, conntrack_sysctl, pod_events
+from . import __version__
 from . import settings as settings_mod
 from .backends.base import Backend
-from .http_endpoints import RetryingServer, health_app, metrics_app
-from .metrics import FAMILY_LABELS, AgentMetrics, no_local_endpoints, watch_loop
+from .conntrack import sysctl as conntrack_sysctl
+from .handover.make_before_break import Leftover, LeftoverRemoval, Report
+from .handover.rollback import rollback_due, rolled_back_message, seconds_left
 from .model import service_problems
 from .model.types import NodeLocalState, ServicePortKey
-from .node_state import DEFAULT_WRITE_INTERVAL, ErrorRecord, NodeFacts, SyncRecord
-from .node_state_writer import NodeStateWriter
-from .proxier import Proxier
-from .proxy_health import ProxyHealth, health_timeout
-from .rollback import rollback_due, rolled_back_message, seconds_left
-from .service_health import HealthCheckServers, health_targets
+from .observability import pod_events
+from .observability.http_endpoints import RetryingServer, health_app, metrics_app
+from .observability.metrics import FAMILY_LABELS, AgentMetrics, no_local_endpoints, watch_loop
+from .observability.node_state import DEFAULT_WRITE_INTERVAL, ErrorRecord, NodeFacts, SyncRecord
+from .observability.node_state_writer import NodeStateWriter
+from .observability.proxy_health import ProxyHealth, health_timeout
+from .observability.service_health import HealthCheckServers, health_targets
 from .settings import AgentSettings
 from .state_api.publisher import Publisher
 from .state_api.server import StateServer, parse_address
 from .store.cluster_state import ClusterState
 from .store.optout import exclusion_field_selector
 from .store.resources import NAMESPACES_RESOURCE, NODES_RESOURCE, SERVICES_RESOURCE, SLICES_RESOURCE
-from .sync_log import log_sync
-from .takeover import Leftover, LeftoverRemoval, Report
+from .sync.proxier import Proxier
+from .sync.sync_log import log_sync
 
 log = logging.getLogger(__name__)
 CONFIG_POLL_SECONDS = 2.0

@@ -31,26 +31,28 @@ from kpx_kube import (
 )
 from kpx_kube.watch_events import decode_list
 
-from . import backends, conntrack_sysctl, preflight
+from . import backends
 from . import settings as settings_mod
 from .agent import Agent
 from .backends.base import Backend, Handover, Mode, NodePaths
-from .http_endpoints import health_app, serve
-from .kube_proxy_takeover import (
+from .conntrack import sysctl as conntrack_sysctl
+from .handover import preflight
+from .handover.from_kube_proxy import (
     KUBE_PROXY_DAEMONSET,
     KUBE_PROXY_NAMESPACE,
     kube_proxy_ipvs_mode_here,
     kube_proxy_runs_here,
     remove_kube_proxy_leftovers,
 )
-from .metrics import AgentMetrics
+from .handover.make_before_break import Leftover, other_mode_leftovers
 from .model.types import ProxySettings
-from .node_state import DEFAULT_WRITE_INTERVAL
-from .proxy_health import ProxyHealth
+from .observability.http_endpoints import health_app, serve
+from .observability.metrics import AgentMetrics
+from .observability.node_state import DEFAULT_WRITE_INTERVAL
+from .observability.proxy_health import ProxyHealth
 from .settings import AgentSettings
 from .state_api.server import parse_address
 from .state_api.socket_directory import SocketDirectoryError, prepare_socket_directory
-from .takeover import Leftover, other_mode_leftovers
 
 log = logging.getLogger("kpx_agent")
 MODES = ("nftables", "iptables", "ipvs", "external")
@@ -228,7 +230,7 @@ def explain_migration(argv: list[str]) -> int:
     args = p.parse_args(argv)
     from kpx_api.modes import IPVSSettings
 
-    from .migration import explain, render
+    from .handover.migration import explain, render
 
     try:
         config = settings_mod.load("ipvs", args.config)
@@ -273,7 +275,7 @@ def convert_kube_proxy_config(argv: list[str]) -> int:
                    "kube-proxy ran iptables (its settings both modes have are carried; what "
                    "only iptables does is named)")  # fmt: skip
     args = p.parse_args(argv)
-    from .kube_proxy_config import ConversionError, convert, read_document, render
+    from .handover.kube_proxy_config import ConversionError, convert, read_document, render
 
     prog = "proxy-agent convert-kube-proxy-config"
     try:

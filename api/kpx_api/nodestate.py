@@ -2,9 +2,10 @@
 
 Cluster-scoped, one per node, named after the node. The agent creates it and then writes its
 status only when something in it changes, and at most once per `nodeStatePeriodSeconds`
-(kpx_agent.node_state). An admission policy shipped with the operator lets an agent write only
-the object of its own node (the node its Pod's token is bound to). Its ownerReference names
-the Node: when the Node is deleted, the garbage collector deletes its ProxyNodeState.
+(kpx_agent.observability.node_state). An admission policy shipped with the operator lets an
+agent write only the object of its own node (the node its Pod's token is bound to). Its
+ownerReference names the Node: when the Node is deleted, the garbage collector deletes its
+ProxyNodeState.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ from .nodesim import NodeSimulator
 from .nodesim.runc import built_images
 
 #: The kubelet's KUBE-* chains: they stay. Every other KUBE-* chain counts as kube-proxy's (an
-#: oracle of its own, broader than the agent's list in kpx_agent/kube_proxy_leftovers.py).
+#: oracle of its own, broader than the agent's list in kpx_agent/handover/kube_proxy_leftovers.py).
 KUBELET_CHAINS = frozenset(
     {"KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT", "KUBE-MARK-DROP"}
 )

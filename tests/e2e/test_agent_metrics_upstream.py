@@ -21,7 +21,7 @@ from upstream_metrics import (
     source_path,
 )
 
-from kpx_agent.metrics import AgentMetrics, upstream_names
+from kpx_agent.observability.metrics import AgentMetrics, upstream_names
 
 # The reference checks need no cluster; the running agent needs root and the apiserver.
 pytestmark = pytest.mark.e2e

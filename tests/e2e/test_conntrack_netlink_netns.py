@@ -17,8 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kpx_agent import conntrack
-from kpx_agent.conntrack import FlowFilter
+from kpx_agent.conntrack import stale_flows as conntrack
+from kpx_agent.conntrack.stale_flows import FlowFilter
 from kpx_agent.model.types import IP
 from kpx_cluster.netns import Node, Pod, Topology, call_in_netns
 

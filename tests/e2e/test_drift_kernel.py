@@ -21,8 +21,8 @@ PROGRAM = """
 import json, subprocess, sys
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.model.types import ProxySettings
-from kpx_agent.metrics import AgentMetrics
-from kpx_agent.proxier import Proxier
+from kpx_agent.observability.metrics import AgentMetrics
+from kpx_agent.sync.proxier import Proxier
 from kpx_api.proxysettings import NamespaceOptOut
 mode, steps = sys.argv[1], json.loads(sys.argv[2])
 if mode == "nftables":

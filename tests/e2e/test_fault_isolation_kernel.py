@@ -128,8 +128,8 @@ from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.schema import Goto
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.model.types import ProxySettings
-from kpx_agent.metrics import AgentMetrics
-from kpx_agent.proxier import DATAPLANE, Proxier
+from kpx_agent.observability.metrics import AgentMetrics
+from kpx_agent.sync.proxier import DATAPLANE, Proxier
 from kpx_api.proxysettings import NamespaceOptOut
 from ipaddress import ip_network
 

@@ -28,7 +28,7 @@ from kpx_agent.backends.ipvs.model import VirtualKey, plan_port
 from kpx_agent.backends.ipvs.ruleset import base_table
 from kpx_agent.model.service_ports import node_facts
 from kpx_agent.backends.ipvs.leftover_removal import remove_kpx_ipvs_leftovers
-from kpx_agent.kube_proxy_takeover import kube_proxy_ipvs_mode_here
+from kpx_agent.handover.from_kube_proxy import kube_proxy_ipvs_mode_here
 from kpx_agent.model.types import *
 
 kpx, kube_proxy, busy = json.loads(sys.argv[1])
@@ -88,7 +88,7 @@ def seen():
     tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
     return links, tables
 
-from kpx_agent.takeover import Draining
+from kpx_agent.handover.make_before_break import Draining
 kpx_servers = sorted(f"{k.protocol}/{k.address}:{k.port}" for k in servers
                      if not k.address.startswith("192.168.60."))
 fake = RecordingIpvs()

@@ -80,7 +80,7 @@ from agent_harness import (
 )
 from test_ipvs_kernel import pytestmark  # noqa: F401  (skipped where no IPVS)
 
-from kpx_agent.conntrack_sysctl import conntrack_max
+from kpx_agent.conntrack.sysctl import conntrack_max
 from kpx_cluster.migration import SwitchResult, _stop_load, table_row
 from kpx_cluster.migration_load import Summary
 from kpx_cluster.netns import Node, Pod, Topology, wait_for_line

@@ -20,7 +20,7 @@ import pytest
 import yaml
 from agent_harness import wait_until
 
-from kpx_agent.kube_proxy_takeover import kube_proxy_runs_here
+from kpx_agent.handover.from_kube_proxy import kube_proxy_runs_here
 from kpx_cluster.controlplane import Cluster
 from kpx_kube import Client, Forbidden, from_kubeconfig
 

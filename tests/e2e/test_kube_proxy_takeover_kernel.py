@@ -46,7 +46,7 @@ print("synced")
 """
 
 TAKEOVER = """
-from kpx_agent.kube_proxy_takeover import remove_kube_proxy_leftovers
+from kpx_agent.handover.from_kube_proxy import remove_kube_proxy_leftovers
 remove_kube_proxy_leftovers(include_ipvs=False)
 print("done")
 """

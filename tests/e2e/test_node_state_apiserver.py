@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
-from kpx_agent.node_state import ErrorRecord, NodeFacts, SyncRecord
-from kpx_agent.node_state_writer import COLLECTION, NodeStateWriter
-from kpx_agent.pod_events import PodRef, event_body, post_event
+from kpx_agent.observability.node_state import ErrorRecord, NodeFacts, SyncRecord
+from kpx_agent.observability.node_state_writer import COLLECTION, NodeStateWriter
+from kpx_agent.observability.pod_events import PodRef, event_body, post_event
 from kpx_api.nodestate import ProxyNodeStateStatus
 from kpx_cluster.controlplane import Cluster
 from kpx_cluster.kubeconfig import write_kubeconfig

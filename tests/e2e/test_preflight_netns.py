@@ -15,7 +15,7 @@ pytestmark = pytest.mark.netns
 
 CHECK = """
 import json
-from kpx_agent.preflight import decide, gather
+from kpx_agent.handover.preflight import decide, gather
 facts = gather()
 print(json.dumps({"facts": {"nft": facts.nft, "nft_check": facts.nft_check,
                             "ip_vs_loaded": facts.ip_vs_loaded},

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kpx_agent import conntrack
-from kpx_agent.conntrack import FlowFilter, stale_flows
+from kpx_agent.conntrack import stale_flows as conntrack
+from kpx_agent.conntrack.stale_flows import FlowFilter, stale_flows
 from kpx_agent.model.types import IP, Endpoint, Protocol, ServicePort, ServicePortKey
 from kpx_cluster.netns import Node, Pod, Topology, call_in_netns
 

@@ -1,4 +1,4 @@
-"""Pure: the ProxyNodeState an agent writes, and when (kpx_agent.node_state)."""
+"""Pure: the ProxyNodeState an agent writes, and when (kpx_agent.observability.node_state)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from kpx_agent.node_state import (
+from kpx_agent.observability.node_state import (
     ErrorRecord,
     NodeFacts,
     SyncRecord,
@@ -84,7 +84,7 @@ def test_the_writer_stops_when_cancelled_as_it_is_poked(ticks: int) -> None:
     cancellation (asyncio.wait_for does on Python 3.11), or the agent never stops."""
     import asyncio
 
-    from kpx_agent.node_state_writer import NodeStateWriter
+    from kpx_agent.observability.node_state_writer import NodeStateWriter
 
     async def scenario() -> None:
         writer = NodeStateWriter(object(), "n1", lambda: FACTS, interval=30)  # type: ignore[arg-type]

@@ -11,11 +11,11 @@ from prometheus_client import CollectorRegistry
 
 from kpx_agent import settings as settings_mod
 from kpx_agent.backends.base import Backend
+from kpx_agent.handover.make_before_break import Leftover, LeftoverRemoval
+from kpx_agent.handover.rollback import ERROR_LIMIT, rollback_due, rolled_back_message, seconds_left
 from kpx_agent.model.types import ProxySettings
-from kpx_agent.proxy_health import ProxyHealth
-from kpx_agent.rollback import ERROR_LIMIT, rollback_due, rolled_back_message, seconds_left
+from kpx_agent.observability.proxy_health import ProxyHealth
 from kpx_agent.settings import RollbackSettings
-from kpx_agent.takeover import Leftover, LeftoverRemoval
 from kpx_api.agentconfig import parse_agent_config
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from kpx_agent.conntrack import FlowFilter, stale_flows
+from kpx_agent.conntrack.stale_flows import FlowFilter, stale_flows
 from kpx_agent.model.types import (
     IP,
     Endpoint,
@@ -16,7 +16,7 @@ from kpx_agent.model.types import (
     ServicePort,
     ServicePortKey,
 )
-from kpx_agent.service_health import HealthTarget, health_targets, response
+from kpx_agent.observability.service_health import HealthTarget, health_targets, response
 
 VIP, EP1, EP2 = IP.of("10.96.0.53"), IP.of("10.244.1.2"), IP.of("10.244.2.2")
 

@@ -23,12 +23,12 @@ from pyroute2.netlink import NLM_F_MULTI
 from pyroute2.netlink.nfnetlink.nfctsocket import nfct_msg
 from test_proxier import endpoint_slice, service, setup
 
-from kpx_agent import conntrack
-from kpx_agent import conntrack_wire as wire
 from kpx_agent.backends.kernel import netlink as nl
-from kpx_agent.conntrack import FlowFilter
-from kpx_agent.conntrack_cleaner import ConntrackCleaner
-from kpx_agent.conntrack_wire import Entry, KernelError, Tuple, WireError
+from kpx_agent.conntrack import stale_flows as conntrack
+from kpx_agent.conntrack import wire
+from kpx_agent.conntrack.cleaner import ConntrackCleaner
+from kpx_agent.conntrack.stale_flows import FlowFilter
+from kpx_agent.conntrack.wire import Entry, KernelError, Tuple, WireError
 from kpx_agent.model.types import IP
 from kpx_agent.store.cluster_state import SERVICES, SLICES
 

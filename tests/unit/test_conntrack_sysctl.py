@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from kpx_agent import conntrack_sysctl as cs
-from kpx_agent.conntrack_sysctl import ConntrackPaths, Write
+from kpx_agent.conntrack import sysctl as cs
+from kpx_agent.conntrack.sysctl import ConntrackPaths, Write
 from kpx_api import Conntrack
 
 LEAVE_ALONE = Conntrack(max_per_core=0, tcp_established_timeout="0s", tcp_close_wait_timeout="0s")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kpx_agent.fault_isolation import find_culprits
+from kpx_agent.sync.fault_isolation import find_culprits
 
 
 class Kernel:

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from kpx_agent.http_endpoints import RetryingServer, health_app
-from kpx_agent.metrics import AgentMetrics
-from kpx_agent.proxy_health import ProxyHealth
+from kpx_agent.observability.http_endpoints import RetryingServer, health_app
+from kpx_agent.observability.metrics import AgentMetrics
+from kpx_agent.observability.proxy_health import ProxyHealth
 
 
 def _app() -> Any:

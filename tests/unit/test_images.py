@@ -44,7 +44,7 @@ def test_containerfile_has_both_targets_with_their_entry_points() -> None:
     assert re.search(r"^USER 65532:65532$", stages["operator"], re.M)  # non-root
     for tool in ("nftables", "iptables", "ipvsadm"):
         assert tool in stages["agent-rootfs"]
-    # Stale conntrack entries are deleted over netlink (kpx_agent.conntrack): no tool.
+    # Stale conntrack entries are deleted over netlink (kpx_agent.conntrack.stale_flows): no tool.
     assert not re.search(r"\bconntrack\b", stages["agent-rootfs"].split("apt-get install")[1])
     assert f"ARG BASE={images.BASE_IMAGE}" in text
     # Each image is its trimmed root filesystem in one layer (nothing hidden under whiteouts).

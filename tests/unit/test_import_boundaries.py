@@ -2,7 +2,10 @@
 
 - backends do not import the model's internals or each other: every module under
   kpx_agent/backends/ imports of the agent only the node-local model's data types
-  (`localnet`), the backend contract (`backends.base`) and its own backend;
+  (`model.types`), the backend contract (`backends.base`) and its own backend;
+- the agent's folders are layers (issue #25): the model imports no other layer, the store only
+  the model, and so on up to the sync loop (AGENT_LAYERS); the agent's top level holds only the
+  assembly (agent.py, cli.py, settings.py);
 - the operator and the agent never import each other; the shared API models do no I/O;
 - the product packages (kpx_api, kpx_kube, kpx_agent, kpx_localstate_client, kpx_operator) do
   not import the harness (statically, and not even dynamically: they all import with kpx_cluster
@@ -192,7 +195,7 @@ def test_the_backend_rule_sees_what_it_must(tmp_path: Path) -> None:
     mode.write_text(
         "from ..iptables import names\nfrom ...model.service_ports import local_state\n"
         "from ...model.types import IP\nfrom ..base import BackendError\nfrom .names import T\n"
-        "from kpx_agent.backends.nftables import schema\nimport kpx_agent.proxier\n"
+        "from kpx_agent.backends.nftables import schema\nimport kpx_agent.sync.proxier\n"
     )
     one_file = tmp_path / "one_file.py"
     one_file.write_text("from ..model.types import IP\nfrom .state_only import StateOnly\n")
@@ -201,11 +204,84 @@ def test_the_backend_rule_sees_what_it_must(tmp_path: Path) -> None:
         "kpx_agent.backends.iptables.names",
         "kpx_agent.model.service_ports",
         "kpx_agent.model.service_ports.local_state",
-        "kpx_agent.proxier",
+        "kpx_agent.sync.proxier",
     }
     assert backend_imports_outside(one_file, tmp_path) == {
         "kpx_agent.backends.state_only",
         "kpx_agent.backends.state_only.StateOnly",
+    }
+
+
+# -- the agent's folders are layers -------------------------------------------------------------
+
+AGENT = ROOT / "agents" / "kpx_agent"
+#: What each folder of the agent may not import of the agent (its __init__.py says why). The
+#: model is pure and at the bottom; the sync loop at the top imports every layer but handover;
+#: nothing below the assembly (agent.py, cli.py) imports it.
+ASSEMBLY = ("agent", "cli")
+AGENT_LAYERS: dict[str, tuple[str, ...]] = {
+    "model": ("store", "sync", "handover", "observability", "conntrack", "backends",
+              "state_api", "settings", *ASSEMBLY),
+    "store": ("sync", "handover", "observability", "conntrack", "backends", "state_api",
+              *ASSEMBLY),
+    "observability": ("sync", "handover", "conntrack", "backends", *ASSEMBLY),
+    "conntrack": ("store", "sync", "handover", "observability", *ASSEMBLY),
+    "backends": ("store", "sync", "handover", "observability", "conntrack", *ASSEMBLY),
+    "handover": ("store", "sync", "observability", *ASSEMBLY),
+    "sync": ("handover", *ASSEMBLY),
+    "state_api": ("store", "sync", "handover", "conntrack", *ASSEMBLY),
+}  # fmt: skip
+#: The agent's top level: the assembly and the settings, every other module is in a layer.
+AGENT_TOP = {"__init__.py", "agent.py", "cli.py", "settings.py"}
+
+
+def layer_violations(root: Path, layer: str) -> dict[str, list[str]]:
+    """The imports of the agent's folder `root`/`layer` into layers it may not import."""
+    forbidden = tuple(f"kpx_agent.{name}" for name in AGENT_LAYERS[layer])
+    found: dict[str, list[str]] = {}
+    for path in (root / layer).rglob("*.py"):
+        rel = path.relative_to(root)
+        package = ".".join(("kpx_agent", *rel.parent.parts))
+        bad = sorted(
+            n for n in imported_modules(path, package) if any(_is(n, f) for f in forbidden)
+        )
+        if bad:
+            found[str(rel)] = bad
+    return found
+
+
+@pytest.mark.parametrize("layer", sorted(AGENT_LAYERS))
+def test_agent_layers_import_only_what_they_may(layer: str) -> None:
+    assert (AGENT / layer / "__init__.py").is_file(), f"kpx_agent/{layer} is a package"
+    assert not layer_violations(AGENT, layer)
+
+
+def test_the_agent_top_level_is_only_the_assembly() -> None:
+    """A new module goes into the layer it belongs to, not beside agent.py."""
+    top = {p.name for p in AGENT.glob("*.py")}
+    folders = {p.name for p in AGENT.iterdir() if (p / "__init__.py").is_file()}
+    assert top == AGENT_TOP
+    assert folders == set(AGENT_LAYERS)
+
+
+def test_the_layer_rule_sees_what_it_must(tmp_path: Path) -> None:
+    """Relative and absolute imports into a forbidden layer are found, allowed ones are not."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "x.py").write_text(
+        "from .types import IP\nfrom ..sync.proxier import Proxier\nimport kpx_agent.store\n"
+        "from kpx_agent import agent\n"
+    )
+    (tmp_path / "sync").mkdir()
+    (tmp_path / "sync" / "y.py").write_text(
+        "from ..model.types import IP\nfrom ..store import compact\n"
+        "from ..handover.rollback import rollback_due\n"
+    )
+    assert layer_violations(tmp_path, "model") == {
+        "model/x.py": ["kpx_agent.agent", "kpx_agent.store", "kpx_agent.sync.proxier",
+                       "kpx_agent.sync.proxier.Proxier"],
+    }  # fmt: skip
+    assert layer_violations(tmp_path, "sync") == {
+        "sync/y.py": ["kpx_agent.handover.rollback", "kpx_agent.handover.rollback.rollback_due"],
     }
 
 
@@ -307,7 +383,6 @@ def test_the_http_client_rule_sees_what_it_must() -> None:
 
 # -- the mode seam: one typed contract, nothing reaches into a mode -------------------------------
 
-AGENT = ROOT / "agents" / "kpx_agent"
 REGISTRY_FILE = BACKENDS / "__init__.py"
 #: Each mode's module (a package, or a one-file mode such as state_only.py).
 MODE_MODULES = tuple(sorted(REGISTRY.values()))
@@ -479,7 +554,7 @@ def test_the_mode_seam_is_typed() -> None:
     [load] = [n for n in registry.body if isinstance(n, ast.FunctionDef) and n.name == "load"]
     assert load.returns is not None and ast.unparse(load.returns) == "Mode"
     paths = _core_modules()
-    assert {"agent.py", "proxier.py", "cli.py", "takeover.py"} <= {p.name for p in paths}
+    assert {"agent.py", "proxier.py", "cli.py", "make_before_break.py"} <= {p.name for p in paths}
     assert not any("ipvs" in p.parts for p in paths)
     offenders = {
         str(p.relative_to(ROOT)): found for p in paths if (found := seam_violations(p.read_text()))

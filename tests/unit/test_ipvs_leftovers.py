@@ -9,7 +9,7 @@ from ipaddress import ip_network
 
 from kpx_agent.backends.ipvs.leftovers import KpxMarks, draining, parse_marks, plan_cleanup
 from kpx_agent.backends.ipvs.model import VirtualKey, plan_port
-from kpx_agent.kube_proxy_leftovers import ipvs_mode_chains
+from kpx_agent.handover.kube_proxy_leftovers import ipvs_mode_chains
 from kpx_agent.model.types import (
     IP,
     Endpoint,

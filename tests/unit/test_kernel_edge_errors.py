@@ -16,9 +16,9 @@ from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.iptables import kernel as ipt_kernel
 from kpx_agent.backends.nftables import kernel as nft_kernel
 from kpx_agent.backends.nftables.backend import NftablesBackend
-from kpx_agent.metrics import AgentMetrics
-from kpx_agent.proxier import Proxier
+from kpx_agent.observability.metrics import AgentMetrics
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+from kpx_agent.sync.proxier import Proxier
 from kpx_api.proxysettings import NamespaceOptOut
 
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from kpx_agent.cli import main
-from kpx_agent.kube_proxy_config import (
+from kpx_agent.handover.kube_proxy_config import (
     BLOCK_FIELDS,
     TOP_FIELDS,
     ConversionError,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kpx_agent.kube_proxy_leftovers import (
+from kpx_agent.handover.from_kube_proxy import kube_proxy_pods
+from kpx_agent.handover.kube_proxy_leftovers import (
     IPSETS,
     describe,
     ipsets_to_destroy,
@@ -14,7 +15,6 @@ from kpx_agent.kube_proxy_leftovers import (
     nft_tables_to_delete,
     plan_table,
 )
-from kpx_agent.kube_proxy_takeover import kube_proxy_pods
 
 SAVE = (Path(__file__).parent / "golden" / "kube_proxy" / "iptables-save-v4.txt").read_text()
 

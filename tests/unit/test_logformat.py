@@ -9,8 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kpx_agent.proxier import SyncOutcome
-from kpx_agent.sync_log import log_sync
+from kpx_agent.sync.proxier import SyncOutcome
+from kpx_agent.sync.sync_log import log_sync
 from kpx_kube import logformat
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kpx_agent.migration import explain, render
+from kpx_agent.handover.migration import explain, render
 from kpx_api.modes import IPVSSettings
 
 

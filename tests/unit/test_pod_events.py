@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from kpx_agent.node_state import NodeFacts, node_state_object, status_of
-from kpx_agent.pod_events import CONNTRACK_NOT_APPLIED, PodRef, event_body
+from kpx_agent.observability.node_state import NodeFacts, node_state_object, status_of
+from kpx_agent.observability.pod_events import CONNTRACK_NOT_APPLIED, PodRef, event_body
 from kpx_operator.agent_reports import NodeProblem, conntrack_problems
 
 

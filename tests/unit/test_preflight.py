@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-from kpx_agent.preflight import NodeFacts, decide, gather
+from kpx_agent.handover.preflight import NodeFacts, decide, gather
 from kpx_api import parse_spec
 from kpx_api.preflight import (
     DroppedSetting,

@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 
-from kpx_agent import conntrack
 from kpx_agent.backends.base import Backend, BackendError
-from kpx_agent.conntrack import FlowFilter
-from kpx_agent.metrics import AgentMetrics
+from kpx_agent.conntrack import stale_flows as conntrack
+from kpx_agent.conntrack.stale_flows import FlowFilter
 from kpx_agent.model.types import (
     DetectLocal,
     DetectLocalMode,
@@ -20,8 +19,9 @@ from kpx_agent.model.types import (
     ProxySettings,
     ServicePortKey,
 )
-from kpx_agent.proxier import DRIFT, PERIODIC, KernelFinding, Proxier
+from kpx_agent.observability.metrics import AgentMetrics
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+from kpx_agent.sync.proxier import DRIFT, PERIODIC, KernelFinding, Proxier
 from kpx_api.proxysettings import NamespaceOptOut
 
 
@@ -204,7 +204,7 @@ def zoned_slice(ns: str, svc: str) -> dict[str, Any]:
 
 def count_recomputes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the Services the proxier recomputes, in order."""
-    import kpx_agent.proxier as proxier_mod
+    import kpx_agent.sync.proxier as proxier_mod
 
     seen: list[str] = []
     real = proxier_mod.service_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kpx_agent.proxy_health import (
+from kpx_agent.observability.proxy_health import (
     TO_BE_DELETED_TAINT,
     ProxyHealth,
     health_timeout,

@@ -599,9 +599,9 @@ def test_the_proxier_publishes_after_a_successful_sync_only() -> None:
     next full sync, after the failure, publishes it)."""
     from kpx_agent.backends import state_only
     from kpx_agent.backends.base import BackendError
-    from kpx_agent.metrics import AgentMetrics
-    from kpx_agent.proxier import Proxier
+    from kpx_agent.observability.metrics import AgentMetrics
     from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+    from kpx_agent.sync.proxier import Proxier
     from kpx_api.proxysettings import NamespaceOptOut
 
     cluster = ClusterState()
@@ -716,9 +716,9 @@ def test_a_terminating_fallback_endpoint_is_served_as_terminating_serving_not_re
 
 
 def _proxier_on(backend: Any) -> tuple[Any, Any, Publisher]:
-    from kpx_agent.metrics import AgentMetrics
-    from kpx_agent.proxier import Proxier
+    from kpx_agent.observability.metrics import AgentMetrics
     from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+    from kpx_agent.sync.proxier import Proxier
     from kpx_api.proxysettings import NamespaceOptOut
 
     cluster = ClusterState()

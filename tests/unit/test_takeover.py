@@ -11,8 +11,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from kpx_agent.backends.base import Backend, Handover, NodePaths
+from kpx_agent.handover.make_before_break import (
+    Draining,
+    Leftover,
+    LeftoverRemoval,
+    other_mode_leftovers,
+)
 from kpx_agent.model.types import ProxySettings
-from kpx_agent.takeover import Draining, Leftover, LeftoverRemoval, other_mode_leftovers
 
 
 def sample(registry: CollectorRegistry, name: str, leftovers: str) -> float | None:

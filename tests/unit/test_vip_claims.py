@@ -15,12 +15,12 @@ from semantics import TCP, WORLD, Outcome, Packet
 from kpx_agent.backends.base import Backend
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.nftables.backend import NftablesBackend
-from kpx_agent.metrics import AgentMetrics
 from kpx_agent.model.service_problems import VIP_CLASH
 from kpx_agent.model.types import IP, Protocol, ProxySettings, ServicePort, ServicePortKey
 from kpx_agent.model.vip_claims import VipClaims, creation_time
-from kpx_agent.proxier import MODEL_PROBLEMS, Proxier
+from kpx_agent.observability.metrics import AgentMetrics
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+from kpx_agent.sync.proxier import MODEL_PROBLEMS, Proxier
 from kpx_api.proxysettings import NamespaceOptOut
 
 VICTIM_VIP = "10.96.0.10"

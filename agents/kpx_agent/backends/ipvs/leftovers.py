@@ -5,7 +5,7 @@ kpx's ipvs mode and upstream kube-proxy's ipvs mode use the same dummy interface
 (`kube-ipvs0`) and neither tags a virtual server. An agent of another kpx mode that removes
 "the ipvs mode's leftovers" after its first verified sync must not take upstream kube-proxy's
 (they go only through the takeover path, once kube-proxy's Pod is gone from the node:
-kpx_agent/kube_proxy_takeover.py) nor anyone else's. So:
+kpx_agent/handover/from_kube_proxy.py) nor anyone else's. So:
 
 1. The node's virtual servers and kube-ipvs0 may be kpx's only when kpx's helper table
    `kpx-ipvs` (`ip` or `ip6`) is on the node - every kpx ipvs sync writes it - and none of the

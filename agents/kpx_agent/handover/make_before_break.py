@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kpx_api.constants import LEFTOVERS_DRAINING, LEFTOVERS_REMOVED, OTHER_MODE_RULES
 
-from .backends.base import Draining, Handover, Mode
+from ..backends.base import Draining, Handover, Mode
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .model.types import NodeLocalState
+from ..model.types import NodeLocalState
 
 # Upstream's component-base exposition has no `_created` samples.
 prometheus_client.disable_created_metrics()

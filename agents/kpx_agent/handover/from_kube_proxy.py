@@ -150,7 +150,7 @@ def remove_ipvs_leftovers() -> None:
     outside its excludeCIDRs and binds their addresses to kube-ipvs0): the ipvs backend's full
     cleanup, as `proxy-agent cleanup --mode ipvs`. Only this path removes them; another kpx
     mode's agent removes only what a kpx ipvs agent made (the ipvs mode's `remove_leftovers`)."""
-    from .backends import load
+    from ..backends import load
 
     load("ipvs").cleanup()
 

@@ -38,9 +38,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from . import conntrack_wire as wire
-from .conntrack_wire import NETLINK_NETFILTER, PROTO_UDP, Entry, WireError
-from .model.types import IPAddress, Protocol, ServicePort
+from ..model.types import IPAddress, Protocol, ServicePort
+from . import wire
+from .wire import NETLINK_NETFILTER, PROTO_UDP, Entry, WireError
 
 log = logging.getLogger(__name__)
 

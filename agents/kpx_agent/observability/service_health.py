@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from .model.types import NodeLocalState
+from ..model.types import NodeLocalState
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from .backends.kernel.netlink import (
+from ..backends.kernel.netlink import (
     NETLINK_NETFILTER,
     NFGEN,
     NLM_F_ACK,

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from .conntrack import FlowFilter
+from .stale_flows import FlowFilter
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ until its Pod is replaced: a node that could not run the mode once is not retrie
 
 from __future__ import annotations
 
-from .settings import RollbackSettings
+from ..settings import RollbackSettings
 
 #: How much of the kernel's error the RolledBack Event carries (the operator's status message
 #: adds what to do, within 1024 characters).

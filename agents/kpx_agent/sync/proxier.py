@@ -15,20 +15,20 @@ from dataclasses import dataclass, field
 
 from kpx_api.proxysettings import NamespaceOptOut
 
-from . import conntrack
-from .backends.base import Backend, BackendError, CheckUnsupported
-from .conntrack import FlowFilter, stale_flows
-from .conntrack_cleaner import ConntrackCleaner
+from ..backends.base import Backend, BackendError, CheckUnsupported
+from ..conntrack import stale_flows as conntrack
+from ..conntrack.cleaner import ConntrackCleaner
+from ..conntrack.stale_flows import FlowFilter, stale_flows
+from ..model.external_ips import APISERVER_SERVICE, ExternalIPPolicy, apiserver_addresses
+from ..model.quarantine import MAX_SERVICE_COST, quarantine
+from ..model.service_ports import node_facts, node_info, service_model, uses_topology
+from ..model.service_problems import REFUSED_BY_KERNEL, ProblemBook, ServiceProblem
+from ..model.types import NodeLocalState, Protocol, ProxySettings, ServicePort, ServicePortKey
+from ..model.vip_claims import VipClaims, creation_time
+from ..observability.metrics import FAMILY_LABELS, AgentMetrics, failed_families
+from ..store.cluster_state import ClusterState, Key
+from ..store.optout import excluded_namespaces
 from .fault_isolation import find_culprits
-from .metrics import FAMILY_LABELS, AgentMetrics, failed_families
-from .model.external_ips import APISERVER_SERVICE, ExternalIPPolicy, apiserver_addresses
-from .model.quarantine import MAX_SERVICE_COST, quarantine
-from .model.service_ports import node_facts, node_info, service_model, uses_topology
-from .model.service_problems import REFUSED_BY_KERNEL, ProblemBook, ServiceProblem
-from .model.types import NodeLocalState, Protocol, ProxySettings, ServicePort, ServicePortKey
-from .model.vip_claims import VipClaims, creation_time
-from .store.cluster_state import ClusterState, Key
-from .store.optout import excluded_namespaces
 
 log = logging.getLogger(__name__)
 #: The problem source of the Services the kernel refused (`problems`).
