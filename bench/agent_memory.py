@@ -16,7 +16,7 @@ Then the slopes: peak RSS per Service (x 10 endpoints) between the sizes, least 
 Memory figures do not depend on the machine's load; the cold-start times beside them do.
 
 With --agent LABEL=DIR[,VAR=VALUE...] (repeatable) each size measures the agent of the source
-tree DIR (its api/ and agents/ on PYTHONPATH) with those environment variables, one after the
+tree DIR (its api/, kube/ and agents/ on PYTHONPATH) with those environment variables, one after the
 other (before and after a change, side by side); by default the agent of this tree.
 
 Usage: python3 bench/agent_memory.py [--services 1000,10000,30000] [--agent LABEL=DIR,...]
@@ -76,7 +76,9 @@ class Agent:
         return cls(label, Path(tree or ROOT).resolve(), env)
 
     def prefix(self) -> list[str]:
-        path = ":".join(str(self.tree / d) for d in ("api", "agents", "operator", "harness"))
+        path = ":".join(
+            str(self.tree / d) for d in ("api", "kube", "agents", "operator", "harness")
+        )
         return ["env", f"PYTHONPATH={path}", *(f"{k}={v}" for k, v in self.env.items())]
 
 

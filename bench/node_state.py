@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-for sub in ("agents", "api", "harness"):
+for sub in ("agents", "kube", "api", "harness"):
     sys.path.insert(0, str(REPO / sub))
 
 from benchlib import (  # noqa: E402

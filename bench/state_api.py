@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-for sub in ("agents", "api", "harness"):
+for sub in ("agents", "kube", "api", "harness"):
     sys.path.insert(0, str(REPO / sub))
 
 # The from-the-apiserver part runs the agent as bench/compare.py runs it and reads the kernel

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 _REPO = Path(__file__).resolve().parent.parent
-for _src in ("api", "agents", "operator", "harness"):
+for _src in ("api", "kube", "agents", "operator", "harness"):
     if (_REPO / _src).is_dir() and str(_REPO / _src) not in sys.path:
         sys.path.append(str(_REPO / _src))  # works without `make setup-python` too
 

@@ -6,7 +6,7 @@ third-party requirements they declare and the root's `dev` dependency group.
     python3 toolchain/setup-python.py --check  # exit 1 if something is missing or stale
 
 The distributions are the folders listed in the root pyproject.toml under
-[tool.kpx.workspace] (api/, agents/kpx_kube/, agents/kpx_localstate_client/, agents/,
+[tool.kpx.workspace] (api/, kube/, agents/kpx_localstate_client/, agents/,
 operator/, harness/), each with its own pyproject.toml. They name each other by direct
 reference to the sibling folder (`kpx-api @ file:///.../api`),
 which pip cannot reconcile with an editable install of that folder: so the distributions are

@@ -28,7 +28,7 @@ REPO_ROOT: Final = Path(__file__).resolve().parents[2]
 CONTAINERFILE: Final = Path("images/Containerfile")
 IGNOREFILE: Final = Path("images/Containerfile.dockerignore")
 #: The build's context: what images/Containerfile copies (a change elsewhere rebuilds nothing).
-CONTEXT_PATHS: Final = ("images", "api", "agents", "operator")
+CONTEXT_PATHS: Final = ("images", "api", "kube", "agents", "operator")
 #: The Containerfile's default base, and the Debian release an equivalent is made from.
 BASE_IMAGE: Final = "docker.io/library/debian:bookworm-slim"
 BASE_SUITE: Final = "bookworm"

@@ -48,7 +48,7 @@ from kpx_kube.blocking import BlockingClient
 from kpx_kube.kinds import BUILTIN
 
 REPO = Path(__file__).resolve().parents[2]
-AGENT_PYTHONPATH = os.pathsep.join(str(REPO / d) for d in ("agents", "api", "harness"))
+AGENT_PYTHONPATH = os.pathsep.join(str(REPO / d) for d in ("agents", "kube", "api", "harness"))
 
 OPT_OUT_LABEL = "networking.k8s.io/kube-proxy"
 OPT_OUT_VALUE = "disabled"

@@ -80,7 +80,8 @@ class Operator:
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(
-                [str(REPO / d) for d in ("operator", "api")] + [os.environ.get("PYTHONPATH", "")]
+                [str(REPO / d) for d in ("operator", "api", "kube")]
+                + [os.environ.get("PYTHONPATH", "")]
             ),
         }
         env.pop("KUBECONFIG", None)

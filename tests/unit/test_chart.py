@@ -194,7 +194,7 @@ def test_chart_metadata() -> None:
     assert chart["apiVersion"] == "v2"
     assert (chart["name"], chart["version"], chart["appVersion"]) == ("kpx", "0.1.0", "0.1.0")
     assert chart["kubeVersion"] == ">=1.33.0-0"
-    for dist in ("api", "agents", "operator", "harness"):  # appVersion is kpx's version
+    for dist in ("api", "kube", "agents", "operator", "harness"):  # appVersion is kpx's version
         project = (REPO / dist / "pyproject.toml").read_text()
         assert f'\nversion = "{chart["appVersion"]}"\n' in project, dist
     # The operator's own version, hence its default agent image, is the release's.

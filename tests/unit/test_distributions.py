@@ -1,4 +1,4 @@
-"""Each distribution of this tree (api/, agents/kpx_kube/, agents/kpx_localstate_client/,
+"""Each distribution of this tree (api/, kube/, agents/kpx_localstate_client/,
 agents/, operator/, harness/, each with its own pyproject.toml) declares exactly what its
 packages import: every third-party or sibling top-level import is a declared requirement, and
 every requirement is imported. The product (kpx-api, kpx-kube, kpx-localstate-client,
@@ -143,8 +143,12 @@ def folder_reference(folder: str, target: str) -> str:
 
 def test_folder_references_follow_the_layout() -> None:
     assert folder_reference("operator", "api") == "{root:parent:uri}/api"
-    assert folder_reference("operator", "agents/kpx_kube") == "{root:parent:uri}/agents/kpx_kube"
-    assert folder_reference("agents", "agents/kpx_kube") == "{root:uri}/kpx_kube"
+    assert folder_reference("operator", "kube") == "{root:parent:uri}/kube"
+    assert folder_reference("agents", "kube") == "{root:parent:uri}/kube"
+    assert (
+        folder_reference("agents", "agents/kpx_localstate_client")
+        == "{root:uri}/kpx_localstate_client"
+    )
 
 
 @pytest.mark.parametrize("folder", members())
@@ -219,7 +223,7 @@ def test_the_operator_ships_neither_the_agent_nor_its_dataplane_libraries() -> N
 def test_the_kube_client_stands_alone() -> None:
     """kpx-kube is the bottom of the tree: it needs no other distribution of it."""
     assert {d for d in closure("kpx-kube") if d.startswith("kpx-")} == {"kpx-kube"}
-    assert requirements_of("agents/kpx_kube"), "its third-party requirements are declared"
+    assert requirements_of("kube"), "its third-party requirements are declared"
 
 
 def test_mypy_checks_every_package() -> None:
@@ -237,7 +241,7 @@ def test_importing_the_operator_imports_nothing_of_the_agent() -> None:
         "        importlib.import_module(m.name)\n"
         "print(' '.join(sorted({n.split('.')[0] for n in sys.modules})))\n"
     )
-    path = ":".join(str(ROOT / top) for top in ("api", "agents", "operator"))
+    path = ":".join(str(ROOT / top) for top in ("api", "kube", "agents", "operator"))
     out = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, "PYTHONPATH": path},

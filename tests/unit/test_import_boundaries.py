@@ -63,7 +63,7 @@ def test_mode_packages_do_not_import_each_other(mode: str) -> None:
     ("folder", "forbidden"),
     [
         ("agents/kpx_agent", ("kpx_operator", "kpx_cluster", "kopf")),
-        ("agents/kpx_kube", ("kpx_agent", "kpx_operator", "kpx_cluster", "kopf", "kubernetes")),
+        ("kube/kpx_kube", ("kpx_agent", "kpx_operator", "kpx_cluster", "kopf", "kubernetes")),
         ("operator/kpx_operator", ("kpx_agent", "kpx_cluster")),
         ("agents/kpx_localstate_client", ("kpx_agent", "kpx_kube", "kpx_operator", "kpx_cluster",
                                           "kopf")),
@@ -88,7 +88,7 @@ def test_agent_backends_are_the_modes_the_api_says_have_one() -> None:
 
 #: The product's packages (what the agent and operator distributions ship) and their folders.
 PRODUCT = ("kpx_api", "kpx_kube", "kpx_agent", "kpx_localstate_client", "kpx_operator")
-PRODUCT_FOLDERS = ("api/kpx_api", "agents/kpx_kube", "agents/kpx_agent",
+PRODUCT_FOLDERS = ("api/kpx_api", "kube/kpx_kube", "agents/kpx_agent",
                    "agents/kpx_localstate_client", "operator/kpx_operator")  # fmt: skip
 
 
@@ -288,7 +288,7 @@ def test_the_layer_rule_sees_what_it_must(tmp_path: Path) -> None:
 # -- only kpx_kube talks HTTP to the apiserver ----------------------------------------------------
 
 #: Folders scanned: everything of ours that runs (product, harness, benchmarks, tests).
-SCANNED = ("agents", "operator", "api", "harness", "bench", "tests")
+SCANNED = ("agents", "kube", "operator", "api", "harness", "bench", "tests")
 #: HTTP client modules (`aiohttp` is its client unless `aiohttp.web`, a server).
 HTTP_CLIENTS = ("aiohttp", "urllib.request", "http.client", "requests", "httpx", "urllib3",
                 "kubernetes", "kubernetes_asyncio", "kr8s", "lightkube", "pykube")  # fmt: skip
@@ -345,7 +345,7 @@ def test_only_kpx_kube_imports_an_http_client() -> None:
     for folder in SCANNED:
         for path in (ROOT / folder).rglob("*.py"):
             rel = path.relative_to(ROOT).as_posix()
-            if rel.startswith("agents/kpx_kube/") or ".venv" in path.parts:
+            if rel.startswith("kube/kpx_kube/") or ".venv" in path.parts:
                 continue
             names = http_client_imports(path.read_text(), rel)
             if names:

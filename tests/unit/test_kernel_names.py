@@ -12,7 +12,7 @@ from pathlib import Path
 from kpx_agent.backends.kernel import names
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("agents", "api", "operator", "harness", "bench")
+FOLDERS = ("agents", "kube", "api", "operator", "harness", "bench")
 NAMES_FILE = "agents/kpx_agent/backends/kernel/names.py"
 #: The literals named once: kernel objects and nft keywords whose spelling is not common
 #: English (the nftables table "kpx" and the family keyword "ip" are, so they are checked by

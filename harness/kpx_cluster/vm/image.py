@@ -95,7 +95,7 @@ class Image:
 
 def python_requirements(root: Path = PROJECT_ROOT) -> list[str]:
     """The dependencies of the project's pyproject.toml files (the root's and each of its
-    distributions': api/, agents/kpx_kube/, agents/, ...), minus the project's own packages
+    distributions': api/, kube/, agents/, ...), minus the project's own packages
     (the guest imports those from the shared source tree)."""
     found: set[str] = set(EXTRA_PYTHON)
     own: set[str] = set()

@@ -278,7 +278,8 @@ class Guest:
             "PATH": f"{kubernetes_bin_dir()}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:"
             "/sbin:/bin",
             "PYTHONPATH": ":".join(
-                str(vm_image.PROJECT_ROOT / d) for d in ("api", "agents", "operator", "harness")
+                str(vm_image.PROJECT_ROOT / d)
+                for d in ("api", "kube", "agents", "operator", "harness")
             ),
         }
         env = {**base, **env}
