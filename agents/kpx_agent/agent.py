@@ -1,4 +1,5 @@
-"""The running agent: watches, the sync loop, config reloads, health and metrics servers."""
+"""The running agent, assembled: watches, the sync loop (sync/loop.py), config reloads, health
+and metrics servers, rollback and make-before-break, Events and this node's ProxyNodeState."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import contextlib
 import functools
 import gc
 import logging
-import re
 import time
 from collections.abc import Callable, Collection, Coroutine, Iterable
 from datetime import UTC, datetime
@@ -22,7 +22,7 @@ from kpx_api.constants import (
     SYNC_FAILED,
 )
 from kpx_api.errors import ConfigError
-from kpx_kube import AlreadyExists, ApiError, Client, collector
+from kpx_kube import AlreadyExists, ApiError, Client
 from kpx_kube.recovery import Recovery
 from kpx_kube.reflector import Reflector, Resource
 
@@ -47,39 +47,12 @@ from .state_api.server import StateServer, parse_address
 from .store.cluster_state import ClusterState
 from .store.optout import exclusion_field_selector
 from .store.resources import NAMESPACES_RESOURCE, NODES_RESOURCE, SERVICES_RESOURCE, SLICES_RESOURCE
-from .sync.proxier import Proxier
+from .sync.loop import SyncLoop, brief_error, sync_failure_due
+from .sync.proxier import Proxier, SyncOutcome
 from .sync.sync_log import log_sync
 
 log = logging.getLogger(__name__)
 CONFIG_POLL_SECONDS = 2.0
-#: A sync failure with the same error is reported as an Event at most this often (s).
-SYNC_FAILURE_REPORT_INTERVAL = 60.0
-
-
-def sync_failure_due(
-    told: tuple[str, float] | None, error: str, now: float,
-    interval: float = SYNC_FAILURE_REPORT_INTERVAL,
-) -> bool:  # fmt: skip
-    """Whether a sync failure with `error` is reported now, the last report being `told`
-    ((error, time), None after a success): a new error at once, the same one once per
-    `interval`."""
-    return told is None or told[0] != error or now - told[1] >= interval
-
-
-_NFT_LOCATION = re.compile(r"/dev/stdin:\d+:\d+(-\d+)?: ")
-
-
-def brief_error(error: str, limit: int = 600) -> str:
-    """A backend's error for an Event: each distinct line once (nft repeats its complaint per
-    statement, with a location and a line of carets under it), joined by " | ", at most
-    `limit` characters."""
-    lines: list[str] = []
-    for raw in error.splitlines():
-        line = _NFT_LOCATION.sub("", raw.strip())
-        if line and set(line) - {"^", "~", " "} and line not in lines:
-            lines.append(line)
-    text = " | ".join(lines)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 Watch = tuple[Reflector, "asyncio.Task[None]"]
@@ -122,7 +95,6 @@ class Agent:
         self.recovery = Recovery(client.ready)
         self.backend = backend
         self.config_path = config_path
-        self._synced_once = False  # until the first sync was attempted
         #: Set once a full sync programmed the kernel without error and the backend then
         #: finds its rules there: what make-before-break waits for (takeover.py).
         self.first_sync_verified = asyncio.Event()
@@ -170,7 +142,7 @@ class Agent:
         self.health_check_servers = HealthCheckServers()
         #: New Service problems (service_problems.py) waiting to be posted as Events.
         self._problem_events: asyncio.Queue[service_problems.ServiceProblem] = asyncio.Queue()
-        self._wake = asyncio.Event()
+        self.sync_loop = SyncLoop(self)
         self._config_stamp = self._stamp()
         self.health = ProxyHealth(
             health_timeout(settings.sync_period), leftovers_pending=self._leftovers_pending
@@ -261,7 +233,7 @@ class Agent:
             resource,
             self.state,
             field_selector=(lambda: selector),
-            on_event=on_event or self._wake.set,
+            on_event=on_event or self.sync_loop.wake.set,
             recovery=self.recovery,
         )
 
@@ -272,7 +244,7 @@ class Agent:
 
     def _on_node_event(self) -> None:
         self.health.sync_node(self.state.node)
-        self._wake.set()
+        self.sync_loop.wake.set()
 
     def _excluding_reflector(self, resource: Resource) -> Reflector:
         """Services and EndpointSlices: the apiserver leaves out opted-out namespaces."""
@@ -281,7 +253,7 @@ class Agent:
             resource,
             self.state,
             field_selector=lambda: exclusion_field_selector(self.proxier.excluded),
-            on_event=self._wake.set,
+            on_event=self.sync_loop.wake.set,
             recovery=self.recovery,
             shrink=functools.partial(self.state.shrink, resource.kind),
         )
@@ -364,7 +336,7 @@ class Agent:
             # From here on, as upstream once its informers synced, every recorded change is
             # an update the health server waits for (the first sync itself is not queued).
             self.state.on_queued = self._queued
-            await self._sync_loop((services, slices))
+            await self.sync_loop.run((services, slices))
         finally:
             if self._removal_task is not None:
                 tasks.append(self._removal_task)
@@ -383,86 +355,32 @@ class Agent:
         self.watches += started
         return [task for _, task in started]
 
-    # -- the sync loop -------------------------------------------------------------------------
-    async def _sync_loop(self, excluding: tuple[Reflector, ...]) -> None:
-        last_start = 0.0
-        next_resync = time.monotonic() + self.settings.sync_period
-        retry_delay = 0.0
-        while True:
-            timeout = max(0.0, next_resync - time.monotonic())
-            if retry_delay:
-                timeout = min(timeout, retry_delay)
-            left = self._rollback_left()
-            if left is not None:
-                timeout = min(timeout, left)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            self._wake.clear()
-            if self._rollback_left() == 0.0 and await self._roll_back():
-                retry_delay = 0.0
-                next_resync = time.monotonic() + self.settings.sync_period
-            now = time.monotonic()
-            if now >= next_resync:
-                # The node-local state only changes through recorded changes, so there is
-                # nothing to recompute; what can change behind our back is the kernel.
-                # Reading the kernel back (the drift check) may take a while at scale.
-                self.proxier.repair(await asyncio.to_thread(self.proxier.check_kernel))
-                next_resync = now + self.settings.sync_period
-                if not self.state.has_changes() and not retry_delay:
-                    # The periodic resync found the kernel as programmed: a successful
-                    # update, as upstream's periodic sync is.
-                    self.health.updated()
-            # Coalesce bursts: at most one sync per minSyncPeriod.
-            wait = last_start + self.settings.min_sync_period - now
-            if wait > 0:
-                await asyncio.sleep(wait)
-            before = self.proxier.excluded
-            if self.proxier.update_excluded():
-                after = self.proxier.excluded
-                log.info("opted-out namespaces now: %s", sorted(after))
-                for reflector in excluding:  # no relist: only these namespaces move
-                    reflector.reselect(included=before - after, excluded=after - before)
-            if not self.state.has_changes() and not retry_delay:
-                continue
-            last_start = time.monotonic()
-            first = not self._synced_once
-            # The first sync allocates about a million objects that all live on (the
-            # node-local state, the backend's record): collecting there is pure cost.
-            try:
-                with collector.paused() if first else contextlib.nullcontext():
-                    pending = self.proxier.prepare()
-                    # The kernel edge blocks for up to seconds at scale: keep the event loop
-                    # (health, metrics, watches) responsive while it runs.
-                    outcome = await asyncio.to_thread(self.proxier.program, pending)
-            finally:
-                if first:
-                    gc.freeze()
-            self._synced_once = True
-            self._queue_problem_events()
-            if outcome.ok:
-                retry_delay = 0.0
-                self._sync_failure_told = None
-                self._last_sync = SyncRecord(datetime.now(UTC), outcome.duration, outcome.full)
-                self._synced_generation = self._loaded_generation
-                self.health.updated()
-                if self.state.has_changes():  # recorded while this sync ran: still pending
-                    self.health.queued_update()
-                if outcome.full or outcome.changed_ports:
-                    await self.health_check_servers.update(health_targets(self.proxier.local))
-                if outcome.full and not self.first_sync_verified.is_set():
-                    await self._verify_first_sync()
-                if outcome.full or outcome.changed_ports:
-                    log_sync(self.backend.mode, outcome, len(self.proxier.local.services))
-            else:
-                retry_delay = min(max(retry_delay * 2, 1.0), 30.0)
-                self.state.touch_all()
-                self._last_error = brief_error(outcome.error)
-                self._last_error_record = ErrorRecord(
-                    f"mode {self.settings.mode}: {self._last_error or 'unknown error'}",
-                    datetime.now(UTC),
-                )
-                await self._report_sync_failure(outcome.error)
-            self._node_state_changed()
+    # -- the sync loop (sync/loop.py) and what a sync's outcome means -------------------------
+    async def after_sync(self, outcome: SyncOutcome) -> None:
+        """After each sync (the loop's SyncHost): Service problems, health, healthCheckNodePort
+        servers, the first sync's verification, Events and this node's ProxyNodeState."""
+        self._queue_problem_events()
+        if outcome.ok:
+            self._sync_failure_told = None
+            self._last_sync = SyncRecord(datetime.now(UTC), outcome.duration, outcome.full)
+            self._synced_generation = self._loaded_generation
+            self.health.updated()
+            if self.state.has_changes():  # recorded while this sync ran: still pending
+                self.health.queued_update()
+            if outcome.full or outcome.changed_ports:
+                await self.health_check_servers.update(health_targets(self.proxier.local))
+            if outcome.full and not self.first_sync_verified.is_set():
+                await self._verify_first_sync()
+            if outcome.full or outcome.changed_ports:
+                log_sync(self.backend.mode, outcome, len(self.proxier.local.services))
+        else:
+            self._last_error = brief_error(outcome.error)
+            self._last_error_record = ErrorRecord(
+                f"mode {self.settings.mode}: {self._last_error or 'unknown error'}",
+                datetime.now(UTC),
+            )
+            await self._report_sync_failure(outcome.error)
+        self._node_state_changed()
 
     def _queue_problem_events(self) -> None:
         """Publish the Service problems' metric, and queue the new ones for their Events."""
@@ -512,7 +430,7 @@ class Agent:
         if not await asyncio.to_thread(self.backend.programmed):
             log.warning("the first sync succeeded but its rules are not in the kernel")
             self.proxier.request_full_sync()
-            self._wake.set()
+            self.sync_loop.wake.set()
             return
         self.first_sync_verified.set()
         self._node_state_changed()
@@ -544,12 +462,12 @@ class Agent:
         rollback = self.settings.rollback
         return {rollback.settings.mode} if rollback is not None and not self.rolled_back else set()
 
-    def _rollback_left(self) -> float | None:
+    def rollback_left(self) -> float | None:
         """Seconds until this agent rolls back (0: now), None when it will not."""
         return seconds_left(self.settings.rollback, self.first_sync_verified.is_set(),
                             bool(self.rolled_back), time.monotonic() - self._started)  # fmt: skip
 
-    async def _roll_back(self) -> bool:
+    async def roll_back(self) -> bool:
         """Go back to the rollback mode, in process (between syncs: nothing programs now):
         its backend from now on, a full sync of it next (its rules are still in the kernel:
         nothing removed them), what this mode left removed once that sync is verified, not
@@ -663,7 +581,7 @@ class Agent:
         if not self.state.has_changes():  # nothing to sync for it: in effect now
             self._synced_generation = self._loaded_generation
         log.info("configuration reloaded")
-        self._wake.set()
+        self.sync_loop.wake.set()
         self._node_state_changed()
         return True
 

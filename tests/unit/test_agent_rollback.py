@@ -179,7 +179,7 @@ class _Backend(Backend):
 def test_the_agent_rolls_back_in_process_and_keeps_the_old_modes_settings_live(
     tmp_path: Path,
 ) -> None:
-    """Agent._roll_back: the rollback mode's backend and settings from then on, a full sync
+    """Agent.roll_back: the rollback mode's backend and settings from then on, a full sync
     asked for, not Ready for good, the leftovers of the failed mode to remove instead; a
     reloaded configuration updates the rollback mode's settings."""
     import time
@@ -217,13 +217,13 @@ def test_the_agent_rolls_back_in_process_and_keeps_the_old_modes_settings_live(
         agent._start_leftover_removal()
         agent._last_error = "nft: Operation not permitted"
         agent._started = time.monotonic() - 5
-        assert agent._rollback_left() == pytest.approx(5, abs=0.5)
-        assert not await agent._roll_back()  # not yet
+        assert agent.rollback_left() == pytest.approx(5, abs=0.5)
+        assert not await agent.roll_back()  # not yet
         agent._started = time.monotonic() - 10
-        assert agent._rollback_left() == 0.0
-        assert await agent._roll_back()
-        assert not await agent._roll_back()  # once
-        assert agent._rollback_left() is None
+        assert agent.rollback_left() == 0.0
+        assert await agent.roll_back()
+        assert not await agent.roll_back()  # once
+        assert agent.rollback_left() is None
         assert agent.leftover_removal is not None
         assert set(agent.leftover_removal.pending) == {"nftables"}
         assert not agent.first_sync_verified.is_set()
@@ -299,7 +299,7 @@ def test_the_node_state_reports_the_generation_synced_and_the_rollback(tmp_path:
 
     async def roll_back() -> None:
         agent._started = time.monotonic() - 11
-        assert await agent._roll_back()
+        assert await agent.roll_back()
 
     asyncio.run(roll_back())
     facts = agent.node_facts()
@@ -334,9 +334,9 @@ def test_a_rollback_that_itself_fails_keeps_the_mode_says_why_and_is_not_tried_a
     async def scenario() -> None:
         agent._last_error = "nft: Operation not permitted"
         agent._started = time.monotonic() - 10
-        assert agent._rollback_left() == 0.0
-        assert not await agent._roll_back()
-        assert not await agent._roll_back()  # not again
+        assert agent.rollback_left() == 0.0
+        assert not await agent.roll_back()
+        assert not await agent.roll_back()  # not again
 
     asyncio.run(scenario())
     assert tries == ["iptables"]

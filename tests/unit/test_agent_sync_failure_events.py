@@ -3,7 +3,7 @@ status.modeSwitch), rate-limited: the sync retries every 1-30 s."""
 
 from __future__ import annotations
 
-from kpx_agent.agent import brief_error, sync_failure_due
+from kpx_agent.sync.loop import brief_error, sync_failure_due
 
 
 def test_the_first_failure_and_a_new_error_are_reported_at_once() -> None:

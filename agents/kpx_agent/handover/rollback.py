@@ -3,7 +3,7 @@
 While the operator switches spec.mode, the agents' configuration carries a `rollback` block:
 the mode before the switch, its settings, and `progressDeadlineSeconds`. An agent that has
 run that long without a verified first sync in its own mode (its rules programmed and found
-in the kernel) rolls its node back, in process (`Agent._roll_back`): it stops programming
+in the kernel) rolls its node back, in process (`Agent.roll_back`): it stops programming
 its own mode, programs the old mode (whose rules it never removed: make-before-break) from
 then on with live updates, removes what its own mode left, and stays not Ready (/readyz 503,
 the reason in the body) so the DaemonSet's rolling update stops at that node. It stays so

@@ -1,0 +1,151 @@
+"""The sync loop: when the agent syncs, and each sync off the event loop.
+
+It wakes on every recorded change (`wake`), runs at most one sync per minSyncPeriod (bursts
+coalesce), reads the kernel back every syncPeriod (the drift check: a periodic resync that
+finds the kernel as programmed is a successful update), retries a failed sync after 1 s,
+doubling up to 30 s (every Service recomputed), and lets the agent roll back between syncs
+(nothing programs then). What an outcome means for health, Events and this node's
+ProxyNodeState is the agent's (`SyncHost.after_sync`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import re
+import time
+from typing import Protocol
+
+from kpx_kube import collector
+from kpx_kube.reflector import Reflector
+
+from ..observability.proxy_health import ProxyHealth
+from ..settings import AgentSettings
+from ..store.cluster_state import ClusterState
+from .proxier import Proxier, SyncOutcome
+
+log = logging.getLogger(__name__)
+#: A sync failure with the same error is reported as an Event at most this often (s).
+SYNC_FAILURE_REPORT_INTERVAL = 60.0
+#: The longest wait before a failed sync is retried (s); the first retry comes after 1 s.
+MAX_RETRY_DELAY = 30.0
+
+
+def sync_failure_due(
+    told: tuple[str, float] | None, error: str, now: float,
+    interval: float = SYNC_FAILURE_REPORT_INTERVAL,
+) -> bool:  # fmt: skip
+    """Whether a sync failure with `error` is reported now, the last report being `told`
+    ((error, time), None after a success): a new error at once, the same one once per
+    `interval`."""
+    return told is None or told[0] != error or now - told[1] >= interval
+
+
+_NFT_LOCATION = re.compile(r"/dev/stdin:\d+:\d+(-\d+)?: ")
+
+
+def brief_error(error: str, limit: int = 600) -> str:
+    """A backend's error for an Event: each distinct line once (nft repeats its complaint per
+    statement, with a location and a line of carets under it), joined by " | ", at most
+    `limit` characters."""
+    lines: list[str] = []
+    for raw in error.splitlines():
+        line = _NFT_LOCATION.sub("", raw.strip())
+        if line and set(line) - {"^", "~", " "} and line not in lines:
+            lines.append(line)
+    text = " | ".join(lines)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class SyncHost(Protocol):
+    """What the loop needs of the agent that runs it (agent.Agent)."""
+
+    settings: AgentSettings  # syncPeriod, minSyncPeriod: read anew each round (reloads)
+    proxier: Proxier
+    state: ClusterState
+    health: ProxyHealth
+
+    def rollback_left(self) -> float | None: ...
+
+    async def roll_back(self) -> bool: ...
+
+    async def after_sync(self, outcome: SyncOutcome) -> None: ...
+
+
+class SyncLoop:
+    def __init__(self, host: SyncHost) -> None:
+        self.host = host
+        #: Set by whatever may need a sync (watch events, reloads, a failed verification).
+        self.wake = asyncio.Event()
+        self.synced_once = False  # until the first sync was attempted
+
+    async def run(self, excluding: tuple[Reflector, ...]) -> None:
+        """Sync until cancelled; `excluding` are the reflectors that leave opted-out
+        namespaces out (reselected when the opted-out namespaces change)."""
+        host = self.host
+        last_start = 0.0
+        next_resync = time.monotonic() + host.settings.sync_period
+        retry_delay = 0.0
+        while True:
+            timeout = max(0.0, next_resync - time.monotonic())
+            if retry_delay:
+                timeout = min(timeout, retry_delay)
+            left = host.rollback_left()
+            if left is not None:
+                timeout = min(timeout, left)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), timeout)
+            self.wake.clear()
+            if host.rollback_left() == 0.0 and await host.roll_back():
+                retry_delay = 0.0
+                next_resync = time.monotonic() + host.settings.sync_period
+            now = time.monotonic()
+            if now >= next_resync:
+                # The node-local state only changes through recorded changes, so there is
+                # nothing to recompute; what can change behind our back is the kernel.
+                # Reading the kernel back (the drift check) may take a while at scale.
+                host.proxier.repair(await asyncio.to_thread(host.proxier.check_kernel))
+                next_resync = now + host.settings.sync_period
+                if not host.state.has_changes() and not retry_delay:
+                    # The periodic resync found the kernel as programmed: a successful
+                    # update, as upstream's periodic sync is.
+                    host.health.updated()
+            # Coalesce bursts: at most one sync per minSyncPeriod.
+            wait = last_start + host.settings.min_sync_period - now
+            if wait > 0:
+                await asyncio.sleep(wait)
+            before = host.proxier.excluded
+            if host.proxier.update_excluded():
+                after = host.proxier.excluded
+                log.info("opted-out namespaces now: %s", sorted(after))
+                for reflector in excluding:  # no relist: only these namespaces move
+                    reflector.reselect(included=before - after, excluded=after - before)
+            if not host.state.has_changes() and not retry_delay:
+                continue
+            last_start = time.monotonic()
+            outcome = await self._sync_once()
+            if outcome.ok:
+                retry_delay = 0.0
+            else:
+                retry_delay = min(max(retry_delay * 2, 1.0), MAX_RETRY_DELAY)
+                host.state.touch_all()
+            await host.after_sync(outcome)
+
+    async def _sync_once(self) -> SyncOutcome:
+        proxier = self.host.proxier
+        first = not self.synced_once
+        # The first sync allocates about a million objects that all live on (the node-local
+        # state, the backend's record): collecting there is pure cost.
+        try:
+            with collector.paused() if first else contextlib.nullcontext():
+                pending = proxier.prepare()
+                # The kernel edge blocks for up to seconds at scale: keep the event loop
+                # (health, metrics, watches) responsive while it runs.
+                outcome = await asyncio.to_thread(proxier.program, pending)
+        finally:
+            if first:
+                gc.freeze()
+        self.synced_once = True
+        return outcome
