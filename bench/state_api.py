@@ -77,7 +77,7 @@ from compare import (  # noqa: E402
     time_to_kernel,
     wait_cold_start,
 )
-from kpx_agent.model.types import IP, Endpoint, ProxySettings  # noqa: E402
+from kpx_agent.model.types import IP, DataplaneSettings, Endpoint  # noqa: E402
 from kpx_agent.state_api.publisher import Publisher  # noqa: E402
 from kpx_agent.state_api.server import Listen, StateServer  # noqa: E402
 from kpx_cluster.controlplane import Cluster  # noqa: E402
@@ -156,7 +156,7 @@ def measure(n: int, changes: int) -> dict[str, Any]:
     rss_base = rss_kib()
 
     t0 = time.perf_counter()
-    pub.publish(state, ProxySettings(), None)
+    pub.publish(state, DataplaneSettings(), None)
     publish_full = time.perf_counter() - t0
     t0 = time.perf_counter()
     full_size = len(pub.answer("", 0, False))
@@ -181,7 +181,7 @@ def measure(n: int, changes: int) -> dict[str, Any]:
         moved = (Endpoint(IP.of(f"10.250.{k // 250}.{k % 250 + 1}"), 8080),)
         state.services[key] = replace(port, cluster_endpoints=moved + port.cluster_endpoints[1:])
         t0 = time.perf_counter()
-        pub.publish(state, ProxySettings(), {key})
+        pub.publish(state, DataplaneSettings(), {key})
         publish_costs.append(time.perf_counter() - t0)
         sent = time.time()
         server.notify()

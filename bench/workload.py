@@ -30,11 +30,11 @@ from benchlib import (
 from kpx_agent.model.service_ports import node_facts
 from kpx_agent.model.types import (
     IP,
+    DataplaneSettings,
     Endpoint,
     NodeInfo,
     NodeLocalState,
     Protocol,
-    ProxySettings,
     ServicePort,
     ServicePortKey,
 )
@@ -78,7 +78,7 @@ def changed_address(k: int) -> str:
 # ---- in-process: the node-local state of the measured node ---------------------------------------
 
 #: The agent's settings for the workload (its cluster CIDR) and the measured node.
-SETTINGS = ProxySettings(cluster_cidrs=(ip_network(CLUSTER_CIDR),))
+SETTINGS = DataplaneSettings(cluster_cidrs=(ip_network(CLUSTER_CIDR),))
 NODE = NodeInfo(NODE_NAME, (IP.of(NODE_IP),))
 
 
@@ -98,7 +98,7 @@ def service_port(svc: int, target_port: int = TARGET_PORT) -> ServicePort:
                        cluster_endpoints=eps, external_endpoints=eps)  # fmt: skip
 
 
-def node_local_state(n: int, settings: ProxySettings = SETTINGS) -> NodeLocalState:
+def node_local_state(n: int, settings: DataplaneSettings = SETTINGS) -> NodeLocalState:
     """The first n Services of the workload as NODE's node-local state."""
     ports = (service_port(i) for i in range(n))
     return NodeLocalState(NODE, {p.key: p for p in ports}, node_facts(settings, NODE))

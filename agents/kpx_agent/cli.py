@@ -45,7 +45,7 @@ from .handover.from_kube_proxy import (
     remove_kube_proxy_leftovers,
 )
 from .handover.make_before_break import Leftover, other_mode_leftovers
-from .model.types import ProxySettings
+from .model.types import DataplaneSettings
 from .observability.http_endpoints import health_app, serve
 from .observability.metrics import AgentMetrics
 from .observability.node_state import DEFAULT_WRITE_INTERVAL
@@ -294,7 +294,7 @@ def convert_kube_proxy_config(argv: list[str]) -> int:
     return 0
 
 
-def handover(settings: ProxySettings) -> Handover:
+def handover(settings: DataplaneSettings) -> Handover:
     """What this agent hands a mode whose leftovers it removes (backends.base.Handover)."""
     return Handover(settings, kube_proxy_ipvs_mode_here)
 
@@ -303,7 +303,7 @@ def remove_other_modes(mode: str) -> None:
     """Remove at once what agents of the other modes left on this node (a failure is logged).
     The agent itself does this only after its first verified sync (`leftovers_for`)."""
     for leftover in other_mode_leftovers(
-        mode, backends.REGISTRY, backends.load, handover(ProxySettings())
+        mode, backends.REGISTRY, backends.load, handover(DataplaneSettings())
     ):
         try:
             leftover.remove()

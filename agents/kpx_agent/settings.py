@@ -12,7 +12,7 @@ from kpx_api.modes import IPVSSettings, state_server_only
 from kpx_api.networks import parse_bind_address, parse_cidr
 from kpx_api.proxysettings import Conntrack, NamespaceOptOut
 
-from .model.types import DetectLocal, DetectLocalMode, IPVSOptions, ProxySettings
+from .model.types import DataplaneSettings, DetectLocal, DetectLocalMode, IPVSOptions
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class AgentSettings:
     mode: str
     sync_period: float
     min_sync_period: float
-    proxy: ProxySettings
+    proxy: DataplaneSettings
     optout: NamespaceOptOut
     healthz: tuple[str, int]
     metrics: tuple[str, int]
@@ -75,7 +75,7 @@ def resolve(config: AgentConfiguration) -> AgentSettings:
         mode=str(config.mode),
         sync_period=parse_duration(block.sync_period),
         min_sync_period=parse_duration(block.min_sync_period),
-        proxy=ProxySettings(
+        proxy=DataplaneSettings(
             masquerade_bit=getattr(block, "masquerade_bit", 14),
             masquerade_all=getattr(block, "masquerade_all", False),
             cluster_cidrs=tuple(parse_cidr(c) for c in config.cluster_cidrs),

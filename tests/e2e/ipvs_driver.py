@@ -20,11 +20,11 @@ from kpx_agent.cli import remove_other_modes
 from kpx_agent.model.service_ports import local_state
 from kpx_agent.model.types import (
     IP,
+    DataplaneSettings,
     Endpoint,
     IPVSOptions,
     NodeInfo,
     Protocol,
-    ProxySettings,
     ServicePort,
     ServicePortKey,
 )
@@ -55,12 +55,12 @@ def _port(raw: dict[str, Any]) -> ServicePort:
     )
 
 
-def _settings(raw: dict[str, Any]) -> ProxySettings:
+def _settings(raw: dict[str, Any]) -> DataplaneSettings:
     if "spec" in raw:  # a ProxyConfiguration's spec fields, resolved as the agent does
         from kpx_agent import settings as settings_mod
 
         return settings_mod.resolve(settings_mod.load("ipvs", None, raw["spec"])).proxy
-    return ProxySettings(
+    return DataplaneSettings(
         cluster_cidrs=(ip_network("10.244.0.0/16"),),
         ipvs=IPVSOptions(
             scheduler=raw.get("scheduler", "rr"),
@@ -73,7 +73,7 @@ def _settings(raw: dict[str, Any]) -> ProxySettings:
     )
 
 
-def _matrix_case(name: str, world: dict[str, Any]) -> tuple[ProxySettings, Any]:
+def _matrix_case(name: str, world: dict[str, Any]) -> tuple[DataplaneSettings, Any]:
     """The settings and node-local state of one case of the shared semantics matrix."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
     import semantics

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.netns
 PROGRAM = """
 import json, subprocess, sys
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
-from kpx_agent.model.types import ProxySettings
+from kpx_agent.model.types import DataplaneSettings
 from kpx_agent.observability.metrics import AgentMetrics
 from kpx_agent.sync.proxier import Proxier
 from kpx_api.proxysettings import NamespaceOptOut
@@ -59,7 +59,7 @@ state.upsert(SERVICES, service("sticky", "10.96.0.14", "fd00:96::14", sessionAff
 for name in ("web", "sticky"):
     state.upsert(SLICES, slice_(name, "IPv4", "10.244.1.2", "10.244.2.2"))
     state.upsert(SLICES, slice_(name, "IPv6", "fd00:244:1::2"))
-settings = ProxySettings()
+settings = DataplaneSettings()
 proxier = Proxier(state, Backend(settings), "n1", NamespaceOptOut(), AgentMetrics(), settings)
 proxier.delete_flows = lambda flows: 0
 assert proxier.sync().full

@@ -40,7 +40,7 @@ a = port("a", "10.96.0.50", load_balancer_ips=(ip(lb),),
 b = port("b", "10.96.0.51", load_balancer_ips=(ip(lb),),
          load_balancer_source_ranges=(net("10.244.0.0/16"),))
 c = port("c", c_vip)
-settings = ProxySettings(cluster_cidrs=(net("10.244.0.0/16"),))
+settings = DataplaneSettings(cluster_cidrs=(net("10.244.0.0/16"),))
 backend = {"nftables": NftablesBackend, "iptables": IptablesBackend}[mode](settings)
 state = local_state(NodeInfo("n1", (ip(n1),)), settings, [a])
 backend.sync(state, None)
@@ -97,8 +97,8 @@ lb = {"load_balancer_ips": (ip("192.0.2.50"),)}
 a = port("a", "10.96.0.50", 30050, load_balancer_source_ranges=(net("10.0.0.0/8"),), **lb)
 b = port("b", "10.96.0.51", 30051, load_balancer_source_ranges=(net("10.244.0.0/16"),), **lb)
 c = port("c", "10.96.0.52", 30052)
-backend = IpvsBackend(ProxySettings(), HelperTableOnly())
-state = local_state(NodeInfo("n1", ()), ProxySettings(), [a])
+backend = IpvsBackend(DataplaneSettings(), HelperTableOnly())
+state = local_state(NodeInfo("n1", ()), DataplaneSettings(), [a])
 backend.sync(state, None)
 for later in (b, c):
     state.services[later.key] = later
@@ -127,7 +127,7 @@ from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.schema import Goto
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
-from kpx_agent.model.types import ProxySettings
+from kpx_agent.model.types import DataplaneSettings
 from kpx_agent.observability.metrics import AgentMetrics
 from kpx_agent.sync.proxier import DATAPLANE, Proxier
 from kpx_api.proxysettings import NamespaceOptOut
@@ -155,7 +155,7 @@ def slice_of(name):
 state = ClusterState()
 for kind in (SERVICES, SLICES, NAMESPACES, NODES):
     state.replace(kind, [])
-settings = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))
+settings = DataplaneSettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))
 backend = NftablesBackend(settings)
 proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), settings)
 proxier.delete_flows = lambda flows: 0
@@ -196,7 +196,7 @@ from kpx_agent.backends.nftables.backend import NftablesBackend
 ip = IP.of
 key = ServicePortKey("d", "a", "", Protocol.TCP, 4)
 ports = [ServicePort(key, 80, cluster_ips=(ip("10.96.0.70"),))]
-settings = ProxySettings(cluster_cidrs=(net("10.244.0.0/16"),))
+settings = DataplaneSettings(cluster_cidrs=(net("10.244.0.0/16"),))
 for backend in (NftablesBackend(settings), IptablesBackend(settings)):
     state = local_state(NodeInfo("n1", ()), settings, ports)
     assert backend.check(state) is None, backend.mode

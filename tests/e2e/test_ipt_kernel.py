@@ -57,7 +57,7 @@ ports = [
          load_balancer_source_ranges=(net(client + "/32"),)),
 ]
 late = port("late", Protocol.TCP, 4, 80, "10.96.0.16", eps[1:])
-settings = ProxySettings(cluster_cidrs=(net("10.244.0.0/16"), net("fd00:244::/48")))
+settings = DataplaneSettings(cluster_cidrs=(net("10.244.0.0/16"), net("fd00:244::/48")))
 backend = IptablesBackend(settings)
 if step == "cleanup":
     cleanup()

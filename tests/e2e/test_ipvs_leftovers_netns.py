@@ -34,7 +34,7 @@ from kpx_agent.model.types import *
 kpx, kube_proxy, busy = json.loads(sys.argv[1])
 state = {"drained": False}
 node = NodeInfo("n1", (IP.of("192.168.1.10"),))
-settings = ProxySettings()
+settings = DataplaneSettings()
 ep = Endpoint(IP.of("10.244.1.5"), 8080, True)
 def port(name, **f):
     return ServicePort(ServicePortKey("d", name, "", Protocol.TCP, 4), 80, **f)

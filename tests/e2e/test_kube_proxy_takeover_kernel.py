@@ -35,7 +35,7 @@ from kpx_agent.model.service_ports import local_state
 from kpx_agent import backends
 spec = json.loads(sys.argv[1])
 ip = IP.of
-settings = ProxySettings(cluster_cidrs=(net("10.244.0.0/16"),))
+settings = DataplaneSettings(cluster_cidrs=(net("10.244.0.0/16"),))
 port = ServicePort(ServicePortKey("d", "web", "", Protocol.TCP, 4), 80,
                    cluster_ips=(ip(spec["vip"]),),
                    cluster_endpoints=(Endpoint(ip(spec["b1"]), 8080, True),))

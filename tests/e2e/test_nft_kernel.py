@@ -70,7 +70,7 @@ ports = [
     ServicePort(ServicePortKey("d", "none", "", Protocol.TCP, 4), 81,
                 cluster_ips=(ip("10.96.0.10"),)),
 ]
-b = NftablesBackend(ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),)))
+b = NftablesBackend(DataplaneSettings(cluster_cidrs=(ip_network("10.244.0.0/16"),)))
 b.sync(local_state(NodeInfo("n1", (ip("{n1.ipv4}"),)), b.settings, ports), None)
 """
     topology.exec(n1, [sys.executable, "-c", program], check=True)
@@ -104,7 +104,7 @@ ports = [
     port("lb-closed", "10.96.0.22", load_balancer_ips=(ip("192.0.2.22"),),
          load_balancer_source_ranges=(net("198.51.100.0/24"),)),
 ]
-b = NftablesBackend(ProxySettings(cluster_cidrs=(net("10.244.0.0/16"),)))
+b = NftablesBackend(DataplaneSettings(cluster_cidrs=(net("10.244.0.0/16"),)))
 state = local_state(NodeInfo("n1", (ip("{n1.ipv4}"),)), b.settings, ports)
 b.sync(state, None)
 """
@@ -162,7 +162,7 @@ from kpx_agent.model.service_ports import local_state
 from kpx_agent.model.types import IP
 from kpx_agent.backends.nftables.backend import NftablesBackend
 ip = IP.of
-b = NftablesBackend(ProxySettings())
+b = NftablesBackend(DataplaneSettings())
 state = local_state(NodeInfo("n1", (ip("{n1.ipv4}"),)), b.settings)
 def web(proto, port, eps):
     key = ServicePortKey("d", "web-" + proto.value, "", proto, 4)

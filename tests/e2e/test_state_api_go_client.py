@@ -251,11 +251,11 @@ def test_go_client_takes_a_full_state_over_grpc_default_limit(
 
     from kpx_agent.model.types import (
         IP,
+        DataplaneSettings,
         Endpoint,
         NodeInfo,
         NodeLocalState,
         Protocol,
-        ProxySettings,
     )
     from kpx_agent.model.types import ServicePort as Port
     from kpx_agent.model.types import ServicePortKey as Key
@@ -273,7 +273,7 @@ def test_go_client_takes_a_full_state_over_grpc_default_limit(
         pub = Publisher()
         server = StateServer(pub, Listen(path=tmp_path / "run" / "state.sock"))
         await server.start()
-        pub.publish(NodeLocalState(NodeInfo("n1"), {key: port}), ProxySettings(), None)
+        pub.publish(NodeLocalState(NodeInfo("n1"), {key: port}), DataplaneSettings(), None)
         size = len(pub.answer("", 0, False))
         server.notify()
         proc = await asyncio.create_subprocess_exec(

@@ -58,7 +58,7 @@ ports = [
                 external_masquerade=False, drop_when_no_external_endpoints=True),
 ]
 mode, interface = spec["detect"]
-settings = ProxySettings(
+settings = DataplaneSettings(
     cluster_cidrs=tuple(net(c) for c in spec["cluster_cidrs"]),
     detect_local=DetectLocal(DetectLocalMode(mode), interface),
     localhost_node_ports=spec["localhost"],

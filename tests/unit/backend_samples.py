@@ -11,17 +11,19 @@ from typing import NamedTuple
 from kpx_agent.model.service_ports import local_state
 from kpx_agent.model.types import (
     IP,
+    DataplaneSettings,
     Endpoint,
     NodeInfo,
     NodeLocalState,
     Protocol,
-    ProxySettings,
     ServicePort,
     ServicePortKey,
 )
 
 GOLDEN = Path(__file__).parent / "golden"
-SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"), ip_network("fd00:244::/48")))
+SETTINGS = DataplaneSettings(
+    cluster_cidrs=(ip_network("10.244.0.0/16"), ip_network("fd00:244::/48"))
+)
 NODE = NodeInfo("n1", addresses=(IP.of("10.242.0.1"), IP.of("fd00:242::1")))
 
 
@@ -33,7 +35,7 @@ def endpoints(*ips: str, local: str = "") -> tuple[Endpoint, ...]:
     return tuple(Endpoint(IP.of(i), 8080, i == local) for i in ips)
 
 
-def sample_state(settings: ProxySettings = SETTINGS, node: NodeInfo = NODE) -> NodeLocalState:
+def sample_state(settings: DataplaneSettings = SETTINGS, node: NodeInfo = NODE) -> NodeLocalState:
     """One Service port per behaviour a backend renders."""
     eps = endpoints("10.244.1.2", "10.244.2.2", local="10.244.1.2")
     services = [

@@ -22,12 +22,12 @@ from ipaddress import ip_network
 
 from kpx_agent.model.types import (
     IP,
+    DataplaneSettings,
     DetectLocal,
     DetectLocalMode,
     Endpoint,
     NodeInfo,
     Protocol,
-    ProxySettings,
     ServicePort,
     ServicePortKey,
 )
@@ -248,13 +248,13 @@ CASES: list[Case] = [
 ]  # fmt: skip
 
 
-def settings_of(case: Case, w: World = WORLD) -> ProxySettings:
+def settings_of(case: Case, w: World = WORLD) -> DataplaneSettings:
     spec = {**CLUSTER_CIDR, **case.settings}
     mode, interface = spec.pop("detect", ("ClusterCIDR", ""))  # type: ignore[misc]
     interface = w.routed_prefix if interface == ROUTED else interface
     cidrs = spec.pop("cluster_cidrs")
     nets = spec.pop("node_port_networks", ())
-    return ProxySettings(
+    return DataplaneSettings(
         cluster_cidrs=tuple(ip_network(c) for c in cidrs),  # type: ignore[attr-defined]
         node_port_networks=tuple(ip_network(c) for c in nets),  # type: ignore[attr-defined]
         detect_local=DetectLocal(DetectLocalMode(mode), interface),

@@ -13,7 +13,7 @@ from kpx_agent import settings as settings_mod
 from kpx_agent.backends.base import Backend
 from kpx_agent.handover.make_before_break import Leftover, LeftoverRemoval
 from kpx_agent.handover.rollback import ERROR_LIMIT, rollback_due, rolled_back_message, seconds_left
-from kpx_agent.model.types import ProxySettings
+from kpx_agent.model.types import DataplaneSettings
 from kpx_agent.observability.proxy_health import ProxyHealth
 from kpx_agent.settings import RollbackSettings
 from kpx_api.agentconfig import parse_agent_config
@@ -162,11 +162,11 @@ def test_no_rollback_block_names_a_mode_without_a_kernel_backend(mode: str) -> N
 
 
 class _Backend(Backend):
-    def __init__(self, mode: str, settings: ProxySettings) -> None:
+    def __init__(self, mode: str, settings: DataplaneSettings) -> None:
         self.mode, self.settings = mode, settings
         self.syncs = 0
 
-    def reconfigure(self, settings: ProxySettings) -> None:
+    def reconfigure(self, settings: DataplaneSettings) -> None:
         self.settings = settings
 
     def sync(self, state: object, changed: object) -> None:

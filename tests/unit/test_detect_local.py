@@ -18,14 +18,14 @@ from kpx_agent.backends.kernel.nft_transaction import table_text
 from kpx_agent.backends.nftables.ruleset import base_table
 from kpx_agent.model.detect_local import NOTHING_LOCAL, LocalPods, local_pods
 from kpx_agent.model.service_ports import node_facts
-from kpx_agent.model.types import DetectLocal, DetectLocalMode, NodeInfo, ProxySettings
+from kpx_agent.model.types import DataplaneSettings, DetectLocal, DetectLocalMode, NodeInfo
 from kpx_agent.settings import load, resolve
 
 POD_CIDRS = (ip_network("10.244.1.0/24"), ip_network("fd00:244:1::/64"))
 NODE_WITH_CIDRS = dataclasses.replace(NODE, pod_cidrs=POD_CIDRS)
 
 
-def settings(mode: DetectLocalMode, interface: str = "") -> ProxySettings:
+def settings(mode: DetectLocalMode, interface: str = "") -> DataplaneSettings:
     return dataclasses.replace(SETTINGS, detect_local=DetectLocal(mode, interface))
 
 
@@ -61,7 +61,7 @@ CASES = [
 
 @pytest.mark.parametrize(("cfg", "node", "family", "local", "nft", "ipt_not", "ipt_is"), CASES)
 def test_each_mode_renders_its_match_in_both_backends(
-    cfg: ProxySettings,
+    cfg: DataplaneSettings,
     node: NodeInfo,
     family: int,
     local: LocalPods,
@@ -116,7 +116,7 @@ def test_node_cidr_is_the_first_pod_cidr_of_the_family_in_every_mode() -> None:
     ],
     ids=["NodeCIDR-before-podCIDRs", "ClusterCIDR-without-CIDRs"],
 )
-def test_nothing_to_match_means_nothing_is_local(cfg: ProxySettings, node: NodeInfo) -> None:
+def test_nothing_to_match_means_nothing_is_local(cfg: DataplaneSettings, node: NodeInfo) -> None:
     """Upstream's no-op detector: no off-cluster masquerade, no pod short circuit; traffic
     from the node itself is still short-circuited (and masqueraded)."""
     assert local_pods(cfg, node, 4) is NOTHING_LOCAL
@@ -152,7 +152,7 @@ def test_interface_names_are_checked_again_before_rendering() -> None:
 
 
 def test_the_agent_settings_carry_detect_local_and_localhost_node_ports() -> None:
-    def resolved(mode: str, **overrides: object) -> ProxySettings:
+    def resolved(mode: str, **overrides: object) -> DataplaneSettings:
         return resolve(load(mode, None, overrides or None)).proxy
 
     assert resolved("nftables").detect_local == DetectLocal()

@@ -16,7 +16,7 @@ from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.model.external_ips import ExternalIPPolicy
 from kpx_agent.model.service_problems import EXTERNAL_IP_REFUSED
-from kpx_agent.model.types import IP, ProxySettings
+from kpx_agent.model.types import IP, DataplaneSettings
 from kpx_agent.observability.metrics import AgentMetrics
 from kpx_agent.settings import resolve
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
@@ -57,14 +57,14 @@ def node(*addresses: str) -> dict[str, Any]:
 
 def nft() -> tuple[Any, Any]:
     fake = FakeNftables()
-    return NftablesBackend(ProxySettings(), run_transactions=fake.run_transactions,
+    return NftablesBackend(DataplaneSettings(), run_transactions=fake.run_transactions,
                            present_families=fake.present_families,
                            load_elements=fake.load_elements), fake  # fmt: skip
 
 
 def ipt() -> tuple[Any, Any]:
     fake = FakeIptables()
-    return IptablesBackend(ProxySettings(), restore=fake.restore, save=fake.save,
+    return IptablesBackend(DataplaneSettings(), restore=fake.restore, save=fake.save,
                            chain_exists=fake.chain_exists,
                            ensure_sysctl=lambda path, value: None), fake  # fmt: skip
 
@@ -116,7 +116,7 @@ def test_the_apiservers_address_is_not_taken_by_default(make: Any) -> None:
 @pytest.mark.parametrize("make", [nft, ipt], ids=["nftables", "iptables"])
 def test_an_allow_list_takes_only_addresses_inside_it(make: Any) -> None:
     backend, fake = make()
-    backend.settings = ProxySettings(external_ip_networks=(ip_network("192.0.2.0/28"),))
+    backend.settings = DataplaneSettings(external_ip_networks=(ip_network("192.0.2.0/28"),))
     state, proxier = proxier_with(backend)
     state.upsert(SERVICES, service(FREE_IP, "198.51.100.7", "127.0.0.1"))
     state.upsert(SLICES, endpoints("a", "web", ENDPOINT))
@@ -165,7 +165,7 @@ class NullBackend(Backend):
     mode = "test"
 
     def __init__(self) -> None:
-        self.settings = ProxySettings()
+        self.settings = DataplaneSettings()
 
     def sync(self, state: object, changed: object) -> None:
         pass
@@ -173,7 +173,7 @@ class NullBackend(Backend):
     def cleanup(self) -> None:
         pass
 
-    def reconfigure(self, settings: ProxySettings) -> None:
+    def reconfigure(self, settings: DataplaneSettings) -> None:
         self.settings = settings
 
 
@@ -200,7 +200,7 @@ def test_refused_addresses_are_reported_and_follow_the_node_and_the_settings() -
     assert {(p.name, p.reason) for p in problems} == {("web", EXTERNAL_IP_REFUSED)}
     assert any(NODE_IP in p.message for p in problems)
     # An allow-list holding the node's network: the list decides.
-    proxier.reconfigure(ProxySettings(external_ip_networks=(ip_network("10.242.0.0/16"),)))
+    proxier.reconfigure(DataplaneSettings(external_ip_networks=(ip_network("10.242.0.0/16"),)))
     assert backend.settings == proxier.settings  # the backend is told, too
     proxier.sync()
     assert external_ips(proxier)["web"] == [NODE_IP]

@@ -22,11 +22,11 @@ from kpx_agent.model.detect_local import local_pods
 from kpx_agent.model.service_ports import service_ports
 from kpx_agent.model.types import (
     IP,
+    DataplaneSettings,
     Endpoint,
     NodeInfo,
     NodeLocalState,
     Protocol,
-    ProxySettings,
     ServicePort,
     ServicePortKey,
 )
@@ -57,7 +57,7 @@ class Kernel:
         return self.saved.get((family, table), "")
 
     def backend(
-        self, settings: ProxySettings = SETTINGS, route_localnet: Path | None = None
+        self, settings: DataplaneSettings = SETTINGS, route_localnet: Path | None = None
     ) -> IptablesBackend:
         return IptablesBackend(
             settings,
@@ -68,7 +68,9 @@ class Kernel:
         )
 
 
-def synced(settings: ProxySettings = SETTINGS) -> tuple[IptablesBackend, Kernel, NodeLocalState]:
+def synced(
+    settings: DataplaneSettings = SETTINGS,
+) -> tuple[IptablesBackend, Kernel, NodeLocalState]:
     kernel = Kernel()
     backend = kernel.backend(settings)
     state = sample_state(settings)
@@ -181,7 +183,7 @@ def test_failed_full_sync_keeps_forcing_full_syncs() -> None:
 
 
 def test_settings_shape_the_masquerade_rules() -> None:
-    _, kernel, _ = synced(ProxySettings(masquerade_bit=3, masquerade_all=True))
+    _, kernel, _ = synced(DataplaneSettings(masquerade_bit=3, masquerade_all=True))
     script = family_script(kernel.scripts, 4)
     svc = n.svc_chain(key("web"))
     assert f"-A {n.MARK_MASQ} -j MARK --or-mark 0x8\n" in script
@@ -189,11 +191,13 @@ def test_settings_shape_the_masquerade_rules() -> None:
     # masqueradeAll: traffic to the cluster IP (not what the short circuit sends here).
     assert f"-A {svc} -d 10.96.0.10/32 -j {n.MARK_MASQ}\n" in script and "! -s" not in script
 
-    _, kernel, _ = synced(ProxySettings())  # no cluster CIDRs: only hairpin and external
+    _, kernel, _ = synced(DataplaneSettings())  # no cluster CIDRs: only hairpin and external
     script = family_script(kernel.scripts, 4)
     assert f"-A {svc} -m statistic" in script and "! -s" not in script
 
-    two = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"), ip_network("10.245.0.0/16")))
+    two = DataplaneSettings(
+        cluster_cidrs=(ip_network("10.244.0.0/16"), ip_network("10.245.0.0/16"))
+    )
     _, kernel, _ = synced(two)
     script = family_script(kernel.scripts, 4)
     assert f"-A {svc} -j {n.OFF_CLUSTER}\n" in script

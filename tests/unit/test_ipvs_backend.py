@@ -30,6 +30,7 @@ from kpx_agent.backends.ipvs.ruleset import base_table
 from kpx_agent.model.service_ports import local_state, node_facts
 from kpx_agent.model.types import (
     IP,
+    DataplaneSettings,
     DetectLocal,
     DetectLocalMode,
     Endpoint,
@@ -37,13 +38,12 @@ from kpx_agent.model.types import (
     NodeInfo,
     NodeLocalState,
     Protocol,
-    ProxySettings,
     ServicePort,
     ServicePortKey,
 )
 
 NODE = NodeInfo("n1", (IP.of("192.168.0.1"), IP.of("10.1.0.1")))
-SETTINGS = ProxySettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))
+SETTINGS = DataplaneSettings(cluster_cidrs=(ip_network("10.244.0.0/16"),))
 E1 = Endpoint(IP.of("10.244.1.2"), 8080, True)
 E2 = Endpoint(IP.of("10.244.2.2"), 8080)
 
@@ -75,7 +75,7 @@ def test_a_service_port_becomes_virtual_servers_addresses_and_set_elements() -> 
 
 
 def test_node_port_addresses_scheduler_and_local_policies() -> None:
-    settings = ProxySettings(
+    settings = DataplaneSettings(
         node_port_networks=(ip_network("192.168.0.0/24"),), ipvs=IPVSOptions(scheduler="sh")
     )
     plan = plan_port(
@@ -94,18 +94,19 @@ def test_node_port_addresses_scheduler_and_local_policies() -> None:
     ("settings", "match"),
     [
         (SETTINGS, "ip saddr != { 10.244.0.0/16 } meta mark set meta mark | 0x00004000"),
-        (ProxySettings(masquerade_all=True), "@cluster-ips meta mark set meta mark | 0x00004000"),
-        (ProxySettings(detect_local=DetectLocal(DetectLocalMode.BRIDGE_INTERFACE, "cbr0")),
+        (DataplaneSettings(masquerade_all=True),
+         "@cluster-ips meta mark set meta mark | 0x00004000"),
+        (DataplaneSettings(detect_local=DetectLocal(DetectLocalMode.BRIDGE_INTERFACE, "cbr0")),
          'iifname != "cbr0" meta mark'),
-        (ProxySettings(detect_local=DetectLocal(DetectLocalMode.INTERFACE_NAME_PREFIX, "veth")),
+        (DataplaneSettings(detect_local=DetectLocal(DetectLocalMode.INTERFACE_NAME_PREFIX, "veth")),
          'iifname != "veth*" meta mark'),
         # Nothing tells local pods apart: only the node's own traffic from a Service IP (as
         # upstream's ipvs mode), not everything.
-        (ProxySettings(), "ip saddr . meta l4proto . th dport @cluster-ips meta mark set"),
+        (DataplaneSettings(), "ip saddr . meta l4proto . th dport @cluster-ips meta mark set"),
     ],
 )  # fmt: skip
 def test_helper_table_masquerades_what_is_not_from_a_local_pod(
-    settings: ProxySettings, match: str
+    settings: DataplaneSettings, match: str
 ) -> None:
     text = base_table(settings, node_facts(settings, NODE)[4],
                       {CLUSTER_IPS: [(4, "10.96.0.10", "tcp", 80)]})  # fmt: skip
@@ -271,7 +272,7 @@ def test_a_full_sync_removes_strangers_but_not_excluded_ones(fake: FakeKernel) -
     kept = VirtualKey(4, "tcp", "192.168.50.1", 80)
     for k in (stranger, kept):
         fake.fake_ipvs.add_service(VirtualServer(k, "rr", 0, frozenset()))
-    settings = ProxySettings(ipvs=IPVSOptions(exclude_cidrs=(ip_network("192.168.50.0/24"),)))
+    settings = DataplaneSettings(ipvs=IPVSOptions(exclude_cidrs=(ip_network("192.168.50.0/24"),)))
     b = IpvsBackend(settings, fake)
     b.sync(state(web(E1)), None)
     assert kept in fake.fake_ipvs.virtual_servers and stranger not in fake.fake_ipvs.virtual_servers
@@ -281,7 +282,7 @@ def test_a_scheduler_change_resyncs_every_virtual_server(fake: FakeKernel) -> No
     b = backend_for(fake)
     b.sync(state(web(E1)), None)
     b.reconfigure(
-        ProxySettings(cluster_cidrs=SETTINGS.cluster_cidrs, ipvs=IPVSOptions(scheduler="lc"))
+        DataplaneSettings(cluster_cidrs=SETTINGS.cluster_cidrs, ipvs=IPVSOptions(scheduler="lc"))
     )
     b.sync(state(web(E1)), [])  # the agent asks for a delta; new settings force a full sync
     assert {vs.scheduler for vs in fake.fake_ipvs.virtual_servers.values()} == {"lc"}

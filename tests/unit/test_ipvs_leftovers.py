@@ -12,16 +12,16 @@ from kpx_agent.backends.ipvs.model import VirtualKey, plan_port
 from kpx_agent.handover.kube_proxy_leftovers import ipvs_mode_chains
 from kpx_agent.model.types import (
     IP,
+    DataplaneSettings,
     Endpoint,
     NodeInfo,
     Protocol,
-    ProxySettings,
     ServicePort,
     ServicePortKey,
 )
 
 NODE = NodeInfo("n1", (IP.of("192.168.1.10"),))
-SETTINGS = ProxySettings()
+SETTINGS = DataplaneSettings()
 EP = Endpoint(IP.of("10.244.1.5"), 8080, True)
 
 

@@ -19,7 +19,7 @@ from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.ruleset import base_table, nodeport_addresses
 from kpx_agent.backends.route_localnet import ROUTE_LOCALNET_FILE
 from kpx_agent.model.service_ports import node_facts
-from kpx_agent.model.types import NodeFacts, Protocol, ProxySettings
+from kpx_agent.model.types import DataplaneSettings, NodeFacts, Protocol
 
 ON = dataclasses.replace(SETTINGS, localhost_node_ports=True)
 LOCAL = frozenset({"10.242.0.1", "127.0.0.1", "fd00:242::1", "::1"})
@@ -87,7 +87,7 @@ def test_full_sync_with_localhost_node_ports_golden() -> None:
     check_golden(GOLDEN / "full_sync_localhost.nft", "".join(runs))
 
 
-def synced(settings: ProxySettings) -> tuple[FakeNftables, list[tuple[Path, int]]]:
+def synced(settings: DataplaneSettings) -> tuple[FakeNftables, list[tuple[Path, int]]]:
     fake, sysctls = FakeNftables(), []
     backend = NftablesBackend(
         settings,

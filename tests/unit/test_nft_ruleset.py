@@ -14,10 +14,10 @@ from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.schema import Pair, elements_text
 from kpx_agent.model.types import (
     IP,
+    DataplaneSettings,
     Endpoint,
     NodeLocalState,
     Protocol,
-    ProxySettings,
     ServicePortKey,
 )
 
@@ -117,7 +117,7 @@ def test_failed_transaction_keeps_record_and_forces_full_sync() -> None:
 
 def test_settings_shape_the_masquerade_rules() -> None:
     backend = NftablesBackend(
-        ProxySettings(masquerade_bit=3, masquerade_all=True),
+        DataplaneSettings(masquerade_bit=3, masquerade_all=True),
         run_script=lambda parts: [*parts],
         present_families=lambda: {4, 6},
     )

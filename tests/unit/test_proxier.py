@@ -13,10 +13,10 @@ from kpx_agent.backends.base import Backend, BackendError
 from kpx_agent.conntrack import stale_flows as conntrack
 from kpx_agent.conntrack.stale_flows import FlowFilter
 from kpx_agent.model.types import (
+    DataplaneSettings,
     DetectLocal,
     DetectLocalMode,
     NodeLocalState,
-    ProxySettings,
     ServicePortKey,
 )
 from kpx_agent.observability.metrics import AgentMetrics
@@ -42,7 +42,7 @@ class RecordingBackend(Backend):
     def cleanup(self) -> None:
         pass
 
-    def reconfigure(self, settings: ProxySettings) -> None:
+    def reconfigure(self, settings: DataplaneSettings) -> None:
         pass
 
 
@@ -74,7 +74,7 @@ def setup() -> tuple[ClusterState, RecordingBackend, Proxier, list[FlowFilter]]:
         flows.extend(filters)
         return 0
 
-    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), ProxySettings())
+    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), DataplaneSettings())
     proxier.delete_flows = record
     return state, backend, proxier, flows
 
@@ -222,7 +222,7 @@ def node_setup(
 ) -> tuple[ClusterState, RecordingBackend, Proxier, list[str]]:
     state, backend, proxier, _ = setup()
     if detect is not None:
-        proxier.settings = ProxySettings(detect_local=detect)
+        proxier.settings = DataplaneSettings(detect_local=detect)
     state.upsert(NODES, node())
     for name in ("web", "api"):
         state.upsert(SERVICES, service("a", name))
@@ -317,7 +317,7 @@ def test_pod_cidr_change_costs_nothing_where_detect_local_does_not_use_it(
 def test_settings_change_is_a_full_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     """The proxier, not the backend, notices new settings (one place decides a full sync)."""
     state, backend, proxier, _ = node_setup(monkeypatch)
-    proxier.settings = ProxySettings(masquerade_all=True)
+    proxier.settings = DataplaneSettings(masquerade_all=True)
     state.touch_all()
     assert proxier.sync().full and backend.calls[-1][1] is True
     assert not proxier.sync().full
@@ -376,7 +376,7 @@ def test_drift_found_at_the_periodic_check_makes_the_next_sync_full() -> None:
     for kind in (SERVICES, SLICES, NAMESPACES, NODES):
         state.replace(kind, [])
     backend = DriftingBackend()
-    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), ProxySettings())
+    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), DataplaneSettings())
     state.upsert(SERVICES, service("a", "web"))
     proxier.sync()
     assert proxier.check_kernel() == []

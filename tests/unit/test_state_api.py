@@ -22,6 +22,7 @@ from grpc import aio
 from kpx_agent.model import types as localnet
 from kpx_agent.model.types import (
     IP,
+    DataplaneSettings,
     DetectLocal,
     DetectLocalMode,
     Endpoint,
@@ -31,7 +32,6 @@ from kpx_agent.model.types import (
     NodeInfo,
     NodeLocalState,
     Protocol,
-    ProxySettings,
     ServicePort,
     ServicePortKey,
 )
@@ -129,7 +129,7 @@ def test_round_trip_every_field() -> None:
     node = NodeInfo("n1", (IP.of("192.0.2.10"),), "zone-a", (ip_network("10.1.0.0/24"),))
     back = convert.node_from_proto(convert.node_to_proto(node))
     assert back == node and back.zone == "zone-a"
-    settings = ProxySettings(
+    settings = DataplaneSettings(
         masquerade_bit=3,
         masquerade_all=True,
         cluster_cidrs=(ip_network("10.1.0.0/16"),),
@@ -204,26 +204,26 @@ def state_of(*ports: ServicePort) -> NodeLocalState:
 def test_unchanged_resync_makes_no_revision() -> None:
     pub = Publisher()
     state = state_of(full_port(1), full_port(2))
-    assert pub.publish(state, ProxySettings(), None) and pub.revision == 1
-    assert not pub.publish(state, ProxySettings(), None)
-    assert not pub.publish(state, ProxySettings(), set(state.services))
+    assert pub.publish(state, DataplaneSettings(), None) and pub.revision == 1
+    assert not pub.publish(state, DataplaneSettings(), None)
+    assert not pub.publish(state, DataplaneSettings(), set(state.services))
     assert pub.revision == 1
 
 
 def test_first_publish_of_an_empty_state_is_a_revision() -> None:
     pub = Publisher()
     assert not pub.ready("", 0)
-    assert pub.publish(state_of(), ProxySettings(), None)
+    assert pub.publish(state_of(), DataplaneSettings(), None)
     assert pub.ready("", 0)
 
 
 def test_settings_and_zone_changes_make_a_revision() -> None:
     pub = Publisher()
     state = state_of(full_port(1))
-    pub.publish(state, ProxySettings(), None)
-    assert pub.publish(state, ProxySettings(masquerade_all=True), set())
+    pub.publish(state, DataplaneSettings(), None)
+    assert pub.publish(state, DataplaneSettings(masquerade_all=True), set())
     state.node = NodeInfo("n1", zone="z2")
-    assert pub.publish(state, ProxySettings(masquerade_all=True), set())
+    assert pub.publish(state, DataplaneSettings(masquerade_all=True), set())
     assert pub.revision == 3
 
 
@@ -235,13 +235,13 @@ def test_full_and_delta_answers() -> None:
     pub = Publisher()
     a, b = full_port(1), full_port(2)
     state = state_of(a, b)
-    pub.publish(state, ProxySettings(), None)
+    pub.publish(state, DataplaneSettings(), None)
     full = decode(pub.answer("", 0, True))
     assert full.full and full.revision == 1 and len(full.service_ports) == 2
     assert convert.port_from_proto(full.service_ports[0]) == a
     del state.services[a.key]
     state.services[b.key] = dataclasses.replace(b, port=9999)
-    pub.publish(state, ProxySettings(), {a.key, b.key})
+    pub.publish(state, DataplaneSettings(), {a.key, b.key})
     delta = decode(pub.answer(pub.instance_id, 1, True))
     assert not delta.full and delta.revision == 2
     assert [p.port for p in delta.service_ports] == [9999]
@@ -250,7 +250,7 @@ def test_full_and_delta_answers() -> None:
     # No deltas wanted, another instance, or an older revision: the full state.
     assert decode(pub.answer(pub.instance_id, 1, False)).full
     assert decode(pub.answer("other", 1, True)).full
-    pub.publish(state_of(), ProxySettings(), None)
+    pub.publish(state_of(), DataplaneSettings(), None)
     old = decode(pub.answer(pub.instance_id, 1, True))
     assert old.full and old.revision == 3 and not old.service_ports
 
@@ -259,13 +259,13 @@ def test_client_state_applies_deltas_to_the_same_result_as_full() -> None:
     pub = Publisher()
     ports = [full_port(i) for i in range(5)]
     state = state_of(*ports)
-    pub.publish(state, ProxySettings(), None)
+    pub.publish(state, DataplaneSettings(), None)
     held = State()
     held.apply(decode(pub.answer("", 0, True)))
     for i in (1, 3):
         state.services.pop(ports[i].key)
     state.services[ports[0].key] = dataclasses.replace(ports[0], node_port=31999)
-    pub.publish(state, ProxySettings(), {ports[0].key, ports[1].key, ports[3].key})
+    pub.publish(state, DataplaneSettings(), {ports[0].key, ports[1].key, ports[3].key})
     held.apply(decode(pub.answer(held.instance_id, held.revision, True)))
     fresh = State()
     fresh.apply(decode(pub.answer("", 0, True)))
@@ -387,7 +387,7 @@ def test_an_unprivileged_user_cannot_connect(tmp_path: Path) -> None:
         os.chmod(tmp_path, 0o755)
         pub = Publisher()
         server = await _serve(tmp_path, pub)
-        pub.publish(state_of(), ProxySettings(), None)
+        pub.publish(state_of(), DataplaneSettings(), None)
         server.notify()
         path = tmp_path / "run" / "state.sock"
         as_nobody = await asyncio.to_thread(_connect_as, path, 65534)
@@ -405,7 +405,7 @@ def test_no_answer_before_the_first_sync_then_full(tmp_path: Path) -> None:
         server = await _serve(tmp_path, pub)
         watcher = Watcher(server.listen.target)
         await watcher.no_answer()
-        pub.publish(state_of(full_port(1)), ProxySettings(), None)
+        pub.publish(state_of(full_port(1)), DataplaneSettings(), None)
         server.notify()
         response = await watcher.next()
         assert response.full and response.revision == 1 and len(response.service_ports) == 1
@@ -420,16 +420,16 @@ def test_a_change_makes_exactly_one_revision_and_a_resync_none(tmp_path: Path) -
         pub = Publisher()
         server = await _serve(tmp_path, pub)
         state = state_of(full_port(1))
-        pub.publish(state, ProxySettings(), None)
+        pub.publish(state, DataplaneSettings(), None)
         watcher = Watcher(server.listen.target)
         assert (await watcher.next()).revision == 1
         state.services[full_port(2).key] = full_port(2)
-        if pub.publish(state, ProxySettings(), {full_port(2).key}):
+        if pub.publish(state, DataplaneSettings(), {full_port(2).key}):
             server.notify()
         delta = await watcher.next()
         assert (delta.revision, delta.full, len(delta.service_ports)) == (2, False, 1)
         # An unchanged resync: no revision, so the next request waits.
-        assert not pub.publish(state, ProxySettings(), None)
+        assert not pub.publish(state, DataplaneSettings(), None)
         server.notify()
         await watcher.no_answer()
         await watcher.close()
@@ -442,7 +442,7 @@ def test_agent_restart_forces_a_full_state(tmp_path: Path) -> None:
     async def main() -> None:
         first = Publisher()
         server = await _serve(tmp_path, first)
-        first.publish(state_of(full_port(1)), ProxySettings(), None)
+        first.publish(state_of(full_port(1)), DataplaneSettings(), None)
         watcher = Watcher(server.listen.target)
         await watcher.next()
         await server.stop()
@@ -450,7 +450,7 @@ def test_agent_restart_forces_a_full_state(tmp_path: Path) -> None:
         # A new agent: same revision number, another instance.
         second = Publisher()
         server = await _serve(tmp_path, second)
-        second.publish(state_of(full_port(2)), ProxySettings(), None)
+        second.publish(state_of(full_port(2)), DataplaneSettings(), None)
         again = Watcher(server.listen.target)
         again.state = watcher.state
         response = await again.next()
@@ -467,13 +467,13 @@ def test_two_clients_converge_and_an_old_revision_gets_full(tmp_path: Path) -> N
         pub = Publisher()
         server = await _serve(tmp_path, pub)
         state = state_of()
-        pub.publish(state, ProxySettings(), None)
+        pub.publish(state, DataplaneSettings(), None)
         fast, slow = Watcher(server.listen.target), Watcher(server.listen.target)
         await fast.next()
         await slow.next()
         for i in range(5):
             state.services[full_port(i).key] = full_port(i)
-            pub.publish(state, ProxySettings(), {full_port(i).key})
+            pub.publish(state, DataplaneSettings(), {full_port(i).key})
             server.notify()
             await fast.next()
         response = await slow.next()  # held revision 1, the server is at 6
@@ -496,7 +496,7 @@ def test_a_client_that_stops_reading_does_not_grow_the_agent(tmp_path: Path) -> 
         server = await _serve(tmp_path, pub)
         ports = {full_port(i).key: full_port(i) for i in range(2000)}
         state = NodeLocalState(NodeInfo("n1"), ports)
-        pub.publish(state, ProxySettings(), None)
+        pub.publish(state, DataplaneSettings(), None)
         stalled = Watcher(server.listen.target)
         await stalled.next()
         tracemalloc.start()
@@ -506,7 +506,7 @@ def test_a_client_that_stops_reading_does_not_grow_the_agent(tmp_path: Path) -> 
             for r in range(first, first + count):
                 key = keys[r % len(keys)]
                 state.services[key] = dataclasses.replace(ports[key], node_port=40000 + r)
-                pub.publish(state, ProxySettings(), {key})
+                pub.publish(state, DataplaneSettings(), {key})
                 server.notify()
                 await asyncio.sleep(0)
             return tracemalloc.get_traced_memory()[0]
@@ -544,7 +544,7 @@ def test_tcp_listener_on_loopback(tmp_path: Path) -> None:
         server.listen = Listen(host="127.0.0.1", port=0)
         await server.start()
         assert server.listen.port > 0
-        pub.publish(state_of(full_port(1)), ProxySettings(), None)
+        pub.publish(state_of(full_port(1)), DataplaneSettings(), None)
         watcher = Watcher(server.listen.target)
         assert (await watcher.next()).full
         await watcher.close()
@@ -607,7 +607,7 @@ def test_the_proxier_publishes_after_a_successful_sync_only() -> None:
     cluster = ClusterState()
     for kind in (SERVICES, SLICES, NAMESPACES, NODES):
         cluster.replace(kind, [])
-    backend = state_only.create(ProxySettings())
+    backend = state_only.create(DataplaneSettings())
     proxier = Proxier(cluster, backend, "n1", NamespaceOptOut(), AgentMetrics(), backend.settings)
     pub = Publisher()
     proxier.on_synced = lambda local, changed: pub.publish(local, proxier.settings, changed)
@@ -645,7 +645,7 @@ def test_a_socket_path_longer_than_a_socket_address(tmp_path: Path) -> None:
         pub = Publisher()
         server = StateServer(pub, Listen(path=deep / "state.sock"))
         await server.start()
-        pub.publish(state_of(full_port(1)), ProxySettings(), None)
+        pub.publish(state_of(full_port(1)), DataplaneSettings(), None)
         assert stat.S_IMODE((deep / "state.sock").stat().st_mode) == 0o600
         client = StateClient(f"unix://{deep}/state.sock")
         states = client.states()
@@ -792,7 +792,7 @@ def test_node_facts_are_served_and_follow_the_node() -> None:
     from kpx_agent.backends import state_only
     from kpx_agent.store.cluster_state import NODES
 
-    settings = ProxySettings(
+    settings = DataplaneSettings(
         cluster_cidrs=(ip_network("10.1.0.0/16"),),
         detect_local=DetectLocal(DetectLocalMode.CLUSTER_CIDR),
     )
@@ -904,7 +904,7 @@ def test_run_retries_until_the_agent_is_up_and_resumes_after_a_restart(tmp_path:
 
     async def agent(pub: Publisher, port: ServicePort, then: Any) -> None:
         server = await _serve(tmp_path, pub)
-        pub.publish(state_of(port), ProxySettings(), None)
+        pub.publish(state_of(port), DataplaneSettings(), None)
         server.notify()
         await asyncio.to_thread(then)
         await server.stop()
@@ -936,7 +936,7 @@ def test_run_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     async def main() -> tuple[int, str]:
         pub = Publisher()
         server = await _serve(tmp_path, pub)
-        pub.publish(state_of(full_port(1)), ProxySettings(), None)
+        pub.publish(state_of(full_port(1)), DataplaneSettings(), None)
         env = {**os.environ, "PYTHONPATH": str(REPO / "agents")}
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-c", script, server.listen.target, env=env,
@@ -969,7 +969,7 @@ def test_a_full_state_larger_than_grpc_default_message_limit_is_delivered(tmp_pa
     async def main() -> int:
         pub = Publisher()
         server = await _serve(tmp_path, pub)
-        pub.publish(state_of(big), ProxySettings(), None)
+        pub.publish(state_of(big), DataplaneSettings(), None)
         size = len(pub.answer("", 0, False))
         assert size > 4 * 1024 * 1024
         client = StateClient(server.listen.target)

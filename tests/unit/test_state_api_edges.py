@@ -182,11 +182,11 @@ def test_a_full_state_at_10000_services_is_over_grpc_default_receive_limit() -> 
     bench = Path(__file__).resolve().parents[2] / "bench"
     if str(bench) not in sys.path:
         sys.path.insert(0, str(bench))
-    from kpx_agent.model.types import ProxySettings
+    from kpx_agent.model.types import DataplaneSettings
     from workload import node_local_state
 
     pub = Publisher()
-    pub.publish(node_local_state(10_000), ProxySettings(), None)
+    pub.publish(node_local_state(10_000), DataplaneSettings(), None)
     size = len(pub.answer("", 0, False))
     assert size > GRPC_DEFAULT_MAX_RECEIVE
     assert 5_200_000 < size < 5_600_000, size  # the figure in docs/state-api.md

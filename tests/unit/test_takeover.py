@@ -17,7 +17,7 @@ from kpx_agent.handover.make_before_break import (
     LeftoverRemoval,
     other_mode_leftovers,
 )
-from kpx_agent.model.types import ProxySettings
+from kpx_agent.model.types import DataplaneSettings
 
 
 def sample(registry: CollectorRegistry, name: str, leftovers: str) -> float | None:
@@ -39,7 +39,7 @@ class StubMode:
     def __init__(self, mode: str, calls: list[tuple[str, Handover]]) -> None:
         self.mode, self.calls = mode, calls
 
-    def create(self, settings: ProxySettings, paths: NodePaths | None = None) -> Backend:
+    def create(self, settings: DataplaneSettings, paths: NodePaths | None = None) -> Backend:
         raise AssertionError("a leftover removal creates no backend")
 
     def cleanup(self) -> None:
@@ -59,7 +59,7 @@ def test_other_mode_leftovers_are_every_mode_but_ours_loaded_only_to_remove() ->
         loaded.append(mode)
         return StubMode(mode, calls)
 
-    handover = Handover(ProxySettings(), lambda: False)
+    handover = Handover(DataplaneSettings(), lambda: False)
     leftovers = other_mode_leftovers("nftables", ["nftables", "iptables", "ipvs"], load, handover)
     assert [x.name for x in leftovers] == ["iptables", "ipvs"] and loaded == []
     for leftover in leftovers:
@@ -92,7 +92,7 @@ def test_the_modes_remove_their_leftovers_as_documented(monkeypatch: pytest.Monk
     def probe() -> bool:
         return False
 
-    handover = Handover(ProxySettings(ipvs=IPVSOptions(exclude_cidrs=cidrs)), probe)
+    handover = Handover(DataplaneSettings(ipvs=IPVSOptions(exclude_cidrs=cidrs)), probe)
     for mode in ("nftables", "iptables", "ipvs", "external"):
         load(mode).remove_leftovers(handover)
     assert calls == ["kpx_agent.backends.nftables", "kpx_agent.backends.iptables", (cidrs, probe)]
@@ -317,7 +317,7 @@ def test_removing_another_modes_rules_is_reported_naming_the_mode() -> None:
             "nftables",
             ["nftables", "iptables"],
             lambda m: StubMode(m, []),
-            Handover(ProxySettings(), lambda: False),
+            Handover(DataplaneSettings(), lambda: False),
         )
         await asyncio.wait_for(LeftoverRemoval(leftovers, registry, report).run(verified), 2)
 

@@ -16,7 +16,7 @@ from kpx_agent.backends.base import Backend
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.model.service_problems import VIP_CLASH
-from kpx_agent.model.types import IP, Protocol, ProxySettings, ServicePort, ServicePortKey
+from kpx_agent.model.types import IP, DataplaneSettings, Protocol, ServicePort, ServicePortKey
 from kpx_agent.model.vip_claims import VipClaims, creation_time
 from kpx_agent.observability.metrics import AgentMetrics
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
@@ -62,7 +62,7 @@ class NullBackend(Backend):
     mode = "test"
 
     def __init__(self) -> None:
-        self.settings = ProxySettings()
+        self.settings = DataplaneSettings()
 
     def sync(self, state: object, changed: object) -> None:
         pass
@@ -70,7 +70,7 @@ class NullBackend(Backend):
     def cleanup(self) -> None:
         pass
 
-    def reconfigure(self, settings: ProxySettings) -> None:
+    def reconfigure(self, settings: DataplaneSettings) -> None:
         self.settings = settings
 
 
@@ -212,7 +212,7 @@ def to_victim() -> Packet:
 def nft() -> tuple[Backend, Any]:
     fake = FakeNftables()
     backend = NftablesBackend(
-        ProxySettings(),
+        DataplaneSettings(),
         run_transactions=fake.run_transactions,
         present_families=fake.present_families,
         load_elements=fake.load_elements,
@@ -223,7 +223,7 @@ def nft() -> tuple[Backend, Any]:
 def ipt() -> tuple[Backend, Any]:
     fake = FakeIptables()
     backend = IptablesBackend(
-        ProxySettings(),
+        DataplaneSettings(),
         restore=fake.restore,
         save=fake.save,
         chain_exists=fake.chain_exists,

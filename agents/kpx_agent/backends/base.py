@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from ..model.types import NodeLocalState, ProxySettings, ServicePortKey
+from ..model.types import DataplaneSettings, NodeLocalState, ServicePortKey
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Handover:
     stay), and whether upstream kube-proxy's ipvs mode has its chains on this node (then the
     node's IPVS state is kube-proxy's, removed only by the takeover path)."""
 
-    settings: ProxySettings
+    settings: DataplaneSettings
     kube_proxy_ipvs_mode_here: Callable[[], bool]
 
 
@@ -65,7 +65,7 @@ class Backend(Protocol):
     def cleanup(self) -> None:
         """Remove everything this backend ever programmed on this node."""
 
-    def reconfigure(self, settings: ProxySettings) -> None:
+    def reconfigure(self, settings: DataplaneSettings) -> None:
         """Program with `settings` from the next sync on (a live configuration change; the
         proxier asks for a full sync with it)."""
 
@@ -112,7 +112,7 @@ class Mode(Protocol):
     """What a mode's package provides (each of backends.REGISTRY's modules, as the registry's
     `load` returns it)."""
 
-    def create(self, settings: ProxySettings, paths: NodePaths | None = None) -> Backend:
+    def create(self, settings: DataplaneSettings, paths: NodePaths | None = None) -> Backend:
         """A backend of this mode; `paths`: where node files it writes are mounted."""
         ...
 

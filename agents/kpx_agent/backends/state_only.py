@@ -7,16 +7,16 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from ..model.types import NodeLocalState, ProxySettings, ServicePortKey
+from ..model.types import DataplaneSettings, NodeLocalState, ServicePortKey
 from .base import Backend, Handover, NodePaths
 
 
 @dataclass
 class StateOnlyBackend(Backend):
-    settings: ProxySettings
+    settings: DataplaneSettings
     mode: str = "external"
 
-    def reconfigure(self, settings: ProxySettings) -> None:
+    def reconfigure(self, settings: DataplaneSettings) -> None:
         self.settings = settings
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
@@ -26,7 +26,7 @@ class StateOnlyBackend(Backend):
         """Nothing was programmed."""
 
 
-def create(settings: ProxySettings, paths: NodePaths | None = None) -> StateOnlyBackend:
+def create(settings: DataplaneSettings, paths: NodePaths | None = None) -> StateOnlyBackend:
     return StateOnlyBackend(settings)
 
 

@@ -16,12 +16,12 @@ nothing is short-circuited as coming from a pod (traffic from the node itself st
 
 from __future__ import annotations
 
-from .types import NOTHING_LOCAL, DetectLocalMode, LocalPods, NodeInfo, ProxySettings
+from .types import NOTHING_LOCAL, DataplaneSettings, DetectLocalMode, LocalPods, NodeInfo
 
 __all__ = ["NOTHING_LOCAL", "LocalPods", "local_pods"]
 
 
-def local_pods(settings: ProxySettings, node: NodeInfo, family: int) -> LocalPods:
+def local_pods(settings: DataplaneSettings, node: NodeInfo, family: int) -> LocalPods:
     """The match for traffic from this node's pods in `family` (4 or 6)."""
     detect = settings.detect_local
     if detect.mode is DetectLocalMode.CLUSTER_CIDR:

@@ -21,6 +21,7 @@ from .kube_cidr import parse_cidr_sloppy
 from .service_problems import EXTERNAL_IP_REFUSED, SOURCE_RANGES_UNUSABLE, ServiceProblem
 from .types import (
     IP,
+    DataplaneSettings,
     Endpoint,
     EndpointConditions,
     IPAddress,
@@ -29,7 +30,6 @@ from .types import (
     NodeInfo,
     NodeLocalState,
     Protocol,
-    ProxySettings,
     ServicePort,
     ServicePortKey,
 )
@@ -96,7 +96,7 @@ def _port(value: object) -> int:
 
 
 def nodeport_networks(
-    settings: ProxySettings, node: NodeInfo, family: int
+    settings: DataplaneSettings, node: NodeInfo, family: int
 ) -> tuple[IPNetwork, ...] | None:
     """Where NodePorts answer, in one family (backends add "and the address is local"):
     the configured nodePortAddresses networks; else the node's own addresses of that family
@@ -111,7 +111,7 @@ def nodeport_networks(
     return tuple(ipaddress.ip_network(a) for a in node.addresses if a.version == family)
 
 
-def node_facts(settings: ProxySettings, node: NodeInfo) -> dict[int, NodeFacts]:
+def node_facts(settings: DataplaneSettings, node: NodeInfo) -> dict[int, NodeFacts]:
     """Everything a backend renders about this node, per family, decided once for all
     modes: the NodePort networks with their fallback, the detectLocal match, and whether
     NodePorts answer on localhost (IPv4 only: iptables mode as upstream, nftables as kpx's
@@ -128,7 +128,7 @@ def node_facts(settings: ProxySettings, node: NodeInfo) -> dict[int, NodeFacts]:
 
 
 def local_state(
-    node: NodeInfo, settings: ProxySettings, services: Iterable[ServicePort] = ()
+    node: NodeInfo, settings: DataplaneSettings, services: Iterable[ServicePort] = ()
 ) -> NodeLocalState:
     """A node-local state with its facts (what the proxier keeps; for tools and tests)."""
     return NodeLocalState(

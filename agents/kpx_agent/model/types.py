@@ -198,7 +198,7 @@ _INTERFACE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,15}")
 class DetectLocal:
     """The detectLocal setting, parsed: the mode and, for the interface modes, the interface
     name or prefix (checked again here: it is rendered into rules). The networks of the
-    CIDR modes are not here: ClusterCIDR uses ProxySettings.cluster_cidrs, NodeCIDR the
+    CIDR modes are not here: ClusterCIDR uses DataplaneSettings.cluster_cidrs, NodeCIDR the
     Node's pod CIDRs (NodeInfo.pod_cidrs); `kpx_agent.model.detect_local` combines them."""
 
     mode: DetectLocalMode = DetectLocalMode.CLUSTER_CIDR
@@ -228,7 +228,7 @@ class IPVSOptions:
 
 
 @dataclass(frozen=True, slots=True)
-class ProxySettings:
+class DataplaneSettings:
     """The part of the agent configuration the backends act on, already parsed."""
 
     masquerade_bit: int = 14
@@ -284,7 +284,7 @@ class NodeFacts:
     # None while the Node's addresses are unknown: every local address except loopback.
     nodeport_networks: tuple[IPNetwork, ...] | None = None
     local_pods: LocalPods = NOTHING_LOCAL
-    # NodePorts also answer on 127.0.0.0/8 (IPv4 only; see ProxySettings).
+    # NodePorts also answer on 127.0.0.0/8 (IPv4 only; see DataplaneSettings).
     localhost_node_ports: bool = False
 
 

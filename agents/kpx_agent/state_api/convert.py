@@ -16,6 +16,7 @@ from kpx_localstate_client import localstate_pb2 as pb
 from ..model.types import (
     IP,
     READY,
+    DataplaneSettings,
     DetectLocal,
     DetectLocalMode,
     Endpoint,
@@ -26,7 +27,6 @@ from ..model.types import (
     NodeFacts,
     NodeInfo,
     Protocol,
-    ProxySettings,
     ServicePort,
     ServicePortKey,
 )
@@ -63,7 +63,7 @@ FIELDS: Final[dict[type, dict[str, str]]] = {
     },
     NodeInfo: {"name": "name", "addresses": "addresses", "zone": "zone", "pod_cidrs": "pod_cidrs"},
     DetectLocal: {"mode": "mode", "interface": "interface"},
-    ProxySettings: {
+    DataplaneSettings: {
         "masquerade_bit": "masquerade_bit",
         "masquerade_all": "masquerade_all",
         "cluster_cidrs": "cluster_cidrs",
@@ -86,7 +86,10 @@ FIELDS: Final[dict[type, dict[str, str]]] = {
 }
 
 #: localnet type -> proto message it is served as (when not the message of the same name).
-MESSAGES: Final[dict[type, str]] = {EndpointConditions: "Endpoint"}
+MESSAGES: Final[dict[type, str]] = {
+    EndpointConditions: "Endpoint",
+    DataplaneSettings: "ProxySettings",  # the state API's name (localstate.proto)
+}
 
 #: Fields served inside other messages rather than as a field of their own, each with where.
 SERVED_WITHIN: Final[dict[type, dict[str, str]]] = {
@@ -99,7 +102,7 @@ SERVED_WITHIN: Final[dict[type, dict[str, str]]] = {
 #: Fields of served types that the state API does not serve, each with why: a decision, not
 #: an omission (the unit test accepts a field only if it is mapped or listed here).
 NOT_SERVED: Final[dict[type, dict[str, str]]] = {
-    ProxySettings: {
+    DataplaneSettings: {
         "ipvs": "the ipvs backend's own tuning (scheduler, IPVS timeouts, strictARP, "
         "excludeCIDRs): an out-of-tree backend is not IPVS",
         "external_ip_networks": "applied by the model: ServicePort.external_ips holds only "
@@ -108,7 +111,7 @@ NOT_SERVED: Final[dict[type, dict[str, str]]] = {
 }
 #: localnet types the state API does not serve, each with why.
 NOT_SERVED_TYPES: Final[dict[type, str]] = {
-    IPVSOptions: "ProxySettings.ipvs (above)",
+    IPVSOptions: "DataplaneSettings.ipvs (above)",
 }
 
 _PROTOCOL: Final = {Protocol.TCP: pb.TCP, Protocol.UDP: pb.UDP, Protocol.SCTP: pb.SCTP}
@@ -187,7 +190,7 @@ def node_to_proto(node: NodeInfo) -> pb.NodeInfo:
     )
 
 
-def settings_to_proto(settings: ProxySettings) -> pb.ProxySettings:
+def settings_to_proto(settings: DataplaneSettings) -> pb.ProxySettings:
     return pb.ProxySettings(
         masquerade_bit=settings.masquerade_bit,
         masquerade_all=settings.masquerade_all,
@@ -279,8 +282,8 @@ def node_from_proto(msg: pb.NodeInfo) -> NodeInfo:
     )
 
 
-def settings_from_proto(msg: pb.ProxySettings) -> ProxySettings:
-    return ProxySettings(
+def settings_from_proto(msg: pb.ProxySettings) -> DataplaneSettings:
+    return DataplaneSettings(
         masquerade_bit=msg.masquerade_bit,
         masquerade_all=msg.masquerade_all,
         cluster_cidrs=tuple(ip_network(n) for n in msg.cluster_cidrs),

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from kpx_localstate_client import localstate_pb2 as pb
 
 from ..model.types import (
+    DataplaneSettings,
     NodeFacts,
     NodeInfo,
     NodeLocalState,
-    ProxySettings,
     ServicePort,
     ServicePortKey,
 )
@@ -66,7 +66,7 @@ class Publisher:
         # key -> (the port, its encoded `service_ports` field)
         self._ports: dict[ServicePortKey, tuple[ServicePort, bytes]] = {}
         self._node: tuple[NodeInfo | None, bytes] = (None, b"")
-        self._settings: tuple[ProxySettings | None, bytes] = (None, b"")
+        self._settings: tuple[DataplaneSettings | None, bytes] = (None, b"")
         self._facts: tuple[dict[int, NodeFacts] | None, bytes] = (None, b"")
         self._delta: _Delta | None = None
         self._full: tuple[int, bytes] = (0, b"")  # (revision, encoded response)
@@ -74,7 +74,7 @@ class Publisher:
     def publish(
         self,
         state: NodeLocalState,
-        settings: ProxySettings,
+        settings: DataplaneSettings,
         changed: Collection[ServicePortKey] | None,
     ) -> bool:
         """Take the state after a successful sync; `changed` as the backends get it (None: any

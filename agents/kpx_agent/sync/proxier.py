@@ -23,7 +23,7 @@ from ..model.external_ips import APISERVER_SERVICE, ExternalIPPolicy, apiserver_
 from ..model.quarantine import MAX_SERVICE_COST, quarantine
 from ..model.service_ports import node_facts, node_info, service_model, uses_topology
 from ..model.service_problems import REFUSED_BY_KERNEL, ProblemBook, ServiceProblem
-from ..model.types import NodeLocalState, Protocol, ProxySettings, ServicePort, ServicePortKey
+from ..model.types import DataplaneSettings, NodeLocalState, Protocol, ServicePort, ServicePortKey
 from ..model.vip_claims import VipClaims, creation_time
 from ..observability.metrics import FAMILY_LABELS, AgentMetrics, failed_families
 from ..store.cluster_state import ClusterState, Key
@@ -95,7 +95,7 @@ class Proxier:
     metrics: AgentMetrics
     # The settings the node-local model and the backend program with (the agent's, replaced
     # by `reconfigure` on a live change and by a rollback).
-    settings: ProxySettings
+    settings: DataplaneSettings
     local: NodeLocalState = field(init=False)
     excluded: frozenset[str] = field(default=frozenset(), init=False)
     _ports_of: dict[Key, list[ServicePortKey]] = field(default_factory=dict, init=False)
@@ -109,7 +109,7 @@ class Proxier:
     # of it: backends do a full sync exactly when asked to (`changed` None).
     _full_reasons: list[str] = field(default_factory=lambda: ["first sync"], init=False)
     # The settings the node facts were computed with.
-    _settings: ProxySettings | None = field(default=None, init=False)
+    _settings: DataplaneSettings | None = field(default=None, init=False)
     # UDP ports changed since the last successful sync: their state before, for conntrack.
     _udp_before: dict[ServicePortKey, ServicePort | None] = field(default_factory=dict, init=False)
     # Runs the stale-flow deletions (in the conntrack cleaner's thread: off the programming
@@ -159,7 +159,7 @@ class Proxier:
         self._full_reasons.append(reason)
         self.state.touch_all()
 
-    def reconfigure(self, settings: ProxySettings) -> None:
+    def reconfigure(self, settings: DataplaneSettings) -> None:
         """A live configuration change: the model and the backend use `settings` from the next
         sync on, a full one."""
         self.settings = settings

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from ...model.types import ProxySettings
+from ...model.types import DataplaneSettings
 from ..base import Handover, NodePaths
 from .backend import IptablesBackend, cleanup
 
 
-def create(settings: ProxySettings, paths: NodePaths | None = None) -> IptablesBackend:
+def create(settings: DataplaneSettings, paths: NodePaths | None = None) -> IptablesBackend:
     if paths is None or paths.route_localnet is None:
         return IptablesBackend(settings)
     return IptablesBackend(settings, route_localnet_file=paths.route_localnet)

@@ -31,7 +31,7 @@ import logging
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ...model.types import NodeLocalState, ProxySettings, ServicePortKey
+from ...model.types import DataplaneSettings, NodeLocalState, ServicePortKey
 from ..base import Backend, BackendError
 from ..route_localnet import allow
 from . import kernel
@@ -63,7 +63,7 @@ class IptablesBackend(Backend):
 
     def __init__(
         self,
-        settings: ProxySettings,
+        settings: DataplaneSettings,
         restore: Restore = kernel.restore,
         save: Save = kernel.save,
         chain_exists: ChainExists = kernel.chain_exists,
@@ -111,7 +111,7 @@ class IptablesBackend(Backend):
 
     # -- optional hooks the agent uses
 
-    def reconfigure(self, settings: ProxySettings) -> None:
+    def reconfigure(self, settings: DataplaneSettings) -> None:
         self.settings = settings
 
     def programmed(self) -> bool:

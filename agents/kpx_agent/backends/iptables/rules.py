@@ -21,10 +21,10 @@ from functools import cache
 from ipaddress import ip_network
 
 from ...model.types import (
+    DataplaneSettings,
     Endpoint,
     LocalPods,
     NodeFacts,
-    ProxySettings,
     ServicePort,
     ServicePortKey,
 )
@@ -140,7 +140,7 @@ def if_local(local: LocalPods) -> list[tuple[Match, ...]]:
 
 
 def _masquerade_off_cluster(
-    sp: ServicePort, settings: ProxySettings, local: LocalPods
+    sp: ServicePort, settings: DataplaneSettings, local: LocalPods
 ) -> list[Rule]:
     """The SVC chain's first rules: mark what must be masqueraded. With masqueradeAll, only
     traffic to the cluster IPs (not what the short circuit sends here, as upstream)."""
@@ -179,7 +179,7 @@ def _pick(sp: ServicePort, eps: tuple[Endpoint, ...]) -> list[Rule]:
     return rules
 
 
-def port_rules(sp: ServicePort, settings: ProxySettings, local: LocalPods) -> PortRules:
+def port_rules(sp: ServicePort, settings: DataplaneSettings, local: LocalPods) -> PortRules:
     """The chains and shared-chain rules of one service port (in its own family); `local`
     is the family's detectLocal match. The model checked every port, address and family
     (a ServicePort holds only valid ports, and addresses of its own family)."""
@@ -299,7 +299,7 @@ _LOOPBACK = {4: ip_network("127.0.0.0/8"), 6: ip_network("::1/128")}
 _DESTINATION_LOCAL = AddrType.DESTINATION_LOCAL
 
 
-def nodeport_matches(facts: NodeFacts, settings: ProxySettings) -> list[tuple[Match, ...]]:
+def nodeport_matches(facts: NodeFacts, settings: DataplaneSettings) -> list[tuple[Match, ...]]:
     """Destination matches for NodePorts (NodeFacts.nodeport_networks), loopback included
     only with localhost NodePorts (see `nodeport_guard` for configured networks)."""
     family, nets, localhost = facts.family, facts.nodeport_networks, facts.localhost_node_ports
@@ -324,7 +324,7 @@ def nodeport_guard(facts: NodeFacts) -> list[Rule]:
     return [rule(Destination(loopback), target=Verdict.RETURN)]
 
 
-def fixed_chains(settings: ProxySettings, facts: NodeFacts) -> dict[ChainId, Rules]:
+def fixed_chains(settings: DataplaneSettings, facts: NodeFacts) -> dict[ChainId, Rules]:
     """The chains that do not depend on any service port (only on the settings and node)."""
     mark = settings.masquerade_mark
     invalid = (
@@ -379,7 +379,9 @@ def fixed_chains(settings: ProxySettings, facts: NodeFacts) -> dict[ChainId, Rul
     return chains
 
 
-def shared_frames(settings: ProxySettings, facts: NodeFacts) -> dict[ChainId, tuple[Rules, Rules]]:
+def shared_frames(
+    settings: DataplaneSettings, facts: NodeFacts
+) -> dict[ChainId, tuple[Rules, Rules]]:
     """(head, tail) of each shared chain; the service ports' rules go in between."""
     frames: dict[ChainId, tuple[Rules, Rules]] = {cid: ((), ()) for cid in SHARED_CHAINS}
     frames[(n.NAT, n.SERVICES)] = (

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from ...model.types import ProxySettings
+from ...model.types import DataplaneSettings
 from ..base import Handover, NodePaths
 from .backend import IpvsBackend, cleanup
 from .leftover_removal import remove_kpx_ipvs_leftovers
 
 
-def create(settings: ProxySettings, paths: NodePaths | None = None) -> IpvsBackend:
+def create(settings: DataplaneSettings, paths: NodePaths | None = None) -> IpvsBackend:
     """`paths`: accepted for the common signature; ipvs mode writes no node file there."""
     del paths
     return IpvsBackend(settings)

@@ -26,7 +26,7 @@ import logging
 from collections import Counter
 from collections.abc import Collection, Iterable
 
-from ...model.types import IPNetwork, NodeInfo, NodeLocalState, ProxySettings, ServicePortKey
+from ...model.types import DataplaneSettings, IPNetwork, NodeInfo, NodeLocalState, ServicePortKey
 from ..base import Backend, BackendError
 from ..kernel.nft_transaction import Transaction
 from . import kernel
@@ -50,7 +50,9 @@ GRACEFUL_PROTOCOLS = ("tcp",)
 class IpvsBackend(Backend):
     mode = "ipvs"
 
-    def __init__(self, settings: ProxySettings, node_kernel: kernel.Kernel | None = None) -> None:
+    def __init__(
+        self, settings: DataplaneSettings, node_kernel: kernel.Kernel | None = None
+    ) -> None:
         self.settings = settings
         self._kernel: kernel.Kernel = node_kernel or kernel.NodeKernel()
         self._ipvs: kernel.VirtualServers | None = None
@@ -61,7 +63,7 @@ class IpvsBackend(Backend):
         self._firewall: dict[Element, dict[ServicePortKey, tuple[IPNetwork, ...]]] = {}
         self._draining: dict[VirtualKey, set[tuple[str, int]]] = {}
         self._node: NodeInfo | None = None
-        self._settings_synced: ProxySettings | None = None
+        self._settings_synced: DataplaneSettings | None = None
 
     # ---- the Backend protocol -------------------------------------------------------------------
 
@@ -87,7 +89,7 @@ class IpvsBackend(Backend):
                 raise
             raise BackendError(f"ipvs sync failed: {exc}") from exc
 
-    def reconfigure(self, settings: ProxySettings) -> None:
+    def reconfigure(self, settings: DataplaneSettings) -> None:
         self.settings = settings
 
     def cleanup(self) -> None:

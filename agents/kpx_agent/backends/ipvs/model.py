@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from ipaddress import ip_address
 
-from ...model.types import Endpoint, IPNetwork, NodeInfo, ProxySettings, ServicePort
+from ...model.types import DataplaneSettings, Endpoint, IPNetwork, NodeInfo, ServicePort
 from ..source_ranges import common_ranges, merged
 
 PROTOCOLS = {"tcp": socket.IPPROTO_TCP, "udp": socket.IPPROTO_UDP, "sctp": socket.IPPROTO_SCTP}
@@ -80,7 +80,7 @@ def excluded(address: str, networks: tuple[IPNetwork, ...]) -> bool:
     return any(ip.version == n.version and ip in n for n in networks)
 
 
-def node_port_addresses(node: NodeInfo, settings: ProxySettings, family: int) -> list[str]:
+def node_port_addresses(node: NodeInfo, settings: DataplaneSettings, family: int) -> list[str]:
     """The node addresses a NodePort answers on (nodePortAddresses applied)."""
     addresses: list[str] = [a for a in node.addresses if a.version == family]
     if settings.node_port_networks:
@@ -92,7 +92,7 @@ def _real_servers(endpoints: tuple[Endpoint, ...]) -> frozenset[tuple[str, int]]
     return frozenset((str(e.ip), e.port) for e in endpoints)
 
 
-def plan_port(port: ServicePort, node: NodeInfo, settings: ProxySettings) -> PortPlan:
+def plan_port(port: ServicePort, node: NodeInfo, settings: DataplaneSettings) -> PortPlan:
     plan = PortPlan()
     family = port.family
     protocol = port.protocol.value

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import cast
 
-from ...model.types import NodeFacts, ProxySettings
+from ...model.types import DataplaneSettings, NodeFacts
 from ..kernel.names import IPVS_TABLE
 from ..kernel.nft_rules import (
     DPORT,
@@ -67,7 +67,7 @@ def local_pods_match(facts: NodeFacts) -> tuple[Statement, ...] | None:
     return None
 
 
-def cluster_ip_masquerade(settings: ProxySettings, facts: NodeFacts) -> Rule:
+def cluster_ip_masquerade(settings: DataplaneSettings, facts: NodeFacts) -> Rule:
     """The rule marking traffic to cluster IPs for masquerade, as upstream's ipvs mode: all of
     it with masqueradeAll; else what is not from a local pod (detectLocal); with nothing to
     tell local pods apart, only what the node sends from a Service IP (the source address the
@@ -83,7 +83,7 @@ def cluster_ip_masquerade(settings: ProxySettings, facts: NodeFacts) -> Rule:
     return rule(lookup, *not_local, mark)
 
 
-def table(settings: ProxySettings, facts: NodeFacts) -> TableDef:
+def table(settings: DataplaneSettings, facts: NodeFacts) -> TableDef:
     """One family's helper table, without elements."""
     family, mark = facts.family, settings.masquerade_mark
     vip = vip_key(family)
@@ -117,7 +117,7 @@ def _pairs(family: int, members: Iterable[Element]) -> list[Pair]:
     return [(cast(Key, tuple(e[1:])), None) for e in members if e[0] == family]
 
 
-def full_sync(settings: ProxySettings, facts: NodeFacts,
+def full_sync(settings: DataplaneSettings, facts: NodeFacts,
               elements: Mapping[str, Iterable[Element]]) -> Transaction:  # fmt: skip
     """Swap one family's helper table, elements included, in one transaction."""
     txn = Transaction(facts.family, IPVS_TABLE)
@@ -138,7 +138,7 @@ def element_changes(family: int, deletes: Mapping[str, Iterable[Element]],
     return txn
 
 
-def base_table(settings: ProxySettings, facts: NodeFacts,
+def base_table(settings: DataplaneSettings, facts: NodeFacts,
                elements: Mapping[str, Iterable[Element]]) -> str:  # fmt: skip
     """The nft text of `full_sync`."""
     return full_sync(settings, facts, elements).render()

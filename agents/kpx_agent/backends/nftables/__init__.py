@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from ...model.types import ProxySettings
+from ...model.types import DataplaneSettings
 from ..base import Handover, NodePaths
 from .backend import NftablesBackend, cleanup
 
 
-def create(settings: ProxySettings, paths: NodePaths | None = None) -> NftablesBackend:
+def create(settings: DataplaneSettings, paths: NodePaths | None = None) -> NftablesBackend:
     """`paths.route_localnet`: where the node's route_localnet is mounted (localhost
     NodePorts set it); None: this network namespace's own."""
     if paths is None or paths.route_localnet is None:

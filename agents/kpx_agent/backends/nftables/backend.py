@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 
-from ...model.types import NodeLocalState, ProxySettings, ServicePort, ServicePortKey
+from ...model.types import DataplaneSettings, NodeLocalState, ServicePort, ServicePortKey
 from ..base import Backend, BackendError
 from ..kernel.nft_transaction import Transaction
 from ..route_localnet import ROUTE_LOCALNET_FILE, EnsureSysctl, allow, ensure_sysctl
@@ -66,7 +66,7 @@ class NftablesBackend(Backend):
 
     def __init__(
         self,
-        settings: ProxySettings,
+        settings: DataplaneSettings,
         run_script: Callable[[Iterable[str]], None] = kernel.run_script,
         present_families: Callable[[], set[int]] = kernel.present_families,
         load_elements: Callable[[netlink_batch.Elements], None] = kernel.load_elements,
@@ -111,7 +111,7 @@ class NftablesBackend(Backend):
         self._foreign = False
         self._baseline: dict[int, bytes] | None = None
 
-    def reconfigure(self, settings: ProxySettings) -> None:
+    def reconfigure(self, settings: DataplaneSettings) -> None:
         self.settings = settings
 
     def programmed(self) -> bool:

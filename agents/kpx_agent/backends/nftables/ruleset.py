@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from ipaddress import IPv4Network, IPv6Network
 
 from ...model.types import (
+    DataplaneSettings,
     Endpoint,
     IPNetwork,
     LocalPods,
     NodeFacts,
-    ProxySettings,
     ServicePort,
 )
 from ..kernel import nft_rules as r
@@ -292,7 +292,7 @@ def local_pod_match(family: int, local: LocalPods, negate: bool = False) -> tupl
     return (r.IifName(local.interface or f"{local.interface_prefix}*", negate),)
 
 
-def base_table(settings: ProxySettings, facts: NodeFacts) -> TableDef:
+def base_table(settings: DataplaneSettings, facts: NodeFacts) -> TableDef:
     """The table with its sets, maps and fixed chains, without any Service's elements."""
     family = facts.family
     daddr, saddr = r.daddr(family), r.saddr(family)
