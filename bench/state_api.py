@@ -2,7 +2,7 @@
 
 For N Service ports (default 10,000) of 10 endpoints each, two parts.
 
-In process (the API alone): the agent's own model (localnet, as node_local computes it),
+In process (the API alone): the agent's own model (model.types, as model.service_ports computes it),
 served by the agent's real publisher and gRPC server on a unix socket, to clients in separate
 processes built on kpx_localstate_client:
 

@@ -96,7 +96,7 @@ class Agent:
         self.backend = backend
         self.config_path = config_path
         #: Set once a full sync programmed the kernel without error and the backend then
-        #: finds its rules there: what make-before-break waits for (takeover.py).
+        #: finds its rules there: what make-before-break waits for (handover/make_before_break.py).
         self.first_sync_verified = asyncio.Event()
         #: Coroutines run beside the sync loop, from the start to the stop of `run`, each
         #: given `report_event` (an Event about this agent's Pod).
@@ -105,7 +105,7 @@ class Agent:
         #: A backend for a mode's settings (the CLI's, through the backend registry: the agent
         #: core imports no mode's code): what a rollback runs.
         self.backend_for = backend_for
-        #: Make-before-break (takeover.py): removes what other proxies left, once
+        #: Make-before-break (handover/make_before_break.py): removes what other proxies left, once
         #: `first_sync_verified` is set; `leftovers_of` gives what to remove for a mode's
         #: settings (after a rollback: the rollback mode's). None: nothing to remove.
         self.leftovers_of = leftovers_of

@@ -336,10 +336,10 @@ def kube_proxy_leftover(client: Client, node_name: str, settings: AgentSettings)
 
 
 def leftovers_for(client: Client, node_name: str) -> Callable[[AgentSettings], list[Leftover]]:
-    """Make-before-break (takeover.py): what an agent with a mode's settings removes once its
-    first sync is verified, retrying what fails: the other modes' rules (each loaded from the
-    registry only then), and upstream kube-proxy's with spec.takeover.fromKubeProxy. During a
-    switch of mode the agent is not Ready until the old mode's are gone. After a rollback,
+    """Make-before-break (handover/make_before_break.py): what an agent with a mode's settings
+    removes once its first sync is verified, retrying what fails: the other modes' rules (each
+    loaded from the registry only then), and upstream kube-proxy's with spec.takeover.fromKubeProxy.
+    During a switch of mode the agent is not Ready until the old mode's are gone. After a rollback,
     the same for the rollback mode's settings."""
 
     def leftovers_of(settings: AgentSettings) -> list[Leftover]:

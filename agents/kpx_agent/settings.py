@@ -24,11 +24,12 @@ class AgentSettings:
     optout: NamespaceOptOut
     healthz: tuple[str, int]
     metrics: tuple[str, int]
-    #: The node's conntrack sysctls (conntrack_sysctl.py).
+    #: The node's conntrack sysctls (conntrack/sysctl.py).
     conntrack: Conntrack = field(default_factory=Conntrack)
     #: Where the node-local state API listens (stateAPI.address), None when it is off.
     state_api: str | None = None
-    #: spec.takeover.fromKubeProxy: remove upstream kube-proxy's rules (kube_proxy_takeover.py).
+    #: spec.takeover.fromKubeProxy: remove upstream kube-proxy's rules
+    #: (handover/from_kube_proxy.py).
     takeover_from_kube_proxy: bool = False
     #: While the operator switches modes: where to go back to (rollback.py), else None.
     rollback: RollbackSettings | None = None

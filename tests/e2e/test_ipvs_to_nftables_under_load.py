@@ -119,7 +119,7 @@ class Api:
 
 
 def node_host_conntrack_table() -> None:
-    """The conntrack table size a kpx agent sets on a real node (`conntrack_sysctl`:
+    """The conntrack table size a kpx agent sets on a real node (`conntrack.sysctl`:
     nf_conntrack_max 131,072 for 2 CPUs, hashsize a quarter) is global to the host, so the
     agents in the simulated nodes' netns cannot set it. This guest is the nodes' host (a
     throwaway VM, `-snapshot`): set it here, as on a node. The guest's default for 1 GiB (7,680)

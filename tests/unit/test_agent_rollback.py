@@ -1,5 +1,5 @@
 """The agent's rollback during a switch of mode (rollback.py, settings, /readyz) and the
-readiness gate on the other modes' leftovers (takeover.py): the pure parts."""
+readiness gate on the other modes' leftovers (handover/make_before_break.py): the pure parts."""
 
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ def test_every_virtual_server_a_kpx_ipvs_agent_made_is_its_own_and_no_other() ->
 
 def test_without_kpxs_helper_table_nothing_of_ipvs_is_touched() -> None:
     # Upstream kube-proxy's ipvs mode: the same virtual servers on the same kube-ipvs0, but no
-    # kpx-ipvs table. They go only through the takeover (kube_proxy_takeover.py).
+    # kpx-ipvs table. They go only through the takeover (handover/from_kube_proxy.py).
     _marks, vss, bound = kpx_node()
     plan = plan_cleanup(KpxMarks(), False, {**vss, **FOREIGN}, bound)
     assert plan.virtual_servers == () and not plan.dummy and plan.tables == ()

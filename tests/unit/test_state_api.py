@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc import aio
 
-from kpx_agent.model import types as localnet
+from kpx_agent.model import types as model_types
 from kpx_agent.model.types import (
     IP,
     DataplaneSettings,
@@ -49,10 +49,10 @@ import generate  # noqa: E402
 
 
 def _model_types() -> list[type]:
-    """Every dataclass and NamedTuple in localnet: the model's record types."""
+    """Every dataclass and NamedTuple in model.types: the model's record types."""
     found = []
-    for value in vars(localnet).values():
-        if not isinstance(value, type) or value.__module__ != localnet.__name__:
+    for value in vars(model_types).values():
+        if not isinstance(value, type) or value.__module__ != model_types.__name__:
             continue
         if dataclasses.is_dataclass(value) or hasattr(value, "_fields"):
             found.append(value)
@@ -66,15 +66,15 @@ def _field_names(cls: type) -> set[str]:
 
 
 # The containers: what they hold is served field by field (NodeLocalState is the response).
-CONTAINERS = {localnet.NodeLocalState}
+CONTAINERS = {model_types.NodeLocalState}
 
 
-def test_every_localnet_field_is_mapped() -> None:
+def test_every_model_types_field_is_mapped() -> None:
     """A field added to the model fails here until convert.py maps it (and the .proto has it)."""
     for cls in _model_types():
         if cls in CONTAINERS or cls in convert.NOT_SERVED_TYPES:
             continue
-        assert cls in convert.FIELDS, f"localnet.{cls.__name__} is not served by the state API"
+        assert cls in convert.FIELDS, f"model_types.{cls.__name__} is not served by the state API"
         decided = (
             set(convert.FIELDS[cls])
             | set(convert.NOT_SERVED.get(cls, {}))
@@ -154,7 +154,7 @@ def test_endpoint_conditions_are_served_per_endpoint() -> None:
         "10.1.0.3": (True, True, False),
     }
     assert port.conditions_of(IP.of("10.1.0.2")).terminating
-    assert port.conditions_of(IP.of("10.1.0.1")) == localnet.READY
+    assert port.conditions_of(IP.of("10.1.0.1")) == model_types.READY
 
 
 @pytest.mark.parametrize(

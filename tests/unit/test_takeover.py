@@ -1,5 +1,5 @@
-"""takeover.py: other proxies' leftovers go only after the first verified sync; failures are
-counted and retried without stopping anything; a precondition holds a removal back."""
+"""handover/make_before_break.py: other proxies' leftovers go only after the first verified sync;
+failures are counted and retried without stopping anything; a precondition holds a removal back."""
 
 from __future__ import annotations
 

@@ -10,8 +10,9 @@
   whose is decided by kube_proxy_leftovers.py (pure); this module only runs the tools, with
   argument lists, and netlink for the ipsets.
 
-The agent calls the removal after its own first verified sync and only once no kube-proxy Pod
-runs on the node (takeover.py), so the two never remove each other's rules while both run.
+The agent calls the removal after its own first verified sync and only once no kube-proxy Pod runs
+on the node (handover/make_before_break.py), so the two never remove each other's rules while both
+run.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""localnet (the in-process model) -> kpx.localstate.v1 protobuf messages, and back.
+"""model.types (the in-process node-local model) -> kpx.localstate.v1 protobuf messages, and back.
 
-The one place that knows both shapes. `FIELDS` names, for every localnet type, the proto field
+The one place that knows both shapes. `FIELDS` names, for every model.types type, the proto field
 each of its fields becomes (`SERVED_WITHIN`: a field served inside other messages): a unit test
-fails when a localnet type gains a field this module does not map, so a new field of the model
+fails when a model.types type gains a field this module does not map, so a new field of the model
 is never silently missing from the API.
 """
 
@@ -31,7 +31,7 @@ from ..model.types import (
     ServicePortKey,
 )
 
-#: localnet type -> {localnet field: proto field}.
+#: model.types type -> {its field: proto field}.
 FIELDS: Final[dict[type, dict[str, str]]] = {
     ServicePortKey: {
         "namespace": "namespace",
@@ -85,7 +85,7 @@ FIELDS: Final[dict[type, dict[str, str]]] = {
     },
 }
 
-#: localnet type -> proto message it is served as (when not the message of the same name).
+#: model.types type -> proto message it is served as (when not the message of the same name).
 MESSAGES: Final[dict[type, str]] = {
     EndpointConditions: "Endpoint",
     DataplaneSettings: "ProxySettings",  # the state API's name (localstate.proto)
@@ -109,7 +109,7 @@ NOT_SERVED: Final[dict[type, dict[str, str]]] = {
         "the addresses it allows",
     },
 }
-#: localnet types the state API does not serve, each with why.
+#: model.types types the state API does not serve, each with why.
 NOT_SERVED_TYPES: Final[dict[type, str]] = {
     IPVSOptions: "DataplaneSettings.ipvs (above)",
 }
@@ -224,7 +224,7 @@ def facts_to_proto(facts: NodeFacts) -> pb.NodeFacts:
     return msg
 
 
-# -- back (tests, and plugins written against the localnet model) ------------------------------
+# -- back (tests, and plugins written against the node-local model) ------------------------------
 def key_from_proto(msg: pb.ServicePortKey) -> ServicePortKey:
     return ServicePortKey(
         msg.namespace, msg.name, msg.port_name, _PROTOCOL_BACK[msg.protocol], msg.family
