@@ -10,7 +10,8 @@ every node, held connections), the fault injected, a Service created while it ho
 heal when the fault takes the apiserver away), the fault healed, then the seconds until every
 change and the base Services answer from every node. Prints the table and writes
 bench/results/chaos.md. `--scale` multiplies the faults' durations (development: 0.2).
-Exit status 1 when a row misses its goal (docs/chaos.md).
+Exit status 1 when a row misses its goal (docs/chaos.md). The rows that need iptables mode
+(a foreign `iptables -F`) run last, after spec.mode is switched to iptables under no load.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from benchlib import bench_cluster, exit_on_sigterm, log
 from kpx_cluster.chaos import faults as f
 from kpx_cluster.chaos.runner import Fault, NotBuilt, Options, run_row
 from kpx_cluster.chaos.table import RowResult, details, exit_status, render
-from kpx_cluster.migration import LoadOptions, migration_cluster
+from kpx_cluster.migration import LoadOptions, MigrationEnv, migration_cluster, wait_rolled_out
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -41,8 +42,6 @@ def rows() -> list[Fault | NotBuilt]:
         f.ApiserverDown(60),
         f.NftFlush(),
         f.NftElementDeleted(),
-        NotBuilt("foreign `iptables -F` (one node)",
-                 "the suite runs kpx in nftables mode, where iptables holds no kpx rule"),
         f.PoisonPair(),
         f.CompactionBurst(60),
         f.ApiserverDropped(60),
@@ -52,7 +51,25 @@ def rows() -> list[Fault | NotBuilt]:
         f.ObjectBomb(2000, 50),
         f.NodeReboot(),
         f.PxcDeleted(10),
+        f.IptablesFlush(),
     ]  # fmt: skip
+
+
+#: the modes the rows run in, in order (the suite starts in the first)
+MODES = ("nftables", "iptables")
+
+
+def row_mode(row: Fault | NotBuilt) -> str:
+    return (row.mode if isinstance(row, Fault) else None) or MODES[0]
+
+
+def switch_mode(env: MigrationEnv, old: str, new: str) -> None:
+    """spec.mode `old` -> `new`, and wait until every node runs `new` with no `old` rules."""
+    log(f"== switching kpx from {old} to {new} for the rows that need it")
+    env.patch_mode(old, new)
+    took = wait_rolled_out(env, old, new, time.monotonic(), f"after the switch to {new}", 300, log)
+    if took is None:
+        raise RuntimeError(f"kpx did not roll out in {new} within 300 s")
 
 
 def report(results: list[RowResult], opts: Options, nodes: int, seconds: float) -> str:
@@ -62,8 +79,9 @@ def report(results: list[RowResult], opts: Options, nodes: int, seconds: float) 
         "# Fault table (bench/chaos.py, `make chaos`)",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, {nodes} "
-        f"simulated nodes, kpx in nftables mode, operator and agents from the images under "
-        f"runc; faults' durations x{opts.scale:g}; {seconds / 60:.0f} min in all.",
+        f"simulated nodes, kpx in nftables mode (the iptables rows: after a switch to iptables "
+        f"mode), operator and agents from the images under runc; faults' durations "
+        f"x{opts.scale:g}; {seconds / 60:.0f} min in all.",
         f"Load per node: a new TCP connection every {lo.interval * 1000:.0f} ms and a UDP "
         f"exchange every {lo.udp_interval * 1000:.0f} ms, over 2 ClusterIPs, a NodePort's "
         f"ClusterIP and the NodePort on every node's address; {lo.holds} held connections. "
@@ -98,9 +116,16 @@ def main() -> int:
         cluster = stack.enter_context(bench_cluster("bench-chaos"))
         env = stack.enter_context(migration_cluster(cluster, "nftables", args.nodes, log=log))
         exit_on_sigterm()  # the Topology installed its own handlers
-        for fault in selected:
-            results.append(run_row(env, fault, opts, log))
-            log(render(results[-1:]).splitlines()[-1])
+        for mode in MODES:
+            group = [r for r in selected if row_mode(r) == mode]
+            if not group:
+                continue
+            if mode != opts.mode:
+                switch_mode(env, opts.mode, mode)
+                opts.mode = mode
+            for fault in group:
+                results.append(run_row(env, fault, opts, log))
+                log(render(results[-1:]).splitlines()[-1])
     text = report(results, opts, args.nodes, time.monotonic() - t0)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,12 @@ from kpx_api.modes import Mode
 from kpx_api.names import DNSSubdomain
 from kpx_api.preflight import DroppedSetting
 from kpx_api.proxysettings import ProxySettings
-from kpx_api.scheduling import IntOrPercent, ResourceRequirements, Toleration
+from kpx_api.scheduling import (
+    IntOrPercent,
+    ResourceRequirements,
+    Toleration,
+    default_agent_resources,
+)
 from kpx_api.selectors import LabelMap
 from kpx_api.takeover import TakeoverStatus
 from kpx_api.validation import KpxModel, SetList, Text
@@ -100,8 +105,11 @@ class ProxyConfigurationSpec(ProxySettings):
         description="PriorityClass of the agent pods.",
     )
     resources: ResourceRequirements = Field(
-        default_factory=ResourceRequirements,
-        description="Compute resources (requests and limits) of the agent container.",
+        default_factory=default_agent_resources,
+        description="Compute resources (requests and limits) of the agent container. Default "
+        "(when the field is left out): requests cpu 50m and memory 64Mi, limit memory 384Mi, the "
+        "agent's measured peak at 10,000 Services (a relist included) with 50 % headroom; "
+        "add about 18 MB per 1,000 Services beyond that. {} sets none.",
     )
     image: Image | None = Field(
         default=None,

@@ -185,6 +185,19 @@ class ResourceRequirements(KpxModel):
     )
 
 
+#: The agent's resources when a ProxyConfiguration leaves them out. The limit is the agent's
+#: measured peak at 10,000 Services x 10 endpoints (nftables, a full relist included: about
+#: 255 MB; docs/benchmarks.md) with 50 % headroom; the requests are an idle agent's.
+DEFAULT_AGENT_REQUESTS: Final = {"cpu": "50m", "memory": "64Mi"}
+DEFAULT_AGENT_LIMITS: Final = {"memory": "384Mi"}
+
+
+def default_agent_resources() -> ResourceRequirements:
+    return ResourceRequirements(
+        requests=dict(DEFAULT_AGENT_REQUESTS), limits=dict(DEFAULT_AGENT_LIMITS)
+    )
+
+
 PERCENT_PATTERN: Final = r"^(100|[1-9][0-9]?)%$"
 MAX_UNAVAILABLE_MESSAGE: Final = (
     'must be a positive integer (a number of nodes) or a percentage from "1%" to "100%"'

@@ -149,6 +149,25 @@ class BuildOptions:
     agent_service_account: str = AGENT_SERVICE_ACCOUNT
     #: Extra arguments appended to every agent's command line (--agent-arg, e.g. `-v`).
     agent_args: tuple[str, ...] = ()
+    #: (key, value) annotations and labels of the agents' pods (--agent-pod-annotation,
+    #: --agent-pod-label: the chart's agents.podAnnotations and podLabels); the operator's own
+    #: labels and RESTART_HASH_ANNOTATION are not among them (cli refuses them).
+    agent_pod_annotations: tuple[tuple[str, str], ...] = ()
+    agent_pod_labels: tuple[tuple[str, str], ...] = ()
+    #: (name, value) environment variables of every agent container (--agent-env: the chart's
+    #: agents.extraEnv), after the operator's own (never one of their names: `operator_env`).
+    agent_env: tuple[tuple[str, str], ...] = ()
+
+
+#: The environment variables the operator sets on the agents (NODE_NAME, the pod's identity,
+#: the apiserver's address) or may one day: names --agent-env may not take.
+OPERATOR_ENV: Final = frozenset({"NODE_NAME"})
+OPERATOR_ENV_PREFIXES: Final = ("POD_", "KUBERNETES_SERVICE_", "KPX_")
+
+
+def operator_env(name: str) -> bool:
+    """Whether the operator sets (or reserves) environment variable `name` on the agents."""
+    return name in OPERATOR_ENV or name.startswith(OPERATOR_ENV_PREFIXES)
 
 
 def _meta(owner: Owner, name: str, app: str, namespace: str | None = None) -> Obj:
@@ -408,6 +427,7 @@ def agent_daemonset(
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             *_pod_env(),
             *_apiserver_env(opts),
+            *({"name": name, "value": value} for name, value in opts.agent_env),
         ],
         "ports": _agent_ports(spec),
         # /readyz: /healthz, and not before the agent's first verified sync, so a rolling
@@ -453,8 +473,11 @@ def agent_daemonset(
             },
             "template": {
                 "metadata": {
-                    "labels": labels(owner.name, AGENT_APP),
-                    "annotations": {RESTART_HASH_ANNOTATION: restart_hash(agent_config(spec))},
+                    "labels": {**dict(opts.agent_pod_labels), **labels(owner.name, AGENT_APP)},
+                    "annotations": {
+                        **dict(opts.agent_pod_annotations),
+                        RESTART_HASH_ANNOTATION: restart_hash(agent_config(spec)),
+                    },
                 },
                 "spec": {
                     # Installed with the operator (names.AGENT_SERVICE_ACCOUNT), not created by it.

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -15,22 +16,33 @@ from aiohttp import web
 
 from kpx_api import parse_bind_address
 from kpx_api.constants import GROUP, PLURAL, VERSION
+from kpx_api.names import (
+    LABEL_KEY_MAX_LENGTH,
+    LABEL_KEY_MESSAGE,
+    LABEL_KEY_PATTERN,
+    LABEL_VALUE_MAX_LENGTH,
+    LABEL_VALUE_MESSAGE,
+    LABEL_VALUE_PATTERN,
+)
 from kpx_kube import logformat
 
 from .admission import IPVSPolicy
 from .apiserver import ApiError, ApiServer, Credentials, from_kubeconfig, in_cluster
-from .builders import DEFAULT_AGENT_IMAGE, BuildOptions
+from .builders import DEFAULT_AGENT_IMAGE, BuildOptions, operator_env
 from .handlers import register
 from .health import LEADING, STANDBY, STOPPED, OperatorHealth, probe_loop
 from .kopf_storage import DigestDiffBaseStorage
 from .leader import LeaderElector, default_identity
 from .metrics import CONTENT_TYPE, OperatorMetrics
 from .names import (
+    AGENT_APP,
     AGENT_SERVICE_ACCOUNT,
     DEFAULT_NAMESPACE,
     FIELD_MANAGER,
     FINALIZER,
     LEASE_NAME,
+    RESTART_HASH_ANNOTATION,
+    labels,
 )
 from .reconciler import OperatorConfig, Reconciler
 from .status import DEFAULT_ROLLOUT_DEADLINE
@@ -53,6 +65,48 @@ def _bind(text: str) -> str:
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _pod_annotation(text: str) -> tuple[str, str]:
+    key, value = _key_value(text)
+    if len(key) > LABEL_KEY_MAX_LENGTH or not re.match(LABEL_KEY_PATTERN, key):
+        raise argparse.ArgumentTypeError(f"annotation key {key!r} {LABEL_KEY_MESSAGE}")
+    if key == RESTART_HASH_ANNOTATION:
+        raise argparse.ArgumentTypeError(f"annotation {key} is the operator's own")
+    return key, value
+
+
+def _pod_label(text: str) -> tuple[str, str]:
+    key, value = _pod_annotation(text)
+    if len(value) > LABEL_VALUE_MAX_LENGTH or not re.match(LABEL_VALUE_PATTERN, value):
+        raise argparse.ArgumentTypeError(f"label {key}: value {value!r} {LABEL_VALUE_MESSAGE}")
+    if key in labels("x", AGENT_APP):
+        raise argparse.ArgumentTypeError(
+            f"label {key} is the operator's own (the agents' DaemonSet selects its pods by it)"
+        )
+    return key, value
+
+
+def _agent_env(text: str) -> tuple[str, str]:
+    name, value = _key_value(text)
+    if not re.match(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", name):
+        raise argparse.ArgumentTypeError(
+            f"environment variable name {name!r}: letters, digits, '_', '-' and '.', not "
+            "starting with a digit"
+        )
+    if operator_env(name):
+        raise argparse.ArgumentTypeError(
+            f"environment variable {name} is the operator's own (NODE_NAME, POD_*, "
+            "KUBERNETES_SERVICE_*, KPX_*)"
+        )
+    return name, value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -116,6 +170,34 @@ def parser() -> argparse.ArgumentParser:
         metavar="ARG",
         dest="agent_args",
         help="an argument appended to every agent's command line, e.g. --agent-arg=-v "
+        "(repeat for several)",
+    )
+    p.add_argument(
+        "--agent-pod-annotation",
+        action="append",
+        default=[],
+        type=_pod_annotation,
+        metavar="KEY=VALUE",
+        dest="agent_pod_annotations",
+        help="an annotation of every agent pod (repeat for several)",
+    )
+    p.add_argument(
+        "--agent-pod-label",
+        action="append",
+        default=[],
+        type=_pod_label,
+        metavar="KEY=VALUE",
+        dest="agent_pod_labels",
+        help="a label of every agent pod, besides the operator's own (repeat for several)",
+    )
+    p.add_argument(
+        "--agent-env",
+        action="append",
+        default=[],
+        type=_agent_env,
+        metavar="NAME=VALUE",
+        dest="agent_env",
+        help="an environment variable of every agent container, besides the operator's own "
         "(repeat for several)",
     )
     p.add_argument(
@@ -246,18 +328,26 @@ async def wait_for_crd(api: ApiServer, interval: float = 5.0) -> None:
         await asyncio.sleep(interval)
 
 
+def build_options(args: argparse.Namespace) -> BuildOptions:
+    """What the command line says of the children (parser()'s arguments)."""
+    return BuildOptions(
+        namespace=args.namespace,
+        apiserver_endpoint=args.apiserver_endpoint,
+        agent_image=args.agent_image,
+        image_pull_secrets=tuple(args.image_pull_secrets),
+        agent_service_account=args.agent_service_account,
+        agent_args=tuple(args.agent_args),
+        agent_pod_annotations=tuple(args.agent_pod_annotations),
+        agent_pod_labels=tuple(args.agent_pod_labels),
+        agent_env=tuple(args.agent_env),
+    )
+
+
 async def run(args: argparse.Namespace) -> int:
     creds: Credentials = from_kubeconfig(args.kubeconfig) if args.kubeconfig else in_cluster()
     api = ApiServer(creds)
     config = OperatorConfig(
-        build=BuildOptions(
-            namespace=args.namespace,
-            apiserver_endpoint=args.apiserver_endpoint,
-            agent_image=args.agent_image,
-            image_pull_secrets=tuple(args.image_pull_secrets),
-            agent_service_account=args.agent_service_account,
-            agent_args=tuple(args.agent_args),
-        ),
+        build=build_options(args),
         ipvs_policy=IPVSPolicy(args.ipvs_policy),
         cleanup_timeout=args.cleanup_timeout,
         rollout_deadline=args.rollout_deadline or None,

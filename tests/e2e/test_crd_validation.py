@@ -116,6 +116,26 @@ def test_minimal_spec_gets_model_defaults(api: Cluster, mode: str) -> None:
         delete(api, name)
 
 
+def test_agent_resources_default_to_the_measured_limit_and_an_empty_block_keeps_none(
+    api: Cluster,
+) -> None:
+    name = f"resources-{RUN}"
+    apply(api, manifest(name, {"mode": "nftables"}))
+    try:
+        assert get(api, name)["spec"]["resources"] == {
+            "requests": {"cpu": "50m", "memory": "64Mi"},
+            "limits": {"memory": "384Mi"},
+        }
+    finally:
+        delete(api, name)
+    name = f"no-resources-{RUN}"
+    apply(api, manifest(name, {"mode": "nftables", "resources": {}}))
+    try:
+        assert get(api, name)["spec"]["resources"] == {"requests": {}, "limits": {}}
+    finally:
+        delete(api, name)
+
+
 # --- invalid objects --------------------------------------------------------------------------
 
 NFT: dict[str, Any] = {"mode": "nftables"}

@@ -15,6 +15,7 @@ import pytest
 
 from kpx_cluster import images
 from kpx_cluster.controlplane import Cluster
+from kpx_cluster.demo import unhealthy_conditions
 from kpx_cluster.netns import python_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns]
@@ -49,11 +50,15 @@ def test_make_demo_runs_on_real_kubelets_and_reads_healthy() -> None:
         assert {p["spec"]["nodeName"] for p in pods} == {"node-1", "node-2", "node-3"}
         assert set(answers) <= {p["metadata"]["name"] for p in pods}
         pxc = json.loads(Cluster(name).kubectl("get", "pxc", "default", "-o", "json").stdout)
-        conditions = {c["type"]: c["status"] for c in pxc["status"]["conditions"]}
-        assert conditions.get("Ready") == "True", pxc["status"]
-        # a new user's first `kubectl get pxc -o yaml` reads healthy: no abnormal-true condition
-        abnormal = {"Degraded", "Progressing", "Reconciling", "Stalled", "IPVSDeprecated"}
-        assert not {t for t in abnormal if conditions.get(t) == "True"}, pxc["status"]
+        conditions = {c["type"]: c for c in pxc["status"]["conditions"]}
+        assert conditions["Ready"]["status"] == "True", pxc["status"]
+        assert conditions["Ready"]["observedGeneration"] == pxc["metadata"]["generation"]
+        # a new user's first `kubectl get pxc -o yaml` reads healthy: every condition reads as
+        # when all is well (demo.HEALTHY: Degraded, Progressing, Deprecated, Reconciling and
+        # Stalled False, no ConntrackNotApplied), and the demo printed no NOT HEALTHY line
+        assert unhealthy_conditions(pxc) == {}, pxc["status"]
+        assert conditions["Degraded"]["reason"] != "ConntrackNotApplied", pxc["status"]
+        assert "NOT HEALTHY" not in out, out
     finally:
         down = demo("down", name, 240)
     assert down.returncode == 0, down.stderr

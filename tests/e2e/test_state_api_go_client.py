@@ -3,7 +3,8 @@ built on the code generated from the .proto) watches a real agent in mode extern
 while Services and EndpointSlices are created, updated and deleted on the session's real
 apiserver; its local copy then equals, message for message, a fresh full state. The agent runs
 from its command line alone (no configuration file); a malformed request gets INVALID_ARGUMENT;
-a socket path in a shared directory is refused and the directory left as it was."""
+a socket path in a shared directory is refused and the directory left as it was, and an
+existing private one keeps its mode."""
 
 from __future__ import annotations
 
@@ -239,6 +240,20 @@ def test_a_socket_in_a_shared_directory_is_refused(env: AgentEnv) -> None:
     assert f"--state-socket {shared}/kpx.sock: {shared} is a shared directory" in agent.log()
     assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
     assert list(shared.iterdir()) == []
+
+
+def test_an_existing_socket_directory_keeps_its_mode(env: AgentEnv) -> None:
+    """A directory the agent did not create is used as it is, while it runs and after it
+    stops: its mode is never changed (0755 here; the agent creates its own 0750)."""
+    existing = env.topology.tmpdir / "existing-dir"
+    existing.mkdir()
+    os.chmod(existing, 0o755)
+    agent = env.start_agent("n2", config=None,
+                            extra_args=["--state-socket", str(existing / "kpx.sock")])  # fmt: skip
+    assert stat.S_ISSOCK((existing / "kpx.sock").stat().st_mode)
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o755
+    assert agent.stop() == 0, agent.log_tail()
+    assert stat.S_IMODE(existing.stat().st_mode) == 0o755
 
 
 def test_go_client_takes_a_full_state_over_grpc_default_limit(

@@ -256,7 +256,10 @@ def test_sync_check_detects_a_stale_chart(tmp_path: Path, monkeypatch: pytest.Mo
 
 #: `agents` values that are not spec fields: the operator's flags for the agents, and the
 #: agents' ServiceAccount.
-AGENTS_CHART_ONLY = ("logLevel", "extraArgs", "metricsOnLoopback", "serviceAccount")
+AGENTS_CHART_ONLY = (
+    "logLevel", "extraArgs", "metricsOnLoopback", "serviceAccount", "podAnnotations", "podLabels",
+    "extraEnv",
+)  # fmt: skip
 
 
 def test_agents_values_cover_the_whole_spec() -> None:
@@ -588,9 +591,19 @@ UNKNOWN = "additional properties '{}' not allowed"
         ({"operator": {"extraEnv": [{"value": "x"}]}}, "/operator/extraEnv/0", "name"),
         ({"operator": {"extraArgs": "-v"}}, "/operator/extraArgs", "array"),
         ({"operator": {"podLabels": {"team": 1}}}, "/operator/podLabels/team", "string"),
+        ({"operator": {"podLabels": {"team": "a/b"}}}, "/operator/podLabels/team", "a/b"),
+        ({"operator": {"podAnnotations": {"-x": "1"}}}, "/operator/podAnnotations",
+         UNKNOWN.format("-x")),
         ({"operator": {"serviceAccount": {"name": "Bad_Name"}}}, "/serviceAccount/name",
          "Bad_Name"),
         ({"agents": {"metricsOnLoopback": "yes"}}, "/agents/metricsOnLoopback", "boolean"),
+        ({"agents": {"podLabels": {"team": 1}}}, "/agents/podLabels/team", "string"),
+        ({"agents": {"podLabels": {"team": "a b"}}}, "/agents/podLabels/team", "a b"),
+        ({"agents": {"podAnnotations": {"bad key": "x"}}}, "/agents/podAnnotations",
+         UNKNOWN.format("bad key")),
+        ({"agents": {"extraEnv": [{"name": "TZ"}]}}, "/agents/extraEnv/0", "value"),
+        ({"agents": {"extraEnv": [{"name": "TZ", "value": "UTC", "valueFrom": {}}]}},
+         "/agents/extraEnv/0", UNKNOWN.format("valueFrom")),
         ({"agents": {"serviceAccount": {"name": "x"}}}, "/agents/serviceAccount",
          UNKNOWN.format("name")),
         ({"rbac": {"enabled": True}}, "/rbac", UNKNOWN.format("enabled")),
@@ -777,6 +790,36 @@ def test_agents_log_level_and_args_go_through_the_operator(helm_env: dict[str, s
     command = operator_container(render(helm_env, values))["command"]
     assert command[-3:] == ["--agent-arg=-v", "--agent-arg=--foo", "--agent-arg=a b"]
     assert not [a for a in operator_container(render(helm_env))["command"] if "agent-arg" in a]
+
+
+def test_agents_pod_metadata_and_env_go_through_the_operator(helm_env: dict[str, str]) -> None:
+    """agents.podAnnotations, podLabels and extraEnv become the operator's flags, and the
+    operator, started with the chart's command line, puts them on the agents' pods."""
+    from kpx_operator.builders import Owner, agent_daemonset
+    from kpx_operator.cli import build_options, parser
+
+    values = {"agents": {"podAnnotations": {"prometheus.io/scrape": "true", "a": "x=y z"},
+                         "podLabels": {"team": "net"},
+                         "extraEnv": [{"name": "TZ", "value": "UTC"},
+                                      {"name": "HTTPS_PROXY", "value": ""}]}}  # fmt: skip
+    objs = render(helm_env, values)
+    command = operator_container(objs)["command"]
+    assert command[-5:] == [
+        "--agent-pod-annotation=a=x=y z", "--agent-pod-annotation=prometheus.io/scrape=true",
+        "--agent-pod-label=team=net", "--agent-env=TZ=UTC", "--agent-env=HTTPS_PROXY=",
+    ]  # fmt: skip
+    assert command[0] == "proxy-operator"
+    options = build_options(parser().parse_args(command[1:]))
+    spec = parse_spec(the(objs, "ProxyConfiguration")["spec"])
+    template = agent_daemonset(Owner("default", "uid"), spec, options)["spec"]["template"]
+    assert template["metadata"]["labels"]["team"] == "net"
+    assert template["metadata"]["labels"]["app.kubernetes.io/name"] == "kpx-agent"
+    annotations = template["metadata"]["annotations"]
+    assert (annotations["prometheus.io/scrape"], annotations["a"]) == ("true", "x=y z")
+    env = template["spec"]["containers"][0]["env"]
+    assert env[-2:] == [{"name": "TZ", "value": "UTC"}, {"name": "HTTPS_PROXY", "value": ""}]
+    default = operator_container(render(helm_env))["command"]
+    assert not [a for a in default if a.startswith(("--agent-pod", "--agent-env"))]
 
 
 @pytest.mark.parametrize(

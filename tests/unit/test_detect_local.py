@@ -162,9 +162,18 @@ def test_the_agent_settings_carry_detect_local_and_localhost_node_ports() -> Non
     )
     bridge = {"mode": "BridgeInterface", "bridgeInterface": "cbr0"}
     assert resolved("iptables", detectLocal=bridge).detect_local.interface == "cbr0"
-    # localhostNodePorts: iptables only, and only where 127.0.0.1 can be a NodePort address.
+    # localhostNodePorts: iptables by default, nftables as its opt-in, and only where 127.0.0.1
+    # can be a NodePort address.
     assert resolved("iptables").localhost_node_ports
     assert not resolved("nftables").localhost_node_ports
+    opt_in = {"localhostNodePorts": True}
+    assert resolved("nftables", nftables=opt_in).localhost_node_ports
+    assert not resolved(
+        "nftables", nftables=opt_in, nodePortAddresses=["primary"]
+    ).localhost_node_ports
+    assert resolved(
+        "nftables", nftables=opt_in, nodePortAddresses=["127.0.0.0/8"]
+    ).localhost_node_ports
     off = {"masqueradeBit": 14, "localhostNodePorts": False}
     assert not resolved("iptables", iptables=off).localhost_node_ports
     assert not resolved("iptables", nodePortAddresses=["primary"]).localhost_node_ports

@@ -198,6 +198,60 @@ def test_agent_args_and_service_account_from_the_operator() -> None:
     assert default["containers"][0]["command"][-1] != "-v"
 
 
+def test_agent_pod_metadata_and_env_from_the_operator() -> None:
+    """--agent-pod-annotation, --agent-pod-label and --agent-env (the chart's agents.podAnnotations,
+    podLabels and extraEnv) reach the agents' pods beside the operator's own, which they cannot
+    replace; the cleanup pods take none of them."""
+    owner, spec = example("nftables")
+    opts = BuildOptions(
+        agent_pod_annotations=(("prometheus.io/scrape", "true"),),
+        agent_pod_labels=(("team", "net"),),
+        agent_env=(("TZ", "UTC"),),
+    )
+    ds = builders.agent_daemonset(owner, spec, opts)
+    meta = ds["spec"]["template"]["metadata"]
+    default = builders.agent_daemonset(owner, spec, OPTS)["spec"]["template"]
+    assert meta["labels"] == {**default["metadata"]["labels"], "team": "net"}
+    assert meta["annotations"] == {**default["metadata"]["annotations"],
+                                   "prometheus.io/scrape": "true"}  # fmt: skip
+    assert ds["spec"]["selector"]["matchLabels"].items() <= meta["labels"].items()
+    env = pod_spec(ds)["containers"][0]["env"]
+    assert env == [*default["spec"]["containers"][0]["env"], {"name": "TZ", "value": "UTC"}]
+    assert not [e for e in default["spec"]["containers"][0]["env"]
+                if not builders.operator_env(e["name"])]  # fmt: skip
+    cleanup = builders.cleanup_daemonset(owner, spec, opts)["spec"]["template"]["metadata"]
+    assert "team" not in cleanup["labels"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "why"),
+    [
+        ("--agent-pod-label=app.kubernetes.io/name=x", "label app.kubernetes.io/name is the "
+                                                       "operator's own"),
+        ("--agent-pod-label=app.kubernetes.io/instance=x", "is the operator's own"),
+        ("--agent-pod-label=team=a b", "label team: value 'a b' must be a label value"),
+        ("--agent-pod-label=team", "expected KEY=VALUE, got 'team'"),
+        ("--agent-pod-annotation=bad key=x", "annotation key 'bad key' must be a label key"),
+        (f"--agent-pod-annotation={RESTART_HASH_ANNOTATION}=x", "is the operator's own"),
+        ("--agent-env=NODE_NAME=x", "environment variable NODE_NAME is the operator's own"),
+        ("--agent-env=KUBERNETES_SERVICE_HOST=1.2.3.4", "is the operator's own"),
+        ("--agent-env=POD_UID=x", "is the operator's own"),
+        ("--agent-env=KPX_STATE_API=x", "is the operator's own"),
+        ("--agent-env=1X=y", "environment variable name '1X'"),
+    ],
+)  # fmt: skip
+def test_operator_refuses_agent_pod_flags_naming_the_flag_and_reason(
+    flag: str, why: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kpx_operator.cli import parser
+
+    with pytest.raises(SystemExit) as exc:
+        parser().parse_args([flag])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag.split('=')[0]}:" in err and why in err, err
+
+
 @pytest.mark.parametrize(
     ("metrics", "ports"),
     [

@@ -48,7 +48,7 @@ class AgentKill(Fault):
         return env.nodes[1:2] if self.which == "one" else list(env.nodes)
 
     def settled(self, ctx: Ctx) -> bool:
-        return ctx.env.rolled_out("nftables")
+        return ctx.env.rolled_out(ctx.opts.mode)
 
     def _kill(self, ctx: Ctx) -> list[tuple[str, int]]:
         killed = []
@@ -218,6 +218,7 @@ class ApiserverDropped(Fault):
 class NftFlush(Fault):
     name = "foreign `nft flush table` (one node)"
     change_at = "after"
+    mode = "nftables"
 
     def __init__(self) -> None:
         self.how = "`nft flush table` of every kpx table in one node's netns"
@@ -235,6 +236,38 @@ class NftFlush(Fault):
         ctx.notes.append("flushed " + ", ".join(f"{f} {n}" for f, n in tables))
 
 
+class IptablesFlush(Fault):
+    """`iptables -F` as a person runs it by mistake: every chain of the filter and nat tables
+    flushed, IPv4 and IPv6, in one node's netns (kpx's own chains and the hooks' jumps into
+    them, and whatever else was there). The agent's periodic check (a digest of its chains)
+    must notice and write everything again."""
+
+    name = "foreign `iptables -F` (one node)"
+    change_at = "after"
+    mode = "iptables"
+    TABLES = ("filter", "nat")
+
+    def __init__(self) -> None:
+        self.how = (
+            "`iptables -F` and `iptables -t nat -F` (and ip6tables') in one node's netns: "
+            "every chain of both tables flushed"
+        )
+
+    def touches(self, env: MigrationEnv) -> list[Node]:
+        return env.nodes[0:1]
+
+    def inject(self, ctx: Ctx) -> None:
+        node = self.touches(ctx.env)[0]
+        flushed = []
+        for tool in ("iptables", "ip6tables"):
+            for table in self.TABLES:
+                before = ctx.env.topo.exec(node, [f"{tool}-save", "-t", table], check=True)
+                rules = sum(line.startswith("-A ") for line in before.stdout.splitlines())
+                ctx.env.topo.exec(node, [tool, "-t", table, "-F"], check=True)
+                flushed.append(f"{tool} {table} ({rules} rules)")
+        ctx.notes.append("flushed " + ", ".join(flushed))
+
+
 def _elem_key(elem: Any) -> str:
     key = elem[0] if isinstance(elem, list) else elem
     if isinstance(key, dict) and "elem" in key:
@@ -247,6 +280,7 @@ def _elem_key(elem: Any) -> str:
 class NftElementDeleted(Fault):
     name = "one nft element deleted (one node)"
     change_at = "after"
+    mode = "nftables"
 
     def __init__(self) -> None:
         self.how = (
@@ -377,7 +411,7 @@ class PxcDeleted(Fault):
             self.saved = {}
 
     def settled(self, ctx: Ctx) -> bool:
-        return ctx.env.rolled_out("nftables")
+        return ctx.env.rolled_out(ctx.opts.mode)
 
     def cleanup(self, ctx: Ctx) -> None:
         self.heal(ctx)
@@ -440,7 +474,7 @@ class OperatorLeader(Fault):
         st = ctx.env.json("get", "pxc", ctx.env.pxc).get("status", {})
         return (
             cpus == {self.cpu}
-            and ctx.env.rolled_out("nftables")
+            and ctx.env.rolled_out(ctx.opts.mode)
             and int(st.get("observedGeneration", 0)) >= self.generation
         )
 
@@ -478,7 +512,7 @@ class NodeReboot(Fault):
                    f"{self.pod} restarted")  # fmt: skip
 
     def settled(self, ctx: Ctx) -> bool:
-        return ctx.env.rolled_out("nftables")
+        return ctx.env.rolled_out(ctx.opts.mode)
 
 
 class ObjectBomb(Fault):

@@ -48,6 +48,8 @@ class Options:
     converge_timeout: float = 180.0
     healthy_timeout: float = 240.0
     settle: float = 3.0
+    #: the mode kpx runs in for the rows being run (the suite switches modes between groups)
+    mode: str = "nftables"
 
 
 @dataclass
@@ -133,6 +135,8 @@ class Fault:
     change_at = "inject"
     #: the goal covers the touched nodes too (faults no packet should notice)
     strict = False
+    #: the kpx mode the fault needs (None: any; the suite runs each row in its mode)
+    mode: str | None = None
 
     def touches(self, env: MigrationEnv) -> list[Node]:
         return []
@@ -201,8 +205,8 @@ def base_targets(env: MigrationEnv) -> list[tuple[str, str, int]]:
     return [(n, env.service(n)["spec"]["clusterIP"], TCP_PORT) for n in ("svc-a", "svc-np")]
 
 
-def healthy(env: MigrationEnv, timeout: float, log: Log) -> None:
-    wait_until(lambda: env.rolled_out("nftables"), timeout, "every agent and the pxc Ready")
+def healthy(env: MigrationEnv, timeout: float, log: Log, mode: str = "nftables") -> None:
+    wait_until(lambda: env.rolled_out(mode), timeout, f"every agent in {mode} and the pxc Ready")
     targets = base_targets(env)
     wait_until(lambda: not unanswered(env, targets), timeout, "the Services answer everywhere")
     if clean_after(env, targets, timeout) is None:
@@ -294,7 +298,7 @@ def run_row(env: MigrationEnv, fault: Fault | NotBuilt, opts: Options, log: Log)
     started: list[Any] = []
     log(f"== {fault.name}: {fault.how}")
     try:
-        healthy(env, opts.healthy_timeout, log)
+        healthy(env, opts.healthy_timeout, log, opts.mode)
         started = _start_load(env, opts.load)
         time.sleep(opts.load.warmup)
         changes: list[Change] = []
