@@ -296,7 +296,8 @@ def machine_info() -> dict[str, str]:
 
 
 def agent_commit() -> str:
-    """The commit the agent ran from, with `+dirty` when agents/ has uncommitted changes."""
+    """The commit the agent ran from, with `+dirty` when agents/, kube/ or api/ have uncommitted
+    changes."""
     repo = BENCH_DIR.parent
     head = subprocess.run(
         ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
@@ -305,7 +306,7 @@ def agent_commit() -> str:
         check=False,
     ).stdout.strip()
     dirty = subprocess.run(
-        ["git", "-C", str(repo), "status", "--porcelain", "--", "agents", "api"],
+        ["git", "-C", str(repo), "status", "--porcelain", "--", "agents", "kube", "api"],
         capture_output=True,
         text=True,
         check=False,

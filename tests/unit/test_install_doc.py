@@ -21,7 +21,7 @@ import yaml
 from test_chart import CHART, NAMESPACE, helm_binary
 
 from kpx_agent.cli import main
-from kpx_agent.http_endpoints import BIND_RETRY
+from kpx_agent.observability.http_endpoints import BIND_RETRY
 from kpx_api.proxyconfiguration import DeletionPolicy
 from kpx_api.proxysettings import ProxySettings
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
-from kpx_agent.metrics import AgentMetrics
+from kpx_agent.observability.metrics import AgentMetrics
 from kpx_operator.metrics import OperatorMetrics
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
