@@ -25,7 +25,8 @@ OPT_OUT_VALUE: Final = "disabled"
 AGENT_EVENT_SOURCE: Final = "kpx-agent"
 CONNTRACK_NOT_APPLIED: Final = "ConntrackNotApplied"
 CONNTRACK_APPLIED: Final = "ConntrackApplied"
-#: An agent could not remove another proxy's rules from its node (it retries; takeover.py).
+#: An agent could not remove another proxy's rules from its node (it retries; the agent's
+#: handover/make_before_break.py).
 LEFTOVERS_NOT_REMOVED: Final = "LeftoversNotRemoved"
 #: The agent removed another kpx mode's rules from its node after its first verified sync
 #: (the message names the mode: "removed the rules of kpx mode iptables").
