@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from ipaddress import ip_network
 
+from kpx_agent.backends.kernel.packet_walk import Outcome, Packet
 from kpx_agent.localnet import (
     IP,
     DetectLocal,
@@ -33,28 +34,6 @@ from kpx_agent.localnet import (
 )
 
 TCP, UDP = Protocol.TCP, Protocol.UDP
-
-
-@dataclass(frozen=True)
-class Packet:
-    """The first packet of a connection: origin is "pod" (arrives from a pod's interface),
-    "node" (sent by the node itself) or "external" (arrives on the node's fabric)."""
-
-    family: int
-    saddr: str
-    daddr: str
-    protocol: Protocol
-    dport: int
-    origin: str
-    iif: str = ""
-    local_addresses: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True)
-class Outcome:
-    verdict: str  # accept, drop, reject
-    dnat: tuple[str, int] | None = None
-    masquerade: bool = False
 
 
 @dataclass(frozen=True)

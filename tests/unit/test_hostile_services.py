@@ -23,9 +23,9 @@ from typing import Any
 from backend_samples import SETTINGS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from nft_fake import FakeNftables
 
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import FakeNftables
 from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.metrics import AgentMetrics
 from kpx_agent.proxier import DATAPLANE, Proxier

@@ -4,10 +4,10 @@ our chains and jump rules compared with the record; a full sync repairs what dif
 from __future__ import annotations
 
 from backend_samples import SETTINGS, sample_state
-from ipt_fake import FakeIptables
 
 from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.fake import FakeIptables
 from kpx_agent.localnet import NodeLocalState
 
 

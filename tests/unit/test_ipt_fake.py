@@ -7,11 +7,11 @@ import random
 
 import pytest
 from backend_samples import SETTINGS, sample_state
-from ipt_fake import FakeError, FakeIptables
 from test_nft_fake import mutate
 
 from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.fake import FakeError, FakeIptables
 from kpx_agent.localnet import ServicePort
 
 

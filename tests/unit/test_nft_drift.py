@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 from backend_samples import SETTINGS, key, sample_state
-from nft_fake import FakeNftables, FakeTable
 
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import FakeNftables, FakeTable
 from kpx_agent.localnet import IP, NodeLocalState, Protocol
 
 VIP = (IP.of("10.96.0.10"), Protocol.TCP, 80)

@@ -10,13 +10,13 @@ from collections.abc import Callable
 
 import pytest
 from backend_samples import SETTINGS, sample_state
-from nft_fake import FakeError, FakeNftables
 
-from kpx_agent.backends.kernel.nft_rules import Jump, rule
+from kpx_agent.backends.kernel.nft_rules import Jump, Lookup, Verdict, rule, vip_key
 from kpx_agent.backends.kernel.nft_transaction import AddRule, Transaction
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
-from kpx_agent.backends.nftables.schema import Goto, SetDecl
+from kpx_agent.backends.nftables.fake import FakeError, FakeNftables
+from kpx_agent.backends.nftables.schema import Field, Goto, SetDecl
 from kpx_agent.localnet import IP, Endpoint, NodeLocalState, Protocol, ServicePort
 
 TCP = Protocol.TCP
@@ -60,10 +60,12 @@ def test_references_types_and_duplicates_are_checked_as_the_kernel_does() -> Non
     refused(fake, lambda t: t.ops.append(AddRule("services", rule(Jump("nowhere")))), "nowhere")
     refused(fake, lambda t: t.add_elements("no-such-set", [(vip, None)]), "no such set")
     # A verdict map looked up as a set: Linux 6.1 refuses the rule (EINVAL). The typed
-    # vocabulary refuses to build it (test_nft_rules); as text, the fake refuses it too.
-    lookup = f"ip daddr . meta l4proto . th dport @{n.SERVICE_IPS} accept"
-    text_rule = AddRule("services", lookup)  # type: ignore[arg-type]
-    refused(fake, lambda t: t.ops.append(text_rule), "looked up as a set")
+    # vocabulary refuses to build it (test_nft_rules); a rule whose declaration says "set"
+    # where the table holds the map of that name is refused by the fake, which resolves the
+    # name as the kernel does.
+    as_set = SetDecl(n.SERVICE_IPS, (Field.ADDR, Field.PROTO, Field.PORT))
+    lookup = rule(Lookup(vip_key(4), as_set), Verdict.ACCEPT)
+    refused(fake, lambda t: t.ops.append(AddRule("services", lookup)), "looked up as a set")
     refused(fake, lambda t: t.add_elements(n.CLUSTER_IPS, [((ip("fd00::1"), TCP, 80), None)]),
             "wrong type")  # fmt: skip
     refused(fake, lambda t: t.add_elements(n.CLUSTER_IPS, [((ip("10.0.0.1"), "tcp", 80), None)]),

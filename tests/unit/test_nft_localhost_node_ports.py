@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 from backend_samples import GOLDEN, NODE, SETTINGS, check_golden, sample_state
-from nft_fake import FakeNftables
 from semantics import Outcome, Packet
 
 from kpx_agent.backends.base import NodePaths
 from kpx_agent.backends.nftables import create
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import FakeNftables
 from kpx_agent.backends.nftables.ruleset import base_table, nodeport_addresses
 from kpx_agent.backends.route_localnet import ROUTE_LOCALNET_FILE
 from kpx_agent.localnet import NodeFacts, Protocol, ProxySettings

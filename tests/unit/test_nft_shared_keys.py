@@ -9,11 +9,11 @@ import dataclasses
 from ipaddress import ip_network
 
 from backend_samples import NODE, SETTINGS, endpoints, key
-from nft_fake import FakeNftables
 from semantics import Packet
 
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import FakeNftables
 from kpx_agent.localnet import IP, NodeLocalState, Protocol, ServicePort
 from kpx_agent.node_local import local_state
 

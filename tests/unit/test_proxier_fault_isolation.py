@@ -8,13 +8,13 @@ from collections.abc import Iterable
 from typing import Any
 
 from backend_samples import SETTINGS
-from ipt_fake import FakeIptables
-from nft_fake import FakeNftables
 
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.fake import FakeIptables
 from kpx_agent.backends.kernel.nft_transaction import Transaction
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import FakeNftables
 from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.localnet import IP, Protocol
 from kpx_agent.metrics import AgentMetrics

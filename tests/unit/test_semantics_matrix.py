@@ -5,12 +5,12 @@ packet is traced through what the backend programmed."""
 from __future__ import annotations
 
 import pytest
-from ipt_fake import FakeIptables
-from nft_fake import FakeNftables
 from semantics import CASES, WORLD, Case, Outcome, Packet, node_of, packet, settings_of
 
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.fake import FakeIptables
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import FakeNftables
 from kpx_agent.node_local import local_state
 
 

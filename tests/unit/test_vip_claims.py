@@ -8,13 +8,13 @@ import itertools
 from typing import Any
 
 import pytest
-from ipt_fake import FakeIptables
-from nft_fake import FakeNftables
 from semantics import TCP, WORLD, Outcome, Packet
 
 from kpx_agent.backends.base import Backend
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.fake import FakeIptables
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import FakeNftables
 from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.localnet import IP, Protocol, ProxySettings, ServicePort, ServicePortKey
 from kpx_agent.metrics import AgentMetrics

@@ -17,11 +17,9 @@ from __future__ import annotations
 import ipaddress
 import shlex
 
-from packet_walk import Walk, every_outcome
-from semantics import Outcome, Packet
-
-from kpx_agent.backends.base import BackendError
-from kpx_agent.localnet import Protocol
+from ...localnet import Protocol
+from ..base import BackendError
+from ..kernel.packet_walk import Outcome, Packet, Walk, every_outcome
 
 BUILTIN = {
     "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),
