@@ -294,14 +294,18 @@ class NftWalk(Walk):
     def hook(self, hook: str) -> str:
         return self.nft_hook(hook)
 
-    def nft_hook(self, hook: str) -> str:
-        """The verdict of the table's base chains at `hook` ("accept" if it has none)."""
+    def nft_hook(self, hook: str, below: int | None = None, from_: int | None = None) -> str:
+        """The verdict of the table's base chains at `hook` ("accept" if it has none), those
+        of priority below `below` and from `from_` on when given."""
         if self.table is None:
             return "accept"
         chains = [
             (c.hook[2], name)
             for name, c in self.table.chains.items()
-            if c.hook is not None and c.hook[1] == hook
+            if c.hook is not None
+            and c.hook[1] == hook
+            and (below is None or c.hook[2] < below)
+            and (from_ is None or c.hook[2] >= from_)
         ]
         for _, name in sorted(chains):
             try:
