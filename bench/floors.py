@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import NftScripts
 from kpx_agent.localnet import NodeLocalState
 from workload import SETTINGS, node_local_state
 
@@ -30,13 +31,9 @@ RESTORE = {4: "iptables-restore", 6: "ip6tables-restore"}
 
 
 def nft_script(st: NodeLocalState) -> str:
-    scripts: list[str] = []
-    NftablesBackend(
-        SETTINGS,
-        run_script=lambda parts: scripts.append("".join(parts)),
-        present_families=lambda: {4, 6},
-    ).sync(st, None)
-    return scripts[-1]
+    kernel = NftScripts()
+    NftablesBackend(SETTINGS, kernel).sync(st, None)
+    return kernel.runs[-1]
 
 
 def iptables_scripts(st: NodeLocalState) -> list[tuple[int, str]]:

@@ -57,9 +57,7 @@ def node(*addresses: str) -> dict[str, Any]:
 
 def nft() -> tuple[Any, Any]:
     fake = FakeNftables()
-    return NftablesBackend(ProxySettings(), run_transactions=fake.run_transactions,
-                           present_families=fake.present_families,
-                           load_elements=fake.load_elements), fake  # fmt: skip
+    return NftablesBackend(ProxySettings(), fake), fake  # fmt: skip
 
 
 def ipt() -> tuple[Any, Any]:

@@ -25,12 +25,7 @@ ip = IP.of
 
 def synced() -> tuple[FakeNftables, NftablesBackend, NodeLocalState]:
     fake = FakeNftables()
-    backend = NftablesBackend(
-        SETTINGS,
-        run_transactions=fake.run_transactions,
-        present_families=fake.present_families,
-        load_elements=fake.load_elements,
-    )
+    backend = NftablesBackend(SETTINGS, fake)
     state = sample_state()
     backend.sync(state, None)
     return fake, backend, state
@@ -145,10 +140,5 @@ def test_partial_syncs_end_where_one_full_sync_of_the_final_state_does(seed: int
                 state.services[key] = mutate(rng, removed.pop(key))
         backend.sync(state, changed)
     full = FakeNftables()
-    NftablesBackend(
-        SETTINGS,
-        run_transactions=full.run_transactions,
-        present_families=full.present_families,
-        load_elements=full.load_elements,
-    ).sync(state, None)
+    NftablesBackend(SETTINGS, full).sync(state, None)
     assert canonical(fake) == canonical(full)

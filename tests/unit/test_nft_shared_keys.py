@@ -31,12 +31,7 @@ def lb_service(name: str, *ranges: str, cluster_ip: str = "10.96.0.50") -> Servi
 
 
 def backend_on(fake: FakeNftables) -> NftablesBackend:
-    return NftablesBackend(
-        SETTINGS,
-        run_transactions=fake.run_transactions,
-        present_families=fake.present_families,
-        load_elements=fake.load_elements,
-    )
+    return NftablesBackend(SETTINGS, fake)
 
 
 def state_of(*ports: ServicePort) -> NodeLocalState:

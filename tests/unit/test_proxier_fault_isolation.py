@@ -54,13 +54,7 @@ def setup() -> tuple[ClusterState, WatchedKernel, Proxier]:
         state.replace(kind, [])
     fake = WatchedKernel()
     fake.refuse = {POISON, POISON6}
-    backend = NftablesBackend(
-        SETTINGS,
-        run_transactions=fake.run_transactions,
-        check_transactions=fake.check_transactions,
-        present_families=fake.present_families,
-        load_elements=fake.load_elements,
-    )
+    backend = NftablesBackend(SETTINGS, fake)
     proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), backend.settings)
     proxier.delete_flows = lambda filters: 0
     return state, fake, proxier

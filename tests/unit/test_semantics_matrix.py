@@ -33,12 +33,7 @@ from kpx_agent.node_local import local_state
 def nft_outcomes(case: Case, pkt: Packet) -> set[Outcome]:
     fake = FakeNftables()
     settings = settings_of(case)
-    backend = NftablesBackend(
-        settings,
-        run_transactions=fake.run_transactions,
-        present_families=fake.present_families,
-        load_elements=fake.load_elements,
-    )
+    backend = NftablesBackend(settings, fake)
     backend.sync(local_state(node_of(), settings, case.ports(WORLD)), None)
     return fake.trace(pkt)
 

@@ -747,12 +747,7 @@ def test_conditions_change_no_kernel_rule_but_make_a_revision() -> None:
     ipt = FakeIptables()
     backends = [
         (
-            NftablesBackend(
-                SETTINGS,
-                run_transactions=nft.run_transactions,
-                present_families=nft.present_families,
-                load_elements=nft.load_elements,
-            ),
+            NftablesBackend(SETTINGS, nft),
             lambda: (nft.transactions, nft.dump()),
         ),
         (

@@ -211,12 +211,7 @@ def to_victim() -> Packet:
 
 def nft() -> tuple[Backend, Any]:
     fake = FakeNftables()
-    backend = NftablesBackend(
-        ProxySettings(),
-        run_transactions=fake.run_transactions,
-        present_families=fake.present_families,
-        load_elements=fake.load_elements,
-    )
+    backend = NftablesBackend(ProxySettings(), fake)
     return backend, fake
 
 

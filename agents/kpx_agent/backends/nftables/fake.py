@@ -37,7 +37,15 @@ from . import names as n
 from . import netlink_batch
 from .schema import Key, Value, element_text
 
-__all__ = ["FakeChain", "FakeError", "FakeNftables", "FakeSet", "FakeTable", "pairs_of"]
+__all__ = [
+    "FakeChain",
+    "FakeError",
+    "FakeNftables",
+    "FakeSet",
+    "FakeTable",
+    "NftScripts",
+    "pairs_of",
+]
 
 
 class FakeNftables:
@@ -50,9 +58,21 @@ class FakeNftables:
         self.broken_families: set[int] = set()
         # The ruleset's generation id: every committed transaction or load bumps it (`edit`
         # does for a change made behind the backend's back).
-        self.generation = 0
+        self.generation_id = 0
 
-    # -- the backend's kernel interface (NftablesBackend's injectable callables)
+    # -- the backend's kernel (`kernel.Kernel`)
+
+    def run(self, transactions: Iterable[Transaction]) -> None:
+        self.run_transactions(transactions)
+
+    def check(self, transactions: Iterable[Transaction]) -> str | None:
+        return self.check_transactions(transactions)
+
+    def generation(self) -> int:
+        return self.generation_id
+
+    def table_digest(self, family: int) -> bytes:
+        return self.digest(family)
 
     def present_families(self) -> set[int]:
         return set(self.tables)
@@ -70,7 +90,7 @@ class FakeNftables:
             check_rules(table)
         self.tables = staged
         self.transactions += 1
-        self.generation += 1
+        self.generation_id += 1
 
     def _refused(self, pairs: Iterable[tuple[Key, Value]]) -> None:
         for key, _ in pairs:
@@ -97,21 +117,18 @@ class FakeNftables:
                 self._refused(pairs)
                 add_elements(_table(staged, family), set_name, list(pairs))
         self.tables = staged
-        self.generation += 1
+        self.generation_id += 1
 
     def flush(self) -> None:
         """Someone flushed the ruleset."""
         self.tables = {}
-        self.generation += 1
-
-    def current_generation(self) -> int:
-        return self.generation
+        self.generation_id += 1
 
     def edit(self, change: Callable[[dict[int, FakeTable]], object] = lambda tables: None) -> None:
         """Another writer's transaction: `change` edits the tables (none: a commit elsewhere),
         and the generation moves on."""
         change(self.tables)
-        self.generation += 1
+        self.generation_id += 1
 
     def digest(self, family: int) -> bytes:
         """A digest of one family's table as the backend's drift check reads it: its sets,
@@ -174,3 +191,35 @@ def pairs_of(fake: FakeNftables) -> Iterator[tuple[int, str, int]]:
     for family, table in fake.tables.items():
         for name, s in table.sets.items():
             yield family, name, len(s.elements)
+
+
+class NftScripts:
+    """A `kernel.Kernel` that applies nothing and records the nft text of each run, as
+    `kernel.NodeKernel` would hand it to `nft -f` (golden tests, benchmarks). Its `families`
+    are present, so a full sync swaps each table in one transaction; the elements loaded over
+    netlink (none then) are recorded too."""
+
+    def __init__(self, families: Iterable[int] = (4, 6)) -> None:
+        self.families = set(families)
+        self.runs: list[str] = []
+        self.loaded: list[netlink_batch.Elements] = []
+
+    def run(self, transactions: Iterable[Transaction]) -> None:
+        self.runs.append("".join(txn.render() for txn in transactions))
+
+    def check(self, transactions: Iterable[Transaction]) -> str | None:
+        for txn in transactions:
+            txn.render()
+        return None
+
+    def present_families(self) -> set[int]:
+        return set(self.families)
+
+    def load_elements(self, elements: netlink_batch.Elements) -> None:
+        self.loaded.append(elements)
+
+    def generation(self) -> int:
+        return len(self.runs) + len(self.loaded)
+
+    def table_digest(self, family: int) -> bytes:
+        return b""
