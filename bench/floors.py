@@ -21,6 +21,7 @@ import uuid
 from pathlib import Path
 
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.fake import IptScripts
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.fake import NftScripts
 from kpx_agent.localnet import NodeLocalState
@@ -37,15 +38,9 @@ def nft_script(st: NodeLocalState) -> str:
 
 
 def iptables_scripts(st: NodeLocalState) -> list[tuple[int, str]]:
-    scripts: list[tuple[int, str]] = []
-    backend = IptablesBackend(
-        SETTINGS,
-        restore=lambda fam, script: scripts.append((fam, script)),
-        save=lambda fam, table: "",
-        chain_exists=lambda fam, table, chain: False,
-    )
-    backend.sync(st, None)
-    return scripts
+    kernel = IptScripts()
+    IptablesBackend(SETTINGS, kernel).sync(st, None)
+    return kernel.scripts
 
 
 def timed_in_fresh_netns(loads: list[tuple[list[str], str]]) -> float:

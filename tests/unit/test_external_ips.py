@@ -62,9 +62,7 @@ def nft() -> tuple[Any, Any]:
 
 def ipt() -> tuple[Any, Any]:
     fake = FakeIptables()
-    return IptablesBackend(ProxySettings(), restore=fake.restore, save=fake.save,
-                           chain_exists=fake.chain_exists,
-                           ensure_sysctl=lambda path, value: None), fake  # fmt: skip
+    return IptablesBackend(ProxySettings(), fake, ensure_sysctl=lambda path, value: None), fake
 
 
 def proxier_with(backend: Any) -> tuple[ClusterState, Proxier]:

@@ -18,9 +18,7 @@ from kpx_agent.localnet import ServicePort
 def backend_on(fake: FakeIptables) -> IptablesBackend:
     return IptablesBackend(
         SETTINGS,
-        restore=fake.restore,
-        save=fake.save,
-        chain_exists=fake.chain_exists,
+        fake,
         ensure_sysctl=lambda path, value: None,
     )
 

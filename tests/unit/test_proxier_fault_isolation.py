@@ -164,11 +164,8 @@ def iptables_setup() -> tuple[ClusterState, FakeIptables, Proxier]:
     fake = FakeIptables()
     backend = IptablesBackend(
         SETTINGS,
-        restore=fake.restore,
-        save=fake.save,
-        chain_exists=fake.chain_exists,
+        fake,
         ensure_sysctl=lambda path, value: None,
-        check_restore=fake.restore_test,
     )
     proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), backend.settings)
     proxier.delete_flows = lambda filters: 0

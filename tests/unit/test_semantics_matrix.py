@@ -43,9 +43,7 @@ def ipt_outcomes(case: Case, pkt: Packet) -> set[Outcome]:
     settings = settings_of(case)
     backend = IptablesBackend(
         settings,
-        restore=fake.restore,
-        save=fake.save,
-        chain_exists=fake.chain_exists,
+        fake,
         ensure_sysctl=lambda path, value: None,
     )
     backend.sync(local_state(node_of(), settings, case.ports(WORLD)), None)

@@ -753,9 +753,7 @@ def test_conditions_change_no_kernel_rule_but_make_a_revision() -> None:
         (
             IptablesBackend(
                 SETTINGS,
-                restore=ipt.restore,
-                save=ipt.save,
-                chain_exists=ipt.chain_exists,
+                ipt,
                 ensure_sysctl=lambda path, value: None,
             ),
             lambda: (ipt.runs, ipt.dump()),

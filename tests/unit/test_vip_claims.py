@@ -219,9 +219,7 @@ def ipt() -> tuple[Backend, Any]:
     fake = FakeIptables()
     backend = IptablesBackend(
         ProxySettings(),
-        restore=fake.restore,
-        save=fake.save,
-        chain_exists=fake.chain_exists,
+        fake,
         ensure_sysctl=lambda path, value: None,
     )
     return backend, fake
