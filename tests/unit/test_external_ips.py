@@ -7,13 +7,13 @@ from ipaddress import ip_network
 from typing import Any
 
 import pytest
-from ipt_fake import FakeIptables
-from nft_fake import FakeNftables
 from semantics import TCP, WORLD, Outcome, Packet
 
 from kpx_agent.backends.base import Backend
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.fake import FakeIptables
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import FakeNftables
 from kpx_agent.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.external_ips import ExternalIPPolicy
 from kpx_agent.localnet import IP, ProxySettings
@@ -57,16 +57,12 @@ def node(*addresses: str) -> dict[str, Any]:
 
 def nft() -> tuple[Any, Any]:
     fake = FakeNftables()
-    return NftablesBackend(ProxySettings(), run_transactions=fake.run_transactions,
-                           present_families=fake.present_families,
-                           load_elements=fake.load_elements), fake  # fmt: skip
+    return NftablesBackend(ProxySettings(), fake), fake  # fmt: skip
 
 
 def ipt() -> tuple[Any, Any]:
     fake = FakeIptables()
-    return IptablesBackend(ProxySettings(), restore=fake.restore, save=fake.save,
-                           chain_exists=fake.chain_exists,
-                           ensure_sysctl=lambda path, value: None), fake  # fmt: skip
+    return IptablesBackend(ProxySettings(), fake, ensure_sysctl=lambda path, value: None), fake
 
 
 def proxier_with(backend: Any) -> tuple[ClusterState, Proxier]:

@@ -736,31 +736,24 @@ def test_conditions_change_no_kernel_rule_but_make_a_revision() -> None:
     the backends get the same endpoints and program nothing (no nft transaction, no
     iptables-restore); the state API makes one revision with the new conditions."""
     from backend_samples import SETTINGS
-    from ipt_fake import FakeIptables
-    from nft_fake import FakeNftables
 
     from kpx_agent.backends.iptables.backend import IptablesBackend
+    from kpx_agent.backends.iptables.fake import FakeIptables
     from kpx_agent.backends.nftables.backend import NftablesBackend
+    from kpx_agent.backends.nftables.fake import FakeNftables
     from kpx_agent.cluster_state import SERVICES, SLICES
 
     nft = FakeNftables()
     ipt = FakeIptables()
     backends = [
         (
-            NftablesBackend(
-                SETTINGS,
-                run_transactions=nft.run_transactions,
-                present_families=nft.present_families,
-                load_elements=nft.load_elements,
-            ),
+            NftablesBackend(SETTINGS, nft),
             lambda: (nft.transactions, nft.dump()),
         ),
         (
             IptablesBackend(
                 SETTINGS,
-                restore=ipt.restore,
-                save=ipt.save,
-                chain_exists=ipt.chain_exists,
+                ipt,
                 ensure_sysctl=lambda path, value: None,
             ),
             lambda: (ipt.runs, ipt.dump()),
