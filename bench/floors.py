@@ -21,7 +21,9 @@ import uuid
 from pathlib import Path
 
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.fake import IptScripts
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import NftScripts
 from kpx_agent.model.types import NodeLocalState
 from workload import SETTINGS, node_local_state
 
@@ -30,25 +32,15 @@ RESTORE = {4: "iptables-restore", 6: "ip6tables-restore"}
 
 
 def nft_script(st: NodeLocalState) -> str:
-    scripts: list[str] = []
-    NftablesBackend(
-        SETTINGS,
-        run_script=lambda parts: scripts.append("".join(parts)),
-        present_families=lambda: {4, 6},
-    ).sync(st, None)
-    return scripts[-1]
+    kernel = NftScripts()
+    NftablesBackend(SETTINGS, kernel).sync(st, None)
+    return kernel.runs[-1]
 
 
 def iptables_scripts(st: NodeLocalState) -> list[tuple[int, str]]:
-    scripts: list[tuple[int, str]] = []
-    backend = IptablesBackend(
-        SETTINGS,
-        restore=lambda fam, script: scripts.append((fam, script)),
-        save=lambda fam, table: "",
-        chain_exists=lambda fam, table, chain: False,
-    )
-    backend.sync(st, None)
-    return scripts
+    kernel = IptScripts()
+    IptablesBackend(SETTINGS, kernel).sync(st, None)
+    return kernel.scripts
 
 
 def timed_in_fresh_netns(loads: list[tuple[list[str], str]]) -> float:

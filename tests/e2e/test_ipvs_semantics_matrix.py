@@ -3,8 +3,9 @@
 The same cases, topology, packets and judgement as tests/e2e/test_semantics_matrix_kernel.py
 (nftables and iptables), with the ipvs backend synced in n1's netns by one long-lived driver
 (tests/e2e/ipvs_driver.py: the guest is emulated, a Python start per case would cost seconds).
-Where ipvs mode differs as upstream documents it, IPVS_OUTCOMES gives the outcome expected
-instead, each naming its item of "What ipvs mode does not do" in
+Where ipvs mode differs as upstream documents it, semantics.IPVS_OUTCOMES gives the outcome
+expected instead (the same table the unit tier's ipvs column, through the kernel fake, uses),
+each naming its item of "What ipvs mode does not do" in
 agents/kpx_agent/backends/ipvs/README.md; every other case must pass as in the other modes.
 
 This host's kernel has no IPVS: the test skips here and runs inside a `proxy-vm` guest, started
@@ -17,23 +18,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from test_ipvs_kernel import Driver, pytestmark  # noqa: F401  (skipped where no IPVS)
 from test_semantics_matrix_kernel import Net, net, probe_case  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from semantics import CASES, Outcome, World, verdict
-
-#: Cases whose ipvs outcome differs from the other modes, as documented (README item).
-IPVS_OUTCOMES: dict[str, tuple[str, Callable[[World], set[Outcome]]]] = {
-    # 1. No externalTrafficPolicy Local short circuit: with no endpoint on this node, a pod or
-    #    the node reaching the load-balancer or external IP is dropped like outside traffic.
-    "etp-local-short-circuit-pod": ("1", verdict("drop")),
-    "etp-local-short-circuit-pod-external-ip": ("1", verdict("drop")),
-    "etp-local-short-circuit-node": ("1", verdict("drop")),
-}
+from semantics import CASES, IPVS_OUTCOMES, ipvs_allowed
 
 
 def test_semantics_matrix_in_ipvs_mode(net: Net) -> None:  # noqa: F811
@@ -46,9 +37,7 @@ def test_semantics_matrix_in_ipvs_mode(net: Net) -> None:  # noqa: F811
         if only and case.name not in only:
             continue
         driver.step(case=case.name, world=world)
-        allowed = (IPVS_OUTCOMES[case.name][1] if case.name in IPVS_OUTCOMES else case.allowed)(
-            net.world
-        )
+        allowed = ipvs_allowed(case)(net.world)
         problem = probe_case(net, case, allowed)
         if problem:
             failures.append(problem)

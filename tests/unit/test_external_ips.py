@@ -7,20 +7,20 @@ from ipaddress import ip_network
 from typing import Any
 
 import pytest
-from ipt_fake import FakeIptables
-from nft_fake import FakeNftables
 from semantics import TCP, WORLD, Outcome, Packet
 
 from kpx_agent.backends.base import Backend
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.fake import FakeIptables
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import FakeNftables
+from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.model.external_ips import ExternalIPPolicy
-from kpx_agent.model.service_problems import EXTERNAL_IP_REFUSED
 from kpx_agent.model.types import IP, DataplaneSettings
 from kpx_agent.observability.metrics import AgentMetrics
-from kpx_agent.settings import resolve
-from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.sync.proxier import MODEL_PROBLEMS, Proxier
+from kpx_agent.model.service_problems import EXTERNAL_IP_REFUSED
+from kpx_agent.settings import resolve
 from kpx_api.agentconfig import AgentConfiguration
 from kpx_api.proxysettings import NamespaceOptOut
 
@@ -57,16 +57,12 @@ def node(*addresses: str) -> dict[str, Any]:
 
 def nft() -> tuple[Any, Any]:
     fake = FakeNftables()
-    return NftablesBackend(DataplaneSettings(), run_transactions=fake.run_transactions,
-                           present_families=fake.present_families,
-                           load_elements=fake.load_elements), fake  # fmt: skip
+    return NftablesBackend(DataplaneSettings(), fake), fake  # fmt: skip
 
 
 def ipt() -> tuple[Any, Any]:
     fake = FakeIptables()
-    return IptablesBackend(DataplaneSettings(), restore=fake.restore, save=fake.save,
-                           chain_exists=fake.chain_exists,
-                           ensure_sysctl=lambda path, value: None), fake  # fmt: skip
+    return IptablesBackend(DataplaneSettings(), fake, ensure_sysctl=lambda path, value: None), fake
 
 
 def proxier_with(backend: Any) -> tuple[ClusterState, Proxier]:

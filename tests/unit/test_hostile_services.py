@@ -23,11 +23,11 @@ from typing import Any
 from backend_samples import SETTINGS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from nft_fake import FakeNftables
 
 from kpx_agent.backends.nftables.backend import NftablesBackend
-from kpx_agent.observability.metrics import AgentMetrics
+from kpx_agent.backends.nftables.fake import FakeNftables
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+from kpx_agent.observability.metrics import AgentMetrics
 from kpx_agent.sync.proxier import DATAPLANE, Proxier
 from kpx_api.proxysettings import NamespaceOptOut
 
@@ -120,15 +120,7 @@ def agent() -> tuple[ClusterState, FakeNftables, Proxier]:
     for kind in (SERVICES, SLICES, NAMESPACES, NODES):
         state.replace(kind, [])
     fake = FakeNftables()
-    backend = NftablesBackend(
-        SETTINGS,
-        run_transactions=fake.run_transactions,
-        check_transactions=fake.check_transactions,
-        present_families=fake.present_families,
-        load_elements=fake.load_elements,
-        generation=lambda: fake.generation,
-        table_digest=fake.digest,
-    )
+    backend = NftablesBackend(SETTINGS, fake)
     proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), backend.settings)
     proxier.delete_flows = lambda filters: 0
     proxier.max_service_cost = 6  # small enough that generated Services reach it

@@ -4,10 +4,10 @@ our chains and jump rules compared with the record; a full sync repairs what dif
 from __future__ import annotations
 
 from backend_samples import SETTINGS, sample_state
-from ipt_fake import FakeIptables
 
 from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.fake import FakeIptables
 from kpx_agent.model.types import NodeLocalState
 
 
@@ -24,12 +24,12 @@ class Generation:
 
 class CountingSave:
     def __init__(self, fake: FakeIptables) -> None:
-        self.fake = fake
+        self.save = fake.save
         self.calls = 0
 
     def __call__(self, family: int, table: str) -> str:
         self.calls += 1
-        return self.fake.save(family, table)
+        return self.save(family, table)
 
 
 def synced(
@@ -38,14 +38,9 @@ def synced(
     fake = FakeIptables()
     generation = Generation(fake if nft_flavour else None)
     save = CountingSave(fake)
-    backend = IptablesBackend(
-        SETTINGS,
-        restore=fake.restore,
-        save=save,
-        chain_exists=fake.chain_exists,
-        ensure_sysctl=lambda path, value: None,
-        generation=generation,
-    )
+    fake.save = save  # type: ignore[method-assign]  # counts the reads
+    fake.generation = generation  # type: ignore[method-assign]
+    backend = IptablesBackend(SETTINGS, fake, ensure_sysctl=lambda path, value: None)
     state = sample_state()
     backend.sync(state, None)
     return fake, backend, state, generation, save

@@ -7,20 +7,18 @@ import random
 
 import pytest
 from backend_samples import SETTINGS, sample_state
-from ipt_fake import FakeError, FakeIptables
 from test_nft_fake import mutate
 
 from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.fake import FakeError, FakeIptables
 from kpx_agent.model.types import ServicePort
 
 
 def backend_on(fake: FakeIptables) -> IptablesBackend:
     return IptablesBackend(
         SETTINGS,
-        restore=fake.restore,
-        save=fake.save,
-        chain_exists=fake.chain_exists,
+        fake,
         ensure_sysctl=lambda path, value: None,
     )
 

@@ -12,6 +12,7 @@ from backend_samples import GOLDEN, NODE, SETTINGS, sample_state, with_richer_en
 from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables import rule as r
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.fake import IptScripts
 from kpx_agent.backends.iptables.rules import fixed_chains, port_rules, shared_frames
 from kpx_agent.model.service_ports import node_facts
 from kpx_agent.model.types import IP, Protocol
@@ -107,13 +108,8 @@ def test_every_chain_is_typed_rules_jumping_to_chains_that_exist(family: int) ->
 def test_endpoints_carrying_more_fields_render_the_same() -> None:
     """The backend reads an endpoint's address, port and locality by name: an endpoint that
     carries more (conditions, hints) renders the golden scripts unchanged."""
-    scripts: list[tuple[int, str]] = []
-    IptablesBackend(
-        SETTINGS,
-        restore=lambda fam, script: scripts.append((fam, script)),
-        save=lambda fam, table: "",
-        chain_exists=lambda fam, table, chain: False,
-    ).sync(with_richer_endpoints(sample_state()), None)
+    kernel = IptScripts()
+    IptablesBackend(SETTINGS, kernel).sync(with_richer_endpoints(sample_state()), None)
     for fam in (4, 6):
-        text = "".join(s for f, s in scripts if f == fam)
+        text = "".join(s for f, s in kernel.scripts if f == fam)
         assert text == (GOLDEN / "iptables" / f"full_sync.v{fam}.rules").read_text()

@@ -16,6 +16,7 @@ from kpx_agent.backends.iptables import create
 from kpx_agent.backends.iptables import kernel as ipt_kernel
 from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup
+from kpx_agent.backends.iptables.fake import IptScripts
 from kpx_agent.backends.iptables.rule import Rule, Verdict
 from kpx_agent.backends.iptables.rules import port_rules, probability
 from kpx_agent.model.detect_local import local_pods
@@ -39,30 +40,25 @@ def texts(rules: tuple[Rule, ...]) -> tuple[str, ...]:
     return tuple(r.text for r in rules)
 
 
-class Kernel:
+class Kernel(IptScripts):
     """A recording stand-in for the iptables tools: saved output per (family, table)."""
 
     def __init__(self, saved: dict[tuple[int, str], str] | None = None) -> None:
-        self.saved = saved or {}
-        self.scripts: list[tuple[int, str]] = []
+        super().__init__(saved)
         self.fail_on: set[int] = set()  # 1-based restore calls that fail
         self.sysctls: list[tuple[Path, int]] = []  # (file, value) the backend ensured
 
     def restore(self, family: int, script: str) -> None:
-        self.scripts.append((family, script))
+        super().restore(family, script)
         if len(self.scripts) in self.fail_on:
             raise BackendError("iptables-restore: line 3 failed")
-
-    def save(self, family: int, table: str) -> str:
-        return self.saved.get((family, table), "")
 
     def backend(
         self, settings: DataplaneSettings = SETTINGS, route_localnet: Path | None = None
     ) -> IptablesBackend:
         return IptablesBackend(
             settings,
-            restore=self.restore,
-            save=self.save,
+            self,
             ensure_sysctl=lambda path, value: self.sysctls.append((path, value)),
             **({"route_localnet_file": route_localnet} if route_localnet else {}),
         )
@@ -349,7 +345,7 @@ def test_cleanup_removes_exactly_ours() -> None:
         "COMMIT",
     ])  # fmt: skip
     kernel = Kernel({(6, "filter"): filt})
-    cleanup(kernel.restore, kernel.save)
+    cleanup(kernel)
     assert kernel.scripts == [
         (
             6,

@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 
 from backend_samples import SETTINGS, key, sample_state
-from nft_fake import FakeNftables, FakeTable
 
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import FakeNftables, FakeTable
 from kpx_agent.model.types import IP, NodeLocalState, Protocol
 
 VIP = (IP.of("10.96.0.10"), Protocol.TCP, 80)
@@ -31,14 +31,8 @@ class Digests:
 def synced() -> tuple[FakeNftables, NftablesBackend, NodeLocalState, Digests]:
     fake = FakeNftables()
     digests = Digests(fake)
-    backend = NftablesBackend(
-        SETTINGS,
-        run_transactions=fake.run_transactions,
-        present_families=fake.present_families,
-        load_elements=fake.load_elements,
-        generation=fake.current_generation,
-        table_digest=digests,
-    )
+    fake.table_digest = digests  # type: ignore[method-assign]  # counts the reads
+    backend = NftablesBackend(SETTINGS, fake)
     state = sample_state()
     backend.sync(state, None)
     return fake, backend, state, digests
@@ -117,14 +111,8 @@ def test_a_generation_that_cannot_be_read_is_no_drift() -> None:
     def unreadable() -> int:
         raise PermissionError(1, "Operation not permitted")
 
-    backend = NftablesBackend(
-        SETTINGS,
-        run_transactions=fake.run_transactions,
-        present_families=fake.present_families,
-        load_elements=fake.load_elements,
-        generation=unreadable,
-        table_digest=fake.digest,
-    )
+    fake.generation = unreadable  # type: ignore[method-assign]
+    backend = NftablesBackend(SETTINGS, fake)
     backend.sync(sample_state(), None)
     fake.edit(delete_vip)
     assert backend.drifted() == ""  # not known: the hourly full sync still comes

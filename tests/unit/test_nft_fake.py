@@ -10,13 +10,13 @@ from collections.abc import Callable
 
 import pytest
 from backend_samples import SETTINGS, sample_state
-from nft_fake import FakeError, FakeNftables
 
-from kpx_agent.backends.kernel.nft_rules import Jump, rule
+from kpx_agent.backends.kernel.nft_rules import Jump, Lookup, Verdict, rule, vip_key
 from kpx_agent.backends.kernel.nft_transaction import AddRule, Transaction
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
-from kpx_agent.backends.nftables.schema import Goto, SetDecl
+from kpx_agent.backends.nftables.fake import FakeError, FakeNftables
+from kpx_agent.backends.nftables.schema import Field, Goto, SetDecl
 from kpx_agent.model.types import IP, Endpoint, NodeLocalState, Protocol, ServicePort
 
 TCP = Protocol.TCP
@@ -25,12 +25,7 @@ ip = IP.of
 
 def synced() -> tuple[FakeNftables, NftablesBackend, NodeLocalState]:
     fake = FakeNftables()
-    backend = NftablesBackend(
-        SETTINGS,
-        run_transactions=fake.run_transactions,
-        present_families=fake.present_families,
-        load_elements=fake.load_elements,
-    )
+    backend = NftablesBackend(SETTINGS, fake)
     state = sample_state()
     backend.sync(state, None)
     return fake, backend, state
@@ -60,10 +55,12 @@ def test_references_types_and_duplicates_are_checked_as_the_kernel_does() -> Non
     refused(fake, lambda t: t.ops.append(AddRule("services", rule(Jump("nowhere")))), "nowhere")
     refused(fake, lambda t: t.add_elements("no-such-set", [(vip, None)]), "no such set")
     # A verdict map looked up as a set: Linux 6.1 refuses the rule (EINVAL). The typed
-    # vocabulary refuses to build it (test_nft_rules); as text, the fake refuses it too.
-    lookup = f"ip daddr . meta l4proto . th dport @{n.SERVICE_IPS} accept"
-    text_rule = AddRule("services", lookup)  # type: ignore[arg-type]
-    refused(fake, lambda t: t.ops.append(text_rule), "looked up as a set")
+    # vocabulary refuses to build it (test_nft_rules); a rule whose declaration says "set"
+    # where the table holds the map of that name is refused by the fake, which resolves the
+    # name as the kernel does.
+    as_set = SetDecl(n.SERVICE_IPS, (Field.ADDR, Field.PROTO, Field.PORT))
+    lookup = rule(Lookup(vip_key(4), as_set), Verdict.ACCEPT)
+    refused(fake, lambda t: t.ops.append(AddRule("services", lookup)), "looked up as a set")
     refused(fake, lambda t: t.add_elements(n.CLUSTER_IPS, [((ip("fd00::1"), TCP, 80), None)]),
             "wrong type")  # fmt: skip
     refused(fake, lambda t: t.add_elements(n.CLUSTER_IPS, [((ip("10.0.0.1"), "tcp", 80), None)]),
@@ -143,10 +140,5 @@ def test_partial_syncs_end_where_one_full_sync_of_the_final_state_does(seed: int
                 state.services[key] = mutate(rng, removed.pop(key))
         backend.sync(state, changed)
     full = FakeNftables()
-    NftablesBackend(
-        SETTINGS,
-        run_transactions=full.run_transactions,
-        present_families=full.present_families,
-        load_elements=full.load_elements,
-    ).sync(state, None)
+    NftablesBackend(SETTINGS, full).sync(state, None)
     assert canonical(fake) == canonical(full)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 from backend_samples import GOLDEN, NODE, SETTINGS, check_golden, sample_state
-from nft_fake import FakeNftables
 from semantics import Outcome, Packet
 
 from kpx_agent.backends.base import NodePaths
 from kpx_agent.backends.nftables import create
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import FakeNftables, NftScripts
 from kpx_agent.backends.nftables.ruleset import base_table, nodeport_addresses
 from kpx_agent.backends.route_localnet import ROUTE_LOCALNET_FILE
 from kpx_agent.model.service_ports import node_facts
@@ -79,21 +79,17 @@ def test_the_martian_guard_is_in_the_ipv4_input_and_output_hooks_only_when_on() 
 def test_full_sync_with_localhost_node_ports_golden() -> None:
     """The IPv4 table with the option: the guard, 127.0.0.0/8 in nodeport-addresses; the
     rest as in full_sync.nft."""
-    runs: list[str] = []
-    backend = NftablesBackend(ON, run_script=lambda parts: runs.append("".join(parts)),
-                              present_families=lambda: {4, 6},
-                              ensure_sysctl=lambda path, value: None)  # fmt: skip
+    kernel = NftScripts()
+    backend = NftablesBackend(ON, kernel, ensure_sysctl=lambda path, value: None)
     backend.sync(sample_state(ON), None)
-    check_golden(GOLDEN / "full_sync_localhost.nft", "".join(runs))
+    check_golden(GOLDEN / "full_sync_localhost.nft", "".join(kernel.runs))
 
 
 def synced(settings: DataplaneSettings) -> tuple[FakeNftables, list[tuple[Path, int]]]:
     fake, sysctls = FakeNftables(), []
     backend = NftablesBackend(
         settings,
-        run_transactions=fake.run_transactions,
-        present_families=fake.present_families,
-        load_elements=fake.load_elements,
+        fake,
         ensure_sysctl=lambda path, value: sysctls.append((path, value)),
     )
     backend.sync(sample_state(settings), None)
@@ -135,9 +131,6 @@ def test_route_localnet_goes_to_the_mounted_file(tmp_path: Path) -> None:
     assert create(ON)._route_localnet_file == ROUTE_LOCALNET_FILE
     for target, written in ((mounted, "1\n"), (tmp_path / "missing", None)):
         fake = FakeNftables()
-        NftablesBackend(ON, run_transactions=fake.run_transactions,
-                        present_families=fake.present_families,
-                        load_elements=fake.load_elements,
-                        route_localnet_file=target).sync(sample_state(ON), None)  # fmt: skip
+        NftablesBackend(ON, fake, route_localnet_file=target).sync(sample_state(ON), None)
         assert (target.read_text() if target.exists() else None) == written
         assert fake.elements(4, "nodeport-addresses")  # programmed either way

@@ -11,6 +11,7 @@ from backend_samples import GOLDEN, NODE, SETTINGS, sample_state, with_richer_en
 from kpx_agent.backends.kernel import nft_rules as r
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import NftScripts
 from kpx_agent.backends.nftables.ruleset import base_table, endpoint_chain
 from kpx_agent.backends.nftables.schema import (
     TABLE_CHAINS,
@@ -119,7 +120,6 @@ def test_endpoints_carrying_more_fields_render_the_same() -> None:
     """The backend reads an endpoint's address, port and locality by name: an endpoint that
     carries more (conditions, hints) renders the golden ruleset unchanged, affinity chain
     names included."""
-    backend = NftablesBackend(SETTINGS, run_script=lambda parts: [*parts],
-                              present_families=lambda: {4, 6})  # fmt: skip
+    backend = NftablesBackend(SETTINGS, NftScripts())
     backend.sync(with_richer_endpoints(sample_state()), None)
     assert backend.last_script == (GOLDEN / "full_sync.nft").read_text()

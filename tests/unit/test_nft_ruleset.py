@@ -11,13 +11,14 @@ from backend_samples import GOLDEN, SETTINGS, check_golden, key, sample_state
 
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.nftables.fake import NftScripts
 from kpx_agent.backends.nftables.schema import Pair, elements_text
 from kpx_agent.model.types import (
     IP,
-    DataplaneSettings,
     Endpoint,
     NodeLocalState,
     Protocol,
+    DataplaneSettings,
     ServicePortKey,
 )
 
@@ -33,17 +34,16 @@ class Recorded(NftablesBackend):
         self.batches: list[dict[int, dict[str, list[tuple[str, str | None]]]]] = []
         self._runs: list[str] = []
         self._loads: list[dict[int, dict[str, list[Pair]]]] = []
-        super().__init__(
-            SETTINGS,
-            run_script=lambda parts: self._runs.append("".join(parts)),
-            present_families=lambda: set(present),
-            load_elements=lambda elements: self._loads.append(
-                {f: dict(s) for f, s in elements.items()}
-            ),
+        kernel = NftScripts(present)
+        kernel.runs = self._runs
+        kernel.load_elements = lambda elements: self._loads.append(  # type: ignore[method-assign]
+            {f: dict(s) for f, s in elements.items()}
         )
+        super().__init__(SETTINGS, kernel)
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
-        self._runs, self._loads = [], []
+        self._runs.clear()  # the kernel's record, emptied in place
+        self._loads.clear()
         try:
             super().sync(state, changed)
         finally:
@@ -104,7 +104,9 @@ def test_failed_transaction_keeps_record_and_forces_full_sync() -> None:
         if len(calls) == 3:  # the partial sync's (a full sync is one run per family)
             raise BackendError("kernel said no")
 
-    backend = NftablesBackend(SETTINGS, run_script=run, present_families=lambda: {4, 6})
+    kernel = NftScripts()
+    kernel.run = lambda transactions: run(t.render() for t in transactions)  # type: ignore[method-assign]
+    backend = NftablesBackend(SETTINGS, kernel)
     state = sample_state()
     backend.sync(state, None)
     del state.services[key("web")]
@@ -116,11 +118,7 @@ def test_failed_transaction_keeps_record_and_forces_full_sync() -> None:
 
 
 def test_settings_shape_the_masquerade_rules() -> None:
-    backend = NftablesBackend(
-        DataplaneSettings(masquerade_bit=3, masquerade_all=True),
-        run_script=lambda parts: [*parts],
-        present_families=lambda: {4, 6},
-    )
+    backend = NftablesBackend(DataplaneSettings(masquerade_bit=3, masquerade_all=True), NftScripts())
     state = sample_state()
     backend.sync(state, None)
     script = backend.last_script
@@ -315,12 +313,11 @@ def test_failed_element_batch_forces_another_full_sync() -> None:
             present.update({4, 6})  # nft created the tables, empty
             raise BackendError("kernel said no")
 
-    backend = NftablesBackend(
-        SETTINGS,
-        run_script=lambda parts: calls.append("".join(parts)),
-        present_families=lambda: set(present),
-        load_elements=refuse_once,
-    )
+    kernel = NftScripts()
+    kernel.runs = calls
+    kernel.present_families = lambda: set(present)  # type: ignore[method-assign]
+    kernel.load_elements = refuse_once  # type: ignore[method-assign]
+    backend = NftablesBackend(SETTINGS, kernel)
     state = sample_state()
     with pytest.raises(BackendError, match="IPv4: kernel said no"):
         backend.sync(state, None)  # IPv4's load refused; IPv6 went on

@@ -9,13 +9,13 @@ import dataclasses
 from ipaddress import ip_network
 
 from backend_samples import NODE, SETTINGS, endpoints, key
-from nft_fake import FakeNftables
 from semantics import Packet
 
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
-from kpx_agent.model.service_ports import local_state
+from kpx_agent.backends.nftables.fake import FakeNftables
 from kpx_agent.model.types import IP, NodeLocalState, Protocol, ServicePort
+from kpx_agent.model.service_ports import local_state
 
 TCP = Protocol.TCP
 LB = "192.0.2.50"
@@ -31,12 +31,7 @@ def lb_service(name: str, *ranges: str, cluster_ip: str = "10.96.0.50") -> Servi
 
 
 def backend_on(fake: FakeNftables) -> NftablesBackend:
-    return NftablesBackend(
-        SETTINGS,
-        run_transactions=fake.run_transactions,
-        present_families=fake.present_families,
-        load_elements=fake.load_elements,
-    )
+    return NftablesBackend(SETTINGS, fake)
 
 
 def state_of(*ports: ServicePort) -> NodeLocalState:

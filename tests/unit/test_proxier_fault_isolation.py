@@ -8,18 +8,18 @@ from collections.abc import Iterable
 from typing import Any
 
 from backend_samples import SETTINGS
-from ipt_fake import FakeIptables
-from nft_fake import FakeNftables
 
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.fake import FakeIptables
 from kpx_agent.backends.kernel.nft_transaction import Transaction
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
-from kpx_agent.model.service_problems import REFUSED_BY_KERNEL
+from kpx_agent.backends.nftables.fake import FakeNftables
+from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.model.types import IP, Protocol
 from kpx_agent.observability.metrics import AgentMetrics
-from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.sync.proxier import DATAPLANE, Proxier
+from kpx_agent.model.service_problems import REFUSED_BY_KERNEL
 from kpx_api.proxysettings import NamespaceOptOut
 
 TCP = Protocol.TCP
@@ -54,13 +54,7 @@ def setup() -> tuple[ClusterState, WatchedKernel, Proxier]:
         state.replace(kind, [])
     fake = WatchedKernel()
     fake.refuse = {POISON, POISON6}
-    backend = NftablesBackend(
-        SETTINGS,
-        run_transactions=fake.run_transactions,
-        check_transactions=fake.check_transactions,
-        present_families=fake.present_families,
-        load_elements=fake.load_elements,
-    )
+    backend = NftablesBackend(SETTINGS, fake)
     proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), backend.settings)
     proxier.delete_flows = lambda filters: 0
     return state, fake, proxier
@@ -170,11 +164,8 @@ def iptables_setup() -> tuple[ClusterState, FakeIptables, Proxier]:
     fake = FakeIptables()
     backend = IptablesBackend(
         SETTINGS,
-        restore=fake.restore,
-        save=fake.save,
-        chain_exists=fake.chain_exists,
+        fake,
         ensure_sysctl=lambda path, value: None,
-        check_restore=fake.restore_test,
     )
     proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), backend.settings)
     proxier.delete_flows = lambda filters: 0

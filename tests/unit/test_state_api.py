@@ -22,7 +22,6 @@ from grpc import aio
 from kpx_agent.model import types as model_types
 from kpx_agent.model.types import (
     IP,
-    DataplaneSettings,
     DetectLocal,
     DetectLocalMode,
     Endpoint,
@@ -32,6 +31,7 @@ from kpx_agent.model.types import (
     NodeInfo,
     NodeLocalState,
     Protocol,
+    DataplaneSettings,
     ServicePort,
     ServicePortKey,
 )
@@ -599,8 +599,8 @@ def test_the_proxier_publishes_after_a_successful_sync_only() -> None:
     next full sync, after the failure, publishes it)."""
     from kpx_agent.backends import state_only
     from kpx_agent.backends.base import BackendError
-    from kpx_agent.observability.metrics import AgentMetrics
     from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+    from kpx_agent.observability.metrics import AgentMetrics
     from kpx_agent.sync.proxier import Proxier
     from kpx_api.proxysettings import NamespaceOptOut
 
@@ -716,8 +716,8 @@ def test_a_terminating_fallback_endpoint_is_served_as_terminating_serving_not_re
 
 
 def _proxier_on(backend: Any) -> tuple[Any, Any, Publisher]:
-    from kpx_agent.observability.metrics import AgentMetrics
     from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+    from kpx_agent.observability.metrics import AgentMetrics
     from kpx_agent.sync.proxier import Proxier
     from kpx_api.proxysettings import NamespaceOptOut
 
@@ -736,31 +736,24 @@ def test_conditions_change_no_kernel_rule_but_make_a_revision() -> None:
     the backends get the same endpoints and program nothing (no nft transaction, no
     iptables-restore); the state API makes one revision with the new conditions."""
     from backend_samples import SETTINGS
-    from ipt_fake import FakeIptables
-    from nft_fake import FakeNftables
 
     from kpx_agent.backends.iptables.backend import IptablesBackend
+    from kpx_agent.backends.iptables.fake import FakeIptables
     from kpx_agent.backends.nftables.backend import NftablesBackend
+    from kpx_agent.backends.nftables.fake import FakeNftables
     from kpx_agent.store.cluster_state import SERVICES, SLICES
 
     nft = FakeNftables()
     ipt = FakeIptables()
     backends = [
         (
-            NftablesBackend(
-                SETTINGS,
-                run_transactions=nft.run_transactions,
-                present_families=nft.present_families,
-                load_elements=nft.load_elements,
-            ),
+            NftablesBackend(SETTINGS, nft),
             lambda: (nft.transactions, nft.dump()),
         ),
         (
             IptablesBackend(
                 SETTINGS,
-                restore=ipt.restore,
-                save=ipt.save,
-                chain_exists=ipt.chain_exists,
+                ipt,
                 ensure_sysctl=lambda path, value: None,
             ),
             lambda: (ipt.runs, ipt.dump()),

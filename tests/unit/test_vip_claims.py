@@ -8,19 +8,19 @@ import itertools
 from typing import Any
 
 import pytest
-from ipt_fake import FakeIptables
-from nft_fake import FakeNftables
 from semantics import TCP, WORLD, Outcome, Packet
 
 from kpx_agent.backends.base import Backend
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.fake import FakeIptables
 from kpx_agent.backends.nftables.backend import NftablesBackend
-from kpx_agent.model.service_problems import VIP_CLASH
-from kpx_agent.model.types import IP, DataplaneSettings, Protocol, ServicePort, ServicePortKey
-from kpx_agent.model.vip_claims import VipClaims, creation_time
-from kpx_agent.observability.metrics import AgentMetrics
+from kpx_agent.backends.nftables.fake import FakeNftables
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+from kpx_agent.model.types import IP, Protocol, DataplaneSettings, ServicePort, ServicePortKey
+from kpx_agent.observability.metrics import AgentMetrics
 from kpx_agent.sync.proxier import MODEL_PROBLEMS, Proxier
+from kpx_agent.model.service_problems import VIP_CLASH
+from kpx_agent.model.vip_claims import VipClaims, creation_time
 from kpx_api.proxysettings import NamespaceOptOut
 
 VICTIM_VIP = "10.96.0.10"
@@ -211,12 +211,7 @@ def to_victim() -> Packet:
 
 def nft() -> tuple[Backend, Any]:
     fake = FakeNftables()
-    backend = NftablesBackend(
-        DataplaneSettings(),
-        run_transactions=fake.run_transactions,
-        present_families=fake.present_families,
-        load_elements=fake.load_elements,
-    )
+    backend = NftablesBackend(DataplaneSettings(), fake)
     return backend, fake
 
 
@@ -224,9 +219,7 @@ def ipt() -> tuple[Backend, Any]:
     fake = FakeIptables()
     backend = IptablesBackend(
         DataplaneSettings(),
-        restore=fake.restore,
-        save=fake.save,
-        chain_exists=fake.chain_exists,
+        fake,
         ensure_sysctl=lambda path, value: None,
     )
     return backend, fake

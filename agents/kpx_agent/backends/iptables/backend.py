@@ -31,7 +31,7 @@ import logging
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ...model.types import DataplaneSettings, NodeLocalState, ServicePortKey
+from ...model.types import NodeLocalState, DataplaneSettings, ServicePortKey
 from ..base import Backend, BackendError
 from ..route_localnet import allow
 from . import kernel
@@ -51,11 +51,7 @@ from .script import (
 log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
 
-Restore = Callable[[int, str], None]  # (family, script)
 EnsureSysctl = Callable[[Path, int], None]  # (sysctl file, value)
-Save = Callable[[int, str], str]  # (family, table) -> iptables-save output
-ChainExists = Callable[[int, str, str], bool]  # (family, table, chain)
-CheckRestore = Callable[[int, str], str | None]  # (family, script) -> refused: why
 
 
 class IptablesBackend(Backend):
@@ -64,21 +60,17 @@ class IptablesBackend(Backend):
     def __init__(
         self,
         settings: DataplaneSettings,
-        restore: Restore = kernel.restore,
-        save: Save = kernel.save,
-        chain_exists: ChainExists = kernel.chain_exists,
+        node_kernel: kernel.Kernel | None = None,
         ensure_sysctl: EnsureSysctl = kernel.ensure_sysctl,
         route_localnet_file: Path = kernel.ROUTE_LOCALNET_FILE,
-        check_restore: CheckRestore = kernel.restore_test,
-        generation: Callable[[], int | None] = kernel.nft_generation,
     ) -> None:
+        """`node_kernel`: every iptables edge (`kernel.NodeKernel` when None; the fake,
+        `fake.FakeIptables`, applies the same scripts); `ensure_sysctl` and
+        `route_localnet_file`: the route_localnet edge of localhost NodePorts."""
         self.settings = settings
-        self._check_restore = check_restore
+        self._kernel: kernel.Kernel = node_kernel or kernel.NodeKernel()
         self._ensure_sysctl = ensure_sysctl
         self._route_localnet_file = route_localnet_file
-        self._restore = restore
-        self._save = save
-        self._chain_exists = chain_exists
         # None: what the kernel holds is not known (never synced, or a sync failed).
         self._books: dict[int, ChainBook] | None = None
         # The jump rules each family's last full sync left in the built-in chains.
@@ -88,25 +80,24 @@ class IptablesBackend(Backend):
         self._baseline: dict[tuple[int, str], bytes] | None = None
         # The nftables ruleset generation id after our last sync or check (None: legacy
         # iptables, or not known): while it does not move, nothing changed.
-        self._generation = generation
         self._gen: int | None = None
         self.last_scripts: list[tuple[int, str]] = []  # (family, script) of the last sync
 
     # -- the Backend protocol
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
-        before = self._generation()
+        before = self._kernel.generation()
         if changed is None or self._books is None:
             self._full_sync(state)
         else:
             self._partial_sync(state, self._books, changed)
-        after = self._generation()
+        after = self._kernel.generation()
         if after is None or after != before:  # we committed: the digest is of the past
             self._baseline = None
         self._gen = after
 
     def cleanup(self) -> None:
-        cleanup(self._restore, self._save)
+        cleanup(self._kernel)
         self._books = None
 
     # -- optional hooks the agent uses
@@ -119,7 +110,7 @@ class IptablesBackend(Backend):
         if self._books is None:
             return False
         try:
-            return all(self._chain_exists(fam, n.NAT, n.MARK_MASQ) for fam in FAMILIES)
+            return all(self._kernel.chain_exists(fam, n.NAT, n.MARK_MASQ) for fam in FAMILIES)
         except BackendError:
             return False
 
@@ -128,14 +119,14 @@ class IptablesBackend(Backend):
         docstring."""
         if self._books is None:
             return ""  # the next sync is a full one anyway
-        gen = self._generation()
+        gen = self._kernel.generation()
         if gen is not None and gen == self._gen and self._baseline is not None:
             return ""  # no nftables commit at all since our chains were last verified
         digests: dict[tuple[int, str], bytes] = {}
         for fam, book in self._books.items():
             for table in n.TABLES:
                 try:
-                    saved = saved_chains(self._save(fam, table), table)
+                    saved = saved_chains(self._kernel.save(fam, table), table)
                 except BackendError as exc:
                     log.warning("drift check: %s", exc)
                     return ""
@@ -149,7 +140,7 @@ class IptablesBackend(Backend):
         for (fam, table), digest in sorted(digests.items()):
             if digest != self._baseline.get((fam, table)):
                 return f"IPv{fam} {table}: a rule of ours was changed behind our back"
-        if gen is not None and self._generation() == gen:  # nothing committed while we read
+        if gen is not None and self._kernel.generation() == gen:  # nothing committed while we read
             self._gen = gen
         return ""
 
@@ -206,7 +197,7 @@ class IptablesBackend(Backend):
             if fam in refused:
                 continue  # one family's fault does not stop the other's programming
             try:
-                self._restore(fam, script)
+                self._kernel.restore(fam, script)
             except BackendError as exc:
                 refused[fam] = f"IPv{fam}: {exc}"
         if refused:
@@ -217,7 +208,7 @@ class IptablesBackend(Backend):
         """Whether the kernel accepts `state` as a full sync's restore scripts, asked with
         `*-restore --test` (reads our tables' current chains, applies nothing)."""
         for fam, script in self._full_units(state)[1]:
-            refused = self._check_restore(fam, script)
+            refused = self._kernel.check(fam, script)
             if refused is not None:
                 return f"IPv{fam}: {refused}"
         return None
@@ -244,7 +235,7 @@ class IptablesBackend(Backend):
             books[fam] = book
             self._jumps[fam] = n.jumps(facts.localhost_node_ports)
             for table in n.TABLES:
-                saved = parse_save(self._save(fam, table)).get(table, SavedTable())
+                saved = parse_save(self._kernel.save(fam, table)).get(table, SavedTable())
                 wanted = book.table_chains(table)
                 units.append(
                     (
@@ -292,7 +283,7 @@ class IptablesBackend(Backend):
                 if f != fam:
                     continue
                 try:
-                    self._restore(fam, script)
+                    self._kernel.restore(fam, script)
                 except BackendError as exc:
                     self._revert(books, {fam: plans.pop(fam)}, done)
                     refused.append(f"IPv{fam}: {exc}")
@@ -322,21 +313,22 @@ class IptablesBackend(Backend):
         for fam, table in reversed(done):
             undo = books[fam].revert(plans[fam], table)
             try:
-                self._restore(fam, table_script(table, undo))
+                self._kernel.restore(fam, table_script(table, undo))
             except BackendError as exc:
                 log.error("could not revert %s table of IPv%d: %s", table, fam, exc)
 
 
-def cleanup(restore: Restore = kernel.restore, save: Save = kernel.save) -> None:
+def cleanup(node_kernel: kernel.Kernel | None = None) -> None:
     """Remove our jump rules and every KPX- chain, in both families and both tables."""
+    tools = node_kernel or kernel.NodeKernel()
     for fam in FAMILIES:
-        if restore is kernel.restore and not kernel.available(fam):
+        if node_kernel is None and not kernel.available(fam):
             continue  # no iptables tools for this family: nothing of ours can be there
         for table in n.TABLES:
-            saved = parse_save(save(fam, table)).get(table)
+            saved = parse_save(tools.save(fam, table)).get(table)
             script = cleanup_script(table, saved) if saved is not None else ""
             if script:
-                restore(fam, script)
+                tools.restore(fam, script)
 
 
 __all__ = ["FAMILIES", "BackendError", "IptablesBackend", "cleanup"]

@@ -13,6 +13,7 @@ import logging
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Protocol
 
 from ..base import BackendError
 from ..nf_generation import read as read_generation
@@ -119,3 +120,43 @@ def nft_generation() -> int | None:
     except OSError as exc:
         log.debug("cannot read the ruleset generation: %s", exc)
         return None
+
+
+class Kernel(Protocol):
+    """Every iptables edge of the iptables backend, as one object: `NodeKernel` on a node,
+    `fake.FakeIptables` in memory (`fake.IptScripts` records the scripts)."""
+
+    def restore(self, family: int, script: str) -> None:
+        """`iptables-restore --noflush`: one atomic change; BackendError when refused."""
+
+    def check(self, family: int, script: str) -> str | None:
+        """`iptables-restore --test`: why the script would be refused (None: it would not)."""
+
+    def save(self, family: int, table: str) -> str:
+        """What `iptables-save` prints for the table."""
+
+    def chain_exists(self, family: int, table: str, chain: str) -> bool:
+        """Whether the chain is in the table."""
+
+    def generation(self) -> int | None:
+        """The nftables ruleset generation id where iptables is the nf_tables flavour; None
+        where it is legacy or the kernel cannot be asked."""
+
+
+class NodeKernel:
+    """The node's iptables tools."""
+
+    def restore(self, family: int, script: str) -> None:
+        restore(family, script)
+
+    def check(self, family: int, script: str) -> str | None:
+        return restore_test(family, script)
+
+    def save(self, family: int, table: str) -> str:
+        return save(family, table)
+
+    def chain_exists(self, family: int, table: str, chain: str) -> bool:
+        return chain_exists(family, table, chain)
+
+    def generation(self) -> int | None:
+        return nft_generation()

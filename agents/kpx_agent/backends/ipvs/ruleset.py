@@ -10,9 +10,9 @@ mode renders; nothing here reads the node or the detectLocal settings.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import cast
+from ipaddress import ip_network
 
-from ...model.types import DataplaneSettings, NodeFacts
+from ...model.types import IP, NodeFacts, Protocol, DataplaneSettings
 from ..kernel.names import IPVS_TABLE
 from ..kernel.nft_rules import (
     DPORT,
@@ -32,7 +32,7 @@ from ..kernel.nft_rules import (
     saddr,
     vip_key,
 )
-from ..kernel.nft_schema import Field, Key, Pair, SetDecl
+from ..kernel.nft_schema import Field, KeyField, Pair, SetDecl
 from ..kernel.nft_transaction import ChainSpec, TableDef, Transaction
 from .model import CLUSTER_IPS, DROP, FIREWALL, FIREWALL_ALLOW, HAIRPIN, MASQ_IPS, Element
 
@@ -111,10 +111,27 @@ def table(settings: DataplaneSettings, facts: NodeFacts) -> TableDef:
     return TableDef(family, SETS, {}, chains, COMMENT)
 
 
-def _pairs(family: int, members: Iterable[Element]) -> list[Pair]:
-    """The model's elements of one family as typed keys (their fields print as nft reads
-    them: addresses, protocol names, ports, networks)."""
-    return [(cast(Key, tuple(e[1:])), None) for e in members if e[0] == family]
+def _field(kind: Field, value: object) -> KeyField:
+    """One field of a model element as the typed value the vocabulary holds (an `IP`, a
+    `Protocol`, a port, a network)."""
+    if kind is A:
+        return IP.of(str(value))
+    if kind is P:
+        return Protocol(str(value))
+    if kind is NET:
+        return ip_network(str(value))
+    return int(str(value))
+
+
+def _pairs(family: int, set_name: str, members: Iterable[Element]) -> list[Pair]:
+    """The model's elements of one family in one set as typed keys (the kernel fake checks
+    each field's type, as the kernel checks its length)."""
+    kinds = _SET[set_name].key
+    return [
+        (tuple(_field(k, v) for k, v in zip(kinds, e[1:], strict=True)), None)
+        for e in members
+        if e[0] == family
+    ]
 
 
 def full_sync(settings: DataplaneSettings, facts: NodeFacts,
@@ -123,7 +140,7 @@ def full_sync(settings: DataplaneSettings, facts: NodeFacts,
     txn = Transaction(facts.family, IPVS_TABLE)
     txn.replace_table(table(settings, facts))
     for set_name, members in elements.items():
-        txn.add_elements(set_name, _pairs(facts.family, members))
+        txn.add_elements(set_name, _pairs(facts.family, set_name, members))
     return txn
 
 
@@ -132,9 +149,9 @@ def element_changes(family: int, deletes: Mapping[str, Iterable[Element]],
     """One family's element deletions, then additions, as one transaction."""
     txn = Transaction(family, IPVS_TABLE)
     for set_name, members in deletes.items():
-        txn.delete_elements(set_name, [key for key, _ in _pairs(family, members)])
+        txn.delete_elements(set_name, [key for key, _ in _pairs(family, set_name, members)])
     for set_name, members in adds.items():
-        txn.add_elements(set_name, _pairs(family, members))
+        txn.add_elements(set_name, _pairs(family, set_name, members))
     return txn
 
 

@@ -7,7 +7,11 @@ the kernel in, defined once.
   positive errno values);
 - `nft_schema`: the nftables vocabulary's data (field kinds, typed elements, `SetDecl`,
   `ChainDecl`); `nft_rules`: typed rules and their one nft text serializer;
-  `nft_transaction`: a typed transaction (`Op`, one class per operation) and its nft text.
+  `nft_transaction`: a typed transaction (`Op`, one class per operation) and its nft text;
+- for the kernel fakes every mode ships beside its adapter (`<mode>/fake.py`): `packet_walk`,
+  a packet's path through netfilter's hooks over every random choice, and `nft_fake`, nftables
+  tables built from typed transactions, checked as the kernel checks them and walked by their
+  typed statements.
 
 Nothing here decides anything about Services or the node: it is the vocabulary, never the
 policy. Any mode may import it; it imports no mode.

@@ -3,7 +3,9 @@
 A mode builds a `Transaction` (the nftables mode's syncs, the ipvs mode's helper table); each
 operation is one of the `Op` classes below, holding typed values (a `SetDecl`, a `Rule`,
 element keys and pairs, a `TableDef`). `render` serializes them for `nft -f`, the only place
-they become text; the kernel fake in the tests applies the same operations.
+they become text, called by the node's kernels (`nftables.kernel.NodeKernel`, `ipvs.kernel`);
+the kernel fakes (`nft_fake`, beneath `nftables.fake` and `ipvs.fake`) apply the same
+operations as they are.
 """
 
 from __future__ import annotations

@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
-from ...model.types import DataplaneSettings, NodeLocalState, ServicePort, ServicePortKey
+from ...model.types import NodeLocalState, DataplaneSettings, ServicePort, ServicePortKey
 from ..base import Backend, BackendError
 from ..kernel.nft_transaction import Transaction
 from ..route_localnet import ROUTE_LOCALNET_FILE, EnsureSysctl, allow, ensure_sysctl
@@ -67,29 +67,17 @@ class NftablesBackend(Backend):
     def __init__(
         self,
         settings: DataplaneSettings,
-        run_script: Callable[[Iterable[str]], None] = kernel.run_script,
-        present_families: Callable[[], set[int]] = kernel.present_families,
-        load_elements: Callable[[netlink_batch.Elements], None] = kernel.load_elements,
-        run_transactions: Callable[[Iterable[Transaction]], None] | None = None,
-        check_script: Callable[[Iterable[str]], str | None] = kernel.check_script,
-        check_transactions: Callable[[Iterable[Transaction]], str | None] | None = None,
-        generation: Callable[[], int] = kernel.generation,
-        table_digest: Callable[[int], bytes] = kernel.table_digest,
+        node_kernel: kernel.Kernel | None = None,
         ensure_sysctl: EnsureSysctl = ensure_sysctl,
         route_localnet_file: Path = ROUTE_LOCALNET_FILE,
     ) -> None:
-        """`run_script` applies nft text and `check_script` asks nft's check mode about it;
-        `run_transactions` and `check_transactions`, when given, take the typed transactions
-        instead (the kernel fake in the tests applies them as they are)."""
+        """`node_kernel`: every nftables edge (`kernel.NodeKernel` when None; the fake,
+        `fake.FakeNftables`, receives the same typed transactions); `ensure_sysctl` and
+        `route_localnet_file`: the route_localnet edge of localhost NodePorts."""
         self.settings = settings
         self._ensure_sysctl = ensure_sysctl
         self._route_localnet_file = route_localnet_file
-        self._run = run_script
-        self._run_transactions = run_transactions
-        self._check = check_script
-        self._check_transactions = check_transactions
-        self._present_families = present_families
-        self._load_elements = load_elements
+        self._kernel: kernel.Kernel = node_kernel or kernel.NodeKernel()
         self._books: dict[int, ElementBook[ServicePortKey]] = {
             f: ElementBook(MERGED_SETS) for f in FAMILIES
         }
@@ -100,13 +88,11 @@ class NftablesBackend(Backend):
         # False until a full sync succeeded, and after a failure: what the kernel holds is
         # not known, so a sync is full whatever it was asked (the proxier asks for one then).
         self._synced = False
-        self._last_sent: list[str | Transaction] = []
+        self._last_sent: list[Transaction] = []
         self.last_loaded: dict[int, dict[str, list[Pair]]] = {}
         # Drift (see the module docstring): the generation id after our last commit (None:
         # unknown), whether another writer committed since, and the digest of our tables taken
         # while they held exactly our last commit (None: none since that commit).
-        self._generation = generation
-        self._table_digest = table_digest
         self._gen: int | None = None
         self._foreign = False
         self._baseline: dict[int, bytes] | None = None
@@ -119,7 +105,7 @@ class NftablesBackend(Backend):
         if not self._synced:
             return False
         try:
-            return self._present_families() == set(FAMILIES)
+            return self._kernel.present_families() == set(FAMILIES)
         except BackendError as exc:
             log.warning("cannot ask the kernel for our tables: %s", exc)
             return False
@@ -145,14 +131,14 @@ class NftablesBackend(Backend):
 
     def _read_generation(self) -> int | None:
         try:
-            return self._generation()
+            return self._kernel.generation()
         except (OSError, ValueError) as exc:
             log.debug("cannot read the ruleset generation: %s", exc)
             return None
 
     def _digests(self) -> dict[int, bytes] | None:
         try:
-            return {f: self._table_digest(f) for f in FAMILIES}
+            return {f: self._kernel.table_digest(f) for f in FAMILIES}
         except (OSError, ValueError) as exc:
             log.warning("cannot read our tables back for the drift check: %s", exc)
             return None
@@ -196,7 +182,7 @@ class NftablesBackend(Backend):
             f: {} for f in FAMILIES
         }
         # Families without a table in the kernel get their bulk elements by netlink.
-        present = self._present_families()
+        present = self._kernel.present_families()
         loaded: dict[int, dict[str, list[Pair]]] = {f: {} for f in FAMILIES if f not in present}
         self.last_loaded = loaded
         by_family = self._by_family(state)
@@ -229,7 +215,7 @@ class NftablesBackend(Backend):
         if fam not in loaded:
             return
         started = time.monotonic()
-        self._load_elements({fam: loaded[fam]})
+        self._kernel.load_elements({fam: loaded[fam]})
         log.info(
             "%s %s: no table in the kernel: %d elements loaded by netlink (%.3f s)",
             n.FAMILIES[fam],
@@ -324,9 +310,7 @@ class NftablesBackend(Backend):
             f: {} for f in FAMILIES
         }
         transactions = self._full_script(state, plans, chains, port_chains, {})
-        if self._check_transactions is not None:
-            return self._check_transactions(transactions)
-        return self._check(txn.render() for txn in transactions)
+        return self._kernel.check(transactions)
 
     def _partial_sync(self, state: NodeLocalState, changed: Collection[ServicePortKey]) -> None:
         plans: dict[int, Plan[ServicePortKey]] = {}
@@ -421,27 +405,16 @@ class NftablesBackend(Backend):
             txn.add_elements(set_name, pairs)
 
     def _apply(self, transactions: Iterable[Transaction]) -> None:
-        # What was sent, for logs and tests: the nft text as it was rendered for nft (no
-        # second rendering), or the transactions themselves where they are applied typed.
+        # What was sent, for logs and tests: the transactions, as they went to the kernel.
         sent = self._last_sent
         try:
-            if self._run_transactions is not None:
 
-                def typed() -> Iterator[Transaction]:
-                    for txn in transactions:
-                        sent.append(txn)
-                        yield txn
+            def recorded() -> Iterator[Transaction]:
+                for txn in transactions:
+                    sent.append(txn)
+                    yield txn
 
-                self._run_transactions(typed())
-            else:
-
-                def texts() -> Iterator[str]:
-                    for txn in transactions:
-                        text = txn.render()
-                        sent.append(text)
-                        yield text
-
-                self._run(texts())
+            self._kernel.run(recorded())
         except BackendError:
             # The kernel kept the last good rules; our record still equals them, but force a
             # full swap next time in case the kernel state drifted (it is the safe recovery).
@@ -451,7 +424,7 @@ class NftablesBackend(Backend):
     @property
     def last_script(self) -> str:
         """The text of the last transaction sent (for logs and tests)."""
-        return "".join(x if isinstance(x, str) else x.render() for x in self._last_sent)
+        return "".join(txn.render() for txn in self._last_sent)
 
     @staticmethod
     def _log_conflicts(plan: Plan[ServicePortKey]) -> None:

@@ -11,9 +11,10 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Iterable
-from typing import IO
+from typing import IO, Protocol
 
 from ..base import BackendError
+from ..kernel.nft_transaction import Transaction
 from ..nf_generation import read as read_generation
 from . import names as n
 from . import netlink_query as q
@@ -288,3 +289,51 @@ def _ask(sock: socket.socket, request: bytes) -> list[q.Message]:
             answer.append(message)
             if not message.flags & q.NLM_F_MULTI:
                 return answer
+
+
+class Kernel(Protocol):
+    """Every nftables edge of the nftables backend, as one object: `NodeKernel` on a node,
+    `fake.FakeNftables` in memory. Transactions arrive typed, as the backend builds them; the
+    node's kernel renders them for nft, the fake applies them as they are."""
+
+    def run(self, transactions: Iterable[Transaction]) -> None:
+        """Apply the transactions as one atomic change; BackendError when refused."""
+
+    def check(self, transactions: Iterable[Transaction]) -> str | None:
+        """What the kernel would say about applying them (None: accepted), applying nothing."""
+
+    def present_families(self) -> set[int]:
+        """The families whose table is in the kernel."""
+
+    def load_elements(self, elements: Elements) -> None:
+        """Add elements to existing sets (netlink batches)."""
+
+    def generation(self) -> int:
+        """The ruleset's generation id."""
+
+    def table_digest(self, family: int) -> bytes:
+        """A digest of our table of `family` as the kernel holds it."""
+
+
+class NodeKernel:
+    """The node's kernel: transactions rendered for `nft -f -` (streamed, each one as it is
+    rendered, so nft parses the start of a large change while the rest is rendered), elements
+    and the drift check over netlink."""
+
+    def run(self, transactions: Iterable[Transaction]) -> None:
+        run_script(txn.render() for txn in transactions)
+
+    def check(self, transactions: Iterable[Transaction]) -> str | None:
+        return check_script(txn.render() for txn in transactions)
+
+    def present_families(self) -> set[int]:
+        return present_families()
+
+    def load_elements(self, elements: Elements) -> None:
+        load_elements(elements)
+
+    def generation(self) -> int:
+        return generation()
+
+    def table_digest(self, family: int) -> bytes:
+        return table_digest(family)

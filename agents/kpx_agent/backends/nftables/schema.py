@@ -5,7 +5,7 @@ Every set and map of a family's table is a `SetDecl` here: its name, the kinds o
 fields, the kind of its value (none, a verdict, or endpoint fields) and its flags. The table
 definition (`ruleset.base_table`), the nft text of elements (`element_text`), the netlink
 encoder (`netlink_batch`), the rules that look them up (`kernel.nft_rules.Lookup`, `Vmap`) and the
-kernel fake (`tests/unit/nft_fake.py`) all read these declarations; none of them declares a
+kernel fake (`nftables.fake`) all read these declarations; none of them declares a
 layout of its own. Every chain of the fixed table is a `ChainDecl` (name, and for a base
 chain its hook); `ruleset.base_table` gives each its rules.
 """

@@ -17,11 +17,9 @@ from __future__ import annotations
 import ipaddress
 import shlex
 
-from packet_walk import Walk, every_outcome
-from semantics import Outcome, Packet
-
-from kpx_agent.backends.base import BackendError
-from kpx_agent.model.types import Protocol
+from ...model.types import Protocol
+from ..base import BackendError
+from ..kernel.packet_walk import Outcome, Packet, Walk, every_outcome
 
 BUILTIN = {
     "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),
@@ -50,7 +48,15 @@ class FakeIptables:
         # Families whose every run the tool fails (say, no ip6tables in this kernel).
         self.broken_families: set[int] = set()
 
-    # -- the backend's kernel interface
+    # -- the backend's kernel (`kernel.Kernel`)
+
+    def check(self, family: int, script: str) -> str | None:
+        return self.restore_test(family, script)
+
+    def generation(self) -> int | None:
+        """None, as legacy iptables: its changes move no generation id (a drift check reads
+        iptables-save each time)."""
+        return None
 
     def restore_test(self, family: int, script: str) -> str | None:
         """iptables-restore --test: what `restore` would say, applying nothing."""
@@ -300,3 +306,27 @@ class _Walk(Walk):
 
 def _in(addr: str, net: str) -> bool:
     return ipaddress.ip_address(addr) in ipaddress.ip_network(net, strict=False)
+
+
+class IptScripts:
+    """A `kernel.Kernel` that applies nothing and records each (family, script) restored
+    (golden tests, benchmarks); `saved` is what iptables-save prints per (family, table)."""
+
+    def __init__(self, saved: dict[tuple[int, str], str] | None = None) -> None:
+        self.saved = saved or {}
+        self.scripts: list[tuple[int, str]] = []
+
+    def restore(self, family: int, script: str) -> None:
+        self.scripts.append((family, script))
+
+    def check(self, family: int, script: str) -> str | None:
+        return None
+
+    def save(self, family: int, table: str) -> str:
+        return self.saved.get((family, table), "")
+
+    def chain_exists(self, family: int, table: str, chain: str) -> bool:
+        return False
+
+    def generation(self) -> int | None:
+        return None

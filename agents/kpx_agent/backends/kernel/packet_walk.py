@@ -1,5 +1,6 @@
-"""The packet tracer both kernel fakes share: a packet's path through netfilter's hooks, and
-the enumeration of every random choice it meets.
+"""The packet tracer the kernel fakes share (`nftables.fake`, `iptables.fake`, `ipvs.fake`): a
+packet, its outcome, its path through netfilter's hooks, and the enumeration of every random
+choice it meets.
 
 A `Walk` is one pass of one packet with fixed answers to the random numbers it meets
 (`numgen random mod n`, `-m statistic`): it goes through prerouting, then input (the
@@ -13,8 +14,34 @@ taken, and returns the set of outcomes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from semantics import Outcome, Packet
+from ...model.types import Protocol
+
+
+@dataclass(frozen=True)
+class Packet:
+    """The first packet of a connection: origin is "pod" (arrives from a pod's interface),
+    "node" (sent by the node itself) or "external" (arrives on the node's fabric)."""
+
+    family: int
+    saddr: str
+    daddr: str
+    protocol: Protocol
+    dport: int
+    origin: str
+    iif: str = ""
+    local_addresses: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What becomes of a packet: its verdict (accept, drop, reject), the DNAT target (which
+    endpoint answers) and whether the endpoint sees the node's address (masquerade)."""
+
+    verdict: str  # accept, drop, reject
+    dnat: tuple[str, int] | None = None
+    masquerade: bool = False
 
 
 class Walk:
@@ -27,6 +54,7 @@ class Walk:
         self.mark = 0
         self.dnat: tuple[str, int] | None = None
         self.masquerade = False
+        self.sent_on = False  # a hook at input sent the packet on (IPVS): postrouting follows
 
     def choose(self, width: int) -> int:
         """The next random number in [0, width): the fixed choice, 0 past the fixed ones."""
@@ -39,18 +67,27 @@ class Walk:
         "accept", "drop" or "reject"."""
         raise NotImplementedError
 
+    def is_local(self, address: str) -> bool:
+        """Whether `address` is one of the node's (a packet to it is delivered here)."""
+        return address in self.packet.local_addresses
+
     def run(self) -> Outcome:
+        """The outcome of the walk. A packet delivered to the node (input) ends there unless a
+        hook sent it on (`sent_on`: IPVS forwards what it takes at input to a real server,
+        through postrouting)."""
         if self.packet.origin == "node":
             hooks = ["output", "postrouting"]
         else:
             hooks = ["prerouting", "routing", "postrouting"]
         for hook in hooks:
             if hook == "routing":
-                if self.daddr in self.packet.local_addresses:
+                if self.is_local(self.daddr):
                     verdict = self.hook("input")
                     if verdict != "accept":
                         return Outcome(verdict)
-                    break  # delivered here: no postrouting
+                    if not self.sent_on:
+                        break  # delivered here: no postrouting
+                    continue
                 hook = "forward"
             verdict = self.hook(hook)
             if verdict != "accept":
