@@ -23,12 +23,12 @@ from ipaddress import ip_network
 from kpx_agent.backends.kernel.packet_walk import Outcome, Packet
 from kpx_agent.model.types import (
     IP,
+    DataplaneSettings,
     DetectLocal,
     DetectLocalMode,
     Endpoint,
     NodeInfo,
     Protocol,
-    DataplaneSettings,
     ServicePort,
     ServicePortKey,
 )

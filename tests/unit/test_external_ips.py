@@ -14,13 +14,13 @@ from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.iptables.fake import FakeIptables
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.fake import FakeNftables
-from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.model.external_ips import ExternalIPPolicy
+from kpx_agent.model.service_problems import EXTERNAL_IP_REFUSED
 from kpx_agent.model.types import IP, DataplaneSettings
 from kpx_agent.observability.metrics import AgentMetrics
-from kpx_agent.sync.proxier import MODEL_PROBLEMS, Proxier
-from kpx_agent.model.service_problems import EXTERNAL_IP_REFUSED
 from kpx_agent.settings import resolve
+from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+from kpx_agent.sync.proxier import MODEL_PROBLEMS, Proxier
 from kpx_api.agentconfig import AgentConfiguration
 from kpx_api.proxysettings import NamespaceOptOut
 

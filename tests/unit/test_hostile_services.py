@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.fake import FakeNftables
-from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.observability.metrics import AgentMetrics
+from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.sync.proxier import DATAPLANE, Proxier
 from kpx_api.proxysettings import NamespaceOptOut
 

@@ -15,10 +15,10 @@ from kpx_agent.backends.nftables.fake import NftScripts
 from kpx_agent.backends.nftables.schema import Pair, elements_text
 from kpx_agent.model.types import (
     IP,
+    DataplaneSettings,
     Endpoint,
     NodeLocalState,
     Protocol,
-    DataplaneSettings,
     ServicePortKey,
 )
 
@@ -118,7 +118,9 @@ def test_failed_transaction_keeps_record_and_forces_full_sync() -> None:
 
 
 def test_settings_shape_the_masquerade_rules() -> None:
-    backend = NftablesBackend(DataplaneSettings(masquerade_bit=3, masquerade_all=True), NftScripts())
+    backend = NftablesBackend(
+        DataplaneSettings(masquerade_bit=3, masquerade_all=True), NftScripts()
+    )
     state = sample_state()
     backend.sync(state, None)
     script = backend.last_script

@@ -14,8 +14,8 @@ from semantics import Packet
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.fake import FakeNftables
-from kpx_agent.model.types import IP, NodeLocalState, Protocol, ServicePort
 from kpx_agent.model.service_ports import local_state
+from kpx_agent.model.types import IP, NodeLocalState, Protocol, ServicePort
 
 TCP = Protocol.TCP
 LB = "192.0.2.50"

@@ -15,11 +15,11 @@ from kpx_agent.backends.kernel.nft_transaction import Transaction
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.fake import FakeNftables
-from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+from kpx_agent.model.service_problems import REFUSED_BY_KERNEL
 from kpx_agent.model.types import IP, Protocol
 from kpx_agent.observability.metrics import AgentMetrics
+from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
 from kpx_agent.sync.proxier import DATAPLANE, Proxier
-from kpx_agent.model.service_problems import REFUSED_BY_KERNEL
 from kpx_api.proxysettings import NamespaceOptOut
 
 TCP = Protocol.TCP

@@ -22,6 +22,7 @@ from grpc import aio
 from kpx_agent.model import types as model_types
 from kpx_agent.model.types import (
     IP,
+    DataplaneSettings,
     DetectLocal,
     DetectLocalMode,
     Endpoint,
@@ -31,7 +32,6 @@ from kpx_agent.model.types import (
     NodeInfo,
     NodeLocalState,
     Protocol,
-    DataplaneSettings,
     ServicePort,
     ServicePortKey,
 )
@@ -599,8 +599,8 @@ def test_the_proxier_publishes_after_a_successful_sync_only() -> None:
     next full sync, after the failure, publishes it)."""
     from kpx_agent.backends import state_only
     from kpx_agent.backends.base import BackendError
-    from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
     from kpx_agent.observability.metrics import AgentMetrics
+    from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
     from kpx_agent.sync.proxier import Proxier
     from kpx_api.proxysettings import NamespaceOptOut
 
@@ -716,8 +716,8 @@ def test_a_terminating_fallback_endpoint_is_served_as_terminating_serving_not_re
 
 
 def _proxier_on(backend: Any) -> tuple[Any, Any, Publisher]:
-    from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
     from kpx_agent.observability.metrics import AgentMetrics
+    from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
     from kpx_agent.sync.proxier import Proxier
     from kpx_api.proxysettings import NamespaceOptOut
 

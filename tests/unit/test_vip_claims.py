@@ -15,12 +15,12 @@ from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.iptables.fake import FakeIptables
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.fake import FakeNftables
-from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
-from kpx_agent.model.types import IP, Protocol, DataplaneSettings, ServicePort, ServicePortKey
-from kpx_agent.observability.metrics import AgentMetrics
-from kpx_agent.sync.proxier import MODEL_PROBLEMS, Proxier
 from kpx_agent.model.service_problems import VIP_CLASH
+from kpx_agent.model.types import IP, DataplaneSettings, Protocol, ServicePort, ServicePortKey
 from kpx_agent.model.vip_claims import VipClaims, creation_time
+from kpx_agent.observability.metrics import AgentMetrics
+from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
+from kpx_agent.sync.proxier import MODEL_PROBLEMS, Proxier
 from kpx_api.proxysettings import NamespaceOptOut
 
 VICTIM_VIP = "10.96.0.10"

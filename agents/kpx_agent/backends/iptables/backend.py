@@ -31,7 +31,7 @@ import logging
 from collections.abc import Callable, Collection
 from pathlib import Path
 
-from ...model.types import NodeLocalState, DataplaneSettings, ServicePortKey
+from ...model.types import DataplaneSettings, NodeLocalState, ServicePortKey
 from ..base import Backend, BackendError
 from ..route_localnet import allow
 from . import kernel

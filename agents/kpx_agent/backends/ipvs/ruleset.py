@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from ipaddress import ip_network
 
-from ...model.types import IP, NodeFacts, Protocol, DataplaneSettings
+from ...model.types import IP, DataplaneSettings, NodeFacts, Protocol
 from ..kernel.names import IPVS_TABLE
 from ..kernel.nft_rules import (
     DPORT,

@@ -35,7 +35,7 @@ import time
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
-from ...model.types import NodeLocalState, DataplaneSettings, ServicePort, ServicePortKey
+from ...model.types import DataplaneSettings, NodeLocalState, ServicePort, ServicePortKey
 from ..base import Backend, BackendError
 from ..kernel.nft_transaction import Transaction
 from ..route_localnet import ROUTE_LOCALNET_FILE, EnsureSysctl, allow, ensure_sysctl
