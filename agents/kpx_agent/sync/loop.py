@@ -3,7 +3,9 @@
 It wakes on every recorded change (`wake`), runs at most one sync per minSyncPeriod (bursts
 coalesce), reads the kernel back every syncPeriod (the drift check: a periodic resync that
 finds the kernel as programmed is a successful update), retries a failed sync after 1 s,
-doubling up to 30 s (every Service recomputed), and lets the agent roll back between syncs
+doubling up to 30 s (every Service recomputed), goes on at once while a partial sync left
+ports to the next ones (the budget of one sync, budget.py: what was recorded meanwhile joins
+them), and lets the agent roll back between syncs
 (nothing programs then). What an outcome means for health, Events and this node's
 ProxyNodeState is the agent's (`SyncHost.after_sync`).
 """
@@ -95,6 +97,9 @@ class SyncLoop:
             left = host.rollback_left()
             if left is not None:
                 timeout = min(timeout, left)
+            continuing = host.proxier.has_deferred()
+            if continuing:
+                timeout = 0.0
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), timeout)
             self.wake.clear()
@@ -112,9 +117,10 @@ class SyncLoop:
                     # The periodic resync found the kernel as programmed: a successful
                     # update, as upstream's periodic sync is.
                     host.health.updated()
-            # Coalesce bursts: at most one sync per minSyncPeriod.
+            # Coalesce bursts: at most one sync per minSyncPeriod (the rest of a change that
+            # one sync's budget split goes on at once).
             wait = last_start + host.settings.min_sync_period - now
-            if wait > 0:
+            if wait > 0 and not continuing:
                 await asyncio.sleep(wait)
             before = host.proxier.excluded
             if host.proxier.update_excluded():
@@ -122,7 +128,7 @@ class SyncLoop:
                 log.info("opted-out namespaces now: %s", sorted(after))
                 for reflector in excluding:  # no relist: only these namespaces move
                     reflector.reselect(included=before - after, excluded=after - before)
-            if not host.state.has_changes() and not retry_delay:
+            if not host.state.has_changes() and not retry_delay and not continuing:
                 continue
             last_start = time.monotonic()
             outcome = await self._sync_once()

@@ -20,7 +20,7 @@ from ..conntrack import stale_flows as conntrack
 from ..conntrack.cleaner import ConntrackCleaner
 from ..conntrack.stale_flows import FlowFilter, stale_flows
 from ..model.external_ips import APISERVER_SERVICE, ExternalIPPolicy, apiserver_addresses
-from ..model.quarantine import MAX_SERVICE_COST, quarantine
+from ..model.quarantine import MAX_SERVICE_COST, cost, quarantine
 from ..model.service_ports import node_facts, node_info, service_model, uses_topology
 from ..model.service_problems import REFUSED_BY_KERNEL, ProblemBook, ServiceProblem
 from ..model.types import DataplaneSettings, NodeLocalState, Protocol, ServicePort, ServicePortKey
@@ -28,6 +28,7 @@ from ..model.vip_claims import VipClaims, creation_time
 from ..observability.metrics import FAMILY_LABELS, AgentMetrics, failed_families
 from ..store.cluster_state import ClusterState, Key
 from ..store.optout import excluded_namespaces
+from .budget import MAX_SYNC_COST, split_by_budget
 from .fault_isolation import find_culprits
 
 log = logging.getLogger(__name__)
@@ -110,8 +111,16 @@ class Proxier:
     _full_reasons: list[str] = field(default_factory=lambda: ["first sync"], init=False)
     # The settings the node facts were computed with.
     _settings: DataplaneSettings | None = field(default=None, init=False)
-    # UDP ports changed since the last successful sync: their state before, for conntrack.
-    _udp_before: dict[ServicePortKey, ServicePort | None] = field(default_factory=dict, init=False)
+    # Ports changed and not yet programmed: each one as the kernel holds it (None: absent).
+    # A deferred port is programmed as this until its turn (budget.py); the UDP ones are also
+    # what conntrack cleans after (stale flows of endpoints that went away).
+    _before: dict[ServicePortKey, ServicePort | None] = field(default_factory=dict, init=False)
+    # Ports changed but left to the next syncs by the budget of one partial sync (budget.py),
+    # and the trigger times of their Services (observed once the last of their ports is in).
+    _deferred: set[ServicePortKey] = field(default_factory=set, init=False)
+    _deferred_triggers: dict[Key, float] = field(default_factory=dict, init=False)
+    # Endpoints one partial sync programs at most (budget.py).
+    max_sync_cost: int = MAX_SYNC_COST
     # Runs the stale-flow deletions (in the conntrack cleaner's thread: off the programming
     # path); returns how many failed.
     delete_flows: Callable[[Iterable[FlowFilter]], int] = field(default=conntrack.delete_flows)
@@ -282,13 +291,13 @@ class Proxier:
             problems: tuple[ServiceProblem, ...] = ()
             if port is None:
                 if key in local.services:
-                    self._remember_udp(key)
+                    self._remember(key)
                     del local.services[key]
                     changed.add(key)
             else:
                 port, problems = self._claims.resolve(port)
                 if local.services.get(key) != port:
-                    self._remember_udp(key)
+                    self._remember(key)
                     local.services[key] = port
                     changed.add(key)
             if problems:
@@ -298,19 +307,50 @@ class Proxier:
                 self._problems_changed = True
         return changed
 
-    def _remember_udp(self, key: ServicePortKey) -> None:
-        if key.protocol is Protocol.UDP and key not in self._udp_before:
-            self._udp_before[key] = self.local.services.get(key)
+    def _remember(self, key: ServicePortKey) -> None:
+        """Before a port changes: keep what the kernel holds for it, until it is programmed."""
+        if key not in self._before:
+            self._before[key] = self.local.services.get(key)
 
-    def _clean_conntrack(self) -> None:
-        flows = [
-            f
-            for key, before in self._udp_before.items()
-            for f in stale_flows(before, self.local.services.get(key))
-        ]
-        self._udp_before.clear()
+    def _programmed(self, full: bool, changed: Collection[ServicePortKey]) -> None:
+        """After a successful sync: the ports it programmed are the kernel's now (a full sync:
+        all but the deferred ones); clean the conntrack entries their UDP changes left."""
+        done = [k for k in self._before if k not in self._deferred and (full or k in changed)]
+        flows = []
+        for key in done:
+            before = self._before.pop(key)
+            if key.protocol is Protocol.UDP:
+                flows += stale_flows(before, self.local.services.get(key))
         if flows:
             self.conntrack_cleaner.submit(flows)  # deleted after this sync, not during it
+
+    def _bound(
+        self, changed: set[ServicePortKey], triggers: dict[Key, float]
+    ) -> tuple[set[ServicePortKey], dict[Key, float]]:
+        """A partial sync's ports within the budget of one sync (budget.py), the others
+        deferred to the next syncs; the trigger times of the Services it completes."""
+        changed |= self._deferred
+        triggers = {**self._deferred_triggers, **triggers}
+
+        def port_cost(key: ServicePortKey) -> int:
+            port = self.local.services.get(key) or self._before.get(key)
+            return 1 + (cost(port) if port is not None else 0)
+
+        now, self._deferred = split_by_budget(changed, port_cost, self.max_sync_cost)
+        waiting = {(k.namespace, k.name) for k in self._deferred}
+        self._deferred_triggers = {s: t for s, t in triggers.items() if s in waiting}
+        if self._deferred:
+            log.info(
+                "partial sync of %d service ports; %d more (%s ...) follow at once",
+                len(now),
+                len(self._deferred),
+                ", ".join(sorted({f"{k.namespace}/{k.name}" for k in self._deferred})[:3]),
+            )
+        return now, {s: t for s, t in triggers.items() if s not in waiting}
+
+    def has_deferred(self) -> bool:
+        """Ports changed but left to the next syncs by the budget of one sync."""
+        return bool(self._deferred)
 
     def prepare(self) -> PendingSync:
         """Take the recorded changes and bring the node-local state up to date (event loop)."""
@@ -329,15 +369,21 @@ class Proxier:
         services |= self._refresh_external_ips()
         changed = self._recompute(None if everything else services)
         full = bool(self._full_reasons)
+        triggers = changes.trigger_times
         if full:
             self._refused.clear()  # everything is tried again
+            self._deferred.clear()  # a full sync programs everything in one transaction
+            triggers = {**self._deferred_triggers, **triggers}
+            self._deferred_triggers = {}
+        else:
+            changed, triggers = self._bound(changed, triggers)
         for key in changed:
             self._refused.pop(part_of(key), None)
         if full:
             log.debug("full sync: %s", ", ".join(dict.fromkeys(self._full_reasons)))
         self._full_reasons = []
         self.metrics.changed_ports.inc(len(changed))
-        return PendingSync(start, full, changed, changes.trigger_times, time.monotonic())
+        return PendingSync(start, full, changed, triggers, time.monotonic())
 
     def program(self, pending: PendingSync) -> SyncOutcome:
         """Program the kernel (may run in a worker thread: nothing here touches the cluster
@@ -370,7 +416,7 @@ class Proxier:
         self._report_refused()
         if self.on_synced is not None:
             self.on_synced(state, None if full else changed)
-        self._clean_conntrack()
+        self._programmed(full, changed)
         if full:
             log.debug(
                 "full sync of %d service ports: %.3f s (model %.3f s, kernel %.3f s)",
@@ -408,11 +454,19 @@ class Proxier:
         return self.program(self.prepare())
 
     def programmable(self) -> NodeLocalState:
-        """The node-local state without the Services the kernel refused."""
-        if not self._refused:
+        """The node-local state without the Services the kernel refused, and with the ports
+        deferred to the next syncs as the kernel holds them (so every backend renders a
+        consistent state: the programmed one plus this sync's ports)."""
+        if not self._refused and not self._deferred:
             return self.local
         local, refused = self.local, self._refused
         services = {k: sp for k, sp in local.services.items() if part_of(k) not in refused}
+        for key in self._deferred:
+            before = self._before.get(key)
+            if before is None or part_of(key) in refused:
+                services.pop(key, None)
+            else:
+                services[key] = before
         return NodeLocalState(local.node, services, local.facts)
 
     def _isolate(
