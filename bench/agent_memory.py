@@ -158,16 +158,20 @@ def measure(agent: Agent, n: int, cluster: Cluster, api: ApiClient, work: Worklo
             out.cold_s = round(cold.seconds, 2)
             time.sleep(3.0)  # the first sync's verification and the freeze
             out.cold_peak_mb, out.cold_rss_mb = _mem(run)
-            log(f"{agent.label} {n:,}: cold start {cold.seconds:.2f} s (timing under load); peak "
-                f"{out.cold_peak_mb:.0f} MB, RSS {out.cold_rss_mb:.0f} MB")  # fmt: skip
+            log(
+                f"{agent.label} {n:,}: cold start {cold.seconds:.2f} s (timing under load); peak "
+                f"{out.cold_peak_mb:.0f} MB, RSS {out.cold_rss_mb:.0f} MB"
+            )
             gone_before = len(_lines(run, GONE_LINE))
             out.relisted, took = force_relist(cluster, api, run)
             out.relist_s = round(took, 2)
             gone = len(_lines(run, GONE_LINE)) - gone_before
             time.sleep(8.0)  # the relist's sync (nothing changed) and a settled heap
             out.peak_mb, out.rss_mb = _mem(run)
-            log(f"{agent.label} {n:,}: relisted {out.relisted} ({gone} x 410 Gone) in "
-                f"{took:.1f} s; peak {out.peak_mb:.0f} MB, RSS {out.rss_mb:.0f} MB")  # fmt: skip
+            log(
+                f"{agent.label} {n:,}: relisted {out.relisted} ({gone} x 410 Gone) in "
+                f"{took:.1f} s; peak {out.peak_mb:.0f} MB, RSS {out.rss_mb:.0f} MB"
+            )
         except Exception as exc:
             out.error = f"{type(exc).__name__}: {exc}"[:2000]
             log(f"{agent.label} {n:,}: FAILED: {out.error}")
@@ -218,13 +222,17 @@ def main() -> int:
     for agent in agents:
         ok = [r for r in results if r.agent == agent.label and not r.error and r.peak_mb]
         for r in ok:
-            log(f"{agent.label} {r.services:>6,} Services: cold peak {r.cold_peak_mb:.0f} MB, "
-                f"after a relist peak {r.peak_mb:.0f} MB, RSS {r.rss_mb:.0f} MB")  # fmt: skip
+            log(
+                f"{agent.label} {r.services:>6,} Services: cold peak {r.cold_peak_mb:.0f} MB, "
+                f"after a relist peak {r.peak_mb:.0f} MB, RSS {r.rss_mb:.0f} MB"
+            )
         if len(ok) > 1:
             slopes[agent.label] = slope([(r.services, r.peak_mb) for r in ok])
             b, a = slopes[agent.label]
-            log(f"{agent.label} slope: {b * 1024:.1f} kB per Service with "
-                f"{ENDPOINTS_PER_SERVICE} endpoints (intercept {a:.0f} MB)")  # fmt: skip
+            log(
+                f"{agent.label} slope: {b * 1024:.1f} kB per Service with "
+                f"{ENDPOINTS_PER_SERVICE} endpoints (intercept {a:.0f} MB)"
+            )
     if not args.no_write:
         path = write_json(
             "agent_memory.json",

@@ -104,9 +104,14 @@ class ApiClient:
         self.kube.close()
 
     async def _request(
-        self, client: Client, method: str, path: str, body: Mapping[str, Any] | None,
-        content: str, attempts: int
-    ) -> Obj:  # fmt: skip
+        self,
+        client: Client,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        content: str,
+        attempts: int,
+    ) -> Obj:
         for attempt in range(attempts):
             try:
                 return (await client.request(method, path, body=body, content=content)).body
@@ -126,8 +131,7 @@ class ApiClient:
         attempts: int = 6,
     ) -> Obj:
         """One request (`content`: "json", or for PATCH "merge", "strategic", ...)."""
-        return self.kube.run(self._request(self.kube.client, method, path, body, content,
-                                           attempts))  # fmt: skip
+        return self.kube.run(self._request(self.kube.client, method, path, body, content, attempts))
 
     def create(self, path: str, obj: Mapping[str, Any]) -> Obj:
         return self.request("POST", path, obj)

@@ -52,7 +52,7 @@ def rows() -> list[Fault | NotBuilt]:
         f.NodeReboot(),
         f.PxcDeleted(10),
         f.IptablesFlush(),
-    ]  # fmt: skip
+    ]
 
 
 #: the modes the rows run in, in order (the suite starts in the first)
@@ -75,35 +75,41 @@ def switch_mode(env: MigrationEnv, old: str, new: str) -> None:
 def report(results: list[RowResult], opts: Options, nodes: int, seconds: float) -> str:
     lo = opts.load
     problems = details(results)
-    return "\n".join([
-        "# Fault table (bench/chaos.py, `make chaos`)",
-        "",
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, {nodes} "
-        f"simulated nodes, kpx in nftables mode (the iptables rows: after a switch to iptables "
-        f"mode), operator and agents from the images under runc; faults' durations "
-        f"x{opts.scale:g}; {seconds / 60:.0f} min in all.",
-        f"Load per node: a new TCP connection every {lo.interval * 1000:.0f} ms and a UDP "
-        f"exchange every {lo.udp_interval * 1000:.0f} ms, over 2 ClusterIPs, a NodePort's "
-        f"ClusterIP and the NodePort on every node's address; {lo.holds} held connections. "
-        f"A try fails without an answer within {lo.timeout:.0f} s. 'touched': tries from a "
-        "client on a node the fault touches or to a NodePort on such a node. Converged: "
-        "seconds from the heal until the Services created during the fault and the base "
-        "Services answer from every node (docs/chaos.md).",
-        "",
-        render(results),
-        "",
-        "Notes:" if problems else "No notes.",
-        *problems,
-        "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "# Fault table (bench/chaos.py, `make chaos`)",
+            "",
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {platform.node()}, {nodes} "
+            f"simulated nodes, kpx in nftables mode (the iptables rows: after a switch to iptables "
+            f"mode), operator and agents from the images under runc; faults' durations "
+            f"x{opts.scale:g}; {seconds / 60:.0f} min in all.",
+            f"Load per node: a new TCP connection every {lo.interval * 1000:.0f} ms and a UDP "
+            f"exchange every {lo.udp_interval * 1000:.0f} ms, over 2 ClusterIPs, a NodePort's "
+            f"ClusterIP and the NodePort on every node's address; {lo.holds} held connections. "
+            f"A try fails without an answer within {lo.timeout:.0f} s. 'touched': tries from a "
+            "client on a node the fault touches or to a NodePort on such a node. Converged: "
+            "seconds from the heal until the Services created during the fault and the base "
+            "Services answer from every node (docs/chaos.md).",
+            "",
+            render(results),
+            "",
+            "Notes:" if problems else "No notes.",
+            *problems,
+            "",
+        ]
+    )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--scale", type=float, default=1.0)
-    parser.add_argument("--only", action="append", default=[],
-                        help="run only the rows whose name contains this (repeatable)")  # fmt: skip
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        help="run only the rows whose name contains this (repeatable)",
+    )
     parser.add_argument("--converge-timeout", type=float, default=180.0)
     parser.add_argument("--out", type=Path, default=RESULTS / "chaos.md")
     args = parser.parse_args()

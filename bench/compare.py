@@ -472,8 +472,9 @@ def time_to_kernel(
     old: the change (timed from the PATCH), and the time spent polling."""
     key = work.key(write.service)
     request = dp.endpoints_request(key, chains[key])
-    seen, polls, spent = wait_visible(probe, request, write.old, write.new, write.sent,
-                                      CHANGE_TIMEOUT)  # fmt: skip
+    seen, polls, spent = wait_visible(
+        probe, request, write.old, write.new, write.sent, CHANGE_TIMEOUT
+    )
     latency, ack = (seen - write.sent) * 1000, (write.acked - write.sent) * 1000
     return Change(write.service, latency, ack, polls), spent
 
@@ -573,8 +574,14 @@ def run_system(
                     log(f"{dp.label}: waited {waited:.1f} s for the machine to settle")
                 api_pid = component_pid(cluster, "kube-apiserver")
                 api_cpu0 = proc_cpu_seconds(api_pid)[0] if api_pid else 0.0
-                run = start(dp, topo, node, cluster, f"{dp.system}-{dp.mode}-{i}",
-                            opts.agent_args if dp.system == KPX else ())  # fmt: skip
+                run = start(
+                    dp,
+                    topo,
+                    node,
+                    cluster,
+                    f"{dp.system}-{dp.mode}-{i}",
+                    opts.agent_args if dp.system == KPX else (),
+                )
                 log(f"{dp.label}: started (pid {run.pid}), waiting for {n:,} Services")
                 cold, chains = wait_cold_start(dp, probe, run, topo, node, work, opts.cold_timeout)
                 cold.cpu_s, cold.children_cpu_s = tree_cpu(run.pid)
@@ -682,9 +689,14 @@ def measure_node_updates(
     for k in range(count):
         run.check_alive()
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        condition = {"type": "Ready", "status": "True", "reason": "KubeletReady",
-                     "message": f"heartbeat {k}", "lastHeartbeatTime": now,
-                     "lastTransitionTime": now}  # fmt: skip
+        condition = {
+            "type": "Ready",
+            "status": "True",
+            "reason": "KubeletReady",
+            "message": f"heartbeat {k}",
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": now,
+        }
         api.merge_patch(path, {"status": {"conditions": [condition]}})
         time.sleep(gap)
     m1 = metrics(topo, node)

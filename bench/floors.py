@@ -50,8 +50,13 @@ def timed_in_fresh_netns(loads: list[tuple[list[str], str]]) -> float:
     try:
         start = time.monotonic()
         for argv, stdin in loads:
-            subprocess.run(["ip", "netns", "exec", ns, *argv], input=stdin, text=True,
-                           check=True, capture_output=True)  # fmt: skip
+            subprocess.run(
+                ["ip", "netns", "exec", ns, *argv],
+                input=stdin,
+                text=True,
+                check=True,
+                capture_output=True,
+            )
         return time.monotonic() - start
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=False)
@@ -77,14 +82,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--services", type=int, nargs="*", default=[1000, 10000])
     args = parser.parse_args()
-    print("| Services | nft -f (kpx nftables ruleset), median | iptables-restore (kpx iptables"
-          " ruleset), median |\n|---|---|---|")  # fmt: skip
+    print(
+        "| Services | nft -f (kpx nftables ruleset), median | iptables-restore (kpx iptables"
+        " ruleset), median |\n|---|---|---|"
+    )
     for n in args.services:
         result = measure(n)
         nft_s, ipt_s = result["nft_f_seconds"], result["iptables_restore_seconds"]
         assert isinstance(nft_s, list) and isinstance(ipt_s, list)
-        print(f"| {n:,} | {nft_s[1]:.2f} s ({result['nft_script_bytes'] / 1e6:.1f} MB) | "
-              f"{ipt_s[1]:.2f} s ({result['iptables_script_bytes'] / 1e6:.1f} MB) |")  # fmt: skip
+        print(
+            f"| {n:,} | {nft_s[1]:.2f} s ({result['nft_script_bytes'] / 1e6:.1f} MB) | "
+            f"{ipt_s[1]:.2f} s ({result['iptables_script_bytes'] / 1e6:.1f} MB) |"
+        )
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"floors-{n}.json").write_text(json.dumps(result, indent=2) + "\n")
 

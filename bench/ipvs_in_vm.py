@@ -38,8 +38,12 @@ def run_mode(mode: str, count: int) -> dict[str, Any]:
         start = time.perf_counter()
         backend.sync(NodeLocalState(node, dict(ports), facts), [changed.key])
         changes.append(time.perf_counter() - start)
-    return {"mode": mode, "services": count, "full_sync_s": round(full, 3),
-            "one_change_median_ms": round(statistics.median(changes) * 1000, 1)}  # fmt: skip
+    return {
+        "mode": mode,
+        "services": count,
+        "full_sync_s": round(full, 3),
+        "one_change_median_ms": round(statistics.median(changes) * 1000, 1),
+    }
 
 
 def main() -> int:
@@ -47,8 +51,9 @@ def main() -> int:
     parser.add_argument("--services", type=int, default=1000)
     parser.add_argument("--modes", default="ipvs,iptables,nftables")
     parser.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--profile", action="store_true",
-                        help="print the costliest functions of each mode")  # fmt: skip
+    parser.add_argument(
+        "--profile", action="store_true", help="print the costliest functions of each mode"
+    )
     args = parser.parse_args()
     if args.in_netns:
         try:

@@ -58,8 +58,11 @@ KUBE_PROXY_MODES = ("iptables", "nftables")
 def refusal_report(r: RefusalResult) -> list[str]:
     loads = SwitchResult(r.old, r.new, 0, 0.0, r.loads, {})
     problems = r.traffic_failures()
-    lifted = (f"{r.after_lift:.1f} s after the refusal was lifted" if r.after_lift is not None
-              else "not within 300 s of lifting the refusal")  # fmt: skip
+    lifted = (
+        f"{r.after_lift:.1f} s after the refusal was lifted"
+        if r.after_lift is not None
+        else "not within 300 s of lifting the refusal"
+    )
     return [
         "",
         f"## Injected failure: {r.old} -> {r.new} with nftables refused on one node",
@@ -138,13 +141,16 @@ def main() -> int:
     parser.add_argument("--interval", type=float, default=0.015)
     parser.add_argument("--udp-interval", type=float, default=0.02)
     parser.add_argument("--holds", type=int, default=2)
-    parser.add_argument("--no-inject", action="store_true",
-                        help="skip the switch with nftables refused on one node")  # fmt: skip
+    parser.add_argument(
+        "--no-inject", action="store_true", help="skip the switch with nftables refused on one node"
+    )
     parser.add_argument("--hold-refusal", type=float, default=90.0)
-    parser.add_argument("--no-takeover", action="store_true",
-                        help="skip the takeover from upstream kube-proxy")  # fmt: skip
-    parser.add_argument("--only-takeover", action="store_true",
-                        help="only the takeover from upstream kube-proxy")  # fmt: skip
+    parser.add_argument(
+        "--no-takeover", action="store_true", help="skip the takeover from upstream kube-proxy"
+    )
+    parser.add_argument(
+        "--only-takeover", action="store_true", help="only the takeover from upstream kube-proxy"
+    )
     real_help = "on real kubelets (kpx_cluster.migration_real), not the node simulator"
     parser.add_argument("--real", action="store_true", help=real_help)
     parser.add_argument("--out", type=Path)
@@ -178,8 +184,9 @@ def main() -> int:
             results.append(result)
             log(table_row(result))
         if not args.no_inject:
-            refusal = switch_with_refusal(env, "iptables", "nftables", env.nodes[1],
-                                          args.hold_refusal, opts, log=log)  # fmt: skip
+            refusal = switch_with_refusal(
+                env, "iptables", "nftables", env.nodes[1], args.hold_refusal, opts, log=log
+            )
     return finish(results, refusal, opts, args)
 
 

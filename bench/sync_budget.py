@@ -36,24 +36,39 @@ UNBOUNDED = 10**9
 def service(name: str, ip: str, ports: int) -> dict[str, Any]:
     return {
         "metadata": {"namespace": "bench", "name": name},
-        "spec": {"clusterIP": ip, "clusterIPs": [ip], "ports": [
-            {"name": f"p{i}", "port": 10000 + i, "protocol": "TCP"} for i in range(ports)]},
-    }  # fmt: skip
+        "spec": {
+            "clusterIP": ip,
+            "clusterIPs": [ip],
+            "ports": [
+                {"name": f"p{i}", "port": 10000 + i, "protocol": "TCP"} for i in range(ports)
+            ],
+        },
+    }
 
 
 def slices(name: str, ports: int, endpoints: int, base: int) -> list[dict[str, Any]]:
     out = []
     for s in range(0, endpoints, 1000):
-        out.append({
-            "metadata": {"namespace": "bench", "name": f"{name}-{s // 1000}",
-                         "labels": {"kubernetes.io/service-name": name}},
-            "addressType": "IPv4",
-            "ports": [{"name": f"p{i}", "port": 20000 + i, "protocol": "TCP"}
-                      for i in range(ports)],
-            "endpoints": [{"addresses": [f"10.{base}.{i // 250}.{i % 250 + 1}"],
-                           "conditions": {"ready": True}}
-                          for i in range(s, min(s + 1000, endpoints))],
-        })  # fmt: skip
+        out.append(
+            {
+                "metadata": {
+                    "namespace": "bench",
+                    "name": f"{name}-{s // 1000}",
+                    "labels": {"kubernetes.io/service-name": name},
+                },
+                "addressType": "IPv4",
+                "ports": [
+                    {"name": f"p{i}", "port": 20000 + i, "protocol": "TCP"} for i in range(ports)
+                ],
+                "endpoints": [
+                    {
+                        "addresses": [f"10.{base}.{i // 250}.{i % 250 + 1}"],
+                        "conditions": {"ready": True},
+                    }
+                    for i in range(s, min(s + 1000, endpoints))
+                ],
+            }
+        )
     return out
 
 
@@ -82,8 +97,9 @@ def inner(n: int, ports: int, endpoints: int, budget: int) -> None:
         for sl in slices(name, 1, 10, 244 + i % 2):
             state.upsert(SLICES, sl)
     backend = NftablesBackend(SETTINGS)
-    proxier = Proxier(state, backend, "bench-node-0", NamespaceOptOut(), AgentMetrics(),
-                      backend.settings)  # fmt: skip
+    proxier = Proxier(
+        state, backend, "bench-node-0", NamespaceOptOut(), AgentMetrics(), backend.settings
+    )
     proxier.delete_flows = lambda _filters: 0
     proxier.max_sync_cost = budget
     proxier.max_service_cost = max(ports * endpoints, 1)
@@ -97,18 +113,37 @@ def inner(n: int, ports: int, endpoints: int, budget: int) -> None:
         state.delete(SLICES, sl)
     remove = drain(proxier)
     backend.cleanup()
-    print(f"RESULT {budget} {add[0]} {add[1]:.3f} {add[2]:.3f} {remove[0]} {remove[1]:.3f} "
-          f"{remove[2]:.3f}", flush=True)  # fmt: skip
+    print(
+        f"RESULT {budget} {add[0]} {add[1]:.3f} {add[2]:.3f} {remove[0]} {remove[1]:.3f} "
+        f"{remove[2]:.3f}",
+        flush=True,
+    )
 
 
 def run(n: int, ports: int, endpoints: int, budget: int) -> list[str]:
     ns = f"kpxbudget{uuid.uuid4().hex[:6]}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
-        argv = [sys.executable, __file__, "--inner", "--services", str(n), "--ports", str(ports),
-                "--endpoints", str(endpoints), "--budget", str(budget)]  # fmt: skip
-        out = subprocess.run(["ip", "netns", "exec", ns, *argv], check=True,
-                             capture_output=True, text=True, env=os.environ).stdout  # fmt: skip
+        argv = [
+            sys.executable,
+            __file__,
+            "--inner",
+            "--services",
+            str(n),
+            "--ports",
+            str(ports),
+            "--endpoints",
+            str(endpoints),
+            "--budget",
+            str(budget),
+        ]
+        out = subprocess.run(
+            ["ip", "netns", "exec", ns, *argv],
+            check=True,
+            capture_output=True,
+            text=True,
+            env=os.environ,
+        ).stdout
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=False)
     return next(line for line in out.splitlines() if line.startswith("RESULT")).split()[1:]
@@ -125,11 +160,15 @@ def main() -> None:
     if args.inner:
         inner(args.services, args.ports, args.endpoints, args.budget)
         return
-    print(f"{args.services} small Services, then one with {args.ports} ports x "
-          f"{args.endpoints} endpoints, added then deleted (nftables, one netns)")  # fmt: skip
-    print("| budget (endpoints per partial sync) | longest sync while it goes in (s) "
-          "| syncs, seconds until all in | longest sync while it goes away (s) "
-          "| syncs, seconds until all gone |")  # fmt: skip
+    print(
+        f"{args.services} small Services, then one with {args.ports} ports x "
+        f"{args.endpoints} endpoints, added then deleted (nftables, one netns)"
+    )
+    print(
+        "| budget (endpoints per partial sync) | longest sync while it goes in (s) "
+        "| syncs, seconds until all in | longest sync while it goes away (s) "
+        "| syncs, seconds until all gone |"
+    )
     print("|---|---:|---:|---:|---:|")
     for budget, label in (
         (UNBOUNDED, "unbounded (one sync)"),

@@ -94,8 +94,13 @@ def service_port(svc: int, target_port: int = TARGET_PORT) -> ServicePort:
     eps = tuple(
         Endpoint(IP.of(ip), target_port, node == NODE_NAME) for ip, node in endpoint_addresses(svc)
     )
-    return ServicePort(key, SERVICE_PORT, cluster_ips=(IP.of(service_vip(svc)),),
-                       cluster_endpoints=eps, external_endpoints=eps)  # fmt: skip
+    return ServicePort(
+        key,
+        SERVICE_PORT,
+        cluster_ips=(IP.of(service_vip(svc)),),
+        cluster_endpoints=eps,
+        external_endpoints=eps,
+    )
 
 
 def node_local_state(n: int, settings: DataplaneSettings = SETTINGS) -> NodeLocalState:

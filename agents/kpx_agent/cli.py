@@ -225,8 +225,11 @@ def explain_migration(argv: list[str]) -> int:
     p.add_argument("--from", dest="source", choices=["ipvs"], required=True)
     p.add_argument("--to", dest="target", choices=["nftables"], required=True)
     p.add_argument("--config", type=Path, help="the ipvs AgentConfiguration (default: defaults)")
-    p.add_argument("--kubeconfig", type=Path, help="list the Services with this kubeconfig "
-                   "(default: in-cluster credentials)")  # fmt: skip
+    p.add_argument(
+        "--kubeconfig",
+        type=Path,
+        help="list the Services with this kubeconfig (default: in-cluster credentials)",
+    )
     args = p.parse_args(argv)
     from kpx_api.modes import IPVSSettings
 
@@ -268,12 +271,20 @@ def convert_kube_proxy_config(argv: list[str]) -> int:
     )
     p.add_argument("file", nargs="?", default="-", help="the YAML to read (default: stdin)")
     p.add_argument("--name", default="default", help="the ProxyConfiguration's name")
-    p.add_argument("--takeover", action="store_true", help="set spec.takeover.fromKubeProxy "
-                   "and moveKubeProxyOff: the agents take the nodes over from the running "
-                   "kube-proxy node by node (docs/migrating.md)")  # fmt: skip
-    p.add_argument("--to-nftables", action="store_true", help="mode nftables where "
-                   "kube-proxy ran iptables (its settings both modes have are carried; what "
-                   "only iptables does is named)")  # fmt: skip
+    p.add_argument(
+        "--takeover",
+        action="store_true",
+        help="set spec.takeover.fromKubeProxy "
+        "and moveKubeProxyOff: the agents take the nodes over from the running "
+        "kube-proxy node by node (docs/migrating.md)",
+    )
+    p.add_argument(
+        "--to-nftables",
+        action="store_true",
+        help="mode nftables where "
+        "kube-proxy ran iptables (its settings both modes have are carried; what "
+        "only iptables does is named)",
+    )
     args = p.parse_args(argv)
     from .handover.kube_proxy_config import ConversionError, convert, read_document, render
 
@@ -288,8 +299,11 @@ def convert_kube_proxy_config(argv: list[str]) -> int:
     for dropped in conversion.dropped:
         print(f"{prog}: {dropped.render()}", file=sys.stderr)
     if conversion.lost:
-        print(f"{prog}: {len(conversion.lost)} field(s) in use not carried: review them before "
-              "applying", file=sys.stderr)  # fmt: skip
+        print(
+            f"{prog}: {len(conversion.lost)} field(s) in use not carried: review them before "
+            "applying",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

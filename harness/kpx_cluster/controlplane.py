@@ -507,9 +507,14 @@ class Cluster:
         comps = self._components()
         index = next(i for i, c in enumerate(comps) if c.name == name)
         log = (self.log_dir / f"{name}.log").open("ab")
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=self.state_dir)  # fmt: skip
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=self.state_dir,
+        )
         log.close()
         comps[index] = Component(name, proc.pid, argv[0], comps[index].health_url)
         state = self._load_state()

@@ -43,46 +43,92 @@ ZONES = {"node-1": "zone-a", "node-2": "zone-a", "node-3": "zone-b"}
 SERVE = "mkdir -p /w && echo $POD_NAME > /w/index.html && exec httpd -f -p 8080 -h /w"
 
 DEMO_APP = [
-    {"apiVersion": "apps/v1", "kind": "Deployment",
-     "metadata": {"name": "web", "namespace": "demo"},
-     "spec": {
-         "replicas": 3,
-         "selector": {"matchLabels": {"app": "web"}},
-         "template": {
-             "metadata": {"labels": {"app": "web"}},
-             "spec": {
-                 "automountServiceAccountToken": False,
-                 "terminationGracePeriodSeconds": 1,
-                 "topologySpreadConstraints": [{
-                     "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
-                     "whenUnsatisfiable": "DoNotSchedule",
-                     "labelSelector": {"matchLabels": {"app": "web"}}}],
-                 "containers": [{
-                     "name": "web", "image": BUSYBOX_IMAGE, "imagePullPolicy": "Never",
-                     "command": ["sh", "-c", SERVE],
-                     "env": [{"name": "POD_NAME",
-                              "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-                     "ports": [{"containerPort": 8080}],
-                     "readinessProbe": {"httpGet": {"path": "/", "port": 8080},
-                                        "periodSeconds": 2}}]}}}},
-    {"apiVersion": "v1", "kind": "Service",
-     "metadata": {"name": "web", "namespace": "demo"},
-     "spec": {"type": "NodePort", "selector": {"app": "web"},
-              "ipFamilyPolicy": "PreferDualStack",
-              "ports": [{"name": "http", "port": 80, "targetPort": 8080}]}},
-    {"apiVersion": "v1", "kind": "Pod",
-     "metadata": {"name": "client", "namespace": "demo"},
-     "spec": {"nodeName": "node-1", "automountServiceAccountToken": False,
-              "terminationGracePeriodSeconds": 1,
-              "containers": [{"name": "client", "image": BUSYBOX_IMAGE,
-                              "imagePullPolicy": "Never", "command": ["sleep", "86400"]}]}},
-]  # fmt: skip
+    {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "web", "namespace": "demo"},
+        "spec": {
+            "replicas": 3,
+            "selector": {"matchLabels": {"app": "web"}},
+            "template": {
+                "metadata": {"labels": {"app": "web"}},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "terminationGracePeriodSeconds": 1,
+                    "topologySpreadConstraints": [
+                        {
+                            "maxSkew": 1,
+                            "topologyKey": "kubernetes.io/hostname",
+                            "whenUnsatisfiable": "DoNotSchedule",
+                            "labelSelector": {"matchLabels": {"app": "web"}},
+                        }
+                    ],
+                    "containers": [
+                        {
+                            "name": "web",
+                            "image": BUSYBOX_IMAGE,
+                            "imagePullPolicy": "Never",
+                            "command": ["sh", "-c", SERVE],
+                            "env": [
+                                {
+                                    "name": "POD_NAME",
+                                    "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                                }
+                            ],
+                            "ports": [{"containerPort": 8080}],
+                            "readinessProbe": {
+                                "httpGet": {"path": "/", "port": 8080},
+                                "periodSeconds": 2,
+                            },
+                        }
+                    ],
+                },
+            },
+        },
+    },
+    {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web", "namespace": "demo"},
+        "spec": {
+            "type": "NodePort",
+            "selector": {"app": "web"},
+            "ipFamilyPolicy": "PreferDualStack",
+            "ports": [{"name": "http", "port": 80, "targetPort": 8080}],
+        },
+    },
+    {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "client", "namespace": "demo"},
+        "spec": {
+            "nodeName": "node-1",
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [
+                {
+                    "name": "client",
+                    "image": BUSYBOX_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "command": ["sleep", "86400"],
+                }
+            ],
+        },
+    },
+]
 
 
 #: What each condition of a ProxyConfiguration reads when all is well.
-HEALTHY: Final = {"Ready": "True", "Progressing": "False", "Degraded": "False",
-                  "Deprecated": "False", "Preflight": "True", "ModeSwitch": "True",
-                  "Reconciling": "False", "Stalled": "False"}  # fmt: skip
+HEALTHY: Final = {
+    "Ready": "True",
+    "Progressing": "False",
+    "Degraded": "False",
+    "Deprecated": "False",
+    "Preflight": "True",
+    "ModeSwitch": "True",
+    "Reconciling": "False",
+    "Stalled": "False",
+}
 
 
 def unhealthy_conditions(pxc: dict[str, Any]) -> dict[str, str]:
@@ -90,8 +136,11 @@ def unhealthy_conditions(pxc: dict[str, Any]) -> dict[str, str]:
     type in HEALTHY but Preflight and ModeSwitch (present only with a reason to be) must be
     there."""
     conds = {c["type"]: c for c in (pxc.get("status") or {}).get("conditions") or []}
-    out = {t: "missing" for t in ("Ready", "Progressing", "Degraded", "Deprecated",
-                                  "Reconciling", "Stalled") if t not in conds}  # fmt: skip
+    out = {
+        t: "missing"
+        for t in ("Ready", "Progressing", "Degraded", "Deprecated", "Reconciling", "Stalled")
+        if t not in conds
+    }
     for type_, c in conds.items():
         if HEALTHY.get(type_) != c["status"]:
             out[type_] = f"{c['status']} {c['reason']}: {c.get('message', '')}"
@@ -139,24 +188,44 @@ def serve() -> None:
             cluster.kubectl("label", "node", node, f"topology.kubernetes.io/zone={zone}")
         status = install.install_kpx(rc, "nftables", proxy_configuration())
         print(f"demo: ProxyConfiguration default Ready on {status['readyNodes']} nodes", flush=True)
-        _wait("every condition of ProxyConfiguration default healthy", lambda: not (
-            unhealthy_conditions(_json(cluster, "get", "pxc", "default"))))  # fmt: skip
+        _wait(
+            "every condition of ProxyConfiguration default healthy",
+            lambda: not (unhealthy_conditions(_json(cluster, "get", "pxc", "default"))),
+        )
         cluster.create_namespace("demo")
-        cluster.kubectl("apply", "-f", "-",
-                        input=json.dumps({"apiVersion": "v1", "kind": "List",
-                                          "items": DEMO_APP}))  # fmt: skip
-        _wait("demo app ready", lambda: _json(
-            cluster, "-n", "demo", "get", "deploy", "web"
-        ).get("status", {}).get("readyReplicas", 0) == 3)  # fmt: skip
-        _wait("client pod running", lambda: _json(
-            cluster, "-n", "demo", "get", "pod", "client"
-        ).get("status", {}).get("phase") == "Running")  # fmt: skip
+        cluster.kubectl(
+            "apply",
+            "-f",
+            "-",
+            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": DEMO_APP}),
+        )
+        _wait(
+            "demo app ready",
+            lambda: (
+                _json(cluster, "-n", "demo", "get", "deploy", "web")
+                .get("status", {})
+                .get("readyReplicas", 0)
+                == 3
+            ),
+        )
+        _wait(
+            "client pod running",
+            lambda: (
+                _json(cluster, "-n", "demo", "get", "pod", "client").get("status", {}).get("phase")
+                == "Running"
+            ),
+        )
         svc = _json(cluster, "-n", "demo", "get", "svc", "web")
-        READY.write_text(json.dumps({
-            "clusterIPs": svc["spec"]["clusterIPs"],
-            "nodePort": svc["spec"]["ports"][0]["nodePort"],
-            "nodes": {n: {"netns": p.netns, "ip": p.ipv4} for n, p in rc.plans.items()},
-        }, indent=2))  # fmt: skip
+        READY.write_text(
+            json.dumps(
+                {
+                    "clusterIPs": svc["spec"]["clusterIPs"],
+                    "nodePort": svc["spec"]["ports"][0]["nodePort"],
+                    "nodes": {n: {"netns": p.netns, "ip": p.ipv4} for n, p in rc.plans.items()},
+                },
+                indent=2,
+            )
+        )
         while True:
             time.sleep(3600)
     finally:
@@ -167,8 +236,10 @@ def _curl(netns: str, url: str) -> str:
     """From a node's network namespace (it routes every node, pod and Service address)."""
     proc = subprocess.run(
         ["ip", "netns", "exec", netns, "curl", "-s", "-g", "--max-time", "2", url],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return proc.stdout.strip() or f"(no answer: curl exit {proc.returncode})"
 
 
@@ -177,7 +248,7 @@ def _from_client(cluster: Cluster, url: str) -> str:
     static busybox 1.35 crashes on `-T`)."""
     proc = cluster.kubectl(
         "-n", "demo", "exec", "client", "--", "timeout", "3", "wget", "-qO-", url, check=False
-    )  # fmt: skip
+    )
     return proc.stdout.strip() or f"(no answer: wget exit {proc.returncode})"
 
 
@@ -195,8 +266,10 @@ def up(timeout: float = 240) -> int:
         print("the demo already runs; `make demo-down` stops it")
         return _show()
     if Cluster(NAME).is_running():  # not the demo's: never stop someone else's cluster
-        print(f"a cluster named {NAME!r} already runs; stop it first (`proxy-cluster down`)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"a cluster named {NAME!r} already runs; stop it first (`proxy-cluster down`)",
+            file=sys.stderr,
+        )
         return 1
     STATE.mkdir(parents=True, exist_ok=True)
     for f in (READY, FAILED):
@@ -204,8 +277,11 @@ def up(timeout: float = 240) -> int:
     log = LOG.open("ab")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kpx_cluster.demo", "serve"],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     PIDFILE.write_text(str(proc.pid))
     print("starting the control plane, 3 real kubelet nodes, kpx and the demo app...", flush=True)
     deadline = time.monotonic() + timeout

@@ -133,10 +133,13 @@ def _storage() -> list[str]:
     between images; vfs copies every layer in full)."""
     root = cache_dir() / "containers"
     return [
-        "--storage-driver", "overlay",
-        "--root", str(root / "storage"),
-        "--runroot", str(root / "run"),
-    ]  # fmt: skip
+        "--storage-driver",
+        "overlay",
+        "--root",
+        str(root / "storage"),
+        "--runroot",
+        str(root / "run"),
+    ]
 
 
 def _run(args: list[str], **kwargs: object) -> subprocess.CompletedProcess[bytes]:
@@ -196,8 +199,10 @@ def ensure_base(base: str = BASE_IMAGE, log: bool = True) -> None:
                 stdout=subprocess.DEVNULL,
             )
             _run(["buildah", *_storage(), "config", "--cmd", "bash", container])
-            _run(["buildah", *_storage(), "commit", "--quiet", container, base],
-                 stdout=subprocess.DEVNULL)  # fmt: skip
+            _run(
+                ["buildah", *_storage(), "commit", "--quiet", container, base],
+                stdout=subprocess.DEVNULL,
+            )
         finally:
             subprocess.run(
                 ["buildah", *_storage(), "rm", container], capture_output=True, check=False
@@ -225,8 +230,15 @@ def build(
     """Build `image` with buildah (cached layers) and write its OCI archive: the kpx images'
     target of images/Containerfile, or `containerfile` in `context` (no target)."""
     if containerfile is None:
-        source = ["--file", str(root / CONTAINERFILE), "--ignorefile", str(root / IGNOREFILE),
-                  "--target", image.target, str(root)]  # fmt: skip
+        source = [
+            "--file",
+            str(root / CONTAINERFILE),
+            "--ignorefile",
+            str(root / IGNOREFILE),
+            "--target",
+            image.target,
+            str(root),
+        ]
     else:
         source = ["--file", str(containerfile), str(context)]
     _run(

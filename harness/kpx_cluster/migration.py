@@ -198,62 +198,104 @@ def app_objects(ns: str, label: dict[str, str], replicas: int) -> list[dict[str,
     """The backends' Deployment (images `echo` and `python`: the node simulator runs the
     harness's modules) and the three Services on them."""
     # One backend per node (the scheduler spreads them: a required anti-affinity on hostname).
-    objs: list[dict[str, Any]] = [{
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "web", "namespace": ns},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": {"app": "web"}},
-            "template": {
-                "metadata": {"labels": {"app": "web"}},
-                "spec": {
-                    "nodeSelector": label,
-                    "automountServiceAccountToken": False,
-                    "affinity": {"podAntiAffinity": {REQUIRED: [
-                        {"labelSelector": {"matchLabels": {"app": "web"}},
-                         "topologyKey": "kubernetes.io/hostname"}]}},
-                    "containers": [
-                        {
-                            "name": "echo", "image": "echo",
-                            "command": ["python3", "-m", "kpx_cluster.echo_server",
-                                        "--name", "$(POD_NAME)", "--port", str(BACKEND_PORT)],
-                            "env": [{"name": "POD_NAME",
-                                     "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-                            "readinessProbe": {"tcpSocket": {"port": BACKEND_PORT},
-                                               "periodSeconds": 1},
+    objs: list[dict[str, Any]] = [
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "web", "namespace": ns},
+            "spec": {
+                "replicas": replicas,
+                "selector": {"matchLabels": {"app": "web"}},
+                "template": {
+                    "metadata": {"labels": {"app": "web"}},
+                    "spec": {
+                        "nodeSelector": label,
+                        "automountServiceAccountToken": False,
+                        "affinity": {
+                            "podAntiAffinity": {
+                                REQUIRED: [
+                                    {
+                                        "labelSelector": {"matchLabels": {"app": "web"}},
+                                        "topologyKey": "kubernetes.io/hostname",
+                                    }
+                                ]
+                            }
                         },
-                        {
-                            "name": "hold", "image": "python",
-                            "command": ["python3", "-m", "kpx_cluster.migration_load",
-                                        "hold-server", "--name", "$(POD_NAME)",
-                                        "--port", str(BACKEND_HOLD_PORT)],
-                            "env": [{"name": "POD_NAME",
-                                     "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-                            "readinessProbe": {"tcpSocket": {"port": BACKEND_HOLD_PORT},
-                                               "periodSeconds": 1},
-                        },
-                    ],
+                        "containers": [
+                            {
+                                "name": "echo",
+                                "image": "echo",
+                                "command": [
+                                    "python3",
+                                    "-m",
+                                    "kpx_cluster.echo_server",
+                                    "--name",
+                                    "$(POD_NAME)",
+                                    "--port",
+                                    str(BACKEND_PORT),
+                                ],
+                                "env": [
+                                    {
+                                        "name": "POD_NAME",
+                                        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                                    }
+                                ],
+                                "readinessProbe": {
+                                    "tcpSocket": {"port": BACKEND_PORT},
+                                    "periodSeconds": 1,
+                                },
+                            },
+                            {
+                                "name": "hold",
+                                "image": "python",
+                                "command": [
+                                    "python3",
+                                    "-m",
+                                    "kpx_cluster.migration_load",
+                                    "hold-server",
+                                    "--name",
+                                    "$(POD_NAME)",
+                                    "--port",
+                                    str(BACKEND_HOLD_PORT),
+                                ],
+                                "env": [
+                                    {
+                                        "name": "POD_NAME",
+                                        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                                    }
+                                ],
+                                "readinessProbe": {
+                                    "tcpSocket": {"port": BACKEND_HOLD_PORT},
+                                    "periodSeconds": 1,
+                                },
+                            },
+                        ],
+                    },
                 },
             },
-        },
-    }]  # fmt: skip
+        }
+    ]
     ports = [
         {"name": "tcp", "port": TCP_PORT, "targetPort": BACKEND_PORT, "protocol": "TCP"},
         {"name": "udp", "port": UDP_PORT, "targetPort": BACKEND_PORT, "protocol": "UDP"},
         {"name": "hold", "port": HOLD_PORT, "targetPort": BACKEND_HOLD_PORT, "protocol": "TCP"},
     ]
     for name, kind in (("svc-a", "ClusterIP"), ("svc-b", "ClusterIP"), ("svc-np", "NodePort")):
-        objs.append({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": name, "namespace": ns},
-            "spec": {"type": kind, "selector": {"app": "web"}, "ports": ports},
-        })  # fmt: skip
+        objs.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": name, "namespace": ns},
+                "spec": {"type": kind, "selector": {"app": "web"}, "ports": ports},
+            }
+        )
     return objs
 
 
 def _crd_established(cluster: Cluster) -> bool:
-    got = cluster.kubectl("get", "crd", "proxyconfigurations.proxy.kpx.dev", "-o", "json",
-                          check=False)  # fmt: skip
+    got = cluster.kubectl(
+        "get", "crd", "proxyconfigurations.proxy.kpx.dev", "-o", "json", check=False
+    )
     conditions = (
         json.loads(got.stdout).get("status", {}).get("conditions") or [] if got.stdout else []
     )
@@ -276,9 +318,16 @@ def apply_kpx(
             _apply(cluster, doc)
     else:
         cluster.kubectl("apply", "-k", str(REPO / "operator" / "manifests"))
-    cluster.kubectl("-n", NS, "patch", "deploy", "kpx-operator", "--type=merge", "-p",
-                    json.dumps({"spec": {"template": {"spec": {
-                        "nodeSelector": label}}}}))  # fmt: skip
+    cluster.kubectl(
+        "-n",
+        NS,
+        "patch",
+        "deploy",
+        "kpx-operator",
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"template": {"spec": {"nodeSelector": label}}}}),
+    )
     _apply(cluster, pxc)
 
 
@@ -288,16 +337,28 @@ def remove_kpx(cluster: Cluster, pxc: str, app_ns: str) -> None:
         ("delete", "pxc", pxc, "--ignore-not-found", "--timeout=120s"),
         ("delete", "namespace", app_ns, "--ignore-not-found", "--wait=false"),
         ("-n", NS, "delete", "deploy", "kpx-operator", "--ignore-not-found"),
-        ("delete", "-k", str(REPO / "operator" / "manifests"), "--ignore-not-found",
-         "--wait=false"),
-    ):  # fmt: skip
+        (
+            "delete",
+            "-k",
+            str(REPO / "operator" / "manifests"),
+            "--ignore-not-found",
+            "--wait=false",
+        ),
+    ):
         cluster.kubectl(*args, check=False, timeout=150)
 
 
 def wait_backends_ready(env: MigrationEnv, nodes: int) -> None:
-    wait_until(lambda: env.json("-n", env.app_ns, "get", "deploy", "web")
-               .get("status", {}).get("readyReplicas") == nodes,
-               120, "the backends ready")  # fmt: skip
+    wait_until(
+        lambda: (
+            env.json("-n", env.app_ns, "get", "deploy", "web")
+            .get("status", {})
+            .get("readyReplicas")
+            == nodes
+        ),
+        120,
+        "the backends ready",
+    )
 
 
 @contextlib.contextmanager
@@ -362,15 +423,24 @@ class SwitchResult:
         out = []
         for i, s in enumerate(self.loads):
             if s.tcp.failed:
-                out.append(f"client {i}: {s.tcp.failed} of {s.tcp.tried} new connections "
-                           f"failed: {s.tcp.failures[:5]}")  # fmt: skip
+                out.append(
+                    f"client {i}: {s.tcp.failed} of {s.tcp.tried} new connections "
+                    f"failed: {s.tcp.failures[:5]}"
+                )
             if s.udp.failed:
-                out.append(f"client {i}: {s.udp.failed} of {s.udp.tried} UDP exchanges lost: "
-                           f"{s.udp.failures[:5]}")  # fmt: skip
-            out += [f"client {i}: held connection broke: {h.error or h.backends}"
-                    for h in s.held if not h.survived]  # fmt: skip
-        out += [f"{node}: {len(found)} {self.old} leftovers, e.g. {found[:3]}"
-                for node, found in self.leftovers.items()]  # fmt: skip
+                out.append(
+                    f"client {i}: {s.udp.failed} of {s.udp.tried} UDP exchanges lost: "
+                    f"{s.udp.failures[:5]}"
+                )
+            out += [
+                f"client {i}: held connection broke: {h.error or h.backends}"
+                for h in s.held
+                if not h.survived
+            ]
+        out += [
+            f"{node}: {len(found)} {self.old} leftovers, e.g. {found[:3]}"
+            for node, found in self.leftovers.items()
+        ]
         return out
 
 
@@ -405,8 +475,15 @@ def _start_load(env: MigrationEnv, opts: LoadOptions) -> list[tuple[subprocess.P
     started = []
     for client in env.clients:
         out = env.topo.tmpdir / f"{client.name}-{secrets.token_hex(3)}.json"
-        argv = [sys.executable, "-m", "kpx_cluster.migration_load", "client", *argv_common,
-                "--out", str(out)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "kpx_cluster.migration_load",
+            "client",
+            *argv_common,
+            "--out",
+            str(out),
+        ]
         proc = env.topo.run_ready(client, argv, timeout=30, stdin=subprocess.PIPE)
         started.append((proc, out))
     return started
@@ -454,8 +531,10 @@ def switch(
         def done() -> bool:
             for pod in env.agent_pods():
                 node = pod["spec"]["nodeName"]
-                ready = any(c["type"] == "Ready" and c["status"] == "True"
-                            for c in pod.get("status", {}).get("conditions", []))  # fmt: skip
+                ready = any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in pod.get("status", {}).get("conditions", [])
+                )
                 if ready and agent_mode(pod) == new and node not in node_ready:
                     node_ready[node] = round(time.monotonic() - t0, 1)
                     log(f"  {node}: agent in {new} Ready after {node_ready[node]}s")
@@ -467,8 +546,9 @@ def switch(
         time.sleep(opts.settle)
     finally:
         loads = _stop_load(started, opts.timeout)
-    return SwitchResult(old, new, len(env.nodes), round(duration, 1), loads,
-                        env.leftovers(old), node_ready)  # fmt: skip
+    return SwitchResult(
+        old, new, len(env.nodes), round(duration, 1), loads, env.leftovers(old), node_ready
+    )
 
 
 TABLE_HEAD = (
@@ -497,8 +577,13 @@ def nft_refused(env: MigrationEnv, node: Node) -> Iterator[None]:
     netns: `nft -i` creates it with `flags owner` (the kernel refuses every other netlink socket
     a change to an owned table, EPERM) and keeps its socket open until its stdin closes, which
     removes the table. An nftables agent there can then program nothing."""
-    proc = env.topo.run(node, ["nft", "-i"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                        stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = env.topo.run(
+        node,
+        ["nft", "-i"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     assert proc.stdin is not None
     try:
         proc.stdin.write(b"add table ip kpx { flags owner ; }\n")
@@ -548,8 +633,10 @@ class RefusalResult:
 def _agent_states(env: MigrationEnv) -> dict[str, str]:
     out = {}
     for pod in env.agent_pods():
-        ready = any(c["type"] == "Ready" and c["status"] == "True"
-                    for c in pod.get("status", {}).get("conditions", []))  # fmt: skip
+        ready = any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in pod.get("status", {}).get("conditions", [])
+        )
         gone = " terminating" if pod["metadata"].get("deletionTimestamp") else ""
         out[pod["spec"]["nodeName"]] = (
             f"{agent_mode(pod)} {'ready' if ready else 'not ready'}{gone}"
@@ -606,24 +693,43 @@ def switch_with_refusal(
             switch_cond: dict[str, Any] = next(
                 (c for c in status.get("conditions", []) if c["type"] == "ModeSwitch"), {}
             )
-            log(f"status.modeSwitch: {switch_then.get('summary')}; ModeSwitch condition "
-                f"{switch_cond.get('reason')}: {switch_cond.get('message')}")  # fmt: skip
+            log(
+                f"status.modeSwitch: {switch_then.get('summary')}; ModeSwitch condition "
+                f"{switch_cond.get('reason')}: {switch_cond.get('message')}"
+            )
             agents = _agent_states(env)
             kept = bool(mode_rules(env.topo, node, old))
-            log(f"after {hold_for:.0f}s: agents {agents}; Ready condition {ready}; "
-                f"{old} rules on {node.name}: {'kept' if kept else 'gone'}")  # fmt: skip
+            log(
+                f"after {hold_for:.0f}s: agents {agents}; Ready condition {ready}; "
+                f"{old} rules on {node.name}: {'kept' if kept else 'gone'}"
+            )
         t_lift = time.monotonic()
         log(f"refusal lifted on {node.name}")
-        after_lift = wait_rolled_out(env, old, new, t_lift, "after the refusal was lifted",
-                                     timeout, log)  # fmt: skip
+        after_lift = wait_rolled_out(
+            env, old, new, t_lift, "after the refusal was lifted", timeout, log
+        )
         switch_after = mode_switch_finished(env, 60, log)
         time.sleep(opts.settle)
     finally:
         loads = _stop_load(started, opts.timeout)
         env.patch_mode_switch(rollbackOnFailure=None)
     summary = {k: status.get(k) for k in ("mode", "readyNodes", "desiredNodes") if k in status}
-    return RefusalResult(old, new, node.name, hold_for, agents, ready, summary, kept, after_lift,
-                         loads, timeline, switch_then, switch_cond, switch_after)  # fmt: skip
+    return RefusalResult(
+        old,
+        new,
+        node.name,
+        hold_for,
+        agents,
+        ready,
+        summary,
+        kept,
+        after_lift,
+        loads,
+        timeline,
+        switch_then,
+        switch_cond,
+        switch_after,
+    )
 
 
 def wait_rolled_out(
@@ -638,8 +744,11 @@ def wait_rolled_out(
     """Wait until every node runs a Ready agent of `new` and none has `old`'s rules; the
     seconds since `since` (time.monotonic()), or None (logged) when it did not happen."""
     try:
-        wait_until(lambda: env.rolled_out(new) and not env.leftovers(old), timeout,
-                   f"{new} on every node {what}")  # fmt: skip
+        wait_until(
+            lambda: env.rolled_out(new) and not env.leftovers(old),
+            timeout,
+            f"{new} on every node {what}",
+        )
     except TimeoutError as err:
         log(str(err))
         return None

@@ -114,8 +114,11 @@ def real_kube_proxy_cluster(
         log(f"installing kube-proxy ({kube_proxy_mode}) on {nodes} real nodes")
         install.install_kube_proxy(rc, kube_proxy_mode)
         env = _app_and_clients(rc, label, PXC, nodes)
-        wait_until(lambda: list(kube_proxy_pods(env).values()) == [True] * nodes, 120,
-                   "kube-proxy Ready on every node")  # fmt: skip
+        wait_until(
+            lambda: list(kube_proxy_pods(env).values()) == [True] * nodes,
+            120,
+            "kube-proxy Ready on every node",
+        )
         wait_backends_ready(env, nodes)
         wait_until(lambda: serves(env), 90, "kube-proxy serving every target")
         yield env

@@ -80,14 +80,16 @@ def revert_while_stuck(
         with nft_refused(env, node):
             log(f"nftables refused on {node.name}; patching spec.mode {old} -> {new}")
             env.patch_mode(old, new)
-            stuck = wait_until(lambda: _stuck(env, node.name, new), timeout,
-                               f"{node.name} Stuck in status.modeSwitch")  # fmt: skip
+            stuck = wait_until(
+                lambda: _stuck(env, node.name, new),
+                timeout,
+                f"{node.name} Stuck in status.modeSwitch",
+            )
             log(f"stuck: {stuck.get('summary')}; setting spec.mode back to {old}")
             t0 = time.monotonic()
             env.patch_mode(new, old)
             try:
-                wait_until(lambda: env.rolled_out(old), timeout,
-                           f"every node back in {old}")  # fmt: skip
+                wait_until(lambda: env.rolled_out(old), timeout, f"every node back in {old}")
                 rolled_back_after = round(time.monotonic() - t0, 1)
                 log(f"every node serves in {old} again {rolled_back_after}s after the revert")
             except TimeoutError as err:

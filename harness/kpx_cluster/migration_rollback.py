@@ -75,10 +75,12 @@ class RollbackResult:
     def traffic(self) -> str:
         """The load's figures, as the bench's table counts them."""
         r = SwitchResult(self.old, self.new, len(self.loads), 0.0, self.loads, {})
-        return (f"{r.total('tcp', 'tried')} new TCP connections / {r.total('tcp', 'failed')} "
-                f"failed, {r.total('udp', 'tried')} UDP exchanges / {r.total('udp', 'failed')} "
-                f"lost, {r.held_survived} of {r.held} held connections survived, over "
-                f"{r.load_seconds:.0f}s")  # fmt: skip
+        return (
+            f"{r.total('tcp', 'tried')} new TCP connections / {r.total('tcp', 'failed')} "
+            f"failed, {r.total('udp', 'tried')} UDP exchanges / {r.total('udp', 'failed')} "
+            f"lost, {r.held_survived} of {r.held} held connections survived, over "
+            f"{r.load_seconds:.0f}s"
+        )
 
 
 def _mode_switch(env: MigrationEnv) -> dict[str, Any]:
@@ -95,27 +97,49 @@ def _phase(switch: dict[str, Any], node: str) -> str:
 
 
 def _agent_pod(env: MigrationEnv, node: str) -> dict[str, Any]:
-    pods = [p for p in env.agent_pods() if p["spec"].get("nodeName") == node
-            and not p["metadata"].get("deletionTimestamp")]  # fmt: skip
+    pods = [
+        p
+        for p in env.agent_pods()
+        if p["spec"].get("nodeName") == node and not p["metadata"].get("deletionTimestamp")
+    ]
     return pods[0] if pods else {}
 
 
 def _rolled_back_event(env: MigrationEnv, pod: str) -> str:
-    events = env.json("-n", NS, "get", "events", "--field-selector",
-                      f"involvedObject.name={pod},reason=RolledBack")  # fmt: skip
+    events = env.json(
+        "-n",
+        NS,
+        "get",
+        "events",
+        "--field-selector",
+        f"involvedObject.name={pod},reason=RolledBack",
+    )
     items = events.get("items", [])
     return str(items[-1].get("message", "")) if items else ""
 
 
 def _late_service(env: MigrationEnv) -> str:
-    _apply(env.cluster, {
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": LATE_SERVICE, "namespace": env.app_ns},
-        "spec": {"selector": {"app": "web"}, "ports": [
-            {"name": "tcp", "port": TCP_PORT, "targetPort": BACKEND_PORT, "protocol": "TCP"}]},
-    })  # fmt: skip
-    return str(wait_until(lambda: env.service(LATE_SERVICE).get("spec", {}).get("clusterIP"),
-                          30, "the late Service's ClusterIP"))  # fmt: skip
+    _apply(
+        env.cluster,
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": LATE_SERVICE, "namespace": env.app_ns},
+            "spec": {
+                "selector": {"app": "web"},
+                "ports": [
+                    {"name": "tcp", "port": TCP_PORT, "targetPort": BACKEND_PORT, "protocol": "TCP"}
+                ],
+            },
+        },
+    )
+    return str(
+        wait_until(
+            lambda: env.service(LATE_SERVICE).get("spec", {}).get("clusterIP"),
+            30,
+            "the late Service's ClusterIP",
+        )
+    )
 
 
 def switch_with_rollback(
@@ -141,21 +165,28 @@ def switch_with_rollback(
     try:
         time.sleep(opts.warmup)
         with nft_refused(env, node):
-            log(f"nftables refused on {node.name}; patching spec.mode {old} -> {new} "
-                f"(progressDeadlineSeconds {deadline})")  # fmt: skip
+            log(
+                f"nftables refused on {node.name}; patching spec.mode {old} -> {new} "
+                f"(progressDeadlineSeconds {deadline})"
+            )
             t0 = time.monotonic()
             env.patch_mode(old, new)
             try:
-                wait_until(lambda: _phase(_mode_switch(env), node.name) == "RolledBack",
-                           timeout, f"{node.name} RolledBack")  # fmt: skip
+                wait_until(
+                    lambda: _phase(_mode_switch(env), node.name) == "RolledBack",
+                    timeout,
+                    f"{node.name} RolledBack",
+                )
                 rolled_back_after = round(time.monotonic() - t0, 1)
             except TimeoutError as err:
                 log(str(err))
             at_rollback, condition = _mode_switch(env), _condition(env, "ModeSwitch")
             agents_then = _agent_states(env)
             event = _rolled_back_event(env, _agent_pod(env, node.name)["metadata"]["name"])
-            log(f"+{rolled_back_after}s {at_rollback.get('summary')}; agents {agents_then}; "
-                f"Event RolledBack: {event}")  # fmt: skip
+            log(
+                f"+{rolled_back_after}s {at_rollback.get('summary')}; agents {agents_then}; "
+                f"Event RolledBack: {event}"
+            )
             # A change after the rollback: served on that node only if its agent programs
             # the old mode's rules live.
             t1 = time.monotonic()
@@ -172,9 +203,11 @@ def switch_with_rollback(
             except TimeoutError as err:
                 log(str(err))
             late_in_old_rules = any(late_ip in line for line in mode_rules(env.topo, node, old))
-            log(f"{LATE_SERVICE} {late_ip} answered on {node.name} {late_served_after}s "
+            log(
+                f"{LATE_SERVICE} {late_ip} answered on {node.name} {late_served_after}s "
                 f"after it was created: {late_probe}; in its {old} rules: "
-                f"{late_in_old_rules}")  # fmt: skip
+                f"{late_in_old_rules}"
+            )
             time.sleep(max(0.0, hold - (time.monotonic() - t1)))
             held, agents_held = _mode_switch(env), _agent_states(env)
             log(f"{hold:.0f}s later: {held.get('summary')}; agents {agents_held}")
@@ -182,16 +215,34 @@ def switch_with_rollback(
         t2 = time.monotonic()
         pod = _agent_pod(env, node.name)["metadata"]["name"]
         env.cluster.kubectl("-n", NS, "delete", "pod", pod, "--wait=false")
-        recovered_after = wait_rolled_out(env, old, new, t2, "after the Pod was replaced",
-                                          timeout, log)  # fmt: skip
+        recovered_after = wait_rolled_out(
+            env, old, new, t2, "after the Pod was replaced", timeout, log
+        )
         finished = mode_switch_finished(env, 60, log)
         time.sleep(opts.settle)
     finally:
         loads = _stop_load(started, opts.timeout)
-        env.cluster.kubectl("-n", env.app_ns, "delete", "svc", LATE_SERVICE, "--ignore-not-found",
-                            check=False)  # fmt: skip
+        env.cluster.kubectl(
+            "-n", env.app_ns, "delete", "svc", LATE_SERVICE, "--ignore-not-found", check=False
+        )
         env.patch_mode_switch(progressDeadlineSeconds=None, rollbackOnFailure=None)
-    return RollbackResult(old, new, node.name, deadline, rolled_back_after, at_rollback,
-                          condition, event, agents_then, agents_held, held, late_ip,
-                          late_served_after, late_probe, late_in_old_rules, recovered_after,
-                          finished, loads)  # fmt: skip
+    return RollbackResult(
+        old,
+        new,
+        node.name,
+        deadline,
+        rolled_back_after,
+        at_rollback,
+        condition,
+        event,
+        agents_then,
+        agents_held,
+        held,
+        late_ip,
+        late_served_after,
+        late_probe,
+        late_in_old_rules,
+        recovered_after,
+        finished,
+        loads,
+    )

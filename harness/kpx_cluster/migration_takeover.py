@@ -49,8 +49,12 @@ KUBELET_CHAINS = frozenset(
     {"KUBE-FIREWALL", "KUBE-KUBELET-CANARY", "KUBE-IPTABLES-HINT", "KUBE-MARK-DROP"}
 )
 NFT_TABLES = ("ip kube-proxy", "ip6 kube-proxy")
-SAVE_TOOLS = ("iptables-nft-save", "ip6tables-nft-save", "iptables-legacy-save",
-              "ip6tables-legacy-save")  # fmt: skip
+SAVE_TOOLS = (
+    "iptables-nft-save",
+    "ip6tables-nft-save",
+    "iptables-legacy-save",
+    "ip6tables-legacy-save",
+)
 
 
 def owned(chain: str) -> bool:
@@ -67,8 +71,7 @@ def iptables_rules_of_kube_proxy(save_text: str) -> list[str]:
         if line.startswith(":") and owned(line[1:].split()[0]):
             found.append(line)
         elif line.startswith("-A ") and len(words) > 1:
-            target = next((words[i + 1] for i, w in enumerate(words[:-1]) if w in ("-j", "-g")),
-                          "")  # fmt: skip
+            target = next((words[i + 1] for i, w in enumerate(words[:-1]) if w in ("-j", "-g")), "")
             if owned(words[1]) or owned(target):
                 found.append(line)
     return found
@@ -118,10 +121,24 @@ def kube_proxy_leftovers(env: MigrationEnv) -> dict[str, list[str]]:
 def _delete_kube_proxy(cluster: Cluster) -> None:
     ns = upstream_kube_proxy.NAMESPACE
     for kind in ("daemonset", "configmap", "serviceaccount"):
-        cluster.kubectl("-n", ns, "delete", kind, upstream_kube_proxy.NAME, "--ignore-not-found",
-                        check=False, timeout=60)  # fmt: skip
-    cluster.kubectl("delete", "clusterrolebinding", "kubeadm:node-proxier", "--ignore-not-found",
-                    check=False, timeout=60)  # fmt: skip
+        cluster.kubectl(
+            "-n",
+            ns,
+            "delete",
+            kind,
+            upstream_kube_proxy.NAME,
+            "--ignore-not-found",
+            check=False,
+            timeout=60,
+        )
+    cluster.kubectl(
+        "delete",
+        "clusterrolebinding",
+        "kubeadm:node-proxier",
+        "--ignore-not-found",
+        check=False,
+        timeout=60,
+    )
 
 
 @contextlib.contextmanager
@@ -147,8 +164,11 @@ def kube_proxy_cluster(
             clients = [topo.add_pod(node, f"load-{i}") for i, node in enumerate(sim_nodes)]
             env = MigrationEnv(cluster, topo, sim, sim_nodes, clients, pxc, app_ns, label)
             log(f"waiting for kube-proxy ({kube_proxy_mode}) on {nodes} nodes and the backends")
-            wait_until(lambda: list(kube_proxy_pods(env).values()) == [True] * nodes, 120,
-                       "kube-proxy Ready on every node")  # fmt: skip
+            wait_until(
+                lambda: list(kube_proxy_pods(env).values()) == [True] * nodes,
+                120,
+                "kube-proxy Ready on every node",
+            )
             wait_backends_ready(env, nodes)
             wait_until(lambda: serves(env), 90, "kube-proxy serving every target")
             yield env
@@ -201,15 +221,20 @@ def take_over(
         def done() -> bool:
             for pod in env.agent_pods():
                 node = pod["spec"]["nodeName"]
-                ready = any(c["type"] == "Ready" and c["status"] == "True"
-                            for c in pod.get("status", {}).get("conditions", []))  # fmt: skip
+                ready = any(
+                    c["type"] == "Ready" and c["status"] == "True"
+                    for c in pod.get("status", {}).get("conditions", [])
+                )
                 if ready and node not in node_ready:
                     node_ready[node] = round(time.monotonic() - t0, 1)
                     log(f"  {node}: agent Ready after {node_ready[node]}s")
             taken = dict.fromkeys((n.name for n in env.nodes), "KubeProxyRulesRemoved")
-            return bool(env.rolled_out("nftables") and not kube_proxy_pods(env)
-                        and takeover_phases(env) == taken
-                        and not kube_proxy_leftovers(env))  # fmt: skip
+            return bool(
+                env.rolled_out("nftables")
+                and not kube_proxy_pods(env)
+                and takeover_phases(env) == taken
+                and not kube_proxy_leftovers(env)
+            )
 
         try:
             wait_until(done, timeout, "kpx on every node, kube-proxy and its rules gone")
@@ -220,5 +245,12 @@ def take_over(
         time.sleep(opts.settle)
     finally:
         loads = _stop_load(started, opts.timeout)
-    return SwitchResult(old, "nftables", len(env.nodes), round(duration, 1), loads,
-                        kube_proxy_leftovers(env), node_ready)  # fmt: skip
+    return SwitchResult(
+        old,
+        "nftables",
+        len(env.nodes),
+        round(duration, 1),
+        loads,
+        kube_proxy_leftovers(env),
+        node_ready,
+    )

@@ -512,8 +512,20 @@ class Topology:
             # A fixed MAC (as kubenet gave cbr0): a bridge without one takes its lowest port's,
             # so it changed whenever a pod came or went, and pods that had the old one in their
             # neighbor cache lost whatever they sent the gateway to be routed.
-            _run_ip(["link", "add", "cbr0", "address", node.gateway_mac, "type", "bridge",
-                     "mcast_snooping", "0"], ns)  # fmt: skip
+            _run_ip(
+                [
+                    "link",
+                    "add",
+                    "cbr0",
+                    "address",
+                    node.gateway_mac,
+                    "type",
+                    "bridge",
+                    "mcast_snooping",
+                    "0",
+                ],
+                ns,
+            )
             _run_ip(["addr", "add", f"{node.gateway_v4}/24", "dev", "cbr0"], ns)
             _run_ip(["addr", "add", f"{node.gateway_v6}/64", "dev", "cbr0", "nodad"], ns)
             _run_ip(["link", "set", "cbr0", "up"], ns)
@@ -595,10 +607,20 @@ class Topology:
         _run_ip(["-6", "route", "add", f"{pod.ipv6}/128", "dev", host_if], node)
         # Bridged pods see the whole pod CIDR on their link: the node answers for this one.
         subprocess.run(
-            ["ip", "netns", "exec", node, "sysctl", "-q", "-w", "net.ipv4.conf.cbr0.proxy_arp=1",
-             "net.ipv6.conf.all.proxy_ndp=1"],
-            capture_output=True, check=True,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                node,
+                "sysctl",
+                "-q",
+                "-w",
+                "net.ipv4.conf.cbr0.proxy_arp=1",
+                "net.ipv6.conf.all.proxy_ndp=1",
+            ],
+            capture_output=True,
+            check=True,
+        )
         _run_ip(["-6", "neigh", "add", "proxy", pod.ipv6, "dev", "cbr0"], node)
         _run_ip(["addr", "add", f"{pod.ipv4}/32", "dev", "eth0"], ns)
         _run_ip(["addr", "add", f"{pod.ipv6}/128", "dev", "eth0", "nodad"], ns)

@@ -24,18 +24,41 @@ Obj = dict[str, Any]
 #: What runc's own default spec keeps for an unprivileged container (the Docker/containerd
 #: default set): what "drop nothing" means for a pod without a capabilities field.
 DEFAULT_CAPS: Final = (
-    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW",
-    "CAP_SETGID", "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT", "CAP_KILL", "CAP_AUDIT_WRITE",
-)  # fmt: skip
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+)
 #: Paths of /proc a non-privileged container sees masked or read-only (containerd's lists).
 MASKED: Final = (
-    "/proc/acpi", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
-    "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware",
-)  # fmt: skip
+    "/proc/acpi",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/sys/firmware",
+)
 READONLY: Final = (
-    "/proc/asound", "/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger",
-)  # fmt: skip
+    "/proc/asound",
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+)
 
 
 @dataclass(frozen=True)
@@ -100,9 +123,10 @@ class ImageStore:
     def prune(self) -> None:
         """Remove unpacked images that no loaded archive holds any more (older builds)."""
         wanted = {
-            d.replace(":", "-") for archive in set(self.refs.values())
+            d.replace(":", "-")
+            for archive in set(self.refs.values())
             for d in archive_refs(archive).values()
-        }  # fmt: skip
+        }
         if self.root.is_dir():
             for entry in self.root.iterdir():
                 if entry.name not in wanted and not entry.name.startswith(".unpack-"):
@@ -135,8 +159,9 @@ class ImageStore:
             (layout / "index.json").write_text(json.dumps(index))
             subprocess.run(
                 ["umoci", "unpack", "--image", f"{layout}:run", str(bundle)],
-                check=True, capture_output=True,
-            )  # fmt: skip
+                check=True,
+                capture_output=True,
+            )
             manifest = json.loads((layout / "blobs" / digest.replace(":", "/")).read_text())
             blob = layout / "blobs" / manifest["config"]["digest"].replace(":", "/")
             shutil.copy(blob, bundle / "config.json")  # the image's config, not runc's
@@ -289,20 +314,44 @@ def runtime_spec(
         namespaces.append({"type": "network", "path": netns})
     spec_mounts: list[Obj] = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
-        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
-         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"]},
-        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
-        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
-         "options": ["nosuid", "noexec", "nodev"]},
-        {"destination": "/sys", "type": "sysfs", "source": "sysfs",
-         "options": ["nosuid", "noexec", "nodev", "ro"]},
+        {
+            "destination": "/dev",
+            "type": "tmpfs",
+            "source": "tmpfs",
+            "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+        },
+        {
+            "destination": "/dev/pts",
+            "type": "devpts",
+            "source": "devpts",
+            "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620"],
+        },
+        {
+            "destination": "/dev/shm",
+            "type": "tmpfs",
+            "source": "shm",
+            "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+        },
+        {
+            "destination": "/dev/mqueue",
+            "type": "mqueue",
+            "source": "mqueue",
+            "options": ["nosuid", "noexec", "nodev"],
+        },
+        {
+            "destination": "/sys",
+            "type": "sysfs",
+            "source": "sysfs",
+            "options": ["nosuid", "noexec", "nodev", "ro"],
+        },
         # Scratch space a read-only image still needs (what an emptyDir would give).
-        {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
-         "options": ["nosuid", "nodev", "mode=1777"]},
-    ]  # fmt: skip
+        {
+            "destination": "/tmp",
+            "type": "tmpfs",
+            "source": "tmpfs",
+            "options": ["nosuid", "nodev", "mode=1777"],
+        },
+    ]
     for m in mounts:
         options = ["rbind", "rprivate", "ro" if m.read_only else "rw"]
         spec_mounts.append(
@@ -342,17 +391,35 @@ RUNTIME_DEFAULT_SECCOMP: Final[Obj] = {
     "syscalls": [
         {
             "names": [
-                "add_key", "keyctl", "request_key", "init_module", "finit_module",
-                "delete_module", "kexec_load", "kexec_file_load", "reboot", "settimeofday",
-                "clock_settime", "adjtimex", "open_by_handle_at", "bpf", "userfaultfd",
-                "unshare", "setns", "mount", "umount2", "pivot_root", "swapon", "swapoff",
+                "add_key",
+                "keyctl",
+                "request_key",
+                "init_module",
+                "finit_module",
+                "delete_module",
+                "kexec_load",
+                "kexec_file_load",
+                "reboot",
+                "settimeofday",
+                "clock_settime",
+                "adjtimex",
+                "open_by_handle_at",
+                "bpf",
+                "userfaultfd",
+                "unshare",
+                "setns",
+                "mount",
+                "umount2",
+                "pivot_root",
+                "swapon",
+                "swapoff",
                 "acct",
             ],
             "action": "SCMP_ACT_ERRNO",
             "errnoRet": 1,
         }
     ],
-}  # fmt: skip
+}
 
 
 # -- running (the edge) ------------------------------------------------------------------------
@@ -400,9 +467,13 @@ def run(
         try:
             return subprocess.run(
                 ["runc", "run", "--bundle", str(bundle.path), container_id],
-                capture_output=True, text=True, timeout=timeout, check=False,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
         finally:
-            subprocess.run(["runc", "delete", "--force", container_id],
-                           capture_output=True, check=False)  # fmt: skip
+            subprocess.run(
+                ["runc", "delete", "--force", container_id], capture_output=True, check=False
+            )
     raise AssertionError("unreachable")

@@ -64,14 +64,24 @@ def kubeconfig(apiserver_port: int, server: str = "") -> Obj:
     return {
         "apiVersion": "v1",
         "kind": "Config",
-        "clusters": [{"name": "default", "cluster": {
-            "certificate-authority": f"../{token}/ca.crt",
-            "server": server or f"https://127.0.0.1:{apiserver_port}"}}],
-        "contexts": [{"name": "default", "context": {
-            "cluster": "default", "namespace": "default", "user": "default"}}],
+        "clusters": [
+            {
+                "name": "default",
+                "cluster": {
+                    "certificate-authority": f"../{token}/ca.crt",
+                    "server": server or f"https://127.0.0.1:{apiserver_port}",
+                },
+            }
+        ],
+        "contexts": [
+            {
+                "name": "default",
+                "context": {"cluster": "default", "namespace": "default", "user": "default"},
+            }
+        ],
         "current-context": "default",
         "users": [{"name": "default", "user": {"tokenFile": f"../{token}/token"}}],
-    }  # fmt: skip
+    }
 
 
 def objects(
@@ -93,21 +103,29 @@ def objects(
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
         {
-            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
             "metadata": {"name": "kubeadm:node-proxier"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                        "name": "system:node-proxier"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "system:node-proxier",
+            },
             "subjects": [{"kind": "ServiceAccount", "name": NAME, "namespace": NAMESPACE}],
         },
         {
-            "apiVersion": "v1", "kind": "ConfigMap", "metadata": meta,
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": meta,
             "data": {
                 "config.conf": config_text,
                 "kubeconfig.conf": kubeconfig_text,
             },
         },
         {
-            "apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": meta,
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": meta,
             "spec": {
                 "selector": {"matchLabels": dict(LABELS)},
                 "updateStrategy": {"type": "RollingUpdate"},
@@ -121,39 +139,68 @@ def objects(
                         "nodeSelector": {"kubernetes.io/os": "linux", **node_selector},
                         "tolerations": [{"operator": "Exists"}],
                         "terminationGracePeriodSeconds": 1,
-                        "containers": [{
-                            "name": NAME,
-                            "image": IMAGE,
-                            "command": ["/usr/local/bin/kube-proxy",
-                                        f"--config={CONFIG_DIR}/config.conf",
-                                        "--hostname-override=$(NODE_NAME)"],
-                            "workingDir": CONFIG_DIR,
-                            "env": [{"name": "NODE_NAME",
-                                     "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}],
-                            "securityContext": {"privileged": True},
-                            "volumeMounts": [
-                                {"name": "kube-proxy", "mountPath": CONFIG_DIR},
-                                {"name": "kube-proxy-token", "mountPath": TOKEN_DIR,
-                                 "readOnly": True},
-                                {"name": "xtables-lock", "mountPath": "/run/xtables.lock"},
-                                {"name": "lib-modules", "mountPath": "/lib/modules",
-                                 "readOnly": True},
-                            ],
-                        }],
+                        "containers": [
+                            {
+                                "name": NAME,
+                                "image": IMAGE,
+                                "command": [
+                                    "/usr/local/bin/kube-proxy",
+                                    f"--config={CONFIG_DIR}/config.conf",
+                                    "--hostname-override=$(NODE_NAME)",
+                                ],
+                                "workingDir": CONFIG_DIR,
+                                "env": [
+                                    {
+                                        "name": "NODE_NAME",
+                                        "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+                                    }
+                                ],
+                                "securityContext": {"privileged": True},
+                                "volumeMounts": [
+                                    {"name": "kube-proxy", "mountPath": CONFIG_DIR},
+                                    {
+                                        "name": "kube-proxy-token",
+                                        "mountPath": TOKEN_DIR,
+                                        "readOnly": True,
+                                    },
+                                    {"name": "xtables-lock", "mountPath": "/run/xtables.lock"},
+                                    {
+                                        "name": "lib-modules",
+                                        "mountPath": "/lib/modules",
+                                        "readOnly": True,
+                                    },
+                                ],
+                            }
+                        ],
                         "volumes": [
                             {"name": "kube-proxy", "configMap": {"name": NAME}},
-                            {"name": "kube-proxy-token", "projected": {"sources": [
-                                {"serviceAccountToken": {"path": "token",
-                                                         "expirationSeconds": 3607}},
-                                {"configMap": {"name": "kube-root-ca.crt",
-                                               "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-                            ]}},
-                            {"name": "xtables-lock", "hostPath": {"path": "/run/xtables.lock",
-                                                                  "type": "FileOrCreate"}},
+                            {
+                                "name": "kube-proxy-token",
+                                "projected": {
+                                    "sources": [
+                                        {
+                                            "serviceAccountToken": {
+                                                "path": "token",
+                                                "expirationSeconds": 3607,
+                                            }
+                                        },
+                                        {
+                                            "configMap": {
+                                                "name": "kube-root-ca.crt",
+                                                "items": [{"key": "ca.crt", "path": "ca.crt"}],
+                                            }
+                                        },
+                                    ]
+                                },
+                            },
+                            {
+                                "name": "xtables-lock",
+                                "hostPath": {"path": "/run/xtables.lock", "type": "FileOrCreate"},
+                            },
                             {"name": "lib-modules", "hostPath": {"path": "/lib/modules"}},
                         ],
                     },
                 },
             },
         },
-    ]  # fmt: skip
+    ]

@@ -22,8 +22,7 @@ class BlockingClient:
     def __init__(self, creds: Credentials, **client_options: Any) -> None:
         self.client = Client(creds, **client_options)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kpx-kube",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kpx-kube", daemon=True)
         self._thread.start()
 
     @property

@@ -133,8 +133,14 @@ class Client:
 
     def _build(self, method: str, path: str, auth: Auth, **kw: Any) -> request.Request:
         self.requests_sent += 1
-        return request.build(method, path, user_agent=self.user_agent, token=auth.token,
-                             compression=self.creds.compression, **kw)  # fmt: skip
+        return request.build(
+            method,
+            path,
+            user_agent=self.user_agent,
+            token=auth.token,
+            compression=self.creds.compression,
+            **kw,
+        )
 
     def _refused(
         self, req: request.Request, status: int, body: bytes, auth: Auth, wait: str | None
@@ -283,8 +289,7 @@ class Client:
 
     async def path_of(self, obj: Mapping[str, Any], *, collection: bool = False) -> str:
         """The REST path of `obj` (by its apiVersion, kind, metadata.name and .namespace)."""
-        prefix, plural, namespaced = await self.kind_path(str(obj["apiVersion"]),
-                                                          str(obj["kind"]))  # fmt: skip
+        prefix, plural, namespaced = await self.kind_path(str(obj["apiVersion"]), str(obj["kind"]))
         meta = obj.get("metadata") or {}
         namespace = meta.get("namespace") or ("default" if namespaced else None)
         name = None if collection else str(meta["name"])
@@ -294,8 +299,9 @@ class Client:
         self, obj: Mapping[str, Any], *, field_manager: str, force: bool = True
     ) -> Reply:
         """Server-side apply of an object of any kind the apiserver serves."""
-        return await self.apply(await self.path_of(obj), obj, field_manager=field_manager,
-                                force=force)  # fmt: skip
+        return await self.apply(
+            await self.path_of(obj), obj, field_manager=field_manager, force=force
+        )
 
     # -- the reflector's fast path ------------------------------------------------------------
 
@@ -345,8 +351,14 @@ class Client:
                 except orjson.JSONDecodeError as exc:
                     raise BadList(f"{req.what}: a list answer that is not JSON ({exc})") from None
         del body
-        log.debug("%s: %d bytes (%s) received in %.3f s, decoded in %.3f s", resource,
-                  size, encoding, received - started, time.monotonic() - received)  # fmt: skip
+        log.debug(
+            "%s: %d bytes (%s) received in %.3f s, decoded in %.3f s",
+            resource,
+            size,
+            encoding,
+            received - started,
+            time.monotonic() - received,
+        )
         items = data.get("items") if isinstance(data, dict) else None
         self.objects_received[resource] += len(items) if isinstance(items, list) else 0
         return data  # its shape: watch_events.decode_list
@@ -409,8 +421,7 @@ def login_session(auth: Auth, *, connections: int = 0) -> aiohttp.ClientSession:
     """An aiohttp session that authenticates as `auth` (its SSL context, built in memory,
     and bearer token), on keepalive-tuned connections: for a library that makes its own
     requests with a session it is given (kopf's login)."""
-    connector = aiohttp.TCPConnector(limit=connections, ssl=auth.ssl,
-                                     socket_factory=socket_factory)  # fmt: skip
+    connector = aiohttp.TCPConnector(limit=connections, ssl=auth.ssl, socket_factory=socket_factory)
     return aiohttp.ClientSession(connector=connector, headers=auth.headers())
 
 

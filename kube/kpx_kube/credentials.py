@@ -103,8 +103,9 @@ class Credentials:
             self.exec_runs += 1
             ctx = self.ssl_context
             if cred.cert is not None and cred.key is not None:
-                ctx = tls.ssl_context(ca=self._ca, cert=cred.cert, key=cred.key,
-                                      insecure=self._insecure)  # fmt: skip
+                ctx = tls.ssl_context(
+                    ca=self._ca, cert=cred.cert, key=cred.key, insecure=self._insecure
+                )
             self._exec_auth = Auth(ctx, cred.token, cred.expires)
             return self._exec_auth
 
@@ -124,15 +125,17 @@ def _read(material: Material | None) -> bytes | None:
     try:
         return material.path.read_bytes()
     except OSError as exc:
-        raise KubeconfigError(f"{material.where}: cannot read {material.path}: "
-                              f"{exc.strerror}") from None  # fmt: skip
+        raise KubeconfigError(
+            f"{material.where}: cannot read {material.path}: {exc.strerror}"
+        ) from None
 
 
 def from_kubeconfig(path: Path, context: str | None = None) -> Credentials:
     """The credentials of `context` (default: the current context) of a kubeconfig file."""
     if os.pathsep in str(path):  # $KUBECONFIG may list files, which client-go merges
-        raise KubeconfigError(f"{path}: several kubeconfig files; merging them is not "
-                              "supported: give one")  # fmt: skip
+        raise KubeconfigError(
+            f"{path}: several kubeconfig files; merging them is not supported: give one"
+        )
     path = Path(path).expanduser()
     try:
         doc = yaml.safe_load(path.read_text())
@@ -146,8 +149,9 @@ def from_kubeconfig(path: Path, context: str | None = None) -> Credentials:
         ca = _read(cluster.certificate_authority)
         cert, key = _read(user.client_certificate), _read(user.client_key)
         try:
-            ssl_ctx = tls.ssl_context(ca=ca, cert=cert, key=key,
-                                      insecure=cluster.insecure_skip_tls_verify)  # fmt: skip
+            ssl_ctx = tls.ssl_context(
+                ca=ca, cert=cert, key=key, insecure=cluster.insecure_skip_tls_verify
+            )
         except ssl.SSLError as exc:
             raise KubeconfigError(
                 f"context {ctx.name}: the certificate authority or the client key pair is "
@@ -227,5 +231,6 @@ def in_cluster(
         host = f"[{host}]"
     sa = Path(env.get("KPX_SERVICEACCOUNT_DIR", SA_DIR))
     ca = _read(Material(path=sa / "ca.crt", where="service account CA"))
-    return Credentials(f"https://{host}:{port}", tls.ssl_context(ca=ca), token_file=sa / "token",
-                       ca=ca)  # fmt: skip
+    return Credentials(
+        f"https://{host}:{port}", tls.ssl_context(ca=ca), token_file=sa / "token", ca=ca
+    )

@@ -78,8 +78,10 @@ def parse_credential(raw: bytes, config: ExecConfig) -> ExecCredential:
     if not isinstance(doc, dict) or doc.get("kind") != KIND:
         raise ExecPluginError(f"{where}: stdout is not an {KIND}")
     if doc.get("apiVersion") != config.api_version:
-        raise ExecPluginError(f"{where}: the plugin answered apiVersion {doc.get('apiVersion')!r}"
-                              f", the kubeconfig asks for {config.api_version}")  # fmt: skip
+        raise ExecPluginError(
+            f"{where}: the plugin answered apiVersion {doc.get('apiVersion')!r}"
+            f", the kubeconfig asks for {config.api_version}"
+        )
     status = doc.get("status")
     if not isinstance(status, dict):
         raise ExecPluginError(f"{where}: the {KIND} has no status")
@@ -88,8 +90,9 @@ def parse_credential(raw: bytes, config: ExecConfig) -> ExecCredential:
     if not token and not cert and not key:
         raise ExecPluginError(f"{where}: status has no token and no clientCertificateData")
     if bool(cert) != bool(key):
-        raise ExecPluginError(f"{where}: status has only one of clientCertificateData and "
-                              "clientKeyData")  # fmt: skip
+        raise ExecPluginError(
+            f"{where}: status has only one of clientCertificateData and clientKeyData"
+        )
     expires = status.get("expirationTimestamp")
     return ExecCredential(
         token=str(token) if token else None,
@@ -102,8 +105,9 @@ def parse_credential(raw: bytes, config: ExecConfig) -> ExecCredential:
 async def run(config: ExecConfig, cluster: Cluster, ca_pem: bytes | None) -> ExecCredential:
     """Run the plugin once (the I/O edge)."""
     if config.interactive_mode == "Always":
-        raise KubeconfigError(f"{config.where}.interactiveMode: Always needs a terminal, and "
-                              "this process has none")  # fmt: skip
+        raise KubeconfigError(
+            f"{config.where}.interactiveMode: Always needs a terminal, and this process has none"
+        )
     env = dict(os.environ)
     env.update(config.env)
     env["KUBERNETES_EXEC_INFO"] = json.dumps(exec_info(config, cluster, ca_pem))
@@ -118,18 +122,22 @@ async def run(config: ExecConfig, cluster: Cluster, ca_pem: bytes | None) -> Exe
         )
     except (FileNotFoundError, PermissionError) as exc:
         hint = f"; {config.install_hint.strip()}" if config.install_hint else ""
-        raise ExecPluginError(f"{config.where}.command: cannot run {config.command!r}: "
-                              f"{exc.strerror}{hint}") from None  # fmt: skip
+        raise ExecPluginError(
+            f"{config.where}.command: cannot run {config.command!r}: {exc.strerror}{hint}"
+        ) from None
     try:
         out, err = await asyncio.wait_for(proc.communicate(), RUN_TIMEOUT)
     except TimeoutError:
         proc.kill()
         await proc.wait()
-        raise ExecPluginError(f"{config.where}: {config.command} took more than "
-                              f"{RUN_TIMEOUT:.0f} s") from None  # fmt: skip
+        raise ExecPluginError(
+            f"{config.where}: {config.command} took more than {RUN_TIMEOUT:.0f} s"
+        ) from None
     if err.strip():
         log.info("exec plugin %s: %s", config.command, err.decode(errors="replace").strip())
     if proc.returncode != 0:
-        raise ExecPluginError(f"{config.where}: {config.command} exited with {proc.returncode}: "
-                              f"{err.decode(errors='replace').strip()[-500:]}")  # fmt: skip
+        raise ExecPluginError(
+            f"{config.where}: {config.command} exited with {proc.returncode}: "
+            f"{err.decode(errors='replace').strip()[-500:]}"
+        )
     return parse_credential(out, config)

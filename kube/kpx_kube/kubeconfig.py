@@ -77,8 +77,15 @@ class Context:
 
 
 UNSUPPORTED_CLUSTER = ("proxy-url", "tls-server-name")
-UNSUPPORTED_USER = ("auth-provider", "username", "password", "as", "as-uid", "as-groups",
-                    "as-user-extra")  # fmt: skip
+UNSUPPORTED_USER = (
+    "auth-provider",
+    "username",
+    "password",
+    "as",
+    "as-uid",
+    "as-groups",
+    "as-user-extra",
+)
 
 
 def _path(value: Any, base_dir: Path, where: str) -> Path:
@@ -152,8 +159,9 @@ def _exec(raw: Any, base_dir: Path, where: str) -> ExecConfig:
             raise KubeconfigError(f"{where}.interactiveMode: required by {api_version}")
         mode = "IfAvailable"
     if mode not in INTERACTIVE_MODES:
-        raise KubeconfigError(f"{where}.interactiveMode: {mode!r} is not one of "
-                              f"{', '.join(INTERACTIVE_MODES)}")  # fmt: skip
+        raise KubeconfigError(
+            f"{where}.interactiveMode: {mode!r} is not one of {', '.join(INTERACTIVE_MODES)}"
+        )
     return ExecConfig(
         command=command,
         args=tuple(args),
@@ -183,12 +191,14 @@ def parse(doc: Any, base_dir: Path, context: str | None = None) -> Context:
     cluster_name, user_name = ctx.get("cluster"), ctx.get("user")
     clusters = _named(doc, "clusters", "cluster")
     if not isinstance(cluster_name, str) or cluster_name not in clusters:
-        raise KubeconfigError(f"contexts[{name}].context.cluster: no cluster named "
-                              f"{cluster_name!r} in clusters")  # fmt: skip
+        raise KubeconfigError(
+            f"contexts[{name}].context.cluster: no cluster named {cluster_name!r} in clusters"
+        )
     users = _named(doc, "users", "user")
     if user_name and (not isinstance(user_name, str) or user_name not in users):
-        raise KubeconfigError(f"contexts[{name}].context.user: no user named {user_name!r} "
-                              "in users")  # fmt: skip
+        raise KubeconfigError(
+            f"contexts[{name}].context.user: no user named {user_name!r} in users"
+        )
     return Context(
         name=str(name),
         cluster=_cluster(clusters[cluster_name], base_dir, f"clusters[{cluster_name}].cluster"),

@@ -195,8 +195,12 @@ class Reflector:
                 self.sink.upsert(self.resource.kind, item)
             self._include.discard(namespace)
             self.namespace_lists += 1
-            log.info("%s: namespace %s listed alone (%d objects): the selector lets it through",
-                     self.resource.kind, namespace, len(items))  # fmt: skip
+            log.info(
+                "%s: namespace %s listed alone (%d objects): the selector lets it through",
+                self.resource.kind,
+                namespace,
+                len(items),
+            )
         self.on_event()
 
     def _params(self) -> dict[str, str]:
@@ -274,8 +278,9 @@ class Reflector:
             etype = event.type
             self._events += 1
             if etype not in APPLIED:  # as client-go: said, and skipped
-                log.warning("%s: watch event of unknown type %r skipped", self.resource.kind,
-                            etype[:100])  # fmt: skip
+                log.warning(
+                    "%s: watch event of unknown type %r skipped", self.resource.kind, etype[:100]
+                )
                 continue
             obj = self.shrink(event.object)
             if event.resource_version:
@@ -306,19 +311,24 @@ class Reflector:
                 rv = await self._watch_until_reselect(rv)
                 if self._events == 0 and self.clock() - started < SHORT_WATCH:
                     wait = self.backoff.next()
-                    log.warning("%s: the watch was closed at once; watching again in %.1fs",
-                                self.resource.kind, wait)  # fmt: skip
+                    log.warning(
+                        "%s: the watch was closed at once; watching again in %.1fs",
+                        self.resource.kind,
+                        wait,
+                    )
                 else:
                     self.backoff.reset()
             except WatchIdle as idle:
                 rv = self._rv  # where the silent watch stopped: resume there, no relist
-                log.debug("%s: watch %s; resuming from resourceVersion %s",
-                          self.resource.kind, idle, rv)  # fmt: skip
+                log.debug(
+                    "%s: watch %s; resuming from resourceVersion %s", self.resource.kind, idle, rv
+                )
             except _Gone:
                 rv, gone = "", True
                 wait = self.backoff.next()
-                log.info("%s: watch expired (410 Gone); listing again in %.1fs",
-                         self.resource.kind, wait)  # fmt: skip
+                log.info(
+                    "%s: watch expired (410 Gone); listing again in %.1fs", self.resource.kind, wait
+                )
             except _Reselect:
                 rv = self._rv  # resume where the watch was, with the new selector
             except asyncio.CancelledError:
@@ -337,8 +347,9 @@ class Reflector:
                 self.failures += 1
                 self.failure = f"{type(exc).__name__}: {exc}"[:500]
                 wait = self.backoff.next()
-                log.exception("%s: unexpected error, listing again in %.1fs",
-                              self.resource.kind, wait)  # fmt: skip
+                log.exception(
+                    "%s: unexpected error, listing again in %.1fs", self.resource.kind, wait
+                )
             if wait > 0 and failed_request and self.recovery is not None:
                 if await self.recovery.wait(wait):
                     self.backoff.reset()  # it is back: a 410 next waits 0.8 s, not 30-60

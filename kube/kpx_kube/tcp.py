@@ -22,8 +22,12 @@ USER_TIMEOUT_MS = (KEEPIDLE + KEEPINTVL * KEEPCNT) * 1000
 def tune(sock: socket.socket) -> None:
     """Keepalive and the user timeout on a TCP socket (options missing on the OS are skipped)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    options = {"TCP_KEEPIDLE": KEEPIDLE, "TCP_KEEPINTVL": KEEPINTVL, "TCP_KEEPCNT": KEEPCNT,
-               "TCP_USER_TIMEOUT": USER_TIMEOUT_MS}  # fmt: skip
+    options = {
+        "TCP_KEEPIDLE": KEEPIDLE,
+        "TCP_KEEPINTVL": KEEPINTVL,
+        "TCP_KEEPCNT": KEEPCNT,
+        "TCP_USER_TIMEOUT": USER_TIMEOUT_MS,
+    }
     for name, value in options.items():
         option = getattr(socket, name, None)
         if option is not None:

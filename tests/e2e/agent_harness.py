@@ -214,8 +214,9 @@ class Kube:
     @property
     def client(self) -> BlockingClient:
         if self._client is None:
-            self._client = BlockingClient(from_kubeconfig(self.cluster.kubeconfig),
-                                          user_agent=FIELD_MANAGER)  # fmt: skip
+            self._client = BlockingClient(
+                from_kubeconfig(self.cluster.kubeconfig), user_agent=FIELD_MANAGER
+            )
         return self._client
 
     def close(self) -> None:
@@ -232,8 +233,7 @@ class Kube:
         """The REST path of the object of a kind named as kubectl names it (e.g. "service")."""
         k = _KINDS[kind.lower()]
         meta = {"name": name, **({"namespace": ns} if ns else {})}
-        return self.client.path_of({"apiVersion": k.api_version, "kind": k.kind,
-                                    "metadata": meta})  # fmt: skip
+        return self.client.path_of({"apiVersion": k.api_version, "kind": k.kind, "metadata": meta})
 
     def apply(self, *objs: Mapping[str, Any]) -> None:
         """Server-side apply `objs` in order (force, field manager kpx-e2e)."""

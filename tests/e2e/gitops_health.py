@@ -36,8 +36,11 @@ def kstatus_binary() -> Path:
     cache = Path(os.environ.get("PROXY_CACHE_DIR", Path.home() / ".cache" / "kpx"))
     path = cache / "bin" / f"kstatus-{pinned.group(1)}" / "kstatus"
     if not os.access(path, os.X_OK):
-        pytest.fail(f"the kstatus checker is not built ({path} missing): run `make setup` "
-                    "(or toolchain/build-kstatus.sh)", pytrace=False)  # fmt: skip
+        pytest.fail(
+            f"the kstatus checker is not built ({path} missing): run `make setup` "
+            "(or toolchain/build-kstatus.sh)",
+            pytrace=False,
+        )
     return path
 
 
@@ -67,16 +70,29 @@ class Health:
 def kstatus(obj: Mapping[str, Any]) -> tuple[str, str, str]:
     """(kstatus, its message, the CEL expressions' verdict)."""
     exprs = flux_exprs()
-    argv = [str(kstatus_binary()), "-current", exprs["current"],
-            "-in-progress", exprs["inProgress"], "-failed", exprs["failed"]]  # fmt: skip
+    argv = [
+        str(kstatus_binary()),
+        "-current",
+        exprs["current"],
+        "-in-progress",
+        exprs["inProgress"],
+        "-failed",
+        exprs["failed"],
+    ]
     run = subprocess.run(argv, input=json.dumps(obj), capture_output=True, text=True, timeout=30)
     if run.returncode == 0:
         out = json.loads(run.stdout)
         return out["status"], out["message"], out["cel"]
     # The CEL expressions could not be evaluated (e.g. no status field): kstatus alone.
     assert "cannot evaluate" in run.stderr, run.stderr
-    alone = subprocess.run([str(kstatus_binary())], input=json.dumps(obj), capture_output=True,
-                           text=True, timeout=30, check=True)  # fmt: skip
+    alone = subprocess.run(
+        [str(kstatus_binary())],
+        input=json.dumps(obj),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
     out = json.loads(alone.stdout)
     return out["status"], out["message"], "Error"
 
@@ -110,8 +126,9 @@ def argocd(obj: Mapping[str, Any], script: Path = HEALTH_LUA) -> tuple[str, str]
         f"local hs = dofile({lua_literal(str(script))})\n"
         'io.write(hs.status, "\\n", hs.message or "")\n'
     )
-    run = subprocess.run([lua_binary(), "-"], input=program, capture_output=True, text=True,
-                         timeout=30, check=True)  # fmt: skip
+    run = subprocess.run(
+        [lua_binary(), "-"], input=program, capture_output=True, text=True, timeout=30, check=True
+    )
     status, _, message = run.stdout.partition("\n")
     return status, message
 

@@ -87,11 +87,22 @@ class Operator:
         env.pop("KUBECONFIG", None)
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kpx_operator", "--namespace", NS,
-                 "--kubeconfig", str(kubeconfig), "--health-address", f"127.0.0.1:{port}",
-                 *flags],
-                stdout=out, stderr=subprocess.STDOUT, env=env,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "kpx_operator",
+                    "--namespace",
+                    NS,
+                    "--kubeconfig",
+                    str(kubeconfig),
+                    "--health-address",
+                    f"127.0.0.1:{port}",
+                    *flags,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         op = cls(proc, port, log)
         wait_until(op.is_leader, 30, f"operator leads (log: {log})")
         return op

@@ -37,8 +37,13 @@ def service_account_dir(agent_env: AgentEnv, tmp_path: Path) -> Iterator[Path]:
     """ca.crt and a token of a ServiceAccount that may do what an agent does."""
     kubectl = agent_env.cluster.kubectl
     kubectl("-n", "default", "create", "serviceaccount", SA)
-    kubectl("create", "clusterrolebinding", SA, "--clusterrole=cluster-admin",
-            f"--serviceaccount=default:{SA}")  # fmt: skip
+    kubectl(
+        "create",
+        "clusterrolebinding",
+        SA,
+        "--clusterrole=cluster-admin",
+        f"--serviceaccount=default:{SA}",
+    )
     try:
         sa = tmp_path / "serviceaccount"
         sa.mkdir()
@@ -48,8 +53,7 @@ def service_account_dir(agent_env: AgentEnv, tmp_path: Path) -> Iterator[Path]:
         yield sa
     finally:
         kubectl("delete", "clusterrolebinding", SA, "--ignore-not-found", check=False)
-        kubectl("-n", "default", "delete", "serviceaccount", SA, "--ignore-not-found",
-                check=False)  # fmt: skip
+        kubectl("-n", "default", "delete", "serviceaccount", SA, "--ignore-not-found", check=False)
 
 
 def test_an_agent_reaches_the_apiserver_without_the_kubernetes_service_vip(
@@ -68,15 +72,21 @@ def test_an_agent_reaches_the_apiserver_without_the_kubernetes_service_vip(
         "KPX_APISERVER_ENDPOINTS": f"127.0.0.1:{agent_env.cluster.apiserver_port}",
         "KPX_SERVICEACCOUNT_DIR": str(service_account_dir),
     }
-    agent = start_agent(agent_env.topology, n2, None, mode=agent_env.mode,
-                        config=agent_env.config, env_extra=env)  # fmt: skip
+    agent = start_agent(
+        agent_env.topology, n2, None, mode=agent_env.mode, config=agent_env.config, env_extra=env
+    )
     try:
         ports = [service_port("http", 80, 8080)]
         agent_env.kube.apply(
             service("after-reboot", agent_ns, ports),
-            endpoint_slice("after-reboot-v4", agent_ns, "after-reboot",
-                           agent_env.backend_endpoints(), [("http", 8080, "TCP")]),
-        )  # fmt: skip
+            endpoint_slice(
+                "after-reboot-v4",
+                agent_ns,
+                "after-reboot",
+                agent_env.backend_endpoints(),
+                [("http", 8080, "TCP")],
+            ),
+        )
         svc = Svc(agent_env.kube.get("service", "after-reboot", agent_ns))
         wait_until(
             lambda: svc.ip() in nft_ruleset(agent_env.topology, n2),

@@ -20,8 +20,14 @@ HTTP = [service_port("tcp", 80, BACKEND_PORT, "TCP")]
 
 
 def load_balancer(env: AgentEnv, ns: str, name: str, *ranges: str) -> None:
-    make_service(env, ns, name, HTTP, type="LoadBalancer",
-                 extra_spec={"loadBalancerSourceRanges": list(ranges)})  # fmt: skip
+    make_service(
+        env,
+        ns,
+        name,
+        HTTP,
+        type="LoadBalancer",
+        extra_spec={"loadBalancerSourceRanges": list(ranges)},
+    )
     env.kube.patch_status(
         "service", name, {"status": {"loadBalancer": {"ingress": [{"ip": LB_IP}]}}}, ns
     )

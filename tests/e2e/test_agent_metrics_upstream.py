@@ -126,11 +126,15 @@ def test_a_running_agent_serves_every_upstream_and_dashboard_metric(
         assert agent is not None
     else:
         config = write_agent_config(agent_env.topology.tmpdir / f"agent-{mode}.yaml", mode)
-        agent = agent_env.start_agent("n2", mode=mode, config=config, wait=ipvs_here,
-                                      extra_args=["--logging-format=json"])  # fmt: skip
+        agent = agent_env.start_agent(
+            "n2", mode=mode, config=config, wait=ipvs_here, extra_args=["--logging-format=json"]
+        )
         other_agents[mode] = agent
-        wait_until(lambda: agent.http_get(agent.metrics_address, "/metrics")[0] == 200,
-                   timeout=30, message=agent.log_tail)  # fmt: skip
+        wait_until(
+            lambda: agent.http_get(agent.metrics_address, "/metrics")[0] == 200,
+            timeout=30,
+            message=agent.log_tail,
+        )
     changes = agent.metric("kubeproxy_sync_proxy_rules_service_changes_total") or 0
     slices = agent.metric("kubeproxy_sync_proxy_rules_endpoint_changes_total") or 0
     svc = make_service(agent_env, agent_ns, "m", [service_port("tcp", 80, 8080, "TCP")])
@@ -146,9 +150,20 @@ def test_a_running_agent_serves_every_upstream_and_dashboard_metric(
     if not syncs:
         # No IPVS in this kernel (docs/proxy-vm.md runs the ipvs agent where there is): every
         # sync fails, and upstream's ipvs-mode failure counter says so.
-        wait_until(lambda: (agent.metric(
-            "kubeproxy_sync_proxy_rules_iptables_restore_failures_total", ip_family="IPv4"
-        ) or 0) > 0, timeout=20, message=agent.log_tail)  # fmt: skip
+        wait_until(
+            lambda: (
+                (
+                    agent.metric(
+                        "kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
+                        ip_family="IPv4",
+                    )
+                    or 0
+                )
+                > 0
+            ),
+            timeout=20,
+            message=agent.log_tail,
+        )
     assert_serves_upstream(agent, mode, syncs)
     if mode == "iptables":
         rules = agent.metric("kubeproxy_sync_proxy_rules_iptables_total", table="nat")

@@ -76,8 +76,11 @@ def test_blackholed_watch_connection_is_dropped_and_a_later_change_reaches_the_k
     assert agent is not None
     env.kube.apply(service("before", agent_ns, PORTS))
     before = env.kube.get("service", "before", agent_ns)["spec"]["clusterIP"]
-    wait_until(lambda: before in nft_ruleset(env.topology, env.n1), 10,
-               message=lambda: f"first Service never programmed:\n{agent.log_tail()}")  # fmt: skip
+    wait_until(
+        lambda: before in nft_ruleset(env.topology, env.n1),
+        10,
+        message=lambda: f"first Service never programmed:\n{agent.log_tail()}",
+    )
     idle_before = agent.metric("kpx_watch_idle_timeouts_total", resource="services") or 0.0
 
     port = env.cluster.apiserver_port
@@ -86,8 +89,9 @@ def test_blackholed_watch_connection_is_dropped_and_a_later_change_reaches_the_k
     try:
         started = time.monotonic()
         endpoints = env.backend_endpoints(4, ["b1"])
-        slice_ = endpoint_slice("during-v4", agent_ns, "during", endpoints,
-                                [("tcp", BACKEND_PORT, "TCP")])  # fmt: skip
+        slice_ = endpoint_slice(
+            "during-v4", agent_ns, "during", endpoints, [("tcp", BACKEND_PORT, "TCP")]
+        )
         env.kube.apply(service("during", agent_ns, PORTS), slice_)
         during = env.kube.get("service", "during", agent_ns)["spec"]["clusterIP"]
         limit = IDLE_TIMEOUT + MARGIN

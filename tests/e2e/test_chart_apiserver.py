@@ -43,11 +43,21 @@ MODE_SETTINGS: dict[str, dict[str, Any]] = {
 }
 
 OBJECT_KINDS = {
-    "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Deployment",
-    "ProxyConfiguration", "FlowSchema", "PriorityLevelConfiguration", "CustomResourceDefinition",
-    "PodDisruptionBudget", "PodMonitor", "ValidatingAdmissionPolicy",
+    "ServiceAccount",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "Role",
+    "RoleBinding",
+    "Deployment",
+    "ProxyConfiguration",
+    "FlowSchema",
+    "PriorityLevelConfiguration",
+    "CustomResourceDefinition",
+    "PodDisruptionBudget",
+    "PodMonitor",
+    "ValidatingAdmissionPolicy",
     "ValidatingAdmissionPolicyBinding",
-}  # fmt: skip
+}
 #: The kind the chart's CRD serves, for `helm template` (as on an installed cluster).
 SERVED = ("--api-versions", "proxy.kpx.dev/v1alpha1/ProxyConfiguration")
 
@@ -58,16 +68,44 @@ SERVED = ("--api-versions", "proxy.kpx.dev/v1alpha1/ProxyConfiguration")
 DURATION = (
     "^(0|(([0-9]+)y)?(([0-9]+)w)?(([0-9]+)d)?(([0-9]+)h)?(([0-9]+)m)?(([0-9]+)s)?(([0-9]+)ms)?)$"
 )
-RELABEL: Obj = {"type": "object", "properties": {
-    "action": {"type": "string", "enum": ["replace", "Replace", "keep", "Keep", "drop", "Drop",
-                                          "hashmod", "HashMod", "labelmap", "LabelMap",
-                                          "labeldrop", "LabelDrop", "labelkeep", "LabelKeep",
-                                          "lowercase", "Lowercase", "uppercase", "Uppercase",
-                                          "keepequal", "KeepEqual", "dropequal", "DropEqual"]},
-    "sourceLabels": {"type": "array", "items": {"type": "string"}},
-    "separator": {"type": "string"}, "targetLabel": {"type": "string"},
-    "regex": {"type": "string"}, "modulus": {"type": "integer"},
-    "replacement": {"type": "string"}}}  # fmt: skip
+RELABEL: Obj = {
+    "type": "object",
+    "properties": {
+        "action": {
+            "type": "string",
+            "enum": [
+                "replace",
+                "Replace",
+                "keep",
+                "Keep",
+                "drop",
+                "Drop",
+                "hashmod",
+                "HashMod",
+                "labelmap",
+                "LabelMap",
+                "labeldrop",
+                "LabelDrop",
+                "labelkeep",
+                "LabelKeep",
+                "lowercase",
+                "Lowercase",
+                "uppercase",
+                "Uppercase",
+                "keepequal",
+                "KeepEqual",
+                "dropequal",
+                "DropEqual",
+            ],
+        },
+        "sourceLabels": {"type": "array", "items": {"type": "string"}},
+        "separator": {"type": "string"},
+        "targetLabel": {"type": "string"},
+        "regex": {"type": "string"},
+        "modulus": {"type": "integer"},
+        "replacement": {"type": "string"},
+    },
+}
 POD_MONITOR_CRD: Obj = {
     "apiVersion": "apiextensions.k8s.io/v1",
     "kind": "CustomResourceDefinition",
@@ -75,30 +113,86 @@ POD_MONITOR_CRD: Obj = {
     "spec": {
         "group": "monitoring.coreos.com",
         "scope": "Namespaced",
-        "names": {"kind": "PodMonitor", "listKind": "PodMonitorList", "plural": "podmonitors",
-                  "singular": "podmonitor"},
-        "versions": [{"name": "v1", "served": True, "storage": True, "schema": {
-            "openAPIV3Schema": {"type": "object", "required": ["spec"], "properties": {
-                "spec": {"type": "object", "required": ["selector"], "properties": {
-                    "jobLabel": {"type": "string"},
-                    "selector": {"type": "object", "properties": {
-                        "matchLabels": {"type": "object",
-                                        "additionalProperties": {"type": "string"}},
-                        "matchExpressions": {"type": "array", "items": {
-                            "type": "object", "x-kubernetes-preserve-unknown-fields": True}}}},
-                    "namespaceSelector": {"type": "object", "properties": {
-                        "any": {"type": "boolean"},
-                        "matchNames": {"type": "array", "items": {"type": "string"}}}},
-                    "podMetricsEndpoints": {"type": "array", "items": {
-                        "type": "object", "properties": {
-                            "port": {"type": "string"}, "path": {"type": "string"},
-                            "scheme": {"type": "string", "enum": ["http", "https"]},
-                            "interval": {"type": "string", "pattern": DURATION},
-                            "scrapeTimeout": {"type": "string", "pattern": DURATION},
-                            "relabelings": {"type": "array", "items": RELABEL},
-                            "metricRelabelings": {"type": "array", "items": RELABEL}}}}}}}}}}],
+        "names": {
+            "kind": "PodMonitor",
+            "listKind": "PodMonitorList",
+            "plural": "podmonitors",
+            "singular": "podmonitor",
+        },
+        "versions": [
+            {
+                "name": "v1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "required": ["spec"],
+                        "properties": {
+                            "spec": {
+                                "type": "object",
+                                "required": ["selector"],
+                                "properties": {
+                                    "jobLabel": {"type": "string"},
+                                    "selector": {
+                                        "type": "object",
+                                        "properties": {
+                                            "matchLabels": {
+                                                "type": "object",
+                                                "additionalProperties": {"type": "string"},
+                                            },
+                                            "matchExpressions": {
+                                                "type": "array",
+                                                "items": {
+                                                    "type": "object",
+                                                    "x-kubernetes-preserve-unknown-fields": True,
+                                                },
+                                            },
+                                        },
+                                    },
+                                    "namespaceSelector": {
+                                        "type": "object",
+                                        "properties": {
+                                            "any": {"type": "boolean"},
+                                            "matchNames": {
+                                                "type": "array",
+                                                "items": {"type": "string"},
+                                            },
+                                        },
+                                    },
+                                    "podMetricsEndpoints": {
+                                        "type": "array",
+                                        "items": {
+                                            "type": "object",
+                                            "properties": {
+                                                "port": {"type": "string"},
+                                                "path": {"type": "string"},
+                                                "scheme": {
+                                                    "type": "string",
+                                                    "enum": ["http", "https"],
+                                                },
+                                                "interval": {"type": "string", "pattern": DURATION},
+                                                "scrapeTimeout": {
+                                                    "type": "string",
+                                                    "pattern": DURATION,
+                                                },
+                                                "relabelings": {"type": "array", "items": RELABEL},
+                                                "metricRelabelings": {
+                                                    "type": "array",
+                                                    "items": RELABEL,
+                                                },
+                                            },
+                                        },
+                                    },
+                                },
+                            }
+                        },
+                    }
+                },
+            }
+        ],
     },
-}  # fmt: skip
+}
 
 Obj = dict[str, Any]
 
@@ -138,9 +232,15 @@ class Helm:
 
     def template(self, namespace: str, values: Obj) -> str:
         out = self.run(
-            "template", "kpx", str(CHART), "--namespace", namespace, "--skip-tests", *SERVED,
+            "template",
+            "kpx",
+            str(CHART),
+            "--namespace",
+            namespace,
+            "--skip-tests",
+            *SERVED,
             values=values,
-        )  # fmt: skip
+        )
         assert out.returncode == 0, out.stderr
         return out.stdout
 
@@ -171,10 +271,16 @@ def namespace(cluster: Cluster) -> Iterator[str]:
 def dry_run(cluster: Cluster, manifest: str) -> subprocess.CompletedProcess[str]:
     """`kubectl apply --server-side --dry-run=server`: admission and validation, no write."""
     return cluster.kubectl(
-        "apply", "--server-side", "--dry-run=server", "--force-conflicts",
-        "--field-manager=kpx-chart-e2e", "-f", "-",
-        input=manifest, check=False,
-    )  # fmt: skip
+        "apply",
+        "--server-side",
+        "--dry-run=server",
+        "--force-conflicts",
+        "--field-manager=kpx-chart-e2e",
+        "-f",
+        "-",
+        input=manifest,
+        check=False,
+    )
 
 
 def values_for(mode: str, name: str, **common: Any) -> Obj:
@@ -196,9 +302,13 @@ def test_rendered_chart_is_accepted(
         maxUnavailable="10%",
     )
     values["operator"] = {"apiserverEndpoint": "192.0.2.10:6443", "ipvsPolicy": "deny"}
-    values["monitoring"] = {"podMonitor": {"enabled": True, "interval": "15s",
-                                           "metricRelabelings": [{"action": "labeldrop",
-                                                                  "regex": "pod"}]}}  # fmt: skip
+    values["monitoring"] = {
+        "podMonitor": {
+            "enabled": True,
+            "interval": "15s",
+            "metricRelabelings": [{"action": "labeldrop", "regex": "pod"}],
+        }
+    }
     manifest = helm.template(namespace, values)
     objects = [d for d in yaml.safe_load_all(manifest) if d]
     assert {o["kind"] for o in objects} == OBJECT_KINDS
@@ -246,14 +356,14 @@ def test_install_and_uninstall(helm: Helm, cluster: Cluster, namespace: str) -> 
     assert f'CustomResourceDefinition "{CRD}"' in refused.stderr, refused.stderr
     assert "cannot be imported into the current release" in refused.stderr
     helm.run("uninstall", release, "--namespace", namespace, "--ignore-not-found")
-    out = helm.run("install", release, str(CHART), "--namespace", namespace,
-                   "--take-ownership", values=values)  # fmt: skip
+    out = helm.run(
+        "install", release, str(CHART), "--namespace", namespace, "--take-ownership", values=values
+    )
     try:
         assert out.returncode == 0, out.stderr
         assert f"kubectl get pxc {name}" in out.stdout, out.stdout
         assert "WARNING" not in out.stdout, out.stdout  # the namespace allows privileged pods
-        for kind in ("deployment", "serviceaccount", "role", "rolebinding",
-                     "poddisruptionbudget"):  # fmt: skip
+        for kind in ("deployment", "serviceaccount", "role", "rolebinding", "poddisruptionbudget"):
             cluster.kubectl("-n", namespace, "get", kind, "kpx-operator")
         crd = json.loads(cluster.kubectl("get", "crd", CRD, "-o", "json").stdout)
         assert crd["metadata"]["annotations"]["meta.helm.sh/release-name"] == release
@@ -287,9 +397,14 @@ def test_notes_warn_about_pod_security(helm: Helm, cluster: Cluster, level: str 
         cluster.kubectl("label", "namespace", name, f"pod-security.kubernetes.io/enforce={level}")
     try:
         out = helm.run(
-            "install", f"kpx-{RUN}", str(CHART), "--namespace", name, "--dry-run=server",
+            "install",
+            f"kpx-{RUN}",
+            str(CHART),
+            "--namespace",
+            name,
+            "--dry-run=server",
             "--take-ownership",
-        )  # fmt: skip
+        )
         assert out.returncode == 0, out.stderr
         said = "is not labelled" if level is None else f"is labelled {LABEL}={level}"
         assert f"WARNING: namespace {name} {said}" in out.stdout, out.stdout
@@ -317,8 +432,9 @@ def test_flow_control_classifies_the_agents_requests(
 
     def apply(objs: list[Obj]) -> None:
         manifest = "\n---\n".join(yaml.safe_dump(o) for o in objs)
-        cluster.kubectl("apply", "--server-side", "--field-manager=kpx-chart-e2e", "-f", "-",
-                        input=manifest)  # fmt: skip
+        cluster.kubectl(
+            "apply", "--server-side", "--field-manager=kpx-chart-e2e", "-f", "-", input=manifest
+        )
 
     def uid(kind: str, name: str) -> str:
         out = cluster.kubectl("get", kind, name, "-o", "jsonpath={.metadata.uid}")
@@ -333,10 +449,16 @@ def test_flow_control_classifies_the_agents_requests(
         def classified() -> str:
             """kubectl's log of the answer's headers (-v=8), for a request as the agent."""
             out = cluster.kubectl(
-                f"--server={cluster.server}", f"--certificate-authority={cluster.ca_file}",
-                f"--token={token}", "get", "services", "-A", "--chunk-size=1", "-v=8",
+                f"--server={cluster.server}",
+                f"--certificate-authority={cluster.ca_file}",
+                f"--token={token}",
+                "get",
+                "services",
+                "-A",
+                "--chunk-size=1",
+                "-v=8",
                 kubeconfig=bare,
-            )  # fmt: skip
+            )
             return out.stderr
 
         before = classified()
@@ -352,9 +474,14 @@ def test_flow_control_classifies_the_agents_requests(
         assert schema in seen and level in seen, seen
     finally:
         for obj in reversed(agent):
-            cluster.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"],
-                            *(["-n", namespace] if obj["kind"] == "ServiceAccount" else []),
-                            "--ignore-not-found", check=False)  # fmt: skip
+            cluster.kubectl(
+                "delete",
+                obj["kind"].lower(),
+                obj["metadata"]["name"],
+                *(["-n", namespace] if obj["kind"] == "ServiceAccount" else []),
+                "--ignore-not-found",
+                check=False,
+            )
 
 
 # ---- CRD upgrades -------------------------------------------------------------------------------
@@ -372,13 +499,16 @@ def old_chart(tmp_path: Path) -> Path:
     # The template's YAML after its two template lines parses once the actions are removed.
     lines = [ln for ln in text.splitlines() if "{{" not in ln]
     crd = yaml.safe_load("\n".join(lines))
-    del crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
-        "properties"][NEW_FIELD]  # fmt: skip
+    del crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"][
+        NEW_FIELD
+    ]
     crd_file.write_text(
-        "{{- if .Values.crds.install }}\n" + yaml.safe_dump(crd, sort_keys=False).replace(
+        "{{- if .Values.crds.install }}\n"
+        + yaml.safe_dump(crd, sort_keys=False).replace(
             "metadata:\n", "metadata:\n  annotations:\n    helm.sh/resource-policy: keep\n", 1
-        ) + "{{- end }}\n"
-    )  # fmt: skip
+        )
+        + "{{- end }}\n"
+    )
     chart = yaml.safe_load((old / "Chart.yaml").read_text())
     chart["version"] = "0.0.9"
     (old / "Chart.yaml").write_text(yaml.safe_dump(chart))
@@ -405,20 +535,39 @@ def test_helm_upgrade_upgrades_the_crd(
     values = values_for("nftables", name)
     delete_crd(cluster)  # a cluster that never had kpx (the module's fixture applied crds/)
     try:
-        out = helm.run("install", release, str(old_chart(tmp_path)), "--namespace", namespace,
-                       "--wait=false", values=values)  # fmt: skip
+        out = helm.run(
+            "install",
+            release,
+            str(old_chart(tmp_path)),
+            "--namespace",
+            namespace,
+            "--wait=false",
+            values=values,
+        )
         assert out.returncode == 0, out.stderr
         stored = json.loads(cluster.kubectl("get", "pxc", name, "-o", "json").stdout)
         assert stored["metadata"]["annotations"]["helm.sh/hook"] == "post-install"
-        explained = cluster.kubectl("explain", f"proxyconfigurations.spec.{NEW_FIELD}",
-                                    check=False)  # fmt: skip
+        explained = cluster.kubectl("explain", f"proxyconfigurations.spec.{NEW_FIELD}", check=False)
         assert explained.returncode != 0, explained.stdout
-        pxc = {"apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyConfiguration",
-               "metadata": {"name": probe},
-               "spec": {"mode": "nftables", "nodeSelector": {"kpx.dev/none": "probe"},
-                        NEW_FIELD: "registry.example/kpx-agent:probe"}}  # fmt: skip
-        unknown = cluster.kubectl("apply", "--server-side", "--field-manager=kpx-chart-e2e",
-                                  "-f", "-", input=json.dumps(pxc), check=False)  # fmt: skip
+        pxc = {
+            "apiVersion": "proxy.kpx.dev/v1alpha1",
+            "kind": "ProxyConfiguration",
+            "metadata": {"name": probe},
+            "spec": {
+                "mode": "nftables",
+                "nodeSelector": {"kpx.dev/none": "probe"},
+                NEW_FIELD: "registry.example/kpx-agent:probe",
+            },
+        }
+        unknown = cluster.kubectl(
+            "apply",
+            "--server-side",
+            "--field-manager=kpx-chart-e2e",
+            "-f",
+            "-",
+            input=json.dumps(pxc),
+            check=False,
+        )
         assert (
             unknown.returncode != 0
             and f".spec.{NEW_FIELD}: field not declared in schema" in unknown.stderr
@@ -428,15 +577,22 @@ def test_helm_upgrade_upgrades_the_crd(
         assert out.returncode == 0, out.stderr
         deadline = time.monotonic() + 60  # the apiserver republishes the CRD's OpenAPI
         while True:
-            explained = cluster.kubectl("explain", f"proxyconfigurations.spec.{NEW_FIELD}",
-                                        check=False)  # fmt: skip
+            explained = cluster.kubectl(
+                "explain", f"proxyconfigurations.spec.{NEW_FIELD}", check=False
+            )
             if explained.returncode == 0 or time.monotonic() > deadline:
                 break
             time.sleep(1)
         assert explained.returncode == 0, explained.stderr
         assert "Container image of the agents" in explained.stdout
-        cluster.kubectl("apply", "--server-side", "--field-manager=kpx-chart-e2e", "-f", "-",
-                        input=json.dumps(pxc))  # fmt: skip
+        cluster.kubectl(
+            "apply",
+            "--server-side",
+            "--field-manager=kpx-chart-e2e",
+            "-f",
+            "-",
+            input=json.dumps(pxc),
+        )
         back = json.loads(cluster.kubectl("get", "pxc", probe, "-o", "json").stdout)
         assert back["spec"][NEW_FIELD] == "registry.example/kpx-agent:probe"
         crd = json.loads(cluster.kubectl("get", "crd", CRD, "-o", "json").stdout)

@@ -54,13 +54,17 @@ def net() -> Iterator[tuple[Topology, Node, Pod, Pod]]:
         client, backend = topo.add_pod(n1, "client"), topo.add_pod(n2, "backend")
         for family, table, ip in ((4, "ip", "ip"), (6, "ip6", "ip6")):
             addr = backend.ipv4 if family == 4 else f"[{backend.ipv6}]"
-            rules = DNAT.format(table=table, ip=ip, vip=VIP[family], other=OTHER_VIP[family],
-                                backend=addr)  # fmt: skip
+            rules = DNAT.format(
+                table=table, ip=ip, vip=VIP[family], other=OTHER_VIP[family], backend=addr
+            )
             topo.exec(n1, ["nft", "-f", "-"], input=rules, check=True)
             # Not DNATed: delivered to the node itself, as with no rule for the Service.
             prefix = "32" if family == 4 else "128"
-            topo.exec(n1, ["ip", f"-{family}", "addr", "add", f"{VIP[family]}/{prefix}",
-                           "dev", "lo"], check=True)  # fmt: skip
+            topo.exec(
+                n1,
+                ["ip", f"-{family}", "addr", "add", f"{VIP[family]}/{prefix}", "dev", "lo"],
+                check=True,
+            )
         yield topo, n1, client, backend
 
 
@@ -91,8 +95,9 @@ def test_netlink_deletes_exactly_the_matching_entries(
         41006: (node_ip, NODE_PORT + 1),  # another NodePort: stays
     }
     for sport, (dst, dport) in sends.items():
-        topo.exec(client, [sys.executable, "-c", SEND_FROM, dst, str(dport), str(sport)],
-                  check=True)  # fmt: skip
+        topo.exec(
+            client, [sys.executable, "-c", SEND_FROM, dst, str(dport), str(sport)], check=True
+        )
     before = _udp_entries(topo, n1, family)
     assert set(sends) <= set(before), before
     assert "sport=5353 dport=41000" in before[41000], before[41000]  # its reply: DNATed
@@ -120,8 +125,10 @@ def test_filters_that_match_nothing_delete_nothing_and_fail_nothing(
 ) -> None:
     topo, n1, _, _ = net
     before = {f: _udp_entries(topo, n1, f) for f in (4, 6)}
-    nothing = [FlowFilter(4, 9, IP.of("10.96.0.99"), not_nated=True),
-               FlowFilter(6, 9, IP.of("fd00:96::99"), IP.of("fd00::1"))]  # fmt: skip
+    nothing = [
+        FlowFilter(4, 9, IP.of("10.96.0.99"), not_nated=True),
+        FlowFilter(6, 9, IP.of("fd00:96::99"), IP.of("fd00::1")),
+    ]
     assert call_in_netns(n1.netns, lambda: conntrack.delete_flows(nothing)) == 0
     assert {f: _udp_entries(topo, n1, f) for f in (4, 6)}.keys() == before.keys()
     assert all(set(_udp_entries(topo, n1, f)) == set(before[f]) for f in (4, 6))

@@ -57,8 +57,9 @@ def test_agent_sets_per_namespace_settings_in_its_node_only(env: AgentEnv) -> No
     # A table size the host already has (so nothing global is needed), and every timeout.
     settings: dict[str, object] = {"maxPerCore": 1, "min": min(current_max, 1024)}
     settings |= {field: value for field, value, _ in PER_NETNS.values()}
-    agent = start_agent(env.topology, env.n1, env.kubeconfig,
-                        config=config(env, "ct-all.yaml", **settings))  # fmt: skip
+    agent = start_agent(
+        env.topology, env.n1, env.kubeconfig, config=config(env, "ct-all.yaml", **settings)
+    )
     try:
         for name, (_, _, expected) in PER_NETNS.items():
             assert node_value(env, "n1", name) == expected, name
@@ -76,15 +77,30 @@ def test_agent_sets_per_namespace_settings_in_its_node_only(env: AgentEnv) -> No
 def test_a_global_raise_outside_the_host_namespace_is_reported(env: AgentEnv) -> None:
     before = host_values()
     too_big = int(before["nf_conntrack_max"]) + 4096  # more than the host has: a raise
-    agent = start_agent(env.topology, env.n2, env.kubeconfig,
-                        config=config(env, "ct-raise.yaml", maxPerCore=0, min=0,
-                                      tcpEstablishedTimeout="5h", tcpCloseWaitTimeout="0s")
-                        )  # fmt: skip
+    agent = start_agent(
+        env.topology,
+        env.n2,
+        env.kubeconfig,
+        config=config(
+            env,
+            "ct-raise.yaml",
+            maxPerCore=0,
+            min=0,
+            tcpEstablishedTimeout="5h",
+            tcpCloseWaitTimeout="0s",
+        ),
+    )
     agent.stop()
     assert node_value(env, "n2", "nf_conntrack_tcp_timeout_established") == 5 * 3600
     # maxPerCore = the raise itself (per CPU count); min too: whatever the CPUs, > current.
-    raise_config = config(env, "ct-raise2.yaml", maxPerCore=too_big, min=too_big,
-                          tcpEstablishedTimeout="0s", tcpCloseWaitTimeout="0s")  # fmt: skip
+    raise_config = config(
+        env,
+        "ct-raise2.yaml",
+        maxPerCore=too_big,
+        min=too_big,
+        tcpEstablishedTimeout="0s",
+        tcpCloseWaitTimeout="0s",
+    )
     agent = start_agent(env.topology, env.n2, env.kubeconfig, config=raise_config)
     try:
         assert agent.metric("kpx_conntrack_settings_not_applied") == 1

@@ -76,16 +76,29 @@ def test_endpointslice_controller_runs(cluster: Cluster) -> None:
         cluster.kubectl("apply", "-f", "-", input=json.dumps(obj))
     try:
         cluster.kubectl(
-            "-n", "cp-eps", "patch", "pod", "web-0", "--subresource=status", "--type=merge",
-            "-p", json.dumps(status),
-        )  # fmt: skip
+            "-n",
+            "cp-eps",
+            "patch",
+            "pod",
+            "web-0",
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps(status),
+        )
         deadline = time.monotonic() + 30
         items: list[dict[str, object]] = []
         while time.monotonic() < deadline:
             out = cluster.kubectl(
-                "-n", "cp-eps", "get", "endpointslices", "-l", "kubernetes.io/service-name=web",
-                "-o", "json",
-            )  # fmt: skip
+                "-n",
+                "cp-eps",
+                "get",
+                "endpointslices",
+                "-l",
+                "kubernetes.io/service-name=web",
+                "-o",
+                "json",
+            )
             items = json.loads(out.stdout)["items"]
             addresses = [a for s in items for e in s.get("endpoints") or [] for a in e["addresses"]]
             if "10.244.9.9" in addresses:

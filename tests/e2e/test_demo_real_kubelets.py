@@ -24,9 +24,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.netns]
 def demo(command: str, name: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kpx_cluster.demo", command],
-        capture_output=True, text=True, timeout=timeout, check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
         env={**python_env(), "KPX_DEMO_CLUSTER": name},
-    )  # fmt: skip
+    )
 
 
 def test_make_demo_runs_on_real_kubelets_and_reads_healthy() -> None:

@@ -107,17 +107,22 @@ def test_nftables_drift_is_found_and_repaired(topology: Topology) -> None:
         "nftables",
         [
             ("another table", ["nft", "add table ip other-writer"]),
-            ("element deleted", ["nft", "delete element ip kpx service-ips "
-                                 "{ 10.96.0.10 . tcp . 80 }"]),
+            (
+                "element deleted",
+                ["nft", "delete element ip kpx service-ips { 10.96.0.10 . tcp . 80 }"],
+            ),
             ("chain flushed", ["nft", "flush chain ip6 kpx services"]),
             ("rule added", ["nft", "insert rule ip kpx services accept"]),
         ],
-    )  # fmt: skip
+    )
     assert result["after the first sync"]["reasons"] == []
     assert result["after a partial sync"]["reasons"] == []
     assert result["another table"] == {"reasons": [], "restored": True}
-    for label, family in (("element deleted", "ip"), ("chain flushed", "ip6"),
-                          ("rule added", "ip")):  # fmt: skip
+    for label, family in (
+        ("element deleted", "ip"),
+        ("chain flushed", "ip6"),
+        ("rule added", "ip"),
+    ):
         assert result[label]["reasons"] == [f"drift: our {family} table changed behind our back"], (
             result
         )
@@ -132,12 +137,25 @@ def test_iptables_drift_is_found_and_repaired(topology: Topology) -> None:
             ("another chain", ["iptables", "-t", "nat", "-N", "OTHER-WRITER"]),
             ("rule deleted", ["iptables", "-t", "nat", "-D", "KPX-SERVICES", "1"]),
             ("chain flushed", ["ip6tables", "-t", "nat", "-F", "KPX-SERVICES"]),
-            ("jump deleted", ["iptables", "-t", "nat", "-D", "PREROUTING", "-m", "comment",
-                              "--comment", "kpx", "-j", "KPX-SERVICES"]),
-            ("rule replaced", ["iptables", "-t", "nat", "-R", "KPX-SERVICES", "1", "-j",
-                               "RETURN"]),
+            (
+                "jump deleted",
+                [
+                    "iptables",
+                    "-t",
+                    "nat",
+                    "-D",
+                    "PREROUTING",
+                    "-m",
+                    "comment",
+                    "--comment",
+                    "kpx",
+                    "-j",
+                    "KPX-SERVICES",
+                ],
+            ),
+            ("rule replaced", ["iptables", "-t", "nat", "-R", "KPX-SERVICES", "1", "-j", "RETURN"]),
         ],
-    )  # fmt: skip
+    )
     assert result["after the first sync"]["reasons"] == []
     assert result["after a partial sync"]["reasons"] == []
     assert result["another chain"] == {"reasons": [], "restored": True}

@@ -29,8 +29,9 @@ Obj = dict[str, Any]
 
 
 def apply(cluster: Cluster) -> Any:
-    return cluster.kubectl("apply", "--server-side", "--field-manager=gitops-e2e", "-k",
-                           str(GITOPS), check=False)  # fmt: skip
+    return cluster.kubectl(
+        "apply", "--server-side", "--field-manager=gitops-e2e", "-k", str(GITOPS), check=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,33 +57,63 @@ def applied(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
     finally:
         # No operator left to release the finalizer; the children go by hand (other modules
         # make a ProxyConfiguration "default" of their own).
-        cluster.kubectl("patch", "proxyconfiguration", PXC, "--type=merge",
-                        "-p", '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
+        cluster.kubectl(
+            "patch",
+            "proxyconfiguration",
+            PXC,
+            "--type=merge",
+            "-p",
+            '{"metadata":{"finalizers":null}}',
+            check=False,
+        )
         cluster.kubectl("delete", "proxyconfiguration", PXC, "--ignore-not-found", check=False)
-        cluster.kubectl("-n", NS, "delete", "deployment/kpx-operator",
-                        f"daemonset/kpx-agent-{PXC}", f"configmap/kpx-agent-{PXC}",
-                        "--ignore-not-found", check=False)  # fmt: skip
+        cluster.kubectl(
+            "-n",
+            NS,
+            "delete",
+            "deployment/kpx-operator",
+            f"daemonset/kpx-agent-{PXC}",
+            f"configmap/kpx-agent-{PXC}",
+            "--ignore-not-found",
+            check=False,
+        )
 
 
 def test_applied_twice_server_side_with_no_diff(cluster: Cluster, applied: Any) -> None:
     assert applied.returncode == 0, applied.stderr
     rendered = list(yaml.safe_load_all(cluster.kubectl("kustomize", str(GITOPS)).stdout))
     kinds = {o["kind"] for o in rendered}
-    assert {"CustomResourceDefinition", "Namespace", "ServiceAccount", "ClusterRole",
-            "ClusterRoleBinding", "Deployment", "ProxyConfiguration"} <= kinds  # fmt: skip
+    assert {
+        "CustomResourceDefinition",
+        "Namespace",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Deployment",
+        "ProxyConfiguration",
+    } <= kinds
     # Nothing changed by the second apply: every line says "serverside-applied" or "unchanged".
     assert applied.stdout.strip(), applied
-    diff = cluster.kubectl("diff", "--server-side", "--field-manager=gitops-e2e", "-k",
-                           str(GITOPS), check=False)  # fmt: skip
+    diff = cluster.kubectl(
+        "diff", "--server-side", "--field-manager=gitops-e2e", "-k", str(GITOPS), check=False
+    )
     assert diff.returncode == 0, f"diff (exit {diff.returncode}):\n{diff.stdout}{diff.stderr}"
     assert diff.stdout == ""
 
 
 def children(cluster: Cluster) -> list[Obj]:
     """What the operator made for PXC (names: docs/operator.md)."""
-    out = cluster.kubectl("-n", NS, "get", f"daemonset/kpx-agent-{PXC}",
-                          f"configmap/kpx-agent-{PXC}", "-o", "json", "--show-managed-fields",
-                          "--ignore-not-found")  # fmt: skip
+    out = cluster.kubectl(
+        "-n",
+        NS,
+        "get",
+        f"daemonset/kpx-agent-{PXC}",
+        f"configmap/kpx-agent-{PXC}",
+        "-o",
+        "json",
+        "--show-managed-fields",
+        "--ignore-not-found",
+    )
     return list(json.loads(out.stdout)["items"]) if out.stdout.strip() else []
 
 
@@ -91,11 +122,14 @@ def test_children_cannot_be_taken_by_an_argocd_application_tracking_by_label(
 ) -> None:
     # What Argo CD's label tracking sets on what it syncs (and annotation tracking), before the
     # operator sees the object: the operator never saw it without them.
-    cluster.kubectl("label", "--overwrite", "proxyconfiguration", PXC,
-                    f"{TRACKING_LABEL}={APP}")  # fmt: skip
-    cluster.kubectl("annotate", "--overwrite", "proxyconfiguration", PXC,
-                    f"argocd.argoproj.io/tracking-id={APP}:proxy.kpx.dev/"
-                    f"ProxyConfiguration:/{PXC}")  # fmt: skip
+    cluster.kubectl("label", "--overwrite", "proxyconfiguration", PXC, f"{TRACKING_LABEL}={APP}")
+    cluster.kubectl(
+        "annotate",
+        "--overwrite",
+        "proxyconfiguration",
+        PXC,
+        f"argocd.argoproj.io/tracking-id={APP}:proxy.kpx.dev/ProxyConfiguration:/{PXC}",
+    )
     workdir = tmp_path_factory.mktemp("gitops-kustomization")
     op = Operator.start(install(cluster, workdir), workdir / "operator.log", "--resync-interval=1")
     try:
@@ -121,8 +155,9 @@ def test_children_cannot_be_taken_by_an_argocd_application_tracking_by_label(
         assert not [k for k in annotations if k.startswith("argocd.argoproj.io/")], where
         assert "kubectl.kubernetes.io/last-applied-configuration" not in annotations, where
         assert not {(m["manager"], m["operation"]) for m in meta["managedFields"]} - {
-            ("kpx-operator", "Apply"), ("kube-controller-manager", "Update"),
-        }, where  # fmt: skip
+            ("kpx-operator", "Apply"),
+            ("kube-controller-manager", "Update"),
+        }, where
     # The label the selector of the agents' pods needs stays on the pod template only.
     (ds,) = [o for o in found if o["kind"] == "DaemonSet"]
     assert ds["spec"]["template"]["metadata"]["labels"][TRACKING_LABEL] == PXC

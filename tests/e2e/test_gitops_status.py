@@ -60,10 +60,17 @@ class Versions:
             f"&fieldSelector=metadata.name%3D{NAME}&resourceVersion={resource_version}"
         )
         self.proc = subprocess.Popen(
-            [str(kubernetes_binary("kubectl")), f"--kubeconfig={cluster.kubeconfig}",
-             "get", "--raw", path, "--request-timeout=0"],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                str(kubernetes_binary("kubectl")),
+                f"--kubeconfig={cluster.kubeconfig}",
+                "get",
+                "--raw",
+                path,
+                "--request-timeout=0",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.seen: list[Obj] = []
         self._cursor = 0  # where the next `wait` starts: after the version it last found
         self._lock = threading.Lock()
@@ -87,8 +94,9 @@ class Versions:
 
         def found() -> tuple[int, Obj] | None:
             seen = self.all()
-            return next(((i, o) for i, o in enumerate(seen) if i >= self._cursor and check(o)),
-                        None)  # fmt: skip
+            return next(
+                ((i, o) for i, o in enumerate(seen) if i >= self._cursor and check(o)), None
+            )
 
         index, obj = wait_until(found, timeout, what)
         self._cursor = index + 1
@@ -127,13 +135,27 @@ def operator(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield op
     finally:
         op.stop()
-        cluster.kubectl("patch", "proxyconfiguration", NAME, "--type=merge",
-                        "-p", '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
-        cluster.kubectl("delete", "proxyconfiguration", NAME, "--ignore-not-found",
-                        "--wait=false", check=False)  # fmt: skip
-        cluster.kubectl("-n", "kpx-system", "delete", f"daemonset/kpx-agent-{NAME}",
-                        f"configmap/kpx-agent-{NAME}", "--ignore-not-found",
-                        check=False)  # fmt: skip
+        cluster.kubectl(
+            "patch",
+            "proxyconfiguration",
+            NAME,
+            "--type=merge",
+            "-p",
+            '{"metadata":{"finalizers":null}}',
+            check=False,
+        )
+        cluster.kubectl(
+            "delete", "proxyconfiguration", NAME, "--ignore-not-found", "--wait=false", check=False
+        )
+        cluster.kubectl(
+            "-n",
+            "kpx-system",
+            "delete",
+            f"daemonset/kpx-agent-{NAME}",
+            f"configmap/kpx-agent-{NAME}",
+            "--ignore-not-found",
+            check=False,
+        )
 
 
 def test_the_argocd_cm_snippet_is_health_lua() -> None:
@@ -170,8 +192,9 @@ def test_phases_read_the_same_in_kstatus_flux_and_argocd(
         return h
 
     def patch(spec: Obj) -> None:
-        cluster.kubectl("patch", "proxyconfiguration", NAME, "--type=merge",
-                        "-p", json.dumps({"spec": spec}))  # fmt: skip
+        cluster.kubectl(
+            "patch", "proxyconfiguration", NAME, "--type=merge", "-p", json.dumps({"spec": spec})
+        )
 
     def ready(o: Obj) -> bool:
         return acted(o) and cond(o, "Ready")[0] == "True"
@@ -181,16 +204,21 @@ def test_phases_read_the_same_in_kstatus_flux_and_argocd(
         try:
             sim.add_node(f"gitops-{RUN}", labels=LABEL)
             pxc = {
-                "apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyConfiguration",
+                "apiVersion": "proxy.kpx.dev/v1alpha1",
+                "kind": "ProxyConfiguration",
                 "metadata": {"name": NAME},
                 "spec": {
-                    "mode": "nftables", "nodeSelector": LABEL,
+                    "mode": "nftables",
+                    "nodeSelector": LABEL,
                     # Leave the node's conntrack settings alone: the simulator's stand-in
                     # directories cannot take them (ConntrackNotApplied, which is Stalled).
-                    "conntrack": {"maxPerCore": 0, "tcpEstablishedTimeout": "0s",
-                                  "tcpCloseWaitTimeout": "0s"},
+                    "conntrack": {
+                        "maxPerCore": 0,
+                        "tcpEstablishedTimeout": "0s",
+                        "tcpCloseWaitTimeout": "0s",
+                    },
                 },
-            }  # fmt: skip
+            }
             cluster.kubectl("create", "-f", "-", input=json.dumps(pxc))
 
             # Created: the operator has written nothing yet. kstatus reads an object without
@@ -209,10 +237,13 @@ def test_phases_read_the_same_in_kstatus_flux_and_argocd(
             phase("first status", first, ("InProgress", "InProgress", "Progressing"))
 
             rolling = versions.wait(
-                lambda o: acted(o) and cond(o, "Reconciling")[0] == "True"
-                and cond(o, "Ready")[1] in ("AgentsNotReady", "RollingOut"),
+                lambda o: (
+                    acted(o)
+                    and cond(o, "Reconciling")[0] == "True"
+                    and cond(o, "Ready")[1] in ("AgentsNotReady", "RollingOut")
+                ),
                 "rolling out",
-            )  # fmt: skip
+            )
             phase("rolling out", rolling, ("InProgress", "InProgress", "Progressing"))
 
             done = versions.wait(ready, "Ready", 90)
@@ -222,8 +253,9 @@ def test_phases_read_the_same_in_kstatus_flux_and_argocd(
 
             # ipvs, which this operator denies: nothing a retry can fix.
             patch({"mode": "ipvs", "ipvs": {"acknowledgeDeprecation": True}})
-            denied = versions.wait(lambda o: acted(o) and cond(o, "Stalled")[0] == "True",
-                                   "Stalled: ipvs denied")  # fmt: skip
+            denied = versions.wait(
+                lambda o: acted(o) and cond(o, "Stalled")[0] == "True", "Stalled: ipvs denied"
+            )
             assert cond(denied, "Stalled") == ("True", "IPVSDenied")
             h = phase("ipvs denied", denied, ("Failed", "Failed", "Degraded"))
             assert "--ipvs-policy=deny" in h.kstatus_message
@@ -238,8 +270,9 @@ def test_phases_read_the_same_in_kstatus_flux_and_argocd(
             patch({"image": "registry.invalid/kpx-agent:missing"})
             stuck = versions.wait(
                 lambda o: acted(o) and cond(o, "Stalled")[0] == "True",
-                "Stalled: rollout deadline", ROLLOUT_DEADLINE + 30,
-            )  # fmt: skip
+                "Stalled: rollout deadline",
+                ROLLOUT_DEADLINE + 30,
+            )
             assert cond(stuck, "Stalled") == ("True", "RolloutDeadlineExceeded")
             assert cond(stuck, "Ready")[0] == "False"
             h = phase("failing agent", stuck, ("Failed", "Failed", "Degraded"))
@@ -247,10 +280,11 @@ def test_phases_read_the_same_in_kstatus_flux_and_argocd(
             before = versions.all()[: versions.all().index(stuck)]
             generation = stuck["metadata"]["generation"]
             assert any(
-                cond(o, "Reconciling") == ("True", "RollingOut") and acted(o)
+                cond(o, "Reconciling") == ("True", "RollingOut")
+                and acted(o)
                 and o["metadata"]["generation"] == generation
                 for o in before
-            ), "the failing rollout was never Reconciling first"  # fmt: skip
+            ), "the failing rollout was never Reconciling first"
 
             patch({"image": None})
             recovered = versions.wait(ready, "Ready after the failing agent", 90)

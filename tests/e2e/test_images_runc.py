@@ -75,12 +75,18 @@ def netns_path(node: Node) -> str:
 
 
 def test_archives_name_their_images_and_entry_points() -> None:
-    for image, entrypoint, user in ((OPERATOR, ["proxy-operator"], "65532:65532"),
-                                    (AGENT, ["proxy-agent"], "")):  # fmt: skip
+    for image, entrypoint, user in (
+        (OPERATOR, ["proxy-operator"], "65532:65532"),
+        (AGENT, ["proxy-agent"], ""),
+    ):
         archive = image.archive(images.archives_dir())
         assert oci.archive_refs(archive).keys() == {image.ref}
-        out = subprocess.run(["skopeo", "inspect", "--config", f"oci-archive:{archive}"],
-                             capture_output=True, text=True, check=True)  # fmt: skip
+        out = subprocess.run(
+            ["skopeo", "inspect", "--config", f"oci-archive:{archive}"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         config = json.loads(out.stdout)["config"]
         assert config["Entrypoint"] == entrypoint
         assert config.get("User", "") == user
@@ -101,14 +107,21 @@ def test_agent_cleans_its_rules_with_net_admin_and_cannot_without(
         return " kpx" in topo.exec(n, ["nft", "list", "tables"], check=True).stdout
 
     without = {**sc, "capabilities": {"drop": ["ALL"]}}
-    out = run(store, tmp_path, AGENT.ref, without, args=["cleanup", "--mode", "nftables"],
-              netns=netns_path(n))  # fmt: skip
+    out = run(
+        store,
+        tmp_path,
+        AGENT.ref,
+        without,
+        args=["cleanup", "--mode", "nftables"],
+        netns=netns_path(n),
+    )
     assert out.returncode != 0, out.stdout
     assert "Operation not permitted" in out.stderr, out.stderr
     assert has_table(), "the rules went away without NET_ADMIN"
 
-    out = run(store, tmp_path, AGENT.ref, sc, args=["cleanup", "--mode", "nftables"],
-              netns=netns_path(n))  # fmt: skip
+    out = run(
+        store, tmp_path, AGENT.ref, sc, args=["cleanup", "--mode", "nftables"], netns=netns_path(n)
+    )
     assert out.returncode == 0, out.stderr
     assert "removed the nftables rules of kpx" in out.stdout
     assert not has_table()
@@ -124,11 +137,18 @@ def test_iptables_wrapper_follows_the_rules_in_use(
     with Topology() as topo:
         n = topo.add_node("ipt")
         if variant == "legacy":
-            topo.exec(n, ["iptables-legacy", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"],
-                      check=True)  # fmt: skip
+            topo.exec(
+                n, ["iptables-legacy", "-t", "mangle", "-N", "KUBE-IPTABLES-HINT"], check=True
+            )
         try:
-            out = run(store, tmp_path, AGENT.ref, sc, command=["iptables", "--version"],
-                      netns=netns_path(n))  # fmt: skip
+            out = run(
+                store,
+                tmp_path,
+                AGENT.ref,
+                sc,
+                command=["iptables", "--version"],
+                netns=netns_path(n),
+            )
         finally:
             if variant == "legacy":
                 topo.exec(n, ["iptables-legacy", "-t", "mangle", "-X", "KUBE-IPTABLES-HINT"])
@@ -148,13 +168,18 @@ def test_operator_runs_non_root_on_a_read_only_root(store: oci.ImageStore, tmp_p
     assert out.returncode == 0, out.stderr
     assert "usage: proxy-operator" in out.stdout
     probe = "id -u; touch /opt/kpx/x 2>/dev/null && echo writable || echo read-only"
-    out = run(store, tmp_path, OPERATOR.ref, sc, pod_sc=pod["securityContext"],
-              command=["sh", "-c", probe])  # fmt: skip
+    out = run(
+        store,
+        tmp_path,
+        OPERATOR.ref,
+        sc,
+        pod_sc=pod["securityContext"],
+        command=["sh", "-c", probe],
+    )
     assert out.stdout.split() == ["65532", "read-only"], out.stdout + out.stderr
     # Root is refused by the runtime before anything runs.
     with pytest.raises(oci.SecurityError, match="runAsNonRoot"):
-        run(store, tmp_path, OPERATOR.ref, sc,
-            pod_sc={**pod["securityContext"], "runAsUser": 0})  # fmt: skip
+        run(store, tmp_path, OPERATOR.ref, sc, pod_sc={**pod["securityContext"], "runAsUser": 0})
 
 
 def test_the_agent_image_converts_kube_proxys_configuration(

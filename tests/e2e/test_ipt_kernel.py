@@ -17,8 +17,10 @@ from kpx_cluster.probe import probe
 pytestmark = pytest.mark.netns
 GOLDEN = Path(__file__).resolve().parents[1] / "unit" / "golden" / "iptables"
 
-TOOLS = {4: ("iptables", "iptables-save", "iptables-restore"),
-         6: ("ip6tables", "ip6tables-save", "ip6tables-restore")}  # fmt: skip
+TOOLS = {
+    4: ("iptables", "iptables-save", "iptables-restore"),
+    6: ("ip6tables", "ip6tables-save", "ip6tables-restore"),
+}
 JUMPS = {
     "PREROUTING": "-m comment --comment kpx -j KPX-SERVICES",
     "OUTPUT": "-m comment --comment kpx -j KPX-SERVICES",

@@ -36,8 +36,9 @@ AGENT_CONTAINER = "agent"
 
 
 def kubectl(*args: str, input: str | None = None) -> str:
-    done = subprocess.run(["kubectl", *args], input=input, capture_output=True, text=True,
-                          timeout=120, check=False)  # fmt: skip
+    done = subprocess.run(
+        ["kubectl", *args], input=input, capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stderr}"
     return done.stdout
 
@@ -66,8 +67,12 @@ def container_argv(container: dict[str, Any], pod: dict[str, Any], work: Path) -
 
 
 def container_env(container: dict[str, Any], node: str, namespace: str) -> dict[str, str]:
-    fields = {"spec.nodeName": node, "metadata.name": f"kpx-agent-{node}",
-              "metadata.namespace": namespace, "metadata.uid": str(uuid.uuid4())}  # fmt: skip
+    fields = {
+        "spec.nodeName": node,
+        "metadata.name": f"kpx-agent-{node}",
+        "metadata.namespace": namespace,
+        "metadata.uid": str(uuid.uuid4()),
+    }
     env = {}
     for var in container.get("env", []):
         if "value" in var:
@@ -99,8 +104,12 @@ def test_the_rendered_ipvs_example_proxies_a_cluster_ip_and_a_node_port(
     b1, b2 = topology.add_pod(n1, "b1"), topology.add_pod(n2, "b2")
     client, other = topology.add_pod(n1, "client"), topology.add_pod(n2, "other")
     for backend in (b1, b2):
-        topology.run_ready(backend, topology.python_argv(
-            "kpx_cluster.echo_server", "--name", backend.name, "--port", "8080"))  # fmt: skip
+        topology.run_ready(
+            backend,
+            topology.python_argv(
+                "kpx_cluster.echo_server", "--name", backend.name, "--port", "8080"
+            ),
+        )
     # The agents reach the apiserver where the DaemonSet's environment says (the host's
     # loopback, relayed into the guest by proxy-vm and into the node by the topology).
     agent_env = container_env(container, n1.name, daemonset["metadata"]["namespace"])
@@ -114,8 +123,15 @@ def test_the_rendered_ipvs_example_proxies_a_cluster_ip_and_a_node_port(
             if node is n1:  # the node the DaemonSet selects
                 obj["metadata"]["labels"].update(selector)
             kubectl("apply", "-f", "-", input=json.dumps(obj))
-            kubectl("patch", "node", node.name, "--subresource=status", "--type=merge",
-                    "-p", json.dumps(node_addresses(node)))  # fmt: skip
+            kubectl(
+                "patch",
+                "node",
+                node.name,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                json.dumps(node_addresses(node)),
+            )
         kubectl("create", "namespace", ns)
         service = {
             "apiVersion": "v1",
@@ -126,19 +142,24 @@ def test_the_rendered_ipvs_example_proxies_a_cluster_ip_and_a_node_port(
                 "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}],
             },
         }
-        created = json.loads(kubectl("apply", "-o", "json", "-f", "-",
-                                     input=json.dumps(service)))  # fmt: skip
+        created = json.loads(kubectl("apply", "-o", "json", "-f", "-", input=json.dumps(service)))
         vip = created["spec"]["clusterIP"]
         node_port = created["spec"]["ports"][0]["nodePort"]
-        slice_ = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                  "metadata": {"name": "web-1", "namespace": ns,
-                               "labels": {"kubernetes.io/service-name": "web"}},
-                  "addressType": "IPv4",
-                  "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-                  "endpoints": [
-                      {"addresses": [b1.ipv4], "nodeName": n1.name, "conditions": {"ready": True}},
-                      {"addresses": [b2.ipv4], "nodeName": n2.name, "conditions": {"ready": True}},
-                  ]}  # fmt: skip
+        slice_ = {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": "web-1",
+                "namespace": ns,
+                "labels": {"kubernetes.io/service-name": "web"},
+            },
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [
+                {"addresses": [b1.ipv4], "nodeName": n1.name, "conditions": {"ready": True}},
+                {"addresses": [b2.ipv4], "nodeName": n2.name, "conditions": {"ready": True}},
+            ],
+        }
         kubectl("apply", "-f", "-", input=json.dumps(slice_))
 
         env = {**os.environ, **agent_env, "KPX_SERVICEACCOUNT_DIR": str(work / "serviceaccount")}
@@ -146,8 +167,9 @@ def test_the_rendered_ipvs_example_proxies_a_cluster_ip_and_a_node_port(
         log = topology.tmpdir / "agent.log"
         with log.open("wb") as out:
             argv = container_argv(container, pod, work)
-            agent = topology.run(n1, argv, env=env, stdin=subprocess.DEVNULL, stdout=out,
-                                 stderr=subprocess.STDOUT)  # fmt: skip
+            agent = topology.run(
+                n1, argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            )
 
         def programmed() -> bool:
             if agent.poll() is not None:
@@ -159,8 +181,9 @@ def test_the_rendered_ipvs_example_proxies_a_cluster_ip_and_a_node_port(
         # The example's spec.ipvs, in the kernel: timeouts and strictARP.
         timeouts = topology.exec(n1, ["ipvsadm", "-Ln", "--timeout"]).stdout.split()[-3:]
         assert timeouts == ["900", "120", "300"], timeouts
-        arp = topology.exec(n1, ["sysctl", "-n", "net.ipv4.conf.all.arp_ignore",
-                                 "net.ipv4.conf.all.arp_announce"]).stdout.split()  # fmt: skip
+        arp = topology.exec(
+            n1, ["sysctl", "-n", "net.ipv4.conf.all.arp_ignore", "net.ipv4.conf.all.arp_announce"]
+        ).stdout.split()
         assert arp == ["1", "2"]
         assert "deprecated" in log.read_text()
         # A pod on the node reaches both endpoints through the ClusterIP; a pod on the other
@@ -171,8 +194,12 @@ def test_the_rendered_ipvs_example_proxies_a_cluster_ip_and_a_node_port(
         assert through_node_port.answered == 6, through_node_port
         assert through_node_port.backends <= {"b1", "b2"}, through_node_port
     finally:
-        subprocess.run(["kubectl", "delete", "namespace", ns, "--wait=false"],
-                       capture_output=True, check=False)  # fmt: skip
+        subprocess.run(
+            ["kubectl", "delete", "namespace", ns, "--wait=false"], capture_output=True, check=False
+        )
         for node in nodes:
-            subprocess.run(["kubectl", "delete", "node", node.name, "--wait=false"],
-                           capture_output=True, check=False)  # fmt: skip
+            subprocess.run(
+                ["kubectl", "delete", "node", node.name, "--wait=false"],
+                capture_output=True,
+                check=False,
+            )

@@ -66,10 +66,14 @@ def run_in_guest(guest: Guest, argv: list[str]) -> tuple[int, str]:
 def test_guest_has_ipvs_and_the_tools(guest: Guest) -> None:
     code, out = run_in_guest(
         guest,
-        ["sh", "-c", "ipvsadm -Ln >/dev/null && nft --version && conntrack --version && "
-         "ip netns add t && ip netns del t && python3 -c 'import pyroute2, pydantic' && "
-         "uname -r && echo $KPX_PROBE"],
-    )  # fmt: skip
+        [
+            "sh",
+            "-c",
+            "ipvsadm -Ln >/dev/null && nft --version && conntrack --version && "
+            "ip netns add t && ip netns del t && python3 -c 'import pyroute2, pydantic' && "
+            "uname -r && echo $KPX_PROBE",
+        ],
+    )
     assert code == 0, out
     assert "-amd64" in out
 
@@ -82,9 +86,20 @@ def test_ipvs_kernel_tests_pass_in_the_guest(guest: Guest) -> None:
     )
     code, out = run_in_guest(
         guest,
-        ["python3", "-m", "pytest", *KERNEL_TESTS, "-q", "-p", "no:cacheprovider", "-rsx",
-         "-o", "addopts=", "--timeout=600"],
-    )  # fmt: skip
+        [
+            "python3",
+            "-m",
+            "pytest",
+            *KERNEL_TESTS,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-rsx",
+            "-o",
+            "addopts=",
+            "--timeout=600",
+        ],
+    )
     assert code == 0, out[-6000:]
     assert " skipped" not in out, out[-3000:]
     # Every test function ran (parametrized ones count once or more).
@@ -100,10 +115,17 @@ MANIFESTS = REPO / "operator" / "manifests"
 def _agent_identity(cluster: Cluster) -> tuple[list[str], list[dict[str, object]]]:
     """The agents' ServiceAccount and RBAC as installed with the operator; returns a token
     and the objects this test created (to delete after: a later install owns them)."""
-    docs = [d for f in ("namespace.yaml", "serviceaccount.yaml", "agent-rbac.yaml")
-            for d in yaml.safe_load_all((MANIFESTS / f).read_text()) if d]  # fmt: skip
-    docs = [d for d in docs if d["kind"] != "ServiceAccount"
-            or d["metadata"]["name"] == AGENT_SERVICE_ACCOUNT]  # fmt: skip
+    docs = [
+        d
+        for f in ("namespace.yaml", "serviceaccount.yaml", "agent-rbac.yaml")
+        for d in yaml.safe_load_all((MANIFESTS / f).read_text())
+        if d
+    ]
+    docs = [
+        d
+        for d in docs
+        if d["kind"] != "ServiceAccount" or d["metadata"]["name"] == AGENT_SERVICE_ACCOUNT
+    ]
     created = []
     for doc in docs:
         meta = doc["metadata"]
@@ -113,8 +135,9 @@ def _agent_identity(cluster: Cluster) -> tuple[list[str], list[dict[str, object]
             cluster.kubectl("apply", "-f", "-", input=json.dumps(doc))
             if doc["kind"] != "Namespace":
                 created.append(doc)
-    token = cluster.kubectl("create", "token", AGENT_SERVICE_ACCOUNT, "-n", "kpx-system",
-                            "--duration=1h").stdout.strip()  # fmt: skip
+    token = cluster.kubectl(
+        "create", "token", AGENT_SERVICE_ACCOUNT, "-n", "kpx-system", "--duration=1h"
+    ).stdout.strip()
     return [token], created
 
 
@@ -139,16 +162,28 @@ def test_the_ipvs_example_deploys_agents_that_proxy_traffic(cluster: Cluster, gu
     try:
         code, out = run_in_guest(
             guest,
-            ["env", f"KPX_IPVS_EXAMPLE_DIR={work}", f"KUBECONFIG={cluster.kubeconfig}",
-             "python3", "-m", "pytest", EXAMPLE_TEST, "-q", "-p", "no:cacheprovider", "-rsx"],
-        )  # fmt: skip
+            [
+                "env",
+                f"KPX_IPVS_EXAMPLE_DIR={work}",
+                f"KUBECONFIG={cluster.kubeconfig}",
+                "python3",
+                "-m",
+                "pytest",
+                EXAMPLE_TEST,
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                "-rsx",
+            ],
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
         for doc in reversed(created):
             meta = doc["metadata"]
             where = ["-n", meta["namespace"]] if "namespace" in meta else []
-            cluster.kubectl("delete", doc["kind"], meta["name"], *where, "--wait=false",
-                            check=False)  # fmt: skip
+            cluster.kubectl(
+                "delete", doc["kind"], meta["name"], *where, "--wait=false", check=False
+            )
     assert code == 0, out[-6000:]
     assert " skipped" not in out, out[-3000:]
 
@@ -163,14 +198,30 @@ def test_ipvs_to_nftables_under_load_in_the_guest(cluster: Cluster, guest: Guest
     debug = [f"{k}={v}" for k, v in os.environ.items() if k.startswith("KPX_IPVS_MIGRATION_")]
     code, out = run_in_guest(
         guest,
-        ["env", f"KUBECONFIG={cluster.kubeconfig}", *debug, "python3", "-m", "pytest",
-         MIGRATION_TEST, "-q", "-s", "-p", "no:cacheprovider", "-rsx"],
-    )  # fmt: skip
+        [
+            "env",
+            f"KUBECONFIG={cluster.kubeconfig}",
+            *debug,
+            "python3",
+            "-m",
+            "pytest",
+            MIGRATION_TEST,
+            "-q",
+            "-s",
+            "-p",
+            "no:cacheprovider",
+            "-rsx",
+        ],
+    )
     rows = [line for line in out.splitlines() if line.startswith("| ipvs -> nftables |")]
     told = ("held ", "failures in the control window")
-    print("\n".join(line for line in out.splitlines()
-                    if line.startswith(told) or "ipvs leftovers removed" in line
-                    or "draining" in line))  # fmt: skip
+    print(
+        "\n".join(
+            line
+            for line in out.splitlines()
+            if line.startswith(told) or "ipvs leftovers removed" in line or "draining" in line
+        )
+    )
     print("\n".join(rows))
     assert code == 0, out[-6000:]
     assert " skipped" not in out, out[-3000:]

@@ -65,13 +65,23 @@ class Driver:
 
 def web(b1: Pod, b2: Pod | None = None, **extra: Any) -> dict[str, Any]:
     endpoints = [[b1.ipv4, 8080, True]] + ([[b2.ipv4, 8080]] if b2 else [])
-    return {"key": ["d", "web", "tcp"], "port": 80, "cluster_ips": [VIP],
-            "endpoints": endpoints, "node_port": 30080, **extra}  # fmt: skip
+    return {
+        "key": ["d", "web", "tcp"],
+        "port": 80,
+        "cluster_ips": [VIP],
+        "endpoints": endpoints,
+        "node_port": 30080,
+        **extra,
+    }
 
 
 def dns(b1: Pod, b2: Pod) -> dict[str, Any]:
-    return {"key": ["d", "dns", "udp"], "port": 53, "cluster_ips": [VIP],
-            "endpoints": [[b1.ipv4, 8080, True], [b2.ipv4, 8080]]}  # fmt: skip
+    return {
+        "key": ["d", "dns", "udp"],
+        "port": 53,
+        "cluster_ips": [VIP],
+        "endpoints": [[b1.ipv4, 8080, True], [b2.ipv4, 8080]],
+    }
 
 
 NONE = {"key": ["d", "none", "tcp"], "port": 81, "cluster_ips": [VIP]}
@@ -119,14 +129,20 @@ def test_cluster_ip_tcp_udp_node_port_and_no_endpoints(topology: Topology) -> No
 def test_affinity_scheduler_timeouts_and_strict_arp(topology: Topology) -> None:
     n1, _n2, b1, b2, client = setup(topology)
     driver = Driver(topology, n1, "ipvs")
-    settings = {"scheduler": "wlc", "strict_arp": True, "tcp_timeout": 901,
-                "tcp_fin_timeout": 121, "udp_timeout": 301}  # fmt: skip
+    settings = {
+        "scheduler": "wlc",
+        "strict_arp": True,
+        "tcp_timeout": 901,
+        "tcp_fin_timeout": 121,
+        "udp_timeout": 301,
+    }
     driver.step(services=[web(b1, b2, affinity=600)], settings=settings)
     listing = ipvsadm(topology, n1, "-Ln")
     assert f"TCP  {VIP}:80 wlc persistent 600" in listing, listing
     assert "901 121 301" in " ".join(ipvsadm(topology, n1, "-Ln", "--timeout").split()[-3:])
-    sysctl = topology.exec(n1, ["sysctl", "-n", "net.ipv4.conf.all.arp_ignore",
-                                "net.ipv4.conf.all.arp_announce"]).stdout.split()  # fmt: skip
+    sysctl = topology.exec(
+        n1, ["sysctl", "-n", "net.ipv4.conf.all.arp_ignore", "net.ipv4.conf.all.arp_announce"]
+    ).stdout.split()
     assert sysctl == ["1", "2"]
     sticky = probe(topology, client, VIP, 80, "tcp", count=12, timeout=2)
     assert len(sticky.backends) == 1 and sticky.failed == 0, sticky
@@ -138,8 +154,10 @@ def test_spec_ipvs_masquerade_all_masquerades_a_local_pods_traffic(topology: Top
     n1, _n2, b1, _b2, client = setup(topology)
     driver = Driver(topology, n1, "ipvs")
     for masquerade_all in (False, True):
-        spec = {"clusterCIDRs": ["10.244.0.0/16"], "ipvs": {
-            "acknowledgeDeprecation": True, "masqueradeAll": masquerade_all}}  # fmt: skip
+        spec = {
+            "clusterCIDRs": ["10.244.0.0/16"],
+            "ipvs": {"acknowledgeDeprecation": True, "masqueradeAll": masquerade_all},
+        }
         driver.step(services=[web(b1)], settings={"spec": spec})
         seen = probe(topology, client, VIP, 80, "tcp", count=6, timeout=2)
         assert seen.backends == {"b1"} and seen.failed == 0, seen
@@ -282,12 +300,17 @@ print(json.dumps(seen))
 def test_sctp_virtual_server_carries_associations_to_both_endpoints(topology: Topology) -> None:
     n1, _n2, b1, b2, client = setup(topology)
     for pod in (b1, b2):
-        server = topology.run(pod, [sys.executable, "-c", SCTP_SERVER, pod.name],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+        server = topology.run(
+            pod, [sys.executable, "-c", SCTP_SERVER, pod.name], stdout=subprocess.PIPE, text=True
+        )
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
     driver = Driver(topology, n1, "ipvs")
-    sctp = {"key": ["d", "sctp", "sctp"], "port": 9, "cluster_ips": [VIP],
-            "endpoints": [[b1.ipv4, 8080, True], [b2.ipv4, 8080]]}  # fmt: skip
+    sctp = {
+        "key": ["d", "sctp", "sctp"],
+        "port": 9,
+        "cluster_ips": [VIP],
+        "endpoints": [[b1.ipv4, 8080, True], [b2.ipv4, 8080]],
+    }
     driver.step(services=[sctp])
     listing = ipvsadm(topology, n1, "-Ln")
     assert f"SCTP {VIP}:9 rr" in " ".join(listing.split()) and "Masq" in listing, listing
@@ -295,8 +318,9 @@ def test_sctp_virtual_server_carries_associations_to_both_endpoints(topology: To
     seen = json.loads(run.stdout.strip() or "{}")
     assert set(seen) == {"b1", "b2"} and sum(seen.values()) == 8, (seen, run.stderr)
     # A removed SCTP endpoint leaves at once (no graceful drain, as upstream: TCP only).
-    answer = driver.step(services=[{**sctp, "endpoints": [[b1.ipv4, 8080, True]]}],
-                         changed=[["d", "sctp", "sctp"]])  # fmt: skip
+    answer = driver.step(
+        services=[{**sctp, "endpoints": [[b1.ipv4, 8080, True]]}], changed=[["d", "sctp", "sctp"]]
+    )
     assert answer["draining"] == 0 and b2.ipv4 not in ipvsadm(topology, n1, "-Ln")
 
 
@@ -308,9 +332,16 @@ def test_documented_differences_of_ipvs_mode(topology: Topology) -> None:
     driver = Driver(topology, n1, "ipvs")
     # externalTrafficPolicy Local with its only endpoint on n2: from a pod of n1 the NodePort
     # gets no short circuit to n2's endpoint (nftables and iptables modes send it there).
-    local = {"key": ["d", "local", "tcp"], "port": 82, "cluster_ips": ["10.96.0.11"],
-             "endpoints": [[b2.ipv4, 8080]], "external": [], "node_port": 30082,
-             "external_masquerade": False, "drop_external": True}  # fmt: skip
+    local = {
+        "key": ["d", "local", "tcp"],
+        "port": 82,
+        "cluster_ips": ["10.96.0.11"],
+        "endpoints": [[b2.ipv4, 8080]],
+        "external": [],
+        "node_port": 30082,
+        "external_masquerade": False,
+        "drop_external": True,
+    }
     driver.step(services=[web(b1, b2), local])
     no_short_circuit = probe(topology, client, n1.ipv4, 30082, "tcp", count=1, timeout=2)
     assert no_short_circuit.answered == 0, no_short_circuit
@@ -322,6 +353,9 @@ def test_documented_differences_of_ipvs_mode(topology: Topology) -> None:
     localhost = probe(topology, n1, "127.0.0.1", 30080, "tcp", count=1, timeout=2)
     assert localhost.answered == 0, localhost
     # 3. Every real server has weight 1 (the scheduler balances; topology hints only filter).
-    weights = {line.split()[3] for line in ipvsadm(topology, n1, "-Ln").splitlines()
-               if line.strip().startswith("->") and "Masq" in line}  # fmt: skip
+    weights = {
+        line.split()[3]
+        for line in ipvsadm(topology, n1, "-Ln").splitlines()
+        if line.strip().startswith("->") and "Masq" in line
+    }
     assert weights == {"1"}

@@ -145,8 +145,11 @@ def ipvs_leftovers(topo: Topology, node: Node) -> list[str]:
     addresses), the helper tables `kpx-ipvs`."""
     found = []
     listing = topo.exec(node, ["ipvsadm", "-Ln"], check=True).stdout
-    found += [f"virtual server {line.split()[1]}" for line in listing.splitlines()
-              if line.split()[:1] in (["TCP"], ["UDP"], ["SCTP"])]  # fmt: skip
+    found += [
+        f"virtual server {line.split()[1]}"
+        for line in listing.splitlines()
+        if line.split()[:1] in (["TCP"], ["UDP"], ["SCTP"])
+    ]
     link = topo.exec(node, ["ip", "-o", "addr", "show", "dev", "kube-ipvs0"])
     if link.returncode == 0:
         addresses = [line.split()[3] for line in link.stdout.splitlines()]
@@ -178,8 +181,21 @@ def ready(topo: Topology, agent: AgentProcess) -> bool:
     sync verified). curl, not a Python client: a Python start takes seconds under emulation."""
     if not agent.alive():
         raise AssertionError(f"agent on {agent.node.name} exited:\n{agent.log_tail()}")
-    got = topo.exec(agent.node, ["curl", "-s", "-o", "/dev/null", "-m", "5", "-w", "%{http_code}",
-                                 f"http://{HEALTHZ}/readyz"], timeout=30)  # fmt: skip
+    got = topo.exec(
+        agent.node,
+        [
+            "curl",
+            "-s",
+            "-o",
+            "/dev/null",
+            "-m",
+            "5",
+            "-w",
+            "%{http_code}",
+            f"http://{HEALTHZ}/readyz",
+        ],
+        timeout=30,
+    )
     return got.stdout.strip() == "200"
 
 
@@ -200,8 +216,14 @@ def start(topo: Topology, kubeconfig: Path, node: Node, mode: str) -> AgentProce
     """An agent of `mode` on `node`, not waited for (`ready`)."""
     extra = None
     if mode == "ipvs":
-        extra = {"ipvs": {"syncPeriod": "30s", "minSyncPeriod": "100ms",
-                          "acknowledgeDeprecation": True, **IPVS_TIMEOUTS}}  # fmt: skip
+        extra = {
+            "ipvs": {
+                "syncPeriod": "30s",
+                "minSyncPeriod": "100ms",
+                "acknowledgeDeprecation": True,
+                **IPVS_TIMEOUTS,
+            }
+        }
     config = write_agent_config(topo.tmpdir / f"{node.name}-{mode}.yaml", mode, extra=extra)
     agent = start_agent(topo, node, kubeconfig, mode=mode, config=config, wait=False)
     STARTED.append(agent)
@@ -264,8 +286,9 @@ def env(topology: Topology) -> Iterator[Env]:
         # sync what the apiserver has, and again as the objects come), the backends.
         for node in nodes:
             api.apply(node_object(node))
-            api.client.patch_status(api.client.path_of(node_object(node)),
-                                    node_addresses(node)["status"])  # fmt: skip
+            api.client.patch_status(
+                api.client.path_of(node_object(node)), node_addresses(node)["status"]
+            )
         for node in nodes:
             agents[node.name] = start(topology, kubeconfig, node, "ipvs")
         stamp("nodes registered, ipvs agents started")
@@ -273,18 +296,40 @@ def env(topology: Topology) -> Iterator[Env]:
         clients = [topology.add_pod(node, f"load-{i}") for i, node in enumerate(nodes, 1)]
         servers = []
         for pod in backends:
-            servers.append(topology.run(pod, topology.python_argv(
-                "kpx_cluster.echo_server", "--name", pod.name, "--port", str(BACKEND_PORT)),
-                stdout=subprocess.PIPE))  # fmt: skip
-            servers.append(topology.run(pod, topology.python_argv(
-                "kpx_cluster.migration_load", "hold-server", "--name", pod.name,
-                "--port", str(BACKEND_HOLD_PORT)), stdout=subprocess.PIPE))  # fmt: skip
+            servers.append(
+                topology.run(
+                    pod,
+                    topology.python_argv(
+                        "kpx_cluster.echo_server", "--name", pod.name, "--port", str(BACKEND_PORT)
+                    ),
+                    stdout=subprocess.PIPE,
+                )
+            )
+            servers.append(
+                topology.run(
+                    pod,
+                    topology.python_argv(
+                        "kpx_cluster.migration_load",
+                        "hold-server",
+                        "--name",
+                        pod.name,
+                        "--port",
+                        str(BACKEND_HOLD_PORT),
+                    ),
+                    stdout=subprocess.PIPE,
+                )
+            )
         stamp("backends started")
-        ports = [service_port("tcp", TCP_PORT, BACKEND_PORT),
-                 service_port("udp", UDP_PORT, BACKEND_PORT, "UDP"),
-                 service_port("hold", HOLD_PORT, BACKEND_HOLD_PORT)]  # fmt: skip
-        slice_ports = [("tcp", BACKEND_PORT, "TCP"), ("udp", BACKEND_PORT, "UDP"),
-                       ("hold", BACKEND_HOLD_PORT, "TCP")]  # fmt: skip
+        ports = [
+            service_port("tcp", TCP_PORT, BACKEND_PORT),
+            service_port("udp", UDP_PORT, BACKEND_PORT, "UDP"),
+            service_port("hold", HOLD_PORT, BACKEND_HOLD_PORT),
+        ]
+        slice_ports = [
+            ("tcp", BACKEND_PORT, "TCP"),
+            ("udp", BACKEND_PORT, "UDP"),
+            ("hold", BACKEND_HOLD_PORT, "TCP"),
+        ]
         endpoints = [endpoint(p.ipv4, p.node.name) for p in backends]
         api.apply(ns)
         name_ns = ns["metadata"]["name"]
@@ -317,13 +362,24 @@ def start_load(env: Env, holds: int = HOLDS) -> list[tuple[subprocess.Popen[byte
         argv += ["--tcp", target]
     for target in env.udp:
         argv += ["--udp", target]
-    argv += ["--hold", env.hold, "--holds", str(holds), "--interval", str(INTERVAL),
-             "--udp-interval", str(UDP_INTERVAL), "--timeout", str(TIMEOUT)]  # fmt: skip
+    argv += [
+        "--hold",
+        env.hold,
+        "--holds",
+        str(holds),
+        "--interval",
+        str(INTERVAL),
+        "--udp-interval",
+        str(UDP_INTERVAL),
+        "--timeout",
+        str(TIMEOUT),
+    ]
     started = []
     for client in env.clients:
         out = env.topo.tmpdir / f"{client.name}-{secrets.token_hex(3)}.json"
-        proc = env.topo.run_ready(client, [*argv, "--out", str(out)], timeout=60,
-                                  stdin=subprocess.PIPE)  # fmt: skip
+        proc = env.topo.run_ready(
+            client, [*argv, "--out", str(out)], timeout=60, stdin=subprocess.PIPE
+        )
         stamp(f"load client {client.name} started")
         LOAD_STARTED[out] = time.monotonic() - T0
         started.append((proc, out))
@@ -340,8 +396,12 @@ def test_ipvs_to_nftables_node_by_node_under_load(env: Env) -> None:
         wait_ready(env.topo, agent)
     stamp("ipvs agents ready")
     for node in env.nodes:
-        wait_until(lambda node=node: len(ipvs_leftovers(env.topo, node)) > 3, 60, 0.5,
-                   message=f"{node.name}: the ipvs agent programmed nothing")  # fmt: skip
+        wait_until(
+            lambda node=node: len(ipvs_leftovers(env.topo, node)) > 3,
+            60,
+            0.5,
+            message=f"{node.name}: the ipvs agent programmed nothing",
+        )
     # The load itself works before the switch: every target answers, from every node.
     preflight = start_load(env, holds=1)
     time.sleep(2.0)
@@ -368,10 +428,15 @@ def test_ipvs_to_nftables_node_by_node_under_load(env: Env) -> None:
             wait_ready(env.topo, agent)
             node_ready[node.name] = round(time.monotonic() - t0, 1)
             stamp(f"{node.name}: nftables agent ready")
-            wait_until(lambda agent=agent: "kpx mode ipvs: draining" in agent.log()
-                       or "removed the rules of kpx mode ipvs" in agent.log(), 120, 0.5,
-                       message=lambda agent=agent: f"no removal of the ipvs state:\n"
-                       f"{agent.log_tail()}")  # fmt: skip
+            wait_until(
+                lambda agent=agent: (
+                    "kpx mode ipvs: draining" in agent.log()
+                    or "removed the rules of kpx mode ipvs" in agent.log()
+                ),
+                120,
+                0.5,
+                message=lambda agent=agent: f"no removal of the ipvs state:\n{agent.log_tail()}",
+            )
             stamp(f"{node.name}: ipvs state draining")
         duration = time.monotonic() - t0
         time.sleep(3.0)
@@ -380,9 +445,14 @@ def test_ipvs_to_nftables_node_by_node_under_load(env: Env) -> None:
     # The load ended (its held connections closed): what drained goes.
     t_load = time.monotonic()
     for node in env.nodes:
-        wait_until(lambda node=node: not ipvs_leftovers(env.topo, node), DRAIN, 1.0,
-                   message=lambda node=node: f"ipvs leftovers stay on {node.name}:\n"
-                   f"{env.agents[node.name].log_tail()}")  # fmt: skip
+        wait_until(
+            lambda node=node: not ipvs_leftovers(env.topo, node),
+            DRAIN,
+            1.0,
+            message=lambda node=node: (
+                f"ipvs leftovers stay on {node.name}:\n{env.agents[node.name].log_tail()}"
+            ),
+        )
     drained = time.monotonic() - t_load
     stamp(f"ipvs leftovers removed from every node, {drained:.0f}s after the load")
     switch_at = t0 - T0
@@ -394,17 +464,22 @@ def test_ipvs_to_nftables_node_by_node_under_load(env: Env) -> None:
                 control += at + when < switch_at
                 print(f"  failed +{at + when:.1f}s {out.name.split('-')[1]} {kind} {target} {why}")
     leftovers = {n.name: found for n in env.nodes if (found := ipvs_leftovers(env.topo, n))}
-    result = SwitchResult("ipvs", "nftables", NODES, round(duration, 1), loads, leftovers,
-                          node_ready)  # fmt: skip
+    result = SwitchResult(
+        "ipvs", "nftables", NODES, round(duration, 1), loads, leftovers, node_ready
+    )
     keep_for_debugging(env.topo, loads)
     print(table_row(result))
     window = switch_at - LOAD_STARTED[started[-1][1]]
-    print(f"failures in the control window (steady ipvs, the {window:.0f} s before the first "
-          f"node moved): {control}")  # fmt: skip
+    print(
+        f"failures in the control window (steady ipvs, the {window:.0f} s before the first "
+        f"node moved): {control}"
+    )
     for summary in loads:
         for held in summary.held:
-            print(f"held {held.target}: {held.exchanges} exchanges, {held.backends}, "
-                  f"{held.error or 'survived'}")  # fmt: skip
+            print(
+                f"held {held.target}: {held.exchanges} exchanges, {held.backends}, "
+                f"{held.error or 'survived'}"
+            )
 
     # Nothing of the ipvs mode is left, every node serves in nftables.
     assert result.leftovers == {}, result.leftovers

@@ -53,8 +53,12 @@ def ns(cluster: Cluster) -> Iterator[str]:
 
 
 def configmap(ns: str, name: str, **data: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": name, "namespace": ns}, "data": data}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": ns},
+        "data": data,
+    }
 
 
 def test_apply_creates_then_updates_and_takes_fields_over_only_with_force(
@@ -69,8 +73,7 @@ def test_apply_creates_then_updates_and_takes_fields_over_only_with_force(
         assert again.status == 200 and again.body["data"] == {"a": "2"}
         # Another manager setting a field "one" owns: a conflict, unless forced.
         with pytest.raises(Conflict) as conflict:
-            await client.apply(path, configmap(ns, "cm", a="3"), field_manager="two",
-                               force=False)  # fmt: skip
+            await client.apply(path, configmap(ns, "cm", a="3"), field_manager="two", force=False)
         assert conflict.value.status == 409 and conflict.value.reason == "Conflict"
         assert "conflict" in conflict.value.message.lower()
         forced = await client.apply(path, configmap(ns, "cm", a="3"), field_manager="two")
@@ -84,8 +87,11 @@ def test_apply_creates_then_updates_and_takes_fields_over_only_with_force(
         sent = client.requests_sent
         assert await client.kind_path("v1", "Secret") == ("/api/v1", "secrets", True)
         rbac = "rbac.authorization.k8s.io/v1"
-        assert await client.kind_path(rbac, "ClusterRole") == (f"/apis/{rbac}", "clusterroles",
-                                                                False)  # fmt: skip
+        assert await client.kind_path(rbac, "ClusterRole") == (
+            f"/apis/{rbac}",
+            "clusterroles",
+            False,
+        )
         assert client.requests_sent == sent + 2  # one discovery request per group version
         assert await client.kind_path("v1", "Secret") == ("/api/v1", "secrets", True)
         assert client.requests_sent == sent + 2  # cached
@@ -161,8 +167,12 @@ def test_status_patch_and_watch(cluster: Cluster, ns: str) -> None:
     async def scenario(client: Client) -> None:
         listing = await client.list("services", f"/api/v1/namespaces/{ns}/services", {})
         rv = listing["metadata"]["resourceVersion"]
-        svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": ns},
-               "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]}}  # fmt: skip
+        svc = {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "s", "namespace": ns},
+            "spec": {"type": "LoadBalancer", "ports": [{"port": 80}]},
+        }
         await client.apply_object(svc, field_manager="kpx-e2e")
         lb = {"loadBalancer": {"ingress": [{"ip": "192.0.2.7"}]}}
         out = await client.patch_status(f"/api/v1/namespaces/{ns}/services/s", lb)

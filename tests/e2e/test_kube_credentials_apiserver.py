@@ -60,17 +60,19 @@ print(json.dumps({{"apiVersion": info["apiVersion"], "kind": "ExecCredential", "
 def sa_token(cluster: Cluster) -> Iterator[str]:
     """A token of a ServiceAccount that may read Services (TokenRequest API)."""
     cluster.kubectl("-n", NS, "create", "serviceaccount", SA)
-    cluster.kubectl("create", "clusterrole", SA, "--verb=get,list,watch",
-                    "--resource=services,configmaps")  # fmt: skip
-    cluster.kubectl("create", "clusterrolebinding", SA, f"--clusterrole={SA}",
-                    f"--serviceaccount={NS}:{SA}")  # fmt: skip
+    cluster.kubectl(
+        "create", "clusterrole", SA, "--verb=get,list,watch", "--resource=services,configmaps"
+    )
+    cluster.kubectl(
+        "create", "clusterrolebinding", SA, f"--clusterrole={SA}", f"--serviceaccount={NS}:{SA}"
+    )
     try:
         yield cluster.kubectl("-n", NS, "create", "token", SA, "--duration=20m").stdout.strip()
     finally:
-        cluster.kubectl("delete", "clusterrolebinding,clusterrole", SA, "--ignore-not-found",
-                        check=False)  # fmt: skip
-        cluster.kubectl("-n", NS, "delete", "serviceaccount", SA, "--ignore-not-found",
-                        check=False)  # fmt: skip
+        cluster.kubectl(
+            "delete", "clusterrolebinding,clusterrole", SA, "--ignore-not-found", check=False
+        )
+        cluster.kubectl("-n", NS, "delete", "serviceaccount", SA, "--ignore-not-found", check=False)
 
 
 @dataclass
@@ -97,8 +99,12 @@ def plugin_kubeconfig(
     script.write_text(PLUGIN.format(python=sys.executable))
     script.chmod(0o755)
     (tmp_path / "token").write_text(token)
-    env = {"RUNS_FILE": tmp_path / "runs", "INFO_FILE": tmp_path / "info",
-           "TOKEN_FILE": tmp_path / "token", "LIFETIME": lifetime}  # fmt: skip
+    env = {
+        "RUNS_FILE": tmp_path / "runs",
+        "INFO_FILE": tmp_path / "info",
+        "TOKEN_FILE": tmp_path / "token",
+        "LIFETIME": lifetime,
+    }
     if first_token_bad:
         env["FIRST_TOKEN_BAD"] = "1"
     exec_ = {
@@ -322,8 +328,9 @@ def test_kopf_runs_on_the_exec_token_and_logs_in_again_when_it_expires(
         settings = operator_settings()
         settings.posting.enabled = False
         settings.watching.server_timeout = 2
-        task = asyncio.create_task(kopf.operator(registry=registry, settings=settings,
-                                                 clusterwide=True, stop_flag=stop))  # fmt: skip
+        task = asyncio.create_task(
+            kopf.operator(registry=registry, settings=settings, clusterwide=True, stop_flag=stop)
+        )
         try:
             await wait_for(lambda: "kube-root-ca.crt" in seen, 20, "kopf's first events")
             await asyncio.to_thread(configmap, "kpx-exec-kopf-1")
@@ -339,8 +346,9 @@ def test_kopf_runs_on_the_exec_token_and_logs_in_again_when_it_expires(
         asyncio.run(scenario())
     finally:
         for name in ("kpx-exec-kopf-1", "kpx-exec-kopf-2"):
-            cluster.kubectl("-n", NS, "delete", "configmap", name, "--ignore-not-found",
-                            check=False)  # fmt: skip
+            cluster.kubectl(
+                "-n", NS, "delete", "configmap", name, "--ignore-not-found", check=False
+            )
 
 
 async def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:

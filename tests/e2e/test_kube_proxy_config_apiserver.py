@@ -29,8 +29,12 @@ NS = f"kpconv-{secrets.token_hex(3)}"  # stands in for kube-system (left alone)
 @pytest.fixture(scope="module")
 def api(cluster: Cluster) -> Iterator[Cluster]:
     cluster.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/proxyconfigurations.proxy.kpx.dev")  # fmt: skip
+    cluster.kubectl(
+        "wait",
+        "--for=condition=Established",
+        "--timeout=60s",
+        "crd/proxyconfigurations.proxy.kpx.dev",
+    )
     cluster.create_namespace(NS)
     try:
         yield cluster
@@ -41,8 +45,11 @@ def api(cluster: Cluster) -> Iterator[Cluster]:
 def convert(text: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kpx_agent.cli", "convert-kube-proxy-config", *args],
-        input=text, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        input=text,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
 
 
 def applied(api: Cluster, pxc: dict[str, Any]) -> dict[str, Any]:
@@ -90,11 +97,16 @@ def test_to_nftables_names_what_it_changes_and_the_apiserver_keeps_the_result(
 
 
 def test_ipvs_with_masquerade_all_converts_and_the_apiserver_keeps_it(api: Cluster) -> None:
-    doc = {"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
-           "mode": "ipvs", "clusterCIDR": "10.244.0.0/16,fd00:10:244::/56",
-           "iptables": {"masqueradeAll": True, "masqueradeBit": 9},
-           "ipvs": {"scheduler": "wrr", "strictARP": True, "excludeCIDRs": ["10.200.0.0/16"]},
-           "conntrack": {"maxPerCore": 0}, "bindAddressHardFail": True}  # fmt: skip
+    doc = {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "mode": "ipvs",
+        "clusterCIDR": "10.244.0.0/16,fd00:10:244::/56",
+        "iptables": {"masqueradeAll": True, "masqueradeBit": 9},
+        "ipvs": {"scheduler": "wrr", "strictARP": True, "excludeCIDRs": ["10.200.0.0/16"]},
+        "conntrack": {"maxPerCore": 0},
+        "bindAddressHardFail": True,
+    }
     name = f"kpconv-{secrets.token_hex(3)}"
     out = convert(yaml.safe_dump(doc), "--name", name)
     assert out.returncode == 1  # bindAddressHardFail is not carried
@@ -108,17 +120,25 @@ def test_ipvs_with_masquerade_all_converts_and_the_apiserver_keeps_it(api: Clust
 
 
 def test_a_conversion_the_crd_would_refuse_is_refused_before_applying(api: Cluster) -> None:
-    doc = {"apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
-           "mode": "nftables",
-           "nftables": {"syncPeriod": "10s", "minSyncPeriod": "20s"}}  # fmt: skip
+    doc = {
+        "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
+        "kind": "KubeProxyConfiguration",
+        "mode": "nftables",
+        "nftables": {"syncPeriod": "10s", "minSyncPeriod": "20s"},
+    }
     out = convert(yaml.safe_dump(doc))
     assert out.returncode == 2
     assert "minSyncPeriod must not be greater than syncPeriod" in out.stderr
     # the apiserver says the same of that spec
     spec = {"mode": "nftables", "nftables": {"syncPeriod": "10s", "minSyncPeriod": "20s"}}
-    pxc = {"apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyConfiguration",
-           "metadata": {"name": f"kpconv-{secrets.token_hex(3)}"}, "spec": spec}  # fmt: skip
-    refused = api.kubectl("apply", "--server-side", "--dry-run=server", "-f", "-",
-                          input=json.dumps(pxc), check=False)  # fmt: skip
+    pxc = {
+        "apiVersion": "proxy.kpx.dev/v1alpha1",
+        "kind": "ProxyConfiguration",
+        "metadata": {"name": f"kpconv-{secrets.token_hex(3)}"},
+        "spec": spec,
+    }
+    refused = api.kubectl(
+        "apply", "--server-side", "--dry-run=server", "-f", "-", input=json.dumps(pxc), check=False
+    )
     assert refused.returncode != 0
     assert "minSyncPeriod must not be greater than syncPeriod" in refused.stderr

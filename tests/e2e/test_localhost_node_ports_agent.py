@@ -51,9 +51,14 @@ def test_localhost_node_ports_off_by_default_and_on_when_opted_in(
 ) -> None:
     env.kube.apply(
         service("np", agent_ns, [service_port("tcp", 80, BACKEND_PORT)], type="NodePort"),
-        endpoint_slice("np-1", agent_ns, "np", env.backend_endpoints(4, ("b2",)),
-                       [("tcp", BACKEND_PORT, "TCP")]),
-    )  # fmt: skip
+        endpoint_slice(
+            "np-1",
+            agent_ns,
+            "np",
+            env.backend_endpoints(4, ("b2",)),
+            [("tcp", BACKEND_PORT, "TCP")],
+        ),
+    )
     node_port = Svc(env.kube.get("service", "np", agent_ns)).node_port("tcp")
     base = {"nodePortAddresses": []}  # every address: 127.0.0.1 may be a NodePort address
 
@@ -61,8 +66,9 @@ def test_localhost_node_ports_off_by_default_and_on_when_opted_in(
     default = write_agent_config(env.topology.tmpdir / "default.yaml", "nftables", extra=base)
     assert route_localnet(env) == "0"
     agent = env.start_agent("n1", config=default)
-    wait_until(lambda: from_n1(env, env.n1.ipv4, node_port).backends == {"b2"}, 30,
-               message=agent.log_tail)  # the Service is programmed  # fmt: skip
+    wait_until(
+        lambda: from_n1(env, env.n1.ipv4, node_port).backends == {"b2"}, 30, message=agent.log_tail
+    )  # the Service is programmed
     off = from_n1(env, "127.0.0.1", node_port)
     assert off.refused == 3, off
     assert route_localnet(env) == "0"

@@ -117,8 +117,10 @@ class Holder:
         return lines
 
 
-@pytest.fixture(params=[("iptables", "nftables"), ("nftables", "iptables")],
-                ids=["iptables-to-nftables", "nftables-to-iptables"])  # fmt: skip
+@pytest.fixture(
+    params=[("iptables", "nftables"), ("nftables", "iptables")],
+    ids=["iptables-to-nftables", "nftables-to-iptables"],
+)
 def switch(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[tuple[AgentEnv, str]]:
     old, new = request.param
     with build_agent_env(cluster, old) as env:
@@ -145,12 +147,20 @@ def test_new_mode_takes_over_without_a_failed_connection(
     ]
     env.kube.apply(
         service("web", agent_ns, ports),
-        endpoint_slice("web-v4", agent_ns, "web", env.backend_endpoints(4),
-                       [("tcp", BACKEND_PORT, "TCP"), ("hold", HOLD_PORT, "TCP")]),
-    )  # fmt: skip
+        endpoint_slice(
+            "web-v4",
+            agent_ns,
+            "web",
+            env.backend_endpoints(4),
+            [("tcp", BACKEND_PORT, "TCP"), ("hold", HOLD_PORT, "TCP")],
+        ),
+    )
     vip = env.kube.get("service", "web", agent_ns)["spec"]["clusterIP"]
-    wait_until(lambda: env.probe(vip, 80, count=6, timeout=0.5).backends == BOTH, 15,
-               message="the old mode never served the Service")  # fmt: skip
+    wait_until(
+        lambda: env.probe(vip, 80, count=6, timeout=0.5).backends == BOTH,
+        15,
+        message="the old mode never served the Service",
+    )
     assert old_rules_left(env, old_mode), f"mode {old_mode} programmed nothing?"
 
     holder = Holder.start(env.topology, env.client, vip)
@@ -163,8 +173,12 @@ def test_new_mode_takes_over_without_a_failed_connection(
         old.stop()  # SIGTERM: its rules stay in the kernel, as during a rollout
         config = write_agent_config(env.topology.tmpdir / f"{new_mode}.yaml", new_mode)
         new = env.start_agent("n1", mode=new_mode, config=config)
-        wait_until(lambda: not old_rules_left(env, old_mode), 15, 0.1,
-                   message=lambda: f"{old_mode} rules stay:\n{new.log_tail()}")  # fmt: skip
+        wait_until(
+            lambda: not old_rules_left(env, old_mode),
+            15,
+            0.1,
+            message=lambda: f"{old_mode} rules stay:\n{new.log_tail()}",
+        )
         t_removed = time.time()
         # Traffic keeps flowing on the new mode's rules alone.
         watch.wait_for(lambda ev: ev[-1][0] if ev and ev[-1][0] > t_removed + 1 else None, 10)
@@ -173,8 +187,10 @@ def test_new_mode_takes_over_without_a_failed_connection(
         lines = holder.finish()
     tries = watch.since(t0)
     failures = [e for e in tries if e[1] not in BOTH]
-    print(f"{old_mode} -> {new_mode}: {len(tries)} tries over {tries[-1][0] - tries[0][0]:.1f}s, "
-          f"{len(failures)} failed; held connection: {len(lines)} exchanges")  # fmt: skip
+    print(
+        f"{old_mode} -> {new_mode}: {len(tries)} tries over {tries[-1][0] - tries[0][0]:.1f}s, "
+        f"{len(failures)} failed; held connection: {len(lines)} exchanges"
+    )
     assert len(tries) > 100, f"too few tries to tell: {len(tries)}"
     assert not failures, f"{len(failures)} of {len(tries)} tries failed: {failures[:10]}"
     assert lines and all(line.startswith("ok ") for line in lines), lines[-5:]

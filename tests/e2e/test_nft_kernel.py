@@ -32,8 +32,13 @@ def test_golden_transactions_load_and_swap(topology: Topology) -> None:
     listed = nft(topology, "n1", "list", "map", "ip", "kpx", "service-ips")
     assert "10.96.0.10 . tcp . 80 : goto endpoints-2" in listed
     assert nft(topology, "n1", "list", "tables").split() == [
-        "table", "ip", "kpx", "table", "ip6", "kpx"
-    ]  # fmt: skip
+        "table",
+        "ip",
+        "kpx",
+        "table",
+        "ip6",
+        "kpx",
+    ]
 
 
 def two_nodes_with_backends(topology: Topology) -> tuple[Node, Pod, Pod, Pod]:

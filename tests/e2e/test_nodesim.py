@@ -509,9 +509,14 @@ def test_projected_service_account_token_works(env: SimEnv) -> None:
 
     env.cluster.kubectl("-n", ns, "create", "role", "secrets", "--verb=list", "--resource=secrets")
     env.cluster.kubectl(
-        "-n", ns, "create", "rolebinding", "secrets", "--role=secrets",
+        "-n",
+        ns,
+        "create",
+        "rolebinding",
+        "secrets",
+        "--role=secrets",
         f"--serviceaccount={ns}:reader",
-    )  # fmt: skip
+    )
     for name in ("client", "client-podnet"):
         wait_until(lambda n=name: "status 200" in env.log_of(ns, n), 20, f"a 200 ({name})")
 
@@ -524,13 +529,17 @@ def test_exits_restart_and_restart_policies(env: SimEnv) -> None:
         ns, "crashing", [{"name": "c", "image": "python", "command": ["python3", "-c", crash]}]
     )
     done = env.bare_pod(
-        ns, "done", [{"name": "c", "image": "python", "command": ["python3", "-c", "pass"]}],
+        ns,
+        "done",
+        [{"name": "c", "image": "python", "command": ["python3", "-c", "pass"]}],
         restartPolicy="Never",
-    )  # fmt: skip
+    )
     failed = env.bare_pod(
-        ns, "failed", [{"name": "c", "image": "python", "command": ["python3", "-c", "exit(2)"]}],
+        ns,
+        "failed",
+        [{"name": "c", "image": "python", "command": ["python3", "-c", "exit(2)"]}],
         restartPolicy="Never",
-    )  # fmt: skip
+    )
     liveness = {"tcpSocket": {"port": 9999}, "periodSeconds": 1, "failureThreshold": 2}
     unhealthy = env.bare_pod(ns, "unhealthy", [http_backend("web", 8080, livenessProbe=liveness)])
     env.api.apply(crashing, done, failed, unhealthy)

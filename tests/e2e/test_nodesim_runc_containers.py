@@ -148,17 +148,34 @@ time.sleep(600)
 def test_the_operator_image_runs_non_root_on_a_read_only_root_with_its_volumes(env: Env) -> None:
     # The securityContext of operator/manifests/deployment.yaml.
     env.apply(
-        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg", "namespace": env.ns},
-         "data": {"key": "from-configmap"}},
-        _pod(env, "op", {
-            "image": OPERATOR.ref, "command": ["python3", "-c", PROBE],
-            "volumeMounts": [{"name": "cfg", "mountPath": "/etc/kpx/config"}],
-            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                "capabilities": {"drop": ["ALL"]}},
-        }, securityContext={"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-           volumes=[{"name": "cfg", "configMap": {"name": "cfg"}}]),
-    )  # fmt: skip
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "cfg", "namespace": env.ns},
+            "data": {"key": "from-configmap"},
+        },
+        _pod(
+            env,
+            "op",
+            {
+                "image": OPERATOR.ref,
+                "command": ["python3", "-c", PROBE],
+                "volumeMounts": [{"name": "cfg", "mountPath": "/etc/kpx/config"}],
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "readOnlyRootFilesystem": True,
+                    "capabilities": {"drop": ["ALL"]},
+                },
+            },
+            securityContext={
+                "runAsNonRoot": True,
+                "runAsUser": 65532,
+                "runAsGroup": 65532,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            volumes=[{"name": "cfg", "configMap": {"name": "cfg"}}],
+        ),
+    )
     out = wait_until(lambda: "done" in (log := env.log("op")) and log, 60, "the probe's output")
     assert "uid 65532" in out
     assert "root Read-only file system" in out
@@ -185,10 +202,18 @@ NFT = "nft add table ip {table} && echo programmed || echo refused; sleep 600"
 def test_the_agent_image_on_the_host_network_needs_net_admin(env: Env, caps: list[str]) -> None:
     name = f"nft-{'admin' if caps else 'none'}"
     table = f"kpx_runc_{secrets.token_hex(2)}"
-    env.apply(_pod(env, name, {
-        "image": AGENT.ref, "command": ["sh", "-c", NFT.format(table=table)],
-        "securityContext": {"capabilities": {"drop": ["ALL"], "add": caps}},
-    }, hostNetwork=True))  # fmt: skip
+    env.apply(
+        _pod(
+            env,
+            name,
+            {
+                "image": AGENT.ref,
+                "command": ["sh", "-c", NFT.format(table=table)],
+                "securityContext": {"capabilities": {"drop": ["ALL"], "add": caps}},
+            },
+            hostNetwork=True,
+        )
+    )
     out = wait_until(lambda: env.log(name).strip(), 60, "the nft attempt")
     tables = env.topo.exec(env.node, ["nft", "list", "tables"]).stdout
     if caps:

@@ -168,8 +168,12 @@ def pods(real: RealCluster) -> dict[str, dict[str, Any]]:
     real.cluster.create_namespace(NAMESPACE)
     wanted = {f"web-{n}": n for n in real.node_names}
     manifests = [pod_manifest(pod, node) for pod, node in wanted.items()]
-    real.cluster.kubectl("apply", "-f", "-", input=json.dumps({"kind": "List", "apiVersion": "v1",
-                                                              "items": manifests}))  # fmt: skip
+    real.cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps({"kind": "List", "apiVersion": "v1", "items": manifests}),
+    )
     deadline = time.monotonic() + 90
     while True:
         got = _pods(real)
@@ -203,8 +207,18 @@ def test_pods_reach_each_other_across_nodes(
     for client, server in ((one, two), (two, one)):
         v4, v6 = (entry["ip"] for entry in pods[server]["status"]["podIPs"])
         for ip in (v4, f"[{v6}]"):
-            got = real.cluster.kubectl("-n", NAMESPACE, "exec", client, "--", "timeout", "10",
-                                       "wget", "-qO-", f"http://{ip}:8080/")  # fmt: skip
+            got = real.cluster.kubectl(
+                "-n",
+                NAMESPACE,
+                "exec",
+                client,
+                "--",
+                "timeout",
+                "10",
+                "wget",
+                "-qO-",
+                f"http://{ip}:8080/",
+            )
             assert got.stdout.strip() == server, ip
 
 
@@ -227,10 +241,12 @@ def test_a_node_netns_reaches_the_other_nodes_pod(
     plan = real.plans["node-1"]
     ip = pods["web-node-2"]["status"]["podIP"]
     got = subprocess.run(
-        ["ip", "netns", "exec", plan.netns, "busybox", "wget", "-qO-",
-         f"http://{ip}:8080/"],
-        capture_output=True, text=True, timeout=30, check=False,
-    )  # fmt: skip
+        ["ip", "netns", "exec", plan.netns, "busybox", "wget", "-qO-", f"http://{ip}:8080/"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert got.stdout.strip() == "web-node-2", got.stderr
 
 
@@ -240,13 +256,20 @@ def test_cluster_dns_answers_a_pod_from_its_own_pod(
     """CoreDNS (kube-system/coredns, built here) runs on a node and answers a pod for the
     kubernetes Service's name, asked at its pod IP (the kube-dns Service's address needs a
     service proxy: tests/e2e/test_real_kubelets_kpx.py)."""
-    got = real.cluster.kubectl("-n", "kube-system", "get", "pods", "-l", "k8s-app=kube-dns",
-                               "-o", "json")  # fmt: skip
+    got = real.cluster.kubectl(
+        "-n", "kube-system", "get", "pods", "-l", "k8s-app=kube-dns", "-o", "json"
+    )
     (dns_pod,) = json.loads(got.stdout)["items"]
     answer = real.cluster.kubectl(
-        "-n", NAMESPACE, "exec", "web-node-1", "--", "nslookup",
-        "kubernetes.default.svc.cluster.local", dns_pod["status"]["podIP"],
-    ).stdout  # fmt: skip
+        "-n",
+        NAMESPACE,
+        "exec",
+        "web-node-1",
+        "--",
+        "nslookup",
+        "kubernetes.default.svc.cluster.local",
+        dns_pod["status"]["podIP"],
+    ).stdout
     assert "10.96.0.1" in answer, answer
 
 
@@ -262,23 +285,34 @@ def test_agnhost_serves_its_hostname_to_a_pod_on_the_other_node(
             "nodeName": "node-2",
             "automountServiceAccountToken": False,
             "terminationGracePeriodSeconds": 1,
-            "containers": [{
-                "name": "agnhost",
-                "image": static_images.AGNHOST_IMAGE,
-                "imagePullPolicy": "Never",
-                "args": ["netexec", "--http-port=8080", "--udp-port=-1"],
-                "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
-            }],
+            "containers": [
+                {
+                    "name": "agnhost",
+                    "image": static_images.AGNHOST_IMAGE,
+                    "imagePullPolicy": "Never",
+                    "args": ["netexec", "--http-port=8080", "--udp-port=-1"],
+                    "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
+                }
+            ],
         },
-    }  # fmt: skip
+    }
     real.cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
-    real.cluster.kubectl("-n", NAMESPACE, "wait", "--for=condition=Ready", "pod/netexec",
-                         "--timeout=60s", timeout=70)  # fmt: skip
+    real.cluster.kubectl(
+        "-n", NAMESPACE, "wait", "--for=condition=Ready", "pod/netexec", "--timeout=60s", timeout=70
+    )
     ip = _pods(real)["netexec"]["status"]["podIP"]
     got = real.cluster.kubectl(
-        "-n", NAMESPACE, "exec", "web-node-1", "--", "timeout", "10", "wget", "-qO-",
+        "-n",
+        NAMESPACE,
+        "exec",
+        "web-node-1",
+        "--",
+        "timeout",
+        "10",
+        "wget",
+        "-qO-",
         f"http://{ip}:8080/hostname",
-    )  # fmt: skip
+    )
     assert got.stdout.strip() == "netexec"
 
 
@@ -290,8 +324,12 @@ def test_no_namespace_of_the_cluster_routes_off_the_machine(real: RealCluster) -
     elsewhere = ["198.51.100.7", *gateway[2:3]]
     for ns in [str(real.cluster.netns), *(p.netns for p in real.plans.values())]:
         for address in elsewhere:
-            got = subprocess.run(["ip", "-n", ns, "route", "get", address],
-                                 capture_output=True, text=True, check=False)  # fmt: skip
+            got = subprocess.run(
+                ["ip", "-n", ns, "route", "get", address],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             assert got.returncode != 0 and "unreachable" in got.stderr, (ns, address, got)
 
 

@@ -74,8 +74,9 @@ def helm(real: RealCluster, tmp_path_factory: pytest.TempPathFactory) -> Callabl
     env["KUBECONFIG"] = str(real.cluster.kubeconfig)
 
     def run(*args: str, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(helm_binary()), *args], capture_output=True, text=True,
-                              env=env, timeout=timeout)  # fmt: skip
+        return subprocess.run(
+            [str(helm_binary()), *args], capture_output=True, text=True, env=env, timeout=timeout
+        )
 
     return run
 
@@ -92,22 +93,37 @@ def test_install_helm_test_and_uninstall(real: RealCluster, helm: Callable[..., 
     kubectl("label", "namespace", NS, "pod-security.kubernetes.io/enforce=privileged")
     started = time.monotonic()
     out = helm(
-        "install", RELEASE, str(CHART), "--namespace", NS, "--wait", "--timeout", "5m",
-        "--set", f"operator.apiserverEndpoint={endpoint}",
-        "--set", "agents.common.clusterCIDRs={10.244.0.0/16,fd00:244::/48}",
-        "--set", "agents.logLevel=debug",
+        "install",
+        RELEASE,
+        str(CHART),
+        "--namespace",
+        NS,
+        "--wait",
+        "--timeout",
+        "5m",
+        "--set",
+        f"operator.apiserverEndpoint={endpoint}",
+        "--set",
+        "agents.common.clusterCIDRs={10.244.0.0/16,fd00:244::/48}",
+        "--set",
+        "agents.logLevel=debug",
         # What `helm uninstall` then removes: the ProxyConfiguration goes first (Cleanup), and
         # without keep the CRD goes with the release.
-        "--set", "proxyConfiguration.keepOnUninstall=false", "--set", "crds.keep=false",
-        "--set", "tests.timeoutSeconds=60",
-    )  # fmt: skip
+        "--set",
+        "proxyConfiguration.keepOnUninstall=false",
+        "--set",
+        "crds.keep=false",
+        "--set",
+        "tests.timeoutSeconds=60",
+    )
     assert out.returncode == 0, out.stderr
     installed = time.monotonic() - started
     # The agents run as the chart says: debug logs (--agent-arg=-v), metrics declared.
     agents = wait_until(
         lambda: get(real, "-n", NS, "pods", "-l", "app.kubernetes.io/name=kpx-agent")["items"],
-        120, "the agents' pods",
-    )  # fmt: skip
+        120,
+        "the agents' pods",
+    )
     (container,) = [c for c in agents[0]["spec"]["containers"] if c["name"] == "agent"]
     assert container["command"][-1] == "-v"
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -118,10 +134,21 @@ def test_install_helm_test_and_uninstall(real: RealCluster, helm: Callable[..., 
 
     def metrics() -> str | None:
         got = subprocess.run(
-            ["ip", "netns", "exec", plan.netns, "curl", "-sf", "--max-time", "3",
-             f"http://{plan.ipv4}:10249/metrics"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            [
+                "ip",
+                "netns",
+                "exec",
+                plan.netns,
+                "curl",
+                "-sf",
+                "--max-time",
+                "3",
+                f"http://{plan.ipv4}:10249/metrics",
+            ],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         return got.stdout if got.returncode == 0 else None
 
     assert "# TYPE" in wait_until(metrics, 120, f"/metrics on {plan.ipv4}:10249")
@@ -138,16 +165,23 @@ def test_install_helm_test_and_uninstall(real: RealCluster, helm: Callable[..., 
 
     # The test fails when the ProxyConfiguration is not Ready (its agents kept off every node),
     # and its Pod then stays with the reason in its log.
-    kubectl("patch", "pxc", PXC, "--type=merge", "-p",
-            '{"spec":{"nodeSelector":{"kpx.dev/none":"x"}}}')  # fmt: skip
+    kubectl(
+        "patch", "pxc", PXC, "--type=merge", "-p", '{"spec":{"nodeSelector":{"kpx.dev/none":"x"}}}'
+    )
     failed = helm("test", RELEASE, "--namespace", NS, "--timeout", "5m")
     assert failed.returncode != 0, failed.stdout
     log = kubectl("logs", "-n", NS, "kpx-test").stdout
     assert "ok: a Service answers through the agents" in log, log
     assert f"ok: Deployment {NS}/kpx-operator is Ready" in log, log
     assert f"FAILED: ProxyConfiguration {PXC} is Ready: Ready=False" in log, log
-    kubectl("patch", "pxc", PXC, "--type=json", "-p",
-            '[{"op":"remove","path":"/spec/nodeSelector/kpx.dev~1none"}]')  # fmt: skip
+    kubectl(
+        "patch",
+        "pxc",
+        PXC,
+        "--type=json",
+        "-p",
+        '[{"op":"remove","path":"/spec/nodeSelector/kpx.dev~1none"}]',
+    )
     tested = helm("test", RELEASE, "--namespace", NS, "--timeout", "5m")
     assert tested.returncode == 0, tested.stdout + tested.stderr
     assert not [n for n in names(real, NAMESPACED, "-n", NS) if "kpx-test" in n]
@@ -171,13 +205,26 @@ def test_install_helm_test_and_uninstall(real: RealCluster, helm: Callable[..., 
         pods = kubectl("get", "pods", "-n", NS, "-o", "wide", check=False).stdout
         raise AssertionError(f"left in {NS}: {left()}\n{pods}") from None
     assert names(real, CLUSTER_WIDE, "-l", "app.kubernetes.io/part-of=kpx") == []
-    assert names(real, "clusterroles,clusterrolebindings", "-l",
-                 f"app.kubernetes.io/instance={RELEASE}") == []  # fmt: skip
+    assert (
+        names(
+            real, "clusterroles,clusterrolebindings", "-l", f"app.kubernetes.io/instance={RELEASE}"
+        )
+        == []
+    )
     gone = kubectl("get", "crd", "proxyconfigurations.proxy.kpx.dev", check=False)
     assert gone.returncode != 0 and "NotFound" in gone.stderr
     for role in ("kpx-agent-takeover", "kpx-operator-takeover"):
-        assert names(real, "roles,rolebindings", "-n", "kube-system", "--field-selector",
-                     f"metadata.name={role}") == []  # fmt: skip
+        assert (
+            names(
+                real,
+                "roles,rolebindings",
+                "-n",
+                "kube-system",
+                "--field-selector",
+                f"metadata.name={role}",
+            )
+            == []
+        )
     # The operator's Lease is the operator's own record, not the chart's: it may stay.
     assert not [
         n for n in names(real, "leases", "-n", NS) if n != "lease.coordination.k8s.io/kpx-operator"
@@ -186,6 +233,8 @@ def test_install_helm_test_and_uninstall(real: RealCluster, helm: Callable[..., 
     for plan in real.plans.values():
         tables = subprocess.run(
             ["ip", "netns", "exec", plan.netns, "nft", "list", "tables"],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert "kpx" not in tables, tables

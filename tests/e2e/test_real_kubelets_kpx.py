@@ -91,8 +91,10 @@ def test_the_operator_runs_the_agents_on_both_real_nodes(installed: RealCluster)
     for plan in installed.plans.values():
         tables = subprocess.run(
             ["ip", "netns", "exec", plan.netns, "nft", "list", "tables"],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert "table ip kpx" in tables, tables
     # no kube-proxy anywhere
     assert not [
@@ -114,25 +116,41 @@ def test_a_cluster_ip_service_answers_a_pod_from_backends_on_both_nodes(
         "metadata": {"name": "web", "namespace": APP},
         "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]},
     }
-    rc.cluster.kubectl("apply", "-f", "-",
-                       input=json.dumps({"apiVersion": "v1", "kind": "List",
-                                         "items": [*pods, service]}))  # fmt: skip
+    rc.cluster.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [*pods, service]}),
+    )
 
     def all_ready() -> bool:
         items = get(rc, "-n", APP, "pods")["items"]
         return len(items) == 3 and all(
-            any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get(
-                "conditions", []))
+            any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in p["status"].get("conditions", [])
+            )
             for p in items
-        )  # fmt: skip
+        )
 
     wait_until(all_ready, 90, "the backends and the client Ready")
     vip = get(rc, "-n", APP, "svc", "web")["spec"]["clusterIP"]
     seen: set[str] = set()
 
     def both_backends_answer() -> bool:
-        got = rc.cluster.kubectl("-n", APP, "exec", "client", "--", "timeout", "5",
-                                 "wget", "-qO-", f"http://{vip}/", check=False)  # fmt: skip
+        got = rc.cluster.kubectl(
+            "-n",
+            APP,
+            "exec",
+            "client",
+            "--",
+            "timeout",
+            "5",
+            "wget",
+            "-qO-",
+            f"http://{vip}/",
+            check=False,
+        )
         if got.returncode == 0:
             seen.add(got.stdout.strip())
         return seen == {"web-node-1", "web-node-2"}
@@ -147,8 +165,9 @@ def test_cluster_dns_names_the_service_through_kpx(installed: RealCluster) -> No
     vip = get(rc, "-n", APP, "svc", "web")["spec"]["clusterIP"]
 
     def resolved() -> str | None:
-        got = rc.cluster.kubectl("-n", APP, "exec", "client", "--", "nslookup",
-                                 "web.app.svc.cluster.local", check=False)  # fmt: skip
+        got = rc.cluster.kubectl(
+            "-n", APP, "exec", "client", "--", "nslookup", "web.app.svc.cluster.local", check=False
+        )
         return got.stdout if got.returncode == 0 and vip in got.stdout else None
 
     wait_until(resolved, 30, f"web.app.svc.cluster.local -> {vip}")

@@ -208,9 +208,12 @@ def test_a_silent_watch_is_resumed_without_a_relist(cluster: Cluster, kube: Kube
                 await asyncio.sleep(0.1)
             await asyncio.to_thread(
                 kube.apply,
-                {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "late",
-                                                                       "namespace": ns}},
-            )  # fmt: skip
+                {
+                    "apiVersion": "v1",
+                    "kind": "ConfigMap",
+                    "metadata": {"name": "late", "namespace": ns},
+                },
+            )
             for _ in range(50):
                 if "late" in names.names:
                     break
@@ -243,8 +246,18 @@ def test_the_apiservers_list_bodies_are_decoded_item_by_item(
     ns = kube.create_namespace(prefix="split")
     ports = [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]
     kube.apply(*(service(f"s{i}", ns, ports) for i in range(3)))
-    kube.apply(*(endpoint_slice(f"s{i}-a", ns, f"s{i}", [{"addresses": [f"10.244.0.{i + 1}"]}],
-                                [("http", 8080, "TCP")]) for i in range(3)))  # fmt: skip
+    kube.apply(
+        *(
+            endpoint_slice(
+                f"s{i}-a",
+                ns,
+                f"s{i}",
+                [{"addresses": [f"10.244.0.{i + 1}"]}],
+                [("http", 8080, "TCP")],
+            )
+            for i in range(3)
+        )
+    )
 
     def refused(body: bytes, item: Any) -> dict[str, Any]:
         raise AssertionError("the body was decoded whole")
@@ -259,8 +272,10 @@ def test_the_apiservers_list_bodies_are_decoded_item_by_item(
             await client.close()
         return sorted(data["items"])
 
-    for path in (f"/api/v1/namespaces/{ns}/services",
-                 f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices"):  # fmt: skip
+    for path in (
+        f"/api/v1/namespaces/{ns}/services",
+        f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+    ):
         want = ["s0", "s1", "s2"] if "services" in path else ["s0-a", "s1-a", "s2-a"]
         assert asyncio.run(names(path, {"resourceVersion": "0", "limit": "500"})) == want
         assert asyncio.run(names(path, {"limit": "500"})) == want

@@ -731,13 +731,26 @@ def test_an_external_ip_equal_to_a_cluster_ip_does_not_take_it(
     victim, and sorting first) does not take the victim's traffic on any node: the ClusterIP
     wins, and the claimant gets a Warning Event VIPClash."""
     vips = static_cluster_ips()
-    make_service(env, agent_ns, "a-claimant", on(env, "b2"), families=(4,),
-                 ip_family_policy="SingleStack", external_ips=[vips[4]])  # fmt: skip
+    make_service(
+        env,
+        agent_ns,
+        "a-claimant",
+        on(env, "b2"),
+        families=(4,),
+        ip_family_policy="SingleStack",
+        external_ips=[vips[4]],
+    )
     for proto in PROTOS:  # the claimant is programmed first, on its own
         assert_reaches(env, vips[4], 80, proto, {"b2"})
-    make_service(env, agent_ns, "z-victim", on(env, "b1"), families=(4,),
-                 ip_family_policy="SingleStack",
-                 extra_spec={"clusterIP": vips[4], "clusterIPs": [vips[4]]})  # fmt: skip
+    make_service(
+        env,
+        agent_ns,
+        "z-victim",
+        on(env, "b1"),
+        families=(4,),
+        ip_family_policy="SingleStack",
+        extra_spec={"clusterIP": vips[4], "clusterIPs": [vips[4]]},
+    )
     for proto in PROTOS:
         assert_reaches(env, vips[4], 80, proto, {"b1"})
         assert_reaches(env, vips[4], 80, proto, {"b1"}, source=env.pods["client2"])

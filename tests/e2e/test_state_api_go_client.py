@@ -42,8 +42,13 @@ GO_CLIENT = REPO / "examples" / "plugins" / "go-localstate"
 @pytest.fixture(scope="module")
 def go_client() -> Path:
     """The client's binary, built with the machine's Go into the cache (nothing when cached)."""
-    out = subprocess.run([str(REPO / "toolchain" / "build-go-localstate.sh")], check=True,
-                         capture_output=True, text=True, timeout=600).stdout  # fmt: skip
+    out = subprocess.run(
+        [str(REPO / "toolchain" / "build-go-localstate.sh")],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    ).stdout
     binary = Path(out.strip().splitlines()[-1].split(": ", 1)[1])
     assert os.access(binary, os.X_OK), out
     return binary
@@ -108,8 +113,9 @@ def test_the_agent_runs_mode_external_from_its_command_line(socket_path: Path) -
 
 
 def test_generated_go_code_is_fresh() -> None:
-    result = subprocess.run([str(GO_CLIENT / "generate.sh"), "--check"], capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
+    result = subprocess.run(
+        [str(GO_CLIENT / "generate.sh"), "--check"], capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -122,16 +128,19 @@ def test_go_client_copy_equals_a_fresh_full_state_after_changes(
     with stdout.open("wb") as out, log.open("wb") as err:
         proc = subprocess.Popen(
             [str(go_client), "-target", f"unix://{socket_path}", "-dump", str(dump)],
-            stdout=out, stderr=err,
-        )  # fmt: skip
+            stdout=out,
+            stderr=err,
+        )
     ns = agent_ns
     b1, b2 = env.pods["b1"], env.pods["b2"]
     tcp, udp = ("http", 8080, "TCP"), ("dns", 5353, "UDP")
     a_ports = [service_port("http", 80, 8080), service_port("dns", 53, 5353, "UDP")]
 
     def a_slice(ready: bool, terminating: bool = False) -> dict[str, Any]:
-        eps = [endpoint(b1.ipv4, "n1", ready=ready, serving=True, terminating=terminating),
-               endpoint(b2.ipv4, "n2")]  # fmt: skip
+        eps = [
+            endpoint(b1.ipv4, "n1", ready=ready, serving=True, terminating=terminating),
+            endpoint(b2.ipv4, "n2"),
+        ]
         return endpoint_slice("a-1", ns, "a", eps, [tcp, udp])
 
     def names(response: pb.WatchResponse) -> set[tuple[str, str]]:
@@ -175,23 +184,34 @@ def test_go_client_copy_equals_a_fresh_full_state_after_changes(
             service("c", ns, [service_port("http", 80, 8080)]),
             endpoint_slice("c-1", ns, "c", env.backend_endpoints(4, ("b1",)), [tcp]),
             endpoint_slice("c-2", ns, "c", env.backend_endpoints(4, ("b2",)), [tcp]),
-        )  # fmt: skip
+        )
         settle("after the creations", lambda r: names(r) == created and len(endpoints(r, "c")) == 2)
         # Update: a port added, a port renumbered, a Service's type changed.
         env.kube.apply(
             service("a", ns, [*a_ports, service_port("metrics", 9090, 9090)]),
             service("c", ns, [service_port("http", 81, 8080)], type="NodePort"),
-        )  # fmt: skip
-        settle("after the updates", lambda r: ("a", "metrics") in names(r)
-               and port(r, "c").port == 81 and port(r, "c").node_port > 0)  # fmt: skip
+        )
+        settle(
+            "after the updates",
+            lambda r: (
+                ("a", "metrics") in names(r)
+                and port(r, "c").port == 81
+                and port(r, "c").node_port > 0
+            ),
+        )
         # Endpoints churn: readiness flapping faster than the agent's minSyncPeriod, then a
         # terminating fallback (b1 terminating, b2 ready: only b2), a slice deleted.
         for i in range(6):
             env.kube.apply(a_slice(ready=i % 2 == 1))
         env.kube.apply(a_slice(ready=False, terminating=True))
         env.kube.delete("endpointslice", "c-1", ns)
-        settle("after the endpoints churn", lambda r: endpoints(r, "a") == [(b2.ipv4, True, False)]
-               and endpoints(r, "c") == [(b2.ipv4, True, False)])  # fmt: skip
+        settle(
+            "after the endpoints churn",
+            lambda r: (
+                endpoints(r, "a") == [(b2.ipv4, True, False)]
+                and endpoints(r, "c") == [(b2.ipv4, True, False)]
+            ),
+        )
         # Delete a Service, create another.
         env.kube.delete("service", "b", ns)
         env.kube.apply(
@@ -234,8 +254,9 @@ def test_a_socket_in_a_shared_directory_is_refused(env: AgentEnv) -> None:
     shared = env.topology.tmpdir / "shared-tmp"
     shared.mkdir()
     os.chmod(shared, 0o1777)
-    agent = env.start_agent("n2", config=None, wait=False,
-                            extra_args=["--state-socket", str(shared / "kpx.sock")])  # fmt: skip
+    agent = env.start_agent(
+        "n2", config=None, wait=False, extra_args=["--state-socket", str(shared / "kpx.sock")]
+    )
     assert agent.proc.wait(timeout=30) == 2, agent.log()
     assert f"--state-socket {shared}/kpx.sock: {shared} is a shared directory" in agent.log()
     assert stat.S_IMODE(shared.stat().st_mode) == 0o1777
@@ -248,8 +269,9 @@ def test_an_existing_socket_directory_keeps_its_mode(env: AgentEnv) -> None:
     existing = env.topology.tmpdir / "existing-dir"
     existing.mkdir()
     os.chmod(existing, 0o755)
-    agent = env.start_agent("n2", config=None,
-                            extra_args=["--state-socket", str(existing / "kpx.sock")])  # fmt: skip
+    agent = env.start_agent(
+        "n2", config=None, extra_args=["--state-socket", str(existing / "kpx.sock")]
+    )
     assert stat.S_ISSOCK((existing / "kpx.sock").stat().st_mode)
     assert stat.S_IMODE(existing.stat().st_mode) == 0o755
     assert agent.stop() == 0, agent.log_tail()
@@ -292,9 +314,13 @@ def test_go_client_takes_a_full_state_over_grpc_default_limit(
         size = len(pub.answer("", 0, False))
         server.notify()
         proc = await asyncio.create_subprocess_exec(
-            str(go_client), "-target", server.listen.target, "-dump", str(dump),
+            str(go_client),
+            "-target",
+            server.listen.target,
+            "-dump",
+            str(dump),
             stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+        )
         try:
             for _ in range(300):
                 if (copy := read_dump(dump)) is not None:

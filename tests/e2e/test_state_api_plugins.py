@@ -88,10 +88,15 @@ def test_json_plugin_follows_a_service_and_its_endpoints(
     log = env.topology.tmpdir / "json-plugin.log"
     proc = plugin(
         env,
-        [str(PLUGINS / "json-file" / "json_file_plugin.py"), "--output", str(out),
-         "--target", f"unix://{socket_path}"],
+        [
+            str(PLUGINS / "json-file" / "json_file_plugin.py"),
+            "--output",
+            str(out),
+            "--target",
+            f"unix://{socket_path}",
+        ],
         log,
-    )  # fmt: skip
+    )
 
     def ports() -> dict[str, Any]:
         try:
@@ -115,9 +120,11 @@ def test_json_plugin_follows_a_service_and_its_endpoints(
         env.kube.apply(endpoint_slice("web-1", agent_ns, "web", ep, [("80-8080", 8080, "TCP")]))
         t0 = time.monotonic()
         wait_until(
-            lambda: ports()["web"].get("cluster_endpoints"), PUSHED_WITHIN, interval=0.02,
+            lambda: ports()["web"].get("cluster_endpoints"),
+            PUSHED_WITHIN,
+            interval=0.02,
             message=lambda: log.read_text(),
-        )  # fmt: skip
+        )
         print(f"\nendpoint change seen after {time.monotonic() - t0:.2f} s")
         (endpoint,) = ports()["web"]["cluster_endpoints"]
         assert (endpoint["ip"], endpoint["port"]) == (env.pods["b1"].ipv4, 8080)
@@ -129,9 +136,11 @@ def test_json_plugin_follows_a_service_and_its_endpoints(
         env.kube.apply(endpoint_slice("web-1", agent_ns, "web", ep, [("80-8080", 8080, "TCP")]))
         t0 = time.monotonic()
         wait_until(
-            lambda: ports()["web"]["cluster_endpoints"][0]["terminating"], PUSHED_WITHIN,
-            interval=0.02, message=lambda: log.read_text(),
-        )  # fmt: skip
+            lambda: ports()["web"]["cluster_endpoints"][0]["terminating"],
+            PUSHED_WITHIN,
+            interval=0.02,
+            message=lambda: log.read_text(),
+        )
         print(f"\nterminating endpoint seen after {time.monotonic() - t0:.2f} s")
         (endpoint,) = ports()["web"]["cluster_endpoints"]
         assert [endpoint[c] for c in conditions] == [False, True, True]
@@ -159,16 +168,20 @@ def test_userspace_proxy_carries_tcp_to_a_cluster_ip(
     log = env.topology.tmpdir / "userspace-proxy.log"
     proc = plugin(
         env,
-        [str(PLUGINS / "userspace-proxy" / "userspace_proxy.py"),
-         "--target", f"unix://{socket_path}"],
+        [
+            str(PLUGINS / "userspace-proxy" / "userspace_proxy.py"),
+            "--target",
+            f"unix://{socket_path}",
+        ],
         log,
         in_node=True,
-    )  # fmt: skip
+    )
     try:
         wait_until(
-            lambda: f"proxying {svc.ip()}:80" in log.read_text(), 10,
+            lambda: f"proxying {svc.ip()}:80" in log.read_text(),
+            10,
             message=lambda: log.read_text(),
-        )  # fmt: skip
+        )
         result = env.probe(svc.ip(), 80, "tcp", count=20)
         assert result.answered == 20, (result, log.read_text())
         assert result.backends == {"b1", "b2"}

@@ -235,8 +235,16 @@ def martian_reaches_n1(net: Net) -> bool:
     argv = [sys.executable, "-c", LISTEN, str(MARTIAN_PORT), "2"]
     listener = net.topo.run(net.n1, argv, stdout=subprocess.PIPE)
     assert listener.stdout is not None and listener.stdout.readline().strip() == b"ready"
-    sender = [sys.executable, "-c", SEND_MARTIAN, net.n3.fabric_if, mac["n3"], mac["n1"],
-              net.n3.ipv4, str(MARTIAN_PORT)]  # fmt: skip
+    sender = [
+        sys.executable,
+        "-c",
+        SEND_MARTIAN,
+        net.n3.fabric_if,
+        mac["n3"],
+        mac["n1"],
+        net.n3.ipv4,
+        str(MARTIAN_PORT),
+    ]
     assert "sent" in net.sh(net.n3, *sender)
     out, _ = listener.communicate(timeout=10)
     said = out.decode().split()

@@ -87,11 +87,14 @@ def _cleanup_at_start(backend: Pod) -> list[FlowFilter]:
     return stale_flows(None, port)
 
 
-def _exchange_with_cleanup(topo: Topology, n1: Node, client: Pod,
-                           filters: list[FlowFilter]) -> str:  # fmt: skip
+def _exchange_with_cleanup(topo: Topology, n1: Node, client: Pod, filters: list[FlowFilter]) -> str:
     """One request in flight while `filters` run in n1; what the client got."""
-    proc = topo.run(client, [sys.executable, "-c", ONE_EXCHANGE, VIP, str(PORT)],
-                    stdout=subprocess.PIPE, text=True)  # fmt: skip
+    proc = topo.run(
+        client,
+        [sys.executable, "-c", ONE_EXCHANGE, VIP, str(PORT)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     time.sleep(0.4)  # the request is DNATed and waits for its answer
     entries = topo.exec(n1, ["conntrack", "-L", "-p", "udp", "--orig-dst", VIP]).stdout
     assert f"src={client.ipv4}" in entries, f"no entry for the request: {entries}"
@@ -105,10 +108,34 @@ def test_cleanup_at_agent_start_keeps_dnated_flows_and_deletes_the_others(
 ) -> None:
     topo, n1, client, backend = net
     # An entry made while the Service was unrouted: not DNATed, its reply "from" the VIP.
-    topo.exec(n1, ["conntrack", "-I", "-p", "udp", "-s", client.ipv4, "-d", VIP,
-                   "--sport", "40000", "--dport", str(PORT), "--reply-src", VIP,
-                   "--reply-dst", client.ipv4, "--reply-port-src", str(PORT),
-                   "--reply-port-dst", "40000", "-t", "60"], check=True)  # fmt: skip
+    topo.exec(
+        n1,
+        [
+            "conntrack",
+            "-I",
+            "-p",
+            "udp",
+            "-s",
+            client.ipv4,
+            "-d",
+            VIP,
+            "--sport",
+            "40000",
+            "--dport",
+            str(PORT),
+            "--reply-src",
+            VIP,
+            "--reply-dst",
+            client.ipv4,
+            "--reply-port-src",
+            str(PORT),
+            "--reply-port-dst",
+            "40000",
+            "-t",
+            "60",
+        ],
+        check=True,
+    )
     filters = _cleanup_at_start(backend)
     assert all(f.not_nated for f in filters) and len(filters) == 2, filters
 
@@ -150,19 +177,26 @@ def test_target_port_change_deletes_only_the_entries_to_the_old_port(
     stays. Real DNATed entries: the client sends from port 41000 (DNATed to :5353 by the
     module's rule) and from 41001 (DNATed to :6363 by a rule of this test)."""
     topo, n1, client, backend = net
-    rules = OTHER_TARGET_PORT.format(vip=VIP, port=PORT, sport=41001, backend=backend.ipv4,
-                                     backend_port=6363)  # fmt: skip
+    rules = OTHER_TARGET_PORT.format(
+        vip=VIP, port=PORT, sport=41001, backend=backend.ipv4, backend_port=6363
+    )
     topo.exec(n1, ["nft", "-f", "-"], input=rules, check=True)
     try:
         for sport in (41000, 41001):
-            topo.exec(client, [sys.executable, "-c", SEND_FROM, VIP, str(PORT), str(sport)],
-                      check=True)  # fmt: skip
+            topo.exec(
+                client, [sys.executable, "-c", SEND_FROM, VIP, str(PORT), str(sport)], check=True
+            )
 
         def port(target: int) -> ServicePort:
             ep = Endpoint(IP.of(backend.ipv4), target)
             key = ServicePortKey("kube-system", "dns", "dns", Protocol.UDP, 4)
-            return ServicePort(key, PORT, cluster_ips=(IP.of(VIP),), cluster_endpoints=(ep,),
-                               external_endpoints=(ep,))  # fmt: skip
+            return ServicePort(
+                key,
+                PORT,
+                cluster_ips=(IP.of(VIP),),
+                cluster_endpoints=(ep,),
+                external_endpoints=(ep,),
+            )
 
         before = topo.exec(n1, ["conntrack", "-L", "-p", "udp", "--orig-dst", VIP]).stdout
         assert "sport=41000" in before and "sport=41001" in before, before

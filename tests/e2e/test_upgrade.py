@@ -56,14 +56,17 @@ class Upgrade:
 
     def agents(self) -> dict[str, tuple[str, bool]]:
         """node -> (image, ready) of the agent pods that are not being deleted."""
-        pods = self.json("-n", self.namespace, "get", "pods",
-                         "-l", "app.kubernetes.io/name=kpx-agent")  # fmt: skip
+        pods = self.json(
+            "-n", self.namespace, "get", "pods", "-l", "app.kubernetes.io/name=kpx-agent"
+        )
         out = {}
         for pod in pods.get("items", []):
             if pod["metadata"].get("deletionTimestamp"):
                 continue
-            ready = any(c["type"] == "Ready" and c["status"] == "True"
-                        for c in pod.get("status", {}).get("conditions", []))  # fmt: skip
+            ready = any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in pod.get("status", {}).get("conditions", [])
+            )
             out[pod["spec"]["nodeName"]] = (pod["spec"]["containers"][0]["image"], ready)
         return out
 
@@ -116,20 +119,35 @@ def upgrade(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Itera
         sim = NodeSimulator(cluster, topo, pod_apiserver_access=True, runtime="runc", images=store)
         try:
             nodes = [sim.add_node(f"u{run}-{i}", labels=label) for i in (1, 2, 3)]
-            out = helm.run("install", release, str(CHART), "--namespace", namespace,
-                           "--wait=false", "--take-ownership",
-                           values=_values(OLD, label, pxc))  # fmt: skip
+            out = helm.run(
+                "install",
+                release,
+                str(CHART),
+                "--namespace",
+                namespace,
+                "--wait=false",
+                "--take-ownership",
+                values=_values(OLD, label, pxc),
+            )
             assert out.returncode == 0, out.stderr
             _start_app(cluster, label)
             client = topo.add_pod(nodes[0], "client")
             yield Upgrade(cluster, helm, topo, client, namespace, release, pxc, label)
         finally:
-            cluster.kubectl("delete", "pxc", pxc, "--ignore-not-found", "--timeout=120s",
-                            check=False, timeout=150)  # fmt: skip
+            cluster.kubectl(
+                "delete",
+                "pxc",
+                pxc,
+                "--ignore-not-found",
+                "--timeout=120s",
+                check=False,
+                timeout=150,
+            )
             helm.run("uninstall", release, "--namespace", namespace, "--ignore-not-found")
-            for args in (("delete", "namespace", APP_NS, "--ignore-not-found", "--wait=false"),
-                         ("delete", "namespace", namespace, "--ignore-not-found",
-                          "--wait=false")):  # fmt: skip
+            for args in (
+                ("delete", "namespace", APP_NS, "--ignore-not-found", "--wait=false"),
+                ("delete", "namespace", namespace, "--ignore-not-found", "--wait=false"),
+            ):
                 cluster.kubectl(*args, check=False, timeout=150)
             sim.stop(delete_nodes=True)
 
@@ -156,19 +174,34 @@ def test_helm_upgrade_rolls_agents_node_by_node_with_traffic_answering(upgrade: 
     wait_until(up.ready, 180, f"{up.pxc} Ready on 3 nodes")
     before = wait_until(lambda: a if len(a := up.agents()) == 3 else None, 30, "3 agents")
     assert {image for image, _ in before.values()} == {f"{AGENT_REPO}:{OLD}"}
-    wait_until(lambda: up.json("-n", APP_NS, "get", "deploy", "web").get("status", {})
-               .get("readyReplicas") == 3, 90, "app ready")  # fmt: skip
+    wait_until(
+        lambda: (
+            up.json("-n", APP_NS, "get", "deploy", "web").get("status", {}).get("readyReplicas")
+            == 3
+        ),
+        90,
+        "app ready",
+    )
     vip = up.vip()
-    wait_until(lambda: probe(up.topo, up.client, vip, 80, "tcp", count=4, timeout=1).failed == 0,
-               30, "traffic through the ClusterIP")  # fmt: skip
+    wait_until(
+        lambda: probe(up.topo, up.client, vip, 80, "tcp", count=4, timeout=1).failed == 0,
+        30,
+        "traffic through the ClusterIP",
+    )
     # The ProxyConfiguration stores no image: nothing pins the agents to the old one.
     assert "image" not in up.json("get", "pxc", up.pxc)["spec"]
 
     traffic = Traffic(up, vip)
     traffic.start()
     try:
-        out = up.helm.run("upgrade", up.release, str(CHART), "--namespace", up.namespace,
-                          values=_values(NEW, up.label, up.pxc))  # fmt: skip
+        out = up.helm.run(
+            "upgrade",
+            up.release,
+            str(CHART),
+            "--namespace",
+            up.namespace,
+            values=_values(NEW, up.label, up.pxc),
+        )
         assert out.returncode == 0, out.stderr
         # Watch the agents: record when each node first runs a Ready agent of the new image,
         # and never see more than one node without a Ready agent (maxUnavailable 1).

@@ -105,14 +105,14 @@ def test_the_removal_tells_why_the_agent_is_not_ready_until_the_old_modes_rules_
             raise RuntimeError("xtables lock held")
 
     gate = Leftover("iptables", "the rules of kpx mode iptables", flaky)
-    other = Leftover("kube-proxy", "upstream kube-proxy's rules", lambda: None,
-                     ready=lambda: _false())  # fmt: skip
+    other = Leftover(
+        "kube-proxy", "upstream kube-proxy's rules", lambda: None, ready=lambda: _false()
+    )
     switch_from = {"iptables"}
 
     async def scenario() -> None:
         verified = asyncio.Event()
-        removal = LeftoverRemoval([gate, other], CollectorRegistry(), first_delay=0.01,
-                                  poll=0.01)  # fmt: skip
+        removal = LeftoverRemoval([gate, other], CollectorRegistry(), first_delay=0.01, poll=0.01)
         task = asyncio.create_task(removal.run(verified))
         told.append(removal.blocking(switch_from))
         verified.set()
@@ -187,8 +187,10 @@ def test_the_agent_rolls_back_in_process_and_keeps_the_old_modes_settings_live(
     from kpx_agent.agent import Agent
 
     path = tmp_path / "config.yaml"
-    config = ("mode: nftables\nrollback:\n  mode: iptables\n  progressDeadlineSeconds: 10\n"
-              "  iptables: {{masqueradeBit: {bit}}}\n")  # fmt: skip
+    config = (
+        "mode: nftables\nrollback:\n  mode: iptables\n  progressDeadlineSeconds: 10\n"
+        "  iptables: {{masqueradeBit: {bit}}}\n"
+    )
     path.write_text(config.format(bit=9))
     settings = settings_mod.resolve(settings_mod.load("nftables", path))
     made: list[_Backend] = []
@@ -241,8 +243,12 @@ def test_the_agent_rolls_back_in_process_and_keeps_the_old_modes_settings_live(
     )
     code, body = agent.health.readyz()
     assert code == 503 and "rolled back" in str(body["notReady"])
-    assert agent.metrics.registry.get_sample_value(
-        "kpx_rolled_back", {"mode": "nftables", "to": "iptables"}) == 1  # fmt: skip
+    assert (
+        agent.metrics.registry.get_sample_value(
+            "kpx_rolled_back", {"mode": "nftables", "to": "iptables"}
+        )
+        == 1
+    )
     assert agent.proxier.prepare().full  # the rollback mode's rules are programmed in full
     assert agent.switching_from() == set()
 
@@ -286,12 +292,21 @@ def test_the_node_state_reports_the_generation_synced_and_the_rollback(tmp_path:
     path.write_text("mode: nftables\nrollback:\n  mode: iptables\n  progressDeadlineSeconds: 10\n")
     (tmp_path / "generation").write_text("3")
     settings = settings_mod.resolve(settings_mod.load("nftables", path))
-    agent = Agent(settings, "n1", _Client(), _Backend("nftables", settings.proxy),  # type: ignore[arg-type]
-                  config_path=path,
-                  backend_for=lambda s: _Backend(s.mode, s.proxy))  # type: ignore[arg-type,return-value]  # fmt: skip
+    agent = Agent(
+        settings,
+        "n1",
+        _Client(),
+        _Backend("nftables", settings.proxy),  # type: ignore[arg-type]
+        config_path=path,
+        backend_for=lambda s: _Backend(s.mode, s.proxy),
+    )  # type: ignore[arg-type,return-value]
     facts = agent.node_facts()
     assert (facts.mode, facts.generation, facts.verified, facts.rolled_back) == (
-        "nftables", None, False, "")  # fmt: skip
+        "nftables",
+        None,
+        False,
+        "",
+    )
     assert agent._loaded_generation == 3
     (tmp_path / "generation").write_text("4")  # a spec change the configuration does not show
     assert agent.reload_config()
@@ -327,9 +342,13 @@ def test_a_rollback_that_itself_fails_keeps_the_mode_says_why_and_is_not_tried_a
 
     nftables = _Backend("nftables", settings.proxy)
     agent = Agent(
-        settings, "n1", _Client(), nftables,  # type: ignore[arg-type]
-        config_path=path, backend_for=backend_for,
-    )  # type: ignore[arg-type]  # fmt: skip
+        settings,
+        "n1",
+        _Client(),
+        nftables,  # type: ignore[arg-type]
+        config_path=path,
+        backend_for=backend_for,
+    )  # type: ignore[arg-type]
 
     async def scenario() -> None:
         agent._last_error = "nft: Operation not permitted"
@@ -349,4 +368,5 @@ def test_a_rollback_that_itself_fails_keeps_the_mode_says_why_and_is_not_tried_a
     code, body = agent.health.readyz()
     assert code == 503 and "rolling back to iptables failed" in str(body["notReady"])
     assert agent.metrics.registry.get_sample_value(
-        "kpx_rolled_back", {"mode": "nftables", "to": "iptables"}) in (None, 0.0)  # fmt: skip
+        "kpx_rolled_back", {"mode": "nftables", "to": "iptables"}
+    ) in (None, 0.0)

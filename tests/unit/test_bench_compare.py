@@ -420,8 +420,16 @@ def test_xt_dnat_revisions() -> None:
 
 # ---- the report ---------------------------------------------------------------------------------
 
-INFO = {"cores": "2", "cpu": "Test CPU", "memory_gb": "24", "kernel": "6.1", "python": "3.11",
-        "nft": "nftables v1.0.6", "kubernetes": "v1.36.2", "agent_commit": "abc1234"}  # fmt: skip
+INFO = {
+    "cores": "2",
+    "cpu": "Test CPU",
+    "memory_gb": "24",
+    "kernel": "6.1",
+    "python": "3.11",
+    "nft": "nftables v1.0.6",
+    "kubernetes": "v1.36.2",
+    "agent_commit": "abc1234",
+}
 
 
 def system(name: str, mode: str, cold: list[float], lat: list[float], **kw: Any) -> rp.SystemResult:
@@ -452,19 +460,40 @@ def table_rows(markdown: str) -> dict[str, list[str]]:
 
 def test_report_puts_both_systems_side_by_side_with_ratios() -> None:
     opts = rp.Options(changes=3, burst=0, cold_starts=3, modes=("nftables",))
-    kpx = system("kpx", "nftables", [0.7, 0.6, 0.8], [10.0, 12.0, 30.0], cpu_cold_s=0.5,
-                 peak_rss_mb=100.0, ruleset_cold={"lines": 300}, ruleset={"lines": 999})  # fmt: skip
-    upstream = system("kube-proxy", "nftables", [0.9, 0.8, 1.0], [200.0, 180.0, 170.0],
-                      cpu_cold_s=0.4, peak_rss_mb=110.0, ruleset={"lines": 100})  # fmt: skip
+    kpx = system(
+        "kpx",
+        "nftables",
+        [0.7, 0.6, 0.8],
+        [10.0, 12.0, 30.0],
+        cpu_cold_s=0.5,
+        peak_rss_mb=100.0,
+        ruleset_cold={"lines": 300},
+        ruleset={"lines": 999},
+    )
+    upstream = system(
+        "kube-proxy",
+        "nftables",
+        [0.9, 0.8, 1.0],
+        [200.0, 180.0, 170.0],
+        cpu_cold_s=0.4,
+        peak_rss_mb=110.0,
+        ruleset={"lines": 100},
+    )
     text = rp.report(size_result(kpx, upstream), INFO, opts, "python3 bench/compare.py")
     rows = table_rows(text)
     assert rows["cold start: process start -> all N Services in the kernel (median of 3)"] == [
-        "0.90 s", "0.70 s", "0.78"]  # fmt: skip
+        "0.90 s",
+        "0.70 s",
+        "0.78",
+    ]
     assert rows["single change -> in the kernel, median of 3"] == ["180 ms", "12.0 ms", "0.067"]
     # kpx behind: bold ratio; kpx's ruleset is counted right after its cold start.
     assert rows["CPU, process + children (nft, iptables-restore): cold start"][2] == "**1.25**"
     assert rows["ruleset: lines (`nft list ruleset`; iptables-save + ip6tables-save)"] == [
-        "100", "300", "**3.00**"]  # fmt: skip
+        "100",
+        "300",
+        "**3.00**",
+    ]
     assert "burst" not in " ".join(rows)  # no burst measured: no row
     assert not any("Node status updates" in name for name in rows)
     assert rows["equivalence (Service IP, port) -> endpoints, read back from the kernel"][2] == (
@@ -474,13 +503,21 @@ def test_report_puts_both_systems_side_by_side_with_ratios() -> None:
 
 
 def test_report_of_a_stopped_cold_start_and_of_node_updates() -> None:
-    opts = rp.Options(changes=1, burst=0, cold_starts=1, cold_timeout=600.0, node_updates=50,
-                      modes=("iptables",))  # fmt: skip
-    upstream = system("kube-proxy", "iptables", [], [], cpu_cold_s=596.0,
-                      ruleset_from_log={"chains": 110010})  # fmt: skip
+    opts = rp.Options(
+        changes=1, burst=0, cold_starts=1, cold_timeout=600.0, node_updates=50, modes=("iptables",)
+    )
+    upstream = system(
+        "kube-proxy", "iptables", [], [], cpu_cold_s=596.0, ruleset_from_log={"chains": 110010}
+    )
     upstream.colds = [rp.ColdStart(seconds=600.0, timed_out=True)]
-    kpx = system("kpx", "iptables", [11.0], [163.0], cpu_cold_s=9.8,
-                 node_work=rp.Work(50, 0.03, 0.01, 0, 0, 0))  # fmt: skip
+    kpx = system(
+        "kpx",
+        "iptables",
+        [11.0],
+        [163.0],
+        cpu_cold_s=9.8,
+        node_work=rp.Work(50, 0.03, 0.01, 0, 0, 0),
+    )
     size = size_result(kpx, upstream)
     rows = table_rows(rp.report(size, INFO, opts, "cmd"))
     cold = rows["cold start: process start -> all N Services in the kernel (median of 1)"]

@@ -38,10 +38,17 @@ def summary(
 
 def test_a_try_is_touched_by_its_client_node_or_its_nodeport_target() -> None:
     loads = [
-        ("n1", summary({"10.96.0.5:80": [10, 0], "192.168.0.2:30080": [5, 2]},
-                       {"[fd00::2]:30053": [4, 1], "10.96.0.5:53": [6, 0]}, 2, 0)),
+        (
+            "n1",
+            summary(
+                {"10.96.0.5:80": [10, 0], "192.168.0.2:30080": [5, 2]},
+                {"[fd00::2]:30053": [4, 1], "10.96.0.5:53": [6, 0]},
+                2,
+                0,
+            ),
+        ),
         ("n2", summary({"10.96.0.5:80": [10, 3]}, {"10.96.0.5:53": [8, 2]}, 1, 1)),
-    ]  # fmt: skip
+    ]
     t = account(loads, ["n2"], NODES)
     # n1's tries to n2's NodePort count as touched; n2's all count as touched
     assert (t.tcp.touched.tried, t.tcp.touched.failed) == (15, 5)
@@ -54,8 +61,9 @@ def test_a_try_is_touched_by_its_client_node_or_its_nodeport_target() -> None:
 
 def test_failures_on_untouched_nodes_are_sampled_but_not_those_to_touched_nodeports() -> None:
     fails = [(1.5, "10.96.0.5:80", "timeout"), (2.0, "192.168.0.2:30080", "timeout")]
-    loads = [("n1", summary({"10.96.0.5:80": [4, 1], "192.168.0.2:30080": [4, 1]}, {}, 0, 0,
-                            fails))]  # fmt: skip
+    loads = [
+        ("n1", summary({"10.96.0.5:80": [4, 1], "192.168.0.2:30080": [4, 1]}, {}, 0, 0, fails))
+    ]
     t = account(loads, ["n2"], NODES)
     assert t.others_failures == ["n1 tcp +1.5s 10.96.0.5:80 timeout"]
 
@@ -75,18 +83,17 @@ def test_goal_others_only_unless_strict() -> None:
 
 
 def test_lost_changes_and_no_convergence_fail() -> None:
-    row = RowResult("x", "y", "none", Traffic(), converged=None, changes=2,
-                    lost=["chaos-1@n1"])  # fmt: skip
+    row = RowResult("x", "y", "none", Traffic(), converged=None, changes=2, lost=["chaos-1@n1"])
     assert row.problems() == ["1 changes lost: chaos-1@n1", "did not converge"]
     errored = RowResult("x", "y", "none", error="boom")
     assert errored.problems() == ["harness error: boom"]
 
 
 def test_rendering() -> None:
-    traffic = account([("n1", summary({"10.96.0.5:80": [100, 0]}, {"10.96.0.5:53": [50, 1]},
-                                      2, 0))], [], NODES)  # fmt: skip
-    row = RowResult("apiserver stopped 60 s", "SIGTERM", "none", traffic, converged=4.25,
-                    changes=1)  # fmt: skip
+    traffic = account(
+        [("n1", summary({"10.96.0.5:80": [100, 0]}, {"10.96.0.5:53": [50, 1]}, 2, 0))], [], NODES
+    )
+    row = RowResult("apiserver stopped 60 s", "SIGTERM", "none", traffic, converged=4.25, changes=1)
     assert table_row(row) == (
         "| apiserver stopped 60 s | SIGTERM | none | 0 / 0 · 100 / 0 | 0 / 0 · 50 / 1 "
         "| 0 of 0 · 2 of 2 | 4.2 | 0 of 1 | FAIL |"

@@ -257,9 +257,14 @@ def test_sync_check_detects_a_stale_chart(tmp_path: Path, monkeypatch: pytest.Mo
 #: `agents` values that are not spec fields: the operator's flags for the agents, and the
 #: agents' ServiceAccount.
 AGENTS_CHART_ONLY = (
-    "logLevel", "extraArgs", "metricsOnLoopback", "serviceAccount", "podAnnotations", "podLabels",
+    "logLevel",
+    "extraArgs",
+    "metricsOnLoopback",
+    "serviceAccount",
+    "podAnnotations",
+    "podLabels",
     "extraEnv",
-)  # fmt: skip
+)
 
 
 def test_agents_values_cover_the_whole_spec() -> None:
@@ -314,23 +319,37 @@ def test_no_namespace_object(helm_env: dict[str, str]) -> None:
 
 
 CLUSTER_SCOPED = (
-    "ClusterRole", "ClusterRoleBinding", "ProxyConfiguration", "FlowSchema",
-    "PriorityLevelConfiguration", "CustomResourceDefinition",
-    "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
-)  # fmt: skip
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "ProxyConfiguration",
+    "FlowSchema",
+    "PriorityLevelConfiguration",
+    "CustomResourceDefinition",
+    "ValidatingAdmissionPolicy",
+    "ValidatingAdmissionPolicyBinding",
+)
 
 
 def test_flow_control_can_be_left_out_or_tuned(helm_env: dict[str, str]) -> None:
     kinds = {o["kind"] for o in render(helm_env)}
     assert {"FlowSchema", "PriorityLevelConfiguration"} <= kinds
-    tuned = {"flowControl": {"create": True, "nominalConcurrencyShares": 10,
-                             "matchingPrecedence": 700}}  # fmt: skip
+    tuned = {
+        "flowControl": {"create": True, "nominalConcurrencyShares": 10, "matchingPrecedence": 700}
+    }
     objs = render(helm_env, tuned)
     assert the(objs, "FlowSchema")["spec"]["matchingPrecedence"] == 700
     level = the(objs, "PriorityLevelConfiguration")["spec"]["limited"]
     assert level["nominalConcurrencyShares"] == 10
-    off = render(helm_env, {"flowControl": {"create": False, "nominalConcurrencyShares": 40,
-                                            "matchingPrecedence": 850}})  # fmt: skip
+    off = render(
+        helm_env,
+        {
+            "flowControl": {
+                "create": False,
+                "nominalConcurrencyShares": 40,
+                "matchingPrecedence": 850,
+            }
+        },
+    )
     assert not {"FlowSchema", "PriorityLevelConfiguration"} & {o["kind"] for o in off}
 
 
@@ -367,8 +386,13 @@ def operator_container(objs: list[Obj]) -> Obj:
 def test_ipvs_policy_flag(helm_env: dict[str, str], policy: str) -> None:
     container = operator_container(render(helm_env, {"operator": {"ipvsPolicy": policy}}))
     assert container["command"] == [
-        "proxy-operator", "--namespace", NAMESPACE, *AGENT_IMAGE_FLAG, "--ipvs-policy", policy,
-    ]  # fmt: skip
+        "proxy-operator",
+        "--namespace",
+        NAMESPACE,
+        *AGENT_IMAGE_FLAG,
+        "--ipvs-policy",
+        policy,
+    ]
 
 
 @pytest.mark.parametrize(
@@ -397,10 +421,12 @@ DIGEST = "sha256:" + "0123456789abcdef" * 4
         ({"tag": "0.2.0"}, "ghcr.io/kpx/kpx-{}:0.2.0"),
         ({"tag": DIGEST}, "ghcr.io/kpx/kpx-{}@" + DIGEST),
         ({"tag": "@" + DIGEST}, "ghcr.io/kpx/kpx-{}@" + DIGEST),
-        ({"repository": "registry.example:5000/kpx/agent", "tag": "dev"},
-         "registry.example:5000/kpx/agent:dev"),
+        (
+            {"repository": "registry.example:5000/kpx/agent", "tag": "dev"},
+            "registry.example:5000/kpx/agent:dev",
+        ),
     ],
-)  # fmt: skip
+)
 def test_images_by_tag_or_digest(helm_env: dict[str, str], image: Obj, ref: str) -> None:
     """operator.image and operator.agentImage: repository:tag, or repository@sha256:... for a
     digest; the agents' image reaches the operator as --agent-image (the operator decides it,
@@ -462,8 +488,12 @@ def test_default_proxyconfiguration(helm_env: dict[str, str]) -> None:
         "app.kubernetes.io/name": "kpx",
         "app.kubernetes.io/part-of": "kpx",
     }
-    assert pxc["spec"] == {"mode": "nftables", "clusterCIDRs": [], "tolerations": [
-        {"operator": "Exists"}], "metricsBindAddress": "0.0.0.0:10249"}  # fmt: skip
+    assert pxc["spec"] == {
+        "mode": "nftables",
+        "clusterCIDRs": [],
+        "tolerations": [{"operator": "Exists"}],
+        "metricsBindAddress": "0.0.0.0:10249",
+    }
     parse_spec(pxc["spec"])
 
 
@@ -579,42 +609,72 @@ UNKNOWN = "additional properties '{}' not allowed"
         ({"flowControl": {"matchingPrecedence": 0}}, "/flowControl/matchingPrecedence", "0"),
         ({"operator": {"logLevel": "trace"}}, "/operator/logLevel", "'info', 'debug'"),
         ({"agents": {"logLevel": 4}}, "/agents/logLevel", "string"),
-        ({"operator": {"podDisruptionBudget": {"enabled": True, "minAvailable": 1}}},
-         "/operator/podDisruptionBudget", UNKNOWN.format("minAvailable")),
-        ({"operator": {"podDisruptionBudget": {"enabled": True, "maxUnavailable": "half"}}},
-         "/podDisruptionBudget/maxUnavailable", "half"),
+        (
+            {"operator": {"podDisruptionBudget": {"enabled": True, "minAvailable": 1}}},
+            "/operator/podDisruptionBudget",
+            UNKNOWN.format("minAvailable"),
+        ),
+        (
+            {"operator": {"podDisruptionBudget": {"enabled": True, "maxUnavailable": "half"}}},
+            "/podDisruptionBudget/maxUnavailable",
+            "half",
+        ),
         ({"operator": {"updateStrategy": {"type": "OnDelete"}}}, "/updateStrategy/type", "one of"),
-        ({"operator": {"affinity": {"nodeAfinity": {}}}}, "/operator/affinity",
-         UNKNOWN.format("nodeAfinity")),
-        ({"operator": {"topologySpreadConstraints": [{"maxSkew": 1}]}},
-         "/topologySpreadConstraints/0", "missing properties"),
+        (
+            {"operator": {"affinity": {"nodeAfinity": {}}}},
+            "/operator/affinity",
+            UNKNOWN.format("nodeAfinity"),
+        ),
+        (
+            {"operator": {"topologySpreadConstraints": [{"maxSkew": 1}]}},
+            "/topologySpreadConstraints/0",
+            "missing properties",
+        ),
         ({"operator": {"extraEnv": [{"value": "x"}]}}, "/operator/extraEnv/0", "name"),
         ({"operator": {"extraArgs": "-v"}}, "/operator/extraArgs", "array"),
         ({"operator": {"podLabels": {"team": 1}}}, "/operator/podLabels/team", "string"),
         ({"operator": {"podLabels": {"team": "a/b"}}}, "/operator/podLabels/team", "a/b"),
-        ({"operator": {"podAnnotations": {"-x": "1"}}}, "/operator/podAnnotations",
-         UNKNOWN.format("-x")),
-        ({"operator": {"serviceAccount": {"name": "Bad_Name"}}}, "/serviceAccount/name",
-         "Bad_Name"),
+        (
+            {"operator": {"podAnnotations": {"-x": "1"}}},
+            "/operator/podAnnotations",
+            UNKNOWN.format("-x"),
+        ),
+        (
+            {"operator": {"serviceAccount": {"name": "Bad_Name"}}},
+            "/serviceAccount/name",
+            "Bad_Name",
+        ),
         ({"agents": {"metricsOnLoopback": "yes"}}, "/agents/metricsOnLoopback", "boolean"),
         ({"agents": {"podLabels": {"team": 1}}}, "/agents/podLabels/team", "string"),
         ({"agents": {"podLabels": {"team": "a b"}}}, "/agents/podLabels/team", "a b"),
-        ({"agents": {"podAnnotations": {"bad key": "x"}}}, "/agents/podAnnotations",
-         UNKNOWN.format("bad key")),
+        (
+            {"agents": {"podAnnotations": {"bad key": "x"}}},
+            "/agents/podAnnotations",
+            UNKNOWN.format("bad key"),
+        ),
         ({"agents": {"extraEnv": [{"name": "TZ"}]}}, "/agents/extraEnv/0", "value"),
-        ({"agents": {"extraEnv": [{"name": "TZ", "value": "UTC", "valueFrom": {}}]}},
-         "/agents/extraEnv/0", UNKNOWN.format("valueFrom")),
-        ({"agents": {"serviceAccount": {"name": "x"}}}, "/agents/serviceAccount",
-         UNKNOWN.format("name")),
+        (
+            {"agents": {"extraEnv": [{"name": "TZ", "value": "UTC", "valueFrom": {}}]}},
+            "/agents/extraEnv/0",
+            UNKNOWN.format("valueFrom"),
+        ),
+        (
+            {"agents": {"serviceAccount": {"name": "x"}}},
+            "/agents/serviceAccount",
+            UNKNOWN.format("name"),
+        ),
         ({"rbac": {"enabled": True}}, "/rbac", UNKNOWN.format("enabled")),
         ({"crds": {"upgrade": True}}, "/crds", UNKNOWN.format("upgrade")),
         ({"fullnameOverride": "Kpx"}, "/fullnameOverride", "Kpx"),
         ({"monitoring": {"serviceMonitor": {}}}, "/monitoring", UNKNOWN.format("serviceMonitor")),
-        ({"monitoring": {"podMonitor": {"enabled": True, "interval": "often"}}},
-         "/podMonitor/interval", "often"),
+        (
+            {"monitoring": {"podMonitor": {"enabled": True, "interval": "often"}}},
+            "/podMonitor/interval",
+            "often",
+        ),
         ({"tests": {"timeoutSeconds": 0}}, "/tests/timeoutSeconds", "0"),
     ],
-)  # fmt: skip
+)
 def test_schema_rejects(helm_env: dict[str, str], values: Obj, where: str, what: str) -> None:
     """helm fails before rendering anything, naming the value (a JSON pointer) and the problem."""
     out = template(helm_env, values)
@@ -664,9 +724,11 @@ def names(objs: list[Obj]) -> set[tuple[str, str]]:
 
 @pytest.mark.parametrize(
     ("values", "prefix"),
-    [({"nameOverride": "proxy"}, "proxy"), ({"nameOverride": "x", "fullnameOverride": "edge"},
-                                            "edge")],
-)  # fmt: skip
+    [
+        ({"nameOverride": "proxy"}, "proxy"),
+        ({"nameOverride": "x", "fullnameOverride": "edge"}, "edge"),
+    ],
+)
 def test_name_overrides(helm_env: dict[str, str], values: Obj, prefix: str) -> None:
     objs = render(helm_env, values, tests=True)
     for obj in objs:
@@ -709,10 +771,13 @@ def test_service_accounts_and_rbac_switches(helm_env: dict[str, str]) -> None:
     assert [o["metadata"]["name"] for o in objs if o["kind"] == "ServiceAccount"] == ["kpx-test"]
     pod = the(objs, "Deployment")["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "existing"
-    annotated = render(helm_env, {
-        "operator": {"serviceAccount": {"annotations": {"a": "1"}}},
-        "agents": {"serviceAccount": {"annotations": {"b": "2"}}},
-    })  # fmt: skip
+    annotated = render(
+        helm_env,
+        {
+            "operator": {"serviceAccount": {"annotations": {"a": "1"}}},
+            "agents": {"serviceAccount": {"annotations": {"b": "2"}}},
+        },
+    )
     sas = {o["metadata"]["name"]: o for o in annotated if o["kind"] == "ServiceAccount"}
     assert sas["kpx-operator"]["metadata"]["annotations"] == {"a": "1"}
     assert sas["kpx-agent"]["metadata"]["annotations"] == {"b": "2"}
@@ -737,16 +802,31 @@ def test_operator_pod_values(helm_env: dict[str, str]) -> None:
             "extraEnv": [{"name": "TZ", "value": "UTC"}],
             "podAnnotations": {"example.com/scrape": "true"},
             "podLabels": {"team": "net", "app.kubernetes.io/name": "ignored"},
-            "affinity": {"podAntiAffinity": None,
-                         "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                             "nodeSelectorTerms": [{"matchExpressions": [{
-                                 "key": "kubernetes.io/os", "operator": "In",
-                                 "values": ["linux"]}]}]}}},
+            "affinity": {
+                "podAntiAffinity": None,
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {
+                                        "key": "kubernetes.io/os",
+                                        "operator": "In",
+                                        "values": ["linux"],
+                                    }
+                                ]
+                            }
+                        ]
+                    }
+                },
+            },
             "topologySpreadConstraints": spread,
-            "updateStrategy": {"type": "RollingUpdate",
-                               "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0}},
+            "updateStrategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 1, "maxSurge": 0},
+            },
         }
-    }  # fmt: skip
+    }
     deployment = the(render(helm_env, values), "Deployment")
     template = deployment["spec"]["template"]
     pod, container = template["spec"], template["spec"]["containers"][0]
@@ -754,8 +834,10 @@ def test_operator_pod_values(helm_env: dict[str, str]) -> None:
     assert container["env"][-1] == {"name": "TZ", "value": "UTC"}
     assert template["metadata"]["annotations"] == {"example.com/scrape": "true"}
     assert template["metadata"]["labels"] == {
-        "team": "net", "app.kubernetes.io/name": "kpx-operator", "app.kubernetes.io/part-of": "kpx",
-    }  # fmt: skip
+        "team": "net",
+        "app.kubernetes.io/name": "kpx-operator",
+        "app.kubernetes.io/part-of": "kpx",
+    }
     assert set(pod["affinity"]) == {"nodeAffinity"}  # null removes the default anti-affinity
     assert pod["topologySpreadConstraints"] == spread
     assert deployment["spec"]["strategy"] == values["operator"]["updateStrategy"]
@@ -798,16 +880,22 @@ def test_agents_pod_metadata_and_env_go_through_the_operator(helm_env: dict[str,
     from kpx_operator.builders import Owner, agent_daemonset
     from kpx_operator.cli import build_options, parser
 
-    values = {"agents": {"podAnnotations": {"prometheus.io/scrape": "true", "a": "x=y z"},
-                         "podLabels": {"team": "net"},
-                         "extraEnv": [{"name": "TZ", "value": "UTC"},
-                                      {"name": "HTTPS_PROXY", "value": ""}]}}  # fmt: skip
+    values = {
+        "agents": {
+            "podAnnotations": {"prometheus.io/scrape": "true", "a": "x=y z"},
+            "podLabels": {"team": "net"},
+            "extraEnv": [{"name": "TZ", "value": "UTC"}, {"name": "HTTPS_PROXY", "value": ""}],
+        }
+    }
     objs = render(helm_env, values)
     command = operator_container(objs)["command"]
     assert command[-5:] == [
-        "--agent-pod-annotation=a=x=y z", "--agent-pod-annotation=prometheus.io/scrape=true",
-        "--agent-pod-label=team=net", "--agent-env=TZ=UTC", "--agent-env=HTTPS_PROXY=",
-    ]  # fmt: skip
+        "--agent-pod-annotation=a=x=y z",
+        "--agent-pod-annotation=prometheus.io/scrape=true",
+        "--agent-pod-label=team=net",
+        "--agent-env=TZ=UTC",
+        "--agent-env=HTTPS_PROXY=",
+    ]
     assert command[0] == "proxy-operator"
     options = build_options(parser().parse_args(command[1:]))
     spec = parse_spec(the(objs, "ProxyConfiguration")["spec"])
@@ -827,11 +915,13 @@ def test_agents_pod_metadata_and_env_go_through_the_operator(helm_env: dict[str,
     [
         ({}, "0.0.0.0:10249"),
         ({"metricsOnLoopback": True}, "127.0.0.1:10249"),
-        ({"metricsOnLoopback": True, "common": {"metricsBindAddress": "0.0.0.0:9100"}},
-         "0.0.0.0:9100"),
+        (
+            {"metricsOnLoopback": True, "common": {"metricsBindAddress": "0.0.0.0:9100"}},
+            "0.0.0.0:9100",
+        ),
         ({"common": {"metricsBindAddress": "[::1]:10249"}}, "[::1]:10249"),
     ],
-)  # fmt: skip
+)
 def test_agents_metrics_address(helm_env: dict[str, str], agents: Obj, address: str) -> None:
     spec = the(render(helm_env, {"agents": agents}), "ProxyConfiguration")["spec"]
     assert spec["metricsBindAddress"] == address
@@ -840,12 +930,19 @@ def test_agents_metrics_address(helm_env: dict[str, str], agents: Obj, address: 
 
 def test_pod_monitor(helm_env: dict[str, str]) -> None:
     assert "PodMonitor" not in {o["kind"] for o in render(helm_env)}
-    values = {"monitoring": {"podMonitor": {"enabled": True, "labels": {"release": "prom"},
-                                            "interval": "15s",
-                                            "metricRelabelings": [{"action": "labeldrop",
-                                                                   "regex": "pod"}]}}}  # fmt: skip
-    monitors = {o["metadata"]["name"]: o for o in render(helm_env, values)
-                if o["kind"] == "PodMonitor"}  # fmt: skip
+    values = {
+        "monitoring": {
+            "podMonitor": {
+                "enabled": True,
+                "labels": {"release": "prom"},
+                "interval": "15s",
+                "metricRelabelings": [{"action": "labeldrop", "regex": "pod"}],
+            }
+        }
+    }
+    monitors = {
+        o["metadata"]["name"]: o for o in render(helm_env, values) if o["kind"] == "PodMonitor"
+    }
     assert set(monitors) == {"kpx-agent", "kpx-operator"}
     operator = monitors["kpx-operator"]
     assert operator["spec"]["selector"] == {
@@ -862,10 +959,14 @@ def test_pod_monitor(helm_env: dict[str, str]) -> None:
     assert monitor["spec"]["selector"] == {"matchLabels": {"app.kubernetes.io/name": "kpx-agent"}}
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == ("metrics", "/metrics",
-                                                                          "15s")  # fmt: skip
+    assert (endpoint["port"], endpoint["path"], endpoint["interval"]) == (
+        "metrics",
+        "/metrics",
+        "15s",
+    )
     assert {"action": "replace", "targetLabel": "job", "replacement": "kube-proxy"} in endpoint[
-        "relabelings"]  # fmt: skip
+        "relabelings"
+    ]
     assert endpoint["metricRelabelings"] == [{"action": "labeldrop", "regex": "pod"}]
     values["agents"] = {"metricsOnLoopback": True}
     out = template(helm_env, values)
@@ -888,12 +989,22 @@ def test_metrics_port_matches_the_pod_monitor() -> None:
 
 
 def test_helm_test_hook(helm_env: dict[str, str]) -> None:
-    objs = [o for o in render(helm_env, tests=True)
-            if o["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]  # fmt: skip
+    objs = [
+        o
+        for o in render(helm_env, tests=True)
+        if o["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"
+    ]
     assert sorted(key(o) for o in objs) == sorted(
-        (kind, "kpx-test") for kind in ("ServiceAccount", "Role", "RoleBinding", "ClusterRole",
-                                        "ClusterRoleBinding", "Pod")
-    )  # fmt: skip
+        (kind, "kpx-test")
+        for kind in (
+            "ServiceAccount",
+            "Role",
+            "RoleBinding",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "Pod",
+        )
+    )
     for obj in objs:  # a passed test leaves nothing (helm uninstall deletes no test hook)
         policy = obj["metadata"]["annotations"]["helm.sh/hook-delete-policy"]
         assert policy == "before-hook-creation,hook-succeeded"
@@ -905,7 +1016,10 @@ def test_helm_test_hook(helm_env: dict[str, str]) -> None:
     assert container["command"][2] == (CHART / "files" / "helm-test.py").read_text()
     env = {e["name"]: e["value"] for e in container["env"]}
     assert (env["NAMESPACE"], env["DEPLOYMENT"], env["PROXYCONFIGURATION"]) == (
-        NAMESPACE, "kpx-operator", "default")  # fmt: skip
+        NAMESPACE,
+        "kpx-operator",
+        "default",
+    )
     # Read-only access to exactly the two objects the test reads.
     assert the(objs, "Role")["rules"] == [
         {
@@ -915,12 +1029,22 @@ def test_helm_test_hook(helm_env: dict[str, str]) -> None:
             "verbs": ["get"],
         }
     ]
-    assert the(objs, "ClusterRole")["rules"] == [{"apiGroups": ["proxy.kpx.dev"],
-                                                   "resources": ["proxyconfigurations"],
-                                                   "resourceNames": ["default"],
-                                                   "verbs": ["get"]}]  # fmt: skip
-    own = render(helm_env, {"tests": {"image": {"repository": "registry.example/py", "tag": "3"}},
-                            "proxyConfiguration": {"create": False}}, tests=True)  # fmt: skip
+    assert the(objs, "ClusterRole")["rules"] == [
+        {
+            "apiGroups": ["proxy.kpx.dev"],
+            "resources": ["proxyconfigurations"],
+            "resourceNames": ["default"],
+            "verbs": ["get"],
+        }
+    ]
+    own = render(
+        helm_env,
+        {
+            "tests": {"image": {"repository": "registry.example/py", "tag": "3"}},
+            "proxyConfiguration": {"create": False},
+        },
+        tests=True,
+    )
     assert the(own, "Pod")["spec"]["containers"][0]["image"] == "registry.example/py:3"
     assert "ClusterRole" not in {o["kind"] for o in own if o["metadata"]["name"] == "kpx-test"}
 
@@ -938,18 +1062,40 @@ def _helm_test_module() -> Any:
 def test_helm_test_checks() -> None:
     """The test Pod's judgements (files/helm-test.py), on objects as the apiserver returns them."""
     m = _helm_test_module()
-    deployment = {"metadata": {"generation": 2}, "spec": {"replicas": 2},
-                  "status": {"observedGeneration": 2, "readyReplicas": 2,
-                             "availableReplicas": 2, "updatedReplicas": 2}}  # fmt: skip
+    deployment = {
+        "metadata": {"generation": 2},
+        "spec": {"replicas": 2},
+        "status": {
+            "observedGeneration": 2,
+            "readyReplicas": 2,
+            "availableReplicas": 2,
+            "updatedReplicas": 2,
+        },
+    }
     assert m.deployment_ready(deployment)[0]
-    for field, value in (("readyReplicas", 1), ("availableReplicas", 1), ("updatedReplicas", 1),
-                         ("observedGeneration", 1)):  # fmt: skip
+    for field, value in (
+        ("readyReplicas", 1),
+        ("availableReplicas", 1),
+        ("updatedReplicas", 1),
+        ("observedGeneration", 1),
+    ):
         stale = copy.deepcopy(deployment)
         stale["status"][field] = value
         assert not m.deployment_ready(stale)[0], field
-    pxc = {"metadata": {"generation": 3}, "status": {"conditions": [
-        {"type": "Ready", "status": "True", "reason": "AllAgentsReady", "message": "",
-         "observedGeneration": 3}]}}  # fmt: skip
+    pxc = {
+        "metadata": {"generation": 3},
+        "status": {
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "AllAgentsReady",
+                    "message": "",
+                    "observedGeneration": 3,
+                }
+            ]
+        },
+    }
     assert m.proxyconfiguration_ready(pxc)[0]
     old = copy.deepcopy(pxc)
     old["status"]["conditions"][0]["observedGeneration"] = 2
@@ -993,8 +1139,11 @@ def test_no_stale_text_about_ipvs() -> None:
 #: Values whose content is a Kubernetes (or CRD) object, documented as a whole: the keys of
 #: their defaults (e.g. operator.resources.requests.cpu) are that object's fields.
 OBJECT_VALUES = (
-    "operator.resources", "operator.tolerations", "operator.affinity", "agents.common.tolerations",
-)  # fmt: skip
+    "operator.resources",
+    "operator.tolerations",
+    "operator.affinity",
+    "agents.common.tolerations",
+)
 
 
 def value_keys(node: Any, prefix: str = "") -> Iterator[str]:
@@ -1016,9 +1165,15 @@ def test_docs_document_every_value() -> None:
     keys = list(value_keys(values))
     assert [path for path in keys if path not in rows] == []
     # Not vacuous: the walk reaches nested values and stops at whole objects.
-    assert {"operator.podDisruptionBudget.maxUnavailable", "monitoring.podMonitor.jobName",
-            "agents.common.clusterCIDRs", "operator.resources", "agents.nftables",
-            "operator.podAnnotations", "nameOverride"} <= set(keys)  # fmt: skip
+    assert {
+        "operator.podDisruptionBudget.maxUnavailable",
+        "monitoring.podMonitor.jobName",
+        "agents.common.clusterCIDRs",
+        "operator.resources",
+        "agents.nftables",
+        "operator.podAnnotations",
+        "nameOverride",
+    } <= set(keys)
     assert not [k for k in keys if k.startswith("operator.resources.")]
 
 
@@ -1061,8 +1216,15 @@ def test_make_chart_is_a_loadable_chart_repository(
     finally:
         server.shutdown()
         helm(helm_env, "repo", "remove", "kpx-test")
-    packaged = helm(helm_env, "template", "kpx", str(pulled / "kpx-0.1.0.tgz"), "--namespace",
-                    NAMESPACE, *SERVED)  # fmt: skip
+    packaged = helm(
+        helm_env,
+        "template",
+        "kpx",
+        str(pulled / "kpx-0.1.0.tgz"),
+        "--namespace",
+        NAMESPACE,
+        *SERVED,
+    )
     assert packaged.returncode == 0, packaged.stderr
     assert packaged.stdout == template(helm_env).stdout
     # The package holds the test hook's script and no chart crds/ directory.

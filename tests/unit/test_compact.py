@@ -67,9 +67,11 @@ def test_the_model_decides_the_same_from_the_compact_objects(
 def test_what_the_store_keeps_is_what_is_read() -> None:
     service = compact.service(fat(svc()))
     assert service["metadata"] == {
-        "name": "web", "namespace": "default", "creationTimestamp": "2026-11-26T10:00:00Z",
+        "name": "web",
+        "namespace": "default",
+        "creationTimestamp": "2026-11-26T10:00:00Z",
         "annotations": {"service.kubernetes.io/topology-mode": "Auto"},
-    }  # fmt: skip
+    }
     assert "selector" not in service["spec"]
     (endpoint,) = compact.endpoint_slice(fat(eps(ep("10.244.1.2"))))["endpoints"]
     assert "targetRef" not in endpoint

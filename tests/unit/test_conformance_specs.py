@@ -26,8 +26,14 @@ LISTED = [
 def test_the_proxy_suite_runs_conformance_and_proxy_specs_and_names_why_others_do_not() -> None:
     run, skipped = specs.selected(specs.SUITES["proxy"], LISTED)
     assert run == [
-        LISTED[0], LISTED[1], LISTED[2], LISTED[5], LISTED[7], LISTED[8], LISTED[11],
-    ]  # fmt: skip
+        LISTED[0],
+        LISTED[1],
+        LISTED[2],
+        LISTED[5],
+        LISTED[7],
+        LISTED[8],
+        LISTED[11],
+    ]
     assert skipped["disruptive"] == [LISTED[3]]
     assert skipped["cloud load balancers"] == [LISTED[4]]
     assert skipped["sctp"] == [LISTED[6]]

@@ -74,8 +74,14 @@ def test_deleted_service_and_unchanged_and_tcp() -> None:
 def test_health_targets_count_local_external_endpoints() -> None:
     key = ServicePortKey("shop", "web", "http", Protocol.TCP, 4)
     local = Endpoint(EP1, 8080, local=True)
-    sp = ServicePort(key, 80, node_port=30080, external_endpoints=(local,),
-                     health_check_node_port=32000, external_masquerade=False)  # fmt: skip
+    sp = ServicePort(
+        key,
+        80,
+        node_port=30080,
+        external_endpoints=(local,),
+        health_check_node_port=32000,
+        external_masquerade=False,
+    )
     key6 = ServicePortKey("shop", "web", "http", Protocol.TCP, 6)
     local6 = Endpoint(IP.of("fd00::2"), 8080, True)
     sp6 = ServicePort(key6, 80, health_check_node_port=32000, external_endpoints=(local6,))
@@ -89,9 +95,15 @@ def test_health_targets_count_only_ready_local_endpoints() -> None:
     "should fail health check node port if there are only terminating endpoints")."""
     key = ServicePortKey("shop", "web", "http", Protocol.TCP, 4)
     terminating = EndpointConditions(ready=False, serving=True, terminating=True)
-    sp = ServicePort(key, 80, node_port=30080, external_endpoints=(Endpoint(EP1, 8080, True),),
-                     health_check_node_port=32000, external_masquerade=False,
-                     endpoint_conditions=((EP1, terminating),))  # fmt: skip
+    sp = ServicePort(
+        key,
+        80,
+        node_port=30080,
+        external_endpoints=(Endpoint(EP1, 8080, True),),
+        health_check_node_port=32000,
+        external_masquerade=False,
+        endpoint_conditions=((EP1, terminating),),
+    )
     (target,) = health_targets(NodeLocalState(NodeInfo("n1"), {key: sp})).values()
     assert target == HealthTarget("shop", "web", 0)
     assert response(target)[0] == 503

@@ -32,8 +32,9 @@ from kpx_agent.conntrack.wire import Entry, KernelError, Tuple, WireError
 from kpx_agent.model.types import IP
 from kpx_agent.store.cluster_state import SERVICES, SLICES
 
-FUZZ = settings(max_examples=300, derandomize=True, deadline=None,
-                suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+FUZZ = settings(
+    max_examples=300, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 ip = ipaddress.ip_address
 CLIENT, VIP, EP1, EP2 = "10.244.0.5", "10.96.0.10", "10.244.1.2", "10.244.2.2"
@@ -44,50 +45,110 @@ def udp(family: int, src: str, dst: str, sport: int, dport: int) -> Tuple:
     return Tuple(ip(src).packed, ip(dst).packed, wire.PROTO_UDP, sport, dport)
 
 
-def entry(dst: str, dport: int, reply_src: str, reply_sport: int, status: int = DNATED,
-          sport: int = 40000, client: str = CLIENT, proto: int = 17) -> Entry:  # fmt: skip
+def entry(
+    dst: str,
+    dport: int,
+    reply_src: str,
+    reply_sport: int,
+    status: int = DNATED,
+    sport: int = 40000,
+    client: str = CLIENT,
+    proto: int = 17,
+) -> Entry:
     family = ip(dst).version
-    return Entry(family, Tuple(ip(client).packed, ip(dst).packed, proto, sport, dport),
-                 Tuple(ip(reply_src).packed, ip(client).packed, proto, reply_sport, sport), status,
-                 id=abs(hash((dst, dport, reply_src, reply_sport, sport))) % 2**32)  # fmt: skip
+    return Entry(
+        family,
+        Tuple(ip(client).packed, ip(dst).packed, proto, sport, dport),
+        Tuple(ip(reply_src).packed, ip(client).packed, proto, reply_sport, sport),
+        status,
+        id=abs(hash((dst, dport, reply_src, reply_sport, sport))) % 2**32,
+    )
 
 
 # ---- golden bytes ---------------------------------------------------------------------------
 
 IPV4_DELETE = bytes.fromhex(
-    "50000000" "0201" "0500" "07000000" "00000000"  # nlmsghdr: 80 bytes, CT_DELETE, REQ|ACK, seq 7
-    "02" "00" "0000"  # nfgenmsg: AF_INET, v0, res_id 0
-    "3400" "0180"  # CTA_TUPLE_ORIG | NLA_F_NESTED, 52 bytes
-    "1400" "0180"  # CTA_TUPLE_IP | NESTED
-    "0800" "0100" "0af40005"  # CTA_IP_V4_SRC 10.244.0.5
-    "0800" "0200" "0a60000a"  # CTA_IP_V4_DST 10.96.0.10
-    "1c00" "0280"  # CTA_TUPLE_PROTO | NESTED
-    "0500" "0100" "11000000"  # CTA_PROTO_NUM 17, padded
-    "0600" "0200" "9c400000"  # CTA_PROTO_SRC_PORT 40000, big-endian, padded
-    "0600" "0300" "00350000"  # CTA_PROTO_DST_PORT 53
-    "0800" "0c00" "1234abcd"  # CTA_ID, big-endian
-)  # fmt: skip
+    "50000000"
+    "0201"
+    "0500"
+    "07000000"
+    "00000000"  # nlmsghdr: 80 bytes, CT_DELETE, REQ|ACK, seq 7
+    "02"
+    "00"
+    "0000"  # nfgenmsg: AF_INET, v0, res_id 0
+    "3400"
+    "0180"  # CTA_TUPLE_ORIG | NLA_F_NESTED, 52 bytes
+    "1400"
+    "0180"  # CTA_TUPLE_IP | NESTED
+    "0800"
+    "0100"
+    "0af40005"  # CTA_IP_V4_SRC 10.244.0.5
+    "0800"
+    "0200"
+    "0a60000a"  # CTA_IP_V4_DST 10.96.0.10
+    "1c00"
+    "0280"  # CTA_TUPLE_PROTO | NESTED
+    "0500"
+    "0100"
+    "11000000"  # CTA_PROTO_NUM 17, padded
+    "0600"
+    "0200"
+    "9c400000"  # CTA_PROTO_SRC_PORT 40000, big-endian, padded
+    "0600"
+    "0300"
+    "00350000"  # CTA_PROTO_DST_PORT 53
+    "0800"
+    "0c00"
+    "1234abcd"  # CTA_ID, big-endian
+)
 IPV6_DELETE = bytes.fromhex(
-    "68000000" "0201" "0500" "08000000" "00000000"  # 104 bytes, CT_DELETE, REQ|ACK, seq 8
-    "0a" "00" "0000"  # AF_INET6
-    "4c00" "0180"  # CTA_TUPLE_ORIG | NESTED
-    "2c00" "0180"  # CTA_TUPLE_IP | NESTED
-    "1400" "0300" "fd000000000000000000000000000005"  # CTA_IP_V6_SRC fd00::5
-    "1400" "0400" "fd000096000000000000000000000010"  # CTA_IP_V6_DST fd00:96::10
-    "1c00" "0280"
-    "0500" "0100" "11000000"
-    "0600" "0200" "9c400000"
-    "0600" "0300" "00350000"
-    "0600" "1200" "00070000"  # CTA_ZONE 7, big-endian u16, padded
-)  # fmt: skip
+    "68000000"
+    "0201"
+    "0500"
+    "08000000"
+    "00000000"  # 104 bytes, CT_DELETE, REQ|ACK, seq 8
+    "0a"
+    "00"
+    "0000"  # AF_INET6
+    "4c00"
+    "0180"  # CTA_TUPLE_ORIG | NESTED
+    "2c00"
+    "0180"  # CTA_TUPLE_IP | NESTED
+    "1400"
+    "0300"
+    "fd000000000000000000000000000005"  # CTA_IP_V6_SRC fd00::5
+    "1400"
+    "0400"
+    "fd000096000000000000000000000010"  # CTA_IP_V6_DST fd00:96::10
+    "1c00"
+    "0280"
+    "0500"
+    "0100"
+    "11000000"
+    "0600"
+    "0200"
+    "9c400000"
+    "0600"
+    "0300"
+    "00350000"
+    "0600"
+    "1200"
+    "00070000"  # CTA_ZONE 7, big-endian u16, padded
+)
 
 
 def test_delete_messages_are_the_golden_bytes_and_pyroute2_reads_them() -> None:
-    v4 = Entry(4, udp(4, CLIENT, VIP, 40000, 53), udp(4, EP1, CLIENT, 5353, 40000), DNATED,
-               id=0x1234ABCD)  # fmt: skip
+    v4 = Entry(
+        4, udp(4, CLIENT, VIP, 40000, 53), udp(4, EP1, CLIENT, 5353, 40000), DNATED, id=0x1234ABCD
+    )
     assert wire.delete_request(v4, seq=7) == IPV4_DELETE
-    v6 = Entry(6, udp(6, "fd00::5", "fd00:96::10", 40000, 53),
-               udp(6, "fd00::1:2", "fd00::5", 5353, 40000), DNATED, zone=7)  # fmt: skip
+    v6 = Entry(
+        6,
+        udp(6, "fd00::5", "fd00:96::10", 40000, 53),
+        udp(6, "fd00::1:2", "fd00::5", 5353, 40000),
+        DNATED,
+        zone=7,
+    )
     assert wire.delete_request(v6, seq=8) == IPV6_DELETE
     msg = nfct_msg(IPV4_DELETE)
     msg.decode()
@@ -103,8 +164,8 @@ def test_delete_messages_are_the_golden_bytes_and_pyroute2_reads_them() -> None:
 
 def test_dump_request() -> None:
     assert wire.dump_request(4, seq=3) == bytes.fromhex(
-        "14000000" "0101" "0103" "03000000" "00000000" "02000000"  # CT_GET, REQUEST|DUMP
-    )  # fmt: skip
+        "1400000001010103030000000000000002000000"  # CT_GET, REQUEST|DUMP
+    )
     assert wire.dump_request(6)[16] == 10  # AF_INET6
     with pytest.raises(ValueError, match="IP family 5"):
         wire.dump_request(5)
@@ -115,21 +176,40 @@ def pyroute2_entry(e: Entry, flags: int = NLM_F_MULTI) -> bytes:
     v = "V4" if e.family == 4 else "V6"
 
     def tuple_attr(t: Tuple) -> dict[str, Any]:
-        return {"attrs": [
-            ("CTA_TUPLE_IP", {"attrs": [(f"CTA_IP_{v}_SRC", str(ip(t.src))),
-                                        (f"CTA_IP_{v}_DST", str(ip(t.dst)))]}),
-            ("CTA_TUPLE_PROTO", {"attrs": [("CTA_PROTO_NUM", t.proto),
-                                           ("CTA_PROTO_SRC_PORT", t.src_port),
-                                           ("CTA_PROTO_DST_PORT", t.dst_port)]}),
-        ]}  # fmt: skip
+        return {
+            "attrs": [
+                (
+                    "CTA_TUPLE_IP",
+                    {
+                        "attrs": [
+                            (f"CTA_IP_{v}_SRC", str(ip(t.src))),
+                            (f"CTA_IP_{v}_DST", str(ip(t.dst))),
+                        ]
+                    },
+                ),
+                (
+                    "CTA_TUPLE_PROTO",
+                    {
+                        "attrs": [
+                            ("CTA_PROTO_NUM", t.proto),
+                            ("CTA_PROTO_SRC_PORT", t.src_port),
+                            ("CTA_PROTO_DST_PORT", t.dst_port),
+                        ]
+                    },
+                ),
+            ]
+        }
 
     msg = nfct_msg()
     msg["header"]["type"] = wire.NFNL_SUBSYS_CTNETLINK << 8 | wire.IPCTNL_MSG_CT_NEW
     msg["header"]["flags"] = flags
     msg["nfgen_family"] = wire.AF[e.family]
-    msg["attrs"] = [("CTA_TUPLE_ORIG", tuple_attr(e.orig)),
-                    ("CTA_TUPLE_REPLY", tuple_attr(e.reply)),
-                    ("CTA_STATUS", e.status), ("CTA_ID", e.id)]  # fmt: skip
+    msg["attrs"] = [
+        ("CTA_TUPLE_ORIG", tuple_attr(e.orig)),
+        ("CTA_TUPLE_REPLY", tuple_attr(e.reply)),
+        ("CTA_STATUS", e.status),
+        ("CTA_ID", e.id),
+    ]
     if e.zone:
         msg["attrs"].append(("CTA_ZONE", e.zone))
     msg.encode()
@@ -157,8 +237,14 @@ def entries(draw: st.DrawFn) -> Entry:
     def one() -> Tuple:
         return Tuple(draw(addrs), draw(addrs), proto, draw(ports), draw(ports))
 
-    return Entry(family, one(), one(), draw(st.integers(0, 2**32 - 1)),
-                 draw(st.integers(0, 2**32 - 1)), draw(st.integers(0, 65535)))  # fmt: skip
+    return Entry(
+        family,
+        one(),
+        one(),
+        draw(st.integers(0, 2**32 - 1)),
+        draw(st.integers(0, 2**32 - 1)),
+        draw(st.integers(0, 65535)),
+    )
 
 
 @FUZZ
@@ -185,8 +271,9 @@ def test_kernel_answers() -> None:
     interrupted = pyroute2_entry(entry(VIP, 53, EP1, 5353), NLM_F_MULTI | wire.NLM_F_DUMP_INTR)
     assert wire.parse_dump(interrupted).interrupted
     assert wire.parse_ack(error_message(0, 5) + error_message(errno.ENOENT, 6)) == {
-        5: 0, 6: errno.ENOENT,
-    }  # fmt: skip
+        5: 0,
+        6: errno.ENOENT,
+    }
 
 
 GOOD = pyroute2_entry(entry(VIP, 53, EP1, 5353))
@@ -201,13 +288,17 @@ GOOD = pyroute2_entry(entry(VIP, 53, EP1, 5353))
         (GOOD + struct.pack("=IHHII", 16, 0x999, 0, 0, 0), "type 0x999, not a conntrack entry"),
         (struct.pack("=IHHII", 18, 0x100, 0, 0, 0) + b"\x02\x00", "shorter than its nfgenmsg"),
         (struct.pack("=IHHII", 20, 0x100, 0, 0, 0) + b"\x07\x00\x00\x00", "address family 7"),
-        (struct.pack("=IHHII", 20, 0x100, 0, 0, 0) + b"\x02\x00\x00\x00",
-         "no original and reply tuple"),
-        (struct.pack("=IHHIIBBHHH", 24, 0x100, 0, 0, 0, 2, 0, 0, 40, 1),
-         "attribute 1 says length 40"),
+        (
+            struct.pack("=IHHII", 20, 0x100, 0, 0, 0) + b"\x02\x00\x00\x00",
+            "no original and reply tuple",
+        ),
+        (
+            struct.pack("=IHHIIBBHHH", 24, 0x100, 0, 0, 0, 2, 0, 0, 40, 1),
+            "attribute 1 says length 40",
+        ),
         (struct.pack("=IHHII", 16, wire.NLMSG_ERROR, 0, 0, 0), "no error code"),
     ],
-)  # fmt: skip
+)
 def test_malformed_answers_are_wire_errors_naming_the_place(data: bytes, reason: str) -> None:
     with pytest.raises(WireError, match=reason):
         wire.parse_dump(data)
@@ -217,8 +308,10 @@ def test_malformed_attributes_name_the_attribute() -> None:
     """Entries rebuilt by hand with one attribute wrong; the other tuple is a good one."""
     head = b"\x02\x00\x00\x00"  # nfgenmsg, AF_INET
     reply = nl.nested(wire.CTA_TUPLE_REPLY, wire.tuple_attrs(4, udp(4, EP1, CLIENT, 53, 9)))
-    bad_ip = nl.nested(wire.CTA_TUPLE_IP, nl.attr(wire.CTA_IP_V4_SRC, b"\x0a\x00\x00")
-                          + nl.attr(wire.CTA_IP_V4_DST, ip(VIP).packed))  # fmt: skip
+    bad_ip = nl.nested(
+        wire.CTA_TUPLE_IP,
+        nl.attr(wire.CTA_IP_V4_SRC, b"\x0a\x00\x00") + nl.attr(wire.CTA_IP_V4_DST, ip(VIP).packed),
+    )
     body = head + nl.nested(wire.CTA_TUPLE_ORIG, bad_ip) + reply
     with pytest.raises(WireError, match=r"CTA_TUPLE_ORIG\.CTA_TUPLE_IP\.src: 3 bytes, expected 4"):
         wire.parse_entry(body)
@@ -300,8 +393,13 @@ def test_ipv6_filters_match_ipv6_entries_only() -> None:
 
 
 class FakeConntrack:
-    def __init__(self, table: list[Entry], refuse: int = 0, dump_error: Exception | None = None,
-                 delete_seconds: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        table: list[Entry],
+        refuse: int = 0,
+        dump_error: Exception | None = None,
+        delete_seconds: float = 0.0,
+    ) -> None:
         self.table = list(table)
         self.refuse = refuse
         self.dump_error = dump_error
@@ -330,8 +428,10 @@ class FakeConntrack:
         self.closed = True
 
 
-GONE_EP1 = [FlowFilter(4, 53, IP.of(VIP), IP.of(EP1), dnat_port=5353),
-            FlowFilter(4, 30053, None, IP.of(EP1), dnat_port=5353)]  # fmt: skip
+GONE_EP1 = [
+    FlowFilter(4, 53, IP.of(VIP), IP.of(EP1), dnat_port=5353),
+    FlowFilter(4, 30053, None, IP.of(EP1), dnat_port=5353),
+]
 
 
 def test_delete_flows_deletes_exactly_the_matching_entries(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -347,12 +447,16 @@ def test_delete_flows_deletes_exactly_the_matching_entries(monkeypatch: pytest.M
 
 
 def test_kernel_refusals_are_counted_not_raised(caplog: pytest.LogCaptureFixture) -> None:
-    fake = FakeConntrack([entry(VIP, 53, EP1, 5353), entry(VIP, 53, EP1, 5353, sport=2)],
-                         refuse=errno.EPERM)  # fmt: skip
+    fake = FakeConntrack(
+        [entry(VIP, 53, EP1, 5353), entry(VIP, 53, EP1, 5353, sport=2)], refuse=errno.EPERM
+    )
     assert conntrack.delete_flows(GONE_EP1, connect=lambda: fake) == 2
     assert "refused 2 IPv4 deletions: Operation not permitted" in caplog.text
-    for error in (KernelError(errno.EINVAL, "no ctnetlink"), WireError("garbled"),
-                  TimeoutError("no answer")):  # fmt: skip
+    for error in (
+        KernelError(errno.EINVAL, "no ctnetlink"),
+        WireError("garbled"),
+        TimeoutError("no answer"),
+    ):
         failing = FakeConntrack([], dump_error=error)
         assert conntrack.delete_flows(GONE_EP1, connect=lambda f=failing: f) == 2  # both filters
         assert failing.closed

@@ -46,11 +46,15 @@ def test_defaults_are_upstreams() -> None:
 
 @pytest.mark.parametrize(
     "conntrack",
-    [Conntrack(), LEAVE_ALONE, ct(maxPerCore=0, tcpEstablishedTimeout="0s"),
-     ct(maxPerCore=0, tcpEstablishedTimeout="0s", tcpCloseWaitTimeout="0s", udpTimeout="1s"),
-     ct(maxPerCore=1, tcpEstablishedTimeout="0s", tcpCloseWaitTimeout="0s"),
-     ct(maxPerCore=0, tcpEstablishedTimeout="0s", tcpCloseWaitTimeout="0s", tcpBeLiberal=True)],
-)  # fmt: skip
+    [
+        Conntrack(),
+        LEAVE_ALONE,
+        ct(maxPerCore=0, tcpEstablishedTimeout="0s"),
+        ct(maxPerCore=0, tcpEstablishedTimeout="0s", tcpCloseWaitTimeout="0s", udpTimeout="1s"),
+        ct(maxPerCore=1, tcpEstablishedTimeout="0s", tcpCloseWaitTimeout="0s"),
+        ct(maxPerCore=0, tcpEstablishedTimeout="0s", tcpCloseWaitTimeout="0s", tcpBeLiberal=True),
+    ],
+)
 def test_the_operators_rule_agrees_with_the_planner(conntrack: Conntrack) -> None:
     """The operator gives the pod access to the node's values by Conntrack.leaves_node_alone;
     the agent writes what `wanted` says: they must agree."""
@@ -89,21 +93,26 @@ WANT = {cs.MAX: 96, cs.HASHSIZE: 24, cs.TCP_ESTABLISHED: 5}
     ("current", "expected"),
     [
         # Upstream's cases (TestSetupConntrack), with the timeout as it is.
-        ({cs.MAX: None, cs.HASHSIZE: None, cs.TCP_ESTABLISHED: 5},
-         [Write(cs.MAX, 96, None), Write(cs.HASHSIZE, 24, None)]),
+        (
+            {cs.MAX: None, cs.HASHSIZE: None, cs.TCP_ESTABLISHED: 5},
+            [Write(cs.MAX, 96, None), Write(cs.HASHSIZE, 24, None)],
+        ),
         ({cs.MAX: 96, cs.HASHSIZE: 24, cs.TCP_ESTABLISHED: 5}, []),
         ({cs.MAX: 192, cs.HASHSIZE: 48, cs.TCP_ESTABLISHED: 5}, []),  # never lowered
-        ({cs.MAX: 48, cs.HASHSIZE: 12, cs.TCP_ESTABLISHED: 5},
-         [Write(cs.MAX, 96, 48), Write(cs.HASHSIZE, 24, 12)]),
+        (
+            {cs.MAX: 48, cs.HASHSIZE: 12, cs.TCP_ESTABLISHED: 5},
+            [Write(cs.MAX, 96, 48), Write(cs.HASHSIZE, 24, 12)],
+        ),
         ({cs.MAX: 96, cs.HASHSIZE: 0, cs.TCP_ESTABLISHED: 5}, [Write(cs.HASHSIZE, 24, 0)]),
         ({cs.MAX: 48, cs.HASHSIZE: 24, cs.TCP_ESTABLISHED: 5}, [Write(cs.MAX, 96, 48)]),
         # Timeouts are set when they differ, up or down.
-        ({cs.MAX: 96, cs.HASHSIZE: 24, cs.TCP_ESTABLISHED: 432000},
-         [Write(cs.TCP_ESTABLISHED, 5, 432000)]),
-        ({cs.MAX: 96, cs.HASHSIZE: 24, cs.TCP_ESTABLISHED: 1},
-         [Write(cs.TCP_ESTABLISHED, 5, 1)]),
+        (
+            {cs.MAX: 96, cs.HASHSIZE: 24, cs.TCP_ESTABLISHED: 432000},
+            [Write(cs.TCP_ESTABLISHED, 5, 432000)],
+        ),
+        ({cs.MAX: 96, cs.HASHSIZE: 24, cs.TCP_ESTABLISHED: 1}, [Write(cs.TCP_ESTABLISHED, 5, 1)]),
     ],
-)  # fmt: skip
+)
 def test_plan(current: dict[str, int | None], expected: list[Write]) -> None:
     assert cs.plan(WANT, current) == expected
 
@@ -126,10 +135,15 @@ def fake_node(tmp_path: Path, **values: int) -> ConntrackPaths:
 
 
 def test_apply_writes_what_differs_and_nothing_else(tmp_path: Path) -> None:
-    paths = fake_node(tmp_path, nf_conntrack_max=262144, hashsize=1024,
-                      nf_conntrack_tcp_timeout_established=432000,
-                      nf_conntrack_tcp_timeout_close_wait=3600,
-                      nf_conntrack_tcp_be_liberal=0, nf_conntrack_udp_timeout=30)  # fmt: skip
+    paths = fake_node(
+        tmp_path,
+        nf_conntrack_max=262144,
+        hashsize=1024,
+        nf_conntrack_tcp_timeout_established=432000,
+        nf_conntrack_tcp_timeout_close_wait=3600,
+        nf_conntrack_tcp_be_liberal=0,
+        nf_conntrack_udp_timeout=30,
+    )
     before = {p.name: p.stat().st_mtime_ns for p in paths.sysctl_dir.iterdir()}
     conntrack = ct(maxPerCore=32768, min=131072, tcpBeLiberal=True, udpTimeout="30s")
     outcome = cs.apply(conntrack, paths, cpus=2, host_netns=True)
@@ -140,20 +154,28 @@ def test_apply_writes_what_differs_and_nothing_else(tmp_path: Path) -> None:
         (cs.TCP_BE_LIBERAL, 1, 0),
     ]
     read = {p.name: int(p.read_text()) for p in paths.sysctl_dir.iterdir()}
-    assert read == {"nf_conntrack_max": 262144, "nf_conntrack_tcp_timeout_established": 86400,
-                    "nf_conntrack_tcp_timeout_close_wait": 3600, "nf_conntrack_tcp_be_liberal": 1,
-                    "nf_conntrack_udp_timeout": 30}  # fmt: skip
+    assert read == {
+        "nf_conntrack_max": 262144,
+        "nf_conntrack_tcp_timeout_established": 86400,
+        "nf_conntrack_tcp_timeout_close_wait": 3600,
+        "nf_conntrack_tcp_be_liberal": 1,
+        "nf_conntrack_udp_timeout": 30,
+    }
     assert int(paths.hashsize_file.read_text()) == 32768
     # Untouched files were not rewritten (max is higher than wanted, close_wait and udp equal).
-    for name in ("nf_conntrack_max", "nf_conntrack_tcp_timeout_close_wait",
-                 "nf_conntrack_udp_timeout"):  # fmt: skip
+    for name in (
+        "nf_conntrack_max",
+        "nf_conntrack_tcp_timeout_close_wait",
+        "nf_conntrack_udp_timeout",
+    ):
         assert paths.sysctl_dir.joinpath(name).stat().st_mtime_ns == before[name], name
     assert cs.apply(conntrack, paths, cpus=2, host_netns=True).changed == ()  # idempotent
 
 
 def test_outside_the_host_netns_global_values_are_reported_not_written(tmp_path: Path) -> None:
-    paths = fake_node(tmp_path, nf_conntrack_max=1000, hashsize=100,
-                      nf_conntrack_tcp_timeout_established=1)  # fmt: skip
+    paths = fake_node(
+        tmp_path, nf_conntrack_max=1000, hashsize=100, nf_conntrack_tcp_timeout_established=1
+    )
     conntrack = ct(maxPerCore=0, min=0, tcpCloseWaitTimeout="0s")
     conntrack = conntrack.model_copy(update={"max_per_core": 4096})  # 8192 on 2 CPUs
     outcome = cs.apply(conntrack, paths, cpus=2, host_netns=False)
@@ -185,8 +207,9 @@ def test_a_read_only_nf_conntrack_max_means_not_the_host_namespace(tmp_path: Pat
     assert cs.globals_writable(paths)
     paths.of(cs.MAX).chmod(0o444)
     assert not cs.globals_writable(paths)
-    outcome = cs.apply(ct(maxPerCore=4096, tcpEstablishedTimeout="0s",
-                          tcpCloseWaitTimeout="0s"), paths, cpus=2)  # fmt: skip
+    outcome = cs.apply(
+        ct(maxPerCore=4096, tcpEstablishedTimeout="0s", tcpCloseWaitTimeout="0s"), paths, cpus=2
+    )
     assert outcome.changed == () and len(outcome.failures) == 2
     assert paths.of(cs.HASHSIZE).read_text() == "100\n"  # root could write it: it did not
 

@@ -30,17 +30,29 @@ def test_the_demo_runs_the_example_with_kinds_conntrack_max_per_core_0() -> None
 
 
 def test_healthy_means_every_condition_reads_as_when_all_is_well() -> None:
-    healthy = [cond("Ready", "True"), cond("Progressing", "False"), cond("Degraded", "False"),
-               cond("Deprecated", "False"), cond("Preflight", "True"),
-               cond("Reconciling", "False"), cond("Stalled", "False")]  # fmt: skip
+    healthy = [
+        cond("Ready", "True"),
+        cond("Progressing", "False"),
+        cond("Degraded", "False"),
+        cond("Deprecated", "False"),
+        cond("Preflight", "True"),
+        cond("Reconciling", "False"),
+        cond("Stalled", "False"),
+    ]
     assert demo.unhealthy_conditions({"status": {"conditions": healthy}}) == {}
     degraded = [*healthy[:2], cond("Degraded", "True", "ConntrackNotApplied"), *healthy[3:]]
     assert demo.unhealthy_conditions({"status": {"conditions": degraded}}) == {
-        "Degraded": "True ConntrackNotApplied: m"}  # fmt: skip
+        "Degraded": "True ConntrackNotApplied: m"
+    }
     # No status yet is not healthy.
-    assert set(demo.unhealthy_conditions({})) == {"Ready", "Progressing", "Degraded",
-                                                  "Deprecated", "Reconciling",
-                                                  "Stalled"}  # fmt: skip
+    assert set(demo.unhealthy_conditions({})) == {
+        "Ready",
+        "Progressing",
+        "Degraded",
+        "Deprecated",
+        "Reconciling",
+        "Stalled",
+    }
 
 
 def test_healthy_names_every_condition_type_the_operator_reports() -> None:

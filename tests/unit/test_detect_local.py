@@ -33,30 +33,46 @@ def settings(mode: DetectLocalMode, interface: str = "") -> DataplaneSettings:
 # SVC-chain rule and EXT short-circuit rule each backend renders from it.
 CASES = [
     pytest.param(
-        settings(DetectLocalMode.CLUSTER_CIDR), NODE, 4,
+        settings(DetectLocalMode.CLUSTER_CIDR),
+        NODE,
+        4,
         LocalPods(networks=(ip_network("10.244.0.0/16"),)),
-        "ip saddr != 10.244.0.0/16", "! -s 10.244.0.0/16", "-s 10.244.0.0/16",
+        "ip saddr != 10.244.0.0/16",
+        "! -s 10.244.0.0/16",
+        "-s 10.244.0.0/16",
         id="ClusterCIDR",
     ),
     pytest.param(
-        settings(DetectLocalMode.NODE_CIDR), NODE_WITH_CIDRS, 4,
+        settings(DetectLocalMode.NODE_CIDR),
+        NODE_WITH_CIDRS,
+        4,
         LocalPods(networks=(ip_network("10.244.1.0/24"),)),
-        "ip saddr != 10.244.1.0/24", "! -s 10.244.1.0/24", "-s 10.244.1.0/24",
+        "ip saddr != 10.244.1.0/24",
+        "! -s 10.244.1.0/24",
+        "-s 10.244.1.0/24",
         id="NodeCIDR",
     ),
     pytest.param(
-        settings(DetectLocalMode.BRIDGE_INTERFACE, "cbr0"), NODE, 4,
+        settings(DetectLocalMode.BRIDGE_INTERFACE, "cbr0"),
+        NODE,
+        4,
         LocalPods(interface="cbr0"),
-        'iifname != "cbr0"', "! -i cbr0", "-i cbr0",
+        'iifname != "cbr0"',
+        "! -i cbr0",
+        "-i cbr0",
         id="BridgeInterface",
     ),
     pytest.param(
-        settings(DetectLocalMode.INTERFACE_NAME_PREFIX, "veth"), NODE, 4,
+        settings(DetectLocalMode.INTERFACE_NAME_PREFIX, "veth"),
+        NODE,
+        4,
         LocalPods(interface_prefix="veth"),
-        'iifname != "veth*"', "! -i veth+", "-i veth+",
+        'iifname != "veth*"',
+        "! -i veth+",
+        "-i veth+",
         id="InterfaceNamePrefix",
     ),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("cfg", "node", "family", "local", "nft", "ipt_not", "ipt_is"), CASES)

@@ -170,9 +170,10 @@ def test_console_scripts_name_functions_of_the_distribution(folder: str) -> None
         package, _, rest = module.partition(".")
         source = package_dirs(folder)[package] / (rest.replace(".", "/") + ".py")
         defined = {
-            node.name for node in ast.parse(source.read_text()).body
+            node.name
+            for node in ast.parse(source.read_text()).body
             if isinstance(node, ast.FunctionDef)
-        }  # fmt: skip
+        }
         assert function in defined, f"{script} -> {target}: no such function"
 
 
@@ -192,9 +193,8 @@ def closure(name: str) -> set[str]:
         else:
             reqs = [Requirement(r) for r in metadata.requires(current) or []]
         todo += [
-            normalize(r.name) for r in reqs
-            if r.marker is None or r.marker.evaluate({"extra": ""})
-        ]  # fmt: skip
+            normalize(r.name) for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})
+        ]
     return seen
 
 
@@ -245,8 +245,11 @@ def test_importing_the_operator_imports_nothing_of_the_agent() -> None:
     out = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, "PYTHONPATH": path},
-        capture_output=True, text=True, check=True, timeout=60,
-    ).stdout.split()  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.split()
     assert {"kpx_operator", "kpx_kube", "kpx_api", "kopf"} <= set(out)  # it did import them
     agent = {"kpx_agent", "kpx_localstate_client", "grpc", "google", "pyroute2"}
     agent |= {"prometheus_client"}

@@ -33,19 +33,25 @@ ENDPOINT = "10.244.2.2"
 def service(*external_ips: str, name: str = "web", vip: str = "10.96.0.10") -> dict[str, Any]:
     return {
         "metadata": {"namespace": "a", "name": name},
-        "spec": {"clusterIPs": [vip], "ports": [{"port": 80, "protocol": "TCP"}],
-                 "externalIPs": list(external_ips)},
-    }  # fmt: skip
+        "spec": {
+            "clusterIPs": [vip],
+            "ports": [{"port": 80, "protocol": "TCP"}],
+            "externalIPs": list(external_ips),
+        },
+    }
 
 
 def endpoints(ns: str, svc: str, ip: str, port: int = 8080) -> dict[str, Any]:
     return {
-        "metadata": {"namespace": ns, "name": f"{svc}-1",
-                     "labels": {"kubernetes.io/service-name": svc}},
+        "metadata": {
+            "namespace": ns,
+            "name": f"{svc}-1",
+            "labels": {"kubernetes.io/service-name": svc},
+        },
         "addressType": "IPv4",
         "ports": [{"port": port, "protocol": "TCP"}],
         "endpoints": [{"addresses": [ip], "nodeName": "n2"}],
-    }  # fmt: skip
+    }
 
 
 def node(*addresses: str) -> dict[str, Any]:
@@ -57,7 +63,7 @@ def node(*addresses: str) -> dict[str, Any]:
 
 def nft() -> tuple[Any, Any]:
     fake = FakeNftables()
-    return NftablesBackend(DataplaneSettings(), fake), fake  # fmt: skip
+    return NftablesBackend(DataplaneSettings(), fake), fake
 
 
 def ipt() -> tuple[Any, Any]:
@@ -75,8 +81,9 @@ def proxier_with(backend: Any) -> tuple[ClusterState, Proxier]:
 
 
 def from_outside(daddr: str) -> Packet:
-    return Packet(4, WORLD.ext, daddr, TCP, 80, "external", WORLD.fabric,
-                  frozenset({NODE_IP, "127.0.0.1"}))  # fmt: skip
+    return Packet(
+        4, WORLD.ext, daddr, TCP, 80, "external", WORLD.fabric, frozenset({NODE_IP, "127.0.0.1"})
+    )
 
 
 TAKEN = {Outcome("accept", (ENDPOINT, 8080), True)}
@@ -99,9 +106,13 @@ def test_the_nodes_own_address_is_not_taken_by_default(make: Any) -> None:
 def test_the_apiservers_address_is_not_taken_by_default(make: Any) -> None:
     backend, fake = make()
     state, proxier = proxier_with(backend)
-    state.upsert(SERVICES, {"metadata": {"namespace": "default", "name": "kubernetes"},
-                            "spec": {"clusterIPs": ["10.96.0.1"],
-                                     "ports": [{"port": 443, "protocol": "TCP"}]}})  # fmt: skip
+    state.upsert(
+        SERVICES,
+        {
+            "metadata": {"namespace": "default", "name": "kubernetes"},
+            "spec": {"clusterIPs": ["10.96.0.1"], "ports": [{"port": 443, "protocol": "TCP"}]},
+        },
+    )
     state.upsert(SLICES, endpoints("default", "kubernetes", APISERVER_IP, 80))
     state.upsert(SERVICES, service(APISERVER_IP))
     state.upsert(SLICES, endpoints("a", "web", ENDPOINT))
@@ -125,8 +136,9 @@ def test_an_allow_list_takes_only_addresses_inside_it(make: Any) -> None:
 
 # --- the policy and its reports -----------------------------------------------------------------
 
-DEFAULT = ExternalIPPolicy(node_addresses=frozenset({IP.of(NODE_IP)}),
-                           apiserver_addresses=frozenset({IP.of(APISERVER_IP)}))  # fmt: skip
+DEFAULT = ExternalIPPolicy(
+    node_addresses=frozenset({IP.of(NODE_IP)}), apiserver_addresses=frozenset({IP.of(APISERVER_IP)})
+)
 LISTED = ExternalIPPolicy(
     allowed=(ip_network("10.242.0.0/24"), ip_network("2001:db8::/64")),
     node_addresses=frozenset({IP.of(NODE_IP)}),

@@ -37,9 +37,26 @@ SCALARS = st.one_of(
     st.integers(min_value=-(2**40), max_value=2**40),
     st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=20),
-    st.sampled_from(["nftables", "iptables", "ipvs", "external", "30s", "1m", "-1s", "10.0.0.0/8",
-                     "::/0", "0.0.0.0:10256", "[::]:1", "ClusterCIDR", "true", "", "∞"]),
-)  # fmt: skip
+    st.sampled_from(
+        [
+            "nftables",
+            "iptables",
+            "ipvs",
+            "external",
+            "30s",
+            "1m",
+            "-1s",
+            "10.0.0.0/8",
+            "::/0",
+            "0.0.0.0:10256",
+            "[::]:1",
+            "ClusterCIDR",
+            "true",
+            "",
+            "∞",
+        ]
+    ),
+)
 
 
 def documents(keys: list[str]) -> st.SearchStrategy[Any]:
@@ -56,13 +73,41 @@ def documents(keys: list[str]) -> st.SearchStrategy[Any]:
 
 
 AGENT_KEYS = [
-    "apiVersion", "kind", "mode", "nftables", "iptables", "ipvs", "external", "syncPeriod",
-    "minSyncPeriod", "masqueradeBit", "masqueradeAll", "localhostNodePorts", "scheduler",
-    "strictARP", "tcpTimeout", "acknowledgeDeprecation", "image", "conntrack", "maxPerCore",
-    "min", "tcpEstablishedTimeout", "clusterCIDRs", "nodePortAddresses", "detectLocal",
-    "bindAddresses", "healthz", "metrics", "namespaceOptOut", "namespaces", "labelSelector",
-    "rollback", "progressDeadlineSeconds", "enabled", "stateAPI",
-]  # fmt: skip
+    "apiVersion",
+    "kind",
+    "mode",
+    "nftables",
+    "iptables",
+    "ipvs",
+    "external",
+    "syncPeriod",
+    "minSyncPeriod",
+    "masqueradeBit",
+    "masqueradeAll",
+    "localhostNodePorts",
+    "scheduler",
+    "strictARP",
+    "tcpTimeout",
+    "acknowledgeDeprecation",
+    "image",
+    "conntrack",
+    "maxPerCore",
+    "min",
+    "tcpEstablishedTimeout",
+    "clusterCIDRs",
+    "nodePortAddresses",
+    "detectLocal",
+    "bindAddresses",
+    "healthz",
+    "metrics",
+    "namespaceOptOut",
+    "namespaces",
+    "labelSelector",
+    "rollback",
+    "progressDeadlineSeconds",
+    "enabled",
+    "stateAPI",
+]
 
 
 @FUZZ
@@ -101,14 +146,45 @@ def test_agent_configuration_yaml_round_trip(doc: Any) -> None:
 
 
 KUBECONFIG_KEYS = [
-    "apiVersion", "kind", "clusters", "cluster", "users", "user", "contexts", "context", "name",
-    "current-context", "server", "certificate-authority", "certificate-authority-data",
-    "insecure-skip-tls-verify", "disable-compression", "extensions", "extension",
-    "client-certificate", "client-certificate-data", "client-key", "client-key-data", "token",
-    "tokenFile", "exec", "command", "args", "env", "value", "installHint",
-    "provideClusterInfo", "interactiveMode", "proxy-url", "tls-server-name", "auth-provider",
-    "username", "password", "as", "namespace",
-]  # fmt: skip
+    "apiVersion",
+    "kind",
+    "clusters",
+    "cluster",
+    "users",
+    "user",
+    "contexts",
+    "context",
+    "name",
+    "current-context",
+    "server",
+    "certificate-authority",
+    "certificate-authority-data",
+    "insecure-skip-tls-verify",
+    "disable-compression",
+    "extensions",
+    "extension",
+    "client-certificate",
+    "client-certificate-data",
+    "client-key",
+    "client-key-data",
+    "token",
+    "tokenFile",
+    "exec",
+    "command",
+    "args",
+    "env",
+    "value",
+    "installHint",
+    "provideClusterInfo",
+    "interactiveMode",
+    "proxy-url",
+    "tls-server-name",
+    "auth-provider",
+    "username",
+    "password",
+    "as",
+    "namespace",
+]
 
 
 def kubeconfigs() -> st.SearchStrategy[Any]:
@@ -117,16 +193,25 @@ def kubeconfigs() -> st.SearchStrategy[Any]:
     names = st.sampled_from(["a", "b", ""])
     fuzzed = documents(KUBECONFIG_KEYS)
     cluster = st.one_of(
-        fuzzed, st.fixed_dictionaries({"server": st.sampled_from(["https://h", "http://h:1"])},
-                                      optional={"extensions": fuzzed, "exec": fuzzed,
-                                                "certificate-authority-data": SCALARS}),
-    )  # fmt: skip
+        fuzzed,
+        st.fixed_dictionaries(
+            {"server": st.sampled_from(["https://h", "http://h:1"])},
+            optional={"extensions": fuzzed, "exec": fuzzed, "certificate-authority-data": SCALARS},
+        ),
+    )
     user = st.one_of(
-        fuzzed, st.fixed_dictionaries({}, optional={"exec": fuzzed, "token": SCALARS,
-                                                    "tokenFile": SCALARS,
-                                                    "client-key-data": SCALARS,
-                                                    "client-certificate-data": SCALARS}),
-    )  # fmt: skip
+        fuzzed,
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "exec": fuzzed,
+                "token": SCALARS,
+                "tokenFile": SCALARS,
+                "client-key-data": SCALARS,
+                "client-certificate-data": SCALARS,
+            },
+        ),
+    )
     context = st.one_of(fuzzed, st.fixed_dictionaries({"cluster": names, "user": names}))
 
     def named(field: str, value: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:

@@ -40,12 +40,41 @@ SCALARS = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=False, allow_infinity=False),
     st.text(max_size=12),
-    st.sampled_from(["ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR", "Status", "10", "",
-                     "410", "Expired", "kube-system"]),
-)  # fmt: skip
-KEYS = ["type", "object", "metadata", "name", "namespace", "resourceVersion", "labels",
-        "annotations", "managedFields", "kind", "code", "reason", "message", "items",
-        "continue", "spec", "status"]  # fmt: skip
+    st.sampled_from(
+        [
+            "ADDED",
+            "MODIFIED",
+            "DELETED",
+            "BOOKMARK",
+            "ERROR",
+            "Status",
+            "10",
+            "",
+            "410",
+            "Expired",
+            "kube-system",
+        ]
+    ),
+)
+KEYS = [
+    "type",
+    "object",
+    "metadata",
+    "name",
+    "namespace",
+    "resourceVersion",
+    "labels",
+    "annotations",
+    "managedFields",
+    "kind",
+    "code",
+    "reason",
+    "message",
+    "items",
+    "continue",
+    "spec",
+    "status",
+]
 
 
 def documents() -> st.SearchStrategy[Any]:
@@ -64,20 +93,26 @@ def events(draw: st.DrawFn) -> Any:
     """Mostly event-shaped: a known type, an object with metadata of any shape."""
     if draw(st.integers(0, 9)) == 0:
         return draw(documents())
-    meta = draw(st.one_of(
-        documents(),
-        st.fixed_dictionaries({}, optional={
-            "name": st.one_of(st.text(max_size=8), SCALARS),
-            "namespace": st.one_of(st.text(max_size=8), SCALARS),
-            "resourceVersion": st.one_of(st.text("0123456789", max_size=6), documents()),
-            "labels": documents(),
-            "annotations": documents(),
-            "managedFields": documents(),
-        }),
-    ))  # fmt: skip
+    meta = draw(
+        st.one_of(
+            documents(),
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "name": st.one_of(st.text(max_size=8), SCALARS),
+                    "namespace": st.one_of(st.text(max_size=8), SCALARS),
+                    "resourceVersion": st.one_of(st.text("0123456789", max_size=6), documents()),
+                    "labels": documents(),
+                    "annotations": documents(),
+                    "managedFields": documents(),
+                },
+            ),
+        )
+    )
     obj = draw(st.one_of(st.fixed_dictionaries({"metadata": st.just(meta)}), documents()))
-    etype = draw(st.one_of(st.sampled_from(["ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR"]),
-                           SCALARS))  # fmt: skip
+    etype = draw(
+        st.one_of(st.sampled_from(["ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR"]), SCALARS)
+    )
     doc = {"type": etype, "object": obj}
     if draw(st.booleans()):
         doc.pop(draw(st.sampled_from(["type", "object"])))
@@ -180,14 +215,20 @@ def test_any_list_answer_decodes_or_is_a_bad_list(doc: Any) -> None:
         ({"type": "ADDED", "object": {}}, "a ADDED event: the object has no metadata.name"),
         ({"type": "ADDED", "object": {"metadata": "x"}}, "metadata is not an object: 'x'"),
         ({"type": "DELETED", "object": {"metadata": {"name": 7}}}, "metadata.name is not a string"),
-        ({"type": "MODIFIED", "object": {"metadata": {"name": "a", "resourceVersion": 12}}},
-         "a MODIFIED event: metadata.resourceVersion is not a string: 12"),
-        ({"type": "BOOKMARK", "object": {"metadata": {}}},
-         "a BOOKMARK event without a metadata.resourceVersion"),
-        ({"type": "ADDED", "object": {"metadata": {"name": "a", "labels": [1]}}},
-         "metadata.labels is not a map"),
+        (
+            {"type": "MODIFIED", "object": {"metadata": {"name": "a", "resourceVersion": 12}}},
+            "a MODIFIED event: metadata.resourceVersion is not a string: 12",
+        ),
+        (
+            {"type": "BOOKMARK", "object": {"metadata": {}}},
+            "a BOOKMARK event without a metadata.resourceVersion",
+        ),
+        (
+            {"type": "ADDED", "object": {"metadata": {"name": "a", "labels": [1]}}},
+            "metadata.labels is not a map",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_events_name_the_field_and_the_reason(doc: Any, reason: str) -> None:
     with pytest.raises(BadEvent, match=reason.replace("(", r"\(")):
         decode_event(doc)
@@ -196,8 +237,16 @@ def test_bad_events_name_the_field_and_the_reason(doc: Any, reason: str) -> None
 def test_error_events_of_any_shape_are_errors() -> None:
     status = {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}
     assert isinstance(decode_event({"type": "ERROR", "object": status}).error, Gone)
-    for odd in (None, [], "text", {"code": "abc"}, {"code": [410]}, {"code": 1e300},
-                {"code": True}, {"code": "410"}):  # fmt: skip
+    for odd in (
+        None,
+        [],
+        "text",
+        {"code": "abc"},
+        {"code": [410]},
+        {"code": 1e300},
+        {"code": True},
+        {"code": "410"},
+    ):
         error = decode_event({"type": "ERROR", "object": odd}).error
         assert isinstance(error, ApiError)
     assert isinstance(decode_event({"type": "ERROR", "object": {"code": "410"}}).error, Gone)
@@ -215,8 +264,10 @@ def test_a_status_with_a_code_that_is_no_number_is_an_error_of_unknown_status() 
 # ---- a running reflector --------------------------------------------------------------------
 
 
-def run_watching(events_: list[object], lists: list[Any] | None = None,
-                 ) -> tuple[Reflector, FakeApi, list[str]]:  # fmt: skip
+def run_watching(
+    events_: list[object],
+    lists: list[Any] | None = None,
+) -> tuple[Reflector, FakeApi, list[str]]:
     """A reflector that lists (rv 10), watches `events_`, then whatever follows (a relist
     and an empty watch), until the script ends; the failures it had while it waited."""
     api = FakeApi([events_, [], []], lists=lists)
@@ -227,8 +278,9 @@ def run_watching(events_: list[object], lists: list[Any] | None = None,
         seen.append(reflector.failure)
         clock.now += seconds
 
-    reflector = Reflector(api, RES, Names(), backoff=Backoff(clock=clock, rand=lambda: 0.0),
-                          sleep=sleep, clock=clock)  # fmt: skip
+    reflector = Reflector(
+        api, RES, Names(), backoff=Backoff(clock=clock, rand=lambda: 0.0), sleep=sleep, clock=clock
+    )
     with pytest.raises(Stop):  # the script ended: the reflector was still running
         asyncio.run(reflector.run())
     return reflector, api, seen
@@ -268,9 +320,11 @@ def test_an_error_event_with_an_odd_status_ends_the_watch_as_an_error() -> None:
     """Regression: a Status whose code is no number raised ValueError (a relist, and a
     failure); it is an error of unknown status: the watch resumes where it was."""
     reflector, api, _ = run_watching(
-        [{"type": "ADDED", "object": cm("a", "11")},
-         {"type": "ERROR", "object": {"kind": "Status", "code": "abc"}}]
-    )  # fmt: skip
+        [
+            {"type": "ADDED", "object": cm("a", "11")},
+            {"type": "ERROR", "object": {"kind": "Status", "code": "abc"}},
+        ]
+    )
     assert api.kinds()[:3] == ["list", "watch", "watch"] and watched_from(api)[1] == "11"
     assert reflector.failures == 0
 
@@ -309,8 +363,14 @@ def test_a_dead_watch_fails_health_until_the_relist() -> None:
         async def sleep(seconds: float) -> None:
             during.append(dead_watches([(reflector, task)]))
 
-        reflector = Reflector(api, RES, Names(), backoff=Backoff(clock=clock, rand=lambda: 0.0),
-                              sleep=sleep, clock=clock)  # fmt: skip
+        reflector = Reflector(
+            api,
+            RES,
+            Names(),
+            backoff=Backoff(clock=clock, rand=lambda: 0.0),
+            sleep=sleep,
+            clock=clock,
+        )
         task = asyncio.create_task(reflector.run())
         with contextlib.suppress(Stop):
             await task

@@ -18,17 +18,25 @@ Obj = dict[str, Any]
 
 
 def pxc(generation: int = 2, **status: Any) -> Obj:
-    obj: Obj = {"apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyConfiguration",
-                "metadata": {"name": "p", "generation": generation},
-                "spec": {"mode": "nftables"}}  # fmt: skip
+    obj: Obj = {
+        "apiVersion": "proxy.kpx.dev/v1alpha1",
+        "kind": "ProxyConfiguration",
+        "metadata": {"name": "p", "generation": generation},
+        "spec": {"mode": "nftables"},
+    }
     if status:
         obj["status"] = status
     return obj
 
 
 def c(type_: str, status: str, reason: str, message: str = "m") -> Obj:
-    return {"type": type_, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
+    return {
+        "type": type_,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": "2026-01-01T00:00:00Z",
+    }
 
 
 QUIET = [c("Reconciling", "False", "Reconciled"), c("Stalled", "False", "AsExpected")]
@@ -51,23 +59,39 @@ CASES = {
         ("InProgress", "InProgress", "Progressing"),
     ),
     "older side of a conflict": (
-        pxc(observedGeneration=2, conditions=[
-            c("Ready", "True", "AllAgentsReady"), c("Degraded", "True", "NodeConflict"), *QUIET]),
+        pxc(
+            observedGeneration=2,
+            conditions=[
+                c("Ready", "True", "AllAgentsReady"),
+                c("Degraded", "True", "NodeConflict"),
+                *QUIET,
+            ],
+        ),
         ("Current", "Current", "Healthy"),
     ),
     "switch held": (
-        pxc(observedGeneration=2, conditions=[
-            c("Ready", "True", "AllAgentsReady"), c("Reconciling", "False", "Stalled"),
-            c("Stalled", "True", "SettingsNotCarriedOver", "set acceptDropped")]),
+        pxc(
+            observedGeneration=2,
+            conditions=[
+                c("Ready", "True", "AllAgentsReady"),
+                c("Reconciling", "False", "Stalled"),
+                c("Stalled", "True", "SettingsNotCarriedOver", "set acceptDropped"),
+            ],
+        ),
         ("Failed", "Failed", "Degraded"),
     ),
     "retrying a failed pass": (
-        pxc(observedGeneration=2, conditions=[
-            c("Ready", "True", "AllAgentsReady"), c("Reconciling", "True", "ReconcileFailed"),
-            c("Stalled", "False", "AsExpected")]),
+        pxc(
+            observedGeneration=2,
+            conditions=[
+                c("Ready", "True", "AllAgentsReady"),
+                c("Reconciling", "True", "ReconcileFailed"),
+                c("Stalled", "False", "AsExpected"),
+            ],
+        ),
         ("InProgress", "InProgress", "Progressing"),
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", list(CASES))

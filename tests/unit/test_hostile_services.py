@@ -47,19 +47,36 @@ ADDRESSES = st.sampled_from(V4 + V6)
 PORT_NUMBERS = st.sampled_from([0, 1, 53, 80, 443, 8080, 30080, 65535, 65536, -1, "80", None])
 PROTOCOLS = st.sampled_from(["TCP", "UDP", "SCTP", "ICMP", None, 7])
 TIMEOUTS = st.sampled_from([0, 1, 10800, 86400, 86401, "x", None])
-RANGES = st.sampled_from(["10.0.0.0/8", "10.1.0.0/16", "010.0.0.0/8", "::ffff:10.0.0.0/104",
-                          "0.0.0.0/0", "fd00::/8", "bogus", "192.0.2.0/33"])  # fmt: skip
+RANGES = st.sampled_from(
+    [
+        "10.0.0.0/8",
+        "10.1.0.0/16",
+        "010.0.0.0/8",
+        "::ffff:10.0.0.0/104",
+        "0.0.0.0/0",
+        "fd00::/8",
+        "bogus",
+        "192.0.2.0/33",
+    ]
+)
 
 
 @st.composite
 def services(draw: st.DrawFn) -> dict[str, Any]:
     ips = draw(st.lists(ADDRESSES, max_size=3))
-    ports = draw(st.lists(
-        st.fixed_dictionaries({"port": PORT_NUMBERS, "protocol": PROTOCOLS},
-                              optional={"name": st.sampled_from(["http", "dns", "", "p" * 15]),
-                                        "nodePort": PORT_NUMBERS,
-                                        "targetPort": PORT_NUMBERS}),
-        max_size=4))  # fmt: skip
+    ports = draw(
+        st.lists(
+            st.fixed_dictionaries(
+                {"port": PORT_NUMBERS, "protocol": PROTOCOLS},
+                optional={
+                    "name": st.sampled_from(["http", "dns", "", "p" * 15]),
+                    "nodePort": PORT_NUMBERS,
+                    "targetPort": PORT_NUMBERS,
+                },
+            ),
+            max_size=4,
+        )
+    )
     spec: dict[str, Any] = {
         "type": draw(st.sampled_from(["ClusterIP", "NodePort", "LoadBalancer", "ExternalName"])),
         "clusterIP": ips[0] if ips else draw(st.sampled_from(["None", "", None])),
@@ -75,32 +92,57 @@ def services(draw: st.DrawFn) -> dict[str, Any]:
     }
     ingress = [{"ip": ip} for ip in draw(st.lists(ADDRESSES, max_size=2))]
     return {
-        "metadata": {"namespace": draw(NAMESPACE), "name": draw(NAMES),
-                     "creationTimestamp": draw(st.sampled_from(
-                         ["2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z", "garbage", None]))},
+        "metadata": {
+            "namespace": draw(NAMESPACE),
+            "name": draw(NAMES),
+            "creationTimestamp": draw(
+                st.sampled_from(["2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z", "garbage", None])
+            ),
+        },
         "spec": spec,
         "status": {"loadBalancer": {"ingress": ingress}},
-    }  # fmt: skip
+    }
 
 
 @st.composite
 def slices(draw: st.DrawFn) -> dict[str, Any]:
-    endpoints = draw(st.lists(
-        st.fixed_dictionaries({"addresses": st.lists(ADDRESSES, min_size=1, max_size=2)},
-                              optional={"conditions": st.fixed_dictionaries(
-                                  {}, optional={"ready": st.booleans(), "serving": st.booleans(),
-                                                "terminating": st.booleans()}),
-                                        "nodeName": st.sampled_from(["n1", "n2"])}),
-        max_size=5))  # fmt: skip
+    endpoints = draw(
+        st.lists(
+            st.fixed_dictionaries(
+                {"addresses": st.lists(ADDRESSES, min_size=1, max_size=2)},
+                optional={
+                    "conditions": st.fixed_dictionaries(
+                        {},
+                        optional={
+                            "ready": st.booleans(),
+                            "serving": st.booleans(),
+                            "terminating": st.booleans(),
+                        },
+                    ),
+                    "nodeName": st.sampled_from(["n1", "n2"]),
+                },
+            ),
+            max_size=5,
+        )
+    )
     return {
-        "metadata": {"namespace": draw(NAMESPACE), "name": draw(st.sampled_from(["s1", "s2"])),
-                     "labels": {"kubernetes.io/service-name": draw(NAMES)}},
+        "metadata": {
+            "namespace": draw(NAMESPACE),
+            "name": draw(st.sampled_from(["s1", "s2"])),
+            "labels": {"kubernetes.io/service-name": draw(NAMES)},
+        },
         "addressType": draw(st.sampled_from(["IPv4", "IPv6", "FQDN"])),
-        "ports": draw(st.lists(st.fixed_dictionaries(
-            {"port": PORT_NUMBERS, "protocol": PROTOCOLS},
-            optional={"name": st.sampled_from(["http", "dns", ""])}), max_size=3)),
+        "ports": draw(
+            st.lists(
+                st.fixed_dictionaries(
+                    {"port": PORT_NUMBERS, "protocol": PROTOCOLS},
+                    optional={"name": st.sampled_from(["http", "dns", ""])},
+                ),
+                max_size=3,
+            )
+        ),
         "endpoints": endpoints,
-    }  # fmt: skip
+    }
 
 
 EVENTS = st.lists(
@@ -130,9 +172,10 @@ def agent() -> tuple[ClusterState, FakeNftables, Proxier]:
 def kernel(fake: FakeNftables) -> list[str]:
     """The fake's dump without the empty per-endpoint-count maps."""
     return [
-        line for line in fake.dump().splitlines()
+        line
+        for line in fake.dump().splitlines()
         if not (re.match(r"\s*set endpoints-[0-9]+ ", line) and line.endswith("{  }"))
-    ]  # fmt: skip
+    ]
 
 
 @PROPERTY

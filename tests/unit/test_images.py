@@ -87,9 +87,8 @@ def _closure(name: str) -> set[str]:
         else:
             reqs = [Requirement(r) for r in importlib.metadata.requires(current) or []]
         todo += [
-            _normal(r.name) for r in reqs
-            if r.marker is None or r.marker.evaluate({"extra": ""})
-        ]  # fmt: skip
+            _normal(r.name) for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})
+        ]
     return seen
 
 

@@ -65,12 +65,16 @@ def test_mode_packages_do_not_import_each_other(mode: str) -> None:
         ("agents/kpx_agent", ("kpx_operator", "kpx_cluster", "kopf")),
         ("kube/kpx_kube", ("kpx_agent", "kpx_operator", "kpx_cluster", "kopf", "kubernetes")),
         ("operator/kpx_operator", ("kpx_agent", "kpx_cluster")),
-        ("agents/kpx_localstate_client", ("kpx_agent", "kpx_kube", "kpx_operator", "kpx_cluster",
-                                          "kopf")),
-        ("api/kpx_api", ("kpx_agent", "kpx_operator", "kpx_cluster", "aiohttp", "subprocess",
-                         "kopf", "socket")),
+        (
+            "agents/kpx_localstate_client",
+            ("kpx_agent", "kpx_kube", "kpx_operator", "kpx_cluster", "kopf"),
+        ),
+        (
+            "api/kpx_api",
+            ("kpx_agent", "kpx_operator", "kpx_cluster", "aiohttp", "subprocess", "kopf", "socket"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_layers(folder: str, forbidden: tuple[str, ...]) -> None:
     for path in (ROOT / folder).rglob("*.py"):
         package = ".".join(path.relative_to(ROOT / folder.split("/")[0]).parent.parts)
@@ -88,8 +92,13 @@ def test_agent_backends_are_the_modes_the_api_says_have_one() -> None:
 
 #: The product's packages (what the agent and operator distributions ship) and their folders.
 PRODUCT = ("kpx_api", "kpx_kube", "kpx_agent", "kpx_localstate_client", "kpx_operator")
-PRODUCT_FOLDERS = ("api/kpx_api", "kube/kpx_kube", "agents/kpx_agent",
-                   "agents/kpx_localstate_client", "operator/kpx_operator")  # fmt: skip
+PRODUCT_FOLDERS = (
+    "api/kpx_api",
+    "kube/kpx_kube",
+    "agents/kpx_agent",
+    "agents/kpx_localstate_client",
+    "operator/kpx_operator",
+)
 
 
 def test_the_product_imports_nothing_of_the_benchmarks_or_the_tests() -> None:
@@ -220,17 +229,25 @@ AGENT = ROOT / "agents" / "kpx_agent"
 #: nothing below the assembly (agent.py, cli.py) imports it.
 ASSEMBLY = ("agent", "cli")
 AGENT_LAYERS: dict[str, tuple[str, ...]] = {
-    "model": ("store", "sync", "handover", "observability", "conntrack", "backends",
-              "state_api", "settings", *ASSEMBLY),
-    "store": ("sync", "handover", "observability", "conntrack", "backends", "state_api",
-              *ASSEMBLY),
+    "model": (
+        "store",
+        "sync",
+        "handover",
+        "observability",
+        "conntrack",
+        "backends",
+        "state_api",
+        "settings",
+        *ASSEMBLY,
+    ),
+    "store": ("sync", "handover", "observability", "conntrack", "backends", "state_api", *ASSEMBLY),
     "observability": ("sync", "handover", "conntrack", "backends", *ASSEMBLY),
     "conntrack": ("store", "sync", "handover", "observability", *ASSEMBLY),
     "backends": ("store", "sync", "handover", "observability", "conntrack", *ASSEMBLY),
     "handover": ("store", "sync", "observability", *ASSEMBLY),
     "sync": ("handover", *ASSEMBLY),
     "state_api": ("store", "sync", "handover", "conntrack", *ASSEMBLY),
-}  # fmt: skip
+}
 #: The agent's top level: the assembly and the settings, every other module is in a layer.
 AGENT_TOP = {"__init__.py", "agent.py", "cli.py", "settings.py"}
 
@@ -277,9 +294,13 @@ def test_the_layer_rule_sees_what_it_must(tmp_path: Path) -> None:
         "from ..handover.rollback import rollback_due\n"
     )
     assert layer_violations(tmp_path, "model") == {
-        "model/x.py": ["kpx_agent.agent", "kpx_agent.store", "kpx_agent.sync.proxier",
-                       "kpx_agent.sync.proxier.Proxier"],
-    }  # fmt: skip
+        "model/x.py": [
+            "kpx_agent.agent",
+            "kpx_agent.store",
+            "kpx_agent.sync.proxier",
+            "kpx_agent.sync.proxier.Proxier",
+        ],
+    }
     assert layer_violations(tmp_path, "sync") == {
         "sync/y.py": ["kpx_agent.handover.rollback", "kpx_agent.handover.rollback.rollback_due"],
     }
@@ -290,8 +311,19 @@ def test_the_layer_rule_sees_what_it_must(tmp_path: Path) -> None:
 #: Folders scanned: everything of ours that runs (product, harness, benchmarks, tests).
 SCANNED = ("agents", "kube", "operator", "api", "harness", "bench", "tests")
 #: HTTP client modules (`aiohttp` is its client unless `aiohttp.web`, a server).
-HTTP_CLIENTS = ("aiohttp", "urllib.request", "http.client", "requests", "httpx", "urllib3",
-                "kubernetes", "kubernetes_asyncio", "kr8s", "lightkube", "pykube")  # fmt: skip
+HTTP_CLIENTS = (
+    "aiohttp",
+    "urllib.request",
+    "http.client",
+    "requests",
+    "httpx",
+    "urllib3",
+    "kubernetes",
+    "kubernetes_asyncio",
+    "kr8s",
+    "lightkube",
+    "pykube",
+)
 #: Our own HTTP servers (health, metrics, service health checks).
 HTTP_SERVERS = ("aiohttp.web",)
 SERVER_PACKAGES = ("agents/kpx_agent", "operator/kpx_operator")

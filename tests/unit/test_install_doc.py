@@ -29,8 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "install.md"
 KUBEADM = Path(__file__).parent / "kube_proxy_configs" / "kubeadm-v1.36-kube-proxy-configmap.yaml"
 #: What the shell variables of the recipes stand for here.
-VARIABLES = {"$REGISTRY": "registry.example.com/kpx", "$API": "192.0.2.10",
-             "$HOME": "/root"}  # fmt: skip
+VARIABLES = {"$REGISTRY": "registry.example.com/kpx", "$API": "192.0.2.10", "$HOME": "/root"}
 EXISTING = "## Replace kube-proxy on a kubeadm cluster"
 
 
@@ -72,10 +71,16 @@ def test_every_helm_install_renders(tmp_path: Path) -> None:
         assert chart == "charts/kpx", words
         run = subprocess.run(
             [str(helm_binary()), "template", release, str(CHART), *flags],
-            capture_output=True, text=True, timeout=60,
-            env={"HELM_CONFIG_HOME": str(tmp_path), "HELM_CACHE_HOME": str(tmp_path),
-                 "HELM_DATA_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={
+                "HELM_CONFIG_HOME": str(tmp_path),
+                "HELM_CACHE_HOME": str(tmp_path),
+                "HELM_DATA_HOME": str(tmp_path),
+                "PATH": "/usr/bin:/bin",
+            },
+        )
         assert run.returncode == 0, f"{shlex.join(words)}:\n{run.stderr}"
         objs = [o for o in yaml.safe_load_all(run.stdout) if o]
         (deployment,) = [o for o in objs if o["kind"] == "Deployment"]
@@ -95,9 +100,11 @@ def test_the_kubeadm_recipes_use_the_users_registry(tmp_path: Path) -> None:
 
 def test_the_files_the_commands_name_are_in_the_repository() -> None:
     paths = [
-        word for words in sh_commands(DOC.read_text()) for word in words
+        word
+        for words in sh_commands(DOC.read_text())
+        for word in words
         if re.match(r"(charts|crds|examples|operator)/", word)
-    ]  # fmt: skip
+    ]
     assert "charts/kpx" in paths
     assert [p for p in paths if not (REPO / p).exists()] == []
 
@@ -112,8 +119,9 @@ def test_the_namespace_and_its_pod_security_label_come_before_the_chart() -> Non
         install = next(i for i, c in enumerate(commands) if c.startswith("helm install"))
         before = commands[:install]
         assert f"kubectl create namespace {NAMESPACE}" in before, before
-        assert (f"kubectl label namespace {NAMESPACE} "
-                "pod-security.kubernetes.io/enforce=privileged") in before  # fmt: skip
+        assert (
+            f"kubectl label namespace {NAMESPACE} pod-security.kubernetes.io/enforce=privileged"
+        ) in before
     assert "steps 1 and 2 below" in kubeadm.split("**Existing cluster**", 1)[0]
 
 
@@ -124,8 +132,9 @@ def test_an_existing_cluster_is_taken_over_not_cut_over(
     kubeadm v1.36's default ConfigMap, with the doc's flags) and deletes no kube-proxy before
     kpx serves the nodes."""
     existing = DOC.read_text().split("**Existing cluster**", 1)[1]
-    (convert,) = [w for w in sh_commands(existing)
-                  if w[:2] == ["proxy-agent", "convert-kube-proxy-config"]]  # fmt: skip
+    (convert,) = [
+        w for w in sh_commands(existing) if w[:2] == ["proxy-agent", "convert-kube-proxy-config"]
+    ]
     flags = [w for w in convert[2:] if w.startswith("--")]
     assert "--takeover" in flags
     code = main(["convert-kube-proxy-config", *flags, str(KUBEADM)])

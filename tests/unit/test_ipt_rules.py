@@ -30,14 +30,16 @@ from kpx_agent.model.types import IP, Protocol
         (r.Comment("kpx"), "-m comment --comment kpx"),
         (r.Comment("default/web:http/tcp/v4"), '-m comment --comment "default/web:http/tcp/v4"'),
         (r.AddrType.SOURCE_LOCAL, "-m addrtype --src-type LOCAL"),
-        (r.CtState(("RELATED", "ESTABLISHED"), negate=True),
-         "-m conntrack ! --ctstate RELATED,ESTABLISHED"),
+        (
+            r.CtState(("RELATED", "ESTABLISHED"), negate=True),
+            "-m conntrack ! --ctstate RELATED,ESTABLISHED",
+        ),
         (r.Mark(0x4000, negate=True), "-m mark ! --mark 0x4000/0x4000"),
         (r.Random(1 / 3), "-m statistic --mode random --probability 0.3333333333"),
         (r.Recent("KPX-AFF-X"), "-m recent --name KPX-AFF-X --set"),
         (r.Recent("KPX-AFF-X", 60), "-m recent --name KPX-AFF-X --update --seconds 60 --reap"),
     ],
-)  # fmt: skip
+)
 def test_each_match_has_one_restore_text(match: r.Match, text: str) -> None:
     assert r.rule(match, target=r.Verdict.RETURN).text == f"{text} -j RETURN"
 

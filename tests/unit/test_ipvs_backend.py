@@ -53,8 +53,15 @@ def key(name: str, proto: Protocol = Protocol.TCP) -> ServicePortKey:
 
 
 def web(*eps: Endpoint, **extra: Any) -> ServicePort:
-    return ServicePort(key("web"), 80, cluster_ips=(IP.of("10.96.0.10"),), node_port=30080,
-                       cluster_endpoints=eps, external_endpoints=eps, **extra)  # fmt: skip
+    return ServicePort(
+        key("web"),
+        80,
+        cluster_ips=(IP.of("10.96.0.10"),),
+        node_port=30080,
+        cluster_endpoints=eps,
+        external_endpoints=eps,
+        **extra,
+    )
 
 
 def test_a_service_port_becomes_virtual_servers_addresses_and_set_elements() -> None:
@@ -79,10 +86,14 @@ def test_node_port_addresses_scheduler_and_local_policies() -> None:
         node_port_networks=(ip_network("192.168.0.0/24"),), ipvs=IPVSOptions(scheduler="sh")
     )
     plan = plan_port(
-        web(external_masquerade=False, drop_when_no_external_endpoints=True,
-            drop_when_no_cluster_endpoints=True),
-        NODE, settings,
-    )  # fmt: skip
+        web(
+            external_masquerade=False,
+            drop_when_no_external_endpoints=True,
+            drop_when_no_cluster_endpoints=True,
+        ),
+        NODE,
+        settings,
+    )
     node_port = VirtualKey(4, "tcp", "192.168.0.1", 30080)
     assert VirtualKey(4, "tcp", "10.1.0.1", 30080) not in plan.virtual_servers
     assert plan.virtual_servers[node_port].scheduler == "sh"
@@ -94,22 +105,31 @@ def test_node_port_addresses_scheduler_and_local_policies() -> None:
     ("settings", "match"),
     [
         (SETTINGS, "ip saddr != { 10.244.0.0/16 } meta mark set meta mark | 0x00004000"),
-        (DataplaneSettings(masquerade_all=True),
-         "@cluster-ips meta mark set meta mark | 0x00004000"),
-        (DataplaneSettings(detect_local=DetectLocal(DetectLocalMode.BRIDGE_INTERFACE, "cbr0")),
-         'iifname != "cbr0" meta mark'),
-        (DataplaneSettings(detect_local=DetectLocal(DetectLocalMode.INTERFACE_NAME_PREFIX, "veth")),
-         'iifname != "veth*" meta mark'),
+        (
+            DataplaneSettings(masquerade_all=True),
+            "@cluster-ips meta mark set meta mark | 0x00004000",
+        ),
+        (
+            DataplaneSettings(detect_local=DetectLocal(DetectLocalMode.BRIDGE_INTERFACE, "cbr0")),
+            'iifname != "cbr0" meta mark',
+        ),
+        (
+            DataplaneSettings(
+                detect_local=DetectLocal(DetectLocalMode.INTERFACE_NAME_PREFIX, "veth")
+            ),
+            'iifname != "veth*" meta mark',
+        ),
         # Nothing tells local pods apart: only the node's own traffic from a Service IP (as
         # upstream's ipvs mode), not everything.
         (DataplaneSettings(), "ip saddr . meta l4proto . th dport @cluster-ips meta mark set"),
     ],
-)  # fmt: skip
+)
 def test_helper_table_masquerades_what_is_not_from_a_local_pod(
     settings: DataplaneSettings, match: str
 ) -> None:
-    text = base_table(settings, node_facts(settings, NODE)[4],
-                      {CLUSTER_IPS: [(4, "10.96.0.10", "tcp", 80)]})  # fmt: skip
+    text = base_table(
+        settings, node_facts(settings, NODE)[4], {CLUSTER_IPS: [(4, "10.96.0.10", "tcp", 80)]}
+    )
     assert match in text
     assert "meta mark & 0x00004000 == 0x00004000 masquerade" in text
     assert "add element ip kpx-ipvs cluster-ips { 10.96.0.10 . tcp . 80 }" in text
@@ -145,9 +165,15 @@ def test_spec_ipvs_masquerade_all_and_bit_reach_the_helper_table(masquerade_all:
 
 
 def test_load_balancer_source_ranges_let_only_their_sources_through() -> None:
-    port = web(E1, load_balancer_ips=(IP.of("192.0.2.21"),),
-               load_balancer_source_ranges=(ip_network("10.0.0.0/8"), ip_network("10.1.0.0/16"),
-                                            ip_network("fd00::/8")))  # fmt: skip
+    port = web(
+        E1,
+        load_balancer_ips=(IP.of("192.0.2.21"),),
+        load_balancer_source_ranges=(
+            ip_network("10.0.0.0/8"),
+            ip_network("10.1.0.0/16"),
+            ip_network("fd00::/8"),
+        ),
+    )
     plan = plan_port(port, NODE, SETTINGS)
     assert plan.elements[FIREWALL] == {(4, "192.0.2.21", "tcp", 80)}
     # Merged (an interval set refuses overlaps) and of the port's family only.
@@ -155,8 +181,9 @@ def test_load_balancer_source_ranges_let_only_their_sources_through() -> None:
     assert plan.firewall == {vip: (ip_network("10.0.0.0/8"),)}
     allowed = allowed_elements(vip, plan.firewall.values())
     assert allowed == {(4, "192.0.2.21", "tcp", 80, "10.0.0.0/8")}
-    text = base_table(SETTINGS, node_facts(SETTINGS, NODE)[4],
-                      {**plan.elements, FIREWALL_ALLOW: allowed})  # fmt: skip
+    text = base_table(
+        SETTINGS, node_facts(SETTINGS, NODE)[4], {**plan.elements, FIREWALL_ALLOW: allowed}
+    )
     assert "add element ip kpx-ipvs firewall-allow { 192.0.2.21 . tcp . 80 . 10.0.0.0/8 }" in text
     assert (
         "@firewall-ips ip daddr . meta l4proto . th dport . ip saddr != @firewall-allow drop"
@@ -185,8 +212,13 @@ def state(*ports: ServicePort) -> NodeLocalState:
     return local_state(NODE, SETTINGS, ports)
 
 
-DNS = ServicePort(key("dns", Protocol.UDP), 53, cluster_ips=(IP.of("10.96.0.10"),),
-                  cluster_endpoints=(E1, E2), external_endpoints=(E1, E2))  # fmt: skip
+DNS = ServicePort(
+    key("dns", Protocol.UDP),
+    53,
+    cluster_ips=(IP.of("10.96.0.10"),),
+    cluster_endpoints=(E1, E2),
+    external_endpoints=(E1, E2),
+)
 
 
 def test_a_change_to_one_port_touches_only_its_virtual_servers(fake: FakeKernel) -> None:
@@ -323,9 +355,15 @@ def test_two_services_on_one_lb_port_share_the_ranges_both_allow(fake: FakeKerne
     what both allow, and the wider Service's ranges once the narrower one is gone."""
     lb = {"load_balancer_ips": (IP.of("192.0.2.21"),)}
     a = web(E1, load_balancer_source_ranges=(ip_network("10.0.0.0/8"),), **lb)
-    b = ServicePort(**{**_fields(a), "key": key("b"), "cluster_ips": (IP.of("10.96.0.11"),),
-                       "node_port": 30081,
-                       "load_balancer_source_ranges": (ip_network("10.1.0.0/16"),)})  # fmt: skip
+    b = ServicePort(
+        **{
+            **_fields(a),
+            "key": key("b"),
+            "cluster_ips": (IP.of("10.96.0.11"),),
+            "node_port": 30081,
+            "load_balancer_source_ranges": (ip_network("10.1.0.0/16"),),
+        }
+    )
     backend = backend_for(fake)
     backend.sync(state(a), None)
     assert allow_set(fake.scripts()) == {"192.0.2.21 . tcp . 80 . 10.0.0.0/8"}
@@ -342,9 +380,13 @@ def test_a_helper_table_family_the_kernel_refuses_does_not_stop_the_other(
     fake: FakeKernel,
 ) -> None:
     fake.refuse_nft = lambda txn: "Operation not supported" if txn.family == 4 else None
-    six = ServicePort(ServicePortKey("d", "web6", "", Protocol.TCP, 6), 80,
-                      cluster_ips=(IP.of("fd00:96::10"),), cluster_endpoints=(),
-                      external_endpoints=())  # fmt: skip
+    six = ServicePort(
+        ServicePortKey("d", "web6", "", Protocol.TCP, 6),
+        80,
+        cluster_ips=(IP.of("fd00:96::10"),),
+        cluster_endpoints=(),
+        external_endpoints=(),
+    )
     with pytest.raises(backend_mod.BackendError, match="IPv4 helper table"):
         IpvsBackend(SETTINGS, fake).sync(state(web(E1), six), None)
     assert any("fd00:96::10 . tcp . 80" in script for script in fake.scripts())  # IPv6's went in

@@ -42,8 +42,9 @@ def test_requests_are_cut_into_chunks_under_the_limit_in_order() -> None:
 
 
 def test_every_failed_request_is_named() -> None:
-    failed = [(f"add real server 10.0.0.{n}:80 of tcp 10.96.0.1:80", errno.EINVAL)
-              for n in range(25)]  # fmt: skip
+    failed = [
+        (f"add real server 10.0.0.{n}:80 of tcp 10.96.0.1:80", errno.EINVAL) for n in range(25)
+    ]
     text = describe_errors(failed)
     assert text.startswith("25 IPVS request(s) failed: ")
     assert "add real server 10.0.0.0:80 of tcp 10.96.0.1:80: EINVAL (Invalid argument)" in text

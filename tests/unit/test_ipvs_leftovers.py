@@ -33,13 +33,24 @@ def port(name: str, **fields: object) -> ServicePort:
 # load-balancer IP with externalTrafficPolicy Local and a local endpoint (not masqueraded: no
 # helper set names them), and a Service without endpoints.
 PORTS = [
-    port("web", cluster_ips=(IP.of("10.96.0.10"),), cluster_endpoints=(EP,),
-         external_endpoints=(EP,), node_port=30080),
-    port("local", cluster_ips=(IP.of("10.96.0.11"),), cluster_endpoints=(EP,),
-         external_endpoints=(EP,), node_port=30081, external_masquerade=False,
-         load_balancer_ips=(IP.of("203.0.113.7"),)),
+    port(
+        "web",
+        cluster_ips=(IP.of("10.96.0.10"),),
+        cluster_endpoints=(EP,),
+        external_endpoints=(EP,),
+        node_port=30080,
+    ),
+    port(
+        "local",
+        cluster_ips=(IP.of("10.96.0.11"),),
+        cluster_endpoints=(EP,),
+        external_endpoints=(EP,),
+        node_port=30081,
+        external_masquerade=False,
+        load_balancer_ips=(IP.of("203.0.113.7"),),
+    ),
     port("none", cluster_ips=(IP.of("10.96.0.12"),)),
-]  # fmt: skip
+]
 PLANS = [plan_port(p, NODE, SETTINGS) for p in PORTS]
 
 
@@ -105,18 +116,43 @@ def test_a_virtual_server_whose_real_servers_are_not_all_kpxs_endpoints_stays() 
 
 
 # `nft -j list table ip6 kpx-ipvs` (nft 1.0.6), addresses as nft prints them.
-NFT_JSON_V6 = json.dumps({"nftables": [
-    {"metainfo": {"version": "1.0.6"}},
-    {"table": {"family": "ip6", "name": "kpx-ipvs", "handle": 1}},
-    {"set": {"family": "ip6", "name": "cluster-ips", "table": "kpx-ipvs",
-             "type": ["ipv6_addr", "inet_proto", "inet_service"], "handle": 1,
-             "elem": [{"concat": ["fd00:96::a", "tcp", 80]}]}},
-    {"set": {"family": "ip6", "name": "masquerade-ips", "table": "kpx-ipvs",
-             "type": ["ipv6_addr", "inet_proto", "inet_service"], "handle": 2}},
-    {"set": {"family": "ip6", "name": "hairpin", "table": "kpx-ipvs",
-             "type": ["ipv6_addr", "inet_proto", "inet_service", "ipv6_addr"], "handle": 3,
-             "elem": [{"concat": ["fd00:244::5", "udp", 53, "fd00:244::5"]}]}},
-]})  # fmt: skip
+NFT_JSON_V6 = json.dumps(
+    {
+        "nftables": [
+            {"metainfo": {"version": "1.0.6"}},
+            {"table": {"family": "ip6", "name": "kpx-ipvs", "handle": 1}},
+            {
+                "set": {
+                    "family": "ip6",
+                    "name": "cluster-ips",
+                    "table": "kpx-ipvs",
+                    "type": ["ipv6_addr", "inet_proto", "inet_service"],
+                    "handle": 1,
+                    "elem": [{"concat": ["fd00:96::a", "tcp", 80]}],
+                }
+            },
+            {
+                "set": {
+                    "family": "ip6",
+                    "name": "masquerade-ips",
+                    "table": "kpx-ipvs",
+                    "type": ["ipv6_addr", "inet_proto", "inet_service"],
+                    "handle": 2,
+                }
+            },
+            {
+                "set": {
+                    "family": "ip6",
+                    "name": "hairpin",
+                    "table": "kpx-ipvs",
+                    "type": ["ipv6_addr", "inet_proto", "inet_service", "ipv6_addr"],
+                    "handle": 3,
+                    "elem": [{"concat": ["fd00:244::5", "udp", 53, "fd00:244::5"]}],
+                }
+            },
+        ]
+    }
+)
 
 
 def test_parse_marks_reads_the_sets_and_normalises_addresses() -> None:

@@ -33,9 +33,13 @@ def pyroute2_message(cmd: int, attrs: list[tuple[str, Any]]) -> bytes:
 def decoded(data: bytes) -> dict[str, Any]:
     msg = genl.ipvsmsg(data)
     msg.decode()
-    out: dict[str, Any] = {"cmd": msg["cmd"], "version": msg["version"],
-                           "type": msg["header"]["type"], "flags": msg["header"]["flags"],
-                           "seq": msg["header"]["sequence_number"]}  # fmt: skip
+    out: dict[str, Any] = {
+        "cmd": msg["cmd"],
+        "version": msg["version"],
+        "type": msg["header"]["type"],
+        "flags": msg["header"]["flags"],
+        "seq": msg["header"]["sequence_number"],
+    }
     for name, nested in msg["attrs"]:
         for attr, value in nested["attrs"]:
             if attr.endswith("_FLAGS") and not attr.startswith("IPVS_DEST_ATTR_TUN"):
@@ -54,8 +58,9 @@ def test_add_and_change_of_a_virtual_server_say_what_pyroute2_says(
     vs = VirtualServer(key, "wrr", persistence, frozenset())
     for cmd in (wire.NEW_SERVICE, wire.SET_SERVICE):
         ours = wire.message(30, 7, cmd, wire.service_attrs(key, vs))
-        theirs = pyroute2_message(cmd, [("IPVS_CMD_ATTR_SERVICE",
-                                         kernel._service(key, vs).dump_nla())])  # fmt: skip
+        theirs = pyroute2_message(
+            cmd, [("IPVS_CMD_ATTR_SERVICE", kernel._service(key, vs).dump_nla())]
+        )
         assert decoded(ours) == decoded(theirs)
 
 
@@ -66,8 +71,9 @@ def test_virtual_server_keys_and_real_servers_say_what_pyroute2_says(key: Virtua
     ours = wire.message(30, 7, wire.DEL_SERVICE, wire.service_attrs(key))
     assert decoded(ours) == decoded(pyroute2_message(wire.DEL_SERVICE, [key_only]))
     for cmd, weight in ((wire.NEW_DEST, 1), (wire.SET_DEST, 0), (wire.DEL_DEST, 0)):
-        ours = wire.message(30, 7, cmd, wire.service_attrs(key)
-                            + wire.dest_attrs(key.family, address, 8080, weight))  # fmt: skip
+        ours = wire.message(
+            30, 7, cmd, wire.service_attrs(key) + wire.dest_attrs(key.family, address, 8080, weight)
+        )
         dest = ("IPVS_CMD_ATTR_DEST", kernel._dest(address, 8080, weight).dump_nla())
         theirs = decoded(pyroute2_message(cmd, [key_only, dest]))
         assert decoded(ours) == theirs

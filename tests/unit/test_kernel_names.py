@@ -31,9 +31,8 @@ def literal_sites(source: str, literals: tuple[str, ...]) -> list[tuple[int, str
     return [
         (node.lineno, node.value)
         for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Constant) and isinstance(node.value, str)
-        and node.value in literals
-    ]  # fmt: skip
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in literals
+    ]
 
 
 def test_each_kernel_name_is_spelled_once_in_the_names_module() -> None:

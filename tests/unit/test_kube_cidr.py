@@ -33,9 +33,21 @@ def test_read_as_kubernetes_does(text: str, network: str) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "10.0.0.0", "10.0.0.0/33", "256.0.0.0/8", "10.0.0/8", "10.0.0.0/-1", "10.0.0.0/8 ",
-     "fd00::/129", "::ffff:300.0.0.0/104", "10.0.0.0/a", "0x0a.0.0.0/8", " 10.0.0.0/8"],
-)  # fmt: skip
+    [
+        "",
+        "10.0.0.0",
+        "10.0.0.0/33",
+        "256.0.0.0/8",
+        "10.0.0/8",
+        "10.0.0.0/-1",
+        "10.0.0.0/8 ",
+        "fd00::/129",
+        "::ffff:300.0.0.0/104",
+        "10.0.0.0/a",
+        "0x0a.0.0.0/8",
+        " 10.0.0.0/8",
+    ],
+)
 def test_what_kubernetes_does_not_read_either(text: str) -> None:
     with pytest.raises(ValueError):
         parse_cidr_sloppy(text)

@@ -26,8 +26,16 @@ from kpx_operator.apiserver import object_path as operator_path
 
 
 def status_doc(code: int, reason: str, message: str) -> bytes:
-    return orjson.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                         "code": code, "reason": reason, "message": message})  # fmt: skip
+    return orjson.dumps(
+        {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "code": code,
+            "reason": reason,
+            "message": message,
+        }
+    )
 
 
 @pytest.mark.parametrize(
@@ -91,10 +99,17 @@ def test_make_error_keeps_the_old_constructor_order() -> None:
 
 def test_a_get_has_no_body_and_carries_the_token() -> None:
     req = build("get", "/api/v1/pods", params={"limit": "5"}, token="t0k", user_agent="me")
-    assert (req.method, req.path, req.params, req.data) == ("GET", "/api/v1/pods",
-                                                            {"limit": "5"}, None)  # fmt: skip
-    assert req.headers == {"Accept": "application/json", "User-Agent": "me",
-                           "Authorization": "Bearer t0k"}  # fmt: skip
+    assert (req.method, req.path, req.params, req.data) == (
+        "GET",
+        "/api/v1/pods",
+        {"limit": "5"},
+        None,
+    )
+    assert req.headers == {
+        "Accept": "application/json",
+        "User-Agent": "me",
+        "Authorization": "Bearer t0k",
+    }
     assert req.what == "GET /api/v1/pods"
 
 

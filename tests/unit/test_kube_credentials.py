@@ -37,18 +37,31 @@ def doc(**overrides: Any) -> dict[str, Any]:
             {"name": "b", "context": {"cluster": "two", "user": "bob"}},
         ],
         "clusters": [
-            {"name": "one", "cluster": {"server": "https://one:6443/",
-                                        "certificate-authority": "ca.crt"}},
-            {"name": "two", "cluster": {"server": "https://two:6443",
-                                        "certificate-authority": "~/certs/ca.crt",
-                                        "disable-compression": True}},
+            {
+                "name": "one",
+                "cluster": {"server": "https://one:6443/", "certificate-authority": "ca.crt"},
+            },
+            {
+                "name": "two",
+                "cluster": {
+                    "server": "https://two:6443",
+                    "certificate-authority": "~/certs/ca.crt",
+                    "disable-compression": True,
+                },
+            },
         ],
         "users": [
             {"name": "alice", "user": {"token": "alice-token"}},
-            {"name": "bob", "user": {"client-certificate": "/abs/bob.crt",
-                                     "client-key": "keys/bob.key", "tokenFile": "~/tok"}},
+            {
+                "name": "bob",
+                "user": {
+                    "client-certificate": "/abs/bob.crt",
+                    "client-key": "keys/bob.key",
+                    "tokenFile": "~/tok",
+                },
+            },
         ],
-    }  # fmt: skip
+    }
     base.update(overrides)
     return base
 
@@ -84,36 +97,100 @@ def test_explicit_context_home_expansion_and_absolute_paths(
         ({}, "nope", "context: no context named 'nope'"),
         ({"current-context": None}, None, "current-context: not set"),
         ({"current-context": "zzz"}, None, "current-context: no context named 'zzz'"),
-        ({"contexts": [{"name": "a", "context": {"cluster": "x"}}]}, None,
-         "contexts[a].context.cluster: no cluster named 'x'"),
-        ({"contexts": [{"name": "a", "context": {"cluster": "one", "user": "carol"}}]}, None,
-         "contexts[a].context.user: no user named 'carol'"),
-        ({"clusters": [{"name": "one", "cluster": {"server": "one:6443"}}]}, None,
-         "clusters[one].cluster.server: an http(s) URL is needed"),
-        ({"clusters": [{"name": "one", "cluster": {"server": "https://one",
-                                                   "certificate-authority-data": "%%"}}]},
-         None, "clusters[one].cluster.certificate-authority-data: not base64"),
-        ({"clusters": [{"name": "one", "cluster": {"server": "https://one",
-                                                   "proxy-url": "http://proxy"}}]},
-         None, "clusters[one].cluster.proxy-url: not supported"),
-        ({"users": [{"name": "alice", "user": {"client-key-data": "a2V5"}}]}, None,
-         "users[alice].user.client-certificate: needed with the other half"),
-        ({"users": [{"name": "alice", "user": {"client-key": "k", "client-key-data": "a2V5",
-                                               "client-certificate": "c"}}]}, None,
-         "users[alice].user: client-key and client-key-data are both set"),
-        ({"users": [{"name": "alice", "user": {"auth-provider": {"name": "gcp"}}}]}, None,
-         "users[alice].user.auth-provider: not supported"),
-        ({"users": [{"name": "alice", "user": {"exec": {"apiVersion": V1}}}]}, None,
-         "users[alice].user.exec.command: missing"),
-        ({"users": [{"name": "alice", "user": {"exec": {"command": "x", "apiVersion": "v9"}}}]},
-         None, "users[alice].user.exec.apiVersion: 'v9' is not one of"),
-        ({"users": [{"name": "alice", "user": {"exec": {"command": "x", "apiVersion": V1}}}]},
-         None, "users[alice].user.exec.interactiveMode: required by " + V1),
-        ({"users": [{"name": "alice", "user": {"token": "t", "exec": {
-            "command": "x", "apiVersion": V1BETA1}}}]}, None,
-         "users[alice].user: exec and token/tokenFile are both set"),
+        (
+            {"contexts": [{"name": "a", "context": {"cluster": "x"}}]},
+            None,
+            "contexts[a].context.cluster: no cluster named 'x'",
+        ),
+        (
+            {"contexts": [{"name": "a", "context": {"cluster": "one", "user": "carol"}}]},
+            None,
+            "contexts[a].context.user: no user named 'carol'",
+        ),
+        (
+            {"clusters": [{"name": "one", "cluster": {"server": "one:6443"}}]},
+            None,
+            "clusters[one].cluster.server: an http(s) URL is needed",
+        ),
+        (
+            {
+                "clusters": [
+                    {
+                        "name": "one",
+                        "cluster": {"server": "https://one", "certificate-authority-data": "%%"},
+                    }
+                ]
+            },
+            None,
+            "clusters[one].cluster.certificate-authority-data: not base64",
+        ),
+        (
+            {
+                "clusters": [
+                    {
+                        "name": "one",
+                        "cluster": {"server": "https://one", "proxy-url": "http://proxy"},
+                    }
+                ]
+            },
+            None,
+            "clusters[one].cluster.proxy-url: not supported",
+        ),
+        (
+            {"users": [{"name": "alice", "user": {"client-key-data": "a2V5"}}]},
+            None,
+            "users[alice].user.client-certificate: needed with the other half",
+        ),
+        (
+            {
+                "users": [
+                    {
+                        "name": "alice",
+                        "user": {
+                            "client-key": "k",
+                            "client-key-data": "a2V5",
+                            "client-certificate": "c",
+                        },
+                    }
+                ]
+            },
+            None,
+            "users[alice].user: client-key and client-key-data are both set",
+        ),
+        (
+            {"users": [{"name": "alice", "user": {"auth-provider": {"name": "gcp"}}}]},
+            None,
+            "users[alice].user.auth-provider: not supported",
+        ),
+        (
+            {"users": [{"name": "alice", "user": {"exec": {"apiVersion": V1}}}]},
+            None,
+            "users[alice].user.exec.command: missing",
+        ),
+        (
+            {"users": [{"name": "alice", "user": {"exec": {"command": "x", "apiVersion": "v9"}}}]},
+            None,
+            "users[alice].user.exec.apiVersion: 'v9' is not one of",
+        ),
+        (
+            {"users": [{"name": "alice", "user": {"exec": {"command": "x", "apiVersion": V1}}}]},
+            None,
+            "users[alice].user.exec.interactiveMode: required by " + V1,
+        ),
+        (
+            {
+                "users": [
+                    {
+                        "name": "alice",
+                        "user": {"token": "t", "exec": {"command": "x", "apiVersion": V1BETA1}},
+                    }
+                ]
+            },
+            None,
+            "users[alice].user: exec and token/tokenFile are both set",
+        ),
     ],
-)  # fmt: skip
+)
 def test_errors_name_the_field(change: dict[str, Any], context: str | None, message: str) -> None:
     with pytest.raises(KubeconfigError) as err:
         parse(doc(**change), Path("/k"), context=context)
@@ -133,9 +210,14 @@ def test_unreadable_and_merged_kubeconfigs_are_refused(tmp_path: Path) -> None:
 
 
 def test_exec_config_command_resolution_env_and_defaults() -> None:
-    exec_raw = {"apiVersion": V1BETA1, "command": "./bin/get-token", "args": ["--x", "y z"],
-                "env": [{"name": "A", "value": "1"}], "installHint": "install it",
-                "provideClusterInfo": True}  # fmt: skip
+    exec_raw = {
+        "apiVersion": V1BETA1,
+        "command": "./bin/get-token",
+        "args": ["--x", "y z"],
+        "env": [{"name": "A", "value": "1"}],
+        "installHint": "install it",
+        "provideClusterInfo": True,
+    }
     users = [{"name": "alice", "user": {"exec": exec_raw}}]
     ctx = parse(doc(users=users), Path("/etc/kube"))
     ex = ctx.user.exec
@@ -162,12 +244,17 @@ def test_exec_config_command_resolution_env_and_defaults() -> None:
 
 
 def test_exec_info_carries_the_cluster_only_when_asked() -> None:
-    cluster = Cluster(server="https://one:6443", insecure_skip_tls_verify=True,
-                      disable_compression=True, exec_config={"audience": "x"})  # fmt: skip
+    cluster = Cluster(
+        server="https://one:6443",
+        insecure_skip_tls_verify=True,
+        disable_compression=True,
+        exec_config={"audience": "x"},
+    )
     plain = exec_info(ExecConfig(command="x", api_version=V1), cluster, b"CA")
     assert plain == {"apiVersion": V1, "kind": "ExecCredential", "spec": {"interactive": False}}
-    full = exec_info(ExecConfig(command="x", api_version=V1, provide_cluster_info=True),
-                     cluster, b"CA")  # fmt: skip
+    full = exec_info(
+        ExecConfig(command="x", api_version=V1, provide_cluster_info=True), cluster, b"CA"
+    )
     assert full["spec"]["cluster"] == {
         "server": "https://one:6443",
         "insecure-skip-tls-verify": True,
@@ -178,8 +265,9 @@ def test_exec_info_carries_the_cluster_only_when_asked() -> None:
 
 
 def credential(status: Any, api_version: str = V1) -> bytes:
-    return json.dumps({"apiVersion": api_version, "kind": "ExecCredential",
-                       "status": status}).encode()  # fmt: skip
+    return json.dumps(
+        {"apiVersion": api_version, "kind": "ExecCredential", "status": status}
+    ).encode()
 
 
 def test_parse_credential() -> None:
@@ -208,8 +296,11 @@ def test_token_file_is_read_again_for_each_request(tmp_path: Path) -> None:
     token.write_text("one\n")
     users = [{"name": "alice", "user": {"tokenFile": "token"}}]  # relative to the kubeconfig
     path = tmp_path / "kubeconfig"
-    path.write_text(yaml.safe_dump(doc(users=users, clusters=[
-        {"name": "one", "cluster": {"server": "https://one"}}])))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(
+            doc(users=users, clusters=[{"name": "one", "cluster": {"server": "https://one"}}])
+        )
+    )
     creds = from_kubeconfig(path)
     assert asyncio.run(creds.auth()).headers() == {"Authorization": "Bearer one"}
     token.write_text("two")
@@ -221,8 +312,11 @@ def test_in_cluster_reads_the_projected_token_again(tmp_path: Path) -> None:
     (tmp_path / "sa").mkdir()
     (tmp_path / "sa" / "ca.crt").write_bytes(ca.pair.cert.read_bytes())
     (tmp_path / "sa" / "token").write_text("first")
-    env = {"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "6443",
-           "KPX_SERVICEACCOUNT_DIR": str(tmp_path / "sa")}  # fmt: skip
+    env = {
+        "KUBERNETES_SERVICE_HOST": "fd00::1",
+        "KUBERNETES_SERVICE_PORT": "6443",
+        "KPX_SERVICEACCOUNT_DIR": str(tmp_path / "sa"),
+    }
     creds = in_cluster(env)
     assert creds.server == "https://[fd00::1]:6443"
     assert creds.ssl_context.cert_store_stats()["x509_ca"] == 1
@@ -240,12 +334,17 @@ def test_in_cluster_prefers_the_apiserver_addresses_to_the_service_vip(tmp_path:
     (tmp_path / "sa").mkdir()
     (tmp_path / "sa" / "ca.crt").write_bytes(ca.pair.cert.read_bytes())
     (tmp_path / "sa" / "token").write_text("t")
-    env = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443",
-           "KPX_APISERVER_ENDPOINTS": "192.0.2.10:6443,[2001:db8::10]:6443",
-           "KPX_SERVICEACCOUNT_DIR": str(tmp_path / "sa")}  # fmt: skip
+    env = {
+        "KUBERNETES_SERVICE_HOST": "10.96.0.1",
+        "KUBERNETES_SERVICE_PORT": "443",
+        "KPX_APISERVER_ENDPOINTS": "192.0.2.10:6443,[2001:db8::10]:6443",
+        "KPX_SERVICEACCOUNT_DIR": str(tmp_path / "sa"),
+    }
     assert apiserver_candidates(env) == [
-        ("192.0.2.10", 6443), ("2001:db8::10", 6443), ("10.96.0.1", 443),
-    ]  # fmt: skip
+        ("192.0.2.10", 6443),
+        ("2001:db8::10", 6443),
+        ("10.96.0.1", 443),
+    ]
     tried: list[tuple[str, int]] = []
 
     def only_v6(host: str, port: int) -> bool:
@@ -285,8 +384,13 @@ def plugin_kubeconfig(tmp_path: Path) -> Path:
     script.write_text(PLUGIN.format(python=sys.executable))
     script.chmod(0o755)
     count = {"name": "COUNT_FILE", "value": str(tmp_path / "count")}
-    exec_raw = {"apiVersion": V1, "command": "bin/plugin", "args": ["arg"],
-                "interactiveMode": "Never", "env": [count]}  # fmt: skip
+    exec_raw = {
+        "apiVersion": V1,
+        "command": "bin/plugin",
+        "args": ["arg"],
+        "interactiveMode": "Never",
+        "env": [count],
+    }
     config = doc(
         clusters=[{"name": "one", "cluster": {"server": "https://one:6443"}}],
         users=[{"name": "alice", "user": {"exec": exec_raw}}],
@@ -329,10 +433,22 @@ def first_auth_header(creds: Credentials) -> dict[str, str]:
 
 
 def test_exec_plugin_missing_gives_the_install_hint(tmp_path: Path) -> None:
-    config = doc(users=[{"name": "alice", "user": {"exec": {
-        "apiVersion": V1, "command": "/nonexistent/kpx-plugin", "interactiveMode": "Never",
-        "installHint": "get it from example.org"}}}],
-        clusters=[{"name": "one", "cluster": {"server": "https://one"}}])  # fmt: skip
+    config = doc(
+        users=[
+            {
+                "name": "alice",
+                "user": {
+                    "exec": {
+                        "apiVersion": V1,
+                        "command": "/nonexistent/kpx-plugin",
+                        "interactiveMode": "Never",
+                        "installHint": "get it from example.org",
+                    }
+                },
+            }
+        ],
+        clusters=[{"name": "one", "cluster": {"server": "https://one"}}],
+    )
     path = tmp_path / "kubeconfig"
     path.write_text(yaml.safe_dump(config))
     creds = from_kubeconfig(path)
@@ -353,10 +469,22 @@ def test_exec_plugin_missing_gives_the_install_hint(tmp_path: Path) -> None:
 
 def exec_kubeconfig(tmp_path: Path, script: str) -> Path:
     """A kubeconfig whose user runs `script` with this Python as its exec plugin."""
-    config = doc(users=[{"name": "alice", "user": {"exec": {
-        "apiVersion": V1, "command": sys.executable, "args": ["-c", script],
-        "interactiveMode": "Never"}}}],
-        clusters=[{"name": "one", "cluster": {"server": "https://one"}}])  # fmt: skip
+    config = doc(
+        users=[
+            {
+                "name": "alice",
+                "user": {
+                    "exec": {
+                        "apiVersion": V1,
+                        "command": sys.executable,
+                        "args": ["-c", script],
+                        "interactiveMode": "Never",
+                    }
+                },
+            }
+        ],
+        clusters=[{"name": "one", "cluster": {"server": "https://one"}}],
+    )
     path = tmp_path / "kubeconfig"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -417,8 +545,10 @@ def test_key_data_is_loaded_without_a_file(tmp_path: Path) -> None:
     ca = CertificateAuthority(tmp_path / "pki")
     pair = ca.issue("client", "alice")
     key = pair.key.read_bytes()
-    user = {"client-certificate-data": base64.b64encode(pair.cert.read_bytes()).decode(),
-            "client-key-data": base64.b64encode(key).decode()}  # fmt: skip
+    user = {
+        "client-certificate-data": base64.b64encode(pair.cert.read_bytes()).decode(),
+        "client-key-data": base64.b64encode(key).decode(),
+    }
     ca_data = base64.b64encode(ca.pair.cert.read_bytes()).decode()
     cluster = {"server": "https://one", "certificate-authority-data": ca_data}
     path = tmp_path / "kubeconfig"

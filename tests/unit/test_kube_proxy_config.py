@@ -43,23 +43,37 @@ def test_kubeadm_default_configmap_is_kube_proxys_defaults_made_explicit() -> No
         "metadata": {"name": "default"},
         "spec": {
             "mode": "iptables",
-            "iptables": {"masqueradeBit": 14, "masqueradeAll": False, "localhostNodePorts": True,
-                         "syncPeriod": "30s", "minSyncPeriod": "1s"},
+            "iptables": {
+                "masqueradeBit": 14,
+                "masqueradeAll": False,
+                "localhostNodePorts": True,
+                "syncPeriod": "30s",
+                "minSyncPeriod": "1s",
+            },
             "clusterCIDRs": ["10.244.0.0/16"],
             "nodePortAddresses": [],
             "detectLocal": {"mode": "ClusterCIDR"},
-            "conntrack": {"maxPerCore": 32768, "min": 131072, "tcpEstablishedTimeout": "24h",
-                          "tcpCloseWaitTimeout": "1h", "tcpBeLiberal": False,
-                          "udpTimeout": "0s", "udpStreamTimeout": "0s"},
+            "conntrack": {
+                "maxPerCore": 32768,
+                "min": 131072,
+                "tcpEstablishedTimeout": "24h",
+                "tcpCloseWaitTimeout": "1h",
+                "tcpBeLiberal": False,
+                "udpTimeout": "0s",
+                "udpStreamTimeout": "0s",
+            },
             "healthzBindAddress": "0.0.0.0:10256",
             "metricsBindAddress": "127.0.0.1:10249",
             "nodeSelector": {"kubernetes.io/os": "linux"},
             "tolerations": [{"operator": "Exists"}],
         },
-    }  # fmt: skip
+    }
     assert conversion.lost == []
-    assert {d.field for d in conversion.dropped} == {"clientConnection", "conntrack.maxPerCore",
-                                                     "logging"}  # fmt: skip
+    assert {d.field for d in conversion.dropped} == {
+        "clientConnection",
+        "conntrack.maxPerCore",
+        "logging",
+    }
     # kube-proxy's own defaults (what it runs with that ConfigMap) convert to the same.
     written = convert(read_document(WRITTEN.read_text()))
     assert written.proxy_configuration == conversion.proxy_configuration
@@ -78,36 +92,74 @@ def test_every_kube_proxy_field_is_handled() -> None:
 @pytest.mark.parametrize("mode", ["iptables", "nftables", "ipvs"])
 def test_mode_and_its_block_are_carried(mode: str) -> None:
     block = {
-        "iptables": {"masqueradeBit": 3, "masqueradeAll": True, "localhostNodePorts": False,
-                     "syncPeriod": "1m0s", "minSyncPeriod": "2s"},
-        "nftables": {"masqueradeBit": 5, "masqueradeAll": True, "syncPeriod": "45s",
-                     "minSyncPeriod": "0s"},
-        "ipvs": {"scheduler": "wrr", "syncPeriod": "1m0s", "minSyncPeriod": "5s",
-                 "excludeCIDRs": ["10.0.0.0/8"], "strictARP": True, "tcpTimeout": "15m0s",
-                 "tcpFinTimeout": "2m0s", "udpTimeout": "5m0s"},
-    }  # fmt: skip
+        "iptables": {
+            "masqueradeBit": 3,
+            "masqueradeAll": True,
+            "localhostNodePorts": False,
+            "syncPeriod": "1m0s",
+            "minSyncPeriod": "2s",
+        },
+        "nftables": {
+            "masqueradeBit": 5,
+            "masqueradeAll": True,
+            "syncPeriod": "45s",
+            "minSyncPeriod": "0s",
+        },
+        "ipvs": {
+            "scheduler": "wrr",
+            "syncPeriod": "1m0s",
+            "minSyncPeriod": "5s",
+            "excludeCIDRs": ["10.0.0.0/8"],
+            "strictARP": True,
+            "tcpTimeout": "15m0s",
+            "tcpFinTimeout": "2m0s",
+            "udpTimeout": "5m0s",
+        },
+    }
     # upstream's ipvs mode takes masqueradeAll and masqueradeBit from its iptables block
     ipt = {"masqueradeBit": 7, "masqueradeAll": True} if mode == "ipvs" else {}
     spec = spec_of(mode=mode, **{mode: block[mode]}, **({"iptables": ipt} if ipt else {}))
     assert spec["mode"] == mode
     got = spec[mode]
     if mode == "iptables":
-        assert got == {"masqueradeBit": 3, "masqueradeAll": True, "localhostNodePorts": False,
-                       "syncPeriod": "1m", "minSyncPeriod": "2s"}  # fmt: skip
+        assert got == {
+            "masqueradeBit": 3,
+            "masqueradeAll": True,
+            "localhostNodePorts": False,
+            "syncPeriod": "1m",
+            "minSyncPeriod": "2s",
+        }
     elif mode == "nftables":  # a 0s minSyncPeriod is kube-proxy's "default", 1s
-        assert got == {"masqueradeBit": 5, "masqueradeAll": True, "localhostNodePorts": False,
-                       "syncPeriod": "45s", "minSyncPeriod": "1s"}  # fmt: skip
+        assert got == {
+            "masqueradeBit": 5,
+            "masqueradeAll": True,
+            "localhostNodePorts": False,
+            "syncPeriod": "45s",
+            "minSyncPeriod": "1s",
+        }
     else:
-        assert got == {"acknowledgeDeprecation": True, "masqueradeBit": 7, "masqueradeAll": True,
-                       "scheduler": "wrr", "syncPeriod": "1m", "minSyncPeriod": "5s",
-                       "excludeCIDRs": ["10.0.0.0/8"], "strictARP": True, "tcpTimeout": "15m",
-                       "tcpFinTimeout": "2m", "udpTimeout": "5m"}  # fmt: skip
+        assert got == {
+            "acknowledgeDeprecation": True,
+            "masqueradeBit": 7,
+            "masqueradeAll": True,
+            "scheduler": "wrr",
+            "syncPeriod": "1m",
+            "minSyncPeriod": "5s",
+            "excludeCIDRs": ["10.0.0.0/8"],
+            "strictARP": True,
+            "tcpTimeout": "15m",
+            "tcpFinTimeout": "2m",
+            "udpTimeout": "5m",
+        }
     assert [k for k in ("iptables", "nftables", "ipvs") if k in spec] == [mode]
 
 
 def test_settings_of_other_modes_are_named_as_unused_by_kube_proxy_too() -> None:
-    dropped = dropped_of(mode="nftables", iptables={"masqueradeAll": True, "masqueradeBit": 14},
-                         ipvs={"strictARP": True, "scheduler": ""})  # fmt: skip
+    dropped = dropped_of(
+        mode="nftables",
+        iptables={"masqueradeAll": True, "masqueradeBit": 14},
+        ipvs={"strictARP": True, "scheduler": ""},
+    )
     assert dropped == {"iptables.masqueradeAll": False, "ipvs.strictARP": False}
 
 
@@ -121,7 +173,9 @@ def test_an_empty_mode_is_iptables_and_kernelspace_or_unknown_modes_are_refused(
 
 def test_cluster_cidr_dual_stack_and_unmasked() -> None:
     assert spec_of(clusterCIDR="10.244.0.0/16,fd00:10:244::/56")["clusterCIDRs"] == [
-        "10.244.0.0/16", "fd00:10:244::/56"]  # fmt: skip
+        "10.244.0.0/16",
+        "fd00:10:244::/56",
+    ]
     assert spec_of(clusterCIDR="10.244.1.0/16")["clusterCIDRs"] == ["10.244.0.0/16"]
     assert dropped_of(clusterCIDR="10.244.1.0/16")["clusterCIDR"] is False
     with pytest.raises(ConversionError, match="clusterCIDR: 'x' is not a CIDR"):
@@ -133,7 +187,9 @@ def test_cluster_cidr_dual_stack_and_unmasked() -> None:
 def test_node_port_addresses() -> None:
     assert spec_of(nodePortAddresses=["primary"])["nodePortAddresses"] == ["primary"]
     assert spec_of(nodePortAddresses=["192.168.0.0/24", "fd00::/64"])["nodePortAddresses"] == [
-        "192.168.0.0/24", "fd00::/64"]  # fmt: skip
+        "192.168.0.0/24",
+        "fd00::/64",
+    ]
     assert spec_of(nodePortAddresses=None)["nodePortAddresses"] == []
 
 
@@ -142,12 +198,18 @@ def test_node_port_addresses() -> None:
     [
         ({}, "0.0.0.0:10256", "127.0.0.1:10249"),
         ({"bindAddress": "::"}, "[::]:10256", "[::1]:10249"),
-        ({"healthzBindAddress": "0.0.0.0:10266", "metricsBindAddress": "0.0.0.0:10249"},
-         "0.0.0.0:10266", "0.0.0.0:10249"),
-        ({"healthzBindAddress": "10.0.0.1", "metricsBindAddress": "::1"},
-         "10.0.0.1:10256", "[::1]:10249"),
+        (
+            {"healthzBindAddress": "0.0.0.0:10266", "metricsBindAddress": "0.0.0.0:10249"},
+            "0.0.0.0:10266",
+            "0.0.0.0:10249",
+        ),
+        (
+            {"healthzBindAddress": "10.0.0.1", "metricsBindAddress": "::1"},
+            "10.0.0.1:10256",
+            "[::1]:10249",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bind_addresses(fields: dict[str, Any], healthz: str, metrics: str) -> None:
     spec = spec_of(**fields)
     assert (spec["healthzBindAddress"], spec["metricsBindAddress"]) == (healthz, metrics)
@@ -165,13 +227,19 @@ def test_a_specific_bind_address_and_hard_fail_are_named_as_lost() -> None:
     [
         ({}, {"mode": "ClusterCIDR"}),
         ({"detectLocalMode": "NodeCIDR"}, {"mode": "NodeCIDR"}),
-        ({"detectLocalMode": "BridgeInterface", "detectLocal": {"bridgeInterface": "cbr0"}},
-         {"mode": "BridgeInterface", "bridgeInterface": "cbr0"}),
-        ({"detectLocalMode": "InterfaceNamePrefix",
-          "detectLocal": {"interfaceNamePrefix": "veth"}},
-         {"mode": "InterfaceNamePrefix", "interfaceNamePrefix": "veth"}),
+        (
+            {"detectLocalMode": "BridgeInterface", "detectLocal": {"bridgeInterface": "cbr0"}},
+            {"mode": "BridgeInterface", "bridgeInterface": "cbr0"},
+        ),
+        (
+            {
+                "detectLocalMode": "InterfaceNamePrefix",
+                "detectLocal": {"interfaceNamePrefix": "veth"},
+            },
+            {"mode": "InterfaceNamePrefix", "interfaceNamePrefix": "veth"},
+        ),
     ],
-)  # fmt: skip
+)
 def test_detect_local(fields: dict[str, Any], expected: dict[str, str]) -> None:
     assert spec_of(**fields)["detectLocal"] == expected
 
@@ -184,12 +252,24 @@ def test_detect_local_settings_of_another_mode_are_named_and_a_missing_one_refus
 
 
 def test_conntrack_nulls_are_kube_proxys_defaults_and_values_are_carried() -> None:
-    ct = {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s",
-          "tcpCloseWaitTimeout": "30m0s", "tcpBeLiberal": True, "udpTimeout": "30s",
-          "udpStreamTimeout": "2m0s"}  # fmt: skip
+    ct = {
+        "maxPerCore": 0,
+        "min": 0,
+        "tcpEstablishedTimeout": "0s",
+        "tcpCloseWaitTimeout": "30m0s",
+        "tcpBeLiberal": True,
+        "udpTimeout": "30s",
+        "udpStreamTimeout": "2m0s",
+    }
     assert spec_of(conntrack=ct)["conntrack"] == {
-        "maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s", "tcpCloseWaitTimeout": "30m",
-        "tcpBeLiberal": True, "udpTimeout": "30s", "udpStreamTimeout": "2m"}  # fmt: skip
+        "maxPerCore": 0,
+        "min": 0,
+        "tcpEstablishedTimeout": "0s",
+        "tcpCloseWaitTimeout": "30m",
+        "tcpBeLiberal": True,
+        "udpTimeout": "30s",
+        "udpStreamTimeout": "2m",
+    }
     # kind's kube-proxy: maxPerCore 0 (its nodes are containers: the table size is the host's)
     assert "conntrack.maxPerCore" not in dropped_of(conntrack={"maxPerCore": 0})
     assert dropped_of(conntrack={"maxPerCore": 1})["conntrack.maxPerCore"] is False
@@ -201,17 +281,32 @@ def test_feature_gates_are_named_as_lost() -> None:
 
 @pytest.mark.parametrize(
     "field",
-    ["clientConnection", "logging", "hostnameOverride", "enableProfiling",
-     "showHiddenMetricsForVersion", "oomScoreAdj", "configSyncPeriod", "portRange",
-     "windowsRunAsService", "winkernel"],
-)  # fmt: skip
+    [
+        "clientConnection",
+        "logging",
+        "hostnameOverride",
+        "enableProfiling",
+        "showHiddenMetricsForVersion",
+        "oomScoreAdj",
+        "configSyncPeriod",
+        "portRange",
+        "windowsRunAsService",
+        "winkernel",
+    ],
+)
 def test_process_plumbing_is_named_as_a_note(field: str) -> None:
     value: Any = {
-        "clientConnection": {"kubeconfig": "/k", "qps": 5}, "logging": {"verbosity": 2},
-        "hostnameOverride": "n1", "enableProfiling": True, "showHiddenMetricsForVersion": "1.35",
-        "oomScoreAdj": -999, "configSyncPeriod": "15m0s", "portRange": "30000-32767",
-        "windowsRunAsService": True, "winkernel": {"networkName": "x"},
-    }[field]  # fmt: skip
+        "clientConnection": {"kubeconfig": "/k", "qps": 5},
+        "logging": {"verbosity": 2},
+        "hostnameOverride": "n1",
+        "enableProfiling": True,
+        "showHiddenMetricsForVersion": "1.35",
+        "oomScoreAdj": -999,
+        "configSyncPeriod": "15m0s",
+        "portRange": "30000-32767",
+        "windowsRunAsService": True,
+        "winkernel": {"networkName": "x"},
+    }[field]
     assert dropped_of(**{field: value}) == {field: False}
 
 
@@ -264,16 +359,25 @@ def test_cli_prints_the_resource_names_what_is_dropped_and_exits_by_what_is_lost
 
 
 def test_to_nftables_carries_the_shared_settings_and_names_what_only_iptables_does() -> None:
-    doc = {**BASE, "iptables": {"masqueradeAll": True, "syncPeriod": "1m0s"},
-           "conntrack": {"maxPerCore": 0}}  # fmt: skip
+    doc = {
+        **BASE,
+        "iptables": {"masqueradeAll": True, "syncPeriod": "1m0s"},
+        "conntrack": {"maxPerCore": 0},
+    }
     conversion = convert(doc, to_nftables=True)
     spec = conversion.proxy_configuration["spec"]
     assert (spec["mode"], "iptables" in spec) == ("nftables", False)
-    assert spec["nftables"] == {"masqueradeBit": 14, "masqueradeAll": True,
-                                "localhostNodePorts": False,  # the opt-in, written out as off
-                                "syncPeriod": "1m", "minSyncPeriod": "1s"}  # fmt: skip
+    assert spec["nftables"] == {
+        "masqueradeBit": 14,
+        "masqueradeAll": True,
+        "localhostNodePorts": False,  # the opt-in, written out as off
+        "syncPeriod": "1m",
+        "minSyncPeriod": "1s",
+    }
     assert {d.field: d.lost for d in conversion.dropped} == {
-        "iptables.localhostNodePorts": True, "nodePortAddresses": True}  # fmt: skip
+        "iptables.localhostNodePorts": True,
+        "nodePortAddresses": True,
+    }
     (localhost,) = [d for d in conversion.dropped if d.field == "iptables.localhostNodePorts"]
     assert "set nftables.localhostNodePorts: true to keep them" in localhost.render()
     # Neither applies when NodePorts were on listed, non-loopback addresses only.

@@ -29,10 +29,16 @@ def test_nat_removes_kube_proxy_chains_and_jumps_and_keeps_everyone_elses() -> N
     # KUBE-MARK-MASQ is kube-proxy's, but the CNI's hostport chain still jumps to it: kept.
     assert plan.kept == ["KUBE-MARK-MASQ"]
     assert plan.chains == [
-        "KUBE-NODEPORTS", "KUBE-POSTROUTING", "KUBE-PROXY-CANARY",
-        "KUBE-SEP-6E7XQMQ4RAYOWTTM", "KUBE-SEP-IT2ZTR26TO4XFPTO", "KUBE-SERVICES",
-        "KUBE-SVC-ERIFXISQEP7F7OF4", "KUBE-SVC-NPX46M4PTMTKRN6Y", "KUBE-EXT-ERIFXISQEP7F7OF4",
-    ]  # fmt: skip
+        "KUBE-NODEPORTS",
+        "KUBE-POSTROUTING",
+        "KUBE-PROXY-CANARY",
+        "KUBE-SEP-6E7XQMQ4RAYOWTTM",
+        "KUBE-SEP-IT2ZTR26TO4XFPTO",
+        "KUBE-SERVICES",
+        "KUBE-SVC-ERIFXISQEP7F7OF4",
+        "KUBE-SVC-NPX46M4PTMTKRN6Y",
+        "KUBE-EXT-ERIFXISQEP7F7OF4",
+    ]
     script = plan.script()
     for survivor in ("CNI-HOSTPORT-DNAT", "KPX-SERVICES", "KUBE-KUBELET-CANARY"):
         assert survivor not in script
@@ -51,9 +57,13 @@ def test_filter_keeps_the_kubelets_firewall_and_site_rules() -> None:
     assert all("KUBE-FIREWALL" not in jump and "SITE-FILTER" not in jump for jump in plan.jumps)
     assert len(plan.jumps) == 9
     assert plan.chains == [
-        "KUBE-EXTERNAL-SERVICES", "KUBE-FORWARD", "KUBE-NODEPORTS", "KUBE-PROXY-CANARY",
-        "KUBE-PROXY-FIREWALL", "KUBE-SERVICES",
-    ]  # fmt: skip
+        "KUBE-EXTERNAL-SERVICES",
+        "KUBE-FORWARD",
+        "KUBE-NODEPORTS",
+        "KUBE-PROXY-CANARY",
+        "KUBE-PROXY-FIREWALL",
+        "KUBE-SERVICES",
+    ]
     assert "KUBE-FIREWALL" not in plan.script() and plan.kept == []
 
 
@@ -74,16 +84,24 @@ def test_nothing_of_kube_proxy_gives_an_empty_script() -> None:
 
 
 def test_a_chain_reached_only_through_a_kept_chain_is_kept_too() -> None:
-    text = "\n".join([
-        "*nat", ":PREROUTING ACCEPT [0:0]", ":MINE - [0:0]", ":KUBE-SVC-AAAAAAAAAAAAAAAA - [0:0]",
-        ":KUBE-SEP-BBBBBBBBBBBBBBBB - [0:0]",
-        "-A MINE -j KUBE-SVC-AAAAAAAAAAAAAAAA",
-        "-A KUBE-SVC-AAAAAAAAAAAAAAAA -j KUBE-SEP-BBBBBBBBBBBBBBBB",
-        "COMMIT", "",
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            "*nat",
+            ":PREROUTING ACCEPT [0:0]",
+            ":MINE - [0:0]",
+            ":KUBE-SVC-AAAAAAAAAAAAAAAA - [0:0]",
+            ":KUBE-SEP-BBBBBBBBBBBBBBBB - [0:0]",
+            "-A MINE -j KUBE-SVC-AAAAAAAAAAAAAAAA",
+            "-A KUBE-SVC-AAAAAAAAAAAAAAAA -j KUBE-SEP-BBBBBBBBBBBBBBBB",
+            "COMMIT",
+            "",
+        ]
+    )
     plan = plan_table("nat", text)
-    assert plan.chains == [] and plan.kept == ["KUBE-SEP-BBBBBBBBBBBBBBBB",
-                                              "KUBE-SVC-AAAAAAAAAAAAAAAA"]  # fmt: skip
+    assert plan.chains == [] and plan.kept == [
+        "KUBE-SEP-BBBBBBBBBBBBBBBB",
+        "KUBE-SVC-AAAAAAAAAAAAAAAA",
+    ]
     assert "kept" in describe([plan])
 
 

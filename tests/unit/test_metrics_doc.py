@@ -88,8 +88,11 @@ def test_every_agent_metric_has_its_row() -> None:
 
 def test_every_operator_metric_has_its_row() -> None:
     served = operator_metrics()
-    assert {"kpx_operator_reconciles_total", "kpx_operator_reconcile_errors_total",
-            "kpx_operator_reconcile_duration_seconds"} <= set(served)  # fmt: skip
+    assert {
+        "kpx_operator_reconciles_total",
+        "kpx_operator_reconcile_errors_total",
+        "kpx_operator_reconcile_duration_seconds",
+    } <= set(served)
     check(served, rows("## The operator's metrics and health"))
 
 

@@ -10,8 +10,10 @@ from kpx_api.modes import IPVSSettings
 
 
 def svc(name: str, **spec: Any) -> dict[str, Any]:
-    return {"metadata": {"namespace": "d", "name": name},
-            "spec": {"clusterIP": "10.96.0.10", "type": "ClusterIP", **spec}}  # fmt: skip
+    return {
+        "metadata": {"namespace": "d", "name": name},
+        "spec": {"clusterIP": "10.96.0.10", "type": "ClusterIP", **spec},
+    }
 
 
 SERVICES = [
@@ -28,10 +30,15 @@ def topics(findings: list[Any]) -> dict[str, tuple[str, ...]]:
 
 
 def test_every_ipvs_only_setting_and_behaviour_is_listed() -> None:
-    settings = IPVSSettings.model_validate({
-        "acknowledgeDeprecation": True, "scheduler": "lc", "strictARP": True,
-        "excludeCIDRs": ["192.0.2.0/24"], "tcpTimeout": "900s",
-    })  # fmt: skip
+    settings = IPVSSettings.model_validate(
+        {
+            "acknowledgeDeprecation": True,
+            "scheduler": "lc",
+            "strictARP": True,
+            "excludeCIDRs": ["192.0.2.0/24"],
+            "tcpTimeout": "900s",
+        }
+    )
     found = topics(explain(settings, SERVICES))
     assert found["scheduler"] == ("d/plain", "d/sticky", "d/lb")  # headless/ExternalName: none
     assert "timeouts" in found and "strictARP" in found and "excludeCIDRs" in found

@@ -44,10 +44,13 @@ def test_failures_name_every_problem_and_none_when_clean() -> None:
     assert row.endswith("| 4 of 4 | none |")
 
     bad = SwitchResult(
-        "iptables", "nftables", 3, 20.0,
+        "iptables",
+        "nftables",
+        3,
+        20.0,
         [_summary(tcp_failed=1), _summary(udp_failed=2, held_error="reset")],
         {"n1": ["iptables-nft-save: :KPX-SERVICES - [0:0]"]},
-    )  # fmt: skip
+    )
     problems = bad.failures()
     assert len(problems) == 4, problems
     assert any("1 of 100 new connections failed" in p for p in problems)

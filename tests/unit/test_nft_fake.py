@@ -61,15 +61,20 @@ def test_references_types_and_duplicates_are_checked_as_the_kernel_does() -> Non
     as_set = SetDecl(n.SERVICE_IPS, (Field.ADDR, Field.PROTO, Field.PORT))
     lookup = rule(Lookup(vip_key(4), as_set), Verdict.ACCEPT)
     refused(fake, lambda t: t.ops.append(AddRule("services", lookup)), "looked up as a set")
-    refused(fake, lambda t: t.add_elements(n.CLUSTER_IPS, [((ip("fd00::1"), TCP, 80), None)]),
-            "wrong type")  # fmt: skip
-    refused(fake, lambda t: t.add_elements(n.CLUSTER_IPS, [((ip("10.0.0.1"), "tcp", 80), None)]),
-            "wrong type")  # fmt: skip
+    refused(
+        fake,
+        lambda t: t.add_elements(n.CLUSTER_IPS, [((ip("fd00::1"), TCP, 80), None)]),
+        "wrong type",
+    )
+    refused(
+        fake,
+        lambda t: t.add_elements(n.CLUSTER_IPS, [((ip("10.0.0.1"), "tcp", 80), None)]),
+        "wrong type",
+    )
     refused(fake, lambda t: t.add_elements(n.SERVICE_IPS, [(vip, Goto("no-chain"))]), "no-chain")
     refused(fake, lambda t: t.delete_elements(n.CLUSTER_IPS, [vip]), "ENOENT")
     taken = (ip("10.96.0.10"), TCP, 80)  # dispatched to endpoints-2 already
-    refused(fake, lambda t: t.add_elements(n.SERVICE_IPS, [(taken, Goto("endpoints-1"))]),
-            "EEXIST")  # fmt: skip
+    refused(fake, lambda t: t.add_elements(n.SERVICE_IPS, [(taken, Goto("endpoints-1"))]), "EEXIST")
     refused(fake, lambda t: t.delete_chain("endpoints-2"), "still used")
     refused(fake, lambda t: t.add_port_chain("x", [SetDecl(n.HAIRPIN, ())], []), "another")
     # Part of a transaction refused: none of it applies (the first op alone would be fine).

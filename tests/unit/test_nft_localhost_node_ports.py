@@ -58,8 +58,11 @@ def nets(*cidrs: str) -> tuple[object, ...]:
 def test_nodeport_addresses_hold_loopback_only_with_localhost_node_ports(
     family: int, networks: tuple[str, ...] | None, localhost: bool, expected: tuple[str, ...]
 ) -> None:
-    facts = NodeFacts(family, None if networks is None else nets(*networks),  # type: ignore[arg-type]
-                      localhost_node_ports=localhost)  # fmt: skip
+    facts = NodeFacts(
+        family,
+        None if networks is None else nets(*networks),  # type: ignore[arg-type]
+        localhost_node_ports=localhost,
+    )
     assert tuple(map(str, nodeport_addresses(facts))) == tuple(sorted(expected))
 
 
@@ -68,8 +71,10 @@ def test_the_martian_guard_is_in_the_ipv4_input_and_output_hooks_only_when_on() 
         facts = node_facts(settings, NODE)
         assert facts[4].localhost_node_ports is guarded and not facts[6].localhost_node_ports
         for family in (4, 6):
-            chains = {c.name: [str(r) for r in c.rules] for c in
-                      base_table(settings, facts[family]).chains}  # fmt: skip
+            chains = {
+                c.name: [str(r) for r in c.rules]
+                for c in base_table(settings, facts[family]).chains
+            }
             want = guarded and family == 4
             assert (chains["filter-input"][0] == GUARD) is want, chains["filter-input"]
             assert (chains["filter-output"][0] == GUARD) is want, chains["filter-output"]

@@ -48,9 +48,13 @@ def test_one_endpoint_element_on_the_wire() -> None:
     value = bytes.fromhex("0af401021f900000")
     element = (
         struct.pack("=HH", 44, 0x8001)
-        + struct.pack("=HH", 24, 0x8001) + struct.pack("=HH", 20, 1) + key
-        + struct.pack("=HH", 16, 0x8002) + struct.pack("=HH", 12, 1) + value
-    )  # fmt: skip
+        + struct.pack("=HH", 24, 0x8001)
+        + struct.pack("=HH", 20, 1)
+        + key
+        + struct.pack("=HH", 16, 0x8002)
+        + struct.pack("=HH", 12, 1)
+        + value
+    )
     assert payload == table + set_name + struct.pack("=HH", 4 + len(element), 0x8003) + element
 
 
@@ -118,8 +122,11 @@ def test_only_exact_match_sets_are_loadable() -> None:
     assert declaration("short-circuit-endpoints-3").key == declaration("endpoints-3").key
     assert declaration("endpoints-3").value is ValueKind.ENDPOINT
     assert {
-        "service-ips", "service-nodeports", "short-circuit-ips", "short-circuit-nodeports"
-    } == nb.VERDICT_MAPS  # fmt: skip
+        "service-ips",
+        "service-nodeports",
+        "short-circuit-ips",
+        "short-circuit-nodeports",
+    } == nb.VERDICT_MAPS
     assert not nb.loadable("firewall-allow") and not nb.loadable("nodeport-addresses")
     assert not nb.loadable("aff-abc") and not nb.loadable("endpoints-x")
 

@@ -211,13 +211,20 @@ def test_a_vip_claimed_twice_still_gets_every_map_its_elements_use() -> None:
     eps3 = tuple(Endpoint(IP.of(f"10.244.3.{i}"), 8080) for i in range(1, 4))
     eps5 = tuple(Endpoint(IP.of(f"10.244.5.{i}"), 8080) for i in range(1, 6))
     first = dataclasses.replace(
-        state.services[key("web")], load_balancer_ips=(lb,), cluster_ips=(IP.of("10.96.0.60"),),
-        cluster_endpoints=eps3, external_endpoints=eps3, key=key("lb-a"),
-    )  # fmt: skip
+        state.services[key("web")],
+        load_balancer_ips=(lb,),
+        cluster_ips=(IP.of("10.96.0.60"),),
+        cluster_endpoints=eps3,
+        external_endpoints=eps3,
+        key=key("lb-a"),
+    )
     second = dataclasses.replace(
-        first, key=key("lb-b"), cluster_ips=(IP.of("10.96.0.61"),),
-        cluster_endpoints=eps5[:4], external_endpoints=eps5,
-    )  # fmt: skip
+        first,
+        key=key("lb-b"),
+        cluster_ips=(IP.of("10.96.0.61"),),
+        cluster_endpoints=eps5[:4],
+        external_endpoints=eps5,
+    )
     state.services[first.key], state.services[second.key] = first, second
     backend.sync(state, None)
 

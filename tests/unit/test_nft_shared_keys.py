@@ -24,10 +24,14 @@ LB = "192.0.2.50"
 def lb_service(name: str, *ranges: str, cluster_ip: str = "10.96.0.50") -> ServicePort:
     eps = endpoints("10.244.2.2")
     return ServicePort(
-        key(name), 443, cluster_ips=(IP.of(cluster_ip),), load_balancer_ips=(IP.of(LB),),
+        key(name),
+        443,
+        cluster_ips=(IP.of(cluster_ip),),
+        load_balancer_ips=(IP.of(LB),),
         load_balancer_source_ranges=tuple(ip_network(r) for r in ranges),
-        cluster_endpoints=eps, external_endpoints=eps,
-    )  # fmt: skip
+        cluster_endpoints=eps,
+        external_endpoints=eps,
+    )
 
 
 def backend_on(fake: FakeNftables) -> NftablesBackend:

@@ -15,14 +15,23 @@ def test_a_new_container_waits_creating() -> None:
     got = _entry()
     assert got["state"] == {"waiting": {"reason": "ContainerCreating"}}
     assert (got["ready"], got["started"], got["restartCount"], got["lastState"]) == (
-        False, False, 0, {},
-    )  # fmt: skip
+        False,
+        False,
+        0,
+        {},
+    )
     assert "containerID" not in got
 
 
 def test_running_wins_over_terminated_and_waiting() -> None:
-    got = _entry(running_since="t1", terminated={"exitCode": 1}, waiting=("X", "y"),
-                 container_id="runc://a", restart_count=2, ready=True)  # fmt: skip
+    got = _entry(
+        running_since="t1",
+        terminated={"exitCode": 1},
+        waiting=("X", "y"),
+        container_id="runc://a",
+        restart_count=2,
+        ready=True,
+    )
     assert got["state"] == {"running": {"startedAt": "t1"}}
     assert (got["containerID"], got["restartCount"], got["ready"]) == ("runc://a", 2, True)
 
@@ -56,8 +65,11 @@ def test_image_pull_errors_then_backs_off() -> None:
 def test_crash_loop_backoff_doubles_up_to_the_cap() -> None:
     assert [st.next_backoff(b, 10) for b in (1, 2, 4, 8, 10)] == [2, 4, 8, 10, 10]
     assert st.crash_loop_message(4, "agent") == "back-off 4s restarting failed container=agent"
-    entry = _entry(waiting=(st.CRASH_LOOP_BACKOFF, "m"), restart_count=3,
-                   last_state={"terminated": {"exitCode": 1}})  # fmt: skip
+    entry = _entry(
+        waiting=(st.CRASH_LOOP_BACKOFF, "m"),
+        restart_count=3,
+        last_state={"terminated": {"exitCode": 1}},
+    )
     assert entry["state"] == {"waiting": {"reason": "CrashLoopBackOff", "message": "m"}}
     assert st.pod_phase([entry], init_failed=False) == "Running"
 
@@ -78,16 +90,23 @@ def test_pod_phase() -> None:
 
 
 def test_pod_conditions() -> None:
-    ready = st.pod_conditions(sandbox_ready=True, initialized=True, containers_ready=True,
-                              gates_ok=True, terminal=False)  # fmt: skip
-    assert ready == [("PodReadyToStartContainers", True, ""), ("Initialized", True, ""),
-                     ("ContainersReady", True, ""), ("Ready", True, "")]  # fmt: skip
-    gated = st.pod_conditions(sandbox_ready=True, initialized=True, containers_ready=True,
-                              gates_ok=False, terminal=False)  # fmt: skip
+    ready = st.pod_conditions(
+        sandbox_ready=True, initialized=True, containers_ready=True, gates_ok=True, terminal=False
+    )
+    assert ready == [
+        ("PodReadyToStartContainers", True, ""),
+        ("Initialized", True, ""),
+        ("ContainersReady", True, ""),
+        ("Ready", True, ""),
+    ]
+    gated = st.pod_conditions(
+        sandbox_ready=True, initialized=True, containers_ready=True, gates_ok=False, terminal=False
+    )
     assert gated[2] == ("ContainersReady", True, "")
     assert gated[3] == ("Ready", False, "ContainersNotReady")
-    done = st.pod_conditions(sandbox_ready=True, initialized=True, containers_ready=True,
-                             gates_ok=True, terminal=True)  # fmt: skip
+    done = st.pod_conditions(
+        sandbox_ready=True, initialized=True, containers_ready=True, gates_ok=True, terminal=True
+    )
     assert done == [
         ("PodReadyToStartContainers", False, ""),
         ("Initialized", True, "PodCompleted"),
@@ -102,6 +121,9 @@ def test_conditions_keep_their_transition_time_until_the_status_changes() -> Non
     assert st.transition_time(first, False, "t1") == ("False", "t0")
     assert st.transition_time(first, True, "t2") == ("True", "t2")
     assert st.condition("Ready", True, "", "t2") == {
-        "type": "Ready", "status": "True", "lastProbeTime": None,
-        "lastTransitionTime": "t2", "reason": None,
-    }  # fmt: skip
+        "type": "Ready",
+        "status": "True",
+        "lastProbeTime": None,
+        "lastTransitionTime": "t2",
+        "reason": None,
+    }

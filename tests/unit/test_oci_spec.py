@@ -89,10 +89,17 @@ def test_host_network_joins_no_network_namespace_and_a_pod_joins_its_own() -> No
 def test_read_only_root_env_mounts_and_seccomp() -> None:
     sc = SecurityContext.from_pod({}, {**AGENT_SC, "readOnlyRootFilesystem": True})
     out = oci.runtime_spec(
-        Path("/store/rootfs"), ["proxy-agent"], {"NODE_NAME": "n1", "PATH": "/x"}, AGENT, sc,
-        netns=None, mounts=[Mount("/run/xtables.lock", "/run/xtables.lock"),
-                            Mount("/etc/cm", "/etc/kpx", read_only=True)],
-    )  # fmt: skip
+        Path("/store/rootfs"),
+        ["proxy-agent"],
+        {"NODE_NAME": "n1", "PATH": "/x"},
+        AGENT,
+        sc,
+        netns=None,
+        mounts=[
+            Mount("/run/xtables.lock", "/run/xtables.lock"),
+            Mount("/etc/cm", "/etc/kpx", read_only=True),
+        ],
+    )
     assert out["root"] == {"path": "/store/rootfs", "readonly": True}
     assert out["process"]["env"] == ["PATH=/x", "NODE_NAME=n1"]  # the pod's env wins
     binds = {m["destination"]: m["options"] for m in out["mounts"] if m["type"] == "bind"}

@@ -21,18 +21,25 @@ def test_event_about_the_pod_is_what_the_operator_reads() -> None:
     now = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
     body = event_body(pod, "n1", "Warning", CONNTRACK_NOT_APPLIED, "m" * 2000, now)
     assert body["metadata"] == {"generateName": "kpx-agent-default-x.", "namespace": "kpx-system"}
-    assert body["involvedObject"] == {"apiVersion": "v1", "kind": "Pod",
-                                      "name": "kpx-agent-default-x", "namespace": "kpx-system",
-                                      "uid": "u1"}  # fmt: skip
+    assert body["involvedObject"] == {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "name": "kpx-agent-default-x",
+        "namespace": "kpx-system",
+        "uid": "u1",
+    }
     assert body["source"] == {"component": "kpx-agent", "host": "n1"}
     assert body["lastTimestamp"] == "2026-01-01T12:00:00Z" and len(body["message"]) == 1024
 
 
 def test_the_node_state_the_agent_writes_is_what_the_operator_reads() -> None:
     """The agent's and the operator's halves agree (they share only kpx_api's models)."""
-    facts = NodeFacts(mode="nftables", agent_version="0.1.0",
-                      pod=("kpx-agent-default-x", "kpx-system", "u1"),
-                      conntrack_not_applied="m" * 2000)  # fmt: skip
+    facts = NodeFacts(
+        mode="nftables",
+        agent_version="0.1.0",
+        pod=("kpx-agent-default-x", "kpx-system", "u1"),
+        conntrack_not_applied="m" * 2000,
+    )
     obj = {**node_state_object("n1", "node-uid"), "status": status_of(facts)}
     pods = [{"metadata": {"uid": "u1"}, "spec": {"nodeName": "n1"}}]
     said = "conntrack settings not applied: " + "m" * 1021 + "..."

@@ -55,12 +55,15 @@ def service(ns: str, name: str, proto: str = "TCP") -> dict[str, Any]:
 
 def endpoint_slice(ns: str, svc: str, *ips: str, proto: str = "TCP") -> dict[str, Any]:
     return {
-        "metadata": {"namespace": ns, "name": f"{svc}-1",
-                     "labels": {"kubernetes.io/service-name": svc}},
+        "metadata": {
+            "namespace": ns,
+            "name": f"{svc}-1",
+            "labels": {"kubernetes.io/service-name": svc},
+        },
         "addressType": "IPv4",
         "ports": [{"port": 5353, "protocol": proto}],
         "endpoints": [{"addresses": [ip]} for ip in ips],
-    }  # fmt: skip
+    }
 
 
 def setup() -> tuple[ClusterState, RecordingBackend, Proxier, list[FlowFilter]]:
@@ -101,11 +104,20 @@ def test_failure_keeps_changes_and_forces_a_full_sync() -> None:
     assert not outcome.ok
     sample = proxier.metrics.registry.get_sample_value
     for family in ("IPv4", "IPv6"):  # the error names no family: both failed
-        assert sample("kubeproxy_sync_proxy_rules_iptables_restore_failures_total",
-                      {"ip_family": family}) == 1  # fmt: skip
+        assert (
+            sample(
+                "kubeproxy_sync_proxy_rules_iptables_restore_failures_total", {"ip_family": family}
+            )
+            == 1
+        )
         # A partial sync's failure: the next sync is a full one (upstream's fallback).
-        assert sample("kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
-                      {"ip_family": family}) == 1  # fmt: skip
+        assert (
+            sample(
+                "kubeproxy_sync_proxy_rules_iptables_partial_restore_failures_total",
+                {"ip_family": family},
+            )
+            == 1
+        )
     assert sample("kpx_sync_failures_total", {"mode": "iptables"}) == 1
     assert proxier.sync().full  # the retry reprograms everything
     assert "10.244.1.2" in str(proxier.local.services)

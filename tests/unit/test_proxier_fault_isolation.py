@@ -31,9 +31,12 @@ def service(name: str, *cluster_ips: str) -> dict[str, Any]:
     families = ["IPv6" if ":" in ip else "IPv4" for ip in cluster_ips]
     return {
         "metadata": {"namespace": "d", "name": name},
-        "spec": {"clusterIPs": list(cluster_ips), "ipFamilies": families,
-                 "ports": [{"port": 80, "protocol": "TCP"}]},
-    }  # fmt: skip
+        "spec": {
+            "clusterIPs": list(cluster_ips),
+            "ipFamilies": families,
+            "ports": [{"port": 80, "protocol": "TCP"}],
+        },
+    }
 
 
 class WatchedKernel(FakeNftables):

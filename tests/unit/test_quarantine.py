@@ -14,8 +14,12 @@ from kpx_agent.store.cluster_state import SERVICES, SLICES
 def port(name: str, family: int, endpoints: int) -> ServicePort:
     base = "10.244.0." if family == 4 else "fd00::"
     eps = tuple(Endpoint(IP.of(f"{base}{i + 1}"), 8080) for i in range(endpoints))
-    return ServicePort(ServicePortKey("ns", "big", name, Protocol.TCP, family), 80,
-                       cluster_endpoints=eps, external_endpoints=eps)  # fmt: skip
+    return ServicePort(
+        ServicePortKey("ns", "big", name, Protocol.TCP, family),
+        80,
+        cluster_endpoints=eps,
+        external_endpoints=eps,
+    )
 
 
 def test_cost_is_endpoints_per_port_added_up_per_family() -> None:

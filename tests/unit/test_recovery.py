@@ -112,9 +112,14 @@ def run_with_recovery(api: FakeApi, clock: Clock, back_at: float) -> Recovery:
         clock.now += seconds
 
     reflector = Reflector(
-        api, RES, Names(), backoff=Backoff(clock=clock, rand=lambda: 1.0), sleep=sleep,
-        clock=clock, recovery=rec,
-    )  # fmt: skip
+        api,
+        RES,
+        Names(),
+        backoff=Backoff(clock=clock, rand=lambda: 1.0),
+        sleep=sleep,
+        clock=clock,
+        recovery=rec,
+    )
     with pytest.raises(Stop):
         asyncio.run(reflector.run())
     return rec

@@ -17,8 +17,10 @@ Obj = dict[str, Any]
 
 
 def svc(ns: str, name: str, rv: str) -> Obj:
-    return {"metadata": {"namespace": ns, "name": name, "resourceVersion": rv},
-            "spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80}]}}  # fmt: skip
+    return {
+        "metadata": {"namespace": ns, "name": name, "resourceVersion": rv},
+        "spec": {"clusterIP": "10.96.0.1", "ports": [{"port": 80}]},
+    }
 
 
 class Stop(BaseException):
@@ -46,8 +48,12 @@ class FakeApi:
         }
         parts = path.split("/")
         only = parts[parts.index("namespaces") + 1] if "namespaces" in parts else None
-        items = [o for o in self.objs if o["metadata"]["namespace"] not in left_out
-                 and only in (None, o["metadata"]["namespace"])]  # fmt: skip
+        items = [
+            o
+            for o in self.objs
+            if o["metadata"]["namespace"] not in left_out
+            and only in (None, o["metadata"]["namespace"])
+        ]
         return {"items": items, "metadata": {"resourceVersion": "10"}}
 
     async def watch(
@@ -74,8 +80,9 @@ def test_opting_in_and_out_resumes_the_watch_and_lists_one_namespace() -> None:
     async def sleep(seconds: float) -> None:
         slept.append(seconds)
 
-    reflector = Reflector(api, Resource(SERVICES, "/api/v1/services"), state,
-                          field_selector=selector, sleep=sleep)  # fmt: skip
+    reflector = Reflector(
+        api, Resource(SERVICES, "/api/v1/services"), state, field_selector=selector, sleep=sleep
+    )
 
     async def scenario() -> None:
         task = asyncio.create_task(reflector.run())

@@ -105,9 +105,13 @@ def run(
         clock.now += seconds
 
     reflector = Reflector(
-        api, RES, Names(), backoff=Backoff(clock=clock, rand=lambda: rand), sleep=sleep,
+        api,
+        RES,
+        Names(),
+        backoff=Backoff(clock=clock, rand=lambda: rand),
+        sleep=sleep,
         clock=clock,
-    )  # fmt: skip
+    )
     with pytest.raises(Stop):
         asyncio.run(reflector.run())
     return reflector, slept
@@ -184,8 +188,9 @@ def test_an_event_it_cannot_read_fails_the_reflector_until_a_relist(bad: object)
         slept.append(seconds)
         failures.append(reflector.failure)
 
-    reflector = Reflector(api, RES, Names(), backoff=Backoff(clock=clock, rand=lambda: 0.0),
-                          sleep=sleep, clock=clock)  # fmt: skip
+    reflector = Reflector(
+        api, RES, Names(), backoff=Backoff(clock=clock, rand=lambda: 0.0), sleep=sleep, clock=clock
+    )
     with pytest.raises(Stop):
         asyncio.run(reflector.run())
     # First list: fine. The bad event: a failure, a wait, a new list (not a silent freeze),
@@ -210,8 +215,14 @@ def test_a_failing_store_is_a_failure_and_a_relist() -> None:
     async def sleep(seconds: float) -> None:
         clock.now += seconds
 
-    reflector = Reflector(api, RES, FailingStore(), sleep=sleep, clock=clock,
-                          backoff=Backoff(clock=clock, rand=lambda: 0.0))  # fmt: skip
+    reflector = Reflector(
+        api,
+        RES,
+        FailingStore(),
+        sleep=sleep,
+        clock=clock,
+        backoff=Backoff(clock=clock, rand=lambda: 0.0),
+    )
     with pytest.raises(Stop):
         asyncio.run(reflector.run())
     assert api.kinds()[:3] == ["list", "watch", "list"]

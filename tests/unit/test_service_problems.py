@@ -46,8 +46,11 @@ def test_every_node_derives_the_same_event_name_for_the_same_problem() -> None:
     one, other = event_body(A, "node-1", now), event_body(A, "node-2", now)
     assert one["metadata"] == other["metadata"] == {"name": event_name(A), "namespace": "team-a"}
     assert one["involvedObject"] == {
-        "apiVersion": "v1", "kind": "Service", "name": "web", "namespace": "team-a",
-    }  # fmt: skip
+        "apiVersion": "v1",
+        "kind": "Service",
+        "name": "web",
+        "namespace": "team-a",
+    }
     assert one["type"] == "Warning" and one["reason"] == VIP_CLASH
     assert event_name(A) != event_name(B)
     long = ServiceProblem("n" * 63, "s" * 63, QUARANTINED, "m")

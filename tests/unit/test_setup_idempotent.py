@@ -14,8 +14,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-GO_TARGETS = ("setup-kubernetes", "setup-helm", "setup-kstatus", "setup-coredns",
-              "setup-go-localstate")  # fmt: skip
+GO_TARGETS = (
+    "setup-kubernetes",
+    "setup-helm",
+    "setup-kstatus",
+    "setup-coredns",
+    "setup-go-localstate",
+)
 
 FAKE_GO = """#!/bin/sh
 echo "$*" >> "$FAKE_GO_LOG"
@@ -31,8 +36,14 @@ exit 0
 
 
 def make(target: str, env: dict[str, str]) -> list[str]:
-    done = subprocess.run(["make", "-s", "-C", str(REPO), target], env=env, text=True,
-                          capture_output=True, timeout=120, check=False)  # fmt: skip
+    done = subprocess.run(
+        ["make", "-s", "-C", str(REPO), target],
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, f"make {target}: {done.stdout}{done.stderr}"
     return [line for line in done.stdout.splitlines() if line.strip()]
 
@@ -50,8 +61,12 @@ def test_a_second_run_builds_nothing(target: str, tmp_path: Path) -> None:
     bin_dir.mkdir()
     (bin_dir / "go").write_text(FAKE_GO)
     (bin_dir / "go").chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-           "PROXY_CACHE_DIR": str(tmp_path / "cache"), "FAKE_GO_LOG": str(log)}  # fmt: skip
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PROXY_CACHE_DIR": str(tmp_path / "cache"),
+        "FAKE_GO_LOG": str(log),
+    }
 
     first = make(target, env)
     builds = [c for c in log.read_text().splitlines() if c.split()[0] in ("build", "test")]

@@ -932,9 +932,14 @@ def test_run_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
         pub.publish(state_of(full_port(1)), DataplaneSettings(), None)
         env = {**os.environ, "PYTHONPATH": str(REPO / "agents")}
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", script, server.listen.target, env=env,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
+            sys.executable,
+            "-c",
+            script,
+            server.listen.target,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         assert proc.stdout is not None and proc.stderr is not None
         line = await asyncio.wait_for(proc.stdout.readline(), 20)
         assert line == b"state 1\n"

@@ -126,8 +126,16 @@ def test_the_agent_exits_2_naming_the_flag_on_a_shared_directory(
     shared = tmp_path / "tmp"
     shared.mkdir()
     os.chmod(shared, 0o1777)
-    code = main(["--mode", "external", "--state-socket", f"{shared}/kpx.sock",
-                 "--kubeconfig", str(tmp_path / "none")])  # fmt: skip
+    code = main(
+        [
+            "--mode",
+            "external",
+            "--state-socket",
+            f"{shared}/kpx.sock",
+            "--kubeconfig",
+            str(tmp_path / "none"),
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"proxy-agent: --state-socket {shared}/kpx.sock: {shared} is a shared")

@@ -67,12 +67,15 @@ def service(name: str, ports: int, ip: str) -> dict[str, Any]:
 
 def endpoint_slice(name: str, ports: int, ips: list[str]) -> dict[str, Any]:
     return {
-        "metadata": {"namespace": "default", "name": f"{name}-1",
-                     "labels": {"kubernetes.io/service-name": name}},
+        "metadata": {
+            "namespace": "default",
+            "name": f"{name}-1",
+            "labels": {"kubernetes.io/service-name": name},
+        },
         "addressType": "IPv4",
         "ports": [{"name": f"p{i}", "port": 8000 + i, "protocol": "TCP"} for i in range(ports)],
         "endpoints": [{"addresses": [ip], "conditions": {"ready": True}} for ip in ips],
-    }  # fmt: skip
+    }
 
 
 def agent(mode: str, budget: int) -> tuple[ClusterState, Any, Proxier, list[FlowFilter]]:
@@ -101,8 +104,16 @@ def ips(prefix: str, n: int) -> list[str]:
 
 def dnat(fake: Any, vip: str, port: int) -> set[str]:
     """Where the fake kernel sends a new TCP connection from a pod to vip:port."""
-    packet = Packet(4, "10.244.1.5", vip, Protocol.TCP, port, "pod", "cbr0",
-                    frozenset({"10.242.0.1", "127.0.0.1"}))  # fmt: skip
+    packet = Packet(
+        4,
+        "10.244.1.5",
+        vip,
+        Protocol.TCP,
+        port,
+        "pod",
+        "cbr0",
+        frozenset({"10.242.0.1", "127.0.0.1"}),
+    )
     outcomes: set[Outcome] = fake.trace(packet)
     return {f"{o.dnat[0]}:{o.dnat[1]}" for o in outcomes if o.dnat}
 
@@ -170,9 +181,10 @@ def kernel(mode: str, fake: Any) -> list[str]:
     """The fake's dump without the empty per-endpoint-count maps (nftables creates them on
     demand and a partial sync leaves them until a full one)."""
     return [
-        line for line in fake.dump().splitlines()
+        line
+        for line in fake.dump().splitlines()
         if not (re.match(r"\s*set endpoints-[0-9]+ ", line) and line.endswith("{  }"))
-    ]  # fmt: skip
+    ]
 
 
 @PROPERTY

@@ -138,8 +138,12 @@ def test_a_failed_removal_is_counted_reported_and_retried() -> None:
         verified = asyncio.Event()
         verified.set()
         other = Leftover("ipvs", "ipvs rules", lambda: None)
-        removal = LeftoverRemoval([Leftover("iptables", "iptables rules", flaky), other],
-                                  registry, report, first_delay=0.01)  # fmt: skip
+        removal = LeftoverRemoval(
+            [Leftover("iptables", "iptables rules", flaky), other],
+            registry,
+            report,
+            first_delay=0.01,
+        )
         await asyncio.wait_for(removal.run(verified), 30)
 
     asyncio.run(scenario())
@@ -168,10 +172,14 @@ def test_a_precondition_holds_the_removal_back_until_it_holds() -> None:
         reports.append(reason)
 
     leftover = Leftover(
-        "kube-proxy", "upstream's rules", lambda: removed.append("kube-proxy"), ready,
-        removed_reason="KubeProxyRulesRemoved", waiting_reason="WaitingForKubeProxy",
+        "kube-proxy",
+        "upstream's rules",
+        lambda: removed.append("kube-proxy"),
+        ready,
+        removed_reason="KubeProxyRulesRemoved",
+        waiting_reason="WaitingForKubeProxy",
         waiting_message="kube-proxy still runs here",
-    )  # fmt: skip
+    )
 
     async def scenario() -> None:
         verified = asyncio.Event()
@@ -210,11 +218,17 @@ def test_a_proxy_that_comes_back_and_leaves_again_has_its_rules_removed_again() 
         await until(lambda: len(polls) >= asked, f"the precondition asked {times} more times")
 
     leftover = Leftover(
-        "kube-proxy", "upstream's rules", lambda: removed.append("kube-proxy"), ready,
-        removed_reason="KubeProxyRulesRemoved", waiting_reason="WaitingForKubeProxy",
-        waiting_message="kube-proxy still runs here", rearm=True,
-        returned_reason="WaitingForKubeProxy", returned_message="kube-proxy runs here again",
-    )  # fmt: skip
+        "kube-proxy",
+        "upstream's rules",
+        lambda: removed.append("kube-proxy"),
+        ready,
+        removed_reason="KubeProxyRulesRemoved",
+        waiting_reason="WaitingForKubeProxy",
+        waiting_message="kube-proxy still runs here",
+        rearm=True,
+        returned_reason="WaitingForKubeProxy",
+        returned_message="kube-proxy runs here again",
+    )
 
     async def scenario() -> None:
         verified = asyncio.Event()
@@ -258,8 +272,9 @@ def test_a_precondition_that_cannot_be_checked_is_retried() -> None:
     async def scenario() -> None:
         verified = asyncio.Event()
         verified.set()
-        removal = LeftoverRemoval([Leftover("kube-proxy", "x", lambda: None, ready)], registry,
-                                  first_delay=0.01)  # fmt: skip
+        removal = LeftoverRemoval(
+            [Leftover("kube-proxy", "x", lambda: None, ready)], registry, first_delay=0.01
+        )
         await asyncio.wait_for(removal.run(verified), 30)
         assert not removal.pending
 
@@ -347,8 +362,12 @@ def test_a_draining_removal_is_retried_without_failing_or_holding_readiness() ->
     async def scenario() -> LeftoverRemoval:
         verified = asyncio.Event()
         verified.set()
-        removal = LeftoverRemoval([Leftover("ipvs", "the rules of kpx mode ipvs", remove)],
-                                  registry, report, drain_poll=0.05)  # fmt: skip
+        removal = LeftoverRemoval(
+            [Leftover("ipvs", "the rules of kpx mode ipvs", remove)],
+            registry,
+            report,
+            drain_poll=0.05,
+        )
         task = asyncio.create_task(removal.run(verified))
         await until(lambda: len(tries) == 1, "a first removal that drains")
         assert "ipvs" in removal.pending and removal.blocking({"ipvs"}) == ""

@@ -50,12 +50,15 @@ def service(
 
 def endpoints(ns: str, svc: str, ip: str) -> dict[str, Any]:
     return {
-        "metadata": {"namespace": ns, "name": f"{svc}-1",
-                     "labels": {"kubernetes.io/service-name": svc}},
+        "metadata": {
+            "namespace": ns,
+            "name": f"{svc}-1",
+            "labels": {"kubernetes.io/service-name": svc},
+        },
         "addressType": "IPv4",
         "ports": [{"port": 8080, "protocol": "TCP"}],
         "endpoints": [{"addresses": [ip], "nodeName": "n2"}],
-    }  # fmt: skip
+    }
 
 
 class NullBackend(Backend):
@@ -98,10 +101,13 @@ def key(ns: str, name: str) -> ServicePortKey:
 
 def programmed(proxier: Proxier) -> dict[str, tuple[list[str], list[str], list[str]]]:
     return {
-        f"{k.namespace}/{k.name}": (list(p.cluster_ips), list(p.load_balancer_ips),
-                                    list(p.external_ips))
+        f"{k.namespace}/{k.name}": (
+            list(p.cluster_ips),
+            list(p.load_balancer_ips),
+            list(p.external_ips),
+        )
         for k, p in proxier.local.services.items()
-    }  # fmt: skip
+    }
 
 
 EXPECTED = {
@@ -130,18 +136,24 @@ def test_a_clusterip_wins_over_lb_and_external_ips_in_any_order(
         ("a", "by-lb", VIP_CLASH),
         ("a", "by-external", VIP_CLASH),
     }
-    assert all(f"{VICTIM_VIP}:80/tcp" in p.message and "z/victim" in p.message
-               for p in problems)  # fmt: skip
+    assert all(f"{VICTIM_VIP}:80/tcp" in p.message and "z/victim" in p.message for p in problems)
 
 
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 2, 0)])
 def test_between_equals_the_older_service_then_the_name_wins(order: tuple[int, ...]) -> None:
-    old = service("b", "old", "10.96.0.1", created="2025-06-01T00:00:00Z",
-                  external_ips=("192.0.2.1",))  # fmt: skip
-    new_a = service("a", "new-a", "10.96.0.2", created="2026-06-01T00:00:00Z",
-                    external_ips=("192.0.2.1", "192.0.2.2"))  # fmt: skip
-    new_b = service("a", "new-b", "10.96.0.3", created="2026-06-01T00:00:00Z",
-                    external_ips=("192.0.2.2",))  # fmt: skip
+    old = service(
+        "b", "old", "10.96.0.1", created="2025-06-01T00:00:00Z", external_ips=("192.0.2.1",)
+    )
+    new_a = service(
+        "a",
+        "new-a",
+        "10.96.0.2",
+        created="2026-06-01T00:00:00Z",
+        external_ips=("192.0.2.1", "192.0.2.2"),
+    )
+    new_b = service(
+        "a", "new-b", "10.96.0.3", created="2026-06-01T00:00:00Z", external_ips=("192.0.2.2",)
+    )
     state, proxier = proxier_with(NullBackend())
     for i in order:
         state.upsert(SERVICES, (old, new_a, new_b)[i])
@@ -153,8 +165,7 @@ def test_between_equals_the_older_service_then_the_name_wins(order: tuple[int, .
 
 
 def test_only_the_clashing_port_is_left_out() -> None:
-    other_port = service("a", "by-external", "10.96.0.30", port=443,
-                         external_ips=(VICTIM_VIP,))  # fmt: skip
+    other_port = service("a", "by-external", "10.96.0.30", port=443, external_ips=(VICTIM_VIP,))
     state, proxier = proxier_with(NullBackend())
     state.upsert(SERVICES, VICTIM)
     state.upsert(SERVICES, other_port)
@@ -205,8 +216,16 @@ VICTIM_EP, CLAIMANT_EP = "10.244.2.2", "10.244.2.7"
 
 
 def to_victim() -> Packet:
-    return Packet(4, WORLD.client, VICTIM_VIP, TCP, 80, "pod", WORLD.bridge,
-                  frozenset({WORLD.node, "127.0.0.1"}))  # fmt: skip
+    return Packet(
+        4,
+        WORLD.client,
+        VICTIM_VIP,
+        TCP,
+        80,
+        "pod",
+        WORLD.bridge,
+        frozenset({WORLD.node, "127.0.0.1"}),
+    )
 
 
 def nft() -> tuple[Backend, Any]:

@@ -69,8 +69,11 @@ class ConntrackCleaner:
                 )
                 self._worker.start()
         if refused:
-            log.warning("conntrack cleanup: queue full (%d filters waiting); %d deletions"
-                        " dropped", self.capacity, refused)  # fmt: skip
+            log.warning(
+                "conntrack cleanup: queue full (%d filters waiting); %d deletions dropped",
+                self.capacity,
+                refused,
+            )
 
     def idle(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or running (tests, shutdown); False on timeout."""

@@ -221,16 +221,23 @@ def _delete_family(ct: Conntrack, family: int, flows: list[FlowFilter], deadline
         try:
             error = ct.delete(entry, deadline)
         except TimeoutError:
-            log.warning("conntrack cleanup: %d IPv%d deletions left undone (time budget spent)",
-                        len(matched) - done, family)  # fmt: skip
+            log.warning(
+                "conntrack cleanup: %d IPv%d deletions left undone (time budget spent)",
+                len(matched) - done,
+                family,
+            )
             return sum(refused.values()) + len(matched) - done
         if error == 0:
             deleted_by_family[family] += 1
         elif error != ENOENT:  # ENOENT: it expired since the dump
             refused[error] += 1
     for error, count in sorted(refused.items()):
-        log.warning("conntrack cleanup: the kernel refused %d IPv%d deletions: %s",
-                    count, family, os.strerror(error))  # fmt: skip
+        log.warning(
+            "conntrack cleanup: the kernel refused %d IPv%d deletions: %s",
+            count,
+            family,
+            os.strerror(error),
+        )
     return sum(refused.values())
 
 
@@ -255,8 +262,11 @@ def delete_flows(
         ct = connect()
     except OSError as exc:
         undone = sum(map(len, by_family.values()))
-        log.warning("conntrack cleanup not done: no netlink socket (%s); %d filters left"
-                    " undone", exc, undone)  # fmt: skip
+        log.warning(
+            "conntrack cleanup not done: no netlink socket (%s); %d filters left undone",
+            exc,
+            undone,
+        )
         return undone
     failures = 0
     try:
@@ -266,8 +276,12 @@ def delete_flows(
             except (OSError, WireError) as exc:
                 # TimeoutError (the budget, or a dump's answer that did not come) is an OSError.
                 failures += len(flows)
-                log.warning("conntrack cleanup of IPv%d not done (%s); %d filters left undone",
-                            family, exc or type(exc).__name__, len(flows))  # fmt: skip
+                log.warning(
+                    "conntrack cleanup of IPv%d not done (%s); %d filters left undone",
+                    family,
+                    exc or type(exc).__name__,
+                    len(flows),
+                )
     finally:
         ct.close()
     return failures

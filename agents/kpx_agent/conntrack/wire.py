@@ -215,9 +215,14 @@ def parse_entry(body: bytes, where: str = "entry") -> Entry:
         (entry_id,) = _BE32.unpack_from(body, _fixed(span, 4, where, ".CTA_ID"))
     if (span := attrs.get(CTA_ZONE)) is not None:
         (zone,) = _BE16.unpack_from(body, _fixed(span, 2, where, ".CTA_ZONE"))
-    return Entry(family, _tuple(body, orig, family, where, ".CTA_TUPLE_ORIG"),
-                 _tuple(body, reply, family, where, ".CTA_TUPLE_REPLY"),
-                 status, entry_id, zone)  # fmt: skip
+    return Entry(
+        family,
+        _tuple(body, orig, family, where, ".CTA_TUPLE_ORIG"),
+        _tuple(body, reply, family, where, ".CTA_TUPLE_REPLY"),
+        status,
+        entry_id,
+        zone,
+    )
 
 
 def parse_dump(data: bytes) -> DumpPart:
@@ -239,8 +244,9 @@ def parse_dump(data: bytes) -> DumpPart:
         elif msg.kind == new:
             entries.append(parse_entry(msg.body, f"entry at byte {msg.offset}"))
         else:
-            raise WireError(f"message at byte {msg.offset}: type {msg.kind:#x}, not a"
-                            " conntrack entry")  # fmt: skip
+            raise WireError(
+                f"message at byte {msg.offset}: type {msg.kind:#x}, not a conntrack entry"
+            )
     return DumpPart(entries, done, interrupted)
 
 
@@ -249,7 +255,8 @@ def parse_ack(data: bytes) -> dict[int, int]:
     acks: dict[int, int] = {}
     for msg in messages(data):
         if msg.kind != NLMSG_ERROR:
-            raise WireError(f"message at byte {msg.offset}: type {msg.kind:#x}, not an"
-                            " acknowledgement")  # fmt: skip
+            raise WireError(
+                f"message at byte {msg.offset}: type {msg.kind:#x}, not an acknowledgement"
+            )
         acks[msg.seq] = error_of(msg, "acknowledgement")
     return acks

@@ -110,8 +110,11 @@ class StateServer:
                 try:
                     request = pb.WatchRequest.FromString(raw)
                 except DecodeError as exc:
-                    log.warning("state API: a client sent a malformed WatchRequest (%s): "
-                                "answered INVALID_ARGUMENT", exc)  # fmt: skip
+                    log.warning(
+                        "state API: a client sent a malformed WatchRequest (%s): "
+                        "answered INVALID_ARGUMENT",
+                        exc,
+                    )
                     await context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT, f"malformed WatchRequest: {exc}"
                     )

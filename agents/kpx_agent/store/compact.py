@@ -115,9 +115,18 @@ def _metadata(obj: Obj, labels: Iterable[str], annotations: Iterable[str]) -> di
 
 #: Service spec fields whose value many Services repeat (kept once, `_shared`).
 _SERVICE_SPEC_SHARED: Final = frozenset(
-    {"ports", "ipFamilies", "ipFamilyPolicy", "type", "sessionAffinity", "sessionAffinityConfig",
-     "internalTrafficPolicy", "externalTrafficPolicy", "trafficDistribution"}
-)  # fmt: skip
+    {
+        "ports",
+        "ipFamilies",
+        "ipFamilyPolicy",
+        "type",
+        "sessionAffinity",
+        "sessionAffinityConfig",
+        "internalTrafficPolicy",
+        "externalTrafficPolicy",
+        "trafficDistribution",
+    }
+)
 
 
 def service(obj: Obj) -> dict[str, Any]:

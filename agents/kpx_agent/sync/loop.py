@@ -36,9 +36,11 @@ MAX_RETRY_DELAY = 30.0
 
 
 def sync_failure_due(
-    told: tuple[str, float] | None, error: str, now: float,
+    told: tuple[str, float] | None,
+    error: str,
+    now: float,
     interval: float = SYNC_FAILURE_REPORT_INTERVAL,
-) -> bool:  # fmt: skip
+) -> bool:
     """Whether a sync failure with `error` is reported now, the last report being `told`
     ((error, time), None after a success): a new error at once, the same one once per
     `interval`."""

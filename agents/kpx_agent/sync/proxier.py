@@ -510,8 +510,13 @@ class Proxier:
         if not search.isolated or not search.culprits:
             return False
         for (ns, name, fam), reason in search.culprits.items():
-            log.error("Service %s/%s left out in IPv%d: the kernel refuses its rules: %s",
-                      ns, name, fam, reason)  # fmt: skip
+            log.error(
+                "Service %s/%s left out in IPv%d: the kernel refuses its rules: %s",
+                ns,
+                name,
+                fam,
+                reason,
+            )
         self._refused.update(search.culprits)
         return True
 

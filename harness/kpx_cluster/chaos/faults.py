@@ -38,8 +38,10 @@ class AgentKill(Fault):
         self.which, self.times = which, times
         if times > 1:
             self.name = f"agent OOM-killed in a loop ({times}x, one node)"
-            self.how = (f"SIGKILL of the agent container's processes, again as soon as it is "
-                        f"restarted, {times} times")  # fmt: skip
+            self.how = (
+                f"SIGKILL of the agent container's processes, again as soon as it is "
+                f"restarted, {times} times"
+            )
         else:
             self.name = f"agent SIGKILL, {'one node' if which == 'one' else 'all nodes at once'}"
             self.how = "SIGKILL of the agent container's processes (runc), the kubelet restarts it"
@@ -68,12 +70,17 @@ class AgentKill(Fault):
     def hold(self, ctx: Ctx) -> None:
         for i in range(self.times):
             for pod, before in self.killed:
-                wait_until(lambda p=pod, b=before: restart_count(ctx.env, NS, p) > b  # type: ignore[misc]
-                           and pod_pids(ctx.env, NS, p), 120, f"{pod} restarted")  # fmt: skip
+                wait_until(
+                    lambda p=pod, b=before: (
+                        restart_count(ctx.env, NS, p) > b  # type: ignore[misc]
+                        and pod_pids(ctx.env, NS, p)
+                    ),
+                    120,
+                    f"{pod} restarted",
+                )
             if i + 1 < self.times:
                 self.killed = self._kill(ctx)
-        ctx.notes.append(f"agent restarted {self.times} time(s) on "
-                         f"{self.touches_label(ctx.env)}")  # fmt: skip
+        ctx.notes.append(f"agent restarted {self.times} time(s) on {self.touches_label(ctx.env)}")
 
 
 # ---- control plane ------------------------------------------------------------------------
@@ -86,8 +93,10 @@ class ApiserverDown(Fault):
 
     def __init__(self, seconds: float = 60.0) -> None:
         self.seconds = seconds
-        self.how = (f"kube-apiserver SIGTERM, started again after {seconds:.0f} s; a Service "
-                    "created the moment it answers")  # fmt: skip
+        self.how = (
+            f"kube-apiserver SIGTERM, started again after {seconds:.0f} s; a Service "
+            "created the moment it answers"
+        )
         self.argv: list[str] = []
 
     def inject(self, ctx: Ctx) -> None:
@@ -164,8 +173,11 @@ class CompactionBurst(Fault):
 
 def kpx_tables(ctx: Ctx, node: Node) -> list[tuple[str, str]]:
     out = ctx.env.topo.exec(node, ["nft", "list", "tables"], check=True).stdout
-    return [(w[1], w[2]) for w in (line.split() for line in out.splitlines())
-            if len(w) == 3 and w[2] == "kpx"]  # fmt: skip
+    return [
+        (w[1], w[2])
+        for w in (line.split() for line in out.splitlines())
+        if len(w) == 3 and w[2] == "kpx"
+    ]
 
 
 class ApiserverDropped(Fault):
@@ -174,16 +186,20 @@ class ApiserverDropped(Fault):
     def __init__(self, seconds: float = 60.0) -> None:
         self.seconds = seconds
         self.name = "one node's packets to the apiserver dropped 60 s"
-        self.how = (f"nft table `inet chaos` in the node's netns drops TCP to and from the "
-                    f"apiserver's port for {seconds:.0f} s")  # fmt: skip
+        self.how = (
+            f"nft table `inet chaos` in the node's netns drops TCP to and from the "
+            f"apiserver's port for {seconds:.0f} s"
+        )
 
     def touches(self, env: MigrationEnv) -> list[Node]:
         return env.nodes[2:3]
 
     def inject(self, ctx: Ctx) -> None:
         port = ctx.env.simulator().apiserver_port
-        rules = ("table inet chaos {\n chain out {\n  type filter hook output priority -300;\n"
-                 f"  tcp dport {port} drop\n  tcp sport {port} drop\n }}\n}}\n")  # fmt: skip
+        rules = (
+            "table inet chaos {\n chain out {\n  type filter hook output priority -300;\n"
+            f"  tcp dport {port} drop\n  tcp sport {port} drop\n }}\n}}\n"
+        )
         ctx.env.topo.exec(self.touches(ctx.env)[0], ["nft", "-f", "-"], input=rules, check=True)
 
     def hold(self, ctx: Ctx) -> None:
@@ -203,10 +219,13 @@ class ApiserverDropped(Fault):
             leaked = leaked or all(answers(mine.netns, ch.ip, ch.port) for ch in ctx.changes)
             time.sleep(1)
         ctx.notes.append(
-            (f"the change answered on the other nodes {seen:.1f} s after it was made"
-             if seen is not None else "the change did not answer on the other nodes meanwhile")
+            (
+                f"the change answered on the other nodes {seen:.1f} s after it was made"
+                if seen is not None
+                else "the change did not answer on the other nodes meanwhile"
+            )
             + f"; on {cut.name}: {'it did (!)' if leaked else 'not before the heal'}"
-        )  # fmt: skip
+        )
 
     def heal(self, ctx: Ctx) -> None:
         ctx.env.topo.exec(self.touches(ctx.env)[0], ["nft", "delete", "table", "inet", "chaos"])
@@ -296,8 +315,9 @@ class NftElementDeleted(Fault):
         for family, table in kpx_tables(ctx, node):
             if family != "ip":
                 continue
-            raw = ctx.env.topo.exec(node, ["nft", "-j", "list", "table", family, table],
-                                    check=True).stdout  # fmt: skip
+            raw = ctx.env.topo.exec(
+                node, ["nft", "-j", "list", "table", family, table], check=True
+            ).stdout
             # the verdict map that dispatches a ClusterIP to its Service's chain (service-ips)
             # first: deleting a set's element (the masquerade marks) would break nothing
             maps = [o["map"] for o in json.loads(raw)["nftables"] if "map" in o]
@@ -307,8 +327,7 @@ class NftElementDeleted(Fault):
                 if not keys:
                     continue
                 what = f"{family} {table} {body['name']} {{ {', '.join(keys)} }}"
-                ctx.env.topo.exec(node, ["nft", "delete", "element", *what.split()],
-                                  check=True)  # fmt: skip
+                ctx.env.topo.exec(node, ["nft", "delete", "element", *what.split()], check=True)
                 ctx.notes.append(f"deleted `{what}`")
                 return
         raise RuntimeError(f"no element naming {ip} on {node.name}")
@@ -319,8 +338,10 @@ class NftElementDeleted(Fault):
 
 class PoisonPair(Fault):
     name = "the poison pair"
-    how = ("two LoadBalancer Services, same LB IP and port, sourceRanges 10.0.0.0/8 and "
-           "10.1.0.0/16; then an unrelated Service")  # fmt: skip
+    how = (
+        "two LoadBalancer Services, same LB IP and port, sourceRanges 10.0.0.0/8 and "
+        "10.1.0.0/16; then an unrelated Service"
+    )
     strict = True
 
     def inject(self, ctx: Ctx) -> None:
@@ -328,8 +349,17 @@ class PoisonPair(Fault):
             name = f"poison-{ctx.run}-{i}"
             ctx.service(name, type="LoadBalancer", loadBalancerSourceRanges=[cidr])
             status = {"status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.77"}]}}}
-            ctx.kubectl("-n", ctx.env.app_ns, "patch", "svc", name, "--subresource=status",
-                        "--type=merge", "-p", json.dumps(status))  # fmt: skip
+            ctx.kubectl(
+                "-n",
+                ctx.env.app_ns,
+                "patch",
+                "svc",
+                name,
+                "--subresource=status",
+                "--type=merge",
+                "-p",
+                json.dumps(status),
+            )
         time.sleep(2)  # the pair reaches the agents before the unrelated Service
 
 
@@ -341,8 +371,10 @@ class OptOutFlap(Fault):
     def __init__(self, seconds: float = 30.0) -> None:
         self.seconds = seconds
         self.name = "namespace opt-out flapping every second"
-        self.how = (f"label networking.k8s.io/kube-proxy=disabled on a namespace set and removed "
-                    f"every second for {seconds:.0f} s, ending removed")  # fmt: skip
+        self.how = (
+            f"label networking.k8s.io/kube-proxy=disabled on a namespace set and removed "
+            f"every second for {seconds:.0f} s, ending removed"
+        )
 
     def changes(self, ctx: Ctx) -> list[Change]:
         ns = f"chaos-flap-{ctx.run}"
@@ -352,15 +384,24 @@ class OptOutFlap(Fault):
         change = ctx.service("flap", namespace=ns, selector=False)
         pods = ctx.env.json("-n", ctx.env.app_ns, "get", "pods", "-l", "app=web")["items"]
         slice_ = {
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": "flap-1", "namespace": ns, "labels": {
-                "kubernetes.io/service-name": "flap",
-                "endpointslice.kubernetes.io/managed-by": "chaos.kpx.dev"}},
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": "flap-1",
+                "namespace": ns,
+                "labels": {
+                    "kubernetes.io/service-name": "flap",
+                    "endpointslice.kubernetes.io/managed-by": "chaos.kpx.dev",
+                },
+            },
             "addressType": "IPv4",
             "ports": [{"name": "tcp", "port": 8080, "protocol": "TCP"}],
-            "endpoints": [{"addresses": [p["status"]["podIP"]], "conditions": {"ready": True}}
-                          for p in pods if p.get("status", {}).get("podIP")],
-        }  # fmt: skip
+            "endpoints": [
+                {"addresses": [p["status"]["podIP"]], "conditions": {"ready": True}}
+                for p in pods
+                if p.get("status", {}).get("podIP")
+            ],
+        }
         ctx.kubectl("create", "-f", "-", input=json.dumps(slice_))
         return [change, ctx.service(f"chaos-{ctx.run}")]
 
@@ -371,8 +412,11 @@ class OptOutFlap(Fault):
         end = time.monotonic() + ctx.seconds(self.seconds)
         flips = 0
         while time.monotonic() < end:
-            value = "networking.k8s.io/kube-proxy=disabled" if flips % 2 == 0 else (
-                "networking.k8s.io/kube-proxy-")  # fmt: skip
+            value = (
+                "networking.k8s.io/kube-proxy=disabled"
+                if flips % 2 == 0
+                else ("networking.k8s.io/kube-proxy-")
+            )
             ctx.kubectl("label", "namespace", self.ns, value, "--overwrite")
             flips += 1
             time.sleep(1)
@@ -393,8 +437,12 @@ class PxcDeleted(Fault):
 
     def inject(self, ctx: Ctx) -> None:
         pxc = ctx.env.json("get", "pxc", ctx.env.pxc)
-        self.saved = {"apiVersion": pxc["apiVersion"], "kind": pxc["kind"],
-                      "metadata": {"name": ctx.env.pxc}, "spec": pxc["spec"]}  # fmt: skip
+        self.saved = {
+            "apiVersion": pxc["apiVersion"],
+            "kind": pxc["kind"],
+            "metadata": {"name": ctx.env.pxc},
+            "spec": pxc["spec"],
+        }
         t0 = time.monotonic()
         ctx.env.cluster.kubectl("delete", "pxc", ctx.env.pxc, "--timeout=150s", timeout=180)
         ctx.notes.append(f"deletion took {time.monotonic() - t0:.1f} s")
@@ -402,8 +450,10 @@ class PxcDeleted(Fault):
     def hold(self, ctx: Ctx) -> None:
         time.sleep(ctx.seconds(self.seconds))
         rules = {n.name: bool(kpx_tables(ctx, n)) for n in ctx.env.nodes}
-        ctx.notes.append("kpx tables while deleted: " + ", ".join(
-            f"{n} {'kept' if r else 'gone'}" for n, r in rules.items()))  # fmt: skip
+        ctx.notes.append(
+            "kpx tables while deleted: "
+            + ", ".join(f"{n} {'kept' if r else 'gone'}" for n, r in rules.items())
+        )
 
     def heal(self, ctx: Ctx) -> None:
         if self.saved:
@@ -427,8 +477,10 @@ class OperatorLeader(Fault):
         self.sig, self.seconds = sig, seconds
         verb = "SIGKILLed" if sig == "kill" else f"SIGSTOPped {seconds:.0f} s"
         self.name = f"operator leader {verb} mid-rollout"
-        self.how = (f"spec.resources.requests.cpu changed (the agents roll), then the Lease "
-                    f"holder's processes {verb}")  # fmt: skip
+        self.how = (
+            f"spec.resources.requests.cpu changed (the agents roll), then the Lease "
+            f"holder's processes {verb}"
+        )
         self.pids: list[int] = []
 
     def _leader(self, ctx: Ctx) -> str:
@@ -469,8 +521,11 @@ class OperatorLeader(Fault):
 
     def settled(self, ctx: Ctx) -> bool:
         pods = ctx.env.agent_pods()
-        cpus = {c.get("resources", {}).get("requests", {}).get("cpu")
-                for p in pods for c in p["spec"]["containers"]}  # fmt: skip
+        cpus = {
+            c.get("resources", {}).get("requests", {}).get("cpu")
+            for p in pods
+            for c in p["spec"]["containers"]
+        }
         st = ctx.env.json("get", "pxc", ctx.env.pxc).get("status", {})
         return (
             cpus == {self.cpu}
@@ -489,8 +544,10 @@ class NodeReboot(Fault):
     rules back. Not simulated: the node's pods and its kubelet keep running."""
 
     name = "node reboot (rules wiped, kube-proxy gone)"
-    how = ("agent SIGSTOPped, `nft flush ruleset` and `conntrack -F` in the node's netns, agent "
-           "SIGKILLed and restarted")  # fmt: skip
+    how = (
+        "agent SIGSTOPped, `nft flush ruleset` and `conntrack -F` in the node's netns, agent "
+        "SIGKILLed and restarted"
+    )
 
     def touches(self, env: MigrationEnv) -> list[Node]:
         return env.nodes[1:2]
@@ -508,8 +565,9 @@ class NodeReboot(Fault):
             signal_all(pids, signal.SIGKILL)
 
     def hold(self, ctx: Ctx) -> None:
-        wait_until(lambda: restart_count(ctx.env, NS, self.pod) > self.before, 120,
-                   f"{self.pod} restarted")  # fmt: skip
+        wait_until(
+            lambda: restart_count(ctx.env, NS, self.pod) > self.before, 120, f"{self.pod} restarted"
+        )
 
     def settled(self, ctx: Ctx) -> bool:
         return ctx.env.rolled_out(ctx.opts.mode)
@@ -524,32 +582,52 @@ class ObjectBomb(Fault):
     def __init__(self, endpoints: int = 2000, ports: int = 50) -> None:
         self.endpoints, self.ports = endpoints, ports
         self.name = "object bomb"
-        self.how = (f"one Service with {ports} ports and {endpoints} endpoints "
-                    f"({ports * endpoints} endpoint-ports), then an unrelated Service")  # fmt: skip
+        self.how = (
+            f"one Service with {ports} ports and {endpoints} endpoints "
+            f"({ports * endpoints} endpoint-ports), then an unrelated Service"
+        )
 
     def inject(self, ctx: Ctx) -> None:
         ns, name = ctx.env.app_ns, f"bomb-{ctx.run}"
-        ports = [{"name": f"p{i}", "port": 10000 + i, "targetPort": 20000 + i,
-                  "protocol": "TCP"} for i in range(self.ports)]  # fmt: skip
-        svc = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": ns},
-               "spec": {"ports": ports}}  # fmt: skip
+        ports = [
+            {"name": f"p{i}", "port": 10000 + i, "targetPort": 20000 + i, "protocol": "TCP"}
+            for i in range(self.ports)
+        ]
+        svc = {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"ports": ports},
+        }
         ctx.kubectl("create", "-f", "-", input=json.dumps(svc))
         ctx.created.append(("service", ns, name))
         items = []
         for s in range(0, self.endpoints, 1000):
-            addresses = [f"10.250.{i // 250}.{i % 250 + 1}"
-                         for i in range(s, min(s + 1000, self.endpoints))]  # fmt: skip
-            items.append({
-                "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-                "metadata": {"name": f"{name}-{s // 1000}", "namespace": ns, "labels": {
-                    "kubernetes.io/service-name": name,
-                    "endpointslice.kubernetes.io/managed-by": "chaos.kpx.dev"}},
-                "addressType": "IPv4",
-                "ports": [{"name": f"p{i}", "port": 20000 + i, "protocol": "TCP"}
-                          for i in range(self.ports)],
-                "endpoints": [{"addresses": [a], "conditions": {"ready": True}}
-                              for a in addresses],
-            })  # fmt: skip
+            addresses = [
+                f"10.250.{i // 250}.{i % 250 + 1}" for i in range(s, min(s + 1000, self.endpoints))
+            ]
+            items.append(
+                {
+                    "apiVersion": "discovery.k8s.io/v1",
+                    "kind": "EndpointSlice",
+                    "metadata": {
+                        "name": f"{name}-{s // 1000}",
+                        "namespace": ns,
+                        "labels": {
+                            "kubernetes.io/service-name": name,
+                            "endpointslice.kubernetes.io/managed-by": "chaos.kpx.dev",
+                        },
+                    },
+                    "addressType": "IPv4",
+                    "ports": [
+                        {"name": f"p{i}", "port": 20000 + i, "protocol": "TCP"}
+                        for i in range(self.ports)
+                    ],
+                    "endpoints": [
+                        {"addresses": [a], "conditions": {"ready": True}} for a in addresses
+                    ],
+                }
+            )
             ctx.created.append(("endpointslice", ns, f"{name}-{s // 1000}"))
         ctx.kubectl(
             "create",

@@ -60,8 +60,9 @@ def signal_all(pids: list[int], sig: int) -> int:
 
 def restart_count(env: MigrationEnv, namespace: str, name: str) -> int:
     pod = env.json("-n", namespace, "get", "pod", name)
-    return sum(int(c.get("restartCount", 0)) for c in pod.get("status", {}).get(
-        "containerStatuses", []))  # fmt: skip
+    return sum(
+        int(c.get("restartCount", 0)) for c in pod.get("status", {}).get("containerStatuses", [])
+    )
 
 
 def restart_agent(env: MigrationEnv, node: Node, timeout: float = 120) -> None:

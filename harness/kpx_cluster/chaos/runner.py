@@ -97,11 +97,16 @@ class Ctx:
         items = []
         for name in names:
             body: dict[str, Any] = {
-                "apiVersion": "v1", "kind": "Service",
+                "apiVersion": "v1",
+                "kind": "Service",
                 "metadata": {"name": name, "namespace": ns},
-                "spec": {"ports": [{"name": "tcp", "port": TCP_PORT, "targetPort": 8080,
-                                    "protocol": "TCP"}], **spec},
-            }  # fmt: skip
+                "spec": {
+                    "ports": [
+                        {"name": "tcp", "port": TCP_PORT, "targetPort": 8080, "protocol": "TCP"}
+                    ],
+                    **spec,
+                },
+            }
             if selector:
                 body["spec"]["selector"] = {"app": "web"}
             items.append(body)
@@ -265,9 +270,12 @@ def repair(
     clean = clean_after(env, targets, opts.converge_timeout)
     ctx.notes.append(
         f"then a round of {CLEAN_ROUND} new connections per node and Service all answered "
-        + (f"{clean:.1f} s later" if clean is not None else
-           f"not within {opts.converge_timeout:.0f} s")
-    )  # fmt: skip
+        + (
+            f"{clean:.1f} s later"
+            if clean is not None
+            else f"not within {opts.converge_timeout:.0f} s"
+        )
+    )
     log(f"   {ctx.notes[-1]}")
 
 
@@ -316,8 +324,11 @@ def run_row(env: MigrationEnv, fault: Fault | NotBuilt, opts: Options, log: Log)
             row.changes = len(changes)
         targets = [(c.name, c.ip, c.port) for c in changes] + base_targets(env)
         row.converged, missing = converge(env, fault, ctx, targets, opts)
-        log(f"   converged {row.converged}s after the heal" if row.converged is not None
-            else f"   not converged after {opts.converge_timeout:.0f}s: {missing}")  # fmt: skip
+        log(
+            f"   converged {row.converged}s after the heal"
+            if row.converged is not None
+            else f"   not converged after {opts.converge_timeout:.0f}s: {missing}"
+        )
         fault.after(ctx)
         if fault.change_at == "after" and row.converged is not None:
             # kpx repaired on its own: now the change, which must reach every node too
@@ -331,8 +342,10 @@ def run_row(env: MigrationEnv, fault: Fault | NotBuilt, opts: Options, log: Log)
                 else "the change made after the repair never answered everywhere"
             )
         if missing:
-            ctx.notes.append(f"not answered {opts.converge_timeout:.0f} s after the heal: "
-                             f"{', '.join(missing[:8])}")  # fmt: skip
+            ctx.notes.append(
+                f"not answered {opts.converge_timeout:.0f} s after the heal: "
+                f"{', '.join(missing[:8])}"
+            )
             base = ("svc-a@", "svc-np@")
             row.lost = [m for m in missing if "@" in m and not m.startswith(base)]
             repair(env, fault, ctx, targets, opts, log)
@@ -351,8 +364,9 @@ def run_row(env: MigrationEnv, fault: Fault | NotBuilt, opts: Options, log: Log)
         except Exception as err:
             row.error = row.error or f"cleanup: {type(err).__name__}: {err}"
         for kind, ns, name in reversed(ctx.created):
-            env.cluster.kubectl("-n", ns, "delete", kind, name, "--ignore-not-found",
-                                "--wait=false", check=False)  # fmt: skip
+            env.cluster.kubectl(
+                "-n", ns, "delete", kind, name, "--ignore-not-found", "--wait=false", check=False
+            )
         row.notes = ctx.notes + row.notes
     t = row.traffic
     if t is not None:

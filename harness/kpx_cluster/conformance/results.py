@@ -7,8 +7,10 @@ import re
 import xml.etree.ElementTree as ET  # our own e2e.test's report, not untrusted input
 from dataclasses import dataclass, field
 
-_LEAF = re.compile(r"^\[(It|SynchronizedBeforeSuite|SynchronizedAfterSuite|ReportAfterSuite|"
-                   r"BeforeSuite|AfterSuite|DeferCleanup \(Suite\))\]\s*")  # fmt: skip
+_LEAF = re.compile(
+    r"^\[(It|SynchronizedBeforeSuite|SynchronizedAfterSuite|ReportAfterSuite|"
+    r"BeforeSuite|AfterSuite|DeferCleanup \(Suite\))\]\s*"
+)
 
 
 @dataclass

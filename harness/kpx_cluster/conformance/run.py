@@ -60,8 +60,11 @@ def list_specs() -> list[str]:
     """Every spec `e2e.test` holds, by its full text."""
     out = subprocess.run(
         [str(kubernetes_binary("e2e.test")), "--list-tests"],
-        capture_output=True, text=True, check=True, timeout=300,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
     return [m.group(1).strip() for line in out.splitlines() if (m := _LISTED.match(line))]
 
 
@@ -120,9 +123,12 @@ def read_row(target: Target, selected: list[str], out: Path) -> results.Row:
     seconds_file = report_dir / "seconds"
     seconds = float(seconds_file.read_text()) if seconds_file.exists() else 0.0
     return results.Row(
-        target.proxy, target.mode, outcome, seconds,
+        target.proxy,
+        target.mode,
+        outcome,
+        seconds,
         (sum(1 for s in conformance if s in passed), len(conformance)),
-    )  # fmt: skip
+    )
 
 
 def _run_suite(
@@ -139,14 +145,17 @@ def _run_suite(
     try:
         install.install(rc, target.proxy, target.mode)
         kubeconfig = rc.cluster.client_kubeconfig(
-            "e2e-admin", ("system:masters",), report_dir / "kubeconfig",
+            "e2e-admin",
+            ("system:masters",),
+            report_dir / "kubeconfig",
             server=rc.cluster.cluster_server,
-        )  # fmt: skip
+        )
         assert rc.cluster.netns is not None
         argv = [
-            "nsenter", f"--net=/run/netns/{rc.cluster.netns}",
+            "nsenter",
+            f"--net=/run/netns/{rc.cluster.netns}",
             *ginkgo_argv(suite, procs, kubeconfig, report_dir),
-        ]  # fmt: skip
+        ]
         print(f"conformance: {target.label}: {len(selected)} specs, log {log}", flush=True)
         with log.open("wb") as sink:
             env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
@@ -204,8 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--suite", choices=sorted(specs.SUITES), default="proxy")
-    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
-                        help="comma-separated PROXY/MODE (default: %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--targets",
+        default=",".join(DEFAULT_TARGETS),
+        help="comma-separated PROXY/MODE (default: %(default)s)",
+    )
     parser.add_argument("--procs", type=int, default=3, help="ginkgo processes (default 3)")
     parser.add_argument(
         "--out", type=Path, default=None, help="reports directory (default: cache/conformance/)"
@@ -221,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run nothing: report the targets from the reports already in --out",
     )
-    parser.add_argument("--record", type=Path, default=None,
-                        help="also write the report (Markdown) to this file")  # fmt: skip
+    parser.add_argument(
+        "--record", type=Path, default=None, help="also write the report (Markdown) to this file"
+    )
     args = parser.parse_args(argv)
     try:
         targets = [Target.parse(t) for t in args.targets.split(",") if t]

@@ -24,23 +24,40 @@ class SkipGroup:
 
 
 SKIPS: Final = (
-    SkipGroup("cloud load balancers", r"LoadBalancer",
-              "needs a cloud provider's load balancer (the skeleton provider has none)"),
-    SkipGroup("disruptive", r"\[Disruptive\]",
-              "restarts the apiserver or the proxy over SSH to the nodes (the skeleton provider "
-              "has no SSH); `make chaos` covers restarts of kpx"),
-    SkipGroup("serial", r"\[Serial\]",
-              "needs the whole cluster to itself (SCTP host ports, DNS upstream forwarding, "
-              "static-pod kube-proxy migration); the ones left are not the proxy's"),
-    SkipGroup("sctp", r"SCTP",
-              "this machine's kernel has no SCTP module"),
-    SkipGroup("internet", r"Internet connection|Feature:Networking-(IPv4|IPv6|DNS)",
-              "needs the internet: no packet of the cluster leaves this machine"),
-    SkipGroup("performance", r"Feature:Networking-Performance|Feature:PerformanceDNS",
-              "performance runs (iperf2, DNS at scale), not correctness; bench/ measures kpx"),
-    SkipGroup("nfacct", r"Feature:KubeProxyNFAcct",
-              "upstream's alpha nfacct counter for localhost NodePorts; kpx has no such metric"),
-)  # fmt: skip
+    SkipGroup(
+        "cloud load balancers",
+        r"LoadBalancer",
+        "needs a cloud provider's load balancer (the skeleton provider has none)",
+    ),
+    SkipGroup(
+        "disruptive",
+        r"\[Disruptive\]",
+        "restarts the apiserver or the proxy over SSH to the nodes (the skeleton provider "
+        "has no SSH); `make chaos` covers restarts of kpx",
+    ),
+    SkipGroup(
+        "serial",
+        r"\[Serial\]",
+        "needs the whole cluster to itself (SCTP host ports, DNS upstream forwarding, "
+        "static-pod kube-proxy migration); the ones left are not the proxy's",
+    ),
+    SkipGroup("sctp", r"SCTP", "this machine's kernel has no SCTP module"),
+    SkipGroup(
+        "internet",
+        r"Internet connection|Feature:Networking-(IPv4|IPv6|DNS)",
+        "needs the internet: no packet of the cluster leaves this machine",
+    ),
+    SkipGroup(
+        "performance",
+        r"Feature:Networking-Performance|Feature:PerformanceDNS",
+        "performance runs (iperf2, DNS at scale), not correctness; bench/ measures kpx",
+    ),
+    SkipGroup(
+        "nfacct",
+        r"Feature:KubeProxyNFAcct",
+        "upstream's alpha nfacct counter for localhost NodePorts; kpx has no such metric",
+    ),
+)
 
 #: the specs that exercise a service proxy (with [Conformance], the `proxy` suite's focus)
 PROXY_GROUPS: Final = (
@@ -108,8 +125,13 @@ SUITES: Final = {
 def narrowed(suite: Suite, only: str) -> Suite:
     """The specs matching `only` (a regex ginkgo's RE2 reads too), with `suite`'s skips: a
     re-run of a few of the suite's specs."""
-    return Suite(suite.name, only, suite.skip, suite.skip_groups,
-                 f"{suite.about}; only those matching {only!r}")  # fmt: skip
+    return Suite(
+        suite.name,
+        only,
+        suite.skip,
+        suite.skip_groups,
+        f"{suite.about}; only those matching {only!r}",
+    )
 
 
 def selected(suite: Suite, specs: list[str]) -> tuple[list[str], dict[str, list[str]]]:

@@ -83,8 +83,18 @@ def start(name: str, root: Path, nodes: int, timeout: float = 300) -> dict[str, 
     files.dir.mkdir(parents=True, exist_ok=True)
     for f in (files.ready, files.failed):
         f.unlink(missing_ok=True)
-    argv = [sys.executable, "-m", "kpx_cluster.kubelets.background", "serve",
-            "--name", name, "--root", str(root), "--nodes", str(nodes)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "kpx_cluster.kubelets.background",
+        "serve",
+        "--name",
+        name,
+        "--root",
+        str(root),
+        "--nodes",
+        str(nodes),
+    ]
     with files.log.open("ab") as log:
         proc = subprocess.Popen(
             argv,

@@ -169,8 +169,14 @@ class RealCluster:
         )
 
     def _write_files(self, plan: NodePlan, archives: list[Path]) -> None:
-        for d in (plan.var_lib, plan.var_log, plan.etc, plan.cni_conf_dir, plan.sysctl_dir,
-                  plan.log_dir):  # fmt: skip
+        for d in (
+            plan.var_lib,
+            plan.var_log,
+            plan.etc,
+            plan.cni_conf_dir,
+            plan.sysctl_dir,
+            plan.log_dir,
+        ):
             d.mkdir(parents=True, exist_ok=True)
         for key, value in KUBELET_SYSCTLS.items():
             (plan.sysctl_dir / key.replace("/", ".")).write_text(value + "\n")
@@ -197,10 +203,19 @@ class RealCluster:
         self.cluster.kubectl("apply", "-f", "-", input=json.dumps(node_object(plan)))
         cgroups.create(plan.runtime_cgroup)
         argv = [
-            "nsenter", f"--net=/run/netns/{plan.netns}",
-            "unshare", "--mount", "--uts", "--propagation", "private", "--",
-            sys.executable, "-m", "kpx_cluster.kubelets.supervisor", str(plan.spec_file),
-        ]  # fmt: skip
+            "nsenter",
+            f"--net=/run/netns/{plan.netns}",
+            "unshare",
+            "--mount",
+            "--uts",
+            "--propagation",
+            "private",
+            "--",
+            sys.executable,
+            "-m",
+            "kpx_cluster.kubelets.supervisor",
+            str(plan.spec_file),
+        ]
         with (plan.log_dir / "supervisor.log").open("ab") as log:
             self._supervisors[name] = self.topology.run_host(
                 argv,
@@ -222,9 +237,14 @@ class RealCluster:
         objects = {"apiVersion": "v1", "kind": "List", "items": dns_objects(host, port)}
         self.cluster.kubectl("apply", "-f", "-", input=json.dumps(objects))
         self.cluster.kubectl(
-            "-n", "kube-system", "rollout", "status", "deploy/coredns", f"--timeout={timeout:.0f}s",
+            "-n",
+            "kube-system",
+            "rollout",
+            "status",
+            "deploy/coredns",
+            f"--timeout={timeout:.0f}s",
             timeout=timeout + 10,
-        )  # fmt: skip
+        )
 
     def nodes(self) -> dict[str, dict[str, Any]]:
         got = self.cluster.kubectl("get", "nodes", "-o", "json")

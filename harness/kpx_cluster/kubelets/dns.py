@@ -42,70 +42,104 @@ def dns_objects(
     """ServiceAccount, RBAC, Corefile, Deployment and the kube-dns Service."""
     meta = {"namespace": NAMESPACE, "labels": dict(LABELS)}
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount",
-         "metadata": {"name": "coredns", **meta}},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-         "metadata": {"name": "system:coredns"},
-         "rules": [
-             {"apiGroups": [""], "resources": ["endpoints", "services", "pods", "namespaces"],
-              "verbs": ["list", "watch"]},
-             {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-              "verbs": ["list", "watch"]},
-         ]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-         "metadata": {"name": "system:coredns"},
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                     "name": "system:coredns"},
-         "subjects": [{"kind": "ServiceAccount", "name": "coredns", "namespace": NAMESPACE}]},
-        {"apiVersion": "v1", "kind": "ConfigMap",
-         "metadata": {"name": "coredns", "namespace": NAMESPACE},
-         "data": {"Corefile": COREFILE}},
-        {"apiVersion": "apps/v1", "kind": "Deployment",
-         "metadata": {"name": "coredns", **meta},
-         "spec": {
-             "replicas": replicas,
-             "selector": {"matchLabels": dict(LABELS)},
-             "template": {
-                 "metadata": {"labels": dict(LABELS)},
-                 "spec": {
-                     "serviceAccountName": "coredns",
-                     "priorityClassName": "system-cluster-critical",
-                     "dnsPolicy": "Default",
-                     "tolerations": [{"operator": "Exists"}],
-                     "containers": [{
-                         "name": "coredns",
-                         "image": COREDNS_IMAGE,
-                         "imagePullPolicy": "Never",
-                         "args": ["-conf", "/etc/coredns/Corefile"],
-                         "env": [
-                             {"name": "KUBERNETES_SERVICE_HOST", "value": apiserver_host},
-                             {"name": "KUBERNETES_SERVICE_PORT", "value": apiserver_port},
-                         ],
-                         "ports": [
-                             {"name": "dns", "containerPort": 53, "protocol": "UDP"},
-                             {"name": "dns-tcp", "containerPort": 53, "protocol": "TCP"},
-                             {"name": "metrics", "containerPort": 9153, "protocol": "TCP"},
-                         ],
-                         "volumeMounts": [{"name": "config", "mountPath": "/etc/coredns",
-                                           "readOnly": True}],
-                         "livenessProbe": {"httpGet": {"path": "/health", "port": 8080},
-                                           "periodSeconds": 10},
-                         "readinessProbe": {"httpGet": {"path": "/ready", "port": 8181},
-                                            "periodSeconds": 1},
-                     }],
-                     "volumes": [{"name": "config", "configMap": {"name": "coredns"}}],
-                 },
-             },
-         }},
-        {"apiVersion": "v1", "kind": "Service",
-         "metadata": {"name": "kube-dns", **meta},
-         "spec": {
-             "selector": dict(LABELS),
-             "clusterIP": CLUSTER_DNS,
-             "ports": [
-                 {"name": "dns", "port": 53, "protocol": "UDP"},
-                 {"name": "dns-tcp", "port": 53, "protocol": "TCP"},
-                 {"name": "metrics", "port": 9153, "protocol": "TCP"},
-             ],
-         }},
-    ]  # fmt: skip
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "coredns", **meta}},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRole",
+            "metadata": {"name": "system:coredns"},
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["endpoints", "services", "pods", "namespaces"],
+                    "verbs": ["list", "watch"],
+                },
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["list", "watch"],
+                },
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "ClusterRoleBinding",
+            "metadata": {"name": "system:coredns"},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": "system:coredns",
+            },
+            "subjects": [{"kind": "ServiceAccount", "name": "coredns", "namespace": NAMESPACE}],
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "coredns", "namespace": NAMESPACE},
+            "data": {"Corefile": COREFILE},
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "coredns", **meta},
+            "spec": {
+                "replicas": replicas,
+                "selector": {"matchLabels": dict(LABELS)},
+                "template": {
+                    "metadata": {"labels": dict(LABELS)},
+                    "spec": {
+                        "serviceAccountName": "coredns",
+                        "priorityClassName": "system-cluster-critical",
+                        "dnsPolicy": "Default",
+                        "tolerations": [{"operator": "Exists"}],
+                        "containers": [
+                            {
+                                "name": "coredns",
+                                "image": COREDNS_IMAGE,
+                                "imagePullPolicy": "Never",
+                                "args": ["-conf", "/etc/coredns/Corefile"],
+                                "env": [
+                                    {"name": "KUBERNETES_SERVICE_HOST", "value": apiserver_host},
+                                    {"name": "KUBERNETES_SERVICE_PORT", "value": apiserver_port},
+                                ],
+                                "ports": [
+                                    {"name": "dns", "containerPort": 53, "protocol": "UDP"},
+                                    {"name": "dns-tcp", "containerPort": 53, "protocol": "TCP"},
+                                    {"name": "metrics", "containerPort": 9153, "protocol": "TCP"},
+                                ],
+                                "volumeMounts": [
+                                    {
+                                        "name": "config",
+                                        "mountPath": "/etc/coredns",
+                                        "readOnly": True,
+                                    }
+                                ],
+                                "livenessProbe": {
+                                    "httpGet": {"path": "/health", "port": 8080},
+                                    "periodSeconds": 10,
+                                },
+                                "readinessProbe": {
+                                    "httpGet": {"path": "/ready", "port": 8181},
+                                    "periodSeconds": 1,
+                                },
+                            }
+                        ],
+                        "volumes": [{"name": "config", "configMap": {"name": "coredns"}}],
+                    },
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "kube-dns", **meta},
+            "spec": {
+                "selector": dict(LABELS),
+                "clusterIP": CLUSTER_DNS,
+                "ports": [
+                    {"name": "dns", "port": 53, "protocol": "UDP"},
+                    {"name": "dns-tcp", "port": 53, "protocol": "TCP"},
+                    {"name": "metrics", "port": 9153, "protocol": "TCP"},
+                ],
+            },
+        },
+    ]

@@ -81,9 +81,12 @@ def archives(proxy: str) -> list[Path]:
 
 def _apply(rc: Nodes, items: list[dict[str, Any]]) -> None:
     rc.cluster.kubectl(
-        "apply", "--server-side", "-f", "-",
+        "apply",
+        "--server-side",
+        "-f",
+        "-",
         input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}),
-    )  # fmt: skip
+    )
 
 
 def install_kpx(
@@ -175,10 +178,14 @@ def install_kube_proxy(rc: Nodes, mode: str, timeout: float = 180) -> None:
     )
     _apply(rc, objects)
     rc.cluster.kubectl(
-        "-n", upstream_kube_proxy.NAMESPACE, "rollout", "status",
-        f"daemonset/{upstream_kube_proxy.NAME}", f"--timeout={timeout:.0f}s",
+        "-n",
+        upstream_kube_proxy.NAMESPACE,
+        "rollout",
+        "status",
+        f"daemonset/{upstream_kube_proxy.NAME}",
+        f"--timeout={timeout:.0f}s",
         timeout=timeout + 10,
-    )  # fmt: skip
+    )
 
 
 def install(rc: Nodes, proxy: str, mode: str) -> None:

@@ -51,8 +51,9 @@ class KubeApi:
 
     def __init__(self, creds: kube.Credentials, user_agent: str) -> None:
         self.creds = creds
-        self.client = kube.Client(creds, user_agent=user_agent, connections=8,
-                                  watch_idle_timeout=WATCH_IDLE_TIMEOUT)  # fmt: skip
+        self.client = kube.Client(
+            creds, user_agent=user_agent, connections=8, watch_idle_timeout=WATCH_IDLE_TIMEOUT
+        )
 
     async def close(self) -> None:
         await self.client.close()
@@ -72,8 +73,9 @@ class KubeApi:
 
         `patch` ("merge" or "strategic") selects the patch content type for PATCH requests.
         """
-        reply = await self.client.request(method, path, params=params, body=body,
-                                          content=patch or "json", timeout=timeout)  # fmt: skip
+        reply = await self.client.request(
+            method, path, params=params, body=body, content=patch or "json", timeout=timeout
+        )
         return reply.body
 
     async def get_or_none(self, path: str) -> Obj | None:

@@ -220,9 +220,17 @@ class Container:
 
         def start() -> subprocess.Popen[Any]:
             return container.start(
-                topology, unpacked, argv, env, sc, netns_name=netns_name,
-                volume_mounts=mounts, hostname=hostname, cwd=cwd, log_file=log_file,
-            )  # fmt: skip
+                topology,
+                unpacked,
+                argv,
+                env,
+                sc,
+                netns_name=netns_name,
+                volume_mounts=mounts,
+                hostname=hostname,
+                cwd=cwd,
+                log_file=log_file,
+            )
 
         return start
 
@@ -370,9 +378,12 @@ class Container:
             argv = self._runc.exec_argv(command)
             topology = self.ctx.topology
             popen = await asyncio.to_thread(
-                topology.run_host, argv, stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            )  # fmt: skip
+                topology.run_host,
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         else:
             argv = [self.ctx.env.paths.rewrite(w) for w in command]
             popen = await asyncio.to_thread(
@@ -396,8 +407,9 @@ class Container:
         self.ctx.changed()
 
     def _terminated_state(self, info: ExitInfo) -> Obj:
-        exit = Exit(info.exit_code, info.signal, info.started_at, info.finished_at,
-                    info.start_error)  # fmt: skip
+        exit = Exit(
+            info.exit_code, info.signal, info.started_at, info.finished_at, info.start_error
+        )
         return terminated_state(exit, self.container_id)
 
     def status(self) -> Obj:

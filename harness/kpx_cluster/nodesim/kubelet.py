@@ -174,8 +174,14 @@ class Kubelet:
         now = now_rfc3339()
 
         def condition(kind: str, status: str, reason: str, message: str) -> Obj:
-            return {"type": kind, "status": status, "reason": reason, "message": message,
-                    "lastHeartbeatTime": now, "lastTransitionTime": now}  # fmt: skip
+            return {
+                "type": kind,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastHeartbeatTime": now,
+                "lastTransitionTime": now,
+            }
 
         uname = os.uname()
         return {
@@ -242,8 +248,10 @@ class Kubelet:
             kept = [t for t in taints if t.get("key") != NOT_READY_TAINT]
             if len(kept) == len(taints):
                 return
-            patch = {"metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
-                     "spec": {"taints": kept or None}}  # fmt: skip
+            patch = {
+                "metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
+                "spec": {"taints": kept or None},
+            }
             try:
                 await self.admin.request("PATCH", path, body=patch, patch="merge")
                 return
@@ -321,13 +329,20 @@ class Kubelet:
 
     async def _watch(self, params: Mapping[str, str], version: str) -> str:
         """Follow the pod watch from `version`; the last version seen when it ends."""
-        watch_params = {**params, "resourceVersion": version, "allowWatchBookmarks": "true",
-                        "timeoutSeconds": str(WATCH_TIMEOUT)}  # fmt: skip
+        watch_params = {
+            **params,
+            "resourceVersion": version,
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(WATCH_TIMEOUT),
+        }
         async for event in self.api.watch("/api/v1/pods", watch_params):
             kind, obj = event.get("type"), event.get("object") or {}
             if kind == "ERROR":
-                raise ApiError(int(obj.get("code", 500)), str(obj.get("reason", "")),
-                               str(obj.get("message", "")))  # fmt: skip
+                raise ApiError(
+                    int(obj.get("code", 500)),
+                    str(obj.get("reason", "")),
+                    str(obj.get("message", "")),
+                )
             version = obj["metadata"]["resourceVersion"]
             if kind in ("ADDED", "MODIFIED"):
                 self._observe(obj)

@@ -443,8 +443,9 @@ class PodWorker:
         return all(conds.get(g) == "True" for g in gates)
 
     def _placeholder(self, spec: Obj, reason: str) -> Obj:
-        facts = ContainerFacts(str(spec["name"]), str(spec.get("image", "")),
-                               waiting=(reason, self.setup_message))  # fmt: skip
+        facts = ContainerFacts(
+            str(spec["name"]), str(spec.get("image", "")), waiting=(reason, self.setup_message)
+        )
         return container_status(facts)
 
     def status(self, final: bool = False) -> Obj:

@@ -58,8 +58,9 @@ def read_only_volume(volume: Mapping[str, Any]) -> bool:
     return any(k in volume for k in ("configMap", "secret", "projected", "downwardAPI"))
 
 
-def mounts(pod_spec: Mapping[str, Any], container: Mapping[str, Any],
-           dirs: Mapping[str, Path]) -> list[oci.Mount]:  # fmt: skip
+def mounts(
+    pod_spec: Mapping[str, Any], container: Mapping[str, Any], dirs: Mapping[str, Path]
+) -> list[oci.Mount]:
     """The container's volumeMounts as bind mounts of the directories backing the volumes."""
     volumes = {v["name"]: v for v in pod_spec.get("volumes") or []}
     out = []
@@ -147,10 +148,17 @@ class RuncContainer:
         """Write the bundle and start ``runc run`` (blocking call). oci.SecurityError when the
         securityContext cannot be honoured (CreateContainerConfigError)."""
         spec = oci.runtime_spec(
-            image.rootfs, argv, env, image.config, sc,
-            netns=netns.path(netns_name), mounts=volume_mounts, hostname=hostname, cwd=cwd,
+            image.rootfs,
+            argv,
+            env,
+            image.config,
+            sc,
+            netns=netns.path(netns_name),
+            mounts=volume_mounts,
+            hostname=hostname,
+            cwd=cwd,
             bounding=oci.own_bounding_set(),
-        )  # fmt: skip
+        )
         shutil.rmtree(self.bundle.path, ignore_errors=True)
         self.bundle.path.mkdir(parents=True)
         if not spec["root"]["readonly"]:

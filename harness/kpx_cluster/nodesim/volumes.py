@@ -261,8 +261,11 @@ class PodVolumes:
                 self._writers[name] = AtomicDir(path)
                 continue
             if "emptyDir" not in vol:
-                log.warning("volume %s of %s: type not simulated, an empty directory", name,
-                            self.pod["metadata"]["name"])  # fmt: skip
+                log.warning(
+                    "volume %s of %s: type not simulated, an empty directory",
+                    name,
+                    self.pod["metadata"]["name"],
+                )
             path.mkdir(parents=True, exist_ok=True)
         self._prepared = True
 

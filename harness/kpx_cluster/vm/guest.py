@@ -78,9 +78,14 @@ def _boot(cmdline: dict[str, str]) -> None:
     for tag, path in shares:
         os.makedirs(path, exist_ok=True)
         _run(
-            "mount", "-t", "9p", "-o", "trans=virtio,version=9p2000.L,msize=262144,cache=none",
-            tag, path,
-        )  # fmt: skip
+            "mount",
+            "-t",
+            "9p",
+            "-o",
+            "trans=virtio,version=9p2000.L,msize=262144,cache=none",
+            tag,
+            path,
+        )
     _run("ip", "link", "set", "lo", "up")
     _run("ip", "link", "set", "eth0", "up")
     _run("ip", "addr", "add", "10.0.2.15/24", "dev", "eth0")

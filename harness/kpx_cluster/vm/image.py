@@ -184,13 +184,27 @@ def _build(log) -> Image:
     # knows this machine's index and certificates) straight into the guest's site directory.
     site = rootfs / "usr" / "local" / "lib" / f"python{GUEST_PYTHON}" / "dist-packages"
     pip = [
-        sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
-        "--no-compile", "--target", str(site), "--only-binary=:all:",
-        "--python-version", GUEST_PYTHON, "--implementation", "cp",
-        "--abi", f"cp{GUEST_PYTHON.replace('.', '')}",
-        *(f"--platform={p}" for p in WHEEL_PLATFORMS), "--platform=any",
-        "-r", str(requirements),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        "--no-compile",
+        "--target",
+        str(site),
+        "--only-binary=:all:",
+        "--python-version",
+        GUEST_PYTHON,
+        "--implementation",
+        "cp",
+        "--abi",
+        f"cp{GUEST_PYTHON.replace('.', '')}",
+        *(f"--platform={p}" for p in WHEEL_PLATFORMS),
+        "--platform=any",
+        "-r",
+        str(requirements),
+    ]
     subprocess.run(pip, check=True, stdout=log, stderr=log)
     boot = rootfs / "boot"
     kernel = sorted(boot.glob("vmlinuz-*"))[-1]
@@ -198,10 +212,22 @@ def _build(log) -> Image:
     shutil.copy(kernel, work / "vmlinuz")
     shutil.copy(initrd, work / "initrd.img")
     subprocess.run(
-        ["mke2fs", "-q", "-t", "ext4", "-L", "kpxroot", "-d", str(rootfs), str(work / "root.img"),
-         IMAGE_SIZE],
-        check=True, stdout=log, stderr=log,
-    )  # fmt: skip
+        [
+            "mke2fs",
+            "-q",
+            "-t",
+            "ext4",
+            "-L",
+            "kpxroot",
+            "-d",
+            str(rootfs),
+            str(work / "root.img"),
+            IMAGE_SIZE,
+        ],
+        check=True,
+        stdout=log,
+        stderr=log,
+    )
     shutil.rmtree(rootfs)
     (work / "recipe.json").write_text(json.dumps(recipe(), indent=2, sort_keys=True) + "\n")
     (work / "done").write_text("")

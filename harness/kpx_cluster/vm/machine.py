@@ -43,9 +43,19 @@ BOOT_TIMEOUT = 300.0
 BOOT_ATTEMPT_TIMEOUT = 150.0
 BOOT_ATTEMPTS = 3
 QEMU_BASE = (
-    "qemu-system-x86_64", "-accel", "tcg,thread=multi", "-cpu", "max", "-m", "1024",
-    "-smp", "2", "-nographic", "-no-reboot", "-snapshot",
-)  # fmt: skip
+    "qemu-system-x86_64",
+    "-accel",
+    "tcg,thread=multi",
+    "-cpu",
+    "max",
+    "-m",
+    "1024",
+    "-smp",
+    "2",
+    "-nographic",
+    "-no-reboot",
+    "-snapshot",
+)
 
 
 class VMError(RuntimeError):
@@ -147,20 +157,32 @@ class Guest:
         for path in shares:
             path.mkdir(parents=True, exist_ok=True)
         append = [
-            "console=ttyS0", "root=LABEL=kpxroot", "rw", "net.ifnames=0", "init=/sbin/kpx-init",
+            "console=ttyS0",
+            "root=LABEL=kpxroot",
+            "rw",
+            "net.ifnames=0",
+            "init=/sbin/kpx-init",
             "loglevel=6",
-            "panic=-1", f"kpx.guest={Path(vm_image.GUEST_PROGRAM).resolve()}",
+            "panic=-1",
+            f"kpx.guest={Path(vm_image.GUEST_PROGRAM).resolve()}",
             f"kpx.token_file={token_file}",
             *(f"kpx.share.{i}=kpx{i}:{path}" for i, path in enumerate(shares)),
-        ]  # fmt: skip
+        ]
         argv = [
             *QEMU_BASE,
-            "-kernel", str(image.kernel), "-initrd", str(image.initrd),
-            "-drive", f"file={image.root},format=raw,if=virtio",
-            "-append", " ".join(append),
-            "-netdev", f"user,id=n0,hostfwd=tcp:127.0.0.1:{port}-:{GUEST_PORT}",
-            "-device", "virtio-net-pci,netdev=n0",
-        ]  # fmt: skip
+            "-kernel",
+            str(image.kernel),
+            "-initrd",
+            str(image.initrd),
+            "-drive",
+            f"file={image.root},format=raw,if=virtio",
+            "-append",
+            " ".join(append),
+            "-netdev",
+            f"user,id=n0,hostfwd=tcp:127.0.0.1:{port}-:{GUEST_PORT}",
+            "-device",
+            "virtio-net-pci,netdev=n0",
+        ]
         for i, path in enumerate(shares):
             argv += [
                 "-virtfs",

@@ -256,8 +256,17 @@ class _Walk(Walk):
             elif opt == "-m":
                 module = words[i + 1]
                 i += 2
-                if module in ("tcp", "udp", "sctp", "comment", "recent", "addrtype",
-                              "conntrack", "mark", "statistic"):  # fmt: skip
+                if module in (
+                    "tcp",
+                    "udp",
+                    "sctp",
+                    "comment",
+                    "recent",
+                    "addrtype",
+                    "conntrack",
+                    "mark",
+                    "statistic",
+                ):
                     continue  # their options follow
                 raise AssertionError(f"module {module}")
             elif opt == "--dport":

@@ -122,8 +122,9 @@ class IpvsBackend(Backend):
             self._ipvs = self._kernel.ipvs()
         ipvs = self._ipvs
         self._setup_node()
-        plans = {key: plan_port(port, state.node, self.settings)
-                 for key, port in state.services.items()}  # fmt: skip
+        plans = {
+            key: plan_port(port, state.node, self.settings) for key, port in state.services.items()
+        }
         wanted: dict[VirtualKey, VirtualServer] = {}
         bound: Counter[tuple[int, str]] = Counter()
         elements: dict[str, Counter[Element]] = {}
@@ -135,8 +136,9 @@ class IpvsBackend(Backend):
                 elements.setdefault(name, Counter()).update(members)
             for vip, ranges in plan.firewall.items():
                 firewall.setdefault(vip, {})[owner] = ranges
-        allowed = Counter(e for vip, by in firewall.items()
-                          for e in allowed_elements(vip, by.values()))  # fmt: skip
+        allowed = Counter(
+            e for vip, by in firewall.items() for e in allowed_elements(vip, by.values())
+        )
         if allowed:
             elements[FIREWALL_ALLOW] = allowed
         # Virtual servers: read what is there first (the changes are then sent in batches),
@@ -159,8 +161,10 @@ class IpvsBackend(Backend):
                 self._add_virtual_server(vs)
         # Addresses on the dummy interface.
         have_bound = self._kernel.bound_addresses()
-        self._kernel.bind([(True, f, a) for f, a in bound.keys() - have_bound]
-                    + [(False, f, a) for f, a in have_bound - bound.keys()])  # fmt: skip
+        self._kernel.bind(
+            [(True, f, a) for f, a in bound.keys() - have_bound]
+            + [(False, f, a) for f, a in have_bound - bound.keys()]
+        )
         # The helper table, swapped in one transaction per family.
         self._run_per_family([full_sync(self.settings, state.facts[f], elements) for f in FAMILIES])
         self._plans, self._bound, self._elements = plans, bound, elements

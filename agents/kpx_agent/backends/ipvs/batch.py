@@ -39,8 +39,10 @@ ACK_TIMEOUT = 30.0
 
 def describe_errors(failed: list[tuple[object, int]], limit: int = 20) -> str:
     """One line per failed request (the object it named and the errno), the first `limit`."""
-    lines = [f"{what}: {errno.errorcode.get(code, str(code))} ({os.strerror(code)})"
-             for what, code in failed[:limit]]  # fmt: skip
+    lines = [
+        f"{what}: {errno.errorcode.get(code, str(code))} ({os.strerror(code)})"
+        for what, code in failed[:limit]
+    ]
     if len(failed) > limit:
         lines.append(f"... and {len(failed) - limit} more")
     return f"{len(failed)} IPVS request(s) failed: " + "; ".join(lines)
@@ -96,8 +98,10 @@ class RawNetlink:
             try:
                 data = self._sock.recv(1 << 17)
             except TimeoutError as exc:
-                raise OSError(f"no ack for {len(waiting)} IPVS request(s), e.g. "
-                              f"{next(iter(waiting.values()))}") from exc  # fmt: skip
+                raise OSError(
+                    f"no ack for {len(waiting)} IPVS request(s), e.g. "
+                    f"{next(iter(waiting.values()))}"
+                ) from exc
             for seq, code in parse_acks(data):
                 what = waiting.pop(seq, None)
                 if what is not None and code:

@@ -70,8 +70,7 @@ class FakeIpvs:
         return list(self.virtual_servers)
 
     def real_servers(self, key: VirtualKey) -> dict[tuple[str, int], RealServer]:
-        return {d: RealServer(w, self.conns.get((key, d), 0))
-                for d, w in self.dests[key].items()}  # fmt: skip
+        return {d: RealServer(w, self.conns.get((key, d), 0)) for d, w in self.dests[key].items()}
 
 
 class FakeKernel:

@@ -129,8 +129,9 @@ class Ipvs:
 
     def _request(self, cmd: int, attrs: bytes, what: object) -> None:
         self._seq = self._seq % 0x7FFFFFFF + 1
-        self._queue.pending.append((self._seq, wire.message(self._family, self._seq, cmd, attrs),
-                                    what))  # fmt: skip
+        self._queue.pending.append(
+            (self._seq, wire.message(self._family, self._seq, cmd, attrs), what)
+        )
 
     def discard(self) -> None:
         """Forget the queued changes (a sync failed before sending them: the next is full)."""
@@ -149,19 +150,25 @@ class Ipvs:
             raise KernelError(describe_errors(failed))
 
     def add_service(self, vs: VirtualServer) -> None:
-        self._request(wire.NEW_SERVICE, wire.service_attrs(vs.key, vs),
-                      f"add virtual server {_name(vs.key)}")  # fmt: skip
+        self._request(
+            wire.NEW_SERVICE, wire.service_attrs(vs.key, vs), f"add virtual server {_name(vs.key)}"
+        )
 
     def set_service(self, vs: VirtualServer) -> None:
-        self._request(wire.SET_SERVICE, wire.service_attrs(vs.key, vs),
-                      f"change virtual server {_name(vs.key)}")  # fmt: skip
+        self._request(
+            wire.SET_SERVICE,
+            wire.service_attrs(vs.key, vs),
+            f"change virtual server {_name(vs.key)}",
+        )
 
     def delete_service(self, key: VirtualKey) -> None:
-        self._request(wire.DEL_SERVICE, wire.service_attrs(key),
-                      f"delete virtual server {_name(key)}")  # fmt: skip
+        self._request(
+            wire.DEL_SERVICE, wire.service_attrs(key), f"delete virtual server {_name(key)}"
+        )
 
-    def _dest_request(self, cmd: int, key: VirtualKey, address: str, port: int, weight: int,
-                      what: str) -> None:  # fmt: skip
+    def _dest_request(
+        self, cmd: int, key: VirtualKey, address: str, port: int, weight: int, what: str
+    ) -> None:
         attrs = _service_key_attrs(key) + wire.dest_attrs(key.family, address, port, weight)
         self._request(cmd, attrs, _RealServerRequest(what, address, port, key))
 
@@ -169,8 +176,7 @@ class Ipvs:
         if new:
             self._dest_request(wire.NEW_DEST, key, address, port, weight, "add")
         else:
-            self._dest_request(wire.SET_DEST, key, address, port, weight,
-                               f"set weight {weight} of")  # fmt: skip
+            self._dest_request(wire.SET_DEST, key, address, port, weight, f"set weight {weight} of")
 
     def delete_dest(self, key: VirtualKey, address: str, port: int) -> None:
         self._dest_request(wire.DEL_DEST, key, address, port, 0, "delete")
@@ -184,8 +190,9 @@ class Ipvs:
             family = 6 if s.get("af") == socket.AF_INET6 else 4
             if s.get("fwmark"):
                 continue
-            yield VirtualKey(family, _PROTOCOL_NAME.get(s["protocol"], "?"), str(s["addr"]),
-                             int(s["port"]))  # fmt: skip
+            yield VirtualKey(
+                family, _PROTOCOL_NAME.get(s["protocol"], "?"), str(s["addr"]), int(s["port"])
+            )
 
     def real_servers(self, key: VirtualKey) -> dict[tuple[str, int], RealServer]:
         """The real servers of `key`: weight, and active plus inactive connections."""
@@ -233,8 +240,11 @@ def bind(address_changes: Iterable[tuple[bool, int, str]]) -> None:
     failed: list[tuple[object, int]] = []
     try:
         for chunk in queue.chunks():
-            failed += [(what, code) for what, code in raw.exchange(chunk)
-                       if code not in (errno.EEXIST, errno.EADDRNOTAVAIL)]  # fmt: skip
+            failed += [
+                (what, code)
+                for what, code in raw.exchange(chunk)
+                if code not in (errno.EEXIST, errno.EADDRNOTAVAIL)
+            ]
     finally:
         raw.close()
     if failed:
@@ -266,16 +276,16 @@ def delete_dummy() -> None:
 
 
 def run_nft(script: str) -> None:
-    result = subprocess.run(["nft", "-f", "-"], input=script, text=True, capture_output=True,
-                            check=False)  # fmt: skip
+    result = subprocess.run(
+        ["nft", "-f", "-"], input=script, text=True, capture_output=True, check=False
+    )
     if result.returncode != 0:
         raise KernelError(f"nft: {result.stderr.strip()}")
 
 
 def delete_tables() -> None:
     for family in NFT_FAMILIES.values():
-        subprocess.run(["nft", "delete", "table", family, TABLE], capture_output=True,
-                       check=False)  # fmt: skip
+        subprocess.run(["nft", "delete", "table", family, TABLE], capture_output=True, check=False)
 
 
 def write_sysctl(name: str, value: int) -> bool:
@@ -290,8 +300,9 @@ def write_sysctl(name: str, value: int) -> bool:
 def set_timeouts(tcp: int, tcp_fin: int, udp: int) -> None:
     """IPVS connection timeouts; 0 keeps the kernel's value (ipvsadm --set semantics)."""
     if tcp or tcp_fin or udp:
-        subprocess.run(["ipvsadm", "--set", str(tcp), str(tcp_fin), str(udp)],
-                       check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["ipvsadm", "--set", str(tcp), str(tcp_fin), str(udp)], check=True, capture_output=True
+        )
 
 
 # ---- the backend's one way to the kernel ---------------------------------------------------------
@@ -305,8 +316,9 @@ class VirtualServers(Protocol):
     def add_service(self, vs: VirtualServer) -> None: ...
     def set_service(self, vs: VirtualServer) -> None: ...
     def delete_service(self, key: VirtualKey) -> None: ...
-    def set_dest(self, key: VirtualKey, address: str, port: int, weight: int,
-                 new: bool) -> None: ...  # fmt: skip
+    def set_dest(
+        self, key: VirtualKey, address: str, port: int, weight: int, new: bool
+    ) -> None: ...
     def delete_dest(self, key: VirtualKey, address: str, port: int) -> None: ...
     def services(self) -> Iterable[VirtualKey]: ...
     def real_servers(self, key: VirtualKey) -> dict[tuple[str, int], RealServer]: ...

@@ -27,8 +27,13 @@ def read_marks() -> KpxMarks:
         return KpxMarks()
     listings: dict[str, str | None] = {}
     for family in NFT_FAMILIES.values():
-        proc = subprocess.run(["nft", "-j", "list", "table", family, TABLE],
-                              capture_output=True, text=True, check=False, timeout=120)  # fmt: skip
+        proc = subprocess.run(
+            ["nft", "-j", "list", "table", family, TABLE],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
         listings[family] = proc.stdout if proc.returncode == 0 else None
     return parse_marks(listings)
 
@@ -59,8 +64,9 @@ def remove_kpx_ipvs_leftovers(
                 reals = ipvs.real_servers(key)
                 servers[key] = list(reals)
                 connections[key] = sum(r.active for r in reals.values())
-        decided = plan_cleanup(marks, kube_proxy_ipvs_mode_here(), servers,
-                               kernel.bound_addresses(), exclude_cidrs)  # fmt: skip
+        decided = plan_cleanup(
+            marks, kube_proxy_ipvs_mode_here(), servers, kernel.bound_addresses(), exclude_cidrs
+        )
         now, later = draining(decided.virtual_servers, connections)
         for key in now:
             ipvs.delete_service(key)
@@ -70,9 +76,12 @@ def remove_kpx_ipvs_leftovers(
         if ipvs is not None:
             ipvs.close()
     if later:
-        log.info("kpx ipvs mode's leftovers: removed %d virtual servers, %d still carry "
-                 "established connections (kept, with kube-ipvs0 and the kpx-ipvs tables)",
-                 len(now), len(later))  # fmt: skip
+        log.info(
+            "kpx ipvs mode's leftovers: removed %d virtual servers, %d still carry "
+            "established connections (kept, with kube-ipvs0 and the kpx-ipvs tables)",
+            len(now),
+            len(later),
+        )
         raise Draining(
             f"{len(later)} of kpx's IPVS virtual servers still carry established "
             f"connections ({connections[later[0]]} through {later[0]}, ...): kept until they end"
@@ -80,12 +89,21 @@ def remove_kpx_ipvs_leftovers(
     if decided.dummy:
         kernel.delete_dummy()
     for family in decided.tables:
-        proc = subprocess.run(["nft", "delete", "table", NFT_FAMILIES[family], TABLE],
-                              capture_output=True, text=True, check=False, timeout=120)  # fmt: skip
+        proc = subprocess.run(
+            ["nft", "delete", "table", NFT_FAMILIES[family], TABLE],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=120,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"nft delete table {NFT_FAMILIES[family]} {TABLE}: {proc.stderr}")
     kept = len(servers) - len(decided.virtual_servers)
-    log.info("kpx ipvs mode's leftovers: removed %d virtual servers%s (%s); %d left to others",
-             len(decided.virtual_servers), " and kube-ipvs0" if decided.dummy else "",
-             decided.why, kept)  # fmt: skip
+    log.info(
+        "kpx ipvs mode's leftovers: removed %d virtual servers%s (%s); %d left to others",
+        len(decided.virtual_servers),
+        " and kube-ipvs0" if decided.dummy else "",
+        decided.why,
+        kept,
+    )
     return decided

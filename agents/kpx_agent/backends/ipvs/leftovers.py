@@ -114,8 +114,13 @@ def plan_cleanup(
     if not marks.families:
         return IpvsCleanup((), False, (), "no kpx-ipvs table: the IPVS state is not kpx's")
     if kube_proxy_ipvs:
-        return IpvsCleanup((), False, tables, "kube-proxy's ipvs mode is on this node: its "
-                           "virtual servers and kube-ipvs0 go only with the takeover")  # fmt: skip
+        return IpvsCleanup(
+            (),
+            False,
+            tables,
+            "kube-proxy's ipvs mode is on this node: its "
+            "virtual servers and kube-ipvs0 go only with the takeover",
+        )
     on_dummy = {(family, _addr(address)) for family, address in bound}
     mine = []
     for key, real_servers in virtual_servers.items():

@@ -90,24 +90,36 @@ def table(settings: DataplaneSettings, facts: NodeFacts) -> TableDef:
     with_source = (*vip, saddr(family))
     filters = (
         rule(Lookup(vip, _SET[DROP]), Verdict.DROP),
-        rule(Lookup(vip, _SET[FIREWALL]), Lookup(with_source, _SET[FIREWALL_ALLOW], negate=True),
-             Verdict.DROP),
-    )  # fmt: skip
+        rule(
+            Lookup(vip, _SET[FIREWALL]),
+            Lookup(with_source, _SET[FIREWALL_ALLOW], negate=True),
+            Verdict.DROP,
+        ),
+    )
     chains = (
-        ChainSpec(SERVICES, (
-            cluster_ip_masquerade(settings, facts),
-            rule(Lookup(vip, _SET[MASQ_IPS]), MarkOr(mark)),
-        )),
+        ChainSpec(
+            SERVICES,
+            (
+                cluster_ip_masquerade(settings, facts),
+                rule(Lookup(vip, _SET[MASQ_IPS]), MarkOr(mark)),
+            ),
+        ),
         ChainSpec("prerouting", (rule(Jump(SERVICES)),), ("nat", "prerouting", PRIORITY_NAT_PRE)),
         ChainSpec("output", (rule(Jump(SERVICES)),), ("nat", "output", PRIORITY_NAT_PRE)),
-        ChainSpec("postrouting", (
-            rule(MarkIsSet(mark), Masquerade(fully_random=False)),
-            rule(Lookup((daddr(family), L4PROTO, DPORT, saddr(family)), _SET[HAIRPIN]),
-                 Masquerade(fully_random=False)),
-        ), ("nat", "postrouting", PRIORITY_NAT_POST)),
+        ChainSpec(
+            "postrouting",
+            (
+                rule(MarkIsSet(mark), Masquerade(fully_random=False)),
+                rule(
+                    Lookup((daddr(family), L4PROTO, DPORT, saddr(family)), _SET[HAIRPIN]),
+                    Masquerade(fully_random=False),
+                ),
+            ),
+            ("nat", "postrouting", PRIORITY_NAT_POST),
+        ),
         ChainSpec("filter-input", filters, ("filter", "input", PRIORITY_FILTER)),
         ChainSpec("filter-output", filters, ("filter", "output", PRIORITY_FILTER)),
-    )  # fmt: skip
+    )
     return TableDef(family, SETS, {}, chains, COMMENT)
 
 
@@ -134,8 +146,9 @@ def _pairs(family: int, set_name: str, members: Iterable[Element]) -> list[Pair]
     ]
 
 
-def full_sync(settings: DataplaneSettings, facts: NodeFacts,
-              elements: Mapping[str, Iterable[Element]]) -> Transaction:  # fmt: skip
+def full_sync(
+    settings: DataplaneSettings, facts: NodeFacts, elements: Mapping[str, Iterable[Element]]
+) -> Transaction:
     """Swap one family's helper table, elements included, in one transaction."""
     txn = Transaction(facts.family, IPVS_TABLE)
     txn.replace_table(table(settings, facts))
@@ -144,8 +157,9 @@ def full_sync(settings: DataplaneSettings, facts: NodeFacts,
     return txn
 
 
-def element_changes(family: int, deletes: Mapping[str, Iterable[Element]],
-                    adds: Mapping[str, Iterable[Element]]) -> Transaction:  # fmt: skip
+def element_changes(
+    family: int, deletes: Mapping[str, Iterable[Element]], adds: Mapping[str, Iterable[Element]]
+) -> Transaction:
     """One family's element deletions, then additions, as one transaction."""
     txn = Transaction(family, IPVS_TABLE)
     for set_name, members in deletes.items():
@@ -155,7 +169,8 @@ def element_changes(family: int, deletes: Mapping[str, Iterable[Element]],
     return txn
 
 
-def base_table(settings: DataplaneSettings, facts: NodeFacts,
-               elements: Mapping[str, Iterable[Element]]) -> str:  # fmt: skip
+def base_table(
+    settings: DataplaneSettings, facts: NodeFacts, elements: Mapping[str, Iterable[Element]]
+) -> str:
     """The nft text of `full_sync`."""
     return full_sync(settings, facts, elements).render()

@@ -96,8 +96,16 @@ def dest_attrs(family: int, address: str, port: int, weight: int) -> bytes:
 
 def message(family_id: int, seq: int, cmd: int, attrs: bytes) -> bytes:
     """One request (acked) to the IPVS generic-netlink family `family_id`."""
-    header = _HEADER.pack(_HEADER.size + len(attrs), family_id, NLM_F_REQUEST | NLM_F_ACK, seq,
-                          0, cmd, GENL_VERSION, 0)  # fmt: skip
+    header = _HEADER.pack(
+        _HEADER.size + len(attrs),
+        family_id,
+        NLM_F_REQUEST | NLM_F_ACK,
+        seq,
+        0,
+        cmd,
+        GENL_VERSION,
+        0,
+    )
     return header + attrs
 
 
@@ -116,6 +124,7 @@ def address_message(seq: int, add: bool, family: int, index: int, address: str) 
     kind = RTM_NEWADDR if add else RTM_DELADDR
     flags = NLM_F_REQUEST | NLM_F_ACK | (NLM_F_CREATE | NLM_F_EXCL if add else 0)
     prefix = 32 if family == 4 else 128
-    header = _IFADDRMSG.pack(_IFADDRMSG.size + len(attrs), kind, flags, seq, 0, _AF[family],
-                             prefix, 0, 0, index)  # fmt: skip
+    header = _IFADDRMSG.pack(
+        _IFADDRMSG.size + len(attrs), kind, flags, seq, 0, _AF[family], prefix, 0, 0, index
+    )
     return header + attrs

@@ -52,8 +52,9 @@ def message(kind: int, flags: int, seq: int, body: bytes) -> bytes:
     return HEADER.pack(HEADER.size + len(body), kind, flags, seq, 0) + body
 
 
-def nfnl_message(kind: int, flags: int, seq: int, family: int, payload: bytes,
-                 res_id: int = 0) -> bytes:  # fmt: skip
+def nfnl_message(
+    kind: int, flags: int, seq: int, family: int, payload: bytes, res_id: int = 0
+) -> bytes:
     """One nfnetlink message: `kind` is (subsystem << 8) | message, `family` an NFPROTO/AF."""
     return message(kind, flags, seq, NFGEN.pack(family, 0, socket.htons(res_id)) + payload)
 
@@ -72,12 +73,16 @@ def messages(data: bytes) -> Iterator[Message]:
     offset = 0
     while offset < len(data):
         if len(data) - offset < HEADER.size:
-            raise WireError(f"netlink message at byte {offset}: {len(data) - offset} bytes,"
-                            f" shorter than its {HEADER.size}-byte header")  # fmt: skip
+            raise WireError(
+                f"netlink message at byte {offset}: {len(data) - offset} bytes,"
+                f" shorter than its {HEADER.size}-byte header"
+            )
         length, kind, flags, seq, _port = HEADER.unpack_from(data, offset)
         if length < HEADER.size or offset + length > len(data):
-            raise WireError(f"netlink message at byte {offset}: length {length} does not fit"
-                            f" the {len(data) - offset} bytes left")  # fmt: skip
+            raise WireError(
+                f"netlink message at byte {offset}: length {length} does not fit"
+                f" the {len(data) - offset} bytes left"
+            )
         yield Message(kind, flags, seq, data[offset + HEADER.size : offset + length], offset)
         offset += (length + 3) & ~3
 
@@ -118,8 +123,10 @@ def attribute_spans(data: bytes, span: Span, where: str, part: str = "") -> dict
             raise WireError(f"{where}{part}: {end - at} stray bytes after the attributes")
         length, kind = ATTR.unpack_from(data, at)
         if length < 4 or at + length > end:
-            raise WireError(f"{where}{part}: attribute {kind & NLA_TYPE_MASK} says length"
-                            f" {length}, {end - at} bytes left")  # fmt: skip
+            raise WireError(
+                f"{where}{part}: attribute {kind & NLA_TYPE_MASK} says length"
+                f" {length}, {end - at} bytes left"
+            )
         found[kind & NLA_TYPE_MASK] = (at + 4, at + length)
         at += (length + 3) & ~3
     return found

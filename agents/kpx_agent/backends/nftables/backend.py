@@ -449,8 +449,10 @@ def cleanup() -> None:
         owned = {t for t in tables if kernel.owned_by_a_process(t)}
         if not owned:
             raise
-        log.warning("left table %s: owned by a running process, not this backend's",
-                    ", ".join(sorted(owned)))  # fmt: skip
+        log.warning(
+            "left table %s: owned by a running process, not this backend's",
+            ", ".join(sorted(owned)),
+        )
         kernel.delete_tables(tables - owned)
 
 

@@ -139,9 +139,11 @@ class FakeNftables:
         lines = []
         for name in sorted(table.sets):
             fake = table.sets[name]
-            elements = [] if fake.decl.dynamic_timeout else sorted(
-                element_text(k, v) for k, v in fake.elements.items()
-            )  # fmt: skip
+            elements = (
+                []
+                if fake.decl.dynamic_timeout
+                else sorted(element_text(k, v) for k, v in fake.elements.items())
+            )
             lines.append(f"set {name} {fake.decl.body(family)} {elements}")
         for name in sorted(table.chains):
             chain = table.chains[name]
