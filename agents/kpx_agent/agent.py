@@ -9,19 +9,20 @@ import functools
 import gc
 import logging
 import time
-from collections.abc import Callable, Collection, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from kpx_api.constants import (
     CONFIG_GENERATION_KEY,
     FIRST_SYNC_VERIFIED,
     LEFTOVERS_NOT_REMOVED,
+    MODE_PREFLIGHT,
     ROLLED_BACK,
     SYNC_FAILED,
 )
 from kpx_api.errors import ConfigError
+from kpx_api.preflight import ModeCheck, format_report
 from kpx_kube import AlreadyExists, ApiError, Client
 from kpx_kube.recovery import Recovery
 from kpx_kube.reflector import Reflector, Resource
@@ -30,7 +31,7 @@ from . import __version__
 from . import settings as settings_mod
 from .backends.base import Backend
 from .conntrack import sysctl as conntrack_sysctl
-from .handover.make_before_break import Leftover, LeftoverRemoval, Report
+from .handover.make_before_break import Leftover, LeftoverRemoval
 from .handover.rollback import rollback_due, rolled_back_message, seconds_left
 from .model import service_problems
 from .model.types import NodeLocalState, ServicePortKey
@@ -85,7 +86,7 @@ class Agent:
         backend_for: Callable[[AgentSettings], Backend] | None = None,
         node_state_interval: float | None = DEFAULT_WRITE_INTERVAL,
         leftovers_of: Callable[[AgentSettings], list[Leftover]] | None = None,
-        companions: Iterable[Callable[[Report], Coroutine[Any, Any, None]]] = (),
+        preflight: Callable[[], Awaitable[Sequence[ModeCheck]]] | None = None,
     ) -> None:
         self.settings = settings
         self.node_name = node_name
@@ -98,9 +99,11 @@ class Agent:
         #: Set once a full sync programmed the kernel without error and the backend then
         #: finds its rules there: what make-before-break waits for (handover/make_before_break.py).
         self.first_sync_verified = asyncio.Event()
-        #: Coroutines run beside the sync loop, from the start to the stop of `run`, each
-        #: given `report_event` (an Event about this agent's Pod).
-        self.companions = list(companions)
+        #: Which kpx modes this node can run (handover/preflight.py), checked once at start:
+        #: the verdicts go into its ProxyNodeState (status.preflight) and an Event
+        #: ModePreflight about its Pod. None: not checked.
+        self.preflight = preflight
+        self.preflight_checks: tuple[ModeCheck, ...] = ()
         self.overrides = overrides or {}
         #: A backend for a mode's settings (the CLI's, through the backend registry: the agent
         #: core imports no mode's code): what a rollback runs.
@@ -204,8 +207,16 @@ class Agent:
             rules=int(self.backend.element_count()),
             last_error=self._last_error_record,
             conntrack_not_applied=self._conntrack_not_applied,
-            leftovers=removal.pending_messages() if removal is not None else (),
+            leftovers=removal.pending_reports() if removal is not None else (),
+            takeover_from_kube_proxy=self.settings.takeover_from_kube_proxy and removal is not None,
+            preflight=self.preflight_checks,
         )
+
+    async def _check_modes(self, check: Callable[[], Awaitable[Sequence[ModeCheck]]]) -> None:
+        """Preflight: the verdicts into the ProxyNodeState, and an Event for people."""
+        self.preflight_checks = tuple(await check())
+        self._node_state_changed()
+        await self._report("Normal", MODE_PREFLIGHT, format_report(self.preflight_checks))
 
     def _node_state_changed(self) -> None:
         if self.node_state is not None:
@@ -303,9 +314,8 @@ class Agent:
             self._start_leftover_removal()
             if self.state_server is not None:
                 await self.state_server.start()
-            tasks += [
-                asyncio.create_task(companion(self.report_event)) for companion in self.companions
-            ]
+            if self.preflight is not None:
+                tasks.append(asyncio.create_task(self._check_modes(self.preflight)))
             tasks.append(asyncio.create_task(self._post_problem_events()))
             if self.node_state is not None:
                 tasks.append(asyncio.create_task(self.node_state.run()))

@@ -21,6 +21,7 @@ from kpx_api.constants import (
 from kpx_api.errors import ConfigError
 from kpx_api.modes import has_backend, no_backend_message
 from kpx_api.networks import parse_bind_address
+from kpx_api.nodestate import LeftoverKind
 from kpx_kube import (
     DEFAULT_WATCH_IDLE_TIMEOUT,
     Client,
@@ -346,6 +347,7 @@ def kube_proxy_leftover(client: Client, node_name: str, settings: AgentSettings)
         returned_reason=WAITING_FOR_KUBE_PROXY,
         returned_message=f"a Pod of {KUBE_PROXY_NAMESPACE}/{KUBE_PROXY_DAEMONSET} runs on this "
         "node again: its rules are removed again once it is gone (both proxies serve meanwhile)",
+        kind=LeftoverKind.KUBE_PROXY,
     )
 
 
@@ -396,7 +398,7 @@ def build_agent(
         node_state_interval=args.node_state_period or None,
         # Make-before-break: the other modes' rules stay until this agent's own are in.
         leftovers_of=leftovers_for(client, args.node_name),
-        companions=[preflight.report],
+        preflight=preflight.check,
     )
 
 

@@ -21,7 +21,7 @@ OPT_OUT_LABEL: Final = "networking.k8s.io/kube-proxy"
 OPT_OUT_VALUE: Final = "disabled"
 
 #: Events the node agents record about their own Pod (source.component AGENT_EVENT_SOURCE),
-#: which the operator reads into the ProxyConfiguration's status.
+#: for people: the operator reads what it needs from the agents' ProxyNodeStates instead.
 AGENT_EVENT_SOURCE: Final = "kpx-agent"
 CONNTRACK_NOT_APPLIED: Final = "ConntrackNotApplied"
 CONNTRACK_APPLIED: Final = "ConntrackApplied"
@@ -44,7 +44,7 @@ SYNC_FAILED: Final = "SyncFailed"
 WAITING_FOR_KUBE_PROXY: Final = "WaitingForKubeProxy"
 KUBE_PROXY_RULES_REMOVED: Final = "KubeProxyRulesRemoved"
 #: The agent's first full sync is programmed and verified in the kernel: it serves its node
-#: (spec.takeover.moveKubeProxyOff: the operator may then move kube-proxy off that node).
+#: (status.firstSyncVerified of its ProxyNodeState says the same to the operator).
 FIRST_SYNC_VERIFIED: Final = "FirstSyncVerified"
 #: During a switch of mode (its configuration's `rollback`): the agent had no verified sync in
 #: its mode within the deadline and went back to the old mode (Warning; the message says why).

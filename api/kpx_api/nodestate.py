@@ -11,6 +11,7 @@ ProxyNodeState.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import Field, ValidationError
@@ -73,14 +74,50 @@ class LastError(KpxModel):
     time: Timestamp = Field(description="When it happened (RFC 3339).")
 
 
+class LeftoverKind(StrEnum):
+    """Whose rules a leftover is."""
+
+    KPX_MODE = "KpxMode"  # an agent of another kpx mode (a switch of mode)
+    KUBE_PROXY = "KubeProxy"  # upstream kube-proxy (spec.takeover.fromKubeProxy)
+
+
+class LeftoverState(StrEnum):
+    """Where the removal of a leftover is."""
+
+    PENDING = "Pending"  # not removed yet (before the first verified sync, or under way)
+    WAITING = "Waiting"  # its precondition does not hold (kube-proxy's Pod is on the node)
+    DRAINING = "Draining"  # its removal waits for its connections to end
+    FAILING = "Failing"  # its removal failed; retried
+
+
 class PendingLeftover(KpxModel):
     """Rules another proxy left on the node that the agent has not removed yet."""
 
     name: Annotated[str, Text(max_length=63, message="")] = Field(
         description="Whose rules: a kpx mode (nftables, iptables, ipvs) or kube-proxy."
     )
+    kind: LeftoverKind | None = Field(
+        default=None,
+        description="KpxMode (another kpx mode's rules) or KubeProxy (upstream kube-proxy's).",
+    )
+    state: LeftoverState = Field(
+        default=LeftoverState.PENDING,
+        description="Pending (not removed yet), Waiting (its precondition does not hold: "
+        "kube-proxy's Pod still runs on the node), Draining (waiting for its connections to "
+        "end) or Failing (the removal failed; retried).",
+    )
     message: Message = Field(
         default="", description="Why they are still there (the removal's error, or a wait)."
+    )
+
+
+class ModeVerdict(KpxModel):
+    """Whether the node can run one kpx mode, as its agent checked at start."""
+
+    mode: Mode = Field(description="The mode checked (nftables, iptables, ipvs).")
+    ok: bool = Field(strict=True, description="The node can run it.")
+    detail: Annotated[str, Text(max_length=280, message="")] = Field(
+        default="", description="What was found (versions), or why the node cannot run it."
     )
 
 
@@ -127,6 +164,20 @@ class ProxyNodeStateStatus(KpxModel):
         description="Other proxies' rules still on the node, removed after the agent's first "
         "verified sync.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    takeover_from_kube_proxy: bool = Field(
+        default=False,
+        strict=True,
+        description="The agent takes the node over from upstream kube-proxy "
+        "(spec.takeover.fromKubeProxy): kube-proxy's rules are among the leftovers it removes "
+        "(once they are not in leftoversPending, they are removed).",
+    )
+    preflight: Annotated[list[ModeVerdict], Field(max_length=4)] = Field(
+        default_factory=list,
+        description="Which kpx modes the node can run, one verdict per mode, as its agent "
+        "checked at start (empty until it has): what condition Preflight of the "
+        "ProxyConfiguration is made of.",
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["mode"]},
     )
 
 

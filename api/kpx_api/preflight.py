@@ -1,9 +1,10 @@
 """Pure, shared by the agent and the operator: before a mode switch.
 
 * The preflight report: which kpx modes a node can run, as its agent found (the agent's
-  `preflight.py` checks; it records the report as the message of an Event `ModePreflight` on its
-  own Pod, the operator reads it back): one line per mode, `MODE: ok (DETAIL)` or
-  `MODE: no (WHY)`.
+  `preflight.py` checks). The agent writes the verdicts into its node's ProxyNodeState
+  (status.preflight: what the operator reads), and records them for people as the message of
+  an Event `ModePreflight` on its own Pod (`format_report`): one line per mode,
+  `MODE: ok (DETAIL)` or `MODE: no (WHY)`.
 * `dropped_settings`: what a switch from the agents' configuration in effect to another mode
   loses (settings with no counterpart in the new mode, or that the new spec does not carry
   over), each with the name the user puts in `spec.modeSwitch.acceptDropped` to let the switch
@@ -12,7 +13,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -24,7 +24,6 @@ from kpx_api.proxysettings import ProxySettings
 
 #: The modes with kernel rules the agent checks (external has none: any node runs it).
 CHECKED_MODES: Final = (Mode.NFTABLES, Mode.IPTABLES, Mode.IPVS)
-_LINE = re.compile(r"^(?P<mode>[a-z]+): (?P<verdict>ok|no)(?: \((?P<detail>.*)\))?$")
 
 
 @dataclass(frozen=True)
@@ -41,17 +40,6 @@ class ModeCheck:
 
 def format_report(checks: Iterable[ModeCheck]) -> str:
     return "\n".join(c.line() for c in checks)
-
-
-def parse_report(message: str) -> dict[str, ModeCheck]:
-    """The checks in a report (lines that do not parse are skipped)."""
-    out: dict[str, ModeCheck] = {}
-    for line in message.splitlines():
-        match = _LINE.match(line.strip())
-        if match:
-            mode = match["mode"]
-            out[mode] = ModeCheck(mode, match["verdict"] == "ok", match["detail"] or "")
-    return out
 
 
 class DroppedSetting(StrEnum):

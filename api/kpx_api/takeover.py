@@ -58,7 +58,7 @@ class Takeover(KpxModel):
 
 
 class TakeoverPhase(StrEnum):
-    """Where a node is in the takeover from kube-proxy (from its agent's Events)."""
+    """Where a node is in the takeover from kube-proxy (from its agent's ProxyNodeState)."""
 
     AGENT_NOT_READY = "AgentNotReady"  # its agent has not verified its first sync yet
     AGENT_READY = "AgentReady"  # it has: kpx serves the node

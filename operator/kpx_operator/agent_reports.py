@@ -4,17 +4,17 @@ Each agent writes its node's ProxyNodeState (kpx_api.nodestate); only the state 
 the node's *current* agent Pod counts (status.agentPod.uid): a state left by a Pod that is
 gone (replaced by a rollout, deleted) does not. An agent that cannot apply spec.conntrack on
 its node says what in status.conntrackNotApplied (and records a Warning Event
-`ConntrackNotApplied` about its Pod, for people). Preflight and the kube-proxy takeover still
-read the agents' Events (`latest_reports`).
+`ConntrackNotApplied` about its Pod, for people). Preflight (preflight.py), the takeover from
+kube-proxy (takeover.py) and the switch of mode (mode_switch.py) read the same states; the
+operator reads no Event of the agents.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kpx_api.constants import AGENT_EVENT_SOURCE
 from kpx_api.errors import ConfigError
 from kpx_api.nodestate import ProxyNodeStateStatus, parse_node_state_status
 
@@ -27,13 +27,6 @@ class NodeProblem:
     message: str
 
 
-def _stamp(event: Mapping[str, Any]) -> tuple[str, int]:
-    meta = event.get("metadata") or {}
-    when = event.get("lastTimestamp") or event.get("eventTime") or meta.get("creationTimestamp")
-    version = str(meta.get("resourceVersion") or "0")
-    return (str(when or ""), int(version) if version.isdigit() else 0)
-
-
 def live_agents(pods: Iterable[Mapping[str, Any]], scheduled_only: bool = False) -> dict[str, str]:
     """uid -> node name ("" while unscheduled, or left out with `scheduled_only`) of the agent
     Pods that are not being deleted: only their reports count."""
@@ -44,27 +37,6 @@ def live_agents(pods: Iterable[Mapping[str, Any]], scheduled_only: bool = False)
         if (node or not scheduled_only) and not meta.get("deletionTimestamp") and meta.get("uid"):
             live[str(meta["uid"])] = node
     return live
-
-
-def agent_event_pod(event: Mapping[str, Any]) -> str | None:
-    """The uid of the agent Pod an agent's Event is about; None for anyone else's Event."""
-    if (event.get("source") or {}).get("component") != AGENT_EVENT_SOURCE:
-        return None
-    return str((event.get("involvedObject") or {}).get("uid") or "")
-
-
-def latest_reports(
-    events: Iterable[Mapping[str, Any]], live: Mapping[str, str], reasons: Collection[str]
-) -> dict[str, Mapping[str, Any]]:
-    """uid -> the latest agent Event with one of `reasons`, for each live agent Pod."""
-    latest: dict[str, Mapping[str, Any]] = {}
-    for event in events:
-        uid = agent_event_pod(event)
-        if uid is None or uid not in live or event.get("reason") not in reasons:
-            continue
-        if uid not in latest or _stamp(event) >= _stamp(latest[uid]):
-            latest[uid] = event
-    return latest
 
 
 def node_states(

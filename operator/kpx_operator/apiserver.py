@@ -44,7 +44,7 @@ KINDS: Final[dict[str, Kind]] = {
     # The apiserver's own addresses for the agents (default/kubernetes, get only).
     "EndpointSlice": BUILTIN["EndpointSlice"],
     "ProxyConfiguration": Kind(f"{GROUP}/{VERSION}", "ProxyConfiguration", PLURAL, False),
-    # The agents' reports on their nodes (read during a switch of mode).
+    # The agents' reports on their nodes: preflight, takeover, switch of mode, conntrack.
     "ProxyNodeState": Kind(f"{GROUP}/{VERSION}", NODE_STATE_KIND, NODE_STATE_PLURAL, False),
     # spec.takeover.moveKubeProxyOff: the label on Nodes, kube-system/kube-proxy's affinity.
     "Node": BUILTIN["Node"],

@@ -41,6 +41,7 @@ from typing import Any, Final
 
 from kpx_api.agentconfig import AgentConfiguration, Rollback
 from kpx_api.modes import KERNEL_BACKEND_MODES, SETTINGS_CLASS, IPVSSettings, Mode
+from kpx_api.nodestate import LeftoverState
 from kpx_api.proxyconfiguration import (
     DEFAULT_PROGRESS_DEADLINE,
     ModeSwitchNode,
@@ -184,12 +185,12 @@ def node_phases(
                          f"{from_mode}")  # fmt: skip
             continue
         if state is not None and state.first_sync_verified:
-            pending = {p.name: p.message for p in state.leftovers_pending}
+            pending = {p.name: p for p in state.leftovers_pending}
             if from_mode not in pending:
                 out[node] = (Phase.SWITCHED, f"mode {to_mode} verified, the {from_mode} rules "
                              "removed")  # fmt: skip
-            elif pending[from_mode].startswith("could not remove"):
-                out[node] = (Phase.SWITCHING, pending[from_mode])
+            elif pending[from_mode].state is LeftoverState.FAILING:
+                out[node] = (Phase.SWITCHING, pending[from_mode].message)
             else:
                 out[node] = (Phase.SWITCHING, f"mode {to_mode} verified; removing the "
                              f"{from_mode} rules")  # fmt: skip

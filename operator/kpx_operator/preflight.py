@@ -1,8 +1,8 @@
 """Pure: condition Preflight, before (and during) a mode switch.
 
-* `preflight_reports`: each node's verdicts per mode, from the Event `ModePreflight` its
-  *current* agent Pod recorded (kpx_api.preflight: the format; Events of Pods that are gone
-  no longer count).
+* `preflight_reports`: each node's verdicts per mode, from status.preflight of its node's
+  ProxyNodeState as its *current* agent Pod wrote it (a state written by a Pod that is gone
+  does not count; a node whose agent has not checked yet is not in it).
 * `assess`: the nodes that cannot run spec.mode, and the settings in effect that the switch to
   spec.mode drops and spec.modeSwitch.acceptDropped does not accept (then the operator holds
   the switch: it does not apply the new spec).
@@ -16,19 +16,23 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kpx_api.constants import MODE_PREFLIGHT
-from kpx_api.preflight import Dropped, DroppedSetting, ModeCheck, parse_report
+from kpx_api.preflight import Dropped, DroppedSetting, ModeCheck
 
 from .admission import node_list
-from .agent_reports import latest_reports, live_agents
+from .agent_reports import live_agents, node_states
 
 
 def preflight_reports(
-    pods: Iterable[Mapping[str, Any]], events: Iterable[Mapping[str, Any]]
+    pods: Iterable[Mapping[str, Any]], states: Iterable[Mapping[str, Any]]
 ) -> dict[str, dict[str, ModeCheck]]:
+    """node -> mode -> verdict, for each node whose current agent has checked; `states`: the
+    ProxyNodeState objects."""
     live = live_agents(pods, scheduled_only=True)
-    latest = latest_reports(events, live, (MODE_PREFLIGHT,))
-    return {live[uid]: parse_report(str(e.get("message") or "")) for uid, e in latest.items()}
+    return {
+        live[uid]: {str(v.mode): ModeCheck(str(v.mode), v.ok, v.detail) for v in s.preflight}
+        for uid, s in node_states(states, live).items()
+        if s.preflight
+    }
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,6 @@ from kpx_api import (
     parse_spec,
 )
 from kpx_api.agentconfig import AgentConfiguration, parse_agent_config_text
-from kpx_api.constants import AGENT_EVENT_SOURCE
 from kpx_api.preflight import dropped_settings
 from kpx_api.proxyconfiguration import DeletionPolicy, ModeSwitchStatus
 from kpx_api.scheduling import resolve_int_or_percent
@@ -351,10 +350,13 @@ class Reconciler:
                     self._cleared.discard(uid)
                     current = await self._config_in_effect(name)
                     dropped = dropped_settings(current, spec) if current else []
-                    reports = await self._agent_reports(name, spec)
+                    pods = await self._agent_pods(name)
+                    states = await self._node_states() if pods is not None else None
                     preflight = assess(
                         str(spec.mode),
-                        preflight_reports(*reports) if reports is not None else {},
+                        preflight_reports(pods, states)
+                        if pods is not None and states is not None
+                        else {},
                         dropped,
                         spec.mode_switch.accept_dropped,
                         str(current.mode) if current else "",
@@ -384,21 +386,16 @@ class Reconciler:
                             applied = await self.api.apply(obj)
                             self._note(obj, applied, emit)
                         ds = applied.obj  # the DaemonSet comes last
-                    conntrack = not spec.conntrack.leaves_node_alone()
-                    switching = mode_switch is not None and mode_switch.finished_at is None
-                    states = (
-                        await self._node_states()
-                        if reports is not None and (conntrack or switching) else None
-                    )  # fmt: skip
-                    if reports is not None and states is not None and conntrack:
-                        problems = conntrack_problems(reports[0], states)
-                    if mode_switch is not None and reports is not None and states is not None:
-                        mode_switch = self._follow_switch(
-                            uid, generation, mode_switch, spec, reports[0], states, nodes, emit
-                        )
-                    if reports is not None and spec.takeover.from_kube_proxy:
-                        takeover = await self._take_over(uid, spec, reports, nodes, previous,
-                                                         emit)  # fmt: skip
+                    if pods is not None and states is not None:
+                        if not spec.conntrack.leaves_node_alone():
+                            problems = conntrack_problems(pods, states)
+                        if mode_switch is not None:
+                            mode_switch = self._follow_switch(
+                                uid, generation, mode_switch, spec, pods, states, nodes, emit
+                            )
+                        if spec.takeover.from_kube_proxy:
+                            takeover = await self._take_over(uid, spec, pods, states, nodes,
+                                                             previous, emit)  # fmt: skip
                 else:
                     # Never because of a conflict: that keeps only the contested nodes out.
                     why = (
@@ -493,22 +490,16 @@ class Reconciler:
             emit("Normal", "ModeSwitchFinished", status.summary)
         return status
 
-    async def _agent_reports(
-        self, name: str, spec: ProxyConfigurationSpec
-    ) -> tuple[list[Obj], list[Obj]] | None:
-        """The agent Pods of `name` and the Events they recorded about themselves (None when
-        nothing reads them, or they cannot be read)."""
+    async def _agent_pods(self, name: str) -> list[Obj] | None:
+        """The agent Pods of `name`: only the ProxyNodeStates they wrote count (None when they
+        cannot be read)."""
         ns = self.config.build.namespace
         selector = ",".join(f"{k}={v}" for k, v in selector_labels(name, AGENT_APP).items())
         try:
-            pods = await self.api.list("Pod", ns, label_selector=selector)
-            events = await self.api.list(
-                "Event", ns, field_selector=f"involvedObject.kind=Pod,source={AGENT_EVENT_SOURCE}"
-            )
+            return await self.api.list("Pod", ns, label_selector=selector)
         except ApiError as exc:
-            log.warning("%s: cannot read the agents' reports: %s", name, exc)
+            log.warning("%s: cannot read the agent Pods: %s", name, exc)
             return None
-        return pods, events
 
     async def _config_in_effect(self, name: str) -> AgentConfiguration | None:
         """The agents' configuration as the operator last applied it (their ConfigMap), or
@@ -527,14 +518,15 @@ class Reconciler:
         self,
         uid: str,
         spec: ProxyConfigurationSpec,
-        reports: tuple[list[Obj], list[Obj]],
+        pods: list[Obj],
+        states: list[Obj],
         nodes: Mapping[str, Mapping[str, str]],
         previous: ProxyConfigurationStatus | None,
         emit: EventFn,
     ) -> TakeoverStatus:
         """spec.takeover: each node's phase (an Event on the ProxyConfiguration when it
         changes) and, with moveKubeProxyOff, kube-proxy moved off the nodes kpx serves."""
-        phases = node_phases(*reports)
+        phases = node_phases(pods, states)
         before = {n.name: n.phase for n in (previous.takeover.nodes if previous and
                                             previous.takeover else [])}  # fmt: skip
         for node, (phase, message) in sorted(phases.items()):

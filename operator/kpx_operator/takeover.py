@@ -1,9 +1,10 @@
 """Pure: taking the nodes over from upstream kube-proxy (spec.takeover), the operator's part.
 
-* `node_phases`: each node's phase, from the Events its *current* agent Pod recorded about
-  itself (Events of Pods that are gone no longer count): FirstSyncVerified (the agent serves
-  the node), WaitingForKubeProxy (kube-proxy's Pod is still there), LeftoversNotRemoved about
-  kube-proxy's rules (failing, retried), KubeProxyRulesRemoved (done).
+* `node_phases`: each node's phase, from its node's ProxyNodeState as its *current* agent Pod
+  wrote it (status.agentPod.uid: a state written by a Pod that is gone does not count):
+  firstSyncVerified (the agent serves the node), and the entry of kind KubeProxy in
+  leftoversPending: state Waiting (kube-proxy's Pod is still there), Failing (the removal
+  fails, retried); none while takeoverFromKubeProxy holds: kube-proxy's rules are removed.
 * With spec.takeover.moveKubeProxyOff: `nodes_to_label` (the nodes whose agent serves them and
   that do not carry KUBE_PROXY_OFF_LABEL yet) and `affinity_patch`, the merge patch that adds
   "KUBE_PROXY_OFF_LABEL DoesNotExist" to the kube-proxy DaemonSet's required node affinity
@@ -18,25 +19,17 @@ import copy
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
-from kpx_api.constants import (
-    FIRST_SYNC_VERIFIED,
-    KUBE_PROXY_RULES_REMOVED,
-    LEFTOVERS_NOT_REMOVED,
-    WAITING_FOR_KUBE_PROXY,
-)
+from kpx_api.nodestate import LeftoverKind, LeftoverState, ProxyNodeStateStatus
 from kpx_api.takeover import KUBE_PROXY_OFF_LABEL, TakeoverNode, TakeoverPhase, TakeoverStatus
 
-from .agent_reports import _stamp, agent_event_pod, live_agents
+from .agent_reports import live_agents, node_states
 
 Phase = TakeoverPhase
 KUBE_PROXY_NAMESPACE: Final = "kube-system"
 #: status.takeover.nodes holds at most this many (the CRD's maxItems).
 MAX_LISTED: Final = 5000
 KUBE_PROXY_DAEMONSET: Final = "kube-proxy"
-#: The agent's description of kube-proxy's leftovers, in its LeftoversNotRemoved message.
-_KUBE_PROXY_RULES: Final = "upstream kube-proxy's rules"
-#: How far each Event takes a node (a later Event of a lesser rank does not move it back,
-#: except that a removal failure after a wait is progress, and a success ends it).
+#: How far along each phase is (the status lists the nodes furthest behind first).
 _RANK: Final = {
     Phase.AGENT_NOT_READY: 0,
     Phase.AGENT_READY: 1,
@@ -51,37 +44,33 @@ SERVING: Final = frozenset(
 )  # fmt: skip
 
 
-def _phase_of(event: Mapping[str, Any]) -> Phase | None:
-    reason = event.get("reason")
-    if reason == FIRST_SYNC_VERIFIED:
-        return Phase.AGENT_READY
-    if reason == WAITING_FOR_KUBE_PROXY:
-        return Phase.WAITING_FOR_KUBE_PROXY
-    if reason == KUBE_PROXY_RULES_REMOVED:
-        return Phase.KUBE_PROXY_RULES_REMOVED
-    if reason == LEFTOVERS_NOT_REMOVED and _KUBE_PROXY_RULES in str(event.get("message") or ""):
-        return Phase.REMOVAL_FAILING
-    return None
+def phase_of(state: ProxyNodeStateStatus | None) -> tuple[Phase, str]:
+    """A node's phase (and why) from its agent's ProxyNodeState status (None: none yet)."""
+    if state is None or not state.first_sync_verified:
+        return Phase.AGENT_NOT_READY, ""
+    for leftover in state.leftovers_pending:
+        if leftover.kind is not LeftoverKind.KUBE_PROXY:
+            continue
+        if leftover.state is LeftoverState.WAITING:
+            return Phase.WAITING_FOR_KUBE_PROXY, leftover.message
+        if leftover.state is LeftoverState.FAILING:
+            return Phase.REMOVAL_FAILING, leftover.message
+        return Phase.AGENT_READY, leftover.message
+    if state.takeover_from_kube_proxy:
+        return Phase.KUBE_PROXY_RULES_REMOVED, "removed upstream kube-proxy's rules"
+    # An agent of a configuration before spec.takeover: it serves, kube-proxy's rules are not
+    # its business (its replacement's are).
+    return Phase.AGENT_READY, "its agent does not take over from kube-proxy"
 
 
 def node_phases(
-    pods: Iterable[Mapping[str, Any]], events: Iterable[Mapping[str, Any]]
+    pods: Iterable[Mapping[str, Any]], states: Iterable[Mapping[str, Any]]
 ) -> dict[str, tuple[Phase, str]]:
-    """node -> (phase, message of the Event that set it) for every node with a live agent Pod."""
+    """node -> (phase, why) for every node with a live agent Pod; `states`: the
+    ProxyNodeState objects."""
     live = live_agents(pods, scheduled_only=True)
-    best: dict[str, tuple[int, tuple[str, int], Phase, str]] = {}
-    for event in events:
-        uid = agent_event_pod(event)
-        phase = _phase_of(event)
-        if uid is None or phase is None or uid not in live:
-            continue
-        entry = (_RANK[phase], _stamp(event), phase, str(event.get("message") or ""))
-        if uid not in best or entry[:2] > best[uid][:2]:
-            best[uid] = entry
-    out = {node: (Phase.AGENT_NOT_READY, "") for node in live.values()}
-    for uid, (_rank, _when, phase, message) in best.items():
-        out[live[uid]] = (phase, message)
-    return out
+    reported = node_states(states, live)
+    return {node: phase_of(reported.get(uid)) for uid, node in live.items()}
 
 
 def nodes_to_label(

@@ -24,7 +24,8 @@ import yaml
 from kpx_agent.observability.node_state import ErrorRecord, NodeFacts, SyncRecord
 from kpx_agent.observability.node_state_writer import COLLECTION, NodeStateWriter
 from kpx_agent.observability.pod_events import PodRef, event_body, post_event
-from kpx_api.nodestate import ProxyNodeStateStatus
+from kpx_api.nodestate import LeftoverKind, LeftoverState, PendingLeftover, ProxyNodeStateStatus
+from kpx_api.preflight import ModeCheck
 from kpx_cluster.controlplane import Cluster
 from kpx_cluster.kubeconfig import write_kubeconfig
 from kpx_kube import Client, Forbidden, from_kubeconfig
@@ -154,7 +155,15 @@ def facts(error: str = "") -> NodeFacts:
         mode="nftables", agent_version="0.1.0", pod=("agent", NS, "uid-1"), generation=3,
         verified=True, last_sync=SyncRecord(now, 0.25, True), services=12, endpoints=30,
         rules=140, last_error=ErrorRecord(error, now) if error else None,
-        leftovers=(("iptables", "the rules of kpx mode iptables not removed yet"),),
+        leftovers=(
+            PendingLeftover(name="iptables", kind=LeftoverKind.KPX_MODE,
+                            message="the rules of kpx mode iptables not removed yet"),
+            PendingLeftover(name="kube-proxy", kind=LeftoverKind.KUBE_PROXY,
+                            state=LeftoverState.WAITING, message="kube-proxy runs here"),
+        ),
+        takeover_from_kube_proxy=True,
+        preflight=(ModeCheck("nftables", True, "nftables v1.0.6"),
+                   ModeCheck("ipvs", False, "ip_vs is not a module of 6.1")),
     )  # fmt: skip
 
 
@@ -188,6 +197,15 @@ def test_a_token_bound_to_a_pod_on_node_a_writes_a_and_is_refused_b(env: Env) ->
     assert (status.mode, status.configuration_generation, status.agent_version) == (
         "nftables", 3, "0.1.0")  # fmt: skip
     assert status.programmed is not None and status.programmed.rules == 140
+    # What the operator reads for the takeover and Preflight, as the CRD keeps it.
+    assert [(p.name, p.kind, p.state) for p in status.leftovers_pending] == [
+        ("iptables", LeftoverKind.KPX_MODE, LeftoverState.PENDING),
+        ("kube-proxy", LeftoverKind.KUBE_PROXY, LeftoverState.WAITING)]  # fmt: skip
+    assert status.takeover_from_kube_proxy
+    assert [(v.mode, v.ok, v.detail) for v in status.preflight] == [
+        ("nftables", True, "nftables v1.0.6"),
+        ("ipvs", False, "ip_vs is not a module of 6.1"),
+    ]
     assert obj["metadata"]["ownerReferences"][0]["kind"] == "Node"
     # The printer columns answer: which mode, generation, agent version, last error.
     table = env.kubectl("get", "proxynodestates", a).stdout

@@ -64,7 +64,11 @@ def node_state(
         "mode": mode, "agentVersion": "0.1.0", "firstSyncVerified": verified,
         "rolledBack": rolled_back,
         "agentPod": {"name": f"kpx-agent-default-{uid}", "namespace": NS, "uid": uid},
-        "leftoversPending": [{"name": n, "message": m} for n, m in (pending or {}).items()],
+        "leftoversPending": [
+            {"name": n, "kind": "KpxMode", "message": m,
+             "state": "Failing" if m.startswith("could not remove") else "Pending"}
+            for n, m in (pending or {}).items()
+        ],
     }  # fmt: skip
     if error:
         status["lastError"] = {"message": error, "time": T1}

@@ -1,4 +1,5 @@
-"""Condition Preflight: which nodes cannot run spec.mode (the agents' ModePreflight Events),
+"""Condition Preflight: which nodes cannot run spec.mode (status.preflight of the
+ProxyNodeStates the current agents wrote),
 and a mode switch held until the settings it drops are accepted (spec.modeSwitch)."""
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from test_operator_reconciler import (
     NS,
     Events,
     FakeApi,
-    agent_event,
     agent_pod,
     body,
     reconciler,
@@ -19,19 +19,35 @@ from test_operator_reconciler import (
 from kpx_api.preflight import Dropped, DroppedSetting, ModeCheck
 from kpx_operator.preflight import assess, condition, preflight_reports
 
-OK_ALL = "nftables: ok (nftables v1.0.6, kernel 6.1.0)\niptables: ok\nipvs: ok (ip_vs loaded)"
-NO_IPVS = "nftables: ok (nftables v1.0.6)\niptables: ok\nipvs: no (ip_vs is not a module of 6.1)"
+OK_ALL = [
+    ("nftables", True, "nftables v1.0.6, kernel 6.1.0"),
+    ("iptables", True, ""),
+    ("ipvs", True, "ip_vs loaded"),
+]
+NO_IPVS = [
+    ("nftables", True, "nftables v1.0.6"),
+    ("iptables", True, ""),
+    ("ipvs", False, "ip_vs is not a module of 6.1"),
+]
 
 
-def test_reports_are_the_current_agent_pods_latest() -> None:
-    pods = [agent_pod("u1", "n1"), agent_pod("u2", "n2")]
-    events = [
-        agent_event("u1", "ModePreflight", "2026-01-01T00:00:01Z", NO_IPVS),
-        agent_event("u2", "ModePreflight", "2026-01-01T00:00:01Z", NO_IPVS),
-        agent_event("u2", "ModePreflight", "2026-01-01T00:00:05Z", OK_ALL),  # a later check
-        agent_event("u-gone", "ModePreflight", "2026-01-01T00:00:09Z", NO_IPVS),
+def state(uid: str, node: str, verdicts: list[tuple[str, bool, str]]) -> dict[str, Any]:
+    """The ProxyNodeState of `node` as agent Pod `uid` wrote it."""
+    return {"metadata": {"name": node},
+            "status": {"mode": "nftables", "agentPod": {"name": f"p-{uid}", "uid": uid},
+                       "preflight": [{"mode": m, "ok": ok, "detail": d}
+                                     for m, ok, d in verdicts]}}  # fmt: skip
+
+
+def test_reports_are_the_current_agent_pods_node_states() -> None:
+    pods = [agent_pod("u1", "n1"), agent_pod("u2", "n2"), agent_pod("u3", "n3")]
+    states = [
+        state("u1", "n1", NO_IPVS),
+        state("u2", "n2", OK_ALL),
+        state("u3", "n3", []),  # not checked yet: not a report
+        state("u-gone", "n3", NO_IPVS),  # written by a Pod that is gone
     ]
-    reports = preflight_reports(pods, events)
+    reports = preflight_reports(pods, states)
     assert {n: r["ipvs"].ok for n, r in reports.items()} == {"n1": False, "n2": True}
     pf = assess("ipvs", reports)
     assert pf.unable == (("n1", "ip_vs is not a module of 6.1"),)
@@ -92,8 +108,7 @@ def test_a_switch_that_drops_a_setting_waits_for_the_acceptance() -> None:
 def test_nodes_that_cannot_run_the_mode_are_named() -> None:
     api, events = FakeApi(), Events()
     api.objs[("Pod", NS, "u1")] = agent_pod("u1", "n1")
-    api.objs[("Event", NS, "p")] = agent_event("u1", "ModePreflight", "2026-01-01T00:00:01Z",
-                                               NO_IPVS)  # fmt: skip
+    api.objs[("ProxyNodeState", None, "n1")] = state("u1", "n1", NO_IPVS)
     status = run(reconciler(api).reconcile(ipvs_body(), [], {}, events))
     pre = status.condition("Preflight")
     assert (pre.status, pre.reason) == ("False", "NodesCannotRunMode")

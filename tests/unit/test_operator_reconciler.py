@@ -507,13 +507,6 @@ def agent_pod(uid: str, node: str) -> dict[str, Any]:
             "spec": {"nodeName": node}}  # fmt: skip
 
 
-def agent_event(pod_uid: str, reason: str, at: str, message: str = "") -> dict[str, Any]:
-    return {"kind": "Event", "metadata": {"name": f"e-{pod_uid}-{at}", "namespace": NS},
-            "involvedObject": {"kind": "Pod", "uid": pod_uid}, "reason": reason,
-            "message": message, "lastTimestamp": at,
-            "source": {"component": "kpx-agent"}}  # fmt: skip
-
-
 def node_state(pod_uid: str, node: str, not_applied: str) -> dict[str, Any]:
     return {"metadata": {"name": node},
             "status": {"mode": "nftables", "conntrackNotApplied": not_applied,

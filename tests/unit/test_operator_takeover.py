@@ -1,6 +1,6 @@
-"""spec.takeover on the operator's side: each node's phase from its current agent's Events,
-kube-proxy's DaemonSet kept off the nodes kpx serves (moveKubeProxyOff), the status and the
-Events - the pure parts, and the reconcile pass against an in-memory apiserver."""
+"""spec.takeover on the operator's side: each node's phase from the ProxyNodeState its current
+agent wrote, kube-proxy's DaemonSet kept off the nodes kpx serves (moveKubeProxyOff), the status
+and the Events - the pure parts, and the reconcile pass against an in-memory apiserver."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from test_operator_reconciler import (
     Events,
     FakeApi,
     NotYet,
-    agent_event,
     agent_pod,
     body,
     reconciler,
@@ -29,37 +28,66 @@ from kpx_operator.takeover import (
 
 P = TakeoverPhase
 EXCLUDE = {"key": KUBE_PROXY_OFF_LABEL, "operator": "DoesNotExist"}
-OTHER_MODE = "could not remove the rules of kpx mode ipvs (retrying): x"
 LEFTOVERS_KP = "could not remove upstream kube-proxy's rules (retrying): xtables lock"
+WAIT_KP = "a Pod of kube-system/kube-proxy runs on this node"
 
 
-def test_phases_come_from_the_current_agent_pods_furthest_event() -> None:
-    pods = [agent_pod("u1", "n1"), agent_pod("u2", "n2"), agent_pod("u3", "n3"),
-            agent_pod("u4", "n4"), agent_pod("u5", "n5")]  # fmt: skip
-    events = [
-        agent_event("u1", "FirstSyncVerified", "2026-01-01T00:00:01Z"),
-        agent_event("u1", "WaitingForKubeProxy", "2026-01-01T00:00:02Z", "a Pod of kube-proxy"),
-        agent_event("u2", "FirstSyncVerified", "2026-01-01T00:00:01Z"),
-        agent_event("u2", "KubeProxyRulesRemoved", "2026-01-01T00:00:03Z", "removed"),
-        agent_event("u3", "FirstSyncVerified", "2026-01-01T00:00:01Z"),
-        agent_event("u3", "LeftoversNotRemoved", "2026-01-01T00:00:02Z", LEFTOVERS_KP),
-        # Another kind of leftover failing is no takeover failure.
-        agent_event("u4", "FirstSyncVerified", "2026-01-01T00:00:01Z"),
-        agent_event("u4", "LeftoversNotRemoved", "2026-01-01T00:00:02Z", OTHER_MODE),
-        # A Pod that is gone (replaced) no longer counts: n5's current agent has said nothing.
-        agent_event("u-old", "KubeProxyRulesRemoved", "2026-01-01T00:00:01Z"),
+def state(
+    uid: str,
+    node: str,
+    verified: bool = True,
+    takeover: bool = True,
+    **pending: tuple[str, str, str],
+) -> dict[str, Any]:
+    """The ProxyNodeState of `node` as agent Pod `uid` wrote it; `pending`: name -> (kind,
+    state, message) of leftoversPending."""
+    leftovers = [{"name": n, "kind": k, "state": st, "message": m}
+                 for n, (k, st, m) in pending.items()]  # fmt: skip
+    return {"metadata": {"name": node},
+            "status": {"mode": "nftables", "firstSyncVerified": verified,
+                       "takeoverFromKubeProxy": takeover, "leftoversPending": leftovers,
+                       "agentPod": {"name": f"p-{uid}", "uid": uid}}}  # fmt: skip
+
+
+def kube_proxy(state_: str, message: str = "") -> tuple[str, str, str]:
+    return ("KubeProxy", state_, message)
+
+
+def test_phases_come_from_the_current_agent_pods_node_state() -> None:
+    pods = [agent_pod(f"u{i}", f"n{i}") for i in range(1, 9)]
+    states = [
+        state("u1", "n1", **{"kube-proxy": kube_proxy("Waiting", WAIT_KP)}),
+        state("u2", "n2"),  # verified, kube-proxy's rules no longer pending: removed
+        state("u3", "n3", **{"kube-proxy": kube_proxy("Failing", LEFTOVERS_KP)}),
+        # Another kind of leftover failing is no takeover failure; kube-proxy's not tried yet.
+        state(
+            "u4",
+            "n4",
+            ipvs=("KpxMode", "Failing", "could not remove ipvs (retrying): x"),
+            **{"kube-proxy": kube_proxy("Pending")},
+        ),
+        # Not verified yet: whatever else it says, the agent does not serve.
+        state("u5", "n5", verified=False, **{"kube-proxy": kube_proxy("Waiting")}),
+        # An agent of a configuration without spec.takeover: it serves, nothing removed.
+        state("u6", "n6", takeover=False),
+        # Written by a Pod that is gone (n7's current agent wrote nothing), or about another
+        # node than its Pod's.
+        state("u-old", "n7"),
+        state("u8", "n1"),
     ]
-    foreign = agent_event("u5", "KubeProxyRulesRemoved", "2026-01-01T00:00:09Z")
-    foreign["source"] = {"component": "someone-else"}
-    phases = node_phases(pods, [*events, foreign])
+    phases = node_phases(pods, states)
     assert {n: p for n, (p, _) in phases.items()} == {
         "n1": P.WAITING_FOR_KUBE_PROXY,
         "n2": P.KUBE_PROXY_RULES_REMOVED,
         "n3": P.REMOVAL_FAILING,
         "n4": P.AGENT_READY,
         "n5": P.AGENT_NOT_READY,
+        "n6": P.AGENT_READY,
+        "n7": P.AGENT_NOT_READY,
+        "n8": P.AGENT_NOT_READY,
     }
-    assert phases["n3"][1] == LEFTOVERS_KP
+    assert phases["n1"][1] == WAIT_KP and phases["n3"][1] == LEFTOVERS_KP
+    assert phases["n2"][1] == "removed upstream kube-proxy's rules"
 
 
 def test_only_served_nodes_without_the_label_are_labelled() -> None:
@@ -173,7 +201,8 @@ def test_kube_proxy_is_moved_off_node_by_node_as_agents_become_ready() -> None:
     assert [(n.name, n.phase) for n in status.takeover.nodes] == [
         ("n1", P.AGENT_NOT_READY), ("n2", P.AGENT_NOT_READY)]  # fmt: skip
     # n1's agent serves: the DaemonSet gets the affinity once, n1 the label; n2 is left alone.
-    api.objs[("Event", NS, "a")] = agent_event("u1", "FirstSyncVerified", "2026-01-01T00:00:01Z")
+    api.objs[("ProxyNodeState", None, "n1")] = state(
+        "u1", "n1", **{"kube-proxy": kube_proxy("Pending")})  # fmt: skip
     status = run(r.reconcile(body(takeover=TAKEOVER), [], nodes, events))
     assert [(k, n) for k, n, _ in api.patches] == [("DaemonSet", "kube-proxy"), ("Node", "n1")]
     ds = api.objs[("DaemonSet", "kube-system", "kube-proxy")]
@@ -187,11 +216,11 @@ def test_kube_proxy_is_moved_off_node_by_node_as_agents_become_ready() -> None:
     nodes["n1"] = {KUBE_PROXY_OFF_LABEL: "true"}
     before = len(api.patches)
     events.clear()
-    api.objs[("Event", NS, "b")] = agent_event("u1", "KubeProxyRulesRemoved",
-                                               "2026-01-01T00:00:09Z", "removed")  # fmt: skip
+    api.objs[("ProxyNodeState", None, "n1")] = state("u1", "n1")
     status = run(r.reconcile(body(takeover=TAKEOVER), [], nodes, events))
     assert len(api.patches) == before
-    assert events == [("Normal", "KubeProxyRulesRemoved", "node n1: removed")]
+    assert events == [("Normal", "KubeProxyRulesRemoved",
+                       "node n1: removed upstream kube-proxy's rules")]  # fmt: skip
     assert status.takeover.summary == ("1 of 2 nodes taken over from kube-proxy "
                                        "(1 AgentNotReady, 1 KubeProxyRulesRemoved)")  # fmt: skip
 
@@ -199,7 +228,8 @@ def test_kube_proxy_is_moved_off_node_by_node_as_agents_become_ready() -> None:
 def test_without_move_kube_proxy_off_nothing_is_patched_but_progress_shows() -> None:
     api, nodes = cluster()
     events = Events()
-    api.objs[("Event", NS, "a")] = agent_event("u1", "WaitingForKubeProxy", "2026-01-01T00:00:01Z")
+    api.objs[("ProxyNodeState", None, "n1")] = state(
+        "u1", "n1", **{"kube-proxy": kube_proxy("Waiting", WAIT_KP)})  # fmt: skip
     status = run(reconciler(api).reconcile(body(takeover={"fromKubeProxy": True}), [], nodes,
                                            events))  # fmt: skip
     assert api.patches == []
@@ -212,7 +242,7 @@ def test_without_move_kube_proxy_off_nothing_is_patched_but_progress_shows() -> 
 def test_a_missing_kube_proxy_daemonset_is_said_once() -> None:
     api, nodes = cluster()
     del api.objs[("DaemonSet", "kube-system", "kube-proxy")]
-    api.objs[("Event", NS, "a")] = agent_event("u1", "FirstSyncVerified", "2026-01-01T00:00:01Z")
+    api.objs[("ProxyNodeState", None, "n1")] = state("u1", "n1")
     events = Events()
     r = reconciler(api)
     for _ in range(2):

@@ -1,5 +1,5 @@
-"""Preflight before a mode switch: the agent's verdicts per mode (pure), the report format
-shared with the operator, and what a switch drops."""
+"""Preflight before a mode switch: the agent's verdicts per mode (pure), the Event message
+(people read it), and what a switch drops."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from kpx_api.preflight import (
     ModeCheck,
     dropped_settings,
     format_report,
-    parse_report,
 )
 
 OK = NodeFacts(kernel="6.1.0", nft="nftables v1.0.6", ip_vs_loaded=True, ipvsadm=True)
@@ -68,13 +67,12 @@ def test_gather_reads_the_tools_answers_and_the_kernels_module_lists(tmp_path: P
                    for argv, stdin in calls)  # fmt: skip
 
 
-def test_the_report_round_trips_through_an_event_message() -> None:
+def test_the_event_message_has_one_line_per_mode() -> None:
     checks = decide(NodeFacts(kernel="6.1.0", nft="nftables v1.0.6"))
-    message = format_report(checks)
-    assert message.splitlines()[0] == "nftables: ok (nftables v1.0.6, kernel 6.1.0)"
-    parsed = parse_report(message)
-    assert parsed == {c.mode: ModeCheck(c.mode, c.ok, c.detail) for c in checks}
-    assert parse_report("something else\nnftables: ok") == {"nftables": ModeCheck("nftables", True)}
+    lines = format_report(checks).splitlines()
+    assert lines[0] == "nftables: ok (nftables v1.0.6, kernel 6.1.0)"
+    assert [line.split(":")[0] for line in lines] == [c.mode for c in checks]
+    assert format_report([ModeCheck("ipvs", False, "a\nb")]) == "ipvs: no (a b)"
 
 
 def test_dropped_settings_of_a_switch() -> None:

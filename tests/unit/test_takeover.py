@@ -18,6 +18,7 @@ from kpx_agent.handover.make_before_break import (
     other_mode_leftovers,
 )
 from kpx_agent.model.types import DataplaneSettings
+from kpx_api.nodestate import LeftoverKind, LeftoverState
 
 
 def sample(registry: CollectorRegistry, name: str, leftovers: str) -> float | None:
@@ -126,6 +127,8 @@ def test_a_failed_removal_is_counted_reported_and_retried() -> None:
     reports: list[tuple[str, str, str]] = []
     registry = CollectorRegistry()
 
+    states: list[list[tuple[str, LeftoverState, str]]] = []
+
     def flaky() -> None:
         attempts.append(1)
         if len(attempts) < 3:
@@ -133,20 +136,25 @@ def test_a_failed_removal_is_counted_reported_and_retried() -> None:
 
     async def report(type_: str, reason: str, message: str) -> None:
         reports.append((type_, reason, message))
+        # What the node's ProxyNodeState says at that moment (leftoversPending).
+        states.append([(p.name, p.state, p.message) for p in removal.pending_reports()])
 
     async def scenario() -> None:
         verified = asyncio.Event()
         verified.set()
-        other = Leftover("ipvs", "ipvs rules", lambda: None)
-        removal = LeftoverRemoval(
-            [Leftover("iptables", "iptables rules", flaky), other],
-            registry,
-            report,
-            first_delay=0.01,
-        )
         await asyncio.wait_for(removal.run(verified), 30)
 
+    other = Leftover("ipvs", "ipvs rules", lambda: None)
+    removal = LeftoverRemoval([Leftover("iptables", "iptables rules", flaky), other],
+                              registry, report, first_delay=0.01)  # fmt: skip
+    assert [(p.name, p.kind, p.state) for p in removal.pending_reports()] == [
+        ("iptables", LeftoverKind.KPX_MODE, LeftoverState.PENDING),
+        ("ipvs", LeftoverKind.KPX_MODE, LeftoverState.PENDING)]  # fmt: skip
     asyncio.run(scenario())
+    assert states == [[("iptables", LeftoverState.FAILING,
+                        "could not remove iptables rules (retrying): xtables lock held"),
+                       ("ipvs", LeftoverState.PENDING, "ipvs rules not removed yet")]]  # fmt: skip
+    assert removal.pending_reports() == []
     assert len(attempts) == 3
     assert sample(registry, "kpx_leftover_removal_failures_total", "iptables") == 2
     assert sample(registry, "kpx_leftover_removal_failures_total", "ipvs") is None
@@ -172,14 +180,10 @@ def test_a_precondition_holds_the_removal_back_until_it_holds() -> None:
         reports.append(reason)
 
     leftover = Leftover(
-        "kube-proxy",
-        "upstream's rules",
-        lambda: removed.append("kube-proxy"),
-        ready,
-        removed_reason="KubeProxyRulesRemoved",
-        waiting_reason="WaitingForKubeProxy",
-        waiting_message="kube-proxy still runs here",
-    )
+        "kube-proxy", "upstream's rules", lambda: removed.append("kube-proxy"), ready,
+        removed_reason="KubeProxyRulesRemoved", waiting_reason="WaitingForKubeProxy",
+        waiting_message="kube-proxy still runs here", kind=LeftoverKind.KUBE_PROXY,
+    )  # fmt: skip
 
     async def scenario() -> None:
         verified = asyncio.Event()
@@ -188,6 +192,9 @@ def test_a_precondition_holds_the_removal_back_until_it_holds() -> None:
         task = asyncio.create_task(removal.run(verified))
         await until(lambda: len(polls) >= 3, "the precondition asked three times")
         assert removed == [] and not task.done()
+        (waiting,) = removal.pending_reports()
+        assert (waiting.kind, waiting.state) == (LeftoverKind.KUBE_PROXY, LeftoverState.WAITING)
+        assert waiting.message == "kube-proxy still runs here"
         gone["kube-proxy"] = True
         await asyncio.wait_for(task, 30)
 
@@ -218,17 +225,11 @@ def test_a_proxy_that_comes_back_and_leaves_again_has_its_rules_removed_again() 
         await until(lambda: len(polls) >= asked, f"the precondition asked {times} more times")
 
     leftover = Leftover(
-        "kube-proxy",
-        "upstream's rules",
-        lambda: removed.append("kube-proxy"),
-        ready,
-        removed_reason="KubeProxyRulesRemoved",
-        waiting_reason="WaitingForKubeProxy",
-        waiting_message="kube-proxy still runs here",
-        rearm=True,
-        returned_reason="WaitingForKubeProxy",
-        returned_message="kube-proxy runs here again",
-    )
+        "kube-proxy", "upstream's rules", lambda: removed.append("kube-proxy"), ready,
+        removed_reason="KubeProxyRulesRemoved", waiting_reason="WaitingForKubeProxy",
+        waiting_message="kube-proxy still runs here", rearm=True,
+        returned_reason="WaitingForKubeProxy", returned_message="kube-proxy runs here again",
+    )  # fmt: skip
 
     async def scenario() -> None:
         verified = asyncio.Event()
@@ -243,6 +244,9 @@ def test_a_proxy_that_comes_back_and_leaves_again_has_its_rules_removed_again() 
         await until(lambda: len(reports) == 2, "its return reported")
         await polled(3)
         assert removed == ["kube-proxy"]  # never while it runs
+        # Its ProxyNodeState says it is pending again, waiting (the operator's takeover phase).
+        assert [(p.name, p.state, p.message) for p in removal.pending_reports()] == [
+            ("kube-proxy", LeftoverState.WAITING, "kube-proxy runs here again")]  # fmt: skip
         assert [r for r, _ in reports] == ["KubeProxyRulesRemoved", "WaitingForKubeProxy"]
         gone["kube-proxy"] = True  # left again
         await until(lambda: len(removed) == 2, "the rules removed again")
@@ -272,9 +276,8 @@ def test_a_precondition_that_cannot_be_checked_is_retried() -> None:
     async def scenario() -> None:
         verified = asyncio.Event()
         verified.set()
-        removal = LeftoverRemoval(
-            [Leftover("kube-proxy", "x", lambda: None, ready)], registry, first_delay=0.01
-        )
+        removal = LeftoverRemoval([Leftover("kube-proxy", "x", lambda: None, ready)], registry,
+                                  first_delay=0.01)  # fmt: skip
         await asyncio.wait_for(removal.run(verified), 30)
         assert not removal.pending
 
@@ -302,7 +305,7 @@ def test_the_agent_cli_builds_the_removal_after_the_first_sync(mode: str, takeov
     agent = cli.build_agent(settings, load(mode), args, client)
     removal = agent.leftover_removal
     assert removal is not None and agent.leftovers_of is not None
-    assert agent.backend.mode == mode and agent.companions
+    assert agent.backend.mode == mode and agent.preflight is not None
     # During a switch from ipvs, not Ready until ipvs's rules are gone; the other kinds (and
     # kube-proxy's) do not count, nor anything outside a switch.
     agent.switching_from = lambda: {"ipvs"}  # type: ignore[method-assign]
@@ -362,12 +365,8 @@ def test_a_draining_removal_is_retried_without_failing_or_holding_readiness() ->
     async def scenario() -> LeftoverRemoval:
         verified = asyncio.Event()
         verified.set()
-        removal = LeftoverRemoval(
-            [Leftover("ipvs", "the rules of kpx mode ipvs", remove)],
-            registry,
-            report,
-            drain_poll=0.05,
-        )
+        removal = LeftoverRemoval([Leftover("ipvs", "the rules of kpx mode ipvs", remove)],
+                                  registry, report, drain_poll=0.05)  # fmt: skip
         task = asyncio.create_task(removal.run(verified))
         await until(lambda: len(tries) == 1, "a first removal that drains")
         assert "ipvs" in removal.pending and removal.blocking({"ipvs"}) == ""

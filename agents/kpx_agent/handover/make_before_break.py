@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kpx_api.constants import LEFTOVERS_DRAINING, LEFTOVERS_REMOVED, OTHER_MODE_RULES
+from kpx_api.nodestate import LeftoverKind, LeftoverState, PendingLeftover
 
 from ..backends.base import Draining, Handover, Mode
 
@@ -63,6 +64,8 @@ class Leftover:
     rearm: bool = False
     returned_reason: str | None = None
     returned_message: str = ""
+    #: Whose rules (the ProxyNodeState's leftoversPending[].kind).
+    kind: LeftoverKind = LeftoverKind.KPX_MODE
 
 
 class LeftoverRemoval:
@@ -92,6 +95,7 @@ class LeftoverRemoval:
         self.max_delay = max_delay
         self.poll = poll
         self._waiting_reported: set[str] = set()
+        self._waiting: set[str] = set()  # pending kinds whose precondition does not hold now
         self._failure_reported: set[str] = set()
         self.failures = Counter(
             "kpx_leftover_removal_failures_total",
@@ -117,22 +121,34 @@ class LeftoverRemoval:
         self._draining.clear()
         self._errors.clear()
         self._waiting_reported.clear()
+        self._waiting.clear()
         self._failure_reported.clear()
         for name in self.pending:
             self.pending_gauge.labels(name).set(1)
 
-    def pending_messages(self) -> list[tuple[str, str]]:
-        """(name, why still there) of each pending leftover: its last removal error, or that
-        its removal waits."""
+    def pending_reports(self) -> list[PendingLeftover]:
+        """Each pending leftover with where its removal is and why it is still there (its last
+        removal error, or what it waits for). A removed kind that came back (`Leftover.rearm`:
+        kube-proxy runs on the node again) is pending again, waiting."""
         out = []
         for name, leftover in sorted(self.pending.items()):
             if name in self._errors:
+                state = LeftoverState.FAILING
                 why = f"could not remove {leftover.description} (retrying): {self._errors[name]}"
             elif name in self._draining:
+                state = LeftoverState.DRAINING
                 why = self._draining[name] or "waiting for its connections to end"
+            elif name in self._waiting:
+                state = LeftoverState.WAITING
+                why = leftover.waiting_message or f"{leftover.description} not removed yet"
             else:
-                why = f"{leftover.description} not removed yet"
-            out.append((name, why))
+                state, why = LeftoverState.PENDING, f"{leftover.description} not removed yet"
+            out.append(PendingLeftover(name=name, kind=leftover.kind, state=state, message=why))
+        for name, (leftover, back) in sorted(self.watching.items()):
+            if back and name not in self.pending:
+                out.append(PendingLeftover(name=name, kind=leftover.kind,
+                                           state=LeftoverState.WAITING,
+                                           message=leftover.returned_message))  # fmt: skip
         return out
 
     def blocking(self, kinds: Collection[str]) -> str:
@@ -208,6 +224,7 @@ class LeftoverRemoval:
                     failed = True
                     continue
                 if not ready:
+                    self._waiting.add(name)
                     if name not in self._waiting_reported:
                         self._waiting_reported.add(name)
                         log.info("%s: %s", leftover.description, leftover.waiting_message)
@@ -215,6 +232,7 @@ class LeftoverRemoval:
                             await self._report("Normal", leftover.waiting_reason,
                                                leftover.waiting_message)  # fmt: skip
                     continue
+                self._waiting.discard(name)
             try:
                 await asyncio.to_thread(leftover.remove)
             except Draining as exc:
@@ -238,6 +256,7 @@ class LeftoverRemoval:
                     )  # fmt: skip
                 continue
             del self.pending[name]
+            self._waiting.discard(name)
             self._errors.pop(name, None)
             self._draining.pop(name, None)
             self.pending_gauge.labels(name).set(0)

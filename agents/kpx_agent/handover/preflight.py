@@ -4,8 +4,9 @@ The checks touch nothing: `nft --check` has the kernel validate a test table (a 
 hook) without committing it; the iptables tools and ipvsadm are looked up on PATH; IPVS counts
 as present when /proc/net/ip_vs exists (ip_vs loaded) and as loadable when the running kernel's
 module lists (/lib/modules/RELEASE/modules.dep, modules.builtin) name it. `decide` (pure) turns
-those facts into one verdict per mode; the agent records them as an Event `ModePreflight` on
-its own Pod (kpx_api.preflight: the format), which the operator shows before a mode switch.
+those facts into one verdict per mode; the agent writes them into its node's ProxyNodeState
+(status.preflight), which the operator reads for condition Preflight, and records them for
+people as an Event `ModePreflight` on its own Pod (kpx_api.preflight: the format).
 """
 
 from __future__ import annotations
@@ -16,14 +17,13 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from kpx_api.constants import MODE_PREFLIGHT
 from kpx_api.modes import Mode
-from kpx_api.preflight import ModeCheck, format_report
+from kpx_api.preflight import ModeCheck
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +106,9 @@ def gather(
                      ip_vs_module=module, ipvsadm=shutil.which("ipvsadm") is not None)  # fmt: skip
 
 
-async def report(send: Callable[[str, str, str], Awaitable[None]]) -> None:
-    """Check once (in a thread: subprocesses) and record the verdicts as an Event."""
+async def check() -> list[ModeCheck]:
+    """Check once (in a thread: subprocesses): one verdict per mode."""
     checks = decide(await asyncio.to_thread(gather))
-    for check in checks:
-        log.info("preflight: %s", check.line())
-    await send("Normal", MODE_PREFLIGHT, format_report(checks))
+    for verdict in checks:
+        log.info("preflight: %s", verdict.line())
+    return checks

@@ -21,7 +21,8 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from kpx_api.constants import API_VERSION
-from kpx_api.nodestate import NODE_STATE_KIND
+from kpx_api.nodestate import NODE_STATE_KIND, PendingLeftover
+from kpx_api.preflight import ModeCheck
 
 #: Seconds between two writes of one node's ProxyNodeState at most (the default of
 #: `--node-state-period`): with 1,000 nodes, at most 100 writes/s whatever the churn.
@@ -29,6 +30,10 @@ DEFAULT_WRITE_INTERVAL: Final = 10.0
 #: Fields of the status left out of the change check (they change with every sync).
 VOLATILE: Final = ("time", "durationSeconds")
 _MAX_MESSAGE: Final = 1024
+#: The CRD's bounds: leftoversPending, preflight, preflight[].detail.
+MAX_LEFTOVERS: Final = 8
+MAX_VERDICTS: Final = 4
+MAX_DETAIL: Final = 280
 
 
 @dataclass(frozen=True)
@@ -62,16 +67,20 @@ class NodeFacts:
     rules: int = 0
     last_error: ErrorRecord | None = None
     conntrack_not_applied: str = ""
-    #: (whose rules, why still there) of the leftovers not removed yet
-    leftovers: Sequence[tuple[str, str]] = field(default_factory=tuple)
+    #: the leftovers not removed yet: whose, where their removal is, why still there
+    leftovers: Sequence[PendingLeftover] = field(default_factory=tuple)
+    #: kube-proxy's rules are among the leftovers the agent removes (spec.takeover)
+    takeover_from_kube_proxy: bool = False
+    #: which kpx modes the node can run (empty until checked)
+    preflight: Sequence[ModeCheck] = field(default_factory=tuple)
 
 
 def _stamp(t: datetime) -> str:
     return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _brief(text: str) -> str:
-    return text if len(text) <= _MAX_MESSAGE else text[: _MAX_MESSAGE - 3] + "..."
+def _brief(text: str, limit: int = _MAX_MESSAGE) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def status_of(facts: NodeFacts) -> dict[str, Any]:
@@ -85,7 +94,16 @@ def status_of(facts: NodeFacts) -> dict[str, Any]:
             "services": facts.services, "endpoints": facts.endpoints, "rules": facts.rules,
         },
         "conntrackNotApplied": _brief(facts.conntrack_not_applied),
-        "leftoversPending": [{"name": n, "message": _brief(m)} for n, m in facts.leftovers],
+        "leftoversPending": [
+            {"name": p.name, "kind": p.kind.value if p.kind else None, "state": p.state.value,
+             "message": _brief(p.message)}
+            for p in facts.leftovers[:MAX_LEFTOVERS]
+        ],
+        "takeoverFromKubeProxy": facts.takeover_from_kube_proxy,
+        "preflight": [
+            {"mode": c.mode, "ok": c.ok, "detail": _brief(c.detail, MAX_DETAIL)}
+            for c in facts.preflight[:MAX_VERDICTS]
+        ],
         # Absent fields are sent as null: a merge patch then removes what no longer holds.
         "configurationGeneration": facts.generation,
         "lastSync": None,
