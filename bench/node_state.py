@@ -89,8 +89,9 @@ class SimNode:
             self.facts = replace(self.facts, last_error=ErrorRecord(error, now))
         else:
             duration = random.uniform(0.005, 0.05)
-            self.facts = replace(self.facts, endpoints=endpoints,
-                                 last_sync=SyncRecord(now, duration, False))  # fmt: skip
+            self.facts = replace(
+                self.facts, endpoints=endpoints, last_sync=SyncRecord(now, duration, False)
+            )
         self.syncs += 1
         assert self.writer is not None
         self.writer.poke()
@@ -120,33 +121,51 @@ async def scenario(
         await asyncio.sleep(change_period)
     elapsed = time.monotonic() - started
     ended = time.monotonic()
-    gaps = [b - a for n in nodes for a, b in zip(n.written_at, n.written_at[1:], strict=False)
-            if a >= started and b <= ended]  # fmt: skip
+    gaps = [
+        b - a
+        for n in nodes
+        for a, b in zip(n.written_at, n.written_at[1:], strict=False)
+        if a >= started and b <= ended
+    ]
     most = max(sum(1 for t in n.written_at if started <= t <= ended) for n in nodes)
     writes = sum(n.writer.writes for n in nodes if n.writer) - writes0
     failed = sum(n.writer.failures for n in nodes if n.writer) - failed0
     syncs = sum(n.syncs for n in nodes) - syncs0
     cpu = (sum(proc_cpu_seconds(apiserver)) - cpu0) if apiserver else float("nan")
-    return {"scenario": name, "seconds": round(elapsed, 1),
-            "syncs_per_s": round(syncs / elapsed, 1), "writes": writes,
-            "writes_per_s": round(writes / elapsed, 2), "failed": failed,
-            "apiserver_cpu_s_per_s": round(cpu / elapsed, 3),
-            "min_gap_s": round(min(gaps), 2) if gaps else None,
-            "most_writes_of_one_node": most}  # fmt: skip
+    return {
+        "scenario": name,
+        "seconds": round(elapsed, 1),
+        "syncs_per_s": round(syncs / elapsed, 1),
+        "writes": writes,
+        "writes_per_s": round(writes / elapsed, 2),
+        "failed": failed,
+        "apiserver_cpu_s_per_s": round(cpu / elapsed, 3),
+        "min_gap_s": round(min(gaps), 2) if gaps else None,
+        "most_writes_of_one_node": most,
+    }
 
 
 async def run(args: argparse.Namespace, kubeconfig: Path, apiserver: int | None) -> dict[str, Any]:
-    client = Client(from_kubeconfig(kubeconfig), user_agent="kpx-bench-node-state",
-                    connections=args.connections)  # fmt: skip
-    base = NodeFacts(mode="nftables", agent_version="0.1.0", generation=1, verified=True,
-                     services=1000, endpoints=3000, rules=9000)  # fmt: skip
+    client = Client(
+        from_kubeconfig(kubeconfig), user_agent="kpx-bench-node-state", connections=args.connections
+    )
+    base = NodeFacts(
+        mode="nftables",
+        agent_version="0.1.0",
+        generation=1,
+        verified=True,
+        services=1000,
+        endpoints=3000,
+        rules=9000,
+    )
     nodes = [
         SimNode(f"sim-{i:04d}", replace(base, pod=(f"kpx-agent-{i}", "kpx-system", f"uid-{i}")))
         for i in range(args.nodes)
     ]
     for node in nodes:
-        node.attach(NodeStateWriter(client, node.name, (lambda n=node: n.facts),
-                                    interval=args.period))  # fmt: skip
+        node.attach(
+            NodeStateWriter(client, node.name, (lambda n=node: n.facts), interval=args.period)
+        )
     tasks = [asyncio.create_task(n.writer.run()) for n in nodes if n.writer]
     try:
         # Warm-up: every node creates its object and writes its first status.
@@ -178,34 +197,68 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=1000)
     p.add_argument("--period", type=float, default=10.0, help="the writers' interval (s)")
     p.add_argument("--seconds", type=float, default=60.0, help="each scenario's length (s)")
-    p.add_argument("--change-period", type=float, default=1.0,
-                   help="seconds between cluster-wide changes (reaching all nodes)")  # fmt: skip
+    p.add_argument(
+        "--change-period",
+        type=float,
+        default=1.0,
+        help="seconds between cluster-wide changes (reaching all nodes)",
+    )
     p.add_argument("--connections", type=int, default=32)
     args = p.parse_args()
     exit_on_sigterm()
     info = machine_info()
     with bench_cluster("nodestate") as cluster:
         cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-        cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                        "crd/proxynodestates.proxy.kpx.dev")  # fmt: skip
+        cluster.kubectl(
+            "wait",
+            "--for=condition=Established",
+            "--timeout=60s",
+            "crd/proxynodestates.proxy.kpx.dev",
+        )
         apiserver = component_pid(cluster, "kube-apiserver")
         result = asyncio.run(run(args, cluster.kubeconfig, apiserver))
     bound = args.nodes / args.period
     # In a window of T s one node writes at most floor(T / period) + 1 times.
-    window = {r["scenario"]: args.nodes * (int(r["seconds"] // args.period) + 1) / r["seconds"]
-              for r in result["rows"]}  # fmt: skip
-    data = {"machine": info, "nodes": args.nodes, "period": args.period,
-            "change_period": args.change_period, "bound_writes_per_s": bound, **result}  # fmt: skip
+    window = {
+        r["scenario"]: args.nodes * (int(r["seconds"] // args.period) + 1) / r["seconds"]
+        for r in result["rows"]
+    }
+    data = {
+        "machine": info,
+        "nodes": args.nodes,
+        "period": args.period,
+        "change_period": args.change_period,
+        "bound_writes_per_s": bound,
+        **result,
+    }
     write_json(f"node_state-{args.nodes}.json", data)
     table = markdown_table(
-        ["scenario", "sync events/s", "writes/s", "bound: nodes/period", "bound in this window",
-         "min s between 2 writes of a node", "most writes of a node", "failed writes",
-         "apiserver CPU (cores)"],
-        [(r["scenario"], r["syncs_per_s"], r["writes_per_s"], f"{bound:g}",
-          f"{window[r['scenario']]:.1f}", r["min_gap_s"] if r["min_gap_s"] is not None else "-",
-          r["most_writes_of_one_node"], r["failed"], r["apiserver_cpu_s_per_s"])
-         for r in result["rows"]],
-    )  # fmt: skip
+        [
+            "scenario",
+            "sync events/s",
+            "writes/s",
+            "bound: nodes/period",
+            "bound in this window",
+            "min s between 2 writes of a node",
+            "most writes of a node",
+            "failed writes",
+            "apiserver CPU (cores)",
+        ],
+        [
+            (
+                r["scenario"],
+                r["syncs_per_s"],
+                r["writes_per_s"],
+                f"{bound:g}",
+                f"{window[r['scenario']]:.1f}",
+                r["min_gap_s"] if r["min_gap_s"] is not None else "-",
+                r["most_writes_of_one_node"],
+                r["failed"],
+                r["apiserver_cpu_s_per_s"],
+            )
+            for r in result["rows"]
+        ],
+    )
     text = (
         f"## ProxyNodeState writes, {args.nodes:,} simulated nodes, period {args.period:g} s\n\n"
         f"Machine: {machine_line(info)}\n\n"

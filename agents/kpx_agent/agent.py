@@ -165,8 +165,9 @@ class Agent:
         self._synced_generation: int | None = None
         self.node_state: NodeStateWriter | None = None
         if node_state_interval is not None:
-            self.node_state = NodeStateWriter(client, node_name, self.node_facts,
-                                              self._node_uid, node_state_interval)  # fmt: skip
+            self.node_state = NodeStateWriter(
+                client, node_name, self.node_facts, self._node_uid, node_state_interval
+            )
 
     # -- this node's ProxyNodeState -------------------------------------------------------------
     def _read_generation(self) -> int | None:
@@ -402,8 +403,11 @@ class Agent:
         for problem in book.take_new():
             log.warning(
                 "service %s/%s: %s: %s",
-                problem.namespace, problem.name, problem.reason, problem.message,
-            )  # fmt: skip
+                problem.namespace,
+                problem.name,
+                problem.reason,
+                problem.message,
+            )
             self._problem_events.put_nowait(problem)
 
     async def _post_problem_events(self) -> None:
@@ -419,8 +423,13 @@ class Agent:
             except AlreadyExists:
                 pass
             except ApiError as exc:  # a refusal, or Unreachable: the log line above stays
-                log.warning("event %s on service %s/%s not recorded: %s",
-                            problem.reason, problem.namespace, problem.name, exc)  # fmt: skip
+                log.warning(
+                    "event %s on service %s/%s not recorded: %s",
+                    problem.reason,
+                    problem.namespace,
+                    problem.name,
+                    exc,
+                )
 
     async def _report_sync_failure(self, error: str) -> None:
         """A Warning Event SyncFailed with the kernel's error: when the error is new, else at
@@ -430,9 +439,12 @@ class Agent:
         if not sync_failure_due(self._sync_failure_told, error, now):
             return
         self._sync_failure_told = (error, now)
-        await self._report("Warning", SYNC_FAILED,
-                           f"mode {self.settings.mode}: sync failed, keeping the previous rules "
-                           f"and retrying: {error or 'unknown error'}")  # fmt: skip
+        await self._report(
+            "Warning",
+            SYNC_FAILED,
+            f"mode {self.settings.mode}: sync failed, keeping the previous rules "
+            f"and retrying: {error or 'unknown error'}",
+        )
 
     async def _verify_first_sync(self) -> None:
         """After a successful full sync: set `first_sync_verified` if the backend finds its
@@ -446,14 +458,16 @@ class Agent:
         self._node_state_changed()
         if self.rolled_back:
             # Not Ready for good (rolled back); no FirstSyncVerified: the node did not switch.
-            log.info("mode %s (rolled back) verified: its rules are programmed",
-                     self.settings.mode)  # fmt: skip
+            log.info("mode %s (rolled back) verified: its rules are programmed", self.settings.mode)
             return
         log.info("first sync verified: own rules programmed")
         self.health.verified_first_sync()
-        await self._report("Normal", FIRST_SYNC_VERIFIED,
-                           f"mode {self.settings.mode}: own rules programmed and found in the "
-                           "kernel; this agent serves its node")  # fmt: skip
+        await self._report(
+            "Normal",
+            FIRST_SYNC_VERIFIED,
+            f"mode {self.settings.mode}: own rules programmed and found in the "
+            "kernel; this agent serves its node",
+        )
 
     # -- rollback (rollback.py) -----------------------------------------------------------------
     def _start_leftover_removal(self) -> None:
@@ -474,8 +488,12 @@ class Agent:
 
     def rollback_left(self) -> float | None:
         """Seconds until this agent rolls back (0: now), None when it will not."""
-        return seconds_left(self.settings.rollback, self.first_sync_verified.is_set(),
-                            bool(self.rolled_back), time.monotonic() - self._started)  # fmt: skip
+        return seconds_left(
+            self.settings.rollback,
+            self.first_sync_verified.is_set(),
+            bool(self.rolled_back),
+            time.monotonic() - self._started,
+        )
 
     async def roll_back(self) -> bool:
         """Go back to the rollback mode, in process (between syncs: nothing programs now):
@@ -486,8 +504,12 @@ class Agent:
         retrying, not Ready)."""
         rollback = self.settings.rollback
         running_for = time.monotonic() - self._started
-        if not rollback_due(rollback, self.first_sync_verified.is_set(), bool(self.rolled_back),
-                            running_for) or rollback is None:  # fmt: skip
+        if (
+            not rollback_due(
+                rollback, self.first_sync_verified.is_set(), bool(self.rolled_back), running_for
+            )
+            or rollback is None
+        ):
             return False
         failed, to = self.settings.mode, rollback.settings.mode
         message = rolled_back_message(failed, rollback.deadline, self._last_error, to)
@@ -559,11 +581,16 @@ class Agent:
         if self.rolled_back:
             # Serving the rollback mode: its settings come from the configuration's rollback
             # (or from the configuration itself once spec.mode is set back to it).
-            fallback = new if new.mode == self.settings.mode else (
-                new.rollback.settings if new.rollback is not None else None)  # fmt: skip
+            fallback = (
+                new
+                if new.mode == self.settings.mode
+                else (new.rollback.settings if new.rollback is not None else None)
+            )
             if fallback is None or fallback.mode != self.settings.mode:
-                log.info("configuration changed; rolled back to mode %s, keeping its settings",
-                         self.settings.mode)  # fmt: skip
+                log.info(
+                    "configuration changed; rolled back to mode %s, keeping its settings",
+                    self.settings.mode,
+                )
                 return False
             new = fallback
         elif new.mode != self.settings.mode:
@@ -612,9 +639,10 @@ class Agent:
         elif outcome.changed or self._conntrack_failed:
             changes = ", ".join(f"{w.setting}={w.value}" for w in outcome.changed)
             await self._report(
-                "Normal", pod_events.CONNTRACK_APPLIED,
+                "Normal",
+                pod_events.CONNTRACK_APPLIED,
                 f"conntrack settings applied ({changes or 'already as configured'})",
-            )  # fmt: skip
+            )
         self._conntrack_failed = bool(outcome.failures)
 
     async def report_event(self, type_: str, reason: str, message: str) -> None:

@@ -50,20 +50,26 @@ class Rollback(KpxModel):
     iptables: IPTablesSettings | None = Field(default=None, description="Its settings.")
     ipvs: IPVSSettings | None = Field(default=None, description="Its settings.")
     progress_deadline_seconds: int = Field(
-        ge=5, le=3600, strict=True,
+        ge=5,
+        le=3600,
+        strict=True,
         description="Seconds without a verified first sync in the agent's own mode after "
         "which it goes back to `mode`.",
-    )  # fmt: skip
+    )
 
     @model_validator(mode="after")
     def _one_kernel_mode(self) -> Rollback:
         if self.mode not in KERNEL_BACKEND_MODES:
             raise ValueError(f"rollback.mode must be a kernel mode, not {self.mode}")
-        others = [str(m) for m in KERNEL_BACKEND_MODES if m is not self.mode
-                  and getattr(self, str(m)) is not None]  # fmt: skip
+        others = [
+            str(m)
+            for m in KERNEL_BACKEND_MODES
+            if m is not self.mode and getattr(self, str(m)) is not None
+        ]
         if others:
-            raise ValueError(f"rollback has settings of {', '.join(sorted(others))} but its "
-                             f"mode is {self.mode}")  # fmt: skip
+            raise ValueError(
+                f"rollback has settings of {', '.join(sorted(others))} but its mode is {self.mode}"
+            )
         return self
 
     def mode_settings(self) -> ModeSettings:

@@ -85,21 +85,50 @@ PRINTER_COLUMNS: list[dict[str, str]] = [
 #: `kubectl get proxynodestates`: which mode, which configuration generation, which agent
 #: version, and the last error, per node.
 NODE_STATE_COLUMNS: list[dict[str, Any]] = [
-    {"name": "Mode", "type": "string", "jsonPath": ".status.mode",
-     "description": "Mode the agent programs."},
-    {"name": "Generation", "type": "integer", "jsonPath": ".status.configurationGeneration",
-     "description": "ProxyConfiguration generation synced."},
-    {"name": "Agent", "type": "string", "jsonPath": ".status.agentVersion",
-     "description": "Agent version."},
-    {"name": "Verified", "type": "boolean", "jsonPath": ".status.firstSyncVerified",
-     "description": "First sync programmed and found in the kernel."},
-    {"name": "Services", "type": "integer", "jsonPath": ".status.programmed.services",
-     "description": "Service ports programmed.", "priority": 1},
-    {"name": "Last-Sync", "type": "date", "jsonPath": ".status.lastSync.time",
-     "description": "When the latest successful sync ended."},
-    {"name": "Last-Error", "type": "string", "jsonPath": ".status.lastError.message",
-     "description": "The latest sync error (kept after a recovery: compare Last-Sync)."},
-]  # fmt: skip
+    {
+        "name": "Mode",
+        "type": "string",
+        "jsonPath": ".status.mode",
+        "description": "Mode the agent programs.",
+    },
+    {
+        "name": "Generation",
+        "type": "integer",
+        "jsonPath": ".status.configurationGeneration",
+        "description": "ProxyConfiguration generation synced.",
+    },
+    {
+        "name": "Agent",
+        "type": "string",
+        "jsonPath": ".status.agentVersion",
+        "description": "Agent version.",
+    },
+    {
+        "name": "Verified",
+        "type": "boolean",
+        "jsonPath": ".status.firstSyncVerified",
+        "description": "First sync programmed and found in the kernel.",
+    },
+    {
+        "name": "Services",
+        "type": "integer",
+        "jsonPath": ".status.programmed.services",
+        "description": "Service ports programmed.",
+        "priority": 1,
+    },
+    {
+        "name": "Last-Sync",
+        "type": "date",
+        "jsonPath": ".status.lastSync.time",
+        "description": "When the latest successful sync ended.",
+    },
+    {
+        "name": "Last-Error",
+        "type": "string",
+        "jsonPath": ".status.lastError.message",
+        "description": "The latest sync error (kept after a recovery: compare Last-Sync).",
+    },
+]
 
 
 def model_schema(

@@ -69,21 +69,31 @@ def dropped_settings(current: ProxySettings, new: ProxySettings) -> list[Dropped
     if isinstance(block, IPVSSettings):
         scheduler = IPVSScheduler(block.scheduler)
         if scheduler is not IPVSScheduler.RR:
-            out.append(Dropped(DroppedSetting.IPVS_SCHEDULER,
-                               f"ipvs.scheduler {scheduler.value}: mode {new_mode} picks "
-                               "endpoints at random with equal probability"))  # fmt: skip
+            out.append(
+                Dropped(
+                    DroppedSetting.IPVS_SCHEDULER,
+                    f"ipvs.scheduler {scheduler.value}: mode {new_mode} picks "
+                    "endpoints at random with equal probability",
+                )
+            )
         timeouts = [
             f"{name}={value}"
-            for name, value in (("tcpTimeout", block.tcp_timeout),
-                                ("tcpFinTimeout", block.tcp_fin_timeout),
-                                ("udpTimeout", block.udp_timeout))
+            for name, value in (
+                ("tcpTimeout", block.tcp_timeout),
+                ("tcpFinTimeout", block.tcp_fin_timeout),
+                ("udpTimeout", block.udp_timeout),
+            )
             if parse_duration(str(value)) > 0
-        ]  # fmt: skip
+        ]
         if timeouts:
-            out.append(Dropped(DroppedSetting.IPVS_TIMEOUTS,
-                               f"ipvs {', '.join(timeouts)}: mode {new_mode} has no IPVS "
-                               "timeouts; connections follow conntrack's "
-                               "(spec.conntrack)"))  # fmt: skip
+            out.append(
+                Dropped(
+                    DroppedSetting.IPVS_TIMEOUTS,
+                    f"ipvs {', '.join(timeouts)}: mode {new_mode} has no IPVS "
+                    "timeouts; connections follow conntrack's "
+                    "(spec.conntrack)",
+                )
+            )
     if current.localhost_node_ports_in_effect() and not new.localhost_node_ports_in_effect():
         out.append(Dropped(DroppedSetting.LOCALHOST_NODE_PORTS, _localhost_lost(old_mode, new)))
     return out

@@ -71,8 +71,10 @@ class TakeoverNode(KpxModel):
     """One node's takeover progress."""
 
     name: DNSSubdomain = Field(description="The node.")
-    phase: TakeoverPhase = Field(description="AgentNotReady, AgentReady, WaitingForKubeProxy, "
-                                 "KubeProxyRulesNotRemoved or KubeProxyRulesRemoved.")  # fmt: skip
+    phase: TakeoverPhase = Field(
+        description="AgentNotReady, AgentReady, WaitingForKubeProxy, "
+        "KubeProxyRulesNotRemoved or KubeProxyRulesRemoved."
+    )
     kube_proxy_off: bool = Field(
         default=False,
         strict=True,
@@ -92,8 +94,9 @@ class TakeoverStatus(KpxModel):
         description="Each node with an agent of this configuration, by name.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
-    done: int = Field(default=0, ge=0, strict=True,
-                      description="Nodes where kube-proxy's rules are removed.")  # fmt: skip
+    done: int = Field(
+        default=0, ge=0, strict=True, description="Nodes where kube-proxy's rules are removed."
+    )
     summary: Annotated[str, Text(max_length=1024, message="")] = Field(
         default="", description="How many nodes are in each phase."
     )

@@ -171,9 +171,11 @@ def conflict_message(admission: Admission) -> str:
     for o in admission.overlaps:
         nodes = f"node {o.nodes[0]} is" if len(o.nodes) == 1 else f"nodes {node_list(o.nodes)} are"
         if o.orphaned:
-            parts.append(f"{nodes} still served by the agents of ProxyConfiguration {o.other}, "
-                         "deleted with deletionPolicy Orphan (delete its DaemonSet to free "
-                         "them)")  # fmt: skip
+            parts.append(
+                f"{nodes} still served by the agents of ProxyConfiguration {o.other}, "
+                "deleted with deletionPolicy Orphan (delete its DaemonSet to free "
+                "them)"
+            )
             continue
         who = "older, runs there" if o.other_is_older else "newer, stays off them"
         parts.append(f"{nodes} also selected by ProxyConfiguration {o.other} ({who})")

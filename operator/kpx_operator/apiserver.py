@@ -22,8 +22,16 @@ from kpx_kube.kinds import BUILTIN, Kind
 
 from .names import FIELD_MANAGER
 
-__all__ = ["ApiError", "ApiServer", "Applied", "Credentials", "NotLeader", "Reply",
-           "from_kubeconfig", "in_cluster"]  # fmt: skip
+__all__ = [
+    "ApiError",
+    "ApiServer",
+    "Applied",
+    "Credentials",
+    "NotLeader",
+    "Reply",
+    "from_kubeconfig",
+    "in_cluster",
+]
 
 Obj = dict[str, Any]
 T = TypeVar("T")
@@ -129,8 +137,11 @@ class ApiServer:
         field_selector: str = "",
     ) -> list[Obj]:
         """The items of a list (one page: the operator lists only its own namespace's few)."""
-        params = {k: v for k, v in (("labelSelector", label_selector),
-                                    ("fieldSelector", field_selector)) if v}  # fmt: skip
+        params = {
+            k: v
+            for k, v in (("labelSelector", label_selector), ("fieldSelector", field_selector))
+            if v
+        }
         out = await self.client.get(object_path(kind, None, namespace), params)
         return list(out.get("items") or [])
 

@@ -50,17 +50,25 @@ Obj = dict[str, Any]
 #: installed with the operator (operator/manifests/agent-rbac.yaml, the chart): a unit test
 #: checks both against this; the operator itself creates no role and no binding.
 AGENT_RULES: Final[tuple[Obj, ...]] = (
-    {"apiGroups": [""], "resources": ["services", "namespaces", "nodes"],
-     "verbs": ["get", "list", "watch"]},
-    {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-     "verbs": ["get", "list", "watch"]},
+    {
+        "apiGroups": [""],
+        "resources": ["services", "namespaces", "nodes"],
+        "verbs": ["get", "list", "watch"],
+    },
+    {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    },
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
     # Its own node's ProxyNodeState (an admission policy refuses any other node's).
-    {"apiGroups": ["proxy.kpx.dev"], "resources": ["proxynodestates"],
-     "verbs": ["create", "get"]},
-    {"apiGroups": ["proxy.kpx.dev"], "resources": ["proxynodestates/status"],
-     "verbs": ["get", "patch"]},
-)  # fmt: skip
+    {"apiGroups": ["proxy.kpx.dev"], "resources": ["proxynodestates"], "verbs": ["create", "get"]},
+    {
+        "apiGroups": ["proxy.kpx.dev"],
+        "resources": ["proxynodestates/status"],
+        "verbs": ["get", "patch"],
+    },
+)
 
 #: Fields of the agent's configuration file that the agent reloads while running (its
 #: reload_config): the selected mode's tuning block, the namespace opt-out, and the networks
@@ -71,9 +79,17 @@ AGENT_RULES: Final[tuple[Obj, ...]] = (
 #: and so the pod template, changes anyway) and removes it when the switch ends, which must not
 #: roll every agent a second time.
 LIVE_FIELDS: Final = frozenset(
-    {"nftables", "iptables", "ipvs", "namespaceOptOut", "clusterCIDRs", "nodePortAddresses",
-     "externalIPs", "rollback"}
-)  # fmt: skip
+    {
+        "nftables",
+        "iptables",
+        "ipvs",
+        "namespaceOptOut",
+        "clusterCIDRs",
+        "nodePortAddresses",
+        "externalIPs",
+        "rollback",
+    }
+)
 
 #: Capabilities instead of `privileged`: nftables needs NET_ADMIN; iptables-restore and
 #: ipvs (which uses iptables and ipset too) need NET_RAW as well.
@@ -95,15 +111,24 @@ XTABLES_LOCK: Final = "/run/xtables.lock"
 #: and with maxPerCore > 0 the nf_conntrack module's parameters (hashsize), are mounted
 #: writable at other paths the agent is told about. Nothing else of /proc or /sys: no
 #: `privileged` (upstream kube-proxy runs privileged for this).
-CONNTRACK_SYSCTLS: Final = ("conntrack-sysctls", "/proc/sys/net/netfilter",
-                            "/host/proc/sys/net/netfilter")  # fmt: skip
-CONNTRACK_MODULE: Final = ("conntrack-module", "/sys/module/nf_conntrack/parameters",
-                           "/host/sys/module/nf_conntrack/parameters")  # fmt: skip
+CONNTRACK_SYSCTLS: Final = (
+    "conntrack-sysctls",
+    "/proc/sys/net/netfilter",
+    "/host/proc/sys/net/netfilter",
+)
+CONNTRACK_MODULE: Final = (
+    "conntrack-module",
+    "/sys/module/nf_conntrack/parameters",
+    "/host/sys/module/nf_conntrack/parameters",
+)
 
 #: Localhost NodePorts in effect (mode iptables, or nftables.localhostNodePorts): the agent
 #: sets the node's net.ipv4.conf.all.route_localnet (as upstream), through this file only.
-ROUTE_LOCALNET: Final = ("route-localnet", "/proc/sys/net/ipv4/conf/all/route_localnet",
-                         "/host/proc/sys/net/ipv4/conf/all/route_localnet")  # fmt: skip
+ROUTE_LOCALNET: Final = (
+    "route-localnet",
+    "/proc/sys/net/ipv4/conf/all/route_localnet",
+    "/host/proc/sys/net/ipv4/conf/all/route_localnet",
+)
 
 #: The agent image of this release (the operator's own version).
 DEFAULT_AGENT_IMAGE: Final = f"ghcr.io/kpx/kpx-agent:{__version__}"
@@ -536,8 +561,10 @@ def cleanup_daemonset(owner: Owner, spec: ProxyConfigurationSpec, opts: BuildOpt
     }
     if xt_volumes:
         pod_spec["volumes"] = xt_volumes
-    pod_spec["nodeSelector"] = {**pod_spec.get("nodeSelector", {}),
-                                CLEANUP_LABEL: instance(owner.name)}  # fmt: skip
+    pod_spec["nodeSelector"] = {
+        **pod_spec.get("nodeSelector", {}),
+        CLEANUP_LABEL: instance(owner.name),
+    }
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",

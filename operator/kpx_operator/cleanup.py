@@ -71,8 +71,9 @@ def plan(nodes: Mapping[str, NodeState], window: int, *, wait_for_kube_proxy: bo
     spec.takeover.moveKubeProxyOff and kube-proxy's DaemonSet exists."""
     done = sorted(n for n, s in nodes.items() if s.clean)
     started = sorted(n for n, s in nodes.items() if not s.clean and (s.deleting or s.cleaning))
-    pending = sorted(n for n, s in nodes.items() if not s.clean and not s.deleting
-                     and not s.cleaning)  # fmt: skip
+    pending = sorted(
+        n for n, s in nodes.items() if not s.clean and not s.deleting and not s.cleaning
+    )
     begin = pending[: max(0, window - len(started))]
     move_back, stop, clean = [], [], []
     waiting: dict[str, str] = {}

@@ -157,8 +157,9 @@ class LeaderElector:
 
     async def acquire(self) -> None:
         """Wait until we lead."""
-        log.info("waiting to lead (lease %s/%s, identity %s)", self.namespace, self.name,
-                 self.identity)  # fmt: skip
+        log.info(
+            "waiting to lead (lease %s/%s, identity %s)", self.namespace, self.name, self.identity
+        )
         while not await self.try_acquire_or_renew():
             await asyncio.sleep(self.retry_period)
         self.is_leader = True
@@ -189,8 +190,11 @@ class LeaderElector:
             lease = await self.api.get("Lease", self.name, self.namespace)
             if lease is None or LeaseRecord.from_lease(lease).holder != self.identity:
                 return
-            lease["spec"] = {**lease.get("spec", {}), "holderIdentity": "",
-                             "leaseDurationSeconds": 1}  # fmt: skip
+            lease["spec"] = {
+                **lease.get("spec", {}),
+                "holderIdentity": "",
+                "leaseDurationSeconds": 1,
+            }
             await self.api.replace(lease)
             log.info("released the lease %s/%s", self.namespace, self.name)
         except ApiError as exc:

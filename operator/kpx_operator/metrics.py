@@ -19,10 +19,47 @@ from typing import TypeVar
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: controller-runtime's reconcile time buckets.
 RECONCILE_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8,
-    0.9, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0,
-    15.0, 20.0, 25.0, 30.0, 40.0, 50.0, 60.0,
-)  # fmt: skip
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.15,
+    0.2,
+    0.25,
+    0.3,
+    0.35,
+    0.4,
+    0.45,
+    0.5,
+    0.6,
+    0.7,
+    0.8,
+    0.9,
+    1.0,
+    1.25,
+    1.5,
+    1.75,
+    2.0,
+    2.5,
+    3.0,
+    3.5,
+    4.0,
+    4.5,
+    5.0,
+    6.0,
+    7.0,
+    8.0,
+    9.0,
+    10.0,
+    15.0,
+    20.0,
+    25.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+)
 #: The handlers (kopf ids) whose runs are counted.
 HANDLERS = ("reconcile", "resync", "cleanup")
 #: Results: success, requeue (not finished: kopf calls again later), error.
@@ -73,18 +110,22 @@ def process_metrics() -> list[str]:
     """process_* as the Go and Python clients name them, from this process's /proc entry."""
     out: list[str] = []
     t = os.times()
-    out += ["# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.",
-            "# TYPE process_cpu_seconds_total counter",
-            f"process_cpu_seconds_total {_number(t.user + t.system)}"]  # fmt: skip
+    out += [
+        "# HELP process_cpu_seconds_total Total user and system CPU time spent in seconds.",
+        "# TYPE process_cpu_seconds_total counter",
+        f"process_cpu_seconds_total {_number(t.user + t.system)}",
+    ]
     page = os.sysconf("SC_PAGE_SIZE")
     try:
         statm = Path("/proc/self/statm").read_text().split()
-        out += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
-                "# TYPE process_resident_memory_bytes gauge",
-                f"process_resident_memory_bytes {int(statm[1]) * page}",
-                "# HELP process_virtual_memory_bytes Virtual memory size in bytes.",
-                "# TYPE process_virtual_memory_bytes gauge",
-                f"process_virtual_memory_bytes {int(statm[0]) * page}"]  # fmt: skip
+        out += [
+            "# HELP process_resident_memory_bytes Resident memory size in bytes.",
+            "# TYPE process_resident_memory_bytes gauge",
+            f"process_resident_memory_bytes {int(statm[1]) * page}",
+            "# HELP process_virtual_memory_bytes Virtual memory size in bytes.",
+            "# TYPE process_virtual_memory_bytes gauge",
+            f"process_virtual_memory_bytes {int(statm[0]) * page}",
+        ]
         stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
         boot = next(
             float(line.split()[1])
@@ -92,17 +133,26 @@ def process_metrics() -> list[str]:
             if line.startswith("btime ")
         )
         start = boot + int(stat[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
-        out += ["# HELP process_start_time_seconds Start time of the process since unix epoch "
-                "in seconds.", "# TYPE process_start_time_seconds gauge",
-                f"process_start_time_seconds {_number(start)}"]  # fmt: skip
+        out += [
+            "# HELP process_start_time_seconds Start time of the process since unix epoch "
+            "in seconds.",
+            "# TYPE process_start_time_seconds gauge",
+            f"process_start_time_seconds {_number(start)}",
+        ]
         fds = len(os.listdir("/proc/self/fd"))
-        out += ["# HELP process_open_fds Number of open file descriptors.",
-                "# TYPE process_open_fds gauge", f"process_open_fds {fds}"]  # fmt: skip
+        out += [
+            "# HELP process_open_fds Number of open file descriptors.",
+            "# TYPE process_open_fds gauge",
+            f"process_open_fds {fds}",
+        ]
     except (OSError, ValueError, IndexError, StopIteration):
         pass  # no /proc: only the CPU time
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    out += ["# HELP process_max_fds Maximum number of open file descriptors.",
-            "# TYPE process_max_fds gauge", f"process_max_fds {soft}"]  # fmt: skip
+    out += [
+        "# HELP process_max_fds Maximum number of open file descriptors.",
+        "# TYPE process_max_fds gauge",
+        f"process_max_fds {soft}",
+    ]
     return out
 
 
@@ -160,8 +210,9 @@ class OperatorMetrics:
             "# TYPE kpx_operator_reconcile_errors_total counter",
         ]
         for handler, count in sorted(self.errors.items()):
-            out.append(f"kpx_operator_reconcile_errors_total{_labels([('handler', handler)])} "
-                       f"{count}")  # fmt: skip
+            out.append(
+                f"kpx_operator_reconcile_errors_total{_labels([('handler', handler)])} {count}"
+            )
         out += [
             "# HELP kpx_operator_reconcile_duration_seconds Time of one handler run, by handler",
             "# TYPE kpx_operator_reconcile_duration_seconds histogram",

@@ -64,8 +64,13 @@ STUCK_AFTER: Final = float(DEFAULT_PROGRESS_DEADLINE)
 ROLLBACK_GRACE: Final = 15.0
 #: status.modeSwitch.nodes holds at most this many (the CRD's maxItems).
 MAX_LISTED: Final = 5000
-_RANK: Final = {Phase.ROLLED_BACK: 0, Phase.STUCK: 0, Phase.PENDING: 1, Phase.SWITCHING: 2,
-                Phase.SWITCHED: 3}  # fmt: skip
+_RANK: Final = {
+    Phase.ROLLED_BACK: 0,
+    Phase.STUCK: 0,
+    Phase.PENDING: 1,
+    Phase.SWITCHING: 2,
+    Phase.SWITCHED: 3,
+}
 
 
 def track(
@@ -116,10 +121,14 @@ def rollback(
         block = SETTINGS_CLASS[old]()  # type: ignore[call-arg]  # a kernel mode
     if isinstance(block, IPVSSettings):  # accepted when it ran
         block = block.model_copy(update={"acknowledge_deprecation": True})
-    return Rollback.model_validate({
-        "mode": old, str(old): block, "enabled": spec.mode_switch.rollback_on_failure,
-        "progressDeadlineSeconds": spec.mode_switch.progress_deadline_seconds,
-    })  # fmt: skip
+    return Rollback.model_validate(
+        {
+            "mode": old,
+            str(old): block,
+            "enabled": spec.mode_switch.rollback_on_failure,
+            "progressDeadlineSeconds": spec.mode_switch.progress_deadline_seconds,
+        }
+    )
 
 
 def pod_mode(pod: Mapping[str, Any]) -> str:
@@ -179,36 +188,48 @@ def node_phases(
             continue
         state = reported.get(uid)
         if state is not None and state.rolled_back:
-            out[node] = (Phase.ROLLED_BACK, f"{state.rolled_back}. Its agent stays not Ready, "
-                         "so the rollout stops here. Fix the node, then delete its agent Pod "
-                         f"(the new one tries {to_mode} again), or set spec.mode back to "
-                         f"{from_mode}")  # fmt: skip
+            out[node] = (
+                Phase.ROLLED_BACK,
+                f"{state.rolled_back}. Its agent stays not Ready, "
+                "so the rollout stops here. Fix the node, then delete its agent Pod "
+                f"(the new one tries {to_mode} again), or set spec.mode back to "
+                f"{from_mode}",
+            )
             continue
         if state is not None and state.first_sync_verified:
             pending = {p.name: p for p in state.leftovers_pending}
             if from_mode not in pending:
-                out[node] = (Phase.SWITCHED, f"mode {to_mode} verified, the {from_mode} rules "
-                             "removed")  # fmt: skip
+                out[node] = (
+                    Phase.SWITCHED,
+                    f"mode {to_mode} verified, the {from_mode} rules removed",
+                )
             elif pending[from_mode].state is LeftoverState.FAILING:
                 out[node] = (Phase.SWITCHING, pending[from_mode].message)
             else:
-                out[node] = (Phase.SWITCHING, f"mode {to_mode} verified; removing the "
-                             f"{from_mode} rules")  # fmt: skip
+                out[node] = (
+                    Phase.SWITCHING,
+                    f"mode {to_mode} verified; removing the {from_mode} rules",
+                )
             continue
         started = _parse_time((pod.get("status") or {}).get("startTime")) or _parse_time(
             (pod.get("metadata") or {}).get("creationTimestamp")
         )
         age = (now - started).total_seconds() if started else 0.0
         if age < stuck_after:
-            out[node] = (Phase.SWITCHING, f"its {to_mode} agent started, first sync not "
-                         "verified yet")  # fmt: skip
+            out[node] = (
+                Phase.SWITCHING,
+                f"its {to_mode} agent started, first sync not verified yet",
+            )
             continue
         why = (
-            state.last_error.message if state is not None and state.last_error is not None
+            state.last_error.message
+            if state is not None and state.last_error is not None
             else _container_trouble(pod) or "no error reported"
-        )  # fmt: skip
-        out[node] = (Phase.STUCK, f"its {to_mode} agent has run {age:.0f}s without a verified "
-                     f"sync (not Ready): {why}")  # fmt: skip
+        )
+        out[node] = (
+            Phase.STUCK,
+            f"its {to_mode} agent has run {age:.0f}s without a verified sync (not Ready): {why}",
+        )
     return out
 
 
@@ -245,8 +266,11 @@ def switch_status(
     summary = (
         f"{switched} of {len(merged)} nodes switched from {switch.from_mode} to {switch.to_mode}"
     )
-    others = [f"{counts[p]} {p.value}" for p in sorted(counts, key=_RANK.__getitem__)
-              if p is not Phase.SWITCHED]  # fmt: skip
+    others = [
+        f"{counts[p]} {p.value}"
+        for p in sorted(counts, key=_RANK.__getitem__)
+        if p is not Phase.SWITCHED
+    ]
     if others:
         summary += f" ({', '.join(others)})"
     if done:

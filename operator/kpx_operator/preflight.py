@@ -51,8 +51,13 @@ def assess(
     accepted: Iterable[DroppedSetting] = (),
     from_mode: str = "",
 ) -> Preflight:
-    unable = tuple(sorted((node, checks[mode].detail) for node, checks in reports.items()
-                          if mode in checks and not checks[mode].ok))  # fmt: skip
+    unable = tuple(
+        sorted(
+            (node, checks[mode].detail)
+            for node, checks in reports.items()
+            if mode in checks and not checks[mode].ok
+        )
+    )
     ok = set(accepted)
     held = tuple(d for d in dropped if d.setting not in ok)
     return Preflight(mode, len(reports), unable, held, from_mode)
@@ -77,6 +82,9 @@ def condition(pf: Preflight) -> tuple[str, str, str] | None:
     if unable:
         return ("False", "NodesCannotRunMode", unable)
     if pf.reported:
-        return ("True", "ModeCanRun",
-                f"every node that reported ({pf.reported}) can run mode {pf.mode}")  # fmt: skip
+        return (
+            "True",
+            "ModeCanRun",
+            f"every node that reported ({pf.reported}) can run mode {pf.mode}",
+        )
     return None

@@ -106,9 +106,13 @@ class Api(Protocol):
     async def apply(self, obj: Mapping[str, Any]) -> Applied: ...
     async def get(self, kind: str, name: str, namespace: str | None = None) -> Obj | None: ...
     async def list(
-        self, kind: str, namespace: str | None = None, *, label_selector: str = "",
+        self,
+        kind: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str = "",
         field_selector: str = "",
-    ) -> list[Obj]: ...  # fmt: skip
+    ) -> list[Obj]: ...
     async def delete(
         self, kind: str, name: str, namespace: str | None = None, *, propagation: str = ...
     ) -> bool: ...
@@ -197,8 +201,13 @@ class Reconciler:
                 )
             except ApiError as exc:
                 keep = ", ".join(known) or "the kubernetes Service"
-                log.warning("the apiserver's addresses (EndpointSlice %s/%s): %s; the agents "
-                            "keep %s", SLICE_NAMESPACE, SLICE_NAME, exc, keep)  # fmt: skip
+                log.warning(
+                    "the apiserver's addresses (EndpointSlice %s/%s): %s; the agents keep %s",
+                    SLICE_NAMESPACE,
+                    SLICE_NAME,
+                    exc,
+                    keep,
+                )
                 found = known
             if not found and not known:
                 log.warning(
@@ -220,8 +229,13 @@ class Reconciler:
         if mark is None or mark[:2] != (generation, r.desired):
             mark = (generation, r.desired, r.updated, r.ready, self.clock())
         elif r.updated > mark[2] or r.ready > mark[3]:
-            mark = (generation, r.desired, max(r.updated, mark[2]), max(r.ready, mark[3]),
-                    self.clock())  # fmt: skip
+            mark = (
+                generation,
+                r.desired,
+                max(r.updated, mark[2]),
+                max(r.ready, mark[3]),
+                self.clock(),
+            )
         self._rollout[uid] = mark
         return mark[4]
 
@@ -242,8 +256,9 @@ class Reconciler:
         self._locks.pop(uid, None)
         self._told = {k: v for k, v in self._told.items() if k[0] != uid}
         names = child_names(pxc_name)
-        self._seen = {k: v for k, v in self._seen.items()
-                      if k[2] not in (names.agent, names.cleanup)}  # fmt: skip
+        self._seen = {
+            k: v for k, v in self._seen.items() if k[2] not in (names.agent, names.cleanup)
+        }
 
     def _decide(
         self,
@@ -257,8 +272,11 @@ class Reconciler:
             spec = parse_spec(body.get("spec") or {})
         except ConfigError as exc:
             return None, str(exc), Admission(deploy=False, deprecated=me.mode == "ipvs")
-        return spec, None, admit(me, pxcs, nodes, self.config.ipvs_policy, self.config.backends,
-                                 orphaned)  # fmt: skip
+        return (
+            spec,
+            None,
+            admit(me, pxcs, nodes, self.config.ipvs_policy, self.config.backends, orphaned),
+        )
 
     async def _orphaned(self, name: str, pxcs: Iterable[PxcInfo]) -> dict[str, tuple[str, ...]]:
         """The nodes where agents of deleted configurations (deletionPolicy Orphan) still run,
@@ -337,10 +355,17 @@ class Reconciler:
                 # A new object: its status says at once that the operator works on it (kstatus
                 # reads an object without status as Current), before any rollout work.
                 first = compute_status(
-                    Observed(generation, mode, admission, None, invalid=invalid,
-                             rollout_deadline=self.config.rollout_deadline),
-                    None, self.clock(),
-                )  # fmt: skip
+                    Observed(
+                        generation,
+                        mode,
+                        admission,
+                        None,
+                        invalid=invalid,
+                        rollout_deadline=self.config.rollout_deadline,
+                    ),
+                    None,
+                    self.clock(),
+                )
                 if await self._write_status(name, stored, first):
                     stored, previous = status_patch(first), first
             # Kept as last written when this pass fails before it is followed.
@@ -377,8 +402,9 @@ class Reconciler:
                         said = condition_of(preflight)
                         if said and self._once(uid, "held", f"{generation}/{held}"):
                             emit("Warning", "ModeSwitchHeld", said[2])
-                        ds = await self.api.get("DaemonSet", child_names(name).agent,
-                                                opts.namespace)  # fmt: skip
+                        ds = await self.api.get(
+                            "DaemonSet", child_names(name).agent, opts.namespace
+                        )
                     else:
                         back = rollback(spec, mode_switch, current)
                         children = agent_children(owner, spec, opts, back, admission.kept_out)
@@ -394,15 +420,18 @@ class Reconciler:
                                 uid, generation, mode_switch, spec, pods, states, nodes, emit
                             )
                         if spec.takeover.from_kube_proxy:
-                            takeover = await self._take_over(uid, spec, pods, states, nodes,
-                                                             previous, emit)  # fmt: skip
+                            takeover = await self._take_over(
+                                uid, spec, pods, states, nodes, previous, emit
+                            )
                 else:
                     # Never because of a conflict: that keeps only the contested nodes out.
                     why = (
-                        "the spec is invalid" if invalid
-                        else "mode ipvs is denied" if admission.ipvs_denied
+                        "the spec is invalid"
+                        if invalid
+                        else "mode ipvs is denied"
+                        if admission.ipvs_denied
                         else "its mode has no backend in the agent"
-                    )  # fmt: skip
+                    )
                     if uid not in self._cleared:  # once, not on every timer tick
                         await self._delete(child_refs(name, opts), emit, why)
                         self._cleared.add(uid)
@@ -411,16 +440,26 @@ class Reconciler:
                 log.warning("%s: %s", name, error)
                 if spec is not None and admission.deploy:
                     try:
-                        ds = await self.api.get("DaemonSet", child_names(name).agent,
-                                                opts.namespace)  # fmt: skip
+                        ds = await self.api.get(
+                            "DaemonSet", child_names(name).agent, opts.namespace
+                        )
                     except ApiError:
                         ds = None
             self._announce(uid, generation, mode, admission, emit)
-            observed = Observed(generation, mode, admission, ds, error=error, invalid=invalid,
-                                conntrack_problems=problems, takeover=takeover,
-                                preflight=preflight, mode_switch=mode_switch,
-                                rollout_deadline=self.config.rollout_deadline,
-                                last_progress=self._last_progress(uid, generation, ds))  # fmt: skip
+            observed = Observed(
+                generation,
+                mode,
+                admission,
+                ds,
+                error=error,
+                invalid=invalid,
+                conntrack_problems=problems,
+                takeover=takeover,
+                preflight=preflight,
+                mode_switch=mode_switch,
+                rollout_deadline=self.config.rollout_deadline,
+                last_progress=self._last_progress(uid, generation, ds),
+            )
             status = compute_status(observed, previous, self.clock())
             if await self._write_status(name, stored, status):
                 self._status[uid] = status
@@ -465,25 +504,31 @@ class Reconciler:
         if switch.finished_at is not None:
             return switch
         now = self.clock()
-        phases = switch_phases(pods, states, str(switch.from_mode), str(switch.to_mode), now,
-                               stuck_after(spec))  # fmt: skip
+        phases = switch_phases(
+            pods, states, str(switch.from_mode), str(switch.to_mode), now, stuck_after(spec)
+        )
         status = switch_status(switch, phases, nodes.keys(), now)
         back = rolled_back(status)
         key = f"{generation}/" + ",".join(n.name for n in back)
         if back and self._once(uid, "switch-rolled-back", key):
-            emit("Warning", "ModeSwitchRolledBack",
-                 f"node {back[0].name} went back to mode {status.from_mode}: "
-                 f"{back[0].message}")  # fmt: skip
+            emit(
+                "Warning",
+                "ModeSwitchRolledBack",
+                f"node {back[0].name} went back to mode {status.from_mode}: {back[0].message}",
+            )
         elif not back:
             self._told.pop((uid, "switch-rolled-back"), None)
         blocked = stuck(status)
         key = f"{generation}/" + ",".join(n.name for n in blocked)
         if blocked and self._once(uid, "switch-stuck", key):
             first = blocked[0]
-            emit("Warning", "ModeSwitchStuck",
-                 f"the switch to mode {status.to_mode} is stuck on node {first.name}: "
-                 f"{first.message}. Fix the node, or set spec.mode back to "
-                 f"{status.from_mode}")  # fmt: skip
+            emit(
+                "Warning",
+                "ModeSwitchStuck",
+                f"the switch to mode {status.to_mode} is stuck on node {first.name}: "
+                f"{first.message}. Fix the node, or set spec.mode back to "
+                f"{status.from_mode}",
+            )
         elif not blocked:
             self._told.pop((uid, "switch-stuck"), None)
         if status.finished_at is not None:
@@ -527,8 +572,10 @@ class Reconciler:
         """spec.takeover: each node's phase (an Event on the ProxyConfiguration when it
         changes) and, with moveKubeProxyOff, kube-proxy moved off the nodes kpx serves."""
         phases = node_phases(pods, states)
-        before = {n.name: n.phase for n in (previous.takeover.nodes if previous and
-                                            previous.takeover else [])}  # fmt: skip
+        before = {
+            n.name: n.phase
+            for n in (previous.takeover.nodes if previous and previous.takeover else [])
+        }
         for node, (phase, message) in sorted(phases.items()):
             if before.get(node) != phase and phase is not Phase.AGENT_NOT_READY:
                 kind = "Warning" if phase is Phase.REMOVAL_FAILING else "Normal"
@@ -556,31 +603,38 @@ class Reconciler:
             ds = await self.api.get("DaemonSet", KUBE_PROXY_DAEMONSET, KUBE_PROXY_NAMESPACE)
             if ds is None:
                 if self._once(uid, "kube-proxy", "absent"):
-                    emit("Normal", "KubeProxyNotFound",
-                         f"no {ref}: nothing to move off the nodes")  # fmt: skip
+                    emit("Normal", "KubeProxyNotFound", f"no {ref}: nothing to move off the nodes")
                 return []
             patch = affinity_patch(ds)
             if patch is not None:
-                await self.api.patch("DaemonSet", KUBE_PROXY_DAEMONSET, KUBE_PROXY_NAMESPACE,
-                                     patch)  # fmt: skip
-                emit("Normal", "KubeProxyAffinityPatched",
-                     f"{ref}: its Pods now stay off nodes labelled {KUBE_PROXY_OFF_LABEL} "
-                     "(its pod template changed: kube-proxy restarts on the other "
-                     "nodes)")  # fmt: skip
+                await self.api.patch("DaemonSet", KUBE_PROXY_DAEMONSET, KUBE_PROXY_NAMESPACE, patch)
+                emit(
+                    "Normal",
+                    "KubeProxyAffinityPatched",
+                    f"{ref}: its Pods now stay off nodes labelled {KUBE_PROXY_OFF_LABEL} "
+                    "(its pod template changed: kube-proxy restarts on the other "
+                    "nodes)",
+                )
             self._told.pop((uid, "kube-proxy"), None)
             done = []
             for node in nodes_to_label(phases, nodes):
                 await self.api.patch("Node", node, None, node_label_patch(node, True))
                 done.append(node)
-                emit("Normal", "KubeProxyMovedOff",
-                     f"node {node}: kpx serves it; labelled {KUBE_PROXY_OFF_LABEL}=true, so "
-                     f"{ref} leaves it")  # fmt: skip
+                emit(
+                    "Normal",
+                    "KubeProxyMovedOff",
+                    f"node {node}: kpx serves it; labelled {KUBE_PROXY_OFF_LABEL}=true, so "
+                    f"{ref} leaves it",
+                )
             return done
         except ApiError as exc:
             log.warning("moving kube-proxy off the nodes: %s", exc)
             if self._once(uid, "kube-proxy", f"error/{exc}"):
-                emit("Warning", "KubeProxyNotMoved", f"cannot move {ref} off the nodes kpx "
-                     f"serves (retrying): {exc}")  # fmt: skip
+                emit(
+                    "Warning",
+                    "KubeProxyNotMoved",
+                    f"cannot move {ref} off the nodes kpx serves (retrying): {exc}",
+                )
             return []
 
     def _announce(
@@ -642,8 +696,9 @@ class Reconciler:
         cleanup DaemonSet of an interrupted Cleanup goes. An Event says how to remove them."""
         opts = self.config.build
         names = child_names(name)
-        await self._delete([ChildRef("DaemonSet", names.cleanup, opts.namespace)], emit,
-                           "deletionPolicy is Orphan")  # fmt: skip
+        await self._delete(
+            [ChildRef("DaemonSet", names.cleanup, opts.namespace)], emit, "deletionPolicy is Orphan"
+        )
         agents = await self.api.get("DaemonSet", names.agent, opts.namespace)
         if agents is None:
             return
@@ -685,17 +740,21 @@ class Reconciler:
             # Orphan propagation: the Pods stay, and are stopped one node at a time below.
             await self.api.delete("DaemonSet", names.agent, ns, propagation="Orphan")
             self._agents_stopped.add(uid)
-            emit("Normal", "StoppingAgents",
-                 f"Deleting DaemonSet {ns}/{names.agent} (its Pods stay), then cleaning the "
-                 f"nodes {spec.max_unavailable} at a time")  # fmt: skip
+            emit(
+                "Normal",
+                "StoppingAgents",
+                f"Deleting DaemonSet {ns}/{names.agent} (its Pods stay), then cleaning the "
+                f"nodes {spec.max_unavailable} at a time",
+            )
         applied = await self.api.apply(cleanup_daemonset(Owner(name, uid), spec, opts))
         if applied.created:
-            emit("Normal", "CleanupStarted",
-                 f"Removing the {spec.mode} rules node by node (DaemonSet "
-                 f"{ns}/{names.cleanup})")  # fmt: skip
+            emit(
+                "Normal",
+                "CleanupStarted",
+                f"Removing the {spec.mode} rules node by node (DaemonSet {ns}/{names.cleanup})",
+            )
         agent_pods = await self.api.list("Pod", ns, label_selector=_selector(name, AGENT_APP))
-        cleanup_pods = await self.api.list("Pod", ns,
-                                           label_selector=_selector(name, CLEANUP_APP))  # fmt: skip
+        cleanup_pods = await self.api.list("Pod", ns, label_selector=_selector(name, CLEANUP_APP))
         marked = [
             n
             for label in (DELETING_LABEL, CLEANUP_LABEL)
@@ -703,21 +762,25 @@ class Reconciler:
         ]
         wait_for_kube_proxy, kube_proxy_pods = False, []
         if spec.takeover.move_kube_proxy_off:
-            kube_proxy = await self.api.get("DaemonSet", KUBE_PROXY_DAEMONSET,
-                                            KUBE_PROXY_NAMESPACE)  # fmt: skip
+            kube_proxy = await self.api.get("DaemonSet", KUBE_PROXY_DAEMONSET, KUBE_PROXY_NAMESPACE)
             if kube_proxy is not None:
                 wait_for_kube_proxy = True
                 match = ((kube_proxy.get("spec") or {}).get("selector") or {}).get(
-                    "matchLabels") or {}  # fmt: skip
+                    "matchLabels"
+                ) or {}
                 kube_proxy_pods = await self.api.list(
-                    "Pod", KUBE_PROXY_NAMESPACE,
+                    "Pod",
+                    KUBE_PROXY_NAMESPACE,
                     label_selector=",".join(f"{k}={v}" for k, v in match.items()),
-                )  # fmt: skip
+                )
         states = node_states(inst, agent_pods, cleanup_pods, marked, kube_proxy_pods, nodes)
         if agents is None and not states and uid not in self._agents_stopped:
             selected = PxcInfo.from_body({"spec": {"nodeSelector": spec.node_selector}})
-            states = {n: NodeState() for n, labels in sorted(nodes.items())
-                      if selected.selects(labels) and n not in admission.kept_out}  # fmt: skip
+            states = {
+                n: NodeState()
+                for n, labels in sorted(nodes.items())
+                if selected.selects(labels) and n not in admission.kept_out
+            }
         window = resolve_int_or_percent(spec.max_unavailable, max(1, len(states)))
         step = plan(states, window, wait_for_kube_proxy=wait_for_kube_proxy)
         # Progress: a node clean, or a step taken. No progress for cleanup_timeout: give up.
@@ -732,8 +795,11 @@ class Reconciler:
         await self._take(name, step, agent_pods, emit)
         if not step.finished:
             raise NotYet(f"cleanup: {waiting_summary(step)}", delay=2)
-        emit("Normal", "CleanupDone", f"Removed the {spec.mode} rules from "
-             f"{len(step.done)} node(s), {window} at a time")  # fmt: skip
+        emit(
+            "Normal",
+            "CleanupDone",
+            f"Removed the {spec.mode} rules from {len(step.done)} node(s), {window} at a time",
+        )
         await self._finish_cleanup(name, states, emit)
 
     async def _take(self, name: str, step: Plan, agent_pods: list[Obj], emit: EventFn) -> None:
@@ -744,10 +810,13 @@ class Reconciler:
             await self.api.patch("Node", node, None, marks_patch(deleting=inst))
         for node in step.move_back:
             await self.api.patch("Node", node, None, node_label_patch(node, False))
-            emit("Normal", "KubeProxyMovedBack",
-                 f"node {node}: label {KUBE_PROXY_OFF_LABEL} removed, so "
-                 f"{KUBE_PROXY_NAMESPACE}/{KUBE_PROXY_DAEMONSET} comes back to it; its kpx "
-                 "rules go once kube-proxy is Ready there")  # fmt: skip
+            emit(
+                "Normal",
+                "KubeProxyMovedBack",
+                f"node {node}: label {KUBE_PROXY_OFF_LABEL} removed, so "
+                f"{KUBE_PROXY_NAMESPACE}/{KUBE_PROXY_DAEMONSET} comes back to it; its kpx "
+                "rules go once kube-proxy is Ready there",
+            )
         for node in step.stop_agent:
             for pod in agent_pods:
                 if (pod.get("spec") or {}).get("nodeName") == node:
@@ -762,11 +831,14 @@ class Reconciler:
         (their agents stop in _finish_cleanup)."""
         left = sorted([*step.waiting, *step.pending])
         stuck = "; ".join(f"{n}: {why}" for n, why in sorted(step.waiting.items())[:5])
-        emit("Warning", "CleanupTimedOut",
-             f"No progress for {self.config.cleanup_timeout:.0f}s: {len(step.done)} of "
-             f"{step.total} node(s) clean; the {spec.mode} rules stay on {node_list(left)} "
-             f"(their agents stopped; run `proxy-agent cleanup --mode {spec.mode}` there)"
-             + (f". Waiting: {stuck}" if stuck else ""))  # fmt: skip
+        emit(
+            "Warning",
+            "CleanupTimedOut",
+            f"No progress for {self.config.cleanup_timeout:.0f}s: {len(step.done)} of "
+            f"{step.total} node(s) clean; the {spec.mode} rules stay on {node_list(left)} "
+            f"(their agents stopped; run `proxy-agent cleanup --mode {spec.mode}` there)"
+            + (f". Waiting: {stuck}" if stuck else ""),
+        )
 
     async def _finish_cleanup(
         self, name: str, states: Mapping[str, NodeState], emit: EventFn
@@ -776,8 +848,9 @@ class Reconciler:
         ns = self.config.build.namespace
         for pod in await self.api.list("Pod", ns, label_selector=_selector(name, AGENT_APP)):
             await self.api.delete("Pod", str(pod["metadata"]["name"]), ns)
-        await self._delete(child_refs(name, self.config.build), emit,
-                           "its ProxyConfiguration is gone")  # fmt: skip
+        await self._delete(
+            child_refs(name, self.config.build), emit, "its ProxyConfiguration is gone"
+        )
         for node in sorted(states):
             try:
                 await self.api.patch("Node", node, None, marks_patch())

@@ -214,9 +214,12 @@ def conditions_for(obs: Observed) -> list[CondTuple]:
 
 
 def kstatus_conditions(
-    found: list[CondTuple], progressing_since: datetime | None, now: datetime,
-    deadline: float | None, kept_out: bool = False,
-) -> list[CondTuple]:  # fmt: skip
+    found: list[CondTuple],
+    progressing_since: datetime | None,
+    now: datetime,
+    deadline: float | None,
+    kept_out: bool = False,
+) -> list[CondTuple]:
     """Reconciling and Stalled (kstatus) from the other conditions; `progressing_since`: since
     when Progressing is True without progress (None: it is not True); `kept_out`: a conflict
     keeps this configuration's agents off some of its nodes (the older side of a conflict runs
@@ -267,8 +270,10 @@ def kstatus_conditions(
         work = None
     if work is not None:
         return [_cond(reconciling, TRUE, *work), not_stalled]
-    return [_cond(reconciling, FALSE, "Reconciled", "nothing left to do for this generation"),
-            not_stalled]  # fmt: skip
+    return [
+        _cond(reconciling, FALSE, "Reconciled", "nothing left to do for this generation"),
+        not_stalled,
+    ]
 
 
 def compute_status(
@@ -284,8 +289,7 @@ def compute_status(
     deployed = obs.invalid is None and obs.admission.deploy
     if obs.mode_switch is not None and deployed:
         switch = mode_switch_condition(obs.mode_switch)
-        found.append((ConditionType.MODE_SWITCH, ConditionStatus(switch[0]), switch[1],
-                      switch[2]))  # fmt: skip
+        found.append((ConditionType.MODE_SWITCH, ConditionStatus(switch[0]), switch[1], switch[2]))
 
     def since(type_: ConditionType, status: ConditionStatus) -> datetime:
         before = previous.condition(type_) if previous is not None else None
@@ -297,8 +301,9 @@ def compute_status(
         progressing_since = since(ConditionType.PROGRESSING, TRUE)
         if obs.last_progress is not None:
             progressing_since = max(progressing_since, obs.last_progress)
-    found += kstatus_conditions(found, progressing_since, now, obs.rollout_deadline,
-                                bool(obs.admission.kept_out))  # fmt: skip
+    found += kstatus_conditions(
+        found, progressing_since, now, obs.rollout_deadline, bool(obs.admission.kept_out)
+    )
     for type_, status, reason, message in found:
         conditions.append(
             Condition(

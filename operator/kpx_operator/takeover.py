@@ -39,9 +39,13 @@ _RANK: Final = {
 }
 #: The phases in which kpx serves the node (kube-proxy may leave it).
 SERVING: Final = frozenset(
-    {Phase.AGENT_READY, Phase.WAITING_FOR_KUBE_PROXY, Phase.REMOVAL_FAILING,
-     Phase.KUBE_PROXY_RULES_REMOVED}
-)  # fmt: skip
+    {
+        Phase.AGENT_READY,
+        Phase.WAITING_FOR_KUBE_PROXY,
+        Phase.REMOVAL_FAILING,
+        Phase.KUBE_PROXY_RULES_REMOVED,
+    }
+)
 
 
 def phase_of(state: ProxyNodeStateStatus | None) -> tuple[Phase, str]:
@@ -116,10 +120,20 @@ def affinity_patch(daemonset: Mapping[str, Any]) -> dict[str, Any] | None:
     version = (daemonset.get("metadata") or {}).get("resourceVersion")
     return {
         "metadata": {"resourceVersion": version} if version else {},
-        "spec": {"template": {"spec": {"affinity": {"nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}
-        }}}}},
-    }  # fmt: skip
+        "spec": {
+            "template": {
+                "spec": {
+                    "affinity": {
+                        "nodeAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": {
+                                "nodeSelectorTerms": terms
+                            }
+                        }
+                    }
+                }
+            }
+        },
+    }
 
 
 def takeover_status(

@@ -125,15 +125,15 @@ def node(topology: Topology) -> Iterator[Node1]:
     n1, n2 = topology.add_node("n1"), topology.add_node("n2")
     b1 = topology.add_pod(n1, "b1")
     client = topology.add_pod(n2, "client")
-    topology.run_ready(b1, topology.python_argv("kpx_cluster.echo_server", "--name", "b1",
-                                                "--port", "8080"))  # fmt: skip
+    topology.run_ready(
+        b1, topology.python_argv("kpx_cluster.echo_server", "--name", "b1", "--port", "8080")
+    )
     topology.exec(n2, ["ip", "route", "replace", "10.96.0.0/16", "via", n1.ipv4], check=True)
     here = Node1(topology, n1, client)
     spec = json.dumps({"vip": VIP, "b1": b1.ipv4, "n1": n1.ipv4})
     run = topology.exec(n1, [sys.executable, "-c", SERVE, spec])
     assert run.returncode == 0 and "synced" in run.stdout, run.stderr
-    here.sh("iptables-legacy-restore", "--noflush",
-            stdin=UPSTREAM_V4.format(vip=VIP, b1=b1.ipv4))  # fmt: skip
+    here.sh("iptables-legacy-restore", "--noflush", stdin=UPSTREAM_V4.format(vip=VIP, b1=b1.ipv4))
     here.sh("ip6tables-nft-restore", "--noflush", stdin=UPSTREAM_NAT_V6)
     here.sh("nft", "-f", "-", stdin=UPSTREAM_NFT)
     yield here
@@ -161,10 +161,17 @@ def test_takeover_removes_upstreams_rules_only_while_traffic_flows(node: Node1) 
     legacy = node.chains("iptables-legacy-save")
     v6 = node.chains("ip6tables-nft-save")
     upstream = {
-        "nat KUBE-SERVICES", "nat KUBE-POSTROUTING", "nat KUBE-NODEPORTS", "nat KUBE-PROXY-CANARY",
-        "nat KUBE-SVC-ERIFXISQEP7F7OF4", "nat KUBE-SEP-6E7XQMQ4RAYOWTTM", "filter KUBE-FORWARD",
-        "filter KUBE-SERVICES", "filter KUBE-PROXY-FIREWALL", "mangle KUBE-PROXY-CANARY",
-    }  # fmt: skip
+        "nat KUBE-SERVICES",
+        "nat KUBE-POSTROUTING",
+        "nat KUBE-NODEPORTS",
+        "nat KUBE-PROXY-CANARY",
+        "nat KUBE-SVC-ERIFXISQEP7F7OF4",
+        "nat KUBE-SEP-6E7XQMQ4RAYOWTTM",
+        "filter KUBE-FORWARD",
+        "filter KUBE-SERVICES",
+        "filter KUBE-PROXY-FIREWALL",
+        "mangle KUBE-PROXY-CANARY",
+    }
     assert not (upstream & legacy), upstream & legacy
     assert not {c for c in v6 if c.split()[1].startswith(("KUBE-SVC", "KUBE-SEP", "KUBE-SERV"))}
     assert not [r for r in node.rules("iptables-legacy-save") if "kubernetes service" in r]
@@ -172,8 +179,13 @@ def test_takeover_removes_upstreams_rules_only_while_traffic_flows(node: Node1) 
     assert "kube-proxy" not in tables, tables
     # ...and everyone else's rules stay: the kubelet's, the CNI's (and the kube-proxy chain it
     # still jumps to), the site's, kpx's own table.
-    for chain in ("filter KUBE-FIREWALL", "filter SITE-FILTER", "nat CNI-HOSTPORT-DNAT",
-                  "nat KUBE-MARK-MASQ", "mangle KUBE-IPTABLES-HINT"):  # fmt: skip
+    for chain in (
+        "filter KUBE-FIREWALL",
+        "filter SITE-FILTER",
+        "nat CNI-HOSTPORT-DNAT",
+        "nat KUBE-MARK-MASQ",
+        "mangle KUBE-IPTABLES-HINT",
+    ):
         assert chain in legacy, chain
     assert "filter KUBE-KUBELET-CANARY" in v6
     rules = node.rules("iptables-legacy-save")
@@ -220,8 +232,17 @@ def test_takeover_destroys_kube_proxys_ipsets_only(topology: Topology) -> None:
         ("cni-hostport", "hash:ip,port", 2),
         ("KUBE-SITE-ALLOWED", "hash:ip", 2),
     ]
-    created = topology.exec(n1, [sys.executable, "-c", IPSETS, "create", json.dumps(
-        [s for s in sets if s[1] != "bitmap:port"])], check=True)  # fmt: skip
+    created = topology.exec(
+        n1,
+        [
+            sys.executable,
+            "-c",
+            IPSETS,
+            "create",
+            json.dumps([s for s in sets if s[1] != "bitmap:port"]),
+        ],
+        check=True,
+    )
     assert "KUBE-6-CLUSTER-IP" in created.stdout, created
     # bitmap sets need a range: created through pyroute2's lower-level call
     bitmap = (
@@ -236,8 +257,7 @@ def test_takeover_destroys_kube_proxys_ipsets_only(topology: Topology) -> None:
     run = topology.exec(n1, [sys.executable, "-c", TAKEOVER])
     assert run.returncode == 0 and "done" in run.stdout, run.stderr
 
-    left = json.loads(topology.exec(n1, [sys.executable, "-c", IPSETS, "list"],
-                                    check=True).stdout)  # fmt: skip
+    left = json.loads(topology.exec(n1, [sys.executable, "-c", IPSETS, "list"], check=True).stdout)
     # kube-proxy's are gone but the one a site's rule still uses; the others' stay
     assert left == ["KUBE-LOOP-BACK", "KUBE-SITE-ALLOWED", "cni-hostport"], left
     rules = topology.exec(n1, ["iptables-nft-save", "-t", "nat"], check=True).stdout

@@ -69,9 +69,13 @@ class Env:
         token = self.kubectl(*args).stdout.strip()
         name = bound_pod or "unbound"
         (self.tmp / f"{name}.token").write_text(token)
-        return write_kubeconfig(self.tmp / f"{name}.kubeconfig", server=self.cluster.server,
-                                ca=self.cluster.ca_file, user="kpx-agent",
-                                token_file=self.tmp / f"{name}.token")  # fmt: skip
+        return write_kubeconfig(
+            self.tmp / f"{name}.kubeconfig",
+            server=self.cluster.server,
+            ca=self.cluster.ca_file,
+            user="kpx-agent",
+            token_file=self.tmp / f"{name}.token",
+        )
 
     def node_state(self, name: str) -> dict[str, Any] | None:
         out = self.kubectl("get", "proxynodestate", name, "-o", "json", check=False)
@@ -91,15 +95,19 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
 @pytest.fixture(scope="module")
 def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     cluster.kubectl("apply", "--server-side", "-f", str(CRD))
-    cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                    "crd/proxynodestates.proxy.kpx.dev")  # fmt: skip
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "--timeout=60s", "crd/proxynodestates.proxy.kpx.dev"
+    )
     objs: list[dict[str, Any]] = [
         {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}},
-        {"apiVersion": "v1", "kind": "ServiceAccount",
-         "metadata": {"name": "kpx-agent", "namespace": NS}},
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": {"name": "kpx-agent", "namespace": NS},
+        },
         *_renamed(REPO / "operator/manifests/agent-rbac.yaml"),
         *_renamed(REPO / "operator/manifests/agent-node-state-policy.yaml"),
-    ]  # fmt: skip
+    ]
     nodes = (f"pns-a-{RUN}", f"pns-b-{RUN}")
     for node in nodes:
         objs.append(
@@ -110,20 +118,32 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                 "status": {"addresses": [{"type": "InternalIP", "address": "10.9.9.9"}]},
             }
         )
-    docs = "\n---\n".join(yaml.safe_dump(o) for o in objs if o["metadata"].get("namespace")
-                          not in ("kube-system",))  # fmt: skip
+    docs = "\n---\n".join(
+        yaml.safe_dump(o) for o in objs if o["metadata"].get("namespace") not in ("kube-system",)
+    )
     cluster.kubectl("apply", "-f", "-", input=docs)
     for node in nodes:
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": f"agent-{node}", "namespace": NS},
-               "spec": {"nodeName": node, "serviceAccountName": "kpx-agent",
-                        "containers": [{"name": "agent", "image": PAUSE}]}}  # fmt: skip
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"agent-{node}", "namespace": NS},
+            "spec": {
+                "nodeName": node,
+                "serviceAccountName": "kpx-agent",
+                "containers": [{"name": "agent", "image": PAUSE}],
+            },
+        }
         cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
     env = Env(cluster, tmp_path_factory.mktemp("pns"), nodes)
     # The apiserver loads a new admission policy and its binding asynchronously: until a
     # dry-run create by an unbound token is refused, writes would pass unchecked.
-    probe = json.dumps({"apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyNodeState",
-                        "metadata": {"name": f"pns-probe-{RUN}"}})  # fmt: skip
+    probe = json.dumps(
+        {
+            "apiVersion": "proxy.kpx.dev/v1alpha1",
+            "kind": "ProxyNodeState",
+            "metadata": {"name": f"pns-probe-{RUN}"},
+        }
+    )
     unbound = env.token_kubeconfig(None)
     dry_run = ("create", "--dry-run=server", "-f", "-")
 
@@ -152,19 +172,35 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 def facts(error: str = "") -> NodeFacts:
     now = datetime.now(UTC)
     return NodeFacts(
-        mode="nftables", agent_version="0.1.0", pod=("agent", NS, "uid-1"), generation=3,
-        verified=True, last_sync=SyncRecord(now, 0.25, True), services=12, endpoints=30,
-        rules=140, last_error=ErrorRecord(error, now) if error else None,
+        mode="nftables",
+        agent_version="0.1.0",
+        pod=("agent", NS, "uid-1"),
+        generation=3,
+        verified=True,
+        last_sync=SyncRecord(now, 0.25, True),
+        services=12,
+        endpoints=30,
+        rules=140,
+        last_error=ErrorRecord(error, now) if error else None,
         leftovers=(
-            PendingLeftover(name="iptables", kind=LeftoverKind.KPX_MODE,
-                            message="the rules of kpx mode iptables not removed yet"),
-            PendingLeftover(name="kube-proxy", kind=LeftoverKind.KUBE_PROXY,
-                            state=LeftoverState.WAITING, message="kube-proxy runs here"),
+            PendingLeftover(
+                name="iptables",
+                kind=LeftoverKind.KPX_MODE,
+                message="the rules of kpx mode iptables not removed yet",
+            ),
+            PendingLeftover(
+                name="kube-proxy",
+                kind=LeftoverKind.KUBE_PROXY,
+                state=LeftoverState.WAITING,
+                message="kube-proxy runs here",
+            ),
         ),
         takeover_from_kube_proxy=True,
-        preflight=(ModeCheck("nftables", True, "nftables v1.0.6"),
-                   ModeCheck("ipvs", False, "ip_vs is not a module of 6.1")),
-    )  # fmt: skip
+        preflight=(
+            ModeCheck("nftables", True, "nftables v1.0.6"),
+            ModeCheck("ipvs", False, "ip_vs is not a module of 6.1"),
+        ),
+    )
 
 
 def write(env: Env, kubeconfig: Path, node: str, error: str = "") -> NodeStateWriter:
@@ -195,12 +231,16 @@ def test_a_token_bound_to_a_pod_on_node_a_writes_a_and_is_refused_b(env: Env) ->
     assert obj is not None
     status = ProxyNodeStateStatus.model_validate(obj["status"])
     assert (status.mode, status.configuration_generation, status.agent_version) == (
-        "nftables", 3, "0.1.0")  # fmt: skip
+        "nftables",
+        3,
+        "0.1.0",
+    )
     assert status.programmed is not None and status.programmed.rules == 140
     # What the operator reads for the takeover and Preflight, as the CRD keeps it.
     assert [(p.name, p.kind, p.state) for p in status.leftovers_pending] == [
         ("iptables", LeftoverKind.KPX_MODE, LeftoverState.PENDING),
-        ("kube-proxy", LeftoverKind.KUBE_PROXY, LeftoverState.WAITING)]  # fmt: skip
+        ("kube-proxy", LeftoverKind.KUBE_PROXY, LeftoverState.WAITING),
+    ]
     assert status.takeover_from_kube_proxy
     assert [(v.mode, v.ok, v.detail) for v in status.preflight] == [
         ("nftables", True, "nftables v1.0.6"),
@@ -219,9 +259,18 @@ def test_a_token_bound_to_a_pod_on_node_a_writes_a_and_is_refused_b(env: Env) ->
     writer = write(env, as_a, b)
     assert (writer.writes, writer.failures) == (0, 1)
     assert env.node_state(b) is None
-    env.kubectl("apply", "-f", "-", input=json.dumps({
-        "apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyNodeState",
-        "metadata": {"name": b}}))  # fmt: skip
+    env.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "proxy.kpx.dev/v1alpha1",
+                "kind": "ProxyNodeState",
+                "metadata": {"name": b},
+            }
+        ),
+    )
 
     async def patch_b() -> None:
         client = Client(from_kubeconfig(as_a))
@@ -252,9 +301,18 @@ def test_a_token_bound_to_no_pod_writes_nothing(env: Env) -> None:
         finally:
             await client.close()
 
-    env.kubectl("apply", "-f", "-", input=json.dumps({
-        "apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyNodeState",
-        "metadata": {"name": a}}))  # fmt: skip
+    env.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "proxy.kpx.dev/v1alpha1",
+                "kind": "ProxyNodeState",
+                "metadata": {"name": a},
+            }
+        ),
+    )
     with pytest.raises(Forbidden) as refused:
         asyncio.run(patch())
     assert "no node name in the token" in str(refused.value)
@@ -263,8 +321,12 @@ def test_a_token_bound_to_no_pod_writes_nothing(env: Env) -> None:
 def test_deleting_the_node_deletes_its_node_state(env: Env) -> None:
     """The agent's object names its Node as owner: the garbage collector deletes it."""
     node = f"pns-gone-{RUN}"
-    env.kubectl("apply", "-f", "-", input=json.dumps(
-        {"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}))  # fmt: skip
+    env.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "Node", "metadata": {"name": node}}),
+    )
     admin = env.cluster.kubeconfig
     writer = write(env, admin, node)
     assert writer.writes == 1 and env.node_state(node) is not None
@@ -332,15 +394,28 @@ def test_an_event_the_apiserver_refuses_is_logged_and_the_agent_goes_on(
     uid = env.kubectl("get", "pod", "-n", NS, f"agent-{a}", "-o", "jsonpath={.metadata.uid}")
     pod = PodRef(f"agent-{a}", NS, uid.stdout)
     as_agent = env.token_kubeconfig(f"agent-{a}")
-    env.kubectl("apply", "-f", "-", input=json.dumps({
-        "apiVersion": "v1", "kind": "ServiceAccount",
-        "metadata": {"name": "no-rights", "namespace": NS}}))  # fmt: skip
+    env.kubectl(
+        "apply",
+        "-f",
+        "-",
+        input=json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "ServiceAccount",
+                "metadata": {"name": "no-rights", "namespace": NS},
+            }
+        ),
+    )
     (env.tmp / "no-rights.token").write_text(
         env.kubectl("-n", NS, "create", "token", "no-rights").stdout.strip()
     )
-    no_rights = write_kubeconfig(env.tmp / "no-rights.kubeconfig", server=env.cluster.server,
-                                 ca=env.cluster.ca_file, user="no-rights",
-                                 token_file=env.tmp / "no-rights.token")  # fmt: skip
+    no_rights = write_kubeconfig(
+        env.tmp / "no-rights.kubeconfig",
+        server=env.cluster.server,
+        ca=env.cluster.ca_file,
+        user="no-rights",
+        token_file=env.tmp / "no-rights.token",
+    )
 
     def post(kubeconfig: Path, pod: PodRef, reason: str) -> bool:
         async def run() -> bool:
@@ -358,8 +433,9 @@ def test_an_event_the_apiserver_refuses_is_logged_and_the_agent_goes_on(
         assert not post(as_agent, replace(pod, namespace=f"gone-{RUN}"), "NamespaceGone")
         assert post(as_agent, pod, "Recorded")
     said = {r.getMessage() for r in caplog.records if "not recorded" in r.getMessage()}
-    assert any(m.startswith("event RefusedByRBAC not recorded") and "forbidden" in m.lower()
-               for m in said), said  # fmt: skip
+    assert any(
+        m.startswith("event RefusedByRBAC not recorded") and "forbidden" in m.lower() for m in said
+    ), said
     assert any(m.startswith("event NamespaceGone not recorded") for m in said), said
     reasons = env.kubectl("get", "events", "-n", NS, "-o", "jsonpath={.items[*].reason}")
     assert "Recorded" in reasons.stdout.split()

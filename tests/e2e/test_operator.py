@@ -103,8 +103,9 @@ class Env:
         return dict(json.loads(result.stdout)) if result.returncode == 0 else None
 
     def apply(self, obj: Obj) -> None:
-        self.kubectl("apply", "--server-side", "--field-manager=kpx-e2e", "-f", "-",
-                     input=json.dumps(obj))  # fmt: skip
+        self.kubectl(
+            "apply", "--server-side", "--field-manager=kpx-e2e", "-f", "-", input=json.dumps(obj)
+        )
 
     def start_operator(self, *flags: str, kubeconfig: Path | None = None) -> Operator:
         port, metrics_port = free_port(), free_port()
@@ -119,21 +120,35 @@ class Env:
         env.pop("KUBECONFIG", None)
         with log.open("wb") as out:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "kpx_operator", "--namespace", NS,
-                 "--kubeconfig", str(kubeconfig or self.kubeconfig),
-                 "--health-address", f"127.0.0.1:{port}",
-                 "--metrics-address", f"127.0.0.1:{metrics_port}",
-                 "--resync-interval", "2", *flags],
-                stdout=out, stderr=subprocess.STDOUT, env=env,
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-m",
+                    "kpx_operator",
+                    "--namespace",
+                    NS,
+                    "--kubeconfig",
+                    str(kubeconfig or self.kubeconfig),
+                    "--health-address",
+                    f"127.0.0.1:{port}",
+                    "--metrics-address",
+                    f"127.0.0.1:{metrics_port}",
+                    "--resync-interval",
+                    "2",
+                    *flags,
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
         op = Operator(proc, port, log, metrics_port)
         self.operators.append(op)
         wait_until(op.health, 20, f"operator health endpoint (log: {log})")
         return op
 
     def events(self, pxc: str) -> list[Obj]:
-        out = self.kubectl("-n", NS, "get", "events", "-o", "json",
-                           f"--field-selector=involvedObject.name={pxc}").stdout  # fmt: skip
+        out = self.kubectl(
+            "-n", NS, "get", "events", "-o", "json", f"--field-selector=involvedObject.name={pxc}"
+        ).stdout
         return list(json.loads(out)["items"])
 
     def reasons(self, pxc: str) -> set[tuple[str, str]]:
@@ -166,8 +181,13 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     wait_until(established, 60, "CRDs established")
     cluster.wait_namespace_settled(NS)  # an earlier module may have deleted it
     # Everything the operator ships except its Deployment (no kubelet here to run it).
-    for name in ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml", "agent-rbac.yaml",
-                 "agent-node-state-policy.yaml"):  # fmt: skip
+    for name in (
+        "namespace.yaml",
+        "serviceaccount.yaml",
+        "rbac.yaml",
+        "agent-rbac.yaml",
+        "agent-node-state-policy.yaml",
+    ):
         cluster.kubectl("apply", "-f", _manifest(name))
     token = cluster.kubectl("-n", NS, "create", "token", "kpx-operator", "--duration=2h")
     token_file = workdir / "operator.token"
@@ -179,8 +199,11 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         user="system:serviceaccount:kpx-system:kpx-operator",
         token_file=token_file,
     )
-    node = {"apiVersion": "v1", "kind": "Node",
-            "metadata": {"name": NODE, "labels": {"kpx.dev/pool": "b"}}}  # fmt: skip
+    node = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": NODE, "labels": {"kpx.dev/pool": "b"}},
+    }
     cluster.kubectl("apply", "-f", "-", input=json.dumps(node))
     e = Env(cluster, kubeconfig, workdir)
     try:
@@ -189,16 +212,31 @@ def env(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         for op in e.operators:
             op.stop()
         for name in OUR_PXCS:  # no operator left to release the finalizers
-            cluster.kubectl("patch", "proxyconfiguration", name, "--type=merge",
-                            "-p", '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
-            cluster.kubectl("delete", "proxyconfiguration", name, "--ignore-not-found",
-                            "--wait=false", check=False)  # fmt: skip
+            cluster.kubectl(
+                "patch",
+                "proxyconfiguration",
+                name,
+                "--type=merge",
+                "-p",
+                '{"metadata":{"finalizers":null}}',
+                check=False,
+            )
+            cluster.kubectl(
+                "delete",
+                "proxyconfiguration",
+                name,
+                "--ignore-not-found",
+                "--wait=false",
+                check=False,
+            )
         cluster.kubectl("delete", "node", NODE, "--ignore-not-found", "--wait=false", check=False)
         for name in ("rbac.yaml", "agent-rbac.yaml", "agent-node-state-policy.yaml"):
-            cluster.kubectl("delete", "-f", _manifest(name), "--ignore-not-found",
-                            "--wait=false", check=False)  # fmt: skip
-        cluster.kubectl("delete", "namespace", NS, "--ignore-not-found", "--wait=false",
-                        check=False)  # fmt: skip
+            cluster.kubectl(
+                "delete", "-f", _manifest(name), "--ignore-not-found", "--wait=false", check=False
+            )
+        cluster.kubectl(
+            "delete", "namespace", NS, "--ignore-not-found", "--wait=false", check=False
+        )
 
 
 @pytest.fixture(scope="module")
@@ -214,8 +252,12 @@ def example(name: str) -> Obj:
 
 
 def pxc_body(name: str, **spec: Any) -> Obj:
-    return {"apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyConfiguration",
-            "metadata": {"name": name}, "spec": spec}  # fmt: skip
+    return {
+        "apiVersion": "proxy.kpx.dev/v1alpha1",
+        "kind": "ProxyConfiguration",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
 
 
 CHILDREN = (  # the agents' ServiceAccount and RBAC (kpx-agent) are installed with the operator
@@ -267,8 +309,13 @@ def test_status_has_generation_and_conditions(env: Env, leader: Operator) -> Non
     st = wait_until(status, 30, "status with observedGeneration and a desired node")
     conds = {c["type"]: c for c in st["conditions"]}
     assert set(conds) == {
-        "Ready", "Progressing", "Degraded", "Deprecated", "Reconciling", "Stalled",
-    }  # fmt: skip
+        "Ready",
+        "Progressing",
+        "Degraded",
+        "Deprecated",
+        "Reconciling",
+        "Stalled",
+    }
     assert all(c["observedGeneration"] == st["generation"] for c in conds.values())
     # No kubelet: the agent pod never runs (kstatus: InProgress, not Current).
     assert (conds["Ready"]["status"], conds["Progressing"]["status"]) == ("False", "True")
@@ -314,8 +361,7 @@ def test_live_change_updates_the_configmap_and_not_the_pods(env: Env, leader: Op
     ds = env.get("daemonset", "kpx-agent-default", NS)
     assert ds is not None
     patch = {"spec": {"namespaceOptOut": {"namespaces": ["legacy-proxy", "e2e-opted-out"]}}}
-    env.kubectl("patch", "proxyconfiguration", "default", "--type=merge",
-                "-p", json.dumps(patch))  # fmt: skip
+    env.kubectl("patch", "proxyconfiguration", "default", "--type=merge", "-p", json.dumps(patch))
 
     def config_has_it() -> bool:
         cm = env.get("configmap", "kpx-agent-default", NS) or {}
@@ -328,8 +374,14 @@ def test_live_change_updates_the_configmap_and_not_the_pods(env: Env, leader: Op
     assert after["spec"]["template"] == ds["spec"]["template"]
 
     # A new image needs new pods: the template changes and the DaemonSet rolls.
-    env.kubectl("patch", "proxyconfiguration", "default", "--type=merge",
-                "-p", json.dumps({"spec": {"image": "ghcr.io/kpx/kpx-agent:0.1.1"}}))  # fmt: skip
+    env.kubectl(
+        "patch",
+        "proxyconfiguration",
+        "default",
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"image": "ghcr.io/kpx/kpx-agent:0.1.1"}}),
+    )
 
     def rolled() -> bool:
         new = env.get("daemonset", "kpx-agent-default", NS) or {"metadata": {"generation": 0}}
@@ -353,8 +405,14 @@ def test_denied_ipvs_deploys_nothing(env: Env, leader: Operator) -> None:
 
 
 def test_overlapping_node_selectors_are_a_conflict(env: Env, leader: Operator) -> None:
-    env.apply(pxc_body("e2e-pool-b", mode="nftables", nodeSelector={"kpx.dev/pool": "b"},
-                       deletionPolicy="Cleanup"))  # fmt: skip
+    env.apply(
+        pxc_body(
+            "e2e-pool-b",
+            mode="nftables",
+            nodeSelector={"kpx.dev/pool": "b"},
+            deletionPolicy="Cleanup",
+        )
+    )
 
     def conflict(name: str) -> Obj | None:
         cond = env.condition(name, "Degraded")
@@ -371,23 +429,39 @@ def test_overlapping_node_selectors_are_a_conflict(env: Env, leader: Operator) -
     ds = wait_until(lambda: env.get("daemonset", "kpx-agent-e2e-pool-b", NS), 30, "newer's DS")
     assert env.get("configmap", "kpx-agent-e2e-pool-b", NS) is not None
     terms = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
-        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]  # fmt: skip
-    assert terms == [{"matchFields": [{"key": "metadata.name", "operator": "NotIn",
-                                       "values": [NODE]}]}]  # fmt: skip
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert terms == [
+        {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": [NODE]}]}
+    ]
     # The DaemonSet controller agrees: no node for it.
-    wait_until(lambda: ((env.get("daemonset", "kpx-agent-e2e-pool-b", NS) or {}).get("status")
-                        or {}).get("observedGeneration"), 30, "DS observed")  # fmt: skip
+    wait_until(
+        lambda: ((env.get("daemonset", "kpx-agent-e2e-pool-b", NS) or {}).get("status") or {}).get(
+            "observedGeneration"
+        ),
+        30,
+        "DS observed",
+    )
     ds = env.get("daemonset", "kpx-agent-e2e-pool-b", NS) or {}
     assert ds["status"].get("desiredNumberScheduled", 0) == 0, ds["status"]
     # Deleting the newer one (its cleanup keeps off the contested node) clears the conflict.
     env.kubectl("delete", "proxyconfiguration", "e2e-pool-b", "--timeout=30s")
-    wait_until(lambda: (env.condition("default", "Degraded") or {}).get("status") == "False",
-               30, "conflict cleared")  # fmt: skip
+    wait_until(
+        lambda: (env.condition("default", "Degraded") or {}).get("status") == "False",
+        30,
+        "conflict cleared",
+    )
 
 
 def test_deletion_cleans_up_and_releases_the_finalizer(env: Env, leader: Operator) -> None:
-    env.apply(pxc_body("e2e-empty", mode="iptables", nodeSelector={"kpx.dev/pool": "nowhere"},
-                       deletionPolicy="Cleanup"))  # fmt: skip
+    env.apply(
+        pxc_body(
+            "e2e-empty",
+            mode="iptables",
+            nodeSelector={"kpx.dev/pool": "nowhere"},
+            deletionPolicy="Cleanup",
+        )
+    )
     wait_until(lambda: env.get("daemonset", "kpx-agent-e2e-empty", NS), 30, "agent DaemonSet")
     # No node matches: no agent Pod, no node to clean; done at once.
     env.kubectl("delete", "proxyconfiguration", "e2e-empty", "--timeout=60s")
@@ -414,8 +488,7 @@ def test_deleting_with_the_default_policy_leaves_the_agents_running(
     env.apply(pxc_body(name, mode="nftables", nodeSelector={"kpx.dev/pool": "nowhere"}))
     wait_until(lambda: env.get("daemonset", f"kpx-agent-{name}", NS), 30, "agent DaemonSet")
     try:
-        env.kubectl("delete", "proxyconfiguration", name, "--cascade=foreground",
-                    "--timeout=60s")  # fmt: skip
+        env.kubectl("delete", "proxyconfiguration", name, "--cascade=foreground", "--timeout=60s")
         assert env.get("proxyconfiguration", name) is None
         for kind in ("daemonset", "configmap"):
             obj = env.get(kind, f"kpx-agent-{name}", NS)
@@ -427,8 +500,9 @@ def test_deleting_with_the_default_policy_leaves_the_agents_running(
         assert ("Normal", "CleanupStarted") not in env.reasons(name)
     finally:
         for kind in ("daemonset", "configmap"):
-            env.kubectl("-n", NS, "delete", kind, f"kpx-agent-{name}", "--ignore-not-found",
-                        check=False)  # fmt: skip
+            env.kubectl(
+                "-n", NS, "delete", kind, f"kpx-agent-{name}", "--ignore-not-found", check=False
+            )
 
 
 OPERATOR_SA = f"system:serviceaccount:{NS}:kpx-operator"
@@ -464,36 +538,63 @@ def test_operator_cannot_touch_any_role_or_binding(env: Env, leader: Operator) -
         assert rbac == [], rbac
         assert not [r for r in rows if r[0].partition(".")[0] in ("serviceaccounts", "secrets")]
     for verb in ("create", "update", "patch", "delete", "bind", "escalate"):
-        for target in ("clusterroles", "clusterrole/cluster-admin", "clusterrole/kpx-agent",
-                       "clusterrolebindings", "clusterrolebinding/kpx-agent",
-                       "clusterrolebinding/kpx-operator"):  # fmt: skip
+        for target in (
+            "clusterroles",
+            "clusterrole/cluster-admin",
+            "clusterrole/kpx-agent",
+            "clusterrolebindings",
+            "clusterrolebinding/kpx-agent",
+            "clusterrolebinding/kpx-operator",
+        ):
             assert not can_i(env, verb, target), (verb, target)
         assert not can_i(env, verb, "roles", "-n", NS), verb
         assert not can_i(env, verb, "rolebindings", "-n", NS), verb
     assert can_i(env, "patch", "daemonsets.apps", "-n", NS)
     assert not can_i(env, "patch", "daemonsets.apps", "-n", "default")
 
-    victim = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-              "metadata": {"name": "e2e-rbac-victim"},
-              "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]}  # fmt: skip
+    victim = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": "e2e-rbac-victim"},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}],
+    }
     env.apply(victim)
     as_operator = {"kubeconfig": env.kubeconfig, "check": False}
     try:
         attempts = {
             "delete a role": ("delete", "clusterrole", "e2e-rbac-victim"),
-            "rewrite a role": ("patch", "clusterrole", "e2e-rbac-victim", "--type=json", "-p",
-                               '[{"op":"add","path":"/rules/0/verbs/-","value":"delete"}]'),
-            "rewrite the agents' role": ("patch", "clusterrole", "kpx-agent", "--type=json", "-p",
-                                         '[{"op":"add","path":"/rules/0/verbs/-",'
-                                         '"value":"delete"}]'),
+            "rewrite a role": (
+                "patch",
+                "clusterrole",
+                "e2e-rbac-victim",
+                "--type=json",
+                "-p",
+                '[{"op":"add","path":"/rules/0/verbs/-","value":"delete"}]',
+            ),
+            "rewrite the agents' role": (
+                "patch",
+                "clusterrole",
+                "kpx-agent",
+                "--type=json",
+                "-p",
+                '[{"op":"add","path":"/rules/0/verbs/-","value":"delete"}]',
+            ),
             "delete the agents' binding": ("delete", "clusterrolebinding", "kpx-agent"),
-            "bind cluster-admin": ("create", "clusterrolebinding", "e2e-evil",
-                                   "--clusterrole=cluster-admin",
-                                   f"--serviceaccount={NS}:kpx-operator"),
-            "bind the agents' role": ("create", "clusterrolebinding", "e2e-evil-agent",
-                                      "--clusterrole=kpx-agent",
-                                      f"--serviceaccount={NS}:kpx-operator"),
-        }  # fmt: skip
+            "bind cluster-admin": (
+                "create",
+                "clusterrolebinding",
+                "e2e-evil",
+                "--clusterrole=cluster-admin",
+                f"--serviceaccount={NS}:kpx-operator",
+            ),
+            "bind the agents' role": (
+                "create",
+                "clusterrolebinding",
+                "e2e-evil-agent",
+                "--clusterrole=kpx-agent",
+                f"--serviceaccount={NS}:kpx-operator",
+            ),
+        }
         for what, args in attempts.items():
             out = env.cluster.kubectl(*args, "-v=6", **as_operator)  # -v=6: HTTP statuses
             assert out.returncode != 0, what
@@ -506,8 +607,9 @@ def test_operator_cannot_touch_any_role_or_binding(env: Env, leader: Operator) -
         assert env.get("clusterrolebinding", "e2e-evil") is None
     finally:
         env.kubectl("delete", "clusterrole", "e2e-rbac-victim", "--ignore-not-found")
-        env.kubectl("delete", "clusterrolebinding", "e2e-evil", "e2e-evil-agent",
-                    "--ignore-not-found")  # fmt: skip
+        env.kubectl(
+            "delete", "clusterrolebinding", "e2e-evil", "e2e-evil-agent", "--ignore-not-found"
+        )
 
 
 def test_second_replica_takes_over(env: Env, leader: Operator) -> None:
@@ -574,8 +676,14 @@ def test_killed_in_the_middle_of_a_reconcile_converges(env: Env) -> None:
         return st if gen is not None and st.get("observedGeneration") == gen else None
 
     wait_until(current, 30, "status of the current generation")
-    env.kubectl("patch", "proxyconfiguration", "e2e-killed", "--type=merge",
-                "-p", '{"spec":{"deletionPolicy":"Cleanup"}}')  # fmt: skip
+    env.kubectl(
+        "patch",
+        "proxyconfiguration",
+        "e2e-killed",
+        "--type=merge",
+        "-p",
+        '{"spec":{"deletionPolicy":"Cleanup"}}',
+    )
     env.kubectl("delete", "proxyconfiguration", "e2e-killed", "--timeout=60s")
 
 
@@ -589,8 +697,14 @@ def test_a_frozen_leader_does_not_write_when_it_wakes_up(env: Env) -> None:
         op.stop()
     frozen = env.start_operator("--ipvs-policy=deny")
     wait_until(frozen.is_leader, 40, "the deny replica leads")
-    env.apply(pxc_body("e2e-fenced", mode="ipvs", nodeSelector={"kpx.dev/pool": "none"},
-                       ipvs={"acknowledgeDeprecation": True}))  # fmt: skip
+    env.apply(
+        pxc_body(
+            "e2e-fenced",
+            mode="ipvs",
+            nodeSelector={"kpx.dev/pool": "none"},
+            ipvs={"acknowledgeDeprecation": True},
+        )
+    )
 
     def reason() -> str:
         return str((env.condition("e2e-fenced", "Degraded") or {}).get("reason", ""))
@@ -646,8 +760,9 @@ def test_agents_run_on_simulated_nodes_and_deletion_cleans_them(env: Env) -> Non
             # the agent image the operator decides: an earlier test overrode spec.image with a
             # tag nothing built, which the simulator (as a kubelet) cannot pull.
             patch = {"spec": {"nodeSelector": label, "image": None, "deletionPolicy": "Cleanup"}}
-            env.kubectl("patch", "proxyconfiguration", "default", "--type=merge",
-                        "-p", json.dumps(patch))  # fmt: skip
+            env.kubectl(
+                "patch", "proxyconfiguration", "default", "--type=merge", "-p", json.dumps(patch)
+            )
 
             def ready() -> Obj | None:
                 pxc = env.get("proxyconfiguration", "default") or {}
@@ -681,8 +796,14 @@ def test_agents_run_on_simulated_nodes_and_deletion_cleans_them(env: Env) -> Non
             # and the operator turns that into Degraded, naming the nodes.
             host_max = int(Path("/proc/sys/net/netfilter/nf_conntrack_max").read_text())
             conntrack = {"maxPerCore": 1, "min": host_max * 2}
-            env.kubectl("patch", "proxyconfiguration", "default", "--type=merge",
-                        "-p", json.dumps({"spec": {"conntrack": conntrack}}))  # fmt: skip
+            env.kubectl(
+                "patch",
+                "proxyconfiguration",
+                "default",
+                "--type=merge",
+                "-p",
+                json.dumps({"spec": {"conntrack": conntrack}}),
+            )
 
             def conntrack_reported() -> Obj | None:
                 cond = env.condition("default", "Degraded") or {}
@@ -694,10 +815,20 @@ def test_agents_run_on_simulated_nodes_and_deletion_cleans_them(env: Env) -> Non
             assert "not in the host's network namespace" in degraded["message"]
             assert f"nf_conntrack_max: wants {host_max * 2} (now {host_max})" in degraded["message"]
             assert int(Path("/proc/sys/net/netfilter/nf_conntrack_max").read_text()) == host_max
-            wait_until(lambda: (env.condition("default", "Ready") or {}).get("status") == "True",
-                       90, "Ready again after the conntrack change's rollout")  # fmt: skip
-            out = env.kubectl("-n", NS, "get", "events", "-o", "json",
-                              "--field-selector=reason=ConntrackNotApplied").stdout  # fmt: skip
+            wait_until(
+                lambda: (env.condition("default", "Ready") or {}).get("status") == "True",
+                90,
+                "Ready again after the conntrack change's rollout",
+            )
+            out = env.kubectl(
+                "-n",
+                NS,
+                "get",
+                "events",
+                "-o",
+                "json",
+                "--field-selector=reason=ConntrackNotApplied",
+            ).stdout
             reported = json.loads(out)["items"]
             assert {e["involvedObject"]["kind"] for e in reported} == {"Pod"}
             assert {e["source"]["host"] for e in reported} >= {n.name for n in nodes}

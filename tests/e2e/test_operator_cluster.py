@@ -115,13 +115,24 @@ def env(cluster: Cluster) -> Iterator[Env]:
 
             cluster.wait_namespace_settled(NS)  # an earlier module may have deleted it
             cluster.kubectl("apply", "--server-side", "-f", str(REPO / "crds"))
-            cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                            "crd/proxyconfigurations.proxy.kpx.dev")  # fmt: skip
+            cluster.kubectl(
+                "wait",
+                "--for=condition=Established",
+                "--timeout=60s",
+                "crd/proxyconfigurations.proxy.kpx.dev",
+            )
             cluster.kubectl("apply", "-k", str(REPO / "operator" / "manifests"))
             # Keep the operator's replicas on this test's nodes (other tests add Node objects).
-            cluster.kubectl("-n", NS, "patch", "deploy", "kpx-operator", "--type=merge", "-p",
-                            json.dumps({"spec": {"template": {"spec": {
-                                "nodeSelector": label}}}}))  # fmt: skip
+            cluster.kubectl(
+                "-n",
+                NS,
+                "patch",
+                "deploy",
+                "kpx-operator",
+                "--type=merge",
+                "-p",
+                json.dumps({"spec": {"template": {"spec": {"nodeSelector": label}}}}),
+            )
             example = demo.proxy_configuration()  # examples/proxyconfig.yaml, as `make demo`
             example["spec"]["nodeSelector"] = label
             _apply(cluster, example)
@@ -149,34 +160,57 @@ def env(cluster: Cluster) -> Iterator[Env]:
 
 def _start_app(cluster: Cluster, label: dict[str, str]) -> None:
     cluster.create_namespace(APP_NS)
-    _apply(cluster, {
-        "apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": "web", "namespace": APP_NS},
-        "spec": {
-            "replicas": 3,
-            "selector": {"matchLabels": {"app": "web"}},
-            "template": {
-                "metadata": {"labels": {"app": "web"}},
-                "spec": {
-                    "nodeSelector": label,
-                    "automountServiceAccountToken": False,
-                    "containers": [{
-                        "name": "web", "image": "echo",
-                        "command": ["python3", "-m", "kpx_cluster.echo_server",
-                                    "--name", "$(POD_NAME)", "--port", "8080", "--tcp"],
-                        "env": [{"name": "POD_NAME",
-                                 "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-                        "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
-                    }],
+    _apply(
+        cluster,
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "web", "namespace": APP_NS},
+            "spec": {
+                "replicas": 3,
+                "selector": {"matchLabels": {"app": "web"}},
+                "template": {
+                    "metadata": {"labels": {"app": "web"}},
+                    "spec": {
+                        "nodeSelector": label,
+                        "automountServiceAccountToken": False,
+                        "containers": [
+                            {
+                                "name": "web",
+                                "image": "echo",
+                                "command": [
+                                    "python3",
+                                    "-m",
+                                    "kpx_cluster.echo_server",
+                                    "--name",
+                                    "$(POD_NAME)",
+                                    "--port",
+                                    "8080",
+                                    "--tcp",
+                                ],
+                                "env": [
+                                    {
+                                        "name": "POD_NAME",
+                                        "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+                                    }
+                                ],
+                                "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
+                            }
+                        ],
+                    },
                 },
             },
         },
-    })  # fmt: skip
-    _apply(cluster, {
-        "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": "web", "namespace": APP_NS},
-        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]},
-    })  # fmt: skip
+    )
+    _apply(
+        cluster,
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": "web", "namespace": APP_NS},
+            "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]},
+        },
+    )
 
 
 def kpx_rules(env: Env, node: Node) -> dict[str, bool]:
@@ -188,10 +222,19 @@ def kpx_rules(env: Env, node: Node) -> dict[str, bool]:
 def test_ready_and_traffic_flows(env: Env) -> None:
     status = wait_until(lambda: env.ready("nftables"), 120, "default Ready on 3 nodes")
     assert status["desiredNodes"] == 3
-    wait_until(lambda: env.json("-n", APP_NS, "get", "deploy", "web").get("status", {})
-               .get("readyReplicas") == 3, 90, "app ready")  # fmt: skip
-    result = wait_until(lambda: (r := env.probe()).failed == 0 and len(r.backends) >= 2 and r,
-                        30, "traffic through the ClusterIP")  # fmt: skip
+    wait_until(
+        lambda: (
+            env.json("-n", APP_NS, "get", "deploy", "web").get("status", {}).get("readyReplicas")
+            == 3
+        ),
+        90,
+        "app ready",
+    )
+    result = wait_until(
+        lambda: (r := env.probe()).failed == 0 and len(r.backends) >= 2 and r,
+        30,
+        "traffic through the ClusterIP",
+    )
     assert all(name.startswith("web-") for name in result.backends)
     for node in env.nodes:
         assert kpx_rules(env, node) == {"nftables": True, "iptables": False}
@@ -224,8 +267,11 @@ def test_each_agent_writes_its_own_node_state(env: Env) -> None:
     wait_until(lambda: env.ready("nftables"), 120, "default Ready")
     generation = env.pxc()["metadata"]["generation"]
     pods = env.json("-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=kpx-agent")["items"]
-    uid_of = {p["spec"]["nodeName"]: p["metadata"]["uid"] for p in pods
-              if not p["metadata"].get("deletionTimestamp")}  # fmt: skip
+    uid_of = {
+        p["spec"]["nodeName"]: p["metadata"]["uid"]
+        for p in pods
+        if not p["metadata"].get("deletionTimestamp")
+    }
 
     def states() -> dict[str, dict[str, Any]] | None:
         items = env.json("get", "proxynodestates").get("items") or []
@@ -319,16 +365,21 @@ def _runc_process(pod: dict[str, Any]) -> dict[str, str]:
     what the kernel says about the running process, not what its spec asked for."""
     container_id = pod["status"]["containerStatuses"][0]["containerID"]
     assert container_id.startswith("runc://"), container_id
-    state = subprocess.run(["runc", "state", container_id.removeprefix("runc://")],
-                           capture_output=True, text=True, check=True)  # fmt: skip
+    state = subprocess.run(
+        ["runc", "state", container_id.removeprefix("runc://")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     pid = json.loads(state.stdout)["pid"]
     lines = Path(f"/proc/{pid}/status").read_text().splitlines()
     status = dict(line.split(":", 1) for line in lines if ":" in line)
     status = {k: v.strip() for k, v in status.items()}
     root = next(
-        line.split() for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
+        line.split()
+        for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()
         if line.split()[4] == "/"
-    )  # fmt: skip
+    )
     status["root mount options"] = root[5]
     return status
 
@@ -378,15 +429,20 @@ def test_the_agent_daemonset_without_net_admin_programs_nothing(env: Env) -> Non
     template["metadata"]["labels"] = own
     template["spec"]["nodeSelector"] = label
     removed = 0
-    for container in [*template["spec"].get("initContainers", []),
-                      *template["spec"]["containers"]]:  # fmt: skip
+    for container in [*template["spec"].get("initContainers", []), *template["spec"]["containers"]]:
         caps = container.get("securityContext", {}).get("capabilities", {})
         removed += caps.get("add", []).count("NET_ADMIN")
         caps["add"] = [c for c in caps.get("add", []) if c != "NET_ADMIN"]
     assert removed, "the operator's DaemonSet declares no NET_ADMIN"
-    _apply(env.cluster, {"apiVersion": "apps/v1", "kind": "DaemonSet",
-                         "metadata": {"name": "kpx-agent-no-net-admin", "namespace": NS},
-                         "spec": spec})  # fmt: skip
+    _apply(
+        env.cluster,
+        {
+            "apiVersion": "apps/v1",
+            "kind": "DaemonSet",
+            "metadata": {"name": "kpx-agent-no-net-admin", "namespace": NS},
+            "spec": spec,
+        },
+    )
     try:
 
         def started() -> dict[str, Any] | None:
@@ -416,17 +472,28 @@ def test_the_agent_daemonset_without_net_admin_programs_nothing(env: Env) -> Non
         assert "kpx" not in tables, tables
         assert int(_runc_process(pod)["CapEff"], 16) & (1 << 12) == 0
     finally:
-        env.cluster.kubectl("-n", NS, "delete", "ds", "kpx-agent-no-net-admin",
-                            "--ignore-not-found", "--timeout=60s", check=False)  # fmt: skip
+        env.cluster.kubectl(
+            "-n",
+            NS,
+            "delete",
+            "ds",
+            "kpx-agent-no-net-admin",
+            "--ignore-not-found",
+            "--timeout=60s",
+            check=False,
+        )
 
 
 def test_agent_token_is_least_privilege(env: Env, tmp_path: Path) -> None:
     token = env.cluster.kubectl("-n", NS, "create", "token", "kpx-agent").stdout.strip()
     (tmp_path / "token").write_text(token)
     kubeconfig = write_kubeconfig(
-        tmp_path / "agent.kubeconfig", server=env.cluster.server, ca=env.cluster.ca_file,
-        user="kpx-agent", token_file=tmp_path / "token",
-    )  # fmt: skip
+        tmp_path / "agent.kubeconfig",
+        server=env.cluster.server,
+        ca=env.cluster.ca_file,
+        user="kpx-agent",
+        token_file=tmp_path / "token",
+    )
 
     def kubectl(*args: str) -> tuple[int, str]:
         out = env.cluster.kubectl(*args, kubeconfig=kubeconfig, check=False)
@@ -487,9 +554,10 @@ def test_mode_external_runs_the_backend_next_to_a_state_server_only_agent(env: E
             except (OSError, ValueError):
                 return []
             return [
-                p for p in data["servicePorts"]
+                p
+                for p in data["servicePorts"]
                 if (p["key"]["namespace"], p["key"]["name"]) == (APP_NS, "web")
-            ]  # fmt: skip
+            ]
 
         (port,) = wait_until(web, 60, f"{node.name}: the web Service in the plugin's file")
         assert len(port["cluster_endpoints"]) == 3, port
@@ -522,8 +590,9 @@ def test_an_orphaning_delete_keeps_the_agents_and_service_traffic(env: Env) -> N
     wait_until(lambda: env.probe().failed == 0, 30, "traffic before the deletion")
     before_agents, before_rules = env.agents(), {n.name: kpx_rules(env, n) for n in env.nodes}
     assert len(before_agents) == 3 and all(any(r.values()) for r in before_rules.values())
-    env.cluster.kubectl("delete", "pxc", "default", "--cascade=foreground", "--timeout=60s",
-                        timeout=90)  # fmt: skip
+    env.cluster.kubectl(
+        "delete", "pxc", "default", "--cascade=foreground", "--timeout=60s", timeout=90
+    )
     assert env.json("get", "pxc", "default") == {}
     assert env.json("-n", NS, "get", "ds", "kpx-agent-default")  # not garbage-collected
     assert env.agents() == before_agents  # the same Pods, not restarted
@@ -531,9 +600,15 @@ def test_an_orphaning_delete_keeps_the_agents_and_service_traffic(env: Env) -> N
     result = env.probe()
     assert result.failed == 0 and result.backends, result
     # Adopted: the same name, now with Cleanup for the test that follows.
-    _apply(env.cluster, {"apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyConfiguration",
-                         "metadata": {"name": "default"},
-                         "spec": {**spec, "deletionPolicy": "Cleanup"}})  # fmt: skip
+    _apply(
+        env.cluster,
+        {
+            "apiVersion": "proxy.kpx.dev/v1alpha1",
+            "kind": "ProxyConfiguration",
+            "metadata": {"name": "default"},
+            "spec": {**spec, "deletionPolicy": "Cleanup"},
+        },
+    )
     wait_until(lambda: env.ready(mode), 120, "the re-created configuration Ready")
     assert env.agents() == before_agents
 

@@ -67,12 +67,14 @@ def test_the_leader_counts_its_reconciles_and_is_ready(env: Env, leader_json: Op
     op = leader_json
     env.apply(example("proxyconfig.yaml"))
     wait_until(
-        lambda: (sample(op, "kpx_operator_reconciles_total", handler="resync", result="success")
-                 or 0) >= 2,
-        30, "resync runs counted",
-    )  # fmt: skip
-    assert (sample(op, "kpx_operator_reconcile_duration_seconds_count", handler="resync")
-            or 0) >= 2  # fmt: skip
+        lambda: (
+            (sample(op, "kpx_operator_reconciles_total", handler="resync", result="success") or 0)
+            >= 2
+        ),
+        30,
+        "resync runs counted",
+    )
+    assert (sample(op, "kpx_operator_reconcile_duration_seconds_count", handler="resync") or 0) >= 2
     assert sample(op, "kpx_operator_reconcile_errors_total", handler="resync") == 0
     assert sample(op, "kpx_operator_leader") == 1
     assert (sample(op, "process_resident_memory_bytes") or 0) > 1e6
@@ -99,11 +101,22 @@ def probe_identity(env: Env) -> Iterator[Any]:  # noqa: F811
     """A service account bound to the operator's roles (ClusterRoleBinding and RoleBinding
     of our own, so that the test can take them away); its kubeconfig."""
     env.kubectl("-n", NS, "create", "serviceaccount", PROBE_SA)
-    binding = ["clusterrolebinding", PROBE_SA, "--clusterrole=kpx-operator",
-               f"--serviceaccount={NS}:{PROBE_SA}"]  # fmt: skip
+    binding = [
+        "clusterrolebinding",
+        PROBE_SA,
+        "--clusterrole=kpx-operator",
+        f"--serviceaccount={NS}:{PROBE_SA}",
+    ]
     env.kubectl("create", *binding)
-    env.kubectl("-n", NS, "create", "rolebinding", PROBE_SA, "--role=kpx-operator",
-                f"--serviceaccount={NS}:{PROBE_SA}")  # fmt: skip
+    env.kubectl(
+        "-n",
+        NS,
+        "create",
+        "rolebinding",
+        PROBE_SA,
+        "--role=kpx-operator",
+        f"--serviceaccount={NS}:{PROBE_SA}",
+    )
     token = env.kubectl("-n", NS, "create", "token", PROBE_SA, "--duration=1h").stdout.strip()
     token_file = env.workdir / "probe.token"
     token_file.write_text(token)
@@ -116,8 +129,15 @@ def probe_identity(env: Env) -> Iterator[Any]:  # noqa: F811
     )
     yield kubeconfig, binding
     env.kubectl("delete", "clusterrolebinding", PROBE_SA, "--ignore-not-found", check=False)
-    env.kubectl("-n", NS, "delete", "rolebinding,serviceaccount", PROBE_SA,
-                "--ignore-not-found", check=False)  # fmt: skip
+    env.kubectl(
+        "-n",
+        NS,
+        "delete",
+        "rolebinding,serviceaccount",
+        PROBE_SA,
+        "--ignore-not-found",
+        check=False,
+    )
 
 
 def test_a_standby_is_ready_and_its_health_follows_its_watch(

@@ -33,7 +33,8 @@ Obj = dict[str, Any]
 def kube_proxy_daemonset() -> Obj:
     labels = {"k8s-app": "kube-proxy"}
     return {
-        "apiVersion": "apps/v1", "kind": "DaemonSet",
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
         "metadata": {"name": "kube-proxy", "namespace": "kube-system", "labels": labels},
         "spec": {
             "selector": {"matchLabels": labels},
@@ -42,18 +43,23 @@ def kube_proxy_daemonset() -> Obj:
                 "spec": {
                     "hostNetwork": True,
                     "terminationGracePeriodSeconds": 1,
-                    "containers": [{"name": "kube-proxy",
-                                    "image": "registry.k8s.io/kube-proxy:v1.36.0",
-                                    "command": ["sleep", "3600"]}],
+                    "containers": [
+                        {
+                            "name": "kube-proxy",
+                            "image": "registry.k8s.io/kube-proxy:v1.36.0",
+                            "command": ["sleep", "3600"],
+                        }
+                    ],
                 },
             },
         },
-    }  # fmt: skip
+    }
 
 
 def kube_proxy_nodes(env: Env) -> set[str]:
-    out = env.kubectl("-n", "kube-system", "get", "pods", "-l", "k8s-app=kube-proxy",
-                      "-o", "json").stdout  # fmt: skip
+    out = env.kubectl(
+        "-n", "kube-system", "get", "pods", "-l", "k8s-app=kube-proxy", "-o", "json"
+    ).stdout
     return {
         p["spec"].get("nodeName", "")
         for p in json.loads(out)["items"]
@@ -81,8 +87,15 @@ def test_kube_proxy_moves_off_node_by_node_and_comes_back_on_deletion(env: Env) 
                 topo.exec(node, ["nft", "add", "table", "ip", "kube-proxy"], check=True)
 
             takeover_spec = {"fromKubeProxy": True, "moveKubeProxyOff": True}
-            env.apply(pxc_body(PXC, mode="nftables", nodeSelector=label, takeover=takeover_spec,
-                               deletionPolicy="Cleanup"))  # fmt: skip
+            env.apply(
+                pxc_body(
+                    PXC,
+                    mode="nftables",
+                    nodeSelector=label,
+                    takeover=takeover_spec,
+                    deletionPolicy="Cleanup",
+                )
+            )
 
             def taken_over() -> Obj | None:
                 st = (env.get("proxyconfiguration", PXC) or {}).get("status") or {}
@@ -102,16 +115,21 @@ def test_kube_proxy_moves_off_node_by_node_and_comes_back_on_deletion(env: Env) 
                 assert node_labels.get(KUBE_PROXY_OFF_LABEL) == "true", node_labels
             ds = env.get("daemonset", "kube-proxy", "kube-system") or {}
             terms = ds["spec"]["template"]["spec"]["affinity"]["nodeAffinity"][
-                "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]  # fmt: skip
-            assert terms == [{"matchExpressions": [
-                {"key": KUBE_PROXY_OFF_LABEL, "operator": "DoesNotExist"}]}]  # fmt: skip
+                "requiredDuringSchedulingIgnoredDuringExecution"
+            ]["nodeSelectorTerms"]
+            assert terms == [
+                {"matchExpressions": [{"key": KUBE_PROXY_OFF_LABEL, "operator": "DoesNotExist"}]}
+            ]
             assert not names & kube_proxy_nodes(env)
             for node in nodes:
                 tables = topo.exec(node, ["nft", "list", "tables"], check=True).stdout
                 assert "kube-proxy" not in tables and kpx_tables(topo, node), tables
             reasons = env.reasons(PXC)
-            for reason in ("KubeProxyAffinityPatched", "KubeProxyMovedOff",
-                           "KubeProxyRulesRemoved"):  # fmt: skip
+            for reason in (
+                "KubeProxyAffinityPatched",
+                "KubeProxyMovedOff",
+                "KubeProxyRulesRemoved",
+            ):
                 assert ("Normal", reason) in reasons, (reason, reasons)
             # The agent serves (AgentReady), and finds kube-proxy's Pod still there
             # (WaitingForKubeProxy: it reports that at once, so a pass may not see AgentReady).
@@ -139,12 +157,32 @@ def test_kube_proxy_moves_off_node_by_node_and_comes_back_on_deletion(env: Env) 
             assert "CleanupDone" in said, said
             assert sim.refused == []
         finally:
-            env.kubectl("patch", "proxyconfiguration", PXC, "--type=merge",
-                        "-p", '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
-            env.kubectl("delete", "proxyconfiguration", PXC, "--ignore-not-found",
-                        "--wait=false", check=False)  # fmt: skip
-            env.kubectl("-n", "kube-system", "delete", "daemonset", "kube-proxy",
-                        "--ignore-not-found", check=False)  # fmt: skip
+            env.kubectl(
+                "patch",
+                "proxyconfiguration",
+                PXC,
+                "--type=merge",
+                "-p",
+                '{"metadata":{"finalizers":null}}',
+                check=False,
+            )
+            env.kubectl(
+                "delete",
+                "proxyconfiguration",
+                PXC,
+                "--ignore-not-found",
+                "--wait=false",
+                check=False,
+            )
+            env.kubectl(
+                "-n",
+                "kube-system",
+                "delete",
+                "daemonset",
+                "kube-proxy",
+                "--ignore-not-found",
+                check=False,
+            )
             sim.stop(delete_nodes=True)
 
 
@@ -162,8 +200,9 @@ def test_a_mode_switch_that_drops_a_setting_waits_for_its_acceptance(env: Env) -
     def mode_in_effect() -> str:
         cm = env.get("configmap", config, NS) or {}
         text = (cm.get("data") or {}).get("config.yaml", "")
-        return next((line.split(": ")[1] for line in text.splitlines()
-                     if line.startswith("mode: ")), "")  # fmt: skip
+        return next(
+            (line.split(": ")[1] for line in text.splitlines() if line.startswith("mode: ")), ""
+        )
 
     try:
         env.apply(pxc_body(name, mode="iptables", nodeSelector=selector))
@@ -179,27 +218,52 @@ def test_a_mode_switch_that_drops_a_setting_waits_for_its_acceptance(env: Env) -
         assert "spec.modeSwitch.acceptDropped: [localhostNodePorts]" in cond["message"], cond
         assert mode_in_effect() == "iptables"
         assert ("Warning", "ModeSwitchHeld") in env.reasons(name)
-        bad = env.kubectl("apply", "--server-side", "--field-manager=kpx-e2e", "-f", "-",
-                          input=json.dumps(pxc_body(name, mode="nftables", nodeSelector=selector,
-                                                    modeSwitch={"acceptDropped": ["nope"]})),
-                          check=False)  # fmt: skip
+        bad = env.kubectl(
+            "apply",
+            "--server-side",
+            "--field-manager=kpx-e2e",
+            "-f",
+            "-",
+            input=json.dumps(
+                pxc_body(
+                    name,
+                    mode="nftables",
+                    nodeSelector=selector,
+                    modeSwitch={"acceptDropped": ["nope"]},
+                )
+            ),
+            check=False,
+        )
         assert bad.returncode != 0 and "acceptDropped" in bad.stderr, bad.stderr
-        env.apply(pxc_body(name, mode="nftables", nodeSelector=selector,
-                           modeSwitch={"acceptDropped": ["localhostNodePorts"]}))  # fmt: skip
+        env.apply(
+            pxc_body(
+                name,
+                mode="nftables",
+                nodeSelector=selector,
+                modeSwitch={"acceptDropped": ["localhostNodePorts"]},
+            )
+        )
         wait_until(lambda: mode_in_effect() == "nftables", 30, "the switch proceeds")
         # Back to iptables (nothing lost), then to nftables with its opt-in
         # nftables.localhostNodePorts: carried over, nothing to accept.
         env.apply(pxc_body(name, mode="iptables", nodeSelector=selector))
         wait_until(lambda: mode_in_effect() == "iptables", 30, "back to iptables")
-        env.apply(pxc_body(name, mode="nftables", nodeSelector=selector,
-                           nftables={"localhostNodePorts": True}))  # fmt: skip
+        env.apply(
+            pxc_body(
+                name, mode="nftables", nodeSelector=selector, nftables={"localhostNodePorts": True}
+            )
+        )
         wait_until(lambda: mode_in_effect() == "nftables", 30, "carried over, not held")
         cm = env.get("configmap", config, NS) or {}
         assert "localhostNodePorts: true" in (cm.get("data") or {}).get("config.yaml", ""), cm
         ds = env.get("daemonset", config, NS) or {}
-        (agent,) = [c for c in ds["spec"]["template"]["spec"]["containers"]
-                    if "--route-localnet-file" in c["command"]]  # fmt: skip
+        (agent,) = [
+            c
+            for c in ds["spec"]["template"]["spec"]["containers"]
+            if "--route-localnet-file" in c["command"]
+        ]
         assert agent["command"][1:3] == ["--mode", "nftables"], agent["command"]
     finally:
-        env.kubectl("delete", "proxyconfiguration", name, "--ignore-not-found", "--timeout=60s",
-                    check=False)  # fmt: skip
+        env.kubectl(
+            "delete", "proxyconfiguration", name, "--ignore-not-found", "--timeout=60s", check=False
+        )

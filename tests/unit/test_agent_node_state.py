@@ -23,9 +23,17 @@ KP, KPX = LeftoverKind.KUBE_PROXY, LeftoverKind.KPX_MODE
 WAITING = PendingLeftover(
     name="kube-proxy", kind=KP, state=LeftoverState.WAITING, message="a Pod of kube-proxy runs here"
 )
-FACTS = NodeFacts(mode="nftables", agent_version="0.1.0", pod=("a", "kpx-system", "u1"),
-                  generation=4, verified=True, last_sync=SyncRecord(T0, 0.5, True),
-                  services=10, endpoints=20, rules=90)  # fmt: skip
+FACTS = NodeFacts(
+    mode="nftables",
+    agent_version="0.1.0",
+    pod=("a", "kpx-system", "u1"),
+    generation=4,
+    verified=True,
+    last_sync=SyncRecord(T0, 0.5, True),
+    services=10,
+    endpoints=20,
+    rules=90,
+)
 
 
 def synced_at(facts: NodeFacts, seconds: float, duration: float = 0.1) -> NodeFacts:
@@ -35,9 +43,15 @@ def synced_at(facts: NodeFacts, seconds: float, duration: float = 0.1) -> NodeFa
 def test_the_status_is_what_the_crd_accepts() -> None:
     leftovers = tuple(PendingLeftover(name=f"m{i}", kind=KPX) for i in range(9))
     checks = [ModeCheck("nftables", True, "v" * 500), ModeCheck("ipvs", False, "no ip_vs")]
-    status = status_of(replace(FACTS, last_error=ErrorRecord("x" * 5000, T0),
-                               leftovers=(WAITING, *leftovers), preflight=checks,
-                               takeover_from_kube_proxy=True))  # fmt: skip
+    status = status_of(
+        replace(
+            FACTS,
+            last_error=ErrorRecord("x" * 5000, T0),
+            leftovers=(WAITING, *leftovers),
+            preflight=checks,
+            takeover_from_kube_proxy=True,
+        )
+    )
     parsed = ProxyNodeStateStatus.model_validate(status)
     assert parsed.configuration_generation == 4 and parsed.programmed is not None
     assert parsed.last_error is not None and len(parsed.last_error.message) == 1024
@@ -47,8 +61,11 @@ def test_the_status_is_what_the_crd_accepts() -> None:
     assert (first.name, first.kind, first.state) == ("kube-proxy", KP, LeftoverState.WAITING)
     assert [(v.mode, v.ok) for v in parsed.preflight] == [("nftables", True), ("ipvs", False)]
     assert len(parsed.preflight[0].detail) == 280 and parsed.preflight[1].detail == "no ip_vs"
-    assert status["lastSync"] == {"time": "2026-11-26T12:00:00Z", "durationSeconds": 0.5,
-                                  "full": True}  # fmt: skip
+    assert status["lastSync"] == {
+        "time": "2026-11-26T12:00:00Z",
+        "durationSeconds": 0.5,
+        "full": True,
+    }
 
 
 def test_first_status_is_written_at_once_then_only_on_change() -> None:
@@ -69,15 +86,19 @@ def test_every_field_but_the_sync_time_counts_as_a_change() -> None:
     gate = WriteGate(1)
     gate.wrote(status_of(FACTS), 0.0)
     for changed in (
-        replace(FACTS, mode="iptables"), replace(FACTS, generation=5),
-        replace(FACTS, verified=False), replace(FACTS, rolled_back="went back"),
-        replace(FACTS, rules=91), replace(FACTS, last_error=ErrorRecord("boom", T0)),
-        replace(FACTS, leftovers=(WAITING,)), replace(FACTS, pod=("b", "kpx-system", "u2")),
+        replace(FACTS, mode="iptables"),
+        replace(FACTS, generation=5),
+        replace(FACTS, verified=False),
+        replace(FACTS, rolled_back="went back"),
+        replace(FACTS, rules=91),
+        replace(FACTS, last_error=ErrorRecord("boom", T0)),
+        replace(FACTS, leftovers=(WAITING,)),
+        replace(FACTS, pod=("b", "kpx-system", "u2")),
         replace(FACTS, leftovers=(WAITING.model_copy(update={"state": LeftoverState.FAILING}),)),
         replace(FACTS, takeover_from_kube_proxy=True),
         replace(FACTS, preflight=(ModeCheck("ipvs", True),)),
         replace(FACTS, last_sync=SyncRecord(T0, 0.5, False)),
-    ):  # fmt: skip
+    ):
         assert gate.wait(status_of(changed), 5.0) == 0.0, changed
 
 

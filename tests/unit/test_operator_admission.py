@@ -42,27 +42,47 @@ NO_IPVS = frozenset({Mode.NFTABLES, Mode.IPTABLES})
         # Disjoint pools: no conflict.
         (POOL_A, [POOL_A, POOL_B], IPVSPolicy.WARN, (), []),
         # The newer one keeps the contested nodes out; both see the conflict with the names.
-        (POOL_A, [OLD_ALL, POOL_A], IPVSPolicy.WARN, ("a1", "a2"),
-         [("everything", ("a1", "a2"), True)]),
+        (
+            POOL_A,
+            [OLD_ALL, POOL_A],
+            IPVSPolicy.WARN,
+            ("a1", "a2"),
+            [("everything", ("a1", "a2"), True)],
+        ),
         (OLD_ALL, [OLD_ALL, POOL_A], IPVSPolicy.WARN, (), [("pool-a", ("a1", "a2"), False)]),
         # Pairwise: gpu overlaps pool-a (older) on a2 only, and keeps a2 out even though
         # pool-a itself keeps it out (everything is older still).
-        (GPU, [OLD_ALL, POOL_A, GPU], IPVSPolicy.WARN, ("a2",),
-         [("everything", ("a2",), True), ("pool-a", ("a2",), True)]),
+        (
+            GPU,
+            [OLD_ALL, POOL_A, GPU],
+            IPVSPolicy.WARN,
+            ("a2",),
+            [("everything", ("a2",), True), ("pool-a", ("a2",), True)],
+        ),
         # Only the contested node: the newer one's other nodes stay in.
-        (pxc("a-and-b", "2026-02-01T00:00:00Z"), [POOL_A, pxc("a-and-b", "2026-02-01T00:00:00Z")],
-         IPVSPolicy.WARN, ("a1", "a2"), [("pool-a", ("a1", "a2"), True)]),
+        (
+            pxc("a-and-b", "2026-02-01T00:00:00Z"),
+            [POOL_A, pxc("a-and-b", "2026-02-01T00:00:00Z")],
+            IPVSPolicy.WARN,
+            ("a1", "a2"),
+            [("pool-a", ("a1", "a2"), True)],
+        ),
         # Same creation time: the name decides (pool-a < pool-b); here they are disjoint anyway.
         (POOL_B, [POOL_A, POOL_B], IPVSPolicy.WARN, (), []),
         # A denied ipvs configuration deploys nothing, so it conflicts with nobody.
         (POOL_A, [IPVS_A, POOL_A], IPVSPolicy.DENY, (), []),
         # An allowed ipvs configuration (ipvs has its backend) is a real conflict.
-        (POOL_A, [IPVS_A, POOL_A], IPVSPolicy.ALLOW, ("a1", "a2"),
-         [("ipvs-a", ("a1", "a2"), True)]),
+        (
+            POOL_A,
+            [IPVS_A, POOL_A],
+            IPVSPolicy.ALLOW,
+            ("a1", "a2"),
+            [("ipvs-a", ("a1", "a2"), True)],
+        ),
         # A selector that selects no existing node conflicts with nobody.
         (pxc("none", "2026-02-01T00:00:00Z", pool="z"), [OLD_ALL], IPVSPolicy.WARN, (), []),
     ],
-)  # fmt: skip
+)
 def test_admission(
     me: PxcInfo,
     others: list[PxcInfo],
@@ -135,24 +155,33 @@ def test_messages_name_the_nodes_and_who_runs() -> None:
     message = conflict_message(adm)
     assert "nodes a1, a2 are also selected by ProxyConfiguration everything" in message
     assert "(older, runs there)" in message
-    assert message.endswith("this one keeps its agents off nodes a1, a2 until the node "
-                            "selectors are disjoint (its other nodes keep theirs)")  # fmt: skip
-    assert "newer, stays off them" in conflict_message(admit(OLD_ALL, [POOL_A], NODES,
-                                                             IPVSPolicy.WARN))  # fmt: skip
+    assert message.endswith(
+        "this one keeps its agents off nodes a1, a2 until the node "
+        "selectors are disjoint (its other nodes keep theirs)"
+    )
+    assert "newer, stays off them" in conflict_message(
+        admit(OLD_ALL, [POOL_A], NODES, IPVSPolicy.WARN)
+    )
     assert node_list([f"n{i}" for i in range(12)]).endswith("n9 and 2 more")
 
 
 def agent(instance: str, node: str, terminating: bool = False) -> dict[str, object]:
-    meta: dict[str, object] = {"labels": {"app.kubernetes.io/name": "kpx-agent",
-                                          "app.kubernetes.io/instance": instance}}  # fmt: skip
+    meta: dict[str, object] = {
+        "labels": {"app.kubernetes.io/name": "kpx-agent", "app.kubernetes.io/instance": instance}
+    }
     if terminating:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     return {"metadata": meta, "spec": {"nodeName": node}}
 
 
 def test_orphaned_agents_hold_their_nodes_against_every_configuration() -> None:
-    pods = [agent("gone", "a1"), agent("gone", "b1"), agent("pool-a", "a2"),
-            agent("leaving", "a2", terminating=True), agent("pending", "")]  # fmt: skip
+    pods = [
+        agent("gone", "a1"),
+        agent("gone", "b1"),
+        agent("pool-a", "a2"),
+        agent("leaving", "a2", terminating=True),
+        agent("pending", ""),
+    ]
     orphaned = orphaned_agents(pods, {"pool-a", "everything"})
     assert orphaned == {"gone": ("a1", "b1")}
     # Even the oldest configuration keeps those nodes out; only its own are shared.

@@ -18,9 +18,14 @@ def pod(uid: str, node: str, deleting: bool = False) -> dict[str, Any]:
 
 def state(uid: str, node: str, not_applied: str = "") -> dict[str, Any]:
     """`node`'s ProxyNodeState as the agent Pod `uid` wrote it."""
-    return {"metadata": {"name": node},
-            "status": {"mode": "nftables", "agentPod": {"name": f"p-{uid}", "uid": uid},
-                       "conntrackNotApplied": not_applied}}  # fmt: skip
+    return {
+        "metadata": {"name": node},
+        "status": {
+            "mode": "nftables",
+            "agentPod": {"name": f"p-{uid}", "uid": uid},
+            "conntrackNotApplied": not_applied,
+        },
+    }
 
 
 PODS = [pod("a", "n1"), pod("b", "n2"), pod("c", "n3", deleting=True)]
@@ -38,10 +43,12 @@ SAID = "conntrack settings not applied: "
         ([state("c", "n3", "x"), state("zz", "n1", "x")], ()),
         ([state("b", "n1", "x")], ()),
         ([{"metadata": {"name": "n1"}, "status": {"mode": "bogus"}}], ()),
-        ([state("b", "n2", "q"), state("a", "n1", "p")],
-         (NodeProblem("n1", SAID + "p"), NodeProblem("n2", SAID + "q"))),
+        (
+            [state("b", "n2", "q"), state("a", "n1", "p")],
+            (NodeProblem("n1", SAID + "p"), NodeProblem("n2", SAID + "q")),
+        ),
     ],
-)  # fmt: skip
+)
 def test_conntrack_problems(
     states: list[dict[str, Any]], expected: tuple[NodeProblem, ...]
 ) -> None:

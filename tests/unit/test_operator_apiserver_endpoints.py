@@ -18,18 +18,20 @@ NS = "kpx-system"
 
 def kubernetes_slice(*addresses: str, ready: bool = True, port: int = 6443) -> dict[str, Any]:
     return {
-        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
         "metadata": {"name": "kubernetes", "namespace": "default"},
         "addressType": "IPv4",
         "ports": [{"name": "https", "port": port, "protocol": "TCP"}],
         "endpoints": [{"addresses": [a], "conditions": {"ready": ready}} for a in addresses],
-    }  # fmt: skip
+    }
 
 
 def test_ready_addresses_on_the_https_port_sorted() -> None:
     assert endpoints_of(kubernetes_slice("192.0.2.11", "192.0.2.10")) == (
-        "192.0.2.10:6443", "192.0.2.11:6443",
-    )  # fmt: skip
+        "192.0.2.10:6443",
+        "192.0.2.11:6443",
+    )
     assert endpoints_of(kubernetes_slice("2001:db8::10")) == ("[2001:db8::10]:6443",)
     assert endpoints_of(kubernetes_slice("192.0.2.10", ready=False)) == ()
     # Nothing that is not an address, and not the apiserver's own loopback.

@@ -123,8 +123,12 @@ def test_agent_daemonset_runs_the_agent_with_least_privilege(mode: str) -> None:
     container, *sidecars = pod["containers"]
     assert [c["name"] for c in sidecars] == (["backend"] if mode == "external" else [])
     assert container["command"][:5] == [
-        "proxy-agent", "--mode", mode, "--config", "/etc/kpx/config.yaml",
-    ]  # fmt: skip
+        "proxy-agent",
+        "--mode",
+        mode,
+        "--config",
+        "/etc/kpx/config.yaml",
+    ]
     # The examples keep the conntrack defaults (a table size): the agent is told where the
     # node's values are mounted (test_conntrack_access_only_when_settings_change_the_node).
     flags = ["--conntrack-sysctl-dir", "--conntrack-hashsize-file"]
@@ -164,10 +168,12 @@ def test_agent_image_is_the_operators_unless_the_spec_overrides_it() -> None:
     def images(spec: ProxyConfigurationSpec, opts: BuildOptions) -> set[str]:
         return {
             c["image"]
-            for ds in (builders.agent_daemonset(owner, spec, opts),
-                       builders.cleanup_daemonset(owner, spec, opts))
+            for ds in (
+                builders.agent_daemonset(owner, spec, opts),
+                builders.cleanup_daemonset(owner, spec, opts),
+            )
             for c in pod_spec(ds)["containers"]
-        }  # fmt: skip
+        }
 
     assert images(spec, opts) == {opts.agent_image}
     assert images(spec, OPTS) == {OPTS.agent_image}
@@ -177,12 +183,16 @@ def test_agent_image_is_the_operators_unless_the_spec_overrides_it() -> None:
 
 def test_image_pull_secrets_reach_agent_and_cleanup_pods() -> None:
     owner, spec = example("iptables")
-    for ds in (builders.agent_daemonset(owner, spec, OPTS),
-               builders.cleanup_daemonset(owner, spec, OPTS)):  # fmt: skip
+    for ds in (
+        builders.agent_daemonset(owner, spec, OPTS),
+        builders.cleanup_daemonset(owner, spec, OPTS),
+    ):
         assert "imagePullSecrets" not in pod_spec(ds)
     opts = BuildOptions(image_pull_secrets=("regcred", "mirror"))
-    for ds in (builders.agent_daemonset(owner, spec, opts),
-               builders.cleanup_daemonset(owner, spec, opts)):  # fmt: skip
+    for ds in (
+        builders.agent_daemonset(owner, spec, opts),
+        builders.cleanup_daemonset(owner, spec, opts),
+    ):
         assert pod_spec(ds)["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]
 
 
@@ -212,13 +222,16 @@ def test_agent_pod_metadata_and_env_from_the_operator() -> None:
     meta = ds["spec"]["template"]["metadata"]
     default = builders.agent_daemonset(owner, spec, OPTS)["spec"]["template"]
     assert meta["labels"] == {**default["metadata"]["labels"], "team": "net"}
-    assert meta["annotations"] == {**default["metadata"]["annotations"],
-                                   "prometheus.io/scrape": "true"}  # fmt: skip
+    assert meta["annotations"] == {
+        **default["metadata"]["annotations"],
+        "prometheus.io/scrape": "true",
+    }
     assert ds["spec"]["selector"]["matchLabels"].items() <= meta["labels"].items()
     env = pod_spec(ds)["containers"][0]["env"]
     assert env == [*default["spec"]["containers"][0]["env"], {"name": "TZ", "value": "UTC"}]
-    assert not [e for e in default["spec"]["containers"][0]["env"]
-                if not builders.operator_env(e["name"])]  # fmt: skip
+    assert not [
+        e for e in default["spec"]["containers"][0]["env"] if not builders.operator_env(e["name"])
+    ]
     cleanup = builders.cleanup_daemonset(owner, spec, opts)["spec"]["template"]["metadata"]
     assert "team" not in cleanup["labels"]
 
@@ -226,8 +239,10 @@ def test_agent_pod_metadata_and_env_from_the_operator() -> None:
 @pytest.mark.parametrize(
     ("flag", "why"),
     [
-        ("--agent-pod-label=app.kubernetes.io/name=x", "label app.kubernetes.io/name is the "
-                                                       "operator's own"),
+        (
+            "--agent-pod-label=app.kubernetes.io/name=x",
+            "label app.kubernetes.io/name is the operator's own",
+        ),
         ("--agent-pod-label=app.kubernetes.io/instance=x", "is the operator's own"),
         ("--agent-pod-label=team=a b", "label team: value 'a b' must be a label value"),
         ("--agent-pod-label=team", "expected KEY=VALUE, got 'team'"),
@@ -239,7 +254,7 @@ def test_agent_pod_metadata_and_env_from_the_operator() -> None:
         ("--agent-env=KPX_STATE_API=x", "is the operator's own"),
         ("--agent-env=1X=y", "environment variable name '1X'"),
     ],
-)  # fmt: skip
+)
 def test_operator_refuses_agent_pod_flags_naming_the_flag_and_reason(
     flag: str, why: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -297,14 +312,21 @@ def test_cleanup_daemonset_cleans_the_same_nodes_and_reports_readiness() -> None
     cleanup = pod_spec(cleanup_ds)
     (container,) = cleanup["containers"]
     assert container["command"] == [
-        "proxy-agent", "cleanup", "--mode", "ipvs", "--then-serve-healthz", "0.0.0.0:10256",
-    ]  # fmt: skip
+        "proxy-agent",
+        "cleanup",
+        "--mode",
+        "ipvs",
+        "--then-serve-healthz",
+        "0.0.0.0:10256",
+    ]
     assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": 10256}
     for key in ("tolerations", "hostNetwork", "priorityClassName"):
         assert cleanup[key] == agents[key]
     # The agents' nodes, and of those only the ones the operator labelled, one by one.
-    assert cleanup["nodeSelector"] == {**agents["nodeSelector"],
-                                       "proxy.kpx.dev/cleanup": "ipvs-pool"}  # fmt: skip
+    assert cleanup["nodeSelector"] == {
+        **agents["nodeSelector"],
+        "proxy.kpx.dev/cleanup": "ipvs-pool",
+    }
     assert cleanup["automountServiceAccountToken"] is False
     assert "serviceAccountName" not in cleanup
     # Its pods never match the agents' selector (two DaemonSets must not share pods).
@@ -318,8 +340,10 @@ def test_probes_call_a_specific_healthz_address() -> None:
     spec = spec_with(spec, healthzBindAddress="127.0.0.1:10300")
     (container,) = pod_spec(builders.agent_daemonset(owner, spec, OPTS))["containers"]
     assert container["readinessProbe"]["httpGet"] == {
-        "path": "/readyz", "port": 10300, "host": "127.0.0.1",
-    }  # fmt: skip
+        "path": "/readyz",
+        "port": 10300,
+        "host": "127.0.0.1",
+    }
     assert container["ports"] == [{"name": "healthz", "containerPort": 10300, "protocol": "TCP"}]
 
 
@@ -448,7 +472,9 @@ def test_agent_role_is_exactly_what_the_agent_reads() -> None:
     for _, rule in _rules([role]):
         assert set(rule["verbs"]) <= {"get", "list", "watch", "create", "patch"}
         assert "create" not in rule["verbs"] or rule["resources"] in (
-            ["events"], ["proxynodestates"])  # fmt: skip
+            ["events"],
+            ["proxynodestates"],
+        )
         assert "patch" not in rule["verbs"] or rule["resources"] == ["proxynodestates/status"]
         assert "secrets" not in rule["resources"]
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"]
@@ -459,8 +485,10 @@ def test_agents_run_as_the_installed_service_account_bound_to_the_agent_role() -
     binding = _installed("ClusterRoleBinding", AGENT_CLUSTER_ROLE)
     sa = _installed("ServiceAccount", AGENT_SERVICE_ACCOUNT)
     assert binding["roleRef"] == {
-        "apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "kpx-agent",
-    }  # fmt: skip
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "kpx-agent",
+    }
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "kpx-agent", "namespace": "kpx-system"}
     ]
@@ -488,10 +516,14 @@ def test_operator_may_touch_only_kube_proxys_daemonset_in_kube_system() -> None:
         (o, r) for o, r in _operator_rules() if o["metadata"].get("namespace") == "kube-system"
     ]
     assert [r for _, r in in_kube_system] == [
-        {"apiGroups": ["apps"], "resources": ["daemonsets"], "resourceNames": ["kube-proxy"],
-         "verbs": ["get", "patch"]},
+        {
+            "apiGroups": ["apps"],
+            "resources": ["daemonsets"],
+            "resourceNames": ["kube-proxy"],
+            "verbs": ["get", "patch"],
+        },
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
-    ]  # fmt: skip
+    ]
 
 
 def test_operator_may_read_only_the_kubernetes_endpointslice_in_default() -> None:
@@ -500,9 +532,13 @@ def test_operator_may_read_only_the_kubernetes_endpointslice_in_default() -> Non
         (o, r) for o, r in _operator_rules() if o["metadata"].get("namespace") == "default"
     ]
     assert [r for _, r in in_default] == [
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-         "resourceNames": ["kubernetes"], "verbs": ["get"]}
-    ]  # fmt: skip
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "resourceNames": ["kubernetes"],
+            "verbs": ["get"],
+        }
+    ]
 
 
 def _grants(rules: Iterable[Obj]) -> set[tuple[str, str, str]]:
@@ -525,9 +561,12 @@ def _operator_rules() -> list[tuple[Obj, Obj]]:
         and {"kind": "ServiceAccount", "name": "kpx-operator", "namespace": "kpx-system"}
         in o["subjects"]
     }
-    assert bound == {("ClusterRole", "kpx-operator"), ("Role", "kpx-operator"),
-                     ("Role", "kpx-operator-takeover"),
-                     ("Role", "kpx-operator-apiserver")}  # fmt: skip
+    assert bound == {
+        ("ClusterRole", "kpx-operator"),
+        ("Role", "kpx-operator"),
+        ("Role", "kpx-operator-takeover"),
+        ("Role", "kpx-operator-apiserver"),
+    }
     return [(o, r) for o, r in _rules(_manifests()) if (o["kind"], o["metadata"]["name"]) in bound]
 
 
@@ -560,9 +599,12 @@ def test_operator_deployment_runs_two_replicas_of_proxy_operator() -> None:
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     # The agents of the same release: one version in the operator and its agent image.
     assert container["command"] == [
-        "proxy-operator", "--namespace", "kpx-system",
-        "--agent-image", builders.DEFAULT_AGENT_IMAGE,
-    ]  # fmt: skip
+        "proxy-operator",
+        "--namespace",
+        "kpx-system",
+        "--agent-image",
+        builders.DEFAULT_AGENT_IMAGE,
+    ]
     assert container["image"] == f"ghcr.io/kpx/kpx-operator:{__version__}"
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "kpx-operator"
 
@@ -615,19 +657,32 @@ def _host_paths(pod: Obj) -> dict[str, str]:
         # Every setting left alone: no access to the node's /proc/sys or /sys at all.
         (LEAVE_ALONE, {}, []),
         # Timeouts only: the netfilter sysctls, not the module parameters.
-        ({**LEAVE_ALONE, "udpTimeout": "30s"},
-         {"/proc/sys/net/netfilter": "/host/proc/sys/net/netfilter"},
-         ["--conntrack-sysctl-dir", "/host/proc/sys/net/netfilter"]),
-        ({**LEAVE_ALONE, "tcpBeLiberal": True},
-         {"/proc/sys/net/netfilter": "/host/proc/sys/net/netfilter"},
-         ["--conntrack-sysctl-dir", "/host/proc/sys/net/netfilter"]),
+        (
+            {**LEAVE_ALONE, "udpTimeout": "30s"},
+            {"/proc/sys/net/netfilter": "/host/proc/sys/net/netfilter"},
+            ["--conntrack-sysctl-dir", "/host/proc/sys/net/netfilter"],
+        ),
+        (
+            {**LEAVE_ALONE, "tcpBeLiberal": True},
+            {"/proc/sys/net/netfilter": "/host/proc/sys/net/netfilter"},
+            ["--conntrack-sysctl-dir", "/host/proc/sys/net/netfilter"],
+        ),
         # The table size (the defaults): the hashsize parameter too.
-        ({}, {"/proc/sys/net/netfilter": "/host/proc/sys/net/netfilter",
-              "/sys/module/nf_conntrack/parameters": "/host/sys/module/nf_conntrack/parameters"},
-         ["--conntrack-sysctl-dir", "/host/proc/sys/net/netfilter", "--conntrack-hashsize-file",
-          "/host/sys/module/nf_conntrack/parameters/hashsize"]),
+        (
+            {},
+            {
+                "/proc/sys/net/netfilter": "/host/proc/sys/net/netfilter",
+                "/sys/module/nf_conntrack/parameters": "/host/sys/module/nf_conntrack/parameters",
+            },
+            [
+                "--conntrack-sysctl-dir",
+                "/host/proc/sys/net/netfilter",
+                "--conntrack-hashsize-file",
+                "/host/sys/module/nf_conntrack/parameters/hashsize",
+            ],
+        ),
     ],
-)  # fmt: skip
+)
 def test_conntrack_access_only_when_settings_change_the_node(
     conntrack: Obj, paths: dict[str, str], flags: list[str]
 ) -> None:
@@ -649,8 +704,12 @@ def test_conntrack_access_only_when_settings_change_the_node(
 def test_agents_know_their_pod() -> None:
     (container,) = _agent_pod({})["containers"]
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
-    assert env == {"NODE_NAME": "spec.nodeName", "POD_NAME": "metadata.name",
-                   "POD_NAMESPACE": "metadata.namespace", "POD_UID": "metadata.uid"}  # fmt: skip
+    assert env == {
+        "NODE_NAME": "spec.nodeName",
+        "POD_NAME": "metadata.name",
+        "POD_NAMESPACE": "metadata.namespace",
+        "POD_UID": "metadata.uid",
+    }
 
 
 # -- route_localnet: the one file localhost NodePorts need, only where they are in effect ------

@@ -34,16 +34,20 @@ def test_each_step_of_a_node() -> None:
     p = plan(nodes, 3, wait_for_kube_proxy=False)
     assert p.begin == () and p.pending == ("next",)  # three in their turn already
     assert p.stop_agent == () and p.clean == ("stopped",) and p.done == ("clean",)
-    assert p.waiting == {"stopping": "its agent is stopping",
-                         "stopped": "its cleanup Pod is not Ready yet",
-                         "cleaning": "its cleanup Pod is not Ready yet"}  # fmt: skip
+    assert p.waiting == {
+        "stopping": "its agent is stopping",
+        "stopped": "its cleanup Pod is not Ready yet",
+        "cleaning": "its cleanup Pod is not Ready yet",
+    }
     assert waiting_summary(p).startswith("1 of 5 nodes clean; cleaning: its cleanup Pod")
 
 
 def test_kube_proxy_comes_back_and_is_ready_before_the_agent_stops() -> None:
-    nodes = {"off": NodeState(agent=True, kube_proxy_off=True),
-             "back": NodeState(agent=True, deleting=True),
-             "ready": NodeState(agent=True, deleting=True, kube_proxy_ready=True)}  # fmt: skip
+    nodes = {
+        "off": NodeState(agent=True, kube_proxy_off=True),
+        "back": NodeState(agent=True, deleting=True),
+        "ready": NodeState(agent=True, deleting=True, kube_proxy_ready=True),
+    }
     p = plan(nodes, 3, wait_for_kube_proxy=True)
     assert p.move_back == ("off",) and p.stop_agent == ("ready",)
     assert p.waiting["back"] == "kube-proxy's Pod there is not Ready yet"
@@ -60,8 +64,11 @@ def pod(node: str, *, ready: bool = True, terminating: bool = False) -> dict[str
     meta: dict[str, object] = {"name": f"p-{node}"}
     if terminating:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-    return {"metadata": meta, "spec": {"nodeName": node},
-            "status": {"conditions": [{"type": "Ready", "status": str(ready)}]}}  # fmt: skip
+    return {
+        "metadata": meta,
+        "spec": {"nodeName": node},
+        "status": {"conditions": [{"type": "Ready", "status": str(ready)}]},
+    }
 
 
 def test_states_from_pods_and_labels() -> None:

@@ -34,8 +34,10 @@ def test_a_leader_is_ready_once_kopf_watches() -> None:
     h.probed(None)
     assert h.readyz()[0] == 503
     h.watching = True
-    assert h.readyz() == (200, {"ok": True, "role": "leading", "leader": True,
-                                "watching": True, "problems": []})  # fmt: skip
+    assert h.readyz() == (
+        200,
+        {"ok": True, "role": "leading", "leader": True, "watching": True, "problems": []},
+    )
 
 
 def test_failed_probes_in_a_row_make_it_unhealthy_and_one_answer_heals() -> None:
@@ -102,8 +104,7 @@ def test_handler_runs_are_counted_by_result_with_durations() -> None:
     assert value("kpx_operator_reconcile_errors_total", handler="resync") == 1
     assert value("kpx_operator_reconcile_errors_total", handler="cleanup") == 0
     assert value("kpx_operator_reconcile_duration_seconds_count", handler="resync") == 2
-    assert value("kpx_operator_reconcile_duration_seconds_bucket", handler="resync",
-                 le="+Inf") == 2  # fmt: skip
+    assert value("kpx_operator_reconcile_duration_seconds_bucket", handler="resync", le="+Inf") == 2
     assert value("process_cpu_seconds_total") > 0
     assert value("process_resident_memory_bytes") > 1e6
     assert value("process_open_fds") > 0

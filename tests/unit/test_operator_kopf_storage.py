@@ -14,9 +14,15 @@ SPEC = {"mode": "nftables", "nodeSelector": {"kpx.dev/pool": "a"}}
 
 
 def pxc(spec: dict[str, Any], status: dict[str, Any] | None = None) -> bodies.Body:
-    return bodies.Body({"apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyConfiguration",
-                        "metadata": {"name": "default", "labels": {"team": "net"}},
-                        "spec": spec, "status": status or {}})  # fmt: skip
+    return bodies.Body(
+        {
+            "apiVersion": "proxy.kpx.dev/v1alpha1",
+            "kind": "ProxyConfiguration",
+            "metadata": {"name": "default", "labels": {"team": "net"}},
+            "spec": spec,
+            "status": status or {},
+        }
+    )
 
 
 def stored(storage: DigestDiffBaseStorage, body: bodies.Body) -> dict[str, Any]:

@@ -61,8 +61,16 @@ class Clock:
 
 
 def elector(store: Leases, identity: str, clock: Clock) -> LeaderElector:
-    return LeaderElector(store, "kpx-system", "kpx-operator", identity, clock=clock,
-                         retry_period=0.01, renew_deadline=10, lease_duration=15)  # fmt: skip
+    return LeaderElector(
+        store,
+        "kpx-system",
+        "kpx-operator",
+        identity,
+        clock=clock,
+        retry_period=0.01,
+        renew_deadline=10,
+        lease_duration=15,
+    )
 
 
 def record(holder: str, duration: float = 15) -> LeaseRecord:
@@ -185,8 +193,15 @@ def test_a_hung_renewal_is_cut_off_at_the_deadline() -> None:
 
     async def scenario() -> None:
         store = Hung()
-        a = LeaderElector(store, "kpx-system", "kpx-operator", "a", retry_period=0.05,
-                          renew_deadline=0.5, lease_duration=1)  # fmt: skip
+        a = LeaderElector(
+            store,
+            "kpx-system",
+            "kpx-operator",
+            "a",
+            retry_period=0.05,
+            renew_deadline=0.5,
+            lease_duration=1,
+        )
         await a.acquire()
         store.hung = True
         await asyncio.wait_for(a.hold(), timeout=5)
@@ -221,8 +236,11 @@ def test_a_frozen_leader_writes_nothing_when_it_wakes_up() -> None:
         recording = Recording()
         api.client = recording  # type: ignore[assignment]
         api.fence = a.lease_left
-        cm = {"apiVersion": "v1", "kind": "ConfigMap",
-              "metadata": {"name": "kpx-agent-default", "namespace": "kpx-system"}}  # fmt: skip
+        cm = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": "kpx-agent-default", "namespace": "kpx-system"},
+        }
         await api.apply(cm)
         assert recording.sent == [
             "apply /api/v1/namespaces/kpx-system/configmaps/kpx-agent-default"
@@ -230,8 +248,11 @@ def test_a_frozen_leader_writes_nothing_when_it_wakes_up() -> None:
         clock.now += 60  # frozen, then woken up
         with pytest.raises(NotLeader):
             await api.apply(cm)
-        lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                 "metadata": {"name": "kpx-operator", "namespace": "kpx-system"}}  # fmt: skip
+        lease = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": {"name": "kpx-operator", "namespace": "kpx-system"},
+        }
         await api.replace(lease)  # the Lease itself is how it finds out: never fenced
         assert len(recording.sent) == 2 and recording.sent[1].startswith("replace ")
 

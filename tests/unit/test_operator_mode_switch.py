@@ -31,18 +31,33 @@ from kpx_operator.mode_switch import (
 
 P = ModeSwitchPhase
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
-EPERM = "mode nftables: sync failed, keeping the previous rules and retrying: nft: Operation " \
-    "not permitted"  # fmt: skip
+EPERM = (
+    "mode nftables: sync failed, keeping the previous rules and retrying: nft: Operation "
+    "not permitted"
+)
 
 
 def pod(uid: str, node: str, mode: str, started_ago: float = 5.0, **status: Any) -> dict[str, Any]:
     start = (NOW - timedelta(seconds=started_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {"kind": "Pod", "metadata": {"name": f"kpx-agent-default-{uid}", "uid": uid,
-            "namespace": NS, "labels": {"app.kubernetes.io/name": "kpx-agent",
-                                        "app.kubernetes.io/instance": "default"}},
-            "spec": {"nodeName": node, "containers": [
-                {"name": "agent", "command": ["proxy-agent", "--mode", mode, "--config", "f"]}]},
-            "status": {"startTime": start, **status}}  # fmt: skip
+    return {
+        "kind": "Pod",
+        "metadata": {
+            "name": f"kpx-agent-default-{uid}",
+            "uid": uid,
+            "namespace": NS,
+            "labels": {
+                "app.kubernetes.io/name": "kpx-agent",
+                "app.kubernetes.io/instance": "default",
+            },
+        },
+        "spec": {
+            "nodeName": node,
+            "containers": [
+                {"name": "agent", "command": ["proxy-agent", "--mode", mode, "--config", "f"]}
+            ],
+        },
+        "status": {"startTime": start, **status},
+    }
 
 
 T1, T2 = "2026-01-01T00:00:01Z", "2026-01-01T00:00:02Z"
@@ -61,19 +76,29 @@ def node_state(
 ) -> dict[str, Any]:
     """The ProxyNodeState of `node` as the agent Pod `uid` wrote it."""
     status: dict[str, Any] = {
-        "mode": mode, "agentVersion": "0.1.0", "firstSyncVerified": verified,
+        "mode": mode,
+        "agentVersion": "0.1.0",
+        "firstSyncVerified": verified,
         "rolledBack": rolled_back,
         "agentPod": {"name": f"kpx-agent-default-{uid}", "namespace": NS, "uid": uid},
         "leftoversPending": [
-            {"name": n, "kind": "KpxMode", "message": m,
-             "state": "Failing" if m.startswith("could not remove") else "Pending"}
+            {
+                "name": n,
+                "kind": "KpxMode",
+                "message": m,
+                "state": "Failing" if m.startswith("could not remove") else "Pending",
+            }
             for n, m in (pending or {}).items()
         ],
-    }  # fmt: skip
+    }
     if error:
         status["lastError"] = {"message": error, "time": T1}
-    return {"apiVersion": "proxy.kpx.dev/v1alpha1", "kind": "ProxyNodeState",
-            "metadata": {"name": node}, "status": status}  # fmt: skip
+    return {
+        "apiVersion": "proxy.kpx.dev/v1alpha1",
+        "kind": "ProxyNodeState",
+        "metadata": {"name": node},
+        "status": status,
+    }
 
 
 def put_states(api: FakeApi, *states: dict[str, Any]) -> None:
@@ -82,8 +107,14 @@ def put_states(api: FakeApi, *states: dict[str, Any]) -> None:
 
 
 def test_each_node_phase_from_its_current_agent() -> None:
-    crash = {"containerStatuses": [{"name": "agent", "state": {"waiting": {
-        "reason": "CrashLoopBackOff", "message": "back-off 40s"}}}]}  # fmt: skip
+    crash = {
+        "containerStatuses": [
+            {
+                "name": "agent",
+                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
+            }
+        ]
+    }
     pods = [
         pod("u1", "n1", "iptables"),  # the old mode's agent
         pod("u2", "n2", "nftables"),  # started 5 s ago, not verified yet
@@ -113,9 +144,14 @@ def test_each_node_phase_from_its_current_agent() -> None:
     ]
     phases = node_phases(pods, events, "iptables", "nftables", NOW)
     assert {n: p for n, (p, _) in phases.items()} == {
-        "n1": P.PENDING, "n2": P.SWITCHING, "n3": P.SWITCHING, "n4": P.SWITCHED,
-        "n5": P.STUCK, "n6": P.STUCK, "n7": P.SWITCHING,
-    }  # fmt: skip
+        "n1": P.PENDING,
+        "n2": P.SWITCHING,
+        "n3": P.SWITCHING,
+        "n4": P.SWITCHED,
+        "n5": P.STUCK,
+        "n6": P.STUCK,
+        "n7": P.SWITCHING,
+    }
     assert phases["n1"][1] == "its agent runs mode iptables"
     assert "(retrying): lock" in phases["n3"][1]
     assert phases["n5"][1] == (
@@ -138,8 +174,7 @@ def test_a_switch_starts_when_the_mode_in_effect_differs_and_is_kept_until_the_n
     assert track(None, "iptables", "nftables", True, NOW) is None  # held by preflight
     started = track(None, "iptables", "nftables", False, NOW)
     assert started is not None
-    assert (started.from_mode, started.to_mode, started.started_at) == (
-        "iptables", "nftables", NOW)  # fmt: skip
+    assert (started.from_mode, started.to_mode, started.started_at) == ("iptables", "nftables", NOW)
     # Applied: the ConfigMap says nftables from now on; the same switch is followed.
     later = NOW + timedelta(seconds=10)
     assert track(started, "nftables", "nftables", False, later) is started
@@ -154,8 +189,12 @@ def test_a_switch_starts_when_the_mode_in_effect_differs_and_is_kept_until_the_n
 def test_the_summary_counts_phases_and_the_end_is_stamped() -> None:
     switch = ModeSwitchStatus(from_mode="iptables", to_mode="nftables", started_at=NOW)
     later = NOW + timedelta(seconds=42)
-    running = switch_status(switch, {"a": (P.SWITCHED, ""), "b": (P.STUCK, "why"),
-                                     "c": (P.PENDING, "")}, ["a", "b", "c"], later)  # fmt: skip
+    running = switch_status(
+        switch,
+        {"a": (P.SWITCHED, ""), "b": (P.STUCK, "why"), "c": (P.PENDING, "")},
+        ["a", "b", "c"],
+        later,
+    )
     assert running.summary == "1 of 3 nodes switched from iptables to nftables (1 Stuck, 1 Pending)"
     assert running.switched == 1 and running.finished_at is None
     assert [n.name for n in running.nodes] == ["a", "b", "c"]
@@ -163,9 +202,13 @@ def test_the_summary_counts_phases_and_the_end_is_stamped() -> None:
     # node that left the cluster is dropped.
     between = switch_status(running, {"c": (P.SWITCHED, "")}, ["a", "b", "c"], later)
     assert {n.name: n.phase for n in between.nodes} == {
-        "a": P.SWITCHED, "b": P.PENDING, "c": P.SWITCHED}  # fmt: skip
+        "a": P.SWITCHED,
+        "b": P.PENDING,
+        "c": P.SWITCHED,
+    }
     assert switch_status(running, {}, ["a"], later).nodes == [
-        ModeSwitchNode(name="a", phase=P.SWITCHED, message="")]  # fmt: skip
+        ModeSwitchNode(name="a", phase=P.SWITCHED, message="")
+    ]
     done = switch_status(running, {n: (P.SWITCHED, "") for n in "abc"}, ["a", "b", "c"], later)
     assert done.finished_at == later
     assert done.summary == "3 of 3 nodes switched from iptables to nftables in 42s"
@@ -256,8 +299,9 @@ def test_setting_the_mode_back_mid_switch_starts_a_switch_back() -> None:
     assert switch.nodes[0].phase is P.PENDING
 
 
-ROLLED_BACK = ("nftables never synced within 30s: nft: Operation not permitted; serving with "
-               "iptables again")  # fmt: skip
+ROLLED_BACK = (
+    "nftables never synced within 30s: nft: Operation not permitted; serving with iptables again"
+)
 
 
 def test_a_node_whose_agent_rolled_back_is_named_with_its_reason_and_what_to_do() -> None:
@@ -276,10 +320,12 @@ def test_a_node_whose_agent_rolled_back_is_named_with_its_reason_and_what_to_do(
     # Within the grace the agent gets to roll back by itself: not Stuck yet.
     assert phases["n2"][0] is P.SWITCHING
     assert node_phases(pods, events, "iptables", "nftables", NOW, stuck_after=30)["n2"][0] is (
-        P.STUCK)  # fmt: skip
+        P.STUCK
+    )
     switch = ModeSwitchStatus(from_mode="iptables", to_mode="nftables", started_at=NOW)
-    status = switch_status(switch, {"a": (P.SWITCHED, ""), "b": phases["n1"], "c": (P.PENDING, "")},
-                           "abc", NOW)  # fmt: skip
+    status = switch_status(
+        switch, {"a": (P.SWITCHED, ""), "b": phases["n1"], "c": (P.PENDING, "")}, "abc", NOW
+    )
     assert status.summary == (
         "1 of 3 nodes switched from iptables to nftables (1 RolledBack, 1 Pending)"
     )
@@ -313,10 +359,17 @@ def test_the_rollback_block_carries_the_old_modes_settings_in_effect_during_the_
     before = _config("iptables", masqueradeBit=9, localhostNodePorts=False)
     back = rollback(spec, switch, before)
     assert back is not None and back.to_dict() == {
-        "mode": "iptables", "enabled": True, "progressDeadlineSeconds": 12,
-        "iptables": {"masqueradeBit": 9, "masqueradeAll": False, "localhostNodePorts": False,
-                     "syncPeriod": "30s", "minSyncPeriod": "1s"},
-    }  # fmt: skip
+        "mode": "iptables",
+        "enabled": True,
+        "progressDeadlineSeconds": 12,
+        "iptables": {
+            "masqueradeBit": 9,
+            "masqueradeAll": False,
+            "localhostNodePorts": False,
+            "syncPeriod": "30s",
+            "minSyncPeriod": "1s",
+        },
+    }
     # The next pass reads the ConfigMap it wrote (mode nftables): the same block, from there.
     applied = AgentConfiguration.model_validate({"mode": "nftables", "rollback": back.to_dict()})
     assert rollback(spec, switch, applied) == back
@@ -354,8 +407,9 @@ def _template_hash(api: Any) -> str:
     return str(ds["spec"]["template"]["metadata"]["annotations"][RESTART_HASH_ANNOTATION])
 
 
-def test_reconcile_renders_the_rollback_while_the_switch_runs_without_rolling_the_agents_twice(
-) -> None:  # fmt: skip
+def test_reconcile_renders_the_rollback_while_the_switch_runs_without_rolling_agents_twice() -> (
+    None
+):
     api, events = FakeApi(), Events()
     r = reconciler(api)
     ipt = body(mode="iptables", iptables={"syncPeriod": "30s", "masqueradeBit": 10}, generation=1)

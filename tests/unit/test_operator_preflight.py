@@ -33,10 +33,14 @@ NO_IPVS = [
 
 def state(uid: str, node: str, verdicts: list[tuple[str, bool, str]]) -> dict[str, Any]:
     """The ProxyNodeState of `node` as agent Pod `uid` wrote it."""
-    return {"metadata": {"name": node},
-            "status": {"mode": "nftables", "agentPod": {"name": f"p-{uid}", "uid": uid},
-                       "preflight": [{"mode": m, "ok": ok, "detail": d}
-                                     for m, ok, d in verdicts]}}  # fmt: skip
+    return {
+        "metadata": {"name": node},
+        "status": {
+            "mode": "nftables",
+            "agentPod": {"name": f"p-{uid}", "uid": uid},
+            "preflight": [{"mode": m, "ok": ok, "detail": d} for m, ok, d in verdicts],
+        },
+    }
 
 
 def test_reports_are_the_current_agent_pods_node_states() -> None:
@@ -54,13 +58,18 @@ def test_reports_are_the_current_agent_pods_node_states() -> None:
     why = "mode ipvs cannot run on node n1: ip_vs is not a module of 6.1"
     assert condition(pf) == ("False", "NodesCannotRunMode", why)
     assert condition(assess("nftables", reports)) == (
-        "True", "ModeCanRun", "every node that reported (2) can run mode nftables")  # fmt: skip
+        "True",
+        "ModeCanRun",
+        "every node that reported (2) can run mode nftables",
+    )
     assert condition(assess("nftables", {})) is None  # nobody reported: nothing to say
 
 
 def test_dropped_settings_hold_until_accepted() -> None:
-    dropped = [Dropped(DroppedSetting.IPVS_SCHEDULER, "ipvs.scheduler lc: ..."),
-               Dropped(DroppedSetting.IPVS_TIMEOUTS, "ipvs udpTimeout=30s: ...")]  # fmt: skip
+    dropped = [
+        Dropped(DroppedSetting.IPVS_SCHEDULER, "ipvs.scheduler lc: ..."),
+        Dropped(DroppedSetting.IPVS_TIMEOUTS, "ipvs udpTimeout=30s: ..."),
+    ]
     ok = {"n1": {"nftables": ModeCheck("nftables", True)}}
     pf = assess("nftables", ok, dropped, [DroppedSetting.IPVS_SCHEDULER], from_mode="ipvs")
     assert [d.setting for d in pf.held] == [DroppedSetting.IPVS_TIMEOUTS]
@@ -69,7 +78,10 @@ def test_dropped_settings_hold_until_accepted() -> None:
     assert "spec.modeSwitch.acceptDropped: [ipvsTimeouts]" in message
     accepted = assess("nftables", ok, dropped, list(DroppedSetting), from_mode="ipvs")
     assert accepted.held == () and condition(accepted) == (
-        "True", "ModeCanRun", "every node that reported (1) can run mode nftables")  # fmt: skip
+        "True",
+        "ModeCanRun",
+        "every node that reported (1) can run mode nftables",
+    )
 
 
 IPVS = {"acknowledgeDeprecation": True, "scheduler": "lc"}
@@ -100,8 +112,9 @@ def test_a_switch_that_drops_a_setting_waits_for_the_acceptance() -> None:
     # Accepted: the switch proceeds.
     accepted = body(generation=3, modeSwitch={"acceptDropped": ["ipvsScheduler"]})
     status = run(r.reconcile(accepted, [], {}, events))
-    assert "mode: nftables" in api.objs[("ConfigMap", NS, "kpx-agent-default")]["data"][
-        "config.yaml"]  # fmt: skip
+    assert (
+        "mode: nftables" in api.objs[("ConfigMap", NS, "kpx-agent-default")]["data"]["config.yaml"]
+    )
     assert status.condition("Preflight") is None  # no agent reported, nothing held
 
 

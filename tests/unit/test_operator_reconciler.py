@@ -64,16 +64,22 @@ class FakeApi:
         return Applied(self._status(new), created=before is None)
 
     async def list(
-        self, kind: str, namespace: str | None = None, *, label_selector: str = "",
+        self,
+        kind: str,
+        namespace: str | None = None,
+        *,
+        label_selector: str = "",
         field_selector: str = "",
-    ) -> list[dict[str, Any]]:  # fmt: skip
+    ) -> list[dict[str, Any]]:
         self.lists.append((kind, label_selector, field_selector))
         wanted = dict(kv.split("=", 1) for kv in label_selector.split(",") if kv)
         return [
-            copy.deepcopy(obj) for (k, ns, _), obj in self.objs.items()
-            if k == kind and ns == namespace
+            copy.deepcopy(obj)
+            for (k, ns, _), obj in self.objs.items()
+            if k == kind
+            and ns == namespace
             and wanted.items() <= (obj["metadata"].get("labels") or {}).items()
-        ]  # fmt: skip
+        ]
 
     async def get(self, kind: str, name: str, namespace: str | None = None) -> Any:
         obj = self.objs.get((kind, namespace, name))
@@ -226,8 +232,9 @@ def test_denied_ipvs_removes_children_and_warns_once_per_generation() -> None:
     api, events = FakeApi(), Events()
     r = reconciler(api, ipvs_policy=IPVSPolicy.DENY)
     api.objs[("DaemonSet", NS, "kpx-agent-ipvs-pool")] = {
-        "kind": "DaemonSet", "metadata": {"name": "kpx-agent-ipvs-pool", "generation": 1}
-    }  # fmt: skip
+        "kind": "DaemonSet",
+        "metadata": {"name": "kpx-agent-ipvs-pool", "generation": 1},
+    }
     pxc = body("proxyconfig-ipvs.yaml")
     status = run(r.reconcile(pxc, [], {}, events))
     run(r.reconcile(pxc, [], {}, events))
@@ -253,8 +260,9 @@ def test_mode_without_a_backend_deploys_nothing_and_says_so(policy: IPVSPolicy) 
     api, events = FakeApi(), Events()
     r = reconciler(api, ipvs_policy=policy, backends=frozenset({Mode.NFTABLES, Mode.IPTABLES}))
     api.objs[("DaemonSet", NS, "kpx-agent-ipvs-pool")] = {
-        "kind": "DaemonSet", "metadata": {"name": "kpx-agent-ipvs-pool", "generation": 1}
-    }  # fmt: skip
+        "kind": "DaemonSet",
+        "metadata": {"name": "kpx-agent-ipvs-pool", "generation": 1},
+    }
     pxc = body("proxyconfig-ipvs.yaml")
     status = run(r.reconcile(pxc, [], {}, events))
     run(r.reconcile(pxc, [], {}, events))
@@ -282,12 +290,21 @@ def test_refused_apply_is_reported_in_the_status() -> None:
 def node_affinity_out(api: FakeApi, name: str = "kpx-agent-default") -> list[str]:
     """The nodes the agent DaemonSet's required node affinity keeps its Pods off."""
     pod = api.objs[("DaemonSet", NS, name)]["spec"]["template"]["spec"]
-    terms = (((pod.get("affinity") or {}).get("nodeAffinity") or {})
-             .get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get(
-                 "nodeSelectorTerms") or []  # fmt: skip
-    kept_out = [[v for f in t.get("matchFields") or []
-                 if f["key"] == "metadata.name" and f["operator"] == "NotIn" for v in f["values"]]
-                for t in terms]  # fmt: skip
+    terms = (
+        ((pod.get("affinity") or {}).get("nodeAffinity") or {}).get(
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        )
+        or {}
+    ).get("nodeSelectorTerms") or []
+    kept_out = [
+        [
+            v
+            for f in t.get("matchFields") or []
+            if f["key"] == "metadata.name" and f["operator"] == "NotIn"
+            for v in f["values"]
+        ]
+        for t in terms
+    ]
     assert all(k == kept_out[0] for k in kept_out)  # in every term (terms are ORed)
     return kept_out[0] if kept_out else []
 
@@ -360,16 +377,23 @@ def agent_nodes(api: FakeApi) -> set[str]:
 def cleanup_pods_turn_ready(api: FakeApi) -> None:
     """What the cleanup DaemonSet does: a Ready Pod on each node it selects."""
     for (kind, _, name), node in list(api.objs.items()):
-        if kind == "Node" and (node["metadata"].get("labels") or {}).get(
-                "proxy.kpx.dev/cleanup") == "default":  # fmt: skip
+        if (
+            kind == "Node"
+            and (node["metadata"].get("labels") or {}).get("proxy.kpx.dev/cleanup") == "default"
+        ):
             api.objs[("Pod", NS, f"kpx-cleanup-default-{name}")] = {
                 "kind": "Pod",
-                "metadata": {"name": f"kpx-cleanup-default-{name}", "namespace": NS,
-                             "labels": {"app.kubernetes.io/name": "kpx-cleanup",
-                                        "app.kubernetes.io/instance": "default"}},
+                "metadata": {
+                    "name": f"kpx-cleanup-default-{name}",
+                    "namespace": NS,
+                    "labels": {
+                        "app.kubernetes.io/name": "kpx-cleanup",
+                        "app.kubernetes.io/instance": "default",
+                    },
+                },
                 "spec": {"nodeName": name},
                 "status": {"conditions": [{"type": "Ready", "status": "True"}]},
-            }  # fmt: skip
+            }
 
 
 def test_cleanup_goes_node_by_node_at_max_unavailable() -> None:
@@ -399,8 +423,11 @@ def test_cleanup_goes_node_by_node_at_max_unavailable() -> None:
         order += [n for n in cleaning if n not in order]
         # One node at a time without its agent, until it is clean.
         stopped = {"n1", "n2", "n3"} - agent_nodes(api)
-        clean = {o["spec"]["nodeName"] for (k, _, n), o in api.objs.items()
-                 if k == "Pod" and n.startswith("kpx-cleanup-")}  # fmt: skip
+        clean = {
+            o["spec"]["nodeName"]
+            for (k, _, n), o in api.objs.items()
+            if k == "Pod" and n.startswith("kpx-cleanup-")
+        }
         assert len(stopped - clean) <= 1, (t, stopped, clean)
         cleanup_pods_turn_ready(api)
     else:
@@ -501,27 +528,45 @@ def test_a_configuration_in_conflict_cleans_only_its_own_nodes() -> None:
 
 
 def agent_pod(uid: str, node: str) -> dict[str, Any]:
-    return {"kind": "Pod", "metadata": {"name": f"kpx-agent-default-{uid}", "uid": uid,
-            "namespace": NS, "labels": {"app.kubernetes.io/name": "kpx-agent",
-                                        "app.kubernetes.io/instance": "default"}},
-            "spec": {"nodeName": node}}  # fmt: skip
+    return {
+        "kind": "Pod",
+        "metadata": {
+            "name": f"kpx-agent-default-{uid}",
+            "uid": uid,
+            "namespace": NS,
+            "labels": {
+                "app.kubernetes.io/name": "kpx-agent",
+                "app.kubernetes.io/instance": "default",
+            },
+        },
+        "spec": {"nodeName": node},
+    }
 
 
 def node_state(pod_uid: str, node: str, not_applied: str) -> dict[str, Any]:
-    return {"metadata": {"name": node},
-            "status": {"mode": "nftables", "conntrackNotApplied": not_applied,
-                       "agentPod": {"name": f"p-{pod_uid}", "uid": pod_uid}}}  # fmt: skip
+    return {
+        "metadata": {"name": node},
+        "status": {
+            "mode": "nftables",
+            "conntrackNotApplied": not_applied,
+            "agentPod": {"name": f"p-{pod_uid}", "uid": pod_uid},
+        },
+    }
 
 
 def test_conntrack_not_applied_on_a_node_is_degraded_until_its_agent_applies_it() -> None:
     api, events = FakeApi(), Events()
-    api.ds_status["kpx-agent-default"] = {"desiredNumberScheduled": 2, "numberReady": 2,
-                                          "updatedNumberScheduled": 2}  # fmt: skip
+    api.ds_status["kpx-agent-default"] = {
+        "desiredNumberScheduled": 2,
+        "numberReady": 2,
+        "updatedNumberScheduled": 2,
+    }
     for uid, node in (("u1", "n1"), ("u2", "n2")):
         api.objs[("Pod", NS, uid)] = agent_pod(uid, node)
     failed = "conntrack settings not applied: nf_conntrack_max: cannot set 262144"
-    api.objs[("ProxyNodeState", None, "n1")] = node_state("u1", "n1", "nf_conntrack_max: "
-                                                          "cannot set 262144")  # fmt: skip
+    api.objs[("ProxyNodeState", None, "n1")] = node_state(
+        "u1", "n1", "nf_conntrack_max: cannot set 262144"
+    )
     api.objs[("ProxyNodeState", None, "n2")] = node_state("u-old", "n2", "an old pod")
     r = reconciler(api)
     status = run(r.reconcile(body(), [], {}, events))
@@ -534,7 +579,9 @@ def test_conntrack_not_applied_on_a_node_is_degraded_until_its_agent_applies_it(
     api.objs[("ProxyNodeState", None, "n1")] = node_state("u1", "n1", "")
     status = run(r.reconcile(body(), [], {}, events))
     assert (status.condition("Degraded").status, status.condition("Degraded").reason) == (
-        "False", "AsExpected")  # fmt: skip
+        "False",
+        "AsExpected",
+    )
 
 
 def test_conntrack_left_alone_is_no_conntrack_problem() -> None:

@@ -70,105 +70,212 @@ def stalled(reason: str) -> dict[str, tuple[str, str]]:
 ROWS = {
     "all agents ready": Row(
         obs(daemonset=ds(3, 3, 3)),
-        {"Ready": ("True", "AllAgentsReady"), "Progressing": ("False", "RolloutComplete"),
-         "Degraded": FINE, "Deprecated": SUPPORTED, **DONE},
-        desired=3, ready=3, mode="nftables",
+        {
+            "Ready": ("True", "AllAgentsReady"),
+            "Progressing": ("False", "RolloutComplete"),
+            "Degraded": FINE,
+            "Deprecated": SUPPORTED,
+            **DONE,
+        },
+        desired=3,
+        ready=3,
+        mode="nftables",
     ),
     "rolling out: one node updated": Row(
         obs(daemonset=ds(3, 1, 3)),
-        {"Ready": ("False", "AgentsNotReady"), "Progressing": ("True", "RollingOut"),
-         "Degraded": FINE, "Deprecated": SUPPORTED, **ROLLING},
-        desired=3, ready=1, mode="nftables", in_message={"Progressing": "1 of 3 nodes"},
+        {
+            "Ready": ("False", "AgentsNotReady"),
+            "Progressing": ("True", "RollingOut"),
+            "Degraded": FINE,
+            "Deprecated": SUPPORTED,
+            **ROLLING,
+        },
+        desired=3,
+        ready=1,
+        mode="nftables",
+        in_message={"Progressing": "1 of 3 nodes"},
     ),
     "updated but not ready yet": Row(
         obs(daemonset=ds(3, 3, 1)),
-        {"Ready": ("False", "AgentsNotReady"), "Progressing": ("True", "RollingOut"),
-         "Degraded": FINE, "Deprecated": SUPPORTED, **ROLLING},
-        desired=3, ready=1, mode="nftables",
+        {
+            "Ready": ("False", "AgentsNotReady"),
+            "Progressing": ("True", "RollingOut"),
+            "Degraded": FINE,
+            "Deprecated": SUPPORTED,
+            **ROLLING,
+        },
+        desired=3,
+        ready=1,
+        mode="nftables",
     ),
     "template not observed by the DaemonSet controller": Row(
         obs(daemonset=ds(3, 3, 3, generation=8, observed=7)),
-        {"Ready": ("False", "RollingOut"), "Progressing": ("True", "RollingOut"),
-         "Degraded": FINE, "Deprecated": SUPPORTED, **ROLLING},
-        desired=0, ready=0, mode="nftables",
+        {
+            "Ready": ("False", "RollingOut"),
+            "Progressing": ("True", "RollingOut"),
+            "Degraded": FINE,
+            "Deprecated": SUPPORTED,
+            **ROLLING,
+        },
+        desired=0,
+        ready=0,
+        mode="nftables",
     ),
     "fresh DaemonSet without status": Row(
         obs(daemonset={"metadata": {"generation": 1}}),
-        {"Ready": ("False", "RollingOut"), "Progressing": ("True", "RollingOut"),
-         "Degraded": FINE, "Deprecated": SUPPORTED, **ROLLING},
-        desired=0, ready=0, mode="nftables",
+        {
+            "Ready": ("False", "RollingOut"),
+            "Progressing": ("True", "RollingOut"),
+            "Degraded": FINE,
+            "Deprecated": SUPPORTED,
+            **ROLLING,
+        },
+        desired=0,
+        ready=0,
+        mode="nftables",
     ),
     "DaemonSet missing": Row(
         obs(daemonset=None),
-        {"Ready": ("False", "AgentsNotDeployed"), "Progressing": ("True", "RollingOut"),
-         "Degraded": FINE, "Deprecated": SUPPORTED, **ROLLING},
-        desired=0, ready=0, mode="nftables",
+        {
+            "Ready": ("False", "AgentsNotDeployed"),
+            "Progressing": ("True", "RollingOut"),
+            "Degraded": FINE,
+            "Deprecated": SUPPORTED,
+            **ROLLING,
+        },
+        desired=0,
+        ready=0,
+        mode="nftables",
     ),
     "no node selected": Row(
         obs(daemonset=ds(0, 0, 0)),
-        {"Ready": ("False", "NoMatchingNodes"), "Progressing": ("False", "NoMatchingNodes"),
-         "Degraded": FINE, "Deprecated": SUPPORTED, **DONE},
-        desired=0, ready=0, mode="nftables",
+        {
+            "Ready": ("False", "NoMatchingNodes"),
+            "Progressing": ("False", "NoMatchingNodes"),
+            "Degraded": FINE,
+            "Deprecated": SUPPORTED,
+            **DONE,
+        },
+        desired=0,
+        ready=0,
+        mode="nftables",
     ),
     "ipvs allowed": Row(
         obs(Admission(deploy=True, deprecated=True), ds(2, 2, 2), mode="ipvs"),
-        {"Ready": ("True", "AllAgentsReady"), "Progressing": ("False", "RolloutComplete"),
-         "Degraded": FINE, "Deprecated": ("True", "IPVSDeprecated"), **DONE},
-        desired=2, ready=2, mode="ipvs", in_message={"Deprecated": "nftables"},
+        {
+            "Ready": ("True", "AllAgentsReady"),
+            "Progressing": ("False", "RolloutComplete"),
+            "Degraded": FINE,
+            "Deprecated": ("True", "IPVSDeprecated"),
+            **DONE,
+        },
+        desired=2,
+        ready=2,
+        mode="ipvs",
+        in_message={"Deprecated": "nftables"},
     ),
     "ipvs denied": Row(
         obs(DENIED, None, mode="ipvs"),
-        {"Ready": ("False", "IPVSDenied"), "Progressing": ("False", "IPVSDenied"),
-         "Degraded": ("True", "IPVSDenied"), "Deprecated": ("True", "IPVSDeprecated"),
-         **stalled("IPVSDenied")},
-        desired=0, ready=0, mode=None,
+        {
+            "Ready": ("False", "IPVSDenied"),
+            "Progressing": ("False", "IPVSDenied"),
+            "Degraded": ("True", "IPVSDenied"),
+            "Deprecated": ("True", "IPVSDeprecated"),
+            **stalled("IPVSDenied"),
+        },
+        desired=0,
+        ready=0,
+        mode=None,
         in_message={"Degraded": "nftables", "Ready": "--ipvs-policy=deny"},
     ),
     "mode without a backend in the agent": Row(
         obs(NO_BACKEND, None, mode="ipvs"),
-        {"Ready": ("False", "ModeNotImplemented"),
-         "Progressing": ("False", "ModeNotImplemented"),
-         "Degraded": ("True", "ModeNotImplemented"), "Deprecated": ("True", "IPVSDeprecated"),
-         **stalled("ModeNotImplemented")},
-        desired=0, ready=0, mode=None,
+        {
+            "Ready": ("False", "ModeNotImplemented"),
+            "Progressing": ("False", "ModeNotImplemented"),
+            "Degraded": ("True", "ModeNotImplemented"),
+            "Deprecated": ("True", "IPVSDeprecated"),
+            **stalled("ModeNotImplemented"),
+        },
+        desired=0,
+        ready=0,
+        mode=None,
         in_message={"Degraded": "mode ipvs has no backend", "Ready": "nothing is deployed"},
     ),
     "every node kept by an older configuration": Row(
         obs(BLOCKED, ds(0, 0, 0)),
-        {"Ready": ("False", "NoMatchingNodes"), "Progressing": ("False", "NoMatchingNodes"),
-         "Degraded": ("True", "NodeConflict"), "Deprecated": SUPPORTED, **stalled("NodeConflict")},
-        desired=0, ready=0, mode="nftables",
-        in_message={"Degraded": "keeps its agents off nodes node-1, node-2",
-                    "Ready": "older ProxyConfigurations run there"},
+        {
+            "Ready": ("False", "NoMatchingNodes"),
+            "Progressing": ("False", "NoMatchingNodes"),
+            "Degraded": ("True", "NodeConflict"),
+            "Deprecated": SUPPORTED,
+            **stalled("NodeConflict"),
+        },
+        desired=0,
+        ready=0,
+        mode="nftables",
+        in_message={
+            "Degraded": "keeps its agents off nodes node-1, node-2",
+            "Ready": "older ProxyConfigurations run there",
+        },
     ),
     "newer side of a conflict keeps its other nodes": Row(
         obs(PARTLY, ds(2, 2, 2)),
-        {"Ready": ("True", "AllAgentsReady"), "Progressing": ("False", "RolloutComplete"),
-         "Degraded": ("True", "NodeConflict"), "Deprecated": SUPPORTED, **stalled("NodeConflict")},
-        desired=2, ready=2, mode="nftables",
+        {
+            "Ready": ("True", "AllAgentsReady"),
+            "Progressing": ("False", "RolloutComplete"),
+            "Degraded": ("True", "NodeConflict"),
+            "Deprecated": SUPPORTED,
+            **stalled("NodeConflict"),
+        },
+        desired=2,
+        ready=2,
+        mode="nftables",
         in_message={"Degraded": "keeps its agents off node node-1 until"},
     ),
     "older side of a conflict keeps running": Row(
         obs(WINNER, ds(2, 2, 2)),
-        {"Ready": ("True", "AllAgentsReady"), "Progressing": ("False", "RolloutComplete"),
-         "Degraded": ("True", "NodeConflict"), "Deprecated": SUPPORTED, **DONE},
-        desired=2, ready=2, mode="nftables",
+        {
+            "Ready": ("True", "AllAgentsReady"),
+            "Progressing": ("False", "RolloutComplete"),
+            "Degraded": ("True", "NodeConflict"),
+            "Deprecated": SUPPORTED,
+            **DONE,
+        },
+        desired=2,
+        ready=2,
+        mode="nftables",
         in_message={"Degraded": "node-1 is also selected by ProxyConfiguration newer"},
     ),
     "apply refused": Row(
         obs(daemonset=ds(2, 2, 2), error="Forbidden (403): daemonsets is forbidden"),
-        {"Ready": ("True", "AllAgentsReady"), "Progressing": ("False", "RolloutComplete"),
-         "Degraded": ("True", "ReconcileFailed"), "Deprecated": SUPPORTED,
-         "Reconciling": ("True", "ReconcileFailed"), "Stalled": FINE},
-        desired=2, ready=2, mode="nftables", in_message={"Degraded": "Forbidden"},
+        {
+            "Ready": ("True", "AllAgentsReady"),
+            "Progressing": ("False", "RolloutComplete"),
+            "Degraded": ("True", "ReconcileFailed"),
+            "Deprecated": SUPPORTED,
+            "Reconciling": ("True", "ReconcileFailed"),
+            "Stalled": FINE,
+        },
+        desired=2,
+        ready=2,
+        mode="nftables",
+        in_message={"Degraded": "Forbidden"},
     ),
     "invalid spec": Row(
         obs(Admission(deploy=False), None, invalid="spec: mode: required"),
-        {"Ready": ("False", "InvalidSpec"), "Progressing": ("False", "InvalidSpec"),
-         "Degraded": ("True", "InvalidSpec"), "Deprecated": SUPPORTED, **stalled("InvalidSpec")},
-        desired=0, ready=0, mode=None,
+        {
+            "Ready": ("False", "InvalidSpec"),
+            "Progressing": ("False", "InvalidSpec"),
+            "Degraded": ("True", "InvalidSpec"),
+            "Deprecated": SUPPORTED,
+            **stalled("InvalidSpec"),
+        },
+        desired=0,
+        ready=0,
+        mode=None,
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", list(ROWS))
@@ -178,8 +285,13 @@ def test_status_row(name: str) -> None:
     got = {c.type: (str(c.status), c.reason) for c in status.conditions}
     assert got == row.conditions
     assert [c.type for c in status.conditions] == [
-        "Ready", "Progressing", "Degraded", "Deprecated", "Reconciling", "Stalled",
-    ]  # fmt: skip
+        "Ready",
+        "Progressing",
+        "Degraded",
+        "Deprecated",
+        "Reconciling",
+        "Stalled",
+    ]
     assert (status.desired_nodes, status.ready_nodes) == (row.desired, row.ready)
     assert status.mode == row.mode
     assert status.observed_generation == GEN
@@ -203,8 +315,14 @@ def test_transition_time_moves_only_when_the_status_flips() -> None:
     assert again.condition("Progressing").message != first.condition("Progressing").message  # type: ignore[union-attr]
     done = compute_status(replace(rolling, daemonset=ds(3, 3, 3)), again, T1)
     times = {c.type: c.last_transition_time for c in done.conditions}
-    assert times == {"Ready": T1, "Progressing": T1, "Degraded": T0, "Deprecated": T0,
-                     "Reconciling": T1, "Stalled": T0}  # fmt: skip
+    assert times == {
+        "Ready": T1,
+        "Progressing": T1,
+        "Degraded": T0,
+        "Deprecated": T0,
+        "Reconciling": T1,
+        "Stalled": T0,
+    }
 
 
 def test_rollout_counts_only_current_and_updated_pods_as_ready() -> None:
@@ -300,8 +418,9 @@ def test_kstatus_conditions_from_preflight_and_mode_switch() -> None:
     assert k(held) == stalled("SettingsNotCarriedOver")
     assert k(("Preflight", "True", "ModeCanRun", "every node")) == DONE
     assert k(("ModeSwitch", "False", "Switching", "1 of 2")) == {
-        "Reconciling": ("True", "ModeSwitching"), "Stalled": FINE,
-    }  # fmt: skip
+        "Reconciling": ("True", "ModeSwitching"),
+        "Stalled": FINE,
+    }
     assert k(("ModeSwitch", "False", "NodeStuck", "stuck")) == stalled("NodeStuck")
     assert k(("ModeSwitch", "False", "NodeRolledBack", "back")) == stalled("NodeRolledBack")
     assert k(("ModeSwitch", "True", "Switched", "done")) == DONE

@@ -41,12 +41,19 @@ def state(
 ) -> dict[str, Any]:
     """The ProxyNodeState of `node` as agent Pod `uid` wrote it; `pending`: name -> (kind,
     state, message) of leftoversPending."""
-    leftovers = [{"name": n, "kind": k, "state": st, "message": m}
-                 for n, (k, st, m) in pending.items()]  # fmt: skip
-    return {"metadata": {"name": node},
-            "status": {"mode": "nftables", "firstSyncVerified": verified,
-                       "takeoverFromKubeProxy": takeover, "leftoversPending": leftovers,
-                       "agentPod": {"name": f"p-{uid}", "uid": uid}}}  # fmt: skip
+    leftovers = [
+        {"name": n, "kind": k, "state": st, "message": m} for n, (k, st, m) in pending.items()
+    ]
+    return {
+        "metadata": {"name": node},
+        "status": {
+            "mode": "nftables",
+            "firstSyncVerified": verified,
+            "takeoverFromKubeProxy": takeover,
+            "leftoversPending": leftovers,
+            "agentPod": {"name": f"p-{uid}", "uid": uid},
+        },
+    }
 
 
 def kube_proxy(state_: str, message: str = "") -> tuple[str, str, str]:
@@ -91,8 +98,12 @@ def test_phases_come_from_the_current_agent_pods_node_state() -> None:
 
 
 def test_only_served_nodes_without_the_label_are_labelled() -> None:
-    phases = {"n1": (P.AGENT_READY, ""), "n2": (P.AGENT_NOT_READY, ""),
-              "n3": (P.KUBE_PROXY_RULES_REMOVED, ""), "gone": (P.AGENT_READY, "")}  # fmt: skip
+    phases = {
+        "n1": (P.AGENT_READY, ""),
+        "n2": (P.AGENT_NOT_READY, ""),
+        "n3": (P.KUBE_PROXY_RULES_REMOVED, ""),
+        "gone": (P.AGENT_READY, ""),
+    }
     labels = {"n1": {}, "n2": {}, "n3": {KUBE_PROXY_OFF_LABEL: "true"}}
     assert nodes_to_label(phases, labels) == ["n1"]
 
@@ -101,10 +112,12 @@ def kube_proxy_ds(affinity: dict[str, Any] | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {"containers": [{"name": "kube-proxy"}]}
     if affinity is not None:
         spec["affinity"] = affinity
-    return {"apiVersion": "apps/v1", "kind": "DaemonSet",
-            "metadata": {"name": "kube-proxy", "namespace": "kube-system",
-                         "resourceVersion": "7"},
-            "spec": {"template": {"spec": spec}}}  # fmt: skip
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": "kube-proxy", "namespace": "kube-system", "resourceVersion": "7"},
+        "spec": {"template": {"spec": spec}},
+    }
 
 
 def terms_of(patch: dict[str, Any]) -> list[dict[str, Any]]:
@@ -135,21 +148,30 @@ def test_affinity_patch_excludes_labelled_nodes_in_every_term_once() -> None:
     )
     patch = affinity_patch(ds)
     assert patch is not None
-    assert terms_of(patch) == [{"matchExpressions": [linux, EXCLUDE]},
-                               {"matchExpressions": [arm, EXCLUDE]}]  # fmt: skip
+    assert terms_of(patch) == [
+        {"matchExpressions": [linux, EXCLUDE]},
+        {"matchExpressions": [arm, EXCLUDE]},
+    ]
     done = kube_proxy_ds(patch["spec"]["template"]["spec"]["affinity"])
     assert affinity_patch(done) is None
 
 
 def test_status_summary_counts_each_phase() -> None:
-    phases = {"n1": (P.KUBE_PROXY_RULES_REMOVED, "removed"), "n2": (P.WAITING_FOR_KUBE_PROXY, ""),
-              "n3": (P.KUBE_PROXY_RULES_REMOVED, "")}  # fmt: skip
+    phases = {
+        "n1": (P.KUBE_PROXY_RULES_REMOVED, "removed"),
+        "n2": (P.WAITING_FOR_KUBE_PROXY, ""),
+        "n3": (P.KUBE_PROXY_RULES_REMOVED, ""),
+    }
     status = takeover_status(phases, {"n2": {KUBE_PROXY_OFF_LABEL: "true"}})
     assert status.done == 2
-    assert status.summary == ("2 of 3 nodes taken over from kube-proxy "
-                              "(1 WaitingForKubeProxy, 2 KubeProxyRulesRemoved)")  # fmt: skip
+    assert status.summary == (
+        "2 of 3 nodes taken over from kube-proxy (1 WaitingForKubeProxy, 2 KubeProxyRulesRemoved)"
+    )
     assert [(n.name, n.kube_proxy_off) for n in status.nodes] == [
-        ("n1", False), ("n2", True), ("n3", False)]  # fmt: skip
+        ("n1", False),
+        ("n2", True),
+        ("n3", False),
+    ]
 
 
 def test_status_lists_at_most_the_crds_limit_furthest_behind_first() -> None:
@@ -177,8 +199,11 @@ def test_move_kube_proxy_off_needs_from_kube_proxy() -> None:
 
 def cluster() -> tuple[FakeApi, dict[str, dict[str, str]]]:
     api = FakeApi()
-    api.ds_status["kpx-agent-default"] = {"desiredNumberScheduled": 2, "numberReady": 2,
-                                          "updatedNumberScheduled": 2}  # fmt: skip
+    api.ds_status["kpx-agent-default"] = {
+        "desiredNumberScheduled": 2,
+        "numberReady": 2,
+        "updatedNumberScheduled": 2,
+    }
     api.objs[("DaemonSet", "kube-system", "kube-proxy")] = kube_proxy_ds()
     nodes: dict[str, dict[str, str]] = {"n1": {}, "n2": {}}
     for uid, node in (("u1", "n1"), ("u2", "n2")):
@@ -199,10 +224,13 @@ def test_kube_proxy_is_moved_off_node_by_node_as_agents_become_ready() -> None:
     status = run(r.reconcile(body(takeover=TAKEOVER), [], nodes, events))
     assert api.patches == []
     assert [(n.name, n.phase) for n in status.takeover.nodes] == [
-        ("n1", P.AGENT_NOT_READY), ("n2", P.AGENT_NOT_READY)]  # fmt: skip
+        ("n1", P.AGENT_NOT_READY),
+        ("n2", P.AGENT_NOT_READY),
+    ]
     # n1's agent serves: the DaemonSet gets the affinity once, n1 the label; n2 is left alone.
     api.objs[("ProxyNodeState", None, "n1")] = state(
-        "u1", "n1", **{"kube-proxy": kube_proxy("Pending")})  # fmt: skip
+        "u1", "n1", **{"kube-proxy": kube_proxy("Pending")}
+    )
     status = run(r.reconcile(body(takeover=TAKEOVER), [], nodes, events))
     assert [(k, n) for k, n, _ in api.patches] == [("DaemonSet", "kube-proxy"), ("Node", "n1")]
     ds = api.objs[("DaemonSet", "kube-system", "kube-proxy")]
@@ -210,7 +238,9 @@ def test_kube_proxy_is_moved_off_node_by_node_as_agents_become_ready() -> None:
     assert api.objs[("Node", None, "n1")]["metadata"]["labels"] == {KUBE_PROXY_OFF_LABEL: "true"}
     assert "labels" not in api.objs[("Node", None, "n2")]["metadata"]
     assert [(n.name, n.phase, n.kube_proxy_off) for n in status.takeover.nodes] == [
-        ("n1", P.AGENT_READY, True), ("n2", P.AGENT_NOT_READY, False)]  # fmt: skip
+        ("n1", P.AGENT_READY, True),
+        ("n2", P.AGENT_NOT_READY, False),
+    ]
     assert {"AgentReady", "KubeProxyAffinityPatched", "KubeProxyMovedOff"} <= set(events.reasons())
     # The next pass (the node index now has the label) patches nothing again.
     nodes["n1"] = {KUBE_PROXY_OFF_LABEL: "true"}
@@ -219,19 +249,23 @@ def test_kube_proxy_is_moved_off_node_by_node_as_agents_become_ready() -> None:
     api.objs[("ProxyNodeState", None, "n1")] = state("u1", "n1")
     status = run(r.reconcile(body(takeover=TAKEOVER), [], nodes, events))
     assert len(api.patches) == before
-    assert events == [("Normal", "KubeProxyRulesRemoved",
-                       "node n1: removed upstream kube-proxy's rules")]  # fmt: skip
-    assert status.takeover.summary == ("1 of 2 nodes taken over from kube-proxy "
-                                       "(1 AgentNotReady, 1 KubeProxyRulesRemoved)")  # fmt: skip
+    assert events == [
+        ("Normal", "KubeProxyRulesRemoved", "node n1: removed upstream kube-proxy's rules")
+    ]
+    assert status.takeover.summary == (
+        "1 of 2 nodes taken over from kube-proxy (1 AgentNotReady, 1 KubeProxyRulesRemoved)"
+    )
 
 
 def test_without_move_kube_proxy_off_nothing_is_patched_but_progress_shows() -> None:
     api, nodes = cluster()
     events = Events()
     api.objs[("ProxyNodeState", None, "n1")] = state(
-        "u1", "n1", **{"kube-proxy": kube_proxy("Waiting", WAIT_KP)})  # fmt: skip
-    status = run(reconciler(api).reconcile(body(takeover={"fromKubeProxy": True}), [], nodes,
-                                           events))  # fmt: skip
+        "u1", "n1", **{"kube-proxy": kube_proxy("Waiting", WAIT_KP)}
+    )
+    status = run(
+        reconciler(api).reconcile(body(takeover={"fromKubeProxy": True}), [], nodes, events)
+    )
     assert api.patches == []
     assert status.takeover.nodes[0].phase == P.WAITING_FOR_KUBE_PROXY
     # Without fromKubeProxy there is no takeover status at all.
@@ -251,10 +285,16 @@ def test_a_missing_kube_proxy_daemonset_is_said_once() -> None:
 
 
 def kube_proxy_pod(node: str, ready: bool) -> dict[str, Any]:
-    return {"kind": "Pod", "metadata": {"name": f"kube-proxy-{node}", "namespace": "kube-system",
-                                        "labels": {"k8s-app": "kube-proxy"}},
-            "spec": {"nodeName": node},
-            "status": {"conditions": [{"type": "Ready", "status": str(ready)}]}}  # fmt: skip
+    return {
+        "kind": "Pod",
+        "metadata": {
+            "name": f"kube-proxy-{node}",
+            "namespace": "kube-system",
+            "labels": {"k8s-app": "kube-proxy"},
+        },
+        "spec": {"nodeName": node},
+        "status": {"conditions": [{"type": "Ready", "status": str(ready)}]},
+    }
 
 
 def test_a_cleanup_removes_a_nodes_rules_only_once_kube_proxy_is_ready_there() -> None:
@@ -262,7 +302,8 @@ def test_a_cleanup_removes_a_nodes_rules_only_once_kube_proxy_is_ready_there() -
     once, without waiting for kube-proxy to serve."""
     api, nodes = cluster()
     api.objs[("DaemonSet", "kube-system", "kube-proxy")]["spec"]["selector"] = {
-        "matchLabels": {"k8s-app": "kube-proxy"}}  # fmt: skip
+        "matchLabels": {"k8s-app": "kube-proxy"}
+    }
     events = Events()
     r = reconciler(api)
     pxc = body(takeover=TAKEOVER, deletionPolicy="Cleanup", maxUnavailable=1)
@@ -276,8 +317,9 @@ def test_a_cleanup_removes_a_nodes_rules_only_once_kube_proxy_is_ready_there() -
             run(r.finalize(pxc, [], nodes, t, events))
 
     def agents() -> set[str]:
-        return {o["spec"]["nodeName"] for (k, ns, _), o in api.objs.items()
-                if k == "Pod" and ns == NS}  # fmt: skip
+        return {
+            o["spec"]["nodeName"] for (k, ns, _), o in api.objs.items() if k == "Pod" and ns == NS
+        }
 
     def labels(node: str) -> dict[str, str]:
         return dict(api.objs[("Node", None, node)]["metadata"].get("labels") or {})

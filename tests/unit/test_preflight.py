@@ -63,8 +63,10 @@ def test_gather_reads_the_tools_answers_and_the_kernels_module_lists(tmp_path: P
     if facts.nft is not None:  # nft installed here: its check ran on the test table
         assert facts.nft == "nftables v1.0.6"
         assert facts.nft_check == "Error: Could not process rule"
-        assert any(argv[:2] == ["nft", "--check"] and "hook input" in (stdin or "")
-                   for argv, stdin in calls)  # fmt: skip
+        assert any(
+            argv[:2] == ["nft", "--check"] and "hook input" in (stdin or "")
+            for argv, stdin in calls
+        )
 
 
 def test_the_event_message_has_one_line_per_mode() -> None:
@@ -80,8 +82,10 @@ def test_dropped_settings_of_a_switch() -> None:
     ipvs = parse_spec({"mode": "ipvs", "ipvs": block})
     nftables = parse_spec({"mode": "nftables"})
     dropped = dropped_settings(ipvs, nftables)
-    assert [d.setting for d in dropped] == [DroppedSetting.IPVS_SCHEDULER,
-                                            DroppedSetting.IPVS_TIMEOUTS]  # fmt: skip
+    assert [d.setting for d in dropped] == [
+        DroppedSetting.IPVS_SCHEDULER,
+        DroppedSetting.IPVS_TIMEOUTS,
+    ]
     assert "udpTimeout=30s" in dropped[1].detail
     assert dropped_settings(ipvs, ipvs) == []  # no switch
     plain = parse_spec({"mode": "ipvs", "ipvs": {"acknowledgeDeprecation": True}})
@@ -103,11 +107,17 @@ def test_localhost_node_ports_carry_over_to_nftables_when_set() -> None:
     assert dropped_settings(iptables, carried) == []
     # Back again: iptables has them on by default.
     assert dropped_settings(carried, parse_spec({"mode": "iptables"})) == []
-    lost = dropped_settings(carried, parse_spec({"mode": "iptables", "iptables": {
-        "localhostNodePorts": False}}))  # fmt: skip
+    lost = dropped_settings(
+        carried, parse_spec({"mode": "iptables", "iptables": {"localhostNodePorts": False}})
+    )
     assert [d.setting for d in lost] == [DroppedSetting.LOCALHOST_NODE_PORTS]
-    elsewhere = parse_spec({"mode": "nftables", "nftables": {"localhostNodePorts": True},
-                            "nodePortAddresses": ["10.0.0.0/8"]})  # fmt: skip
+    elsewhere = parse_spec(
+        {
+            "mode": "nftables",
+            "nftables": {"localhostNodePorts": True},
+            "nodePortAddresses": ["10.0.0.0/8"],
+        }
+    )
     (held,) = dropped_settings(iptables, elsewhere)
     assert held.setting is DroppedSetting.LOCALHOST_NODE_PORTS
     assert "leaves 127.0.0.1 out" in held.detail

@@ -145,15 +145,24 @@ def test_a_failed_removal_is_counted_reported_and_retried() -> None:
         await asyncio.wait_for(removal.run(verified), 30)
 
     other = Leftover("ipvs", "ipvs rules", lambda: None)
-    removal = LeftoverRemoval([Leftover("iptables", "iptables rules", flaky), other],
-                              registry, report, first_delay=0.01)  # fmt: skip
+    removal = LeftoverRemoval(
+        [Leftover("iptables", "iptables rules", flaky), other], registry, report, first_delay=0.01
+    )
     assert [(p.name, p.kind, p.state) for p in removal.pending_reports()] == [
         ("iptables", LeftoverKind.KPX_MODE, LeftoverState.PENDING),
-        ("ipvs", LeftoverKind.KPX_MODE, LeftoverState.PENDING)]  # fmt: skip
+        ("ipvs", LeftoverKind.KPX_MODE, LeftoverState.PENDING),
+    ]
     asyncio.run(scenario())
-    assert states == [[("iptables", LeftoverState.FAILING,
-                        "could not remove iptables rules (retrying): xtables lock held"),
-                       ("ipvs", LeftoverState.PENDING, "ipvs rules not removed yet")]]  # fmt: skip
+    assert states == [
+        [
+            (
+                "iptables",
+                LeftoverState.FAILING,
+                "could not remove iptables rules (retrying): xtables lock held",
+            ),
+            ("ipvs", LeftoverState.PENDING, "ipvs rules not removed yet"),
+        ]
+    ]
     assert removal.pending_reports() == []
     assert len(attempts) == 3
     assert sample(registry, "kpx_leftover_removal_failures_total", "iptables") == 2
@@ -180,10 +189,15 @@ def test_a_precondition_holds_the_removal_back_until_it_holds() -> None:
         reports.append(reason)
 
     leftover = Leftover(
-        "kube-proxy", "upstream's rules", lambda: removed.append("kube-proxy"), ready,
-        removed_reason="KubeProxyRulesRemoved", waiting_reason="WaitingForKubeProxy",
-        waiting_message="kube-proxy still runs here", kind=LeftoverKind.KUBE_PROXY,
-    )  # fmt: skip
+        "kube-proxy",
+        "upstream's rules",
+        lambda: removed.append("kube-proxy"),
+        ready,
+        removed_reason="KubeProxyRulesRemoved",
+        waiting_reason="WaitingForKubeProxy",
+        waiting_message="kube-proxy still runs here",
+        kind=LeftoverKind.KUBE_PROXY,
+    )
 
     async def scenario() -> None:
         verified = asyncio.Event()
@@ -225,11 +239,17 @@ def test_a_proxy_that_comes_back_and_leaves_again_has_its_rules_removed_again() 
         await until(lambda: len(polls) >= asked, f"the precondition asked {times} more times")
 
     leftover = Leftover(
-        "kube-proxy", "upstream's rules", lambda: removed.append("kube-proxy"), ready,
-        removed_reason="KubeProxyRulesRemoved", waiting_reason="WaitingForKubeProxy",
-        waiting_message="kube-proxy still runs here", rearm=True,
-        returned_reason="WaitingForKubeProxy", returned_message="kube-proxy runs here again",
-    )  # fmt: skip
+        "kube-proxy",
+        "upstream's rules",
+        lambda: removed.append("kube-proxy"),
+        ready,
+        removed_reason="KubeProxyRulesRemoved",
+        waiting_reason="WaitingForKubeProxy",
+        waiting_message="kube-proxy still runs here",
+        rearm=True,
+        returned_reason="WaitingForKubeProxy",
+        returned_message="kube-proxy runs here again",
+    )
 
     async def scenario() -> None:
         verified = asyncio.Event()
@@ -246,7 +266,8 @@ def test_a_proxy_that_comes_back_and_leaves_again_has_its_rules_removed_again() 
         assert removed == ["kube-proxy"]  # never while it runs
         # Its ProxyNodeState says it is pending again, waiting (the operator's takeover phase).
         assert [(p.name, p.state, p.message) for p in removal.pending_reports()] == [
-            ("kube-proxy", LeftoverState.WAITING, "kube-proxy runs here again")]  # fmt: skip
+            ("kube-proxy", LeftoverState.WAITING, "kube-proxy runs here again")
+        ]
         assert [r for r, _ in reports] == ["KubeProxyRulesRemoved", "WaitingForKubeProxy"]
         gone["kube-proxy"] = True  # left again
         await until(lambda: len(removed) == 2, "the rules removed again")
@@ -276,8 +297,9 @@ def test_a_precondition_that_cannot_be_checked_is_retried() -> None:
     async def scenario() -> None:
         verified = asyncio.Event()
         verified.set()
-        removal = LeftoverRemoval([Leftover("kube-proxy", "x", lambda: None, ready)], registry,
-                                  first_delay=0.01)  # fmt: skip
+        removal = LeftoverRemoval(
+            [Leftover("kube-proxy", "x", lambda: None, ready)], registry, first_delay=0.01
+        )
         await asyncio.wait_for(removal.run(verified), 30)
         assert not removal.pending
 
@@ -365,8 +387,12 @@ def test_a_draining_removal_is_retried_without_failing_or_holding_readiness() ->
     async def scenario() -> LeftoverRemoval:
         verified = asyncio.Event()
         verified.set()
-        removal = LeftoverRemoval([Leftover("ipvs", "the rules of kpx mode ipvs", remove)],
-                                  registry, report, drain_poll=0.05)  # fmt: skip
+        removal = LeftoverRemoval(
+            [Leftover("ipvs", "the rules of kpx mode ipvs", remove)],
+            registry,
+            report,
+            drain_poll=0.05,
+        )
         task = asyncio.create_task(removal.run(verified))
         await until(lambda: len(tries) == 1, "a first removal that drains")
         assert "ipvs" in removal.pending and removal.blocking({"ipvs"}) == ""

@@ -36,13 +36,17 @@ KUBE_PROXY_DAEMONSET: Final = "kube-proxy"
 TIMEOUT: Final = 120.0
 #: (save, restore) tools per family and variant; plain names last (a node with one flavour).
 _VARIANTS: Final = {
-    4: (("iptables-nft-save", "iptables-nft-restore"),
+    4: (
+        ("iptables-nft-save", "iptables-nft-restore"),
         ("iptables-legacy-save", "iptables-legacy-restore"),
-        ("iptables-save", "iptables-restore")),
-    6: (("ip6tables-nft-save", "ip6tables-nft-restore"),
+        ("iptables-save", "iptables-restore"),
+    ),
+    6: (
+        ("ip6tables-nft-save", "ip6tables-nft-restore"),
         ("ip6tables-legacy-save", "ip6tables-legacy-restore"),
-        ("ip6tables-save", "ip6tables-restore")),
-}  # fmt: skip
+        ("ip6tables-save", "ip6tables-restore"),
+    ),
+}
 
 
 class TakeoverError(RuntimeError):
@@ -51,8 +55,9 @@ class TakeoverError(RuntimeError):
 
 def _run(argv: Sequence[str], stdin: str | None = None) -> str:
     try:
-        proc = subprocess.run(list(argv), input=stdin, capture_output=True, text=True,
-                              check=False, timeout=TIMEOUT)  # fmt: skip
+        proc = subprocess.run(
+            list(argv), input=stdin, capture_output=True, text=True, check=False, timeout=TIMEOUT
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise TakeoverError(f"{argv[0]}: {exc}") from exc
     if proc.returncode != 0:
@@ -88,8 +93,9 @@ def remove_iptables_leftovers() -> list[plan.TablePlan]:
                 script = table_plan.script()
                 if script:
                     _run([restore, "-w", "5", "--noflush"], script)
-                    log.info("removed kube-proxy's rules (%s): %s", restore,
-                             plan.describe([table_plan]))  # fmt: skip
+                    log.info(
+                        "removed kube-proxy's rules (%s): %s", restore, plan.describe([table_plan])
+                    )
                 done.append(table_plan)
     return done
 
@@ -132,8 +138,9 @@ def remove_ipset_leftovers() -> list[str]:
                 ipset.destroy(name)
             except NetlinkError as exc:
                 if exc.code == _IPSET_BUSY:
-                    log.warning("kept kube-proxy's ipset %s: a rule of someone else's uses it",
-                                name)  # fmt: skip
+                    log.warning(
+                        "kept kube-proxy's ipset %s: a rule of someone else's uses it", name
+                    )
                     continue
                 if exc.code == errno.ENOENT:
                     continue
@@ -188,8 +195,9 @@ def kube_proxy_pods(pods: Sequence[Mapping[str, Any]]) -> list[str]:
     for pod in pods:
         meta = pod.get("metadata") or {}
         owners = meta.get("ownerReferences") or []
-        if not any(o.get("kind") == "DaemonSet" and o.get("name") == KUBE_PROXY_DAEMONSET
-                   for o in owners):  # fmt: skip
+        if not any(
+            o.get("kind") == "DaemonSet" and o.get("name") == KUBE_PROXY_DAEMONSET for o in owners
+        ):
             continue
         if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
             continue

@@ -33,25 +33,69 @@ HEALTHZ_PORT: Final = 10256
 METRICS_PORT: Final = 10249
 
 #: Every field of v1alpha1 KubeProxyConfiguration (k8s.io/kube-proxy v0.36), by block.
-TOP_FIELDS: Final = frozenset({
-    "apiVersion", "kind", "featureGates", "clientConnection", "logging", "hostnameOverride",
-    "bindAddress", "healthzBindAddress", "metricsBindAddress", "bindAddressHardFail",
-    "enableProfiling", "showHiddenMetricsForVersion", "mode", "iptables", "ipvs", "nftables",
-    "winkernel", "detectLocalMode", "detectLocal", "clusterCIDR", "nodePortAddresses",
-    "oomScoreAdj", "conntrack", "configSyncPeriod", "portRange", "windowsRunAsService",
-})  # fmt: skip
+TOP_FIELDS: Final = frozenset(
+    {
+        "apiVersion",
+        "kind",
+        "featureGates",
+        "clientConnection",
+        "logging",
+        "hostnameOverride",
+        "bindAddress",
+        "healthzBindAddress",
+        "metricsBindAddress",
+        "bindAddressHardFail",
+        "enableProfiling",
+        "showHiddenMetricsForVersion",
+        "mode",
+        "iptables",
+        "ipvs",
+        "nftables",
+        "winkernel",
+        "detectLocalMode",
+        "detectLocal",
+        "clusterCIDR",
+        "nodePortAddresses",
+        "oomScoreAdj",
+        "conntrack",
+        "configSyncPeriod",
+        "portRange",
+        "windowsRunAsService",
+    }
+)
 BLOCK_FIELDS: Final[dict[str, frozenset[str]]] = {
-    "iptables": frozenset({"masqueradeBit", "masqueradeAll", "localhostNodePorts", "syncPeriod",
-                           "minSyncPeriod"}),
-    "ipvs": frozenset({"syncPeriod", "minSyncPeriod", "scheduler", "excludeCIDRs", "strictARP",
-                       "tcpTimeout", "tcpFinTimeout", "udpTimeout"}),
+    "iptables": frozenset(
+        {"masqueradeBit", "masqueradeAll", "localhostNodePorts", "syncPeriod", "minSyncPeriod"}
+    ),
+    "ipvs": frozenset(
+        {
+            "syncPeriod",
+            "minSyncPeriod",
+            "scheduler",
+            "excludeCIDRs",
+            "strictARP",
+            "tcpTimeout",
+            "tcpFinTimeout",
+            "udpTimeout",
+        }
+    ),
     "nftables": frozenset({"masqueradeBit", "masqueradeAll", "syncPeriod", "minSyncPeriod"}),
-    "conntrack": frozenset({"maxPerCore", "min", "tcpEstablishedTimeout", "tcpCloseWaitTimeout",
-                            "tcpBeLiberal", "udpTimeout", "udpStreamTimeout"}),
+    "conntrack": frozenset(
+        {
+            "maxPerCore",
+            "min",
+            "tcpEstablishedTimeout",
+            "tcpCloseWaitTimeout",
+            "tcpBeLiberal",
+            "udpTimeout",
+            "udpStreamTimeout",
+        }
+    ),
     "detectLocal": frozenset({"bridgeInterface", "interfaceNamePrefix"}),
-    "winkernel": frozenset({"networkName", "sourceVip", "enableDSR", "rootHnsEndpointName",
-                            "forwardHealthCheckVip"}),
-}  # fmt: skip
+    "winkernel": frozenset(
+        {"networkName", "sourceVip", "enableDSR", "rootHnsEndpointName", "forwardHealthCheckVip"}
+    ),
+}
 
 #: kubeadm's kube-proxy DaemonSet (cmd/kubeadm/app/phases/addons/proxy/manifests.go) runs on
 #: every Linux node, whatever its taints: the agents go where kube-proxy went.
@@ -247,10 +291,15 @@ def _mode_block(doc: Mapping[str, Any], mode: str, dropped: list[Dropped]) -> di
             "minSyncPeriod": _period(ipt, "minSyncPeriod", 1, "iptables"),
         }
     ipvs = doc.get("ipvs") or {}
-    dropped.append(Dropped("mode", "ipvs is deprecated upstream: the ProxyConfiguration sets "
-                           "ipvs.acknowledgeDeprecation: true to keep it; mode nftables is "
-                           "recommended (`proxy-agent explain-migration --from ipvs --to "
-                           "nftables` lists what a switch changes)"))  # fmt: skip
+    dropped.append(
+        Dropped(
+            "mode",
+            "ipvs is deprecated upstream: the ProxyConfiguration sets "
+            "ipvs.acknowledgeDeprecation: true to keep it; mode nftables is "
+            "recommended (`proxy-agent explain-migration --from ipvs --to "
+            "nftables` lists what a switch changes)",
+        )
+    )
     excluded = ipvs.get("excludeCIDRs") or []
     if not isinstance(excluded, list):
         raise ConversionError("ipvs.excludeCIDRs: must be a list of CIDRs")
@@ -288,8 +337,11 @@ def _unused_blocks(doc: Mapping[str, Any], mode: str, dropped: list[Dropped]) ->
             where = f"{block}.{name}"
             if where in used or value in (None, "", False, [], "0s", 0, defaults.get(name)):
                 continue
-            dropped.append(Dropped(where, f"set to {value!r}, but kube-proxy does not use it in "
-                                   f"mode {mode} either"))  # fmt: skip
+            dropped.append(
+                Dropped(
+                    where, f"set to {value!r}, but kube-proxy does not use it in mode {mode} either"
+                )
+            )
 
 
 def _detect_local(doc: Mapping[str, Any], dropped: list[Dropped]) -> dict[str, Any]:
@@ -304,9 +356,14 @@ def _detect_local(doc: Mapping[str, Any], dropped: list[Dropped]) -> dict[str, A
         if wanted.get(mode) == name:
             out[name] = str(value)
         else:
-            dropped.append(Dropped(f"detectLocal.{name}", f"set to {value!r}, but only used "
-                                   f"with detectLocalMode {name[0].upper()}{name[1:]} (kube-proxy "
-                                   f"ignores it with {mode})"))  # fmt: skip
+            dropped.append(
+                Dropped(
+                    f"detectLocal.{name}",
+                    f"set to {value!r}, but only used "
+                    f"with detectLocalMode {name[0].upper()}{name[1:]} (kube-proxy "
+                    f"ignores it with {mode})",
+                )
+            )
     return out
 
 
@@ -318,15 +375,18 @@ def _conntrack(doc: Mapping[str, Any]) -> dict[str, Any]:
         "maxPerCore": _int(ct.get("maxPerCore"), "conntrack.maxPerCore", 32768),
         "min": _int(ct.get("min"), "conntrack.min", 131072),
         # null: kube-proxy's default; an explicit 0s: leave the kernel's value (as here).
-        "tcpEstablishedTimeout": "24h" if established is None else _duration(
-            _seconds(established, "conntrack.tcpEstablishedTimeout")),
-        "tcpCloseWaitTimeout": "1h" if close_wait is None else _duration(
-            _seconds(close_wait, "conntrack.tcpCloseWaitTimeout")),
+        "tcpEstablishedTimeout": "24h"
+        if established is None
+        else _duration(_seconds(established, "conntrack.tcpEstablishedTimeout")),
+        "tcpCloseWaitTimeout": "1h"
+        if close_wait is None
+        else _duration(_seconds(close_wait, "conntrack.tcpCloseWaitTimeout")),
         "tcpBeLiberal": _bool(ct.get("tcpBeLiberal"), "conntrack.tcpBeLiberal"),
         "udpTimeout": _duration(_seconds(ct.get("udpTimeout"), "conntrack.udpTimeout")),
         "udpStreamTimeout": _duration(
-            _seconds(ct.get("udpStreamTimeout"), "conntrack.udpStreamTimeout")),
-    }  # fmt: skip
+            _seconds(ct.get("udpStreamTimeout"), "conntrack.udpStreamTimeout")
+        ),
+    }
 
 
 def _bind_address(doc: Mapping[str, Any], dropped: list[Dropped]) -> str:
@@ -338,17 +398,25 @@ def _bind_address(doc: Mapping[str, Any], dropped: list[Dropped]) -> str:
     except ValueError:
         raise ConversionError(f"bindAddress: {text!r} is not an IP address") from None
     if not address.is_unspecified:
-        dropped.append(Dropped("bindAddress", f"{text} overrides kube-proxy's idea of the "
-                               "node's primary IP; the agents take the node's primary IPs from "
-                               "its Node object (status.addresses)", lost=True))  # fmt: skip
+        dropped.append(
+            Dropped(
+                "bindAddress",
+                f"{text} overrides kube-proxy's idea of the "
+                "node's primary IP; the agents take the node's primary IPs from "
+                "its Node object (status.addresses)",
+                lost=True,
+            )
+        )
     return "v6" if address.version == 6 else "v4"
 
 
 def _plumbing(doc: Mapping[str, Any], dropped: list[Dropped]) -> None:
     for name, reason in _PLUMBING.items():
         value = doc.get(name)
-        if value in (None, "", "0s", 0, False, {}, []) or (isinstance(value, Mapping) and not any(
-                v not in (None, "", False, 0, "0s") for v in value.values())):  # fmt: skip
+        if value in (None, "", "0s", 0, False, {}, []) or (
+            isinstance(value, Mapping)
+            and not any(v not in (None, "", False, 0, "0s") for v in value.values())
+        ):
             continue
         dropped.append(Dropped(name, reason))
     if str(doc.get("mode") or "") == "kernelspace":
@@ -361,25 +429,42 @@ def _to_nftables(spec: dict[str, Any], source: str, dropped: list[Dropped]) -> N
     block = spec.pop(source)
     if block.pop("localhostNodePorts") and (
         not spec["nodePortAddresses"]
-        or any(a != "primary" and ipaddress.ip_address("127.0.0.1") in ipaddress.ip_network(a)
-               for a in spec["nodePortAddresses"])
-    ):  # fmt: skip
-        dropped.append(Dropped("iptables.localhostNodePorts", "true (kube-proxy's default): "
-                               "its iptables mode answers NodePorts on 127.0.0.1; mode nftables "
-                               "does not by default (as upstream's nftables mode): set "
-                               "nftables.localhostNodePorts: true to keep them (kpx's opt-in, "
-                               "docs/api.md)", lost=True))  # fmt: skip
+        or any(
+            a != "primary" and ipaddress.ip_address("127.0.0.1") in ipaddress.ip_network(a)
+            for a in spec["nodePortAddresses"]
+        )
+    ):
+        dropped.append(
+            Dropped(
+                "iptables.localhostNodePorts",
+                "true (kube-proxy's default): "
+                "its iptables mode answers NodePorts on 127.0.0.1; mode nftables "
+                "does not by default (as upstream's nftables mode): set "
+                "nftables.localhostNodePorts: true to keep them (kpx's opt-in, "
+                "docs/api.md)",
+                lost=True,
+            )
+        )
     if not spec["nodePortAddresses"]:
-        dropped.append(Dropped("nodePortAddresses", "empty: in kube-proxy's iptables mode "
-                               "NodePorts answer on every local IP of the node; in mode nftables "
-                               "on its primary IPs only (as upstream's nftables mode): CIDRs in "
-                               "nodePortAddresses choose other addresses", lost=True))  # fmt: skip
+        dropped.append(
+            Dropped(
+                "nodePortAddresses",
+                "empty: in kube-proxy's iptables mode "
+                "NodePorts answer on every local IP of the node; in mode nftables "
+                "on its primary IPs only (as upstream's nftables mode): CIDRs in "
+                "nodePortAddresses choose other addresses",
+                lost=True,
+            )
+        )
     spec["mode"] = "nftables"
     # localhostNodePorts written out as off: kpx's opt-in that would keep them (named above).
-    spec["nftables"] = {"masqueradeBit": block["masqueradeBit"],
-                        "masqueradeAll": block["masqueradeAll"], "localhostNodePorts": False,
-                        "syncPeriod": block["syncPeriod"],
-                        "minSyncPeriod": block["minSyncPeriod"]}  # fmt: skip
+    spec["nftables"] = {
+        "masqueradeBit": block["masqueradeBit"],
+        "masqueradeAll": block["masqueradeAll"],
+        "localhostNodePorts": False,
+        "syncPeriod": block["syncPeriod"],
+        "minSyncPeriod": block["minSyncPeriod"],
+    }
 
 
 def convert(
@@ -397,11 +482,13 @@ def convert(
     _plumbing(doc, dropped)
     mode = str(doc.get("mode") or "iptables")
     if mode not in ("iptables", "nftables", "ipvs"):
-        raise ConversionError(f"mode: {mode!r} is not a kube-proxy mode (iptables, ipvs, "
-                              "nftables)")  # fmt: skip
+        raise ConversionError(f"mode: {mode!r} is not a kube-proxy mode (iptables, ipvs, nftables)")
     family = _bind_address(doc, dropped)
-    healthz_default, metrics_default = ("0.0.0.0", "127.0.0.1") if family == "v4" else (  # noqa: S104
-        "[::]", "[::1]")  # fmt: skip
+    # The unspecified address is kube-proxy's own healthz default, not a choice made here.
+    any_v4, any_v6 = "0.0.0.0", "[::]"  # noqa: S104
+    healthz_default, metrics_default = (
+        (any_v4, "127.0.0.1") if family == "v4" else (any_v6, "[::1]")
+    )
 
     spec: dict[str, Any] = {"mode": mode, mode: _mode_block(doc, mode, dropped)}
     _unused_blocks(doc, mode, dropped)
@@ -425,11 +512,16 @@ def convert(
     spec["detectLocal"] = _detect_local(doc, dropped)
     spec["conntrack"] = _conntrack(doc)
     if spec["conntrack"]["maxPerCore"] > 0:
-        dropped.append(Dropped("conntrack.maxPerCore", "carried; the agents only ever raise "
-                               "nf_conntrack_max (kube-proxy also lowers a larger value), and "
-                               "where it is global and read-only (a node that is a container, "
-                               "as kind's) they report it not applied: maxPerCore 0 leaves it "
-                               "alone"))  # fmt: skip
+        dropped.append(
+            Dropped(
+                "conntrack.maxPerCore",
+                "carried; the agents only ever raise "
+                "nf_conntrack_max (kube-proxy also lowers a larger value), and "
+                "where it is global and read-only (a node that is a container, "
+                "as kind's) they report it not applied: maxPerCore 0 leaves it "
+                "alone",
+            )
+        )
     spec["healthzBindAddress"] = _bind(
         doc.get("healthzBindAddress"), HEALTHZ_PORT, healthz_default, "healthzBindAddress"
     )
@@ -437,15 +529,26 @@ def convert(
         doc.get("metricsBindAddress"), METRICS_PORT, metrics_default, "metricsBindAddress"
     )
     if _bool(doc.get("bindAddressHardFail"), "bindAddressHardFail"):
-        dropped.append(Dropped("bindAddressHardFail", "kube-proxy exits when it cannot bind its "
-                               "healthz or metrics port; an agent keeps retrying the bind (its "
-                               "health port stays unserved meanwhile) and does not exit",
-                               lost=True))  # fmt: skip
+        dropped.append(
+            Dropped(
+                "bindAddressHardFail",
+                "kube-proxy exits when it cannot bind its "
+                "healthz or metrics port; an agent keeps retrying the bind (its "
+                "health port stays unserved meanwhile) and does not exit",
+                lost=True,
+            )
+        )
     for gate, value in sorted((doc.get("featureGates") or {}).items()):
-        dropped.append(Dropped(f"featureGates.{gate}", f"set to {value}: the agents have no "
-                               "feature gates (they behave as kube-proxy v1.36 with its default "
-                               "gates); check that the behaviour this gate changes is not "
-                               "needed", lost=True))  # fmt: skip
+        dropped.append(
+            Dropped(
+                f"featureGates.{gate}",
+                f"set to {value}: the agents have no "
+                "feature gates (they behave as kube-proxy v1.36 with its default "
+                "gates); check that the behaviour this gate changes is not "
+                "needed",
+                lost=True,
+            )
+        )
     spec.update(KUBEADM_PLACEMENT)
     if takeover:
         spec["takeover"] = {"fromKubeProxy": True, "moveKubeProxyOff": True}
@@ -465,6 +568,8 @@ def convert(
 
 def render(conversion: Conversion, source: str) -> str:
     """The ProxyConfiguration as YAML, headed by where it came from."""
-    head = f"# Converted from kube-proxy's configuration ({source}) by proxy-agent " \
-           "convert-kube-proxy-config.\n"  # fmt: skip
+    head = (
+        f"# Converted from kube-proxy's configuration ({source}) by proxy-agent "
+        "convert-kube-proxy-config.\n"
+    )
     return head + yaml.safe_dump(conversion.proxy_configuration, sort_keys=False)

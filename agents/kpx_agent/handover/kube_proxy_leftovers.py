@@ -48,8 +48,13 @@ OWNED_CHAINS: Final = frozenset(
 )
 #: kube-proxy's per-Service-port and per-endpoint chains.
 OWNED_PREFIXES: Final = (
-    "KUBE-SVC-", "KUBE-SVL-", "KUBE-SEP-", "KUBE-FW-", "KUBE-EXT-", "KUBE-XLB-",
-)  # fmt: skip
+    "KUBE-SVC-",
+    "KUBE-SVL-",
+    "KUBE-SEP-",
+    "KUBE-FW-",
+    "KUBE-EXT-",
+    "KUBE-XLB-",
+)
 NFT_TABLES: Final = ("ip kube-proxy", "ip6 kube-proxy")
 _TARGET = re.compile(r"(?:^|\s)-[jg]\s+(\S+)")
 
@@ -167,12 +172,28 @@ def ipvs_mode_chains(table: str, save_text: str) -> set[str]:
 #: The ipsets of upstream kube-proxy's ipvs mode (pkg/proxy/ipvs/ipset.go, v1.36 and older
 #: releases); the IPv6 proxier names its own with "KUBE-6-" for "KUBE-".
 _IPSET_STEMS: Final = (
-    "LOOP-BACK", "CLUSTER-IP", "EXTERNAL-IP", "EXTERNAL-IP-LOCAL", "LOAD-BALANCER",
-    "LOAD-BALANCER-LOCAL", "LOAD-BALANCER-FW", "LOAD-BALANCER-SOURCE-IP",
-    "LOAD-BALANCER-SOURCE-CIDR", "LOAD-BALANCER-MASQ", "NODE-PORT-TCP", "NODE-PORT-LOCAL-TCP",
-    "NODE-PORT-UDP", "NODE-PORT-LOCAL-UDP", "NODE-PORT-SCTP-HASH", "NODE-PORT-LOCAL-SCTP-HASH",
-    "HEALTH-CHECK-NODE-PORT", "IPVS-IPS", "MASQ-ALL", "CLUSTER-CIDR", "SERVICE-ACCESS",
-)  # fmt: skip
+    "LOOP-BACK",
+    "CLUSTER-IP",
+    "EXTERNAL-IP",
+    "EXTERNAL-IP-LOCAL",
+    "LOAD-BALANCER",
+    "LOAD-BALANCER-LOCAL",
+    "LOAD-BALANCER-FW",
+    "LOAD-BALANCER-SOURCE-IP",
+    "LOAD-BALANCER-SOURCE-CIDR",
+    "LOAD-BALANCER-MASQ",
+    "NODE-PORT-TCP",
+    "NODE-PORT-LOCAL-TCP",
+    "NODE-PORT-UDP",
+    "NODE-PORT-LOCAL-UDP",
+    "NODE-PORT-SCTP-HASH",
+    "NODE-PORT-LOCAL-SCTP-HASH",
+    "HEALTH-CHECK-NODE-PORT",
+    "IPVS-IPS",
+    "MASQ-ALL",
+    "CLUSTER-CIDR",
+    "SERVICE-ACCESS",
+)
 IPSETS: Final = frozenset(f"KUBE-{infix}{stem}" for stem in _IPSET_STEMS for infix in ("", "6-"))
 
 

@@ -146,16 +146,22 @@ class LeftoverRemoval:
             out.append(PendingLeftover(name=name, kind=leftover.kind, state=state, message=why))
         for name, (leftover, back) in sorted(self.watching.items()):
             if back and name not in self.pending:
-                out.append(PendingLeftover(name=name, kind=leftover.kind,
-                                           state=LeftoverState.WAITING,
-                                           message=leftover.returned_message))  # fmt: skip
+                out.append(
+                    PendingLeftover(
+                        name=name,
+                        kind=leftover.kind,
+                        state=LeftoverState.WAITING,
+                        message=leftover.returned_message,
+                    )
+                )
         return out
 
     def blocking(self, kinds: Collection[str]) -> str:
         """Why the agent must not be Ready yet: which of `kinds` is still pending, with the
         error of its last attempt; "" when none is."""
-        gating = [(n, lo) for n, lo in self.pending.items()
-                  if n in kinds and n not in self._draining]  # fmt: skip
+        gating = [
+            (n, lo) for n, lo in self.pending.items() if n in kinds and n not in self._draining
+        ]
         for name, leftover in gating:
             if name in self._errors:
                 return f"could not remove {leftover.description} (retrying): {self._errors[name]}"
@@ -203,8 +209,9 @@ class LeftoverRemoval:
                 self.watching[name] = (leftover, True)
                 log.info("%s: %s", leftover.description, leftover.returned_message)
                 if leftover.returned_reason:
-                    await self._report("Normal", leftover.returned_reason,
-                                       leftover.returned_message)  # fmt: skip
+                    await self._report(
+                        "Normal", leftover.returned_reason, leftover.returned_message
+                    )
             elif ready and back:
                 del self.watching[name]
                 self.pending[name] = leftover
@@ -229,8 +236,9 @@ class LeftoverRemoval:
                         self._waiting_reported.add(name)
                         log.info("%s: %s", leftover.description, leftover.waiting_message)
                         if leftover.waiting_reason:
-                            await self._report("Normal", leftover.waiting_reason,
-                                               leftover.waiting_message)  # fmt: skip
+                            await self._report(
+                                "Normal", leftover.waiting_reason, leftover.waiting_message
+                            )
                     continue
                 self._waiting.discard(name)
             try:
@@ -238,8 +246,9 @@ class LeftoverRemoval:
             except Draining as exc:
                 if name not in self._draining:
                     log.info("%s: draining: %s", leftover.description, exc)
-                    await self._report("Normal", LEFTOVERS_DRAINING,
-                                       f"{leftover.description}: {exc}")  # fmt: skip
+                    await self._report(
+                        "Normal", LEFTOVERS_DRAINING, f"{leftover.description}: {exc}"
+                    )
                 self._draining[name] = str(exc)
                 self._errors.pop(name, None)
                 continue
@@ -251,9 +260,10 @@ class LeftoverRemoval:
                 if name not in self._failure_reported:
                     self._failure_reported.add(name)
                     await self._report(
-                        "Warning", self.failed_reason,
+                        "Warning",
+                        self.failed_reason,
                         f"could not remove {leftover.description} (retrying): {exc}",
-                    )  # fmt: skip
+                    )
                 continue
             del self.pending[name]
             self._waiting.discard(name)
@@ -264,8 +274,9 @@ class LeftoverRemoval:
                 self.watching[name] = (leftover, False)
             log.info("removed %s (if there were any)", leftover.description)
             if leftover.removed_reason:
-                await self._report("Normal", leftover.removed_reason,
-                                   f"removed {leftover.description}")  # fmt: skip
+                await self._report(
+                    "Normal", leftover.removed_reason, f"removed {leftover.description}"
+                )
         return failed
 
     async def _report(self, type_: str, reason: str, message: str) -> None:

@@ -52,12 +52,14 @@ def explain(settings: IPVSSettings, services: Iterable[Mapping[str, Any]]) -> li
     findings: list[Finding] = []
     scheduler = IPVSScheduler(settings.scheduler)
     if scheduler is not IPVSScheduler.RR:
-        findings.append(Finding(
-            "scheduler",
-            f"ipvs balances with {scheduler.value}; nftables picks endpoints at random with "
-            "equal probability (no least-connection, weights, hashing or locality)",
-            tuple(_name(s) for s in proxied),
-        ))  # fmt: skip
+        findings.append(
+            Finding(
+                "scheduler",
+                f"ipvs balances with {scheduler.value}; nftables picks endpoints at random with "
+                "equal probability (no least-connection, weights, hashing or locality)",
+                tuple(_name(s) for s in proxied),
+            )
+        )
     timeouts = [
         (name, value)
         for name, value in (
@@ -69,63 +71,82 @@ def explain(settings: IPVSSettings, services: Iterable[Mapping[str, Any]]) -> li
     ]
     if timeouts:
         listed = ", ".join(f"{n}={v}" for n, v in timeouts)
-        findings.append(Finding(
-            "timeouts",
-            f"ipvs connection timeouts ({listed}) do not exist in nftables mode: connections "
-            "follow conntrack's timeouts (spec.conntrack: tcpEstablishedTimeout, "
-            "tcpCloseWaitTimeout, udpTimeout)",
-        ))  # fmt: skip
+        findings.append(
+            Finding(
+                "timeouts",
+                f"ipvs connection timeouts ({listed}) do not exist in nftables mode: connections "
+                "follow conntrack's timeouts (spec.conntrack: tcpEstablishedTimeout, "
+                "tcpCloseWaitTimeout, udpTimeout)",
+            )
+        )
     if settings.strict_arp:
-        findings.append(Finding(
-            "strictARP",
-            "nftables mode binds no Service IP to an interface, so nodes do not answer ARP for "
-            "them and strictARP has nothing to do; the arp_ignore/arp_announce values the ipvs "
-            "agent set stay as they are until you change them",
-        ))  # fmt: skip
+        findings.append(
+            Finding(
+                "strictARP",
+                "nftables mode binds no Service IP to an interface, so nodes do not answer ARP for "
+                "them and strictARP has nothing to do; the arp_ignore/arp_announce values the ipvs "
+                "agent set stay as they are until you change them",
+            )
+        )
     if settings.exclude_cidrs:
-        findings.append(Finding(
-            "excludeCIDRs",
-            "nftables mode never touches IPVS: virtual servers in "
-            f"{', '.join(settings.exclude_cidrs)} stay; the agent removes its own (kube-ipvs0, "
-            "the kpx-ipvs table and every other virtual server) when it starts",
-        ))  # fmt: skip
+        findings.append(
+            Finding(
+                "excludeCIDRs",
+                "nftables mode never touches IPVS: virtual servers in "
+                f"{', '.join(settings.exclude_cidrs)} stay; the agent removes its own (kube-ipvs0, "
+                "the kpx-ipvs table and every other virtual server) when it starts",
+            )
+        )
     affinity = [s for s in proxied if (s.get("spec") or {}).get("sessionAffinity") == "ClientIP"]
     if affinity:
-        findings.append(Finding(
-            "session affinity",
-            "an ipvs persistence template expires timeoutSeconds after the client's last "
-            "connection ends; in nftables mode the affinity expires timeoutSeconds after the "
-            "client's last new connection (upstream's semantics)",
-            tuple(_name(s) for s in affinity),
-        ))  # fmt: skip
-    local = [s for s in proxied if (s.get("spec") or {}).get("externalTrafficPolicy") == "Local"
-             and (s.get("spec") or {}).get("type") in ("NodePort", "LoadBalancer")]  # fmt: skip
+        findings.append(
+            Finding(
+                "session affinity",
+                "an ipvs persistence template expires timeoutSeconds after the client's last "
+                "connection ends; in nftables mode the affinity expires timeoutSeconds after the "
+                "client's last new connection (upstream's semantics)",
+                tuple(_name(s) for s in affinity),
+            )
+        )
+    local = [
+        s
+        for s in proxied
+        if (s.get("spec") or {}).get("externalTrafficPolicy") == "Local"
+        and (s.get("spec") or {}).get("type") in ("NodePort", "LoadBalancer")
+    ]
     if local:
-        findings.append(Finding(
-            "externalTrafficPolicy Local",
-            "pods and the node reaching these Services' external addresses are sent to any "
-            "endpoint of the cluster in nftables mode (upstream's short circuit); in ipvs mode "
-            "they get only this node's endpoints (or nothing)",
-            tuple(_name(s) for s in local),
-        ))  # fmt: skip
-    node_ports = [s for s in proxied if (s.get("spec") or {}).get("type") in
-                  ("NodePort", "LoadBalancer")]  # fmt: skip
+        findings.append(
+            Finding(
+                "externalTrafficPolicy Local",
+                "pods and the node reaching these Services' external addresses are sent to any "
+                "endpoint of the cluster in nftables mode (upstream's short circuit); in ipvs mode "
+                "they get only this node's endpoints (or nothing)",
+                tuple(_name(s) for s in local),
+            )
+        )
+    node_ports = [
+        s for s in proxied if (s.get("spec") or {}).get("type") in ("NodePort", "LoadBalancer")
+    ]
     if node_ports:
-        findings.append(Finding(
-            "node addresses",
-            "ipvs binds every Service IP to kube-ipvs0, so a node answers on them for any port "
-            "(ports without a Service are refused by the node's own stack); nftables answers "
-            "only on Service ports. NodePorts answer on nodePortAddresses (default: the node's "
-            "primary addresses) in both modes",
-            tuple(_name(s) for s in node_ports),
-        ))  # fmt: skip
-    findings.append(Finding(
-        "switch",
-        "change spec.mode to nftables (remove spec.ipvs): the new agents remove the IPVS "
-        "virtual servers, kube-ipvs0 and the kpx-ipvs table at start; new connections are "
-        "served by nftables at once, but connections open through a Service IP may break "
-        "(IPVS, not conntrack, translated them): clients reconnect",
-    ))  # fmt: skip
+        findings.append(
+            Finding(
+                "node addresses",
+                "ipvs binds every Service IP to kube-ipvs0, so a node answers on them for any port "
+                "(ports without a Service are refused by the node's own stack); nftables answers "
+                "only on Service ports. NodePorts answer on nodePortAddresses (default: the node's "
+                "primary addresses) in both modes",
+                tuple(_name(s) for s in node_ports),
+            )
+        )
+    findings.append(
+        Finding(
+            "switch",
+            "change spec.mode to nftables (remove spec.ipvs): the new agents remove the IPVS "
+            "virtual servers, kube-ipvs0 and the kpx-ipvs table at start; new connections are "
+            "served by nftables at once, but connections open through a Service IP may break "
+            "(IPVS, not conntrack, translated them): clients reconnect",
+        )
+    )
     return findings
 
 

@@ -53,8 +53,14 @@ def decide(facts: NodeFacts) -> list[ModeCheck]:
     if facts.nft is None:
         out.append(ModeCheck(Mode.NFTABLES, False, "nft is not installed"))
     elif facts.nft_check is not None:
-        out.append(ModeCheck(Mode.NFTABLES, False, f"the kernel refuses a test nftables table "
-                             f"(kernel {facts.kernel}): {facts.nft_check}"))  # fmt: skip
+        out.append(
+            ModeCheck(
+                Mode.NFTABLES,
+                False,
+                f"the kernel refuses a test nftables table "
+                f"(kernel {facts.kernel}): {facts.nft_check}",
+            )
+        )
     else:
         out.append(ModeCheck(Mode.NFTABLES, True, f"{facts.nft}, kernel {facts.kernel}"))
     if facts.missing_iptables_tools:
@@ -66,17 +72,24 @@ def decide(facts: NodeFacts) -> list[ModeCheck]:
     if facts.ip_vs_loaded:
         out.append(ModeCheck(Mode.IPVS, True, f"ip_vs loaded{tool}"))
     elif facts.ip_vs_module:
-        out.append(ModeCheck(Mode.IPVS, True, f"ip_vs not loaded but available in kernel "
-                             f"{facts.kernel}{tool}"))  # fmt: skip
+        out.append(
+            ModeCheck(
+                Mode.IPVS, True, f"ip_vs not loaded but available in kernel {facts.kernel}{tool}"
+            )
+        )
     else:
-        out.append(ModeCheck(Mode.IPVS, False, f"ip_vs is neither loaded nor a module of kernel "
-                             f"{facts.kernel}"))  # fmt: skip
+        out.append(
+            ModeCheck(
+                Mode.IPVS, False, f"ip_vs is neither loaded nor a module of kernel {facts.kernel}"
+            )
+        )
     return out
 
 
 def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, input=stdin, capture_output=True, text=True, check=False,
-                          timeout=30)  # fmt: skip
+    return subprocess.run(
+        argv, input=stdin, capture_output=True, text=True, check=False, timeout=30
+    )
 
 
 def gather(
@@ -101,9 +114,15 @@ def gather(
         except OSError:
             continue
         module = module or any(_IP_VS.search(line) for line in text.splitlines())
-    return NodeFacts(kernel=kernel, nft=nft, nft_check=nft_check,
-                     missing_iptables_tools=missing, ip_vs_loaded=(proc / "net/ip_vs").exists(),
-                     ip_vs_module=module, ipvsadm=shutil.which("ipvsadm") is not None)  # fmt: skip
+    return NodeFacts(
+        kernel=kernel,
+        nft=nft,
+        nft_check=nft_check,
+        missing_iptables_tools=missing,
+        ip_vs_loaded=(proc / "net/ip_vs").exists(),
+        ip_vs_module=module,
+        ipvsadm=shutil.which("ipvsadm") is not None,
+    )
 
 
 async def check() -> list[ModeCheck]:

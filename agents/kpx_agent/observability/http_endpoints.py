@@ -120,8 +120,13 @@ class RetryingServer:
     async def start(self) -> None:
         if await self._try():
             return
-        log.warning("%s: %s:%d is in use (upstream kube-proxy?), retrying every %.0fs",
-                    self.what, self.host, self.port, self.retry)  # fmt: skip
+        log.warning(
+            "%s: %s:%d is in use (upstream kube-proxy?), retrying every %.0fs",
+            self.what,
+            self.host,
+            self.port,
+            self.retry,
+        )
         self._task = asyncio.create_task(self._retry_loop())
 
     async def _retry_loop(self) -> None:

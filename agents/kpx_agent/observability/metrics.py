@@ -180,21 +180,33 @@ class AgentMetrics:
         self._registered: set[str] = set()
         fam = ["ip_family"]
         self.sync_duration = Histogram(
-            SYNC_DURATION, "SyncProxyRules latency in seconds", fam, buckets=SYNC_BUCKETS,
+            SYNC_DURATION,
+            "SyncProxyRules latency in seconds",
+            fam,
+            buckets=SYNC_BUCKETS,
             registry=None,
-        )  # fmt: skip
+        )
         self.full_sync_duration = Histogram(
-            FULL_SYNC_DURATION, "SyncProxyRules latency in seconds for full resyncs", fam,
-            buckets=SYNC_BUCKETS, registry=None,
-        )  # fmt: skip
+            FULL_SYNC_DURATION,
+            "SyncProxyRules latency in seconds for full resyncs",
+            fam,
+            buckets=SYNC_BUCKETS,
+            registry=None,
+        )
         self.partial_sync_duration = Histogram(
-            PARTIAL_SYNC_DURATION, "SyncProxyRules latency in seconds for partial resyncs", fam,
-            buckets=SYNC_BUCKETS, registry=None,
-        )  # fmt: skip
+            PARTIAL_SYNC_DURATION,
+            "SyncProxyRules latency in seconds for partial resyncs",
+            fam,
+            buckets=SYNC_BUCKETS,
+            registry=None,
+        )
         self.network_programming = Histogram(
-            NETWORK_PROGRAMMING, "In Cluster Network Programming Latency in seconds", fam,
-            buckets=PROGRAMMING_BUCKETS, registry=None,
-        )  # fmt: skip
+            NETWORK_PROGRAMMING,
+            "In Cluster Network Programming Latency in seconds",
+            fam,
+            buckets=PROGRAMMING_BUCKETS,
+            registry=None,
+        )
         self.last_sync = Gauge(
             LAST_SYNC, "The last time proxy rules were successfully synced", fam, registry=None
         )
@@ -220,24 +232,32 @@ class AgentMetrics:
             LIVEZ_TOTAL, "Cumulative proxy livez HTTP status", ["code"], registry=None
         )
         self.no_local_endpoints = Gauge(
-            NO_LOCAL_ENDPOINTS, "Number of services with a Local traffic policy and no endpoints",
-            ["traffic_policy", "ip_family"], registry=None,
-        )  # fmt: skip
+            NO_LOCAL_ENDPOINTS,
+            "Number of services with a Local traffic policy and no endpoints",
+            ["traffic_policy", "ip_family"],
+            registry=None,
+        )
         self.restore_failures = Counter(
             RESTORE_FAILURES, "Cumulative proxy iptables restore failures", fam, registry=None
         )
         self.partial_restore_failures = Counter(
-            PARTIAL_RESTORE_FAILURES, "Cumulative proxy iptables partial restore failures", fam,
+            PARTIAL_RESTORE_FAILURES,
+            "Cumulative proxy iptables partial restore failures",
+            fam,
             registry=None,
-        )  # fmt: skip
+        )
         self.iptables_rules = Gauge(
-            IPTABLES_RULES, "Total number of iptables rules owned by kube-proxy",
-            ["table", "ip_family"], registry=None,
-        )  # fmt: skip
+            IPTABLES_RULES,
+            "Total number of iptables rules owned by kube-proxy",
+            ["table", "ip_family"],
+            registry=None,
+        )
         self.iptables_rules_last = Gauge(
-            IPTABLES_RULES_LAST, "Number of iptables rules written by kube-proxy in last sync",
-            ["table", "ip_family"], registry=None,
-        )  # fmt: skip
+            IPTABLES_RULES_LAST,
+            "Number of iptables rules written by kube-proxy in last sync",
+            ["table", "ip_family"],
+            registry=None,
+        )
         self.nft_sync_failures = Counter(
             NFT_SYNC_FAILURES, "Cumulative proxy nftables sync failures", fam, registry=None
         )
@@ -245,13 +265,18 @@ class AgentMetrics:
             NFT_CLEANUP_FAILURES, "Cumulative proxy nftables cleanup failures", fam, registry=None
         )
         self.conntrack_duration = Histogram(
-            CONNTRACK_DURATION, "ReconcileConntrackFlowsLatency latency in seconds", fam,
-            buckets=SYNC_BUCKETS, registry=None,
-        )  # fmt: skip
-        self.conntrack_deleted = Counter(
-            CONNTRACK_DELETED, "Cumulative conntrack flows deleted by conntrack reconciler", fam,
+            CONNTRACK_DURATION,
+            "ReconcileConntrackFlowsLatency latency in seconds",
+            fam,
+            buckets=SYNC_BUCKETS,
             registry=None,
-        )  # fmt: skip
+        )
+        self.conntrack_deleted = Counter(
+            CONNTRACK_DELETED,
+            "Cumulative conntrack flows deleted by conntrack reconciler",
+            fam,
+            registry=None,
+        )
         #: Reads the iptables rule counters standing for upstream's nfacct counters (the
         #: iptables backend's `packet_counts`), in a worker thread at each scrape.
         self.packet_counts: Callable[[], Mapping[str, float]] | None = None
@@ -283,11 +308,19 @@ class AgentMetrics:
         # a dashboard's rate() has a series to start from.
         for label in FAMILY_LABELS.values():
             for metric in (
-                self.sync_duration, self.full_sync_duration, self.partial_sync_duration,
-                self.network_programming, self.last_sync, self.last_queued,
-                self.restore_failures, self.partial_restore_failures, self.nft_sync_failures,
-                self.nft_cleanup_failures, self.conntrack_duration, self.conntrack_deleted,
-            ):  # fmt: skip
+                self.sync_duration,
+                self.full_sync_duration,
+                self.partial_sync_duration,
+                self.network_programming,
+                self.last_sync,
+                self.last_queued,
+                self.restore_failures,
+                self.partial_restore_failures,
+                self.nft_sync_failures,
+                self.nft_cleanup_failures,
+                self.conntrack_duration,
+                self.conntrack_deleted,
+            ):
                 metric.labels(label)
             for policy in ("internal", "external"):
                 self.no_local_endpoints.labels(policy, label)

@@ -91,12 +91,18 @@ def status_of(facts: NodeFacts) -> dict[str, Any]:
         "firstSyncVerified": facts.verified,
         "rolledBack": _brief(facts.rolled_back),
         "programmed": {
-            "services": facts.services, "endpoints": facts.endpoints, "rules": facts.rules,
+            "services": facts.services,
+            "endpoints": facts.endpoints,
+            "rules": facts.rules,
         },
         "conntrackNotApplied": _brief(facts.conntrack_not_applied),
         "leftoversPending": [
-            {"name": p.name, "kind": p.kind.value if p.kind else None, "state": p.state.value,
-             "message": _brief(p.message)}
+            {
+                "name": p.name,
+                "kind": p.kind.value if p.kind else None,
+                "state": p.state.value,
+                "message": _brief(p.message),
+            }
             for p in facts.leftovers[:MAX_LEFTOVERS]
         ],
         "takeoverFromKubeProxy": facts.takeover_from_kube_proxy,
@@ -109,7 +115,7 @@ def status_of(facts: NodeFacts) -> dict[str, Any]:
         "lastSync": None,
         "lastError": None,
         "agentPod": None,
-    }  # fmt: skip
+    }
     if facts.pod is not None:
         name, namespace, uid = facts.pod
         status["agentPod"] = {"name": name, "namespace": namespace, "uid": uid}
@@ -120,8 +126,10 @@ def status_of(facts: NodeFacts) -> dict[str, Any]:
             "full": facts.last_sync.full,
         }
     if facts.last_error is not None:
-        status["lastError"] = {"message": _brief(facts.last_error.message),
-                               "time": _stamp(facts.last_error.at)}  # fmt: skip
+        status["lastError"] = {
+            "message": _brief(facts.last_error.message),
+            "time": _stamp(facts.last_error.at),
+        }
     return status
 
 

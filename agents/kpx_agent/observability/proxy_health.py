@@ -123,9 +123,12 @@ class ProxyHealth:
         code, body = self.healthz()
         body["firstSyncVerified"] = self.first_sync_verified
         why = (
-            f"rolled back: {self.rolled_back}" if self.rolled_back
-            else "" if self.first_sync_verified else "first sync not verified yet"
-        )  # fmt: skip
+            f"rolled back: {self.rolled_back}"
+            if self.rolled_back
+            else ""
+            if self.first_sync_verified
+            else "first sync not verified yet"
+        )
         if not why:
             why = self.leftovers_pending()
         if why:
