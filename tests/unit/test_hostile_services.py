@@ -169,8 +169,9 @@ def agent() -> tuple[ClusterState, FakeNftables, Proxier]:
     return state, fake, proxier
 
 
-def kernel(fake: FakeNftables) -> list[str]:
-    """The fake's dump without the empty per-endpoint-count maps."""
+def kernel(fake: Any) -> list[str]:
+    """A kernel fake's dump (nftables or iptables) without nftables' empty per-endpoint-count
+    maps (created on demand; a partial sync leaves them until a full one)."""
     return [
         line
         for line in fake.dump().splitlines()

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 from types import SimpleNamespace
 from typing import Any
 
 from backend_samples import SETTINGS
 from hypothesis import given
-from test_hostile_services import EVENTS, PROPERTY
+from test_hostile_services import EVENTS, PROPERTY, kernel
 
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.iptables.fake import FakeIptables
@@ -177,16 +176,6 @@ def test_a_full_sync_takes_everything_still_waiting() -> None:
     assert outcome.full and not proxier.has_deferred()
 
 
-def kernel(mode: str, fake: Any) -> list[str]:
-    """The fake's dump without the empty per-endpoint-count maps (nftables creates them on
-    demand and a partial sync leaves them until a full one)."""
-    return [
-        line
-        for line in fake.dump().splitlines()
-        if not (re.match(r"\s*set endpoints-[0-9]+ ", line) and line.endswith("{  }"))
-    ]
-
-
 @PROPERTY
 @given(EVENTS)
 def test_hostile_changes_split_by_a_tiny_budget_end_where_a_full_sync_does(
@@ -206,7 +195,7 @@ def test_hostile_changes_split_by_a_tiny_budget_end_where_a_full_sync_does(
         for kind, objs in ((SERVICES, state.services), (SLICES, state.slices)):
             fresh_state.replace(kind, list(objs.values()))
         assert fresh.sync().ok
-        assert kernel(mode, fake) == kernel(mode, fresh_fake), mode
+        assert kernel(fake) == kernel(fresh_fake), mode
 
 
 def test_the_backend_gets_the_kernels_version_of_every_waiting_port() -> None:
