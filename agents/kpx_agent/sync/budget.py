@@ -15,9 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from typing import Final, TypeVar
 
-#: Endpoints one partial sync programs at most (summed over the Service ports it changes).
-#: About a tenth of a second of nftables work here; 10,000 Services x 10 endpoints change
-#: in one sync when everything changes at once only in a full sync.
+#: Endpoints one partial sync programs at most (summed over the Service ports it changes):
+#: about half a second of nftables work on a 2-core machine (bench/results/sync_budget.md).
 MAX_SYNC_COST: Final = 20_000
 
 K = TypeVar("K")
