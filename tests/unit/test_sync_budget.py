@@ -15,6 +15,7 @@ from backend_samples import SETTINGS
 from hypothesis import given
 from test_hostile_services import EVENTS, PROPERTY, kernel
 
+from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.iptables.fake import FakeIptables
 from kpx_agent.backends.kernel.packet_walk import Outcome, Packet
@@ -162,6 +163,26 @@ def test_a_waiting_port_keeps_what_the_kernel_has_until_its_turn() -> None:
         while proxier.has_deferred():
             assert proxier.sync().ok
         assert all(dnat(fake, "10.96.0.20", 1000 + p) != before[p] for p in range(4)), mode
+
+
+def test_a_failed_part_leaves_nothing_waiting_so_the_loops_backoff_paces_the_full_retry() -> None:
+    state, _fake, proxier, _ = agent("nftables", budget=10)
+    state.upsert(SERVICES, service("big", 5, "10.96.0.20"))
+    state.upsert(SLICES, endpoint_slice("big", 5, ips("10.244", 9)))
+    assert proxier.sync().full
+    state.upsert(SLICES, endpoint_slice("big", 5, ips("10.245", 9)))
+    real_sync = proxier.backend.sync
+
+    def refuse(*_args: Any) -> None:
+        raise BackendError("refused")
+
+    proxier.backend.sync = refuse  # type: ignore[method-assign]
+    assert not proxier.sync().ok
+    assert not proxier.has_deferred()
+    proxier.backend.sync = real_sync  # type: ignore[method-assign]
+    retry = proxier.sync()
+    assert retry.ok and retry.full and not proxier.has_deferred()
+    assert all(dnat(_fake, "10.96.0.20", 1000 + p) for p in range(5))
 
 
 def test_a_full_sync_takes_everything_still_waiting() -> None:

@@ -407,6 +407,9 @@ class Proxier:
         except BackendError as exc:
             self._report_refused()
             self._full_reasons.append("the last sync failed")
+            # The full retry takes the ports still waiting too; nothing goes on at once (the
+            # loop's backoff paces the retry).
+            self._deferred.clear()
             self.metrics.sync_failed(self.backend.mode, failed_families(str(exc)), not full)
             log.error("sync failed, keeping the previous rules and retrying: %s", exc)
             # Changes are not lost: the next sync is a full one.
