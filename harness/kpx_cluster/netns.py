@@ -649,6 +649,16 @@ class Topology:
             self._procs.append(proc)
             return proc
 
+    def call(self, target: Target, fn: Callable[[], T]) -> T:
+        """Run `fn` in a thread of this process inside the netns of `target`; return what it
+        returns. Sockets `fn` opens live in that netns."""
+        ns = netns_of(target)
+        with self._lock:
+            self._check_open()
+            if ns not in self._netns:
+                raise TopologyError(f"{ns!r} is not a netns of topology {self.prefix}")
+        return call_in_netns(ns, fn)
+
     def run(
         self, target: Target, argv: Sequence[str], **popen_kwargs: Any
     ) -> subprocess.Popen[Any]:

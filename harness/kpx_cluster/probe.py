@@ -251,19 +251,17 @@ def probe(
     same_socket: bool = False,
     interval: float = 0.0,
 ) -> ProbeResult:
-    """Run the probe CLI inside the netns of `target_ns` (a netns name, Node or Pod)."""
+    """Make the tries from inside the netns of `target_ns` (a netns name, Node or Pod).
+
+    The tries run in a thread of this process that joins the netns (`Topology.call`), not in
+    a new Python process: under the IPVS guest's emulated CPU a Python start costs about a
+    second, and tests probe thousands of times. The CLI (`main`) stays for other processes."""
     if proto not in ("tcp", "udp"):
         raise ValueError(f"proto must be tcp or udp, got {proto!r}")
-    argv = [sys.executable, "-m", "kpx_cluster.probe", "--target", format_target(host, port)]
-    argv += ["--count", str(count), "--proto", proto, "--timeout", str(timeout)]
-    argv += ["--interval", str(interval)]
-    if same_socket:
-        argv.append("--same-socket")
-    budget = count * (2 * timeout + interval) + 15.0
-    res = topology.exec(target_ns, argv, timeout=budget)
-    if res.returncode != 0:
-        raise RuntimeError(f"probe failed ({res.returncode}): {res.stderr.strip()}")
-    return ProbeResult.from_json(res.stdout)
+    return topology.call(
+        target_ns,
+        lambda: run_probe(host, port, proto, count, timeout, same_socket, interval),
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from kpx_agent import backends
-from kpx_agent.cli import remove_other_modes
 from kpx_agent.model.service_ports import local_state
 from kpx_agent.model.types import (
     IP,
@@ -113,6 +112,10 @@ def main() -> None:
                 if hasattr(backend, "draining"):
                     answer["draining"] = sum(len(v) for v in backend.draining().values())
             if step.get("remove_other_modes"):  # after the sync, as the agent does
+                # Imported here: the agent's CLI costs about 10 s to import under the guest's
+                # emulated CPU, and most steps never need it.
+                from kpx_agent.cli import remove_other_modes
+
                 remove_other_modes(mode)
         except Exception as exc:
             answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

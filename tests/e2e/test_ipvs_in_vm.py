@@ -98,8 +98,10 @@ def test_ipvs_kernel_tests_pass_in_the_guest(guest: Guest) -> None:
             "-o",
             "addopts=",
             "--timeout=600",
+            "--durations=15",
         ],
     )
+    print(out[-4000:])  # the guest's own summary and slowest tests, for the CI log
     assert code == 0, out[-6000:]
     assert " skipped" not in out, out[-3000:]
     # Every test function ran (parametrized ones count once or more).

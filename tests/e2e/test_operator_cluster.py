@@ -337,9 +337,11 @@ def _unready_agents(env: Env) -> list[str]:
 
 def test_idle_agents_stay_ready_and_are_not_restarted_by_their_probes(env: Env) -> None:
     """syncPeriod 5s (a live setting; health timeout 2 x 5s): with nothing to program for
-    80 s (16 syncPeriods, and longer than the 60 s after which idle agents used to report
-    unhealthy), every agent pod stays Ready (readiness probe: /healthz) and is never
-    restarted (liveness probe: /alivez), as upstream kube-proxy in a quiet cluster."""
+    45 s (9 syncPeriods), every agent pod stays Ready (readiness probe: /healthz) and is never
+    restarted (liveness probe: /alivez), as upstream kube-proxy in a quiet cluster. Idle agents
+    used to report unhealthy 2 x syncPeriod after their last sync (10 s here); the readiness
+    probe sees that within 10 s more and the liveness probe restarts within 30 s more (period
+    10 s x 3 failures), so 45 s covers both."""
     wait_until(lambda: env.ready("nftables"), 120, "default Ready")
     reloads = _reloads(env)
     assert len(reloads) == 3, reloads
@@ -351,7 +353,7 @@ def test_idle_agents_stay_ready_and_are_not_restarted_by_their_probes(env: Env) 
             "every agent reloaded its configuration (syncPeriod 5s)",
         )
         before = env.agents()
-        idle_until = time.monotonic() + 80
+        idle_until = time.monotonic() + 45
         while time.monotonic() < idle_until:
             assert not _unready_agents(env), "an idle agent turned unready"
             time.sleep(4)
