@@ -78,8 +78,9 @@ from compare import (  # noqa: E402
     wait_cold_start,
 )
 from kpx_agent.model.types import IP, DataplaneSettings, Endpoint  # noqa: E402
+from kpx_agent.state_api.address import Listen  # noqa: E402
 from kpx_agent.state_api.publisher import Publisher  # noqa: E402
-from kpx_agent.state_api.server import Listen, StateServer  # noqa: E402
+from kpx_agent.state_api.server import StateServer  # noqa: E402
 from kpx_cluster.controlplane import Cluster  # noqa: E402
 from report import KPX  # noqa: E402
 from workload import NAMESPACE, Workload, create_node, grow, node_local_state, svc_name  # noqa: E402

@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kpx_api.constants import (
     CONFIG_GENERATION_KEY,
@@ -43,8 +44,10 @@ from .observability.node_state_writer import NodeStateWriter
 from .observability.proxy_health import ProxyHealth, health_timeout
 from .observability.service_health import HealthCheckServers, health_targets
 from .settings import AgentSettings
-from .state_api.publisher import Publisher
-from .state_api.server import StateServer, parse_address
+from .state_api.address import parse_address
+
+if TYPE_CHECKING:
+    from .state_api.server import StateServer
 from .store.cluster_state import ClusterState
 from .store.optout import exclusion_field_selector
 from .store.resources import NAMESPACES_RESOURCE, NODES_RESOURCE, SERVICES_RESOURCE, SLICES_RESOURCE
@@ -155,6 +158,10 @@ class Agent:
         self.health.dead_watches = lambda: dead_watches(self.watches)
         self.state_server: StateServer | None = None
         if settings.state_api is not None:
+            # Imported only here: an agent whose state API is off never loads gRPC.
+            from .state_api.publisher import Publisher
+            from .state_api.server import StateServer
+
             self.state_server = StateServer(Publisher(), parse_address(settings.state_api))
             self.proxier.on_synced = self._publish_state
         #: This node's ProxyNodeState (node_state.py): the latest successful sync and error,

@@ -52,7 +52,7 @@ from .observability.metrics import AgentMetrics
 from .observability.node_state import DEFAULT_WRITE_INTERVAL
 from .observability.proxy_health import ProxyHealth
 from .settings import AgentSettings
-from .state_api.server import parse_address
+from .state_api.address import parse_address
 from .state_api.socket_directory import SocketDirectoryError, prepare_socket_directory
 
 log = logging.getLogger("kpx_agent")

@@ -296,8 +296,9 @@ def test_go_client_takes_a_full_state_over_grpc_default_limit(
     )
     from kpx_agent.model.types import ServicePort as Port
     from kpx_agent.model.types import ServicePortKey as Key
+    from kpx_agent.state_api.address import Listen
     from kpx_agent.state_api.publisher import Publisher
-    from kpx_agent.state_api.server import Listen, StateServer
+    from kpx_agent.state_api.server import StateServer
 
     eps = tuple(
         Endpoint(IP.of(f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}"), 8080) for i in range(200_000)

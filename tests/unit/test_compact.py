@@ -4,6 +4,7 @@ the compact objects as from the whole ones, and a change of anything else record
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -75,6 +76,14 @@ def test_what_the_store_keeps_is_what_is_read() -> None:
     assert "selector" not in service["spec"]
     (endpoint,) = compact.endpoint_slice(fat(eps(ep("10.244.1.2"))))["endpoints"]
     assert "targetRef" not in endpoint
+    # An endpoint reads as the dict it came from, without being one (its fields in slots).
+    assert not hasattr(endpoint, "__dict__")
+    assert endpoint == {"addresses": ["10.244.1.2"], "nodeName": "n2"}
+    assert endpoint.get("addresses") == ["10.244.1.2"] and endpoint.get("hints") is None
+    assert endpoint.get("targetRef", "absent") == "absent"
+    assert sorted(endpoint) == ["addresses", "nodeName"] and len(endpoint) == 2
+    with pytest.raises(KeyError):
+        endpoint["zone"]
 
 
 def test_an_update_of_a_field_nobody_reads_records_no_change() -> None:
@@ -97,7 +106,7 @@ def test_an_update_of_a_field_nobody_reads_records_no_change() -> None:
 
 def _strings(value: object) -> list[object]:
     """The string values (not keys: orjson keeps those in a cache of its own)."""
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):  # dicts, and the compact form's endpoints
         return [s for v in value.values() for s in _strings(v)]
     if isinstance(value, list):
         return [s for v in value for s in _strings(v)]

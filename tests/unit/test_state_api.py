@@ -36,8 +36,9 @@ from kpx_agent.model.types import (
     ServicePortKey,
 )
 from kpx_agent.state_api import convert
+from kpx_agent.state_api.address import Listen, parse_address
 from kpx_agent.state_api.publisher import Publisher
-from kpx_agent.state_api.server import Listen, StateServer, parse_address
+from kpx_agent.state_api.server import StateServer
 from kpx_localstate_client import WATCH_METHOD, PortKey, State
 from kpx_localstate_client import localstate_pb2 as pb
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kpx_agent.state_api.address import Listen
 from kpx_agent.state_api.publisher import Publisher
-from kpx_agent.state_api.server import Listen, StateServer
+from kpx_agent.state_api.server import StateServer
 from kpx_agent.state_api.socket_directory import (
     SocketDirectoryError,
     directory_problem,

@@ -207,7 +207,12 @@ def _candidates(
                 continue
             addr = addresses[0]  # the first address is the one to use
             ip: IPAddress | None = None
-            if type(addr) is str:
+            if type(addr) is IP:  # the store's canonical address (store/compact.py): as is
+                if addr in seen:
+                    continue
+                if (":" in addr) == (not plain_v4):
+                    ip = addr
+            elif type(addr) is str:
                 if addr in seen:
                     continue
                 if plain_v4:

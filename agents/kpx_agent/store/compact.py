@@ -17,7 +17,7 @@ values must not be mutated. A compact object compacts to itself.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final
 
 from ..model.service_ports import (
@@ -25,6 +25,7 @@ from ..model.service_ports import (
     SERVICE_PROXY_NAME_LABEL,
     TOPOLOGY_MODE_ANNOTATIONS,
 )
+from ..model.types import IP
 
 Obj = Mapping[str, Any]
 
@@ -148,18 +149,75 @@ def service(obj: Obj) -> dict[str, Any]:
     return out
 
 
+class Endpoint(Mapping[str, Any]):
+    """One endpoint of a compact EndpointSlice, read as the mapping the API sends (`get`,
+    `[]`, iteration, equality with a dict) but kept in slots: a cluster has an endpoint object
+    per Pod and Service, 100,000 at 10,000 Services, and a dict of three keys costs about
+    twice these slots. A field the object did not carry is an unset slot (absent, as in the
+    dict), never None."""
+
+    __slots__ = _ENDPOINT
+
+    def __init__(self, fields: Mapping[str, Any]) -> None:
+        for k, v in fields.items():
+            setattr(self, k, v)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return getattr(self, key, default) if key in _ENDPOINT_FIELDS else default
+
+    def __getitem__(self, key: str) -> Any:
+        if key in _ENDPOINT_FIELDS:
+            try:
+                return getattr(self, key)
+            except AttributeError:
+                pass
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k in _ENDPOINT if hasattr(self, k))
+
+    def __len__(self) -> int:
+        return sum(1 for k in _ENDPOINT if hasattr(self, k))
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is Endpoint:
+            return all(getattr(self, k, _UNSET) == getattr(other, k, _UNSET) for k in _ENDPOINT)
+        if isinstance(other, Mapping):
+            return dict(self) == dict(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to dicts, which are unhashable
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+_ENDPOINT_FIELDS: Final = frozenset(_ENDPOINT)
+_UNSET: Final = object()
+
+
+def _address(value: str) -> str:
+    """An endpoint's address: as an `IP` when written in canonical form, which the node-local
+    model then takes as it is (one string per address for the store and the model, instead
+    of one each); any other spelling as a copy of what was written (the model decides)."""
+    ip = IP.parse(value)
+    return ip if ip is not None and ip == value else _fresh(value)
+
+
 def _endpoint(ep: object) -> object:
     if not isinstance(ep, Mapping):
         return _copy(ep)
+    if type(ep) is Endpoint:
+        return ep
     out: dict[str, Any] = {}
     for k in _ENDPOINT:
         if k in ep:
             value = ep[k]
             if k == "addresses" and isinstance(value, list):  # unique: copied, not interned
-                out[k] = [_fresh(v) if isinstance(v, str) else v for v in value]
+                out[k] = [_address(v) if isinstance(v, str) else v for v in value]
             else:
                 out[k] = _shared(value)
-    return out
+    return Endpoint(out)
 
 
 def endpoint_slice(obj: Obj) -> dict[str, Any]:

@@ -23,6 +23,27 @@ from .schema import Element, Key, Value
 Owner = TypeVar("Owner")
 ElementKey = tuple[str, Key]  # (set name, typed key)
 Merge = Callable[[Sequence[Value]], Value]  # the owners' values of one key -> the kernel's
+#: The claims on one key, in claim order. Memory: a key has one owner but in rare cases (a
+#: hairpin pair two Services share, a merged set's key), and a record holds 100,000+ keys at
+#: 10,000 Services, so one claim is kept as its (owner, value) pair and only several as a list.
+Claim = tuple[Owner, Value]
+Claims = Claim[Owner] | list[Claim[Owner]]
+#: The record of one family's table: set name -> key -> claims (no (set, key) pair per key).
+Record = dict[str, dict[Key, Claims[Owner]]]
+
+
+def claims_of(claims: Claims[Owner] | None) -> Sequence[Claim[Owner]]:
+    """The claims on a key as a sequence (empty for none)."""
+    if claims is None:
+        return ()
+    if type(claims) is list:
+        return claims
+    return (claims,)  # type: ignore[return-value]
+
+
+def _stored(lst: list[Claim[Owner]]) -> Claims[Owner]:
+    """How a key's claims are kept once committed (see `Claims`)."""
+    return lst[0] if len(lst) == 1 else lst
 
 
 @dataclass
@@ -35,7 +56,9 @@ class Plan(Generic[Owner]):
     # The value each deleted key had in the kernel (to delete what a merged value expands to).
     replaced: dict[ElementKey, Value] = field(default_factory=dict)
     merge: Mapping[str, Merge] = field(default_factory=dict)
-    _owners: dict[ElementKey, list[tuple[Owner, Value]]] = field(default_factory=dict)
+    # A full sync's plan (`claim_fresh`): the claims as the record keeps them. A partial
+    # sync's plan (`ElementBook.plan`): working lists of the keys it touches.
+    _owners: Record[Owner] = field(default_factory=dict)
     _contrib: dict[Owner, tuple[Element, ...] | None] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
@@ -49,20 +72,31 @@ class Plan(Generic[Owner]):
         once every owner has claimed."""
         new = tuple(elements) if elements is not None else ()
         self._contrib[owner] = new if elements is not None else None
-        staged = self._owners
+        record = self._owners
         merge = self.merge
         first: list[Element] = []
+        by_set: dict[Key, Claims[Owner]] | None = None
+        by_set_name = None
         for element in new:
-            ek = element[:2]
-            lst = staged.get(ek)
-            value = element[2]
-            if lst is None:
-                staged[ek] = [(owner, value)]
-                if ek[0] not in merge:
+            set_name, key, value = element
+            if set_name != by_set_name:
+                by_set = record.get(set_name)
+                if by_set is None:
+                    by_set = record[set_name] = {}
+                by_set_name = set_name
+            assert by_set is not None
+            claims = by_set.get(key)
+            if claims is None:
+                by_set[key] = (owner, value)
+                if set_name not in merge:
                     first.append(element)
                 continue
-            if lst[0][1] != value and ek[0] not in merge:
-                self.conflicts.append((ek, owner))
+            if type(claims) is list:
+                lst = claims
+            else:
+                lst = by_set[key] = [claims]  # type: ignore[list-item]
+            if lst[0][1] != value and set_name not in merge:
+                self.conflicts.append(((set_name, key), owner))
             lst.append((owner, value))
         return first
 
@@ -70,9 +104,11 @@ class Plan(Generic[Owner]):
         """The merged sets' elements of a plan made by `claim_fresh` (a full sync's)."""
         merge = self.merge
         return [
-            (set_name, key, merge[set_name]([v for _, v in lst]))
-            for (set_name, key), lst in self._owners.items()
-            if set_name in merge and lst
+            (set_name, key, merge[set_name]([v for _, v in claims_of(claims)]))
+            for set_name, by_set in self._owners.items()
+            if set_name in merge
+            for key, claims in by_set.items()
+            if claims
         ]
 
     def effective(self, set_name: str, owners: Sequence[tuple[Owner, Value]]) -> Value:
@@ -84,7 +120,7 @@ class Plan(Generic[Owner]):
 
 class ElementBook(Generic[Owner]):
     def __init__(self, merge: Mapping[str, Merge] | None = None) -> None:
-        self._owners: dict[ElementKey, list[tuple[Owner, Value]]] = {}
+        self._owners: Record[Owner] = {}
         self._contrib: dict[Owner, tuple[Element, ...]] = {}
         self.merge: Mapping[str, Merge] = merge or {}
 
@@ -92,13 +128,14 @@ class ElementBook(Generic[Owner]):
         return Plan(merge=self.merge)
 
     def __len__(self) -> int:
-        return len(self._owners)
+        return sum(len(by_set) for by_set in self._owners.values())
 
     def elements(self) -> Iterator[Element]:
         """The effective elements (first owner's value wins, or the merged value)."""
         plan = self.new_plan()
-        for (set_name, key), owners in self._owners.items():
-            yield set_name, key, plan.effective(set_name, owners)
+        for set_name, by_set in self._owners.items():
+            for key, claims in by_set.items():
+                yield set_name, key, plan.effective(set_name, claims_of(claims))
 
     def contribution(self, owner: Owner) -> tuple[Element, ...]:
         return self._contrib.get(owner, ())
@@ -106,13 +143,25 @@ class ElementBook(Generic[Owner]):
     def owners(self) -> Iterable[Owner]:
         return self._contrib.keys()
 
+    def _claims(self, set_name: str, key: Key) -> Sequence[Claim[Owner]]:
+        by_set = self._owners.get(set_name)
+        return claims_of(by_set.get(key)) if by_set is not None else ()
+
     def plan(self, updates: Mapping[Owner, Iterable[Element] | None]) -> Plan[Owner]:
         """What changes in the kernel if each owner's elements become `updates[owner]`."""
         if not self._owners:
             return self._plan_fresh(updates)
         plan = self.new_plan()
         merge = self.merge
-        staged = plan._owners
+        staged = plan._owners  # working lists of the keys touched
+
+        def working(set_name: str, key: Key) -> list[Claim[Owner]]:
+            by_set = staged.setdefault(set_name, {})
+            lst = by_set.get(key)
+            if lst is None:
+                lst = by_set[key] = list(self._claims(set_name, key))
+            return lst  # type: ignore[return-value]
+
         for owner, new_elems in updates.items():
             old = self._contrib.get(owner, ())
             new = tuple(new_elems) if new_elems is not None else ()
@@ -121,27 +170,26 @@ class ElementBook(Generic[Owner]):
             for set_name, key, value in old:
                 if (set_name, key, value) in new_set:
                     continue
-                ek = (set_name, key)
-                lst = staged.setdefault(ek, list(self._owners.get(ek, ())))
+                lst = working(set_name, key)
                 lst[:] = [(o, v) for o, v in lst if o != owner]
             for set_name, key, value in new:
                 if (set_name, key, value) in old_set:
                     continue
-                ek = (set_name, key)
-                lst = staged.setdefault(ek, list(self._owners.get(ek, ())))
+                lst = working(set_name, key)
                 if lst and lst[0][1] != value and lst[0][0] != owner and set_name not in merge:
-                    plan.conflicts.append((ek, owner))
+                    plan.conflicts.append(((set_name, key), owner))
                 lst.append((owner, value))
-        for ek, lst in staged.items():
-            before = self._owners.get(ek)
-            set_name, key = ek
-            old_value = plan.effective(set_name, before) if before else None
-            new_value = plan.effective(set_name, lst) if lst else None
-            if before and (not lst or new_value != old_value):
-                plan.delete.setdefault(set_name, []).append(key)
-                plan.replaced[ek] = old_value
-            if lst and (not before or new_value != old_value):
-                plan.add.setdefault(set_name, []).append((key, new_value))
+        for set_name, by_set in staged.items():
+            for key, working_claims in by_set.items():
+                now = claims_of(working_claims)
+                before = self._claims(set_name, key)
+                old_value = plan.effective(set_name, before) if before else None
+                new_value = plan.effective(set_name, now) if now else None
+                if before and (not now or new_value != old_value):
+                    plan.delete.setdefault(set_name, []).append(key)
+                    plan.replaced[(set_name, key)] = old_value
+                if now and (not before or new_value != old_value):
+                    plan.add.setdefault(set_name, []).append((key, new_value))
         return plan
 
     def _plan_fresh(self, updates: Mapping[Owner, Iterable[Element] | None]) -> Plan[Owner]:
@@ -156,18 +204,30 @@ class ElementBook(Generic[Owner]):
 
     def commit(self, plan: Plan[Owner]) -> None:
         """Record a plan the kernel accepted."""
-        if not self._owners and not self._contrib and all(plan._owners.values()):
+        if not self._owners and not self._contrib:
             # Into an empty record (a full sync's plan, 100,000+ keys): take the plan's tables
             # over instead of copying them; a plan is spent once committed.
-            self._owners = plan._owners
+            for by_set in plan._owners.values():
+                for key in [k for k, c in by_set.items() if type(c) is list]:
+                    lst = by_set[key]
+                    if lst:
+                        by_set[key] = _stored(lst)  # type: ignore[arg-type]
+                    else:
+                        del by_set[key]
+            self._owners = {name: by_set for name, by_set in plan._owners.items() if by_set}
             self._contrib = {owner: c for owner, c in plan._contrib.items() if c}
             plan._owners, plan._contrib = {}, {}
             return
-        for ek, lst in plan._owners.items():
-            if lst:
-                self._owners[ek] = lst
-            else:
-                self._owners.pop(ek, None)
+        for set_name, by_set in plan._owners.items():
+            record = self._owners.setdefault(set_name, {})
+            for key, claims in by_set.items():
+                lst = list(claims_of(claims))
+                if lst:
+                    record[key] = _stored(lst)
+                else:
+                    record.pop(key, None)
+            if not record:
+                del self._owners[set_name]
         for owner, contrib in plan._contrib.items():
             if contrib:
                 self._contrib[owner] = contrib
