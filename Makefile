@@ -121,10 +121,17 @@ demo: setup image
 demo-down:
 	$(PYTHON) -m kpx_cluster.demo down
 
-## bench: kpx against upstream kube-proxy, side by side (N=1000 for one size); sets up the machine first
+## bench: kpx against upstream kube-proxy, side by side (N=1000 for one size), the state API, and
+## the agent's memory (the whole agent, a relist included, at MEMORY_SIZES: 30,000 adds 25-40
+## minutes; by layer in one process at LAYER_SIZES, with the slopes per Service and per endpoint);
+## sets up the machine first
+MEMORY_SIZES ?= 1000,10000
+LAYER_SIZES ?= 1000,10000,30000
 bench: setup
 	$(PYTHON) bench/compare.py $(if $(N),--services $(N),)
 	$(PYTHON) bench/state_api.py $(if $(N),--services $(N),)
+	$(PYTHON) bench/agent_memory.py --services $(if $(N),$(N),$(MEMORY_SIZES))
+	$(PYTHON) bench/memory_layers.py $(if $(N),--services $(N) --at $(N),--services $(LAYER_SIZES))
 
 ## bench-migration: upstream kube-proxy (iptables, nftables) -> kpx nftables, then spec.mode
 ## iptables -> nftables -> iptables, on three simulated nodes under constant load (new TCP

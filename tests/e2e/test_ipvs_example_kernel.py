@@ -118,11 +118,57 @@ def test_the_rendered_ipvs_example_proxies_a_cluster_ip_and_a_node_port(
     selector = pod.get("nodeSelector", {})
     nodes: list[Node] = [n1, n2]
     try:
+        # One kubectl run for the objects, one per node status: each run of the Go binary
+        # costs seconds under the guest's emulated CPU.
+        objects: list[dict[str, Any]] = []
         for node in nodes:
             obj = node_object(node)
             if node is n1:  # the node the DaemonSet selects
                 obj["metadata"]["labels"].update(selector)
-            kubectl("apply", "-f", "-", input=json.dumps(obj))
+            objects.append(obj)
+        objects.append({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+        objects.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {"name": "web", "namespace": ns},
+                "spec": {
+                    "type": "NodePort",
+                    "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}],
+                },
+            }
+        )
+        objects.append(
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": "web-1",
+                    "namespace": ns,
+                    "labels": {"kubernetes.io/service-name": "web"},
+                },
+                "addressType": "IPv4",
+                "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+                "endpoints": [
+                    {"addresses": [b1.ipv4], "nodeName": n1.name, "conditions": {"ready": True}},
+                    {"addresses": [b2.ipv4], "nodeName": n2.name, "conditions": {"ready": True}},
+                ],
+            }
+        )
+        applied = json.loads(
+            kubectl(
+                "apply",
+                "-o",
+                "json",
+                "-f",
+                "-",
+                input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}),
+            )
+        )
+        [created] = [o for o in applied["items"] if o["kind"] == "Service"]
+        vip = created["spec"]["clusterIP"]
+        node_port = created["spec"]["ports"][0]["nodePort"]
+        for node in nodes:
             kubectl(
                 "patch",
                 "node",
@@ -132,35 +178,6 @@ def test_the_rendered_ipvs_example_proxies_a_cluster_ip_and_a_node_port(
                 "-p",
                 json.dumps(node_addresses(node)),
             )
-        kubectl("create", "namespace", ns)
-        service = {
-            "apiVersion": "v1",
-            "kind": "Service",
-            "metadata": {"name": "web", "namespace": ns},
-            "spec": {
-                "type": "NodePort",
-                "ports": [{"name": "http", "port": 80, "targetPort": 8080, "protocol": "TCP"}],
-            },
-        }
-        created = json.loads(kubectl("apply", "-o", "json", "-f", "-", input=json.dumps(service)))
-        vip = created["spec"]["clusterIP"]
-        node_port = created["spec"]["ports"][0]["nodePort"]
-        slice_ = {
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": {
-                "name": "web-1",
-                "namespace": ns,
-                "labels": {"kubernetes.io/service-name": "web"},
-            },
-            "addressType": "IPv4",
-            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
-            "endpoints": [
-                {"addresses": [b1.ipv4], "nodeName": n1.name, "conditions": {"ready": True}},
-                {"addresses": [b2.ipv4], "nodeName": n2.name, "conditions": {"ready": True}},
-            ],
-        }
-        kubectl("apply", "-f", "-", input=json.dumps(slice_))
 
         env = {**os.environ, **agent_env, "KPX_SERVICEACCOUNT_DIR": str(work / "serviceaccount")}
         env.pop("KUBECONFIG", None)  # the pod's own credentials only
@@ -195,11 +212,14 @@ def test_the_rendered_ipvs_example_proxies_a_cluster_ip_and_a_node_port(
         assert through_node_port.backends <= {"b1", "b2"}, through_node_port
     finally:
         subprocess.run(
-            ["kubectl", "delete", "namespace", ns, "--wait=false"], capture_output=True, check=False
+            [
+                "kubectl",
+                "delete",
+                f"namespace/{ns}",
+                *(f"node/{node.name}" for node in nodes),
+                "--wait=false",
+                "--ignore-not-found",
+            ],
+            capture_output=True,
+            check=False,
         )
-        for node in nodes:
-            subprocess.run(
-                ["kubectl", "delete", "node", node.name, "--wait=false"],
-                capture_output=True,
-                check=False,
-            )

@@ -114,7 +114,8 @@ def test_install_helm_test_and_uninstall(real: RealCluster, helm: Callable[..., 
         "--set",
         "crds.keep=false",
         "--set",
-        "tests.timeoutSeconds=60",
+        # How long the test Pod waits for Ready: the failing run below waits it out whole.
+        "tests.timeoutSeconds=30",
     )
     assert out.returncode == 0, out.stderr
     installed = time.monotonic() - started
@@ -182,6 +183,7 @@ def test_install_helm_test_and_uninstall(real: RealCluster, helm: Callable[..., 
         "-p",
         '[{"op":"remove","path":"/spec/nodeSelector/kpx.dev~1none"}]',
     )
+    kubectl("wait", f"pxc/{PXC}", "--for=condition=Ready", "--timeout=120s")
     tested = helm("test", RELEASE, "--namespace", NS, "--timeout", "5m")
     assert tested.returncode == 0, tested.stdout + tested.stderr
     assert not [n for n in names(real, NAMESPACED, "-n", NS) if "kpx-test" in n]
