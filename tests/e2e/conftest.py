@@ -5,9 +5,34 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+import guest_background
 import pytest
 
 from kpx_cluster.controlplane import Cluster
+
+# ---- the IPVS guest's kernel tests, beside the rest of the session (guest_background.py) ----
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """test_ipvs_in_vm.py's tests go last: the guest's kernel tests run in the background
+    meanwhile."""
+    guest_tests = [i for i in items if i.nodeid.startswith(guest_background.MODULE)]
+    if guest_tests:
+        items[:] = [i for i in items if not i.nodeid.startswith(guest_background.MODULE)]
+        items += guest_tests
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    selected = any(i.nodeid == guest_background.KERNEL_TEST for i in session.items)
+    if selected and guest_background.cannot_run() is None and not session.config.option.collectonly:
+        guest_background.current = guest_background.BackgroundRun()
+        guest_background.current.start()
+
+
+def pytest_sessionfinish() -> None:
+    if guest_background.current is not None:
+        guest_background.current.stop()
+        guest_background.current = None
 
 
 @pytest.fixture(scope="session")

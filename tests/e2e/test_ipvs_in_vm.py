@@ -4,6 +4,10 @@ tests/e2e/test_ipvs_kernel.py, the ipvs column of the semantics matrix
 the ipvs -> nftables switch under load (test_ipvs_to_nftables_under_load.py; those two reach
 the session's local control plane through the kubeconfig, which proxy-vm relays).
 
+In a session that selects the kernel tests, they run in a guest booted when collection ends,
+beside the session's other tests, and this module's tests run last (guest_background.py,
+conftest.py): the emulated guest's 6-9 minutes overlap the rest instead of adding to it.
+
 Skipped, saying why, only where qemu cannot run (not installed, or not root); a failure or a
 skip inside the guest fails here. The guest image is built on first use (minutes, cached in
 ~/.cache/kpx/vm/); `make setup-vm` builds it ahead.
@@ -18,20 +22,18 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import guest_background
 import pytest
 import yaml
+from guest_background import run_in_guest
 
 from kpx_api import ProxyConfiguration
 from kpx_cluster.controlplane import Cluster
-from kpx_cluster.vm import image as vm_image
 from kpx_cluster.vm.machine import Guest
 from kpx_operator.builders import BuildOptions, Owner, agent_children
 from kpx_operator.names import AGENT_SERVICE_ACCOUNT
 
 REPO = Path(__file__).resolve().parents[2]
-KERNEL_TESTS = ("tests/e2e/test_ipvs_kernel.py", "tests/e2e/test_ipvs_semantics_matrix.py")
-#: One guest pytest run for both files: a Python start that imports the project costs about
-#: 10 s under emulation, once instead of once per test function.
 GUEST_TIMEOUT = 1500
 
 pytestmark = [
@@ -46,9 +48,17 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def guest() -> Iterator[Guest]:
-    missing = vm_image.missing_host_tools()
-    if missing:
-        pytest.skip(f"proxy-vm needs {', '.join(missing)} (make setup-vm installs them)")
+    """The session's background guest once its kernel tests are done (guest_background.py),
+    or one booted here when the session started none."""
+    background = guest_background.current
+    if background is not None:
+        if background.wait(GUEST_TIMEOUT).error is None:
+            yield background.guest
+            return
+        background.stop()  # the kernel test reports why; the others get a guest of their own
+    why = guest_background.cannot_run()
+    if why is not None:
+        pytest.skip(why)
     vm = Guest(f"pytest-{os.getpid()}")
     vm.up()
     try:
@@ -57,12 +67,7 @@ def guest() -> Iterator[Guest]:
         vm.down()
 
 
-def run_in_guest(guest: Guest, argv: list[str]) -> tuple[int, str]:
-    chunks: list[bytes] = []
-    code = guest.exec(argv, cwd=REPO, on_output=lambda _channel, data: chunks.append(data))
-    return code, b"".join(chunks).decode(errors="replace")
-
-
+@pytest.mark.timeout(GUEST_TIMEOUT)  # its setup may wait for the background run
 def test_guest_has_ipvs_and_the_tools(guest: Guest) -> None:
     code, out = run_in_guest(
         guest,
@@ -80,32 +85,20 @@ def test_guest_has_ipvs_and_the_tools(guest: Guest) -> None:
 
 @pytest.mark.timeout(GUEST_TIMEOUT)
 def test_ipvs_kernel_tests_pass_in_the_guest(guest: Guest) -> None:
-    expected = sum(
-        len(re.findall(r"^def test_\w+\(", (REPO / path).read_text(), re.MULTILINE))
-        for path in KERNEL_TESTS
-    )
-    code, out = run_in_guest(
-        guest,
-        [
-            "python3",
-            "-m",
-            "pytest",
-            *KERNEL_TESTS,
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-rsx",
-            "-o",
-            "addopts=",
-            "--timeout=600",
-            "--durations=15",
-        ],
-    )
+    background = guest_background.current
+    if background is not None and background.outcome.error is not None:
+        pytest.fail(f"the guest's background run failed: {background.outcome.error!r}")
+    if background is not None and background.guest is guest:
+        outcome = background.outcome  # run while the session's other tests ran
+        code, out = outcome.code, outcome.output
+    else:
+        code, out = guest_background.run_kernel_tests(guest)
     print(out[-4000:])  # the guest's own summary and slowest tests, for the CI log
     assert code == 0, out[-6000:]
     assert " skipped" not in out, out[-3000:]
     # Every test function ran (parametrized ones count once or more).
     passed = re.search(r"(\d+) passed", out)
+    expected = guest_background.expected_tests()
     assert passed is not None and int(passed.group(1)) >= expected, out[-3000:]
 
 
