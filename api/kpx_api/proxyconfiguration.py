@@ -107,9 +107,9 @@ class ProxyConfigurationSpec(ProxySettings):
     resources: ResourceRequirements = Field(
         default_factory=default_agent_resources,
         description="Compute resources (requests and limits) of the agent container. Default "
-        "(when the field is left out): requests cpu 50m and memory 64Mi, limit memory 384Mi, the "
-        "agent's measured peak at 10,000 Services (a relist included) with 50 % headroom; "
-        "add about 18 MB per 1,000 Services beyond that. {} sets none.",
+        "(when the field is left out): requests cpu 50m and memory 64Mi, limit memory 384Mi, "
+        "nearly twice the agent's measured peak at 10,000 Services (208 MB, a relist "
+        "included); add about 15 MB per 1,000 Services beyond that. {} sets none.",
     )
     image: Image | None = Field(
         default=None,
