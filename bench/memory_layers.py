@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import subprocess
 import sys
 import tracemalloc
@@ -35,6 +34,8 @@ import uuid
 from collections.abc import Iterator, Sequence
 from ipaddress import ip_network
 from typing import Any
+
+from scratch_netns import run_in_scratch_netns
 
 LAYERS = (
     ("store", ("/kpx_agent/store/",)),
@@ -163,21 +164,9 @@ def inner(n: int, endpoints: int, trace: bool) -> dict[str, Any]:
 
 
 def measure(n: int, endpoints: int, trace: bool) -> dict[str, Any]:
-    ns = f"kpxmem{uuid.uuid4().hex[:6]}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        argv = [sys.executable, __file__, "--inner", str(n), str(endpoints)]
-        argv += ["--trace"] if trace else []
-        done = subprocess.run(
-            ["ip", "netns", "exec", ns, *argv],
-            check=True,
-            capture_output=True,
-            text=True,
-            env=os.environ,
-        )
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    argv = [sys.executable, __file__, "--inner", str(n), str(endpoints)]
+    out = run_in_scratch_netns("kpxmem", argv + (["--trace"] if trace else []))
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
 
 

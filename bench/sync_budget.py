@@ -15,11 +15,9 @@ Usage: python3 bench/sync_budget.py [--services N] [--ports P] [--endpoints E]
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
-import uuid
 from typing import Any
 
 from kpx_agent.backends.nftables.backend import NftablesBackend
@@ -28,6 +26,7 @@ from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, C
 from kpx_agent.sync.budget import MAX_SYNC_COST
 from kpx_agent.sync.proxier import Proxier
 from kpx_api.proxysettings import NamespaceOptOut
+from scratch_netns import run_in_scratch_netns
 from workload import SETTINGS
 
 UNBOUNDED = 10**9
@@ -121,31 +120,9 @@ def inner(n: int, ports: int, endpoints: int, budget: int) -> None:
 
 
 def run(n: int, ports: int, endpoints: int, budget: int) -> list[str]:
-    ns = f"kpxbudget{uuid.uuid4().hex[:6]}"
-    subprocess.run(["ip", "netns", "add", ns], check=True)
-    try:
-        argv = [
-            sys.executable,
-            __file__,
-            "--inner",
-            "--services",
-            str(n),
-            "--ports",
-            str(ports),
-            "--endpoints",
-            str(endpoints),
-            "--budget",
-            str(budget),
-        ]
-        out = subprocess.run(
-            ["ip", "netns", "exec", ns, *argv],
-            check=True,
-            capture_output=True,
-            text=True,
-            env=os.environ,
-        ).stdout
-    finally:
-        subprocess.run(["ip", "netns", "del", ns], check=False)
+    argv = [sys.executable, __file__, "--inner", "--services", str(n), "--ports", str(ports)]
+    argv += ["--endpoints", str(endpoints), "--budget", str(budget)]
+    out = run_in_scratch_netns("kpxbudget", argv)
     return next(line for line in out.splitlines() if line.startswith("RESULT")).split()[1:]
 
 
