@@ -13,7 +13,8 @@ TCP: ECONNREFUSED (a RST or an ICMP reject) is "refused", a connect or read time
 --same-socket) and waits for the reply; ICMP port-unreachable surfaces as ECONNREFUSED, so it is
 "refused"; no reply is "timeout". Anything else is counted in "errors" by message.
 
-`probe` runs this CLI inside a netns of a Topology and returns a `ProbeResult`.
+`probe` makes the same tries in a thread inside a netns of a Topology and returns a
+`ProbeResult`; the CLI is for a shell in any netns (``ip netns exec NS python3 -m ...``).
 """
 
 from __future__ import annotations
@@ -255,7 +256,7 @@ def probe(
 
     The tries run in a thread of this process that joins the netns (`Topology.call`), not in
     a new Python process: under the IPVS guest's emulated CPU a Python start costs about a
-    second, and tests probe thousands of times. The CLI (`main`) stays for other processes."""
+    second, and tests probe thousands of times."""
     if proto not in ("tcp", "udp"):
         raise ValueError(f"proto must be tcp or udp, got {proto!r}")
     return topology.call(
