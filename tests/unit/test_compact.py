@@ -11,7 +11,7 @@ import orjson
 import pytest
 from test_node_local import NODE, ROWS, ep, eps, svc
 
-from kpx_agent.model.service_ports import service_model
+from kpx_agent.model.service_ports import EndpointFields, service_model
 from kpx_agent.store import compact
 from kpx_agent.store.cluster_state import SERVICES, SLICES, ClusterState
 
@@ -84,6 +84,18 @@ def test_what_the_store_keeps_is_what_is_read() -> None:
     assert sorted(endpoint) == ["addresses", "nodeName"] and len(endpoint) == 2
     with pytest.raises(KeyError):
         endpoint["zone"]
+    # The model's hot loop reads the slots as attributes (EndpointFields): absent is None.
+    assert isinstance(endpoint, EndpointFields)
+    assert (endpoint.addresses, endpoint.nodeName, endpoint.hints) == (["10.244.1.2"], "n2", None)
+
+
+def test_a_field_sent_as_null_reads_as_absent() -> None:
+    """The API reads a null field as absent; so do the compact endpoint and the model."""
+    (endpoint,) = compact.endpoint_slice(eps({**ep("10.244.1.2"), "hints": None, "zone": None}))[
+        "endpoints"
+    ]
+    assert endpoint == {"addresses": ["10.244.1.2"], "nodeName": "n2"}
+    assert endpoint.get("hints", "absent") == "absent" and "zone" not in endpoint
 
 
 def test_an_update_of_a_field_nobody_reads_records_no_change() -> None:

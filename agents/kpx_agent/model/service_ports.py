@@ -53,6 +53,20 @@ Obj = Mapping[str, Any]
 DEFAULT_EXTERNAL_IPS = ExternalIPPolicy()
 
 
+class EndpointFields:
+    """An endpoint of an EndpointSlice kept as attributes, not a dict (the store's compact
+    form, `store/compact.py`): `addresses`, `conditions`, `hints`, `nodeName`, `zone`, each
+    None when absent. The model reads these directly; any other endpoint is read as the
+    mapping the API sends."""
+
+    __slots__ = ()
+    addresses: Any
+    conditions: Any
+    hints: Any
+    nodeName: Any
+    zone: Any
+
+
 def _ip(value: object) -> IPAddress | None:
     ip = IP.parse(value)
     if ip is None:
@@ -202,7 +216,11 @@ def _candidates(
         if not port:
             continue
         for ep in sl.get("endpoints") or []:
-            addresses = ep.get("addresses")
+            if isinstance(ep, EndpointFields):  # attributes: no method call per field
+                addresses, cond, hints, ep_node = ep.addresses, ep.conditions, ep.hints, ep.nodeName
+            else:
+                addresses, cond = ep.get("addresses"), ep.get("conditions")
+                hints, ep_node = ep.get("hints"), ep.get("nodeName")
             if not addresses:
                 continue
             addr = addresses[0]  # the first address is the one to use
@@ -225,21 +243,20 @@ def _candidates(
                 ip = _ip_of_family(addr, af)
                 if ip is None or ip in seen:
                     continue
-            cond = ep.get("conditions") or _NO_CONDITIONS
+            cond = cond or _NO_CONDITIONS
             ready = cond.get("ready") is not False  # nil means ready
             serving = cond.get("serving")
             serving = ready if serving is None else bool(serving)
             terminating = bool(cond.get("terminating"))
             if terminating or not (ready and serving):
                 unusual[ip] = EndpointConditions(ready, serving, terminating)
-            hints = ep.get("hints")
             zones = nodes = None
             if hints:
                 if hints.get("forZones") is not None:
                     zones = frozenset(str(z.get("name")) for z in hints["forZones"])
                 if hints.get("forNodes") is not None:
                     nodes = frozenset(str(n.get("name")) for n in hints["forNodes"])
-            local = bool(node_name) and ep.get("nodeName") == node_name
+            local = bool(node_name) and ep_node == node_name
             seen[ip] = _new(
                 _Candidate,
                 (_new(Endpoint, (ip, port, local)), ready, serving, terminating, zones, nodes),

@@ -24,6 +24,7 @@ from ..model.service_ports import (
     SERVICE_NAME_LABEL,
     SERVICE_PROXY_NAME_LABEL,
     TOPOLOGY_MODE_ANNOTATIONS,
+    EndpointFields,
 )
 from ..model.types import IP
 
@@ -149,39 +150,44 @@ def service(obj: Obj) -> dict[str, Any]:
     return out
 
 
-class Endpoint(Mapping[str, Any]):
+class Endpoint(EndpointFields, Mapping[str, Any]):
     """One endpoint of a compact EndpointSlice, read as the mapping the API sends (`get`,
     `[]`, iteration, equality with a dict) but kept in slots: a cluster has an endpoint object
     per Pod and Service, 100,000 at 10,000 Services, and a dict of three keys costs about
-    twice these slots. A field the object did not carry is an unset slot (absent, as in the
-    dict), never None."""
+    twice these slots. Every slot is set; a field the object did not carry (or carried as
+    null, which the API reads as absent) holds None and is absent from the mapping. The
+    node-local model's hot loop reads the slots as attributes (`addresses`, `conditions`,
+    `hints`, `nodeName`, `zone`): a method call per field would cost it 7x the time."""
 
     __slots__ = _ENDPOINT
 
     def __init__(self, fields: Mapping[str, Any]) -> None:
-        for k, v in fields.items():
-            setattr(self, k, v)
+        for k in _ENDPOINT:
+            setattr(self, k, fields.get(k))
 
     def get(self, key: str, default: Any = None) -> Any:
-        return getattr(self, key, default) if key in _ENDPOINT_FIELDS else default
+        if key in _ENDPOINT_FIELDS:
+            value = getattr(self, key)
+            if value is not None:
+                return value
+        return default
 
     def __getitem__(self, key: str) -> Any:
         if key in _ENDPOINT_FIELDS:
-            try:
-                return getattr(self, key)
-            except AttributeError:
-                pass
+            value = getattr(self, key)
+            if value is not None:
+                return value
         raise KeyError(key)
 
     def __iter__(self) -> Iterator[str]:
-        return (k for k in _ENDPOINT if hasattr(self, k))
+        return (k for k in _ENDPOINT if getattr(self, k) is not None)
 
     def __len__(self) -> int:
-        return sum(1 for k in _ENDPOINT if hasattr(self, k))
+        return sum(1 for k in _ENDPOINT if getattr(self, k) is not None)
 
     def __eq__(self, other: object) -> bool:
         if type(other) is Endpoint:
-            return all(getattr(self, k, _UNSET) == getattr(other, k, _UNSET) for k in _ENDPOINT)
+            return all(getattr(self, k) == getattr(other, k) for k in _ENDPOINT)
         if isinstance(other, Mapping):
             return dict(self) == dict(other)
         return NotImplemented
@@ -193,7 +199,6 @@ class Endpoint(Mapping[str, Any]):
 
 
 _ENDPOINT_FIELDS: Final = frozenset(_ENDPOINT)
-_UNSET: Final = object()
 
 
 def _address(value: str) -> str:
