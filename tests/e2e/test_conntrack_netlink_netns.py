@@ -7,6 +7,12 @@ while a Service had no rules). `conntrack.delete_flows` for "endpoint backend:53
 "VIP went from no endpoints to some" (and a NodePort's) deletes exactly the entries those
 filters stood for; every other entry of the table stays. The `conntrack` tool lists the table,
 an observer independent of the code under test.
+
+TCP: connections to another ClusterIP, one DNATed to the backend (which drops it: the entry
+stays in SYN_SENT) and some not DNATed, routed on to the fabric where nobody answers (as with no
+rule for the Service, or while a foreign change had removed it: their entries stay in SYN_SENT
+for 2 min). The filter for "the ClusterIP's port got endpoints, or its rules were repaired"
+deletes only the entry of that port that was not DNATed.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from kpx_cluster.netns import Node, Pod, Topology, call_in_netns
 pytestmark = [pytest.mark.netns]
 
 VIP = {4: "10.96.0.53", 6: "fd00:96::53"}
+TCP_VIP = {4: "10.96.0.80", 6: "fd00:96::80"}
 OTHER_VIP = {4: "10.96.0.54", 6: "fd00:96::54"}
 NODE_PORT = 30053
 
@@ -36,14 +43,36 @@ s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", int(sys.argv[3])))
 s.sendto(b"q", (sys.argv[1], int(sys.argv[2])))
 """
 
+# A SYN from a given source port, then the socket closed (a SYN_SENT socket closes silently).
+CONNECT_FROM = """
+import socket, sys, time
+family = socket.AF_INET6 if ":" in sys.argv[1] else socket.AF_INET
+s = socket.socket(family, socket.SOCK_STREAM)
+s.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", int(sys.argv[3])))
+s.setblocking(False)
+try:
+    s.connect((sys.argv[1], int(sys.argv[2])))
+except BlockingIOError:
+    pass
+time.sleep(0.1)
+"""
+
 DNAT = """table {table} kpx-ctnl-test {{
   chain pre {{
     type nat hook prerouting priority -100; policy accept;
     {ip} daddr {vip} udp dport 53 udp sport 41001 dnat to {backend}:6363
     {ip} daddr {vip} udp dport 53 udp sport 41000 dnat to {backend}:5353
     {ip} daddr {other} udp dport 53 dnat to {backend}:5353
+    {ip} daddr {tcp_vip} tcp dport 80 tcp sport 42000 dnat to {backend}:8080
   }}
 }}
+"""
+DROP_SYN = """table inet kpx-ctnl-test {
+  chain in {
+    type filter hook input priority 0; policy accept;
+    tcp dport 8080 drop
+  }
+}
 """
 
 
@@ -55,7 +84,12 @@ def net() -> Iterator[tuple[Topology, Node, Pod, Pod]]:
         for family, table, ip in ((4, "ip", "ip"), (6, "ip6", "ip6")):
             addr = backend.ipv4 if family == 4 else f"[{backend.ipv6}]"
             rules = DNAT.format(
-                table=table, ip=ip, vip=VIP[family], other=OTHER_VIP[family], backend=addr
+                table=table,
+                ip=ip,
+                vip=VIP[family],
+                other=OTHER_VIP[family],
+                tcp_vip=TCP_VIP[family],
+                backend=addr,
             )
             topo.exec(n1, ["nft", "-f", "-"], input=rules, check=True)
             # Not DNATed: delivered to the node itself, as with no rule for the Service.
@@ -65,6 +99,7 @@ def net() -> Iterator[tuple[Topology, Node, Pod, Pod]]:
                 ["ip", f"-{family}", "addr", "add", f"{VIP[family]}/{prefix}", "dev", "lo"],
                 check=True,
             )
+        topo.exec(backend, ["nft", "-f", "-"], input=DROP_SYN, check=True)
         yield topo, n1, client, backend
 
 
@@ -132,3 +167,40 @@ def test_filters_that_match_nothing_delete_nothing_and_fail_nothing(
     assert call_in_netns(n1.netns, lambda: conntrack.delete_flows(nothing)) == 0
     assert {f: _udp_entries(topo, n1, f) for f in (4, 6)}.keys() == before.keys()
     assert all(set(_udp_entries(topo, n1, f)) == set(before[f]) for f in (4, 6))
+
+
+def _tcp_entries(topo: Topology, n1: Node, family: int) -> dict[int, str]:
+    out = topo.exec(n1, ["conntrack", "-L", "-f", f"ipv{family}", "-p", "tcp"], check=True)
+    entries = {}
+    for line in out.stdout.splitlines():
+        if found := re.search(r"sport=(\d+)", line):
+            entries[int(found.group(1))] = line
+    return entries
+
+
+@pytest.mark.parametrize("family", [4, 6])
+def test_tcp_entries_to_a_cluster_ip_that_were_not_dnated_are_deleted(
+    net: tuple[Topology, Node, Pod, Pod], family: int
+) -> None:
+    topo, n1, client, _ = net
+    vip = TCP_VIP[family]
+    sends = {
+        42000: (vip, 80),  # DNATed to backend:8080 (which drops it): a flow of the rules, stays
+        42001: (vip, 80),  # not DNATed: made while the ClusterIP had no rule
+        42002: (vip, 81),  # not DNATed, another port: stays
+    }
+    for sport, (dst, dport) in sends.items():
+        topo.exec(
+            client, [sys.executable, "-c", CONNECT_FROM, dst, str(dport), str(sport)], check=True
+        )
+    before = _tcp_entries(topo, n1, family)
+    assert set(sends) <= set(before), before
+    assert all("SYN_SENT" in before[p] for p in sends), before
+    assert "sport=8080 dport=42000" in before[42000], before[42000]  # its reply: DNATed
+
+    filters = [FlowFilter(family, 80, IP.of(vip), not_nated=True, proto=6)]
+    udp_alike = [FlowFilter(family, 80, IP.of(vip), not_nated=True)]  # UDP: matches no TCP
+    assert call_in_netns(n1.netns, lambda: conntrack.delete_flows(udp_alike)) == 0
+    assert set(_tcp_entries(topo, n1, family)) == set(before)
+    assert call_in_netns(n1.netns, lambda: conntrack.delete_flows(filters)) == 0
+    assert set(before) - set(_tcp_entries(topo, n1, family)) == {42001}

@@ -111,3 +111,16 @@ def test_health_targets_count_only_ready_local_endpoints() -> None:
     assert status == 200 and headers["X-Load-Balancing-Endpoint-Weight"] == "2"
     assert json.loads(body)["localEndpoints"] == 2
     assert response(HealthTarget("shop", "web", 0))[0] == 503
+
+
+def test_tcp_and_sctp_ports_getting_endpoints_clean_only_their_cluster_ips_entries() -> None:
+    """A TCP or SCTP entry to a ClusterIP that was not DNATed is never a live flow (nobody owns
+    the address); at a NodePort or an external IP it may be one (the node's own listener)."""
+    for proto, number in ((Protocol.TCP, 6), (Protocol.SCTP, 132)):
+        new = dns(Endpoint(EP1, 5353), node_port=30053, proto=proto)
+        assert stale_flows(dns(proto=proto), new) == [
+            FlowFilter(4, 53, VIP, not_nated=True, proto=number)
+        ]
+        assert stale_flows(None, new) == [FlowFilter(4, 53, VIP, not_nated=True, proto=number)]
+        assert stale_flows(None, dns(proto=proto)) == []  # no endpoints: refused, nothing
+        assert stale_flows(new, dns(Endpoint(EP2, 5353), node_port=30053, proto=proto)) == []

@@ -13,6 +13,7 @@ from kpx_agent.backends.base import Backend, BackendError
 from kpx_agent.conntrack import stale_flows as conntrack
 from kpx_agent.conntrack.stale_flows import FlowFilter
 from kpx_agent.model.types import (
+    IP,
     DataplaneSettings,
     DetectLocal,
     DetectLocalMode,
@@ -178,6 +179,62 @@ def test_the_conntrack_cleanup_is_upstreams_conntrack_reconciler_in_metrics(
     total = sample("kubeproxy_conntrack_reconciler_deleted_entries_total", {"ip_family": "IPv4"})
     assert total == deleted[4] > 0  # the total, not the total added up again
     assert sample("kpx_conntrack_delete_failures_total") == 2
+
+
+def test_a_tcp_port_getting_endpoints_cleans_its_cluster_ip_entries_that_were_not_dnated() -> None:
+    """A connection tried before the rule existed left an entry that was never DNATed; a new
+    connection reusing its source port would follow it (stale_flows.py)."""
+    state, _, proxier, flows = setup()
+    state.upsert(SERVICES, service("a", "web"))
+    proxier.sync()
+    assert proxier.conntrack_cleaner.idle(10)
+    assert flows == []  # no endpoints: its connections are refused, nothing to clean
+    state.upsert(SLICES, endpoint_slice("a", "web", "10.244.1.2"))
+    proxier.sync()
+    assert proxier.conntrack_cleaner.idle(10)
+    assert flows == [FlowFilter(4, 53, IP.of("10.96.0.10"), not_nated=True, proto=6)]
+    flows.clear()
+    state.upsert(SLICES, endpoint_slice("a", "web", "10.244.1.2", "10.244.2.2"))
+    proxier.sync()
+    assert proxier.conntrack_cleaner.idle(10)
+    assert flows == []  # it had endpoints: its entries were DNATed
+
+
+def test_a_repair_cleans_every_ports_entries_that_were_not_dnated() -> None:
+    """While a foreign change had removed rules, connections went on un-DNATed: after the
+    full sync that repairs them, their entries go, for every port (which rules were missing
+    is not known); a periodic full sync, which repairs nothing, cleans nothing."""
+    state, _, _, flows = setup()
+    backend = DriftingBackend()
+    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), DataplaneSettings())
+
+    def record(filters: Iterable[FlowFilter]) -> int:
+        flows.extend(filters)
+        return 0
+
+    proxier.delete_flows = record
+    state.upsert(SERVICES, service("a", "web"))
+    state.upsert(SLICES, endpoint_slice("a", "web", "10.244.1.2"))
+    state.upsert(SERVICES, service("k", "dns", "UDP"))
+    state.upsert(SLICES, endpoint_slice("k", "dns", "10.244.1.3", proto="UDP"))
+    proxier.sync()
+    assert proxier.conntrack_cleaner.idle(10)
+    flows.clear()
+    backend.drift = "our ip table changed behind our back"
+    proxier.repair(proxier.check_kernel())
+    assert proxier.sync().full
+    assert proxier.conntrack_cleaner.idle(10)
+    vip = IP.of("10.96.0.10")
+    assert sorted(flows) == [
+        FlowFilter(4, 53, vip, not_nated=True, proto=6),
+        FlowFilter(4, 53, vip, not_nated=True),  # UDP
+    ]
+    flows.clear()
+    backend.drift = ""
+    proxier.request_full_sync(f"{PERIODIC}: periodic full sync")
+    assert proxier.sync().full
+    assert proxier.conntrack_cleaner.idle(10)
+    assert flows == []
 
 
 # ---- Node changes cost what they change -----------------------------------------------------

@@ -1,4 +1,4 @@
-"""Stale UDP conntrack deletions off the programming path: a bounded queue and one worker.
+"""Stale conntrack deletions off the programming path: a bounded queue and one worker.
 
 After a sync commits, the proxier hands the stale-flow filters (conntrack.stale_flows) to
 `ConntrackCleaner.submit`, which only queues them and returns: the sync never waits for the
@@ -31,9 +31,9 @@ from .stale_flows import FlowFilter
 
 log = logging.getLogger(__name__)
 
-#: Filters that may wait: far more than a sync of every UDP port of a large cluster calls for
-#: (two targets per port and endpoint gone).
-CAPACITY = 20_000
+#: Filters that may wait: more than an agent's start or a repair calls for at 30,000 dual-stack
+#: Services (a filter per ClusterIP of every port; about 120 bytes each while queued).
+CAPACITY = 100_000
 
 #: The deletions of one batch: the filters -> how many deletions failed.
 Delete = Callable[[list[FlowFilter]], int]

@@ -58,7 +58,7 @@ CTA_PROTO_NUM, CTA_PROTO_SRC_PORT, CTA_PROTO_DST_PORT = 1, 2, 3
 #: enum ip_conntrack_status: the entry was DNATed, and its DNAT is set up.
 IPS_DST_NAT = 1 << 5
 IPS_DST_NAT_DONE = 1 << 8
-PROTO_UDP = 17
+PROTO_TCP, PROTO_UDP, PROTO_SCTP = 6, 17, 132
 #: The address family of each IP family (the nfgenmsg's family, NFPROTO_IPV4/6).
 AF = {4: socket.AF_INET, 6: socket.AF_INET6}
 _FAMILY_OF_AF: dict[int, int] = {int(af): family for family, af in AF.items()}

@@ -23,7 +23,7 @@ from ..model.external_ips import APISERVER_SERVICE, ExternalIPPolicy, apiserver_
 from ..model.quarantine import MAX_SERVICE_COST, cost, quarantine
 from ..model.service_ports import node_facts, node_info, service_model, uses_topology
 from ..model.service_problems import REFUSED_BY_KERNEL, ProblemBook, ServiceProblem
-from ..model.types import DataplaneSettings, NodeLocalState, Protocol, ServicePort, ServicePortKey
+from ..model.types import DataplaneSettings, NodeLocalState, ServicePort, ServicePortKey
 from ..model.vip_claims import VipClaims, creation_time
 from ..observability.metrics import FAMILY_LABELS, AgentMetrics, failed_families
 from ..store.cluster_state import ClusterState, Key
@@ -85,6 +85,8 @@ class PendingSync:
     changed: set[ServicePortKey]
     trigger_times: dict[Key, float]  # the Services' EndpointSlices' trigger times
     prepared: float  # monotonic: when the node-local state was up to date
+    #: a full sync that rewrites rules found gone or changed behind our back
+    repair: bool = False
 
 
 @dataclass
@@ -312,15 +314,21 @@ class Proxier:
         if key not in self._before:
             self._before[key] = self.local.services.get(key)
 
-    def _programmed(self, full: bool, changed: Collection[ServicePortKey]) -> None:
+    def _programmed(
+        self, full: bool, changed: Collection[ServicePortKey], repair: bool = False
+    ) -> None:
         """After a successful sync: the ports it programmed are the kernel's now (a full sync:
-        all but the deferred ones); clean the conntrack entries their UDP changes left."""
+        all but the deferred ones); clean the conntrack entries their changes left (after a
+        repair, every port's: the kernel may have had no rule for any of them)."""
         done = [k for k in self._before if k not in self._deferred and (full or k in changed)]
-        flows = []
+        flows: dict[FlowFilter, None] = {}
         for key in done:
             before = self._before.pop(key)
-            if key.protocol is Protocol.UDP:
-                flows += stale_flows(before, self.local.services.get(key))
+            flows.update(dict.fromkeys(stale_flows(before, self.local.services.get(key))))
+        if repair:
+            for key, port in self.local.services.items():
+                if key not in self._deferred:
+                    flows.update(dict.fromkeys(stale_flows(None, port)))
         if flows:
             self.conntrack_cleaner.submit(flows)  # deleted after this sync, not during it
 
@@ -381,9 +389,10 @@ class Proxier:
             self._refused.pop(part_of(key), None)
         if full:
             log.debug("full sync: %s", ", ".join(dict.fromkeys(self._full_reasons)))
+        repair = any(r.startswith((f"{GONE}:", f"{DRIFT}:")) for r in self._full_reasons)
         self._full_reasons = []
         self.metrics.changed_ports.inc(len(changed))
-        return PendingSync(start, full, changed, triggers, time.monotonic())
+        return PendingSync(start, full, changed, triggers, time.monotonic(), repair)
 
     def program(self, pending: PendingSync) -> SyncOutcome:
         """Program the kernel (may run in a worker thread: nothing here touches the cluster
@@ -419,7 +428,7 @@ class Proxier:
         self._report_refused()
         if self.on_synced is not None:
             self.on_synced(state, None if full else changed)
-        self._programmed(full, changed)
+        self._programmed(full, changed, pending.repair)
         if full:
             log.debug(
                 "full sync of %d service ports: %.3f s (model %.3f s, kernel %.3f s)",
