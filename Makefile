@@ -121,14 +121,16 @@ demo: setup image
 demo-down:
 	$(PYTHON) -m kpx_cluster.demo down
 
-## bench: kpx against upstream kube-proxy, side by side (N=1000 for one size), the state API, and
+## bench: kpx against upstream kube-proxy, side by side (N=1000 for one size; SUSTAINED
+## EndpointSlice changes in 10 s after the burst), the state API, and
 ## the agent's memory (the whole agent, a relist included, at MEMORY_SIZES: 30,000 adds 25-40
 ## minutes; by layer in one process at LAYER_SIZES, with the slopes per Service and per endpoint);
 ## sets up the machine first
 MEMORY_SIZES ?= 1000,10000
 LAYER_SIZES ?= 1000,10000,30000
+SUSTAINED ?= 5000
 bench: setup
-	$(PYTHON) bench/compare.py $(if $(N),--services $(N),)
+	$(PYTHON) bench/compare.py $(if $(N),--services $(N),) --sustained $(SUSTAINED)
 	$(PYTHON) bench/state_api.py $(if $(N),--services $(N),)
 	$(PYTHON) bench/agent_memory.py --services $(if $(N),$(N),$(MEMORY_SIZES))
 	$(PYTHON) bench/memory_layers.py $(if $(N),--services $(N) --at $(N),--services $(LAYER_SIZES))
@@ -140,9 +142,9 @@ bench: setup
 bench-migration: setup image
 	$(PYTHON) bench/migration.py $(if $(REAL),--real,)
 
-## chaos: the fault table (docs/chaos.md): faults injected under constant load on three simulated
-## nodes (agents killed, apiserver stopped, foreign nft changes, poison pair, ...); prints the
-## table, writes bench/results/chaos.md, exits 1 when a row misses its goal. Not part of `make
-## test`; about 15 minutes
+## chaos: the fault table (docs/chaos.md): faults injected under constant load on three real
+## kubelet nodes (agents killed, apiserver stopped, foreign nft changes, poison pair, ...); prints
+## the table, writes bench/results/chaos.md, exits 1 when a row misses its goal. Not part of `make
+## test`; about 25 minutes
 chaos: setup image
 	$(PYTHON) bench/chaos.py

@@ -86,6 +86,7 @@ class Component:
     binary: str
     health_url: str
     netns: str | None = None  # where health_url is dialled (None: the host)
+    runs_in: str | None = None  # the netns it runs in (None: the host)
 
 
 class Cluster:
@@ -140,10 +141,16 @@ class Cluster:
 
     def compact_etcd(self) -> int:
         """Compact etcd's history up to now (what the apiserver does every 5 minutes): a watch
-        from an older resourceVersion then gets 410 Gone. Returns the revision."""
-        revision = int(_etcd_call(self.etcd_url, "kv/range", {"key": "AA=="})["header"]["revision"])
-        _etcd_call(self.etcd_url, "kv/compaction", {"revision": revision, "physical": True})
-        return revision
+        from an older resourceVersion then gets 410 Gone. Returns the revision. Dialled from the
+        cluster's netns when it has one (etcd listens on that netns's loopback)."""
+
+        def compact() -> int:
+            url = self.etcd_url
+            revision = int(_etcd_call(url, "kv/range", {"key": "AA=="})["header"]["revision"])
+            _etcd_call(url, "kv/compaction", {"revision": revision, "physical": True})
+            return revision
+
+        return call_in_netns(self.netns, compact) if self.netns else compact()
 
     @property
     def apiserver_port(self) -> int:
@@ -415,7 +422,7 @@ class Cluster:
         )
         log.close()
         check_in = None if checked_from_host else self.netns
-        started.append(Component(name, proc.pid, argv[0], health, check_in))
+        started.append(Component(name, proc.pid, argv[0], health, check_in, into))
         state = self._load_state()
         state["components"] = [c.__dict__ for c in started]
         self._save(state)
@@ -503,9 +510,11 @@ class Cluster:
 
     def start_component(self, name: str, argv: list[str], timeout: float = 120.0) -> None:
         """Start component `name` again with `argv` (from `stop_component`) and wait for its
-        health check; the state file records its new pid."""
+        health check, in the netns it ran in; the state file records its new pid."""
         comps = self._components()
         index = next(i for i, c in enumerate(comps) if c.name == name)
+        old = comps[index]
+        into = old.runs_in
         log = (self.log_dir / f"{name}.log").open("ab")
         proc = subprocess.Popen(
             argv,
@@ -514,9 +523,11 @@ class Cluster:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             cwd=self.state_dir,
+            env=python_env() if argv[0] == sys.executable else None,
+            preexec_fn=(lambda: enter_netns(into)) if into else None,
         )
         log.close()
-        comps[index] = Component(name, proc.pid, argv[0], comps[index].health_url)
+        comps[index] = Component(name, proc.pid, argv[0], old.health_url, old.netns, into)
         state = self._load_state()
         state["components"] = [c.__dict__ for c in comps]
         self._save(state)

@@ -347,6 +347,30 @@ def test_node_mounts_stay_in_the_nodes(real: RealCluster, before: dict[str, Any]
     assert host_mounts(real.cluster.state_dir) == before["mounts"]
 
 
+def test_a_stopped_apiserver_starts_again_in_the_control_planes_netns(real: RealCluster) -> None:
+    """`stop_component` / `start_component` and `compact_etcd` (what `make chaos` does to the
+    control plane): the new apiserver runs in the control plane's netns, where etcd answers on
+    its loopback, and the nodes are served by it again."""
+
+    def pid_of(name: str) -> int:
+        state = json.loads((real.cluster.state_dir / "state.json").read_text())
+        return int(next(c["pid"] for c in state["components"] if c["name"] == name))
+
+    def netns_of(pid: int) -> str:
+        return os.readlink(f"/proc/{pid}/ns/net")
+
+    old = pid_of("kube-apiserver")
+    argv = real.cluster.stop_component("kube-apiserver")
+    real.cluster.start_component("kube-apiserver", argv, timeout=60)
+    new = pid_of("kube-apiserver")
+    assert new != old
+    assert netns_of(new) == netns_of(pid_of("etcd")) != netns_of(os.getpid())
+    real.wait_ready(timeout=60)
+    assert sorted(real.nodes()) == sorted(real.node_names)
+    # etcd answers on the control plane's loopback only: compact_etcd dials it from there.
+    assert real.cluster.compact_etcd() > 0
+
+
 def test_down_leaves_nothing_and_the_host_network_unchanged(
     real: RealCluster, before: dict[str, Any]
 ) -> None:

@@ -1,9 +1,9 @@
 """The faults of the table (docs/chaos.md says what each proves).
 
-Processes of the simulated pods run under runc: `pod_pids` finds the container's processes (the
-descendants of its `runc run`), which is what a SIGKILL or SIGSTOP of a kubelet's container
-reaches. Kernel faults run `nft` inside one node's netns through the topology, never in the
-host's.
+`pod_pids` finds a container's processes (on real kubelets: its cgroup's; on the node
+simulator: the descendants of its `runc run`), which is what a SIGKILL or SIGSTOP of a
+kubelet's container reaches. Kernel faults run `nft` inside one node's netns through the
+topology, never in the host's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 from kpx_cluster.migration import NS, MigrationEnv, wait_until
 from kpx_cluster.netns import Node
 
-from .procs import agent_pod, pod_pids, restart_count, signal_all
+from .procs import RESTART_TIMEOUT, agent_pod, pod_pids, restart_count, signal_all
 from .runner import Change, Ctx, Fault, answers
 
 OPERATOR_LABEL = "app.kubernetes.io/name=kpx-operator"
@@ -28,9 +28,10 @@ OPERATOR_LABEL = "app.kubernetes.io/name=kpx-operator"
 
 
 class AgentKill(Fault):
-    """SIGKILL the agent's processes on one node (or all at once); the simulated kubelet
-    restarts the container. `times` > 1: killed again each time it is back (a container the
-    OOM killer kills in a loop: the same SIGKILL, without the memory pressure)."""
+    """SIGKILL the agent's processes on one node (or all at once); the kubelet restarts the
+    container. `times` > 1: killed again each time it is back (a container the OOM killer
+    kills in a loop: the same SIGKILL, without the memory pressure), so a real kubelet's
+    CrashLoopBackOff spaces the restarts out."""
 
     strict = True  # the kernel keeps the rules: no packet may notice
 
@@ -44,7 +45,7 @@ class AgentKill(Fault):
             )
         else:
             self.name = f"agent SIGKILL, {'one node' if which == 'one' else 'all nodes at once'}"
-            self.how = "SIGKILL of the agent container's processes (runc), the kubelet restarts it"
+            self.how = "SIGKILL of the agent container's processes, the kubelet restarts it"
 
     def touches(self, env: MigrationEnv) -> list[Node]:
         return env.nodes[1:2] if self.which == "one" else list(env.nodes)
@@ -68,6 +69,7 @@ class AgentKill(Fault):
         self.killed = self._kill(ctx)
 
     def hold(self, ctx: Ctx) -> None:
+        t0 = time.monotonic()
         for i in range(self.times):
             for pod, before in self.killed:
                 wait_until(
@@ -75,18 +77,27 @@ class AgentKill(Fault):
                         restart_count(ctx.env, NS, p) > b  # type: ignore[misc]
                         and pod_pids(ctx.env, NS, p)
                     ),
-                    120,
+                    RESTART_TIMEOUT,
                     f"{pod} restarted",
                 )
             if i + 1 < self.times:
                 self.killed = self._kill(ctx)
-        ctx.notes.append(f"agent restarted {self.times} time(s) on {self.touches_label(ctx.env)}")
+        ctx.notes.append(
+            f"agent restarted {self.times} time(s) on {self.touches_label(ctx.env)}, "
+            f"the last {time.monotonic() - t0:.0f} s after the first kill"
+        )
 
 
 # ---- control plane ------------------------------------------------------------------------
 
 
 class ApiserverDown(Fault):
+    """The apiserver stopped; at its return two Services are created: one whose EndpointSlice
+    the controller-manager writes (what users see) and one whose slice the suite writes itself
+    (what kpx alone takes). Each is timed from the heal, and the controller-manager's slice
+    too: after an outage its reflectors back off before they list again, which kpx cannot
+    shorten."""
+
     name = "apiserver stopped 60 s"
     change_at = "heal"
     strict = True
@@ -98,6 +109,7 @@ class ApiserverDown(Fault):
             "created the moment it answers"
         )
         self.argv: list[str] = []
+        self.watch: Stopwatch | None = None
 
     def inject(self, ctx: Ctx) -> None:
         self.argv = ctx.env.cluster.stop_component("kube-apiserver")
@@ -110,8 +122,74 @@ class ApiserverDown(Fault):
             ctx.env.cluster.start_component("kube-apiserver", self.argv)
             self.argv = []
 
+    def changes(self, ctx: Ctx) -> list[Change]:
+        managed = ctx.service(f"chaos-{ctx.run}")
+        own = ctx.own_slice_service(f"chaos-{ctx.run}-own")
+        self.watch = Stopwatch(ctx, managed, own)
+        return [managed, own]
+
+    def after(self, ctx: Ctx) -> None:
+        if self.watch is not None:
+            ctx.notes.append(self.watch.stop())
+
     def cleanup(self, ctx: Ctx) -> None:
         self.heal(ctx)
+        if self.watch is not None:
+            self.watch.stop()
+
+
+class Stopwatch:
+    """From its start (the heal): when `own` answers from every node, when the
+    controller-manager's EndpointSlice of `managed` has an endpoint, and when `managed`
+    answers from every node."""
+
+    def __init__(self, ctx: Ctx, managed: Change, own: Change) -> None:
+        self.ctx, self.managed, self.own = ctx, managed, own
+        self.t0 = time.monotonic()
+        self.seen: dict[str, float] = {}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _slice_written(self) -> bool:
+        got = self.ctx.env.json(
+            "-n",
+            self.managed.namespace,
+            "get",
+            "endpointslices",
+            "-l",
+            f"kubernetes.io/service-name={self.managed.name}",
+        )
+        return any(s.get("endpoints") for s in got.get("items", []))
+
+    def _everywhere(self, change: Change) -> bool:
+        return all(answers(c.netns, change.ip, change.port) for c in self.ctx.env.clients)
+
+    def _run(self) -> None:
+        checks = {
+            "own": lambda: self._everywhere(self.own),
+            "slice": self._slice_written,
+            "managed": lambda: self._everywhere(self.managed),
+        }
+        while not self.done.is_set() and len(self.seen) < len(checks):
+            for key, check in checks.items():
+                if key not in self.seen and check():
+                    self.seen[key] = time.monotonic() - self.t0
+            self.done.wait(0.25)
+
+    def stop(self) -> str:
+        self.done.set()
+        self.thread.join()
+
+        def at(key: str) -> str:
+            return f"{self.seen[key]:.1f} s" if key in self.seen else "not seen"
+
+        return (
+            f"from the heal: the Service whose EndpointSlice the suite wrote answered "
+            f"everywhere after {at('own')}; the controller-manager wrote the other's "
+            f"EndpointSlice after {at('slice')}, and it answered everywhere after "
+            f"{at('managed')}"
+        )
 
 
 class CompactionBurst(Fault):
@@ -160,6 +238,8 @@ class CompactionBurst(Fault):
 
     def after(self, ctx: Ctx) -> None:
         ctx.notes.append(f"{self.compactions} compactions, then the apiserver restarted")
+        if self.compactions == 0:  # the fault was not injected: the row proves nothing
+            raise RuntimeError("no compaction of etcd succeeded")
 
     def cleanup(self, ctx: Ctx) -> None:
         self.stop.set()
@@ -180,26 +260,38 @@ def kpx_tables(ctx: Ctx, node: Node) -> list[tuple[str, str]]:
     ]
 
 
+def apiserver_port(env: MigrationEnv) -> int:
+    """The port a node's agent and kubelet dial the apiserver on (the simulator relays it)."""
+    if env.real_nodes:
+        return int(env.cluster.cluster_server.rsplit(":", 1)[1])
+    return env.simulator().apiserver_port
+
+
 class ApiserverDropped(Fault):
-    """One node's packets to and from the apiserver dropped (nft in that node's netns)."""
+    """One node's packets to and from the apiserver dropped (nft in that node's netns): its
+    agent's and, on real kubelets, its kubelet's, as in a partition of the node."""
 
     def __init__(self, seconds: float = 60.0) -> None:
         self.seconds = seconds
         self.name = "one node's packets to the apiserver dropped 60 s"
         self.how = (
             f"nft table `inet chaos` in the node's netns drops TCP to and from the "
-            f"apiserver's port for {seconds:.0f} s"
+            f"apiserver's port (output and input hooks) for {seconds:.0f} s"
         )
 
     def touches(self, env: MigrationEnv) -> list[Node]:
         return env.nodes[2:3]
 
     def inject(self, ctx: Ctx) -> None:
-        port = ctx.env.simulator().apiserver_port
-        rules = (
-            "table inet chaos {\n chain out {\n  type filter hook output priority -300;\n"
-            f"  tcp dport {port} drop\n  tcp sport {port} drop\n }}\n}}\n"
+        port = apiserver_port(ctx.env)
+        # Both hooks: what the node sends (output) and what it receives (input: a watch's
+        # events arrive there even while the node's ACKs are dropped).
+        chains = "".join(
+            f" chain {hook} {{\n  type filter hook {hook} priority -300;\n"
+            f"  tcp dport {port} drop\n  tcp sport {port} drop\n }}\n"
+            for hook in ("output", "input")
         )
+        rules = f"table inet chaos {{\n{chains}}}\n"
         ctx.env.topo.exec(self.touches(ctx.env)[0], ["nft", "-f", "-"], input=rules, check=True)
 
     def hold(self, ctx: Ctx) -> None:
@@ -381,28 +473,7 @@ class OptOutFlap(Fault):
         self.ns = ns
         ctx.kubectl("create", "namespace", ns)
         ctx.created.append(("namespace", "", ns))
-        change = ctx.service("flap", namespace=ns, selector=False)
-        pods = ctx.env.json("-n", ctx.env.app_ns, "get", "pods", "-l", "app=web")["items"]
-        slice_ = {
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": {
-                "name": "flap-1",
-                "namespace": ns,
-                "labels": {
-                    "kubernetes.io/service-name": "flap",
-                    "endpointslice.kubernetes.io/managed-by": "chaos.kpx.dev",
-                },
-            },
-            "addressType": "IPv4",
-            "ports": [{"name": "tcp", "port": 8080, "protocol": "TCP"}],
-            "endpoints": [
-                {"addresses": [p["status"]["podIP"]], "conditions": {"ready": True}}
-                for p in pods
-                if p.get("status", {}).get("podIP")
-            ],
-        }
-        ctx.kubectl("create", "-f", "-", input=json.dumps(slice_))
+        change = ctx.own_slice_service("flap", namespace=ns)
         return [change, ctx.service(f"chaos-{ctx.run}")]
 
     def inject(self, ctx: Ctx) -> None:
@@ -538,10 +609,10 @@ class OperatorLeader(Fault):
 
 
 class NodeReboot(Fault):
-    """A node's reboot, as far as the simulator goes: its agent frozen (SIGSTOP), the node
-    netns's whole ruleset flushed and its conntrack table emptied, then the agent SIGKILLed
-    (the kubelet starts it again). No kube-proxy runs on the node: only kpx can put the
-    rules back. Not simulated: the node's pods and its kubelet keep running."""
+    """A node's reboot, as far as the kernel's state goes: its agent frozen (SIGSTOP), the
+    node netns's whole ruleset flushed and its conntrack table emptied, then the agent
+    SIGKILLed (the kubelet starts it again). No kube-proxy runs on the node: only kpx can put
+    the rules back. Not reproduced: the node's pods and its kubelet keep running."""
 
     name = "node reboot (rules wiped, kube-proxy gone)"
     how = (
@@ -566,7 +637,9 @@ class NodeReboot(Fault):
 
     def hold(self, ctx: Ctx) -> None:
         wait_until(
-            lambda: restart_count(ctx.env, NS, self.pod) > self.before, 120, f"{self.pod} restarted"
+            lambda: restart_count(ctx.env, NS, self.pod) > self.before,
+            RESTART_TIMEOUT,
+            f"{self.pod} restarted",
         )
 
     def settled(self, ctx: Ctx) -> bool:

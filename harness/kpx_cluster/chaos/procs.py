@@ -1,5 +1,7 @@
-"""The processes of simulated pods (under runc: the descendants of each container's
-`runc run`, which is what a kubelet's SIGKILL or SIGSTOP of the container reaches)."""
+"""The processes of a pod's containers: what a kubelet's SIGKILL or SIGSTOP of the container
+reaches. On real kubelets, the processes in each container's cgroup (cgroupfs:
+`<node>/kubepods/[<qos>/]pod<uid>/<container id>`), the sandbox's pause left out; on the node
+simulator, the descendants of each container's `runc run`."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import contextlib
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
+from kpx_cluster.kubelets import cgroups
 from kpx_cluster.migration import NS, MigrationEnv, wait_until
 from kpx_cluster.netns import Node
 
@@ -34,8 +38,38 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def container_cgroups(pod: dict[str, Any]) -> list[Path]:
+    """The cgroup directories of `pod`'s running containers (one hierarchy's: every v1
+    controller holds the same processes); the pause sandbox is not a container of the pod."""
+    uid = pod.get("metadata", {}).get("uid")
+    ids = [
+        s["containerID"].partition("://")[2]
+        for s in pod.get("status", {}).get("containerStatuses", [])
+        if s.get("containerID") and "running" in s.get("state", {})
+    ]
+    if not uid or not ids:
+        return []
+    for root in cgroups.hierarchies():
+        if root.name == "unified":  # cgroupfs under the v1 hybrid: the v1 trees hold pods
+            continue
+        found = [p for cid in ids for p in root.glob(f"*/kubepods/**/pod{uid}/{cid}")]
+        if found:
+            return found
+    return []
+
+
+def cgroup_pids(paths: list[Path]) -> list[int]:
+    pids = []
+    for path in paths:
+        with contextlib.suppress(OSError):
+            pids += [int(w) for w in (path / "cgroup.procs").read_text().split()]
+    return pids
+
+
 def pod_pids(env: MigrationEnv, namespace: str, name: str) -> list[int]:
-    """The processes of pod `namespace/name`'s containers (under runc: below `runc run`)."""
+    """The processes of pod `namespace/name`'s containers."""
+    if env.real_nodes:
+        return cgroup_pids(container_cgroups(env.json("-n", namespace, "get", "pod", name)))
     found = env.simulator().pod(namespace, name)
     if found is None:
         return []
@@ -65,7 +99,12 @@ def restart_count(env: MigrationEnv, namespace: str, name: str) -> int:
     )
 
 
-def restart_agent(env: MigrationEnv, node: Node, timeout: float = 120) -> None:
+#: How long a killed container may take to be restarted: a real kubelet's CrashLoopBackOff
+#: doubles from 10 s up to 300 s while the container keeps dying.
+RESTART_TIMEOUT = 330.0
+
+
+def restart_agent(env: MigrationEnv, node: Node, timeout: float = RESTART_TIMEOUT) -> None:
     """SIGKILL the agent on `node` and wait until the kubelet restarted it."""
     pod = agent_pod(env, node)
     before = restart_count(env, NS, pod)

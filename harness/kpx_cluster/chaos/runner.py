@@ -116,6 +116,35 @@ class Ctx:
         got = list(json_objects(text))
         return [Change(o["metadata"]["name"], ns, o["spec"]["clusterIP"]) for o in got]
 
+    def own_slice_service(self, name: str, namespace: str | None = None) -> Change:
+        """A selectorless Service and an EndpointSlice the suite writes itself, on the backends'
+        pods (ready): what reaches the agents does not wait for the controller-manager."""
+        ns = namespace or self.env.app_ns
+        change = self.service(name, namespace=ns, selector=False)
+        pods = self.env.json("-n", self.env.app_ns, "get", "pods", "-l", "app=web")["items"]
+        slice_ = {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {
+                "name": f"{name}-1",
+                "namespace": ns,
+                "labels": {
+                    "kubernetes.io/service-name": name,
+                    "endpointslice.kubernetes.io/managed-by": "chaos.kpx.dev",
+                },
+            },
+            "addressType": "IPv4",
+            "ports": [{"name": "tcp", "port": 8080, "protocol": "TCP"}],
+            "endpoints": [
+                {"addresses": [p["status"]["podIP"]], "conditions": {"ready": True}}
+                for p in pods
+                if p.get("status", {}).get("podIP")
+            ],
+        }
+        self.kubectl("create", "-f", "-", input=json.dumps(slice_))
+        self.created.append(("endpointslice", ns, f"{name}-1"))
+        return change
+
 
 def json_objects(text: str) -> Iterator[dict[str, Any]]:
     """The objects of `kubectl create -o json` (one per object created, one after another; a
