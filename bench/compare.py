@@ -17,6 +17,11 @@ the workload grows from one size to the next) and each mode both implement:
      targets for that Service hold the new endpoint and not the old (20 changes, spaced
      beyond both minSyncPeriods);
    - burst: 100 EndpointSlices changed at once -> all 100 visible;
+   - with --sustained K: K more EndpointSlices changed in batches spread over
+     --sustained-seconds (each stamped with the trigger-time annotation
+     `endpoints.kubernetes.io/last-change-trigger-time` as it is sent, as the EndpointSlice
+     controller stamps it) -> every one read back from the kernel, and the p50 and p99 of
+     kubeproxy_network_programming_duration_seconds over the burst (both export it);
    - CPU (process + its children: nft, iptables-restore) and peak RSS (VmHWM) from /proc;
    - with --node-updates K: K status updates of the Node (a kubelet heartbeat's: nothing a
      proxy uses changes) and what they cost (CPU, syncs from the process's own metrics);
@@ -81,8 +86,10 @@ from report import (
     ModeResult,
     Options,
     SizeResult,
+    Sustained,
     SystemResult,
     Work,
+    bucket_quantile,
     report,
     to_json,
 )
@@ -542,6 +549,73 @@ def measure_burst(
     )
 
 
+TRIGGER_ANNOTATION = "endpoints.kubernetes.io/last-change-trigger-time"
+#: batches of the sustained burst per second
+SUSTAINED_BATCHES_PER_S = 10
+
+
+def measure_sustained(
+    dp: Dataplane,
+    topo: Topology,
+    node: Node,
+    api: ApiClient,
+    work: Workload,
+    picks: Sequence[int],
+    seconds: float,
+) -> Sustained:
+    """Change `picks` (one endpoint each) in batches spread evenly over `seconds`, each stamped
+    with the trigger time as it is sent; then read the kernel back until every change is in
+    (or CHANGE_TIMEOUT after the last), and read the network-programming histogram's change."""
+    before = programming_buckets(topo, node)
+    batches = max(1, round(seconds * SUSTAINED_BATCHES_PER_S))
+    per = -(-len(picks) // batches)
+    t0 = time.monotonic()
+    for b, lo in enumerate(range(0, len(picks), per)):
+        time.sleep(max(0.0, t0 + b * seconds / batches - time.monotonic()))
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        batch = []
+        for svc in picks[lo : lo + per]:
+            _old, _new, (path, body) = work.replace_last(svc)
+            batch.append((path, {**body, "metadata": {"annotations": {TRIGGER_ANNOTATION: stamp}}}))
+        api.many("PATCH", batch)
+    sent = time.monotonic()
+    expected = work.expected()
+    keys = [work.key(svc) for svc in picks]
+    out = Sustained(size=len(picks), seconds=seconds, sent_ms=(sent - t0) * 1000)
+    while True:
+        p0 = time.monotonic()
+        readback, _, _ = dp.readback(topo, node)
+        out.missing = sum(1 for k in keys if readback.mappings.get(k) != expected[k])
+        if not out.missing:
+            out.all_in_ms = (time.monotonic() - t0) * 1000
+            break
+        if time.monotonic() - sent > CHANGE_TIMEOUT:
+            break
+        _poll_sleep(time.monotonic() - p0)
+    after = programming_buckets(topo, node)
+    delta = {le: after.get(le, 0.0) - before.get(le, 0.0) for le in after}
+    out.observed = round(delta.get(float("inf"), 0.0))
+    out.p50_s, out.p99_s = bucket_quantile(delta, 0.5), bucket_quantile(delta, 0.99)
+    return out
+
+
+def programming_buckets(topo: Topology, node: Node) -> dict[float, float]:
+    """kubeproxy_network_programming_duration_seconds: upper bound -> cumulative count (the
+    label sets summed)."""
+    url = f"http://{METRICS_ADDRESS}/metrics"
+    proc = topo.exec(node, ["curl", "-s", "--max-time", "10", url])
+    out: dict[float, float] = {}
+    with contextlib.suppress(ValueError):
+        for family in text_string_to_metric_families(proc.stdout):
+            if family.name != "kubeproxy_network_programming_duration_seconds":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])
+                    out[le] = out.get(le, 0.0) + sample.value
+    return out
+
+
 @dataclass
 class Readbacks:
     """Mappings read back from the kernel: after the last cold start, and at the end."""
@@ -646,14 +720,25 @@ def measure_running(
     cold_keep = Path(f"{keep}-cold") if keep is not None else None
     result.ruleset_cold = dp.ruleset_size(topo, node, dump, cold_keep)
     time.sleep(SETTLE_SECONDS)
-    picks = rng.sample(range(work.size), min(work.size, opts.changes + opts.burst))
+    wanted = opts.changes + opts.burst + opts.sustained
+    picks = rng.sample(range(work.size), min(work.size, wanted))
     log(f"{dp.label}: {opts.changes} single changes, one every >= {opts.gap:.1f} s")
     measure_changes(dp, probe, api, work, chains, run, picks[: opts.changes], opts.gap, result)
     lat = result.latencies()
     log(f"{dp.label}: change median {median(lat):.1f} ms, p90 {percentile(lat, 90):.1f} ms")
     if opts.burst:
-        result.burst = measure_burst(dp, probe, api, work, chains, picks[opts.changes :])
+        result.burst = measure_burst(
+            dp, probe, api, work, chains, picks[opts.changes : opts.changes + opts.burst]
+        )
         log(f"{dp.label}: burst of {opts.burst}: {result.burst.latency_ms:.0f} ms")
+    if opts.sustained:
+        rest = picks[opts.changes + opts.burst :]
+        log(f"{dp.label}: sustained: {len(rest):,} changes over {opts.sustained_seconds:g} s")
+        time.sleep(SETTLE_SECONDS)
+        result.sustained = measure_sustained(
+            dp, topo, node, api, work, rest, opts.sustained_seconds
+        )
+        log(f"{dp.label}: sustained: {result.sustained}")
     own, children = tree_cpu(run.pid)
     result.cpu_end_s = own + children
     result.measured_s = time.monotonic() - run.started
@@ -769,6 +854,15 @@ def main() -> int:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated")
     parser.add_argument("--changes", type=int, default=20, help="single changes to time")
     parser.add_argument("--burst", type=int, default=100, help="EndpointSlices in the burst")
+    parser.add_argument(
+        "--sustained",
+        type=int,
+        default=0,
+        help="EndpointSlice changes of a sustained burst after the burst (0: none)",
+    )
+    parser.add_argument(
+        "--sustained-seconds", type=float, default=10.0, help="the sustained burst's length"
+    )
     parser.add_argument("--gap", type=float, default=1.2, help="seconds between changes")
     parser.add_argument("--cold-starts", type=int, default=3, help="cold starts per system")
     parser.add_argument(
@@ -794,6 +888,8 @@ def main() -> int:
         modes=tuple(m for m in args.modes.split(",") if m in MODES),
         systems=tuple(s for s in SYSTEMS if s in args.systems.split(",")),
         node_updates=args.node_updates,
+        sustained=args.sustained,
+        sustained_seconds=args.sustained_seconds,
         agent_args=("-v",) if args.agent_verbose else (),
         write=not args.no_write,
         keep_dumps=args.keep_dumps,

@@ -55,6 +55,23 @@ class Burst:
 
 
 @dataclass
+class Sustained:
+    """`size` EndpointSlice changes (distinct Services) sent in batches spread over `seconds`,
+    each stamped with the trigger-time annotation as it is sent."""
+
+    size: int = 0
+    seconds: float = 0.0
+    sent_ms: float = 0.0  # first PATCH -> the last acknowledged
+    all_in_ms: float | None = None  # first PATCH -> every change read back from the kernel
+    missing: int = 0  # changes not in the kernel when the wait ended
+    # kubeproxy_network_programming_duration_seconds over the burst (the bound of the bucket
+    # the quantile falls in; both systems use upstream's buckets)
+    observed: int = 0
+    p50_s: float | None = None
+    p99_s: float | None = None
+
+
+@dataclass
 class Work:
     """What one phase cost the process (differences between its start and its end)."""
 
@@ -74,6 +91,7 @@ class SystemResult:
     changes: list[Change] = field(default_factory=list)
     change_poll_ms: float = 0.0
     burst: Burst | None = None
+    sustained: Sustained | None = None
     cpu_cold_s: float = 0.0  # process + children, at the last cold start's detection
     cpu_end_s: float = 0.0  # ... after changes and burst
     measured_s: float = 0.0  # last start -> end of the changes and burst
@@ -111,6 +129,8 @@ class Options:
     modes: tuple[str, ...] = MODES
     systems: tuple[str, ...] = SYSTEMS
     node_updates: int = 0  # Node status updates after the burst (0: none)
+    sustained: int = 0  # EndpointSlice changes of the sustained burst (0: none)
+    sustained_seconds: float = 10.0  # ... spread over this long
     agent_args: tuple[str, ...] = ()  # extra kpx agent flags, e.g. -v
     write: bool = True
     keep_dumps: Path | None = None  # save each system's final ruleset dumps under <N>/ here
@@ -232,8 +252,44 @@ def figures(opts: Options, n_cold: int) -> list[Figure]:
         Figure("ruleset: chains", _ruleset("chains"), _count),
         Figure("ruleset: rules", _ruleset("rules"), _count),
         Figure("ruleset: set and map elements", _ruleset("elements"), _count),
+        *_sustained_figures(opts),
         *_node_figures(opts),
     ]
+
+
+def _sustained_figures(opts: Options) -> list[Figure]:
+    if not opts.sustained:
+        return []
+
+    def all_in(r: SystemResult) -> float | None:
+        return r.sustained.all_in_ms if r.sustained else None
+
+    def quantile(name: str) -> Callable[[SystemResult], float | None]:
+        return lambda r: getattr(r.sustained, name) if r.sustained else None
+
+    what = f"{opts.sustained:,} EndpointSlice changes over {opts.sustained_seconds:g} s"
+    return [
+        Figure(f"sustained: {what} -> all in the kernel, from the first", all_in, _ms),
+        Figure(
+            "sustained: network programming p50 (its metric; SLO: p99 <= 30 s)",
+            quantile("p50_s"),
+            _s_le,
+        ),
+        Figure("sustained: network programming p99", quantile("p99_s"), _s_le),
+    ]
+
+
+def bucket_quantile(cumulative: Mapping[float, float], q: float) -> float | None:
+    """The upper bound of the bucket holding quantile `q` (None: no observation; inf: above
+    the last finite bound)."""
+    total = cumulative.get(float("inf"), 0.0)
+    if total <= 0:
+        return None
+    return next(le for le in sorted(cumulative) if cumulative[le] >= q * total)
+
+
+def _s_le(x: float) -> str:
+    return f"<= {x:g} s"
 
 
 def _node_figures(opts: Options) -> list[Figure]:
@@ -261,7 +317,7 @@ def _cell(fig: Figure, r: SystemResult | None, timeout: float) -> tuple[str, flo
         limit = f"{timeout / 60:.0f} min" if timeout >= 120 else f"{timeout:.1f} s"
         return f"> {limit} (stopped)", timeout, True
     if r.timed_out and (
-        fig.name.startswith(("single", "burst", "CPU, process + children: the"))
+        fig.name.startswith(("single", "burst", "sustained", "CPU, process + children: the"))
         or "Node status updates" in fig.name
     ):
         return "skipped (no cold start)", None, False
@@ -276,6 +332,8 @@ def _cell(fig: Figure, r: SystemResult | None, timeout: float) -> tuple[str, flo
             return f"{fig.fmt(value)} (being loaded when stopped; IPv4, from its log)", value, False
         return "none committed", None, False
     value = fig.value(r)
+    if value is None and r.sustained and r.sustained.missing and "all in the kernel" in fig.name:
+        return f"not all: {r.sustained.missing:,} missing", None, False
     if value is None:
         return ("failed" if r.error else "n/a"), None, False
     return fig.fmt(value), value, False
@@ -358,6 +416,17 @@ def details(size: SizeResult, opts: Options) -> list[str]:
                     f"write in the kernel at {_ms(b.sentinel_ms)}, all {b.size} checked by "
                     f"{_ms(b.verified_ms)} ({b.passes} pass(es))"
                 )
+            if r.sustained:
+                u = r.sustained
+                parts.append(
+                    f"; sustained: {u.size:,} PATCHes sent over {_ms(u.sent_ms)}, "
+                    + (
+                        f"all in the kernel at {_ms(u.all_in_ms)}"
+                        if u.all_in_ms is not None
+                        else f"{u.missing:,} not in the kernel when the wait ended"
+                    )
+                    + f", {u.observed:,} network-programming observations"
+                )
             if r.measured_s:
                 parts.append(
                     f"; CPU {r.cpu_cold_s:.2f} s at cold start, {r.cpu_end_s:.2f} s after "
@@ -438,6 +507,8 @@ def to_json(
                 "change_median_ms": median(lat) if lat else None,
                 "change_p90_ms": percentile(lat, 90) if lat else None,
                 "burst_ms": r.burst.latency_ms if r.burst else None,
+                "sustained_all_in_ms": r.sustained.all_in_ms if r.sustained else None,
+                "sustained_p99_s": r.sustained.p99_s if r.sustained else None,
                 "cpu_cold_s": r.cpu_cold_s,
                 "cpu_changes_s": _cpu_changes(r),
                 "peak_rss_mb": r.peak_rss_mb,

@@ -533,3 +533,29 @@ def test_report_of_a_stopped_cold_start_and_of_node_updates() -> None:
     summary = data["modes"]["iptables"]["systems"]["kpx"]["summary"]
     assert summary["cold_start_s"] == 11.0 and summary["node_updates_cpu_s"] == 0.04
     assert data["modes"]["iptables"]["systems"]["kube-proxy"]["summary"]["cold_start_timed_out"]
+
+
+def test_bucket_quantile_is_the_bound_of_the_bucket_holding_it() -> None:
+    cumulative = {0.25: 10.0, 0.5: 90.0, 1.0: 99.0, 2.0: 100.0, float("inf"): 100.0}
+    assert rp.bucket_quantile(cumulative, 0.5) == 0.5
+    assert rp.bucket_quantile(cumulative, 0.99) == 1.0
+    assert rp.bucket_quantile(cumulative, 1.0) == 2.0
+    assert rp.bucket_quantile({0.25: 0.0, float("inf"): 3.0}, 0.99) == float("inf")
+    assert rp.bucket_quantile({0.25: 0.0, float("inf"): 0.0}, 0.5) is None
+
+
+def test_report_of_a_sustained_burst() -> None:
+    opts = rp.Options(changes=1, burst=0, cold_starts=1, sustained=5000, modes=("nftables",))
+    kpx = system("kpx", "nftables", [2.0], [12.0])
+    kpx.sustained = rp.Sustained(5000, 10.0, 10_100.0, 11_500.0, 0, 5000, 0.25, 1.0)
+    upstream = system("kube-proxy", "nftables", [20.0], [6900.0])
+    upstream.sustained = rp.Sustained(5000, 10.0, 10_200.0, None, 1234, 3766, 9.0, 31.0)
+    size = size_result(kpx, upstream)
+    text = rp.report(size, INFO, opts, "cmd")
+    rows = table_rows(text)
+    name = "sustained: 5,000 EndpointSlice changes over 10 s -> all in the kernel, from the first"
+    assert rows[name][:2] == ["not all: 1,234 missing", "11,500 ms"]
+    assert rows["sustained: network programming p99"][:2] == ["<= 31 s", "<= 1 s"]
+    assert "1,234 not in the kernel when the wait ended" in text
+    summary = rp.to_json(size, INFO, opts, "cmd")["modes"]["nftables"]["systems"]["kpx"]
+    assert summary["summary"]["sustained_p99_s"] == 1.0
