@@ -103,15 +103,23 @@ def net() -> Iterator[tuple[Topology, Node, Pod, Pod]]:
         yield topo, n1, client, backend
 
 
-def _udp_entries(topo: Topology, n1: Node, family: int) -> dict[int, str]:
-    """The node's UDP entries of one family by the client's source port (every entry of the
-    table: other ones are keyed by their own source port too)."""
-    out = topo.exec(n1, ["conntrack", "-L", "-f", f"ipv{family}", "-p", "udp"], check=True)
+def _entries(topo: Topology, n1: Node, family: int, proto: str) -> dict[int, str]:
+    """The node's entries of one family and protocol by the client's source port (every entry
+    of the table: other ones are keyed by their own source port too)."""
+    out = topo.exec(n1, ["conntrack", "-L", "-f", f"ipv{family}", "-p", proto], check=True)
     entries = {}
     for line in out.stdout.splitlines():
         if found := re.search(r"sport=(\d+)", line):
             entries[int(found.group(1))] = line
     return entries
+
+
+def _udp_entries(topo: Topology, n1: Node, family: int) -> dict[int, str]:
+    return _entries(topo, n1, family, "udp")
+
+
+def _tcp_entries(topo: Topology, n1: Node, family: int) -> dict[int, str]:
+    return _entries(topo, n1, family, "tcp")
 
 
 @pytest.mark.parametrize("family", [4, 6])
@@ -167,15 +175,6 @@ def test_filters_that_match_nothing_delete_nothing_and_fail_nothing(
     assert call_in_netns(n1.netns, lambda: conntrack.delete_flows(nothing)) == 0
     assert {f: _udp_entries(topo, n1, f) for f in (4, 6)}.keys() == before.keys()
     assert all(set(_udp_entries(topo, n1, f)) == set(before[f]) for f in (4, 6))
-
-
-def _tcp_entries(topo: Topology, n1: Node, family: int) -> dict[int, str]:
-    out = topo.exec(n1, ["conntrack", "-L", "-f", f"ipv{family}", "-p", "tcp"], check=True)
-    entries = {}
-    for line in out.stdout.splitlines():
-        if found := re.search(r"sport=(\d+)", line):
-            entries[int(found.group(1))] = line
-    return entries
 
 
 @pytest.mark.parametrize("family", [4, 6])
