@@ -94,7 +94,7 @@ class AgentKill(Fault):
 class ApiserverDown(Fault):
     """The apiserver stopped; at its return two Services are created: one whose EndpointSlice
     the controller-manager writes (what users see) and one whose slice the suite writes itself
-    (what kpx alone takes). Each is timed from the heal, and the controller-manager's slice
+    (what kpx alone takes). Each is timed from its creation, and the controller-manager's slice
     too: after an outage its reflectors back off before they list again, which kpx cannot
     shorten."""
 
@@ -139,7 +139,8 @@ class ApiserverDown(Fault):
 
 
 class Stopwatch:
-    """From its start (the heal): when `own` answers from every node, when the
+    """From its start (the two Services' creation, right after the heal): when `own` answers
+    from every node, when the
     controller-manager's EndpointSlice of `managed` has an endpoint, and when `managed`
     answers from every node."""
 
@@ -185,7 +186,7 @@ class Stopwatch:
             return f"{self.seen[key]:.1f} s" if key in self.seen else "not seen"
 
         return (
-            f"from the heal: the Service whose EndpointSlice the suite wrote answered "
+            f"from their creation: the Service whose EndpointSlice the suite wrote answered "
             f"everywhere after {at('own')}; the controller-manager wrote the other's "
             f"EndpointSlice after {at('slice')}, and it answered everywhere after "
             f"{at('managed')}"
