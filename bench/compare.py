@@ -53,6 +53,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchlib import (
@@ -369,10 +370,16 @@ def ruleset_in_log(path: Path) -> dict[str, int]:
     return {}
 
 
-def metrics(topo: Topology, node: Node) -> dict[str, float]:
-    """Sync-duration sums and counts from the process's /metrics (same names in both)."""
+def metric_families(topo: Topology, node: Node) -> Iterator[Metric]:
+    """The process's /metrics, scraped from inside the node netns (nothing when unreadable)."""
     url = f"http://{METRICS_ADDRESS}/metrics"
     proc = topo.exec(node, ["curl", "-s", "--max-time", "10", url])
+    with contextlib.suppress(ValueError):
+        yield from text_string_to_metric_families(proc.stdout)
+
+
+def metrics(topo: Topology, node: Node) -> dict[str, float]:
+    """Sync-duration sums and counts from the process's /metrics (same names in both)."""
     wanted = (
         "kubeproxy_sync_proxy_rules_duration_seconds",
         "kubeproxy_sync_full_proxy_rules_duration_seconds",
@@ -381,14 +388,13 @@ def metrics(topo: Topology, node: Node) -> dict[str, float]:
         "kubeproxy_sync_proxy_rules_service_changes",
     )
     out: dict[str, float] = {}
-    with contextlib.suppress(ValueError):
-        for family in text_string_to_metric_families(proc.stdout):
-            if family.name not in wanted:
-                continue
-            for s in family.samples:
-                if s.name.endswith(("_sum", "_count", "_total")):
-                    labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-                    out[f"{s.name}{{{labels}}}"] = s.value
+    for family in metric_families(topo, node):
+        if family.name not in wanted:
+            continue
+        for s in family.samples:
+            if s.name.endswith(("_sum", "_count", "_total")):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}"] = s.value
     return out
 
 
@@ -602,17 +608,14 @@ def measure_sustained(
 def programming_buckets(topo: Topology, node: Node) -> dict[float, float]:
     """kubeproxy_network_programming_duration_seconds: upper bound -> cumulative count (the
     label sets summed)."""
-    url = f"http://{METRICS_ADDRESS}/metrics"
-    proc = topo.exec(node, ["curl", "-s", "--max-time", "10", url])
     out: dict[float, float] = {}
-    with contextlib.suppress(ValueError):
-        for family in text_string_to_metric_families(proc.stdout):
-            if family.name != "kubeproxy_network_programming_duration_seconds":
-                continue
-            for sample in family.samples:
-                if sample.name.endswith("_bucket"):
-                    le = float(sample.labels["le"])
-                    out[le] = out.get(le, 0.0) + sample.value
+    for family in metric_families(topo, node):
+        if family.name != "kubeproxy_network_programming_duration_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket"):
+                le = float(sample.labels["le"])
+                out[le] = out.get(le, 0.0) + sample.value
     return out
 
 
