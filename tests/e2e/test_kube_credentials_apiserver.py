@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from kpx_cluster.controlplane import Cluster
+from kpx_cluster.leaks import files_holding
 from kpx_kube import ApiError, from_kubeconfig
 from kpx_kube import Client as KubeClient
 from kpx_operator.apiserver import ApiError as OperatorApiError
@@ -230,21 +231,6 @@ def test_kopf_login_gets_the_exec_token_with_its_expiry(
 # -- client-key-data: no key file --------------------------------------------------------------
 
 
-def _files_holding(needle: bytes, root: Path) -> list[str]:
-    found = []
-    for folder, _, names in os.walk(root):
-        for name in names:
-            path = os.path.join(folder, name)
-            try:
-                if os.path.isfile(path) and os.path.getsize(path) < 1 << 20:
-                    with open(path, "rb") as handle:
-                        if needle in handle.read():
-                            found.append(path)
-            except OSError:
-                continue
-    return found
-
-
 def _open_files_holding(needle: bytes) -> list[str]:
     found = []
     for fd in os.listdir("/proc/self/fd"):
@@ -299,9 +285,7 @@ def test_client_key_data_leaves_no_key_file(cluster: Cluster, tmp_path: Path) ->
             await info.aiohttp_session.close()
 
     asyncio.run(scenario())
-    assert _files_holding(key, Path(tempfile.gettempdir())) == []
-    assert _files_holding(key, tmp_path) == []
-    assert started  # the scan covers everything written since
+    assert files_holding(key, [Path(tempfile.gettempdir()), tmp_path], started) == []
 
 
 def test_kopf_runs_on_the_exec_token_and_logs_in_again_when_it_expires(

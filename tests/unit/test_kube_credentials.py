@@ -10,12 +10,14 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from kpx_cluster.leaks import files_holding
 from kpx_cluster.pki import CertificateAuthority
 from kpx_kube import ApiError, KubeconfigError, from_kubeconfig, in_cluster
 from kpx_kube import Client as KubeClient
@@ -520,23 +522,22 @@ def test_an_exec_plugin_that_fails_gives_its_exit_code_and_stderr(tmp_path: Path
 # -- key material ----------------------------------------------------------------------------------
 
 
-def _files_holding(needle: bytes, roots: list[Path]) -> list[Path]:
-    found = []
-    for root in roots:
-        for folder, _, names in os.walk(root):
-            for name in names:
-                path = Path(folder) / name
-                try:
-                    if path.is_file() and needle in path.read_bytes():
-                        found.append(path)
-                except OSError:
-                    continue
-    return found
-
-
 def config(user: dict[str, Any], cluster: dict[str, Any]) -> dict[str, Any]:
     users = [{"name": "alice", "user": user}]
     return doc(users=users, clusters=[{"name": "one", "cluster": cluster}])
+
+
+def test_the_leak_scan_finds_a_new_file_with_the_secret_and_skips_old_ones(tmp_path: Path) -> None:
+    started = time.time()
+    (tmp_path / "deep" / "er").mkdir(parents=True)
+    new = tmp_path / "deep" / "er" / "new"
+    new.write_bytes(b"head SECRET tail")
+    old = tmp_path / "old"
+    old.write_bytes(b"SECRET")
+    os.utime(old, (started - 60, started - 60))
+    (tmp_path / "link").symlink_to(new)
+    (tmp_path / "other").write_bytes(b"nothing here")
+    assert files_holding(b"SECRET", [tmp_path], started) == [new]
 
 
 def test_key_data_is_loaded_without_a_file(tmp_path: Path) -> None:
@@ -545,6 +546,7 @@ def test_key_data_is_loaded_without_a_file(tmp_path: Path) -> None:
     ca = CertificateAuthority(tmp_path / "pki")
     pair = ca.issue("client", "alice")
     key = pair.key.read_bytes()
+    started = time.time()
     user = {
         "client-certificate-data": base64.b64encode(pair.cert.read_bytes()).decode(),
         "client-key-data": base64.b64encode(key).decode(),
@@ -558,7 +560,7 @@ def test_key_data_is_loaded_without_a_file(tmp_path: Path) -> None:
     creds = from_kubeconfig(path)
     assert creds.ssl_context.cert_store_stats()["x509_ca"] == 1
     assert set(os.listdir("/proc/self/fd")) <= fds_before
-    assert _files_holding(key, [tmp_path, Path(tempfile.gettempdir())]) == []
+    assert files_holding(key, [tmp_path, Path(tempfile.gettempdir())], started) == []
     # The pair really was loaded: a wrong key for the certificate is refused, naming the context.
     other = ca.issue("other", "bob").key.read_bytes()
     user["client-key-data"] = base64.b64encode(other).decode()

@@ -920,8 +920,10 @@ def test_run_retries_until_the_agent_is_up_and_resumes_after_a_restart(tmp_path:
 def test_run_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     import signal
 
+    # SIGUSR1 makes the client print every thread's stack: what it waits on when it hangs
     script = (
-        "import logging, sys\n"
+        "import faulthandler, logging, signal, sys\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
         "from kpx_localstate_client import run\n"
         "logging.basicConfig(level=logging.INFO)\n"
         "run(lambda s: print('state', s.revision, flush=True), sys.argv[1])\n"
@@ -945,13 +947,20 @@ def test_run_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
         line = await asyncio.wait_for(proc.stdout.readline(), 20)
         assert line == b"state 1\n"
         proc.send_signal(signal.SIGTERM)
-        code = await asyncio.wait_for(proc.wait(), 10)
+        try:
+            code = await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.send_signal(signal.SIGUSR1)
+            await asyncio.sleep(1)
+            proc.kill()
+            await proc.wait()
+            code = -1
         err = (await proc.stderr.read()).decode()
         await server.stop()
         return code, err
 
     code, err = run(main())
-    assert code == 0, err
+    assert code == 0, f"exit code {code} (-1: still running 30 s after SIGTERM); stderr:\n{err}"
     assert "stopped at revision 1" in err
 
 
