@@ -75,8 +75,8 @@ image: setup-apt setup-coredns
 test: setup image
 	$(PYTHON) -m pytest -m "not long"
 
-## test-long: the load runs of minutes each that `make test` leaves out (the ipvs -> nftables
-## switch under load in the IPVS guest)
+## test-long: the load runs that `make test` leaves out (the ipvs -> nftables switch under load
+## in the IPVS guest; the rolled-back and reverted mode switches under load on real kubelets)
 test-long: setup image
 	$(PYTHON) -m pytest -m long
 
@@ -124,16 +124,19 @@ demo-down:
 ## bench: kpx against upstream kube-proxy, side by side (N=1000 for one size; SUSTAINED
 ## EndpointSlice changes in 10 s after the burst), the state API, and
 ## the agent's memory (the whole agent, a relist included, at MEMORY_SIZES: 30,000 adds 25-40
-## minutes; by layer in one process at LAYER_SIZES, with the slopes per Service and per endpoint);
-## sets up the machine first
+## minutes; by layer in one process at LAYER_SIZES, with the slopes per Service and per endpoint),
+## and what the namespace opt-out saves at OPTOUT_SIZE Services (half left out; against
+## upstream's service-proxy-name label); sets up the machine first
 MEMORY_SIZES ?= 1000,10000
 LAYER_SIZES ?= 1000,10000,30000
 SUSTAINED ?= 5000
+OPTOUT_SIZE ?= 30000
 bench: setup
 	$(PYTHON) bench/compare.py $(if $(N),--services $(N),) --sustained $(SUSTAINED)
 	$(PYTHON) bench/state_api.py $(if $(N),--services $(N),)
 	$(PYTHON) bench/agent_memory.py --services $(if $(N),$(N),$(MEMORY_SIZES))
 	$(PYTHON) bench/memory_layers.py $(if $(N),--services $(N) --at $(N),--services $(LAYER_SIZES))
+	$(PYTHON) bench/optout_savings.py --services $(if $(N),$(N),$(OPTOUT_SIZE))
 
 ## bench-migration: upstream kube-proxy (iptables, nftables) -> kpx nftables, then spec.mode
 ## iptables -> nftables -> iptables, on three simulated nodes under constant load (new TCP

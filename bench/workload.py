@@ -126,6 +126,7 @@ class Workload:
     replaced: int = 0  # replacement addresses handed out
     creation: list[dict[str, Any]] = field(default_factory=list)
     node_created: float = 0.0  # monotonic clock
+    namespace: str = NAMESPACE  # where its Services and EndpointSlices are
 
     @property
     def size(self) -> int:
@@ -147,7 +148,7 @@ class Workload:
         new = changed_address(self.replaced)
         self.replaced += 1
         addrs[-1] = (new, addrs[-1][1])
-        patch = (slices_path(NAMESPACE, f"{svc_name(svc)}-1"), {"endpoints": endpoints(addrs)})
+        patch = (slices_path(self.namespace, f"{svc_name(svc)}-1"), {"endpoints": endpoints(addrs)})
         return f"{old}:{TARGET_PORT}", f"{new}:{TARGET_PORT}", patch
 
     def settle_node(self) -> None:
@@ -181,9 +182,8 @@ def grow(cluster: Cluster, api: ApiClient, work: Workload, n: int) -> None:
     for lo in range(start, n, CREATE_CHUNK):
         chunk = range(lo, min(n, lo + CREATE_CHUNK))
         c0 = time.monotonic()
-        made = api.many(
-            "POST", [(services_path(NAMESPACE), service(NAMESPACE, svc_name(i))) for i in chunk]
-        )
+        ns = work.namespace
+        made = api.many("POST", [(services_path(ns), service(ns, svc_name(i))) for i in chunk])
         chunks_s.append(round(time.monotonic() - c0, 2))
         work.vips += [str(obj["spec"]["clusterIP"]) for obj in made]
         log(f"  services: {work.size}/{n}")
@@ -195,7 +195,10 @@ def grow(cluster: Cluster, api: ApiClient, work: Workload, n: int) -> None:
         api.many(
             "POST",
             [
-                (slices_path(NAMESPACE), endpoint_slice(NAMESPACE, svc_name(i), a, TARGET_PORT))
+                (
+                    slices_path(work.namespace),
+                    endpoint_slice(work.namespace, svc_name(i), a, TARGET_PORT),
+                )
                 for i, a in zip(chunk, addrs, strict=True)
             ],
         )

@@ -140,4 +140,7 @@ def real_migration_cluster(
         env = _app_and_clients(rc, label, PXC, nodes)
         wait_until(lambda: env.rolled_out(mode), 240, f"{PXC} Ready in {mode}")
         wait_backends_ready(env, nodes)
+        # Ready backends are not yet programmed ones: the controller-manager writes their
+        # EndpointSlices, then every agent syncs them.
+        wait_until(lambda: serves(env), 90, f"kpx ({mode}) serving every target")
         yield env

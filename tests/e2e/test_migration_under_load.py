@@ -89,6 +89,7 @@ def test_iptables_to_nftables_under_load_fails_nothing_and_leaves_nothing(
     assert done["summary"].startswith("3 of 3 nodes switched from iptables to nftables in "), done
 
 
+@pytest.mark.long  # 70-85 s each: `make test-long`, not `make test`
 def test_a_node_whose_new_agent_cannot_program_is_rolled_back_stops_the_rollout_and_serves(
     env: MigrationEnv,
 ) -> None:
@@ -137,6 +138,7 @@ def test_a_node_whose_new_agent_cannot_program_is_rolled_back_stops_the_rollout_
     assert {n["phase"] for n in result.finished["nodes"]} == {"Switched"}, result.finished
 
 
+@pytest.mark.long  # 70-85 s each: `make test-long`, not `make test`
 def test_setting_the_mode_back_rolls_a_stuck_node_back_and_it_keeps_serving(
     env: MigrationEnv,
 ) -> None:
