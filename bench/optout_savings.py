@@ -14,11 +14,12 @@ started alone in a fresh node netns, nftables mode, in turn:
 
 For each: cold start (process start -> every proxied Service in the kernel; the left-out half
 checked absent from the kernel), peak RSS (VmHWM) and CPU (process and children) once synced,
-what the apiserver sent for the initial lists and watches (the deltas of its
-`apiserver_response_sizes` for LIST and `apiserver_watch_events_sizes`, Services and
-EndpointSlices) and the apiserver's CPU meanwhile; then what one change in `bench-out` costs:
-K EndpointSlice updates there, the watch bytes the apiserver sent (less what it sends with no
-proxy running: the controller-manager's own watches) and the proxy's CPU, per change.
+the bytes over the proxy's apiserver connection until then (the node netns's loopback
+counter: the harness's relay carries the TLS stream there, so these are the bytes on the
+wire, compressed where the apiserver compresses), the LISTs of Services and EndpointSlices the
+apiserver answered meanwhile (requests, response bytes: its `apiserver_response_sizes`) and
+the apiserver's CPU; then what an update in `bench-out` costs: K EndpointSlice updates there,
+the bytes over the connection and the proxy's CPU, each less an idle window as long.
 
 Usage: python3 bench/optout_savings.py [--services N] [--changes K] [--no-write]
 Writes bench/results/optout-<N>.json and .md.
@@ -47,6 +48,7 @@ from benchlib import (
     proc_memory_kb,
     services_path,
     slices_path,
+    wait_until_quiet,
     write_json,
 )
 from compare import (
@@ -61,6 +63,7 @@ from compare import (
     wait_cold_start,
 )
 from kpx_cluster.controlplane import Cluster
+from kpx_cluster.netns import Node, Topology
 from workload import Workload, control_plane_cpu, create_node, grow, svc_name
 
 OUT_NAMESPACE = "bench-out"
@@ -68,6 +71,7 @@ OPT_OUT_LABEL = "networking.k8s.io/kube-proxy"
 PROXY_NAME_LABEL = "service.kubernetes.io/service-proxy-name"
 RESOURCES = ("services", "endpointslices")
 COLD_TIMEOUT = 900.0
+QUIET_LIMIT = 180.0  # seconds to wait for an idle machine before each run
 SETTLE_SECONDS = 3.0  # after the cold start: the first sync's verification
 CHANGE_SETTLE_SECONDS = 3.0  # after the last change: every watch event sent
 
@@ -81,36 +85,40 @@ class Run:
     left_out_in_kernel: int = 0  # Services of bench-out the kernel holds (must be 0 when left out)
     peak_mb: float = 0.0
     cpu_s: float = 0.0  # process + children, at SETTLE_SECONDS after the cold start
-    list_bytes: dict[str, float] = field(default_factory=dict)
-    watch_bytes: dict[str, float] = field(default_factory=dict)
+    initial_bytes: int = 0  # over the proxy's apiserver connection, both ways, TLS included
+    list_requests: dict[str, float] = field(default_factory=dict)  # Services, EndpointSlices
+    list_bytes: dict[str, float] = field(default_factory=dict)  # the apiserver's LIST responses
     apiserver_cpu_s: float = 0.0
-    change_watch_bytes: float = 0.0  # per change in bench-out, the controller-manager's taken off
+    change_bytes: float = 0.0  # per change in bench-out, over the apiserver connection
     change_cpu_ms: float = 0.0  # the proxy's CPU per change in bench-out
     error: str = ""
 
-    @property
-    def initial_bytes(self) -> float:
-        return sum(self.list_bytes.values()) + sum(self.watch_bytes.values())
 
-
-def sent_bytes(cluster: Cluster) -> tuple[dict[str, float], dict[str, float]]:
-    """What the apiserver has sent so far for Services and EndpointSlices: the sums of its LIST
-    response sizes and of its watch event sizes, per resource."""
+def list_metrics(cluster: Cluster) -> tuple[dict[str, float], dict[str, float]]:
+    """The apiserver's LISTs of Services and EndpointSlices so far: (requests, response bytes)
+    per resource, from its `apiserver_response_sizes` histogram."""
     text = cluster.kubectl("get", "--raw", "/metrics", timeout=60).stdout
-    lists = dict.fromkeys(RESOURCES, 0.0)
-    watches = dict.fromkeys(RESOURCES, 0.0)
-    kinds = {"Service": "services", "EndpointSlice": "endpointslices"}
+    counts = dict.fromkeys(RESOURCES, 0.0)
+    sizes = dict.fromkeys(RESOURCES, 0.0)
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "apiserver_response_sizes_sum" and s.labels.get("verb") == "LIST":
-                resource = s.labels.get("resource", "")
-                if resource in lists:
-                    lists[resource] += s.value
-            elif s.name == "apiserver_watch_events_sizes_sum":
-                resource = s.labels.get("resource") or kinds.get(s.labels.get("kind", ""), "")
-                if resource in watches:
-                    watches[resource] += s.value
-    return lists, watches
+            if not s.name.startswith("apiserver_response_sizes_"):
+                continue
+            resource = s.labels.get("resource", "")
+            if s.labels.get("verb") != "LIST" or resource not in counts:
+                continue
+            if s.name.endswith("_count"):
+                counts[resource] += s.value
+            elif s.name.endswith("_sum"):
+                sizes[resource] += s.value
+    return counts, sizes
+
+
+def loopback_bytes(topo: Topology, node: Node) -> int:
+    """Bytes through the node netns's loopback: the proxy reaches the apiserver there (a relay
+    on 127.0.0.1 carries the TLS stream to the host), and nothing else talks on it."""
+    out = topo.exec(node, ["cat", "/sys/class/net/lo/statistics/rx_bytes"], check=True)
+    return int(out.stdout)
 
 
 def _delta(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
@@ -132,17 +140,19 @@ def measure(
     proxied: Workload,
     out: Workload,
     changes: int,
-    idle_change_bytes: float,
 ) -> Run:
     """One proxy's run; `out`'s Services are left out unless `proxied` holds them."""
     result = Run(setup, dp.label, proxied.size)
     left_out = None if out.vips[0] in proxied.vips else out
-    lists0, watches0 = sent_bytes(cluster)
+    # The apiserver and the controller-manager idle first (a relabelling's tail ends).
+    wait_until_quiet(limit=QUIET_LIMIT)
+    counts0, sizes0 = list_metrics(cluster)
     cpu0 = control_plane_cpu(cluster).get("kube-apiserver", 0.0)
     with node_netns(cluster) as (topo, node):
         probe = Probe(topo, node)
         run = None
         try:
+            lo0 = loopback_bytes(topo, node)
             tag = f"optout-{dp.system}-{setup.split()[0]}"
             run = start(dp, topo, node, cluster, tag)
             cold, chains = wait_cold_start(dp, probe, run, topo, node, proxied, COLD_TIMEOUT)
@@ -155,32 +165,34 @@ def measure(
             own, children = tree_cpu(run.pid)
             result.cpu_s = round(own + children, 2)
             result.peak_mb = round(proc_memory_kb(run.pid).get("VmHWM", 0) / 1024, 1)
-            lists1, watches1 = sent_bytes(cluster)
+            lo1 = loopback_bytes(topo, node)
+            result.initial_bytes = lo1 - lo0
+            counts1, sizes1 = list_metrics(cluster)
             result.apiserver_cpu_s = round(
                 control_plane_cpu(cluster).get("kube-apiserver", 0.0) - cpu0, 2
             )
-            result.list_bytes = _delta(lists1, lists0)
-            result.watch_bytes = _delta(watches1, watches0)
-            # The proxy's CPU over a window with the changes, less an idle window as long.
-            cpu_a = sum(tree_cpu(run.pid))
+            result.list_requests = _delta(counts1, counts0)
+            result.list_bytes = _delta(sizes1, sizes0)
+            # Bytes and the proxy's CPU over a window with the changes, less an idle window
+            # as long (watch bookmarks, periodic work).
+            cpu_a, lo_a = sum(tree_cpu(run.pid)), loopback_bytes(topo, node)
             t0 = time.monotonic()
             change_out(api, out, changes)
             time.sleep(CHANGE_SETTLE_SECONDS)
             window = time.monotonic() - t0
-            cpu_b = sum(tree_cpu(run.pid))
-            _, watches2 = sent_bytes(cluster)
+            cpu_b, lo_b = sum(tree_cpu(run.pid)), loopback_bytes(topo, node)
             time.sleep(window)
-            idle_cpu = sum(tree_cpu(run.pid)) - cpu_b
-            sent = sum(_delta(watches2, watches1).values())
-            result.change_watch_bytes = round(max(0.0, sent / changes - idle_change_bytes), 1)
-            busy = max(0.0, (cpu_b - cpu_a) - idle_cpu)
+            cpu_c, lo_c = sum(tree_cpu(run.pid)), loopback_bytes(topo, node)
+            busy = max(0.0, (cpu_b - cpu_a) - (cpu_c - cpu_b))
             result.change_cpu_ms = round(busy / changes * 1e3, 2)
+            sent = max(0, (lo_b - lo_a) - (lo_c - lo_b))
+            result.change_bytes = round(sent / changes, 1)
             log(
                 f"{setup}, {dp.label}: {proxied.size:,} proxied, cold start {result.cold_s} s, "
-                f"peak {result.peak_mb} MB, CPU {result.cpu_s} s, initial "
-                f"{result.initial_bytes / 1e6:.1f} MB sent, apiserver CPU "
-                f"{result.apiserver_cpu_s} s; per change in {OUT_NAMESPACE}: "
-                f"{result.change_watch_bytes:.0f} B, {result.change_cpu_ms} ms CPU"
+                f"peak {result.peak_mb} MB, CPU {result.cpu_s} s, "
+                f"{result.initial_bytes / 1e6:.1f} MB over the apiserver connection, LISTs "
+                f"{result.list_requests}, apiserver CPU {result.apiserver_cpu_s} s; per change "
+                f"in {OUT_NAMESPACE}: {result.change_bytes:.0f} B, {result.change_cpu_ms} ms CPU"
             )
         except Exception as exc:
             result.error = f"{type(exc).__name__}: {exc}"[:2000]
@@ -194,15 +206,6 @@ def measure(
     return result
 
 
-def idle_watch_bytes(cluster: Cluster, api: ApiClient, out: Workload, changes: int) -> float:
-    """Watch bytes per change in bench-out with no proxy running (the controller-manager's)."""
-    _, before = sent_bytes(cluster)
-    change_out(api, out, changes)
-    time.sleep(CHANGE_SETTLE_SECONDS)
-    _, after = sent_bytes(cluster)
-    return sum(_delta(after, before).values()) / changes
-
-
 def label_out(api: ApiClient, out: Workload, value: str | None) -> None:
     """Set (or with None remove) the service-proxy-name label on bench-out's Services and
     EndpointSlices."""
@@ -212,7 +215,7 @@ def label_out(api: ApiClient, out: Workload, value: str | None) -> None:
     api.many("PATCH", [(slices_path(OUT_NAMESPACE, f"{n}-1"), patch) for n in names])
 
 
-def report(n: int, runs: list[Run], info: Mapping[str, str], changes: int, idle: float) -> str:
+def report(n: int, runs: list[Run], info: Mapping[str, str], changes: int) -> str:
     def mb(value: float) -> str:
         return f"{value / 1e6:,.1f} MB"
 
@@ -229,10 +232,10 @@ def report(n: int, runs: list[Run], info: Mapping[str, str], changes: int, idle:
                 f"{r.cold_s:.2f} s",
                 f"{r.peak_mb:.0f} MB",
                 f"{r.cpu_s:.2f} s",
-                mb(sum(r.list_bytes.values())),
-                mb(sum(r.watch_bytes.values())),
+                mb(r.initial_bytes),
+                f"{sum(r.list_requests.values()):.0f} / {mb(sum(r.list_bytes.values()))}",
                 f"{r.apiserver_cpu_s:.2f} s",
-                f"{r.change_watch_bytes:,.0f} B / {r.change_cpu_ms:.1f} ms",
+                f"{r.change_bytes:,.0f} B / {r.change_cpu_ms:.1f} ms",
                 str(r.left_out_in_kernel),
             ]
         )
@@ -243,20 +246,20 @@ def report(n: int, runs: list[Run], info: Mapping[str, str], changes: int, idle:
         "cold start",
         "peak RSS",
         "CPU at cold start",
-        "initial LIST bytes",
-        "initial watch bytes",
-        "apiserver CPU (initial)",
-        f"per change in {OUT_NAMESPACE}: watch bytes / proxy CPU",
+        "to cold start: bytes over its apiserver connection",
+        "LISTs / their bytes (apiserver)",
+        "apiserver CPU",
+        f"per update in {OUT_NAMESPACE}: bytes / proxy CPU",
         "left-out Services in the kernel",
     ]
     return (
         f"# Namespace opt-out savings at {n:,} Services\n\n"
         f"Machine: {machine_line(info)}. Command: `python3 bench/optout_savings.py --services "
         f"{n}`. Half the Services (x 10 endpoints) in `{OUT_NAMESPACE}`; per-change figures from "
-        f"{changes} EndpointSlice updates there (with no proxy running the apiserver sent "
-        f"{idle:,.0f} watch bytes per update, taken off; the proxy's CPU in an idle window as "
-        "long, taken off). Method: bench/optout_savings.py's docstring, "
-        "docs/benchmarks.md.\n\n" + markdown_table(headers, rows) + "\n"
+        f"{changes} EndpointSlice updates there (less an idle window as long). Method: "
+        "bench/optout_savings.py's docstring, docs/benchmarks.md.\n\n"
+        + markdown_table(headers, rows)
+        + "\n"
     )
 
 
@@ -272,7 +275,6 @@ def main() -> int:
     exit_on_sigterm()
     info = machine_info()
     runs: list[Run] = []
-    idle = 0.0
     with bench_cluster("optout") as cluster:
         api = ApiClient(cluster, WORKERS)
         try:
@@ -283,16 +285,12 @@ def main() -> int:
             grow(cluster, api, out, n - n // 2)
             everything = Workload(vips=inside.vips + out.vips, current=inside.current + out.current)
             inside.settle_node()
-            idle = idle_watch_bytes(cluster, api, out, args.changes)
-            log(f"with no proxy: {idle:.0f} watch bytes per change in {OUT_NAMESPACE}")
 
             def each(setup: str, proxied: Workload, which: tuple[str, ...]) -> None:
                 for system in which:
                     if system in systems:
                         dp = Dataplane(system, "nftables")
-                        runs.append(
-                            measure(cluster, api, setup, dp, proxied, out, args.changes, idle)
-                        )
+                        runs.append(measure(cluster, api, setup, dp, proxied, out, args.changes))
 
             each("nothing left out", everything, (KPX, KUBE_PROXY))
             ns_path = f"/api/v1/namespaces/{OUT_NAMESPACE}"
@@ -303,7 +301,7 @@ def main() -> int:
             each("service-proxy-name label", inside, (KPX, KUBE_PROXY))
         finally:
             api.close()
-    text = report(n, runs, info, args.changes, idle)
+    text = report(n, runs, info, args.changes)
     print(text)
     if not args.no_write:
         data: dict[str, Any] = {
@@ -311,7 +309,6 @@ def main() -> int:
             "machine": info,
             "services": n,
             "changes": args.changes,
-            "idle_change_watch_bytes": round(idle, 1),
             "runs": [asdict(r) for r in runs],
         }
         write_json(f"optout-{n}.json", data)
