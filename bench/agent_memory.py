@@ -47,8 +47,10 @@ from compare import (
     Dataplane,
     Probe,
     Running,
+    failed_run,
     node_netns,
     start,
+    stop_measuring,
     wait_cold_start,
 )
 from kpx_cluster.controlplane import Cluster
@@ -173,14 +175,9 @@ def measure(agent: Agent, n: int, cluster: Cluster, api: ApiClient, work: Worklo
                 f"{took:.1f} s; peak {out.peak_mb:.0f} MB, RSS {out.rss_mb:.0f} MB"
             )
         except Exception as exc:
-            out.error = f"{type(exc).__name__}: {exc}"[:2000]
-            log(f"{agent.label} {n:,}: FAILED: {out.error}")
-            if run is not None:
-                log(run.log_tail())
+            out.error = failed_run(f"{agent.label} {n:,}", exc, run)
         finally:
-            probe.close()
-            if run is not None:
-                run.stop()
+            stop_measuring(probe, run)
     return out
 
 

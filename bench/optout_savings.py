@@ -57,8 +57,10 @@ from compare import (
     WORKERS,
     Dataplane,
     Probe,
+    failed_run,
     node_netns,
     start,
+    stop_measuring,
     tree_cpu,
     wait_cold_start,
 )
@@ -195,14 +197,9 @@ def measure(
                 f"in {OUT_NAMESPACE}: {result.change_bytes:.0f} B, {result.change_cpu_ms} ms CPU"
             )
         except Exception as exc:
-            result.error = f"{type(exc).__name__}: {exc}"[:2000]
-            log(f"{setup}, {dp.label}: FAILED: {result.error}")
-            if run is not None:
-                log(run.log_tail())
+            result.error = failed_run(f"{setup}, {dp.label}", exc, run)
         finally:
-            probe.close()
-            if run is not None:
-                run.stop()
+            stop_measuring(probe, run)
     return result
 
 
