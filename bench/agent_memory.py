@@ -45,12 +45,9 @@ from compare import (
     KPX,
     WORKERS,
     Dataplane,
-    Probe,
     Running,
-    failed_run,
-    node_netns,
+    measuring,
     start,
-    stop_measuring,
     wait_cold_start,
 )
 from kpx_cluster.controlplane import Cluster
@@ -151,33 +148,32 @@ class AgentDataplane(Dataplane):
 def measure(agent: Agent, n: int, cluster: Cluster, api: ApiClient, work: Workload) -> Size:
     out = Size(agent.label, n)
     dp = AgentDataplane(agent)
-    with node_netns(cluster) as (topo, node):
-        probe = Probe(topo, node)
-        run: Running | None = None
-        try:
-            run = start(dp, topo, node, cluster, f"kpx-memory-{agent.label}-{n}", ("-v",))
-            cold, _ = wait_cold_start(dp, probe, run, topo, node, work, 600.0)
-            out.cold_s = round(cold.seconds, 2)
-            time.sleep(3.0)  # the first sync's verification and the freeze
-            out.cold_peak_mb, out.cold_rss_mb = _mem(run)
-            log(
-                f"{agent.label} {n:,}: cold start {cold.seconds:.2f} s (timing under load); peak "
-                f"{out.cold_peak_mb:.0f} MB, RSS {out.cold_rss_mb:.0f} MB"
-            )
-            gone_before = len(_lines(run, GONE_LINE))
-            out.relisted, took = force_relist(cluster, api, run)
-            out.relist_s = round(took, 2)
-            gone = len(_lines(run, GONE_LINE)) - gone_before
-            time.sleep(8.0)  # the relist's sync (nothing changed) and a settled heap
-            out.peak_mb, out.rss_mb = _mem(run)
-            log(
-                f"{agent.label} {n:,}: relisted {out.relisted} ({gone} x 410 Gone) in "
-                f"{took:.1f} s; peak {out.peak_mb:.0f} MB, RSS {out.rss_mb:.0f} MB"
-            )
-        except Exception as exc:
-            out.error = failed_run(f"{agent.label} {n:,}", exc, run)
-        finally:
-            stop_measuring(probe, run)
+
+    def fail(error: str) -> None:
+        out.error = error
+
+    with measuring(cluster, f"{agent.label} {n:,}", fail) as session:
+        topo, node, probe = session.topo, session.node, session.probe
+        tag = f"kpx-memory-{agent.label}-{n}"
+        run = session.run = start(dp, topo, node, cluster, tag, ("-v",))
+        cold, _ = wait_cold_start(dp, probe, run, topo, node, work, 600.0)
+        out.cold_s = round(cold.seconds, 2)
+        time.sleep(3.0)  # the first sync's verification and the freeze
+        out.cold_peak_mb, out.cold_rss_mb = _mem(run)
+        log(
+            f"{agent.label} {n:,}: cold start {cold.seconds:.2f} s (timing under load); peak "
+            f"{out.cold_peak_mb:.0f} MB, RSS {out.cold_rss_mb:.0f} MB"
+        )
+        gone_before = len(_lines(run, GONE_LINE))
+        out.relisted, took = force_relist(cluster, api, run)
+        out.relist_s = round(took, 2)
+        gone = len(_lines(run, GONE_LINE)) - gone_before
+        time.sleep(8.0)  # the relist's sync (nothing changed) and a settled heap
+        out.peak_mb, out.rss_mb = _mem(run)
+        log(
+            f"{agent.label} {n:,}: relisted {out.relisted} ({gone} x 410 Gone) in "
+            f"{took:.1f} s; peak {out.peak_mb:.0f} MB, RSS {out.rss_mb:.0f} MB"
+        )
     return out
 
 

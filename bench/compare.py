@@ -49,7 +49,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -369,6 +369,31 @@ def node_netns(cluster: Cluster) -> Iterator[tuple[Topology, Node]]:
         node = topo.add_node(NODE_NAME)
         topo.expose_host_port(cluster.apiserver_port)
         yield topo, node
+
+
+@dataclass
+class Session:
+    """One measured process in a fresh node netns (`measuring`): set `run` once started."""
+
+    topo: Topology
+    node: Node
+    probe: Probe
+    run: Running | None = None
+
+
+@contextlib.contextmanager
+def measuring(cluster: Cluster, what: str, on_error: Callable[[str], None]) -> Iterator[Session]:
+    """A fresh node netns with a kernel probe, for one measured process. An exception inside
+    is logged with the process's log tail and handed to `on_error` as text, not raised; the
+    probe is closed and the process stopped on the way out."""
+    with node_netns(cluster) as (topo, node):
+        session = Session(topo, node, Probe(topo, node))
+        try:
+            yield session
+        except Exception as exc:
+            on_error(failed_run(what, exc, session.run))
+        finally:
+            stop_measuring(session.probe, session.run)
 
 
 _RELOAD_RE = re.compile(

@@ -56,11 +56,8 @@ from compare import (
     KUBE_PROXY,
     WORKERS,
     Dataplane,
-    Probe,
-    failed_run,
-    node_netns,
+    measuring,
     start,
-    stop_measuring,
     tree_cpu,
     wait_cold_start,
 )
@@ -150,56 +147,54 @@ def measure(
     wait_until_quiet(limit=QUIET_LIMIT)
     counts0, sizes0 = list_metrics(cluster)
     cpu0 = control_plane_cpu(cluster).get("kube-apiserver", 0.0)
-    with node_netns(cluster) as (topo, node):
-        probe = Probe(topo, node)
-        run = None
-        try:
-            lo0 = loopback_bytes(topo, node)
-            tag = f"optout-{dp.system}-{setup.split()[0]}"
-            run = start(dp, topo, node, cluster, tag)
-            cold, chains = wait_cold_start(dp, probe, run, topo, node, proxied, COLD_TIMEOUT)
-            if cold.timed_out:
-                raise TimeoutError(f"not every proxied Service in the kernel in {COLD_TIMEOUT} s")
-            result.cold_s = round(cold.seconds, 2)
-            if left_out is not None:
-                result.left_out_in_kernel = len(set(left_out.expected()) & set(chains))
-            time.sleep(SETTLE_SECONDS)
-            own, children = tree_cpu(run.pid)
-            result.cpu_s = round(own + children, 2)
-            result.peak_mb = round(proc_memory_kb(run.pid).get("VmHWM", 0) / 1024, 1)
-            lo1 = loopback_bytes(topo, node)
-            result.initial_bytes = lo1 - lo0
-            counts1, sizes1 = list_metrics(cluster)
-            result.apiserver_cpu_s = round(
-                control_plane_cpu(cluster).get("kube-apiserver", 0.0) - cpu0, 2
-            )
-            result.list_requests = _delta(counts1, counts0)
-            result.list_bytes = _delta(sizes1, sizes0)
-            # Bytes and the proxy's CPU over a window with the changes, less an idle window
-            # as long (watch bookmarks, periodic work).
-            cpu_a, lo_a = sum(tree_cpu(run.pid)), loopback_bytes(topo, node)
-            t0 = time.monotonic()
-            change_out(api, out, changes)
-            time.sleep(CHANGE_SETTLE_SECONDS)
-            window = time.monotonic() - t0
-            cpu_b, lo_b = sum(tree_cpu(run.pid)), loopback_bytes(topo, node)
-            time.sleep(window)
-            cpu_c, lo_c = sum(tree_cpu(run.pid)), loopback_bytes(topo, node)
-            busy = max(0.0, (cpu_b - cpu_a) - (cpu_c - cpu_b))
-            result.change_cpu_ms = round(busy / changes * 1e3, 2)
-            sent = max(0, (lo_b - lo_a) - (lo_c - lo_b))
-            result.change_bytes = round(sent / changes, 1)
-            log(
-                f"{setup}, {dp.label}: {proxied.size:,} proxied, cold start {result.cold_s} s, "
-                f"peak {result.peak_mb} MB, CPU {result.cpu_s} s, "
-                f"{result.initial_bytes / 1e6:.1f} MB over the apiserver connection, LISTs "
-                f"{result.list_requests}, apiserver CPU {result.apiserver_cpu_s} s; per change "
-                f"in {OUT_NAMESPACE}: {result.change_bytes:.0f} B, {result.change_cpu_ms} ms CPU"
-            )
-        except Exception as exc:
-            result.error = failed_run(f"{setup}, {dp.label}", exc, run)
-        finally:
-            stop_measuring(probe, run)
+
+    def fail(error: str) -> None:
+        result.error = error
+
+    with measuring(cluster, f"{setup}, {dp.label}", fail) as session:
+        topo, node, probe = session.topo, session.node, session.probe
+        lo0 = loopback_bytes(topo, node)
+        tag = f"optout-{dp.system}-{setup.split()[0]}"
+        run = session.run = start(dp, topo, node, cluster, tag)
+        cold, chains = wait_cold_start(dp, probe, run, topo, node, proxied, COLD_TIMEOUT)
+        if cold.timed_out:
+            raise TimeoutError(f"not every proxied Service in the kernel in {COLD_TIMEOUT} s")
+        result.cold_s = round(cold.seconds, 2)
+        if left_out is not None:
+            result.left_out_in_kernel = len(set(left_out.expected()) & set(chains))
+        time.sleep(SETTLE_SECONDS)
+        own, children = tree_cpu(run.pid)
+        result.cpu_s = round(own + children, 2)
+        result.peak_mb = round(proc_memory_kb(run.pid).get("VmHWM", 0) / 1024, 1)
+        lo1 = loopback_bytes(topo, node)
+        result.initial_bytes = lo1 - lo0
+        counts1, sizes1 = list_metrics(cluster)
+        result.apiserver_cpu_s = round(
+            control_plane_cpu(cluster).get("kube-apiserver", 0.0) - cpu0, 2
+        )
+        result.list_requests = _delta(counts1, counts0)
+        result.list_bytes = _delta(sizes1, sizes0)
+        # Bytes and the proxy's CPU over a window with the changes, less an idle window
+        # as long (watch bookmarks, periodic work).
+        cpu_a, lo_a = sum(tree_cpu(run.pid)), loopback_bytes(topo, node)
+        t0 = time.monotonic()
+        change_out(api, out, changes)
+        time.sleep(CHANGE_SETTLE_SECONDS)
+        window = time.monotonic() - t0
+        cpu_b, lo_b = sum(tree_cpu(run.pid)), loopback_bytes(topo, node)
+        time.sleep(window)
+        cpu_c, lo_c = sum(tree_cpu(run.pid)), loopback_bytes(topo, node)
+        busy = max(0.0, (cpu_b - cpu_a) - (cpu_c - cpu_b))
+        result.change_cpu_ms = round(busy / changes * 1e3, 2)
+        sent = max(0, (lo_b - lo_a) - (lo_c - lo_b))
+        result.change_bytes = round(sent / changes, 1)
+        log(
+            f"{setup}, {dp.label}: {proxied.size:,} proxied, cold start {result.cold_s} s, "
+            f"peak {result.peak_mb} MB, CPU {result.cpu_s} s, "
+            f"{result.initial_bytes / 1e6:.1f} MB over the apiserver connection, LISTs "
+            f"{result.list_requests}, apiserver CPU {result.apiserver_cpu_s} s; per change "
+            f"in {OUT_NAMESPACE}: {result.change_bytes:.0f} B, {result.change_cpu_ms} ms CPU"
+        )
     return result
 
 
