@@ -486,11 +486,19 @@ def test_detect_local_from_the_configuration_file_decides_masquerade_and_short_c
     becomes(vip, {client}, "ClusterCIDR again")
 
 
+def free_node_port(env: AgentEnv) -> int:
+    """A NodePort no Service of the cluster holds (the module's Services hold random ones)."""
+    services = env.kube.client.get("/api/v1/services")["items"]
+    used = {p.get("nodePort") for s in services for p in s["spec"].get("ports", [])}
+    used |= {s["spec"].get("healthCheckNodePort") for s in services}
+    return random.choice([p for p in range(32000, 32768) if p not in used])
+
+
 def test_health_check_node_port_reports_local_endpoints(env: AgentEnv, agent_ns: str) -> None:
     """The healthCheckNodePort of a LoadBalancer Service with externalTrafficPolicy Local,
     asked from inside each node: 200 and the local endpoint count where there is one (a
     dual-stack pod is one endpoint), 503 elsewhere; closed once the policy is Cluster."""
-    hc_port = random.randint(32000, 32767)
+    hc_port = free_node_port(env)
     local = etp_service(agent_ns, "Local", {"healthCheckNodePort": hc_port})
     env.kube.apply(local, *slices(agent_ns, "etp", on(env, "b2")))
     spec = env.kube.get("service", "etp", agent_ns)["spec"]

@@ -462,6 +462,31 @@ def test_kernel_refusals_are_counted_not_raised(caplog: pytest.LogCaptureFixture
         assert failing.closed
 
 
+def test_an_interrupted_dump_is_asked_again_before_deleting(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A dump the table's changes interrupted may lack the entry to delete (a busy node): it
+    is asked again, up to 3 times, as upstream does; then what was dumped is cleaned."""
+    caplog.set_level("INFO")
+    missed, seen = entry(VIP, 53, EP1, 5353, sport=40000), entry(VIP, 53, EP1, 5353, sport=40001)
+    fake = FakeConntrack([missed, seen])
+    answers = [([seen], True), ([missed, seen], False)]
+    fake.dump = lambda family, deadline: answers.pop(0)  # type: ignore[method-assign]
+    assert conntrack.delete_flows(GONE_EP1, connect=lambda: fake) == 0
+    assert fake.table == []
+    always = FakeConntrack([missed, seen])
+    calls: list[int] = []
+
+    def interrupted(family: int, deadline: float) -> tuple[list[Entry], bool]:
+        calls.append(family)
+        return [seen], True
+
+    always.dump = interrupted  # type: ignore[method-assign]
+    assert conntrack.delete_flows(GONE_EP1, connect=lambda: always) == 0
+    assert calls == [4, 4, 4] and always.table == [missed]
+    assert "the IPv4 table changed while it was dumped, 3 times" in caplog.text
+
+
 def test_an_entry_gone_since_the_dump_is_not_a_failure() -> None:
     e = entry(VIP, 53, EP1, 5353)
     fake = FakeConntrack([e])

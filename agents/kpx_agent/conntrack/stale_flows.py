@@ -157,6 +157,8 @@ def stale_flows(old: ServicePort | None, new: ServicePort | None) -> list[FlowFi
 #: programming path).
 CALL_TIMEOUT = 5.0
 BUDGET = 30.0
+#: Dumps of one family's table per cleanup while the table's changes interrupt them.
+DUMP_ATTEMPTS = 3
 #: A datagram of a dump's answer: the kernel fills at most 32 KiB at a time.
 _RECEIVE_BYTES = 1 << 16
 ENOENT = errno.ENOENT
@@ -231,10 +233,18 @@ class Conntrack(typing.Protocol):
 
 def _delete_family(ct: Conntrack, family: int, flows: list[FlowFilter], deadline: float) -> int:
     """Dump the family's table, delete the entries a filter matches; how many failed."""
-    entries, interrupted = ct.dump(family, deadline)
-    if interrupted:
-        # As upstream: what was dumped is still worth cleaning.
-        log.info("conntrack cleanup: the IPv%d table changed while it was dumped", family)
+    # A dump the table's changes interrupted (NLM_F_DUMP_INTR) may lack entries: asked again,
+    # as upstream asks up to 3 times; after that what was dumped is still worth cleaning.
+    for _ in range(DUMP_ATTEMPTS):
+        entries, interrupted = ct.dump(family, deadline)
+        if not interrupted:
+            break
+    else:
+        log.info(
+            "conntrack cleanup: the IPv%d table changed while it was dumped, %d times",
+            family,
+            DUMP_ATTEMPTS,
+        )
     # Indexed by (protocol, port, destination; None: any, a NodePort's): a repair asks for a
     # filter per ClusterIP, tens of thousands, and the table can hold hundreds of thousands.
     by_key: dict[tuple[int, int, bytes | None], list[FlowFilter]] = {}
