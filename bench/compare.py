@@ -344,22 +344,6 @@ def start(
     return Running(proc, log_path, started, started_wall)
 
 
-def failed_run(what: str, exc: Exception, run: Running | None) -> str:
-    """Log a measurement's failure with the process's log tail; returns the error text."""
-    error = f"{type(exc).__name__}: {exc}"[:2000]
-    log(f"{what}: FAILED: {error}")
-    if run is not None:
-        log(run.log_tail())
-    return error
-
-
-def stop_measuring(probe: Probe, run: Running | None) -> None:
-    """Close the kernel probe and stop the process (when it was started)."""
-    probe.close()
-    if run is not None:
-        run.stop()
-
-
 @contextlib.contextmanager
 def node_netns(cluster: Cluster) -> Iterator[tuple[Topology, Node]]:
     """A fresh network namespace for the measured node (NODE_NAME), the apiserver reached
@@ -391,9 +375,15 @@ def measuring(cluster: Cluster, what: str, on_error: Callable[[str], None]) -> I
         try:
             yield session
         except Exception as exc:
-            on_error(failed_run(what, exc, session.run))
+            error = f"{type(exc).__name__}: {exc}"[:2000]
+            log(f"{what}: FAILED: {error}")
+            if session.run is not None:
+                log(session.run.log_tail())
+            on_error(error)
         finally:
-            stop_measuring(session.probe, session.run)
+            session.probe.close()
+            if session.run is not None:
+                session.run.stop()
 
 
 _RELOAD_RE = re.compile(
