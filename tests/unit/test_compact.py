@@ -151,3 +151,23 @@ def test_any_string_compacts_lone_surrogates_too() -> None:
     never an error that would fail the reflector."""
     obj = {"metadata": {"name": "a\ud800"}, "endpoints": [{"addresses": ["x\udc00"]}]}
     assert compact.endpoint_slice(obj) == obj
+
+
+def test_shared_values_are_told_apart_by_type_and_shared_when_equal() -> None:
+    """Equal values are one object (the flat conditions by their items, nested ones such as
+    hints by their canonical form), but True is not 1 and 1 is not 1.0."""
+
+    def endpoint(**fields: Any) -> Any:
+        (out,) = compact.endpoint_slice(eps({"addresses": ["10.244.1.2"], **fields}))["endpoints"]
+        return out
+
+    ready = endpoint(conditions={"ready": True, "serving": True}).conditions
+    assert endpoint(conditions={"ready": True, "serving": True}).conditions is ready
+    as_int = endpoint(conditions={"ready": 1, "serving": True}).conditions
+    assert as_int is not ready and type(as_int["ready"]) is int
+    as_float = endpoint(conditions={"ready": 1.0, "serving": True}).conditions
+    assert as_float is not as_int and type(as_float["ready"]) is float
+    hints = {"forZones": [{"name": "a"}]}
+    shared = endpoint(hints=hints).hints
+    assert shared == hints and endpoint(hints={"forZones": [{"name": "a"}]}).hints is shared
+    assert endpoint(hints={"forZones": [{"name": "b"}]}).hints is not shared

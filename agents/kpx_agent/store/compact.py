@@ -67,6 +67,22 @@ def _text(value: str) -> str:
     return sys.intern(_fresh(value))
 
 
+#: Dict keys already copied (`_key`): the API's field names, a handful that every object
+#: repeats; cleared when full (a map with keys of its own, such as a selector, adds some).
+_KEYS: dict[str, str] = {}
+_KEYS_MAX: Final = 1_000
+
+
+def _key(value: str) -> str:
+    """`_text` for a dict key, from `_KEYS` once copied (no copy and intern per object)."""
+    found = _KEYS.get(value)
+    if found is None:
+        if len(_KEYS) >= _KEYS_MAX:
+            _KEYS.clear()
+        found = _KEYS[value] = _text(value)
+    return found
+
+
 def _canonical(value: object) -> object:
     """A hashable form of a JSON value, telling True from 1."""
     if isinstance(value, dict):
@@ -81,7 +97,7 @@ def _copy(value: Any) -> Any:
     if isinstance(value, str):
         return _text(value)
     if isinstance(value, dict):
-        return {_text(k): _copy(v) for k, v in value.items()}
+        return {_key(k): _copy(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_copy(v) for v in value]
     return value
@@ -89,8 +105,25 @@ def _copy(value: Any) -> Any:
 
 def _shared(value: Any) -> Any:
     """One object for every equal value (conditions, port lists, IP families): read-only."""
-    key = _canonical(value)
-    found = _SHARED.get(key)
+    if value is None:
+        return None
+    kind = type(value)
+    if kind is dict:
+        # A flat dict (an endpoint's conditions, 100,000 of them at 10,000 Services) is keyed
+        # by its items and their types (True from 1) without `_canonical`'s recursion; one
+        # holding a list or dict cannot be hashed so, and takes `_canonical`'s key.
+        try:
+            key: object = (tuple(value.items()), tuple(map(type, value.values())))
+            found = _SHARED.get(key)
+        except TypeError:
+            key = _canonical(value)
+            found = _SHARED.get(key)
+    elif kind is list:
+        key = _canonical(value)
+        found = _SHARED.get(key)
+    else:
+        key = (kind, value)  # what `_canonical` gives a scalar
+        found = _SHARED.get(key)
     if found is None:
         if len(_SHARED) >= _SHARED_MAX:
             _SHARED.clear()
@@ -140,7 +173,7 @@ def service(obj: Obj) -> dict[str, Any]:
     spec = obj.get("spec")
     if isinstance(spec, Mapping):
         out["spec"] = {
-            _text(k): _shared(v) if k in _SERVICE_SPEC_SHARED else _copy(v)
+            _key(k): _shared(v) if k in _SERVICE_SPEC_SHARED else _copy(v)
             for k, v in spec.items()
             if k not in _SERVICE_SPEC_UNREAD
         }
@@ -164,6 +197,19 @@ class Endpoint(EndpointFields, Mapping[str, Any]):
     def __init__(self, fields: Mapping[str, Any]) -> None:
         for k in _ENDPOINT:
             setattr(self, k, fields.get(k))
+
+    @classmethod
+    def of(cls, addresses: Any, conditions: Any, hints: Any, node: Any, zone: Any) -> Endpoint:
+        """The endpoint of these fields (None: absent), without a mapping in between."""
+        ep = cls.__new__(cls)
+        ep.addresses, ep.conditions, ep.hints, ep.nodeName, ep.zone = (
+            addresses,
+            conditions,
+            hints,
+            node,
+            zone,
+        )
+        return ep
 
     def get(self, key: str, default: Any = None) -> Any:
         if key in _ENDPOINT_FIELDS:
@@ -210,19 +256,25 @@ def _address(value: str) -> str:
 
 
 def _endpoint(ep: object) -> object:
-    if not isinstance(ep, Mapping):
-        return _copy(ep)
-    if type(ep) is Endpoint:
-        return ep
-    out: dict[str, Any] = {}
-    for k in _ENDPOINT:
-        if k in ep:
-            value = ep[k]
-            if k == "addresses" and isinstance(value, list):  # unique: copied, not interned
-                out[k] = [_address(v) if isinstance(v, str) else v for v in value]
-            else:
-                out[k] = _shared(value)
-    return Endpoint(out)
+    if type(ep) is not dict:  # (the API's endpoints are dicts: checked first, it is cheaper)
+        if type(ep) is Endpoint:
+            return ep
+        if not isinstance(ep, Mapping):
+            return _copy(ep)
+    get = ep.get
+    addresses = get("addresses")
+    if isinstance(addresses, list):  # unique: copied, not interned
+        addresses = [_address(v) if isinstance(v, str) else v for v in addresses]
+    else:
+        addresses = _shared(addresses)
+    hints, zone = get("hints"), get("zone")
+    return Endpoint.of(
+        addresses,
+        _shared(get("conditions")),
+        None if hints is None else _shared(hints),
+        _shared(get("nodeName")),
+        None if zone is None else _shared(zone),
+    )
 
 
 def endpoint_slice(obj: Obj) -> dict[str, Any]:
