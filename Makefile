@@ -126,17 +126,22 @@ demo-down:
 ## the agent's memory (the whole agent, a relist included, at MEMORY_SIZES: 30,000 adds 25-40
 ## minutes; by layer in one process at LAYER_SIZES, with the slopes per Service and per endpoint),
 ## and what the namespace opt-out saves at OPTOUT_SIZE Services (half left out; against
-## upstream's service-proxy-name label); sets up the machine first
+## upstream's service-proxy-name label); then the side by side at SCALE_SIZE Services (one cold
+## start each, no sustained burst, an upstream start stopped after 300 s: about 40 minutes);
+## sets up the machine first
 MEMORY_SIZES ?= 1000,10000
 LAYER_SIZES ?= 1000,10000,30000
 SUSTAINED ?= 5000
 OPTOUT_SIZE ?= 30000
+SCALE_SIZE ?= 30000
 bench: setup
 	$(PYTHON) bench/compare.py $(if $(N),--services $(N),) --sustained $(SUSTAINED)
 	$(PYTHON) bench/state_api.py $(if $(N),--services $(N),)
 	$(PYTHON) bench/agent_memory.py --services $(if $(N),$(N),$(MEMORY_SIZES))
 	$(PYTHON) bench/memory_layers.py $(if $(N),--services $(N) --at $(N),--services $(LAYER_SIZES))
 	$(PYTHON) bench/optout_savings.py --services $(if $(N),$(N),$(OPTOUT_SIZE))
+	$(if $(N),,$(PYTHON) bench/compare.py --services $(SCALE_SIZE) --cold-starts 1 \
+	  --cold-timeout 300 --sustained 0)
 
 ## bench-migration: upstream kube-proxy (iptables, nftables) -> kpx nftables, then spec.mode
 ## iptables -> nftables -> iptables, on three simulated nodes under constant load (new TCP

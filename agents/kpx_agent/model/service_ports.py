@@ -287,7 +287,9 @@ def uses_topology(service: Obj) -> bool:
     spec = service.get("spec") or {}
     if spec.get("trafficDistribution"):
         return True
-    annotations = (service.get("metadata") or {}).get("annotations") or {}
+    annotations = (service.get("metadata") or {}).get("annotations")
+    if not annotations:  # most Services: no generator to run (twice per Service and sync)
+        return False
     return any(
         str(annotations.get(a, "")).lower() in ("auto", "true") for a in TOPOLOGY_MODE_ANNOTATIONS
     )
