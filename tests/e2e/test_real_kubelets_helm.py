@@ -2,21 +2,30 @@
 `helm install` (the CRD from the chart's template, the ProxyConfiguration after it), the
 operator and the agents from the project's images (imported into each node's containerd, never
 pulled), `helm test` passing (its Pod, on a real kubelet: a Service answers through the agents,
-the operator's Deployment and the ProxyConfiguration are Ready), and after the documented
+the operator's Deployment and the ProxyConfiguration are Ready), `helm upgrade` to another image
+tag rolling the operator and the agents node by node while a Service keeps answering from every
+node (no failed request, never both agents unready at once), and after the documented
 removal (deletionPolicy Cleanup, delete the ProxyConfiguration, `helm uninstall`) nothing of the
 release is left: no object, no agent, no rule on the nodes (the operator's Lease, its own
 record, may stay). `helm test` also fails, saying why, while the ProxyConfiguration is not Ready.
 
+The new tag is the same images tagged again in each node's containerd (`ctr images tag`, as a
+registry would serve a new release), so the roll exercises what an upgrade does to a node: a new
+Pod of the agent replacing the old one over the rules it left in place.
+
 Needs `make image` (or archives built for this work tree in $KPX_IMAGES_DIR) and root. About
-3.5 minutes on a shared 2-core machine, with one node: marked `slow` (deselect with
+2.5 minutes on a shared 2-core machine, with two nodes: marked `slow` (deselect with
 -m 'not slow'), never skipped.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,9 +33,12 @@ from typing import Any, TypeVar
 
 import pytest
 
+from kpx_cluster.images import images, project_version
 from kpx_cluster.kubelets import install
 from kpx_cluster.kubelets.cluster import RealCluster
 from kpx_cluster.kubelets.install import InstallFailed, get, wait_until
+from kpx_cluster.kubelets.static_images import BUSYBOX_IMAGE
+from kpx_cluster.netns import call_in_netns
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -40,6 +52,9 @@ NAMESPACED = (
     "deployments,daemonsets,pods,configmaps,serviceaccounts,roles,rolebindings,poddisruptionbudgets"
 )
 CLUSTER_WIDE = "clusterroles,clusterrolebindings,flowschemas,prioritylevelconfigurations"
+#: The tag `helm upgrade` moves to (the release's images, tagged again on every node).
+NEW_TAG = f"{project_version()}-upgrade.1"
+APP = "upgrade-app"
 
 
 def helm_binary() -> Path:
@@ -61,7 +76,7 @@ def real() -> Iterator[RealCluster]:
         install.archives("kpx")
     except install.InstallFailed as exc:
         pytest.fail(str(exc), pytrace=False)
-    with install.nodes_for("kpx", f"kpx-helm-{os.getpid()}", nodes=1) as rc:
+    with install.nodes_for("kpx", f"kpx-helm-{os.getpid()}", nodes=2) as rc:
         yield rc
 
 
@@ -79,6 +94,188 @@ def helm(real: RealCluster, tmp_path_factory: pytest.TempPathFactory) -> Callabl
         )
 
     return run
+
+
+def tag_images_on_nodes(rc: RealCluster, tag: str) -> list[str]:
+    """The release's images under `tag` in every node's containerd (what a registry serving
+    that release would give the kubelet); the new references."""
+    refs = [image.ref for image in images(project_version())]
+    for plan in rc.plans.values():
+        for ref in refs:
+            subprocess.run(
+                [
+                    "ctr",
+                    f"--address={plan.containerd_socket}",
+                    "--namespace=k8s.io",
+                    "images",
+                    "tag",
+                    "--force",
+                    ref,
+                    f"{ref.rsplit(':', 1)[0]}:{tag}",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=60,
+            )
+    return [f"{ref.rsplit(':', 1)[0]}:{tag}" for ref in refs]
+
+
+def web_app(rc: RealCluster) -> str:
+    """A busybox web server on every node behind Service upgrade-app/web; its ClusterIP."""
+    kubectl = rc.cluster.kubectl
+    kubectl("create", "namespace", APP)
+    for i, node in enumerate(rc.node_names):
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"web-{i}", "namespace": APP, "labels": {"app": "web"}},
+            "spec": {
+                "nodeName": node,
+                "automountServiceAccountToken": False,
+                "terminationGracePeriodSeconds": 1,
+                "containers": [
+                    {
+                        "name": "main",
+                        "image": BUSYBOX_IMAGE,
+                        "imagePullPolicy": "Never",
+                        "command": [
+                            "sh",
+                            "-c",
+                            "mkdir -p /tmp/w && echo ok > /tmp/w/index.html"
+                            " && exec httpd -f -p 8080 -h /tmp/w",
+                        ],
+                        "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
+                    }
+                ],
+            },
+        }
+        kubectl("create", "-f", "-", input=json.dumps(pod))
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "web", "namespace": APP},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]},
+    }
+    kubectl("create", "-f", "-", input=json.dumps(service))
+    kubectl("wait", "-n", APP, "pods", "--all", "--for=condition=Ready", "--timeout=120s")
+    return str(get(rc, "-n", APP, "service", "web")["spec"]["clusterIP"])
+
+
+def http_status(ip: str, timeout: float = 2.0) -> str:
+    """The status line of one HTTP request to ip:80 (from the calling thread's netns), or
+    what went wrong."""
+    try:
+        with socket.create_connection((ip, 80), timeout=timeout) as sock:
+            sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            return sock.recv(64).split(b"\r\n", 1)[0].decode(errors="replace")
+    except OSError as exc:
+        return repr(exc)
+
+
+def http_ok(ip: str) -> bool:
+    return http_status(ip).split()[1:2] == ["200"]
+
+
+class Traffic(threading.Thread):
+    """Requests to the ClusterIP from every node's netns (as a host-network client there) until
+    stopped; counts what failed."""
+
+    def __init__(self, rc: RealCluster, vip: str) -> None:
+        super().__init__(daemon=True)
+        self.netns = [plan.netns for plan in rc.plans.values()]
+        self.vip = vip
+        self.stopping = threading.Event()
+        self.sent = self.failed = 0
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            for ns in self.netns:
+                self.sent += 1
+                self.failed += not call_in_netns(ns, lambda: http_ok(self.vip))
+            time.sleep(0.1)
+
+
+def agents_by_node(rc: RealCluster) -> dict[str, tuple[str, bool]]:
+    """node -> (image, Ready) of the agents' Pods that are not being deleted."""
+    out = {}
+    for pod in get(rc, "-n", NS, "pods", "-l", "app.kubernetes.io/name=kpx-agent")["items"]:
+        if pod["metadata"].get("deletionTimestamp"):
+            continue
+        ready = any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in pod.get("status", {}).get("conditions", [])
+        )
+        (agent,) = [c for c in pod["spec"]["containers"] if c["name"] == "agent"]
+        out[pod["spec"]["nodeName"]] = (agent["image"], ready)
+    return out
+
+
+def upgrade_under_traffic(rc: RealCluster, helm: Callable[..., Any]) -> str:
+    """`helm upgrade` to NEW_TAG while every node requests a Service: the agents move node by
+    node, no request fails; what it took."""
+    operator_ref, agent_ref = tag_images_on_nodes(rc, NEW_TAG)
+    vip = web_app(rc)
+
+    def answers() -> dict[str, str]:
+        return {p.name: call_in_netns(p.netns, lambda: http_status(vip)) for p in rc.plans.values()}
+
+    try:
+        wait_until(
+            lambda: all(a.split()[1:2] == ["200"] for a in answers().values()) or None,
+            60,
+            "the Service answering on every node",
+        )
+    except InstallFailed:
+        raise AssertionError(f"{vip}:80 from each node: {answers()}") from None
+    nodes = len(rc.plans)
+    traffic = Traffic(rc, vip)
+    traffic.start()
+    started = time.monotonic()
+    moved: dict[str, float] = {}
+    most_unready = 0
+    try:
+        out = helm(
+            "upgrade",
+            RELEASE,
+            str(CHART),
+            "--namespace",
+            NS,
+            "--reuse-values",
+            "--set",
+            f"operator.image.tag={NEW_TAG}",
+            "--set",
+            f"operator.agentImage.tag={NEW_TAG}",
+        )
+        assert out.returncode == 0, out.stderr
+        deadline = time.monotonic() + 300
+        while len(moved) < nodes:
+            agents = agents_by_node(rc)
+            assert time.monotonic() < deadline, f"the agents did not all move: {agents}"
+            most_unready = max(most_unready, nodes - sum(ready for _, ready in agents.values()))
+            for node, (image, ready) in agents.items():
+                if ready and image == agent_ref and node not in moved:
+                    moved[node] = time.monotonic()
+            time.sleep(0.3)
+        rc.cluster.kubectl("wait", f"pxc/{PXC}", "--for=condition=Ready", "--timeout=120s")
+        rc.cluster.kubectl(
+            "rollout", "status", "-n", NS, "deployment/kpx-operator", "--timeout=120s"
+        )
+        time.sleep(2)  # requests after the last agent moved count too
+    finally:
+        traffic.stopping.set()
+        traffic.join(timeout=30)
+    took = time.monotonic() - started
+    assert most_unready <= 1, "more than one node was without a Ready agent at once"
+    first, last = sorted(moved.values())[0], sorted(moved.values())[-1]
+    assert last - first > 0.5, f"the agents moved together, not node by node: {moved}"
+    deploy = get(rc, "-n", NS, "deployment", "kpx-operator")
+    images_now = {c["image"] for c in deploy["spec"]["template"]["spec"]["containers"]}
+    assert images_now == {operator_ref}, images_now
+    assert traffic.sent > 20, "the traffic hardly ran"
+    assert traffic.failed == 0, f"{traffic.failed} of {traffic.sent} requests failed"
+    rc.cluster.kubectl("delete", "namespace", APP, "--wait=false")
+    return f"helm upgrade: agents moved in {took:.1f} s, {traffic.sent} requests, none failed"
 
 
 def names(rc: RealCluster, kinds: str, *args: str) -> list[str]:
@@ -131,7 +328,7 @@ def test_install_helm_test_and_uninstall(real: RealCluster, helm: Callable[..., 
     assert ports == {"healthz": 10256, "metrics": 10249}
     # ... and /metrics answers on the node's address, not only on loopback (what Prometheus
     # scrapes), from the node's own network namespace (no host process dials a node).
-    (plan,) = real.plans.values()
+    plan = next(iter(real.plans.values()))
 
     def metrics() -> str | None:
         got = subprocess.run(
@@ -164,6 +361,8 @@ def test_install_helm_test_and_uninstall(real: RealCluster, helm: Callable[..., 
     assert not [n for n in names(real, NAMESPACED, "-n", NS) if "kpx-test" in n]
     assert not [n for n in names(real, CLUSTER_WIDE) if "kpx-test" in n]
 
+    upgraded = upgrade_under_traffic(real, helm)
+
     # The test fails when the ProxyConfiguration is not Ready (its agents kept off every node),
     # and its Pod then stays with the reason in its log.
     kubectl(
@@ -188,7 +387,7 @@ def test_install_helm_test_and_uninstall(real: RealCluster, helm: Callable[..., 
     assert tested.returncode == 0, tested.stdout + tested.stderr
     assert not [n for n in names(real, NAMESPACED, "-n", NS) if "kpx-test" in n]
     assert not [n for n in names(real, CLUSTER_WIDE) if "kpx-test" in n]
-    print(f"helm install --wait: {installed:.1f} s; helm test: {took:.1f} s")
+    print(f"helm install --wait: {installed:.1f} s; helm test: {took:.1f} s; {upgraded}")
 
     # Removal as docs/helm.md says: Cleanup, delete the ProxyConfiguration, uninstall.
     kubectl("patch", "pxc", PXC, "--type=merge", "-p", '{"spec":{"deletionPolicy":"Cleanup"}}')
