@@ -19,7 +19,7 @@ class Generation:
         self.foreign = 0  # commits of other writers
 
     def __call__(self) -> int | None:
-        return None if self.fake is None else self.fake.runs + self.foreign
+        return None if self.fake is None else self.fake.commits + self.foreign
 
 
 class CountingSave:
@@ -126,3 +126,56 @@ def test_legacy_iptables_reads_back_at_every_check() -> None:
     saves = save.calls
     backend.drifted()
     assert save.calls == saves + 4  # no generation to tell: both tables of both families
+
+
+def test_after_only_our_own_syncs_nothing_is_read_back_until_a_quiet_check() -> None:
+    """A node under constant change: every generation step since the chains were verified is
+    one of our syncs' transactions, so no check reads back (at 30,000 Services a read-back
+    took 15 s, and held up the changes); the first check with no commit since the one before
+    takes the digest; a foreign commit makes the next check read and find what it changed."""
+    fake, backend, state, generation, save = synced(nft_flavour=True)
+
+    def reads() -> int:
+        """iptables-save runs of one drift check (a full sync reads the tables too)."""
+        before = save.calls
+        assert backend.drifted() == ""
+        return save.calls - before
+
+    assert reads() > 0  # the first check after the first sync verifies the chains
+    for _ in range(3):
+        backend.sync(state, None)  # a full sync of ours: both families, both tables
+        assert reads() == 0, "a check read back after our own sync"
+    assert reads() > 0  # quiet since the last check: the digest is taken now
+    assert reads() == 0
+    backend.sync(state, None)
+    generation.foreign += 1  # another writer's commit, here one that deletes a rule of ours
+    chain = svc_chain(fake)
+    del fake.tables[(4, "nat")][chain][0]
+    assert backend.drifted().startswith(f"IPv4 nat: chain {chain} has ")
+
+
+def test_a_foreign_commit_during_our_sync_is_not_taken_for_ours() -> None:
+    """The generation moved by more than our transactions: the next check reads back."""
+    fake, backend, state, generation, save = synced(nft_flavour=True)
+    assert backend.drifted() == ""
+    restore = fake.restore
+
+    def restore_beside_another_writer(family: int, script: str) -> None:
+        restore(family, script)
+        generation.foreign += 1
+
+    fake.restore = restore_beside_another_writer  # type: ignore[method-assign]
+    backend.sync(state, None)
+    fake.restore = restore  # type: ignore[method-assign]
+    saves = save.calls
+    assert backend.drifted() == ""
+    assert save.calls > saves
+
+
+def test_commits_of_counts_the_table_sections_that_change_something() -> None:
+    from kpx_agent.backends.iptables.backend import commits_of
+
+    assert commits_of("*nat\n:KPX-A - [0:0]\n-A KPX-A -j RETURN\nCOMMIT\n") == 1
+    assert commits_of("*nat\n:KPX-A - [0:0]\nCOMMIT\n*filter\n-X KPX-B\nCOMMIT\n") == 2
+    assert commits_of("*nat\nCOMMIT\n*filter\n:KPX-B - [0:0]\nCOMMIT\n") == 1
+    assert commits_of("") == 0

@@ -20,14 +20,20 @@ each sync, and a later check that finds another one finds a rule changed in plac
 rule, a flushed or deleted chain, a rule another process added to one of ours, a jump rule
 gone, a rule replaced: the agent's next sync is a full one, which rewrites them all. (A rule
 replaced in place between a sync and the next check is found by the hourly full sync only.)
-With iptables-nft, every restore is an nftables transaction: while the ruleset's generation id
-(`backends.nf_generation`) has not moved since the chains were last verified, the check reads
-nothing back (reading back costs seconds at 10,000 Services: README.md).
+With iptables-nft, every table a restore changes is one nftables transaction: while the
+ruleset's generation id (`backends.nf_generation`) has not moved since the chains were last
+verified, the check reads nothing back (reading back costs seconds at 10,000 Services and 15 s
+at 30,000: docs/benchmarks.md). Nor does it after syncs whose transactions account for every
+step the generation moved (`commits_of`: nobody else committed since the chains were verified,
+so the kernel holds what the record says). The digest that finds a rule changed in place is
+then taken at the first check that finds no commit since the one before (a quiet syncPeriod),
+so a node under constant change reads nothing back until another writer commits.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -81,12 +87,21 @@ class IptablesBackend(Backend):
         # The nftables ruleset generation id after our last sync or check (None: legacy
         # iptables, or not known): while it does not move, nothing changed.
         self._gen: int | None = None
+        # Whether every commit since the chains were last read back and found as written was
+        # one of our syncs' (iptables-nft): then the kernel holds what the record says.
+        self._verified = False
+        # The generation id the last drift check found (a quiet period: the same at the next).
+        self._checked_gen: int | None = None
+        # The nftables transactions the running sync's restores made (`commits_of`).
+        self._commits = 0
         self.last_scripts: list[tuple[int, str]] = []  # (family, script) of the last sync
 
     # -- the Backend protocol
 
     def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
         before = self._kernel.generation()
+        verified, self._verified = self._verified, False  # (a failed sync leaves it False)
+        self._commits = 0
         if changed is None or self._books is None:
             self._full_sync(state)
         else:
@@ -94,7 +109,19 @@ class IptablesBackend(Backend):
         after = self._kernel.generation()
         if after is None or after != before:  # we committed: the digest is of the past
             self._baseline = None
+        # Only our transactions since the chains were verified: they still are.
+        self._verified = (
+            verified
+            and before is not None
+            and after is not None
+            and before == self._gen
+            and after - before == self._commits
+        )
         self._gen = after
+
+    def _restore(self, family: int, script: str) -> None:
+        self._kernel.restore(family, script)
+        self._commits += commits_of(script)
 
     def cleanup(self) -> None:
         cleanup(self._kernel)
@@ -120,8 +147,12 @@ class IptablesBackend(Backend):
         if self._books is None:
             return ""  # the next sync is a full one anyway
         gen = self._kernel.generation()
-        if gen is not None and gen == self._gen and self._baseline is not None:
-            return ""  # no nftables commit at all since our chains were last verified
+        quiet, self._checked_gen = gen == self._checked_gen, gen
+        if gen is not None and gen == self._gen:
+            if self._baseline is not None:
+                return ""  # no nftables commit at all since our chains were last verified
+            if self._verified and not quiet:
+                return ""  # only our own commits since then; the digest waits for a quiet check
         digests: dict[tuple[int, str], bytes] = {}
         for fam, book in self._books.items():
             for table in n.TABLES:
@@ -142,6 +173,7 @@ class IptablesBackend(Backend):
                 return f"IPv{fam} {table}: a rule of ours was changed behind our back"
         if gen is not None and self._kernel.generation() == gen:  # nothing committed while we read
             self._gen = gen
+            self._verified = True
         return ""
 
     def element_count(self) -> int:
@@ -197,7 +229,7 @@ class IptablesBackend(Backend):
             if fam in refused:
                 continue  # one family's fault does not stop the other's programming
             try:
-                self._kernel.restore(fam, script)
+                self._restore(fam, script)
             except BackendError as exc:
                 refused[fam] = f"IPv{fam}: {exc}"
         if refused:
@@ -283,7 +315,7 @@ class IptablesBackend(Backend):
                 if f != fam:
                     continue
                 try:
-                    self._kernel.restore(fam, script)
+                    self._restore(fam, script)
                 except BackendError as exc:
                     self._revert(books, {fam: plans.pop(fam)}, done)
                     refused.append(f"IPv{fam}: {exc}")
@@ -313,9 +345,20 @@ class IptablesBackend(Backend):
         for fam, table in reversed(done):
             undo = books[fam].revert(plans[fam], table)
             try:
-                self._kernel.restore(fam, table_script(table, undo))
+                self._restore(fam, table_script(table, undo))
             except BackendError as exc:
                 log.error("could not revert %s table of IPv%d: %s", table, fam, exc)
+
+
+_COMMIT = re.compile(r"^COMMIT$", re.M)
+_EMPTY = re.compile(r"^\*[^\n]*\nCOMMIT$", re.M)
+
+
+def commits_of(script: str) -> int:
+    """The nftables transactions iptables-nft makes of a restore script: one per table section
+    that changes anything (measured with iptables-nft 1.8.9: a section with no line between its
+    `*table` and `COMMIT` commits nothing)."""
+    return len(_COMMIT.findall(script)) - len(_EMPTY.findall(script))
 
 
 def cleanup(node_kernel: kernel.Kernel | None = None) -> None:

@@ -43,6 +43,9 @@ class FakeIptables:
             for table, chains in BUILTIN.items()
         }
         self.runs = 0
+        # nftables transactions, as iptables-nft makes them: one per table section of a run
+        # that changes anything (what the generation id of an iptables-nft kernel counts).
+        self.commits = 0
         # Text the kernel refuses in any rule (a poison rule): an address, a port, ...
         self.refuse: set[str] = set()
         # Families whose every run the tool fails (say, no ip6tables in this kernel).
@@ -60,14 +63,14 @@ class FakeIptables:
 
     def restore_test(self, family: int, script: str) -> str | None:
         """iptables-restore --test: what `restore` would say, applying nothing."""
-        tables, runs = self.tables, self.runs
+        tables, runs, commits = self.tables, self.runs, self.commits
         self.tables = {k: {c: list(r) for c, r in t.items()} for k, t in tables.items()}
         try:
             self.restore(family, script)
         except FakeError as exc:
             return str(exc)
         finally:
-            self.tables, self.runs = tables, runs
+            self.tables, self.runs, self.commits = tables, runs, commits
         return None
 
     def restore(self, family: int, script: str) -> None:
@@ -77,29 +80,36 @@ class FakeIptables:
         staged: dict[str, Table] = {}
         current: Table | None = None
         name = ""
+        commits = 0
+        changes = False
         for line in lines:
             if line.startswith("*"):
                 name = line[1:]
                 current = staged[name] = {
                     c: list(r) for c, r in self.tables[(family, name)].items()
                 }
+                changes = False
             elif current is None:
                 raise FakeError(f"line outside a table: {line}")
             elif line == "COMMIT":
                 _check_targets(name, current)
                 current = None
+                commits += changes
             elif line.startswith(":"):
                 chain = line[1:].split()[0]
                 current[chain] = []
+                changes = True
             else:
                 if any(word in line for word in self.refuse):
                     raise FakeError(f"{line}: refused (EINVAL)")
                 self._edit(current, line)
+                changes = True
         if current is not None:
             raise FakeError("no COMMIT")
         for table, chains in staged.items():
             self.tables[(family, table)] = chains
         self.runs += 1
+        self.commits += commits
 
     @staticmethod
     def _edit(table: Table, line: str) -> None:
