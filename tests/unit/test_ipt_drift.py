@@ -179,3 +179,4 @@ def test_commits_of_counts_the_table_sections_that_change_something() -> None:
     assert commits_of("*nat\n:KPX-A - [0:0]\nCOMMIT\n*filter\n-X KPX-B\nCOMMIT\n") == 2
     assert commits_of("*nat\nCOMMIT\n*filter\n:KPX-B - [0:0]\nCOMMIT\n") == 1
     assert commits_of("") == 0
+    assert commits_of("*nat\nCOMMIT") == 0 and commits_of("*filter\n-X KPX-B\nCOMMIT") == 1

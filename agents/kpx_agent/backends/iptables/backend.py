@@ -19,7 +19,7 @@ not compared), our jump rules as written. A digest of them is taken at the first
 each sync, and a later check that finds another one finds a rule changed in place. A deleted
 rule, a flushed or deleted chain, a rule another process added to one of ours, a jump rule
 gone, a rule replaced: the agent's next sync is a full one, which rewrites them all. (A rule
-replaced in place between a sync and the next check is found by the hourly full sync only.)
+replaced in place before the digest is taken is found by the hourly full sync only.)
 With iptables-nft, every table a restore changes is one nftables transaction: while the
 ruleset's generation id (`backends.nf_generation`) has not moved since the chains were last
 verified, the check reads nothing back (reading back costs seconds at 10,000 Services and 15 s
@@ -33,7 +33,6 @@ so a node under constant change reads nothing back until another writer commits.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Collection
 from pathlib import Path
 
@@ -350,15 +349,21 @@ class IptablesBackend(Backend):
                 log.error("could not revert %s table of IPv%d: %s", table, fam, exc)
 
 
-_COMMIT = re.compile(r"^COMMIT$", re.M)
-_EMPTY = re.compile(r"^\*[^\n]*\nCOMMIT$", re.M)
-
-
 def commits_of(script: str) -> int:
     """The nftables transactions iptables-nft makes of a restore script: one per table section
     that changes anything (measured with iptables-nft 1.8.9: a section with no line between its
-    `*table` and `COMMIT` commits nothing)."""
-    return len(_COMMIT.findall(script)) - len(_EMPTY.findall(script))
+    `*table` and `COMMIT` commits nothing). Only `*table` lines start with `*`, and string
+    searches keep this cheap on a full sync's tens of MB (a line-anchored regex took 0.4 s on
+    46 MB)."""
+    text = script if script.endswith("\n") else script + "\n"
+    commits = text.count("\nCOMMIT\n") + text.startswith("COMMIT\n")
+    headers = [0] if text.startswith("*") else []
+    at = text.find("\n*")
+    while at != -1:
+        headers.append(at + 1)
+        at = text.find("\n*", at + 1)
+    empty = sum(text.startswith("COMMIT\n", text.find("\n", h) + 1) for h in headers)
+    return commits - empty
 
 
 def cleanup(node_kernel: kernel.Kernel | None = None) -> None:
