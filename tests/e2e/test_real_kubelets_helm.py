@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from test_real_kubelets_kpx import busybox_pod
 
 from kpx_cluster.images import images, project_version
 from kpx_cluster.kubelets import install
 from kpx_cluster.kubelets.cluster import RealCluster
 from kpx_cluster.kubelets.install import InstallFailed, get, wait_until
-from kpx_cluster.kubelets.static_images import BUSYBOX_IMAGE
 from kpx_cluster.netns import call_in_netns
 
 pytestmark = [pytest.mark.e2e, pytest.mark.netns, pytest.mark.slow]
@@ -125,39 +125,18 @@ def web_app(rc: RealCluster) -> str:
     """A busybox web server on every node behind Service upgrade-app/web; its ClusterIP."""
     kubectl = rc.cluster.kubectl
     kubectl("create", "namespace", APP)
-    for i, node in enumerate(rc.node_names):
-        pod = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": f"web-{i}", "namespace": APP, "labels": {"app": "web"}},
-            "spec": {
-                "nodeName": node,
-                "automountServiceAccountToken": False,
-                "terminationGracePeriodSeconds": 1,
-                "containers": [
-                    {
-                        "name": "main",
-                        "image": BUSYBOX_IMAGE,
-                        "imagePullPolicy": "Never",
-                        "command": [
-                            "sh",
-                            "-c",
-                            "mkdir -p /tmp/w && echo ok > /tmp/w/index.html"
-                            " && exec httpd -f -p 8080 -h /tmp/w",
-                        ],
-                        "readinessProbe": {"tcpSocket": {"port": 8080}, "periodSeconds": 1},
-                    }
-                ],
-            },
-        }
-        kubectl("create", "-f", "-", input=json.dumps(pod))
+    pods = [
+        busybox_pod(f"web-{node}", node, {"app": "web"}, serve=True, namespace=APP)
+        for node in rc.node_names
+    ]
     service = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": "web", "namespace": APP},
         "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]},
     }
-    kubectl("create", "-f", "-", input=json.dumps(service))
+    listing = {"apiVersion": "v1", "kind": "List", "items": [*pods, service]}
+    kubectl("create", "-f", "-", input=json.dumps(listing))
     kubectl("wait", "-n", APP, "pods", "--all", "--for=condition=Ready", "--timeout=120s")
     return str(get(rc, "-n", APP, "service", "web")["spec"]["clusterIP"])
 

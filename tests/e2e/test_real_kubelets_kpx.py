@@ -29,7 +29,11 @@ APP = "app"
 T = TypeVar("T")
 
 
-def busybox_pod(name: str, node: str, labels: dict[str, str], serve: bool) -> dict[str, Any]:
+def busybox_pod(
+    name: str, node: str, labels: dict[str, str], serve: bool, namespace: str = APP
+) -> dict[str, Any]:
+    """A busybox Pod on `node`: a web server on 8080 answering its hostname (Ready once it
+    listens), or a client that sleeps."""
     script = (
         "mkdir -p /tmp/w && echo $HOSTNAME > /tmp/w/index.html && exec httpd -f -p 8080 -h /tmp/w"
         if serve
@@ -46,7 +50,7 @@ def busybox_pod(name: str, node: str, labels: dict[str, str], serve: bool) -> di
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": name, "namespace": APP, "labels": labels},
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
         "spec": {
             "nodeName": node,
             "automountServiceAccountToken": False,
