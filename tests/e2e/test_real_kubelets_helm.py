@@ -152,8 +152,13 @@ def http_status(ip: str, timeout: float = 2.0) -> str:
         return repr(exc)
 
 
+def answered(status: str) -> bool:
+    """Whether an `http_status` is a 200 answer."""
+    return status.split()[1:2] == ["200"]
+
+
 def http_ok(ip: str) -> bool:
-    return http_status(ip).split()[1:2] == ["200"]
+    return answered(http_status(ip))
 
 
 class Traffic(threading.Thread):
@@ -201,7 +206,7 @@ def upgrade_under_traffic(rc: RealCluster, helm: Callable[..., Any]) -> str:
 
     try:
         wait_until(
-            lambda: all(a.split()[1:2] == ["200"] for a in answers().values()) or None,
+            lambda: all(answered(a) for a in answers().values()) or None,
             60,
             "the Service answering on every node",
         )
@@ -244,9 +249,8 @@ def upgrade_under_traffic(rc: RealCluster, helm: Callable[..., Any]) -> str:
     finally:
         traffic.stopping.set()
         traffic.join(timeout=30)
-    took = time.monotonic() - started
     assert most_unready <= 1, "more than one node was without a Ready agent at once"
-    first, last = sorted(moved.values())[0], sorted(moved.values())[-1]
+    first, last = min(moved.values()), max(moved.values())
     assert last - first > 0.5, f"the agents moved together, not node by node: {moved}"
     deploy = get(rc, "-n", NS, "deployment", "kpx-operator")
     images_now = {c["image"] for c in deploy["spec"]["template"]["spec"]["containers"]}
@@ -254,7 +258,10 @@ def upgrade_under_traffic(rc: RealCluster, helm: Callable[..., Any]) -> str:
     assert traffic.sent > 20, "the traffic hardly ran"
     assert traffic.failed == 0, f"{traffic.failed} of {traffic.sent} requests failed"
     rc.cluster.kubectl("delete", "namespace", APP, "--wait=false")
-    return f"helm upgrade: agents moved in {took:.1f} s, {traffic.sent} requests, none failed"
+    return (
+        f"helm upgrade: the last agent Ready on the new image {last - started:.1f} s after the "
+        f"command, {traffic.sent} requests, none failed"
+    )
 
 
 def names(rc: RealCluster, kinds: str, *args: str) -> list[str]:
