@@ -44,7 +44,7 @@ from .errors import (
 from .exec_plugin import ExecPluginError
 from .kinds import BUILTIN, prefix_of
 from .kubeconfig import KubeconfigError
-from .list_body import decode_list as decode_list_body
+from .list_body import ListBody
 from .tcp import socket_factory
 from .watch_events import BadList, decode_json, decode_line
 
@@ -316,12 +316,14 @@ class Client:
     ) -> Any:
         """One page of a list, decoded with the collector paused; counted under `resource`.
         BadList when it is not JSON (its shape is checked by watch_events.decode_list).
-        With `item`, each item is decoded alone and replaced by `item`'s result before the
-        next is decoded (list_body: the page's whole tree is never held); what `item` raises
-        goes to the caller."""
+        With `item`, each item is decoded as soon as it has arrived and replaced by `item`'s
+        result (list_body: neither the whole body nor the page's whole tree is ever held);
+        what `item` raises goes to the caller."""
         started = time.monotonic()
         auth = await self._auth()
         req = self._build("GET", path, auth, params=params)
+        body = b""
+        decoder = ListBody(item) if item is not None else None
         try:
             async with self.session.get(
                 self.creds.server + req.path,
@@ -330,32 +332,38 @@ class Client:
                 timeout=aiohttp.ClientTimeout(total=timeout),
                 ssl=auth.ssl,
             ) as resp:
-                body = await resp.read()
                 status, encoding = resp.status, resp.headers.get("Content-Encoding", "identity")
                 wait = resp.headers.get("Retry-After")
+                if status != 200 or decoder is None:
+                    body = await resp.read()
+                else:
+                    with collector.paused():
+                        async for chunk in resp.content.iter_any():
+                            decoder.feed(chunk)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             self._observe("GET", started, None)
             raise Unreachable(f"{req.what}: {exc!r}") from exc
         self._observe("GET", started, status)
-        size = len(body)
+        size = len(body) if decoder is None or status != 200 else decoder.size
         self.bytes_received[resource] += size
         if status != 200:
             raise self._refused(req, status, body, auth, wait)
         received = time.monotonic()
         with collector.paused():
-            if item is None:
+            if decoder is None:
                 data = decode_json(body, f"{req.what}: a list answer", BadList)
             else:
                 try:
-                    data = decode_list_body(body, item)
+                    data = decoder.finish()
                 except orjson.JSONDecodeError as exc:
                     raise BadList(f"{req.what}: a list answer that is not JSON ({exc})") from None
         del body
         log.debug(
-            "%s: %d bytes (%s) received in %.3f s, decoded in %.3f s",
+            "%s: %d bytes (%s) received%s in %.3f s, decoded %.3f s after",
             resource,
             size,
             encoding,
+            "" if decoder is None else " and decoded item by item",
             received - started,
             time.monotonic() - received,
         )

@@ -86,7 +86,7 @@ def test_what_the_store_keeps_is_what_is_read() -> None:
         endpoint["zone"]
     # The model's hot loop reads the slots as attributes (EndpointFields): absent is None.
     assert isinstance(endpoint, EndpointFields)
-    assert (endpoint.addresses, endpoint.nodeName, endpoint.hints) == (["10.244.1.2"], "n2", None)
+    assert (endpoint.addresses, endpoint.nodeName, endpoint.hints) == (("10.244.1.2",), "n2", None)
 
 
 def test_a_field_sent_as_null_reads_as_absent() -> None:

@@ -1,5 +1,6 @@
 """A list body decoded item by item (kpx_kube.list_body) equals the body decoded whole, with
-`item` applied to each item; bodies of another shape are decoded whole."""
+`item` applied to each item, whatever the chunks it arrives in; an item is decoded as soon as
+it has arrived; bodies of another shape are decoded whole."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from kpx_kube.list_body import decode_list
+from kpx_kube.list_body import ListBody, decode_list
 
 
 def _tag(obj: dict[str, Any]) -> dict[str, Any]:
@@ -68,3 +69,51 @@ def test_other_shapes_are_decoded_whole(body: bytes) -> None:
 def test_a_body_that_is_not_json_raises_as_orjson_does() -> None:
     with pytest.raises(orjson.JSONDecodeError):
         decode_list(b'{"items":[{"metadata":{}},{"metadata":', _tag)
+
+
+def _chunks(body: bytes, size: int) -> list[bytes]:
+    return [body[i : i + size] for i in range(0, len(body), size)]
+
+
+@pytest.mark.parametrize("size", [1, 5, 13, 64, 4096])
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_fed_in_chunks_equals_whole(size: int, count: int) -> None:
+    """Any cut of the body into chunks (a boundary `},{"metadata":` split between two,
+    an item's nested `},{"metadata":` that is not a boundary) decodes to the same list."""
+    for body in (
+        _body([_item(i) for i in range(count)]),
+        _body([_item(i) for i in range(3)], indent=1),
+    ):
+        decoder = ListBody(_tag)
+        for chunk in _chunks(body, size):
+            decoder.feed(chunk)
+        assert decoder.finish() == _expected(body)
+        assert decoder.size == len(body)
+
+
+def test_an_item_is_taken_as_soon_as_it_has_arrived() -> None:
+    """The items that have arrived whole are decoded (and their bytes dropped) before the
+    body ends: the decoder holds the rest of the body only."""
+    seen: list[str] = []
+
+    def keep_name(obj: dict[str, Any]) -> str:
+        seen.append(obj["metadata"]["name"])
+        return str(obj["metadata"]["name"])
+
+    body = _body([_item(i) for i in range(20)])
+    tenth = body.index(b'{"metadata":{"name":"s10"')  # + 12: its key, the boundary whole
+    decoder = ListBody(keep_name)
+    for chunk in _chunks(body[: tenth + 12], 100):
+        decoder.feed(chunk)
+    assert seen == [f"s{i}" for i in range(10)]
+    for chunk in _chunks(body[tenth + 12 :], 100):
+        decoder.feed(chunk)
+    assert decoder.finish()["items"] == [f"s{i}" for i in range(20)]
+
+
+def test_a_truncated_body_fed_in_chunks_raises_at_the_end() -> None:
+    decoder = ListBody(_tag)
+    for chunk in _chunks(_body([_item(i) for i in range(3)])[:-40], 16):
+        decoder.feed(chunk)
+    with pytest.raises(orjson.JSONDecodeError):
+        decoder.finish()

@@ -71,7 +71,7 @@ class FlowFilter:
     family: int
     port: int
     dst: IPAddress | None = None
-    dnat_to: IPAddress | None = None
+    dnat_to: str | None = None
     not_nated: bool = False
     dnat_port: int = 0
     proto: int = PROTO_UDP
@@ -101,7 +101,7 @@ class FlowFilter:
 
 
 @functools.lru_cache(maxsize=4096)
-def packed(ip: IPAddress) -> bytes:
+def packed(ip: str) -> bytes:
     """An address in network order, as the kernel's entries hold it."""
     return ipaddress.ip_address(ip).packed
 
@@ -115,7 +115,7 @@ def _targets(sp: ServicePort) -> list[tuple[IPAddress | None, int]]:
     return vips
 
 
-def _endpoints(sp: ServicePort | None) -> set[tuple[IPAddress, int]]:
+def _endpoints(sp: ServicePort | None) -> set[tuple[str, int]]:
     """The (address, port) pairs a port DNATs to: an endpoint is both (upstream's
     cleanup compares IP:port, so a targetPort change on the same pods is a change)."""
     if sp is None:

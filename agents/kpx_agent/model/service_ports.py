@@ -77,7 +77,7 @@ def _ip(value: object) -> IPAddress | None:
 _AF = {4: socket.AF_INET, 6: socket.AF_INET6}
 
 
-def _ip_of_family(value: object, af: int) -> IPAddress | None:
+def _ip_of_family(value: object, af: int) -> str | None:
     """An endpoint address of the slice's family, validated as IP.parse does (a plain IPv4
     address is kept as written, IPv6 in canonical form); None for an invalid address (logged)
     or one of the other family."""
@@ -87,7 +87,7 @@ def _ip_of_family(value: object, af: int) -> IPAddress | None:
         except OSError:
             pass
         else:
-            return IP(value)
+            return value
     ip = _ip(value)
     if ip is not None and _AF[ip.version] != af:
         return None
@@ -192,14 +192,14 @@ _NO_CONDITIONS: Obj = {}
 
 def _candidates(
     slices: Iterable[Obj], family: int, port_name: str, protocol: Protocol, node_name: str
-) -> tuple[list[_Candidate], dict[IPAddress, EndpointConditions]]:
+) -> tuple[list[_Candidate], dict[str, EndpointConditions]]:
     """All endpoints of the slices for one service port and family, de-duplicated by address;
     and the conditions of those that are not plainly ready (READY), by address.
 
     The hot loop of a full sync (once per endpoint): no function call per endpoint for the
     usual plain IPv4 address with plain conditions."""
-    seen: dict[IPAddress, _Candidate] = {}
-    unusual: dict[IPAddress, EndpointConditions] = {}
+    seen: dict[str, _Candidate] = {}
+    unusual: dict[str, EndpointConditions] = {}
     af = _AF[family]
     plain_v4 = af == socket.AF_INET
     pton = socket.inet_pton
@@ -218,27 +218,32 @@ def _candidates(
         for ep in sl.get("endpoints") or []:
             if isinstance(ep, EndpointFields):  # attributes: no method call per field
                 addresses, cond, hints, ep_node = ep.addresses, ep.conditions, ep.hints, ep.nodeName
+                checked = True  # the store's: a plain str address is canonical (compact.py)
             else:
                 addresses, cond = ep.get("addresses"), ep.get("conditions")
                 hints, ep_node = ep.get("hints"), ep.get("nodeName")
+                checked = False
             if not addresses:
                 continue
             addr = addresses[0]  # the first address is the one to use
-            ip: IPAddress | None = None
-            if type(addr) is IP:  # the store's canonical address (store/compact.py): as is
+            ip: str | None = None
+            if type(addr) is str:
+                if addr in seen:
+                    continue
+                if checked:  # as is
+                    if (":" in addr) == (not plain_v4):
+                        ip = addr
+                elif plain_v4:
+                    try:
+                        pton(af, addr)
+                        ip = addr
+                    except OSError:
+                        pass
+            elif type(addr) is IP:  # canonical, as `parse` made it
                 if addr in seen:
                     continue
                 if (":" in addr) == (not plain_v4):
                     ip = addr
-            elif type(addr) is str:
-                if addr in seen:
-                    continue
-                if plain_v4:
-                    try:
-                        pton(af, addr)
-                        ip = IP(addr)
-                    except OSError:
-                        pass
             if ip is None:
                 ip = _ip_of_family(addr, af)
                 if ip is None or ip in seen:
@@ -273,8 +278,8 @@ def _usable(cands: list[_Candidate]) -> list[_Candidate]:
 
 
 def _conditions(
-    unusual: Mapping[IPAddress, EndpointConditions], *lists: tuple[Endpoint, ...]
-) -> tuple[tuple[IPAddress, EndpointConditions], ...]:
+    unusual: Mapping[str, EndpointConditions], *lists: tuple[Endpoint, ...]
+) -> tuple[tuple[str, EndpointConditions], ...]:
     """The unusual conditions of the endpoints in these lists, ordered by address (the
     endpoints left out, not usable, are not described)."""
     used = {e.ip for endpoints in lists for e in endpoints}

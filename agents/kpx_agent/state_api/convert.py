@@ -136,7 +136,7 @@ def key_to_proto(key: ServicePortKey) -> pb.ServicePortKey:
 
 
 def _endpoints(
-    endpoints: tuple[Endpoint, ...], unusual: dict[IP, EndpointConditions]
+    endpoints: tuple[Endpoint, ...], unusual: dict[str, EndpointConditions]
 ) -> list[pb.Endpoint]:
     if not unusual:  # the usual case: every endpoint plainly ready
         return [

@@ -23,7 +23,7 @@ import re
 from functools import cache
 from typing import ClassVar
 
-from ...model.types import IPAddress, IPNetwork, Protocol
+from ...model.types import IPNetwork, Protocol
 
 
 class Statement:
@@ -50,7 +50,7 @@ class Source(Statement):
 
     __slots__ = ("address", "negate")
 
-    def __init__(self, address: IPAddress | IPNetwork, negate: bool = False) -> None:
+    def __init__(self, address: str | IPNetwork, negate: bool = False) -> None:
         self.address, self.negate = address, negate
         self.text = _text(self)
 
@@ -60,7 +60,7 @@ class Destination(Statement):
 
     __slots__ = ("address", "negate")
 
-    def __init__(self, address: IPAddress | IPNetwork, negate: bool = False) -> None:
+    def __init__(self, address: str | IPNetwork, negate: bool = False) -> None:
         self.address, self.negate = address, negate
         self.text = _text(self)
 
@@ -208,7 +208,7 @@ class Dnat(Statement):
 
     __slots__ = ("address", "port")
 
-    def __init__(self, address: IPAddress, port: int) -> None:
+    def __init__(self, address: str, port: int) -> None:
         self.address, self.port = address, port
         self.text = _text(self)
 
@@ -282,9 +282,9 @@ jump = cache(Jump)
 _BARE_COMMENT = re.compile(r"[A-Za-z0-9_-]+")  # what iptables-save prints without quotes
 
 
-def _address(address: IPAddress | IPNetwork) -> str:
-    if isinstance(address, str):  # an IP: a host route
-        return f"{address}/{address.max_prefixlen}"
+def _address(address: str | IPNetwork) -> str:
+    if isinstance(address, str):  # an address (an endpoint's is a plain str): a host route
+        return f"{address}/{128 if ':' in address else 32}"
     return str(address)
 
 
@@ -300,7 +300,7 @@ def _text(s: Statement) -> str:
     """The restore text of one match or target (the most frequent first)."""
     if isinstance(s, Dnat):
         a = s.address
-        return f"-j DNAT --to-destination {f'[{a}]' if a.version == 6 else a}:{s.port}"
+        return f"-j DNAT --to-destination {f'[{a}]' if ':' in a else a}:{s.port}"
     if isinstance(s, Destination):
         return f"{_not(s.negate)}-d {_address(s.address)}"
     if isinstance(s, DestinationPort):

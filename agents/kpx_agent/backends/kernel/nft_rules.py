@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ...model.types import IPAddress, IPNetwork, Protocol
+from ...model.types import IPNetwork, Protocol
 from .names import NFT_FAMILIES
 from .nft_schema import SetDecl, ValueKind
 
@@ -198,7 +198,7 @@ class Dnat:
     """`dnat <family> to address:port` (a fixed destination)."""
 
     family: int
-    address: IPAddress
+    address: str  # validated (an endpoint's: model/types.py Endpoint)
     port: int
 
 

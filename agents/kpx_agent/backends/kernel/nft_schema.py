@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ipaddress import IPv4Network, IPv6Network
 from typing import NamedTuple
 
-from ...model.types import IPAddress, Protocol
+from ...model.types import Protocol
 from .names import NFT_ADDR_TYPE, NFT_FAMILIES
 
 
@@ -39,7 +39,7 @@ class Goto(NamedTuple):
         return f"goto {self.chain}"
 
 
-KeyField = IPAddress | Protocol | int | IPv4Network | IPv6Network
+KeyField = str | Protocol | int | IPv4Network | IPv6Network  # str: a validated address
 Key = tuple[KeyField, ...]
 Value = Goto | tuple[KeyField, ...] | None
 Element = tuple[str, Key, Value]  # (set name, key, value)

@@ -162,8 +162,8 @@ def render_port(sp: ServicePort) -> PortRender:
         if short_circuit:
             out.elements.append((n.SHORT_CIRCUIT_NODEPORT_KEYS, key, None))
             _dispatch_to(out, sp, key, short_circuit, n.SHORT_CIRCUIT_NODEPORTS)
-    for ip in sorted({e.ip for e in (*cluster, *external, *short_circuit) if e.local}):
-        out.elements.append((n.HAIRPIN, (ip, ip), None))
+    for local_ip in sorted({e.ip for e in (*cluster, *external, *short_circuit) if e.local}):
+        out.elements.append((n.HAIRPIN, (local_ip, local_ip), None))
     return out
 
 
