@@ -46,14 +46,45 @@ def fat(obj: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-CASES = [(row.service, row.slices) for row in ROWS] + [
-    (svc(labels={"service.kubernetes.io/service-proxy-name": "other"}), [eps(ep("10.244.1.2"))]),
-    (svc(annotations={"service.kubernetes.io/topology-mode": "Auto"}), [eps(ep("10.244.1.2"))]),
-]
+def _addresses(*values: Any) -> dict[str, Any]:
+    return {"addresses": values[0] if len(values) == 1 else list(values), "nodeName": "n2"}
+
+
+#: Endpoint addresses of every shape the store keeps apart (compact.py): one canonical
+#: address (a plain str), one written otherwise (`Written`: the model decides), several (a
+#: tuple), none, and values the API would refuse (kept as sent, in a dict).
+ADDRESS_CASES = {
+    "several addresses": eps(_addresses("10.244.1.2", "10.244.1.3"), ep("10.244.1.4")),
+    "leading zeros": eps(ep("10.244.01.2"), ep("10.244.1.3")),
+    "ipv6 not canonical": eps(ep("2001:DB8:0::1"), ep("2001:db8::2"), family="IPv6"),
+    "no address": eps(_addresses([]), ep("10.244.1.3")),
+    "addresses not a list": eps(_addresses("10.244.1.2"), ep("10.244.1.3")),
+    "address not a string": eps(_addresses([7]), ep("10.244.1.3")),
+}
+
+CASES = (
+    [(row.service, row.slices) for row in ROWS]
+    + [
+        (
+            svc(labels={"service.kubernetes.io/service-proxy-name": "other"}),
+            [eps(ep("10.244.1.2"))],
+        ),
+        (
+            svc(annotations={"service.kubernetes.io/topology-mode": "Auto"}),
+            [eps(ep("10.244.1.2"))],
+        ),
+    ]
+    + [
+        (svc(clusterIP="fd00::10", clusterIPs=["fd00::10"]) if "ipv6" in k else svc(), [s])
+        for k, s in ADDRESS_CASES.items()
+    ]
+)
 
 
 @pytest.mark.parametrize(
-    ("service", "slices"), CASES, ids=[r.name for r in ROWS] + ["proxy-name", "topology"]
+    ("service", "slices"),
+    CASES,
+    ids=[r.name for r in ROWS] + ["proxy-name", "topology", *ADDRESS_CASES],
 )
 def test_the_model_decides_the_same_from_the_compact_objects(
     service: dict[str, Any], slices: list[dict[str, Any]]
@@ -86,7 +117,7 @@ def test_what_the_store_keeps_is_what_is_read() -> None:
         endpoint["zone"]
     # The model's hot loop reads the slots as attributes (EndpointFields): absent is None.
     assert isinstance(endpoint, EndpointFields)
-    assert (endpoint.addresses, endpoint.nodeName, endpoint.hints) == (("10.244.1.2",), "n2", None)
+    assert (endpoint.addresses, endpoint.nodeName, endpoint.hints) == ("10.244.1.2", "n2", None)
 
 
 def test_a_field_sent_as_null_reads_as_absent() -> None:
@@ -171,3 +202,19 @@ def test_shared_values_are_told_apart_by_type_and_shared_when_equal() -> None:
     shared = endpoint(hints=hints).hints
     assert shared == hints and endpoint(hints={"forZones": [{"name": "a"}]}).hints is shared
     assert endpoint(hints={"forZones": [{"name": "b"}]}).hints is not shared
+
+
+def test_an_endpoint_address_is_kept_as_a_plain_string_when_canonical() -> None:
+    """One canonical address is kept as that str (no list, no `IP` object: memory), read as
+    the list the API sent; other spellings are `Written` for the model to decide."""
+    kept = compact.endpoint_slice(
+        eps(ep("10.244.1.2"), ep("10.244.01.2"), _addresses("10.244.1.3", "10.244.1.4"))
+    )
+    one, odd, two = kept["endpoints"]
+    assert type(one.addresses) is str and one["addresses"] == ["10.244.1.2"]
+    assert type(odd.addresses) is compact.Written and odd.get("addresses") == ["10.244.01.2"]
+    assert two.addresses == ("10.244.1.3", "10.244.1.4")
+    assert two["addresses"] == ["10.244.1.3", "10.244.1.4"]
+    sp = service_model(svc(), [kept], NODE).ports[0]
+    assert [e.ip for e in sp.cluster_endpoints] == ["10.244.1.2", "10.244.1.3"]
+    assert all(type(e.ip) is str for e in sp.cluster_endpoints)

@@ -55,8 +55,9 @@ DEFAULT_EXTERNAL_IPS = ExternalIPPolicy()
 
 class EndpointFields:
     """An endpoint of an EndpointSlice kept as attributes, not a dict (the store's compact
-    form, `store/compact.py`): `addresses`, `conditions`, `hints`, `nodeName`, `zone`, each
-    None when absent. The model reads these directly; any other endpoint is read as the
+    form, `store/compact.py`): `addresses` (its one address as a str, several in a tuple; a
+    plain str is an address in canonical form), `conditions`, `hints`, `nodeName`, `zone`,
+    each None when absent. The model reads these directly; any other endpoint is read as the
     mapping the API sends."""
 
     __slots__ = ()
@@ -216,16 +217,22 @@ def _candidates(
         if not port:
             continue
         for ep in sl.get("endpoints") or []:
+            # The first address is the one to use.
             if isinstance(ep, EndpointFields):  # attributes: no method call per field
                 addresses, cond, hints, ep_node = ep.addresses, ep.conditions, ep.hints, ep.nodeName
-                checked = True  # the store's: a plain str address is canonical (compact.py)
+                if not addresses:
+                    continue
+                # The store's: one address as itself, several in a tuple; a plain str is
+                # an address in canonical form (store/compact.py).
+                addr = addresses if isinstance(addresses, str) else addresses[0]
+                checked = True
             else:
                 addresses, cond = ep.get("addresses"), ep.get("conditions")
                 hints, ep_node = ep.get("hints"), ep.get("nodeName")
+                if not addresses:
+                    continue
+                addr = addresses[0]
                 checked = False
-            if not addresses:
-                continue
-            addr = addresses[0]  # the first address is the one to use
             ip: str | None = None
             if type(addr) is str:
                 if addr in seen:

@@ -194,10 +194,6 @@ class Endpoint(EndpointFields, Mapping[str, Any]):
 
     __slots__ = _ENDPOINT
 
-    def __init__(self, fields: Mapping[str, Any]) -> None:
-        for k in _ENDPOINT:
-            setattr(self, k, fields.get(k))
-
     @classmethod
     def of(cls, addresses: Any, conditions: Any, hints: Any, node: Any, zone: Any) -> Endpoint:
         """The endpoint of these fields (None: absent), without a mapping in between."""
@@ -215,14 +211,14 @@ class Endpoint(EndpointFields, Mapping[str, Any]):
         if key in _ENDPOINT_FIELDS:
             value = getattr(self, key)
             if value is not None:
-                return list(value) if type(value) is tuple else value
+                return _as_sent(key, value)
         return default
 
     def __getitem__(self, key: str) -> Any:
         if key in _ENDPOINT_FIELDS:
             value = getattr(self, key)
             if value is not None:
-                return list(value) if type(value) is tuple else value
+                return _as_sent(key, value)
         raise KeyError(key)
 
     def __iter__(self) -> Iterator[str]:
@@ -245,6 +241,14 @@ class Endpoint(EndpointFields, Mapping[str, Any]):
 
 
 _ENDPOINT_FIELDS: Final = frozenset(_ENDPOINT)
+
+
+def _as_sent(key: str, value: Any) -> Any:
+    """A slot's value as the API sent it: `addresses` is kept as its one address (a str)
+    or a tuple, and read as the list it was."""
+    if key == "addresses":
+        return [value] if isinstance(value, str) else list(value)
+    return value
 
 
 class Written(str):
@@ -270,11 +274,15 @@ def _endpoint(ep: object) -> object:
             return _copy(ep)
     get = ep.get
     addresses = get("addresses")
-    if isinstance(addresses, list):  # unique: copied, not interned; a tuple (48 B for one
-        # address, a list 88 B in two blocks), read as the list it was (`get`, `[]`)
-        addresses = tuple([_address(v) if isinstance(v, str) else v for v in addresses])
+    if type(addresses) is not list:  # not what the API sends: kept as sent, read as sent
+        return _copy(ep)
+    # Unique: copied, not interned. One address (nearly every endpoint) is kept as that
+    # str, several in a tuple (a list of one costs 88 B in two blocks, a str nothing more);
+    # read as the list they were (`get`, `[]`).
+    if len(addresses) == 1 and type(addresses[0]) is str:
+        addresses = _address(addresses[0])
     else:
-        addresses = _shared(addresses)
+        addresses = tuple([_address(v) if isinstance(v, str) else v for v in addresses])
     hints, zone = get("hints"), get("zone")
     return Endpoint.of(
         addresses,
