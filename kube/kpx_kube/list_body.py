@@ -10,9 +10,9 @@ held, and the decoding overlaps the apiserver's sending.
 The apiserver writes a list as `{"kind":..,"apiVersion":..,"metadata":{..},"items":[..]}` and
 every item of a built-in list as `{"metadata":{..},..}` (kind and apiVersion, empty in list
 items, are left out). An item ends where `},{"metadata":` follows it. Those bytes cannot occur
-inside a JSON string (its quotes are escaped), but they can inside an item (a StatefulSet's
-volumeClaimTemplates): a piece from an item's start to such a place has unbalanced brackets
-and does not decode, so the piece grows to the next one until it decodes. A piece that
+inside a JSON string (its quotes are escaped), but they can inside an item (an array of
+objects whose first key is `metadata`): a piece from an item's start to such a place has
+unbalanced brackets and does not decode, so the piece grows to the next one until it decodes. A piece that
 decodes to an object is one whole item: the piece starts at the item's opening brace, and
 JSON is only valid when the brace that ends it is the one that closes it.
 
