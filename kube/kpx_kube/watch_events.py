@@ -98,14 +98,14 @@ def check_object(obj: Any, where: str, error: type[BadAnswer], named: bool = Tru
     meta = obj.get("metadata")
     if meta is None:
         meta = {}
-    elif not isinstance(meta, dict):
+    elif not isinstance(meta, Mapping):  # (a dict as decoded; a kept object's may be another)
         raise error(f"{where}: metadata is not an object: {_show(meta)}")
     name = _optional_string(meta, "name", where, error)
     _optional_string(meta, "namespace", where, error)
     if named and not name:
         raise error(f"{where}: the object has no metadata.name")
     for key in ("labels", "annotations"):
-        if meta.get(key) is not None and not isinstance(meta[key], dict):
+        if meta.get(key) is not None and not isinstance(meta[key], Mapping):
             raise error(f"{where}: metadata.{key} is not a map: {_show(meta[key])}")
     return _optional_string(meta, "resourceVersion", where, error)
 

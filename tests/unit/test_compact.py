@@ -218,3 +218,45 @@ def test_an_endpoint_address_is_kept_as_a_plain_string_when_canonical() -> None:
     sp = service_model(svc(), [kept], NODE).ports[0]
     assert [e.ip for e in sp.cluster_endpoints] == ["10.244.1.2", "10.244.1.3"]
     assert all(type(e.ip) is str for e in sp.cluster_endpoints)
+
+
+def _owned(slice_obj: dict[str, Any]) -> dict[str, Any]:
+    slice_obj["metadata"]["labels"] = {"kubernetes.io/service-name": "web"}
+    return slice_obj
+
+
+def test_metadata_labels_and_annotations_read_as_the_dicts_they_were() -> None:
+    """They are `Fields` (two tuples, the keys' shared by every object with the same keys):
+    read and compared as the dicts the API sent."""
+    one = compact.endpoint_slice(fat(_owned(eps(ep("10.244.1.2")))))
+    two = compact.endpoint_slice(fat(_owned(eps(ep("10.244.1.3")))))
+    meta = one["metadata"]
+    assert isinstance(meta, compact.Fields) and isinstance(meta["labels"], compact.Fields)
+    assert meta == {
+        "name": "web-x",
+        "namespace": "default",
+        "creationTimestamp": FAT_METADATA["creationTimestamp"],
+        "labels": {"kubernetes.io/service-name": "web"},
+    }
+    assert dict(meta) == meta and meta == dict(meta) and meta != {"name": "web-x"}
+    assert meta.get("name") == meta["name"] == "web-x" and meta.get("uid", "-") == "-"
+    assert "namespace" in meta and "uid" not in meta and len(meta) == len(list(meta)) == 4
+    with pytest.raises(KeyError):
+        meta["uid"]
+    assert meta._keys is two["metadata"]._keys
+    assert not compact.Fields((), ()) and compact.Fields((), ()) == {}
+    service = compact.service(fat(svc(annotations={"service.kubernetes.io/topology-mode": "Auto"})))
+    assert service["metadata"]["annotations"] == {"service.kubernetes.io/topology-mode": "Auto"}
+    assert service["metadata"].get("labels") is None
+
+
+def test_a_kept_object_passes_the_reflectors_check() -> None:
+    """The reflector checks a list item again once kept (for a client that does not shrink
+    as it decodes): the compact form, its `Fields` included, passes as the dict did."""
+    from kpx_kube.watch_events import BadList, check_object
+
+    for kept in (
+        compact.service(fat(svc(annotations={"service.kubernetes.io/topology-mode": "Auto"}))),
+        compact.endpoint_slice(fat(_owned(eps(ep("10.244.1.2"))))),
+    ):
+        assert check_object(kept, "a kept item", BadList) == ""

@@ -131,21 +131,83 @@ def _shared(value: Any) -> Any:
     return found
 
 
-def _pick(source: object, keys: Iterable[str]) -> dict[str, Any]:
+class Fields(Mapping[str, Any]):
+    """A few fields read as the dict the API sends (`get`, `[]`, iteration, equality with a
+    dict), kept as two tuples: the keys (one tuple for every `Fields` of the same keys) and
+    the values. An object's metadata, labels and annotations are each one (three per
+    EndpointSlice, 60,000 at 10,000 Services): a dict of one to five keys costs 184 B, this
+    96-128 B. Read-only."""
+
+    __slots__ = ("_keys", "_values")
+
+    def __init__(self, keys: tuple[str, ...], values: tuple[Any, ...]) -> None:
+        found = _KEYSETS.get(keys)
+        if found is None:
+            if len(_KEYSETS) >= _KEYSETS_MAX:
+                _KEYSETS.clear()
+            found = _KEYSETS[keys] = keys
+        self._keys = found
+        self._values = values
+
+    def get(self, key: str, default: Any = None) -> Any:
+        keys = self._keys
+        return self._values[keys.index(key)] if key in keys else default
+
+    def __getitem__(self, key: str) -> Any:
+        keys = self._keys
+        if key in keys:
+            return self._values[keys.index(key)]
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is Fields and other._keys is self._keys:
+            return self._values == other._values
+        if isinstance(other, Mapping):
+            return dict(self) == dict(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to dicts, which are unhashable
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+#: The key tuples of `Fields`, one per set of keys in order (a handful: the metadata's and
+#: the labels' and annotations' the store keeps).
+_KEYSETS: dict[tuple[str, ...], tuple[str, ...]] = {}
+_KEYSETS_MAX: Final = 1_000
+_NO_FIELDS: Final = Fields((), ())
+
+
+def _pick(source: object, keys: Iterable[str]) -> Fields:
     if not isinstance(source, Mapping):
-        return {}
-    return {k: _copy(source[k]) for k in keys if k in source}
+        return _NO_FIELDS
+    found = tuple(k for k in keys if k in source)
+    return Fields(found, tuple([_copy(source[k]) for k in found])) if found else _NO_FIELDS
 
 
-def _metadata(obj: Obj, labels: Iterable[str], annotations: Iterable[str]) -> dict[str, Any]:
+def _metadata(obj: Obj, labels: Iterable[str], annotations: Iterable[str]) -> Fields:
     meta = obj.get("metadata")
-    out = _pick(meta, _META)
-    if isinstance(meta, Mapping):
-        if picked := _pick(meta.get("labels"), labels):
-            out["labels"] = picked
-        if picked := _pick(meta.get("annotations"), annotations):
-            out["annotations"] = picked
-    return out
+    if not isinstance(meta, Mapping):
+        return _NO_FIELDS
+    keys = [k for k in _META if k in meta]
+    values = [_copy(meta[k]) for k in keys]
+    if picked := _pick(meta.get("labels"), labels):
+        keys.append("labels")
+        values.append(picked)
+    if picked := _pick(meta.get("annotations"), annotations):
+        keys.append("annotations")
+        values.append(picked)
+    return Fields(tuple(keys), tuple(values))
 
 
 #: Service spec fields whose value many Services repeat (kept once, `_shared`).
