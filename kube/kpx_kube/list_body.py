@@ -12,9 +12,9 @@ every item of a built-in list as `{"metadata":{..},..}` (kind and apiVersion, em
 items, are left out). An item ends where `},{"metadata":` follows it. Those bytes cannot occur
 inside a JSON string (its quotes are escaped), but they can inside an item (an array of
 objects whose first key is `metadata`): a piece from an item's start to such a place has
-unbalanced brackets and does not decode, so the piece grows to the next one until it decodes. A piece that
-decodes to an object is one whole item: the piece starts at the item's opening brace, and
-JSON is only valid when the brace that ends it is the one that closes it.
+unbalanced brackets and does not decode, so the piece grows to the next one until it
+decodes. A piece that decodes to an object is one whole item: the piece starts at the item's
+opening brace, and JSON is only valid when the brace that ends it is the one that closes it.
 
 What is left when the body ends (the last item and the envelope's end) is decoded with the
 envelope, which is the body less the items taken out: valid JSON whenever the body is. A body
