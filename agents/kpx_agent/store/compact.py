@@ -131,7 +131,23 @@ def _shared(value: Any) -> Any:
     return found
 
 
-class Fields(Mapping[str, Any]):
+class _AsSent(Mapping[str, Any]):
+    """A read-only mapping kept in another form than a dict, equal to the dict it reads as."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return dict(self) == dict(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to dicts, which are unhashable
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+class Fields(_AsSent):
     """A few fields read as the dict the API sends (`get`, `[]`, iteration, equality with a
     dict), kept as two tuples: the keys (one tuple for every `Fields` of the same keys) and
     the values. An object's metadata, labels and annotations are each one (three per
@@ -171,14 +187,7 @@ class Fields(Mapping[str, Any]):
     def __eq__(self, other: object) -> bool:
         if type(other) is Fields and other._keys is self._keys:
             return self._values == other._values
-        if isinstance(other, Mapping):
-            return dict(self) == dict(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # equal to dicts, which are unhashable
-
-    def __repr__(self) -> str:
-        return repr(dict(self))
+        return super().__eq__(other)  # (defining __eq__ leaves __hash__ None, as a dict's)
 
 
 #: The key tuples of `Fields`, one per set of keys in order (a handful: the metadata's and
@@ -245,7 +254,7 @@ def service(obj: Obj) -> dict[str, Any]:
     return out
 
 
-class Endpoint(EndpointFields, Mapping[str, Any]):
+class Endpoint(EndpointFields, _AsSent):
     """One endpoint of a compact EndpointSlice, read as the mapping the API sends (`get`,
     `[]`, iteration, equality with a dict) but kept in slots: a cluster has an endpoint object
     per Pod and Service, 100,000 at 10,000 Services, and a dict of three keys costs about
@@ -292,14 +301,7 @@ class Endpoint(EndpointFields, Mapping[str, Any]):
     def __eq__(self, other: object) -> bool:
         if type(other) is Endpoint:
             return all(getattr(self, k) == getattr(other, k) for k in _ENDPOINT)
-        if isinstance(other, Mapping):
-            return dict(self) == dict(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # equal to dicts, which are unhashable
-
-    def __repr__(self) -> str:
-        return repr(dict(self))
+        return super().__eq__(other)  # (defining __eq__ leaves __hash__ None, as a dict's)
 
 
 _ENDPOINT_FIELDS: Final = frozenset(_ENDPOINT)
