@@ -35,6 +35,10 @@ Item = Callable[[dict[str, Any]], Any]
 _ITEMS = b'"items":['
 _NEXT = b'},{"metadata":'
 _FIRST = b'{"metadata":'
+#: How far into the body the items' `[` is looked for: the envelope's head (kind, apiVersion,
+#: the list's metadata) is a few hundred bytes; past this the body is not the apiserver's
+#: shape and is kept whole (no search of the whole body again at every chunk).
+_HEAD_MAX = 64 * 1024
 
 
 class ListBody:
@@ -61,8 +65,9 @@ class ListBody:
     def _start(self) -> bool:
         """Find and check the envelope's head; True once the items may be taken."""
         buf = self._buf
-        at = buf.find(_ITEMS)
+        at = buf.find(_ITEMS, 0, _HEAD_MAX)
         if at < 0:
+            self._whole = len(buf) >= _HEAD_MAX
             return False
         first = at + len(_ITEMS)
         if len(buf) < first + len(_FIRST) and not buf.startswith(b"]", first):

@@ -117,3 +117,18 @@ def test_a_truncated_body_fed_in_chunks_raises_at_the_end() -> None:
         decoder.feed(chunk)
     with pytest.raises(orjson.JSONDecodeError):
         decoder.finish()
+
+
+def test_a_body_without_the_items_head_is_kept_whole_once_past_the_head() -> None:
+    """A body whose items do not start where the apiserver puts them (here: whitespace after
+    the key, with a large envelope) is not searched again at every chunk: it is kept whole
+    and decoded at the end, as `orjson.loads` would."""
+    items = [_item(i) for i in range(3)]
+    body = json.dumps(
+        {"kind": "ServiceList", "metadata": {"note": "x" * 70_000}, "items": items}
+    ).encode()
+    decoder = ListBody(_tag)
+    decoder.feed(body[:80_000])
+    assert decoder._whole
+    decoder.feed(body[80_000:])
+    assert decoder.finish() == _expected(body)
