@@ -338,8 +338,14 @@ class Client:
                     body = await resp.read()
                 else:
                     with collector.paused():
-                        async for chunk in resp.content.iter_any():
-                            decoder.feed(chunk)
+                        try:
+                            async for chunk in resp.content.iter_any():
+                                decoder.feed(chunk)
+                        except (TimeoutError, aiohttp.ClientError, OSError):
+                            raise
+                        except Exception:  # `item` refused an item: the answer still counts
+                            self._observe("GET", started, status)
+                            raise
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             self._observe("GET", started, None)
             raise Unreachable(f"{req.what}: {exc!r}") from exc

@@ -279,3 +279,31 @@ def test_the_apiservers_list_bodies_are_decoded_item_by_item(
         want = ["s0", "s1", "s2"] if "services" in path else ["s0-a", "s1-a", "s2-a"]
         assert asyncio.run(names(path, {"resourceVersion": "0", "limit": "500"})) == want
         assert asyncio.run(names(path, {"limit": "500"})) == want
+
+
+def test_a_list_whose_item_is_refused_still_counts_its_answer(cluster: Cluster, kube: Kube) -> None:
+    """`item` refusing an item while the body streams: the error reaches the caller and the
+    request is observed with the apiserver's status, as for any answer."""
+    ns = kube.create_namespace(prefix="refused")
+    kube.apply(  # several: the first is decoded while the body streams, not at its end
+        *(
+            {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": n, "namespace": ns}}
+            for n in ("one", "two", "three")
+        )
+    )
+    seen: list[tuple[str, str]] = []
+
+    def refuse(obj: dict[str, Any]) -> Any:
+        raise ValueError(f"refused {obj['metadata']['name']}")
+
+    async def scenario() -> None:
+        client = KubeClient(from_kubeconfig(cluster.kubeconfig))
+        client.observer = lambda method, _host, code, _dt: seen.append((method, code))
+        try:
+            await client.list("x", f"/api/v1/namespaces/{ns}/configmaps", {}, item=refuse)
+        finally:
+            await client.close()
+
+    with pytest.raises(ValueError, match=r"^refused "):
+        asyncio.run(scenario())
+    assert seen == [("GET", "200")]
