@@ -23,7 +23,7 @@ import re
 from functools import cache
 from typing import ClassVar
 
-from ...model.types import IPNetwork, Protocol
+from ...model.types import IPNetwork, Protocol, ip_version
 
 
 class Statement:
@@ -284,7 +284,7 @@ _BARE_COMMENT = re.compile(r"[A-Za-z0-9_-]+")  # what iptables-save prints witho
 
 def _address(address: str | IPNetwork) -> str:
     if isinstance(address, str):  # an address (an endpoint's is a plain str): a host route
-        return f"{address}/{128 if ':' in address else 32}"
+        return f"{address}/{128 if ip_version(address) == 6 else 32}"
     return str(address)
 
 
@@ -300,7 +300,7 @@ def _text(s: Statement) -> str:
     """The restore text of one match or target (the most frequent first)."""
     if isinstance(s, Dnat):
         a = s.address
-        return f"-j DNAT --to-destination {f'[{a}]' if ':' in a else a}:{s.port}"
+        return f"-j DNAT --to-destination {f'[{a}]' if ip_version(a) == 6 else a}:{s.port}"
     if isinstance(s, Destination):
         return f"{_not(s.negate)}-d {_address(s.address)}"
     if isinstance(s, DestinationPort):
