@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import fcntl
 import ipaddress
 import logging
 import os
@@ -26,6 +27,7 @@ import secrets
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -67,6 +69,8 @@ _NODE_SYSCTLS = (
     "net.ipv4.conf.default.send_redirects=0",
 )
 _BRIDGE_NF_SYSCTLS = ("net.bridge.bridge-nf-call-iptables", "net.bridge.bridge-nf-call-ip6tables")
+#: Every node netns's sysctls (a remote node's side sets them as well).
+NODE_SYSCTLS = (*_COMMON_SYSCTLS, *_NODE_SYSCTLS)
 
 
 class TopologyError(RuntimeError):
@@ -111,6 +115,48 @@ class Pod:
 
 Target = str | Node | Pod
 """Where to run something: a netns name, a Node or a Pod."""
+
+
+def node_link_commands(node: Node, service_cidrs: Sequence[str]) -> list[list[str]]:
+    """`ip` arguments, run in the node's netns once its fabric link `node.fabric_if` is there:
+    the link's addresses, the pod bridge cbr0 with the pod CIDRs' gateways, and routes for the
+    Service CIDRs (to the fabric; a proxy answers them before they leave)."""
+    fabric = node.fabric_if
+    bridge = ["type", "bridge", "mcast_snooping", "0"]
+    return [
+        ["addr", "add", f"{node.ipv4}/24", "dev", fabric],
+        ["addr", "add", f"{node.ipv6}/64", "dev", fabric, "nodad"],
+        ["link", "set", fabric, "up"],
+        # A fixed MAC (as kubenet gave cbr0): a bridge without one takes its lowest port's, so
+        # it changed whenever a pod came or went, and pods that had the old one in their
+        # neighbor cache lost whatever they sent the gateway to be routed.
+        ["link", "add", "cbr0", "address", node.gateway_mac, *bridge],
+        ["addr", "add", f"{node.gateway_v4}/24", "dev", "cbr0"],
+        ["addr", "add", f"{node.gateway_v6}/64", "dev", "cbr0", "nodad"],
+        ["link", "set", "cbr0", "up"],
+        *(["route", "replace", cidr, "dev", fabric] for cidr in service_cidrs),
+    ]
+
+
+_TUNSETIFF = 0x400454CA
+_IFF_TAP, _IFF_NO_PI = 0x0002, 0x1000
+
+
+def open_tap(netns: str, name: str) -> int:
+    """An open fd on tap device `name` of `netns` (for qemu's `-netdev tap,fd=`); closing it
+    leaves the device, which goes with its netns."""
+
+    def attach() -> int:
+        fd = os.open("/dev/net/tun", os.O_RDWR)
+        try:
+            ifreq = struct.pack("16sH22x", name.encode(), _IFF_TAP | _IFF_NO_PI)
+            fcntl.ioctl(fd, _TUNSETIFF, ifreq)
+        except OSError:
+            os.close(fd)
+            raise
+        return fd
+
+    return call_in_netns(netns, attach)
 
 
 def netns_of(target: Target) -> str:
@@ -408,6 +454,7 @@ class Topology:
         self.tmpdir = Path("/tmp") / self.prefix
         self.nodes: dict[str, Node] = {}
         self.pods: dict[str, Pod] = {}
+        self.remote: set[str] = set()  # nodes whose netns is elsewhere (add_remote_node)
         self._netns: list[str] = []
         self._procs: list[subprocess.Popen[Any]] = []
         self._pod_ips: dict[str, int] = {}
@@ -475,6 +522,20 @@ class Topology:
         if not self._sysctl(netns, settings, check=False):
             log.warning("bridge-nf-call-iptables is not available in %s", netns)
 
+    def _node(self, name: str, i: int) -> Node:
+        return Node(
+            name=name,
+            index=i,
+            netns=f"{self.prefix}-n-{name}",
+            ipv4=f"10.242.0.{i}",
+            ipv6=f"fd00:242::{i:x}",
+            pod_cidr_v4=f"10.244.{i}.0/24",
+            pod_cidr_v6=f"fd00:244:{i:x}::/64",
+            gateway_v4=f"10.244.{i}.1",
+            gateway_v6=f"fd00:244:{i:x}::1",
+            fabric_if=f"{self.prefix}f{i}",
+        )
+
     def add_node(self, name: str, pod_hosts_from: int = 2) -> Node:
         """Create node `name`: its netns, fabric link, cbr0 and routes (in all nodes).
         `add_pod` gives its pods the addresses from host number `pod_hosts_from` of each pod
@@ -487,59 +548,64 @@ class Topology:
             i = len(self.nodes) + 1
             if i > 250:
                 raise TopologyError("at most 250 nodes")
-            node = Node(
-                name=name,
-                index=i,
-                netns=f"{self.prefix}-n-{name}",
-                ipv4=f"10.242.0.{i}",
-                ipv6=f"fd00:242::{i:x}",
-                pod_cidr_v4=f"10.244.{i}.0/24",
-                pod_cidr_v6=f"fd00:244:{i:x}::/64",
-                gateway_v4=f"10.244.{i}.1",
-                gateway_v6=f"fd00:244:{i:x}::1",
-                fabric_if=f"{self.prefix}f{i}",
-            )
+            node = self._node(name, i)
             ns = node.netns
-            self._add_netns(ns, (*_COMMON_SYSCTLS, *_NODE_SYSCTLS))
+            self._add_netns(ns, NODE_SYSCTLS)
             fabric_port = f"{self.prefix}n{i}"
             veth = ["link", "add", fabric_port, "type", "veth"]
             _run_ip([*veth, "peer", "name", node.fabric_if, "netns", ns], self.fabric_netns)
             _run_ip(["link", "set", fabric_port, "master", self.fabric_bridge], self.fabric_netns)
             _run_ip(["link", "set", fabric_port, "up"], self.fabric_netns)
-            _run_ip(["addr", "add", f"{node.ipv4}/24", "dev", node.fabric_if], ns)
-            _run_ip(["addr", "add", f"{node.ipv6}/64", "dev", node.fabric_if, "nodad"], ns)
-            _run_ip(["link", "set", node.fabric_if, "up"], ns)
-            # A fixed MAC (as kubenet gave cbr0): a bridge without one takes its lowest port's,
-            # so it changed whenever a pod came or went, and pods that had the old one in their
-            # neighbor cache lost whatever they sent the gateway to be routed.
-            _run_ip(
-                [
-                    "link",
-                    "add",
-                    "cbr0",
-                    "address",
-                    node.gateway_mac,
-                    "type",
-                    "bridge",
-                    "mcast_snooping",
-                    "0",
-                ],
-                ns,
-            )
-            _run_ip(["addr", "add", f"{node.gateway_v4}/24", "dev", "cbr0"], ns)
-            _run_ip(["addr", "add", f"{node.gateway_v6}/64", "dev", "cbr0", "nodad"], ns)
-            _run_ip(["link", "set", "cbr0", "up"], ns)
+            for args in node_link_commands(node, self.service_cidrs):
+                _run_ip(args, ns)
             self._enable_bridge_nf(ns)
-            for cidr in self.service_cidrs:
-                _run_ip(["route", "replace", cidr, "dev", node.fabric_if], ns)
             for other in self.nodes.values():
                 self._route_pods(node, other)
-                self._route_pods(other, node)
+                if other.name not in self.remote:
+                    self._route_pods(other, node)
             self.nodes[name] = node
             self._pod_ips[name] = pod_hosts_from - 1
             for node_port, sock in self._exposed.items():
                 self._start_node_relay(node, node_port, sock)
             return node
+
+    def add_remote_node(self, name: str) -> tuple[Node, str]:
+        """Node `name` on the fabric whose netns lives elsewhere (a proxy-vm guest): its
+        addresses as add_node gives them, a tap device `<prefix>t<i>` on the fabric bridge for
+        its link (open it with `open_tap(self.fabric_netns, tap)`), and routes to its pod
+        CIDRs in this host's nodes. The other side makes the node's netns from
+        `node_link_commands` and `pod_routes`. Returns the Node and the tap's name."""
+        with self._lock:
+            self._check_open()
+            if not NAME_RE.fullmatch(name) or name in self.nodes:
+                raise ValueError(f"bad or duplicate node name {name!r}")
+            self._ensure_fabric()
+            i = len(self.nodes) + 1
+            if i > 250:
+                raise TopologyError("at most 250 nodes")
+            node = self._node(name, i)
+            tap = f"{self.prefix}t{i}"
+            _run_ip(["tuntap", "add", "dev", tap, "mode", "tap"], self.fabric_netns)
+            _run_ip(["link", "set", tap, "master", self.fabric_bridge], self.fabric_netns)
+            _run_ip(["link", "set", tap, "up"], self.fabric_netns)
+            for other in self.nodes.values():
+                if other.name not in self.remote:
+                    self._route_pods(other, node)
+            self.nodes[name] = node
+            self.remote.add(name)
+            return node, tap
+
+    def pod_routes(self, node: Node) -> list[list[str]]:
+        """`ip` arguments routing every other node's pod CIDRs from `node` (run in its netns)."""
+        return [
+            args
+            for other in self.nodes.values()
+            if other.name != node.name
+            for args in (
+                ["route", "replace", other.pod_cidr_v4, "via", other.ipv4],
+                ["-6", "route", "replace", other.pod_cidr_v6, "via", other.ipv6],
+            )
+        ]
 
     @staticmethod
     def _route_pods(on: Node, to: Node) -> None:

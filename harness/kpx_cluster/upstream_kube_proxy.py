@@ -93,10 +93,11 @@ def objects(
     conntrack_timeouts: bool = False,
 ) -> list[Obj]:
     """ServiceAccount, ClusterRoleBinding, ConfigMap and DaemonSet of kube-proxy in `mode`
-    (iptables or nftables) on the nodes matching `node_selector`; `server`: the apiserver's
-    URL when it is not on the node's loopback (real nodes)."""
-    if mode not in ("iptables", "nftables"):
-        raise ValueError(f"kube-proxy mode {mode!r}: iptables or nftables")
+    (iptables, nftables, or ipvs: on nodes whose kernel has IPVS, the proxy-vm guest's) on the
+    nodes matching `node_selector`; `server`: the apiserver's URL when it is not on the node's
+    loopback (real nodes)."""
+    if mode not in ("iptables", "nftables", "ipvs"):
+        raise ValueError(f"kube-proxy mode {mode!r}: iptables, nftables or ipvs")
     meta = {"name": NAME, "namespace": NAMESPACE, "labels": dict(LABELS)}
     kubeconfig_text = yaml.safe_dump(kubeconfig(apiserver_port, server), sort_keys=False)
     config_text = yaml.safe_dump(config(mode, cluster_cidr, conntrack_timeouts), sort_keys=False)

@@ -1,7 +1,8 @@
-"""A node's cgroups (v1 hybrid, as on this machine): one top cgroup per node in every mounted
-hierarchy, the kubelet's cgroupRoot. The node's own processes (its supervisor, containerd and
-shims, the kubelet) run in `<top>/runtime`; the kubelet puts pods under `<top>/kubepods`. So
-everything a node ever started is in its top cgroup, and `remove` ends it all and leaves none.
+"""A node's cgroups: one top cgroup per node in every mounted hierarchy (v1 hybrid, as on this
+machine; or the one unified v2 hierarchy, as in the proxy-vm guest), the kubelet's cgroupRoot.
+The node's own processes (its supervisor, containerd and shims, the kubelet) run in
+`<top>/runtime`; the kubelet puts pods under `<top>/kubepods`. So everything a node ever
+started is in its top cgroup, and `remove` ends it all and leaves none.
 """
 
 from __future__ import annotations
@@ -18,26 +19,41 @@ _CPUSET_FILES = ("cpuset.cpus", "cpuset.mems")
 
 
 def hierarchies() -> list[Path]:
-    """Every mounted cgroup hierarchy (v1 controllers, name=systemd, and the v2 `unified`)."""
+    """Every mounted cgroup hierarchy: v1 controllers, name=systemd and the v2 `unified` below
+    /sys/fs/cgroup, or /sys/fs/cgroup itself when it is the one v2 hierarchy."""
     mounted = set()
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         left, _, right = line.partition(" - ")
         fstype = right.split()[0] if right else ""
         if fstype in ("cgroup", "cgroup2"):
             mount_point = Path(left.split()[4])
-            if mount_point.parent == CGROUP_FS:
+            if mount_point.parent == CGROUP_FS or mount_point == CGROUP_FS:
                 mounted.add(mount_point)
     return sorted(mounted)
 
 
+def _delegate(parent: Path) -> None:
+    """cgroup v2: enable in `parent`'s children every controller `parent` has (the kubelet
+    refuses a cgroupRoot lacking cpu, cpuset, memory or pids). A no-op in a v1 hierarchy."""
+    controllers = parent / "cgroup.controllers"
+    if not controllers.exists():
+        return
+    wanted = controllers.read_text().split()
+    have = (parent / "cgroup.subtree_control").read_text().split()
+    missing = [c for c in wanted if c not in have]
+    if missing:
+        (parent / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in missing))
+
+
 def create(path: str) -> None:
     """mkdir `path` (relative, e.g. kpx1a2b3c-node-1/runtime) in every hierarchy; cpuset's
-    cpus and mems are copied from the parent down (a cpuset cgroup without them takes no
-    process)."""
+    cpus and mems are copied from the parent down (a v1 cpuset cgroup without them takes no
+    process); in v2 each level delegates its controllers to the next."""
     for root in hierarchies():
         current = root
         for part in Path(path).parts:
             parent, current = current, current / part
+            _delegate(parent)  # parents only: the leaf takes processes
             with contextlib.suppress(FileExistsError):
                 current.mkdir()
             for name in _CPUSET_FILES:

@@ -14,6 +14,7 @@ machine, and nothing here touches the host netns's routes or firewall.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -30,6 +31,8 @@ from .. import netns as netns_toolkit
 from ..binaries import kubernetes_binary
 from ..controlplane import DEFAULT_ROOT, AlreadyRunning, Cluster
 from ..netns import Topology
+from ..vm import image as vm_image
+from ..vm.machine import SCRATCH_MOUNT, Guest, TapLink
 from . import cgroups, static_images
 from .config import (
     HARNESS_POD_HOSTS_FROM,
@@ -44,6 +47,32 @@ from .config import (
 from .dns import dns_objects
 
 CONTROL_PLANE = "control-plane"
+#: Where a node in the proxy-vm guest keeps its data: the guest's scratch disk (not below the
+#: paths its data is mounted over: /var/lib, /var/log, /run). Each node imports about 0.85 GB
+#: of images for the conformance run; content and snapshots take twice that.
+GUEST_DATA = Path(SCRATCH_MOUNT)
+GUEST_SCRATCH_GB = 16
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _guest_run(guest: Guest, argv: list[str]) -> tuple[int, str]:
+    """Run argv in `guest`: its exit code and its output (stdout and stderr together)."""
+    out: list[bytes] = []
+    code = guest.exec(argv, on_output=lambda _c, data: out.append(data))
+    return code, b"".join(out).decode(errors="replace")
+
+
+def _archive_id(archive: Path) -> list[object]:
+    stat = archive.stat()
+    return [str(archive), stat.st_size, stat.st_mtime_ns]
+
+
+def guest_mac(index: int) -> str:
+    """The MAC of the guest NIC that is node `index`'s fabric link."""
+    return f"52:54:00:24:02:{index:02x}"
 
 
 class NodeStartFailed(RuntimeError):
@@ -82,20 +111,32 @@ class RealCluster:
         root: Path = DEFAULT_ROOT,
         archives: Sequence[Path] = (),
         dns: bool = True,
+        vm: str | None = None,
+        vm_memory_mb: int = 4096,
+        late_archives: Sequence[Path] = (),
     ) -> None:
         """`archives`: OCI archives imported on every node besides pause and busybox (and
-        CoreDNS with `dns`: cluster DNS, kube-system/coredns behind kube-dns 10.96.0.10)."""
+        CoreDNS with `dns`: cluster DNS, kube-system/coredns behind kube-dns 10.96.0.10).
+        `vm`: the nodes run in proxy-vm guest `vm` (booted here with `vm_memory_mb`, one NIC
+        per node on the fabric; see vm/guest_node.py) instead of this host's netns: the
+        guest's kernel has IPVS. The control plane stays on this host. Its nodes start from a
+        cached disk whose image stores hold `archives` (`guest_images`), so only
+        `late_archives` (images that change with every build, such as kpx's own) are imported
+        at each start; on this host both are imported alike."""
         if not 1 <= nodes <= 200:
             raise ValueError("between 1 and 200 nodes")
         self.name = name
         self.root = root
         self.node_count = nodes
         self.archives = list(archives)
+        self.late_archives = list(late_archives)
         self.dns = dns
         self.topology: Topology | None = None
         self.cluster = Cluster(name, root)  # replaced by the netns one in up()
         self.plans: dict[str, NodePlan] = {}
         self._supervisors: dict[str, subprocess.Popen[bytes]] = {}
+        self.vm = vm
+        self.vm_memory_mb = vm_memory_mb
 
     def __enter__(self) -> RealCluster:
         self.up()
@@ -135,13 +176,19 @@ class RealCluster:
             self.cluster.up()
             self._save_state()
             wanted = (*static_images.STATIC_IMAGES, *((static_images.COREDNS,) if self.dns else ()))
-            archives = [*static_images.ensure(log=lambda _: None, wanted=wanted), *self.archives]
+            cached = [*static_images.ensure(log=lambda _: None, wanted=wanted), *self.archives]
+            archives = [*cached, *self.late_archives]
+            if self.vm:
+                self._boot_guest(self.guest_images(cached))
             # All nodes start at once (each imports its images), then each is waited for.
             for name in self.node_names:
                 self._start_node(name, archives)
+            # Under the guest's emulation each image import and the kubelet's start take
+            # several times as long.
+            slower = 4 if self.vm else 1
             for name in self.node_names:
-                self._wait_supervisor(name)
-            self.wait_ready(timeout)
+                self._wait_supervisor(name, 180 * slower)
+            self.wait_ready(timeout * slower)
             if self.dns:
                 self._start_dns(timeout)
         except BaseException:
@@ -152,9 +199,108 @@ class RealCluster:
         state = {"prefix": self.prefix, "nodes": self.node_names, "pid": os.getpid()}
         (self.cluster.state_dir / "real-nodes.json").write_text(json.dumps(state))
 
+    # -- nodes in the proxy-vm guest ----------------------------------------------------------
+    def _store_plan(self, name: str) -> NodePlan:
+        """Node `name`'s paths for making the image disk (no network, no cgroup)."""
+        return NodePlan(
+            name=name,
+            netns="",
+            ipv4="",
+            ipv6="",
+            pod_cidr_v4="",
+            pod_cidr_v6="",
+            gateway_v4="",
+            gateway_v6="",
+            cgroup="",
+            dir=self.cluster.state_dir / "image-store" / name,
+            data_dir=GUEST_DATA / name,
+        )
+
+    def guest_images(self, archives: Sequence[Path]) -> Path:
+        """A disk image (ext4, GUEST_SCRATCH_GB sparse) holding, in each node's data directory,
+        a containerd store with `archives` imported: the nodes' scratch disk starts from it, so
+        their supervisors skip those images (importing 0.85 GB under the guest's emulation
+        takes 12 min and more per node). Cached in the cache directory by the archives, the
+        node names and the guest image's recipe; made on a miss: one guest imports into the
+        first node's store and copies it to the others'. Older ones are removed."""
+        assert self.vm
+        key = json.dumps(
+            {
+                "archives": [_archive_id(a) for a in archives],
+                "nodes": self.node_names,
+                "guest": vm_image.recipe_hash(),
+                "layout": 1,  # the store plan's data paths and the steps below
+            },
+            sort_keys=True,
+        )
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        disk = vm_image.vm_cache() / f"images-{digest}.img"
+        if disk.exists():
+            return disk
+        builder = Guest(f"{self.vm}-images")
+        try:
+            builder.up(_log, memory_mb=self.vm_memory_mb, scratch_gb=GUEST_SCRATCH_GB)
+            first = self._store_plan(self.node_names[0])
+            for d in (first.etc, first.cni_conf_dir, first.log_dir):
+                d.mkdir(parents=True, exist_ok=True)
+            first.containerd_config.write_text(containerd_config(first))
+            spec = supervisor_spec(first, kubernetes_binary("kubelet"), _containerd_binary(), [])
+            spec["archives"] = [str(a) for a in archives]
+            spec["importOnly"] = True
+            spec["mounts"] = [m for m in spec["mounts"] if not m["target"].startswith("/proc")]
+            first.spec_file.write_text(json.dumps(spec, indent=2))
+            steps = [
+                {
+                    "importOnly": True,
+                    "dirs": [str(first.var_lib), str(first.var_log)],
+                    "supervisorSpec": str(first.spec_file),
+                }
+            ]
+            store = first.var_lib / "containerd"
+            steps += [
+                {"copyStore": [str(store), str(self._store_plan(n).var_lib / "containerd")]}
+                for n in self.node_names[1:]
+            ]
+            for i, step in enumerate(steps):
+                step_file = self.cluster.state_dir / "image-store" / f"step-{i}.json"
+                step_file.write_text(json.dumps(step))
+                code, out = _guest_run(
+                    builder, ["python3", "-m", "kpx_cluster.vm.guest_node", str(step_file)]
+                )
+                if code != 0 or "imported" not in out:
+                    raise NodeStartFailed(f"making the guest image disk: {out}")
+            code, out = _guest_run(builder, ["umount", SCRATCH_MOUNT])
+            if code != 0:
+                raise NodeStartFailed(f"making the guest image disk: umount: {out}")
+            for old in vm_image.vm_cache().glob("images-*.img"):
+                old.unlink(missing_ok=True)
+            builder.scratch.rename(disk)
+        finally:
+            builder.down()
+        return disk
+
+    def _boot_guest(self, images_disk: Path) -> None:
+        """The nodes' links (a tap each on the fabric), then the guest with one NIC per tap."""
+        assert self.topology is not None and self.vm
+        links: list[TapLink] = []
+        try:
+            for name in self.node_names:
+                node, tap = self.topology.add_remote_node(name)
+                fd = netns_toolkit.open_tap(self.topology.fabric_netns, tap)
+                links.append(TapLink(fd=fd, mac=guest_mac(node.index)))
+            Guest(self.vm).up(
+                _log, memory_mb=self.vm_memory_mb, taps=tuple(links), scratch_from=images_disk
+            )
+        finally:
+            for link in links:
+                os.close(link.fd)
+
     def _plan(self, name: str) -> NodePlan:
         assert self.topology is not None
-        node = self.topology.add_node(name, pod_hosts_from=HARNESS_POD_HOSTS_FROM)
+        if self.vm:
+            node = self.topology.nodes[name]
+        else:
+            node = self.topology.add_node(name, pod_hosts_from=HARNESS_POD_HOSTS_FROM)
         return NodePlan(
             name=name,
             netns=node.netns,
@@ -166,20 +312,28 @@ class RealCluster:
             gateway_v6=node.gateway_v6,
             cgroup=f"{self.prefix}-{name}",
             dir=self.cluster.state_dir / "nodes" / name,
+            data_dir=GUEST_DATA / name if self.vm else None,
         )
 
+    @staticmethod
+    def _data_files(plan: NodePlan) -> tuple[list[Path], dict[Path, str]]:
+        """The node's data directories and the kubelet's sysctl files (see config.node_mounts)."""
+        dirs = [plan.var_lib, plan.var_log, plan.sysctl_dir]
+        files = {
+            plan.sysctl_dir / key.replace("/", "."): value + "\n"
+            for key, value in KUBELET_SYSCTLS.items()
+        }
+        return dirs, files
+
     def _write_files(self, plan: NodePlan, archives: list[Path]) -> None:
-        for d in (
-            plan.var_lib,
-            plan.var_log,
-            plan.etc,
-            plan.cni_conf_dir,
-            plan.sysctl_dir,
-            plan.log_dir,
-        ):
+        for d in (plan.etc, plan.cni_conf_dir, plan.log_dir):
             d.mkdir(parents=True, exist_ok=True)
-        for key, value in KUBELET_SYSCTLS.items():
-            (plan.sysctl_dir / key.replace("/", ".")).write_text(value + "\n")
+        if plan.data_dir is None:  # a guest node's are made in the guest
+            dirs, files = self._data_files(plan)
+            for d in dirs:
+                d.mkdir(parents=True, exist_ok=True)
+            for path, text in files.items():
+                path.write_text(text)
         plan.resolv_conf.write_text("# no upstream resolvers: nothing leaves the machine\n")
         plan.containerd_config.write_text(containerd_config(plan))
         plan.kubelet_config.write_text(
@@ -201,6 +355,9 @@ class RealCluster:
         self.plans[name] = plan
         self._write_files(plan, archives)
         self.cluster.kubectl("apply", "-f", "-", input=json.dumps(node_object(plan)))
+        if self.vm:
+            self._start_guest_node(plan)
+            return
         cgroups.create(plan.runtime_cgroup)
         argv = [
             "nsenter",
@@ -224,13 +381,56 @@ class RealCluster:
                 preexec_fn=_join_cgroup_fn(plan.runtime_cgroup),
             )
 
+    def _start_guest_node(self, plan: NodePlan) -> None:
+        """Run vm/guest_node.py for `plan` in the guest through `proxy-vm exec` (a host process
+        whose output is the guest program's: the supervisor's `ready`)."""
+        assert self.topology is not None and self.vm
+        node = self.topology.nodes[plan.name]
+        dirs, files = self._data_files(plan)
+        spec = {
+            "netns": plan.netns,
+            "mac": guest_mac(node.index),
+            "fabricIf": node.fabric_if,
+            "sysctls": list(netns_toolkit.NODE_SYSCTLS),
+            "linkCommands": netns_toolkit.node_link_commands(node, self.topology.service_cidrs),
+            "routes": self.topology.pod_routes(node),
+            "dirs": [str(d) for d in dirs],
+            "files": {str(path): text for path, text in files.items()},
+            "runtimeCgroup": plan.runtime_cgroup,
+            "supervisorSpec": str(plan.spec_file),
+        }
+        guest_spec = plan.dir / "guest-node.json"
+        guest_spec.write_text(json.dumps(spec, indent=2))
+        argv = [
+            sys.executable,
+            "-m",
+            "kpx_cluster.vm.cli",
+            "exec",
+            f"--name={self.vm}",
+            "--",
+            "python3",
+            "-m",
+            "kpx_cluster.vm.guest_node",
+            str(guest_spec),
+        ]
+        with (plan.log_dir / "supervisor.log").open("ab") as log:
+            self._supervisors[plan.name] = self.topology.run_host(
+                argv, stdout=subprocess.PIPE, stderr=log
+            )
+
     def _wait_supervisor(self, name: str, timeout: float = 180) -> None:
         """Until node `name`'s supervisor says `ready` (containerd up, images imported, the
         kubelet started)."""
         try:
             netns_toolkit.wait_for_line(self._supervisors[name], "ready", timeout)
         except netns_toolkit.TopologyError as exc:
-            raise NodeStartFailed(f"node {name}: {exc}; see {self.plans[name].log_dir}") from exc
+            log_dir = self.plans[name].log_dir
+            said = ""
+            with contextlib.suppress(OSError):  # the supervisor's last words, when it said any
+                said = (log_dir / "supervisor.log").read_text()[-2000:].strip()
+            raise NodeStartFailed(
+                f"node {name}: {exc}; see {log_dir}" + (f"; it said: {said}" if said else "")
+            ) from exc
 
     def _start_dns(self, timeout: float) -> None:
         host, port = self.cluster.cluster_server.removeprefix("https://").rsplit(":", 1)
@@ -293,7 +493,10 @@ class RealCluster:
                 proc.wait(timeout=20)
         self._supervisors.clear()
         left: list[str] = []
-        if self.topology is not None:
+        if self.vm:
+            # Everything the nodes ran is in the guest; its taps go with the fabric netns.
+            Guest(self.vm).down()
+        elif self.topology is not None:
             for plan in self.plans.values():
                 left += cgroups.remove(plan.cgroup)
         self.cluster.down()

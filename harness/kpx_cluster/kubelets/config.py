@@ -50,15 +50,23 @@ class NodePlan:
     gateway_v6: str
     cgroup: str  # top cgroup in every hierarchy, e.g. kpx1a2b3c-node-1
     dir: Path
+    #: where the node's /var/lib, /var/log, sysctl files and containerd socket are, when not in
+    #: `dir`: a node in the proxy-vm guest keeps them on the guest's own disk (`dir` is a 9p
+    #: share there, on which containerd's overlayfs snapshotter and sockets do not work)
+    data_dir: Path | None = None
+
+    @property
+    def data(self) -> Path:
+        return self.data_dir or self.dir
 
     # -- paths on the host (the node dir is visible from both sides)
     @property
     def var_lib(self) -> Path:
-        return self.dir / "var-lib"
+        return self.data / "var-lib"
 
     @property
     def var_log(self) -> Path:
-        return self.dir / "var-log"
+        return self.data / "var-log"
 
     @property
     def etc(self) -> Path:
@@ -66,11 +74,11 @@ class NodePlan:
 
     @property
     def sysctl_dir(self) -> Path:
-        return self.dir / "sysctl"
+        return self.data / "sysctl"
 
     @property
     def containerd_socket(self) -> Path:
-        return self.dir / "containerd.sock"
+        return self.data / "containerd.sock"
 
     @property
     def containerd_config(self) -> Path:

@@ -104,6 +104,8 @@ def install_kpx(
         example["spec"].setdefault("conntrack", {})["maxPerCore"] = 0
     example["spec"]["clusterCIDRs"] = list(CLUSTER_CIDRS)
     example["spec"]["mode"] = mode
+    if mode == "ipvs":  # deprecated upstream: kpx runs it only when acknowledged
+        example["spec"].setdefault("ipvs", {})["acknowledgeDeprecation"] = True
     for other in ("nftables", "iptables", "ipvs", "external"):  # one block per mode: the mode's
         if other != mode:
             example["spec"].pop(other, None)
@@ -167,7 +169,7 @@ def wait_kpx(rc: Nodes, mode: str, timeout: float = 240) -> dict[str, Any]:
 
 
 def install_kube_proxy(rc: Nodes, mode: str, timeout: float = 180) -> None:
-    """Upstream kube-proxy's DaemonSet in `mode` (iptables or nftables) on every node."""
+    """Upstream kube-proxy's DaemonSet in `mode` on every node."""
     objects = upstream_kube_proxy.objects(
         mode,
         0,

@@ -10,21 +10,48 @@ containerd, imports the images (``ctr -n k8s.io images import``: never pulled), 
 kubelet, prints ``ready`` and then waits. On SIGTERM it stops the kubelet and then containerd;
 pods and shims are ended by the harness through the node's cgroups. When a daemon exits on its
 own, so does the supervisor.
+
+An image already in the node's store (its archive names it, and containerd has that name) is
+not imported again: a proxy-vm guest's nodes start from a disk whose stores hold the suite's
+images (kubelets.cluster, `guest_images`). With `"importOnly": true` in the spec it imports,
+stops containerd and prints `imported` (how that disk is made).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 IMPORT = ("images", "import", "--all-platforms", "--digests", "--snapshotter=overlayfs")
+
+
+def archive_image_name(archive: str) -> str | None:
+    """The image name an OCI archive gives containerd (its index's `io.containerd.image.name`,
+    else `org.opencontainers.image.ref.name` when that is a full reference), or None."""
+    with contextlib.suppress(OSError, KeyError, ValueError, tarfile.TarError):
+        with tarfile.open(archive) as tar:
+            member = tar.extractfile("index.json")
+            if member is None:
+                return None
+            index = json.load(member)
+        for manifest in index.get("manifests", []):
+            annotations = manifest.get("annotations") or {}
+            name = annotations.get("io.containerd.image.name")
+            ref = annotations.get("org.opencontainers.image.ref.name", "")
+            if name:
+                return str(name)
+            if "/" in ref and ":" in ref:
+                return str(ref)
+    return None
 
 
 class Supervisor:
@@ -64,10 +91,16 @@ class Supervisor:
         self._mount()
         self._start("containerd", self.spec["containerd"])
         self._wait_containerd()
+        listed = self._ctr("images", "ls", "-q")
+        present = set(listed.stdout.split()) if listed.returncode == 0 else set()
         for archive in self.spec["archives"]:
-            done = self._ctr(*IMPORT, archive)
+            if archive_image_name(archive) in present:
+                continue
+            done = self._ctr(*IMPORT, archive, timeout=1800)
             if done.returncode != 0:
                 raise RuntimeError(f"ctr import {archive}: {done.stderr.strip()}")
+        if self.spec.get("importOnly"):
+            return
         self._start("kubelet", self.spec["kubelet"])
 
     def stop(self) -> None:
@@ -110,6 +143,10 @@ def main(argv: list[str]) -> int:
         print(f"node {spec['node']}: {exc}", file=sys.stderr, flush=True)
         sup.stop()
         return 1
+    if spec.get("importOnly"):
+        sup.stop()
+        print("imported", flush=True)
+        return 0
     print("ready", flush=True)
     return sup.wait()
 

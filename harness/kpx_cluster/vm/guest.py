@@ -86,6 +86,10 @@ def _boot(cmdline: dict[str, str]) -> None:
             tag,
             path,
         )
+    scratch = cmdline.get("kpx.scratch")
+    if scratch:  # a disk of its own for what does not fit the root image (machine.Guest.up)
+        os.makedirs(scratch, exist_ok=True)
+        _run("mount", "LABEL=kpxscratch", scratch)
     _run("ip", "link", "set", "lo", "up")
     _run("ip", "link", "set", "eth0", "up")
     _run("ip", "addr", "add", "10.0.2.15/24", "dev", "eth0")

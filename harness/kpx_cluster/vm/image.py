@@ -26,7 +26,8 @@ from ..binaries import cache_dir
 
 SUITE = "bookworm"
 MIRROR = "http://deb.debian.org/debian"
-#: Debian packages in the guest: the kernel (6.1, CONFIG_IP_VS=m) and the agent's runtime tools.
+#: Debian packages in the guest: the kernel (6.1, CONFIG_IP_VS=m), the agent's runtime tools and
+#: a real node's runtime.
 PACKAGES = (
     "linux-image-amd64",
     "initramfs-tools",
@@ -41,6 +42,11 @@ PACKAGES = (
     "procps",
     "ca-certificates",
     "python3",
+    # Real kubelet nodes in the guest (the ipvs conformance run): the runtime and CNI plugins
+    # the host's real nodes use (docs/real-kubelets.md).
+    "containerd",
+    "runc",
+    "containernetworking-plugins",
 )
 #: Debian bookworm's python3: the Python packages are installed for it by the host's pip.
 GUEST_PYTHON = "3.11"

@@ -48,8 +48,6 @@ QEMU_BASE = (
     "tcg,thread=multi",
     "-cpu",
     "max",
-    "-m",
-    "1024",
     "-smp",
     "2",
     "-nographic",
@@ -58,8 +56,25 @@ QEMU_BASE = (
 )
 
 
+#: The scratch disk's file system label, and where the guest mounts it (guest.py).
+SCRATCH_LABEL = "kpxscratch"
+SCRATCH_MOUNT = "/var/kpx-scratch"
+#: The guest's memory unless `up` is given more (real nodes in the guest need more).
+DEFAULT_MEMORY_MB = 1024
+
+
 class VMError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class TapLink:
+    """A link from the guest to a host-side L2 segment: the open fd of a tap device (opened in
+    the network namespace that holds it, see netns.open_tap) and the MAC of the guest's NIC
+    on it, by which the guest finds that NIC."""
+
+    fd: int
+    mac: str
 
 
 def _free_port() -> int:
@@ -141,7 +156,21 @@ class Guest:
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
-    def up(self, log: Callable[[str], None] = lambda _m: None) -> None:
+    def up(
+        self,
+        log: Callable[[str], None] = lambda _m: None,
+        memory_mb: int = DEFAULT_MEMORY_MB,
+        taps: tuple[TapLink, ...] = (),
+        scratch_gb: int = 0,
+        scratch_from: Path | None = None,
+    ) -> None:
+        """Boot the guest unless it runs. `taps`: NICs besides the user-mode one (eth0), in
+        order, each on a tap device the caller opened; the guest leaves them down.
+        `scratch_gb`: a fresh ext4 disk of that size (sparse, in the cache directory, removed
+        by `down`), mounted at SCRATCH_MOUNT in the guest: the root image has about 0.5 GB
+        free, real nodes' images need more. `scratch_from`: instead, that disk image (an ext4
+        file system labelled SCRATCH_LABEL) under qemu's snapshot: the guest's writes go to a
+        temporary overlay, the file stays as it was."""
         if self.pid() is not None:
             if self.wait_ready(BOOT_TIMEOUT):
                 return
@@ -168,8 +197,14 @@ class Guest:
             f"kpx.token_file={token_file}",
             *(f"kpx.share.{i}=kpx{i}:{path}" for i, path in enumerate(shares)),
         ]
+        if scratch_from is None and scratch_gb:
+            self._make_scratch(scratch_gb)
+        if scratch_from is not None or scratch_gb:
+            append.append(f"kpx.scratch={SCRATCH_MOUNT}")
         argv = [
             *QEMU_BASE,
+            "-m",
+            str(memory_mb),
             "-kernel",
             str(image.kernel),
             "-initrd",
@@ -183,6 +218,18 @@ class Guest:
             "-device",
             "virtio-net-pci,netdev=n0",
         ]
+        if scratch_from is not None:
+            argv += ["-drive", f"file={scratch_from},format=raw,if=virtio"]
+        elif scratch_gb:
+            # Written in place (not under -snapshot): the file is this boot's alone.
+            argv += ["-drive", f"file={self.scratch},format=raw,if=virtio,snapshot=off"]
+        for i, tap in enumerate(taps, start=1):
+            argv += [
+                "-netdev",
+                f"tap,id=t{i},fd={tap.fd}",
+                "-device",
+                f"virtio-net-pci,netdev=t{i},mac={tap.mac}",
+            ]
         for i, path in enumerate(shares):
             argv += [
                 "-virtfs",
@@ -191,7 +238,7 @@ class Guest:
             ]
         for attempt in range(1, BOOT_ATTEMPTS + 1):
             log(f"proxy-vm: booting guest {self.name!r} (software emulation, try {attempt})")
-            if self._boot(argv, BOOT_ATTEMPT_TIMEOUT):
+            if self._boot(argv, BOOT_ATTEMPT_TIMEOUT, tuple(t.fd for t in taps)):
                 return
             failed_log = self.console_log.with_name(f"console.try{attempt}.log")
             with contextlib.suppress(OSError):
@@ -202,7 +249,21 @@ class Guest:
             f"{self.state_dir}/console.try*.log"
         )
 
-    def _boot(self, argv: list[str], timeout: float) -> bool:
+    @property
+    def scratch(self) -> Path:
+        return cache_dir() / "vm" / f"scratch-{self.name}.img"
+
+    def _make_scratch(self, size_gb: int) -> None:
+        self.scratch.unlink(missing_ok=True)
+        with open(self.scratch, "wb") as f:
+            f.truncate(size_gb << 30)
+        subprocess.run(
+            ["mkfs.ext4", "-q", "-F", "-L", SCRATCH_LABEL, str(self.scratch)],
+            check=True,
+            capture_output=True,
+        )
+
+    def _boot(self, argv: list[str], timeout: float, pass_fds: tuple[int, ...] = ()) -> bool:
         """Start qemu once; True when the guest answers within `timeout`, else it is stopped."""
         with open(self.console_log, "wb") as console:
             proc = subprocess.Popen(
@@ -211,6 +272,7 @@ class Guest:
                 stdout=console,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                pass_fds=pass_fds,
             )
         (self.state_dir / "pid").write_text(str(proc.pid))
         if self.wait_ready(timeout, proc):
@@ -238,12 +300,14 @@ class Guest:
             with contextlib.suppress(VMError, OSError):
                 self._request({"op": "poweroff"}, timeout=5)
             deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and self.pid() is not None:
+            while time.monotonic() < deadline and not _reaped(pid):
                 time.sleep(0.2)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+            _reaped(pid)
         for name in ("pid", "port", "token"):
             (self.state_dir / name).unlink(missing_ok=True)
+        self.scratch.unlink(missing_ok=True)
         if not keep_console:
             self.console_log.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
@@ -316,6 +380,20 @@ class Guest:
             },
             on_output or _to_stdio,
         )
+
+
+def _reaped(pid: int) -> bool:
+    """True once `pid` has ended; reaps it when it is this process's child (qemu started by this
+    process would otherwise stay a zombie, which still counts as running)."""
+    with contextlib.suppress(ChildProcessError):
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
 
 
 def _to_stdio(channel: int, data: bytes) -> None:
