@@ -464,12 +464,21 @@ def agent_daemonset(
             failureThreshold=2,
             timeoutSeconds=2,
         ),
+        # The liveness probe starts once /alivez first answers, within 5 min: an agent that
+        # starts slowly (a loaded or emulated node: imports, the first lists) is not dead, and
+        # a fixed initial delay would restart it before its first sync, again and again.
+        "startupProbe": _http_probe(
+            "/alivez",
+            spec.healthz_bind_address,
+            periodSeconds=2,
+            failureThreshold=150,
+            timeoutSeconds=5,
+        ),
         # /alivez: fails only for what a restart fixes (a dead watch), not for a change the
         # kernel keeps refusing (/livez, upstream's): that would restart every agent at once.
         "livenessProbe": _http_probe(
             "/alivez",
             spec.healthz_bind_address,
-            initialDelaySeconds=15,
             periodSeconds=10,
             failureThreshold=3,
             timeoutSeconds=5,

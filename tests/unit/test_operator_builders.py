@@ -148,6 +148,12 @@ def test_agent_daemonset_runs_the_agent_with_least_privilege(mode: str) -> None:
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": 10256}
     assert container["livenessProbe"]["httpGet"] == {"path": "/alivez", "port": 10256}
+    # liveness waits for the agent's first answer (a slow start is not a dead agent): the
+    # startup probe gives it 5 min, the liveness probe has no fixed delay of its own
+    startup = container["startupProbe"]
+    assert startup["httpGet"] == {"path": "/alivez", "port": 10256}
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 300
+    assert "initialDelaySeconds" not in container["livenessProbe"]
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxUnavailable"] == spec.max_unavailable
     assert ds["spec"]["updateStrategy"]["rollingUpdate"]["maxSurge"] == 0
     assert pod.get("nodeSelector", {}) == spec.node_selector

@@ -425,12 +425,13 @@ class RealCluster:
             netns_toolkit.wait_for_line(self._supervisors[name], "ready", timeout)
         except netns_toolkit.TopologyError as exc:
             log_dir = self.plans[name].log_dir
-            said = ""
-            with contextlib.suppress(OSError):  # the supervisor's last words, when it said any
-                said = (log_dir / "supervisor.log").read_text()[-2000:].strip()
-            raise NodeStartFailed(
-                f"node {name}: {exc}; see {log_dir}" + (f"; it said: {said}" if said else "")
-            ) from exc
+            said = []  # the last words of each log (down removes the directory)
+            for log in ("supervisor", "containerd", "kubelet"):
+                with contextlib.suppress(OSError):
+                    tail = (log_dir / f"{log}.log").read_text().strip().splitlines()[-5:]
+                    if tail:
+                        said.append(f"{log}.log ends: " + " | ".join(tail))
+            raise NodeStartFailed(f"node {name}: {exc}; see {log_dir}; " + "; ".join(said)) from exc
 
     def _start_dns(self, timeout: float) -> None:
         host, port = self.cluster.cluster_server.removeprefix("https://").rsplit(":", 1)
