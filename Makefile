@@ -11,8 +11,9 @@ N ?=
 
 CONFORMANCE_SUITE ?= proxy
 CONFORMANCE_TARGETS ?= kpx/nftables,kube-proxy/nftables,kpx/iptables,kube-proxy/iptables
+CONFORMANCE_IPVS_SUITE ?= conformance
 
-.PHONY: test-long conformance setup setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-go-localstate setup-vm image test test-unit test-kernel test-e2e lint crds chart demo demo-down bench bench-migration chaos
+.PHONY: test-long conformance conformance-ipvs setup setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-go-localstate setup-vm image test test-unit test-kernel test-e2e lint crds chart demo demo-down bench bench-migration chaos
 
 ## setup: install everything a fresh machine needs (idempotent: a second run installs and builds nothing)
 setup: setup-apt setup-python setup-kubernetes setup-helm setup-kstatus setup-coredns setup-go-localstate setup-vm
@@ -107,6 +108,12 @@ crds:
 conformance: setup image
 	PYTHONPATH=harness $(PYTHON) -m kpx_cluster.conformance --suite $(CONFORMANCE_SUITE) \
 	  --targets $(CONFORMANCE_TARGETS) --record bench/results/conformance.md
+
+## conformance-ipvs: the same for ipvs mode, kpx and kube-proxy, on real kubelet nodes in the
+## IPVS guest (this kernel has no IPVS); the 47 Conformance specs by default (docs/conformance.md)
+conformance-ipvs: setup image
+	PYTHONPATH=harness $(PYTHON) -m kpx_cluster.conformance --suite $(CONFORMANCE_IPVS_SUITE) \
+	  --targets kpx/ipvs,kube-proxy/ipvs --record bench/results/conformance-ipvs.md
 
 ## chart: the Helm chart as a chart repository: kpx-<version>.tgz (`helm package`) and index.yaml
 ## (`helm repo index`) in $(CHART_OUT) (gitignored); CHART_URL=... sets the repository's URL

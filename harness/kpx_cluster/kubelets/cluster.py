@@ -52,6 +52,7 @@ CONTROL_PLANE = "control-plane"
 #: of images for the conformance run; content and snapshots take twice that.
 GUEST_DATA = Path(SCRATCH_MOUNT)
 GUEST_SCRATCH_GB = 16
+GUEST_IMAGE_DISKS = 3
 
 
 def _log(message: str) -> None:
@@ -222,7 +223,8 @@ class RealCluster:
         their supervisors skip those images (importing 0.85 GB under the guest's emulation
         takes 12 min and more per node). Cached in the cache directory by the archives, the
         node names and the guest image's recipe; made on a miss: one guest imports into the
-        first node's store and copies it to the others'. Older ones are removed."""
+        first node's store and copies it to the others'. The GUEST_IMAGE_DISKS most recently
+        used are kept (the e2e test's and the conformance run's differ)."""
         assert self.vm
         key = json.dumps(
             {
@@ -236,6 +238,7 @@ class RealCluster:
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         disk = vm_image.vm_cache() / f"images-{digest}.img"
         if disk.exists():
+            disk.touch()  # recently used: kept when older ones go
             return disk
         builder = Guest(f"{self.vm}-images")
         try:
@@ -272,7 +275,8 @@ class RealCluster:
             code, out = _guest_run(builder, ["umount", SCRATCH_MOUNT])
             if code != 0:
                 raise NodeStartFailed(f"making the guest image disk: umount: {out}")
-            for old in vm_image.vm_cache().glob("images-*.img"):
+            kept = sorted(vm_image.vm_cache().glob("images-*.img"), key=lambda p: p.stat().st_mtime)
+            for old in kept[: max(0, len(kept) - (GUEST_IMAGE_DISKS - 1))]:
                 old.unlink(missing_ok=True)
             builder.scratch.rename(disk)
         finally:
