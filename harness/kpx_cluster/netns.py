@@ -522,7 +522,15 @@ class Topology:
         if not self._sysctl(netns, settings, check=False):
             log.warning("bridge-nf-call-iptables is not available in %s", netns)
 
-    def _node(self, name: str, i: int) -> Node:
+    def _new_node(self, name: str) -> Node:
+        """The next node's addresses and names (the fabric made first); nothing of its own."""
+        self._check_open()
+        if not NAME_RE.fullmatch(name) or name in self.nodes:
+            raise ValueError(f"bad or duplicate node name {name!r}")
+        self._ensure_fabric()
+        i = len(self.nodes) + 1
+        if i > 250:
+            raise TopologyError("at most 250 nodes")
         return Node(
             name=name,
             index=i,
@@ -541,14 +549,8 @@ class Topology:
         `add_pod` gives its pods the addresses from host number `pod_hosts_from` of each pod
         CIDR on (a real node's CNI hands out those below)."""
         with self._lock:
-            self._check_open()
-            if not NAME_RE.fullmatch(name) or name in self.nodes:
-                raise ValueError(f"bad or duplicate node name {name!r}")
-            self._ensure_fabric()
-            i = len(self.nodes) + 1
-            if i > 250:
-                raise TopologyError("at most 250 nodes")
-            node = self._node(name, i)
+            node = self._new_node(name)
+            i = node.index
             ns = node.netns
             self._add_netns(ns, NODE_SYSCTLS)
             fabric_port = f"{self.prefix}n{i}"
@@ -576,14 +578,8 @@ class Topology:
         CIDRs in this host's nodes. The other side makes the node's netns from
         `node_link_commands` and `pod_routes`. Returns the Node and the tap's name."""
         with self._lock:
-            self._check_open()
-            if not NAME_RE.fullmatch(name) or name in self.nodes:
-                raise ValueError(f"bad or duplicate node name {name!r}")
-            self._ensure_fabric()
-            i = len(self.nodes) + 1
-            if i > 250:
-                raise TopologyError("at most 250 nodes")
-            node = self._node(name, i)
+            node = self._new_node(name)
+            i = node.index
             tap = f"{self.prefix}t{i}"
             _run_ip(["tuntap", "add", "dev", tap, "mode", "tap"], self.fabric_netns)
             _run_ip(["link", "set", tap, "master", self.fabric_bridge], self.fabric_netns)

@@ -42,6 +42,7 @@ from .config import (
     containerd_config,
     kubelet_config,
     node_object,
+    supervisor_argv,
     supervisor_spec,
 )
 from .dns import dns_objects
@@ -363,20 +364,7 @@ class RealCluster:
             self._start_guest_node(plan)
             return
         cgroups.create(plan.runtime_cgroup)
-        argv = [
-            "nsenter",
-            f"--net=/run/netns/{plan.netns}",
-            "unshare",
-            "--mount",
-            "--uts",
-            "--propagation",
-            "private",
-            "--",
-            sys.executable,
-            "-m",
-            "kpx_cluster.kubelets.supervisor",
-            str(plan.spec_file),
-        ]
+        argv = supervisor_argv(plan.netns, plan.spec_file, sys.executable)
         with (plan.log_dir / "supervisor.log").open("ab") as log:
             self._supervisors[name] = self.topology.run_host(
                 argv,

@@ -322,6 +322,25 @@ def node_mounts(plan: NodePlan) -> list[Mount]:
     return mounts
 
 
+def supervisor_argv(netns: str, spec_file: Path, python: str) -> list[str]:
+    """The node supervisor's command in the node's netns and a fresh mount and UTS namespace
+    (`ip netns exec` would remount /sys and hide /sys/fs/cgroup from the kubelet)."""
+    return [
+        "nsenter",
+        f"--net=/run/netns/{netns}",
+        "unshare",
+        "--mount",
+        "--uts",
+        "--propagation",
+        "private",
+        "--",
+        python,
+        "-m",
+        "kpx_cluster.kubelets.supervisor",
+        str(spec_file),
+    ]
+
+
 def supervisor_spec(
     plan: NodePlan, kubelet: Path, containerd: Path, archives: list[Path]
 ) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..kubelets import cgroups
+from ..kubelets.config import supervisor_argv
 
 BRIDGE_NF = ("net.bridge.bridge-nf-call-iptables=1", "net.bridge.bridge-nf-call-ip6tables=1")
 
@@ -103,23 +104,8 @@ def main(argv: list[str]) -> int:
     except (GuestNodeError, OSError) as exc:
         print(f"guest node {spec['netns']}: {exc}", file=sys.stderr, flush=True)
         return 1
-    os.execvp(  # noqa: S606 (a fixed argv: no shell)
-        "nsenter",
-        [
-            "nsenter",
-            f"--net=/run/netns/{spec['netns']}",
-            "unshare",
-            "--mount",
-            "--uts",
-            "--propagation",
-            "private",
-            "--",
-            sys.executable,
-            "-m",
-            "kpx_cluster.kubelets.supervisor",
-            spec["supervisorSpec"],
-        ],
-    )
+    argv = supervisor_argv(spec["netns"], Path(spec["supervisorSpec"]), sys.executable)
+    os.execvp(argv[0], argv)  # noqa: S606 (a fixed argv: no shell)
 
 
 if __name__ == "__main__":
