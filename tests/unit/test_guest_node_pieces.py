@@ -123,3 +123,34 @@ def test_conformance_targets_take_ipvs_and_refuse_other_modes() -> None:
     assert Target.parse("kube-proxy/ipvs").label == "kube-proxy-ipvs"
     with pytest.raises(Exception, match="MODE one of nftables, iptables, ipvs"):
         Target.parse("kpx/userspace")
+
+
+def _archive(path: Path, annotations: dict[str, str] | None) -> str:
+    import io
+    import json
+    import tarfile
+
+    with tarfile.open(path, "w") as tar:
+        if annotations is not None:
+            data = json.dumps({"manifests": [{"annotations": annotations}]}).encode()
+            info = tarfile.TarInfo("index.json")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_an_archives_image_name_is_what_containerd_lists_it_as(tmp_path: Path) -> None:
+    """The supervisor skips an archive whose image the node's store already has by this name."""
+    from kpx_cluster.kubelets.supervisor import archive_image_name
+
+    named = {"io.containerd.image.name": "registry.k8s.io/pause:3.10.2"}
+    assert (
+        archive_image_name(_archive(tmp_path / "a.tar", named)) == named["io.containerd.image.name"]
+    )
+    ref = {"org.opencontainers.image.ref.name": "ghcr.io/kpx/kpx-agent:0.1.0"}
+    assert archive_image_name(_archive(tmp_path / "b.tar", ref)) == "ghcr.io/kpx/kpx-agent:0.1.0"
+    # a bare tag names no image; no index, or no archive at all: None (the archive is imported)
+    tag_only = {"org.opencontainers.image.ref.name": "3.10.2"}
+    assert archive_image_name(_archive(tmp_path / "c.tar", tag_only)) is None
+    assert archive_image_name(_archive(tmp_path / "d.tar", None)) is None
+    assert archive_image_name(str(tmp_path / "missing.tar")) is None
