@@ -5,9 +5,11 @@ guest node Ready, a pod on it, exec) runs in tests/e2e/test_guest_nodes.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
+from test_real_node_config import PLAN
 
 from kpx_cluster import netns
 from kpx_cluster.conformance.run import Target
@@ -57,19 +59,8 @@ def test_guest_macs_are_distinct_well_formed_and_locally_administered() -> None:
 
 def test_a_guest_nodes_data_is_on_its_own_disk_and_its_files_on_the_share() -> None:
     share = Path("/dev/shm/kpx/c/nodes/node-1")
-    plan = config.NodePlan(
-        name="node-1",
-        netns=NODE.netns,
-        ipv4=NODE.ipv4,
-        ipv6=NODE.ipv6,
-        pod_cidr_v4=NODE.pod_cidr_v4,
-        pod_cidr_v6=NODE.pod_cidr_v6,
-        gateway_v4=NODE.gateway_v4,
-        gateway_v6=NODE.gateway_v6,
-        cgroup="kpx0a0b0c-node-1",
-        dir=share,
-        data_dir=GUEST_DATA / "kpx0a0b0c-node-1",
-    )
+    # the host nodes' plan of test_real_node_config, as a guest node has it
+    plan = dataclasses.replace(PLAN, dir=share, data_dir=GUEST_DATA / "node-1")
     for path in (plan.var_lib, plan.var_log, plan.sysctl_dir, plan.containerd_socket):
         assert GUEST_DATA in path.parents
     for path in (plan.kubelet_config, plan.kubeconfig, plan.log_dir, plan.spec_file):
