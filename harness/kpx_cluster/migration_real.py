@@ -41,6 +41,13 @@ from .migration_takeover import kube_proxy_pods, serves
 HARNESS = Path(__file__).resolve().parent
 #: the harness's modules the backends run (standard library only)
 SCRIPTS = ("echo_server.py", "migration_load.py")
+# The backends request CPU, as a production app does. Without a request a pod is BestEffort:
+# its cgroup weighs 2 against the agent's 51 (cpu 50m), so on this 2-core machine, which runs
+# three nodes and their control plane, the agents' start (tens of CPU-bound seconds) starves the
+# echo servers, and the clients then time out on every target at once. Two full `make test` runs
+# saw exactly that pattern in the takeover under load (every node, every target, one ~1 s window
+# while the agents started); the test alone, even beside two CPU hogs, never did.
+BACKEND_REQUESTS = {"cpu": "100m", "memory": "32Mi"}
 SCRIPT_DIR = "/opt/kpx-load"
 PXC = "default"  # kubelets.install reads the ProxyConfiguration of this name
 
@@ -62,7 +69,8 @@ def scripts_config_map(ns: str) -> dict[str, Any]:
 def on_real_nodes(obj: dict[str, Any], image: str) -> dict[str, Any]:
     """The simulator's backend Deployment for real kubelets: every container runs its
     `python3 -m kpx_cluster.<module>` as `python3 SCRIPT_DIR/<module>.py` in `image`, from
-    the ConfigMap `load-scripts`; Services pass unchanged."""
+    the ConfigMap `load-scripts`, and requests CPU (`BACKEND_REQUESTS`); Services pass
+    unchanged."""
     if obj["kind"] != "Deployment":
         return obj
     spec = obj["spec"]["template"]["spec"]
@@ -75,6 +83,7 @@ def on_real_nodes(obj: dict[str, Any], image: str) -> dict[str, Any]:
         container["image"] = image
         container["imagePullPolicy"] = "Never"
         container["volumeMounts"] = [{"name": "scripts", "mountPath": SCRIPT_DIR}]
+        container["resources"] = {"requests": dict(BACKEND_REQUESTS)}
     spec["volumes"] = [{"name": "scripts", "configMap": {"name": "load-scripts"}}]
     spec["terminationGracePeriodSeconds"] = 1
     return obj

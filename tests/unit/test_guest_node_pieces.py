@@ -145,3 +145,51 @@ def test_an_archives_image_name_is_what_containerd_lists_it_as(tmp_path: Path) -
     assert archive_image_name(_archive(tmp_path / "c.tar", tag_only)) is None
     assert archive_image_name(_archive(tmp_path / "d.tar", None)) is None
     assert archive_image_name(str(tmp_path / "missing.tar")) is None
+
+
+def _supervisor_waiting_on(tmp_path: Path, answers: list[object], start_s: float) -> object:
+    """A supervisor whose `ctr version` gives `answers` in turn (an exception is raised) and whose
+    containerd process keeps running."""
+    import subprocess
+
+    from kpx_cluster.kubelets.supervisor import Supervisor
+
+    sup = Supervisor({"logDir": str(tmp_path), "containerdStartSeconds": start_s})
+    containerd = subprocess.Popen(["sleep", "30"])
+    sup.procs["containerd"] = containerd
+
+    def ctr(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        assert args == ("version",) and timeout == 10
+        answer = answers.pop(0) if answers else subprocess.TimeoutExpired("ctr", timeout)
+        if isinstance(answer, BaseException):
+            raise answer
+        return subprocess.CompletedProcess(["ctr"], int(str(answer)), "", "")
+
+    sup._ctr = ctr  # type: ignore[method-assign]
+    return sup
+
+
+def test_containerd_that_times_out_a_call_is_waited_for_not_given_up_on(tmp_path: Path) -> None:
+    """Under the guest's emulation `ctr version` can hang while containerd loads its plugins: a
+    call that times out means 'not yet', until the spec's containerdStartSeconds."""
+    import subprocess
+
+    hang = subprocess.TimeoutExpired("ctr", 10)
+    answers: list[object] = [hang, 1, hang, 0]
+    sup = _supervisor_waiting_on(tmp_path, answers, 60)
+    try:
+        sup._wait_containerd()  # type: ignore[attr-defined]
+        assert answers == []
+    finally:
+        sup.procs["containerd"].kill()  # type: ignore[attr-defined]
+
+
+def test_containerd_that_never_answers_fails_after_its_start_time_naming_the_log(
+    tmp_path: Path,
+) -> None:
+    sup = _supervisor_waiting_on(tmp_path, [], 0.3)
+    try:
+        with pytest.raises(RuntimeError, match=r"within 0s; see .*containerd\.log"):
+            sup._wait_containerd()  # type: ignore[attr-defined]
+    finally:
+        sup.procs["containerd"].kill()  # type: ignore[attr-defined]

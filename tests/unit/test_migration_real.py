@@ -26,6 +26,8 @@ def test_backends_run_the_harness_files_from_the_config_map_in_the_agent_image()
     for container in spec["containers"]:
         assert container["image"] == IMAGE and container["imagePullPolicy"] == "Never"
         assert container["volumeMounts"] == [{"name": "scripts", "mountPath": SCRIPT_DIR}]
+        # not BestEffort: the agents' CPU-bound start must not starve the backends
+        assert container["resources"]["requests"]["cpu"] == "100m", container
     assert spec["volumes"] == [{"name": "scripts", "configMap": {"name": "load-scripts"}}]
     assert [on_real_nodes(s, IMAGE) for s in services] == services
 

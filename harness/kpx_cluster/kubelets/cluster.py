@@ -54,6 +54,9 @@ CONTROL_PLANE = "control-plane"
 GUEST_DATA = Path(SCRATCH_MOUNT)
 GUEST_SCRATCH_GB = 16
 GUEST_IMAGE_DISKS = 3
+# containerd loads its plugins in seconds on the host and in minutes under the guest's
+# emulation when the machine is busy (CI): its socket is waited for this long there.
+GUEST_CONTAINERD_START_S = 600
 
 
 def _log(message: str) -> None:
@@ -248,7 +251,13 @@ class RealCluster:
             for d in (first.etc, first.cni_conf_dir, first.log_dir):
                 d.mkdir(parents=True, exist_ok=True)
             first.containerd_config.write_text(containerd_config(first))
-            spec = supervisor_spec(first, kubernetes_binary("kubelet"), _containerd_binary(), [])
+            spec = supervisor_spec(
+                first,
+                kubernetes_binary("kubelet"),
+                _containerd_binary(),
+                [],
+                GUEST_CONTAINERD_START_S,
+            )
             spec["archives"] = [str(a) for a in archives]
             spec["importOnly"] = True
             spec["mounts"] = [m for m in spec["mounts"] if not m["target"].startswith("/proc")]
@@ -351,7 +360,13 @@ class RealCluster:
             plan.kubeconfig,
             server=self.cluster.cluster_server,
         )
-        spec = supervisor_spec(plan, kubernetes_binary("kubelet"), _containerd_binary(), archives)
+        spec = supervisor_spec(
+            plan,
+            kubernetes_binary("kubelet"),
+            _containerd_binary(),
+            archives,
+            GUEST_CONTAINERD_START_S if self.vm else 60,
+        )
         plan.spec_file.write_text(json.dumps(spec, indent=2))
 
     def _start_node(self, name: str, archives: list[Path]) -> None:

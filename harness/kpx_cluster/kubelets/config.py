@@ -342,14 +342,23 @@ def supervisor_argv(netns: str, spec_file: Path, python: str) -> list[str]:
 
 
 def supervisor_spec(
-    plan: NodePlan, kubelet: Path, containerd: Path, archives: list[Path]
+    plan: NodePlan,
+    kubelet: Path,
+    containerd: Path,
+    archives: list[Path],
+    containerd_start_s: float = 60,
 ) -> dict[str, Any]:
-    """What `kpx_cluster.kubelets.supervisor` does inside the node's namespaces (JSON)."""
+    """What `kpx_cluster.kubelets.supervisor` does inside the node's namespaces (JSON).
+
+    `containerd_start_s`: how long containerd may take to answer on its socket (several times
+    longer in the emulated IPVS guest).
+    """
     return {
         "node": plan.name,
         "mounts": [m.__dict__ for m in node_mounts(plan)],
         "containerd": [str(containerd), f"--config={plan.containerd_config}"],
         "containerdSocket": str(plan.containerd_socket),
+        "containerdStartSeconds": containerd_start_s,
         "archives": [str(a) for a in archives],
         "kubelet": kubelet_argv(plan, kubelet),
         "logDir": str(plan.log_dir),

@@ -79,11 +79,21 @@ class Supervisor:
         argv = ["ctr", f"--address={self.spec['containerdSocket']}", "--namespace=k8s.io", *args]
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
 
-    def _wait_containerd(self, timeout: float = 60) -> None:
+    def _containerd_answers(self) -> bool:
+        try:
+            return self._ctr("version", timeout=10).returncode == 0
+        except subprocess.TimeoutExpired:  # still loading its plugins (slow under emulation)
+            return False
+
+    def _wait_containerd(self) -> None:
+        timeout = float(self.spec.get("containerdStartSeconds", 60))
         deadline = time.monotonic() + timeout
-        while self._ctr("version", timeout=10).returncode != 0:
+        while not self._containerd_answers():
             if self.procs["containerd"].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"containerd did not start; see {self.log_dir}/containerd.log")
+                raise RuntimeError(
+                    f"containerd did not answer within {timeout:.0f}s;"
+                    f" see {self.log_dir}/containerd.log"
+                )
             time.sleep(0.1)
 
     def start(self) -> None:
