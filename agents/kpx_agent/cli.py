@@ -131,6 +131,14 @@ def _run_parser() -> argparse.ArgumentParser:
         "of the agent's network namespace; a pod mounts the node's file elsewhere)",
     )
     p.add_argument(
+        "--ipv4-sysctl-dir",
+        type=Path,
+        help="mode ipvs: the node's net/ipv4 sysctls, where the agent sets vs.conntrack, "
+        "vs.expire_nodest_conn, vs.expire_quiescent_template and, with strictARP, "
+        "conf.all.arp_ignore and arp_announce (default: /proc/sys/net/ipv4 of the agent's "
+        "network namespace; a pod mounts the node's directory elsewhere)",
+    )
+    p.add_argument(
         "--state-socket",
         metavar="PATH",
         help="serve the node-local state API (gRPC, kpx.localstate.v1) on this unix socket "
@@ -383,7 +391,7 @@ def build_agent(
 ) -> Agent:
     """The agent, with everything it runs with: the one place that puts it together. `mode`:
     the registry's module of `settings.mode`; `args`: the run parser's."""
-    paths = NodePaths(route_localnet=args.route_localnet_file)
+    paths = NodePaths(route_localnet=args.route_localnet_file, ipv4_sysctls=args.ipv4_sysctl_dir)
     return Agent(
         settings,
         args.node_name,

@@ -130,6 +130,18 @@ ROUTE_LOCALNET: Final = (
     "/host/proc/sys/net/ipv4/conf/all/route_localnet",
 )
 
+#: Mode ipvs: the agent sets the node's net.ipv4.vs.conntrack (without it nothing masquerades
+#: what IPVS forwards: a NodePort reached from another node's pod, with its endpoint there,
+#: never answers), vs.expire_nodest_conn, vs.expire_quiescent_template and, with strictARP,
+#: conf.all.arp_ignore and arp_announce, as upstream's ipvs mode does. The directory is
+#: net/ipv4 rather than net/ipv4/vs: vs/ appears only once ip_vs is loaded, which the agent's
+#: first IPVS request does, after the pod started.
+IPV4_SYSCTLS: Final = (
+    "ipv4-sysctls",
+    "/proc/sys/net/ipv4",
+    "/host/proc/sys/net/ipv4",
+)
+
 #: The agent image of this release (the operator's own version).
 DEFAULT_AGENT_IMAGE: Final = f"ghcr.io/kpx/kpx-agent:{__version__}"
 
@@ -359,6 +371,18 @@ def _localnet_access(spec: ProxyConfigurationSpec) -> tuple[list[Obj], list[Obj]
     )
 
 
+def _ipvs_sysctl_access(spec: ProxyConfigurationSpec) -> tuple[list[Obj], list[Obj], list[str]]:
+    """(volumes, mounts, agent flags) for the node's net.ipv4 sysctls, in mode ipvs only."""
+    if spec.mode is not Mode.IPVS:
+        return [], [], []
+    name, path, mount = IPV4_SYSCTLS
+    return (
+        [{"name": name, "hostPath": {"path": path, "type": "Directory"}}],
+        [{"name": name, "mountPath": mount}],
+        ["--ipv4-sysctl-dir", mount],
+    )
+
+
 def _pod_env() -> list[Obj]:
     """The pod's identity (the agent records Events about its own Pod)."""
     return [
@@ -432,6 +456,7 @@ def agent_daemonset(
     xt_volumes, xt_mounts = _xtables(spec.mode)
     ct_volumes, ct_mounts, ct_flags = _conntrack_access(spec)
     ln_volumes, ln_mounts, ln_flags = _localnet_access(spec)
+    vs_volumes, vs_mounts, vs_flags = _ipvs_sysctl_access(spec)
     ex_volumes, ex_mounts, ex_flags, sidecars = _external_backend(spec)
     container: Obj = {
         "name": AGENT_CONTAINER,
@@ -445,6 +470,7 @@ def agent_daemonset(
             CONFIG_FILE,
             *ct_flags,
             *ln_flags,
+            *vs_flags,
             *ex_flags,
             *opts.agent_args,
         ],
@@ -489,6 +515,7 @@ def agent_daemonset(
             *xt_mounts,
             *ct_mounts,
             *ln_mounts,
+            *vs_mounts,
             *ex_mounts,
         ],
     }
@@ -526,6 +553,7 @@ def agent_daemonset(
                         *xt_volumes,
                         *ct_volumes,
                         *ln_volumes,
+                        *vs_volumes,
                         *ex_volumes,
                     ],
                 },

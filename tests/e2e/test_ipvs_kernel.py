@@ -148,6 +148,24 @@ def test_affinity_scheduler_timeouts_and_strict_arp(topology: Topology) -> None:
     assert len(sticky.backends) == 1 and sticky.failed == 0, sticky
 
 
+@pytest.mark.parametrize("affinity", [0, 600], ids=["no-affinity", "client-ip-affinity"])
+def test_a_node_port_from_another_nodes_pod_reaches_an_endpoint_on_either_node(
+    topology: Topology, affinity: int
+) -> None:
+    """A pod on n2 dials n1's NodePort; n1 sends it to the one endpoint, on n1 (b1) or back on
+    the client's node n2 (b2: only n1's masquerade brings the answer back through n1), with and
+    without session affinity (a persistent virtual server: Conformance's "switch session
+    affinity for NodePort service" sticks to one endpoint, so a broken path never heals)."""
+    n1, n2, b1, b2, _client = setup(topology)
+    drivers = [Driver(topology, n, "ipvs") for n in (n1, n2)]
+    other = topology.add_pod(n2, "other")
+    for endpoint in (b1, b2):
+        for driver in drivers:
+            driver.step(services=[web(endpoint, affinity=affinity)])
+        seen = probe(topology, other, n1.ipv4, 30080, "tcp", count=4, timeout=2)
+        assert seen.backends == {endpoint.name} and seen.failed == 0, (endpoint.name, seen)
+
+
 def test_spec_ipvs_masquerade_all_masquerades_a_local_pods_traffic(topology: Topology) -> None:
     """spec.ipvs.masqueradeAll, resolved from the API as the agent does: without it a pod of
     the cluster CIDR keeps its source address to a cluster IP; with it, it is masqueraded."""

@@ -7,6 +7,7 @@ runs in a proxy-vm guest (tests/e2e/test_ipvs_in_vm.py).
 from __future__ import annotations
 
 from ipaddress import ip_network
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -411,3 +412,56 @@ def test_a_clashing_external_ip_leaves_the_victims_virtual_server_to_the_victim(
     state.upsert(SLICES, endpoints("z", "victim", "10.244.2.2"))
     assert proxier.sync().ok
     assert fake.fake_ipvs.dests[VirtualKey(4, "tcp", "10.96.0.10", 80)] == {("10.244.2.2", 8080): 1}
+
+
+def test_the_ipvs_sysctls_are_set_and_a_refused_one_fails_the_sync_naming_it(
+    fake: FakeKernel,
+) -> None:
+    """As upstream's ipvs mode: vs.conntrack (without it nft cannot masquerade what IPVS
+    forwards), expire_nodest_conn and expire_quiescent_template. A sysctl the node refuses
+    fails the sync, saying which (upstream's proxier refuses to start); the next sync tries
+    again."""
+    b = backend_for(fake)
+    fake.refuse_sysctl = "cannot set net.ipv4.vs.conntrack=1 (/proc/sys/...: Read-only file system)"
+    with pytest.raises(backend_mod.BackendError, match=r"net\.ipv4\.vs\.conntrack=1"):
+        b.sync(state(web(E1)), None)
+    fake.refuse_sysctl = None
+    b.sync(state(web(E1)), [key("web")])  # full again: the failed one left no node
+    assert fake.sysctls == {
+        "net.ipv4.vs.conntrack": 1,
+        "net.ipv4.vs.expire_nodest_conn": 1,
+        "net.ipv4.vs.expire_quiescent_template": 1,
+    }
+
+
+def test_a_sysctl_is_written_under_the_given_directory_and_only_when_it_differs(
+    tmp_path: Path,
+) -> None:
+    """The agent's pod has the node's net/ipv4 sysctls mounted elsewhere (--ipv4-sysctl-dir);
+    a value already right is not written (a read-only file that holds it is no error); a
+    missing one (ip_vs not loaded) is a KernelError naming the sysctl, file and directory."""
+    from kpx_agent.backends.ipvs import kernel as ipvs_kernel
+
+    vs = tmp_path / "vs"
+    vs.mkdir()
+    conntrack = vs / "conntrack"
+    conntrack.write_text("0\n")
+    node = ipvs_kernel.NodeKernel(tmp_path)
+    node.write_sysctl("net.ipv4.vs.conntrack", 1)
+    assert conntrack.read_text() == "1\n"
+    conntrack.chmod(0o444)
+    conntrack.write_text("1\n")
+    before = conntrack.stat().st_mtime_ns
+    node.write_sysctl("net.ipv4.vs.conntrack", 1)
+    assert conntrack.stat().st_mtime_ns == before  # not written again
+    with pytest.raises(ipvs_kernel.KernelError) as err:
+        node.write_sysctl("net.ipv4.vs.expire_nodest_conn", 1)
+    assert "net.ipv4.vs.expire_nodest_conn=1" in str(err.value)
+    assert str(vs / "expire_nodest_conn") in str(err.value) and "--ipv4-sysctl-dir" in str(
+        err.value
+    )
+    assert ipvs_kernel.sysctl_path("net.ipv4.conf.all.arp_ignore", tmp_path) == (
+        tmp_path / "conf" / "all" / "arp_ignore"
+    )
+    with pytest.raises(ValueError, match=r"not a net\.ipv4 sysctl"):
+        ipvs_kernel.sysctl_path("net.netfilter.nf_conntrack_max", tmp_path)

@@ -132,6 +132,8 @@ def test_agent_daemonset_runs_the_agent_with_least_privilege(mode: str) -> None:
     # The examples keep the conntrack defaults (a table size): the agent is told where the
     # node's values are mounted (test_conntrack_access_only_when_settings_change_the_node).
     flags = ["--conntrack-sysctl-dir", "--conntrack-hashsize-file"]
+    if mode == "ipvs":  # the node's net.ipv4 sysctls (vs.conntrack: masquerade)
+        flags.append("--ipv4-sysctl-dir")
     if mode == "external":  # the state socket, in the directory shared with the backend
         flags.append("--state-socket")
     assert container["command"][5::2] == flags
@@ -811,3 +813,29 @@ def test_the_configmap_carries_the_generation_beside_the_configuration() -> None
     ds = [builders.agent_daemonset(o, spec, OPTS) for o in (seven, eight)]
     assert ds[0]["spec"]["template"] == ds[1]["spec"]["template"]
     assert "generation" not in builders.config_map(owner, spec, OPTS)["data"]  # unknown: 0
+
+
+@pytest.mark.parametrize("mode", ["nftables", "iptables", "ipvs", "external"])
+def test_only_ipvs_agents_get_the_nodes_ipv4_sysctls_writable(mode: str) -> None:
+    """Mode ipvs sets net.ipv4.vs.conntrack (else nothing masquerades what IPVS forwards) and
+    the others; its pod's own /proc/sys is read-only, so the node's directory is mounted and
+    named on the command line. No other mode gets it."""
+    owner, spec = example(mode)
+    pod = pod_spec(builders.agent_daemonset(owner, spec, OPTS))
+    container = pod["containers"][0]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    if mode != "ipvs":
+        assert "ipv4-sysctls" not in volumes and "--ipv4-sysctl-dir" not in container["command"]
+        return
+    assert volumes["ipv4-sysctls"]["hostPath"] == {
+        "path": "/proc/sys/net/ipv4",
+        "type": "Directory",
+    }
+    assert mounts["ipv4-sysctls"] == {
+        "name": "ipv4-sysctls",
+        "mountPath": "/host/proc/sys/net/ipv4",
+    }
+    assert "readOnly" not in mounts["ipv4-sysctls"]
+    command = container["command"]
+    assert command[command.index("--ipv4-sysctl-dir") + 1] == "/host/proc/sys/net/ipv4"

@@ -18,6 +18,9 @@ class NodePaths:
     path of the agent's own network namespace."""
 
     route_localnet: Path | None = None
+    #: The node's net/ipv4 sysctl directory (mode ipvs: vs/conntrack and the other IPVS
+    #: settings, conf/all/arp_* under strictARP).
+    ipv4_sysctls: Path | None = None
 
 
 class BackendError(RuntimeError):

@@ -5,13 +5,14 @@ from __future__ import annotations
 from ...model.types import DataplaneSettings
 from ..base import Handover, NodePaths
 from .backend import IpvsBackend, cleanup
+from .kernel import NodeKernel
 from .leftover_removal import remove_kpx_ipvs_leftovers
 
 
 def create(settings: DataplaneSettings, paths: NodePaths | None = None) -> IpvsBackend:
-    """`paths`: accepted for the common signature; ipvs mode writes no node file there."""
-    del paths
-    return IpvsBackend(settings)
+    """`paths.ipv4_sysctls`: where the node's net.ipv4 sysctls are (default: the agent's own
+    /proc/sys/net/ipv4, read-only in a pod)."""
+    return IpvsBackend(settings, NodeKernel(paths.ipv4_sysctls if paths else None))
 
 
 def remove_leftovers(handover: Handover) -> None:

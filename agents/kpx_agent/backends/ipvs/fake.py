@@ -85,13 +85,16 @@ class FakeKernel:
         self.sysctls: dict[str, int] = {}
         self.timeouts: tuple[int, int, int] = (0, 0, 0)
         self.refuse_nft: Callable[[Transaction], str | None] | None = None
+        #: set: every write_sysctl fails with this message (a read-only /proc/sys)
+        self.refuse_sysctl: str | None = None
 
     def ipvs(self) -> FakeIpvs:
         return self.fake_ipvs
 
-    def write_sysctl(self, name: str, value: int) -> bool:
+    def write_sysctl(self, name: str, value: int) -> None:
+        if self.refuse_sysctl is not None:
+            raise KernelError(self.refuse_sysctl)
         self.sysctls[name] = value
-        return True
 
     def set_timeouts(self, tcp: int, tcp_fin: int, udp: int) -> None:
         self.timeouts = (tcp, tcp_fin, udp)

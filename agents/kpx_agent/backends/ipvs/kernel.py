@@ -288,13 +288,34 @@ def delete_tables() -> None:
         subprocess.run(["nft", "delete", "table", family, TABLE], capture_output=True, check=False)
 
 
-def write_sysctl(name: str, value: int) -> bool:
-    path = Path("/proc/sys") / name.replace(".", "/")
+#: The node's net.ipv4 sysctls as the agent's own network namespace shows them. A pod's own
+#: /proc/sys is read-only: in mode ipvs the operator mounts the node's directory elsewhere
+#: (`--ipv4-sysctl-dir`).
+IPV4_SYSCTL_DIR = Path("/proc/sys/net/ipv4")
+IPV4_PREFIX = "net.ipv4."
+
+
+def sysctl_path(name: str, ipv4_dir: Path = IPV4_SYSCTL_DIR) -> Path:
+    """Where sysctl `name` (net.ipv4.*: the only ones ipvs mode sets) is under `ipv4_dir`."""
+    if not name.startswith(IPV4_PREFIX):
+        raise ValueError(f"{name}: not a net.ipv4 sysctl")
+    return ipv4_dir.joinpath(*name[len(IPV4_PREFIX) :].split("."))
+
+
+def write_sysctl(name: str, value: int, ipv4_dir: Path = IPV4_SYSCTL_DIR) -> None:
+    """Set sysctl `name` to `value` unless it has that value already (a read-only file that
+    holds it is no error). Raises KernelError naming the sysctl, the file and why."""
+    path = sysctl_path(name, ipv4_dir)
     try:
+        if path.read_text().strip() == str(value):
+            return
         path.write_text(f"{value}\n")
-    except OSError:
-        return False
-    return True
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise KernelError(
+            f"cannot set {name}={value} ({path}: {reason}); the agent needs the node's"
+            f" {ipv4_dir} writable (the operator mounts it in mode ipvs: --ipv4-sysctl-dir)"
+        ) from exc
 
 
 def set_timeouts(tcp: int, tcp_fin: int, udp: int) -> None:
@@ -328,7 +349,7 @@ class Kernel(Protocol):
     """Every kernel edge the ipvs backend uses, as one object."""
 
     def ipvs(self) -> VirtualServers: ...
-    def write_sysctl(self, name: str, value: int) -> bool: ...
+    def write_sysctl(self, name: str, value: int) -> None: ...
     def set_timeouts(self, tcp: int, tcp_fin: int, udp: int) -> None: ...
     def ensure_dummy(self) -> int: ...
     def bound_addresses(self) -> set[tuple[int, str]]: ...
@@ -340,11 +361,14 @@ class NodeKernel:
     """This node's kernel (the functions above); `run_nft` renders the typed transaction for
     `nft -f`, the one place it becomes text. Raises KernelError where they do."""
 
+    def __init__(self, ipv4_sysctl_dir: Path | None = None) -> None:
+        self.ipv4_sysctl_dir = ipv4_sysctl_dir or IPV4_SYSCTL_DIR
+
     def ipvs(self) -> VirtualServers:
         return Ipvs()
 
-    def write_sysctl(self, name: str, value: int) -> bool:
-        return write_sysctl(name, value)
+    def write_sysctl(self, name: str, value: int) -> None:
+        write_sysctl(name, value, self.ipv4_sysctl_dir)
 
     def set_timeouts(self, tcp: int, tcp_fin: int, udp: int) -> None:
         set_timeouts(tcp, tcp_fin, udp)
