@@ -39,9 +39,9 @@ DEFAULT_MODE = 0o644
 
 #: hostPaths whose content is per network namespace, given as the real path: the node's
 #: netfilter sysctls (conntrack timeouts; nf_conntrack_max is read-only outside the host's
-#: namespace), as a hostNetwork pod on a kind node sees them. Writing them changes only the
-#: writer's namespace.
-PER_NETNS_HOST_PATHS: Final = frozenset({"/proc/sys/net/netfilter"})
+#: namespace) and net.ipv4 sysctls (ipvs mode's vs.conntrack and co.), as a hostNetwork pod on
+#: a kind node sees them. Writing them changes only the writer's namespace.
+PER_NETNS_HOST_PATHS: Final = frozenset({"/proc/sys/net/netfilter", "/proc/sys/net/ipv4"})
 #: hostPaths of host-global state (the nf_conntrack module's parameters): a per-node stand-in
 #: holding a copy of these files of the host, so a pod reads the host's values but never
 #: writes them.
