@@ -357,30 +357,33 @@ def _conntrack_access(spec: ProxyConfigurationSpec) -> tuple[list[Obj], list[Obj
     return volumes, mounts, flags
 
 
+def _host_path_access(
+    host_path: tuple[str, str, str], kind: str, flag: str
+) -> tuple[list[Obj], list[Obj], list[str]]:
+    """(volumes, mounts, agent flags) for one node path (name, path, mount path) of type
+    `kind`, mounted writable and named to the agent by `flag`."""
+    name, path, mount = host_path
+    return (
+        [{"name": name, "hostPath": {"path": path, "type": kind}}],
+        [{"name": name, "mountPath": mount}],
+        [flag, mount],
+    )
+
+
 def _localnet_access(spec: ProxyConfigurationSpec) -> tuple[list[Obj], list[Obj], list[str]]:
     """(volumes, mounts, agent flags) for route_localnet, only where localhost NodePorts are
     in effect (mode iptables, or nftables with its opt-in: the mode's localhostNodePorts, and
     nodePortAddresses allowing 127.0.0.1)."""
     if not spec.localhost_node_ports_in_effect():
         return [], [], []
-    name, path, mount = ROUTE_LOCALNET
-    return (
-        [{"name": name, "hostPath": {"path": path, "type": "File"}}],
-        [{"name": name, "mountPath": mount}],
-        ["--route-localnet-file", mount],
-    )
+    return _host_path_access(ROUTE_LOCALNET, "File", "--route-localnet-file")
 
 
 def _ipvs_sysctl_access(spec: ProxyConfigurationSpec) -> tuple[list[Obj], list[Obj], list[str]]:
     """(volumes, mounts, agent flags) for the node's net.ipv4 sysctls, in mode ipvs only."""
     if spec.mode is not Mode.IPVS:
         return [], [], []
-    name, path, mount = IPV4_SYSCTLS
-    return (
-        [{"name": name, "hostPath": {"path": path, "type": "Directory"}}],
-        [{"name": name, "mountPath": mount}],
-        ["--ipv4-sysctl-dir", mount],
-    )
+    return _host_path_access(IPV4_SYSCTLS, "Directory", "--ipv4-sysctl-dir")
 
 
 def _pod_env() -> list[Obj]:
