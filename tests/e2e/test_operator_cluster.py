@@ -70,7 +70,8 @@ class Env:
                 sum(c.get("restartCount", 0) for c in p["status"].get("containerStatuses", [])),
             )
             for p in pods.get("items", [])
-            if not p["metadata"].get("deletionTimestamp")
+            # not being deleted, and bound (a Pod the DaemonSet just made has no node yet)
+            if not p["metadata"].get("deletionTimestamp") and p["spec"].get("nodeName")
         }
 
     def vip(self) -> str:
@@ -540,7 +541,7 @@ def test_mode_external_runs_the_backend_next_to_a_state_server_only_agent(env: E
     def diagnostics() -> str:
         pods = env.json("-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=kpx-agent")
         states = [
-            (p["spec"]["nodeName"], p["status"].get("containerStatuses"))
+            (p["spec"].get("nodeName"), p["status"].get("containerStatuses"))
             for p in pods.get("items", [])
         ]
         return f"external agents Ready on 3 nodes: {env.pxc().get('status')} {states}"

@@ -181,10 +181,12 @@ class Traffic(threading.Thread):
 
 
 def agents_by_node(rc: RealCluster) -> dict[str, tuple[str, bool]]:
-    """node -> (image, Ready) of the agents' Pods that are not being deleted."""
+    """node -> (image, Ready) of the agents' Pods that are not being deleted. A Pod the
+    DaemonSet just created has no node until the scheduler binds it: its node counts as one
+    without an agent (left out) until then."""
     out = {}
     for pod in get(rc, "-n", NS, "pods", "-l", "app.kubernetes.io/name=kpx-agent")["items"]:
-        if pod["metadata"].get("deletionTimestamp"):
+        if pod["metadata"].get("deletionTimestamp") or not pod["spec"].get("nodeName"):
             continue
         ready = any(
             c["type"] == "Ready" and c["status"] == "True"
