@@ -35,6 +35,7 @@ from ..vm import image as vm_image
 from ..vm.machine import SCRATCH_MOUNT, Guest, TapLink
 from . import cgroups, static_images
 from .config import (
+    CONTAINERD_START_S,
     HARNESS_POD_HOSTS_FROM,
     KUBELET_SYSCTLS,
     NodePlan,
@@ -365,7 +366,7 @@ class RealCluster:
             kubernetes_binary("kubelet"),
             _containerd_binary(),
             archives,
-            GUEST_CONTAINERD_START_S if self.vm else 60,
+            GUEST_CONTAINERD_START_S if self.vm else CONTAINERD_START_S,
         )
         plan.spec_file.write_text(json.dumps(spec, indent=2))
 

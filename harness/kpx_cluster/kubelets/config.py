@@ -341,12 +341,16 @@ def supervisor_argv(netns: str, spec_file: Path, python: str) -> list[str]:
     ]
 
 
+#: How long a host node's containerd may take to answer on its socket (seconds).
+CONTAINERD_START_S = 60
+
+
 def supervisor_spec(
     plan: NodePlan,
     kubelet: Path,
     containerd: Path,
     archives: list[Path],
-    containerd_start_s: float = 60,
+    containerd_start_s: float = CONTAINERD_START_S,
 ) -> dict[str, Any]:
     """What `kpx_cluster.kubelets.supervisor` does inside the node's namespaces (JSON).
 

@@ -86,7 +86,7 @@ class Supervisor:
             return False
 
     def _wait_containerd(self) -> None:
-        timeout = float(self.spec.get("containerdStartSeconds", 60))
+        timeout = float(self.spec["containerdStartSeconds"])
         deadline = time.monotonic() + timeout
         while not self._containerd_answers():
             if self.procs["containerd"].poll() is not None or time.monotonic() > deadline:
