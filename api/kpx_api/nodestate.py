@@ -19,8 +19,7 @@ from pydantic import Field, ValidationError
 from kpx_api.constants import API_VERSION
 from kpx_api.errors import ConfigError
 from kpx_api.modes import Mode
-from kpx_api.proxyconfiguration import Timestamp
-from kpx_api.validation import KpxModel, Text
+from kpx_api.validation import KpxModel, Text, Timestamp
 
 NODE_STATE_KIND: Final = "ProxyNodeState"
 NODE_STATE_LIST_KIND: Final = "ProxyNodeStateList"

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, Final, Literal
 
-from pydantic import AfterValidator, Field, PlainSerializer, ValidationError
+from pydantic import Field, ValidationError
 
 from kpx_api.constants import API_VERSION, KIND
 from kpx_api.errors import ConfigError
@@ -23,7 +22,7 @@ from kpx_api.scheduling import (
 )
 from kpx_api.selectors import LabelMap
 from kpx_api.takeover import TakeoverStatus
-from kpx_api.validation import KpxModel, SetList, Text
+from kpx_api.validation import KpxModel, SetList, Text, Timestamp
 
 DEFAULT_PRIORITY_CLASS: Final = "system-node-critical"
 #: spec.modeSwitch.progressDeadlineSeconds by default.
@@ -165,19 +164,6 @@ class ConditionStatus(StrEnum):
     FALSE = "False"
     UNKNOWN = "Unknown"
 
-
-def _utc(value: datetime) -> datetime:
-    if value.tzinfo is None:
-        raise ValueError("must carry a time zone (e.g. 2024-01-01T00:00:00Z)")
-    return value.astimezone(UTC)
-
-
-#: An RFC 3339 time, serialized like Kubernetes' metav1.Time (second precision, "Z").
-Timestamp = Annotated[
-    datetime,
-    AfterValidator(_utc),
-    PlainSerializer(lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ"), return_type=str, when_used="json"),
-]
 
 CONDITION_TYPE_PATTERN: Final = (
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"

@@ -18,13 +18,16 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Self
+from datetime import UTC, datetime
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     GetCoreSchemaHandler,
     GetJsonSchemaHandler,
+    PlainSerializer,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
@@ -121,6 +124,20 @@ class Cel:
         out = dict(handler(schema))
         out[X_VALIDATIONS] = [*out.get(X_VALIDATIONS, []), *_rule_schemas(self.rules)]
         return out
+
+
+def _utc(value: datetime) -> datetime:
+    if value.tzinfo is None:
+        raise ValueError("must carry a time zone (e.g. 2024-01-01T00:00:00Z)")
+    return value.astimezone(UTC)
+
+
+#: An RFC 3339 time, serialized like Kubernetes' metav1.Time (second precision, "Z").
+Timestamp = Annotated[
+    datetime,
+    AfterValidator(_utc),
+    PlainSerializer(lambda t: t.strftime("%Y-%m-%dT%H:%M:%SZ"), return_type=str, when_used="json"),
+]
 
 
 @dataclass(frozen=True)

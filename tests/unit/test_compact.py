@@ -147,23 +147,23 @@ def test_an_update_of_a_field_nobody_reads_records_no_change() -> None:
     assert state.take_changes().services == {("default", "web")}
 
 
-def _strings(value: object) -> list[object]:
-    """The string values (not keys: orjson keeps those in a cache of its own)."""
-    if isinstance(value, Mapping):  # dicts, and the compact form's endpoints
-        return [s for v in value.values() for s in _strings(v)]
-    if isinstance(value, list):
-        return [s for v in value for s in _strings(v)]
-    return [value] if isinstance(value, str) else []
+def _containers(value: object) -> list[object]:
+    """Every dict and list in a value, the compact form's mappings read through."""
+    if isinstance(value, Mapping):  # dicts, and the compact form's fields and endpoints
+        return [value, *(c for v in value.values() for c in _containers(v))]
+    if isinstance(value, (list, tuple)):
+        return [value, *(c for v in value for c in _containers(v))]
+    return []
 
 
 @pytest.mark.parametrize("kind", [SERVICES, SLICES])
-def test_the_compact_form_holds_no_string_of_the_decoded_object(kind: str) -> None:
-    """So a decoded list page is freed whole once its items are compacted."""
+def test_the_compact_form_holds_no_container_of_the_decoded_object(kind: str) -> None:
+    """So an item's decoded tree is freed once it is compacted (its strings may be kept)."""
     obj = fat(svc()) if kind == SERVICES else fat(eps(ep("10.244.1.2"), ep("10.244.1.3")))
-    whole = orjson.loads(orjson.dumps(obj))  # as decoded: strings of its own
+    whole = orjson.loads(orjson.dumps(obj))  # as decoded
     kept = ClusterState().shrink(kind, whole)
-    original = {id(s) for s in _strings(whole)}
-    assert not [s for s in _strings(kept) if id(s) in original]
+    original = {id(c) for c in _containers(whole)}
+    assert not [c for c in _containers(kept) if id(c) in original]
     assert ClusterState().shrink(kind, kept) is kept  # a compact object compacts to itself
 
 
