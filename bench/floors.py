@@ -22,6 +22,7 @@ from pathlib import Path
 
 from kpx_agent.backends.iptables.backend import IptablesBackend
 from kpx_agent.backends.iptables.fake import IptScripts
+from kpx_agent.backends.iptables.kernel import nf_tables_flavour
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.fake import NftScripts
 from kpx_agent.model.types import NodeLocalState
@@ -38,7 +39,9 @@ def nft_script(st: NodeLocalState) -> str:
 
 
 def iptables_scripts(st: NodeLocalState) -> list[tuple[int, str]]:
-    kernel = IptScripts()
+    """A full sync's scripts into empty tables, as the agent writes them on this machine's
+    iptables (the nf_tables flavour lists the table before the rules: script.LIST_FIRST)."""
+    kernel = IptScripts(nf_tables=nf_tables_flavour())
     IptablesBackend(SETTINGS, kernel).sync(st, None)
     return kernel.scripts
 

@@ -178,3 +178,63 @@ def test_backend_programs_real_traffic(topology: Topology) -> None:
         assert "-A PREROUTING -j FOREIGN" in text and "-A INPUT -j FOREIGN" in text, text
         assert text.count("-A FOREIGN -j RETURN") == 2, text
     run("cleanup")  # nothing left: a second cleanup is a no-op
+
+
+# Runs inside a node's netns: argv = list first ("on"/"off"), ports. Two full syncs (a start
+# into a table with someone else's chain, then a restarted agent's into its own rules).
+MANY = """
+import sys
+from ipaddress import ip_network as net
+from kpx_agent.model.types import *
+from kpx_agent.model.service_ports import local_state
+from kpx_agent.backends.iptables import script
+from kpx_agent.backends.iptables.backend import IptablesBackend
+
+listing, count = sys.argv[1], int(sys.argv[2])
+if listing == "off":
+    script.LIST_FIRST_MIN_CHAINS = 10**9
+ip = IP.of
+ports = [
+    ServicePort(
+        ServicePortKey("d", f"s{i}", "", Protocol.TCP, 4), 80,
+        cluster_ips=(ip(f"10.96.{i // 250}.{i % 250 + 1}"),),
+        cluster_endpoints=(Endpoint(ip(f"10.244.{i // 250}.{i % 250 + 1}"), 8080),
+                           Endpoint(ip(f"10.245.{i // 250}.{i % 250 + 1}"), 8080)),
+        node_port=30000 + i if i % 3 == 0 else 0,
+    )
+    for i in range(count)
+]
+settings = DataplaneSettings(cluster_cidrs=(net("10.244.0.0/15"),))
+state = local_state(NodeInfo("n1", (ip("192.0.2.1"),)), settings, ports)
+for start in ("start", "restart"):
+    backend = IptablesBackend(settings)
+    backend.sync(state, None)
+    nat = next(s for f, s in backend.last_scripts if f == 4 and s.startswith("*nat"))
+    print(start, script.LIST_FIRST in nat.splitlines())
+"""
+
+
+def test_a_full_sync_that_lists_first_programs_exactly_the_same_rules(
+    topology: Topology,
+) -> None:
+    """iptables-nft's restore of many chains is cheaper after a line that names no chain
+    (script.LIST_FIRST, `-S`): the rules it leaves must be exactly those of the same sync
+    without it, at a start and at a restart, with someone else's chain left alone."""
+    dumps = {}
+    for listing in ("on", "off"):
+        node = topology.add_node(f"n{listing}")
+        tool(topology, node, ["iptables", "-t", "nat", "-N", "FOREIGN"])
+        tool(topology, node, ["iptables", "-t", "nat", "-A", "PREROUTING", "-j", "FOREIGN"])
+        out = tool(topology, node, [sys.executable, "-c", MANY, listing, "300"])
+        # At the start (an empty table) the listing pays; at the restart (the table full of
+        # its own 900 rules) 300 chains' lookups do not outweigh listing them.
+        assert out.split() == ["start", str(listing == "on"), "restart", "False"], out
+        dumps[listing] = [
+            line
+            for line in saved(topology, node, 4).splitlines()
+            if (not line.startswith("#") and not line.startswith(":")) or "KPX" in line
+        ]
+    assert dumps["on"] == dumps["off"]
+    nat = dumps["on"]
+    assert sum(line.startswith("-A KPX-SVC-") for line in nat) == 300 * 3, nat[:20]
+    assert "-A PREROUTING -j FOREIGN" in nat

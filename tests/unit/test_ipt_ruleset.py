@@ -12,15 +12,15 @@ import pytest
 from backend_samples import GOLDEN, NODE, SETTINGS, check_golden, endpoints, key, sample_state
 
 from kpx_agent.backends.base import BackendError
-from kpx_agent.backends.iptables import create
+from kpx_agent.backends.iptables import create, script
 from kpx_agent.backends.iptables import kernel as ipt_kernel
 from kpx_agent.backends.iptables import names as n
 from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup
-from kpx_agent.backends.iptables.fake import IptScripts
+from kpx_agent.backends.iptables.fake import FakeIptables, IptScripts
 from kpx_agent.backends.iptables.rule import Rule, Verdict
 from kpx_agent.backends.iptables.rules import port_rules, probability
 from kpx_agent.model.detect_local import local_pods
-from kpx_agent.model.service_ports import service_ports
+from kpx_agent.model.service_ports import local_state, service_ports
 from kpx_agent.model.types import (
     IP,
     DataplaneSettings,
@@ -494,3 +494,58 @@ def test_ensure_sysctl_writes_only_a_different_value(tmp_path: Path) -> None:
     assert target.read_text() == "1\n"
     with pytest.raises(OSError):
         ipt_kernel.ensure_sysctl(tmp_path / "missing", 1)
+
+
+def many_ports(count: int) -> NodeLocalState:
+    ports = [
+        ServicePort(
+            key(f"s{i}"),
+            80,
+            cluster_ips=(IP.of(f"10.96.{i // 250}.{i % 250 + 1}"),),
+            cluster_endpoints=endpoints(f"10.244.{i // 250}.{i % 250 + 1}"),
+        )
+        for i in range(count)
+    ]
+    return local_state(NODE, SETTINGS, ports)
+
+
+@pytest.mark.parametrize(
+    ("chains", "lines", "rules_in_table", "listed"),
+    [
+        (10_000, 120_000, 0, True),  # a start: the table is empty
+        (10_000, 120_000, 120_000, True),  # a restart at 10,000 Services
+        (99, 1_000_000, 0, False),  # few chains: their lookups cost little
+        (1_000, 12_000, 12_000, False),  # a restart at 1,000: listing would cost more
+        (300, 5_000, 200_000, False),  # a small sync into a large table
+    ],
+)
+def test_a_full_sync_lists_the_table_first_where_the_lookups_cost_more(
+    chains: int, lines: int, rules_in_table: int, listed: bool
+) -> None:
+    assert script.lists_first(chains, lines, rules_in_table) is listed
+
+
+def test_the_listing_comes_after_the_jump_edits_and_before_the_rules() -> None:
+    """A built-in chain named after the listing is not created (iptables-nft 1.8.9)."""
+    kernel = Kernel()
+    kernel.nf_tables_flavour = True
+    kernel.backend().sync(many_ports(200), None)
+    nat = next(s for f, s in kernel.scripts if f == 4 and s.startswith("*nat")).splitlines()
+    at = nat.index(script.LIST_FIRST)
+    assert all(not line.startswith(("-A ", "-X ")) for line in nat[:at])
+    assert all(not line.startswith((":", "-I ", "-D ")) for line in nat[at + 1 :])
+    assert any(line.startswith("-I PREROUTING ") for line in nat[:at])
+    # Small scripts (the filter table's, a partial sync's) and legacy iptables do not list.
+    assert all(script.LIST_FIRST not in s.splitlines() for f, s in kernel.scripts[1:])
+    legacy = Kernel()
+    legacy.backend().sync(many_ports(200), None)
+    assert all(script.LIST_FIRST not in s.splitlines() for _, s in legacy.scripts)
+
+
+def test_the_fake_takes_the_listing_as_a_change_of_nothing() -> None:
+    fake = FakeIptables()
+    fake.nf_tables_flavour = True
+    backend = IptablesBackend(SETTINGS, fake, ensure_sysctl=lambda _path, _value: None)
+    backend.sync(many_ports(150), None)
+    assert any(script.LIST_FIRST in s.splitlines() for _, s in backend.last_scripts)
+    assert sum(c.startswith(n.SVC_PREFIX) for c in fake.tables[(4, "nat")]) == 150

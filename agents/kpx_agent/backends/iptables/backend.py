@@ -251,6 +251,7 @@ class IptablesBackend(Backend):
         settings = self.settings
         books: dict[int, ChainBook] = {}
         units: list[tuple[int, str]] = []
+        nf_tables = self._kernel.nf_tables()  # (script.LIST_FIRST pays off there only)
         for fam in FAMILIES:
             facts = state.facts[fam]
             book = ChainBook(fixed_chains(settings, facts), shared_frames(settings, facts))
@@ -276,6 +277,7 @@ class IptablesBackend(Backend):
                             dict(wanted),
                             jump_edits(table, saved, n.jumps(facts.localhost_node_ports)),
                             extra_deletes=saved.ours - wanted.keys(),
+                            rules_in_table=saved.rules if nf_tables else None,
                         ),
                     )
                 )

@@ -3,7 +3,8 @@
 `FakeIptables` holds each (family, table)'s chains, built-in ones included, and applies the
 scripts the backend hands to `iptables-restore --noflush` as the tool does: one run is one
 atomic table change; `:CHAIN` creates or flushes a chain; `-A`, `-I`, `-D` (the rule must be
-there) and `-X` (the chain must exist and nobody may jump to it); at COMMIT every `-j` target
+there) and `-X` (the chain must exist and nobody may jump to it); `-S` (a listing) changes
+nothing; at COMMIT every `-j` target
 must be a chain of the table or a built-in target. `save` prints what iptables-save would (the
 backend's full sync reads it); `dump()` is a canonical text of our chains.
 
@@ -20,6 +21,7 @@ import shlex
 from ...model.types import Protocol
 from ..base import BackendError
 from ..kernel.packet_walk import Outcome, Packet, Walk, every_outcome
+from .script import LIST_FIRST as LIST
 
 BUILTIN = {
     "nat": ("PREROUTING", "INPUT", "OUTPUT", "POSTROUTING"),
@@ -50,6 +52,9 @@ class FakeIptables:
         self.refuse: set[str] = set()
         # Families whose every run the tool fails (say, no ip6tables in this kernel).
         self.broken_families: set[int] = set()
+        # Whether it plays iptables' nf_tables flavour (`nf_tables`; its generation id stays
+        # None, as legacy's: a drift check reads the tables back each time).
+        self.nf_tables_flavour = False
 
     # -- the backend's kernel (`kernel.Kernel`)
 
@@ -60,6 +65,9 @@ class FakeIptables:
         """None, as legacy iptables: its changes move no generation id (a drift check reads
         iptables-save each time)."""
         return None
+
+    def nf_tables(self) -> bool:
+        return self.nf_tables_flavour
 
     def restore_test(self, family: int, script: str) -> str | None:
         """iptables-restore --test: what `restore` would say, applying nothing."""
@@ -99,6 +107,8 @@ class FakeIptables:
                 chain = line[1:].split()[0]
                 current[chain] = []
                 changes = True
+            elif line == LIST:
+                continue  # a listing of the table: nothing changes
             else:
                 if any(word in line for word in self.refuse):
                     raise FakeError(f"{line}: refused (EINVAL)")
@@ -331,9 +341,12 @@ class IptScripts:
     """A `kernel.Kernel` that applies nothing and records each (family, script) restored
     (golden tests, benchmarks); `saved` is what iptables-save prints per (family, table)."""
 
-    def __init__(self, saved: dict[tuple[int, str], str] | None = None) -> None:
+    def __init__(
+        self, saved: dict[tuple[int, str], str] | None = None, nf_tables: bool = False
+    ) -> None:
         self.saved = saved or {}
         self.scripts: list[tuple[int, str]] = []
+        self.nf_tables_flavour = nf_tables
 
     def restore(self, family: int, script: str) -> None:
         self.scripts.append((family, script))
@@ -349,3 +362,6 @@ class IptScripts:
 
     def generation(self) -> int | None:
         return None
+
+    def nf_tables(self) -> bool:
+        return self.nf_tables_flavour

@@ -27,10 +27,20 @@ PROC_SYS = Path("/proc/sys")
 TIMEOUT = 300.0  # seconds; a restore of a very large ruleset takes a while
 
 
-def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def _run(
+    argv: list[str], stdin: str | None = None, output: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """Run a tool; its standard output is kept only with `output` (a restore's is discarded:
+    the listing a script's `-S` prints, tens of MB on a large node)."""
     try:
         return subprocess.run(
-            argv, input=stdin, capture_output=True, text=True, check=False, timeout=TIMEOUT
+            argv,
+            input=stdin,
+            stdout=subprocess.PIPE if output else subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+            timeout=TIMEOUT,
         )
     except FileNotFoundError as exc:
         raise BackendError(f"{argv[0]} is not installed") from exc
@@ -42,7 +52,7 @@ def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProce
 
 def restore(family: int, script: str) -> None:
     """Apply `script` with (ip6)iptables-restore --noflush; raise BackendError on failure."""
-    proc = _run([n.RESTORE[family], *WAIT, "--noflush"], script)
+    proc = _run([n.RESTORE[family], *WAIT, "--noflush"], script, output=False)
     if proc.returncode != 0:
         raise BackendError(
             f"{n.RESTORE[family]} failed ({proc.returncode}): {proc.stderr.strip()[:2000]}"
@@ -52,7 +62,7 @@ def restore(family: int, script: str) -> None:
 def restore_test(family: int, script: str) -> str | None:
     """Whether (ip6)iptables-restore accepts `script`, asked with `--test` (nothing is
     applied): None when it does, else its message."""
-    proc = _run([n.RESTORE[family], *WAIT, "--noflush", "--test"], script)
+    proc = _run([n.RESTORE[family], *WAIT, "--noflush", "--test"], script, output=False)
     if proc.returncode == 0:
         return None
     return proc.stderr.strip()[:2000] or f"{n.RESTORE[family]} --test exited {proc.returncode}"
@@ -142,6 +152,9 @@ class Kernel(Protocol):
         """The nftables ruleset generation id where iptables is the nf_tables flavour; None
         where it is legacy or the kernel cannot be asked."""
 
+    def nf_tables(self) -> bool:
+        """Whether the tools are iptables' nf_tables flavour (else legacy)."""
+
 
 class NodeKernel:
     """The node's iptables tools."""
@@ -160,3 +173,6 @@ class NodeKernel:
 
     def generation(self) -> int | None:
         return nft_generation()
+
+    def nf_tables(self) -> bool:
+        return nf_tables_flavour()
