@@ -525,16 +525,30 @@ def test_a_full_sync_lists_the_table_first_where_the_lookups_cost_more(
     assert script.lists_first(chains, lines, rules_in_table) is listed
 
 
-def test_the_listing_comes_after_the_jump_edits_and_before_the_rules() -> None:
-    """A built-in chain named after the listing is not created (iptables-nft 1.8.9)."""
+def test_the_listing_comes_after_the_jump_edits_and_only_the_chains_they_name() -> None:
+    """A built-in chain named after the listing is not created, and every chain declared
+    before it costs the listing a search of them all (iptables-nft 1.8.9)."""
     kernel = Kernel()
     kernel.nf_tables_flavour = True
     kernel.backend().sync(many_ports(200), None)
     nat = next(s for f, s in kernel.scripts if f == 4 and s.startswith("*nat")).splitlines()
     at = nat.index(script.LIST_FIRST)
-    assert all(not line.startswith(("-A ", "-X ")) for line in nat[:at])
-    assert all(not line.startswith((":", "-I ", "-D ")) for line in nat[at + 1 :])
-    assert any(line.startswith("-I PREROUTING ") for line in nat[:at])
+    assert nat[1:at] == [
+        f":{n.POSTROUTING} - [0:0]",
+        f":{n.SERVICES} - [0:0]",
+        *(line for line in nat[1:at] if line.startswith("-I ")),
+    ]
+    assert sorted(line.split()[1] for line in nat[1:at] if line.startswith("-I ")) == [
+        "OUTPUT",
+        "POSTROUTING",
+        "PREROUTING",
+    ]
+    after = nat[at + 1 :]
+    assert not [line for line in after if line.startswith(("-I ", "-D "))]
+    declared_after = {line[1:].split()[0] for line in after if line.startswith(":")}
+    assert sum(c.startswith(n.SVC_PREFIX) for c in declared_after) == 200
+    first_rule = next(i for i, line in enumerate(after) if line.startswith("-A "))
+    assert all(not line.startswith(":") for line in after[first_rule:])
     # Small scripts (the filter table's, a partial sync's) and legacy iptables do not list.
     assert all(script.LIST_FIRST not in s.splitlines() for f, s in kernel.scripts[1:])
     legacy = Kernel()
