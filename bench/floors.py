@@ -33,9 +33,11 @@ RESTORE = {4: "iptables-restore", 6: "ip6tables-restore"}
 
 
 def nft_script(st: NodeLocalState) -> str:
+    """A full sync's nft text, both families (one run each), every element in it: the tables
+    are there (`NftScripts`), so nothing goes by netlink."""
     kernel = NftScripts()
     NftablesBackend(SETTINGS, kernel).sync(st, None)
-    return kernel.runs[-1]
+    return "".join(kernel.runs)
 
 
 def iptables_scripts(st: NodeLocalState) -> list[tuple[int, str]]:

@@ -67,14 +67,14 @@ def _text(value: str) -> str:
     return sys.intern(value) if type(value) is str else value
 
 
-#: Dict keys already copied (`_key`): the API's field names, a handful that every object
+#: Dict keys already interned (`_key`): the API's field names, a handful that every object
 #: repeats; cleared when full (a map with keys of its own, such as a selector, adds some).
 _KEYS: dict[str, str] = {}
 _KEYS_MAX: Final = 1_000
 
 
 def _key(value: str) -> str:
-    """`_text` for a dict key, from `_KEYS` once copied (no copy and intern per object)."""
+    """`_text` for a dict key, from `_KEYS` once interned (no intern per object)."""
     found = _KEYS.get(value)
     if found is None:
         if len(_KEYS) >= _KEYS_MAX:
@@ -93,7 +93,7 @@ def _canonical(value: object) -> object:
 
 
 def _copy(value: Any) -> Any:
-    """A deep copy of a JSON value whose strings are copies (`_text`)."""
+    """A deep copy of a JSON value (new dicts and lists; its strings interned: `_text`)."""
     if isinstance(value, str):
         return _text(value)
     if isinstance(value, dict):
@@ -339,7 +339,7 @@ def _endpoint(ep: object) -> object:
     addresses = get("addresses")
     if type(addresses) is not list:  # not what the API sends: kept as sent, read as sent
         return _copy(ep)
-    # Unique: copied, not interned. One address (nearly every endpoint) is kept as that
+    # Unique: not interned. One address (nearly every endpoint) is kept as that
     # str, several in a tuple (a list of one costs 88 B in two blocks, a str nothing more);
     # read as the list they were (`get`, `[]`).
     if len(addresses) == 1 and type(addresses[0]) is str:
