@@ -4,9 +4,9 @@
 scripts the backend hands to `iptables-restore --noflush` as the tool does: one run is one
 atomic table change; `:CHAIN` creates or flushes a chain; `-A`, `-I`, `-D` (the rule must be
 there) and `-X` (the chain must exist and nobody may jump to it); `-S` (a listing) changes
-nothing; at COMMIT every `-j` target
-must be a chain of the table or a built-in target. `save` prints what iptables-save would (the
-backend's full sync reads it); `dump()` is a canonical text of our chains.
+nothing; at COMMIT every `-j` target must be a chain of the table or a built-in target.
+`save` prints what iptables-save would (the backend's full sync reads it); `dump()` is a
+canonical text of our chains.
 
 `trace(packet)` walks a packet through the built-in chains (nat PREROUTING or OUTPUT, filter
 INPUT/FORWARD/OUTPUT, nat POSTROUTING) over every random choice (`-m statistic`), and returns

@@ -34,8 +34,8 @@ from .rules import Lines
 #: the listing, but a line after it finds the listing's stand-in for the chain and fails
 #: (ENOENT); and the listing pays again for every chain declared before it, one by one against
 #: all of them (30,000 declarations before it: 38 s). So the jump edits come first, with only
-#: the chains they name declared before them, then the listing, then everything else: 4.0 s at
-#: 10,000 and 12 s at 30,000. Listing costs about 20 us per rule already in the table, and a
+#: the chains they name declared before them, then the listing, then everything else: 3.5-4.0
+#: s at 10,000 and 12 s at 30,000. Listing costs about 20 us per rule already in the table, and a
 #: scan step about 3.5 ns: a full sync lists first where its chains x lines outweigh the
 #: table's rules that many times.
 LIST_FIRST = "-S"
@@ -45,7 +45,8 @@ LIST_FIRST_MIN_CHAINS = 100
 
 def lists_first(chains: int, lines: int, rules_in_table: int) -> bool:
     """Whether a restore that names `chains` chains in `lines` lines, into a table that holds
-    `rules_in_table` rules, is cheaper with `LIST_FIRST` as its first line (iptables-nft)."""
+    `rules_in_table` rules, is cheaper with the table listed before its rules (`LIST_FIRST`;
+    iptables-nft)."""
     return (
         chains >= LIST_FIRST_MIN_CHAINS
         and chains * lines >= SCAN_STEPS_PER_LISTED_RULE * rules_in_table
@@ -67,21 +68,16 @@ def table_script(
     writes = {chain: rules for chain, rules in changes.items() if rules is not None}
     lines = [f"*{table}"]
     named = writes.keys() | deletes
-    declared = sorted(named)
-    if rules_in_table is not None and lists_first(
+    listed = rules_in_table is not None and lists_first(
         len(named), len(named) + len(jump_edits) + sum(map(len, writes.values())), rules_in_table
-    ):
-        # The chains the jump edits name, the edits, the listing, the rest (see LIST_FIRST).
-        edited = {word for edit in jump_edits for word in edit.split()} & named
-        lines += [f":{chain} - [0:0]" for chain in declared if chain in edited]
-        lines += jump_edits
+    )
+    # Listed: the chains the jump edits name, the edits, the listing, the rest (LIST_FIRST).
+    first = {word for edit in jump_edits for word in edit.split()} & named if listed else named
+    lines += [f":{chain} - [0:0]" for chain in sorted(first)]
+    lines += jump_edits
+    if listed:
         lines.append(LIST_FIRST)
-        declared = [chain for chain in declared if chain not in edited]
-    else:
-        lines += [f":{chain} - [0:0]" for chain in declared]
-        lines += jump_edits
-        declared = []
-    lines += [f":{chain} - [0:0]" for chain in declared]
+        lines += [f":{chain} - [0:0]" for chain in sorted(named - first)]
     for chain in sorted(writes):
         lines += [f"-A {chain} {rule}" for rule in writes[chain]]
     lines += [f"-X {chain}" for chain in sorted(deletes)]
