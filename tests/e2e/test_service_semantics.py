@@ -69,6 +69,9 @@ LB_V4_NET, LB_V6_NET = "10.251.0.0/16", "fd00:251::/64"  # load-balancer IPs of 
 # write: generous for a busy machine. Without the agent's conntrack cleanup the socket stays on
 # its stale entry for good (its own datagrams keep the entry alive), so any wait tells them apart.
 UDP_SWITCH_WAIT = 20.0
+# Seconds for the agent's conntrack cleaner to delete the UDP entries of a sync's tries before
+# a UDP check's final tries (it takes milliseconds; a busy CI machine delays it).
+UDP_CLEANER_SETTLE_S = 1.0
 
 family_param = pytest.mark.parametrize("family", [4, 6], ids=["v4", "v6"])
 
@@ -247,6 +250,13 @@ def assert_reaches(
             f"{target}: not answered by {sorted(expected)}: {last[-1]}\n" + diagnostics(env)
         ),
     )
+    if proto == "udp":
+        # Tries made while the rules changed left conntrack entries to the old endpoints; the
+        # agent deletes them right after the sync, off the programming path
+        # (conntrack/cleaner.py), so a try that reuses one of their source ports meanwhile
+        # follows one (seen in CI: 1 of 20 to the endpoint a VIP had just lost). Let the
+        # cleaner run first, as test_agent_nftables.assert_reaches does.
+        time.sleep(UDP_CLEANER_SETTLE_S)
     result = send(env, host, port, proto, source, count=20, timeout=1.0)
     assert result.failed == 0 and result.backends == expected, f"{target}: {result}"
     return result
