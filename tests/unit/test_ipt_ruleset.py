@@ -551,6 +551,15 @@ def test_the_listing_comes_after_the_jump_edits_and_only_the_chains_they_name() 
     assert all(not line.startswith(":") for line in after[first_rule:])
     # Small scripts (the filter table's, a partial sync's) and legacy iptables do not list.
     assert all(script.LIST_FIRST not in s.splitlines() for f, s in kernel.scripts[1:])
+    state = many_ports(200)
+    backend = kernel.backend()
+    backend.sync(state, None)
+    changed = dataclasses.replace(state.services[key("s7")], port=81)
+    state.services[changed.key] = changed
+    done = len(kernel.scripts)
+    backend.sync(state, [changed.key])
+    assert kernel.scripts[done:]
+    assert all(script.LIST_FIRST not in s.splitlines() for _, s in kernel.scripts[done:])
     legacy = Kernel()
     legacy.backend().sync(many_ports(200), None)
     assert all(script.LIST_FIRST not in s.splitlines() for _, s in legacy.scripts)
