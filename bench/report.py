@@ -461,35 +461,34 @@ def details(size: SizeResult, opts: Options) -> list[str]:
     return lines
 
 
+def _syncs(m: Mapping[str, float], name: str) -> tuple[float, float] | None:
+    """(count, sum) of one sync-duration histogram in one IP family: both systems label it
+    by family (`ip_family`), and one sync of both families counts once in each, so the
+    family with the most syncs stands for the whole (None: no such series)."""
+    series: dict[str, list[float]] = {}
+    for k, v in m.items():
+        for part, at in (("_count", 0), ("_sum", 1)):
+            if k.startswith(name + part) and k[len(name + part) : len(name + part) + 1] in "{":
+                series.setdefault(k[len(name + part) :], [0.0, 0.0])[at] += v
+    if not series or not max(c for c, _ in series.values()):
+        return None
+    count, total = max(series.values())
+    return count, total
+
+
 def _sync_summary(m: Mapping[str, float]) -> str:
     out = []
     for kind in ("full", "partial"):
-        total = sum(
-            v
-            for k, v in m.items()
-            if k.startswith(f"kubeproxy_sync_{kind}_proxy_rules_duration_seconds_sum")
-        )
-        count = sum(
-            v
-            for k, v in m.items()
-            if k.startswith(f"kubeproxy_sync_{kind}_proxy_rules_duration_seconds_count")
-        )
-        if count:
+        found = _syncs(m, f"kubeproxy_sync_{kind}_proxy_rules_duration_seconds")
+        if found:
+            count, total = found
             out.append(f"{count:.0f} {kind} syncs, {total / count:.3f} s mean")
     if not out:
-        total = sum(
-            v
-            for k, v in m.items()
-            if k.startswith("kubeproxy_sync_proxy_rules_duration_seconds_sum")
-        )
-        count = sum(
-            v
-            for k, v in m.items()
-            if k.startswith("kubeproxy_sync_proxy_rules_duration_seconds_count")
-        )
-        if count:
+        found = _syncs(m, "kubeproxy_sync_proxy_rules_duration_seconds")
+        if found:
+            count, total = found
             out.append(f"{count:.0f} syncs, {total / count:.3f} s mean")
-    return ", ".join(out)
+    return ", ".join(out) + (" (per IP family)" if out else "")
 
 
 def to_json(

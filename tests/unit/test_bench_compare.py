@@ -559,3 +559,24 @@ def test_report_of_a_sustained_burst() -> None:
     assert "1,234 not in the kernel when the wait ended" in text
     summary = rp.to_json(size, INFO, opts, "cmd")["modes"]["nftables"]["systems"]["kpx"]
     assert summary["summary"]["sustained_p99_s"] == 1.0
+
+
+def test_the_sync_summary_counts_a_sync_of_both_families_once() -> None:
+    """Both systems label their sync histograms by IP family, and one kpx sync of both
+    families is observed in each: the summary is per family (it once read "2 full syncs"
+    for an agent that made one)."""
+    full = "kubeproxy_sync_full_proxy_rules_duration_seconds"
+    partial = "kubeproxy_sync_partial_proxy_rules_duration_seconds"
+    metrics = {
+        f'{full}_count{{ip_family="IPv4"}}': 1,
+        f'{full}_sum{{ip_family="IPv4"}}': 6.84,
+        f'{full}_count{{ip_family="IPv6"}}': 1,
+        f'{full}_sum{{ip_family="IPv6"}}': 6.84,
+        f'{partial}_count{{ip_family="IPv4"}}': 4,
+        f'{partial}_sum{{ip_family="IPv4"}}': 0.8,
+        f'{partial}_bucket{{ip_family="IPv4",le="1"}}': 4,
+    }
+    assert rp._sync_summary(metrics) == (
+        "1 full syncs, 6.840 s mean, 4 partial syncs, 0.200 s mean (per IP family)"
+    )
+    assert rp._sync_summary({}) == ""

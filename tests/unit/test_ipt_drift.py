@@ -3,10 +3,12 @@ our chains and jump rules compared with the record; a full sync repairs what dif
 
 from __future__ import annotations
 
-from backend_samples import SETTINGS, sample_state
+import dataclasses
+
+from backend_samples import SETTINGS, endpoints, key, sample_state
 
 from kpx_agent.backends.iptables import names as n
-from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.backend import IptablesBackend, SavedTables
 from kpx_agent.backends.iptables.fake import FakeIptables
 from kpx_agent.model.types import NodeLocalState
 
@@ -180,3 +182,86 @@ def test_commits_of_counts_the_table_sections_that_change_something() -> None:
     assert commits_of("*nat\nCOMMIT\n*filter\n:KPX-B - [0:0]\nCOMMIT\n") == 1
     assert commits_of("") == 0
     assert commits_of("*nat\nCOMMIT") == 0 and commits_of("*filter\n-X KPX-B\nCOMMIT") == 1
+
+
+def with_web_endpoints(state: NodeLocalState, *ips: str) -> NodeLocalState:
+    """`state` with the web Service's endpoints replaced (its chains rewritten, others not)."""
+    web = key("web")
+    eps = endpoints(*ips)
+    services = dict(state.services)
+    services[web] = dataclasses.replace(
+        services[web], cluster_endpoints=eps, external_endpoints=eps
+    )
+    return dataclasses.replace(state, services=services)
+
+
+def test_a_reading_taken_before_a_partial_sync_is_judged_without_the_chains_it_rewrote() -> None:
+    """The read-back runs while syncs go on (seconds at 10,000 Services): a sync that
+    rewrote chains after the read is not drift (the reading shows them as they were), and a
+    chain changed behind our back that the sync did not touch is still found."""
+    for nft_flavour in (False, True):
+        fake, backend, state, generation, _ = synced(nft_flavour)
+        assert backend.drifted() == ""
+        generation.foreign += 1  # (iptables-nft reads back only after another writer's commit)
+        reading = backend.read_kernel()  # two endpoints join the web Service after it
+        assert isinstance(reading, SavedTables) and reading.saved is not None
+        bigger = with_web_endpoints(state, "10.244.1.2", "10.244.2.2", "10.244.3.2", "10.244.4.2")
+        backend.sync(bigger, {key("web")})
+        nat = fake.tables[(4, "nat")]
+        stale = {c for c, rules in reading.saved[(4, "nat")].rules.items() if rules != nat[c]}
+        assert stale or set(nat) - set(reading.saved[(4, "nat")].rules)  # it is out of date
+        assert backend.drifted(reading) == ""
+        other = svc_chain(fake, 6)
+        del fake.tables[(6, "nat")][other][0]  # behind our back
+        generation.foreign += 1
+        reading = backend.read_kernel()
+        backend.sync(state, {key("web")})  # and a sync of ours rewrites web's chains
+        assert backend.drifted(reading).startswith(f"IPv6 nat: chain {other} has ")
+
+
+def test_a_reading_that_starts_during_a_sync_leaves_out_what_that_sync_rewrites() -> None:
+    """The check's read may begin while a sync is between noting its chains and restoring
+    them: those count as rewritten too."""
+    fake, backend, state, _, _ = synced()
+    restore = fake.restore
+    readings: list[object] = []
+
+    def read_then_restore(family: int, script: str) -> None:
+        readings.append(backend.read_kernel())  # the read sees the kernel before the restore
+        restore(family, script)
+
+    fake.restore = read_then_restore  # type: ignore[method-assign]
+    bigger = with_web_endpoints(state, "10.244.1.2", "10.244.2.2", "10.244.3.2")
+    backend.sync(bigger, {key("web")})
+    fake.restore = restore  # type: ignore[method-assign]
+    [reading] = readings
+    assert isinstance(reading, SavedTables)
+    assert backend.drifted(reading) == ""
+    assert backend.drifted() == ""  # and the next check reads the kernel as it is now
+
+
+def test_a_reading_overlapped_by_a_full_sync_finds_nothing_and_the_next_check_reads_again() -> None:
+    fake, backend, state, generation, save = synced(nft_flavour=True)
+    assert backend.drifted() == ""
+    chain = svc_chain(fake)
+    del fake.tables[(4, "nat")][chain][0]  # another writer's commit
+    generation.foreign += 1
+    reading = backend.read_kernel()
+    assert isinstance(reading, SavedTables) and reading.saved is not None  # it shows the loss
+    backend.sync(state, None)  # rewrites everything, the deleted rule too
+    assert backend.drifted(reading) == ""
+    saves = save.calls
+    assert backend.drifted() == "" and save.calls > saves  # read back, and found as written
+
+
+def test_no_digest_is_taken_from_a_reading_a_sync_overlapped() -> None:
+    """A digest stands for the kernel as our last sync left it: one taken from a reading that
+    predates a sync would make the next check take that sync's chains for changed ones."""
+    fake, backend, state, _, _ = synced()
+    reading = backend.read_kernel()
+    bigger = with_web_endpoints(state, "10.244.1.2", "10.244.2.2", "10.244.3.2")
+    backend.sync(bigger, {key("web")})
+    assert backend.drifted(reading) == ""
+    assert backend.drifted() == "" and backend.drifted() == ""
+    fake.tables[(4, "nat")][svc_chain(fake)][0] = "-j RETURN"
+    assert backend.drifted() == "IPv4 nat: a rule of ours was changed behind our back"

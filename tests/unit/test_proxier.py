@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kpx_agent.backends.base import Backend, BackendError
+from kpx_agent.backends.base import Backend, BackendError, KernelReadBack
 from kpx_agent.conntrack import stale_flows as conntrack
 from kpx_agent.conntrack.stale_flows import FlowFilter
 from kpx_agent.model.types import (
@@ -22,7 +22,7 @@ from kpx_agent.model.types import (
 )
 from kpx_agent.observability.metrics import AgentMetrics
 from kpx_agent.store.cluster_state import NAMESPACES, NODES, SERVICES, SLICES, ClusterState
-from kpx_agent.sync.proxier import DRIFT, PERIODIC, KernelFinding, Proxier
+from kpx_agent.sync.proxier import DRIFT, GONE, PERIODIC, KernelFinding, Proxier
 from kpx_api.proxysettings import NamespaceOptOut
 
 
@@ -436,7 +436,7 @@ class DriftingBackend(RecordingBackend):
         super().__init__()
         self.drift = ""
 
-    def drifted(self) -> str:
+    def drifted(self, reading: KernelReadBack | None = None) -> str:
         return self.drift
 
 
@@ -479,3 +479,52 @@ def test_a_full_sync_is_forced_every_hour_with_jitter() -> None:
     assert proxier.check_kernel() == []
     now[0] += 1.0
     assert proxier.check_kernel() == [PERIODIC_SYNC]
+
+
+class FlushedMidSync(RecordingBackend):
+    """A backend whose rules look gone while it rewrites them (a full sync's moment between
+    tables): `programmed` says what `there` holds; `reading_during_sync` is read in a sync."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.there = True
+        self.proxier: Proxier | None = None
+        self.reading_during_sync: Any = None
+
+    def programmed(self) -> bool:
+        return self.there
+
+    def sync(self, state: NodeLocalState, changed: Collection[ServicePortKey] | None) -> None:
+        if self.proxier is not None and self.reading_during_sync is None:
+            self.there = False
+            self.reading_during_sync = self.proxier.read_kernel()
+        super().sync(state, changed)
+        self.there = True
+
+
+def test_rules_found_gone_while_a_sync_ran_are_not_taken_for_gone() -> None:
+    """The periodic check reads the kernel while syncs go on: rules that looked gone during
+    a sync (begun before the read or after) may have been that sync's rewrite; only a
+    reading no sync overlapped says they are gone."""
+    state = ClusterState()
+    for kind in (SERVICES, SLICES, NAMESPACES, NODES):
+        state.replace(kind, [])
+    backend = FlushedMidSync()
+    proxier = Proxier(state, backend, "n1", NamespaceOptOut(), AgentMetrics(), DataplaneSettings())
+    state.upsert(SERVICES, service("a", "web"))
+    proxier.sync()
+    backend.there = False
+    reading = proxier.read_kernel()
+    state.upsert(SERVICES, service("a", "db"))
+    proxier.sync()  # overlaps the reading
+    assert proxier.check_kernel(reading) == []
+    backend.proxier = proxier
+    state.upsert(SERVICES, service("a", "dns"))
+    proxier.sync()  # the reading begins in it
+    assert not backend.reading_during_sync.programmed
+    assert proxier.check_kernel(backend.reading_during_sync) == []
+    backend.there = False
+    reading = proxier.read_kernel()
+    assert proxier.check_kernel(reading) == [
+        KernelFinding(GONE, "our rules are gone from the kernel")
+    ]

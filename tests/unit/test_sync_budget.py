@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -319,3 +320,57 @@ def test_the_loop_goes_on_at_once_with_what_one_sync_left_not_after_min_sync_per
     assert not proxier.has_deferred(), took
     assert len(host.outcomes) == 6 and all(o.ok and not o.full for o in host.outcomes)
     assert [o.changed_ports for o in host.outcomes] == [1] * 6
+
+
+def test_a_change_is_synced_while_the_periodic_check_reads_the_kernel_back() -> None:
+    """The drift check's read-back takes seconds at scale in iptables mode: changes do not
+    wait for it; the reading is judged between syncs once it is in."""
+    state, _fake, proxier, _ = agent("iptables", budget=10_000)
+    state.upsert(SERVICES, service("web", 1, "10.96.0.20"))
+    state.upsert(SLICES, endpoint_slice("web", 1, ips("10.244", 2)))
+    assert proxier.sync().full
+    host = _Host(proxier, state)
+    host.settings = SimpleNamespace(sync_period=0.1, min_sync_period=0.0)
+    loop = SyncLoop(host)
+    reading_begun, release = threading.Event(), threading.Event()
+    read, check = proxier.read_kernel, proxier.check_kernel
+    judged: list[Any] = []
+
+    def slow_read() -> Any:
+        reading_begun.set()
+        release.wait(10)
+        return read()
+
+    def judge(reading: Any = None) -> Any:
+        judged.append(reading)
+        return check(reading)
+
+    proxier.read_kernel = slow_read  # type: ignore[method-assign]
+    proxier.check_kernel = judge  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        task = asyncio.create_task(loop.run(()))
+        try:
+            assert await asyncio.to_thread(reading_begun.wait, 5)
+            state.upsert(SLICES, endpoint_slice("web", 1, ips("10.245", 2)))
+            loop.wake.set()
+            for _ in range(100):
+                if host.outcomes:
+                    break
+                await asyncio.sleep(0.05)
+            assert [(o.ok, o.full, o.changed_ports) for o in host.outcomes] == [(True, False, 1)]
+            assert not judged  # the reading is still under way
+            release.set()
+            for _ in range(100):
+                if judged:
+                    break
+                await asyncio.sleep(0.05)
+            assert judged and judged[0] is not None and judged[0].programmed
+        finally:
+            release.set()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    asyncio.run(scenario())
+    assert not state.has_changes()  # the reading found nothing to repair

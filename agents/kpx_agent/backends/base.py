@@ -49,6 +49,11 @@ class Handover:
     kube_proxy_ipvs_mode_here: Callable[[], bool]
 
 
+class KernelReadBack:
+    """What a backend's drift check read from the kernel (`Backend.read_kernel`); each
+    backend that reads ahead has its own kind, which only it looks into."""
+
+
 class Backend(Protocol):
     """A mode's dataplane. `sync`, `cleanup` and `reconfigure` are each backend's own; the
     other methods have defaults for a backend that cannot tell (the core calls every one)."""
@@ -87,11 +92,19 @@ class Backend(Protocol):
         syncPeriod (False: a full sync). The default: a successful sync is the proof."""
         return True
 
-    def drifted(self) -> str:
+    def read_kernel(self) -> KernelReadBack | None:
+        """The slow half of the drift check: what `drifted` compares, read from the kernel.
+        Runs in a worker thread *while syncs go on* (a read-back takes seconds at scale, and
+        no change waits for it), so it touches the kernel and nothing a sync changes; the
+        backend keeps track of what the syncs meanwhile rewrote (`drifted` leaves that out).
+        The default: nothing (`drifted` reads what it needs itself)."""
+        return None
+
+    def drifted(self, reading: KernelReadBack | None = None) -> str:
         """Why the kernel differs from the last successful sync (a deleted element, a flushed
         chain, another process's edit; "": as far as the check tells, it does not): asked at
-        every syncPeriod, repaired by a full sync. Runs between syncs, possibly in a worker
-        thread. The default: no drift check."""
+        every syncPeriod with what `read_kernel` read (None: read now), repaired by a full
+        sync. Runs between syncs, possibly in a worker thread. The default: no drift check."""
         return ""
 
     def element_count(self) -> int:

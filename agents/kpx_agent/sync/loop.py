@@ -1,8 +1,9 @@
 """The sync loop: when the agent syncs, and each sync off the event loop.
 
 It wakes on every recorded change (`wake`), runs at most one sync per minSyncPeriod (bursts
-coalesce), reads the kernel back every syncPeriod (the drift check: a periodic resync that
-finds the kernel as programmed is a successful update), retries a failed sync after 1 s,
+coalesce), reads the kernel back every syncPeriod while syncs go on and judges the reading
+between syncs (the drift check: a periodic resync that finds the kernel as programmed is a
+successful update), retries a failed sync after 1 s,
 doubling up to 30 s (every Service recomputed), goes on at once while a partial sync left
 ports to the next ones (the budget of one sync, budget.py: what was recorded meanwhile joins
 them), and lets the agent roll back between syncs
@@ -26,7 +27,7 @@ from kpx_kube.reflector import Reflector
 from ..observability.proxy_health import ProxyHealth
 from ..settings import AgentSettings
 from ..store.cluster_state import ClusterState
-from .proxier import Proxier, SyncOutcome
+from .proxier import KernelReading, Proxier, SyncOutcome
 
 log = logging.getLogger(__name__)
 #: A sync failure with the same error is reported as an Event at most this often (s).
@@ -84,10 +85,20 @@ class SyncLoop:
         #: Set by whatever may need a sync (watch events, reloads, a failed verification).
         self.wake = asyncio.Event()
         self.synced_once = False  # until the first sync was attempted
+        #: The periodic check's reading of the kernel while it is under way: it runs while
+        #: syncs go on (seconds at scale in iptables mode), and is judged between syncs.
+        self.reading: asyncio.Task[KernelReading] | None = None
 
     async def run(self, excluding: tuple[Reflector, ...]) -> None:
         """Sync until cancelled; `excluding` are the reflectors that leave opted-out
         namespaces out (reselected when the opted-out namespaces change)."""
+        try:
+            await self._run(excluding)
+        finally:
+            if self.reading is not None:
+                self.reading.cancel()
+
+    async def _run(self, excluding: tuple[Reflector, ...]) -> None:
         host = self.host
         last_start = 0.0
         next_resync = time.monotonic() + host.settings.sync_period
@@ -109,12 +120,17 @@ class SyncLoop:
                 retry_delay = 0.0
                 next_resync = time.monotonic() + host.settings.sync_period
             now = time.monotonic()
-            if now >= next_resync:
+            if now >= next_resync and self.reading is None:
                 # The node-local state only changes through recorded changes, so there is
                 # nothing to recompute; what can change behind our back is the kernel.
-                # Reading the kernel back (the drift check) may take a while at scale.
-                host.proxier.repair(await asyncio.to_thread(host.proxier.check_kernel))
+                # Reading it back (the drift check) takes seconds at scale: no change waits
+                # for that, the reading is judged once it is in.
+                self.reading = asyncio.create_task(asyncio.to_thread(host.proxier.read_kernel))
+                self.reading.add_done_callback(lambda _: self.wake.set())
                 next_resync = now + host.settings.sync_period
+            if self.reading is not None and self.reading.done():
+                reading, self.reading = self.reading.result(), None
+                host.proxier.repair(await asyncio.to_thread(host.proxier.check_kernel, reading))
                 if not host.state.has_changes() and not retry_delay:
                     # The periodic resync found the kernel as programmed: a successful
                     # update, as upstream's periodic sync is.

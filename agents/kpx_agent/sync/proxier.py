@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kpx_api.proxysettings import NamespaceOptOut
 
-from ..backends.base import Backend, BackendError, CheckUnsupported
+from ..backends.base import Backend, BackendError, CheckUnsupported, KernelReadBack
 from ..conntrack import stale_flows as conntrack
 from ..conntrack.cleaner import ConntrackCleaner
 from ..conntrack.stale_flows import FlowFilter, stale_flows
@@ -67,6 +67,16 @@ class KernelFinding:
 
 
 GONE, DRIFT, PERIODIC = "rules_gone", "drift", "periodic"
+
+
+@dataclass(frozen=True)
+class KernelReading:
+    """What the periodic check read from the kernel (`Proxier.read_kernel`, while syncs go
+    on), for `Proxier.check_kernel` to judge between syncs."""
+
+    programmed: bool  # the backend's rules were there (`Backend.programmed`)
+    syncs: int  # `Proxier.sync_edges` before the read (odd: a sync was running)
+    backend: KernelReadBack | None  # the backend's own (`Backend.read_kernel`)
 
 
 @dataclass
@@ -127,6 +137,9 @@ class Proxier:
     # path); returns how many failed.
     delete_flows: Callable[[Iterable[FlowFilter]], int] = field(default=conntrack.delete_flows)
     conntrack_cleaner: ConntrackCleaner = field(init=False)
+    # Backend syncs begun plus those ended (odd while one runs): a kernel reading the periodic
+    # check took while syncs went on knows from it whether one overlapped (`read_kernel`).
+    sync_edges: int = field(default=0, init=False)
     # Called after each successful sync with the state and what changed (None: a full sync),
     # as the backend got them: the node-local state API publishes there (state_api).
     on_synced: Callable[[NodeLocalState, Collection[ServicePortKey] | None], None] | None = None
@@ -403,6 +416,7 @@ class Proxier:
             # kernel work, and not counted as a sync.
             return SyncOutcome(True, False, 0, time.monotonic() - pending.start)
         state = self.programmable()
+        self.sync_edges += 1  # odd while the backend programs
         try:
             try:
                 self.backend.sync(state, None if full else changed)
@@ -413,6 +427,8 @@ class Proxier:
                 # after a refused sync, whatever it is asked).
                 state, full = self.programmable(), True
                 self.backend.sync(state, None)
+            finally:
+                self.sync_edges += 1
         except BackendError as exc:
             self._report_refused()
             self._full_reasons.append("the last sync failed")
@@ -541,17 +557,29 @@ class Proxier:
             ),
         )
 
-    def check_kernel(self) -> list[KernelFinding]:
-        """At each syncPeriod: why the next sync must be a full one, which rewrites everything
-        the backend owns ([]: it need not): our rules are gone from the kernel (a flushed
-        ruleset), the backend's drift check found them changed behind our back (a deleted
-        element, a flushed chain, another process's edit), or a forced full sync is due (every
-        FULL_SYNC_PERIOD, jittered, as upstream's hourly one). Touches the backend only, not
-        the cluster state: may run in a worker thread, between syncs."""
-        if not self.backend.programmed():
+    def read_kernel(self) -> KernelReading:
+        """The periodic check's reading of the kernel (seconds at scale in iptables mode): in
+        a worker thread, while syncs go on (`check_kernel` judges it between syncs)."""
+        syncs = self.sync_edges
+        return KernelReading(self.backend.programmed(), syncs, self.backend.read_kernel())
+
+    def check_kernel(self, reading: KernelReading | None = None) -> list[KernelFinding]:
+        """At each syncPeriod, from `reading` (`read_kernel`; None: read now): why the next
+        sync must be a full one, which rewrites everything the backend owns ([]: it need
+        not): our rules are gone from the kernel (a flushed ruleset), the backend's drift
+        check found them changed behind our back (a deleted element, a flushed chain, another
+        process's edit), or a forced full sync is due (every FULL_SYNC_PERIOD, jittered, as
+        upstream's hourly one). Touches the backend only, not the cluster state: may run in a
+        worker thread, between syncs."""
+        if reading is None:
+            reading = self.read_kernel()
+        # Rules found gone while a sync ran may have been that sync's own full rewrite in
+        # progress: only a reading no sync overlapped tells.
+        quiet = reading.syncs == self.sync_edges and reading.syncs % 2 == 0
+        if not reading.programmed and quiet:
             return [KernelFinding(GONE, "our rules are gone from the kernel")]
         found = []
-        why = self.backend.drifted()
+        why = self.backend.drifted(reading.backend)
         if why:
             found.append(KernelFinding(DRIFT, why))
         now = self.clock()

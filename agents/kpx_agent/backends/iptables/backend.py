@@ -28,22 +28,29 @@ step the generation moved (`commits_of`: nobody else committed since the chains 
 so the kernel holds what the record says). The digest that finds a rule changed in place is
 then taken at the first check that finds no commit since the one before (a quiet syncPeriod),
 so a node under constant change reads nothing back until another writer commits.
+The read-back (`read_kernel`) runs while syncs go on: each sync notes the chains it rewrites
+while a read is under way (`_note`), and the comparison leaves those out (the kernel may have
+shown them before or after the sync); no digest is taken or compared across a sync, and a read
+that a full sync overlapped finds nothing (the full sync rewrote everything anyway).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...model.types import DataplaneSettings, NodeLocalState, ServicePortKey
-from ..base import Backend, BackendError
+from ..base import Backend, BackendError, KernelReadBack
 from ..route_localnet import allow
 from . import kernel
 from . import names as n
 from .chain_book import ChainBook, ChainPlan
 from .rules import PortLines, fixed_chains, port_rules, shared_frames
 from .script import (
+    SavedChains,
     SavedTable,
     cleanup_script,
     jump_edits,
@@ -57,6 +64,20 @@ log = logging.getLogger(__name__)
 FAMILIES = (4, 6)
 
 EnsureSysctl = Callable[[Path, int], None]  # (sysctl file, value)
+#: What a sync rewrote in one family: (table, chain names), or (None, ()) for everything (a
+#: full sync: every chain and the jump rules).
+Touch = tuple[int, str | None, frozenset[str]]
+
+
+@dataclass(frozen=True)
+class SavedTables(KernelReadBack):
+    """What the drift check read from the kernel (`IptablesBackend.read_kernel`)."""
+
+    gen: int | None  # the ruleset generation id before the read
+    # Our chains per (family, table) as iptables-save showed them; None: nothing needed
+    # reading (only our own commits since the chains were verified).
+    saved: dict[tuple[int, str], SavedChains] | None = None
+    error: str = ""  # the read failed: why (the check finds nothing, the next one reads again)
 
 
 class IptablesBackend(Backend):
@@ -93,6 +114,11 @@ class IptablesBackend(Backend):
         self._checked_gen: int | None = None
         # The nftables transactions the running sync's restores made (`commits_of`).
         self._commits = 0
+        # What the running sync rewrote so far, and while a drift check reads the kernel,
+        # what syncs rewrote since it began (None: no read under way); `_note`.
+        self._touch_lock = threading.Lock()
+        self._rewriting: list[Touch] = []
+        self._touched: list[Touch] | None = None
         self.last_scripts: list[tuple[int, str]] = []  # (family, script) of the last sync
 
     # -- the Backend protocol
@@ -101,10 +127,14 @@ class IptablesBackend(Backend):
         before = self._kernel.generation()
         verified, self._verified = self._verified, False  # (a failed sync leaves it False)
         self._commits = 0
-        if changed is None or self._books is None:
-            self._full_sync(state)
-        else:
-            self._partial_sync(state, self._books, changed)
+        try:
+            if changed is None or self._books is None:
+                self._full_sync(state)
+            else:
+                self._partial_sync(state, self._books, changed)
+        finally:
+            with self._touch_lock:
+                self._rewriting = []
         after = self._kernel.generation()
         if after is None or after != before:  # we committed: the digest is of the past
             self._baseline = None
@@ -117,6 +147,14 @@ class IptablesBackend(Backend):
             and after - before == self._commits
         )
         self._gen = after
+
+    def _note(self, touches: list[Touch]) -> None:
+        """Before a restore: what it rewrites (for a drift check's read under way, and one
+        that starts while this sync runs)."""
+        with self._touch_lock:
+            self._rewriting += touches
+            if self._touched is not None:
+                self._touched += touches
 
     def _restore(self, family: int, script: str) -> None:
         self._kernel.restore(family, script)
@@ -140,37 +178,74 @@ class IptablesBackend(Backend):
         except BackendError:
             return False
 
-    def drifted(self) -> str:
-        """What of ours differs in the kernel from the record ("": nothing); see the module
-        docstring."""
+    def read_kernel(self) -> SavedTables | None:
+        """Our chains in the kernel, as `drifted` compares them (iptables-save of each table:
+        seconds at 10,000 Services); nothing where the generation id says nothing but our own
+        syncs committed since they were verified. Runs while syncs go on (see the module
+        docstring); None: nothing was ever programmed."""
         if self._books is None:
-            return ""  # the next sync is a full one anyway
+            return None
+        with self._touch_lock:  # from here on, what syncs rewrite is noted
+            self._touched = list(self._rewriting)
         gen = self._kernel.generation()
-        quiet, self._checked_gen = gen == self._checked_gen, gen
         if gen is not None and gen == self._gen:
             if self._baseline is not None:
-                return ""  # no nftables commit at all since our chains were last verified
-            if self._verified and not quiet:
-                return ""  # only our own commits since then; the digest waits for a quiet check
+                return SavedTables(gen)  # no commit at all since the chains were verified
+            if self._verified and gen != self._checked_gen:
+                return SavedTables(gen)  # only ours since; the digest waits for a quiet check
+        saved: dict[tuple[int, str], SavedChains] = {}
+        for fam in FAMILIES:
+            for table in n.TABLES:
+                try:
+                    saved[(fam, table)] = saved_chains(self._kernel.save(fam, table), table)
+                except BackendError as exc:
+                    return SavedTables(gen, error=str(exc))
+        return SavedTables(gen, saved)
+
+    def drifted(self, reading: KernelReadBack | None = None) -> str:
+        """What of ours differs in the kernel from the record ("": nothing), from `reading`
+        (`read_kernel`; None: read now); see the module docstring. Between syncs."""
+        if reading is None:
+            reading = self.read_kernel()
+        with self._touch_lock:
+            touched, self._touched = self._touched or [], None
+        if self._books is None or not isinstance(reading, SavedTables):
+            return ""  # the next sync is a full one anyway
+        gen = self._checked_gen = reading.gen
+        if reading.error:
+            log.warning("drift check: %s", reading.error)
+            return ""
+        if reading.saved is None:
+            return ""
+        if any(table is None for _, table, _ in touched):
+            return ""  # a full sync ran meanwhile: it rewrote everything
+        skip: dict[tuple[int, str], set[str]] = {}
+        for fam, table, names in touched:
+            if table is not None:
+                skip.setdefault((fam, table), set()).update(names)
         digests: dict[tuple[int, str], bytes] = {}
         for fam, book in self._books.items():
             for table in n.TABLES:
-                try:
-                    saved = saved_chains(self._kernel.save(fam, table), table)
-                except BackendError as exc:
-                    log.warning("drift check: %s", exc)
-                    return ""
+                saved = reading.saved[(fam, table)]
                 chains = book.table_chains(table)
+                left_out = skip.get((fam, table))
+                if left_out:
+                    chains = {c: r for c, r in chains.items() if c not in left_out}
+                    saved = SavedChains(
+                        {c: r for c, r in saved.rules.items() if c not in left_out}, saved.jumps
+                    )
                 why = structure_drift(saved, table, chains, self._jumps.get(fam, ()))
                 if why:
                     return f"IPv{fam} {table}: {why}"
                 digests[(fam, table)] = saved.digest()
+        if touched:
+            return ""  # a sync ran meanwhile: no digest of this read stands for the kernel's
         if self._baseline is None:
             self._baseline = digests
         for (fam, table), digest in sorted(digests.items()):
             if digest != self._baseline.get((fam, table)):
                 return f"IPv{fam} {table}: a rule of ours was changed behind our back"
-        if gen is not None and self._kernel.generation() == gen:  # nothing committed while we read
+        if gen is not None and self._kernel.generation() == gen:  # nothing committed since
             self._gen = gen
             self._verified = True
         return ""
@@ -223,6 +298,7 @@ class IptablesBackend(Backend):
         books, units = self._full_units(state)
         self._books = None  # until every table is in
         self.last_scripts = units
+        self._note([(fam, None, frozenset()) for fam in FAMILIES])
         refused: dict[int, str] = {}
         for fam, script in units:
             if fam in refused:
@@ -290,7 +366,7 @@ class IptablesBackend(Backend):
         changed: Collection[ServicePortKey],
     ) -> None:
         plans: dict[int, ChainPlan] = {}
-        units: list[tuple[int, str, str]] = []  # (family, table, script)
+        units: list[tuple[int, str, str, frozenset[str]]] = []  # (family, table, script, chains)
         for fam in FAMILIES:
             updates: dict[ServicePortKey, PortLines | None] = {}
             local = state.facts[fam].local_pods
@@ -305,16 +381,18 @@ class IptablesBackend(Backend):
             plan = books[fam].plan(updates)
             plans[fam] = plan
             for table in plan.tables():
-                units.append((fam, table, table_script(table, plan.table_changes(table))))
-        self.last_scripts = [(fam, script) for fam, _, script in units]
+                edits = plan.table_changes(table)
+                units.append((fam, table, table_script(table, edits), frozenset(edits)))
+        self.last_scripts = [(fam, script) for fam, _, script, _ in units]
         refused: list[str] = []
         for fam in list(plans):
             # Each family on its own: a refused table reverts its family's tables before it,
             # and the other family's change still goes in.
             done: list[tuple[int, str]] = []
-            for f, table, script in units:
+            for f, table, script, chains in units:
                 if f != fam:
                     continue
+                self._note([(fam, table, chains)])
                 try:
                     self._restore(fam, script)
                 except BackendError as exc:
@@ -345,6 +423,7 @@ class IptablesBackend(Backend):
         self._books = None
         for fam, table in reversed(done):
             undo = books[fam].revert(plans[fam], table)
+            self._note([(fam, table, frozenset(undo))])
             try:
                 self._restore(fam, table_script(table, undo))
             except BackendError as exc:
