@@ -3,6 +3,8 @@ happens on failure."""
 
 from __future__ import annotations
 
+import datetime
+import time
 from collections import Counter
 from collections.abc import Collection, Iterable
 from typing import Any
@@ -528,3 +530,36 @@ def test_rules_found_gone_while_a_sync_ran_are_not_taken_for_gone() -> None:
     assert proxier.check_kernel(reading) == [
         KernelFinding(GONE, "our rules are gone from the kernel")
     ]
+
+
+def _triggered(slice_obj: dict[str, Any], at: float) -> dict[str, Any]:
+    stamp = datetime.datetime.fromtimestamp(at, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    slice_obj["metadata"]["annotations"] = {
+        "endpoints.kubernetes.io/last-change-trigger-time": stamp
+    }
+    return slice_obj
+
+
+def programming_count(proxier: Proxier) -> float:
+    """kubeproxy_network_programming_duration_seconds' IPv4 observations."""
+    child = proxier.metrics.network_programming.labels("IPv4")
+    return sum(b.get() for b in child._buckets)
+
+
+def test_network_programming_latency_leaves_out_changes_made_before_the_agent_watched() -> None:
+    """As upstream's tracker (trackerStartTime): a cold start lists every EndpointSlice, and
+    their trigger times are of changes the agent never saw happen (hours or days old), so
+    only those after the store began are observed; a deleted slice's trigger time (its last
+    update's) is dropped."""
+    state, _, proxier, _ = setup()
+    state.started = time.time() - 60
+    state.upsert(SERVICES, service("a", "old"))
+    state.upsert(SLICES, _triggered(endpoint_slice("a", "old", "10.244.0.2"), time.time() - 3600))
+    state.upsert(SERVICES, service("a", "new"))
+    state.upsert(SLICES, _triggered(endpoint_slice("a", "new", "10.244.0.3"), time.time() - 5))
+    proxier.sync()
+    assert programming_count(proxier) == 1
+    state.upsert(SLICES, _triggered(endpoint_slice("a", "old", "10.244.0.4"), time.time() - 1))
+    state.delete(SLICES, endpoint_slice("a", "old", "10.244.0.4"))
+    proxier.sync()
+    assert programming_count(proxier) == 1

@@ -78,6 +78,10 @@ class ClusterState:
         self.slice_events = 0
         self.services_pending: set[Key] = set()
         self.slices_pending: set[Key] = set()
+        # EndpointSlice trigger times at or before this (epoch seconds) are of changes made
+        # before the agent watched: not a programming latency of this agent's, so not
+        # recorded (upstream's trackerStartTime; a cold start lists them all).
+        self.started = time.time()
 
     # -- recording -----------------------------------------------------------------------------
     def shrink(self, kind: str, obj: dict[str, Any]) -> Obj:
@@ -151,7 +155,7 @@ class ClusterState:
             self._touch(owner)
             self.slices_pending.add(owner)
             trigger = _trigger_time(obj)
-            if trigger is not None:
+            if trigger is not None and trigger > self.started:
                 prev = self._changes.trigger_times.get(owner)
                 self._changes.trigger_times[owner] = min(prev, trigger) if prev else trigger
 
@@ -166,6 +170,9 @@ class ClusterState:
             self.slice_events += 1
             old = self.slices.pop(key, None)
             if old is not None and (owner := _owner(old)) is not None:
+                # A deleted slice's trigger time is its last update's, not the deletion's:
+                # the Service's recorded one goes (as upstream's tracker drops it).
+                self._changes.trigger_times.pop(owner, None)
                 self.slices_by_service[owner].discard(key)
                 if not self.slices_by_service[owner]:
                     del self.slices_by_service[owner]
