@@ -128,3 +128,52 @@ def test_a_sync_that_sends_nothing_keeps_the_digest() -> None:
     fake.edit()
     assert backend.drifted() == ""  # verified against the digest, not "cannot tell"
     assert digests.reads == reads + 2
+
+
+def fewer_web_endpoints(backend: NftablesBackend, state: NodeLocalState) -> None:
+    """A partial sync of ours that commits (the web Service loses an endpoint)."""
+    web = state.services[key("web")]
+    state.services[web.key] = dataclasses.replace(web, cluster_endpoints=web.cluster_endpoints[:1])
+    backend.sync(state, [web.key])
+
+
+def test_a_reading_is_used_while_nothing_committed_since_and_not_read_again() -> None:
+    """The dump runs while syncs go on (`read_kernel`); judged with nothing committed since,
+    its digests stand for the kernel: the baseline is taken from it, and a later reading
+    finds a change behind our back, with one dump each."""
+    fake, backend, _, digests = synced()
+    reading = backend.read_kernel()
+    assert digests.reads == 2
+    assert backend.drifted(reading) == "" and digests.reads == 2  # the baseline, from it
+    fake.edit(delete_vip)
+    reading = backend.read_kernel()
+    assert digests.reads == 4
+    assert "ip table changed behind our back" in backend.drifted(reading)
+    assert digests.reads == 4
+
+
+def test_a_reading_a_commit_of_ours_overtook_is_not_taken_for_drift_nor_baseline() -> None:
+    """Our own partial sync commits after the dump: the reading shows the tables before it.
+    Judged anyway, it would be a baseline of the past (and the next check would take our
+    sync for another writer's change): it is left to the next check instead."""
+    fake, backend, state, digests = synced()
+    reading = backend.read_kernel()
+    fewer_web_endpoints(backend, state)
+    assert backend.drifted(reading) == ""
+    reads = digests.reads
+    assert backend.drifted() == "" and digests.reads == reads + 2  # the baseline, read now
+    fake.edit()  # another writer, elsewhere
+    assert backend.drifted() == ""  # compared with the baseline of our last commit
+    # The stale reading's digests are not those of our last commit: as the baseline, the
+    # last check would have taken our own sync for a change behind our back.
+    assert reading is not None and reading.digests != {4: fake.digest(4), 6: fake.digest(6)}
+
+
+def test_a_change_behind_our_back_during_the_read_is_found_by_the_next_check() -> None:
+    fake, backend, _, _ = synced()
+    assert backend.drifted() == ""
+    fake.edit()  # a foreign commit: the next reading dumps our tables
+    reading = backend.read_kernel()
+    fake.edit(delete_vip)  # and the damage lands after that dump
+    assert backend.drifted(reading) == ""  # the reading is of another generation
+    assert "ip table changed behind our back" in backend.drifted()

@@ -95,8 +95,9 @@ class Backend(Protocol):
     def read_kernel(self) -> KernelReadBack | None:
         """The slow half of the drift check: what `drifted` compares, read from the kernel.
         Runs in a worker thread *while syncs go on* (a read-back takes seconds at scale, and
-        no change waits for it), so it touches the kernel and nothing a sync changes; the
-        backend keeps track of what the syncs meanwhile rewrote (`drifted` leaves that out).
+        no change waits for it), so it changes nothing a sync uses; `drifted` judges whether
+        what it read still stands after the syncs that ran meanwhile (iptables leaves out the
+        chains they rewrote, nftables uses digests only of the generation still in place).
         The default: nothing (`drifted` reads what it needs itself)."""
         return None
 
