@@ -38,6 +38,17 @@ ip = IP.of
 from kpx_agent.model.types import *
 from kpx_agent.model.service_ports import local_state
 from kpx_agent.backends.iptables.backend import IptablesBackend, cleanup
+from kpx_agent.backends.iptables.kernel import NodeKernel
+
+
+class Recording(NodeKernel):
+    def __init__(self):
+        self.scripts = []
+
+    def restore(self, family, script):
+        self.scripts.append((family, script))
+        super().restore(family, script)
+
 
 step, b1, b2, b1v6, b2v6, n1, n1v6, client = sys.argv[1:9]
 eps = (Endpoint(ip(b1), 8080, True), Endpoint(ip(b2), 8080))
@@ -60,15 +71,19 @@ ports = [
 ]
 late = port("late", Protocol.TCP, 4, 80, "10.96.0.16", eps[1:])
 settings = DataplaneSettings(cluster_cidrs=(net("10.244.0.0/16"), net("fd00:244::/48")))
-backend = IptablesBackend(settings)
+tools = Recording()
+backend = IptablesBackend(settings, tools)
 if step == "cleanup":
     cleanup()
 else:
     state = local_state(NodeInfo("n1", (ip(n1), ip(n1v6))), settings, ports)
     backend.sync(state, None)
     state.services[late.key] = late
+    done = len(tools.scripts)
     backend.sync(state, [late.key])  # a partial sync: the IPv4 nat table only
-    assert [f for f, _ in backend.last_scripts] == [4], backend.last_scripts
+    partial = tools.scripts[done:]
+    assert [(f, s.split()[0]) for f, s in partial] == [(4, "*nat")], partial
+    assert backend.last_written == {(4, "nat"): partial[0][1].count("\\n-A ")}, partial
     print("synced", backend.chain_count())
 """
 
@@ -189,6 +204,7 @@ from kpx_agent.model.types import *
 from kpx_agent.model.service_ports import local_state
 from kpx_agent.backends.iptables import script
 from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.kernel import NodeKernel
 
 listing, count = sys.argv[1], int(sys.argv[2])
 if listing == "off":
@@ -209,9 +225,13 @@ ports = [
 settings = DataplaneSettings(cluster_cidrs=(net("10.244.0.0/15"),))
 state = local_state(NodeInfo("n1", (ip("192.0.2.1"),)), settings, ports)
 for start in ("start", "restart"):
-    backend = IptablesBackend(settings)
+    tools = NodeKernel()
+    scripts = []
+    restore = tools.restore
+    tools.restore = lambda family, text: (scripts.append((family, text)), restore(family, text))
+    backend = IptablesBackend(settings, tools)
     backend.sync(state, None)
-    nat = next(s for f, s in backend.last_scripts if f == 4 and s.startswith("*nat"))
+    nat = next(s for f, s in scripts if f == 4 and s.startswith("*nat"))
     print(start, script.LIST_FIRST in nat.splitlines())
 """
 
