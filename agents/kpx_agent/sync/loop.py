@@ -113,8 +113,11 @@ class SyncLoop:
             continuing = host.proxier.has_deferred()
             if continuing:
                 timeout = 0.0
+            # (asyncio.timeout, not wait_for: Python 3.11's wait_for returns instead of raising
+            # when it is cancelled as the wake-up arrives, and the loop then never stopped.)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self.wake.wait()
             self.wake.clear()
             if host.rollback_left() == 0.0 and await host.roll_back():
                 retry_delay = 0.0
