@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from kpx_cluster import images
-from kpx_cluster.controlplane import Cluster
+from kpx_cluster.controlplane import DEFAULT_ROOT, Cluster
 from kpx_cluster.demo import unhealthy_conditions
 from kpx_cluster.netns import python_env
 
@@ -67,3 +68,7 @@ def test_make_demo_runs_on_real_kubelets_and_reads_healthy() -> None:
     assert down.returncode == 0, down.stderr
     assert not Cluster(name).is_running()
     assert "could not remove" not in down.stderr, down.stderr
+    # `down` keeps the demo's log for its user to read, and nothing else
+    state = DEFAULT_ROOT / f"demo-{name}"
+    assert sorted(p.name for p in state.iterdir()) == ["demo.log"]
+    shutil.rmtree(state)

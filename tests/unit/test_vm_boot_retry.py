@@ -44,6 +44,24 @@ def test_up_retries_then_names_every_console(
     assert not any(_alive(p) for p in _pids(guest_dir))
 
 
+def test_down_removes_the_consoles_of_the_tries_that_hung(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    guest_dir = tmp_path / "vm"
+    guest_dir.mkdir()
+    monkeypatch.setattr(Guest, "state_dir", property(lambda _s: guest_dir))
+    for name in ("console.log", "console.try1.log", "console.try2.log"):
+        (guest_dir / name).write_text("booting\n")
+    Guest("unit-down").down(keep_console=True)
+    assert sorted(p.name for p in guest_dir.iterdir()) == [
+        "console.log",
+        "console.try1.log",
+        "console.try2.log",
+    ]
+    Guest("unit-down").down()
+    assert not guest_dir.exists()
+
+
 class _Image:
     def __init__(self, root: Path) -> None:
         self.kernel = root / "vmlinuz"

@@ -294,7 +294,8 @@ class Guest:
         return False
 
     def down(self, keep_console: bool = False) -> bool:
-        """Stop the guest and remove its state (the console log stays if `keep_console`)."""
+        """Stop the guest and remove its state (the console logs, of this boot and of the tries
+        that hung, stay if `keep_console`)."""
         pid = self.pid()
         if pid is not None:
             with contextlib.suppress(VMError, OSError):
@@ -309,7 +310,9 @@ class Guest:
             (self.state_dir / name).unlink(missing_ok=True)
         self.scratch.unlink(missing_ok=True)
         if not keep_console:
-            self.console_log.unlink(missing_ok=True)
+            # this boot's console and those of the tries that hung (see `up`)
+            for console in (self.console_log, *self.state_dir.glob("console.try*.log")):
+                console.unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 self.state_dir.rmdir()
         return pid is not None
