@@ -76,8 +76,9 @@ image: setup-apt setup-coredns
 test: setup image
 	$(PYTHON) -m pytest -m "not long"
 
-## test-long: the load runs that `make test` leaves out (the ipvs -> nftables switch under load
-## in the IPVS guest; the rolled-back and reverted mode switches under load on real kubelets)
+## test-long: the runs that `make test` leaves out (in the IPVS guest, the ipvs -> nftables
+## switch under load and the guest's real kubelet nodes; the rolled-back and reverted mode
+## switches under load on real kubelets)
 test-long: setup image
 	$(PYTHON) -m pytest -m long
 

@@ -32,7 +32,15 @@ from kpx_cluster.vm.machine import Guest
 
 # The harness waits up to 12 min for a guest node (under emulation) and then says why; the
 # default per-test timeout would cut that short.
-pytestmark = [pytest.mark.e2e, pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(1200)]
+# about 4-5 min (two guest boots under emulation): `make test-long`, not `make test`;
+# `make conformance-ipvs` stands on the same nodes
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.netns,
+    pytest.mark.slow,
+    pytest.mark.long,
+    pytest.mark.timeout(1200),
+]
 
 
 def _links() -> list[str]:
