@@ -50,11 +50,13 @@ from . import names as n
 from .chain_book import ChainBook, ChainPlan
 from .rules import PortLines, fixed_chains, port_rules, shared_frames
 from .script import (
+    ORDER_FREE,
     SavedChains,
     SavedTable,
     cleanup_script,
     jump_edits,
     parse_save,
+    rule_edits,
     saved_chains,
     structure_drift,
     table_script,
@@ -375,8 +377,14 @@ class IptablesBackend(Backend):
             plan = books[fam].plan(updates)
             plans[fam] = plan
             for table in plan.tables():
-                edits = plan.table_changes(table)
-                units.append((fam, table, table_script(table, edits), frozenset(edits)))
+                changes = plan.table_changes(table)
+                by_rule = {}
+                for chain in ORDER_FREE & changes.keys():
+                    old, new = books[fam].chains.get((table, chain)), changes[chain]
+                    if old is not None and new is not None and (edit := rule_edits(old, new)):
+                        by_rule[chain] = edit
+                script = table_script(table, changes, edits=by_rule)
+                units.append((fam, table, script, frozenset(changes)))
         self.last_written = written_rules((fam, script) for fam, _, script, _ in units)
         refused: list[str] = []
         for fam in list(plans):

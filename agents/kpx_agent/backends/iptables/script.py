@@ -53,19 +53,43 @@ def lists_first(chains: int, lines: int, rules_in_table: int) -> bool:
     )
 
 
+#: Shared chains whose rules do not depend on their order (each matches its own addresses):
+#: a partial sync changes them rule by rule (`-D`, `-A`) where that is shorter than rewriting
+#: them. KPX-HAIRPIN has a rule per local endpoint address (12,534 at 10,000 Services): written
+#: whole, one local endpoint's change was a 0.9 MB restore of 0.45 s instead of 0.13 s.
+ORDER_FREE = frozenset({n.HAIRPIN})
+
+
+def rule_edits(old: Lines, new: Lines) -> tuple[Lines, Lines] | None:
+    """For an order-free chain holding `old`: the rules to delete and to append so that it
+    holds `new`'s rules (in another order), when that is fewer lines than writing `new` whole
+    (None: write it whole)."""
+    old_set, new_set = set(old), set(new)
+    gone = tuple(r for r in old if r not in new_set)
+    added = tuple(r for r in new if r not in old_set)
+    if len(old_set) != len(old) or len(new_set) != len(new):
+        return None  # (duplicates: composed chains have none)
+    return (gone, added) if len(gone) + len(added) < len(new) else None
+
+
 def table_script(
     table: str,
     changes: Mapping[str, Lines | None],
     jump_edits: Sequence[str] = (),
     extra_deletes: Iterable[str] = (),
     rules_in_table: int | None = None,
+    edits: Mapping[str, tuple[Lines, Lines]] | None = None,
 ) -> str:
     """Write each chain of `changes` (None: delete it), plus the given jump rule edits.
     `rules_in_table` (the rules the table holds now; None: unknown) lets a script that names
     many chains list the table (`LIST_FIRST`) before its rules where that makes iptables-nft's
-    restore cheaper."""
+    restore cheaper. `edits`: chains changed rule by rule instead, (rules to delete, rules to
+    append): not declared, so not flushed (`rule_edits`)."""
+    edits = edits or {}
     deletes = {chain for chain, rules in changes.items() if rules is None} | set(extra_deletes)
-    writes = {chain: rules for chain, rules in changes.items() if rules is not None}
+    writes = {
+        chain: rules for chain, rules in changes.items() if rules is not None and chain not in edits
+    }
     lines = [f"*{table}"]
     named = writes.keys() | deletes
     listed = rules_in_table is not None and lists_first(
@@ -80,6 +104,9 @@ def table_script(
         lines += [f":{chain} - [0:0]" for chain in sorted(named - first)]
     for chain in sorted(writes):
         lines += [f"-A {chain} {rule}" for rule in writes[chain]]
+    for chain, (gone, added) in sorted(edits.items()):
+        lines += [f"-D {chain} {rule}" for rule in gone]
+        lines += [f"-A {chain} {rule}" for rule in added]
     lines += [f"-X {chain}" for chain in sorted(deletes)]
     lines.append("COMMIT")
     return "\n".join(lines) + "\n"
