@@ -259,3 +259,72 @@ def test_a_full_sync_that_lists_first_programs_exactly_the_same_rules(
     nat = dumps["on"]
     assert sum(line.startswith("-A KPX-SVC-") for line in nat) == 300 * 3, nat[:20]
     assert "-A PREROUTING -j FOREIGN" in nat
+
+
+# Runs inside a node's netns: 20 Services, each with one local endpoint (a KPX-HAIRPIN rule
+# each); one moves (a partial sync edits the chain rule by rule); then a hairpin rule is
+# deleted behind the agent's back and its Service moves too: the `-D` of the missing rule is
+# refused, and the full sync that follows rewrites everything.
+HAIRPIN = """
+import subprocess
+from ipaddress import ip_network as net
+from kpx_agent.model.types import *
+from kpx_agent.model.service_ports import local_state
+from kpx_agent.backends.base import BackendError
+from kpx_agent.backends.iptables.backend import IptablesBackend
+from kpx_agent.backends.iptables.kernel import NodeKernel
+
+ip = IP.of
+def port(i, address):
+    return ServicePort(
+        ServicePortKey("d", f"s{i}", "", Protocol.TCP, 4), 80,
+        cluster_ips=(ip(f"10.96.0.{i + 1}"),),
+        cluster_endpoints=(Endpoint(address, 8080, True),),
+    )
+ports = {i: port(i, f"10.244.1.{i + 1}") for i in range(20)}
+settings = DataplaneSettings(cluster_cidrs=(net("10.244.0.0/16"),))
+def state():
+    return local_state(NodeInfo("n1", (ip("192.0.2.1"),)), settings, list(ports.values()))
+tools = NodeKernel()
+scripts = []
+restore = tools.restore
+tools.restore = lambda family, text: (scripts.append(text), restore(family, text))
+backend = IptablesBackend(settings, tools)
+backend.sync(state(), None)
+ports[0] = port(0, "10.244.1.200")
+done = len(scripts)
+backend.sync(state(), [ports[0].key])
+lines = [line for text in scripts[done:] for line in text.splitlines()]
+print("edits", *sorted(line.split()[0] for line in lines if "KPX-HAIRPIN" in line))
+subprocess.run(
+    ["iptables", "-t", "nat", "-D", "KPX-HAIRPIN",
+     "-s", "10.244.1.2/32", "-d", "10.244.1.2/32", "-j", "KPX-MARK-MASQ"],
+    check=True,
+)
+ports[1] = port(1, "10.244.1.201")
+try:
+    backend.sync(state(), [ports[1].key])
+    print("accepted")
+except BackendError:
+    print("refused")
+backend.sync(state(), None)
+"""
+
+
+def test_a_partial_sync_edits_the_hairpin_chain_rule_by_rule_and_a_missing_rule_forces_a_full(
+    topology: Topology,
+) -> None:
+    """script.ORDER_FREE: a local endpoint's change deletes and appends its KPX-HAIRPIN rules
+    (`-D`, `-A`) instead of rewriting the chain; the kernel then holds exactly the wanted
+    rules. A rule deleted behind the agent's back makes that `-D` fail: the restore is refused
+    as a whole, and the next (full) sync leaves the chain right again."""
+    node = topology.add_node("n1")
+    out = tool(topology, node, [sys.executable, "-c", HAIRPIN])
+    assert out.split() == ["edits", "-A", "-D", "refused"], out
+    hairpin = sorted(
+        line for line in saved(topology, node, 4).splitlines() if line.startswith("-A KPX-HAIRPIN ")
+    )
+    want = ["10.244.1.200", "10.244.1.201", *(f"10.244.1.{i + 1}" for i in range(2, 20))]
+    assert hairpin == sorted(
+        f"-A KPX-HAIRPIN -s {a}/32 -d {a}/32 -j KPX-MARK-MASQ" for a in want
+    ), hairpin

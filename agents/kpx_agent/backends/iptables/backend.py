@@ -5,7 +5,10 @@ rules exist (`iptables-save -t nat|filter`), then rewrites every chain of ours, 
 KPX- chains it no longer wants and leaves exactly one jump rule in each built-in chain. Every
 other sync rewrites only the chains whose content changed, computed against the backend's own
 record (`chain_book.py`), so it never reads the kernel back. Other software's chains and rules
-are never named in a script, so `--noflush` leaves them alone.
+are never named in a script, so `--noflush` leaves them alone. KPX-HAIRPIN (a rule per local
+endpoint address, in no particular order: `script.ORDER_FREE`) is edited rule by rule (`-D`,
+`-A`) where that is shorter; a `-D` of a rule someone removed fails the restore, and the next
+sync is a full one.
 
 Each (family, table) is its own `*-restore` run, atomic on its own. If a later run of a
 partial sync fails, the runs of that family before it are reverted from the record; the other
