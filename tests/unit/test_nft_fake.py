@@ -128,6 +128,20 @@ def mutate(rng: random.Random, sp: ServicePort) -> ServicePort:
     )
 
 
+def kernel_elements(fake: FakeNftables) -> int:
+    """The fake kernel's elements of the Services, as the backend counts them: a
+    `firewall-allow` allow list (one interval element per range in the kernel) counts as one,
+    per firewalled address; the node's own sets are not the Services' (and an affinity set
+    fills with traffic)."""
+    node_sets = {n.NODEPORT_ADDRESSES, n.LOCAL_POD_CIDRS, n.FIREWALL_ALLOW}
+    return sum(
+        len(fake_set.elements)
+        for table in fake.tables.values()
+        for name, fake_set in table.sets.items()
+        if name not in node_sets and not name.startswith("aff-")
+    ) + sum(len(t.sets[n.FIREWALL_IPS].elements) for t in fake.tables.values())
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_partial_syncs_end_where_one_full_sync_of_the_final_state_does(seed: int) -> None:
     rng = random.Random(seed)
@@ -144,6 +158,8 @@ def test_partial_syncs_end_where_one_full_sync_of_the_final_state_does(seed: int
             else:
                 state.services[key] = mutate(rng, removed.pop(key))
         backend.sync(state, changed)
+        # the count the agent reports (kpx_kernel_elements) is the kernel's, sync after sync
+        assert backend.element_count() == kernel_elements(fake)
     full = FakeNftables()
     NftablesBackend(SETTINGS, full).sync(state, None)
     assert canonical(fake) == canonical(full)

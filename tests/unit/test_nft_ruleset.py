@@ -75,6 +75,25 @@ def test_partial_sync_sends_only_the_difference() -> None:
     assert "table" not in scripts[-1].replace("add chain ip kpx", "")  # no table swap
 
 
+def test_one_endpoint_replaced_changes_only_its_kernel_element() -> None:
+    """The record keeps a VIP's endpoints as one run (`ruleset.endpoint_run`); a partial sync
+    still sends the kernel only the endpoint that changed, at its index."""
+    backend, scripts = record()
+    state = sample_state()
+    backend.sync(state, None)
+    web = state.services[key("web")]
+    first, second = web.cluster_endpoints
+    moved = Endpoint("10.244.3.9", second.port, second.local)
+    state.services[web.key] = dataclasses.replace(web, cluster_endpoints=(first, moved))
+    before = backend.element_count()
+    backend.sync(state, [web.key])
+    assert scripts[-1].splitlines() == [
+        "delete element ip kpx endpoints-2 { 10.96.0.10 . tcp . 80 . 1 }",
+        "add element ip kpx endpoints-2 { 10.96.0.10 . tcp . 80 . 1 : 10.244.3.9 . 8080 }",
+    ]
+    assert backend.element_count() == before
+
+
 def test_removed_service_deletes_its_elements_and_nothing_else() -> None:
     backend, scripts = record()
     state = sample_state()

@@ -52,6 +52,8 @@ from .ruleset import (
     base_table,
     endpoint_chain,
     endpoint_chain_counts,
+    is_endpoint_map,
+    kernel_count,
     kernel_pairs,
     render_port,
 )
@@ -90,7 +92,7 @@ class NftablesBackend(Backend):
         self._route_localnet_file = route_localnet_file
         self._kernel: kernel.Kernel = node_kernel or kernel.NodeKernel()
         self._books: dict[int, ElementBook[ServicePortKey]] = {
-            f: ElementBook(MERGED_SETS) for f in FAMILIES
+            f: ElementBook(MERGED_SETS, kernel_count) for f in FAMILIES
         }
         self._chains: dict[int, set[tuple[str, int]]] = {f: set() for f in FAMILIES}
         self._port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]] = {
@@ -241,7 +243,7 @@ class NftablesBackend(Backend):
             except BackendError as exc:
                 refused.append(f"IPv{fam}: {exc}")
                 continue
-            book: ElementBook[ServicePortKey] = ElementBook(MERGED_SETS)
+            book: ElementBook[ServicePortKey] = ElementBook(MERGED_SETS, kernel_count)
             book.commit(plans[fam])
             self._log_conflicts(plans[fam])
             self._books[fam], self._chains[fam] = book, chains[fam]
@@ -327,6 +329,8 @@ class NftablesBackend(Backend):
                 pairs.append((element_key, value))
             bulk = loaded.get(fam)
             for set_name, pairs in sorted(by_set.items()):
+                if is_endpoint_map(set_name):
+                    pairs = kernel_pairs(set_name, pairs)
                 if bulk is not None and netlink_batch.loadable(set_name):
                     bulk.setdefault(set_name, []).extend(pairs)
                 else:
@@ -439,8 +443,12 @@ class NftablesBackend(Backend):
             replaced = [(k, plan.replaced[(set_name, k)]) for k in plan.delete.get(set_name, ())]
             old = kernel_pairs(set_name, replaced)
             new = kernel_pairs(set_name, plan.add.get(set_name, ()))
-            if set_name in MERGED_SETS:  # a value replaced: only the kernel elements it changes
-                old, new = [p for p in old if p not in new], [p for p in new if p not in old]
+            if set_name in MERGED_SETS or is_endpoint_map(set_name):
+                # A value replaced: only the kernel elements it changes (one endpoint of a
+                # run; one range of an allow list).
+                old_set, new_set = set(old), set(new)
+                old = [p for p in old if p not in new_set]
+                new = [p for p in new if p not in old_set]
             txn.delete_elements(set_name, [key for key, _ in old])
             adds[set_name] = new
         for set_name, pairs in adds.items():
@@ -474,7 +482,9 @@ class NftablesBackend(Backend):
             log.warning("%s: %s %s is already claimed by another Service", owner, set_name, key)
 
     def element_count(self) -> int:
-        return sum(len(b) for b in self._books.values())
+        """The elements of our sets and maps: the record's, an endpoint run counted as its
+        endpoints (as the kernel holds them)."""
+        return sum(b.kernel_size() for b in self._books.values())
 
     def cleanup(self) -> None:
         cleanup()

@@ -154,17 +154,39 @@ class Plan(Generic[Owner]):
         return owners[0][1]
 
 
+#: For a set name: how many kernel elements one of its record elements is (by its value), or
+#: None where each is one (`ElementBook.kernel_size`).
+Sized = Callable[[str], Callable[[Value], int] | None]
+
+
 class ElementBook(Generic[Owner]):
-    def __init__(self, merge: Mapping[str, Merge] | None = None) -> None:
+    def __init__(
+        self, merge: Mapping[str, Merge] | None = None, sized: Sized | None = None
+    ) -> None:
         self._owners: Record[Owner] = {}
         self._contrib: dict[Owner, Contribution] = {}
         self.merge: Mapping[str, Merge] = merge or {}
+        self._sized = sized
+        #: Kernel elements beyond one per record element (`kernel_size`), kept as commits go.
+        self._extra = 0
 
     def new_plan(self) -> Plan[Owner]:
         return Plan(merge=self.merge)
 
     def __len__(self) -> int:
+        """The record's elements."""
         return sum(len(by_set) for by_set in self._owners.values())
+
+    def kernel_size(self) -> int:
+        """The kernel elements the record stands for (`sized`: an element may be several)."""
+        return len(self) + self._extra
+
+    def _extra_of(self, set_name: str, claims: Claims[Owner] | None) -> int:
+        """What a key with these claims adds to `kernel_size` beyond the one it counts."""
+        size = self._sized(set_name) if self._sized is not None else None
+        if size is None or not claims:
+            return 0
+        return size(self.new_plan().effective(set_name, claims_of(claims))) - 1
 
     def elements(self) -> Iterator[Element]:
         """The effective elements (first owner's value wins, or the merged value)."""
@@ -253,11 +275,17 @@ class ElementBook(Generic[Owner]):
             self._owners = {name: by_set for name, by_set in plan._owners.items() if by_set}
             self._contrib = {owner: c for owner, c in plan._contrib.items() if c}
             plan._owners, plan._contrib = {}, {}
+            self._extra = self._count_extra(self._owners)
             return
         for set_name, by_set in plan._owners.items():
             record = self._owners.setdefault(set_name, {})
+            sized = self._sized is not None and self._sized(set_name) is not None
             for key, claims in by_set.items():
                 lst = list(claims_of(claims))
+                if sized:
+                    self._extra += self._extra_of(set_name, lst) - self._extra_of(
+                        set_name, record.get(key)
+                    )
                 if lst:
                     record[key] = _stored(lst)
                 else:
@@ -270,6 +298,21 @@ class ElementBook(Generic[Owner]):
             else:
                 self._contrib.pop(owner, None)
 
+    def _count_extra(self, record: Record[Owner]) -> int:
+        sized = self._sized
+        if sized is None:
+            return 0
+        extra = 0
+        for set_name, by_set in record.items():
+            size = sized(set_name)
+            if size is not None:
+                effective = self.new_plan().effective
+                extra += sum(
+                    size(effective(set_name, claims_of(claims))) - 1 for claims in by_set.values()
+                )
+        return extra
+
     def clear(self) -> None:
         self._owners.clear()
         self._contrib.clear()
+        self._extra = 0
