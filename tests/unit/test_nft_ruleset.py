@@ -37,7 +37,7 @@ class Recorded(NftablesBackend):
         kernel = NftScripts(present)
         kernel.runs = self._runs
         kernel.load_elements = lambda elements: self._loads.append(  # type: ignore[method-assign]
-            {f: dict(s) for f, s in elements.items()}
+            {f: {k: list(v) for k, v in s.items()} for f, s in elements.items()}
         )
         super().__init__(SETTINGS, kernel)
 

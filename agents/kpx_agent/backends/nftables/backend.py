@@ -53,8 +53,10 @@ from .ruleset import (
     endpoint_chain,
     endpoint_chain_counts,
     is_endpoint_map,
+    iter_kernel_pairs,
     kernel_count,
     kernel_pairs,
+    kernel_size,
     render_port,
 )
 from .schema import Element, Pair
@@ -258,8 +260,11 @@ class NftablesBackend(Backend):
         if fam not in loaded:
             return
         started = time.monotonic()
-        self._kernel.load_elements({fam: loaded[fam]})
-        self.last_loaded[fam] = sum(len(pairs) for pairs in loaded[fam].values())
+        sets = loaded[fam]
+        self._kernel.load_elements(
+            {fam: {name: iter_kernel_pairs(name, pairs) for name, pairs in sets.items()}}
+        )
+        self.last_loaded[fam] = sum(kernel_size(name, pairs) for name, pairs in sets.items())
         log.info(
             "%s %s: no table in the kernel: %d elements loaded by netlink (%.3f s)",
             n.FAMILIES[fam],
@@ -329,12 +334,11 @@ class NftablesBackend(Backend):
                 pairs.append((element_key, value))
             bulk = loaded.get(fam)
             for set_name, pairs in sorted(by_set.items()):
-                if is_endpoint_map(set_name):
-                    pairs = kernel_pairs(set_name, pairs)
                 if bulk is not None and netlink_batch.loadable(set_name):
+                    # the record's pairs: `_load_family` makes the kernel's as it sends them
                     bulk.setdefault(set_name, []).extend(pairs)
                 else:
-                    txn.add_elements(set_name, pairs)
+                    txn.add_elements(set_name, kernel_pairs(set_name, pairs))
             yield txn
         # What several Services share (merged across owners), once all have claimed.
         txn = Transaction(fam, n.TABLE)

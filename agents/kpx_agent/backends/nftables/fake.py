@@ -114,8 +114,9 @@ class FakeNftables:
             for set_name, pairs in sets.items():
                 if not netlink_batch.loadable(set_name):
                     raise FakeError(f"set {set_name}: cannot be loaded over netlink")
+                pairs = list(pairs)  # (an iterable, maybe made as it is consumed)
                 self._refused(pairs)
-                add_elements(_table(staged, family), set_name, list(pairs))
+                add_elements(_table(staged, family), set_name, pairs)
         self.tables = staged
         self.generation_id += 1
 
@@ -218,7 +219,7 @@ class NftScripts:
         return set(self.families)
 
     def load_elements(self, elements: netlink_batch.Elements) -> None:
-        self.loaded.append(elements)
+        self.loaded.append({f: {k: list(v) for k, v in s.items()} for f, s in elements.items()})
 
     def generation(self) -> int:
         return len(self.runs) + len(self.loaded)

@@ -19,8 +19,10 @@ import os
 import re
 import socket
 import struct
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from itertools import islice
 
 from ...model.types import Protocol
 from ..kernel.netlink import (
@@ -270,12 +272,13 @@ def encode_batches(elements: Elements, per_batch: int = BATCH_ELEMENTS) -> Itera
                 if (set_name in VERDICT_MAPS) != verdicts:
                     continue
                 encode = _element_encoder(encoders[family], set_name)
-                pairs = list(pairs)
-                step = per_batch if per_batch and not verdicts else max(1, len(pairs))
-                for start in range(0, len(pairs), step):
-                    for chunk in _chunks(encode(pairs[start : start + step])):
+                # Taken a step at a time: `pairs` may be made as they are consumed.
+                step = per_batch if per_batch and not verdicts else sys.maxsize
+                left = iter(pairs)
+                while part := list(islice(left, step)):
+                    for chunk in _chunks(encode(part)):
                         batch.add(family, set_name, chunk)
-                    batch.elements += len(pairs[start : start + step])
+                    batch.elements += len(part)
                     if per_batch and not verdicts and batch.elements >= per_batch:
                         yield batch.close()
                         batch = _BatchWriter()
