@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import struct
+from collections.abc import Iterator
 
 import pytest
 
@@ -179,3 +180,22 @@ def test_a_large_load_is_cut_into_batches_with_the_dispatch_maps_last() -> None:
     # One batch when asked: the same elements, the dispatch maps still last.
     (whole,) = nb.encode_batches(elements, per_batch=0)
     assert list(whole.messages.values())[-2:] == [(4, "service-ips"), (6, "service-ips")]
+
+
+def test_a_load_takes_its_elements_a_batch_at_a_time() -> None:
+    """The backend hands the load its elements as a generator (a full sync's endpoints are
+    made from the record's runs as they are consumed): each batch is encoded and handed on
+    before the next batch's elements are taken, so they are never all held at once."""
+    taken = 0
+
+    def cluster_ips() -> Iterator[nb.Pair]:
+        nonlocal taken
+        for i in range(12_000):
+            taken += 1
+            yield ((ip(f"10.96.{i // 256}.{i % 256}"), TCP, 80), None)
+
+    batches = nb.encode_batches({4: {"cluster-ips": cluster_ips()}}, per_batch=5000)
+    first = next(batches)
+    assert taken == 5000 and len(first.messages) >= 1
+    assert [len(b.messages) >= 1 for b in batches] == [True, True]
+    assert taken == 12_000
