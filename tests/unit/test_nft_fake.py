@@ -158,7 +158,7 @@ def test_partial_syncs_end_where_one_full_sync_of_the_final_state_does(seed: int
             else:
                 state.services[key] = mutate(rng, removed.pop(key))
         backend.sync(state, changed)
-        # the count the agent reports (kpx_kernel_elements) is the kernel's, sync after sync
+        # the count the agent reports (kpx_programmed_elements) is the kernel's, sync after sync
         assert backend.element_count() == kernel_elements(fake)
     full = FakeNftables()
     NftablesBackend(SETTINGS, full).sync(state, None)

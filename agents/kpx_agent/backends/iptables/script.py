@@ -55,8 +55,10 @@ def lists_first(chains: int, lines: int, rules_in_table: int) -> bool:
 
 #: Shared chains whose rules do not depend on their order (each matches its own addresses):
 #: a partial sync changes them rule by rule (`-D`, `-A`) where that is shorter than rewriting
-#: them. KPX-HAIRPIN has a rule per local endpoint address (12,534 at 10,000 Services): written
-#: whole, one local endpoint's change was a 0.9 MB restore of 0.45 s instead of 0.13 s.
+#: them. KPX-HAIRPIN has a rule per local endpoint address (12,534 at 10,000 Services in the
+#: benchmark's workload): written whole, one local endpoint's change was a 0.9 MB restore of
+#: 0.45 s. A `-D` makes iptables-nft fetch that chain's rules: about 0.1 s for 12,500 rules,
+#: 0.01 s for a chain of ten (measured, iptables-nft 1.8.9).
 ORDER_FREE = frozenset({n.HAIRPIN})
 
 
@@ -65,10 +67,10 @@ def rule_edits(old: Lines, new: Lines) -> tuple[Lines, Lines] | None:
     holds `new`'s rules (in another order), when that is fewer lines than writing `new` whole
     (None: write it whole)."""
     old_set, new_set = set(old), set(new)
-    gone = tuple(r for r in old if r not in new_set)
-    added = tuple(r for r in new if r not in old_set)
     if len(old_set) != len(old) or len(new_set) != len(new):
         return None  # (duplicates: composed chains have none)
+    gone = tuple(r for r in old if r not in new_set)
+    added = tuple(r for r in new if r not in old_set)
     return (gone, added) if len(gone) + len(added) < len(new) else None
 
 

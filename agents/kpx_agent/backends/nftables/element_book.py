@@ -181,15 +181,20 @@ class ElementBook(Generic[Owner]):
         """The kernel elements the record stands for (`sized`: an element may be several)."""
         return len(self) + self._extra
 
-    def _extra_of(self, set_name: str, claims: Claims[Owner] | None) -> int:
+    def _size_of(self, set_name: str) -> Callable[[Value], int] | None:
+        return self._sized(set_name) if self._sized is not None else None
+
+    def _extra_of(
+        self, size: Callable[[Value], int], set_name: str, claims: Claims[Owner] | None
+    ) -> int:
         """What a key with these claims adds to `kernel_size` beyond the one it counts."""
-        size = self._sized(set_name) if self._sized is not None else None
-        if size is None or not claims:
+        if not claims:
             return 0
         return size(self.new_plan().effective(set_name, claims_of(claims))) - 1
 
     def elements(self) -> Iterator[Element]:
-        """The effective elements (first owner's value wins, or the merged value)."""
+        """The record's effective elements (first owner's value wins, or the merged value; an
+        element `sized` counts as several is one here)."""
         plan = self.new_plan()
         for set_name, by_set in self._owners.items():
             for key, claims in by_set.items():
@@ -275,16 +280,21 @@ class ElementBook(Generic[Owner]):
             self._owners = {name: by_set for name, by_set in plan._owners.items() if by_set}
             self._contrib = {owner: c for owner, c in plan._contrib.items() if c}
             plan._owners, plan._contrib = {}, {}
-            self._extra = self._count_extra(self._owners)
+            self._extra = sum(
+                self._extra_of(size, set_name, claims)
+                for set_name, by_set in self._owners.items()
+                if (size := self._size_of(set_name)) is not None
+                for claims in by_set.values()
+            )
             return
         for set_name, by_set in plan._owners.items():
             record = self._owners.setdefault(set_name, {})
-            sized = self._sized is not None and self._sized(set_name) is not None
+            size = self._size_of(set_name)
             for key, claims in by_set.items():
                 lst = list(claims_of(claims))
-                if sized:
-                    self._extra += self._extra_of(set_name, lst) - self._extra_of(
-                        set_name, record.get(key)
+                if size is not None:
+                    self._extra += self._extra_of(size, set_name, lst) - self._extra_of(
+                        size, set_name, record.get(key)
                     )
                 if lst:
                     record[key] = _stored(lst)
@@ -297,20 +307,6 @@ class ElementBook(Generic[Owner]):
                 self._contrib[owner] = contrib
             else:
                 self._contrib.pop(owner, None)
-
-    def _count_extra(self, record: Record[Owner]) -> int:
-        sized = self._sized
-        if sized is None:
-            return 0
-        extra = 0
-        for set_name, by_set in record.items():
-            size = sized(set_name)
-            if size is not None:
-                effective = self.new_plan().effective
-                extra += sum(
-                    size(effective(set_name, claims_of(claims))) - 1 for claims in by_set.values()
-                )
-        return extra
 
     def clear(self) -> None:
         self._owners.clear()
