@@ -160,6 +160,7 @@ class Reflector:
         self.sleep = sleep
         self.clock = clock
         self._events = 0  # events (bookmarks too) the current watch delivered
+        self._kept_items = 0  # list items `_kept` checked and shrunk, all lists together
         #: Why this reflector's view may be wrong ("" once a list succeeded after it): an
         #: unexpected error, after which it lists again. The agent's health fails meanwhile.
         self.failure = ""
@@ -215,6 +216,7 @@ class Reflector:
         """A list item as decoded: checked, then shrunk (BadList when it is not an object
         with readable metadata)."""
         check_object(obj, f"a {self.resource.kind} list item", BadList)
+        self._kept_items += 1
         return self.shrink(obj)
 
     async def _pages(self, path: str, consistent: bool) -> tuple[list[Obj], str]:
@@ -225,12 +227,16 @@ class Reflector:
         if not consistent:
             params["resourceVersion"] = "0"
         while True:
+            kept_before = self._kept_items
             data = await self.client.list(self.resource.kind, path, params, item=self._kept)
             page = decode_list(data, items_checked=True)
             del data  # the decoded page goes now, not when the next one has arrived
-            # Checked and shrunk as decoded already by the client; again here for a client
-            # that does not take `item` (a kept object passes and shrinks to itself).
-            items.extend(self._kept(obj) for obj in page.items)
+            if self._kept_items - kept_before == len(page.items):
+                items.extend(page.items)  # the client kept each item as it decoded it
+            else:
+                # A client that does not take `item` (or took it for some items only): check
+                # and shrink here (a kept object passes and shrinks to itself).
+                items.extend(self._kept(obj) for obj in page.items)
             if not page.continue_token:
                 return items, page.resource_version
             params["continue"] = page.continue_token

@@ -220,6 +220,44 @@ def test_an_endpoint_address_is_kept_as_a_plain_string_when_canonical() -> None:
     assert all(type(e.ip) is str for e in sp.cluster_endpoints)
 
 
+#: Endpoints of every shape: the usual one (`_endpoints` makes it without a call per field)
+#: and those it leaves to `_endpoint`.
+ENDPOINT_SHAPES = {
+    "usual": ep("10.244.1.2", ready=True),
+    "no conditions": ep("10.244.1.2"),
+    "zone": {**ep("10.244.1.2", ready=False, terminating=True), "zone": "a"},
+    "node null": {**ep("10.244.1.2"), "nodeName": None},
+    "node absent": {"addresses": ["10.244.1.2"]},
+    "node not a str": {**ep("10.244.1.2"), "nodeName": 7},
+    "node a map": {**ep("10.244.1.2"), "nodeName": {"x": 1}},
+    "leading zeros": ep("10.244.01.2"),
+    "null byte": ep("10.244.1.2\x00"),
+    "not an address": ep("web"),
+    "hints": ep("10.244.1.2", hints={"forZones": [{"name": "a"}]}),
+    "ipv6": ep("fd00::1"),
+    "two addresses": _addresses("10.244.1.2", "10.244.1.3"),
+    "address not a str": _addresses([7]),
+    "addresses not a list": _addresses("10.244.1.2"),
+    "not a dict": ["10.244.1.2"],
+}
+
+
+@pytest.mark.parametrize("shape", ENDPOINT_SHAPES.values(), ids=ENDPOINT_SHAPES)
+def test_the_usual_endpoint_is_kept_as_any_other(shape: Any) -> None:
+    """`_endpoints`' fast path keeps an endpoint exactly as `_endpoint` does: the same
+    fields, of the same types, shared values the same objects."""
+    # Each decoded anew (fresh strings, as from a list): sharing is the store's doing.
+    fast = compact._endpoints([orjson.loads(orjson.dumps(shape))])[0]
+    slow = compact._endpoint(orjson.loads(orjson.dumps(shape)))
+    assert type(fast) is type(slow) and fast == slow
+    if type(slow) is compact.Endpoint:
+        for name in ("addresses", "conditions", "hints", "nodeName", "zone"):
+            mine, theirs = getattr(fast, name), getattr(slow, name)
+            assert type(mine) is type(theirs) and mine == theirs, name
+            if name in ("conditions", "nodeName", "zone"):
+                assert mine is theirs, name  # one shared object
+
+
 def _owned(slice_obj: dict[str, Any]) -> dict[str, Any]:
     slice_obj["metadata"]["labels"] = {"kubernetes.io/service-name": "web"}
     return slice_obj
