@@ -134,10 +134,10 @@ def force_relist(cluster: Cluster, api: ApiClient, run: Running) -> tuple[list[s
 
 
 class AgentDataplane(Dataplane):
-    """The kpx nftables agent of one source tree (`Agent`)."""
+    """The kpx agent of one source tree (`Agent`), in nftables mode unless told."""
 
-    def __init__(self, agent: Agent) -> None:
-        super().__init__(KPX, "nftables")
+    def __init__(self, agent: Agent, mode: str = "nftables") -> None:
+        super().__init__(KPX, mode)
         object.__setattr__(self, "agent", agent)
 
     def argv(self, kubeconfig: Path, agent_args: Sequence[str] = ()) -> list[str]:

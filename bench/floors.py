@@ -9,15 +9,19 @@ order the backend applies them. Compare with the agents' cold starts from `make 
 (bench/results/compare-<N>.md): the difference is what the agent adds on top of the kernel.
 
 Usage: python3 bench/floors.py [--services N ...]    (default: 1000 10000)
+Each load is reported with its CPU: the tool's own (user) and the kernel's (system: nf_tables
+runs a transaction inside the tool's netlink calls).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import subprocess
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from kpx_agent.backends.iptables.backend import IptablesBackend
@@ -48,11 +52,20 @@ def iptables_scripts(st: NodeLocalState) -> list[tuple[int, str]]:
     return kernel.scripts
 
 
-def timed_in_fresh_netns(loads: list[tuple[list[str], str]]) -> float:
-    """Seconds to run each (argv, stdin) in order inside a new, empty network namespace."""
+@dataclass(frozen=True, order=True)
+class Timed:
+    seconds: float  # wall clock
+    user: float  # the tool's CPU in user space
+    system: float  # and in the kernel: nf_tables running the transaction happens here
+
+
+def timed_in_fresh_netns(loads: list[tuple[list[str], str]]) -> Timed:
+    """Time to run each (argv, stdin) in order inside a new, empty network namespace, with
+    the CPU it took."""
     ns = f"kpxfloor{uuid.uuid4().hex[:6]}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.monotonic()
         for argv, stdin in loads:
             subprocess.run(
@@ -62,7 +75,9 @@ def timed_in_fresh_netns(loads: list[tuple[list[str], str]]) -> float:
                 check=True,
                 capture_output=True,
             )
-        return time.monotonic() - start
+        took = time.monotonic() - start
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return Timed(took, after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime)
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=False)
 
@@ -71,16 +86,26 @@ def measure(n: int, runs: int = 3) -> dict[str, object]:
     st = node_local_state(n)
     nft = nft_script(st)
     ipt = iptables_scripts(st)
-    nft_s = sorted(timed_in_fresh_netns([(["nft", "-f", "-"], nft)]) for _ in range(runs))
+    nft_t = sorted(timed_in_fresh_netns([(["nft", "-f", "-"], nft)]) for _ in range(runs))
     ipt_loads = [([RESTORE[fam], "--noflush"], script) for fam, script in ipt]
-    ipt_s = sorted(timed_in_fresh_netns(ipt_loads) for _ in range(runs))
+    ipt_t = sorted(timed_in_fresh_netns(ipt_loads) for _ in range(runs))
     return {
         "services": n,
-        "nft_f_seconds": nft_s,
+        "nft_f_seconds": [t.seconds for t in nft_t],
+        "nft_f_user_system_seconds": [[t.user, t.system] for t in nft_t],
         "nft_script_bytes": len(nft.encode()),
-        "iptables_restore_seconds": ipt_s,
+        "iptables_restore_seconds": [t.seconds for t in ipt_t],
+        "iptables_restore_user_system_seconds": [[t.user, t.system] for t in ipt_t],
         "iptables_script_bytes": sum(len(s.encode()) for _, s in ipt),
     }
+
+
+def _cpu(result: dict[str, object], key: str) -> str:
+    """The median run's CPU: user space and kernel."""
+    runs = result[key]
+    assert isinstance(runs, list)
+    user, system = runs[len(runs) // 2]
+    return f"user {user:.2f} s, kernel {system:.2f} s"
 
 
 def main() -> None:
@@ -94,10 +119,14 @@ def main() -> None:
     for n in args.services:
         result = measure(n)
         nft_s, ipt_s = result["nft_f_seconds"], result["iptables_restore_seconds"]
+        nft_b, ipt_b = result["nft_script_bytes"], result["iptables_script_bytes"]
         assert isinstance(nft_s, list) and isinstance(ipt_s, list)
+        assert isinstance(nft_b, int) and isinstance(ipt_b, int)
         print(
-            f"| {n:,} | {nft_s[1]:.2f} s ({result['nft_script_bytes'] / 1e6:.1f} MB) | "
-            f"{ipt_s[1]:.2f} s ({result['iptables_script_bytes'] / 1e6:.1f} MB) |"
+            f"| {n:,} | {nft_s[len(nft_s) // 2]:.2f} s ({nft_b / 1e6:.1f} MB;"
+            f" {_cpu(result, 'nft_f_user_system_seconds')}) | "
+            f"{ipt_s[len(ipt_s) // 2]:.2f} s ({ipt_b / 1e6:.1f} MB;"
+            f" {_cpu(result, 'iptables_restore_user_system_seconds')}) |"
         )
         RESULTS.mkdir(exist_ok=True)
         (RESULTS / f"floors-{n}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -8,10 +8,13 @@ inputs, no kernel, no processes."""
 from __future__ import annotations
 
 import ipaddress
+import logging
 import struct
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 if str(BENCH) not in sys.path:
@@ -580,3 +583,25 @@ def test_the_sync_summary_counts_a_sync_of_both_families_once() -> None:
         "1 full syncs, 6.840 s mean, 4 partial syncs, 0.200 s mean (per IP family)"
     )
     assert rp._sync_summary({}) == ""
+
+
+# ---- bench/cold_start.py ------------------------------------------------------------------------
+
+
+def test_cold_start_reads_the_model_and_kernel_parts_from_the_agents_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The phases bench/cold_start.py reports come from the proxier's own debug line."""
+    from test_proxier import service, setup
+
+    import cold_start
+    from kpx_agent.store.cluster_state import SERVICES
+
+    state, _, proxier, _ = setup()
+    state.upsert(SERVICES, service("a", "web"))
+    with caplog.at_level(logging.DEBUG, logger="kpx_agent.sync.proxier"):
+        assert proxier.sync().full
+    found = cold_start._SYNC_RE.search(caplog.text)
+    assert found is not None, caplog.text
+    model, kernel = float(found[1]), float(found[2])
+    assert 0 <= model < 5 and 0 <= kernel < 5
