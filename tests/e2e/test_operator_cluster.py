@@ -35,7 +35,7 @@ APP_NS = "e2e-cluster-app"
 T = TypeVar("T")
 
 
-def wait_until(check: Callable[[], T | None], timeout: float, what: str) -> T:
+def wait_until(check: Callable[[], T | None], timeout: float, what: str | Callable[[], str]) -> T:
     return harness_wait_until(check, timeout, interval=0.5, message=what)  # type: ignore[arg-type]
 
 
@@ -73,6 +73,21 @@ class Env:
             # not being deleted, and bound (a Pod the DaemonSet just made has no node yet)
             if not p["metadata"].get("deletionTimestamp") and p["spec"].get("nodeName")
         }
+
+    def describe(self) -> str:
+        """For a failure's message: the resource's status, and each agent pod's node, phase,
+        containers ready and restarts."""
+        pods = self.json("-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=kpx-agent")
+        states = {
+            p["metadata"]["name"]: (
+                p["spec"].get("nodeName"),
+                p["status"].get("phase"),
+                [c.get("ready") for c in p["status"].get("containerStatuses", [])],
+                sum(c.get("restartCount", 0) for c in p["status"].get("containerStatuses", [])),
+            )
+            for p in pods.get("items", [])
+        }
+        return f"status: {json.dumps(self.pxc().get('status'))}; agent pods: {states}"
 
     def vip(self) -> str:
         return str(self.json("-n", APP_NS, "get", "svc", "web")["spec"]["clusterIP"])
@@ -515,7 +530,12 @@ def test_agent_token_is_least_privilege(env: Env, tmp_path: Path) -> None:
 def test_mode_switch_moves_the_rules(env: Env) -> None:
     wait_until(lambda: env.ready("nftables"), 120, "default Ready")
     env.patch_pxc({"spec": {"mode": "iptables", "nftables": None}})
-    wait_until(lambda: env.ready("iptables"), 180, "iptables agents Ready on 3 nodes")
+    wait_until(
+        lambda: env.ready("iptables"),
+        180,
+        lambda: f"iptables agents Ready on 3 nodes ({env.describe()})",
+    )
+    assert "'Running'" in env.describe()  # the failure message above can be made
     for node in env.nodes:
         rules = wait_until(lambda n=node: (r := kpx_rules(env, n))["iptables"] and r, 30, "rules")
         assert rules == {"nftables": False, "iptables": True}, node.name
