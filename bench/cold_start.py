@@ -90,10 +90,11 @@ def one_start(agent: Agent, mode: str, cluster: Cluster, work: Workload, index: 
     return out
 
 
-def _spread(values: list[float], unit: str = "s", digits: int = 2) -> str:
+def _spread(values: list[float]) -> str:
+    """Median (min-max) in seconds."""
     if not values:
         return "n/a"
-    return f"{median(values):.{digits}f} {unit} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+    return f"{median(values):.2f} s ({min(values):.2f}-{max(values):.2f})"
 
 
 def main() -> int:
