@@ -69,7 +69,7 @@ def test_poison_pair_in_later_syncs_blocks_nothing(topology: Topology, mode: str
     argv = [sys.executable, "-c", POISON_PAIR, mode, b1.ipv4, b2.ipv4, n1.ipv4, LB, C_VIP]
     result = topology.exec(n1, argv)
     assert result.returncode == 0 and "synced" in result.stdout, result.stderr
-    later = probe(topology, client, C_VIP, 80, "tcp", count=10, timeout=1)
+    later = probe(topology, client, C_VIP, 80, "tcp", count=20, timeout=1)
     assert later.failed == 0 and later.backends == {"b1", "b2"}, later
     shared = probe(topology, client, LB, 80, "tcp", count=10, timeout=1)
     assert shared.failed == 0 and shared.backends, shared

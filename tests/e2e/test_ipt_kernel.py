@@ -183,7 +183,7 @@ def test_backend_programs_real_traffic(topology: Topology) -> None:
         assert text.count("-A OUTPUT -m conntrack --ctstate NEW -m comment --comment kpx") == 1
         assert "KPX-SVC-STALE" not in text
         assert text.count(":FOREIGN - [0:0]") == 2 and "-A PREROUTING -j FOREIGN" in text
-    again = probe(topology, client, "10.96.0.10", 80, "tcp", count=10, timeout=1)
+    again = probe(topology, client, "10.96.0.10", 80, "tcp", count=20, timeout=1)
     assert again.backends == {"b1", "b2"} and again.failed == 0, again
 
     run("cleanup")
