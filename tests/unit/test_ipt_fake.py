@@ -29,7 +29,9 @@ def backend_on(fake: FakeIptables) -> IptablesBackend:
 @pytest.mark.parametrize(
     ("script", "reason"),
     [
-        ("*nat\n:KPX-A - [0:0]\n-A KPX-A -j KPX-NOWHERE\nCOMMIT\n", "no such chain"),
+        ("*nat\n:KPX-A - [0:0]\n-A KPX-A -j KPX-NOWHERE\nCOMMIT\n", "no chain KPX-NOWHERE yet"),
+        ("*nat\n:KPX-A - [0:0]\n-A KPX-A -j KPX-B\n:KPX-B - [0:0]\nCOMMIT\n", "no chain KPX-B yet"),
+        ("*nat\n:KPX-A - [0:0]\n-A KPX-A -j ACCEPT\n-X KPX-A\nCOMMIT\n", "not empty"),
         ("*nat\n-A KPX-NOWHERE -j ACCEPT\nCOMMIT\n", "no chain"),
         ("*nat\n-D PREROUTING -j KPX-SERVICES\nCOMMIT\n", "no such rule"),
         (f"*nat\n-X {n.MARK_MASQ}\nCOMMIT\n", "still used"),

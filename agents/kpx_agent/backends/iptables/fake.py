@@ -128,6 +128,12 @@ class FakeIptables:
         if chain not in table:
             raise FakeError(f"{line}: no chain {chain}")
         rules = table[chain]
+        if op in ("-A", "-I"):
+            # Legacy iptables-restore loads a jump's target as it reads the line (iptables-nft
+            # at the COMMIT): a chain declared further down is refused.
+            target = _target(body)
+            if target and target not in TARGETS and target not in table:
+                raise FakeError(f"{line}: no chain {target} yet (Couldn't load target)")
         if op == "-A":
             rules.append(body)
         elif op == "-I":
@@ -143,6 +149,8 @@ class FakeIptables:
             users = [c for c, rs in table.items() for r in rs if _target(r) == chain]
             if users:
                 raise FakeError(f"{line}: still used by {users[0]}")
+            if table[chain]:
+                raise FakeError(f"{line}: not empty (EBUSY)")
             del table[chain]
         else:
             raise FakeError(f"unknown command {line}")
