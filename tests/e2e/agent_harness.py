@@ -165,7 +165,10 @@ def endpoint_slice(
     matching the Service's port names."""
     meta: Obj = {"name": name, "namespace": ns, "labels": {SERVICE_NAME_LABEL: service_name}}
     if trigger_time is not None:
-        stamp = trigger_time.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        # RFC 3339 with fractions, as the EndpointSlice controller writes it: a stamp cut to the
+        # second can fall before an agent started within that second, which ignores it (as
+        # upstream ignores trigger times from before the proxy started).
+        stamp = trigger_time.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         meta["annotations"] = {TRIGGER_ANNOTATION: stamp}
     return {
         "apiVersion": "discovery.k8s.io/v1",

@@ -109,7 +109,8 @@ def asymmetric(net: Net, case: Case, allowed: set[Outcome]) -> bool:
 
 # An asymmetric case's tries that all time out may only have all gone to b2 (each does with
 # probability 1/2; all 6 with 1/64). It is probed again, up to this many rounds in all, until
-# one try answers: a rule that never DNATs to b1 still fails, after 24 tries (2^-24 by chance).
+# one try answers: rules that never DNAT to b1 still fail, after 24 tries; correct rules fail
+# by chance with probability 2^-24.
 ASYMMETRIC_ROUNDS = 4
 
 

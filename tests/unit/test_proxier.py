@@ -563,3 +563,19 @@ def test_network_programming_latency_leaves_out_changes_made_before_the_agent_wa
     state.delete(SLICES, endpoint_slice("a", "old", "10.244.0.4"))
     proxier.sync()
     assert programming_count(proxier) == 1
+
+
+def test_a_slice_that_comes_before_its_service_is_counted_when_the_agent_takes_it() -> None:
+    """Services and EndpointSlices come on separate watches: a slice may come first. The sync
+    that takes it changes no rule (no Service yet) and programs nothing, but its trigger time
+    is counted then (as upstream's sync counts every trigger time it takes), not dropped."""
+    state, _, proxier, _ = setup()
+    state.started = time.time() - 60
+    assert proxier.sync().full  # the first sync
+    state.upsert(SLICES, _triggered(endpoint_slice("a", "early", "10.244.0.2"), time.time() - 5))
+    outcome = proxier.sync()
+    assert not outcome.full and outcome.changed_ports == 0  # nothing programmed
+    assert programming_count(proxier) == 1
+    state.upsert(SERVICES, service("a", "early"))
+    proxier.sync()
+    assert programming_count(proxier) == 1  # once per trigger time

@@ -413,7 +413,10 @@ class Proxier:
         full, changed = pending.full, pending.changed
         if not full and not changed:
             # Nothing to program (a Node heartbeat, a Service update no rule depends on): no
-            # kernel work, and not counted as a sync.
+            # kernel work, and not counted as a sync. The EndpointSlice changes it carries need
+            # no rule (say, a slice that came before its Service): their programming is done,
+            # and counted, as upstream counts every trigger time a sync takes.
+            self._observe_programming(pending, time.time())
             return SyncOutcome(True, False, 0, time.monotonic() - pending.start)
         state = self.programmable()
         self.sync_edges += 1  # odd while the backend programs
