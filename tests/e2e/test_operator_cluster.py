@@ -558,15 +558,11 @@ def test_mode_external_runs_the_backend_next_to_a_state_server_only_agent(env: E
         {"spec": {"mode": "external", "iptables": None, "nftables": None, "external": backend}}
     )
 
-    def diagnostics() -> str:
-        pods = env.json("-n", NS, "get", "pods", "-l", "app.kubernetes.io/name=kpx-agent")
-        states = [
-            (p["spec"].get("nodeName"), p["status"].get("containerStatuses"))
-            for p in pods.get("items", [])
-        ]
-        return f"external agents Ready on 3 nodes: {env.pxc().get('status')} {states}"
-
-    harness_wait_until(lambda: env.ready("external"), 180, interval=0.5, message=diagnostics)
+    wait_until(
+        lambda: env.ready("external"),
+        180,
+        lambda: f"external agents Ready on 3 nodes ({env.describe()})",
+    )
     for node in env.nodes:
         wait_until(lambda n=node: not any(kpx_rules(env, n).values()), 30, "no kernel rules")
 
