@@ -17,6 +17,7 @@ Used by bench/migration.py (`make bench-migration`) and tests/e2e/test_migration
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import secrets
 import subprocess
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from kpx_cluster import node_events
 from kpx_cluster.controlplane import Cluster
 from kpx_cluster.kubelets import install as kubelets_install
 from kpx_cluster.migration_load import Summary
@@ -520,6 +522,21 @@ def switch(
 ) -> SwitchResult:
     opts = opts or LoadOptions()
     assert env.rolled_out(old), f"not serving in {old} on every node before the switch"
+    with node_events.recording(env.topo, env.nodes) as events:
+        result = _switch(env, old, new, opts, timeout, log)
+    for line in diagnose(env, result.loads, events):
+        log(line)
+    return result
+
+
+def _switch(
+    env: MigrationEnv,
+    old: str,
+    new: str,
+    opts: LoadOptions,
+    timeout: float,
+    log: Callable[[str], None],
+) -> SwitchResult:
     started = _start_load(env, opts)
     node_ready: dict[str, float] = {}
     try:
@@ -549,6 +566,45 @@ def switch(
     return SwitchResult(
         old, new, len(env.nodes), round(duration, 1), loads, env.leftovers(old), node_ready
     )
+
+
+def diagnose(
+    env: MigrationEnv, loads: Sequence[Summary], events: node_events.NodeEvents
+) -> list[str]:
+    """When a load's new connections or UDP exchanges failed: what every node did around the
+    first failures (`node_events.explain`) and the agents' log lines from 10 s before the first
+    to 5 s after the last. Empty when none failed."""
+    failures = [
+        (s.started_at + at, target, reason)
+        for s in loads
+        for tries in (s.tcp, s.udp)
+        for at, target, reason in tries.failures
+    ]
+    if not failures:
+        return []
+    out = ["what the nodes did around the failed tries (wall clock, UTC):"]
+    out += node_events.explain(events.snapshot(), failures)
+    first = min(at for at, _, _ in failures) - 10.0
+    last = max(at for at, _, _ in failures) + 5.0
+    for pod in env.agent_pods():
+        name = pod["metadata"]["name"]
+        logs = env.cluster.kubectl("-n", NS, "logs", name, "--timestamps", check=False).stdout
+        kept = [line for line in logs.splitlines() if first <= _log_time(line) <= last]
+        out.append(f"-- agent {name} on {pod['spec'].get('nodeName')}: {len(kept)} log lines")
+        out += [f"   {line[:300]}" for line in kept[-80:]]
+    return out
+
+
+def _log_time(line: str) -> float:
+    """The wall clock of a `kubectl logs --timestamps` line (RFC 3339, nanoseconds); 0 when
+    the line has none."""
+    stamp = line.split(" ", 1)[0]
+    head, _, frac = stamp.rstrip("Z").partition(".")
+    try:
+        whole = datetime.datetime.fromisoformat(head).replace(tzinfo=datetime.UTC)
+    except ValueError:
+        return 0.0
+    return whole.timestamp() + (float(f"0.{frac}") if frac.isdigit() else 0.0)
 
 
 TABLE_HEAD = (

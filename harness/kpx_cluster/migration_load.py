@@ -86,6 +86,8 @@ class Summary:
     tcp: Tries
     udp: Tries
     held: list[Held]
+    #: the wall clock (time.time()) at the start that the failures' times count from
+    started_at: float = 0.0
 
     def to_json(self) -> str:
         out: dict[str, Any] = asdict(self)
@@ -101,7 +103,7 @@ class Summary:
             for k in ("tcp", "udp")
         }
         held = [Held(h["target"], h["exchanges"], h["backends"], h["error"]) for h in raw["held"]]
-        return cls(raw["duration"], tries["tcp"], tries["udp"], held)
+        return cls(raw["duration"], tries["tcp"], tries["udp"], held, raw.get("started_at", 0.0))
 
     @property
     def held_survived(self) -> int:
@@ -120,6 +122,7 @@ class Client:
         self.held = [Held(args.hold) for _ in range(args.holds if args.hold else 0)]
         self.stopping = asyncio.Event()
         self.start = time.monotonic()
+        self.started_at = time.time()
         self.tasks: set[asyncio.Task[None]] = set()
 
     def spawn(self, coro: Any) -> None:
@@ -227,6 +230,7 @@ class Client:
             await event.wait()
         print("ready", flush=True)
         self.start = time.monotonic()
+        self.started_at = time.time()
         tickers = []
         if self.args.tcp:
             tickers.append(loop.create_task(self.ticker(self.args.interval, self.args.tcp, "tcp")))
@@ -239,7 +243,7 @@ class Client:
         await asyncio.gather(*tickers, *holders)
         if self.tasks:
             await asyncio.wait(set(self.tasks))
-        return Summary(round(duration, 3), self.tcp, self.udp, self.held)
+        return Summary(round(duration, 3), self.tcp, self.udp, self.held, self.started_at)
 
     def _stdin(self) -> None:
         if not os.read(sys.stdin.fileno(), 4096):
