@@ -588,8 +588,11 @@ def diagnose(
     last = max(at for at, _, _ in failures) + 5.0
     for pod in env.agent_pods():
         name = pod["metadata"]["name"]
-        logs = env.cluster.kubectl("-n", NS, "logs", name, "--timestamps", check=False).stdout
-        kept = [line for line in logs.splitlines() if first <= _log_time(line) <= last]
+        got = env.cluster.kubectl("-n", NS, "logs", name, "--timestamps", check=False)
+        if got.returncode != 0:
+            out.append(f"-- agent {name}: no logs: {got.stderr.strip()[:300]}")
+            continue
+        kept = [line for line in got.stdout.splitlines() if first <= _log_time(line) <= last]
         out.append(f"-- agent {name} on {pod['spec'].get('nodeName')}: {len(kept)} log lines")
         out += [f"   {line[:300]}" for line in kept[-80:]]
     return out

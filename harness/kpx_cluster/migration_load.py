@@ -110,6 +110,16 @@ class Summary:
         return sum(1 for h in self.held if h.survived)
 
 
+def failure(reason: str, sock: socket.socket) -> str:
+    """A failed try's reason, with the source port it used when it had one:
+    ``timeout (port 40312)``."""
+    try:
+        port = sock.getsockname()[1]
+    except OSError:  # closed
+        port = 0
+    return f"{reason} (port {port})" if port else reason
+
+
 def split_target(target: str) -> tuple[str, int]:
     host, _, port = target.rpartition(":")
     return host.strip("[]"), int(port)
@@ -133,21 +143,31 @@ class Client:
     async def tcp_try(self, target: str) -> None:
         at = time.monotonic()
         host, port = split_target(target)
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
         writer = None
         try:
+            # bound first, so that a failure can name its source port (a node's conntrack
+            # events tell the connection apart by it: kpx_cluster.node_events)
+            sock.bind(("", 0))
             async with asyncio.timeout(self.args.timeout):
-                reader, writer = await asyncio.open_connection(host, port)
+                await loop.sock_connect(sock, (host, port))
+                reader, writer = await asyncio.open_connection(sock=sock)
                 line = await reader.readline()
             if not line:
                 raise ConnectionError("closed without an answer")
             self.tcp.answer(line.split()[0].decode(), time.monotonic() - at)
         except TimeoutError:
-            self.tcp.fail(at - self.start, target, "timeout")
+            self.tcp.fail(at - self.start, target, failure("timeout", sock))
         except OSError as err:
-            self.tcp.fail(at - self.start, target, type(err).__name__)
+            self.tcp.fail(at - self.start, target, failure(type(err).__name__, sock))
         finally:
             if writer is not None:
                 writer.close()
+            else:
+                sock.close()
 
     async def udp_try(self, target: str) -> None:
         at = time.monotonic()
@@ -163,9 +183,9 @@ class Client:
                     data = await loop.sock_recv(sock, 512)
                 self.udp.answer(data.split()[0].decode(), time.monotonic() - at)
             except TimeoutError:
-                self.udp.fail(at - self.start, target, "timeout")
+                self.udp.fail(at - self.start, target, failure("timeout", sock))
             except (OSError, IndexError) as err:
-                self.udp.fail(at - self.start, target, type(err).__name__)
+                self.udp.fail(at - self.start, target, failure(type(err).__name__, sock))
 
     async def ticker(self, interval: float, targets: Sequence[str], kind: str) -> None:
         i = 0

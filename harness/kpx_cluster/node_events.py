@@ -1,7 +1,7 @@
 """What happened on each node while a migration ran under load, to explain a failed try.
 
-A migration test's load records only (when, target, error) for a try that failed; by the time
-the test reads it, the rules that were in force are gone. `recording(topo, nodes)` runs two
+A migration test's load records only (when, target, error, source port) for a try that failed;
+by the time the test reads it, the rules that were in force are gone. `recording(topo, nodes)` runs two
 listeners in every node's netns for the duration of the migration, stamping each line with the
 wall clock as it arrives:
 
@@ -12,8 +12,9 @@ wall clock as it arrives:
   NodePort then meets no socket and is refused) or nowhere (no NEW event: a rule dropped or
   rejected it before confirmation).
 
-`explain(...)` (pure) picks, for each of the first failures, the lines of every node from a
-little before to a little after it. Listening costs the nodes nothing until something
+`explain(...)` (pure) picks, for each of the first failures, every node's ruleset changes from a
+little before to a little after it, and its own connection's conntrack events (by its source
+port). Listening costs the nodes nothing until something
 changes; the harness reads a few hundred lines per second under the migrations' load.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import threading
 import time
@@ -43,6 +45,8 @@ KEEP = 500_000
 #: the connection's own conntrack event around it.
 RULES_BEFORE, RULES_AFTER = 3.0, 1.0
 CONNS_BEFORE, CONNS_AFTER = 0.3, 1.0
+#: ... and for a failure that names its source port: its SYN or datagram retried included.
+CONNS_LATER = 10.0
 
 
 @dataclass(frozen=True)
@@ -153,12 +157,19 @@ def _target_host_port(target: str) -> tuple[str, str]:
     return host.strip("[]"), port
 
 
-def _is_connection_to(text: str, target: str) -> bool:
-    """Whether a conntrack line's original direction goes to `target` (host:port)."""
+_PORT = re.compile(r"\(port (\d+)\)")
+
+
+def _is_connection_to(text: str, target: str, source_port: str | None) -> bool:
+    """Whether a conntrack line's original direction goes to `target` (host:port), from
+    `source_port` when known."""
     host, port = _target_host_port(target)
-    original = text.split("[UNREPLIED]")[0]
-    fields = original.split()
-    return f"dst={host}" in fields and f"dport={port}" in fields
+    fields = text.split("[UNREPLIED]")[0].split()
+    return (
+        f"dst={host}" in fields
+        and f"dport={port}" in fields
+        and (source_port is None or f"sport={source_port}" in fields)
+    )
 
 
 def explain(
@@ -167,19 +178,25 @@ def explain(
     first: int = 3,
 ) -> list[str]:
     """Pure: for each of the `first` failures (wall clock, target, reason), the ruleset
-    changes of every node from RULES_BEFORE before to RULES_AFTER after it, and the new
-    connections to its target from CONNS_BEFORE before to CONNS_AFTER after it."""
+    changes of every node from RULES_BEFORE before to RULES_AFTER after it, and its
+    connection's conntrack events on every node: by the source port its reason names
+    (``(port N)``, `migration_load.failure`) from CONNS_BEFORE before to CONNS_LATER after
+    it, or without one every new connection to its target from CONNS_BEFORE before to
+    CONNS_AFTER after it."""
     out: list[str] = []
     for at, target, reason in sorted(failures)[:first]:
         out.append(f"-- {_clock(at)} {target} {reason}: what the nodes did around it")
+        port = _PORT.search(reason)
+        source_port = port.group(1) if port else None
+        conns_until = at + (CONNS_LATER if source_port else CONNS_AFTER)
         found = [
             line
             for line in lines
             if (line.source == "nft" and at - RULES_BEFORE <= line.at <= at + RULES_AFTER)
             or (
                 line.source == "conntrack"
-                and at - CONNS_BEFORE <= line.at <= at + CONNS_AFTER
-                and _is_connection_to(line.text, target)
+                and at - CONNS_BEFORE <= line.at <= conns_until
+                and _is_connection_to(line.text, target, source_port)
             )
         ]
         if not found:

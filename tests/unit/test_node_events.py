@@ -5,8 +5,10 @@ tests/e2e/test_node_events_netns.py."""
 from __future__ import annotations
 
 import datetime
+import socket
 
 from kpx_cluster.migration import _log_time
+from kpx_cluster.migration_load import failure
 from kpx_cluster.node_events import Line, explain
 
 T = 1_800_000_000.0
@@ -63,3 +65,27 @@ def test_agent_log_stamps_read_to_the_fraction_and_lines_without_one_read_as_zer
     assert _log_time("2026-11-28T18:30:01Z INFO synced") == stamp
     assert _log_time("unable to retrieve container logs") == 0.0
     assert _log_time("") == 0.0
+
+
+def test_a_failure_that_names_its_source_port_is_explained_by_that_connection_only() -> None:
+    retried = NO_DNAT.replace("sport=40000", "sport=40002")
+    lines = [
+        Line(T + 0.01, "n3", "conntrack", NO_DNAT),  # another try to the same target
+        Line(T + 0.02, "n1", "conntrack", NO_DNAT.replace("sport=40000", "sport=40002")),
+        Line(T + 3.0, "n3", "conntrack", retried),  # its SYN again, after a rule changed
+    ]
+    out = explain(lines, [(T, TARGET, "timeout (port 40002)")])
+    assert [(line.split()[1], line.split()[2]) for line in out[1:]] == [
+        ("+0.020s", "n1"),
+        ("+3.000s", "n3"),
+    ]
+
+
+def test_a_failed_try_names_its_source_port_while_it_has_one() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        assert failure("timeout", sock) == f"timeout (port {port})"
+    assert failure("ConnectionRefusedError", sock) == "ConnectionRefusedError"  # closed
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as unbound:
+        assert failure("timeout", unbound) == "timeout"
