@@ -1,9 +1,9 @@
 """What happened on each node while a migration ran under load, to explain a failed try.
 
 A migration test's load records only (when, target, error, source port) for a try that failed;
-by the time the test reads it, the rules that were in force are gone. `recording(topo, nodes)` runs two
-listeners in every node's netns for the duration of the migration, stamping each line with the
-wall clock as it arrives:
+by the time the test reads it, the rules that were in force are gone. `recording(topo, nodes)`
+runs two listeners in every node's netns for the duration of the migration, stamping each line
+with the wall clock as it arrives:
 
 - ``nft monitor``: every ruleset change (kpx's tables, and iptables-nft's, which kube-proxy's
   iptables mode and the removal of its rules write);
