@@ -207,3 +207,36 @@ def test_target_port_change_deletes_only_the_entries_to_the_old_port(
         assert "sport=41001 " in left, f"the entry to the new target port went too: {left}"
     finally:
         topo.exec(n1, ["nft", "delete", "table", "ip", "kpx-ct-port"])
+
+
+def test_reconcile_at_start_deletes_only_entries_dnated_to_an_endpoint_no_longer_serving(
+    net: tuple[Topology, Node, Pod, Pod],
+) -> None:
+    """A real entry DNATed to the backend (the client sends from port 42000): the agent's
+    start-up reconcile keeps it while the backend is a serving endpoint of the port, and
+    deletes it once the port's serving endpoints are others (the pod went away while no
+    agent ran)."""
+    topo, n1, client, backend = net
+    topo.exec(client, [sys.executable, "-c", SEND_FROM, VIP, str(PORT), "42000"], check=True)
+
+    def entries() -> str:
+        return topo.exec(n1, ["conntrack", "-L", "-p", "udp", "--orig-dst", VIP]).stdout
+
+    assert f"sport=42000 dport={PORT} src={backend.ipv4}" in entries().replace(
+        "[UNREPLIED] ", ""
+    ), entries()
+    port = ServicePort(
+        ServicePortKey("kube-system", "dns", "dns", Protocol.UDP, 4),
+        PORT,
+        cluster_ips=(IP.of(VIP),),
+        node_port=NODE_PORT,
+    )
+
+    def reconcile(serving: set[str]) -> None:
+        filters = conntrack.reconcile_flows(port, frozenset(serving))
+        assert call_in_netns(n1.netns, lambda: conntrack.delete_flows(filters)) == 0
+
+    reconcile({backend.ipv4})
+    assert "sport=42000 " in entries(), f"a serving endpoint's entry went: {entries()}"
+    reconcile({"10.244.99.99"})
+    assert "sport=42000 " not in entries(), f"the gone endpoint's entry stayed: {entries()}"

@@ -29,7 +29,7 @@ from kpx_agent.conntrack import wire
 from kpx_agent.conntrack.cleaner import ConntrackCleaner
 from kpx_agent.conntrack.stale_flows import FlowFilter
 from kpx_agent.conntrack.wire import Entry, KernelError, Tuple, WireError
-from kpx_agent.model.types import IP
+from kpx_agent.model.types import IP, Protocol, ServicePort, ServicePortKey
 from kpx_agent.store.cluster_state import SERVICES, SLICES
 
 FUZZ = settings(
@@ -379,6 +379,44 @@ def test_a_filter_for_zero_to_some_endpoints_matches_only_entries_not_dnated() -
     assert not node_port.matches(entry("192.168.1.10", 30053, EP1, 5353))
     # Only the port tells them apart without the node's addresses (as before).
     assert node_port.matches(entry("192.168.1.10", 30053, EP1, 30053))
+
+
+def test_a_reconcile_filter_matches_only_entries_dnated_to_an_address_it_does_not_keep() -> None:
+    flow = FlowFilter(4, 53, IP.of(VIP), keep=frozenset({EP2}))
+    assert flow.matches(entry(VIP, 53, EP1, 5353))  # DNATed to a pod gone meanwhile
+    assert not flow.matches(entry(VIP, 53, EP2, 5353))  # a serving endpoint: a live flow
+    assert not flow.matches(entry(VIP, 53, EP2, 6363))  # the address decides, as upstream's
+    assert not flow.matches(entry(VIP, 53, VIP, 53, status=0x188))  # not DNATed: not its job
+    assert not flow.matches(entry(VIP, 54, EP1, 5353))  # another service port
+    assert not flow.matches(entry(VIP, 53, EP1, 5353, proto=6))  # TCP
+    none_serving = FlowFilter(4, 53, IP.of(VIP), keep=frozenset())
+    assert none_serving.matches(entry(VIP, 53, EP2, 5353))
+    node_port = FlowFilter(4, 30053, None, keep=frozenset({EP2}))
+    assert node_port.matches(entry("192.168.1.10", 30053, EP1, 5353))
+    assert not node_port.matches(entry("192.168.1.10", 30053, EP2, 5353))
+
+
+def test_reconcile_filters_cover_every_address_of_a_udp_port_and_no_tcp_port() -> None:
+    key = ServicePortKey("k", "dns", "dns", Protocol.UDP, 4)
+    port = ServicePort(
+        key,
+        53,
+        cluster_ips=(IP.of(VIP),),
+        external_ips=(IP.of("192.0.2.7"),),
+        load_balancer_ips=(IP.of("198.51.100.9"),),
+        node_port=30053,
+    )
+    serving = frozenset({EP1})
+    flows = conntrack.reconcile_flows(port, serving)
+    assert {(f.dst, f.port) for f in flows} == {
+        (VIP, 53),
+        ("192.0.2.7", 53),
+        ("198.51.100.9", 53),
+        (None, 30053),
+    }
+    assert all(f.keep is serving and f.family == 4 and f.proto == wire.PROTO_UDP for f in flows)
+    tcp = ServicePort(ServicePortKey("k", "web", "", Protocol.TCP, 4), 80, (IP.of(VIP),))
+    assert conntrack.reconcile_flows(tcp, serving) == []
 
 
 def test_ipv6_filters_match_ipv6_entries_only() -> None:

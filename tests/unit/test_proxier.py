@@ -20,6 +20,7 @@ from kpx_agent.model.types import (
     DetectLocal,
     DetectLocalMode,
     NodeLocalState,
+    Protocol,
     ServicePortKey,
 )
 from kpx_agent.observability.metrics import AgentMetrics
@@ -152,6 +153,40 @@ def test_udp_endpoint_removal_cleans_conntrack_after_the_sync() -> None:
     proxier.sync()
     assert proxier.conntrack_cleaner.idle(10)
     assert [str(f.dnat_to) for f in flows] == ["10.244.1.2"]
+
+
+def test_a_first_programmed_udp_port_keeps_only_entries_dnated_to_its_serving_endpoints() -> None:
+    """At the agent's start (and for a port new since), the entries to a UDP port's addresses
+    that are DNATed to an address that is not a serving endpoint go: a pod gone while no
+    agent ran. A serving-terminating endpoint the rules no longer use (a ready one exists)
+    still serves its flows, as upstream keeps them; a not-serving one does not."""
+    state, _, proxier, flows = setup()
+    state.upsert(SERVICES, service("k", "dns", "UDP"))
+    sl = endpoint_slice("k", "dns", "10.244.1.2", "10.244.2.2", "10.244.3.2", proto="UDP")
+    sl["endpoints"][1]["conditions"] = {"ready": False, "serving": True, "terminating": True}
+    sl["endpoints"][2]["conditions"] = {"ready": False, "serving": False, "terminating": True}
+    state.upsert(SLICES, sl)
+    state.upsert(SERVICES, service("k", "web", "TCP"))
+    state.upsert(SLICES, endpoint_slice("k", "web", "10.244.1.3"))
+    proxier.sync()
+    assert proxier.conntrack_cleaner.idle(10)
+    reconcile = [f for f in flows if f.keep is not None]
+    assert [(str(f.dst), f.port, f.keep) for f in reconcile] == [
+        ("10.96.0.10", 53, frozenset({"10.244.1.2", "10.244.2.2"}))
+    ]
+    assert [
+        str(ep.ip) for ep in proxier.local.services[reconcile_key(proxier)].cluster_endpoints
+    ] == ["10.244.1.2"]  # the rules use the ready endpoint only
+    flows.clear()
+    state.upsert(SLICES, endpoint_slice("k", "dns", "10.244.2.2", proto="UDP"))
+    proxier.sync()
+    assert proxier.conntrack_cleaner.idle(10)
+    assert [f.keep for f in flows] == [None]  # a change after that: `stale_flows` only
+
+
+def reconcile_key(proxier: Proxier) -> ServicePortKey:
+    (key,) = [k for k in proxier.local.services if k.protocol is Protocol.UDP]
+    return key
 
 
 def test_the_conntrack_cleanup_is_upstreams_conntrack_reconciler_in_metrics(

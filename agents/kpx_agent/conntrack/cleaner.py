@@ -16,8 +16,8 @@ Only the worker reports (the metrics it updates have one writer).
 A deletion runs after the sync that called for it, usually at once; behind a long batch it
 may run after a later sync brought the endpoint back, and then deletes that endpoint's flows
 made meanwhile (their next datagram makes a new entry). Deletions still queued when the agent
-exits are lost; the next agent's first sync deletes the not-DNATed entries again, not those
-DNATed to endpoints gone meanwhile (as before: see conntrack.py).
+exits are lost; the next agent's first sync deletes the not-DNATed entries again, and those
+DNATed to an address that is no longer a serving endpoint (stale_flows.reconcile_flows).
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ kube-proxy keeps it (pkg/proxy/conntrack/cleanup.go deletes only entries whose r
 not a serving endpoint). This matters on every agent start (a mode switch, an upgrade, a
 restart): there every UDP port goes from "nothing known" to its endpoints, and deleting every
 entry to its addresses dropped the replies of exchanges in flight (issue #18's load measured
-one lost exchange in 4,300 on a mode switch). Not covered (upstream covers it by listing the
-whole table at every sync): an entry DNATed to an endpoint that went away while no agent ran
-on the node stays until it expires (nf_conntrack_udp_timeout, or _stream for a flow that was
-answered).
+one lost exchange in 4,300 on a mode switch). An entry DNATed to an endpoint that went away
+while no agent ran on the node is deleted when the port is first programmed
+(`reconcile_flows`: those DNATed to an address that is not one of the port's serving
+endpoints; upstream finds them by listing the whole table at every sync).
 
 TCP and SCTP entries are torn down by their protocols, with one exception: an entry to a
 ClusterIP made while the node had no rule for it (before its Service was programmed, or while a
@@ -75,6 +75,9 @@ class FlowFilter:
     not_nated: bool = False
     dnat_port: int = 0
     proto: int = PROTO_UDP
+    #: Only those DNATed to an address not in this set (the port's serving endpoints): what an
+    #: agent's start reconciles (`reconcile_flows`).
+    keep: frozenset[str] | None = None
 
     def matches(self, entry: Entry) -> bool:
         """Whether `entry` is one this filter deletes: what `conntrack -D -p udp` matched
@@ -91,6 +94,8 @@ class FlowFilter:
             # A DNATed entry's reply comes from the endpoint's address and port.
             if self.dnat_port and reply.src_port != self.dnat_port:
                 return False
+        if self.keep is not None:
+            return entry.dnated and reply.src not in _packed_all(self.keep)
         if self.not_nated:
             # A NodePort entry DNATed to an endpoint whose port equals the NodePort is
             # deleted too (only the port tells them apart without the node's addresses).
@@ -104,6 +109,11 @@ class FlowFilter:
 def packed(ip: str) -> bytes:
     """An address in network order, as the kernel's entries hold it."""
     return ipaddress.ip_address(ip).packed
+
+
+@functools.lru_cache(maxsize=4096)
+def _packed_all(ips: frozenset[str]) -> frozenset[bytes]:
+    return frozenset(packed(ip) for ip in ips)
 
 
 def _targets(sp: ServicePort) -> list[tuple[IPAddress | None, int]]:
@@ -150,6 +160,20 @@ def stale_flows(old: ServicePort | None, new: ServicePort | None) -> list[FlowFi
         for dst, p in _targets(new):
             out.add(FlowFilter(port.family, p, dst, not_nated=True))
     return sorted(out, key=lambda f: (f.family, f.port, str(f.dst), str(f.dnat_to)))
+
+
+def reconcile_flows(port: ServicePort, serving: frozenset[str]) -> list[FlowFilter]:
+    """The deletions for a UDP port the kernel may have had no rule for, or other rules (an
+    agent's start: a restart, an upgrade, a mode switch, a takeover): the entries to its
+    addresses DNATed to an address that is not one of its serving endpoints (`serving`),
+    such as a pod that went away while no agent ran on the node. A client that keeps sending
+    (DNS from one socket) keeps such an entry alive, blackholed, for as long as it sends.
+    Upstream kube-proxy lists the whole table at every sync for this; kpx does it when a port
+    is first programmed (every port at an agent's start), and `stale_flows` follows each
+    change after that. NodePorts are matched by port, as upstream matches them."""
+    if port.protocol is not Protocol.UDP:
+        return []
+    return [FlowFilter(port.family, p, dst, keep=serving) for dst, p in _targets(port)]
 
 
 #: Seconds one netlink answer may take (a datagram of a dump, a deletion's acknowledgement), and

@@ -276,6 +276,15 @@ def _candidates(
     return sorted(seen.values()), unusual
 
 
+def serving_addresses(slices: Iterable[Obj], key: ServicePortKey) -> frozenset[str]:
+    """The addresses of every serving endpoint of one service port in its family (ready or
+    not, terminating or not, wherever topology or traffic policies send traffic): the
+    endpoints whose conntrack entries live on (upstream kube-proxy's conntrack cleanup keeps
+    the entries whose reply comes from one of them)."""
+    cands, _ = _candidates(slices, key.family, key.port_name, key.protocol, "")
+    return frozenset([c.endpoint.ip for c in cands if c.serving])
+
+
 def _usable(cands: list[_Candidate]) -> list[_Candidate]:
     """Ready endpoints; when none is ready, the serving-and-terminating ones (KEP-1669)."""
     ready = [c for c in cands if c.ready]

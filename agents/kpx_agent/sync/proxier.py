@@ -18,12 +18,24 @@ from kpx_api.proxysettings import NamespaceOptOut
 from ..backends.base import Backend, BackendError, CheckUnsupported, KernelReadBack
 from ..conntrack import stale_flows as conntrack
 from ..conntrack.cleaner import ConntrackCleaner
-from ..conntrack.stale_flows import FlowFilter, stale_flows
+from ..conntrack.stale_flows import FlowFilter, reconcile_flows, stale_flows
 from ..model.external_ips import APISERVER_SERVICE, ExternalIPPolicy, apiserver_addresses
 from ..model.quarantine import MAX_SERVICE_COST, cost, quarantine
-from ..model.service_ports import node_facts, node_info, service_model, uses_topology
+from ..model.service_ports import (
+    node_facts,
+    node_info,
+    service_model,
+    serving_addresses,
+    uses_topology,
+)
 from ..model.service_problems import REFUSED_BY_KERNEL, ProblemBook, ServiceProblem
-from ..model.types import DataplaneSettings, NodeLocalState, ServicePort, ServicePortKey
+from ..model.types import (
+    DataplaneSettings,
+    NodeLocalState,
+    Protocol,
+    ServicePort,
+    ServicePortKey,
+)
 from ..model.vip_claims import VipClaims, creation_time
 from ..observability.metrics import FAMILY_LABELS, AgentMetrics, failed_families
 from ..store.cluster_state import ClusterState, Key
@@ -337,7 +349,13 @@ class Proxier:
         flows: dict[FlowFilter, None] = {}
         for key in done:
             before = self._before.pop(key)
-            flows.update(dict.fromkeys(stale_flows(before, self.local.services.get(key))))
+            now = self.local.services.get(key)
+            flows.update(dict.fromkeys(stale_flows(before, now)))
+            if before is None and now is not None and now.protocol is Protocol.UDP:
+                # first programmed (every port at the agent's start): what the kernel's
+                # entries may hold from before, DNATed to endpoints gone since
+                slices = self.state.slices_of((key.namespace, key.name))
+                flows.update(dict.fromkeys(reconcile_flows(now, serving_addresses(slices, key))))
         if repair:
             for key, port in self.local.services.items():
                 if key not in self._deferred:
