@@ -928,6 +928,45 @@ def test_udp_socket_that_sent_before_endpoints_existed_gets_answers(
     print(f"\nUDP socket, 0 -> 2 endpoints: answered after {(seen - t_add) * 1000:.0f} ms")
 
 
+@family_param
+def test_udp_socket_leaves_an_endpoint_removed_while_the_agent_was_down(
+    env: AgentEnv, agent_ns: str, family: int
+) -> None:
+    """A long-lived UDP socket on b1; the agent on n1 stops (its rules stay), b1 leaves the
+    Service while no agent runs there (b2 replaces it), the agent starts again. Its first sync
+    must move the socket off b1: the entry DNATed to b1, which the socket's own datagrams keep
+    alive, goes (conntrack.reconcile_flows), as upstream's cleanup deletes entries whose reply
+    comes from no serving endpoint. A change the agent sees (the test above) is not enough
+    here: for the new agent b1 never was an endpoint."""
+    svc = make_service(env, agent_ns, "udp-down", on(env, "b1"), ports=UDP_ONLY)
+    vip = svc.ip(family)
+    assert_reaches(env, vip, 80, "udp", {"b1"})
+    watch = start_udp_socket_watch(env.topology, env.client, vip, 80)
+    try:
+        assert watch.wait_for(first_seen("b1", time.time()), 5.0), watch.events[-5:]
+        assert env.agent is not None
+        assert env.agent.stop() == 0, env.agent.log_tail()
+        t_down = write_slice_now(env, agent_ns, "udp-down", on(env, "b2"), family)
+        time.sleep(1.0)
+        watch.wait_for(lambda _: None, 0.2)  # read what came meanwhile
+        t_start = time.time()
+        env.start_agent("n1")
+        seen = watch.wait_for(first_seen("b2", t_start), UDP_SWITCH_WAIT)
+        time.sleep(0.5)
+        watch.wait_for(lambda _: None, 0.2)
+    finally:
+        watch.stop()
+    down = {w for t, w in watch.since(t_down) if t < t_start}
+    assert down == {"b1"}, f"without an agent the socket did not stay on b1: {down}"
+    assert seen is not None, (
+        f"the UDP socket stayed on b1, removed while the agent was down: "
+        f"{watch.since(t_start)[:10]}\n{diagnostics(env)}"
+    )
+    late_b1 = [t - t_start for t, w in watch.since(seen) if w == "b1"]
+    assert not late_b1, f"b1 answered again after b2 did: {late_b1}"
+    print(f"\nUDP socket on b1 (removed while down) -> b2 after the start: {seen - t_start:.1f} s")
+
+
 # ---- switching modes -----------------------------------------------------------------------------
 
 
