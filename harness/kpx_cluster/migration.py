@@ -522,11 +522,7 @@ def switch(
 ) -> SwitchResult:
     opts = opts or LoadOptions()
     assert env.rolled_out(old), f"not serving in {old} on every node before the switch"
-    with node_events.recording(env.topo, env.nodes) as events:
-        result = _switch(env, old, new, opts, timeout, log)
-    for line in diagnose(env, result.loads, events):
-        log(line)
-    return result
+    return explained(env, log, lambda: _switch(env, old, new, opts, timeout, log))
 
 
 def _switch(
@@ -566,6 +562,18 @@ def _switch(
     return SwitchResult(
         old, new, len(env.nodes), round(duration, 1), loads, env.leftovers(old), node_ready
     )
+
+
+def explained(
+    env: MigrationEnv, log: Callable[[str], None], run: Callable[[], SwitchResult]
+) -> SwitchResult:
+    """`run` (a migration under load) with every node's events recorded; when tries failed,
+    what explains them is logged (`diagnose`)."""
+    with node_events.recording(env.topo, env.nodes) as events:
+        result = run()
+    for line in diagnose(env, result.loads, events):
+        log(line)
+    return result
 
 
 def diagnose(

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import node_events, upstream_kube_proxy
+from . import upstream_kube_proxy
 from .controlplane import Cluster
 from .kubelets import install as kubelets_install
 from .migration import (
@@ -33,7 +33,7 @@ from .migration import (
     _start_load,
     _stop_load,
     apply_kpx,
-    diagnose,
+    explained,
     preflight_load,
     proxy_configuration,
     remove_kpx,
@@ -209,11 +209,8 @@ def take_over(
     """Under load: install kpx (nftables, takeover), wait until it serves every node with
     kube-proxy and its rules gone; the load's figures and what of kube-proxy's is left."""
     opts = opts or LoadOptions()
-    with node_events.recording(env.topo, env.nodes) as events:
-        result = _take_over(env, f"kube-proxy {kube_proxy_mode}", opts, timeout, log)
-    for line in diagnose(env, result.loads, events):
-        log(line)
-    return result
+    old = f"kube-proxy {kube_proxy_mode}"
+    return explained(env, log, lambda: _take_over(env, old, opts, timeout, log))
 
 
 def _take_over(
