@@ -15,8 +15,9 @@ restart): there every UDP port goes from "nothing known" to its endpoints, and d
 entry to its addresses dropped the replies of exchanges in flight (issue #18's load measured
 one lost exchange in 4,300 on a mode switch). An entry DNATed to an endpoint that went away
 while no agent ran on the node is deleted when the port is first programmed
-(`reconcile_flows`: those DNATed to an address that is not one of the port's serving
-endpoints; upstream finds them by listing the whole table at every sync).
+(`reconcile_flows`: those to its ClusterIPs, external and load-balancer IPs DNATed to an
+address that is not one of the port's serving endpoints; upstream finds them by listing the
+whole table at every sync, and covers NodePorts too).
 
 TCP and SCTP entries are torn down by their protocols, with one exception: an entry to a
 ClusterIP made while the node had no rule for it (before its Service was programmed, or while a
@@ -170,10 +171,17 @@ def reconcile_flows(port: ServicePort, serving: frozenset[str]) -> list[FlowFilt
     (DNS from one socket) keeps such an entry alive, blackholed, for as long as it sends.
     Upstream kube-proxy lists the whole table at every sync for this; kpx does it when a port
     is first programmed (every port at an agent's start), and `stale_flows` follows each
-    change after that. NodePorts are matched by port, as upstream matches them."""
+    change after that. Not its NodePort: a filter without a destination matches the port on
+    every address, and another Service's ClusterIP on that port number would lose its live
+    flows (upstream tells them apart by listing every Service's addresses first); an entry to
+    a NodePort DNATed to a pod gone while no agent ran stays until it expires."""
     if port.protocol is not Protocol.UDP:
         return []
-    return [FlowFilter(port.family, p, dst, keep=serving) for dst, p in _targets(port)]
+    return [
+        FlowFilter(port.family, p, dst, keep=serving)
+        for dst, p in _targets(port)
+        if dst is not None
+    ]
 
 
 #: Seconds one netlink answer may take (a datagram of a dump, a deletion's acknowledgement), and

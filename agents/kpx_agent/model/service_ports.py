@@ -277,8 +277,9 @@ def _candidates(
 
 
 def serving_addresses(slices: Iterable[Obj], key: ServicePortKey) -> frozenset[str]:
-    """The addresses of every serving endpoint of one service port in its family (ready or
-    not, terminating or not, wherever topology or traffic policies send traffic): the
+    """The addresses of every serving endpoint of one service port in its family (its
+    `serving` condition holds: terminating or not, wherever topology or traffic policies send
+    traffic): the
     endpoints whose conntrack entries live on (upstream kube-proxy's conntrack cleanup keeps
     the entries whose reply comes from one of them)."""
     cands, _ = _candidates(slices, key.family, key.port_name, key.protocol, "")
