@@ -209,34 +209,72 @@ def test_target_port_change_deletes_only_the_entries_to_the_old_port(
         topo.exec(n1, ["nft", "delete", "table", "ip", "kpx-ct-port"])
 
 
+NODE_PORT_RULES = """table ip kpx-ct-np {{
+  chain pre {{
+    type nat hook prerouting priority -101; policy accept;
+    udp dport {node_port} dnat to {backend}:{backend_port}
+  }}
+}}
+"""
+OTHER_VIP = "10.96.0.99"  # another UDP Service's ClusterIP, on the NodePort's port number
+
+
 def test_reconcile_at_start_deletes_only_entries_dnated_to_an_endpoint_no_longer_serving(
     net: tuple[Topology, Node, Pod, Pod],
 ) -> None:
-    """A real entry DNATed to the backend (the client sends from port 42000): the agent's
-    start-up reconcile keeps it while the backend is a serving endpoint of the port, and
-    deletes it once the port's serving endpoints are others (the pod went away while no
-    agent ran)."""
+    """Real entries DNATed to the backend: to the ClusterIP (the client sends from port
+    42000), to the NodePort on n1's address (42001) and to another Service's ClusterIP on the
+    NodePort's port number (42002). The agent's start-up reconcile keeps the first two while
+    the backend is a serving endpoint of the port, and deletes them once the port's serving
+    endpoints are others (the pod went away while no agent ran); the third is the other
+    Service's and stays."""
     topo, n1, client, backend = net
-    topo.exec(client, [sys.executable, "-c", SEND_FROM, VIP, str(PORT), "42000"], check=True)
-
-    def entries() -> str:
-        return topo.exec(n1, ["conntrack", "-L", "-p", "udp", "--orig-dst", VIP]).stdout
-
-    assert f"sport=42000 dport={PORT} src={backend.ipv4}" in entries().replace(
-        "[UNREPLIED] ", ""
-    ), entries()
-    port = ServicePort(
-        ServicePortKey("kube-system", "dns", "dns", Protocol.UDP, 4),
-        PORT,
-        cluster_ips=(IP.of(VIP),),
-        node_port=NODE_PORT,
+    rules = NODE_PORT_RULES.format(
+        node_port=NODE_PORT, backend=backend.ipv4, backend_port=BACKEND_PORT
     )
+    topo.exec(n1, ["nft", "-f", "-"], input=rules, check=True)
+    try:
+        for dst, dport, sport in (
+            (VIP, PORT, 42000),
+            (n1.ipv4, NODE_PORT, 42001),
+            (OTHER_VIP, NODE_PORT, 42002),
+        ):
+            topo.exec(
+                client, [sys.executable, "-c", SEND_FROM, dst, str(dport), str(sport)], check=True
+            )
 
-    def reconcile(serving: set[str]) -> None:
-        filters = conntrack.reconcile_flows(port, frozenset(serving))
-        assert call_in_netns(n1.netns, lambda: conntrack.delete_flows(filters)) == 0
+        def entries() -> str:
+            return topo.exec(n1, ["conntrack", "-L", "-p", "udp"]).stdout.replace(
+                "[UNREPLIED] ", ""
+            )
 
-    reconcile({backend.ipv4})
-    assert "sport=42000 " in entries(), f"a serving endpoint's entry went: {entries()}"
-    reconcile({"10.244.99.99"})
-    assert "sport=42000 " not in entries(), f"the gone endpoint's entry stayed: {entries()}"
+        for sport in (42000, 42001, 42002):
+            assert f"sport={sport} " in entries() and f"src={backend.ipv4} " in entries(), entries()
+        port = ServicePort(
+            ServicePortKey("kube-system", "dns", "dns", Protocol.UDP, 4),
+            PORT,
+            cluster_ips=(IP.of(VIP),),
+            node_port=NODE_PORT,
+        )
+        other = ServicePort(
+            ServicePortKey("kube-system", "other", "", Protocol.UDP, 4),
+            NODE_PORT,
+            cluster_ips=(IP.of(OTHER_VIP),),
+        )
+        addresses = conntrack.udp_addresses_by_port([port, other])
+
+        def reconcile(serving: set[str]) -> None:
+            filters = conntrack.reconcile_flows(port, frozenset(serving), addresses)
+            assert call_in_netns(n1.netns, lambda: conntrack.delete_flows(filters)) == 0
+
+        reconcile({backend.ipv4})
+        for sport in (42000, 42001, 42002):
+            assert f"sport={sport} " in entries(), f"a serving endpoint's entry went: {entries()}"
+        reconcile({"10.244.99.99"})
+        for sport in (42000, 42001):
+            assert f"sport={sport} " not in entries(), (
+                f"a gone endpoint's entry stayed: {entries()}"
+            )
+        assert "sport=42002 " in entries(), f"the other Service's entry went: {entries()}"
+    finally:
+        topo.exec(n1, ["nft", "delete", "table", "ip", "kpx-ct-np"])

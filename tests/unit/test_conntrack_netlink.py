@@ -38,6 +38,7 @@ FUZZ = settings(
 
 ip = ipaddress.ip_address
 CLIENT, VIP, EP1, EP2 = "10.244.0.5", "10.96.0.10", "10.244.1.2", "10.244.2.2"
+OTHER = "10.96.0.99"
 DNATED = wire.IPS_DST_NAT | wire.IPS_DST_NAT_DONE | 0x8A  # confirmed, seen reply, SNAT done
 
 
@@ -407,10 +408,24 @@ def test_reconcile_filters_cover_every_address_of_a_udp_port_and_no_tcp_port() -
         node_port=30053,
     )
     serving = frozenset({EP1})
-    flows = conntrack.reconcile_flows(port, serving)
-    # not the NodePort: a filter for it would match another Service's ClusterIP on port 30053
-    assert {(f.dst, f.port) for f in flows} == {(VIP, 53), ("192.0.2.7", 53), ("198.51.100.9", 53)}
+    # another UDP Service's ClusterIP on port 30053: its entries are not the NodePort's
+    other = ServicePort(ServicePortKey("k", "o", "", Protocol.UDP, 4), 30053, (IP.of(OTHER),))
+    udp_addresses = conntrack.udp_addresses_by_port([port, other])
+    assert udp_addresses == {
+        53: frozenset({VIP, "192.0.2.7", "198.51.100.9"}),
+        30053: frozenset({OTHER}),
+    }
+    flows = conntrack.reconcile_flows(port, serving, udp_addresses)
+    assert {(f.dst, f.port, f.skip_dsts) for f in flows} == {
+        (VIP, 53, frozenset()),
+        ("192.0.2.7", 53, frozenset()),
+        ("198.51.100.9", 53, frozenset()),
+        (None, 30053, frozenset({OTHER})),
+    }
     assert all(f.keep is serving and f.family == 4 and f.proto == wire.PROTO_UDP for f in flows)
+    (node_port,) = [f for f in flows if f.dst is None]
+    assert node_port.matches(entry("192.168.1.10", 30053, EP2, 5353))
+    assert not node_port.matches(entry(OTHER, 30053, EP2, 5353))  # the other Service's flow
     tcp = ServicePort(ServicePortKey("k", "web", "", Protocol.TCP, 4), 80, (IP.of(VIP),))
     assert conntrack.reconcile_flows(tcp, serving) == []
 

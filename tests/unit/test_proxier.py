@@ -184,6 +184,27 @@ def test_a_first_programmed_udp_port_keeps_only_entries_dnated_to_its_serving_en
     assert [f.keep for f in flows] == [None]  # a change after that: `stale_flows` only
 
 
+def test_a_udp_node_port_first_programmed_leaves_other_services_entries_on_its_port() -> None:
+    """A NodePort's reconcile matches its port on any address: the entries to another UDP
+    Service's ClusterIP on the same port number are that Service's, not the NodePort's."""
+    state, _, proxier, flows = setup()
+    node_port = service("k", "np", "UDP")
+    node_port["spec"].update(type="NodePort", clusterIPs=["10.96.0.20"])
+    node_port["spec"]["ports"][0]["nodePort"] = 30053
+    other = service("k", "other", "UDP")
+    other["spec"].update(clusterIPs=["10.96.0.30"], ports=[{"port": 30053, "protocol": "UDP"}])
+    for svc in (node_port, other):
+        state.upsert(SERVICES, svc)
+    proxier.sync()
+    assert proxier.conntrack_cleaner.idle(10)
+    reconcile = {(str(f.dst), f.port): f.skip_dsts for f in flows if f.keep is not None}
+    assert reconcile == {
+        ("10.96.0.20", 53): frozenset(),
+        ("None", 30053): frozenset({"10.96.0.30"}),
+        ("10.96.0.30", 30053): frozenset(),
+    }
+
+
 def reconcile_key(proxier: Proxier) -> ServicePortKey:
     (key,) = [k for k in proxier.local.services if k.protocol is Protocol.UDP]
     return key

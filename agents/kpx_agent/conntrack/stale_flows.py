@@ -15,9 +15,8 @@ restart): there every UDP port goes from "nothing known" to its endpoints, and d
 entry to its addresses dropped the replies of exchanges in flight (issue #18's load measured
 one lost exchange in 4,300 on a mode switch). An entry DNATed to an endpoint that went away
 while no agent ran on the node is deleted when the port is first programmed
-(`reconcile_flows`: those to its ClusterIPs, external and load-balancer IPs DNATed to an
-address that is not one of the port's serving endpoints; upstream finds them by listing the
-whole table at every sync, and covers NodePorts too).
+(`reconcile_flows`: those DNATed to an address that is not one of the port's serving
+endpoints; upstream finds them by listing the whole table at every sync).
 
 TCP and SCTP entries are torn down by their protocols, with one exception: an entry to a
 ClusterIP made while the node had no rule for it (before its Service was programmed, or while a
@@ -50,7 +49,7 @@ import socket
 import time
 import typing
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ..model.types import IPAddress, Protocol, ServicePort
@@ -79,6 +78,9 @@ class FlowFilter:
     #: Only those DNATed to an address not in this set (the port's serving endpoints): what an
     #: agent's start reconciles (`reconcile_flows`).
     keep: frozenset[str] | None = None
+    #: Not the entries to these addresses (a NodePort's filter, which has no `dst`: the
+    #: addresses of other UDP Service ports on the same port number, whose entries are theirs).
+    skip_dsts: frozenset[str] = frozenset()
 
     def matches(self, entry: Entry) -> bool:
         """Whether `entry` is one this filter deletes: what `conntrack -D -p udp` matched
@@ -88,6 +90,8 @@ class FlowFilter:
         if entry.family != self.family or orig.proto != self.proto or orig.dst_port != self.port:
             return False
         if self.dst is not None and orig.dst != packed(self.dst):
+            return False
+        if self.skip_dsts and orig.dst in _packed_all(self.skip_dsts):
             return False
         if self.dnat_to is not None:
             if not entry.dnated or reply.src != packed(self.dnat_to):
@@ -163,7 +167,11 @@ def stale_flows(old: ServicePort | None, new: ServicePort | None) -> list[FlowFi
     return sorted(out, key=lambda f: (f.family, f.port, str(f.dst), str(f.dnat_to)))
 
 
-def reconcile_flows(port: ServicePort, serving: frozenset[str]) -> list[FlowFilter]:
+def reconcile_flows(
+    port: ServicePort,
+    serving: frozenset[str],
+    udp_addresses: Mapping[int, frozenset[str]] | None = None,
+) -> list[FlowFilter]:
     """The deletions for a UDP port the kernel may have had no rule for, or other rules (an
     agent's start: a restart, an upgrade, a mode switch, a takeover): the entries to its
     addresses DNATed to an address that is not one of its serving endpoints (`serving`),
@@ -171,17 +179,35 @@ def reconcile_flows(port: ServicePort, serving: frozenset[str]) -> list[FlowFilt
     (DNS from one socket) keeps such an entry alive, blackholed, for as long as it sends.
     Upstream kube-proxy lists the whole table at every sync for this; kpx does it when a port
     is first programmed (every port at an agent's start), and `stale_flows` follows each
-    change after that. Not its NodePort: a filter without a destination matches the port on
-    every address, and another Service's ClusterIP on that port number would lose its live
-    flows (upstream tells them apart by listing every Service's addresses first); an entry to
-    a NodePort DNATed to a pod gone while no agent ran stays until it expires."""
+    change after that. Its NodePort is matched by port on any address but those of the UDP
+    Service ports on the same port number (`udp_addresses`: port -> addresses,
+    `udp_addresses_by_port`), whose entries are theirs, as upstream checks Service addresses
+    before NodePorts."""
     if port.protocol is not Protocol.UDP:
         return []
+    others = udp_addresses or {}
     return [
-        FlowFilter(port.family, p, dst, keep=serving)
+        FlowFilter(
+            port.family,
+            p,
+            dst,
+            keep=serving,
+            skip_dsts=others.get(p, frozenset()) if dst is None else frozenset(),
+        )
         for dst, p in _targets(port)
-        if dst is not None
     ]
+
+
+def udp_addresses_by_port(ports: Iterable[ServicePort]) -> dict[int, frozenset[str]]:
+    """Port number -> the addresses (ClusterIPs, external and load-balancer IPs) of the UDP
+    Service ports on it."""
+    found: dict[int, set[str]] = {}
+    for sp in ports:
+        if sp.protocol is Protocol.UDP:
+            for dst, p in _targets(sp):
+                if dst is not None:
+                    found.setdefault(p, set()).add(str(dst))
+    return {p: frozenset(addresses) for p, addresses in found.items()}
 
 
 #: Seconds one netlink answer may take (a datagram of a dump, a deletion's acknowledgement), and

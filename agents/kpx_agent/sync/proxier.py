@@ -18,7 +18,12 @@ from kpx_api.proxysettings import NamespaceOptOut
 from ..backends.base import Backend, BackendError, CheckUnsupported, KernelReadBack
 from ..conntrack import stale_flows as conntrack
 from ..conntrack.cleaner import ConntrackCleaner
-from ..conntrack.stale_flows import FlowFilter, reconcile_flows, stale_flows
+from ..conntrack.stale_flows import (
+    FlowFilter,
+    reconcile_flows,
+    stale_flows,
+    udp_addresses_by_port,
+)
 from ..model.external_ips import APISERVER_SERVICE, ExternalIPPolicy, apiserver_addresses
 from ..model.quarantine import MAX_SERVICE_COST, cost, quarantine
 from ..model.service_ports import (
@@ -347,6 +352,7 @@ class Proxier:
         repair, every port's: the kernel may have had no rule for any of them)."""
         done = [k for k in self._before if k not in self._deferred and (full or k in changed)]
         flows: dict[FlowFilter, None] = {}
+        udp_addresses: dict[int, frozenset[str]] | None = None
         for key in done:
             before = self._before.pop(key)
             now = self.local.services.get(key)
@@ -354,8 +360,11 @@ class Proxier:
             if before is None and now is not None and now.protocol is Protocol.UDP:
                 # first programmed (every port at the agent's start): what the kernel's
                 # entries may hold from before, DNATed to endpoints gone since
+                if now.node_port and udp_addresses is None:
+                    udp_addresses = udp_addresses_by_port(self.local.services.values())
                 slices = self.state.slices_of((key.namespace, key.name))
-                flows.update(dict.fromkeys(reconcile_flows(now, serving_addresses(slices, key))))
+                serving = serving_addresses(slices, key)
+                flows.update(dict.fromkeys(reconcile_flows(now, serving, udp_addresses)))
         if repair:
             for key, port in self.local.services.items():
                 if key not in self._deferred:
