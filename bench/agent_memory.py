@@ -144,6 +144,10 @@ class AgentDataplane(Dataplane):
         agent: Agent = self.agent  # type: ignore[attr-defined]
         return [*agent.prefix(), *super().argv(kubeconfig, agent_args)]
 
+    def source_tree(self) -> Path | None:
+        agent: Agent = self.agent  # type: ignore[attr-defined]
+        return agent.tree
+
 
 def measure(agent: Agent, n: int, cluster: Cluster, api: ApiClient, work: Workload) -> Size:
     out = Size(agent.label, n)

@@ -17,6 +17,7 @@ import re
 import signal
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -316,6 +317,28 @@ def agent_commit() -> str:
         check=False,
     ).stdout.strip()
     return f"{head or 'unknown'}{'+dirty' if dirty else ''}"
+
+
+AGENT_SOURCE_DIRS = ("api", "kube", "agents")
+_compiled: set[Path] = set()
+
+
+def compile_agent_sources(tree: Path) -> None:
+    """Byte-compile the agent's sources of a tree (api/, kube/, agents/) into their
+    __pycache__, as the agent image does at build time (images/Containerfile), so that a
+    measured start reads bytecode as the image's does: where PYTHONDONTWRITEBYTECODE is set,
+    the interpreter would otherwise compile every module from source at each start (about
+    0.2 s of a start on the 2-core lab machine). Once per tree and process."""
+    tree = tree.resolve()
+    if tree in _compiled:
+        return
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", "-j", "0"]
+        + [str(tree / d) for d in AGENT_SOURCE_DIRS],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    _compiled.add(tree)
 
 
 def machine_line(info: Mapping[str, str]) -> str:

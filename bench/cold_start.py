@@ -11,15 +11,18 @@ model and kernel parts.
 
 Usage: python3 bench/cold_start.py [--services N] [--mode nftables|iptables] [--starts K]
        [--agent LABEL=DIR[,VAR=VALUE...]] ...   (repeatable; default: this tree)
-Prints each start and a table of medians (min-max); writes nothing.
+       [--keep-logs DIR]   (each start's -v log copied there)
+Prints each start and a table of medians (min-max); writes nothing else.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from agent_memory import ROOT, Agent, AgentDataplane
 from benchlib import (
@@ -56,7 +59,9 @@ class Start:
     error: str = ""
 
 
-def one_start(agent: Agent, mode: str, cluster: Cluster, work: Workload, index: int) -> Start:
+def one_start(
+    agent: Agent, mode: str, cluster: Cluster, work: Workload, index: int, logs: Path | None
+) -> Start:
     out = Start(agent.label)
     dp = AgentDataplane(agent, mode)
 
@@ -82,6 +87,9 @@ def one_start(agent: Agent, mode: str, cluster: Cluster, work: Workload, index: 
         out.model, out.kernel = float(found[1]), float(found[2])
         out.first_line = run.log_time(" starting in mode ") or 0.0
         out.lists_done = run.log_time("initial lists done") or 0.0
+        if logs is not None:
+            logs.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(run.log_path, logs / run.log_path.name)
         log(
             f"{agent.label} #{index}: cold start {out.seconds:.2f} s, CPU {out.cpu:.2f} s; "
             f"first line {out.first_line:.2f} s, lists done {out.lists_done:.2f} s, "
@@ -105,6 +113,9 @@ def main() -> int:
     parser.add_argument(
         "--agent", action="append", default=[], help="LABEL=DIR[,VAR=VALUE...] (repeatable)"
     )
+    parser.add_argument(
+        "--keep-logs", type=Path, metavar="DIR", help="copy each start's -v log into DIR"
+    )
     args = parser.parse_args()
     agents = [Agent.parse(a) for a in args.agent] or [Agent("kpx", ROOT, {})]
     exit_on_sigterm()
@@ -121,7 +132,7 @@ def main() -> int:
         for index in range(args.starts):
             for agent in agents:
                 wait_until_quiet()
-                starts.append(one_start(agent, args.mode, cluster, work, index))
+                starts.append(one_start(agent, args.mode, cluster, work, index, args.keep_logs))
     rows = []
     for agent in agents:
         ok = [s for s in starts if s.agent == agent.label and not s.error]

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import importlib.util
 import os
 import random
 import re
@@ -61,6 +62,7 @@ from benchlib import (
     ApiClient,
     LineHelper,
     bench_cluster,
+    compile_agent_sources,
     component_pid,
     exit_on_sigterm,
     log,
@@ -168,7 +170,7 @@ class Dataplane:
         return [
             sys.executable,
             "-m",
-            "kpx_agent.cli",
+            agent_module(self.source_tree()),
             "--mode",
             self.mode,
             "--node-name",
@@ -183,6 +185,15 @@ class Dataplane:
             HEALTHZ_ADDRESS,
             *agent_args,
         ]
+
+    def source_tree(self) -> Path | None:
+        """The tree the kpx agent runs from, as this process finds it (None: not kpx)."""
+        if self.system == KUBE_PROXY:
+            return None
+        spec = importlib.util.find_spec("kpx_agent")
+        if spec is None or spec.origin is None:
+            raise RuntimeError("kpx_agent is not importable (make setup-python)")
+        return Path(spec.origin).resolve().parent.parent.parent
 
     def count_request(self) -> str:
         """Probe request whose answer reaches N once all N Services are in the kernel."""
@@ -328,6 +339,13 @@ class Running:
             self.proc.wait(5)
 
 
+def agent_module(tree: Path | None) -> str:
+    """What `python -m` runs as the agent from `tree`: what the `proxy-agent` command runs
+    (kpx_agent/__main__.py), or, in a tree from before it, the CLI module."""
+    main = tree is not None and (tree / "agents" / "kpx_agent" / "__main__.py").exists()
+    return "kpx_agent" if main else "kpx_agent.cli"
+
+
 def start(
     dp: Dataplane,
     topo: Topology,
@@ -338,6 +356,8 @@ def start(
 ) -> Running:
     log_path = topo.tmpdir / f"{tag}.log"
     argv = dp.argv(cluster.kubeconfig, agent_args)
+    if (tree := dp.source_tree()) is not None:
+        compile_agent_sources(tree)
     with log_path.open("wb") as out:
         started, started_wall = time.monotonic(), time.time()
         proc = topo.run(node, argv, stdout=out, stderr=subprocess.STDOUT)

@@ -138,6 +138,12 @@ def _endpoints(sp: ServicePort | None) -> set[tuple[str, int]]:
     return {(e.ip, e.port) for e in (*sp.cluster_endpoints, *sp.external_endpoints)}
 
 
+def _has_endpoints(sp: ServicePort | None) -> bool:
+    """Whether `_endpoints(sp)` is not empty (without building it: every port of an agent's
+    first sync is asked)."""
+    return sp is not None and bool(sp.cluster_endpoints or sp.external_endpoints)
+
+
 #: The protocol number of each Service protocol (CTA_PROTO_NUM).
 PROTOCOL_NUMBERS = {Protocol.TCP: PROTO_TCP, Protocol.UDP: PROTO_UDP, Protocol.SCTP: PROTO_SCTP}
 
@@ -149,7 +155,7 @@ def stale_flows(old: ServicePort | None, new: ServicePort | None) -> list[FlowFi
     if port is None:
         return []
     if port.protocol is not Protocol.UDP:
-        if new is None or _endpoints(old) or not _endpoints(new):
+        if new is None or _has_endpoints(old) or not _has_endpoints(new):
             return []
         proto = PROTOCOL_NUMBERS[port.protocol]
         return [
