@@ -60,6 +60,7 @@ from .nft_transaction import (
     DeleteSet,
     FlushChain,
     Op,
+    RedefineTable,
     ReplaceTable,
     TableDef,
 )
@@ -103,6 +104,9 @@ def apply(tables: dict[int, FakeTable], family: int, op: Op, name: str = "") -> 
     """Apply one operation to the family's table (of the table called `name`)."""
     if isinstance(op, ReplaceTable):
         tables[family] = define(op.table)
+        return
+    if isinstance(op, RedefineTable):
+        redefine(table_of(tables, family, name), op)
         return
     table = table_of(tables, family, name)
     match op:
@@ -149,6 +153,44 @@ def define(definition: TableDef) -> FakeTable:
     for set_name, keys in definition.elements.items():
         add_elements(table, set_name, [(k, None) for k in keys])
     return table
+
+
+def redefine(table: FakeTable, op: RedefineTable) -> None:
+    """`RedefineTable` as the kernel applies it: the listed sets and maps emptied, the listed
+    chains flushed but the kept ones, the dropped sets and chains deleted, the definition
+    added over what is left (a set kept with another declaration, or a chain with another
+    hook, is the kernel's EEXIST)."""
+    for set_name in (*op.contents.maps, *op.contents.sets):
+        set_of(table, set_name).elements.clear()
+    for chain_name in op.contents.chains:
+        if chain_name not in op.kept:
+            chain_of(table, chain_name).rules.clear()
+    for set_name in op.dropped_sets:
+        set_of(table, set_name)
+        if any(decl.name == set_name for decl, _ in _set_references(table)):
+            raise FakeError(f"set {set_name} is still used by a rule (EBUSY)")
+        del table.sets[set_name]
+    for chain_name in op.dropped_chains:
+        chain_of(table, chain_name)
+        if chain_users(table, chain_name):
+            raise FakeError(f"chain {chain_name} is still used (EBUSY)")
+        del table.chains[chain_name]
+    definition = op.table
+    for decl in definition.sets:
+        found = table.sets.get(decl.name)
+        if found is not None and found.decl != decl:
+            raise FakeError(f"set {decl.name} exists with another definition (EEXIST)")
+        table.sets.setdefault(decl.name, FakeSet(decl))
+    for chain in definition.chains:
+        existing = table.chains.get(chain.name)
+        if existing is None:
+            table.chains[chain.name] = FakeChain(list(chain.rules), chain.hook)
+        elif existing.hook != chain.hook:
+            raise FakeError(f"chain {chain.name} exists with another hook (EEXIST)")
+        else:
+            existing.rules += chain.rules
+    for set_name, keys in definition.elements.items():
+        add_elements(table, set_name, [(k, None) for k in keys])
 
 
 def chain_of(table: FakeTable, name: str) -> FakeChain:

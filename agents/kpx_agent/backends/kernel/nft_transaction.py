@@ -45,6 +45,39 @@ class ReplaceTable:
     table: TableDef
 
 
+@dataclass(frozen=True)
+class TableContents:
+    """What a table in the kernel holds, by name (listed before its contents are swapped in
+    place): its chains with their rule counts, its sets, its maps."""
+
+    chains: Mapping[str, int]
+    sets: tuple[str, ...]
+    maps: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RedefineTable:
+    """Swap the contents of an existing table atomically, in place: every set and map it
+    holds (`contents`) is emptied, every chain flushed except those `kept` (their rules stay
+    as they are), the chains and sets in `dropped` deleted, then `table` is defined over what
+    is left (what the rest of the transaction does not define again, it deletes at its
+    end). The kernel refuses the whole transaction if a set kept is declared
+    otherwise now, or a base chain hooked otherwise.
+
+    Why in place: a set or map created in a transaction can miss lookups for a moment around
+    the commit (interval sets, rbtree and pipapo, about once per swap under a flood of new
+    flows; the endpoint maps now and then, on kernel 6.18), so deleting and creating the
+    table drops packets at each swap; sets and maps emptied and refilled in a transaction do
+    not. The endpoint chains are kept because nft (1.0.6) cannot add a rule naming a `typeof`
+    map that was already in the kernel."""
+
+    table: TableDef
+    contents: TableContents
+    kept: frozenset[str] = frozenset()
+    dropped_chains: tuple[str, ...] = ()
+    dropped_sets: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class AddSet:
     decl: SetDecl
@@ -90,6 +123,7 @@ class DeleteElements:
 
 Op = (
     ReplaceTable
+    | RedefineTable
     | AddSet
     | DeleteSet
     | AddChain
@@ -116,6 +150,10 @@ class Transaction:
     def replace_table(self, table: TableDef) -> None:
         """Swap the whole table atomically (create-if-missing, delete, define)."""
         self.ops.append(ReplaceTable(table))
+
+    def redefine_table(self, redefine: RedefineTable) -> None:
+        """Swap the contents of the existing table atomically, in place (`RedefineTable`)."""
+        self.ops.append(redefine)
 
     def add_endpoint_chain(self, name: str, endpoint_map: SetDecl, rule: Rule) -> None:
         """Create a new chain with its own map, used by its one rule (never rewritten)."""
@@ -173,6 +211,14 @@ class Transaction:
                 return f"add table {prefix}\ndelete table {prefix}\n" + table_text(
                     table, self.table
                 )
+            case RedefineTable(table, contents, kept, dropped_chains, dropped_sets):
+                lines = [f"add table {prefix}"]
+                lines += [f"flush map {prefix} {name}" for name in contents.maps]
+                lines += [f"flush set {prefix} {name}" for name in contents.sets]
+                lines += [f"flush chain {prefix} {c}" for c in contents.chains if c not in kept]
+                lines += [f"delete set {prefix} {name}" for name in dropped_sets]
+                lines += [f"delete chain {prefix} {name}" for name in dropped_chains]
+                return "\n".join(lines) + "\n" + table_text(table, self.table)
         raise TypeError(f"not an nftables operation: {op!r}")
 
 

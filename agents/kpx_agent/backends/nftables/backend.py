@@ -14,7 +14,14 @@ sync takes two steps: nft creates the table with empty sets and maps (matching n
 changes no traffic), then netlink batches add the elements, with about a tenth of nft's CPU,
 the dispatch maps last (a Service starts to be served once all it dispatches to is there).
 Where the table exists, the swap stays one nft transaction, elements included, so the old
-rules serve until the new ones are complete.
+rules serve until the new ones are complete. It swaps the table's contents in place: the
+backend lists the table's chains and sets (names only, over netlink), and the transaction
+deletes them all and defines the new ones, except the interval sets (the NodePort addresses,
+the local pod CIDRs, the load balancers' allowed source ranges), which it empties and refills:
+an interval set created in a transaction misses lookups around the commit, so deleting and
+creating the table dropped a few NodePort packets at each swap. Where the table cannot be
+listed, or the kernel refuses the swap in place (a kept set declared otherwise now), the
+table is deleted and defined again in one transaction.
 
 Drift (`drifted`, asked at every syncPeriod): the kernel's ruleset generation id moves with
 every committed nftables transaction, anyone's. The backend reads it before and after each of
@@ -40,11 +47,12 @@ from pathlib import Path
 
 from ...model.types import DataplaneSettings, NodeLocalState, ServicePort, ServicePortKey
 from ..base import Backend, BackendError, KernelReadBack
-from ..kernel.nft_transaction import Transaction
+from ..kernel.nft_transaction import RedefineTable, TableContents, Transaction
 from ..route_localnet import ROUTE_LOCALNET_FILE, EnsureSysctl, allow, ensure_sysctl
 from . import kernel, netlink_batch
 from . import names as n
 from .element_book import ElementBook, Plan
+from .in_place import defined_names, in_place
 from .ruleset import (
     MERGED_SETS,
     ChainDef,
@@ -235,11 +243,31 @@ class NftablesBackend(Backend):
         for fam in FAMILIES:
             # Each family is its own transaction: one the kernel refuses leaves the other's in.
             t0 = time.monotonic()
+            contents = self._contents(fam) if fam in present else None
             try:
-                txns = self._family_script(
-                    fam, state, by_family[fam], plans, chains, port_chains, loaded
-                )
-                self._apply(txns)
+                try:
+                    self._apply(
+                        self._family_script(
+                            fam, state, by_family[fam], plans, chains, port_chains, loaded, contents
+                        )
+                    )
+                except BackendError as exc:
+                    if contents is None:
+                        raise
+                    # Refused in place (a kept set declared otherwise now, someone else's
+                    # object in the way): the table is replaced whole, as the first swap did.
+                    log.warning(
+                        "%s %s: cannot swap its contents in place (%s); replacing it whole",
+                        n.FAMILIES[fam],
+                        n.TABLE,
+                        exc,
+                    )
+                    plans[fam], chains[fam], port_chains[fam] = Plan(merge=MERGED_SETS), set(), {}
+                    self._apply(
+                        self._family_script(
+                            fam, state, by_family[fam], plans, chains, port_chains, loaded, None
+                        )
+                    )
                 log.debug("full sync: IPv%d's nft part in %.3f s", fam, time.monotonic() - t0)
                 self._load_family(fam, loaded)
             except BackendError as exc:
@@ -254,6 +282,14 @@ class NftablesBackend(Backend):
         self._synced = not refused
         if refused:
             raise BackendError("; ".join(refused))
+
+    def _contents(self, fam: int) -> TableContents | None:
+        """What our table of `fam` holds, for a swap in place (None: it is replaced whole)."""
+        try:
+            return self._kernel.table_contents(fam)
+        except (OSError, ValueError) as exc:
+            log.debug("cannot list %s %s: %s", n.FAMILIES[fam], n.TABLE, exc)
+            return None
 
     def _load_family(self, fam: int, loaded: dict[int, dict[str, list[Pair]]]) -> None:
         """The netlink part of a family's full sync (none where its table was there)."""
@@ -305,12 +341,55 @@ class NftablesBackend(Backend):
         chains: dict[int, set[tuple[str, int]]],
         port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]],
         loaded: dict[int, dict[str, list[Pair]]],
+        contents: TableContents | None = None,
     ) -> Iterator[Transaction]:
         """A family's full sync transaction, one part per chunk of service ports, rendered as
         nft reads it (and filling in the plans and chains it programs, and for the families
-        in `loaded`, the elements left out of it for the netlink load)."""
+        in `loaded`, the elements left out of it for the netlink load). With the `contents`
+        of the table in the kernel, the table's contents are swapped in place, its interval
+        sets kept (`RedefineTable`); without, the table is replaced whole."""
+        if contents is None:
+            yield from self._parts(fam, state, ports, plans, chains, port_chains, loaded, None)
+            return
+        redefine = in_place(base_table(self.settings, state.facts[fam]), contents)
+        defined: set[str] = set()
+        for txn in self._parts(fam, state, ports, plans, chains, port_chains, loaded, redefine):
+            defined |= defined_names(txn)
+            yield txn
+        # the endpoint chains (and maps) in use, the kept ones among them
+        defined |= {n.endpoint_chain_of(dispatch, count) for dispatch, count in chains[fam]}
+        # What the kernel held and the new contents do not: deleted, chains first (a chain's
+        # rules may name a set; the maps that named chains were emptied at the start).
         txn = Transaction(fam, n.TABLE)
-        txn.replace_table(base_table(self.settings, state.facts[fam]))
+        gone = set(redefine.dropped_chains) | set(redefine.dropped_sets) | defined
+        for name in contents.chains:
+            if name not in gone:
+                txn.delete_chain(name)
+        for name in (*contents.sets, *contents.maps):
+            if name not in gone:
+                txn.delete_set(name)
+        if txn:
+            yield txn
+
+    def _parts(
+        self,
+        fam: int,
+        state: NodeLocalState,
+        ports: list[ServicePort],
+        plans: dict[int, Plan[ServicePortKey]],
+        chains: dict[int, set[tuple[str, int]]],
+        port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]],
+        loaded: dict[int, dict[str, list[Pair]]],
+        redefine: RedefineTable | None,
+    ) -> Iterator[Transaction]:
+        """The parts of `_family_script`: the table (replaced whole, or `redefine`d in
+        place), then the service ports by chunks, then the merged elements."""
+        txn = Transaction(fam, n.TABLE)
+        if redefine is None:
+            txn.replace_table(base_table(self.settings, state.facts[fam]))
+        else:
+            txn.redefine_table(redefine)
+        kept = redefine.kept if redefine is not None else frozenset()
         yield txn
         for start in range(0, len(ports), STREAM_CHUNK):
             txn = Transaction(fam, n.TABLE)
@@ -325,7 +404,9 @@ class NftablesBackend(Backend):
             new_chains = endpoint_chain_counts(claimed) - chains[fam]
             chains[fam] |= new_chains
             for dispatch_map, count in sorted(new_chains):
-                txn.add_endpoint_chain(*endpoint_chain(fam, dispatch_map, count))
+                name, endpoint_map, dnat = endpoint_chain(fam, dispatch_map, count)
+                if name not in kept:  # (a kept one is in the kernel, its map emptied)
+                    txn.add_endpoint_chain(name, endpoint_map, dnat)
             by_set: dict[str, list[Pair]] = {}
             for set_name, element_key, value in claimed:
                 pairs = by_set.get(set_name)

@@ -31,7 +31,7 @@ from ..kernel.nft_fake import (
     check_rules,
 )
 from ..kernel.nft_fake import apply as apply_op
-from ..kernel.nft_transaction import AddElements, Transaction
+from ..kernel.nft_transaction import AddElements, TableContents, Transaction
 from ..kernel.packet_walk import Outcome, Packet, every_outcome
 from . import names as n
 from . import netlink_batch
@@ -59,6 +59,8 @@ class FakeNftables:
         # The ruleset's generation id: every committed transaction or load bumps it (`edit`
         # does for a change made behind the backend's back).
         self.generation_id = 0
+        # Families whose table cannot be listed (a full sync then replaces it whole).
+        self.unlistable: set[int] = set()
 
     # -- the backend's kernel (`kernel.Kernel`)
 
@@ -76,6 +78,16 @@ class FakeNftables:
 
     def present_families(self) -> set[int]:
         return set(self.tables)
+
+    def table_contents(self, family: int) -> TableContents | None:
+        table = self.tables.get(family)
+        if table is None or family in self.unlistable:
+            return None
+        return TableContents(
+            chains={name: len(chain.rules) for name, chain in table.chains.items()},
+            sets=tuple(k for k, s in table.sets.items() if not s.decl.is_map),
+            maps=tuple(k for k, s in table.sets.items() if s.decl.is_map),
+        )
 
     def run_transactions(self, transactions: Iterable[Transaction]) -> None:
         staged = copy.deepcopy(self.tables)
@@ -226,3 +238,6 @@ class NftScripts:
 
     def table_digest(self, family: int) -> bytes:
         return b""
+
+    def table_contents(self, family: int) -> TableContents | None:
+        return None  # a full sync replaces each table whole: the text golden files hold

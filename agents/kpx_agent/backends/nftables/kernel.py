@@ -5,7 +5,9 @@ generation id, a digest of our table)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
+import re
 import socket
 import subprocess
 import tempfile
@@ -14,7 +16,7 @@ from collections.abc import Iterable
 from typing import IO, Protocol
 
 from ..base import BackendError
-from ..kernel.nft_transaction import Transaction
+from ..kernel.nft_transaction import TableContents, Transaction
 from ..nf_generation import read as read_generation
 from . import names as n
 from . import netlink_query as q
@@ -29,6 +31,7 @@ from .netlink_batch import (
 )
 from .schema import declaration
 
+log = logging.getLogger(__name__)
 NFT = "nft"
 
 
@@ -276,6 +279,34 @@ def table_digest(family: int) -> bytes:
     return digest.digest()
 
 
+# The names a listing may hand to nft: ours are all of this form; any other name (someone
+# else's object in our table) makes the swap replace the table whole instead.
+PLAIN_NAME = re.compile(r"[a-z][a-z0-9-]{0,127}")
+
+
+def table_contents(family: int) -> TableContents | None:
+    """The chains (with how many rules each holds), sets and maps of our table of `family`
+    (4, 6), by name, from netlink dumps without elements. None when it cannot be listed
+    (absent, refused) or holds a name that is not one of ours in form."""
+    proto = NFPROTO[family]
+    try:
+        with contextlib.closing(_socket()) as sock:
+            chains = q.chain_names(_ask(sock, q.chains_request(proto, n.TABLE)), n.TABLE)
+            rules = q.rule_counts(_ask(sock, q.rules_request(proto, n.TABLE)))
+            sets = q.set_kinds(_ask(sock, q.sets_request(proto, n.TABLE)))
+    except (OSError, q.NetlinkError) as exc:
+        log.debug("cannot list %s %s: %s", n.FAMILIES[family], n.TABLE, exc)
+        return None
+    names = chains + [name for name, _ in sets]
+    if not all(PLAIN_NAME.fullmatch(name) for name in names):
+        return None
+    return TableContents(
+        chains={name: rules.get(name, 0) for name in chains},
+        sets=tuple(name for name, is_map in sets if not is_map),
+        maps=tuple(name for name, is_map in sets if is_map),
+    )
+
+
 def _ask(sock: socket.socket, request: bytes) -> list[q.Message]:
     """Send one request; every message of its answer (a dump's up to its end). Raises
     NetlinkError when the kernel refused it."""
@@ -314,6 +345,9 @@ class Kernel(Protocol):
     def table_digest(self, family: int) -> bytes:
         """A digest of our table of `family` as the kernel holds it."""
 
+    def table_contents(self, family: int) -> TableContents | None:
+        """The names of what our table of `family` holds (None: not to be listed)."""
+
 
 class NodeKernel:
     """The node's kernel: transactions rendered for `nft -f -` (streamed, each one as it is
@@ -337,3 +371,6 @@ class NodeKernel:
 
     def table_digest(self, family: int) -> bytes:
         return table_digest(family)
+
+    def table_contents(self, family: int) -> TableContents | None:
+        return table_contents(family)

@@ -1,6 +1,8 @@
 """Questions to nf_tables over netlink, and reading their answers (pure: bytes in, bytes out).
 
-It backs the backend's drift check (`backend.NftablesBackend.drifted`), once the ruleset's
+It backs the listing of one table before a full sync swaps its contents in place (its chains
+and how many rules each holds, its sets and maps: NFT_MSG_GETCHAIN, GETRULE and GETSET dumps,
+no elements), and the backend's drift check (`backend.NftablesBackend.drifted`), once the ruleset's
 generation id (`backends.nf_generation`) moved: a digest of one table as the kernel dumps it,
 its sets (definitions), its rules, and the elements of its sets (NFT_MSG_GETSET, GETRULE,
 GETSETELEM dumps), leaving out the sets the data path itself updates (session affinity: their
@@ -33,15 +35,22 @@ from .netlink_batch import NFNL_SUBSYS_NFTABLES
 
 __all__ = ["NLMSG_ERROR", "NLM_F_MULTI", "Message", "messages"]
 
+NFT_MSG_NEWCHAIN = 3
+NFT_MSG_GETCHAIN = 4
 NFT_MSG_NEWRULE = 6
 NFT_MSG_GETRULE = 7
 NFT_MSG_NEWSET = 9
 NFT_MSG_GETSET = 10
 NFT_MSG_NEWSETELEM = 12
 NFT_MSG_GETSETELEM = 13
+NFTA_CHAIN_TABLE = 1
+NFTA_CHAIN_NAME = 3
 NFTA_RULE_TABLE = 1
+NFTA_RULE_CHAIN = 2
 NFTA_SET_TABLE = 1
 NFTA_SET_NAME = 2
+NFTA_SET_FLAGS = 3
+NFT_SET_MAP = 0x8
 NFTA_SET_ELEM_LIST_TABLE = 1
 NFTA_SET_ELEM_LIST_SET = 2
 NFTA_SET_ELEM_LIST_ELEMENTS = 3
@@ -53,6 +62,15 @@ def _kind(msg: int) -> int:
 
 def _string(kind: int, text: str) -> bytes:
     return attr(kind, text.encode() + b"\0")
+
+
+def chains_request(family: int, table: str, seq: int = 1) -> bytes:
+    """Dump the chains of `table` (a kernel may answer with every chain of the family:
+    `chain_names` keeps the table's)."""
+    flags = NLM_F_REQUEST | NLM_F_DUMP
+    return nfnl_message(
+        _kind(NFT_MSG_GETCHAIN), flags, seq, family, _string(NFTA_CHAIN_TABLE, table)
+    )
 
 
 def rules_request(family: int, table: str, seq: int = 1) -> bytes:
@@ -95,6 +113,46 @@ def set_names(answer: Iterable[Message]) -> list[str]:
                 if kind == NFTA_SET_NAME:
                     names.append(payload.rstrip(b"\0").decode())
     return names
+
+
+def chain_names(answer: Iterable[Message], table: str) -> list[str]:
+    """The names of `table`'s chains in a dump of chains."""
+    names = []
+    for message in answer:
+        if message.kind != _kind(NFT_MSG_NEWCHAIN):
+            continue
+        found = dict(attributes(message.body[4:]))
+        if _text(found.get(NFTA_CHAIN_TABLE)) == table and NFTA_CHAIN_NAME in found:
+            names.append(_text(found[NFTA_CHAIN_NAME]))
+    return names
+
+
+def set_kinds(answer: Iterable[Message]) -> list[tuple[str, bool]]:
+    """(name, whether it is a map) of each set in a dump of sets."""
+    kinds = []
+    for message in answer:
+        if message.kind != _kind(NFT_MSG_NEWSET):
+            continue
+        found = dict(attributes(message.body[4:]))
+        if NFTA_SET_NAME in found:
+            flags = int.from_bytes(found.get(NFTA_SET_FLAGS, b"")[:4].rjust(4, b"\0"), "big")
+            kinds.append((_text(found[NFTA_SET_NAME]), bool(flags & NFT_SET_MAP)))
+    return kinds
+
+
+def rule_counts(answer: Iterable[Message]) -> dict[str, int]:
+    """How many rules each chain holds, in a dump of one table's rules."""
+    counts: dict[str, int] = {}
+    for message in answer:
+        if message.kind != _kind(NFT_MSG_NEWRULE):
+            continue
+        chain = _text(dict(attributes(message.body[4:])).get(NFTA_RULE_CHAIN))
+        counts[chain] = counts.get(chain, 0) + 1
+    return counts
+
+
+def _text(payload: bytes | None) -> str:
+    return "" if payload is None else payload.rstrip(b"\0").decode(errors="replace")
 
 
 class TableDigest:
