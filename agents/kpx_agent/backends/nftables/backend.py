@@ -47,12 +47,12 @@ from pathlib import Path
 
 from ...model.types import DataplaneSettings, NodeLocalState, ServicePort, ServicePortKey
 from ..base import Backend, BackendError, KernelReadBack
-from ..kernel.nft_transaction import RedefineTable, TableContents, Transaction
+from ..kernel.nft_transaction import RedefineTable, TableContents, TableDef, Transaction
 from ..route_localnet import ROUTE_LOCALNET_FILE, EnsureSysctl, allow, ensure_sysctl
 from . import kernel, netlink_batch
 from . import names as n
 from .element_book import ElementBook, Plan
-from .in_place import defined_names, in_place
+from .in_place import defined_names, in_place, leftovers
 from .ruleset import (
     MERGED_SETS,
     ChainDef,
@@ -346,47 +346,40 @@ class NftablesBackend(Backend):
         """A family's full sync transaction, one part per chunk of service ports, rendered as
         nft reads it (and filling in the plans and chains it programs, and for the families
         in `loaded`, the elements left out of it for the netlink load). With the `contents`
-        of the table in the kernel, the table's contents are swapped in place, its interval
-        sets kept (`RedefineTable`); without, the table is replaced whole."""
-        if contents is None:
-            yield from self._parts(fam, state, ports, plans, chains, port_chains, loaded, None)
+        of the table in the kernel, the table's contents are swapped in place (`in_place`),
+        what the new contents lack deleted at the end; without, the table is replaced whole."""
+        table = base_table(self.settings, state.facts[fam])
+        redefine = None if contents is None else in_place(table, contents)
+        parts = self._parts(fam, ports, plans, chains, port_chains, loaded, table, redefine)
+        if contents is None or redefine is None:
+            yield from parts
             return
-        redefine = in_place(base_table(self.settings, state.facts[fam]), contents)
         defined: set[str] = set()
-        for txn in self._parts(fam, state, ports, plans, chains, port_chains, loaded, redefine):
+        for txn in parts:
             defined |= defined_names(txn)
             yield txn
         # the endpoint chains (and maps) in use, the kept ones among them
         defined |= {n.endpoint_chain_of(dispatch, count) for dispatch, count in chains[fam]}
-        # What the kernel held and the new contents do not: deleted, chains first (a chain's
-        # rules may name a set; the maps that named chains were emptied at the start).
-        txn = Transaction(fam, n.TABLE)
-        gone = set(redefine.dropped_chains) | set(redefine.dropped_sets) | defined
-        for name in contents.chains:
-            if name not in gone:
-                txn.delete_chain(name)
-        for name in (*contents.sets, *contents.maps):
-            if name not in gone:
-                txn.delete_set(name)
+        txn = leftovers(fam, contents, redefine, defined)
         if txn:
             yield txn
 
     def _parts(
         self,
         fam: int,
-        state: NodeLocalState,
         ports: list[ServicePort],
         plans: dict[int, Plan[ServicePortKey]],
         chains: dict[int, set[tuple[str, int]]],
         port_chains: dict[int, dict[ServicePortKey, dict[str, ChainDef]]],
         loaded: dict[int, dict[str, list[Pair]]],
+        table: TableDef,
         redefine: RedefineTable | None,
     ) -> Iterator[Transaction]:
         """The parts of `_family_script`: the table (replaced whole, or `redefine`d in
         place), then the service ports by chunks, then the merged elements."""
         txn = Transaction(fam, n.TABLE)
         if redefine is None:
-            txn.replace_table(base_table(self.settings, state.facts[fam]))
+            txn.replace_table(table)
         else:
             txn.redefine_table(redefine)
         kept = redefine.kept if redefine is not None else frozenset()

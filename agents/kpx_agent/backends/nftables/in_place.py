@@ -61,3 +61,20 @@ def defined_names(txn: Transaction) -> set[str]:
             case AddChain(name):
                 names.add(name)
     return names
+
+
+def leftovers(
+    family: int, contents: TableContents, redefine: RedefineTable, defined: set[str]
+) -> Transaction:
+    """The last part of a swap in place: what the kernel held (`contents`) and neither the
+    swap dropped nor the new contents define (`defined`) is deleted, chains first (a chain's
+    rules may name a set; the maps whose verdicts named chains were emptied at the start)."""
+    txn = Transaction(family, n.TABLE)
+    gone = set(redefine.dropped_chains) | set(redefine.dropped_sets) | defined
+    for name in contents.chains:
+        if name not in gone:
+            txn.delete_chain(name)
+    for name in (*contents.sets, *contents.maps):
+        if name not in gone:
+            txn.delete_set(name)
+    return txn
