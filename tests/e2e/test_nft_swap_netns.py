@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from kpx_agent.backends.nftables.ruleset import endpoint_rule
 from kpx_cluster.netns import Node, Pod, Topology
 from kpx_cluster.probe import probe
 
@@ -161,6 +162,11 @@ script = backend.last_script
 if sys.argv[1] == "after":
     assert "delete table" not in script, script[:3000]
     assert "delete chain ip kpx endpoints-2" in script, script[:3000]
+    assert "add chain ip kpx endpoints-1" in script, script[:3000]  # made again
+if sys.argv[1] == "again":
+    assert "delete table" not in script, script[:3000]
+    assert "add chain ip kpx endpoints-1" not in script, script[:3000]  # kept
+    assert "flush map ip kpx endpoints-1" in script, script[:3000]
 """
 
 
@@ -190,9 +196,16 @@ def test_a_swap_in_place_deletes_what_the_new_rules_lack(topology: Topology) -> 
     assert not any(c.startswith("aff-") for c in chains), chains
     assert "stray-set" not in listed and "map endpoints-2 " not in listed, listed
     chain = listed.split("chain endpoints-1 {")[1].split("}")[0]
+    mark = endpoint_rule(4, "endpoints-1").comment
     assert [line.strip() for line in chain.strip().splitlines()] == [
         "dnat ip to ip daddr . meta l4proto . th dport . numgen random mod 1 map @endpoints-1"
+        f' comment "{mark}"'
     ], chain
+    served = probe(topology, client, "10.96.0.50", 80, "tcp", count=10, timeout=1)
+    assert served.backends == {"b1"} and served.failed == 0, served
+    # Once more: the chain, read back with its mark, is kept; the rules are the same.
+    topology.exec(n1, [sys.executable, "-c", program, "again"], check=True)
+    assert topology.exec(n1, ["nft", "list", "table", "ip", "kpx"], check=True).stdout == listed
     served = probe(topology, client, "10.96.0.50", 80, "tcp", count=10, timeout=1)
     assert served.backends == {"b1"} and served.failed == 0, served
 

@@ -105,7 +105,15 @@ def test_the_fixed_table_uses_only_declared_chains_and_sets(family: int) -> None
 def test_an_endpoint_chain_reads_its_own_map() -> None:
     name, decl, rule = endpoint_chain(4, n.SERVICE_NODEPORTS, 2)
     assert name == decl.name == "nodeport-endpoints-2"
-    assert rule == r.rule(r.DnatMap(4, r.PORT_KEY, 2, decl))
+    assert rule.statements == (r.DnatMap(4, r.PORT_KEY, 2, decl),)
+    assert rule.comment.startswith("kpx ")  # what a swap in place recognizes it by
+
+
+def test_a_rule_comment_is_ours_only() -> None:
+    assert str(r.Rule((r.Verdict.DROP,), "kpx 0a1b")) == 'drop comment "kpx 0a1b"'
+    for bad in ('x" ; flush ruleset', "A" * 3, "a" * 65):
+        with pytest.raises(ValueError, match="rule comment"):
+            r.Rule((r.Verdict.DROP,), bad)
 
 
 def test_rules_are_values() -> None:

@@ -12,6 +12,7 @@ from backend_samples import GOLDEN, SETTINGS, check_golden, key, sample_state
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.fake import NftScripts
+from kpx_agent.backends.nftables.ruleset import endpoint_rule
 from kpx_agent.backends.nftables.schema import Pair, elements_text
 from kpx_agent.model.types import (
     IP,
@@ -164,7 +165,8 @@ def test_a_new_endpoint_count_brings_its_chain_and_map_in_a_partial_sync() -> No
         " . numgen random mod 2 : ip daddr . th dport; }",
         "add chain ip kpx endpoints-200",
         "add rule ip kpx endpoints-200 dnat ip to ip daddr . meta l4proto . th dport"
-        " . numgen random mod 200 map @endpoints-200",
+        " . numgen random mod 200 map @endpoints-200"
+        f' comment "{endpoint_rule(4, "endpoints-200").comment}"',
     ]
     # The map and chain come before the elements that use them.
     first_element = next(i for i, ln in enumerate(lines) if ln.startswith("add element"))

@@ -25,6 +25,7 @@ from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.fake import FakeChain, FakeNftables, FakeSet, FakeTable
 from kpx_agent.backends.nftables.in_place import defined_names, in_place
+from kpx_agent.backends.nftables.ruleset import endpoint_rule
 from kpx_agent.model.types import NodeLocalState
 
 
@@ -139,26 +140,45 @@ TABLE = TableDef(
 )
 
 
-def test_in_place_keeps_an_endpoint_chain_with_its_one_rule_and_its_map() -> None:
+def ours(name: str) -> str:
+    return endpoint_rule(4, name).comment
+
+
+def test_in_place_keeps_an_endpoint_chain_holding_this_versions_rule_and_its_map() -> None:
     contents = TableContents(
-        chains={"services": 3, "endpoints-1": 1, "endpoints-2": 2, "endpoints-3": 1},
+        chains={
+            "services": ("", "", ""),
+            "endpoints-1": (ours("endpoints-1"),),
+            "endpoints-2": (ours("endpoints-2"), ""),  # a rule added behind our back
+            "endpoints-3": (ours("endpoints-3"),),  # its map is gone
+            "endpoints-5": ("kpx 0123456789abcdef",),  # another version's rule
+            "endpoints-6": ("",),  # a rule without our mark
+        },
         sets=("addresses",),
-        maps=("endpoints-1", "endpoints-2", "endpoints-4", "service-ips"),
+        maps=("endpoints-1", "endpoints-2", "endpoints-4", "endpoints-5", "endpoints-6"),
     )
-    redefine = in_place(TABLE, contents)
-    assert redefine.kept == {"endpoints-1"}  # endpoints-3 has no map
-    assert redefine.dropped_chains == ("endpoints-2", "endpoints-3")
-    assert set(redefine.dropped_sets) == {"endpoints-2", "endpoints-4"}
+    redefine = in_place(TABLE, contents, lambda name: endpoint_rule(4, name))
+    assert redefine.kept == {"endpoints-1"}
+    assert redefine.dropped_chains == ("endpoints-2", "endpoints-3", "endpoints-5", "endpoints-6")
+    dropped_maps = {"endpoints-2", "endpoints-4", "endpoints-5", "endpoints-6"}
+    assert set(redefine.dropped_sets) == dropped_maps
+
+
+def test_the_endpoint_rules_mark_is_a_digest_of_the_rule_and_its_map() -> None:
+    assert ours("endpoints-2").startswith("kpx ") and len(ours("endpoints-2")) == 20
+    assert ours("endpoints-2") != ours("endpoints-3") != ours("nodeport-endpoints-3")
+    assert endpoint_rule(6, "endpoints-2").comment != ours("endpoints-2")
+    assert endpoint_rule(4, "services").comment == ""
 
 
 def test_the_swap_in_place_as_nft_reads_it() -> None:
     contents = TableContents(
-        chains={"services": 3, "endpoints-1": 1, "endpoints-2": 2},
+        chains={"services": ("",), "endpoints-1": (ours("endpoints-1"),), "endpoints-2": ("",)},
         sets=("addresses",),
         maps=("endpoints-1", "endpoints-2"),
     )
     txn = Transaction(4, "kpx")
-    txn.redefine_table(in_place(TABLE, contents))
+    txn.redefine_table(in_place(TABLE, contents, lambda name: endpoint_rule(4, name)))
     assert txn.render().splitlines()[:8] == [
         "add table ip kpx",
         "flush map ip kpx endpoints-1",

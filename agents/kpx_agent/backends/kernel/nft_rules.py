@@ -16,6 +16,7 @@ verdict map is only used as one (Linux 6.1 refuses a verdict map looked up as a 
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 from ...model.types import IPNetwork, Protocol
@@ -258,11 +259,21 @@ Statement = (
 )
 
 
+# What a rule's comment may hold (kpx's own marks only: it is written into nft text).
+_COMMENT = re.compile(r"[a-z0-9 -]{0,64}")
+
+
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """One rule: its statements, in order."""
+    """One rule: its statements, in order, and a comment (nft keeps it as the rule's user
+    data: it changes nothing on the data path)."""
 
     statements: tuple[Statement, ...]
+    comment: str = ""
+
+    def __post_init__(self) -> None:
+        if not _COMMENT.fullmatch(self.comment):
+            raise ValueError(f"rule comment {self.comment!r}: not [a-z0-9 -], up to 64")
 
     def __str__(self) -> str:
         return rule_text(self)
@@ -282,7 +293,8 @@ def _check_key(fields: tuple[Payload, ...], decl: SetDecl) -> None:
 
 def rule_text(r: Rule) -> str:
     """The rule as nft reads it after `add rule <table> <chain>`."""
-    return " ".join(statement_text(s) for s in r.statements)
+    text = " ".join(statement_text(s) for s in r.statements)
+    return f'{text} comment "{r.comment}"' if r.comment else text
 
 
 def _payload(p: Payload) -> str:

@@ -48,9 +48,10 @@ class ReplaceTable:
 @dataclass(frozen=True)
 class TableContents:
     """What a table in the kernel holds, by name (listed before its contents are swapped in
-    place): its chains with their rule counts, its sets, its maps."""
+    place): its chains with the comment of each of their rules ("" for none), its sets, its
+    maps."""
 
-    chains: Mapping[str, int]
+    chains: Mapping[str, tuple[str, ...]]
     sets: tuple[str, ...]
     maps: tuple[str, ...]
 

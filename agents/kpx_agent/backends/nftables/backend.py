@@ -60,6 +60,7 @@ from .ruleset import (
     base_table,
     endpoint_chain,
     endpoint_chain_counts,
+    endpoint_rule,
     is_endpoint_map,
     iter_kernel_pairs,
     kernel_count,
@@ -349,7 +350,9 @@ class NftablesBackend(Backend):
         of the table in the kernel, the table's contents are swapped in place (`in_place`),
         what the new contents lack deleted at the end; without, the table is replaced whole."""
         table = base_table(self.settings, state.facts[fam])
-        redefine = None if contents is None else in_place(table, contents)
+        redefine = None
+        if contents is not None:
+            redefine = in_place(table, contents, lambda name: endpoint_rule(fam, name))
         parts = self._parts(fam, ports, plans, chains, port_chains, loaded, table, redefine)
         if contents is None or redefine is None:
             yield from parts

@@ -84,7 +84,9 @@ class FakeNftables:
         if table is None or family in self.unlistable:
             return None
         return TableContents(
-            chains={name: len(chain.rules) for name, chain in table.chains.items()},
+            chains={
+                name: tuple(r.comment for r in chain.rules) for name, chain in table.chains.items()
+            },
             sets=tuple(k for k, s in table.sets.items() if not s.decl.is_map),
             maps=tuple(k for k, s in table.sets.items() if s.decl.is_map),
         )

@@ -4,14 +4,19 @@ A full sync swaps an existing table's contents in place (`nft_transaction.Redefi
 every set and map is emptied and filled again, every chain flushed and written again, and
 what the new contents do not hold is deleted at the end of the same transaction. The
 endpoint chains (`endpoints-<n>` and the like, each with its own `typeof` map of the same
-name) are the exception: one holding its one rule, with its map, is kept as it is (nft 1.0.6
-cannot add a rule naming a `typeof` map already in the kernel, and a map created anew can
-miss lookups around the commit); one holding anything else is deleted with its map, and made
-again by the transaction if the new contents have it.
+name) are the exception: one holding exactly the one rule this version writes into it (its
+comment is a digest of the rule and of its map's declaration), with its map, is kept as it
+is (nft 1.0.6 cannot add a rule naming a `typeof` map already in the kernel, and a map
+created anew can miss lookups around the commit); one holding anything else (changed behind
+the agent's back, or written by another version) is deleted with its map, and made again by
+the transaction if the new contents have it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from ..kernel.nft_rules import Rule
 from ..kernel.nft_transaction import (
     AddChain,
     AddSet,
@@ -24,16 +29,19 @@ from ..kernel.nft_transaction import (
 from . import names as n
 
 
-def in_place(table: TableDef, contents: TableContents) -> RedefineTable:
-    """The swap in place of the table holding `contents` for one defined as `table`."""
+def in_place(
+    table: TableDef, contents: TableContents, endpoint_rule: Callable[[str], Rule]
+) -> RedefineTable:
+    """The swap in place of the table holding `contents` for one defined as `table`;
+    `endpoint_rule(name)`: the rule this version writes into the endpoint chain `name`."""
     maps = set(contents.maps)
     kept: set[str] = set()
     dropped_chains: list[str] = []
     dropped_sets: list[str] = []
-    for name, rules in contents.chains.items():
+    for name, comments in contents.chains.items():
         if n.endpoint_count_of(name) is None:
             continue
-        if rules == 1 and name in maps:
+        if name in maps and comments == (endpoint_rule(name).comment,):
             kept.add(name)
             continue
         dropped_chains.append(name)

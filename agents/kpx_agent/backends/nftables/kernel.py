@@ -285,14 +285,14 @@ PLAIN_NAME = re.compile(r"[a-z][a-z0-9-]{0,127}")
 
 
 def table_contents(family: int) -> TableContents | None:
-    """The chains (with how many rules each holds), sets and maps of our table of `family`
+    """The chains (with the comment of each of their rules), sets and maps of our table of `family`
     (4, 6), by name, from netlink dumps without elements. None when it cannot be listed
     (absent, refused) or holds a name that is not one of ours in form."""
     proto = NFPROTO[family]
     try:
         with contextlib.closing(_socket()) as sock:
             chains = q.chain_names(_ask(sock, q.chains_request(proto, n.TABLE)), n.TABLE)
-            rules = q.rule_counts(_ask(sock, q.rules_request(proto, n.TABLE)))
+            comments = q.rule_comments(_ask(sock, q.rules_request(proto, n.TABLE)))
             sets = q.set_kinds(_ask(sock, q.sets_request(proto, n.TABLE)))
     except (OSError, q.NetlinkError) as exc:
         log.debug("cannot list %s %s: %s", n.FAMILIES[family], n.TABLE, exc)
@@ -301,7 +301,7 @@ def table_contents(family: int) -> TableContents | None:
     if not all(PLAIN_NAME.fullmatch(name) for name in names):
         return None
     return TableContents(
-        chains={name: rules.get(name, 0) for name in chains},
+        chains={name: tuple(comments.get(name, ())) for name in chains},
         sets=tuple(name for name, is_map in sets if not is_map),
         maps=tuple(name for name, is_map in sets if is_map),
     )

@@ -47,6 +47,8 @@ NFTA_CHAIN_TABLE = 1
 NFTA_CHAIN_NAME = 3
 NFTA_RULE_TABLE = 1
 NFTA_RULE_CHAIN = 2
+NFTA_RULE_USERDATA = 7
+NFTNL_UDATA_RULE_COMMENT = 0
 NFTA_SET_TABLE = 1
 NFTA_SET_NAME = 2
 NFTA_SET_FLAGS = 3
@@ -140,15 +142,27 @@ def set_kinds(answer: Iterable[Message]) -> list[tuple[str, bool]]:
     return kinds
 
 
-def rule_counts(answer: Iterable[Message]) -> dict[str, int]:
-    """How many rules each chain holds, in a dump of one table's rules."""
-    counts: dict[str, int] = {}
+def rule_comments(answer: Iterable[Message]) -> dict[str, list[str]]:
+    """The comment of each rule ("" for none), by chain, in a dump of one table's rules."""
+    comments: dict[str, list[str]] = {}
     for message in answer:
         if message.kind != _kind(NFT_MSG_NEWRULE):
             continue
-        chain = _text(dict(attributes(message.body[4:])).get(NFTA_RULE_CHAIN))
-        counts[chain] = counts.get(chain, 0) + 1
-    return counts
+        found = dict(attributes(message.body[4:]))
+        chain = _text(found.get(NFTA_RULE_CHAIN))
+        comments.setdefault(chain, []).append(comment_of(found.get(NFTA_RULE_USERDATA, b"")))
+    return comments
+
+
+def comment_of(userdata: bytes) -> str:
+    """The comment in a rule's user data (libnftnl's TLVs: type, length, value), "" if none."""
+    at = 0
+    while at + 2 <= len(userdata):
+        kind, length = userdata[at], userdata[at + 1]
+        if kind == NFTNL_UDATA_RULE_COMMENT:
+            return _text(userdata[at + 2 : at + 2 + length])
+        at += 2 + length
+    return ""
 
 
 def _text(payload: bytes | None) -> str:

@@ -13,8 +13,9 @@ ints, networks) and the validated detectLocal interface name.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from ipaddress import IPv4Network, IPv6Network
 from typing import cast
 
@@ -282,7 +283,19 @@ def endpoint_chain(family: int, dispatch_map: str, count: int) -> tuple[str, Set
     chain and its map share the name)."""
     key = PORT_KEY if dispatch_map in n.NODEPORT_DISPATCH else r.vip_key(family)
     decl = endpoint_map(dispatch_map, count)
-    return decl.name, decl, rule(r.DnatMap(family, key, count, decl))
+    dnat = rule(r.DnatMap(family, key, count, decl))
+    # The rule's comment is a digest of the rule and its map as this version writes them: a
+    # swap in place keeps an endpoint chain in the kernel only if its one rule carries it.
+    digest = hashlib.sha256(f"{r.rule_text(dnat)}\n{decl.body(family)}".encode()).hexdigest()
+    return decl.name, decl, replace(dnat, comment=f"kpx {digest[:16]}")
+
+
+def endpoint_rule(family: int, name: str) -> Rule:
+    """The rule of the endpoint chain `name` (an empty rule for a name that is not one)."""
+    found = n.endpoint_count_of(name)
+    if found is None:
+        return Rule(())
+    return endpoint_chain(family, *found)[2]
 
 
 _LOOPBACK: dict[int, IPNetwork] = {4: IPv4Network("127.0.0.0/8"), 6: IPv6Network("::1/128")}
