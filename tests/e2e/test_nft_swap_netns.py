@@ -221,3 +221,84 @@ def nft_names(topology: Topology, node: Node, kind: str) -> set[str]:
         elif words[:1] == ["chain"] and table == "kpx":
             names.add(words[1])
     return names
+
+
+# The ipvs mode's helper table, in a real kernel; IPVS itself, the sysctls and the dummy
+# interface faked (this host's kernel has no IPVS). Runs inside the node's netns.
+IPVS_SWAPPER = """
+import sys
+from ipaddress import ip_network as net
+from kpx_agent.model.types import *
+from kpx_agent.model.types import IP
+from kpx_agent.model.service_ports import local_state
+from kpx_agent.backends.ipvs import kernel
+from kpx_agent.backends.ipvs.backend import IpvsBackend
+from kpx_agent.backends.ipvs.fake import FakeKernel
+ip = IP.of
+
+class HelperTableOnly(FakeKernel):
+    scripts = []
+    def run_nft(self, transaction):
+        HelperTableOnly.scripts.append(transaction.render())
+        kernel.NodeKernel().run_nft(transaction)
+    def table_contents(self, family):
+        return kernel.NodeKernel().table_contents(family)
+
+eps = (Endpoint(ip("{backend}"), 8080, True),)
+lb = ServicePort(ServicePortKey("d", "lb", "", Protocol.UDP, 4), 80,
+                 cluster_ips=(ip("10.96.0.41"),), load_balancer_ips=(ip("{lb}"),),
+                 load_balancer_source_ranges=(net("{client}/32"),),
+                 cluster_endpoints=eps, external_endpoints=eps)
+settings = DataplaneSettings(cluster_cidrs=(net("10.244.0.0/16"),))
+state = local_state(NodeInfo("n1", (ip("{node}"),)), settings, [lb])
+for _ in range(1 + int(sys.argv[1])):
+    IpvsBackend(settings, HelperTableOnly()).sync(state, None)  # a new agent: a full sync
+last = HelperTableOnly.scripts[-2]  # (the IPv6 table's is the last)
+if int(sys.argv[1]):
+    assert "delete table" not in last and "flush set ip kpx-ipvs firewall-allow" in last, last
+"""
+
+LB_PROBE = """table ip probe {{
+  chain sent {{
+    type filter hook prerouting priority -300; policy accept;
+    ip saddr {client} ip daddr {lb} udp dport 80 counter
+  }}
+  chain local {{
+    type filter hook input priority 100; policy accept;
+    ip saddr {client} ip daddr {lb} udp dport 80 counter
+  }}
+}}
+"""
+
+LB_FLOOD = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+print("ready", flush=True)
+while True:
+    try:
+        s.sendto(b"x", (sys.argv[1], 80))
+    except OSError:
+        pass
+"""
+
+
+def test_ipvs_helper_table_full_syncs_drop_no_packet(topology: Topology) -> None:
+    """The same for ipvs mode's helper table: packets to a load balancer with source ranges
+    (checked against the interval set `firewall-allow` on every packet) all reach the node
+    while 60 new agents' full syncs swap the table in place."""
+    n1, backend, client = setup(topology)
+    values = {"client": client.ipv4, "backend": backend.ipv4, "lb": LB_IP, "node": n1.ipv4}
+    # In ipvs mode the load-balancer IP is bound on the node (the dummy interface's job).
+    topology.exec(n1, ["ip", "addr", "add", f"{LB_IP}/32", "dev", "lo"], check=True)
+    swapper = IPVS_SWAPPER.format(**values)
+    topology.exec(n1, [sys.executable, "-c", swapper, "0"], check=True, timeout=60)
+    topology.exec(n1, ["nft", "-f", "-"], input=LB_PROBE.format(**values), check=True)
+    flood = topology.run_ready(client, [sys.executable, "-c", LB_FLOOD, LB_IP])
+    try:
+        topology.exec(n1, [sys.executable, "-c", swapper, str(SWAPS)], check=True, timeout=300)
+    finally:
+        flood.kill()
+        flood.wait()
+    sent, arrived = counters(topology, n1)
+    assert arrived > 20 * SWAPS, (sent, arrived)
+    assert sent == arrived, f"{sent - arrived} of {sent} packets were dropped"

@@ -166,7 +166,7 @@ class IpvsBackend(Backend):
             + [(False, f, a) for f, a in have_bound - bound.keys()]
         )
         # The helper table, swapped in one transaction per family.
-        self._run_per_family([full_sync(self.settings, state.facts[f], elements) for f in FAMILIES])
+        self._swap_helper_tables(state, elements)
         self._plans, self._bound, self._elements = plans, bound, elements
         self._firewall = firewall
         self._node = state.node
@@ -250,6 +250,33 @@ class IpvsBackend(Backend):
             self._kernel.bind(bind)
         changes = {family: element_changes(family, deletes, adds) for family in FAMILIES}
         self._run_per_family([txn for txn in changes.values() if txn])
+
+    def _swap_helper_tables(
+        self, state: NodeLocalState, elements: dict[str, Counter[Element]]
+    ) -> None:
+        """Each family's helper table, swapped in place where it is in the kernel and can be
+        listed (`ruleset.full_sync`); where the kernel refuses that, replaced whole."""
+        refused: list[str] = []
+        for family in FAMILIES:
+            facts = state.facts[family]
+            contents = self._kernel.table_contents(family)
+            try:
+                try:
+                    self._kernel.run_nft(full_sync(self.settings, facts, elements, contents))
+                except kernel.KernelError as exc:
+                    if contents is None:
+                        raise
+                    log.warning(
+                        "IPv%d helper table: cannot swap its contents in place (%s); "
+                        "replacing it whole",
+                        family,
+                        exc,
+                    )
+                    self._kernel.run_nft(full_sync(self.settings, facts, elements))
+            except kernel.KernelError as exc:
+                refused.append(f"IPv{family} helper table: {exc}")
+        if refused:
+            raise BackendError("; ".join(refused))
 
     def _run_per_family(self, transactions: Iterable[Transaction]) -> None:
         """Each family's helper-table transaction, one nft transaction each: a family the

@@ -21,8 +21,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable
 
-from ..kernel.nft_fake import FakeError, FakeTable, NftWalk, apply, check_rules
-from ..kernel.nft_transaction import Transaction
+from ..kernel.nft_fake import FakeError, FakeTable, NftWalk, apply, check_rules, contents_of
+from ..kernel.nft_transaction import TableContents, Transaction
 from ..kernel.packet_walk import Outcome, Packet, every_outcome
 from .kernel import KernelError, RealServer
 from .model import VirtualKey, VirtualServer
@@ -87,6 +87,8 @@ class FakeKernel:
         self.refuse_nft: Callable[[Transaction], str | None] | None = None
         #: set: every write_sysctl fails with this message (a read-only /proc/sys)
         self.refuse_sysctl: str | None = None
+        #: families whose helper table cannot be listed (a full sync then replaces it whole)
+        self.unlistable: set[int] = set()
 
     def ipvs(self) -> FakeIpvs:
         return self.fake_ipvs
@@ -123,6 +125,12 @@ class FakeKernel:
             raise KernelError(f"nft: {exc}") from exc
         self.tables = staged
         self.nft.append(transaction)
+
+    def table_contents(self, family: int) -> TableContents | None:
+        table = self.tables.get(family)
+        if table is None or family in self.unlistable:
+            return None
+        return contents_of(table)
 
     def scripts(self) -> list[str]:
         """The nft text of each applied transaction (what the real kernel would have run)."""

@@ -15,14 +15,16 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+from ..kernel import nft_query
 from ..kernel.names import IPVS_DUMMY, IPVS_TABLE, NFT_FAMILIES
-from ..kernel.nft_transaction import Transaction
+from ..kernel.nft_transaction import TableContents, Transaction
 from . import wire
 from .batch import NETLINK_ROUTE, Chunker, RawNetlink, describe_errors
 from .model import PROTOCOLS, VirtualKey, VirtualServer
 
 DUMMY = IPVS_DUMMY
 TABLE = IPVS_TABLE
+NFPROTO = {4: socket.AF_INET, 6: socket.AF_INET6}  # NFPROTO_IPV4/6 equal AF_INET/6
 #: IP_VS_CONN_F_MASQ: NAT (pyroute2's IPVSDest defaults to 3, direct routing).
 FWD_NAT = 0
 #: An IPv6 virtual server's netmask is a prefix length (128) in a host-order u32, as ipvsadm
@@ -355,6 +357,7 @@ class Kernel(Protocol):
     def bound_addresses(self) -> set[tuple[int, str]]: ...
     def bind(self, address_changes: Iterable[tuple[bool, int, str]]) -> None: ...
     def run_nft(self, transaction: Transaction) -> None: ...
+    def table_contents(self, family: int) -> TableContents | None: ...
 
 
 class NodeKernel:
@@ -384,3 +387,7 @@ class NodeKernel:
 
     def run_nft(self, transaction: Transaction) -> None:
         run_nft(transaction.render())
+
+    def table_contents(self, family: int) -> TableContents | None:
+        """What the helper table of `family` (4, 6) holds, by name (None: not to be listed)."""
+        return nft_query.table_contents(NFPROTO[family], TABLE)

@@ -33,7 +33,13 @@ from ..kernel.nft_rules import (
     vip_key,
 )
 from ..kernel.nft_schema import Field, KeyField, Pair, SetDecl
-from ..kernel.nft_transaction import ChainSpec, TableDef, Transaction
+from ..kernel.nft_transaction import (
+    ChainSpec,
+    RedefineTable,
+    TableContents,
+    TableDef,
+    Transaction,
+)
 from .model import CLUSTER_IPS, DROP, FIREWALL, FIREWALL_ALLOW, HAIRPIN, MASQ_IPS, Element
 
 A, NET, P, PORT = Field.ADDR, Field.NET, Field.PROTO, Field.PORT
@@ -147,13 +153,27 @@ def _pairs(family: int, set_name: str, members: Iterable[Element]) -> list[Pair]
 
 
 def full_sync(
-    settings: DataplaneSettings, facts: NodeFacts, elements: Mapping[str, Iterable[Element]]
+    settings: DataplaneSettings,
+    facts: NodeFacts,
+    elements: Mapping[str, Iterable[Element]],
+    contents: TableContents | None = None,
 ) -> Transaction:
-    """Swap one family's helper table, elements included, in one transaction."""
+    """Swap one family's helper table, elements included, in one transaction: in place where
+    the table in the kernel holds `contents` (its sets emptied and refilled, its chains
+    flushed and written again, anything else in it deleted at the end: a set created in a
+    transaction can miss lookups around the commit, `nft_transaction.RedefineTable`), else
+    deleted and defined again."""
     txn = Transaction(facts.family, IPVS_TABLE)
-    txn.replace_table(table(settings, facts))
+    definition = table(settings, facts)
+    if contents is None:
+        txn.replace_table(definition)
+    else:
+        txn.redefine_table(RedefineTable(definition, contents))
     for set_name, members in elements.items():
         txn.add_elements(set_name, _pairs(facts.family, set_name, members))
+    if contents is not None:
+        names = {d.name for d in definition.sets} | {c.name for c in definition.chains}
+        txn.delete_others(contents, names)
     return txn
 
 

@@ -62,6 +62,7 @@ from .nft_transaction import (
     Op,
     RedefineTable,
     ReplaceTable,
+    TableContents,
     TableDef,
 )
 from .packet_walk import Packet, Walk
@@ -191,6 +192,15 @@ def redefine(table: FakeTable, op: RedefineTable) -> None:
             existing.rules += chain.rules
     for set_name, keys in definition.elements.items():
         add_elements(table, set_name, [(k, None) for k in keys])
+
+
+def contents_of(table: FakeTable) -> TableContents:
+    """What a listing of the table reads (`nft_query.table_contents`)."""
+    return TableContents(
+        chains={name: tuple(r.comment for r in c.rules) for name, c in table.chains.items()},
+        sets=tuple(k for k, s in table.sets.items() if not s.decl.is_map),
+        maps=tuple(k for k, s in table.sets.items() if s.decl.is_map),
+    )
 
 
 def chain_of(table: FakeTable, name: str) -> FakeChain:

@@ -10,7 +10,7 @@ operations as they are.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from .names import NFT_FAMILIES
@@ -171,6 +171,17 @@ class Transaction:
 
     def delete_set(self, name: str) -> None:
         self.ops.append(DeleteSet(name))
+
+    def delete_others(self, contents: TableContents, keep: Collection[str]) -> None:
+        """Delete what `contents` lists and `keep` does not: the chains first (a chain's
+        rules may name a set), then the sets and maps (the end of a swap in place, whose
+        start emptied every map that named a chain)."""
+        for name in contents.chains:
+            if name not in keep:
+                self.delete_chain(name)
+        for name in (*contents.sets, *contents.maps):
+            if name not in keep:
+                self.delete_set(name)
 
     def delete_elements(self, set_name: str, keys: Iterable[Key]) -> None:
         found = tuple(keys)

@@ -29,6 +29,7 @@ from ..kernel.nft_fake import (
     NftWalk,
     add_elements,
     check_rules,
+    contents_of,
 )
 from ..kernel.nft_fake import apply as apply_op
 from ..kernel.nft_transaction import AddElements, TableContents, Transaction
@@ -83,13 +84,7 @@ class FakeNftables:
         table = self.tables.get(family)
         if table is None or family in self.unlistable:
             return None
-        return TableContents(
-            chains={
-                name: tuple(r.comment for r in chain.rules) for name, chain in table.chains.items()
-            },
-            sets=tuple(k for k, s in table.sets.items() if not s.decl.is_map),
-            maps=tuple(k for k, s in table.sets.items() if s.decl.is_map),
-        )
+        return contents_of(table)
 
     def run_transactions(self, transactions: Iterable[Transaction]) -> None:
         staged = copy.deepcopy(self.tables)

@@ -75,14 +75,8 @@ def leftovers(
     family: int, contents: TableContents, redefine: RedefineTable, defined: set[str]
 ) -> Transaction:
     """The last part of a swap in place: what the kernel held (`contents`) and neither the
-    swap dropped nor the new contents define (`defined`) is deleted, chains first (a chain's
-    rules may name a set; the maps whose verdicts named chains were emptied at the start)."""
+    swap dropped nor the new contents define (`defined`) is deleted."""
     txn = Transaction(family, n.TABLE)
-    gone = set(redefine.dropped_chains) | set(redefine.dropped_sets) | defined
-    for name in contents.chains:
-        if name not in gone:
-            txn.delete_chain(name)
-    for name in (*contents.sets, *contents.maps):
-        if name not in gone:
-            txn.delete_set(name)
+    dropped = {*redefine.dropped_chains, *redefine.dropped_sets}
+    txn.delete_others(contents, dropped | defined)
     return txn

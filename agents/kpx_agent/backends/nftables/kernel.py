@@ -5,9 +5,7 @@ generation id, a digest of our table)."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import queue
-import re
 import socket
 import subprocess
 import tempfile
@@ -16,12 +14,11 @@ from collections.abc import Iterable
 from typing import IO, Protocol
 
 from ..base import BackendError
+from ..kernel import nft_listing, nft_query
 from ..kernel.nft_transaction import TableContents, Transaction
 from ..nf_generation import read as read_generation
 from . import names as n
-from . import netlink_query as q
 from .netlink_batch import (
-    NETLINK_NETFILTER,
     NFPROTO,
     Batch,
     Elements,
@@ -29,9 +26,9 @@ from .netlink_batch import (
     encode_batches,
     parse_acks,
 )
+from .netlink_query import TableDigest, elements_request
 from .schema import declaration
 
-log = logging.getLogger(__name__)
 NFT = "nft"
 
 
@@ -116,10 +113,7 @@ def _run(argv: list[str], stdin: str | None = None) -> subprocess.CompletedProce
         raise BackendError(f"cannot run {argv[0]}: {exc}") from exc
 
 
-SOL_NETLINK = 270
-NETLINK_CAP_ACK = 10  # acknowledgements without a copy of the request
 SO_SNDBUFFORCE = 32
-SO_RCVBUFFORCE = 33
 
 
 def load_elements(elements: Elements) -> None:
@@ -174,25 +168,13 @@ class _Sender:
             if self._problem is not None:
                 continue  # drained, not sent, until the producer stops
             try:
-                sock = sock or _socket()
+                sock = sock or nft_query.query_socket()
                 acks = _exchange(sock, batch.data, len(batch.messages))
                 self._problem = batch_problem(batch, acks)
             except OSError as exc:
                 self._problem = f"netlink element batch: {exc.strerror or exc}"
         if sock is not None:
             sock.close()
-
-
-def _socket() -> socket.socket:
-    sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
-    try:
-        sock.setsockopt(SOL_NETLINK, NETLINK_CAP_ACK, 1)
-        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 1 << 22)
-        sock.bind((0, 0))
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def _exchange(sock: socket.socket, data: bytes, expected: int) -> dict[int, int]:
@@ -256,70 +238,34 @@ def table_digest(family: int) -> bytes:
     """A digest of our table of `family` (4, 6) as the kernel holds it: its sets, rules, and
     the elements of the sets the data path does not update (netlink_query.TableDigest). A
     table that cannot be dumped (absent) gives a digest of the error."""
-    digest = q.TableDigest()
+    digest = TableDigest()
     proto = NFPROTO[family]
+    ask = nft_query.ask
     try:
-        with contextlib.closing(_socket()) as sock:
+        with contextlib.closing(nft_query.query_socket()) as sock:
             digest.add_section("sets")
-            sets = list(_ask(sock, q.sets_request(proto, n.TABLE)))
+            sets = list(ask(sock, nft_listing.sets_request(proto, n.TABLE)))
             for message in sets:
                 digest.add(message)
             digest.add_section("rules")
-            for message in _ask(sock, q.rules_request(proto, n.TABLE)):
+            for message in ask(sock, nft_listing.rules_request(proto, n.TABLE)):
                 digest.add(message)
-            for name in sorted(q.set_names(sets)):
+            for name in sorted(nft_listing.set_names(sets)):
                 decl = declaration(name)
                 if decl is not None and decl.dynamic_timeout:
                     continue  # the data path adds and expires these elements
                 digest.add_section(name)
-                for message in _ask(sock, q.elements_request(proto, n.TABLE, name)):
+                for message in ask(sock, elements_request(proto, n.TABLE, name)):
                     digest.add(message)
-    except q.NetlinkError as exc:
+    except nft_listing.NetlinkError as exc:
         return f"error {exc.errno}".encode()
     return digest.digest()
 
 
-# The names a listing may hand to nft: ours are all of this form; any other name (someone
-# else's object in our table) makes the swap replace the table whole instead.
-PLAIN_NAME = re.compile(r"[a-z][a-z0-9-]{0,127}")
-
-
 def table_contents(family: int) -> TableContents | None:
-    """The chains (with the comment of each of their rules), sets and maps of our table of `family`
-    (4, 6), by name, from netlink dumps without elements. None when it cannot be listed
-    (absent, refused) or holds a name that is not one of ours in form."""
-    proto = NFPROTO[family]
-    try:
-        with contextlib.closing(_socket()) as sock:
-            chains = q.chain_names(_ask(sock, q.chains_request(proto, n.TABLE)), n.TABLE)
-            comments = q.rule_comments(_ask(sock, q.rules_request(proto, n.TABLE)))
-            sets = q.set_kinds(_ask(sock, q.sets_request(proto, n.TABLE)))
-    except (OSError, q.NetlinkError) as exc:
-        log.debug("cannot list %s %s: %s", n.FAMILIES[family], n.TABLE, exc)
-        return None
-    names = chains + [name for name, _ in sets]
-    if not all(PLAIN_NAME.fullmatch(name) for name in names):
-        return None
-    return TableContents(
-        chains={name: tuple(comments.get(name, ())) for name in chains},
-        sets=tuple(name for name, is_map in sets if not is_map),
-        maps=tuple(name for name, is_map in sets if is_map),
-    )
-
-
-def _ask(sock: socket.socket, request: bytes) -> list[q.Message]:
-    """Send one request; every message of its answer (a dump's up to its end). Raises
-    NetlinkError when the kernel refused it."""
-    sock.sendto(request, (0, 0))
-    answer: list[q.Message] = []
-    while True:
-        for message in q.messages(sock.recv(1 << 20)):
-            q.check(message)
-            if q.is_done(message) or message.kind == q.NLMSG_ERROR:
-                return answer
-            answer.append(message)
-            if not message.flags & q.NLM_F_MULTI:
-                return answer
+    """The chains (with the comment of each of their rules), sets and maps of our table of
+    `family` (4, 6), by name (`kernel.nft_query.table_contents`)."""
+    return nft_query.table_contents(NFPROTO[family], n.TABLE)
 
 
 class Kernel(Protocol):
