@@ -60,17 +60,18 @@ class TableContents:
 class RedefineTable:
     """Swap the contents of an existing table atomically, in place: every set and map it
     holds (`contents`) is emptied, every chain flushed except those `kept` (their rules stay
-    as they are), the chains and sets in `dropped` deleted, then `table` is defined over what
-    is left (what the rest of the transaction does not define again, it deletes at its
-    end). The kernel refuses the whole transaction if a set kept is declared
-    otherwise now, or a base chain hooked otherwise.
+    as they are), the chains and sets `dropped_*` deleted, then `table` is defined over what
+    is left (what the rest of the transaction does not define again, it deletes at its end:
+    `Transaction.delete_others`). The kernel refuses the whole transaction if a set kept is
+    declared otherwise now, or a base chain hooked otherwise.
 
     Why in place: a set or map created in a transaction can miss lookups for a moment around
     the commit (interval sets, rbtree and pipapo, about once per swap under a flood of new
-    flows; the endpoint maps now and then, on kernel 6.18), so deleting and creating the
-    table drops packets at each swap; sets and maps emptied and refilled in a transaction do
-    not. The endpoint chains are kept because nft (1.0.6) cannot add a rule naming a `typeof`
-    map that was already in the kernel."""
+    flows; the endpoint maps now and then, on kernel 6.18:
+    bench/results/2026-11-29-swap-in-place.md), so deleting and creating the table drops
+    packets at each swap; sets and maps emptied and refilled in a transaction do not. The
+    nftables mode keeps its endpoint chains because nft (1.0.6) cannot add a rule naming a
+    `typeof` map that was already in the kernel (`nftables.in_place`)."""
 
     table: TableDef
     contents: TableContents

@@ -14,12 +14,13 @@ sync takes two steps: nft creates the table with empty sets and maps (matching n
 changes no traffic), then netlink batches add the elements, with about a tenth of nft's CPU,
 the dispatch maps last (a Service starts to be served once all it dispatches to is there).
 Where the table exists, the swap stays one nft transaction, elements included, so the old
-rules serve until the new ones are complete. It swaps the table's contents in place: the
-backend lists the table's chains and sets (names only, over netlink), and the transaction
-deletes them all and defines the new ones, except the interval sets (the NodePort addresses,
-the local pod CIDRs, the load balancers' allowed source ranges), which it empties and refills:
-an interval set created in a transaction misses lookups around the commit, so deleting and
-creating the table dropped a few NodePort packets at each swap. Where the table cannot be
+rules serve until the new ones are complete. It swaps the table's contents in place
+(`in_place`): the backend lists the table (chains, the comment of each rule, sets and maps,
+over netlink, no elements), and the transaction empties every set and map, flushes every
+chain, defines the new contents over them and deletes at its end what they lack; the
+endpoint chains holding exactly this version's rule are kept as they are. A set or map
+created in a transaction misses lookups around the commit (interval sets, endpoint maps), so
+deleting and creating the table dropped new flows at each swap. Where the table cannot be
 listed, or the kernel refuses the swap in place (a kept set declared otherwise now), the
 table is deleted and defined again in one transaction.
 
