@@ -10,6 +10,7 @@ applies it and answers one JSON line on stdout.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from ipaddress import ip_network
 from pathlib import Path
@@ -83,8 +84,24 @@ def _matrix_case(name: str, world: dict[str, Any]) -> tuple[DataplaneSettings, A
     return settings, local_state(semantics.node_of(w), settings, case.ports(w))
 
 
+class _SwapFallbacks(logging.Handler):
+    """Warnings that a table's swap in place was refused (and replaced whole): none is
+    expected in these tests, so a step that logs one answers not ok."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "cannot swap its contents in place" in message:
+            self.seen.append(message)
+
+
 def main() -> None:
     mode, node_name, node_ip = sys.argv[1:4]
+    fallbacks = _SwapFallbacks()
+    logging.getLogger().addHandler(fallbacks)
     module = backends.load(mode)
     backend = None
     node = NodeInfo(node_name, (IP.of(node_ip),))
@@ -119,6 +136,9 @@ def main() -> None:
                 remove_other_modes(mode)
         except Exception as exc:
             answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if fallbacks.seen:
+            answer = {"ok": False, "error": f"a swap in place was refused: {fallbacks.seen}"}
+            fallbacks.seen = []
         print(json.dumps(answer), flush=True)
 
 
