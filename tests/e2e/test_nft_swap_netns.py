@@ -1,8 +1,9 @@
 """A full sync over a table already in the kernel (an agent's restart, a drift repair, a
-takeover) swaps it without dropping a packet the interval sets should match: new flows to a
-NodePort (`nodeport-addresses`) and packets to a load balancer with source ranges
-(`firewall-allow`) keep being served while the swaps run, in a real kernel, in netns the test
-makes."""
+takeover) swaps it in place without dropping a packet: new flows to a NodePort (looked up in
+`nodeport-addresses`, then the endpoint maps) and packets to a load balancer with source
+ranges (`firewall-allow`) keep being served while 60 swaps run, in nftables mode and in ipvs
+mode's helper table; and a swap in place leaves exactly the new rules. A real kernel, in netns
+the test makes (the nodes have no default route: nothing leaves them)."""
 
 from __future__ import annotations
 
