@@ -56,7 +56,7 @@ def table_contents(family: int, table: str) -> TableContents | None:
             chains = ask(sock, q.chains_request(family, table))
             rules = ask(sock, q.rules_request(family, table))
             sets = ask(sock, q.sets_request(family, table))
-    except (OSError, q.NetlinkError) as exc:
+        return q.contents(chains, rules, sets, table)
+    except (OSError, ValueError, q.NetlinkError) as exc:  # (ValueError: an answer misread)
         log.debug("cannot list table %s (family %d): %s", table, family, exc)
         return None
-    return q.contents(chains, rules, sets, table)

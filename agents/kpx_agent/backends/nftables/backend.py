@@ -245,7 +245,7 @@ class NftablesBackend(Backend):
         for fam in FAMILIES:
             # Each family is its own transaction: one the kernel refuses leaves the other's in.
             t0 = time.monotonic()
-            contents = self._contents(fam) if fam in present else None
+            contents = self._kernel.table_contents(fam) if fam in present else None
             try:
                 try:
                     self._apply(
@@ -284,14 +284,6 @@ class NftablesBackend(Backend):
         self._synced = not refused
         if refused:
             raise BackendError("; ".join(refused))
-
-    def _contents(self, fam: int) -> TableContents | None:
-        """What our table of `fam` holds, for a swap in place (None: it is replaced whole)."""
-        try:
-            return self._kernel.table_contents(fam)
-        except (OSError, ValueError) as exc:
-            log.debug("cannot list %s %s: %s", n.FAMILIES[fam], n.TABLE, exc)
-            return None
 
     def _load_family(self, fam: int, loaded: dict[int, dict[str, list[Pair]]]) -> None:
         """The netlink part of a family's full sync (none where its table was there)."""
@@ -351,15 +343,12 @@ class NftablesBackend(Backend):
         of the table in the kernel, the table's contents are swapped in place (`in_place`),
         what the new contents lack deleted at the end; without, the table is replaced whole."""
         table = base_table(self.settings, state.facts[fam])
-        redefine = None
-        if contents is not None:
-            redefine = in_place(table, contents, lambda name: endpoint_rule(fam, name))
-        parts = self._parts(fam, ports, plans, chains, port_chains, loaded, table, redefine)
-        if contents is None or redefine is None:
-            yield from parts
+        if contents is None:
+            yield from self._parts(fam, ports, plans, chains, port_chains, loaded, table, None)
             return
+        redefine = in_place(table, contents, lambda name: endpoint_rule(fam, name))
         defined: set[str] = set()
-        for txn in parts:
+        for txn in self._parts(fam, ports, plans, chains, port_chains, loaded, table, redefine):
             defined |= defined_names(txn)
             yield txn
         # the endpoint chains (and maps) in use, the kept ones among them
