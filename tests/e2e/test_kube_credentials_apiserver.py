@@ -146,8 +146,18 @@ def test_agent_client_authenticates_through_the_exec_plugin_and_reruns_it_after_
             assert spec["interactive"] is False
             assert spec["cluster"]["server"] == cluster.server  # provideClusterInfo
             await asyncio.sleep(4)  # past the credential's expiry (whole seconds, RFC 3339)
-            async for event in client.watch("services", SERVICES, {"timeoutSeconds": "1"}):
-                assert event["type"] == "ADDED"
+            # resourceVersion=0: served from the watch cache as it is. Without it the apiserver
+            # first waits for the cache to reach etcd's latest revision, and with a 1 s timeout
+            # that wait can end the watch with an ERROR event (504, "Too large resource
+            # version") when other resources churn, as they do in the shared test cluster.
+            watched = [
+                event
+                async for event in client.watch(
+                    "services", SERVICES, {"timeoutSeconds": "1", "resourceVersion": "0"}
+                )
+            ]
+            assert watched and all(e["type"] == "ADDED" for e in watched), watched
+            assert any(e["object"]["metadata"]["name"] == "kubernetes" for e in watched)
             assert plugin.runs == 2
         finally:
             await client.close()
