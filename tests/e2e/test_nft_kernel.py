@@ -3,6 +3,7 @@ the renderer says: real packets follow the maps, deltas apply, and swaps are ide
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -123,6 +124,74 @@ b.sync(state, None)
     # The same backends through the cluster IP of the firewalled service: not filtered.
     inside = probe(topology, client, "10.96.0.22", 80, "tcp", count=4, timeout=1)
     assert inside.failed == 0, inside
+
+
+STICKY = """
+import json, sys
+from ipaddress import ip_network as net
+from kpx_agent.model.types import IP
+ip = IP.of
+from kpx_agent.model.types import *
+from kpx_agent.model.service_ports import local_state
+from kpx_agent.backends.nftables import names as n
+from kpx_agent.backends.nftables.backend import NftablesBackend
+def state(backends):
+    eps = tuple(Endpoint(ip(a), 8080, a.startswith("{local_prefix}")) for a in backends)
+    sp = ServicePort(ServicePortKey("d", "sticky", "", Protocol.TCP, 4), 80,
+                     cluster_ips=(ip("10.96.0.20"),), cluster_endpoints=eps,
+                     external_endpoints=eps, affinity_timeout=300)
+    return sp, local_state(NodeInfo("n1", (ip("{node_ip}"),)), b.settings, [sp])
+b = NftablesBackend(DataplaneSettings(cluster_cidrs=(net("10.244.0.0/16"),)))
+steps = json.loads(sys.argv[1])
+sp, first = state(steps[0])
+b.sync(first, None)  # a new backend: a full sync (in place over a table in the kernel)
+for backends in steps[1:]:
+    sp, later = state(backends)
+    b.sync(later, [sp.key])  # a partial sync
+print(json.dumps({{str(ep.ip): n.affinity_set(sp.key, 300, ep.ip, ep.port)
+                  for ep in sp.cluster_endpoints}}))
+"""
+
+
+def test_session_affinity_survives_a_restart_and_other_endpoints_changing(
+    topology: Topology,
+) -> None:
+    """A client stays with its endpoint when the agent restarts (a full sync over the table
+    in the kernel) and when other endpoints come and go (partial syncs), as with upstream's
+    per-endpoint affinity sets: the set of its endpoint keeps the client's address."""
+    n1, b1, b2, client = two_nodes_with_backends(topology)
+    b3 = topology.add_pod(topology.nodes["n2"], "b3")
+    topology.run_ready(
+        b3, topology.python_argv("kpx_cluster.echo_server", "--name", "b3", "--port", "8080")
+    )
+    pods = {pod.ipv4: pod.name for pod in (b1, b2, b3)}
+    program = STICKY.format(local_prefix=b1.ipv4, node_ip=n1.ipv4)
+
+    def sync(*steps: list[str]) -> dict[str, str]:
+        argv = [sys.executable, "-c", program, json.dumps(list(steps))]
+        done = topology.exec(n1, argv, check=True)
+        return dict(json.loads(done.stdout.splitlines()[-1]))
+
+    def holds_client(set_name: str) -> bool:
+        return client.ipv4 in nft(topology, "n1", "list", "set", "ip", "kpx", set_name)
+
+    sets = sync([b1.ipv4, b2.ipv4])
+    first = probe(topology, client, "10.96.0.20", 80, "tcp", count=10, timeout=1)
+    assert first.failed == 0 and len(first.backends) == 1, first
+    (chosen,) = first.backends
+    chosen_ip = next(a for a, name in pods.items() if name == chosen)
+    assert holds_client(sets[chosen_ip])
+    # A restart: the client's entry is still there before any packet, and it is obeyed.
+    sets = sync([b1.ipv4, b2.ipv4])
+    assert holds_client(sets[chosen_ip])
+    again = probe(topology, client, "10.96.0.20", 80, "tcp", count=10, timeout=1)
+    assert again.failed == 0 and again.backends == {chosen}, again
+    # Another endpoint added, then the one not chosen removed (partial syncs).
+    other = next(a for a in (b1.ipv4, b2.ipv4) if a != chosen_ip)
+    sets = sync([b1.ipv4, b2.ipv4], [b1.ipv4, b2.ipv4, b3.ipv4], [chosen_ip, b3.ipv4])
+    assert holds_client(sets[chosen_ip]) and other not in sets
+    later = probe(topology, client, "10.96.0.20", 80, "tcp", count=10, timeout=1)
+    assert later.failed == 0 and later.backends == {chosen}, later
 
 
 def test_streamed_transaction_is_all_or_nothing(topology: Topology) -> None:

@@ -10,6 +10,7 @@ import pytest
 from backend_samples import GOLDEN, SETTINGS, check_golden, key, sample_state
 
 from kpx_agent.backends.base import BackendError
+from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.fake import NftScripts
 from kpx_agent.backends.nftables.ruleset import endpoint_rule
@@ -187,15 +188,21 @@ def test_affinity_gets_a_chain_of_its_own_and_changes_touch_only_it() -> None:
     assert full.count("flags dynamic,timeout; timeout 60s;") == 2  # one set per endpoint
     assert "10.96.0.10 . tcp . 80 : goto aff-" in full
     assert "numgen random mod 2 == 0 update @aff-" in full
-    # Dropping an endpoint rewrites the chain and deletes that endpoint's set, nothing else.
+    # Dropping an endpoint rewrites the chain (renamed) and deletes that endpoint's set; the
+    # other endpoint's set, and the clients it holds, stay (upstream's per-endpoint sets).
     sticky = state.services[web.key]
+    kept, gone = (
+        n.affinity_set(web.key, 60, ep.ip, ep.port) for ep in sticky.cluster_endpoints[:2]
+    )
     state.services[web.key] = dataclasses.replace(
         sticky, cluster_endpoints=sticky.cluster_endpoints[:1]
     )
     backend.sync(state, [web.key])
     partial = scripts[-1]
     assert "add table" not in partial
-    assert partial.count("delete set ip kpx aff-") == 2  # old chain's sets (chain renamed)
+    assert partial.count("delete set ip kpx aff-") == 1
+    assert f"delete set ip kpx {gone}\n" in partial
+    assert "add set" not in partial and f"ip saddr @{kept} " in partial
     assert "delete chain ip kpx aff-" in partial
     assert partial.index("add chain ip kpx aff-") < partial.index("add element ip kpx service-ips")
     assert partial.index("delete element ip kpx service-ips") < partial.index("delete chain")

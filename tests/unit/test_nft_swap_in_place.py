@@ -73,6 +73,30 @@ def test_what_the_new_state_lacks_is_deleted() -> None:
     assert not any(name.startswith("aff-") for name in fake.tables[4].chains)
 
 
+def test_a_restart_keeps_the_clients_session_affinity() -> None:
+    """The affinity sets are not emptied by a swap in place: the clients the data path
+    recorded stay with their endpoints across a restart, as upstream's do; a sticky Service
+    that is gone takes its sets along."""
+    fake, state = FakeNftables(), sample_state()
+    NftablesBackend(SETTINGS, fake).sync(state, None)
+    table = fake.tables[4]
+    affinity = sorted(name for name in table.sets if n.is_affinity_set(name))
+    assert affinity and all(table.sets[name].decl.dynamic_timeout for name in affinity)
+    client = ("10.244.9.9",)
+    for name in affinity:  # what the data path's `update @set { ip saddr }` records
+        table.sets[name].elements[client] = None
+    restarted = NftablesBackend(SETTINGS, fake)
+    restarted.sync(state, None)
+    (redefine,) = [op for op in ops(restarted, RedefineTable) if op.table.family == 4]
+    assert isinstance(redefine, RedefineTable) and redefine.kept_sets == frozenset(affinity)
+    assert all(f"flush set ip kpx {name}\n" not in restarted.last_script for name in affinity)
+    kept = fake.tables[4].sets  # (the fake applies a transaction to a copy of the table)
+    assert all(kept[name].elements == {client: None} for name in affinity)
+    # without the sticky Service, its sets are deleted at the end of the swap
+    NftablesBackend(SETTINGS, fake).sync(without(state, "sticky"), None)
+    assert not any(n.is_affinity_set(name) for name in fake.tables[4].sets)
+
+
 def test_an_endpoint_chain_changed_behind_our_back_is_made_again() -> None:
     fake, state = FakeNftables(), sample_state()
     backend = NftablesBackend(SETTINGS, fake)

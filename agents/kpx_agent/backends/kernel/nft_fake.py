@@ -157,12 +157,13 @@ def define(definition: TableDef) -> FakeTable:
 
 
 def redefine(table: FakeTable, op: RedefineTable) -> None:
-    """`RedefineTable` as the kernel applies it: the listed sets and maps emptied, the listed
-    chains flushed but the kept ones, the dropped sets and chains deleted, the definition
-    added over what is left (a set kept with another declaration, or a chain with another
-    hook, is the kernel's EEXIST)."""
+    """`RedefineTable` as the kernel applies it: the listed sets and maps emptied but the kept
+    sets, the listed chains flushed but the kept ones, the dropped sets and chains deleted,
+    the definition added over what is left (a set kept with another declaration, or a chain
+    with another hook, is the kernel's EEXIST)."""
     for set_name in (*op.contents.maps, *op.contents.sets):
-        set_of(table, set_name).elements.clear()
+        if set_name not in op.kept_sets:
+            set_of(table, set_name).elements.clear()
     for chain_name in op.contents.chains:
         if chain_name not in op.kept:
             chain_of(table, chain_name).rules.clear()

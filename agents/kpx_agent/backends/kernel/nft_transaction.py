@@ -78,6 +78,9 @@ class RedefineTable:
     kept: frozenset[str] = frozenset()
     dropped_chains: tuple[str, ...] = ()
     dropped_sets: tuple[str, ...] = ()
+    #: sets not emptied: the data path fills them (session affinity), and the new contents
+    #: declare them again as they are (or the rest of the transaction deletes them)
+    kept_sets: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,10 +227,12 @@ class Transaction:
                 return f"add table {prefix}\ndelete table {prefix}\n" + table_text(
                     table, self.table
                 )
-            case RedefineTable(table, contents, kept, dropped_chains, dropped_sets):
+            case RedefineTable(table, contents, kept, dropped_chains, dropped_sets, kept_sets):
                 lines = [f"add table {prefix}"]
                 lines += [f"flush map {prefix} {name}" for name in contents.maps]
-                lines += [f"flush set {prefix} {name}" for name in contents.sets]
+                lines += [
+                    f"flush set {prefix} {name}" for name in contents.sets if name not in kept_sets
+                ]
                 lines += [f"flush chain {prefix} {c}" for c in contents.chains if c not in kept]
                 lines += [f"delete set {prefix} {name}" for name in dropped_sets]
                 lines += [f"delete chain {prefix} {name}" for name in dropped_chains]

@@ -490,18 +490,22 @@ class NftablesBackend(Backend):
         new: dict[str, ChainDef],
     ) -> None:
         """Create or rewrite chains before the elements that jump to them change; delete
-        chains (and sets) no longer used after."""
+        chains no longer used after, then the sets none of the port's chains uses any more.
+        A port's chains share their sets (an endpoint's affinity set), and a set the port
+        still uses is kept with its elements when a chain using it is renamed."""
+        have = {decl.name for chain in old.values() for decl in chain.sets}
         for name, chain in new.items():
             if old.get(name) != chain:
-                have = {s.name for s in old[name].sets} if name in old else set()
-                pre.add_port_chain(name, [x for x in chain.sets if x.name not in have], chain.rules)
-        for name, chain in old.items():
-            keep = {s.name for s in new[name].sets} if name in new else set()
+                fresh = [decl for decl in chain.sets if decl.name not in have]
+                have.update(decl.name for decl in fresh)
+                pre.add_port_chain(name, fresh, chain.rules)
+        for name in old:
             if name not in new:
                 post.delete_chain(name)
-            for decl in chain.sets:
-                if decl.name not in keep:
-                    post.delete_set(decl.name)
+        used = {decl.name for chain in new.values() for decl in chain.sets}
+        for name in dict.fromkeys(decl.name for chain in old.values() for decl in chain.sets):
+            if name not in used:
+                post.delete_set(name)
 
     @staticmethod
     def _render(

@@ -9,7 +9,8 @@ comment is a digest of the rule and of its map's declaration), with its map, is 
 is (nft 1.0.6 cannot add a rule naming a `typeof` map already in the kernel, and a map
 created anew can miss lookups around the commit); one holding anything else (changed behind
 the agent's back, or written by another version) is deleted with its map, and made again by
-the transaction if the new contents have it.
+the transaction if the new contents have it. The session affinity sets are not emptied:
+they hold which endpoint each client was sent to, and keep it across the swap.
 """
 
 from __future__ import annotations
@@ -51,8 +52,16 @@ def in_place(
         # an endpoint map without its chain: made again (if at all) with a new chain
         if n.endpoint_count_of(name) is not None and name not in contents.chains:
             dropped_sets.append(name)
+    # The affinity sets: their elements are the clients' affinity, which a restart keeps (as
+    # upstream's does); the transaction deletes those the new contents do not declare.
+    kept_sets = frozenset(name for name in contents.sets if n.is_affinity_set(name))
     return RedefineTable(
-        table, contents, frozenset(kept), tuple(dropped_chains), tuple(dropped_sets)
+        table,
+        contents,
+        frozenset(kept),
+        tuple(dropped_chains),
+        tuple(dropped_sets),
+        kept_sets,
     )
 
 

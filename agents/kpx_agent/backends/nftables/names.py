@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 from collections.abc import Iterable
 
 from ..kernel.names import NFT_ADDR_TYPE as ADDR_TYPE
@@ -111,6 +112,18 @@ def affinity_chain(
     return f"aff-{_short_hash(port_key, timeout, spelled)}"
 
 
-def affinity_set(chain: str, ip: str, port: int) -> str:
-    """The set of recent clients of one endpoint of an affinity chain."""
-    return f"{chain}-{_short_hash(ip, port)}"
+def affinity_set(port_key: object, timeout: int, ip: str, port: int) -> str:
+    """The set of recent clients of one endpoint of one service port with session affinity:
+    `aff-<hash of the port and its timeout>-<hash of the endpoint>`. As upstream's per-endpoint
+    affinity sets: the same for every chain of the port (all endpoints, node-local ones) and
+    whatever its other endpoints do, so a client stays with its endpoint while others come and
+    go; a full sync keeps these sets' elements (`in_place`)."""
+    return f"aff-{_short_hash(port_key, timeout)}-{_short_hash(ip, port)}"
+
+
+_AFFINITY_SET = re.compile(r"aff-[a-z2-7]{12}-[a-z2-7]{12}")
+
+
+def is_affinity_set(name: str) -> bool:
+    """Whether `name` has the form of an affinity set (`affinity_set`)."""
+    return _AFFINITY_SET.fullmatch(name) is not None

@@ -72,7 +72,8 @@ def _affinity_chain(
 
     A client found in an endpoint's set goes back to it; otherwise one endpoint is picked at
     random (a cascade of `numgen random mod k`), and the client is recorded in its set.
-    Sets are named after the endpoint, so a removed endpoint takes its clients' affinity along.
+    Sets are named after the port and the endpoint (`names.affinity_set`): a removed endpoint
+    takes its clients' affinity along, the others keep theirs.
     """
     name = n.affinity_chain(
         sp.key, sp.affinity_timeout, [(ep.ip, ep.port, ep.local) for ep in endpoints]
@@ -83,7 +84,9 @@ def _affinity_chain(
     sticky: list[Rule] = []
     pick: list[Rule] = []
     for i, ep in enumerate(endpoints):
-        decl = affinity_set(n.affinity_set(name, ep.ip, ep.port), sp.affinity_timeout)
+        decl = affinity_set(
+            n.affinity_set(sp.key, sp.affinity_timeout, ep.ip, ep.port), sp.affinity_timeout
+        )
         sets.append(decl)
         dnat = r.Dnat(family, ep.ip, ep.port)
         sticky.append(rule(r.Lookup((saddr,), decl), is_proto, dnat))
