@@ -1,8 +1,9 @@
 """A full sync over a table already in the kernel (an agent's restart, a drift repair, a
 takeover) swaps it in place without dropping a packet: new flows to a NodePort (looked up in
 `nodeport-addresses`, then the endpoint maps) and packets to a load balancer with source
-ranges (`firewall-allow`) keep being served while 60 swaps run, in nftables mode and in ipvs
-mode's helper table; and a swap in place leaves exactly the new rules. A real kernel, in netns
+ranges (`firewall-allow`) keep being served while 60 swaps run, in nftables mode, in ipvs
+mode's helper table and in iptables mode (its restores); and a swap in place leaves exactly the
+new rules. A real kernel, in netns
 the test makes (the nodes have no default route: nothing leaves them)."""
 
 from __future__ import annotations
@@ -73,8 +74,10 @@ from kpx_agent.model.types import *
 from kpx_agent.model.types import IP
 from kpx_agent.model.service_ports import local_state
 from kpx_agent.backends.nftables.backend import NftablesBackend
+from kpx_agent.backends.iptables.backend import IptablesBackend
 ip = IP.of
 swaps = int(sys.argv[1])
+Backend = {{"nftables": NftablesBackend, "iptables": IptablesBackend}}[sys.argv[2]]
 ports = [
     ServicePort(ServicePortKey("d", "np", "", Protocol.UDP, 4), 53, cluster_ips=(ip("10.96.0.40"),),
                 node_port={node_port},
@@ -88,14 +91,14 @@ ports = [
 ]
 settings = DataplaneSettings(cluster_cidrs=(net("10.244.0.0/16"),))
 state = local_state(NodeInfo("n1", (ip("{node}"),)), settings, ports)
-backend = NftablesBackend(settings)
+backend = Backend(settings)
 backend.sync(state, None)
 for _ in range(swaps):
     # a new agent each time, as after a restart: its first sync is a full one
-    backend = NftablesBackend(settings)
+    backend = Backend(settings)
     backend.sync(state, None)
-script = backend.last_script
-if swaps:
+if swaps and Backend is NftablesBackend:
+    script = backend.last_script
     assert "delete table" not in script, script[:2000]
     assert "flush set ip kpx nodeport-addresses" in script, script[:2000]
 """
@@ -117,19 +120,24 @@ def counters(topology: Topology, node: Node) -> list[int]:
     return [int(line.split("packets ")[1].split()[0]) for line in lines]
 
 
-def test_full_syncs_over_the_table_drop_no_packet(topology: Topology) -> None:
+@pytest.mark.parametrize("mode", ["nftables", "iptables"])
+def test_full_syncs_over_the_table_drop_no_packet(topology: Topology, mode: str) -> None:
+    """nftables: the swap in place. iptables: `iptables-restore` of the whole script over
+    the chains in the kernel (declared chains flushed and written again, in one
+    iptables-nft transaction), which keeps every chain: no packet lost either."""
     n1, backend, client = setup(topology)
     values = {"client": client.ipv4, "backend": backend.ipv4, "lb": LB_IP, "node": n1.ipv4}
     values["node_port"] = str(NODE_PORT)
     swapper = SWAPPER.format(**values)
     # The rules in place, then the probe's counters (before kpx's first packet).
-    topology.exec(n1, [sys.executable, "-c", swapper, "0"], check=True, timeout=60)
+    topology.exec(n1, [sys.executable, "-c", swapper, "0", mode], check=True, timeout=60)
     topology.exec(n1, ["nft", "-f", "-"], input=PROBE.format(**values), check=True)
     flood = topology.run_ready(
         client, [sys.executable, "-c", FLOOD.format(**values), n1.ipv4, LB_IP]
     )
     try:
-        topology.exec(n1, [sys.executable, "-c", swapper, str(SWAPS)], check=True, timeout=300)
+        argv = [sys.executable, "-c", swapper, str(SWAPS), mode]
+        topology.exec(n1, argv, check=True, timeout=300)
     finally:
         flood.kill()
         flood.wait()
