@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from kpx_cluster.conformance import results, specs
 
 LISTED = [
@@ -104,7 +108,27 @@ def test_table_and_regressions_against_the_baseline() -> None:
 
 
 def test_only_narrows_a_suite_to_a_few_specs_and_keeps_its_skips() -> None:
-    narrow = specs.narrowed(specs.SUITES["proxy"], r"kube-proxy urls|restarting kube-proxy")
+    narrow = specs.narrowed(specs.SUITES["proxy"], r"kube-proxy urls|restarting kube-proxy", LISTED)
     run, skipped = specs.selected(narrow, LISTED)
     assert run == [LISTED[7]]
     assert skipped["disruptive"] == [LISTED[3]]
+
+
+def test_only_stays_within_the_suite() -> None:
+    """`--only` narrows the suite; it does not widen it: a spec outside the suite's focus
+    (sig-storage's) is not run though it matches, and a match of nothing is refused (an
+    empty focus would run every spec)."""
+    narrow = specs.narrowed(specs.SUITES["proxy"], r"\[Conformance\]", LISTED)
+    run, _ = specs.selected(narrow, LISTED)
+    assert run == [LISTED[0], LISTED[1], LISTED[8]]  # not sig-storage's
+    with pytest.raises(ValueError, match="no spec"):
+        specs.narrowed(specs.SUITES["proxy"], r"Volumes should store", LISTED)
+
+
+@pytest.mark.parametrize("spec", LISTED)
+def test_a_literal_spec_text_matches_itself_and_reads_as_re2(spec: str) -> None:
+    """The narrowed focus quotes each spec: only metacharacters get a backslash (RE2, which
+    ginkgo uses, refuses one before a space or a letter)."""
+    quoted = specs.literal(spec)
+    assert re.fullmatch(quoted, spec)
+    assert not re.search(r"\\[^\\.+*?()|\[\]{}^$]", quoted), quoted

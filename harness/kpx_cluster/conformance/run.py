@@ -251,10 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         parser.error("real nodes need root (namespaces, cgroups, mounts)")
     suite = specs.SUITES[args.suite]
+    listed = list_specs()
     if args.only:
-        suite = specs.narrowed(suite, args.only)
+        try:
+            suite = specs.narrowed(suite, args.only, listed)
+        except (ValueError, re.error) as exc:
+            parser.error(f"--only: {exc}")
     out = args.out or cache_dir() / "conformance" / time.strftime("%Y%m%dT%H%M%S")
-    selected, skipped = specs.selected(suite, list_specs())
+    selected, skipped = specs.selected(suite, listed)
     if args.report_only:
         if args.out is None:
             parser.error("--report-only needs --out (the reports' directory)")

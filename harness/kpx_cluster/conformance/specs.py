@@ -122,12 +122,27 @@ SUITES: Final = {
 }
 
 
-def narrowed(suite: Suite, only: str) -> Suite:
-    """The specs matching `only` (a regex ginkgo's RE2 reads too), with `suite`'s skips: a
-    re-run of a few of the suite's specs."""
+_METACHARACTERS = re.compile(r"([\\.+*?()|\[\]{}^$])")
+
+
+def literal(text: str) -> str:
+    """`text` as a regex both Python's `re` and ginkgo's RE2 read as the text itself (each
+    metacharacter after a backslash; RE2 refuses a backslash before a space or a letter)."""
+    return _METACHARACTERS.sub(r"\\\1", text)
+
+
+def narrowed(suite: Suite, only: str, listed: list[str]) -> Suite:
+    """Of `suite`'s specs among `listed` (full texts), those matching `only` too, with the
+    suite's skips: a re-run of a few of the suite's specs. The focus names them one by one,
+    since ginkgo ORs its focus flags. ValueError when none matches (an empty focus would run
+    every spec)."""
+    focus, wanted = re.compile(suite.focus), re.compile(only)
+    chosen = [spec for spec in listed if focus.search(spec) and wanted.search(spec)]
+    if not chosen:
+        raise ValueError(f"no spec of the suite {suite.name!r} matches {only!r}")
     return Suite(
         suite.name,
-        only,
+        _alternation([literal(spec) for spec in chosen]),
         suite.skip,
         suite.skip_groups,
         f"{suite.about}; only those matching {only!r}",
