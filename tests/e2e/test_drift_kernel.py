@@ -101,6 +101,17 @@ def run(topology: Topology, mode: str, steps: list[tuple[str, list[str]]]) -> di
     return json.loads(out.strip().splitlines()[-1])
 
 
+# A client recorded in an affinity set, as the data path's `update @aff-...` records it (with
+# its own expiry), in a commit: the generation moves, and the set's elements differ from the
+# agent's last commit.
+RECORD_CLIENT = """
+import re, subprocess
+listed = subprocess.run(["nft", "list", "sets", "ip"], capture_output=True, text=True, check=True)
+name = re.search(r"set (aff-[a-z2-7]{12}-[a-z2-7]{12}) ", listed.stdout).group(1)
+subprocess.run(["nft", f"add element ip kpx {name} {{ 10.1.2.3 timeout 300s }}"], check=True)
+"""
+
+
 def test_nftables_drift_is_found_and_repaired(topology: Topology) -> None:
     result = run(
         topology,
@@ -113,8 +124,13 @@ def test_nftables_drift_is_found_and_repaired(topology: Topology) -> None:
             ),
             ("chain flushed", ["nft", "flush chain ip6 kpx services"]),
             ("rule added", ["nft", "insert rule ip kpx services accept"]),
+            # last: the recorded client stays in the table, which other steps compare
+            ("affinity recorded", [sys.executable, "-c", RECORD_CLIENT]),
         ],
     )
+    # The session affinity sets are the data path's to fill: not drift (no full sync, which
+    # would also cost every client its affinity if it emptied them).
+    assert result["affinity recorded"]["reasons"] == [], result
     assert result["after the first sync"]["reasons"] == []
     assert result["after a partial sync"]["reasons"] == []
     assert result["another table"] == {"reasons": [], "restored": True}

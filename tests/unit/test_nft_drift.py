@@ -8,9 +8,12 @@ import dataclasses
 
 from backend_samples import SETTINGS, key, sample_state
 
+from kpx_agent.backends.kernel.netlink import Message, attr
+from kpx_agent.backends.kernel.nft_listing import NFT_MSG_NEWSET, message_type
 from kpx_agent.backends.nftables import names as n
 from kpx_agent.backends.nftables.backend import NftablesBackend
 from kpx_agent.backends.nftables.fake import FakeNftables, FakeTable
+from kpx_agent.backends.nftables.netlink_query import NFTA_SET_COUNT, TableDigest
 from kpx_agent.model.types import IP, NodeLocalState, Protocol
 
 VIP = (IP.of("10.96.0.10"), Protocol.TCP, 80)
@@ -177,3 +180,38 @@ def test_a_change_behind_our_back_during_the_read_is_found_by_the_next_check() -
     fake.edit(delete_vip)  # and the damage lands after that dump
     assert backend.drifted(reading) == ""  # the reading is of another generation
     assert "ip table changed behind our back" in backend.drifted()
+
+
+def _set_message(name: str, flags: int, count: int | None) -> Message:
+    body = b"\x02\x00\x00\x00"  # nfgenmsg: AF_INET, version, resource id
+    body += attr(1, b"kpx\0") + attr(2, name.encode() + b"\0")
+    body += attr(3, flags.to_bytes(4, "big"))
+    if count is not None:
+        body += attr(NFTA_SET_COUNT, count.to_bytes(4, "big"))
+    return Message(message_type(NFT_MSG_NEWSET), 0, 0, body, 0)
+
+
+def _digest(*messages: Message) -> bytes:
+    digest = TableDigest()
+    for message in messages:
+        digest.add(message)
+    return digest.digest()
+
+
+def test_the_digest_leaves_out_a_sets_element_count_not_its_definition() -> None:
+    """Kernels from 6.16 on put a set's element count in its definition: a client recorded in
+    an affinity set changes it, and that is no drift; a set's flags changed are."""
+    recorded = _digest(_set_message("aff-x", 0x14, 1))
+    assert _digest(_set_message("aff-x", 0x14, 0)) == recorded
+    assert _digest(_set_message("aff-x", 0x14, None)) == recorded  # older kernels
+    assert _digest(_set_message("aff-x", 0x04, 1)) != recorded
+    assert _digest(_set_message("aff-y", 0x14, 1)) != recorded
+
+
+def test_only_the_affinity_sets_are_the_data_paths() -> None:
+    affinity = n.affinity_set(key("sticky"), 10800, IP.of("10.244.1.2"), 8080)
+    assert n.is_affinity_set(affinity)
+    assert not any(
+        n.is_affinity_set(name)
+        for name in (n.SERVICE_IPS, "endpoints-2", "aff-abc", f"{affinity}-x", f"x{affinity}")
+    )

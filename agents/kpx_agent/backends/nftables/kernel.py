@@ -27,7 +27,6 @@ from .netlink_batch import (
     parse_acks,
 )
 from .netlink_query import TableDigest, elements_request
-from .schema import declaration
 
 NFT = "nft"
 
@@ -251,8 +250,7 @@ def table_digest(family: int) -> bytes:
             for message in ask(sock, nft_listing.rules_request(proto, n.TABLE)):
                 digest.add(message)
             for name in sorted(nft_listing.set_names(sets)):
-                decl = declaration(name)
-                if decl is not None and decl.dynamic_timeout:
+                if n.is_affinity_set(name):
                     continue  # the data path adds and expires these elements
                 digest.add_section(name)
                 for message in ask(sock, elements_request(proto, n.TABLE, name)):
