@@ -1,5 +1,6 @@
 """The rendered nftables transactions load into a real kernel (in a fresh netns) and mean what
-the renderer says: real packets follow the maps, deltas apply, and swaps are idempotent."""
+the renderer says: real packets follow the maps, deltas apply, and swaps are idempotent. Session
+affinity across restarts and endpoint changes is checked here for both nftables and iptables."""
 
 from __future__ import annotations
 
@@ -133,32 +134,41 @@ from kpx_agent.model.types import IP
 ip = IP.of
 from kpx_agent.model.types import *
 from kpx_agent.model.service_ports import local_state
-from kpx_agent.backends.nftables import names as n
-from kpx_agent.backends.nftables.backend import NftablesBackend
+if sys.argv[2] == "nftables":
+    from kpx_agent.backends.nftables import names as n
+    from kpx_agent.backends.nftables.backend import NftablesBackend as Backend
+    def remembered(sp, ep):  # the set of the endpoint's clients
+        return n.affinity_set(sp.key, 300, ep.ip, ep.port)
+else:
+    from kpx_agent.backends.iptables import names as n
+    from kpx_agent.backends.iptables.backend import IptablesBackend as Backend
+    def remembered(sp, ep):  # the `recent` list of the endpoint's clients
+        return n.affinity_list(sp.key, ep)
 def state(backends):
     eps = tuple(Endpoint(ip(a), 8080, a.startswith("{local_prefix}")) for a in backends)
     sp = ServicePort(ServicePortKey("d", "sticky", "", Protocol.TCP, 4), 80,
                      cluster_ips=(ip("10.96.0.20"),), cluster_endpoints=eps,
                      external_endpoints=eps, affinity_timeout=300)
     return sp, local_state(NodeInfo("n1", (ip("{node_ip}"),)), b.settings, [sp])
-b = NftablesBackend(DataplaneSettings(cluster_cidrs=(net("10.244.0.0/16"),)))
+b = Backend(DataplaneSettings(cluster_cidrs=(net("10.244.0.0/16"),)))
 steps = json.loads(sys.argv[1])
 sp, first = state(steps[0])
 b.sync(first, None)  # a new backend: a full sync (in place over a table in the kernel)
 for backends in steps[1:]:
     sp, later = state(backends)
     b.sync(later, [sp.key])  # a partial sync
-print(json.dumps({{str(ep.ip): n.affinity_set(sp.key, 300, ep.ip, ep.port)
-                  for ep in sp.cluster_endpoints}}))
+print(json.dumps({{str(ep.ip): remembered(sp, ep) for ep in sp.cluster_endpoints}}))
 """
 
 
+@pytest.mark.parametrize("mode", ["nftables", "iptables"])
 def test_session_affinity_survives_a_restart_and_other_endpoints_changing(
-    topology: Topology,
+    topology: Topology, mode: str
 ) -> None:
-    """A client stays with its endpoint when the agent restarts (a full sync over the table
+    """A client stays with its endpoint when the agent restarts (a full sync over the rules
     in the kernel) and when other endpoints come and go (partial syncs), as with upstream's
-    per-endpoint affinity sets: the set of its endpoint keeps the client's address."""
+    per-endpoint affinity sets and `recent` lists: the set (nftables) or `recent` list
+    (iptables) of its endpoint keeps the client's address."""
     n1, b1, b2, client = two_nodes_with_backends(topology)
     b3 = topology.add_pod(topology.nodes["n2"], "b3")
     topology.run_ready(
@@ -168,12 +178,15 @@ def test_session_affinity_survives_a_restart_and_other_endpoints_changing(
     program = STICKY.format(local_prefix=b1.ipv4, node_ip=n1.ipv4)
 
     def sync(*steps: list[str]) -> dict[str, str]:
-        argv = [sys.executable, "-c", program, json.dumps(list(steps))]
+        argv = [sys.executable, "-c", program, json.dumps(list(steps)), mode]
         done = topology.exec(n1, argv, check=True)
         return dict(json.loads(done.stdout.splitlines()[-1]))
 
-    def holds_client(set_name: str) -> bool:
-        return client.ipv4 in nft(topology, "n1", "list", "set", "ip", "kpx", set_name)
+    def holds_client(name: str) -> bool:
+        if mode == "nftables":
+            return client.ipv4 in nft(topology, "n1", "list", "set", "ip", "kpx", name)
+        listed = topology.exec(n1, ["cat", f"/proc/net/xt_recent/{name}"], check=True)
+        return f"src={client.ipv4} " in listed.stdout
 
     sets = sync([b1.ipv4, b2.ipv4])
     first = probe(topology, client, "10.96.0.20", 80, "tcp", count=10, timeout=1)
