@@ -199,7 +199,7 @@ def _digest(*messages: Message) -> bytes:
 
 
 def test_the_digest_leaves_out_a_sets_element_count_not_its_definition() -> None:
-    """Kernels from 6.16 on put a set's element count in its definition: a client recorded in
+    """Recent kernels (6.18 here) put a set's element count in its definition: a client recorded in
     an affinity set changes it, and that is no drift; a set's flags changed are."""
     recorded = _digest(_set_message("aff-x", 0x14, 1))
     assert _digest(_set_message("aff-x", 0x14, 0)) == recorded

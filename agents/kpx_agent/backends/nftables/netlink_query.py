@@ -25,7 +25,7 @@ NFT_MSG_GETSETELEM = 13
 NFTA_SET_ELEM_LIST_TABLE = 1
 NFTA_SET_ELEM_LIST_SET = 2
 NFTA_SET_ELEM_LIST_ELEMENTS = 3
-#: a set's element count in its definition (kernels from 6.16 on): left out of the digest, as
+#: a set's element count in its definition (recent kernels; 6.18 here): left out of the digest, as
 #: the data path moves it in the affinity sets (the elements themselves are hashed apart)
 NFTA_SET_COUNT = 20
 
