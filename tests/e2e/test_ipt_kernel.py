@@ -49,6 +49,19 @@ class Recording(NodeKernel):
         self.scripts.append((family, script))
         super().restore(family, script)
 
+    def restore_pieces(self, family, pieces):
+        text = []
+
+        def reading():
+            for piece in pieces:
+                text.append(piece)
+                yield piece
+
+        try:
+            super().restore_pieces(family, reading())
+        finally:
+            self.scripts.append((family, "".join(text)))
+
 
 step, b1, b2, b1v6, b2v6, n1, n1v6, client = sys.argv[1:9]
 eps = (Endpoint(ip(b1), 8080, True), Endpoint(ip(b2), 8080))
@@ -227,8 +240,13 @@ state = local_state(NodeInfo("n1", (ip("192.0.2.1"),)), settings, ports)
 for start in ("start", "restart"):
     tools = NodeKernel()
     scripts = []
-    restore = tools.restore
-    tools.restore = lambda family, text: (scripts.append((family, text)), restore(family, text))
+
+    def recorded(family, pieces, restore_pieces=tools.restore_pieces):
+        pieces = list(pieces)  # (a full sync's script is read whole here: it is recorded)
+        scripts.append((family, "".join(pieces)))
+        restore_pieces(family, pieces)
+
+    tools.restore_pieces = recorded
     backend = IptablesBackend(settings, tools)
     backend.sync(state, None)
     nat = next(s for f, s in scripts if f == 4 and s.startswith("*nat"))
@@ -328,3 +346,57 @@ def test_a_partial_sync_edits_the_hairpin_chain_rule_by_rule_and_a_missing_rule_
     assert hairpin == sorted(
         f"-A KPX-HAIRPIN -s {a}/32 -d {a}/32 -j KPX-MARK-MASQ" for a in want
     ), hairpin
+
+
+# Runs inside a node's netns: kernel.restore_pieces, the full sync's streamed restore, when
+# making a piece fails half-way and when the tool refuses a line while more is still to come.
+PIECES = """
+import subprocess
+from kpx_agent.backends.base import BackendError
+from kpx_agent.backends.iptables.kernel import restore_pieces
+
+made = [0]
+
+def ours():
+    save = subprocess.run(["iptables-save", "-t", "nat"], capture_output=True, text=True)
+    return sum("KPX-TEST" in line for line in save.stdout.splitlines())
+
+def pieces(bad_line=None, fail_at=None):
+    yield "*nat\\n:KPX-TEST - [0:0]\\n"
+    if bad_line:
+        yield bad_line + "\\n"
+    for i in range(20000):  # about 1.3 MB: the tool reads the start long before the end
+        if i == fail_at:
+            raise RuntimeError("a bug while rendering")
+        made[0] += 1
+        yield f"-A KPX-TEST -d 10.96.{i // 250}.{i % 250 + 1}/32 -j RETURN\\n"
+    yield "COMMIT\\n"
+
+try:
+    restore_pieces(4, pieces(fail_at=15000))
+except RuntimeError as exc:
+    print("raised", exc.args[0].split()[-1], ours())
+made[0] = 0
+try:
+    restore_pieces(4, pieces(bad_line="-A KPX-TEST --no-such-option"))
+except BackendError as exc:
+    print("refused", "--no-such-option" in str(exc), made[0] < 20000, ours())
+made[0] = 0
+restore_pieces(4, pieces())
+print("loaded", made[0])
+"""
+
+
+def test_a_streamed_restore_commits_only_a_whole_script(topology: Topology) -> None:
+    """The full sync's restore is fed while it is made (`kernel.restore_pieces`): a piece
+    that fails to be made kills the tool before it reads a COMMIT, so the table is left as
+    it was; a line the tool refuses stops the feeding, with the tool's error; a whole
+    script loads."""
+    node = topology.add_node("n1")
+    out = tool(topology, node, [sys.executable, "-c", PIECES])
+    lines = out.splitlines()
+    assert lines[0] == "raised rendering 0", out
+    assert lines[1] == "refused True True 0", out
+    assert lines[2] == "loaded 20000", out
+    rules = [line for line in saved(topology, node, 4).splitlines() if "KPX-TEST" in line]
+    assert len(rules) == 1 + 20000, rules[:3]  # the last, whole script only

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterable
 from ipaddress import ip_network
 from pathlib import Path
 
@@ -338,11 +339,31 @@ def test_full_sync_takes_over_existing_rules_without_duplicates() -> None:
     assert "-I POSTROUTING 1 -m comment --comment kpx -j KPX-POSTROUTING\n" in script
     assert script.rstrip().endswith("-X KPX-SVC-STALESTALESTALE\nCOMMIT")
     assert "FOREIGN" not in script and "older" not in script
-    # Lines run in order: flush (declare), jump edits, rules, then deletions.
+    # Lines run in order: the jump edits and the chains they name first, every chain
+    # declared (flushed) before a line names it, deletions last.
     lines = script.splitlines()
     first_rule = next(i for i, line in enumerate(lines) if line.startswith("-A "))
-    assert max(i for i, line in enumerate(lines) if line.startswith(":")) < first_rule
     assert max(i for i, line in enumerate(lines) if line.startswith(("-D", "-I"))) < first_rule
+    assert_declared_before_use(script)
+    first_delete = next(i for i, line in enumerate(lines) if line.startswith("-X "))
+    assert all(line.startswith("-X ") for line in lines[first_delete:-1])
+
+
+def assert_declared_before_use(text: str) -> None:
+    """Each of our chains is declared (created or flushed) before any line names it, as
+    its rules' chain or their jump's target: legacy iptables-restore resolves a target as it
+    reads the line, and the streamed full sync declares each port's chains with its rules."""
+    declared: set[str] = set()
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("*"):
+            declared = set()
+        elif line.startswith(":"):
+            declared.add(line[1:].split()[0])
+        elif line.startswith(("-A ", "-I ")):
+            words = line.split()
+            named = [words[1], *(words[i + 1] for i, w in enumerate(words[:-1]) if w == "-j")]
+            for chain in named:
+                assert not n.is_ours(chain) or chain in declared, (number, line)
 
 
 def test_cleanup_removes_exactly_ours() -> None:
@@ -547,8 +568,7 @@ def test_the_listing_comes_after_the_jump_edits_and_only_the_chains_they_name() 
     assert not [line for line in after if line.startswith(("-I ", "-D "))]
     declared_after = {line[1:].split()[0] for line in after if line.startswith(":")}
     assert sum(c.startswith(n.SVC_PREFIX) for c in declared_after) == 200
-    first_rule = next(i for i, line in enumerate(after) if line.startswith("-A "))
-    assert all(not line.startswith(":") for line in after[first_rule:])
+    assert_declared_before_use("\n".join(nat))
     # Small scripts (the filter table's, a partial sync's) and legacy iptables do not list.
     assert all(script.LIST_FIRST not in s.splitlines() for f, s in kernel.scripts[1:])
     state = many_ports(200)
@@ -607,3 +627,94 @@ def test_the_rules_a_sync_wrote_are_counted_per_family_and_table() -> None:
     partial = rules(kernel.scripts[done:])
     assert partial and backend.last_written == partial
     assert backend.rule_counts()[(4, "filter")][1] == partial.get((4, "filter"), 0)
+
+
+class Reading(FakeIptables):
+    """A fake whose restore reads the pieces one by one, noting how many service ports had
+    been rendered when each piece arrived."""
+
+    def __init__(self, rendered: list[int]) -> None:
+        super().__init__()
+        self.rendered = rendered
+        self.seen: list[tuple[int, int, str]] = []  # (family, ports rendered, piece)
+
+    def restore_pieces(self, family: int, pieces: Iterable[str]) -> None:
+        text = []
+        for piece in pieces:
+            self.seen.append((family, self.rendered[0], piece))
+            text.append(piece)
+        self.restore(family, "".join(text))
+
+
+def test_a_full_sync_renders_the_ports_while_the_tool_reads_the_nat_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The nat table's script goes to the tool in pieces as the ports are rendered, so
+    iptables-restore parses it while the agent renders the rest (docs/benchmarks.md); the
+    tables it leaves are those of the record's chains written whole (`table_script`)."""
+    from kpx_agent.backends.iptables import backend as backend_module
+
+    rendered = [0]
+
+    def counting(*args: object) -> object:
+        rendered[0] += 1
+        return port_rules(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backend_module, "port_rules", counting)
+    fake = Reading(rendered)
+    backend = IptablesBackend(SETTINGS, fake, ensure_sysctl=lambda _path, _value: None)
+    backend.sync(many_ports(50), None)
+    nat = [(ports, piece) for fam, ports, piece in fake.seen if fam == 4][:-1]  # (filter)
+    assert nat[0][0] == 0 and nat[0][1].startswith("*nat\n")  # before any port
+    assert [ports for ports, _ in nat[1:-1]] == list(range(1, 51))  # each port as rendered
+    assert all(piece.startswith(f":{n.SVC_PREFIX}") for _, piece in nat[1:-1])
+    assert nat[-1][0] == 50 and nat[-1][1].endswith("COMMIT\n")
+    whole = FakeIptables()
+    for fam in (4, 6):
+        chains = backend._books[fam].table_chains  # type: ignore[index]
+        for table in n.TABLES:
+            edits = script.jump_edits(table, script.SavedTable(), backend._jumps[fam])
+            whole.restore(fam, script.table_script(table, dict(chains(table)), edits))
+    assert fake.dump() == whole.dump()
+
+
+def test_a_port_that_fails_to_render_in_a_full_sync_applies_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rendering bug half-way through the streamed script: the tool never reads a COMMIT
+    (the fake applies nothing), the sync fails, and the next is a full one again."""
+    from kpx_agent.backends.iptables import backend as backend_module
+
+    state = many_ports(20)
+    fake = FakeIptables()
+    backend = IptablesBackend(SETTINGS, fake, ensure_sysctl=lambda _path, _value: None)
+    before = fake.dump()
+    calls = [0]
+
+    def failing(*args: object) -> object:
+        calls[0] += 1
+        if calls[0] == 10:
+            raise RuntimeError("a bug")
+        return port_rules(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backend_module, "port_rules", failing)
+    with pytest.raises(RuntimeError):
+        backend.sync(state, None)
+    assert fake.dump() == before and fake.runs == 0
+    monkeypatch.setattr(backend_module, "port_rules", port_rules)
+    backend.sync(state, [next(iter(state.services))])  # not partial: nothing is known
+    assert sum(c.startswith(n.SVC_PREFIX) for c in fake.tables[(4, "nat")]) == 20
+
+
+def test_a_restart_deletes_the_chains_of_ports_gone_meanwhile() -> None:
+    """A full sync into tables holding chains it no longer wants (a Service deleted while
+    the agent was down) empties them before it deletes them: a chain with rules cannot be
+    deleted (the fake refuses it as the kernel does, EBUSY)."""
+    fake = FakeIptables()
+    state = many_ports(30)
+    IptablesBackend(SETTINGS, fake, ensure_sysctl=lambda _path, _value: None).sync(state, None)
+    gone = next(iter(state.services))
+    del state.services[gone]
+    IptablesBackend(SETTINGS, fake, ensure_sysctl=lambda _path, _value: None).sync(state, None)
+    assert sum(c.startswith(n.SVC_PREFIX) for c in fake.tables[(4, "nat")]) == 29
+    assert "10.96.0.1 " not in fake.dump() and "10.96.0.2/32" in fake.dump()

@@ -39,9 +39,10 @@ that a full sync overlapped finds nothing (the full sync rewrote everything anyw
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,16 +52,18 @@ from ..route_localnet import allow
 from . import kernel
 from . import names as n
 from .chain_book import ChainBook, ChainPlan
-from .rules import PortLines, fixed_chains, port_rules, shared_frames
+from .rules import Lines, PortLines, fixed_chains, port_rules, shared_frames
 from .script import (
     ORDER_FREE,
     SavedChains,
     SavedTable,
     cleanup_script,
     jump_edits,
+    lists_first,
     parse_save,
     rule_edits,
     saved_chains,
+    streamed_table_script,
     structure_drift,
     table_script,
 )
@@ -294,18 +297,27 @@ class IptablesBackend(Backend):
     def _full_sync(self, state: NodeLocalState) -> None:
         if self.settings.localhost_node_ports:
             self._allow_localhost_node_ports()
-        books, units = self._full_units(state)
         self._books = None  # until every table is in
-        self.last_written = written_rules(units)
+        self.last_written = {}
         self._note([(fam, None, frozenset()) for fam in FAMILIES])
+        nf_tables = self._kernel.nf_tables()  # (script.LIST_FIRST pays off there only)
+        books: dict[int, ChainBook] = {}
         refused: dict[int, str] = {}
-        for fam, script in units:
-            if fam in refused:
-                continue  # one family's fault does not stop the other's programming
+        for fam in FAMILIES:
+            book, tables = self._full_tables(state, fam, nf_tables)
             try:
-                self._restore(fam, script)
+                # One family's fault does not stop the other's programming.
+                for table, pieces in tables:
+                    # The first table's pieces render the service ports: the tool reads
+                    # them while the later ones are made.
+                    counted = _Counted(pieces)
+                    self._kernel.restore_pieces(fam, counted)
+                    self._commits += 1  # (a full sync's table always declares chains)
+                    self.last_written[(fam, table)] = counted.rules
             except BackendError as exc:
                 refused[fam] = f"IPv{fam}: {exc}"
+                continue
+            books[fam] = book
         if refused:
             raise BackendError("; ".join(refused.values()))
         self._books = books
@@ -313,50 +325,74 @@ class IptablesBackend(Backend):
     def check(self, state: NodeLocalState) -> str | None:
         """Whether the kernel accepts `state` as a full sync's restore scripts, asked with
         `*-restore --test` (reads our tables' current chains, applies nothing)."""
-        for fam, script in self._full_units(state)[1]:
-            refused = self._kernel.check(fam, script)
-            if refused is not None:
-                return f"IPv{fam}: {refused}"
+        nf_tables = self._kernel.nf_tables()
+        for fam in FAMILIES:
+            for _, pieces in self._full_tables(state, fam, nf_tables)[1]:
+                refused = self._kernel.check(fam, "".join(pieces))
+                if refused is not None:
+                    return f"IPv{fam}: {refused}"
         return None
 
-    def _full_units(
-        self, state: NodeLocalState
-    ) -> tuple[dict[int, ChainBook], list[tuple[int, str]]]:
-        """A full sync's record, and its scripts: one per family and table."""
+    def _full_tables(
+        self, state: NodeLocalState, fam: int, nf_tables: bool
+    ) -> tuple[ChainBook, list[tuple[str, Iterable[str]]]]:
+        """A family's full sync: its record, and each table's restore script in pieces, to
+        be read in order. The first table's pieces (nat: where the service ports' own chains
+        are) render the ports as they are read (`script.streamed_table_script`), each port's
+        typed rules written out as soon as they are made (the record keeps the text); once
+        every port is rendered the record takes them all, and the other tables' scripts are
+        written from it."""
         settings = self.settings
-        books: dict[int, ChainBook] = {}
-        units: list[tuple[int, str]] = []
-        nf_tables = self._kernel.nf_tables()  # (script.LIST_FIRST pays off there only)
-        for fam in FAMILIES:
-            facts = state.facts[fam]
-            book = ChainBook(fixed_chains(settings, facts), shared_frames(settings, facts))
+        facts = state.facts[fam]
+        book = ChainBook(fixed_chains(settings, facts), shared_frames(settings, facts))
+        jumps = n.jumps(facts.localhost_node_ports)
+        self._jumps[fam] = jumps
+        saved = {
+            table: parse_save(self._kernel.save(fam, table)).get(table, SavedTable())
+            for table in n.TABLES
+        }
+        ports = [sp for key, sp in state.services.items() if key.family == fam]
+        updates: dict[ServicePortKey, PortLines] = {}
+        first, *others = n.TABLES
+
+        def rendered() -> Iterator[dict[str, Lines]]:
             local = facts.local_pods
-            # Each port's typed rules are written out as they are made (`lines`): the record
-            # keeps the text, and the typed values go as soon as they are serialized.
-            updates = {
-                key: port_rules(sp, settings, local).lines()
-                for key, sp in state.services.items()
-                if key.family == fam
-            }
+            for sp in ports:
+                lines = updates[sp.key] = port_rules(sp, settings, local).lines()
+                yield {chain: rules for (t, chain), rules in lines.own.items() if t == first}
+
+        def tail() -> tuple[dict[str, Lines], set[str]]:
             book.commit(book.plan(updates))
-            books[fam] = book
-            self._jumps[fam] = n.jumps(facts.localhost_node_ports)
-            for table in n.TABLES:
-                saved = parse_save(self._kernel.save(fam, table)).get(table, SavedTable())
-                wanted = book.table_chains(table)
-                units.append(
-                    (
-                        fam,
-                        table_script(
-                            table,
-                            dict(wanted),
-                            jump_edits(table, saved, n.jumps(facts.localhost_node_ports)),
-                            extra_deletes=saved.ours - wanted.keys(),
-                            rules_in_table=saved.rules if nf_tables else None,
-                        ),
-                    )
-                )
-        return books, units
+            wanted = book.table_chains(first)
+            return wanted, saved[first].ours - wanted.keys()
+
+        head = book.table_chains(first).keys()
+        edits = jump_edits(first, saved[first], jumps)
+        # How many chains and lines the script will have, before it is rendered (its own
+        # chains: about one per port, and a line per endpoint), for `lists_first`.
+        chains = len(head) + len(ports)
+        lines = chains + len(edits) + sum(2 + len(sp.cluster_endpoints) for sp in ports)
+        listed = nf_tables and lists_first(chains, lines, saved[first].rules)
+        tables: list[tuple[str, Iterable[str]]] = [
+            (first, streamed_table_script(first, head, rendered(), tail, edits, listed))
+        ]
+        for table in others:
+            script = functools.partial(self._table_script, book, saved, table, jumps)
+            tables.append((table, _later(script)))
+        return book, tables
+
+    @staticmethod
+    def _table_script(
+        book: ChainBook, saved: dict[str, SavedTable], table: str, jumps: tuple[n.Jump, ...]
+    ) -> str:
+        """A full sync's script of a table after the first, from the record."""
+        wanted = book.table_chains(table)
+        return table_script(
+            table,
+            dict(wanted),
+            jump_edits(table, saved[table], jumps),
+            extra_deletes=saved[table].ours - wanted.keys(),
+        )
 
     def _partial_sync(
         self,
@@ -452,6 +488,27 @@ def written_rules(units: Iterable[tuple[int, str]]) -> dict[tuple[int, str], int
             rules = script.count("\n-A ", start, end) + script.count("\n-I ", start, end)
             written[(fam, table)] = written.get((fam, table), 0) + rules
     return written
+
+
+def _later(script: Callable[[], str]) -> Iterator[str]:
+    """A script made only when it is read (after the tables before it)."""
+    yield script()
+
+
+class _Counted:
+    """Restore pieces passed through, counting the rules (`-A`, `-I` lines) in them (each
+    piece is whole lines)."""
+
+    def __init__(self, pieces: Iterable[str]) -> None:
+        self._pieces = pieces
+        self.rules = 0
+
+    def __iter__(self) -> Iterator[str]:
+        for piece in self._pieces:
+            self.rules += (
+                piece.count("\n-A ") + piece.count("\n-I ") + piece.startswith(("-A ", "-I "))
+            )
+            yield piece
 
 
 def commits_of(script: str) -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ipaddress
 import shlex
+from collections.abc import Iterable
 
 from ...model.types import Protocol
 from ..base import BackendError
@@ -80,6 +81,11 @@ class FakeIptables:
         finally:
             self.tables, self.runs, self.commits = tables, runs, commits
         return None
+
+    def restore_pieces(self, family: int, pieces: Iterable[str]) -> None:
+        """`restore` of the script the pieces make (a piece that fails to be made applies
+        nothing)."""
+        self.restore(family, "".join(pieces))
 
     def restore(self, family: int, script: str) -> None:
         if family in self.broken_families:
@@ -358,6 +364,9 @@ class IptScripts:
 
     def restore(self, family: int, script: str) -> None:
         self.scripts.append((family, script))
+
+    def restore_pieces(self, family: int, pieces: Iterable[str]) -> None:
+        self.restore(family, "".join(pieces))
 
     def check(self, family: int, script: str) -> str | None:
         return None

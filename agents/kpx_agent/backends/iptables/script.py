@@ -9,7 +9,9 @@ script first declares every chain it touches, then edits the jump rules in the b
 chains, appends the rules of the chains it writes, and finally deletes (`-X`) the chains it
 removes, when nothing jumps to them any more. Chains it does not name are left alone. A large
 full sync lists the table (`-S`, output discarded) right after its jump edits, and declares
-the chains they do not name after it: see `LIST_FIRST`.
+the chains they do not name after it: see `LIST_FIRST`. A full sync's nat table is written
+in pieces that the tool reads while the rest is rendered (`streamed_table_script`): there
+each service port's chains are declared just before their rules.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import shlex
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from . import names as n
@@ -112,6 +114,47 @@ def table_script(
     lines += [f"-X {chain}" for chain in sorted(deletes)]
     lines.append("COMMIT")
     return "\n".join(lines) + "\n"
+
+
+def streamed_table_script(
+    table: str,
+    head: Collection[str],
+    ports: Iterable[Mapping[str, Lines]],
+    tail: Callable[[], tuple[Mapping[str, Lines], Iterable[str]]],
+    jump_edits: Sequence[str] = (),
+    listed: bool = False,
+) -> Iterator[str]:
+    """A full sync's script of one table in pieces, in the order a restore can read them
+    while the later ones are still being made (`kernel.Kernel.restore_pieces`): the `head`
+    chains (those known before any service port is rendered: the fixed and shared chains)
+    declared, the jump edits and the listing placed as `table_script` places them; then each
+    port's own chains of this table as `ports` renders them, declared before their rules (a
+    port's chains jump to one another, and legacy iptables-restore resolves a jump target as
+    it reads the line); then, once every port is in, `tail()`'s rules for the head chains (the
+    shared ones are composed of every port's part), and the chains it deletes, emptied then
+    deleted. The same lines as `table_script` writes for these chains, in another order."""
+    first = {word for edit in jump_edits for word in edit.split()} & set(head) if listed else head
+    lines = [f"*{table}", *(f":{chain} - [0:0]" for chain in sorted(first)), *jump_edits]
+    if listed:
+        lines.append(LIST_FIRST)
+        lines += [f":{chain} - [0:0]" for chain in sorted(set(head) - set(first))]
+    yield "\n".join(lines) + "\n"
+    for own in ports:
+        if own:
+            yield "".join(
+                [
+                    *(f":{chain} - [0:0]\n" for chain in own),
+                    *(f"-A {chain} {rule}\n" for chain, rules in own.items() for rule in rules),
+                ]
+            )
+    chains, deletes = tail()
+    lines = [f"-A {chain} {rule}" for chain in sorted(head) for rule in chains[chain]]
+    # A chain is deleted once nothing jumps to it (every chain of ours was rewritten by now)
+    # and emptied (declared: a chain with rules cannot be deleted, EBUSY).
+    lines += [f":{chain} - [0:0]" for chain in sorted(deletes)]
+    lines += [f"-X {chain}" for chain in sorted(deletes)]
+    lines.append("COMMIT")
+    yield "\n".join(lines) + "\n"
 
 
 @dataclass
