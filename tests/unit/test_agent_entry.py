@@ -4,6 +4,7 @@ collector off, and the collector as it was before anything runs."""
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -50,3 +51,40 @@ def test_python_m_kpx_agent_is_the_agent_command() -> None:
     )
     assert done.returncode == 2
     assert "give --mode, --config, or both" in done.stderr
+
+
+# Run in a fresh interpreter (aiohttp is imported once per process): the entry point with no
+# arguments (the CLI refuses them, exit 2), then what aiohttp's default contexts and a context
+# made afterwards from the system's CAs trust.
+CA_PROBE = """
+import os, sys
+sys.argv = ["proxy-agent"]
+from kpx_agent import __main__ as entry
+assert entry.main() == 2
+import aiohttp.connector as connector
+from kpx_kube import tls
+print(os.environ.get("SSL_CERT_FILE", "unset"))
+print(connector._SSL_CONTEXT_VERIFIED.cert_store_stats()["x509_ca"])
+print(tls.ssl_context().cert_store_stats()["x509_ca"] > 0)
+"""
+
+
+def test_aiohttp_is_imported_without_parsing_the_system_ca_bundle() -> None:
+    """aiohttp's import-time default contexts (never used by the agent) load no CA, and the
+    variable that made it so is gone before the CLI runs: a context the agent makes later
+    from the system's CAs still has them."""
+    env = {k: v for k, v in os.environ.items() if k != "SSL_CERT_FILE"}
+    done = subprocess.run(
+        [sys.executable, "-c", CA_PROBE], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.stdout.split() == ["unset", "0", "True"], done.stdout + done.stderr
+
+
+def test_an_ssl_cert_file_given_to_the_agent_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[str | None] = []
+    monkeypatch.setenv("SSL_CERT_FILE", "/etc/ssl/certs/ca-certificates.crt")
+    monkeypatch.setattr(
+        "kpx_agent.cli.main", lambda: seen.append(os.environ.get("SSL_CERT_FILE")) or 0
+    )
+    assert entry.main() == 0
+    assert seen == ["/etc/ssl/certs/ca-certificates.crt"]
