@@ -351,9 +351,25 @@ def test_a_partial_sync_edits_the_hairpin_chain_rule_by_rule_and_a_missing_rule_
 # Runs inside a node's netns: kernel.restore_pieces, the full sync's streamed restore, when
 # making a piece fails half-way and when the tool refuses a line while more is still to come.
 PIECES = """
+import os
 import subprocess
+import sys
+import time
 from kpx_agent.backends.base import BackendError
 from kpx_agent.backends.iptables.kernel import restore_pieces
+
+FEEDER = '''
+import time
+from kpx_agent.backends.iptables.kernel import restore_pieces
+def slow():
+    yield "*nat\\\\n:KPX-TEST - [0:0]\\\\n"
+    for i in range(3000):  # more than one write (64 KiB) reaches the tool
+        yield f"-A KPX-TEST -d 10.96.{i // 250}.{i % 250 + 1}/32 -j RETURN\\\\n"
+    print("fed", flush=True)
+    time.sleep(60)  # killed here
+    yield "COMMIT\\\\n"
+restore_pieces(4, slow())
+'''
 
 made = [0]
 
@@ -382,6 +398,19 @@ try:
 except BackendError as exc:
     print("refused", "--no-such-option" in str(exc), made[0] < 20000, ours())
 made[0] = 0
+# The agent killed while it feeds the tool: the tool reads the end of its input, no COMMIT.
+feeder = subprocess.Popen([sys.executable, "-c", FEEDER], stdout=subprocess.PIPE, text=True)
+assert feeder.stdout.readline() == "fed\\n"
+task = f"/proc/{feeder.pid}/task/{feeder.pid}/children"
+with open(task) as children:
+    (tool,) = children.read().split()
+feeder.kill()
+feeder.wait()
+deadline = time.monotonic() + 30
+while os.path.exists(f"/proc/{tool}") and open(f"/proc/{tool}/stat").read().split()[2] != "Z":
+    assert time.monotonic() < deadline, "the tool did not end"
+    time.sleep(0.1)
+print("killed", ours())
 restore_pieces(4, pieces())
 print("loaded", made[0])
 """
@@ -390,13 +419,15 @@ print("loaded", made[0])
 def test_a_streamed_restore_commits_only_a_whole_script(topology: Topology) -> None:
     """The full sync's restore is fed while it is made (`kernel.restore_pieces`): a piece
     that fails to be made kills the tool before it reads a COMMIT, so the table is left as
-    it was; a line the tool refuses stops the feeding, with the tool's error; a whole
-    script loads."""
+    it was; a line the tool refuses stops the feeding, with the tool's error; an agent
+    killed while it feeds leaves the tool an input without a COMMIT, which it does not
+    commit; a whole script loads."""
     node = topology.add_node("n1")
     out = tool(topology, node, [sys.executable, "-c", PIECES])
     lines = out.splitlines()
     assert lines[0] == "raised rendering 0", out
     assert lines[1] == "refused True True 0", out
-    assert lines[2] == "loaded 20000", out
+    assert lines[2] == "killed 0", out
+    assert lines[3] == "loaded 20000", out
     rules = [line for line in saved(topology, node, 4).splitlines() if "KPX-TEST" in line]
     assert len(rules) == 1 + 20000, rules[:3]  # the last, whole script only
