@@ -49,8 +49,25 @@ def test_iptables_restore_that_cannot_be_spawned_is_a_backend_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(subprocess, "run", cannot_spawn)
+    monkeypatch.setattr(subprocess, "Popen", cannot_spawn)
     with pytest.raises(BackendError, match="Resource temporarily unavailable"):
         ipt_kernel.restore(4, "*nat\nCOMMIT\n")
+    with pytest.raises(BackendError, match="Resource temporarily unavailable"):
+        ipt_kernel.restore_pieces(4, ["*nat\n", "COMMIT\n"])
+
+
+def test_a_streamed_restore_by_a_tool_that_is_missing_or_stops_reading_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`restore_pieces` (the full sync's streamed restore): a missing tool, and a tool that
+    exits without reading its whole input, even with status 0, are failed syncs."""
+    monkeypatch.setitem(ipt_kernel.n.RESTORE, 4, "/nonexistent/iptables-restore")
+    with pytest.raises(BackendError, match="not installed"):
+        ipt_kernel.restore_pieces(4, ["*nat\n", "COMMIT\n"])
+    monkeypatch.setitem(ipt_kernel.n.RESTORE, 4, "true")  # exits 0, reads nothing
+    big = ["-A KPX-X -j RETURN\n" * 10_000] * 20  # 4 MB: more than a pipe holds
+    with pytest.raises(BackendError, match="stopped reading its input"):
+        ipt_kernel.restore_pieces(4, ["*nat\n", *big, "COMMIT\n"])
 
 
 def test_the_proxier_turns_it_into_a_failed_sync(monkeypatch: pytest.MonkeyPatch) -> None:

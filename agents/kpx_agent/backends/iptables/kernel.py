@@ -85,7 +85,7 @@ def restore_pieces(family: int, pieces: Iterable[str]) -> None:
         timer = threading.Timer(TIMEOUT, proc.kill)
         timer.start()
         try:
-            _feed(proc, pieces)
+            whole = _feed(proc, pieces)
             code = proc.wait()
         except BaseException:
             proc.kill()  # before its stdin closes: no COMMIT is ever read
@@ -94,17 +94,20 @@ def restore_pieces(family: int, pieces: Iterable[str]) -> None:
         finally:
             timer.cancel()
             _close(proc)
-        if code != 0:
+        if code != 0 or not whole:
             errors.seek(0)
             said = errors.read().decode(errors="replace").strip()
             if code == -signal.SIGKILL and not said:
                 said = f"did not finish within {TIMEOUT:.0f}s"
+            elif not said:
+                said = "it stopped reading its input"
             raise BackendError(f"{argv[0]} failed ({code}): {said[:2000]}")
 
 
-def _feed(proc: subprocess.Popen[bytes], pieces: Iterable[str]) -> None:
+def _feed(proc: subprocess.Popen[bytes], pieces: Iterable[str]) -> bool:
     """Write the pieces to the tool's stdin, about 64 KiB at a time, and close it; stop at
-    once if the tool stopped reading (its exit code and message say why)."""
+    once if the tool stopped reading (its exit code and message say why). Whether every
+    piece was written."""
     stdin = proc.stdin
     assert stdin is not None
     batch: list[str] = []
@@ -118,8 +121,10 @@ def _feed(proc: subprocess.Popen[bytes], pieces: Iterable[str]) -> None:
                 batch, size = [], 0
         stdin.write("".join(batch).encode())
     except BrokenPipeError:
-        pass
-    _close(proc)
+        _close(proc)
+        return False
+    _close(proc)  # (not when a piece fails to be made: the caller kills the tool first)
+    return True
 
 
 def _close(proc: subprocess.Popen[bytes]) -> None:
