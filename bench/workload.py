@@ -70,8 +70,15 @@ def endpoint_addresses(svc: int) -> list[tuple[str, str]]:
     ]
 
 
+#: Replacement addresses: 10.244.200.1-10.244.255.250, a range no original endpoint uses.
+CHANGED_ADDRESSES = 56 * 250
+
+
 def changed_address(k: int) -> str:
-    """Address of the k-th replacement endpoint (no original endpoint has it)."""
+    """Address of the k-th replacement endpoint (no original endpoint has it); after
+    CHANGED_ADDRESSES of them the range starts over (a run of several systems, each with a
+    sustained burst, hands out more: `Workload.replace_last` skips one its Service holds)."""
+    k %= CHANGED_ADDRESSES
     return f"10.244.{200 + k // 250}.{k % 250 + 1}"
 
 
@@ -145,8 +152,12 @@ class Workload:
         """Replace svc's last endpoint: (old 'IP:PORT', new 'IP:PORT', the PATCH to send)."""
         addrs = self.current[svc]
         old = addrs[-1][0]
+        held = {ip for ip, _ in addrs}
         new = changed_address(self.replaced)
         self.replaced += 1
+        while new in held:  # (the range started over)
+            new = changed_address(self.replaced)
+            self.replaced += 1
         addrs[-1] = (new, addrs[-1][1])
         patch = (slices_path(self.namespace, f"{svc_name(svc)}-1"), {"endpoints": endpoints(addrs)})
         return f"{old}:{TARGET_PORT}", f"{new}:{TARGET_PORT}", patch

@@ -605,3 +605,22 @@ def test_cold_start_reads_the_model_and_kernel_parts_from_the_agents_log(
     assert found is not None, caplog.text
     model, kernel = float(found[1]), float(found[2])
     assert 0 <= model < 5 and 0 <= kernel < 5
+
+
+def test_replacement_endpoints_stay_valid_and_new_past_their_range() -> None:
+    """`make bench` runs single changes, a burst and a sustained burst of 5,000 for each
+    system (about 15,000 replacements in one control plane): each replacement address is a
+    valid IPv4 address in the cluster CIDR, never one the Service already holds."""
+    import workload as wl
+
+    work = wl.Workload()
+    work.vips = [wl.service_vip(i) for i in range(3)]
+    work.current = [wl.endpoint_addresses(i) for i in range(3)]
+    cidr = ipaddress.ip_network(wl.CLUSTER_CIDR)
+    for k in range(3 * wl.CHANGED_ADDRESSES + 7):
+        svc = k % 3
+        held = {ip for ip, _ in work.current[svc]}
+        old, new, _ = work.replace_last(svc)
+        address = new.rsplit(":", 1)[0]
+        assert ipaddress.ip_address(address) in cidr
+        assert address not in held and old.rsplit(":", 1)[0] in held
