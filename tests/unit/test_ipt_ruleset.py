@@ -646,12 +646,9 @@ class Reading(FakeIptables):
         self.restore(family, "".join(text))
 
 
-def test_a_full_sync_renders_the_ports_while_the_tool_reads_the_nat_table(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The nat table's script goes to the tool in pieces as the ports are rendered, so
-    iptables-restore parses it while the agent renders the rest (docs/benchmarks.md); the
-    tables it leaves are those of the record's chains written whole (`table_script`)."""
+def test_legacy_iptables_gets_the_nat_script_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Legacy iptables-restore holds the xtables lock from a table's first line to its
+    COMMIT: the script is rendered whole before the tool starts reading it."""
     from kpx_agent.backends.iptables import backend as backend_module
 
     rendered = [0]
@@ -662,6 +659,32 @@ def test_a_full_sync_renders_the_ports_while_the_tool_reads_the_nat_table(
 
     monkeypatch.setattr(backend_module, "port_rules", counting)
     fake = Reading(rendered)
+    fake.nf_tables_flavour = False
+    IptablesBackend(SETTINGS, fake, ensure_sysctl=lambda _path, _value: None).sync(
+        many_ports(50), None
+    )
+    nat = [(ports, piece) for fam, ports, piece in fake.seen if fam == 4][:-1]  # (filter)
+    assert len(nat) == 1 and nat[0][0] == 50
+    assert nat[0][1].startswith("*nat\n") and nat[0][1].endswith("COMMIT\n")
+
+
+def test_a_full_sync_renders_the_ports_while_the_tool_reads_the_nat_table(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The nat table's script goes to iptables-nft in pieces as the ports are rendered, so
+    the tool parses it while the agent renders the rest (docs/benchmarks.md); the tables it
+    leaves are those of the record's chains written whole (`table_script`)."""
+    from kpx_agent.backends.iptables import backend as backend_module
+
+    rendered = [0]
+
+    def counting(*args: object) -> object:
+        rendered[0] += 1
+        return port_rules(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(backend_module, "port_rules", counting)
+    fake = Reading(rendered)
+    fake.nf_tables_flavour = True
     backend = IptablesBackend(SETTINGS, fake, ensure_sysctl=lambda _path, _value: None)
     backend.sync(many_ports(50), None)
     nat = [(ports, piece) for fam, ports, piece in fake.seen if fam == 4][:-1]  # (filter)

@@ -308,10 +308,12 @@ class IptablesBackend(Backend):
             try:
                 # One family's fault does not stop the other's programming.
                 for table, pieces in tables:
-                    # The first table's pieces render the service ports: the tool reads
-                    # them while the later ones are made.
+                    # The first table's pieces render the service ports: iptables-nft reads
+                    # them while the later ones are made. Legacy iptables-restore holds the
+                    # xtables lock from a table's first line to its COMMIT: there the script
+                    # is made whole first, so other tools wait no longer than the restore.
                     counted = _Counted(pieces)
-                    self._kernel.restore_pieces(fam, counted)
+                    self._kernel.restore_pieces(fam, counted if nf_tables else ["".join(counted)])
                     self._commits += 1  # (a full sync's table always declares chains)
                     self.last_written[(fam, table)] = counted.rules
             except BackendError as exc:
