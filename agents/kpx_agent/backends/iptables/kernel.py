@@ -8,19 +8,16 @@ ignores it).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import shutil
-import signal
 import subprocess
-import tempfile
-import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
 from ..base import BackendError
+from ..kernel.tool_input import feed
 from ..nf_generation import read as read_generation
 from ..route_localnet import ROUTE_LOCALNET_FILE as ROUTE_LOCALNET_FILE
 from ..route_localnet import ensure_sysctl as ensure_sysctl
@@ -30,7 +27,6 @@ log = logging.getLogger(__name__)
 WAIT = ("-w", "5")
 PROC_SYS = Path("/proc/sys")
 TIMEOUT = 300.0  # seconds; a restore of a very large ruleset takes a while
-FEED_BYTES = 1 << 16  # how much of a script `restore_pieces` writes at a time
 
 
 def _run(
@@ -66,71 +62,19 @@ def restore(family: int, script: str) -> None:
 
 
 def restore_pieces(family: int, pieces: Iterable[str]) -> None:
-    """`restore` of a script fed to the tool while it is being made: the tool reads and parses
-    the first pieces while the agent renders the next (a full sync's script at 10,000 Services
-    is 16 MB, which iptables-restore takes 0.7 s to read: docs/benchmarks.md). Nothing is
-    committed unless the whole script was read: if making a piece fails, the tool is killed
-    before it reads a COMMIT; if the tool stops reading (it refused a line), the rest is not
-    made and its error is raised."""
-    argv = [n.RESTORE[family], *WAIT, "--noflush"]
-    with tempfile.TemporaryFile() as errors:
-        try:
-            proc = subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errors
-            )
-        except FileNotFoundError as exc:
-            raise BackendError(f"{argv[0]} is not installed") from exc
-        except OSError as exc:
-            raise BackendError(f"cannot run {argv[0]}: {exc}") from exc
-        timer = threading.Timer(TIMEOUT, proc.kill)
-        timer.start()
-        try:
-            whole = _feed(proc, pieces)
-            code = proc.wait()
-        except BaseException:
-            proc.kill()  # before its stdin closes: no COMMIT is ever read
-            proc.wait()
-            raise
-        finally:
-            timer.cancel()
-            _close(proc)
-        if code != 0 or not whole:
-            errors.seek(0)
-            said = errors.read().decode(errors="replace").strip()
-            if code == -signal.SIGKILL and not said:
-                said = f"did not finish within {TIMEOUT:.0f}s"
-            elif not said:
-                said = "it stopped reading its input"
-            raise BackendError(f"{argv[0]} failed ({code}): {said[:2000]}")
-
-
-def _feed(proc: subprocess.Popen[bytes], pieces: Iterable[str]) -> bool:
-    """Write the pieces to the tool's stdin, about 64 KiB at a time, and close it; stop at
-    once if the tool stopped reading (its exit code and message say why). Whether every
-    piece was written."""
-    stdin = proc.stdin
-    assert stdin is not None
-    batch: list[str] = []
-    size = 0
-    try:
-        for piece in pieces:
-            batch.append(piece)
-            size += len(piece)
-            if size >= FEED_BYTES:
-                stdin.write("".join(batch).encode())
-                batch, size = [], 0
-        stdin.write("".join(batch).encode())
-    except BrokenPipeError:
-        _close(proc)
-        return False
-    _close(proc)  # (not when a piece fails to be made: the caller kills the tool first)
-    return True
-
-
-def _close(proc: subprocess.Popen[bytes]) -> None:
-    if proc.stdin is not None:
-        with contextlib.suppress(BrokenPipeError):
-            proc.stdin.close()
+    """`restore` of a script fed to the tool while it is being made (`kernel.tool_input`): the
+    tool reads and parses the first pieces while the agent renders the next (a full sync's
+    script at 10,000 Services is 16 MB, which iptables-restore takes 0.7 s to read:
+    docs/benchmarks.md). Nothing is committed unless the whole script was read: if making a
+    piece fails, the tool is killed before it reads a COMMIT; if the tool stops reading (it
+    refused a line), the rest is not made and its error is raised."""
+    tool = n.RESTORE[family]
+    fed = feed([tool, *WAIT, "--noflush"], pieces, timeout=TIMEOUT)
+    if fed.timed_out:
+        raise BackendError(f"{tool} did not finish within {TIMEOUT:.0f}s")
+    if fed.status != 0 or not fed.whole:
+        said = fed.message or "it stopped reading its input"
+        raise BackendError(f"{tool} failed ({fed.status}): {said}")
 
 
 def restore_test(family: int, script: str) -> str | None:

@@ -8,14 +8,14 @@ import contextlib
 import queue
 import socket
 import subprocess
-import tempfile
 import threading
 from collections.abc import Iterable
-from typing import IO, Protocol
+from typing import Protocol
 
 from ..base import BackendError
 from ..kernel import nft_listing, nft_query
 from ..kernel.nft_transaction import TableContents, Transaction
+from ..kernel.tool_input import feed
 from ..nf_generation import read as read_generation
 from . import names as n
 from .netlink_batch import (
@@ -40,37 +40,10 @@ def run_script(parts: Iterable[str]) -> None:
     first, and nothing of the transaction reaches the kernel. Raises BackendError when nft
     rejects the transaction.
     """
-    # nft writes its errors only after reading all input, but a file (not a pipe) for them
-    # rules out any deadlock between our writes and its output.
-    with tempfile.TemporaryFile() as errors:
-        try:
-            proc = subprocess.Popen(
-                [NFT, "-f", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=errors
-            )
-        except OSError as exc:  # no nft, no pid left (EAGAIN under pids.max), ENOSPC, ...
-            raise BackendError(f"cannot run {NFT}: {exc}") from exc
-        assert proc.stdin is not None
-        try:
-            for part in parts:
-                proc.stdin.write(part.encode())
-        except BrokenPipeError:
-            pass  # nft exited early; its status and message say why
-        except OSError as exc:
-            proc.kill()  # before stdin closes: an unfinished transaction must never commit
-            proc.wait()
-            _close(proc.stdin)
-            raise BackendError(f"cannot write to {NFT}: {exc}") from exc
-        except BaseException:
-            proc.kill()  # before stdin closes: an unfinished transaction must never commit
-            proc.wait()
-            _close(proc.stdin)
-            raise
-        _close(proc.stdin)
-        status = proc.wait()
-        if status != 0:
-            errors.seek(0)
-            message = errors.read().decode(errors="replace").strip()[:2000]
-            raise BackendError(f"nft rejected the transaction (exit {status}): {message}")
+    fed = feed([NFT, "-f", "-"], parts)
+    if fed.status != 0 or not fed.whole:
+        message = fed.message or "it stopped reading its input"
+        raise BackendError(f"nft rejected the transaction (exit {fed.status}): {message}")
 
 
 def check_script(parts: Iterable[str]) -> str | None:
@@ -81,11 +54,6 @@ def check_script(parts: Iterable[str]) -> str | None:
     if proc.returncode == 0:
         return None
     return proc.stderr.strip()[:2000] or f"nft --check exited {proc.returncode}"
-
-
-def _close(stream: IO[bytes]) -> None:
-    with contextlib.suppress(BrokenPipeError):
-        stream.close()
 
 
 def present_families() -> set[int]:
