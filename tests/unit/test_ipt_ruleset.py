@@ -646,9 +646,12 @@ class Reading(FakeIptables):
         self.restore(family, "".join(text))
 
 
-def test_legacy_iptables_gets_the_nat_script_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Legacy iptables-restore holds the xtables lock from a table's first line to its
-    COMMIT: the script is rendered whole before the tool starts reading it."""
+def synced_while_read(
+    monkeypatch: pytest.MonkeyPatch, nf_tables: bool
+) -> tuple[IptablesBackend, Reading, list[tuple[int, str]]]:
+    """A full sync of 50 ports into a `Reading` fake of either flavour, with every port's
+    rendering counted: the backend, the fake, and the IPv4 nat table's pieces as (ports
+    rendered when the piece was read, piece)."""
     from kpx_agent.backends.iptables import backend as backend_module
 
     rendered = [0]
@@ -659,11 +662,17 @@ def test_legacy_iptables_gets_the_nat_script_whole(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(backend_module, "port_rules", counting)
     fake = Reading(rendered)
-    fake.nf_tables_flavour = False
-    IptablesBackend(SETTINGS, fake, ensure_sysctl=lambda _path, _value: None).sync(
-        many_ports(50), None
-    )
+    fake.nf_tables_flavour = nf_tables
+    backend = IptablesBackend(SETTINGS, fake, ensure_sysctl=lambda _path, _value: None)
+    backend.sync(many_ports(50), None)
     nat = [(ports, piece) for fam, ports, piece in fake.seen if fam == 4][:-1]  # (filter)
+    return backend, fake, nat
+
+
+def test_legacy_iptables_gets_the_nat_script_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Legacy iptables-restore holds the xtables lock from a table's first line to its
+    COMMIT: the script is rendered whole before the tool starts reading it."""
+    _, _, nat = synced_while_read(monkeypatch, nf_tables=False)
     assert len(nat) == 1 and nat[0][0] == 50
     assert nat[0][1].startswith("*nat\n") and nat[0][1].endswith("COMMIT\n")
 
@@ -674,20 +683,7 @@ def test_a_full_sync_renders_the_ports_while_the_tool_reads_the_nat_table(
     """The nat table's script goes to iptables-nft in pieces as the ports are rendered, so
     the tool parses it while the agent renders the rest (docs/benchmarks.md); the tables it
     leaves are those of the record's chains written whole (`table_script`)."""
-    from kpx_agent.backends.iptables import backend as backend_module
-
-    rendered = [0]
-
-    def counting(*args: object) -> object:
-        rendered[0] += 1
-        return port_rules(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(backend_module, "port_rules", counting)
-    fake = Reading(rendered)
-    fake.nf_tables_flavour = True
-    backend = IptablesBackend(SETTINGS, fake, ensure_sysctl=lambda _path, _value: None)
-    backend.sync(many_ports(50), None)
-    nat = [(ports, piece) for fam, ports, piece in fake.seen if fam == 4][:-1]  # (filter)
+    backend, fake, nat = synced_while_read(monkeypatch, nf_tables=True)
     assert nat[0][0] == 0 and nat[0][1].startswith("*nat\n")  # before any port
     assert [ports for ports, _ in nat[1:-1]] == list(range(1, 51))  # each port as rendered
     assert all(piece.startswith(f":{n.SVC_PREFIX}") for _, piece in nat[1:-1])

@@ -34,8 +34,9 @@ NFT = "nft"
 def run_script(parts: Iterable[str]) -> None:
     """Apply the concatenated `parts` as one atomic transaction (`nft -f -`).
 
-    The parts are written to nft's stdin as they are produced, so nft parses the start of a
-    large transaction while the caller still renders the rest (two cores instead of one).
+    The parts are written to nft's stdin as they are produced, 64 KiB at a time
+    (`kernel.tool_input`), so nft parses the start of a large transaction while the caller
+    still renders the rest (two cores instead of one).
     nft commits only after reading end-of-file: if producing a part fails, nft is killed
     first, and nothing of the transaction reaches the kernel. Raises BackendError when nft
     rejects the transaction.
@@ -262,9 +263,9 @@ class Kernel(Protocol):
 
 
 class NodeKernel:
-    """The node's kernel: transactions rendered for `nft -f -` (streamed, each one as it is
-    rendered, so nft parses the start of a large change while the rest is rendered), elements
-    and the drift check over netlink."""
+    """The node's kernel: transactions rendered for `nft -f -` (streamed as they are rendered,
+    so nft parses the start of a large change while the rest is rendered), elements and the
+    drift check over netlink."""
 
     def run(self, transactions: Iterable[Transaction]) -> None:
         run_script(txn.render() for txn in transactions)
