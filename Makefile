@@ -134,7 +134,8 @@ demo-down:
 ## the agent's memory (the whole agent, a relist included, at MEMORY_SIZES: 30,000 adds 25-40
 ## minutes; by layer in one process at LAYER_SIZES, with the slopes per Service and per endpoint),
 ## and what the namespace opt-out saves at OPTOUT_SIZE Services (half left out; against
-## upstream's service-proxy-name label); then the side by side at SCALE_SIZE Services (one cold
+## upstream's service-proxy-name label), the initial lists in JSON against protobuf (bytes, the
+## apiserver's and the agent's CPU); then the side by side at SCALE_SIZE Services (one cold
 ## start each, no sustained burst, an upstream start stopped after 300 s: about 40 minutes);
 ## sets up the machine first
 MEMORY_SIZES ?= 1000,10000
@@ -148,6 +149,7 @@ bench: setup
 	$(PYTHON) bench/agent_memory.py --services $(if $(N),$(N),$(MEMORY_SIZES))
 	$(PYTHON) bench/memory_layers.py $(if $(N),--services $(N) --at $(N),--services $(LAYER_SIZES))
 	$(PYTHON) bench/optout_savings.py --services $(if $(N),$(N),$(OPTOUT_SIZE))
+	$(PYTHON) bench/list_encodings.py --services $(if $(N),$(N),10000)
 	$(if $(N),,$(PYTHON) bench/compare.py --services $(SCALE_SIZE) --cold-starts 1 \
 	  --cold-timeout 300 --sustained 0)
 
