@@ -7,7 +7,8 @@ cache), in each encoding, gzip accepted as both clients do:
 
 - the bytes the apiserver sends, and what they decompress to;
 - the apiserver's CPU per list (utime + stime of its process around one request, median of
-  `--repeat`) and the time to the last byte;
+  `--repeat`) and the time to the last byte (curl's total, its connection and TLS handshake
+  included);
 - the agent's CPU to turn the body into the store's compact objects (in this process, median of
   `--repeat`): for JSON the agent's own path (kpx_kube.list_body fed 64 KiB chunks as they
   decompress, each item shrunk by the store); for protobuf, decompressing, unwrapping the
