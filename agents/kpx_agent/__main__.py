@@ -4,8 +4,10 @@ cyclic garbage collector off and without the system's CA bundle.
 Importing the agent makes about 80,000 objects the collector tracks (functions, classes,
 pydantic and dataclass machinery) and no garbage worth collecting; with the collector on, its
 generation scans during the imports cost about 45 ms of every start (measured on the 2-core
-lab machine: 0.44 s instead of 0.49 s to import `kpx_agent.cli`, median of 15). It is back on
-before anything runs, with the agent's own thresholds (cli.main).
+lab machine: 0.44 s instead of 0.49 s to import `kpx_agent.cli`, median of 15). Those objects
+live as long as the process: they are frozen (`gc.freeze`) before the collector is back on,
+or its first pass, at the first allocation after, would scan all of them (27-31 ms on the lab
+machine). It is back on before anything runs, with the agent's own thresholds (cli.main).
 
 aiohttp makes two default SSL contexts when it is imported, and each parses the system's CA
 bundle: about 65 ms of the import (measured on the lab machine: `import aiohttp` 302 ms
@@ -50,6 +52,7 @@ def main() -> int:
             from .cli import main as run
     finally:
         if was_enabled:
+            gc.freeze()
             gc.enable()
     return run()
 

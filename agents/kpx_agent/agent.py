@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import gc
 import logging
 import time
 from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
@@ -24,7 +23,7 @@ from kpx_api.constants import (
 )
 from kpx_api.errors import ConfigError
 from kpx_api.preflight import ModeCheck, format_report
-from kpx_kube import AlreadyExists, ApiError, Client
+from kpx_kube import AlreadyExists, ApiError, Client, collector
 from kpx_kube.recovery import Recovery
 from kpx_kube.reflector import Reflector, Resource
 
@@ -338,11 +337,12 @@ class Agent:
             self.proxier.update_excluded()
             services = self._excluding_reflector(SERVICES_RESOURCE)
             slices = self._excluding_reflector(SLICES_RESOURCE)
-            tasks += self._start_watches(services, slices)
-            await asyncio.gather(services.synced.wait(), slices.synced.wait())
-            # The initial objects live as long as the agent: keep the collector off them
-            # (no collect() first: at 10,000 Services that alone takes a noticeable while).
-            gc.freeze()
+            # The initial objects live as long as the agent: no collection while they arrive,
+            # and the collector kept off them afterwards (frozen, with no collect() first: at
+            # 10,000 Services that alone takes a noticeable while).
+            with collector.paused(freeze=True):
+                tasks += self._start_watches(services, slices)
+                await asyncio.gather(services.synced.wait(), slices.synced.wait())
             log.info(
                 "initial lists done: %d services, %d endpointslices, %d namespaces opted out",
                 len(self.state.services),

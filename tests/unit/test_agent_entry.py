@@ -36,6 +36,35 @@ def test_runs_the_cli_with_the_collector_back_on(
     assert gc.isenabled()
 
 
+# In a fresh interpreter (the import is what is measured): the young generation's count when
+# the collector is back on, printed by a stand-in for gc.enable.
+YOUNG_PROBE = """
+import gc, sys, types
+from kpx_agent import __main__ as entry
+def enable():
+    gc.enable()
+    print("young", gc.get_count()[0], "frozen", gc.get_freeze_count(), flush=True)
+entry.gc = types.SimpleNamespace(
+    isenabled=gc.isenabled, disable=gc.disable, freeze=gc.freeze, enable=enable
+)
+sys.argv = ["proxy-agent"]
+sys.exit(entry.main())
+"""
+
+
+def test_what_the_import_made_is_frozen_before_the_collector_is_back_on() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", YOUNG_PROBE], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    words = done.stdout.split()
+    young, frozen = int(words[words.index("young") + 1]), int(words[words.index("frozen") + 1])
+    # The import makes tens of thousands of tracked objects: frozen, they leave nothing for
+    # the first pass (at the first allocation after) to scan.
+    assert frozen > 10_000
+    assert young < 100
+
+
 def test_leaves_a_disabled_collector_disabled(
     monkeypatch: pytest.MonkeyPatch, gc_state: None
 ) -> None:

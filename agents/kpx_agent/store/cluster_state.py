@@ -96,6 +96,8 @@ class ClusterState:
             new, current = compact.endpoint_slice(obj), self.slices
         else:
             return obj
+        if not current:  # the first list: nothing to share (and no key to make)
+            return new
         old = current.get(_key(new))
         return old if old is not None and old == new else new
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import re
 import time
@@ -164,15 +163,12 @@ class SyncLoop:
         proxier = self.host.proxier
         first = not self.synced_once
         # The first sync allocates about a million objects that all live on (the node-local
-        # state, the backend's record): collecting there is pure cost.
-        try:
-            with collector.paused() if first else contextlib.nullcontext():
-                pending = proxier.prepare()
-                # The kernel edge blocks for up to seconds at scale: keep the event loop
-                # (health, metrics, watches) responsive while it runs.
-                outcome = await asyncio.to_thread(proxier.program, pending)
-        finally:
-            if first:
-                gc.freeze()
+        # state, the backend's record): collecting there is pure cost, and they are frozen
+        # before the collector is back on (collector.paused).
+        with collector.paused(freeze=True) if first else contextlib.nullcontext():
+            pending = proxier.prepare()
+            # The kernel edge blocks for up to seconds at scale: keep the event loop
+            # (health, metrics, watches) responsive while it runs.
+            outcome = await asyncio.to_thread(proxier.program, pending)
         self.synced_once = True
         return outcome
