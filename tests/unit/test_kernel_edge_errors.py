@@ -32,9 +32,18 @@ def test_nft_that_cannot_be_spawned_is_a_backend_error(monkeypatch: pytest.Monke
     with pytest.raises(BackendError, match="Resource temporarily unavailable"):
         nft_kernel.run_script(["add table ip kpx\n"])
     with pytest.raises(BackendError, match="Resource temporarily unavailable"):
-        nft_kernel.present_families()
-    with pytest.raises(BackendError, match="Resource temporarily unavailable"):
         nft_kernel.check_script(["add table ip kpx\n"])
+
+
+def test_a_netlink_socket_that_cannot_be_made_is_a_backend_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_socket() -> Any:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(nft_kernel.nft_query, "query_socket", no_socket)
+    with pytest.raises(BackendError, match="Too many open files"):
+        nft_kernel.present_families()
 
 
 def test_a_missing_nft_binary_is_a_backend_error(monkeypatch: pytest.MonkeyPatch) -> None:

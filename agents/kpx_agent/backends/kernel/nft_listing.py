@@ -73,6 +73,13 @@ def chains_request(family: int, table: str, seq: int = 1) -> bytes:
     return dump_request(NFT_MSG_GETCHAIN, family, NFTA_CHAIN_TABLE, table, seq)
 
 
+def chain_request(family: int, table: str, chain: str, seq: int = 1) -> bytes:
+    """Ask for one chain of `table` (not a dump): the answer is the chain, or ENOENT when the
+    table or the chain is not there."""
+    names = string(NFTA_CHAIN_TABLE, table) + string(NFTA_CHAIN_NAME, chain)
+    return nfnl_message(message_type(NFT_MSG_GETCHAIN), NLM_F_REQUEST, seq, family, names)
+
+
 def rules_request(family: int, table: str, seq: int = 1) -> bytes:
     """Dump every rule of `table`."""
     return dump_request(NFT_MSG_GETRULE, family, NFTA_RULE_TABLE, table, seq)
