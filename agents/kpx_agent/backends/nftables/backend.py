@@ -185,8 +185,15 @@ class NftablesBackend(Backend):
             wanted = self._baseline is not None  # (without one, a full sync is due anyway)
         if not wanted:
             return TableDigests(gen)
+        started = time.monotonic()
         digests = self._digests()
-        if digests is None or self._read_generation() != gen:
+        overtaken = digests is not None and self._read_generation() != gen
+        log.debug(
+            "drift check: our tables read back in %.3f s%s",
+            time.monotonic() - started,
+            " (a commit during the read: not used)" if overtaken else "",
+        )
+        if digests is None or overtaken:
             return TableDigests(gen)  # a commit during the read: of no generation
         return TableDigests(gen, digests)
 
