@@ -291,6 +291,31 @@ def test_present_families_asks_without_loading_or_changing_anything(topology: To
     assert topology.exec(n1, check, check=True).stdout.strip() == "[4]"
 
 
+DIGEST_PROBE = """
+from kpx_agent.backends.kernel.nft_query import Overtaken
+from kpx_agent.backends.nftables.kernel import table_digest
+assert table_digest(4) == table_digest(4, lambda: True) != table_digest(6)
+asked = []
+def still():
+    asked.append(1)
+    return len(asked) < 3
+try:
+    table_digest(4, still)
+    print("read whole")
+except Overtaken:
+    print("stopped after", len(asked))
+"""
+
+
+def test_a_digest_read_stops_as_soon_as_the_generation_moved(topology: Topology) -> None:
+    """The drift check's read of our table asks `still` before each read of the kernel's
+    answers and stops at the first false, without reading the rest."""
+    n1 = topology.add_node("n1")
+    nft(topology, "n1", script=(GOLDEN / "full_sync.nft").read_text())
+    done = topology.exec(n1, [sys.executable, "-c", DIGEST_PROBE], check=True)
+    assert done.stdout.strip() == "stopped after 3"
+
+
 def normalized_ruleset(topo: Topology, node: str) -> list[object]:
     """`nft -j list ruleset` without handles, with each set's elements sorted (a hash set
     lists in an order seeded per table)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 
 from ..nf_generation import NETLINK_NETFILTER
 from . import nft_listing as q
@@ -31,12 +32,22 @@ def query_socket() -> socket.socket:
     return sock
 
 
-def ask(sock: socket.socket, request: bytes) -> list[q.Message]:
+class Overtaken(Exception):
+    """A read stopped because what it reads changed meanwhile (its `still` turned false)."""
+
+
+def ask(
+    sock: socket.socket, request: bytes, still: Callable[[], bool] | None = None
+) -> list[q.Message]:
     """Send one request; every message of its answer (a dump's up to its end). Raises
-    NetlinkError when the kernel refused it."""
+    NetlinkError when the kernel refused it. With `still`, asked before each read of the
+    answer (up to 1 MiB of a dump at a time): Overtaken once it is false, the rest of the
+    answer left unread (closing the socket drops it)."""
     sock.sendto(request, (0, 0))
     answer: list[q.Message] = []
     while True:
+        if still is not None and not still():
+            raise Overtaken()
         for message in q.messages(sock.recv(1 << 20)):
             q.check(message)
             if q.is_done(message) or message.kind == q.NLMSG_ERROR:

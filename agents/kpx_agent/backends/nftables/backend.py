@@ -48,6 +48,7 @@ from pathlib import Path
 
 from ...model.types import DataplaneSettings, NodeLocalState, ServicePort, ServicePortKey
 from ..base import Backend, BackendError, KernelReadBack
+from ..kernel.nft_query import Overtaken
 from ..kernel.nft_transaction import RedefineTable, TableContents, TableDef, Transaction
 from ..route_localnet import ROUTE_LOCALNET_FILE, EnsureSysctl, allow, ensure_sysctl
 from . import kernel, netlink_batch
@@ -163,12 +164,21 @@ class NftablesBackend(Backend):
             log.debug("cannot read the ruleset generation: %s", exc)
             return None
 
-    def _digests(self) -> dict[int, bytes] | None:
+    def _digests(self, gen: int) -> dict[int, bytes] | None:
+        """Our tables' digests, read while the ruleset is of generation `gen` (None: a commit
+        overtook the read, which then stops at once, or the tables cannot be read)."""
+
+        def still() -> bool:
+            return self._read_generation() == gen
+
         try:
-            return {f: self._kernel.table_digest(f) for f in FAMILIES}
+            digests = {f: self._kernel.table_digest(f, still) for f in FAMILIES}
+        except Overtaken:
+            return None
         except (OSError, ValueError) as exc:
             log.warning("cannot read our tables back for the drift check: %s", exc)
             return None
+        return digests if still() else None
 
     def read_kernel(self) -> TableDigests | None:
         """The digests of our tables where the check will want them (a dump of each table: 0.75
@@ -186,14 +196,13 @@ class NftablesBackend(Backend):
         if not wanted:
             return TableDigests(gen)
         started = time.monotonic()
-        digests = self._digests()
-        overtaken = digests is not None and self._read_generation() != gen
+        digests = self._digests(gen)
         log.debug(
             "drift check: our tables read back in %.3f s%s",
             time.monotonic() - started,
-            " (a commit during the read: not used)" if overtaken else "",
+            "" if digests is not None else " (overtaken by a commit, or unreadable: not used)",
         )
-        if digests is None or overtaken:
+        if digests is None:
             return TableDigests(gen)  # a commit during the read: of no generation
         return TableDigests(gen, digests)
 
@@ -210,8 +219,7 @@ class NftablesBackend(Backend):
         def digests() -> dict[int, bytes] | None:
             """Our tables' digests of generation `gen` (None: not to be had now)."""
             if reading is None:
-                got = self._digests()
-                return got if got is not None and self._read_generation() == gen else None
+                return self._digests(gen)
             if isinstance(reading, TableDigests) and reading.gen == gen:
                 return reading.digests  # nothing committed since it was read
             return None  # the next check reads again

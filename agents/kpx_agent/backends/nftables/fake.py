@@ -32,6 +32,7 @@ from ..kernel.nft_fake import (
     contents_of,
 )
 from ..kernel.nft_fake import apply as apply_op
+from ..kernel.nft_query import Overtaken
 from ..kernel.nft_transaction import AddElements, TableContents, Transaction
 from ..kernel.packet_walk import Outcome, Packet, every_outcome
 from . import names as n
@@ -74,7 +75,9 @@ class FakeNftables:
     def generation(self) -> int:
         return self.generation_id
 
-    def table_digest(self, family: int) -> bytes:
+    def table_digest(self, family: int, still: Callable[[], bool] | None = None) -> bytes:
+        if still is not None and not still():
+            raise Overtaken()
         return self.digest(family)
 
     def present_families(self) -> set[int]:
@@ -233,7 +236,7 @@ class NftScripts:
     def generation(self) -> int:
         return len(self.runs) + len(self.loaded)
 
-    def table_digest(self, family: int) -> bytes:
+    def table_digest(self, family: int, still: Callable[[], bool] | None = None) -> bytes:
         return b""
 
     def table_contents(self, family: int) -> TableContents | None:
