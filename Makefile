@@ -150,6 +150,7 @@ bench: setup
 	$(PYTHON) bench/memory_layers.py $(if $(N),--services $(N) --at $(N),--services $(LAYER_SIZES))
 	$(PYTHON) bench/optout_savings.py --services $(if $(N),$(N),$(OPTOUT_SIZE))
 	$(PYTHON) bench/list_encodings.py --services $(if $(N),$(N),10000)
+	$(PYTHON) bench/watch_encodings.py --services $(if $(N),$(N),1000)
 	$(if $(N),,$(PYTHON) bench/compare.py --services $(SCALE_SIZE) --cold-starts 1 \
 	  --cold-timeout 300 --sustained 0)
 
