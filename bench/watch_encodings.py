@@ -35,7 +35,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +53,15 @@ from benchlib import (
 from compare import WORKERS
 from kpx_agent.store.cluster_state import SLICES, ClusterState
 from kpx_kube.watch_events import decode_event, decode_line
-from list_encodings import JSON, MAGIC, PROTOBUF, Apiserver, protobuf_classes, slice_dict
+from list_encodings import (
+    JSON,
+    MAGIC,
+    PROTOBUF,
+    Apiserver,
+    protobuf_classes,
+    slice_dict,
+    timed,
+)
 from workload import Workload, create_node, grow
 
 SLICES_PATH = "/apis/discovery.k8s.io/v1/endpointslices"
@@ -164,15 +171,6 @@ def protobuf_events(
         obj.ParseFromString(unwrapped(event.object.raw, unknown_class))
         out.append((event.type, state.shrink(SLICES, slice_dict(obj))))
     return out
-
-
-def timed(fn: Callable[[], list[Any]], repeat: int) -> tuple[float, list[Any]]:
-    times, result = [], []
-    for _ in range(repeat):
-        t0 = time.process_time()
-        result = fn()
-        times.append(time.process_time() - t0)
-    return statistics.median(times), result
 
 
 # ---- the run ----------------------------------------------------------------------------------
