@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -34,3 +38,20 @@ def paused(*, freeze: bool = False) -> Iterator[None]:
         if freeze:
             gc.freeze()
         gc.enable()
+
+
+async def wait_paused(waited: Awaitable[T], limit: float, *, freeze: bool = False) -> T:
+    """`waited`'s result, awaited with the collector paused (`paused`) for at most `limit`
+    seconds: for a wait that brings in objects that live on (the initial lists), which may
+    also take as long as the apiserver is away, with everything else the process does
+    meanwhile (retries, probes) making garbage that only the collector frees. Past `limit`
+    the collector is back on (what was made so far frozen, with `freeze`) and the wait goes
+    on without it."""
+    future = asyncio.ensure_future(waited)
+    try:
+        with paused(freeze=freeze):
+            await asyncio.wait([future], timeout=limit)
+    except asyncio.CancelledError:
+        future.cancel()  # as an `await waited` cancelled would be
+        raise
+    return await future
