@@ -46,12 +46,17 @@ async def wait_paused(waited: Awaitable[T], limit: float, *, freeze: bool = Fals
     also take as long as the apiserver is away, with everything else the process does
     meanwhile (retries, probes) making garbage that only the collector frees. Past `limit`
     the collector is back on (what was made so far frozen, with `freeze`) and the wait goes
-    on without it."""
+    on without it; with `freeze`, what it made after is frozen when it ends."""
     future = asyncio.ensure_future(waited)
     try:
         with paused(freeze=freeze):
-            await asyncio.wait([future], timeout=limit)
+            done, _ = await asyncio.wait([future], timeout=limit)
     except asyncio.CancelledError:
         future.cancel()  # as an `await waited` cancelled would be
         raise
-    return await future
+    if done:
+        return future.result()
+    result = await future
+    if freeze:
+        gc.freeze()
+    return result

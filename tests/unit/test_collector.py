@@ -93,6 +93,20 @@ def test_wait_paused_turns_the_collector_back_on_past_its_limit_and_still_waits(
     assert gc.isenabled()
 
 
+def test_wait_paused_past_its_limit_freezes_what_came_after_when_the_wait_ends() -> None:
+    async def late() -> list[list[int]]:
+        await asyncio.sleep(0.2)
+        return [[] for _ in range(1_000)]  # made past the limit, with the collector on
+
+    try:
+        made = asyncio.run(collector.wait_paused(late(), 0.05, freeze=True))
+        # gc.get_objects() lists every generation but the frozen one
+        tracked = {id(obj) for obj in gc.get_objects()}
+        assert not tracked & {id(obj) for obj in made}
+    finally:
+        gc.unfreeze()
+
+
 def test_wait_paused_cancelled_cancels_what_it_waits_for() -> None:
     async def main() -> bool:
         inner = asyncio.ensure_future(asyncio.sleep(10))
