@@ -108,7 +108,8 @@ def run_phase(
             wait_until_quiet()
             for proc in procs:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"a watch ended: {proc.stderr.read()!r}")  # type: ignore[union-attr]
+                    _, err = proc.communicate()
+                    raise RuntimeError(f"a watch ended: {err!r}")
             patches = [work.replace_last(i % work.size)[2] for i in range(changes)]
             cpu0 = api.cpu()
             client.many("PATCH", patches)
