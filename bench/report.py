@@ -241,7 +241,7 @@ def figures(opts: Options, n_cold: int) -> list[Figure]:
             lambda r: r.cpu_cold_s or None,
             _s,
         ),
-        Figure("CPU, process + children: the changes and the burst", _cpu_changes, _s),
+        Figure("CPU, process + children: after the cold start (changes, bursts)", _cpu_changes, _s),
         Figure("peak RSS of the process (VmHWM)", lambda r: r.peak_rss_mb or None, _mb),
         Figure(
             "ruleset: lines (`nft list ruleset`; iptables-save + ip6tables-save)",
