@@ -291,6 +291,34 @@ def test_present_families_asks_without_loading_or_changing_anything(topology: To
     assert topology.exec(n1, check, check=True).stdout.strip() == "[4]"
 
 
+TABLES_PROBE = """
+import os
+os.environ["PATH"] = "/nonexistent"  # no nft to run: the questions go over netlink
+from kpx_agent.backends.kernel.nft_query import tables_named
+from kpx_agent.backends.nftables.kernel import our_tables
+kube_proxy = ["ip kube-proxy", "ip6 kube-proxy", "inet filter"]
+print(sorted(our_tables()), sorted(tables_named(kube_proxy)))
+"""
+
+
+def test_which_tables_exist_is_asked_over_netlink(topology: Topology) -> None:
+    """The nftables mode's cleanup (`our_tables`, run by every other mode after its first
+    sync) and the kube-proxy takeover ask which tables exist with one netlink question per
+    table, with no `nft` on PATH and an iptables-nft nat table beside them: none, then each
+    that is there; a table of our name in another family is not ours."""
+    n1 = topology.add_node("n1")
+    probe = [sys.executable, "-c", TABLES_PROBE]
+    topology.exec(n1, ["iptables", "-t", "nat", "-N", "SITE-CHAIN"], check=True)
+    assert topology.exec(n1, probe, check=True).stdout.strip() == "[] []"
+    nft(topology, "n1", script=(GOLDEN / "full_sync.nft").read_text())
+    nft(topology, "n1", script="add table ip kube-proxy\nadd table inet kpx\n")
+    listed = topology.exec(n1, probe, check=True).stdout.strip()
+    assert listed == "['ip kpx', 'ip6 kpx'] ['ip kube-proxy']", listed
+    nft(topology, "n1", "delete", "table", "ip6", "kpx")
+    listed = topology.exec(n1, probe, check=True).stdout.strip()
+    assert listed == "['ip kpx'] ['ip kube-proxy']", listed
+
+
 DIGEST_PROBE = """
 from kpx_agent.backends.kernel.nft_query import Overtaken
 from kpx_agent.backends.nftables.kernel import table_digest

@@ -12,7 +12,6 @@ from kpx_agent.handover.kube_proxy_leftovers import (
     describe,
     ipsets_to_destroy,
     nft_script,
-    nft_tables_to_delete,
     plan_table,
 )
 
@@ -105,12 +104,9 @@ def test_a_chain_reached_only_through_a_kept_chain_is_kept_too() -> None:
     assert "kept" in describe([plan])
 
 
-def test_nft_tables_of_kube_proxy_only() -> None:
-    listing = "table inet kpx\ntable ip kube-proxy\ntable ip6 kube-proxy\ntable ip filter\n"
-    tables = nft_tables_to_delete(listing)
-    assert tables == ["ip kube-proxy", "ip6 kube-proxy"]
+def test_nft_script_deletes_the_tables_named() -> None:
+    tables = ["ip kube-proxy", "ip6 kube-proxy"]
     assert nft_script(tables) == "delete table ip kube-proxy\ndelete table ip6 kube-proxy\n"
-    assert nft_tables_to_delete("table inet kpx\n") == []
 
 
 def _pod(name: str, owner: str, kind: str = "DaemonSet", phase: str = "Running") -> dict:

@@ -8,7 +8,7 @@
   hold them), its `ip`/`ip6 kube-proxy` nftables tables, its ipvs mode's ipsets (once the
   rules using them are gone), and optionally its IPVS virtual servers and kube-ipvs0. What is
   whose is decided by kube_proxy_leftovers.py (pure); this module only runs the tools, with
-  argument lists, and netlink for the ipsets.
+  argument lists, and netlink for the ipsets and to ask which nftables tables exist.
 
 The agent calls the removal after its own first verified sync and only once no kube-proxy Pod runs
 on the node (handover/make_before_break.py), so the two never remove each other's rules while both
@@ -27,6 +27,7 @@ from typing import Any, Final
 from kpx_kube import Client
 from kpx_kube.watch_events import decode_list
 
+from ..backends.kernel.nft_query import tables_named
 from . import kube_proxy_leftovers as plan
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,11 @@ def remove_iptables_leftovers() -> list[plan.TablePlan]:
 def remove_nft_leftovers() -> list[str]:
     if shutil.which("nft") is None:
         return []
-    tables = plan.nft_tables_to_delete(_run(["nft", "list", "tables"]))
+    try:  # asked over netlink: `nft list tables` loads the whole ruleset first
+        present = tables_named(plan.NFT_TABLES)
+    except OSError as exc:
+        raise TakeoverError(f"cannot ask nf_tables for kube-proxy's tables: {exc}") from exc
+    tables: list[str] = [t for t in plan.NFT_TABLES if t in present]
     if tables:
         _run(["nft", "-f", "-"], plan.nft_script(tables))
         log.info("removed kube-proxy's nftables tables: %s", ", ".join(tables))

@@ -127,12 +127,6 @@ def plan_table(table: str, save_text: str) -> TablePlan:
     return plan
 
 
-def nft_tables_to_delete(list_tables_output: str) -> list[str]:
-    """From `nft list tables`: kube-proxy's tables present, as 'family name'."""
-    present = {line.removeprefix("table ").strip() for line in list_tables_output.splitlines()}
-    return [t for t in NFT_TABLES if t in present]
-
-
 def nft_script(tables: Iterable[str]) -> str:
     return "".join(f"delete table {t}\n" for t in tables)
 

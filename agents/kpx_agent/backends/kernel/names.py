@@ -6,6 +6,8 @@ from __future__ import annotations
 
 #: nftables family keyword of each IP family.
 NFT_FAMILIES: dict[int, str] = {4: "ip", 6: "ip6"}
+#: NFPROTO_* (netlink's family number) of each nft family keyword a table may have.
+NFPROTO_OF: dict[str, int] = {"inet": 1, NFT_FAMILIES[4]: 2, NFT_FAMILIES[6]: 10}
 #: nft data type of an address, per IP family.
 NFT_ADDR_TYPE: dict[int, str] = {4: "ipv4_addr", 6: "ipv6_addr"}
 #: The nftables mode's table (one per family).

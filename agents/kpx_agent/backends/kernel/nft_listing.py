@@ -30,12 +30,14 @@ from .nft_transaction import TableContents
 
 __all__ = ["NLMSG_ERROR", "NLM_F_MULTI", "Message", "messages"]
 
+NFT_MSG_GETTABLE = 1
 NFT_MSG_NEWCHAIN = 3
 NFT_MSG_GETCHAIN = 4
 NFT_MSG_NEWRULE = 6
 NFT_MSG_GETRULE = 7
 NFT_MSG_NEWSET = 9
 NFT_MSG_GETSET = 10
+NFTA_TABLE_NAME = 1
 NFTA_CHAIN_TABLE = 1
 NFTA_CHAIN_NAME = 3
 NFTA_RULE_TABLE = 1
@@ -71,6 +73,13 @@ def chains_request(family: int, table: str, seq: int = 1) -> bytes:
     """Dump the chains of `table` (a kernel may answer with every chain of the family:
     `chain_names` keeps the table's)."""
     return dump_request(NFT_MSG_GETCHAIN, family, NFTA_CHAIN_TABLE, table, seq)
+
+
+def table_request(family: int, table: str, seq: int = 1) -> bytes:
+    """Ask for one table (not a dump): the answer is the table alone (no chain, rule or
+    element), or ENOENT when it is not there."""
+    name = string(NFTA_TABLE_NAME, table)
+    return nfnl_message(message_type(NFT_MSG_GETTABLE), NLM_F_REQUEST, seq, family, name)
 
 
 def chain_request(family: int, table: str, chain: str, seq: int = 1) -> bytes:

@@ -168,14 +168,12 @@ def _exchange(sock: socket.socket, data: bytes, expected: int) -> dict[int, int]
 
 
 def our_tables() -> set[str]:
-    """Which of our tables exist, as 'family name' strings (lists them: slow at scale, for
-    cleanup only)."""
-    proc = _run([NFT, "list", "tables"])
-    if proc.returncode != 0:
-        raise BackendError(f"nft list tables failed: {proc.stderr.strip()}")
-    wanted = {f"{fam} {n.TABLE}" for fam in n.FAMILIES.values()}
-    found = {line.removeprefix("table ").strip() for line in proc.stdout.splitlines()}
-    return wanted & found
+    """Which of our tables exist, as 'family name' strings, asked over netlink
+    (`nft_query.tables_present`: no `nft list`, which loads the whole ruleset first)."""
+    try:
+        return nft_query.tables_named(f"{fam} {n.TABLE}" for fam in n.FAMILIES.values())
+    except OSError as exc:
+        raise BackendError(f"cannot ask nf_tables for our tables: {exc.strerror or exc}") from exc
 
 
 def carries_owner_flag(listing: str) -> bool:
