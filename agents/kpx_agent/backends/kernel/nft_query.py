@@ -69,8 +69,8 @@ def tables_present(tables: Iterable[tuple[int, str]]) -> set[tuple[int, str]]:
     """Which of `tables` (family NFPROTO_*, name) are in the kernel: one netlink question each,
     answered with the table alone, whatever the ruleset holds. (`nft list tables` first loads
     every table's rules into nft's cache: 6.5 s with the iptables-nft nat table of 10,000
-    Services, and nft starts its loading over whenever a commit lands meanwhile, so under
-    steady syncs it ran for over a minute.) OSError when nf_tables cannot be asked."""
+    Services and no commits; beside an agent syncing every second it ran for over a minute.)
+    OSError when nf_tables cannot be asked."""
     found: set[tuple[int, str]] = set()
     with contextlib.closing(query_socket()) as sock:
         for family, name in tables:
